@@ -1,0 +1,27 @@
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+WKVM_HOST ?= 127.0.0.1
+WKVM_PORT ?= 8000
+
+.PHONY: serve test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/wkvm serve --host $(WKVM_HOST) --port $(WKVM_PORT)
+
+test: $(STAMP)
+	$(BIN)/ruff check wkvm tests bench scripts
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python bench/rwkv7_speed.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

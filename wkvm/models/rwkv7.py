@@ -1,0 +1,219 @@
+"""RWKV-7 "Goose" (x070): the forward pass, written like the paper, state explicit.
+
+State per layer i: `layers.{i}.att_shift` [C], `layers.{i}.wkv` [H, N, N] (value x key), `layers.{i}.ffn_shift` [C].
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from wkvm.models.fingerprint import fingerprint
+from wkvm.models.rwkv7_checkpoint import PTH_FORMAT, CheckpointError, RawTensors, read_checkpoint
+from wkvm.models.spec import State, StateSpec, TensorSpec
+from wkvm.models.wkv7 import DEFAULT_CHUNK, wkv_chunked, wkv_step
+from wkvm.weights.provider import ResidentWeights, Tensors, WeightProvider
+
+FAMILY = "rwkv7"
+DECAY_SCALE = 0.606531  # exp(-0.5), as in BlinkDL's reference
+MIX = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
+LAYER_KEYS = (
+    *(f"att.{m}" for m in MIX),
+    *(f"att.{p}{j}" for p in "wag" for j in "012" if p + j != "g0"),
+    "att.k_k", "att.k_a", "att.r_k",
+    "att.receptance.weight", "att.key.weight", "att.value.weight", "att.output.weight",
+    "att.ln_x.weight", "att.ln_x.bias",
+    "ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias",
+    "ffn.x_k", "ffn.key.weight", "ffn.value.weight",
+)  # fmt: skip
+GLOBAL_KEYS = ("emb.weight", "blocks.0.ln0.weight", "blocks.0.ln0.bias", "ln_out.weight", "ln_out.bias", "head.weight")
+
+
+@dataclass(frozen=True)
+class RWKV7Config:
+    n_layer: int
+    n_embd: int
+    n_head: int
+    head_size: int
+    vocab_size: int
+    ffn_size: int
+    decay_rank: int
+    a_rank: int
+    v_rank: int
+    gate_rank: int
+    ln_eps: float = 1e-5
+    gn_eps: float = 64e-5
+
+    @staticmethod
+    def from_tensors(raw: RawTensors, hf: dict | None = None) -> RWKV7Config:
+        for k in GLOBAL_KEYS:
+            if k not in raw:
+                raise CheckpointError(f"RWKV-7 checkpoint lacks tensor {k!r}")
+        vocab, embd = raw["emb.weight"].shape
+        n_head, head_size = raw["blocks.0.att.r_k"].shape
+        n_layer = 1 + max(int(k.split(".")[1]) for k in raw if k.startswith("blocks."))
+        hf = hf or {}
+        eps = float(hf.get("norm_eps", 1e-5))
+        # rounded so that 64 * 1e-5 and 64e-5 fingerprint alike
+        gn_eps = round(float(hf.get("wkvm_group_norm_eps", head_size * eps)) if hf else 64e-5, 12)
+        return RWKV7Config(
+            n_layer=n_layer, n_embd=embd, n_head=n_head, head_size=head_size, vocab_size=vocab,
+            ffn_size=raw["blocks.0.ffn.key.weight"].shape[0],
+            decay_rank=raw["blocks.0.att.w1"].shape[1], a_rank=raw["blocks.0.att.a1"].shape[1],
+            v_rank=raw["blocks.1.att.v1"].shape[1] if n_layer > 1 else 0,
+            gate_rank=raw["blocks.0.att.g1"].shape[1], ln_eps=eps, gn_eps=gn_eps,
+        )  # fmt: skip
+
+
+def rwkv7_state_spec(cfg: RWKV7Config) -> StateSpec:
+    C, H, N = cfg.n_embd, cfg.n_head, cfg.head_size
+    tensors: list[TensorSpec] = []
+    for i in range(cfg.n_layer):
+        tensors += [
+            TensorSpec(f"layers.{i}.att_shift", (C,)),
+            TensorSpec(f"layers.{i}.wkv", (H, N, N)),
+            TensorSpec(f"layers.{i}.ffn_shift", (C,)),
+        ]
+    return StateSpec(FAMILY, tuple(tensors))
+
+
+def _prepare_layer(raw: RawTensors, i: int, cfg: RWKV7Config, dtype: torch.dtype, device) -> Tensors:
+    """Layer i's tensors in compute form: vectors flat, mixing coefficients stacked."""
+    p = f"blocks.{i}."
+    keys = list(LAYER_KEYS) + ([f"att.v{j}" for j in "012"] if i > 0 else [])
+    missing = [p + k for k in keys if p + k not in raw]
+    if missing:
+        raise CheckpointError(f"RWKV-7 checkpoint lacks tensors {missing[:4]}")
+    t = {k: raw[p + k].to(device=device, dtype=dtype) for k in keys}
+    for k in ("att.w0", "att.a0", "att.v0", "att.k_k", "att.k_a", "ffn.x_k", *(f"att.{m}" for m in MIX)):
+        if k in t:
+            t[k] = t[k].reshape(-1)
+    t["att.r_k"] = t["att.r_k"].reshape(cfg.n_head, cfg.head_size)
+    t["att.mix"] = torch.stack([t.pop(f"att.{m}") for m in MIX]).view(6, 1, 1, -1)
+    return {k: v.contiguous() for k, v in t.items()}
+
+
+class RWKV7:
+    family = FAMILY
+
+    def __init__(self, cfg: RWKV7Config, weights: WeightProvider, model_fingerprint: str, device="cpu"):
+        self.config = cfg
+        self.weights = weights
+        self.fingerprint = model_fingerprint
+        self.device = torch.device(device)
+        self.spec = rwkv7_state_spec(cfg)
+        self.wkv_chunk = DEFAULT_CHUNK
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def new_state(self, batch: int = 1) -> State:
+        return self.spec.zeros(batch, self.device)
+
+    # --- public entry points -------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, state: State, all_logits: bool = False) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, V] (last position) or [B, T, V]; `state` ([B, ...]) advances in place."""
+        B, T = tokens.shape
+        cfg, g = self.config, self.weights.globals()
+        x = F.embedding(tokens.to(self.device), g["emb.weight"])
+        x = F.layer_norm(x, (cfg.n_embd,), g["blocks.0.ln0.weight"], g["blocks.0.ln0.bias"], cfg.ln_eps)
+        v_first = x  # replaced by layer 0's v
+        for i in range(cfg.n_layer):
+            w = self.weights.layer(i)
+            xx = F.layer_norm(x, (cfg.n_embd,), w["ln1.weight"], w["ln1.bias"], cfg.ln_eps)
+            att, v_first = self._time_mix(i, w, xx, state, v_first)
+            x = x + att
+            xx = F.layer_norm(x, (cfg.n_embd,), w["ln2.weight"], w["ln2.bias"], cfg.ln_eps)
+            x = x + self._channel_mix(w, xx, state[f"layers.{i}.ffn_shift"])
+        if not all_logits:
+            x = x[:, -1]
+        x = F.layer_norm(x, (cfg.n_embd,), g["ln_out.weight"], g["ln_out.bias"], cfg.ln_eps)
+        return F.linear(x, g["head.weight"])
+
+    def prefill(
+        self, tokens: Sequence[int] | torch.Tensor, state: State | None = None,
+        all_logits: bool = False, chunk_size: int | None = None,
+    ) -> tuple[torch.Tensor, State]:  # fmt: skip
+        """One sequence: feed T tokens (in pieces of `chunk_size`); returns logits [V] or [T, V] and the state."""
+        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1)
+        if ids.shape[1] == 0:
+            raise ValueError("prefill needs at least one token")
+        state = self.new_state(1) if state is None else state
+        step = chunk_size or ids.shape[1]
+        pieces = [self.forward(ids[:, s : s + step], state, all_logits) for s in range(0, ids.shape[1], step)]
+        return (torch.cat(pieces, 1)[0] if all_logits else pieces[-1][0]), state
+
+    def decode(self, tokens: Sequence[int] | torch.Tensor, state: State) -> torch.Tensor:
+        """One step for B sequences: tokens [B] -> logits [B, V]; state advances in place."""
+        return self.forward(torch.as_tensor(tokens, dtype=torch.long).reshape(-1, 1), state)
+
+    # --- blocks --------------------------------------------------------------------------------
+    def _time_mix(self, i: int, w: Tensors, x: torch.Tensor, state: State, v_first: torch.Tensor):
+        B, T, C = x.shape
+        H, N = self.config.n_head, self.config.head_size
+        shift = state[f"layers.{i}.att_shift"]
+        prev = shift.unsqueeze(1) if T == 1 else torch.cat([shift.unsqueeze(1), x[:, :-1]], 1)
+        xr, xw, xk, xv, xa, xg = torch.addcmul(x, prev - x, w["att.mix"])
+        shift.copy_(x[:, -1])
+
+        r = F.linear(xr, w["att.receptance.weight"])
+        k = F.linear(xk, w["att.key.weight"])
+        v = F.linear(xv, w["att.value.weight"])
+        log_w = torch.sigmoid(w["att.w0"] + torch.tanh(xw @ w["att.w1"]) @ w["att.w2"]) * -DECAY_SCALE
+        a = torch.sigmoid(w["att.a0"] + (xa @ w["att.a1"]) @ w["att.a2"])
+        g = torch.sigmoid(xg @ w["att.g1"]) @ w["att.g2"]
+
+        kk = F.normalize((k * w["att.k_k"]).view(B, T, H, N), dim=-1, p=2.0).view(B, T, C)
+        k = k * (1 + (a - 1) * w["att.k_a"])
+        if i == 0:
+            v_first = v
+        else:
+            v = v + (v_first - v) * torch.sigmoid(w["att.v0"] + (xv @ w["att.v1"]) @ w["att.v2"])
+
+        o = self._wkv(state[f"layers.{i}.wkv"], r, log_w, k, v, -kk, kk * a)
+        o = F.group_norm(o.reshape(B * T, C), H, w["att.ln_x.weight"], w["att.ln_x.bias"], self.config.gn_eps)
+        bonus = ((r * k).view(B, T, H, N) * w["att.r_k"]).sum(-1, keepdim=True) * v.view(B, T, H, N)
+        o = o.view(B, T, C) + bonus.view(B, T, C)
+        return F.linear(o * g, w["att.output.weight"]), v_first
+
+    def _wkv(self, S: torch.Tensor, r, log_w, k, v, a, b) -> torch.Tensor:
+        """Run the recurrence on [B, T, C] inputs against S [B, H, N, N] (in place)."""
+        B, T, C = r.shape
+        H, N = self.config.n_head, self.config.head_size
+        S_flat = S.view(B * H, N, N)
+        if T == 1:
+            o = wkv_step(S_flat, *(t.reshape(B * H, N) for t in (r, log_w, k, v, a, b)))
+            return o.view(B, 1, C)
+        heads = [t.view(B, T, H, N).transpose(1, 2).reshape(B * H, T, N) for t in (r, log_w, k, v, a, b)]
+        o = wkv_chunked(S_flat, *heads, chunk=self.wkv_chunk)
+        return o.view(B, H, T, N).transpose(1, 2).reshape(B, T, C)
+
+    def _channel_mix(self, w: Tensors, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        T = x.shape[1]
+        prev = shift.unsqueeze(1) if T == 1 else torch.cat([shift.unsqueeze(1), x[:, :-1]], 1)
+        k = torch.addcmul(x, prev - x, w["ffn.x_k"])
+        shift.copy_(x[:, -1])  # after use: for T == 1, prev is a view of shift
+        k = torch.relu(F.linear(k, w["ffn.key.weight"])).square()
+        return F.linear(k, w["ffn.value.weight"])
+
+
+def build_rwkv7(raw: RawTensors, hf_config: dict | None = None, device="cpu", dtype=torch.float32) -> RWKV7:
+    cfg = RWKV7Config.from_tensors(raw, hf_config)
+    used = {k: v for k, v in raw.items() if not k.startswith("blocks.0.att.v")}  # layer 0 ignores v0..v2
+    fp = fingerprint(FAMILY, asdict(cfg), used)
+    layers = [_prepare_layer(raw, i, cfg, dtype, device) for i in range(cfg.n_layer)]
+    globals_ = {k: raw[k].to(device=device, dtype=dtype).contiguous() for k in GLOBAL_KEYS}
+    for k in ("blocks.0.ln0.weight", "blocks.0.ln0.bias"):
+        globals_[k] = globals_[k].reshape(-1)
+    return RWKV7(cfg, ResidentWeights(layers, globals_), fp, device)
+
+
+def load_rwkv7(path: str | os.PathLike, device="cpu", dtype=torch.float32) -> RWKV7:
+    raw, hf, fmt = read_checkpoint(path)
+    return build_rwkv7(raw, None if fmt == PTH_FORMAT else hf, device, dtype)

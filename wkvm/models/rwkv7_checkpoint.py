@@ -1,0 +1,210 @@
+"""RWKV-7 checkpoint formats: BlinkDL `.pth` (x070 keys) and HF/fla directories; lossless conversion.
+
+Internally a checkpoint is a dict of BlinkDL names -> tensors in BlinkDL shapes and the file's dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from wkvm.atomic import atomic_path
+
+RawTensors = dict[str, torch.Tensor]
+
+PTH_FORMAT = "pth"
+HF_FORMAT = "hf"
+HF_MODEL_TYPES = ("rwkv7", "rwkv7_fla")
+# BlinkDL keeps these as [1, 1, C]; fla stores them as [C].
+_FLA_FLAT = re.compile(r"att\.(k_k|k_a|[wav]0)$|ffn\.x_k$")
+_LORA = re.compile(r"att\.([wvag])([012])$")
+_PROJ = {"receptance": "r_proj", "key": "k_proj", "value": "v_proj", "output": "o_proj", "ln_x": "g_norm"}
+_BLOCK_PART = {"att": "attn", "ffn": "ffn", "ln0": "pre_norm", "ln1": "attn_norm", "ln2": "ffn_norm"}
+_GLOBAL = {
+    "emb.weight": "model.embeddings.weight",
+    "ln_out.weight": "model.norm.weight",
+    "ln_out.bias": "model.norm.bias",
+    "head.weight": "lm_head.weight",
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read as RWKV-7; the message says why."""
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    p = Path(path)
+    if p.is_dir():
+        cfg = p / "config.json"
+        if not cfg.exists():
+            raise CheckpointError(f"{p} is a directory without config.json; expected an HF/fla RWKV-7 model")
+        model_type = json.loads(cfg.read_text()).get("model_type")
+        if model_type not in HF_MODEL_TYPES:
+            raise CheckpointError(f"{cfg}: model_type {model_type!r} is not RWKV-7 (expected 'rwkv7')")
+        return HF_FORMAT
+    if p.suffix == ".pth" and p.is_file():
+        return PTH_FORMAT
+    if not p.exists() and Path(str(p) + ".pth").is_file():
+        return PTH_FORMAT
+    raise CheckpointError(f"{p}: not a BlinkDL .pth file nor an HF/fla model directory")
+
+
+def _pth_file(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    return p if p.is_file() else Path(str(p) + ".pth")
+
+
+def read_pth(path: str | os.PathLike) -> RawTensors:
+    # weights_only: a checkpoint is untrusted bytes; mmap: do not copy a large file into RAM twice.
+    obj = torch.load(_pth_file(path), map_location="cpu", weights_only=True, mmap=True)
+    if not isinstance(obj, dict) or "emb.weight" not in obj:
+        raise CheckpointError(f"{path}: not an RWKV-7 state dict (no 'emb.weight')")
+    return dict(obj)
+
+
+def _fla_name(name: str) -> str:
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    parts = name.split(".")
+    if parts[0] != "blocks" or len(parts) < 4 or parts[2] not in _BLOCK_PART:
+        raise CheckpointError(f"unexpected BlinkDL tensor name {name!r}")
+    rest = ".".join(parts[3:])
+    m = _LORA.match(f"{parts[2]}.{rest}")
+    if m:
+        rest = f"{m[1]}_lora.lora." + {"0": "2.bias", "1": "0.weight", "2": "2.weight"}[m[2]]
+    elif parts[2] == "att" and parts[3] in _PROJ:
+        rest = ".".join([_PROJ[parts[3]], *parts[4:]])
+    return f"model.layers.{parts[1]}.{_BLOCK_PART[parts[2]]}.{rest}"
+
+
+def _to_fla(name: str, t: torch.Tensor) -> torch.Tensor:
+    if _LORA.search(name) and name[-1] in "12":
+        return t.t().contiguous()
+    if _FLA_FLAT.search(name):
+        return t.reshape(-1)
+    return t
+
+
+def _from_fla(name: str, t: torch.Tensor) -> torch.Tensor:
+    if _LORA.search(name) and name[-1] in "12":
+        return t.t().contiguous()
+    if _FLA_FLAT.search(name):
+        return t.reshape(1, 1, -1)
+    return t
+
+
+def _blink_names(fla_names: list[str]) -> dict[str, str]:
+    """Map each fla name to its BlinkDL name by inverting the forward mapping."""
+    forward: dict[str, str] = {}
+    layers = {int(m[1]) for n in fla_names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    for i in layers:
+        for part in ("ln0", "ln1", "ln2"):
+            for wb in ("weight", "bias"):
+                forward[_fla_name(f"blocks.{i}.{part}.{wb}")] = f"blocks.{i}.{part}.{wb}"
+        for leaf in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "k_k", "k_a", "r_k"):
+            forward[_fla_name(f"blocks.{i}.att.{leaf}")] = f"blocks.{i}.att.{leaf}"
+        for lora in "wavg":
+            for j in "012":
+                forward[_fla_name(f"blocks.{i}.att.{lora}{j}")] = f"blocks.{i}.att.{lora}{j}"
+        for proj in _PROJ:
+            for wb in ("weight", "bias"):
+                forward[_fla_name(f"blocks.{i}.att.{proj}.{wb}")] = f"blocks.{i}.att.{proj}.{wb}"
+        for leaf in ("x_k", "key.weight", "value.weight"):
+            forward[_fla_name(f"blocks.{i}.ffn.{leaf}")] = f"blocks.{i}.ffn.{leaf}"
+    forward.update({v: k for k, v in _GLOBAL.items()})
+    unknown = [n for n in fla_names if n not in forward]
+    if unknown:
+        raise CheckpointError(f"unexpected tensors in HF/fla checkpoint: {unknown[:5]}")
+    return {n: forward[n] for n in fla_names}
+
+
+def read_hf(path: str | os.PathLike) -> tuple[RawTensors, dict]:
+    """Read an HF/fla directory; returns BlinkDL-named tensors and the config dict."""
+    p = Path(path)
+    config = json.loads((p / "config.json").read_text())
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{p}: no *.safetensors files (pytorch_model.bin is not read: unsafe to unpickle)")
+    fla: RawTensors = {}
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for k in sf.keys():
+                fla[k] = sf.get_tensor(k)
+    if "lm_head.weight" not in fla and config.get("tie_word_embeddings"):
+        fla["lm_head.weight"] = fla["model.embeddings.weight"]
+    names = _blink_names(list(fla))
+    return {names[k]: _from_fla(names[k], v) for k, v in fla.items()}, config
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[RawTensors, dict, str]:
+    """BlinkDL-named tensors, the HF config (empty for .pth) and the detected format."""
+    fmt = detect_format(path)
+    if fmt == PTH_FORMAT:
+        return read_pth(path), {}, fmt
+    raw, config = read_hf(path)
+    return raw, config, fmt
+
+
+def hf_config(raw: RawTensors, group_norm_eps: float = 64e-5) -> dict:
+    """An fla-compatible config.json for BlinkDL tensors, every dimension read from them."""
+    vocab, hidden = raw["emb.weight"].shape
+    heads, head_dim = raw["blocks.0.att.r_k"].shape
+    n_layer = 1 + max(int(k.split(".")[1]) for k in raw if k.startswith("blocks."))
+    ffn = raw["blocks.0.ffn.key.weight"].shape[0]
+    v_rank = raw["blocks.1.att.v1"].shape[1] if "blocks.1.att.v1" in raw else 32
+    cfg = {
+        "model_type": "rwkv7",
+        "architectures": ["RWKV7ForCausalLM"],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "num_hidden_layers": n_layer,
+        "head_dim": head_dim,
+        "num_heads": heads,
+        "intermediate_size": ffn,
+        "hidden_ratio": ffn / hidden,
+        "decay_low_rank_dim": raw["blocks.0.att.w1"].shape[1],
+        "a_low_rank_dim": raw["blocks.0.att.a1"].shape[1],
+        "v_low_rank_dim": v_rank,
+        "gate_low_rank_dim": raw["blocks.0.att.g1"].shape[1],
+        "value_dim": [hidden] * n_layer,
+        "norm_first": True,
+        "norm_bias": True,
+        "norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(raw["emb.weight"].dtype).removeprefix("torch."),
+    }
+    # fla derives the group-norm eps as head_dim * norm_eps; BlinkDL fixes it at 64e-5.
+    if abs(head_dim * 1e-5 - group_norm_eps) > 1e-12:
+        cfg["wkvm_group_norm_eps"] = group_norm_eps
+    return cfg
+
+
+def write_hf(raw: RawTensors, dst: str | os.PathLike, config: dict | None = None) -> None:
+    d = Path(dst)
+    d.mkdir(parents=True, exist_ok=True)
+    tensors = {_fla_name(k): _to_fla(k, v).contiguous() for k, v in raw.items()}
+    with atomic_path(d / "model.safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    with atomic_path(d / "config.json") as tmp:
+        tmp.write_text(json.dumps(config or hf_config(raw), indent=2) + "\n")
+
+
+def write_pth(raw: RawTensors, dst: str | os.PathLike) -> None:
+    with atomic_path(Path(dst)) as tmp:
+        torch.save({k: v.contiguous() for k, v in raw.items()}, tmp)
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike) -> str:
+    """Convert between .pth and HF/fla directory (direction from the source); returns the target format."""
+    raw, config, fmt = read_checkpoint(src)
+    if fmt == PTH_FORMAT:
+        write_hf(raw, dst)
+        return HF_FORMAT
+    write_pth(raw, dst)
+    return PTH_FORMAT
