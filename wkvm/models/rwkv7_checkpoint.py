@@ -134,7 +134,7 @@ def read_hf(path: str | os.PathLike) -> tuple[RawTensors, dict]:
     fla: RawTensors = {}
     for f in files:
         with safe_open(f, framework="pt") as sf:
-            for k in sf.keys():
+            for k in sf.keys():  # noqa: SIM118 (safe_open is not a dict)
                 fla[k] = sf.get_tensor(k)
     if "lm_head.weight" not in fla and config.get("tie_word_embeddings"):
         fla["lm_head.weight"] = fla["model.embeddings.weight"]

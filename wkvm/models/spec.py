@@ -69,8 +69,7 @@ class StateSpec:
             x = state[t.name]
             if tuple(x.shape[1:]) != t.shape or x.dtype != t.torch_dtype:
                 raise ValueError(
-                    f"state tensor {t.name}: expected [B, {list(t.shape)}] {t.dtype}, "
-                    f"got {list(x.shape)} {x.dtype}"
+                    f"state tensor {t.name}: expected [B, {list(t.shape)}] {t.dtype}, got {list(x.shape)} {x.dtype}"
                 )
             if batch is None:
                 batch = x.shape[0]

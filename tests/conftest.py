@@ -1,0 +1,51 @@
+import os
+
+os.environ["RWKV_V7_ON"] = "1"  # BlinkDL's `rwkv` package reads this at import
+os.environ.setdefault("RWKV_CUDA_ON", "0")
+
+import pytest  # noqa: E402
+
+from wkvm.models.rwkv7_random import RWKV7Shape, save_random_rwkv7  # noqa: E402
+
+# Shapes for the exactness tests: H >= 3, L >= 3, four unequal LoRA ranks, V = 65536 and small V.
+SHAPES = {
+    "L3-C96-H3-V300": RWKV7Shape(3, 96, 32, 300, None, 8, 12, 4, 16),
+    "L4-C128-H4-V65536": RWKV7Shape(4, 128, 32, 65536, 384, 16, 8, 12, 24),
+    "L2-C64-H4-V97-F200": RWKV7Shape(2, 64, 16, 97, 200, 4, 6, 2, 10),
+    "L3-C192-H3-N64-V1000": RWKV7Shape(3, 192, 64, 1000, None, 32, 16, 8, 48),
+}
+TINY = RWKV7Shape(2, 64, 16, 256, None, 8, 8, 4, 16)
+
+
+@pytest.fixture(scope="session")
+def ckpt_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="session")
+def tiny_pth(ckpt_dir):
+    path = ckpt_dir / "tiny.pth"
+    save_random_rwkv7(path, TINY, seed=7)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(ckpt_dir):
+    path = ckpt_dir / "tiny-hf"
+    save_random_rwkv7(path, TINY, seed=7, fmt="hf")
+    return path
+
+
+def reference_model(pth_path):
+    """BlinkDL's `rwkv` package (strategy cpu fp32): the oracle for RWKV-7 exactness."""
+    from rwkv.model import RWKV
+
+    return RWKV(str(pth_path).removesuffix(".pth"), "cpu fp32")
+
+
+@pytest.fixture(scope="session")
+def world_pth(ckpt_dir):
+    """A small model with the World vocabulary (65536), so text prompts work."""
+    path = ckpt_dir / "world.pth"
+    save_random_rwkv7(path, RWKV7Shape(2, 32, 16, 65536, None, 8, 8, 4, 8), seed=3)
+    return path

@@ -1,0 +1,88 @@
+"""Both checkpoint formats: same weights give identical logits; conversion round trips are bit-identical."""
+
+import json
+
+import pytest
+import torch
+
+from wkvm.models.rwkv7 import load_rwkv7
+from wkvm.models.rwkv7_checkpoint import CheckpointError, convert, read_checkpoint
+from wkvm.models.rwkv7_random import RWKV7Shape, save_random_rwkv7
+
+
+def assert_bit_identical(a, b):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
+
+
+def test_pth_and_hf_give_identical_logits(tiny_pth, tiny_hf):
+    a, b = load_rwkv7(tiny_pth), load_rwkv7(tiny_hf)
+    tokens = list(range(1, 40))
+    la, _ = a.prefill(tokens, all_logits=True)
+    lb, _ = b.prefill(tokens, all_logits=True)
+    assert torch.equal(la, lb)
+    assert a.fingerprint == b.fingerprint
+
+
+def test_hf_layout_is_fla(tiny_hf):
+    cfg = json.loads((tiny_hf / "config.json").read_text())
+    assert cfg["model_type"] == "rwkv7"
+    assert cfg["num_hidden_layers"] == 2 and cfg["hidden_size"] == 64 and cfg["head_dim"] == 16
+    from safetensors import safe_open
+
+    with safe_open(tiny_hf / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+        assert f.get_slice("model.layers.1.attn.w_lora.lora.0.weight").get_shape() == [8, 64]
+    assert "model.layers.0.pre_norm.weight" in names and "lm_head.weight" in names
+    assert "model.layers.1.attn.v_lora.lora.2.bias" in names and "model.layers.0.attn.g_norm.weight" in names
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_convert_round_trip_pth_hf_pth(tmp_path, dtype):
+    src = tmp_path / "m.pth"
+    save_random_rwkv7(src, RWKV7Shape(3, 64, 16, 128), seed=2, dtype=dtype)
+    assert convert(src, tmp_path / "hf") == "hf"
+    assert convert(tmp_path / "hf", tmp_path / "back.pth") == "pth"
+    assert_bit_identical(read_checkpoint(src)[0], read_checkpoint(tmp_path / "back.pth")[0])
+
+
+def test_convert_round_trip_hf_pth_hf(tmp_path, tiny_hf):
+    convert(tiny_hf, tmp_path / "m.pth")
+    convert(tmp_path / "m.pth", tmp_path / "hf2")
+    assert_bit_identical(read_checkpoint(tiny_hf)[0], read_checkpoint(tmp_path / "hf2")[0])
+    a = (tiny_hf / "model.safetensors").read_bytes()
+    assert a == (tmp_path / "hf2" / "model.safetensors").read_bytes()
+
+
+def test_fingerprint_sees_weight_bytes(tmp_path):
+    raw = save_random_rwkv7(tmp_path / "a.pth", RWKV7Shape(), seed=1)
+    raw["blocks.1.ffn.value.weight"][0, 0] = torch.nextafter(raw["blocks.1.ffn.value.weight"][0, 0], torch.tensor(9.0))
+    torch.save(raw, tmp_path / "b.pth")
+    assert load_rwkv7(tmp_path / "a.pth").fingerprint != load_rwkv7(tmp_path / "b.pth").fingerprint
+
+
+def test_dimensions_read_from_tensors(tmp_path):
+    shape = RWKV7Shape(5, 80, 20, 77, 123, 6, 10, 3, 14)
+    save_random_rwkv7(tmp_path / "odd.pth", shape)
+    cfg = load_rwkv7(tmp_path / "odd.pth").config
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.head_size, cfg.vocab_size, cfg.ffn_size) == (5, 80, 4, 20, 77, 123)
+    assert (cfg.decay_rank, cfg.a_rank, cfg.v_rank, cfg.gate_rank) == (6, 10, 3, 14)
+
+
+def test_unreadable_inputs_are_refused_with_reason(tmp_path):
+    with pytest.raises(CheckpointError, match="not a BlinkDL"):
+        load_rwkv7(tmp_path / "nothing-here")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(CheckpointError, match="not RWKV-7"):
+        load_rwkv7(tmp_path / "d")
+    torch.save({"foo": torch.zeros(2)}, tmp_path / "x.pth")
+    with pytest.raises(CheckpointError, match="emb.weight"):
+        load_rwkv7(tmp_path / "x.pth")
+    raw = save_random_rwkv7(tmp_path / "y.pth", RWKV7Shape())
+    del raw["blocks.1.att.k_k"]
+    torch.save(raw, tmp_path / "y.pth")
+    with pytest.raises(CheckpointError, match="blocks.1.att.k_k"):
+        load_rwkv7(tmp_path / "y.pth")

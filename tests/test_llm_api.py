@@ -1,0 +1,78 @@
+"""The offline Python API: LLM.generate with strings or token ids, greedy, logprobs, finish reasons."""
+
+import pytest
+import torch
+
+from wkvm import LLM, SamplingParams
+from wkvm.sampling_params import InvalidParam
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_pth):
+    return LLM(model=tiny_pth)
+
+
+def greedy_by_hand(model, prompt, n):
+    logits, state = model.prefill(prompt)
+    out = []
+    for _ in range(n):
+        tok = int(torch.argmax(logits))
+        out.append(tok)
+        logits = model.decode([tok], state)[0]
+    return out
+
+
+def test_greedy_token_ids_match_model_loop(llm):
+    prompts = [[1, 2, 3], [50, 60, 70, 80, 90], [7]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.token_ids == greedy_by_hand(llm.model, p, 12)
+        assert o.finish_reason == "length" and o.prompt_token_ids == p
+
+
+def test_batch_equals_alone(llm):
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
+    together = llm.generate(prompts, params)
+    for p, o in zip(prompts, together, strict=True):
+        assert llm.generate([p], params)[0].token_ids == o.token_ids
+
+
+def test_logprobs_topk_and_chosen(llm):
+    out = llm.generate([[4, 5, 6]], SamplingParams(max_tokens=5, temperature=0.8, seed=1, logprobs=3))[0]
+    assert len(out.logprobs) == len(out.token_ids) == 5
+    for tok, lp in zip(out.token_ids, out.logprobs, strict=True):
+        assert tok in lp and 3 <= len(lp) <= 4
+        assert all(v <= 0 for v in lp.values())
+    logits, _ = llm.model.prefill([4, 5, 6])
+    expected = torch.log_softmax(logits, -1)
+    assert abs(out.logprobs[0][out.token_ids[0]] - expected[out.token_ids[0]].item()) < 1e-5
+
+
+def test_string_prompt_and_text(world_pth):
+    llm = LLM(model=world_pth)
+    out = llm.generate("Hi", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert out.prompt_token_ids == llm.tokenizer.encode("Hi")
+    assert out.text == llm.tokenizer.decode(out.token_ids)
+
+
+def test_stop_token_ids_and_eos(llm):
+    first = llm.generate([[1, 2]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
+    out = llm.generate([[1, 2]], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[first[2]]))[0]
+    assert out.token_ids == first[:3] and out.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    p = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    a = llm.generate([[1, 2, 3]], p)[0].token_ids
+    b = llm.generate([[1, 2, 3]], p)[0].token_ids
+    assert a == b
+
+
+def test_bad_input_is_refused(llm):
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        llm.generate([[1, 99999]])
+    with pytest.raises(ValueError, match="empty prompt"):
+        llm.generate([[]])
+    with pytest.raises(InvalidParam, match="temperature"):
+        SamplingParams(temperature=-1)

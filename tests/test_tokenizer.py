@@ -1,0 +1,90 @@
+"""World tokenizer: ids identical to BlinkDL's TRIE_TOKENIZER; lossless round trip; HF tokenizer.json."""
+
+import os
+
+import pytest
+
+from wkvm.engine.detokenizer import Detokenizer
+from wkvm.tokenizer import HFTokenizer, WorldTokenizer, load_tokenizer
+
+TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "中文测试：我爱北京天安门。混合 English 和中文 text.",
+    "Emoji 🎉🚀👩‍👩‍👧‍👦 and flags 🇯🇵 mixed with ünïcödé and ℕ ⊆ ℤ.",
+    "def f(x):\n\treturn {'a': [x ** 2 for x in range(10)]}  # code\n\n\n",
+    "User: hi\n\nAssistant: Hello!\n\n" * 3,
+    "\x00\x01 control \r\n and   spaces    ",
+    "日本語のテキストと한국어 텍스트, Русский текст, العربية",
+]
+
+
+@pytest.fixture(scope="module")
+def world():
+    return WorldTokenizer()
+
+
+@pytest.fixture(scope="module")
+def trie():
+    import rwkv
+    from rwkv.rwkv_tokenizer import TRIE_TOKENIZER
+
+    return TRIE_TOKENIZER(os.path.join(os.path.dirname(rwkv.__file__), "rwkv_vocab_v20230424.txt"))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_world_ids_match_blinkdl_trie(world, trie, text):
+    ids = world.encode(text)
+    assert ids == trie.encode(text)
+    assert world.decode(ids) == text
+
+
+def test_world_vocab(world):
+    assert world.vocab_size == 65530
+    assert world.token_bytes(0) == b"" and world.eos_token_id == 0
+
+
+def test_partial_utf8_is_held_until_complete(world):
+    ids = world.encode("🎉")
+    assert len(ids) > 1, "emoji should span several byte tokens"
+    d = Detokenizer(world)
+    for t in ids[:-1]:
+        d.add(t)
+        assert "\ufffd" not in d.text
+    d.add(ids[-1])
+    assert d.text == "🎉"
+
+
+def test_stop_string_spanning_tokens(world):
+    text = "alpha beta gamma delta"
+    d = Detokenizer(world, stop=["a gam"])
+    released = ""
+    for t in world.encode(text):
+        if d.add(t):
+            break
+        released += d.delta()
+    released += d.delta(final=True)
+    assert d.stopped and d.text == "alpha bet" and released == "alpha bet"
+
+
+def test_hf_tokenizer_json(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    from tokenizers import decoders
+
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(["to be or not to be, that is the question"] * 20, trainer)
+    (tmp_path / "m").mkdir()
+    tok.save(str(tmp_path / "m" / "tokenizer.json"))
+    loaded = load_tokenizer(tmp_path / "m")
+    assert isinstance(loaded, HFTokenizer) and loaded.eos_token_id == 0
+    ids = loaded.encode("to be or not")
+    assert loaded.decode(ids) == "to be or not"
+    d = Detokenizer(loaded, stop=["not"])
+    for t in loaded.encode("to be or not to be"):
+        if d.add(t):
+            break
+    assert d.text == "to be or "

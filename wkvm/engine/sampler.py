@@ -1,0 +1,86 @@
+"""The sampler: penalties, greedy/temperature/top-k/top-p/min-p, per-request seeds, top-k logprobs.
+
+Logprobs are those of the model's raw distribution (before penalties and temperature), as in vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from wkvm.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerRow:
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+
+
+def make_generator(seed: int | None) -> torch.Generator | None:
+    return None if seed is None else torch.Generator().manual_seed(seed)
+
+
+def apply_penalties(logits: torch.Tensor, row: SamplerRow) -> torch.Tensor:
+    p = row.params
+    if p.frequency_penalty or p.presence_penalty:
+        out = torch.as_tensor(row.output_ids, dtype=torch.long)
+        counts = torch.bincount(out, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
+        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+    if p.repetition_penalty != 1.0:
+        seen = torch.as_tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long)
+        seen = seen[seen < logits.shape[-1]]
+        vals = logits[seen]
+        logits = logits.clone()
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p filters; returns a normalized distribution."""
+    x = logits / p.temperature
+    if 0 < p.top_k < x.shape[-1]:
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, -1)
+    if p.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) > p.top_p  # keep the smallest set reaching top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def top_logprobs(logprobs: torch.Tensor, chosen: int, k: int) -> dict[int, float]:
+    out = {chosen: float(logprobs[chosen])}
+    if k > 0:
+        vals, ids = torch.topk(logprobs, k)
+        out.update({int(i): float(v) for i, v in zip(ids, vals, strict=True)})
+    return out
+
+
+def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], list[dict[int, float] | None]]:
+    """logits [B, V] (fp32) -> one token per row and, where asked, its logprobs dict."""
+    logits = logits.float()
+    need_lp = any(r.params.logprobs is not None for r in rows)
+    raw_lp = torch.log_softmax(logits, -1) if need_lp else None
+    greedy_ids = torch.argmax(logits, -1).tolist()
+    tokens: list[int] = []
+    lps: list[dict[int, float] | None] = []
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.greedy and not p.uses_penalties:
+            tok = greedy_ids[i]
+        else:
+            x = apply_penalties(logits[i], row) if p.uses_penalties else logits[i]
+            if p.greedy:
+                tok = int(torch.argmax(x))
+            else:
+                tok = int(torch.multinomial(filtered_probs(x, p), 1, generator=row.generator))
+        tokens.append(tok)
+        lps.append(top_logprobs(raw_lp[i], tok, p.logprobs) if raw_lp is not None and p.logprobs is not None else None)
+    return tokens, lps
