@@ -16,6 +16,7 @@ from wkvm.models.fingerprint import fingerprint
 from wkvm.models.rwkv7_checkpoint import PTH_FORMAT, CheckpointError, RawTensors, read_checkpoint
 from wkvm.models.spec import State, StateSpec, TensorSpec
 from wkvm.models.wkv7 import DEFAULT_CHUNK, wkv_chunked, wkv_step
+from wkvm.weights.linear import linear, pack_linear
 from wkvm.weights.provider import ResidentWeights, Tensors, WeightProvider
 
 FAMILY = "rwkv7"
@@ -30,6 +31,12 @@ LAYER_KEYS = (
     "ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias",
     "ffn.x_k", "ffn.key.weight", "ffn.value.weight",
 )  # fmt: skip
+LINEAR_KEYS = (
+    "att.receptance.weight", "att.key.weight", "att.value.weight", "att.output.weight",
+    "ffn.key.weight", "ffn.value.weight",
+)  # fmt: skip
+LORA_KEYS = tuple(f"att.{p}{j}" for p in "wavg" for j in "12")
+PACKED_LORA_MIN_ROWS = 64
 GLOBAL_KEYS = ("emb.weight", "blocks.0.ln0.weight", "blocks.0.ln0.bias", "ln_out.weight", "ln_out.bias", "head.weight")
 
 
@@ -94,7 +101,12 @@ def _prepare_layer(raw: RawTensors, i: int, cfg: RWKV7Config, dtype: torch.dtype
             t[k] = t[k].reshape(-1)
     t["att.r_k"] = t["att.r_k"].reshape(cfg.n_head, cfg.head_size)
     t["att.mix"] = torch.stack([t.pop(f"att.{m}") for m in MIX]).view(6, 1, 1, -1)
-    return {k: v.contiguous() for k, v in t.items()}
+    for k in LINEAR_KEYS:
+        t[k] = pack_linear(t[k])
+    for k in LORA_KEYS:  # for many rows a packed copy is faster; for a few, plain x @ W (both measured)
+        if k in t and (packed := pack_linear(t[k].t())).is_mkldnn:
+            t[k + ".packed"] = packed
+    return {k: v if v.is_mkldnn else v.contiguous() for k, v in t.items()}
 
 
 class RWKV7:
@@ -134,7 +146,7 @@ class RWKV7:
         if not all_logits:
             x = x[:, -1]
         x = F.layer_norm(x, (cfg.n_embd,), g["ln_out.weight"], g["ln_out.bias"], cfg.ln_eps)
-        return F.linear(x, g["head.weight"])
+        return linear(x, g["head.weight"])
 
     def prefill(
         self, tokens: Sequence[int] | torch.Tensor, state: State | None = None,
@@ -161,26 +173,30 @@ class RWKV7:
         prev = shift.unsqueeze(1) if T == 1 else torch.cat([shift.unsqueeze(1), x[:, :-1]], 1)
         xr, xw, xk, xv, xa, xg = torch.addcmul(x, prev - x, w["att.mix"])
         shift.copy_(x[:, -1])
+        packed = B * T >= PACKED_LORA_MIN_ROWS and "att.w1.packed" in w
 
-        r = F.linear(xr, w["att.receptance.weight"])
-        k = F.linear(xk, w["att.key.weight"])
-        v = F.linear(xv, w["att.value.weight"])
-        log_w = torch.sigmoid(w["att.w0"] + torch.tanh(xw @ w["att.w1"]) @ w["att.w2"]) * -DECAY_SCALE
-        a = torch.sigmoid(w["att.a0"] + (xa @ w["att.a1"]) @ w["att.a2"])
-        g = torch.sigmoid(xg @ w["att.g1"]) @ w["att.g2"]
+        def lora(h: torch.Tensor, name: str) -> torch.Tensor:
+            return linear(h, w[name + ".packed"]) if packed else h @ w[name]
+
+        r = linear(xr, w["att.receptance.weight"])
+        k = linear(xk, w["att.key.weight"])
+        v = linear(xv, w["att.value.weight"])
+        log_w = torch.sigmoid(w["att.w0"] + lora(torch.tanh(lora(xw, "att.w1")), "att.w2")) * -DECAY_SCALE
+        a = torch.sigmoid(w["att.a0"] + lora(lora(xa, "att.a1"), "att.a2"))
+        g = lora(torch.sigmoid(lora(xg, "att.g1")), "att.g2")
 
         kk = F.normalize((k * w["att.k_k"]).view(B, T, H, N), dim=-1, p=2.0).view(B, T, C)
         k = k * (1 + (a - 1) * w["att.k_a"])
         if i == 0:
             v_first = v
         else:
-            v = v + (v_first - v) * torch.sigmoid(w["att.v0"] + (xv @ w["att.v1"]) @ w["att.v2"])
+            v = v + (v_first - v) * torch.sigmoid(w["att.v0"] + lora(lora(xv, "att.v1"), "att.v2"))
 
         o = self._wkv(state[f"layers.{i}.wkv"], r, log_w, k, v, -kk, kk * a)
         o = F.group_norm(o.reshape(B * T, C), H, w["att.ln_x.weight"], w["att.ln_x.bias"], self.config.gn_eps)
         bonus = ((r * k).view(B, T, H, N) * w["att.r_k"]).sum(-1, keepdim=True) * v.view(B, T, H, N)
         o = o.view(B, T, C) + bonus.view(B, T, C)
-        return F.linear(o * g, w["att.output.weight"]), v_first
+        return linear(o * g, w["att.output.weight"]), v_first
 
     def _wkv(self, S: torch.Tensor, r, log_w, k, v, a, b) -> torch.Tensor:
         """Run the recurrence on [B, T, C] inputs against S [B, H, N, N] (in place)."""
@@ -199,8 +215,8 @@ class RWKV7:
         prev = shift.unsqueeze(1) if T == 1 else torch.cat([shift.unsqueeze(1), x[:, :-1]], 1)
         k = torch.addcmul(x, prev - x, w["ffn.x_k"])
         shift.copy_(x[:, -1])  # after use: for T == 1, prev is a view of shift
-        k = torch.relu(F.linear(k, w["ffn.key.weight"])).square()
-        return F.linear(k, w["ffn.value.weight"])
+        k = torch.relu_(linear(k, w["ffn.key.weight"])).square_()
+        return linear(k, w["ffn.value.weight"])
 
 
 def build_rwkv7(raw: RawTensors, hf_config: dict | None = None, device="cpu", dtype=torch.float32) -> RWKV7:
@@ -211,6 +227,7 @@ def build_rwkv7(raw: RawTensors, hf_config: dict | None = None, device="cpu", dt
     globals_ = {k: raw[k].to(device=device, dtype=dtype).contiguous() for k in GLOBAL_KEYS}
     for k in ("blocks.0.ln0.weight", "blocks.0.ln0.bias"):
         globals_[k] = globals_[k].reshape(-1)
+    globals_["head.weight"] = pack_linear(globals_["head.weight"])
     return RWKV7(cfg, ResidentWeights(layers, globals_), fp, device)
 
 

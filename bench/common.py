@@ -1,0 +1,82 @@
+"""Shared bench helpers: a cached random 0.1B-shape checkpoint, timers, machine rates, table output."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("RWKV_V7_ON", "1")
+os.environ.setdefault("RWKV_CUDA_ON", "0")
+
+from wkvm.models.rwkv7_random import SHAPE_0_1B, RWKV7Shape, save_random_rwkv7  # noqa: E402
+
+OUT = Path(__file__).parent / "out"
+
+
+def checkpoint(shape: RWKV7Shape = SHAPE_0_1B, name: str = "rwkv7-0.1b-random") -> Path:
+    path = OUT / f"{name}.pth"
+    if not path.exists():
+        save_random_rwkv7(path, shape, seed=0)
+    return path
+
+
+def timeit(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> float:
+    """Median seconds of `repeat` runs after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a large tensor copy (read + write)."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    t = timeit(lambda: dst.copy_(src), repeat=5)
+    return 2 * nbytes / t
+
+
+def read_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Bytes per second of streaming a large tensor from memory (a sum reads every byte once)."""
+    src = torch.ones(nbytes // 4)
+    return nbytes / timeit(src.sum, repeat=5)
+
+
+def matmul_rate(m: int = 1024, k: int = 768, n: int = 3072) -> dict[str, float]:
+    """fp32 FLOP/s of a prefill-sized matmul: default BLAS (`F.linear`) and wkvm's packed `linear`."""
+    from wkvm.weights.linear import linear, pack_linear
+
+    a, b = torch.randn(m, k), torch.randn(n, k)
+    packed = pack_linear(b)
+    flop = 2 * m * k * n
+    return {
+        "blas": flop / timeit(lambda: torch.nn.functional.linear(a, b), repeat=10, warmup=3),
+        "packed": flop / timeit(lambda: linear(a, packed), repeat=10, warmup=3),
+    }
+
+
+def print_table(title: str, header: list[str], rows: list[list[object]]) -> None:
+    cells = [header] + [[f"{c:.2f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    print(f"\n{title}")
+    for j, r in enumerate(cells):
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def write_json(name: str, data: dict) -> Path:
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
