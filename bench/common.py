@@ -80,3 +80,27 @@ def write_json(name: str, data: dict) -> Path:
     path = OUT / f"{name}.json"
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
+
+
+def plot(name: str, xs: list, series: dict[str, list[float]], xlabel: str, ylabel: str, title: str) -> Path | None:
+    """A line plot written as OUT/name.png (skipped with a note if matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot written")
+        return None
+    OUT.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, ys in series.items():
+        ax.plot(xs, ys, marker="o", label=label)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    path = OUT / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

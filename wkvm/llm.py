@@ -1,16 +1,14 @@
-"""The offline Python API: `LLM(model=path).generate(prompts, SamplingParams(...))`."""
+"""The offline Python API: `LLM(model=path).generate(prompts, SamplingParams(...))`, batched by the engine."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 
-import torch
-
-from wkvm.engine.detokenizer import Detokenizer
-from wkvm.engine.sampler import SamplerRow, make_generator, sample
+from wkvm.config import EngineConfig
+from wkvm.engine.engine import Engine
 from wkvm.models.loader import load_model
-from wkvm.models.spec import cat_states
 from wkvm.outputs import GenerationOutput
 from wkvm.sampling_params import SamplingParams
 from wkvm.tokenizer import Tokenizer, load_tokenizer
@@ -19,9 +17,17 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    def __init__(self, model: str | os.PathLike, tokenizer: str | os.PathLike | None = None, device: str = "cpu"):
-        self.model = load_model(model, device=device)
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        tokenizer: str | os.PathLike | None = None,
+        config: EngineConfig | None = None,
+        **config_kwargs,
+    ):
+        config = replace(config or EngineConfig(), **config_kwargs)
+        self.model = load_model(model, device=config.device)
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer or model)
+        self.engine = Engine(self.model, self.tokenizer, replace(config, max_queue=1 << 30))
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -33,52 +39,20 @@ class LLM:
         return ids
 
     def generate(
-        self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationOutput]:
+        """Run every prompt through the engine's continuous batching; outputs in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        params = sampling_params or SamplingParams()
-        return self._generate_batch([self.encode_prompt(p) for p in prompts], params)
-
-    @torch.inference_mode()
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
-        outs = [GenerationOutput(prompt_token_ids=p, logprobs=[] if params.logprobs is not None else None)
-                for p in prompts]  # fmt: skip
-        rows = [SamplerRow(params, make_generator(params.seed), p) for p in prompts]
-        detoks = [Detokenizer(self.tokenizer, params.stop) for _ in prompts]
-        states, logits = [], []
-        for p in prompts:
-            lg, st = self.model.prefill(p)
-            states.append(st)
-            logits.append(lg)
-        state, batch_logits = cat_states(states), torch.stack(logits)
-        live = list(range(len(prompts)))
-        while live:
-            toks, lps = sample(batch_logits, [rows[i] for i in live])
-            still = []
-            for j, i in enumerate(live):
-                if self._append(outs[i], rows[i], detoks[i], toks[j], lps[j], params):
-                    still.append(j)
-            if not still:
-                break
-            keep = torch.tensor(still)
-            state = {k: v[keep] for k, v in state.items()}
-            live = [live[j] for j in still]
-            batch_logits = self.model.decode([toks[j] for j in still], state)
-        for o, d in zip(outs, detoks, strict=True):
-            d.flush()
-            o.text = d.text
-        return outs
-
-    def _append(self, out, row, detok, tok, lp, params) -> bool:
-        """Record one token; returns True while the sequence goes on."""
-        out.token_ids.append(tok)
-        row.output_ids.append(tok)
-        if out.logprobs is not None and lp is not None:
-            out.logprobs.append(lp)
-        eos = self.tokenizer.eos_token_id
-        if tok in params.stop_token_ids or (tok == eos and not params.ignore_eos) or detok.add(tok):
-            out.finish_reason = "stop"
-        elif len(out.token_ids) >= params.max_tokens:
-            out.finish_reason = "length"
-        return out.finish_reason is None
+        encoded = [self.encode_prompt(p) for p in prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(encoded)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(encoded):
+                raise ValueError(f"{len(params)} sampling params for {len(encoded)} prompts")
+        handles = [self.engine.submit(ids, p) for ids, p in zip(encoded, params, strict=True)]
+        self.engine.run_until_done()
+        return [h.output for h in handles]

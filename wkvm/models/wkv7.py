@@ -13,12 +13,19 @@ DEFAULT_CHUNK = 32
 
 
 def wkv_step(S: torch.Tensor, r, log_w, k, v, a, b) -> torch.Tensor:
-    """One token for a batch of heads, in place on S ([BH, N, N]); inputs [BH, N]; returns o [BH, N]."""
-    sa = torch.bmm(S, a.unsqueeze(-1))
-    S.mul_(torch.exp(log_w).unsqueeze(-2))
-    S.baddbmm_(sa, b.unsqueeze(-2))
-    S.baddbmm_(v.unsqueeze(-1), k.unsqueeze(-2))
-    return torch.bmm(S, r.unsqueeze(-1)).squeeze(-1)
+    """One token for a batch of heads, in place on S ([BH, N, N]); inputs [BH, N]; returns o [BH, N].
+
+    o = S_t r = S_{t-1} (w*r) + (S_{t-1} a)(b.r) + v (k.r), so one read of S serves both S a and the output,
+    and the update is two in-place passes (decay, then both rank-1 terms in one batched matmul).
+    """
+    w = torch.exp(log_w)
+    s_aw = torch.bmm(S, torch.stack([a, w * r], -1))  # [BH, N, 2]
+    sa = s_aw[..., :1]
+    o = torch.addcmul(s_aw[..., 1], sa.squeeze(-1), (b * r).sum(-1, keepdim=True))
+    o.addcmul_(v, (k * r).sum(-1, keepdim=True))
+    S.mul_(w.unsqueeze(-2))
+    S.baddbmm_(torch.cat([sa, v.unsqueeze(-1)], -1), torch.stack([b, k], -2))
+    return o
 
 
 def wkv_chunked(S: torch.Tensor, r, log_w, k, v, a, b, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:

@@ -1,0 +1,71 @@
+"""Aggregate decode tok/s through the engine at B = 1, 4, 16, 32, 64 (0.1B shape, fp32 CPU),
+against BlinkDL's `rwkv` package at B=1 in the same run. Writes bench/out/batch_decode.{json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import checkpoint, plot, print_table, timeit, write_json  # noqa: E402
+
+from wkvm.config import EngineConfig  # noqa: E402
+from wkvm.engine.engine import Engine  # noqa: E402
+from wkvm.models.rwkv7 import load_rwkv7  # noqa: E402
+from wkvm.sampling_params import SamplingParams  # noqa: E402
+from wkvm.tokenizer import WorldTokenizer  # noqa: E402
+
+
+def engine_tok_s(model, batch: int, steps: int) -> float:
+    engine = Engine(model, WorldTokenizer(), EngineConfig(n_slots=batch, token_budget=max(batch, 64)))
+    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.submit([1 + i], params)
+    engine.step()  # first token of every request; from here on each step is one decode token per request
+    engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    dt = time.perf_counter() - t0
+    engine.run_until_done()
+    return batch * steps / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--batches", default="1,4,16,32,64")
+    ap.add_argument("--steps", type=int, default=16)
+    args = ap.parse_args()
+    path = checkpoint()
+    model = load_rwkv7(path)
+    from rwkv.model import RWKV
+
+    ref = RWKV(str(path).removesuffix(".pth"), "cpu fp32")
+    tokens = torch.randint(0, 65536, (args.steps,)).tolist()
+
+    def ref_decode():
+        state = None
+        for t in tokens:
+            _, state = ref.forward([t], state)
+
+    ref_tok_s = args.steps / timeit(ref_decode, repeat=3)
+    batches = [int(b) for b in args.batches.split(",")]
+    results = {b: engine_tok_s(model, b, args.steps) for b in batches}
+    rows = [[b, results[b], ref_tok_s, results[b] / ref_tok_s] for b in batches]
+    print_table(
+        f"Aggregate decode tok/s, RWKV-7 0.1B shape fp32, {torch.get_num_threads()} threads",
+        ["batch", "wkvm tok/s", "rwkv B=1 tok/s", "x rwkv"],
+        rows,
+    )
+    write_json("batch_decode", {"rwkv_b1_tok_s": ref_tok_s, "wkvm_tok_s": {str(b): v for b, v in results.items()}})
+    series = {"wkvm (engine)": [results[b] for b in batches], "rwkv package B=1": [ref_tok_s] * len(batches)}
+    plot("batch_decode", batches, series, "batch size", "aggregate decode tok/s", "RWKV-7 0.1B shape, fp32 CPU")
+
+
+if __name__ == "__main__":
+    main()

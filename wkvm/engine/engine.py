@@ -1,0 +1,318 @@
+"""The engine: a step loop (schedule -> run model -> sample/postprocess) on its own thread or inline."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from wkvm.config import EngineConfig
+from wkvm.engine.arena import SlotArena
+from wkvm.engine.detokenizer import Detokenizer
+from wkvm.engine.request import Request, Status
+from wkvm.engine.sampler import SamplerRow, make_generator, sample
+from wkvm.engine.scheduler import QueueFull, Scheduler
+from wkvm.models.spec import State
+from wkvm.outputs import GenerationOutput
+from wkvm.sampling_params import SamplingParams
+from wkvm.tokenizer import Tokenizer
+
+log = logging.getLogger("wkvm.engine")
+__all__ = ["Engine", "EngineClosed", "Event", "QueueFull", "RequestHandle"]
+
+
+class EngineClosed(RuntimeError):
+    pass
+
+
+@dataclass
+class Event:
+    """What one step produced for one request: new tokens and text, and whether it finished."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestHandle:
+    """Iterate it (sync or async) for events; `result()` waits for the whole output."""
+
+    def __init__(self, engine: Engine, req: Request, loop: asyncio.AbstractEventLoop | None):
+        self.engine = engine
+        self.request = req
+        self.output = GenerationOutput(
+            prompt_token_ids=req.prompt_ids, logprobs=[] if req.params.logprobs is not None else None
+        )
+        self.done = threading.Event()
+        self._loop = loop
+        self._sync: queue.Queue[Event] = queue.Queue()
+        self._async: asyncio.Queue[Event] | None = asyncio.Queue() if loop else None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def _push(self, ev: Event) -> None:
+        out = self.output
+        out.token_ids.extend(ev.token_ids)
+        out.text += ev.text
+        if out.logprobs is not None and ev.logprobs:
+            out.logprobs.extend(ev.logprobs)
+        if ev.finished:
+            out.finish_reason, out.error = ev.finish_reason, ev.error
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._async.put_nowait, ev)
+        else:
+            self._sync.put(ev)
+        if ev.finished:
+            self.done.set()
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            ev = self._sync.get()
+            yield ev
+            if ev.finished:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        assert self._async is not None, "submit with loop= to iterate asynchronously"
+        while True:
+            ev = await self._async.get()
+            yield ev
+            if ev.finished:
+                return
+
+    def result(self, timeout: float | None = None) -> GenerationOutput:
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish within {timeout}s")
+        return self.output
+
+    def cancel(self) -> None:
+        self.engine.cancel(self.request_id)
+
+
+class Engine:
+    def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        self.arena = SlotArena(model.spec, self.config.n_slots, self.config.device)
+        self.scheduler = Scheduler(self.config, self.arena)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._handles: dict[str, RequestHandle] = {}
+        self._rows: dict[str, SamplerRow] = {}
+        self._detok: dict[str, Detokenizer] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._accepting = True
+        self._stopping = False
+        self._drain = True
+        self.steps = 0
+
+    # --- submission ----------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+        initial_state: State | None = None,
+        capture_state: bool = False,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> RequestHandle:
+        if not prompt_ids:
+            raise ValueError("a request needs at least one prompt token")
+        timeout = timeout if timeout is not None else self.config.request_timeout
+        now = time.monotonic()
+        req = Request(
+            request_id=request_id or f"req-{next(self._ids)}", prompt_ids=list(prompt_ids), params=params,
+            arrival=now, priority=priority, deadline=now + timeout if timeout else None,
+            initial_state=initial_state, capture_state=capture_state,
+        )  # fmt: skip
+        handle = RequestHandle(self, req, loop)
+        with self._lock:
+            if not self._accepting:
+                raise EngineClosed("the engine is shutting down and accepts no new requests")
+            if req.request_id in self._handles:
+                raise ValueError(f"request id {req.request_id!r} is already in flight")
+            self.scheduler.add(req)
+            self._handles[req.request_id] = handle
+            self._rows[req.request_id] = SamplerRow(params, make_generator(params.seed), req.prompt_ids, req.output_ids)
+            self._detok[req.request_id] = Detokenizer(self.tokenizer, params.stop)
+            self._wake.notify()
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a request; its slot is freed at the start of the next step."""
+        with self._lock:
+            handle = self._handles.get(request_id)
+            if handle is not None:
+                handle.request.cancel_requested = True
+                self._wake.notify()
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return len(self._handles)
+
+    # --- the step ------------------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        """One engine step: schedule, run the model, sample and postprocess."""
+        with self._lock:
+            events = self._reap()
+            batch = self.scheduler.schedule()
+        if batch.work:
+            reqs, logits = self._run(batch.work)
+            with self._lock:
+                events += self._postprocess(reqs, logits)
+            self.steps += 1
+        self._dispatch(events)
+        return events
+
+    def _run(self, work: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:
+        """Feed each scheduled request its tokens; returns the requests now caught up and their last logits."""
+        reqs: list[Request] = []
+        rows: list[torch.Tensor] = []
+        singles = [r for r, n in work if n == 1]  # decode steps (and 1-token prompt pieces) batch together
+        if singles:
+            slots = [r.slot for r in singles]
+            state, is_view = self.arena.view(slots)
+            logits = self.model.forward(torch.tensor([r.next_tokens(1) for r in singles]), state)
+            if not is_view:
+                self.arena.scatter(slots, state)
+            reqs, rows = singles, [logits]
+        for r, n in work:
+            if n > 1:
+                state, _ = self.arena.view([r.slot])  # one slot is always a view
+                reqs.append(r)
+                rows.append(self.model.forward(torch.tensor([r.next_tokens(n)]), state))
+        for r, n in work:
+            r.num_computed_tokens += n
+            r.check_invariant()
+        logits = rows[0] if len(rows) == 1 else torch.cat(rows)
+        done = [i for i, r in enumerate(reqs) if r.gap == 0]
+        if not done:
+            return [], None
+        if len(done) < len(reqs):
+            logits = logits[torch.tensor(done)]
+        return [reqs[i] for i in done], logits
+
+    def _postprocess(self, reqs: list[Request], logits: torch.Tensor | None) -> list[Event]:
+        if logits is None:
+            return []
+        rows = [self._rows[r.request_id] for r in reqs]
+        tokens, lps = sample(logits, rows)
+        events = []
+        eos = self.tokenizer.eos_token_id
+        for req, tok, lp in zip(reqs, tokens, lps, strict=True):
+            p, detok = req.params, self._detok[req.request_id]
+            req.output_ids.append(tok)
+            status = None
+            if detok.add(tok) or tok in p.stop_token_ids or (tok == eos and not p.ignore_eos):
+                status = Status.FINISHED_STOPPED
+            elif len(req.output_ids) >= p.max_tokens:
+                status = Status.FINISHED_LENGTH
+            if status is not None:
+                detok.flush()
+                self._finish(req, status)
+            ev = Event(req.request_id, [tok], detok.delta(final=status is not None), [lp] if lp else None)
+            ev.finish_reason = status.value if status else None
+            events.append(ev)
+        return events
+
+    def _finish(self, req: Request, status: Status, error: str | None = None) -> None:
+        if req.capture_state and req.slot is not None:
+            req.final_state = self.arena.read(req.slot)
+        req.error = error
+        self.scheduler.finish(req, status)
+
+    def _reap(self) -> list[Event]:
+        """Finish cancelled and timed-out requests, freeing their slots."""
+        now = time.monotonic()
+        events = []
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            reason = None
+            if req.cancel_requested:
+                reason = "cancelled"
+            elif req.deadline is not None and now > req.deadline:
+                reason = "timeout: the request ran past its time limit"
+            if reason:
+                self._finish(req, Status.FINISHED_ABORTED, reason)
+                events.append(Event(req.request_id, [], "", None, "abort", reason))
+        return events
+
+    def _dispatch(self, events: list[Event]) -> None:
+        for ev in events:
+            with self._lock:
+                handle = self._handles.get(ev.request_id)
+                if ev.finished:
+                    self._handles.pop(ev.request_id, None)
+                    self._rows.pop(ev.request_id, None)
+                    self._detok.pop(ev.request_id, None)
+            if handle is not None:
+                handle._push(ev)
+
+    def _fail_all(self, message: str, status: Status = Status.FINISHED_ERROR) -> None:
+        with self._lock:
+            reqs = list(self.scheduler.running) + list(self.scheduler.waiting)
+            for req in reqs:
+                self._finish(req, status, message)
+        self._dispatch([Event(r.request_id, [], "", None, status.value, message) for r in reqs])
+
+    # --- running -------------------------------------------------------------------------------
+    def run_until_done(self) -> None:
+        """Step inline until no request is left (offline use; no thread)."""
+        while self.scheduler.has_work:
+            self.step()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="wkvm-engine", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self.scheduler.has_work and not self._stopping:
+                    self._wake.wait()
+                if self._stopping and not (self._drain and self.scheduler.has_work):
+                    break
+            try:
+                self.step()
+            except Exception as e:  # a bug: fail the in-flight requests loudly rather than hang them
+                log.exception("engine step failed")
+                self._fail_all(f"internal engine error: {e}")
+        self._fail_all("the engine shut down before this request finished", Status.FINISHED_ABORTED)
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop accepting; finish in-flight work (drain) or abort it; join the thread."""
+        with self._lock:
+            self._accepting = False
+            self._stopping = True
+            self._drain = drain
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                with self._lock:
+                    self._drain = False
+                self._thread.join()
+            self._thread = None
+        else:
+            self._fail_all("the engine shut down before this request finished", Status.FINISHED_ABORTED)

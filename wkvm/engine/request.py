@@ -1,0 +1,80 @@
+"""A request's lifecycle: waiting -> running (<-> parked) -> finished (stopped / length / aborted / error)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from wkvm.models.spec import State
+from wkvm.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PARKED = "parked"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower runs first; ties go to the earlier arrival
+    deadline: float | None = None  # monotonic seconds
+    initial_state: State | None = None  # start from this state instead of zeros (host copy, batch 1)
+    capture_state: bool = False  # keep a host copy of the final state in `final_state`
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens of prompt + output already fed into the state
+    slot: int | None = None
+    parked_state: State | None = None  # host copy while preempted
+    final_state: State | None = None
+    error: str | None = None
+    generator: torch.Generator | None = None
+    cancel_requested: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def gap(self) -> int:
+        """Tokens known but not yet fed into the state."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < len(self.prompt_ids)
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        return (self.priority, self.arrival)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def next_tokens(self, n: int) -> list[int]:
+        return [self.token_at(i) for i in range(self.num_computed_tokens, self.num_computed_tokens + n)]
+
+    def fed_token_ids(self) -> list[int]:
+        """Exactly the tokens whose effect is in the state."""
+        return [self.token_at(i) for i in range(self.num_computed_tokens)]
+
+    def check_invariant(self) -> None:
+        assert self.num_computed_tokens <= self.num_tokens, (
+            f"request {self.request_id}: computed {self.num_computed_tokens} > known {self.num_tokens}"
+        )

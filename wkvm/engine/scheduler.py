@@ -1,0 +1,125 @@
+"""The scheduler: no phases, one token budget per step.
+
+Running requests take their gap first (1 token when decoding, a capped chunk when prefilling), then waiting
+requests are admitted while budget and slots last. When no slot is free and a waiting request outranks
+(priority, then arrival) the lowest-ranked running one, that one is parked in host memory and resumes later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from wkvm.config import EngineConfig
+from wkvm.engine.arena import SlotArena
+from wkvm.engine.request import Request, Status
+
+
+@dataclass
+class ScheduledBatch:
+    work: list[tuple[Request, int]]  # (request, tokens to feed this step)
+    parked: list[Request]  # preempted this step (their state is already in host memory)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.work)
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, arena: SlotArena):
+        self.config = config
+        self.arena = arena
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.park: Callable[[Request], None] = self._park
+        self.unpark: Callable[[Request], None] = self._unpark
+
+    def add(self, req: Request) -> None:
+        if len(self.waiting) >= self.config.max_queue:
+            raise QueueFull(
+                f"the queue is full ({self.config.max_queue} waiting requests); retry later or raise --max-queue"
+            )
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.token_budget
+        work: list[tuple[Request, int]] = []
+        parked = self._preempt_for_waiting()
+        for req in sorted(self.running, key=lambda r: r.sort_key):
+            n = self._take(req, budget)
+            if n:
+                work.append((req, n))
+                budget -= n
+        self.waiting.sort(key=lambda r: r.sort_key)
+        while self.waiting and budget > 0 and self.arena.num_free > 0:
+            req = self.waiting.pop(0)
+            self._admit(req)
+            n = self._take(req, budget)
+            if n:
+                work.append((req, n))
+                budget -= n
+        for req in self.running:
+            req.check_invariant()
+        return ScheduledBatch(work, parked)
+
+    def _take(self, req: Request, budget: int) -> int:
+        if req.gap <= 0:
+            return 0
+        if not req.is_prefilling:
+            return 1 if budget >= 1 else 0
+        return min(req.gap, len(req.prompt_ids) - req.num_computed_tokens, self.config.prefill_chunk, budget)
+
+    def _preempt_for_waiting(self) -> list[Request]:
+        parked = []
+        while self.waiting and self.arena.num_free == 0 and self.running:
+            best = min(self.waiting, key=lambda r: r.sort_key)
+            worst = max(self.running, key=lambda r: r.sort_key)
+            if not best.sort_key < worst.sort_key:
+                break
+            self.park(worst)
+            parked.append(worst)
+        return parked
+
+    def _admit(self, req: Request) -> None:
+        slot = self.arena.alloc()
+        assert slot is not None
+        req.slot = slot
+        if req.status == Status.PARKED:
+            self.unpark(req)
+        elif req.initial_state is not None:
+            self.arena.write(slot, req.initial_state)
+        req.status = Status.RUNNING
+        self.running.append(req)
+
+    def _park(self, req: Request) -> None:
+        """Preempt: move the state to host memory (never recompute) and requeue."""
+        req.parked_state = self.arena.read(req.slot)
+        self.arena.free(req.slot)
+        req.slot = None
+        req.status = Status.PARKED
+        self.running.remove(req)
+        self.waiting.append(req)
+
+    def _unpark(self, req: Request) -> None:
+        self.arena.write(req.slot, req.parked_state)
+        req.parked_state = None
+
+    def finish(self, req: Request, status: Status) -> None:
+        """Leave the scheduler: free the slot at once."""
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req.slot is not None:
+            self.arena.free(req.slot)
+            req.slot = None
+        req.parked_state = None
