@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -118,6 +119,7 @@ class Engine:
         self._rows: dict[str, SamplerRow] = {}
         self._detok: dict[str, Detokenizer] = {}
         self._ids = itertools.count()
+        self._snapshots: list[tuple[str, concurrent.futures.Future]] = []
         self._thread: threading.Thread | None = None
         self._accepting = True
         self._stopping = False
@@ -133,7 +135,9 @@ class Engine:
         priority: int = 0,
         timeout: float | None = None,
         initial_state: State | None = None,
+        base_ids: list[int] | None = None,
         capture_state: bool = False,
+        prefill_only: bool = False,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> RequestHandle:
         if not prompt_ids:
@@ -143,7 +147,8 @@ class Engine:
         req = Request(
             request_id=request_id or f"req-{next(self._ids)}", prompt_ids=list(prompt_ids), params=params,
             arrival=now, priority=priority, deadline=now + timeout if timeout else None,
-            initial_state=initial_state, capture_state=capture_state,
+            initial_state=initial_state, base_ids=list(base_ids or []), capture_state=capture_state,
+            prefill_only=prefill_only,
         )  # fmt: skip
         handle = RequestHandle(self, req, loop)
         with self._lock:
@@ -166,6 +171,37 @@ class Engine:
                 handle.request.cancel_requested = True
                 self._wake.notify()
 
+    def snapshot(self, request_id: str) -> concurrent.futures.Future:
+        """At the next token boundary, copy a request's state without stopping it.
+
+        The future yields (state [1, ...] on the host, token history whose last token is pending).
+        """
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if request_id not in self._handles:
+                raise KeyError(f"no request {request_id!r} in flight")
+            self._snapshots.append((request_id, fut))
+            self._wake.notify()
+        return fut
+
+    def _take_snapshots(self) -> None:
+        for rid, fut in self._snapshots:
+            handle = self._handles.get(rid)
+            if handle is None:
+                fut.set_exception(KeyError(f"request {rid!r} finished before its snapshot"))
+                continue
+            req = handle.request
+            if req.slot is not None:
+                state = self.arena.read(req.slot)
+            elif req.parked_state is not None:
+                state = {k: v.clone() for k, v in req.parked_state.items()}
+            elif req.initial_state is not None:
+                state = {k: v.clone() for k, v in req.initial_state.items()}
+            else:
+                state = self.model.spec.zeros(1)
+            fut.set_result((state, req.snapshot_history()))
+        self._snapshots.clear()
+
     @property
     def num_unfinished(self) -> int:
         with self._lock:
@@ -175,6 +211,7 @@ class Engine:
     def step(self) -> list[Event]:
         """One engine step: schedule, run the model, sample and postprocess."""
         with self._lock:
+            self._take_snapshots()
             events = self._reap()
             batch = self.scheduler.schedule()
         if batch.work:
@@ -216,9 +253,18 @@ class Engine:
     def _postprocess(self, reqs: list[Request], logits: torch.Tensor | None) -> list[Event]:
         if logits is None:
             return []
+        events = []
+        if any(r.prefill_only for r in reqs):
+            for r in reqs:
+                if r.prefill_only:
+                    self._finish(r, Status.FINISHED_LENGTH)
+                    events.append(Event(r.request_id, [], "", None, Status.FINISHED_LENGTH.value))
+            keep = [i for i, r in enumerate(reqs) if not r.prefill_only]
+            if not keep:
+                return events
+            reqs, logits = [reqs[i] for i in keep], logits[torch.tensor(keep)]
         rows = [self._rows[r.request_id] for r in reqs]
         tokens, lps = sample(logits, rows)
-        events = []
         eos = self.tokenizer.eos_token_id
         for req, tok, lp in zip(reqs, tokens, lps, strict=True):
             p, detok = req.params, self._detok[req.request_id]
@@ -278,8 +324,13 @@ class Engine:
     # --- running -------------------------------------------------------------------------------
     def run_until_done(self) -> None:
         """Step inline until no request is left (offline use; no thread)."""
-        while self.scheduler.has_work:
+        while self.scheduler.has_work or self._snapshots:
             self.step()
+
+    @property
+    def threaded(self) -> bool:
+        """True when the step loop runs on its own thread (else callers step inline)."""
+        return self._thread is not None
 
     def start(self) -> None:
         if self._thread is None:

@@ -35,7 +35,9 @@ class Request:
     priority: int = 0  # lower runs first; ties go to the earlier arrival
     deadline: float | None = None  # monotonic seconds
     initial_state: State | None = None  # start from this state instead of zeros (host copy, batch 1)
+    base_ids: list[int] = field(default_factory=list)  # tokens already inside initial_state
     capture_state: bool = False  # keep a host copy of the final state in `final_state`
+    prefill_only: bool = False  # feed the prompt, sample nothing, finish (to build a state)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens of prompt + output already fed into the state
@@ -73,6 +75,15 @@ class Request:
     def fed_token_ids(self) -> list[int]:
         """Exactly the tokens whose effect is in the state."""
         return [self.token_at(i) for i in range(self.num_computed_tokens)]
+
+    def history(self) -> list[int]:
+        """All tokens of this sequence, base included; the state holds all but the pending (last) one."""
+        return self.base_ids + self.prompt_ids + self.output_ids
+
+    def snapshot_history(self) -> list[int]:
+        """Tokens matching the current state: those fed, plus the next one as pending."""
+        fed = self.base_ids + self.fed_token_ids()
+        return fed + [self.token_at(self.num_computed_tokens)] if self.gap > 0 else fed
 
     def check_invariant(self) -> None:
         assert self.num_computed_tokens <= self.num_tokens, (

@@ -81,9 +81,9 @@ def rwkv7_state_spec(cfg: RWKV7Config) -> StateSpec:
     tensors: list[TensorSpec] = []
     for i in range(cfg.n_layer):
         tensors += [
-            TensorSpec(f"layers.{i}.att_shift", (C,)),
-            TensorSpec(f"layers.{i}.wkv", (H, N, N)),
-            TensorSpec(f"layers.{i}.ffn_shift", (C,)),
+            TensorSpec(f"layers.{i}.att_shift", (C,), kind="shift"),
+            TensorSpec(f"layers.{i}.wkv", (H, N, N), kind="recurrent"),
+            TensorSpec(f"layers.{i}.ffn_shift", (C,), kind="shift"),
         ]
     return StateSpec(FAMILY, tuple(tensors))
 

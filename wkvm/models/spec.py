@@ -23,6 +23,7 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str = "float32"
+    kind: str = "recurrent"  # "recurrent" (a matrix memory, e.g. wkv) or "shift" (the last token's input)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -52,7 +53,7 @@ class StateSpec:
 
     @property
     def spec_hash(self) -> str:
-        doc = {"family": self.family, "tensors": [[t.name, list(t.shape), t.dtype] for t in self.tensors]}
+        doc = {"family": self.family, "tensors": [[t.name, list(t.shape), t.dtype, t.kind] for t in self.tensors]}
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
     def zeros(self, batch: int = 1, device: torch.device | str = "cpu") -> State:

@@ -1,0 +1,64 @@
+"""State mutation rules: registered functions that derive a new state, recorded with their parameters.
+
+A rule gets the spec, the source tensors ([1, ...]), the request's params and a loader for other handles,
+and returns new tensors. Register your own with `@register_mutation("name")`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from wkvm.models.spec import State, StateSpec
+
+Loader = Callable[[str], State]
+MutationRule = Callable[[StateSpec, State, dict, Loader], State]
+RULES: dict[str, MutationRule] = {}
+
+
+class MutationError(ValueError):
+    pass
+
+
+def register_mutation(name: str) -> Callable[[MutationRule], MutationRule]:
+    def deco(fn: MutationRule) -> MutationRule:
+        RULES[name] = fn
+        return fn
+
+    return deco
+
+
+def _fraction(params: dict, key: str) -> float:
+    try:
+        value = float(params[key])
+    except (KeyError, TypeError, ValueError):
+        raise MutationError(f"params.{key} must be a number in [0, 1]") from None
+    if not 0.0 <= value <= 1.0:
+        raise MutationError(f"params.{key} must be in [0, 1], got {value}")
+    return value
+
+
+@register_mutation("decay")
+def decay(spec: StateSpec, state: State, params: dict, load: Loader) -> State:
+    """Scale the recurrent (matrix) memory by alpha: 1 keeps it, 0 forgets it; token shifts are kept."""
+    alpha = _fraction(params, "alpha")
+    kinds = {t.name: t.kind for t in spec.tensors}
+    return {k: v * alpha if kinds[k] == "recurrent" else v.clone() for k, v in state.items()}
+
+
+@register_mutation("interpolate")
+def interpolate(spec: StateSpec, state: State, params: dict, load: Loader) -> State:
+    """(1 - t) * this + t * other, tensor by tensor; both states come from the same model."""
+    t = _fraction(params, "t")
+    other = params.get("other")
+    if not isinstance(other, str):
+        raise MutationError("params.other must be the handle of a state of the same model")
+    other_state = load(other)
+    return {k: torch.lerp(v, other_state[k].to(v.device), t) for k, v in state.items()}
+
+
+def apply_mutation(rule: str, spec: StateSpec, state: State, params: dict, load: Loader) -> State:
+    if rule not in RULES:
+        raise MutationError(f"unknown mutation rule {rule!r}; known: {sorted(RULES)}")
+    return RULES[rule](spec, state, params, load)
