@@ -137,6 +137,24 @@ def decode(data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int | Non
     return tensors, meta
 
 
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def read_tensors(path, spec: StateSpec) -> State:
+    """Fast read of a trusted local state file: one read, tensors are views into it (no checksum)."""
+    raw = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+    n = int.from_bytes(raw[:8].numpy().tobytes(), "little")
+    header = json.loads(raw[8 : 8 + n].numpy().tobytes())
+    out: State = {}
+    for t in spec.tensors:
+        entry = header.get(t.name)
+        if entry is None or _ST_DTYPES.get(entry["dtype"]) != t.torch_dtype or tuple(entry["shape"]) != t.shape:
+            raise StateFileError(f"{path}: tensor {t.name} missing or of the wrong shape/dtype")
+        start, end = entry["data_offsets"]
+        out[t.name] = raw[8 + n + start : 8 + n + end].view(t.torch_dtype).view(t.shape)
+    return out
+
+
 def _metadata(data: bytes) -> dict[str, str]:
     n = int.from_bytes(data[:8], "little")
     try:

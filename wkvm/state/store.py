@@ -51,6 +51,7 @@ class TierCache:
         self.limit = limit
         self.is_pinned = is_pinned
         self.items: OrderedDict[str, State] = OrderedDict()
+        self.sizes: dict[str, int] = {}
         self.nbytes = 0
 
     def __contains__(self, blob: str) -> bool:
@@ -65,13 +66,13 @@ class TierCache:
     def pop(self, blob: str) -> State | None:
         tensors = self.items.pop(blob, None)
         if tensors is not None:
-            self.nbytes -= _nbytes(tensors)
+            self.nbytes -= self.sizes.pop(blob)
         return tensors
 
     def put(self, blob: str, tensors: State) -> list[tuple[str, State]] | None:
         """Insert, evicting LRU unpinned entries; returns them, or None if it cannot fit (nothing changes)."""
         size = _nbytes(tensors)
-        evictable = sum(_nbytes(t) for b, t in self.items.items() if not self.is_pinned(b))
+        evictable = sum(n for b, n in self.sizes.items() if not self.is_pinned(b))
         if size > self.limit - (self.nbytes - evictable):
             return None
         evicted = []
@@ -81,6 +82,7 @@ class TierCache:
             if not self.is_pinned(b):
                 evicted.append((b, self.pop(b)))
         self.items[blob] = tensors
+        self.sizes[blob] = size
         self.nbytes += size
         return evicted
 
@@ -270,15 +272,13 @@ class StateStore:
         return self.blob_dir / f"{blob}.state"
 
     def _read_blob(self, blob: str, verify: bool) -> tuple[State, StateMeta | None]:
+        if not verify:
+            return statefile.read_tensors(self._blob_path(blob), self.spec), None
         data = self._blob_path(blob).read_bytes()
-        if verify:
-            tensors, meta = statefile.decode(data, self.spec, self.fingerprint, self.vocab_size)
-            if statefile.tensor_digest(self.spec, tensors) != blob:
-                raise StateFileError("blob content does not match its name")
-            return tensors, meta
-        from safetensors.torch import load as st_load
-
-        return st_load(data), None
+        tensors, meta = statefile.decode(data, self.spec, self.fingerprint, self.vocab_size)
+        if statefile.tensor_digest(self.spec, tensors) != blob:
+            raise StateFileError("blob content does not match its name")
+        return tensors, meta
 
     def export_bytes(self, owner: str, handle: str) -> bytes:
         rec, state = self.load(owner, handle)
