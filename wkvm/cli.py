@@ -27,22 +27,83 @@ def default_model() -> Path:
     return path
 
 
+SERVE_FLAGS: list[tuple[str, type, object, str]] = [
+    ("model", str, None, "BlinkDL .pth or HF/fla directory (default: the embedded model)"),
+    ("host", str, "127.0.0.1", "address to bind; anything but loopback is reachable from other machines"),
+    ("port", int, 8000, "TCP port"),
+    ("api-key", str, None, "API key(s), comma-separated; then every route but /health needs one"),
+    ("api-key-file", str, None, "file with one API key per line ('#' comments)"),
+    ("served-model-name", str, None, "model id reported by /v1/models"),
+    ("slots", int, 8, "state slots: sequences running at once"),
+    ("max-queue", int, 256, "waiting requests beyond which the server answers 429"),
+    ("token-budget", int, 512, "tokens per engine step (decode + prefill)"),
+    ("prefill-chunk", int, 256, "most prompt tokens one request feeds per step"),
+    ("request-timeout", float, None, "seconds before a request is aborted"),
+    ("state-dir", str, None, "directory of durable states (default: a temporary one)"),
+    ("state-device-bytes", int, 256 << 20, "bytes of states kept on the device"),
+    ("state-host-bytes", int, 1 << 30, "bytes of states kept in host RAM"),
+    ("state-disk-quota", int, None, "bytes of state files on disk (default: unlimited)"),
+    ("max-body-bytes", int, 256 << 20, "largest request body"),
+    ("max-prompt-tokens", int, 1 << 17, "largest prompt in tokens"),
+    ("max-tokens-limit", int, 1 << 14, "most tokens one request may generate"),
+    ("max-chat-sessions", int, 1024, "parked chat sessions (parent-token-v1) kept"),
+    ("chat-session-ttl", float, 24 * 3600.0, "seconds a parked chat session lives"),
+    ("checkpoint-bytes", int, 1 << 30, "bytes of prefix-reuse checkpoints kept"),
+]
+SERVE_SWITCHES = [
+    ("no-prefix-reuse", "switch off every kind of state reuse (the baseline)"),
+    ("verify-state-loads", "check the sha256 of every state read from disk"),
+]
+
+
+def read_api_keys(args: argparse.Namespace) -> list[str]:
+    keys = [k.strip() for k in (args.api_key or "").split(",") if k.strip()]
+    if args.api_key_file:
+        for line in Path(args.api_key_file).read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                keys.append(line)
+    return keys
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from wkvm.llm import LLM
-    from wkvm.server.minimal import create_app
+    from wkvm.config import ServerConfig
+    from wkvm.server.app import create_app
 
     model = args.model
     if not model:
-        model = default_model()
+        model = str(default_model())
         log.warning("no --model given: serving a small RANDOM model from %s (its output is noise)", model)
-    name = args.served_model_name or Path(model).stem
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("binding %s: the server is reachable from other machines", args.host)
-    app = create_app(LLM(model=model), name)
-    uvicorn.run(app, host=args.host, port=int(args.port), log_level="info")
+    keys = read_api_keys(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
+        log.warning("binding %s without an API key: anyone who can reach this port can use the server", args.host)
+    config = ServerConfig(
+        model=model, host=args.host, port=args.port, api_keys=keys, served_model_name=args.served_model_name,
+        slots=args.slots, max_queue=args.max_queue, token_budget=args.token_budget, prefill_chunk=args.prefill_chunk,
+        request_timeout=args.request_timeout, state_dir=args.state_dir, state_device_bytes=args.state_device_bytes,
+        state_host_bytes=args.state_host_bytes, state_disk_quota=args.state_disk_quota,
+        verify_state_loads=args.verify_state_loads, max_body_bytes=args.max_body_bytes,
+        max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
+        prefix_reuse=not args.no_prefix_reuse, max_chat_sessions=args.max_chat_sessions,
+        chat_session_ttl=args.chat_session_ttl, checkpoint_bytes=args.checkpoint_bytes,
+    )  # fmt: skip
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def add_serve_flags(s: argparse.ArgumentParser) -> None:
+    for flag, typ, default, help_ in SERVE_FLAGS:
+        raw = env_default(flag)
+        if flag == "api-key" and raw is None:
+            raw = os.environ.get("WKVM_API_KEY")
+        s.add_argument(f"--{flag}", type=typ, default=typ(raw) if raw is not None else default,
+                       help=f"{help_} [env WKVM_{flag.upper().replace('-', '_')}]")  # fmt: skip
+    for flag, help_ in SERVE_SWITCHES:
+        on = (env_default(flag) or "").lower() in ("1", "true", "yes", "on")
+        s.add_argument(f"--{flag}", action="store_true", default=on,
+                       help=f"{help_} [env WKVM_{flag.upper().replace('-', '_')}=1]")  # fmt: skip
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -76,10 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    s.add_argument("--model", default=env_default("model"), help="BlinkDL .pth or HF/fla directory")
-    s.add_argument("--host", default=env_default("host", "127.0.0.1"))
-    s.add_argument("--port", default=env_default("port", "8000"))
-    s.add_argument("--served-model-name", default=env_default("served_model_name"))
+    add_serve_flags(s)
     s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generate", help="generate from a prompt")

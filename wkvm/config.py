@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -22,3 +22,42 @@ class EngineConfig:
             raise ValueError("token_budget must be at least n_slots, so every running sequence can decode each step")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError("request_timeout must be positive")
+
+
+@dataclass
+class ServerConfig:
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: list[str] = field(default_factory=list)
+    served_model_name: str | None = None
+    slots: int = 8
+    max_queue: int = 256
+    token_budget: int = 512
+    prefill_chunk: int = 256
+    request_timeout: float | None = None
+    state_dir: str | None = None  # None: a fresh temporary directory (states do not outlive the process)
+    state_device_bytes: int = 256 << 20
+    state_host_bytes: int = 1 << 30
+    state_disk_quota: int | None = None
+    verify_state_loads: bool = False
+    max_body_bytes: int = 256 << 20
+    max_prompt_tokens: int = 1 << 17
+    max_tokens_limit: int = 1 << 14  # the most tokens one request may ask to generate
+    prefix_reuse: bool = True
+    max_chat_sessions: int = 1024
+    chat_session_ttl: float = 24 * 3600.0
+    checkpoint_bytes: int = 1 << 30  # prefix-reuse checkpoints kept before LRU eviction
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError("port must be in 1..65535")
+        for name in ("slots", "max_queue", "max_body_bytes", "max_prompt_tokens", "max_tokens_limit"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+
+    def engine_config(self, device: str = "cpu") -> EngineConfig:
+        return EngineConfig(
+            n_slots=self.slots, max_queue=self.max_queue, token_budget=max(self.token_budget, self.slots),
+            prefill_chunk=self.prefill_chunk, request_timeout=self.request_timeout, device=device,
+        )  # fmt: skip

@@ -1,0 +1,104 @@
+"""The Durable State API over HTTP: every route, auth and tenancy, export from one process into another."""
+
+import httpx
+import pytest
+from live_server import LiveServer, ServerProcess
+
+KEYS = ["key-alice", "key-bob"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pth, tmp_path_factory):
+    state_dir = tmp_path_factory.mktemp("server-states")
+    with LiveServer(model=str(tiny_pth), api_keys=KEYS, state_dir=str(state_dir), slots=4) as s:
+        yield s
+
+
+def client(server, key="key-alice", **headers):
+    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}", **headers}, timeout=60)
+
+
+def greedy(n=8):
+    return {"max_tokens": n, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+
+def test_auth_required_except_health(server):
+    anon = httpx.Client(base_url=server.url)
+    assert anon.get("/health").status_code == 200
+    for method, path in [("GET", "/v1/models"), ("GET", "/v1/states"), ("GET", "/metrics"), ("GET", "/openapi.json"),
+                         ("POST", "/v1/completions")]:  # fmt: skip
+        r = anon.request(method, path, json={})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+    assert anon.get("/v1/models", headers={"X-Api-Key": "key-bob"}).status_code == 200
+    assert anon.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+
+
+def test_every_states_route(server):
+    c = client(server)
+    prompt = [5, 6, 7, 8, 9, 10]
+    r = c.post("/v1/states", json={"name": "tour", "prompt_ids": prompt})
+    assert r.status_code == 200, r.text
+    info = r.json()
+    assert info["handle"] == "tour@1" and info["n_tokens"] == 6 and info["op"] == "create" and info["tier"] == "device"
+    assert c.get("/v1/states/tour").json()["handle"] == "tour@1"
+    fork = c.post("/v1/states/tour/fork", json={"name": "branch"}).json()
+    assert fork["parent"] == "tour@1" and fork["op"] == "fork"
+
+    fresh = c.post("/v1/completions", json={"prompt": prompt + [3, 4], **greedy()}).json()
+    gen = c.post("/v1/states/tour/generate", json={"prompt_ids": [3, 4], "save_as": "tour", **greedy()}).json()
+    assert gen["choices"][0]["token_ids"] == fresh["choices"][0]["token_ids"]
+    assert gen["state"]["handle"] == "tour@2" and gen["state"]["parent"] == "tour@1"
+    cont = c.post("/v1/states/tour/generate", json={"prompt_ids": [], **greedy(4)}).json()
+    longer = c.post("/v1/completions", json={"prompt": prompt + [3, 4], **greedy(12)}).json()
+    assert cont["choices"][0]["token_ids"] == longer["choices"][0]["token_ids"][8:]
+
+    stream = c.post("/v1/states/branch/generate", json={"prompt_ids": [3, 4], "stream": True, **greedy()})
+    assert stream.headers["content-type"].startswith("text/event-stream") and "data: [DONE]" in stream.text
+
+    mutated = c.post("/v1/states/tour@1/mutate", json={"rule": "decay", "params": {"alpha": 0.5}}).json()
+    assert mutated["op"] == "mutate" and mutated["handle"] == "tour@3" and mutated["op_params"]["alpha"] == 0.5
+    assert c.post("/v1/states/tour/mutate", json={"rule": "nope"}).status_code == 400
+    assert c.post("/v1/states/tour@1/hibernate", json={"tier": "disk"}).json()["tier"] == "disk"
+    assert c.post("/v1/states/tour@1/hibernate", json={"tier": "host"}).json()["tier"] in ("disk", "host")
+    assert c.post("/v1/states/tour@1/pin").json()["pinned"] is True
+    assert c.post("/v1/states/tour@1/unpin").json()["pinned"] is False
+    listed = [s["handle"] for s in c.get("/v1/states").json()["data"]]
+    assert {"tour@1", "tour@2", "tour@3", "branch@1"} <= set(listed)
+
+    data = c.get("/v1/states/tour@1/export")
+    assert data.headers["content-type"] == "application/octet-stream"
+    imported = c.post("/v1/states/import?name=copy", content=data.content,
+                      headers={"content-type": "application/octet-stream"}).json()  # fmt: skip
+    assert imported["handle"] == "copy@1" and imported["op"] == "import"
+    assert c.post("/v1/states/import", content=b"garbage").json()["error"]["code"] == "invalid_state"
+
+    assert c.delete("/v1/states/branch").json()["deleted"] is True
+    assert c.get("/v1/states/branch").status_code == 404
+    assert c.get("/v1/states/tour@x").status_code == 400
+    assert c.post("/v1/states", json={"name": "../x", "prompt_ids": [1]}).status_code == 400
+
+
+def test_tenants_never_see_each_other(server):
+    alice, bob = client(server), client(server, "key-bob")
+    alice.post("/v1/states", json={"name": "secret", "prompt_ids": [1, 2, 3]})
+    assert bob.get("/v1/states/secret").status_code == 404
+    assert bob.post("/v1/states/secret/generate", json={"prompt_ids": [1]}).status_code == 404
+    assert bob.get("/v1/states/secret/export").status_code == 404
+    assert bob.delete("/v1/states/secret").status_code == 404
+    assert "secret@1" not in [s["handle"] for s in bob.get("/v1/states").json()["data"]]
+    # the same key with a different Open WebUI user is another tenant too
+    carol = client(server, "key-alice", **{"X-OpenWebUI-User-Id": "carol"})
+    assert carol.get("/v1/states/secret").status_code == 404
+
+
+def test_export_one_process_import_another(server, tiny_pth, tmp_path):
+    c = client(server)
+    c.post("/v1/states", json={"name": "mover", "prompt_ids": [9, 8, 7, 6]})
+    data = c.get("/v1/states/mover/export").content
+    expected = c.post("/v1/states/mover/generate", json={"prompt_ids": [1, 2], **greedy()}).json()
+    with ServerProcess("--model", str(tiny_pth), "--state-dir", str(tmp_path / "other")) as other:
+        o = httpx.Client(base_url=other.url, timeout=60)
+        rec = o.post("/v1/states/import", content=data).json()
+        assert rec["handle"] == "mover@1", rec
+        got = o.post("/v1/states/mover/generate", json={"prompt_ids": [1, 2], **greedy()}).json()
+    assert got["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]

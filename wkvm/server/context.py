@@ -1,0 +1,104 @@
+"""Everything a request handler needs: model, engine, state store, template, metrics, auth."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import Request
+
+from wkvm.chat_template import ChatTemplate, load_chat_template
+from wkvm.config import ServerConfig
+from wkvm.engine.engine import Engine
+from wkvm.models.loader import load_model
+from wkvm.server.errors import APIError
+from wkvm.server.metrics import Metrics
+from wkvm.state.service import StateService
+from wkvm.state.store import StateStore, StoreLimits
+from wkvm.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger("wkvm.server")
+
+
+@dataclass
+class ServerContext:
+    config: ServerConfig
+    metrics: Metrics = field(default_factory=Metrics)
+    ready: threading.Event = field(default_factory=threading.Event)
+    load_error: str | None = None
+    model: object = None
+    tokenizer: Tokenizer | None = None
+    template: ChatTemplate | None = None
+    engine: Engine | None = None
+    store: StateStore | None = None
+    service: StateService | None = None
+    sessions: object = None  # chat continuity (wkvm.server.sessions), set once loaded
+    _tmp: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def model_name(self) -> str:
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        return Path(self.config.model).stem if self.config.model else "wkvm"
+
+    def load(self) -> None:
+        """Load the model and build the engine and store (called on a background thread at startup)."""
+        try:
+            cfg = self.config
+            self.model = load_model(cfg.model)
+            self.tokenizer = load_tokenizer(cfg.model)
+            self.template = load_chat_template(cfg.model)
+            self.engine = Engine(self.model, self.tokenizer, cfg.engine_config())
+            if cfg.state_dir is None:
+                self._tmp = tempfile.TemporaryDirectory(prefix="wkvm-states-")
+            root = cfg.state_dir or self._tmp.name
+            limits = StoreLimits(cfg.state_device_bytes, cfg.state_host_bytes, cfg.state_disk_quota)
+            self.store = StateStore(root, self.model.spec, self.model.fingerprint, self.model.vocab_size,
+                                    limits=limits, verify_on_load=cfg.verify_state_loads)  # fmt: skip
+            self.service = StateService(self.engine, self.store)
+            from wkvm.server.sessions import ChatSessions
+
+            self.sessions = ChatSessions(self)
+            self.engine.start()
+            self.ready.set()
+            log.info("model %s loaded (fingerprint %s...)", self.model_name, self.model.fingerprint[:12])
+        except Exception as e:  # reported by /health and every route, instead of a dead process
+            self.load_error = f"{type(e).__name__}: {e}"
+            log.exception("model load failed")
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown(drain=True, timeout=30)
+        if self.store is not None:
+            self.store.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def require_ready(self) -> None:
+        if self.load_error:
+            raise APIError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
+        if not self.ready.is_set():
+            raise APIError(503, "the model is still loading; retry shortly", code="not_ready")
+
+    def tenant(self, request: Request) -> str:
+        """Authenticate (when keys are configured) and name the tenant that owns states."""
+        keys = self.config.api_keys
+        key = None
+        auth = request.headers.get("authorization", "")
+        if auth.lower().startswith("bearer "):
+            key = auth[7:].strip()
+        key = key or request.headers.get("x-api-key")
+        if keys:
+            if not key or not any(secrets.compare_digest(key, k) for k in keys):
+                raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer KEY' or 'X-Api-Key'",
+                               code="invalid_api_key")  # fmt: skip
+            owner = "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+        else:
+            owner = "anonymous"
+        user = request.headers.get("x-openwebui-user-id")
+        return f"{owner}/user-{hashlib.sha256(user.encode()).hexdigest()[:16]}" if user else owner

@@ -1,0 +1,81 @@
+"""OpenAI-shaped errors: every failure is `{"error": {"message", "type", "param", "code"}}` with a 4xx status."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from wkvm.engine.engine import EngineClosed
+from wkvm.engine.scheduler import QueueFull
+from wkvm.sampling_params import InvalidParam
+from wkvm.state.mutations import MutationError
+from wkvm.state.statefile import StateFileError
+from wkvm.state.store import QuotaExceeded, StateNotFound
+
+log = logging.getLogger("wkvm.server")
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 409: "conflict_error",
+         413: "request_too_large", 429: "rate_limit_error", 503: "service_unavailable"}  # fmt: skip
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": TYPES.get(status, "api_error"), "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def _param(loc: tuple) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out or "body"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError):
+        return error_response(e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {"loc": ("body",), "msg": "invalid request"}
+        param = _param(tuple(first.get("loc", ())))
+        msg = first.get("msg", "invalid value")
+        if first.get("type") == "json_invalid":
+            return error_response(400, "the request body is not valid JSON", "body", "invalid_json")
+        return error_response(400, f"{param}: {msg}", param, "invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException):
+        status = e.status_code if 400 <= e.status_code < 500 else 400
+        message = "no such route" if e.status_code == 404 else str(e.detail)
+        return error_response(status, message)
+
+    handlers = {
+        InvalidParam: lambda e: error_response(400, str(e), e.param, "invalid_value"),
+        StateNotFound: lambda e: error_response(404, str(e), "handle", "state_not_found"),
+        StateFileError: lambda e: error_response(400, str(e), "body", "invalid_state"),
+        MutationError: lambda e: error_response(400, str(e), "params", "invalid_mutation"),
+        QuotaExceeded: lambda e: error_response(413, str(e), None, "state_quota_exceeded"),
+        QueueFull: lambda e: error_response(429, str(e), None, "queue_full"),
+        EngineClosed: lambda e: error_response(503, str(e), None, "shutting_down"),
+    }
+    for exc, make in handlers.items():
+        app.add_exception_handler(exc, lambda _r, e, make=make: make(e))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception):
+        log.exception("unhandled error (a bug)")
+        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), status_code=500)

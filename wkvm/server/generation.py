@@ -1,0 +1,220 @@
+"""Shared generation plumbing for the HTTP routes: prompts, n-way forks, waiting, streaming, logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from wkvm.engine.engine import Event, RequestHandle
+from wkvm.models.spec import State
+from wkvm.sampling_params import MAX_STOP_STRINGS, InvalidParam, SamplingParams
+from wkvm.server.context import ServerContext
+from wkvm.server.errors import APIError
+from wkvm.server.schemas import SamplingFields
+
+DEFAULT_CHAT_MAX_TOKENS = 1024
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def encode_prompt(ctx: ServerContext, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise APIError(400, f"{param} is empty: give at least one token", param, "empty_prompt")
+    vocab = ctx.model.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"{param}: token id {bad} is outside the vocabulary 0..{vocab - 1}", param, "invalid_token")
+    if len(ids) > ctx.config.max_prompt_tokens:
+        raise APIError(413, f"{param} has {len(ids)} tokens; the limit is {ctx.config.max_prompt_tokens} "
+                       "(--max-prompt-tokens)", param, "prompt_too_large")  # fmt: skip
+    return ids
+
+
+def sampling_params(
+    ctx: ServerContext, body: SamplingFields, max_tokens: int | None, logprobs: int | None,
+    default_max: int = 16, extra_stop: list[str] | None = None,
+) -> SamplingParams:  # fmt: skip
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", "stop", "invalid_value")
+    for s in extra_stop or []:
+        if len(stop) < MAX_STOP_STRINGS and s not in stop:
+            stop.append(s)
+    n = max_tokens if max_tokens is not None else default_max
+    if n > ctx.config.max_tokens_limit:
+        raise APIError(400, f"max_tokens {n} exceeds this server's limit {ctx.config.max_tokens_limit} "
+                       "(--max-tokens-limit)", "max_tokens", "invalid_value")  # fmt: skip
+    try:
+        return SamplingParams(
+            max_tokens=n, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+            min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty, stop=stop,
+            stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
+        )  # fmt: skip
+    except InvalidParam as e:
+        raise APIError(400, str(e), e.param, "invalid_value") from None
+
+
+def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n copies; a seeded request gives choice i the seed + i, so choices differ but stay reproducible."""
+    if n == 1 or params.seed is None:
+        return [params] * n
+    out = []
+    for i in range(n):
+        p = SamplingParams(**{**params.__dict__})
+        p.seed = (params.seed + i) % (2**64)
+        out.append(p)
+    return out
+
+
+async def launch(
+    ctx: ServerContext, prompt_ids: list[int], params: list[SamplingParams], base_state: State | None = None,
+    base_ids: list[int] | None = None, capture: bool = False,
+) -> list[RequestHandle]:  # fmt: skip
+    """Submit len(params) generations of one prompt; n > 1 prefills once and forks the state n ways."""
+    loop = asyncio.get_running_loop()
+    engine = ctx.engine
+    base_ids = list(base_ids or [])
+    if len(params) == 1:
+        return [engine.submit(prompt_ids, params[0], initial_state=base_state, base_ids=base_ids,
+                              capture_state=capture, loop=loop)]  # fmt: skip
+    state = base_state
+    if len(prompt_ids) > 1:
+        pre = engine.submit(prompt_ids[:-1], SamplingParams(max_tokens=1), initial_state=base_state,
+                            base_ids=base_ids, capture_state=True, prefill_only=True, loop=loop)  # fmt: skip
+        async for _ in pre:
+            pass
+        if pre.request.final_state is None:
+            raise APIError(503, pre.output.error or "prefill was aborted", None, "aborted")
+        state, base_ids = pre.request.final_state, base_ids + prompt_ids[:-1]
+    return [engine.submit(prompt_ids[-1:], p, initial_state=state, base_ids=base_ids, capture_state=capture,
+                          loop=loop) for p in params]  # fmt: skip
+
+
+class Watch:
+    """Records TTFT / inter-token latency and cancels the requests if the client goes away."""
+
+    def __init__(self, ctx: ServerContext, request: Request, handles: list[RequestHandle]):
+        self.ctx, self.request, self.handles = ctx, request, handles
+        self.t0 = time.monotonic()
+        self.last: dict[int, float] = {}
+        self._task: asyncio.Task | None = None
+
+    def saw(self, i: int, ev: Event) -> None:
+        if not ev.token_ids:
+            return
+        now = time.monotonic()
+        m = self.ctx.metrics
+        if i in self.last:
+            m.itl.observe((now - self.last[i]) / len(ev.token_ids))
+        else:
+            m.ttft.observe(now - self.t0)
+        self.last[i] = now
+        m.generated_tokens.inc(len(ev.token_ids))
+
+    async def __aenter__(self) -> Watch:
+        self._task = asyncio.create_task(self._watch())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._task:
+            self._task.cancel()
+        self.cancel_unfinished()
+
+    def cancel_unfinished(self) -> None:
+        for h in self.handles:
+            if not h.done.is_set():
+                h.cancel()
+
+    async def _watch(self) -> None:
+        while not all(h.done.is_set() for h in self.handles):
+            if await self.request.is_disconnected():
+                self.cancel_unfinished()
+                return
+            await asyncio.sleep(0.2)
+
+
+async def wait_all(ctx: ServerContext, request: Request, handles: list[RequestHandle]) -> None:
+    async with Watch(ctx, request, handles) as w:
+        for i, h in enumerate(handles):
+            async for ev in h:
+                w.saw(i, ev)
+    for h in handles:
+        if h.output.finish_reason == "error":
+            raise APIError(503, h.output.error or "generation failed", None, "engine_error")
+
+
+async def merged(
+    ctx: ServerContext, request: Request, handles: list[RequestHandle]
+) -> AsyncIterator[tuple[int, Event]]:
+    """Events of all handles as they come, tagged with the handle's index."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, h: RequestHandle) -> None:
+        async for ev in h:
+            await queue.put((i, ev))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    async with Watch(ctx, request, handles) as w:
+        try:
+            left = len(handles)
+            while left:
+                i, ev = await queue.get()
+                w.saw(i, ev)
+                left -= ev.finished
+                yield i, ev
+        finally:
+            for t in tasks:
+                t.cancel()
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+def usage(prompt_tokens: int, handles: list[RequestHandle]) -> dict:
+    completion = sum(len(h.output.token_ids) for h in handles)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+def token_str(ctx: ServerContext, token_id: int) -> str:
+    return ctx.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+def completion_logprobs(ctx: ServerContext, token_ids: list[int], lps: list[dict[int, float]] | None, k: int,
+                        offset: int = 0) -> dict | None:  # fmt: skip
+    """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    if lps is None:
+        return None
+    tokens = [token_str(ctx, t) for t in token_ids]
+    offsets, pos = [], offset
+    for s in tokens:
+        offsets.append(pos)
+        pos += len(s)
+    tops = [dict(sorted(((token_str(ctx, i), v) for i, v in lp.items()), key=lambda kv: -kv[1])[: max(k, 1)])
+            for lp in lps]  # fmt: skip
+    return {"tokens": tokens, "token_logprobs": [lp[t] for t, lp in zip(token_ids, lps, strict=True)],
+            "top_logprobs": tops, "text_offset": offsets}  # fmt: skip
+
+
+def chat_logprobs(ctx: ServerContext, token_ids: list[int], lps: list[dict[int, float]] | None, k: int) -> dict | None:
+    if lps is None:
+        return None
+
+    def entry(t: int, v: float) -> dict:
+        b = ctx.tokenizer.token_bytes(t)
+        return {"token": b.decode("utf-8", errors="replace"), "logprob": v, "bytes": list(b)}
+
+    content = []
+    for t, lp in zip(token_ids, lps, strict=True):
+        top = sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+        content.append({**entry(t, lp[t]), "top_logprobs": [entry(i, v) for i, v in top]})
+    return {"content": content}

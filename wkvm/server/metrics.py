@@ -1,0 +1,44 @@
+"""Prometheus metrics (`wkvm_*`), one registry per server."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("wkvm_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
+        self.prompt_tokens = Counter("wkvm_prompt_tokens", "Prompt tokens received", registry=r)
+        self.generated_tokens = Counter("wkvm_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("wkvm_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
+                              registry=r)  # fmt: skip
+        self.itl = Histogram("wkvm_inter_token_latency_seconds", "Time between tokens", buckets=LATENCY_BUCKETS,
+                             registry=r)  # fmt: skip
+        self.queue_depth = Gauge("wkvm_queue_depth", "Requests waiting for a slot", registry=r)
+        self.running = Gauge("wkvm_running_requests", "Requests holding a slot", registry=r)
+        self.slots_free = Gauge("wkvm_slots_free", "Free state slots", registry=r)
+        self.slots_total = Gauge("wkvm_slots_total", "State slots", registry=r)
+        self.states = Gauge("wkvm_states", "Stored state blobs by tier", ["tier"], registry=r)
+        self.state_bytes = Gauge("wkvm_state_bytes", "Bytes of stored states by tier", ["tier"], registry=r)
+        self.reuse_hits = Counter("wkvm_prefix_reuse_hits", "Requests that resumed from a stored state", registry=r)
+        self.reuse_misses = Counter("wkvm_prefix_reuse_misses", "Requests computed from scratch", registry=r)
+        self.reuse_tokens = Counter("wkvm_prefix_reuse_tokens", "Prompt tokens not recomputed thanks to reuse",
+                                    registry=r)  # fmt: skip
+        self.restarts = Counter("wkvm_session_restarts", "Chat sessions restarted, by reason", ["reason"], registry=r)
+
+    def render(self, engine, store) -> bytes:
+        sched = engine.scheduler
+        self.queue_depth.set(len(sched.waiting))
+        self.running.set(len(sched.running))
+        self.slots_free.set(engine.arena.num_free)
+        self.slots_total.set(engine.arena.n_slots)
+        if store is not None:
+            self.states.labels("device").set(len(store.device_cache.items))
+            self.states.labels("host").set(len(store.host_cache.items))
+            self.state_bytes.labels("device").set(store.device_cache.nbytes)
+            self.state_bytes.labels("host").set(store.host_cache.nbytes)
+            self.state_bytes.labels("disk").set(store.disk_bytes)
+        return generate_latest(self.registry)

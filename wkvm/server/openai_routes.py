@@ -1,0 +1,230 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (blocking and SSE)."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from wkvm.chat_template import ChatTemplateError
+from wkvm.engine.engine import RequestHandle
+from wkvm.server import generation as gen
+from wkvm.server.context import ServerContext
+from wkvm.server.errors import APIError
+from wkvm.server.schemas import ChatRequest, CompletionRequest
+from wkvm.server.sessions import Plan
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def check_model(ctx: ServerContext, model: str | None) -> None:
+    if model not in (None, "", ctx.model_name):
+        raise APIError(404, f"model {model!r} not found; this server serves {ctx.model_name!r}", "model",
+                       "model_not_found")  # fmt: skip
+
+
+def save_final(ctx: ServerContext, tenant: str, name: str | None, plan: Plan, h: RequestHandle) -> dict | None:
+    if not name or h.request.final_state is None:
+        return None
+    rec = ctx.store.put(tenant, name, h.request.final_state, h.request.history(), parent=plan.parent,
+                        op="generate", op_params={"completion_tokens": len(h.output.token_ids)})  # fmt: skip
+    return rec.info(ctx.model_name)
+
+
+async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body, params, headers=None):
+    try:
+        plan = ctx.sessions.plan(tenant, prompt_ids, body.state, headers)
+    except ValueError as e:
+        raise APIError(400, str(e), "state", "invalid_state") from None
+    handles = await gen.launch(ctx, plan.feed_ids, params, plan.base_state, plan.base_ids,
+                               capture=plan.capture or bool(body.save_state))  # fmt: skip
+    ctx.metrics.prompt_tokens.inc(len(prompt_ids))
+    return plan, handles
+
+
+def finish(ctx: ServerContext, tenant: str, body, plan: Plan, handles: list[RequestHandle]) -> dict:
+    extra: dict = {"wkvm": plan.info}
+    if plan.finish is not None:
+        plan.finish(handles)
+    saved = save_final(ctx, tenant, body.save_state, plan, handles[0]) if body.save_state else None
+    if saved:
+        extra["state"] = saved
+    return extra
+
+
+def router(ctx: ServerContext, auth) -> APIRouter:
+    r = APIRouter(dependencies=[auth])
+
+    @r.get("/v1/models")
+    def models() -> dict:
+        ctx.require_ready()
+        return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": 0,
+                                            "owned_by": "wkvm", "root": ctx.config.model}]}  # fmt: skip
+
+    @r.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        ctx.require_ready()
+        tenant = ctx.tenant(request)
+        check_model(ctx, body.model)
+        for field, bad in (
+            ("echo", body.echo),
+            ("suffix", body.suffix),
+            ("best_of", body.best_of not in (None, body.n)),
+        ):
+            if bad:
+                raise APIError(400, f"{field} is not supported", field, "unsupported")
+        p = body.prompt
+        batch = isinstance(p, list) and p and isinstance(p[0], (str, list))
+        prompts = list(p) if batch else [p]
+        if len(prompts) > 1 and (body.state or body.save_state):
+            raise APIError(400, "state and save_state take a single prompt", "prompt", "invalid_value")
+        if body.save_state and body.n > 1:
+            raise APIError(400, "save_state needs n = 1", "save_state", "invalid_value")
+        params = gen.per_choice(gen.sampling_params(ctx, body, body.max_tokens, body.logprobs), body.n)
+        encoded = [gen.encode_prompt(ctx, q, "prompt") for q in prompts]
+        runs = [await start(ctx, tenant, ids, body, params, request.headers) for ids in encoded]
+        handles = [h for _, hs in runs for h in hs]
+        prompt_tokens = sum(len(ids) for ids in encoded)
+        rid, created = gen.new_id("cmpl"), int(time.time())
+        k = body.logprobs or 0
+
+        def choice(i: int, h: RequestHandle) -> dict:
+            c = {"index": i, "text": h.output.text, "finish_reason": h.output.finish_reason,
+                 "logprobs": gen.completion_logprobs(ctx, h.output.token_ids, h.output.logprobs, k)}  # fmt: skip
+            if body.return_token_ids:
+                c["token_ids"] = h.output.token_ids
+                c["prompt_token_ids"] = encoded[i // body.n]
+            return c
+
+        base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
+        if body.stream:
+            return StreamingResponse(
+                stream_completion(ctx, request, body, runs, handles, base, prompt_tokens, tenant, k),
+                media_type="text/event-stream",
+            )
+        await gen.wait_all(ctx, request, handles)
+        extra = [finish(ctx, tenant, body, plan, hs) for plan, hs in runs][0]
+        out = {**base, "choices": [choice(i, h) for i, h in enumerate(handles)],
+               "usage": gen.usage(prompt_tokens, handles), **extra}  # fmt: skip
+        if body.return_token_ids:
+            out["prompt_token_ids"] = encoded[0]
+        return out
+
+    @r.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        ctx.require_ready()
+        tenant = ctx.tenant(request)
+        check_model(ctx, body.model)
+        messages = chat_messages(body)
+        try:
+            text = ctx.template.render(messages)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), "messages", "template_error") from None
+        if body.save_state and body.n > 1:
+            raise APIError(400, "save_state needs n = 1", "save_state", "invalid_value")
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        sp = gen.sampling_params(ctx, body, max_tokens, k, gen.DEFAULT_CHAT_MAX_TOKENS, ctx.template.stop)
+        params = gen.per_choice(sp, body.n)
+        prompt_ids = gen.encode_prompt(ctx, text, "messages")
+        headers = {**request.headers, "_messages": messages}
+        plan, handles = await start(ctx, tenant, prompt_ids, body, params, headers)
+        base = {"id": gen.new_id("chatcmpl"), "created": int(time.time()), "model": ctx.model_name}
+        if body.stream:
+            return StreamingResponse(
+                stream_chat(ctx, request, body, plan, handles, base, len(prompt_ids), tenant, k),
+                media_type="text/event-stream",
+            )
+        await gen.wait_all(ctx, request, handles)
+        extra = finish(ctx, tenant, body, plan, handles)
+        choices = []
+        for i, h in enumerate(handles):
+            c = {"index": i, "message": {"role": "assistant", "content": h.output.text},
+                 "finish_reason": h.output.finish_reason,
+                 "logprobs": gen.chat_logprobs(ctx, h.output.token_ids, h.output.logprobs, k or 0)}  # fmt: skip
+            if body.return_token_ids:
+                c["token_ids"] = h.output.token_ids
+            choices.append(c)
+        out = {**base, "object": "chat.completion", "choices": choices,
+               "usage": gen.usage(len(prompt_ids), handles), **extra}  # fmt: skip
+        if body.return_token_ids:
+            out["prompt_token_ids"] = prompt_ids
+        return out
+
+    return r
+
+
+def chat_messages(body: ChatRequest) -> list[dict[str, str]]:
+    if body.tools or body.functions:
+        raise APIError(400, "tools / function calling is not supported yet", "tools", "unsupported")
+    fmt = (body.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise APIError(400, f"response_format {fmt!r} is not supported yet (only 'text')", "response_format",
+                       "unsupported")  # fmt: skip
+    out = []
+    for i, m in enumerate(body.messages):
+        if m.role not in CHAT_ROLES:
+            raise APIError(400, f"messages[{i}].role {m.role!r} is not supported; use one of {list(CHAT_ROLES)}",
+                           f"messages[{i}].role", "invalid_value")  # fmt: skip
+        if isinstance(m.content, list):
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    msg = f"messages[{i}].content[{j}]: only text parts are supported yet (got {part.type!r})"
+                    raise APIError(400, msg, f"messages[{i}].content[{j}].type", "unsupported")
+            content = "".join(part.text for part in m.content)
+        else:
+            content = m.content or ""
+        out.append({"role": m.role, "content": content})
+    return out
+
+
+async def stream_completion(ctx, request, body, runs, handles, base, prompt_tokens, tenant, k):
+    offsets = [0] * len(handles)
+
+    def chunk(i, ev):
+        c = {"index": i, "text": ev.text, "finish_reason": ev.finish_reason,
+             "logprobs": gen.completion_logprobs(ctx, ev.token_ids, ev.logprobs, k, offsets[i])}  # fmt: skip
+        offsets[i] += len(ev.text)
+        if body.return_token_ids:
+            c["token_ids"] = ev.token_ids
+        return {**base, "choices": [c]}
+
+    async for line in stream_chunks(ctx, request, body, handles, chunk, prompt_tokens, base,
+                                    lambda: [finish(ctx, tenant, body, plan, hs) for plan, hs in runs][0]):  # fmt: skip
+        yield line
+
+
+async def stream_chat(ctx, request, body, plan, handles, base, prompt_tokens, tenant, k):
+    base = {**base, "object": "chat.completion.chunk"}
+    for i in range(len(handles)):
+        delta = {"role": "assistant", "content": ""}
+        yield gen.sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]})
+
+    def chunk(i, ev):
+        c = {"index": i, "delta": {"content": ev.text} if ev.text else {}, "finish_reason": ev.finish_reason,
+             "logprobs": gen.chat_logprobs(ctx, ev.token_ids, ev.logprobs, k or 0)}  # fmt: skip
+        if body.return_token_ids:
+            c["token_ids"] = ev.token_ids
+        return {**base, "choices": [c]}
+
+    async for line in stream_chunks(ctx, request, body, handles, chunk, prompt_tokens, base,
+                                    lambda: finish(ctx, tenant, body, plan, handles)):  # fmt: skip
+        yield line
+
+
+async def stream_chunks(ctx, request, body, handles, chunk, prompt_tokens, base, on_done):
+    """SSE lines: a chunk per event; the very last choice chunk carries the `wkvm` (and `state`) extras."""
+    held = None
+    async for i, ev in gen.merged(ctx, request, handles):
+        if not ev.token_ids and not ev.finished and not ev.text:
+            continue
+        if held is not None:
+            yield gen.sse(held)
+        held = chunk(i, ev)
+    if held is not None:
+        held.update(on_done())
+        yield gen.sse(held)
+    if body.stream_options and body.stream_options.include_usage:
+        yield gen.sse({**base, "choices": [], "usage": gen.usage(prompt_tokens, handles)})
+    yield gen.sse("[DONE]")

@@ -1,0 +1,176 @@
+"""The Durable State API: /v1/states (create, list, get, delete, fork, generate, mutate, hibernate, pin,
+export, import). Every route acts only on the caller's own states; another tenant's handle is a 404."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from wkvm.server import generation as gen
+from wkvm.server.context import ServerContext
+from wkvm.server.errors import APIError
+from wkvm.server.openai_routes import stream_chunks
+from wkvm.server.schemas import CreateStateRequest, ForkRequest, HibernateRequest, MutateRequest, StateGenerateRequest
+from wkvm.state.statefile import valid_name
+
+IMPORT_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {
+    "type": "string", "format": "binary"}}}}}  # fmt: skip
+
+
+def bad_request(e: ValueError, param: str) -> APIError:
+    return APIError(400, str(e), param, "invalid_value")
+
+
+def router(ctx: ServerContext, auth) -> APIRouter:
+    r = APIRouter(prefix="/v1/states", dependencies=[auth])
+
+    def who(request: Request) -> str:
+        ctx.require_ready()
+        return ctx.tenant(request)
+
+    def info(rec) -> dict:
+        return {"object": "state", **rec.info(ctx.model_name)}
+
+    def prompt_of(body, param_text: str = "prompt", required: bool = True) -> list[int]:
+        if body.prompt is not None and body.prompt_ids is not None:
+            raise APIError(400, "give prompt or prompt_ids, not both", param_text, "invalid_value")
+        if body.prompt_ids is not None:
+            return gen.encode_prompt(ctx, body.prompt_ids, "prompt_ids") if body.prompt_ids or required else []
+        if body.prompt:
+            return gen.encode_prompt(ctx, body.prompt, param_text)
+        if required:
+            raise APIError(400, "give prompt (text) or prompt_ids (token ids)", param_text, "invalid_value")
+        return []
+
+    @r.post("")
+    def create(body: CreateStateRequest, request: Request) -> dict:
+        tenant = who(request)
+        ids = prompt_of(body)
+        try:
+            return info(ctx.service.create(tenant, body.name, ids))
+        except ValueError as e:
+            raise bad_request(e, "name") from None
+
+    @r.get("")
+    def list_states(request: Request) -> dict:
+        return {"object": "list", "data": [info(rec) for rec in ctx.store.list(who(request))]}
+
+    @r.post("/import", openapi_extra=IMPORT_BODY)
+    async def import_state(request: Request, name: str | None = None) -> dict:
+        tenant = who(request)
+        data = await request.body()
+        if name is not None:
+            try:
+                valid_name(name)
+            except ValueError as e:
+                raise bad_request(e, "name") from None
+        return info(ctx.store.import_bytes(tenant, data, name))
+
+    @r.get("/{handle}")
+    def get(handle: str, request: Request) -> dict:
+        return info(lookup(ctx, who(request), handle))
+
+    @r.delete("/{handle}")
+    def delete(handle: str, request: Request) -> dict:
+        tenant = who(request)
+        rec = lookup(ctx, tenant, handle)
+        ctx.store.delete(tenant, rec.handle)
+        return {"id": rec.handle, "object": "state", "deleted": True}
+
+    @r.post("/{handle}/fork")
+    def fork(handle: str, body: ForkRequest, request: Request) -> dict:
+        tenant = who(request)
+        try:
+            return info(ctx.store.fork(tenant, lookup(ctx, tenant, handle).handle, body.name))
+        except ValueError as e:
+            raise bad_request(e, "name") from None
+
+    @r.post("/{handle}/mutate")
+    def mutate(handle: str, body: MutateRequest, request: Request) -> dict:
+        tenant = who(request)
+        return info(ctx.service.mutate(tenant, lookup(ctx, tenant, handle).handle, body.rule, body.params))
+
+    @r.post("/{handle}/hibernate")
+    def hibernate(handle: str, body: HibernateRequest, request: Request) -> dict:
+        tenant = who(request)
+        return info(ctx.store.hibernate(tenant, lookup(ctx, tenant, handle).handle, body.tier))
+
+    @r.post("/{handle}/pin")
+    def pin(handle: str, request: Request) -> dict:
+        tenant = who(request)
+        return info(ctx.store.set_pinned(tenant, lookup(ctx, tenant, handle).handle, True))
+
+    @r.post("/{handle}/unpin")
+    def unpin(handle: str, request: Request) -> dict:
+        tenant = who(request)
+        return info(ctx.store.set_pinned(tenant, lookup(ctx, tenant, handle).handle, False))
+
+    @r.get("/{handle}/export", response_class=Response)
+    def export(handle: str, request: Request) -> Response:
+        tenant = who(request)
+        rec = lookup(ctx, tenant, handle)
+        data = ctx.store.export_bytes(tenant, rec.handle)
+        disposition = f'attachment; filename="{rec.name}@{rec.version}.wkvm-state"'
+        return Response(data, media_type="application/octet-stream", headers={"Content-Disposition": disposition})
+
+    @r.post("/{handle}/generate")
+    async def generate(handle: str, body: StateGenerateRequest, request: Request):
+        tenant = who(request)
+        rec = lookup(ctx, tenant, handle)
+        suffix = prompt_of(body, required=False)
+        if body.save_as is not None:
+            try:
+                valid_name(body.save_as)
+            except ValueError as e:
+                raise bad_request(e, "save_as") from None
+        params = gen.sampling_params(ctx, body, body.max_tokens, body.logprobs)
+        try:
+            plan = ctx.sessions.from_handle(tenant, rec.handle, suffix)
+        except ValueError as e:
+            raise bad_request(e, "prompt") from None
+        handles = await gen.launch(ctx, plan.feed_ids, [params], plan.base_state, plan.base_ids,
+                                   capture=body.save_as is not None)  # fmt: skip
+        ctx.metrics.prompt_tokens.inc(len(suffix))
+        h = handles[0]
+        base = {"id": gen.new_id("cmpl"), "object": "text_completion", "created": int(time.time()),
+                "model": ctx.model_name}  # fmt: skip
+        k = body.logprobs or 0
+
+        def extras() -> dict:
+            out: dict = {"wkvm": plan.info}
+            if body.save_as and h.request.final_state is not None:
+                saved = ctx.store.put(tenant, body.save_as, h.request.final_state, h.request.history(),
+                                      parent=rec.handle, op="generate",
+                                      op_params={"completion_tokens": len(h.output.token_ids)})  # fmt: skip
+                out["state"] = info(saved)
+            return out
+
+        if body.stream:
+
+            def chunk(i, ev):
+                c = {"index": 0, "text": ev.text, "finish_reason": ev.finish_reason,
+                     "logprobs": gen.completion_logprobs(ctx, ev.token_ids, ev.logprobs, k)}  # fmt: skip
+                if body.return_token_ids:
+                    c["token_ids"] = ev.token_ids
+                return {**base, "choices": [c]}
+
+            lines = stream_chunks(ctx, request, body, handles, chunk, len(suffix), base, extras)
+            return StreamingResponse(lines, media_type="text/event-stream")
+        await gen.wait_all(ctx, request, handles)
+        c = {"index": 0, "text": h.output.text, "finish_reason": h.output.finish_reason,
+             "logprobs": gen.completion_logprobs(ctx, h.output.token_ids, h.output.logprobs, k)}  # fmt: skip
+        if body.return_token_ids:
+            c["token_ids"] = h.output.token_ids
+            c["prompt_token_ids"] = suffix
+        return {**base, "choices": [c], "usage": gen.usage(len(suffix), handles), **extras()}
+
+    return r
+
+
+def lookup(ctx: ServerContext, tenant: str, handle: str):
+    try:
+        return ctx.store.get(tenant, handle)
+    except ValueError as e:
+        raise bad_request(e, "handle") from None
