@@ -49,3 +49,22 @@ def world_pth(ckpt_dir):
     path = ckpt_dir / "world.pth"
     save_random_rwkv7(path, RWKV7Shape(2, 32, 16, 65536, None, 8, 8, 4, 8), seed=3)
     return path
+
+
+CHAR_TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[assistant]"
+
+
+@pytest.fixture(scope="session")
+def char_model(ckpt_dir):
+    """A random model over 94 printable, non-space ASCII characters, one token each, with a space-free chat
+    template: any token sequence it generates retokenizes to itself, so chat continuity can be exact."""
+    from tokenizers import Tokenizer, decoders, models
+
+    path = ckpt_dir / "char-model"
+    vocab = {chr(c): i for i, c in enumerate(range(0x21, 0x7F))}
+    save_random_rwkv7(path, RWKV7Shape(2, 32, 16, len(vocab), None, 8, 8, 4, 8), seed=11, fmt="hf")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.decoder = decoders.Fuse()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "chat_template.jinja").write_text(CHAR_TEMPLATE)
+    return path

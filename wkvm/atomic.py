@@ -19,22 +19,24 @@ def fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(target: Path) -> Iterator[Path]:
-    """Yield a temp path to write; on success it replaces `target` durably, on error it is removed."""
+def atomic_path(target: Path, durable: bool = True) -> Iterator[Path]:
+    """Yield a temp path to write; on success it replaces `target` (fsynced when durable), on error it is removed."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}{TMP_SUFFIX}")
     try:
         yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        if durable:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, target)
-        fsync_dir(target.parent)
+        if durable:
+            fsync_dir(target.parent)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
 
 
-def atomic_write_bytes(target: Path, data: bytes) -> None:
-    with atomic_path(target) as tmp:
+def atomic_write_bytes(target: Path, data: bytes, durable: bool = True) -> None:
+    with atomic_path(target, durable) as tmp:
         tmp.write_bytes(data)

@@ -138,6 +138,7 @@ class Engine:
         base_ids: list[int] | None = None,
         capture_state: bool = False,
         prefill_only: bool = False,
+        capture_prompt_state: bool = False,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> RequestHandle:
         if not prompt_ids:
@@ -148,7 +149,7 @@ class Engine:
             request_id=request_id or f"req-{next(self._ids)}", prompt_ids=list(prompt_ids), params=params,
             arrival=now, priority=priority, deadline=now + timeout if timeout else None,
             initial_state=initial_state, base_ids=list(base_ids or []), capture_state=capture_state,
-            prefill_only=prefill_only,
+            prefill_only=prefill_only, capture_prompt_state=capture_prompt_state,
         )  # fmt: skip
         handle = RequestHandle(self, req, loop)
         with self._lock:
@@ -242,6 +243,8 @@ class Engine:
         for r, n in work:
             r.num_computed_tokens += n
             r.check_invariant()
+            if r.capture_prompt_state and r.prompt_state is None and r.num_computed_tokens == len(r.prompt_ids) - 1:
+                r.prompt_state = self.arena.read(r.slot)  # all of the prompt but its last (pending) token
         logits = rows[0] if len(rows) == 1 else torch.cat(rows)
         done = [i for i, r in enumerate(reqs) if r.gap == 0]
         if not done:

@@ -38,6 +38,8 @@ class Request:
     base_ids: list[int] = field(default_factory=list)  # tokens already inside initial_state
     capture_state: bool = False  # keep a host copy of the final state in `final_state`
     prefill_only: bool = False  # feed the prompt, sample nothing, finish (to build a state)
+    capture_prompt_state: bool = False  # keep a copy of the state after prompt_ids[:-1] in `prompt_state`
+    prompt_state: State | None = None
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens of prompt + output already fed into the state

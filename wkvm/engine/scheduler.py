@@ -75,7 +75,10 @@ class Scheduler:
             return 0
         if not req.is_prefilling:
             return 1 if budget >= 1 else 0
-        return min(req.gap, len(req.prompt_ids) - req.num_computed_tokens, self.config.prefill_chunk, budget)
+        left = len(req.prompt_ids) - req.num_computed_tokens
+        if req.capture_prompt_state and req.prompt_state is None and left > 1:
+            left -= 1  # stop one short, so the state before the last prompt token can be captured
+        return min(req.gap, left, self.config.prefill_chunk, budget)
 
     def _preempt_for_waiting(self) -> list[Request]:
         parked = []

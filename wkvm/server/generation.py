@@ -77,7 +77,7 @@ def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 async def launch(
     ctx: ServerContext, prompt_ids: list[int], params: list[SamplingParams], base_state: State | None = None,
-    base_ids: list[int] | None = None, capture: bool = False,
+    base_ids: list[int] | None = None, capture: bool = False, capture_prompt: bool = False,
 ) -> list[RequestHandle]:  # fmt: skip
     """Submit len(params) generations of one prompt; n > 1 prefills once and forks the state n ways."""
     loop = asyncio.get_running_loop()
@@ -85,7 +85,7 @@ async def launch(
     base_ids = list(base_ids or [])
     if len(params) == 1:
         return [engine.submit(prompt_ids, params[0], initial_state=base_state, base_ids=base_ids,
-                              capture_state=capture, loop=loop)]  # fmt: skip
+                              capture_state=capture, capture_prompt_state=capture_prompt, loop=loop)]  # fmt: skip
     state = base_state
     if len(prompt_ids) > 1:
         pre = engine.submit(prompt_ids[:-1], SamplingParams(max_tokens=1), initial_state=base_state,

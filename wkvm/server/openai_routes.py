@@ -37,8 +37,12 @@ async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body, pa
         plan = ctx.sessions.plan(tenant, prompt_ids, body.state, headers)
     except ValueError as e:
         raise APIError(400, str(e), "state", "invalid_state") from None
-    handles = await gen.launch(ctx, plan.feed_ids, params, plan.base_state, plan.base_ids,
-                               capture=plan.capture or bool(body.save_state))  # fmt: skip
+    try:
+        handles = await gen.launch(ctx, plan.feed_ids, params, plan.base_state, plan.base_ids,
+                                   capture=plan.capture or bool(body.save_state),
+                                   capture_prompt=plan.capture)  # fmt: skip
+    finally:
+        ctx.sessions.track(headers, tenant, locals().get("handles", []))
     ctx.metrics.prompt_tokens.inc(len(prompt_ids))
     return plan, handles
 

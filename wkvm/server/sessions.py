@@ -1,12 +1,31 @@
-"""Where a request's state comes from: an explicit handle, or fresh (chat continuity extends this)."""
+"""Where a request's state comes from: an explicit handle, a parked chat session (parent-token-v1), the
+longest stored checkpoint that prefixes the prompt, or nothing (fresh).
+
+Reuse never changes an answer: a state is continued only when the tokens it holds are exactly the first
+tokens of the new prompt (retokenized in full); the rest of the prompt is fed as usual.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from wkvm.engine.engine import RequestHandle
 from wkvm.models.spec import State
+from wkvm.server.errors import APIError
+from wkvm.state.prefix import PrefixTrie
+from wkvm.state.store import StateNotFound
+
+log = logging.getLogger("wkvm.sessions")
+CKPT, SESS = "#ckpt", "#sessions"  # owner suffixes: tenant ids never contain '#', so users never list these
+HEADER_MODE = "x-wkvm-stateful-chat"
+PARENT_TOKEN_V1 = "parent-token-v1"
+RESERVATION_S = 30.0
 
 
 @dataclass
@@ -20,10 +39,55 @@ class Plan:
     finish: Callable[[list[RequestHandle]], None] | None = None
 
 
+@dataclass
+class Session:
+    """A parked chat: its state (in the store) bound to model, ids, visible history and exact tokens."""
+
+    fingerprint: str
+    handle: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    history: list[tuple[str, str]] = field(default_factory=list)
+    last_assistant_id: str | None = None
+    message_ids: set[str] = field(default_factory=set)
+    inflight: list[RequestHandle] = field(default_factory=list)
+    reserved_at: float | None = None  # a request is being planned (its handles are not known yet)
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def busy(self) -> bool:
+        if self.reserved_at is not None and time.monotonic() - self.reserved_at < RESERVATION_S:
+            return True
+        return any(not h.done.is_set() for h in self.inflight)
+
+
+def visible(messages: list[dict[str, str]]) -> list[tuple[str, str]]:
+    """Open WebUI stores messages with outer whitespace stripped: compare after the same normalisation."""
+    return [(m["role"], m["content"].strip()) for m in messages]
+
+
 class ChatSessions:
     def __init__(self, ctx):
         self.ctx = ctx
+        self.enabled = ctx.config.prefix_reuse
+        self.capacity = max(1, ctx.config.checkpoint_bytes // max(ctx.model.spec.nbytes, 1))
+        self.tries: dict[str, PrefixTrie] = {}
+        self.sessions: OrderedDict[tuple[str, str, str], Session] = OrderedDict()
+        self.lock = threading.RLock()
+        self._rebuild()
 
+    def _rebuild(self) -> None:
+        """Checkpoints survive restarts (they are stored states); parked sessions do not."""
+        store = self.ctx.store
+        for rec in store.index.list():
+            if rec.owner.endswith(CKPT):
+                self._trie(rec.owner[: -len(CKPT)]).insert(rec.token_ids, rec.handle, rec.op_params.get("kind", ""))
+            elif rec.owner.endswith(SESS):
+                store.delete(rec.owner, rec.handle)
+
+    def _trie(self, tenant: str) -> PrefixTrie:
+        return self.tries.setdefault(tenant, PrefixTrie(self.capacity))
+
+    # --- planning ------------------------------------------------------------------------------
     def from_handle(self, tenant: str, handle: str, new_ids: list[int]) -> Plan:
         rec, state = self.ctx.store.load(tenant, handle)
         if not rec.token_ids and not new_ids:
@@ -34,4 +98,159 @@ class ChatSessions:
     def plan(self, tenant: str, prompt_ids: list[int], state_handle: str | None = None, headers=None) -> Plan:
         if state_handle:
             return self.from_handle(tenant, state_handle, prompt_ids)
-        return Plan(list(prompt_ids))
+        if not self.enabled:
+            return Plan(list(prompt_ids))
+        messages = headers.get("_messages") if headers is not None else None
+        session_key = None
+        if headers is not None and headers.get(HEADER_MODE) == PARENT_TOKEN_V1 and messages is not None:
+            plan, session_key = self._parent_bound(tenant, prompt_ids, headers, messages)
+        else:
+            plan = self._from_checkpoint(tenant, prompt_ids, None)
+        plan.capture = True
+        plan.finish = lambda handles: self._after(tenant, prompt_ids, plan, handles, session_key, headers)
+        return plan
+
+    def _from_checkpoint(self, tenant: str, prompt_ids: list[int], reason: str | None) -> Plan:
+        m = self.ctx.metrics
+        with self.lock:
+            cp = self._trie(tenant).longest(prompt_ids)
+        if cp is not None:
+            try:
+                _, state = self.ctx.store.load(tenant + CKPT, cp.key)
+            except StateNotFound:
+                with self.lock:
+                    self._trie(tenant).remove(list(cp.full_ids[:-1]))
+                cp = None
+        if cp is None:
+            m.reuse_misses.inc()
+            return Plan(list(prompt_ids), info={"mode": "fresh", "reused_tokens": 0, "restart_reason": reason})
+        exact = cp.kind == "turn_end" and tuple(prompt_ids[: len(cp.full_ids)]) == cp.full_ids
+        m.reuse_hits.inc()
+        m.reuse_tokens.inc(cp.n_fed)
+        info = {"mode": "exact_prefix" if exact else "checkpoint", "reused_tokens": cp.n_fed, "restart_reason": reason}
+        return Plan(prompt_ids[cp.n_fed :], state, prompt_ids[: cp.n_fed], cp.key, info)
+
+    def _parent_bound(self, tenant: str, prompt_ids: list[int], headers, messages) -> tuple[Plan, tuple | None]:
+        user, chat = headers.get("x-openwebui-user-id"), headers.get("x-openwebui-chat-id")
+        asst_id, user_msg_id = headers.get("x-wkvm-assistant-message-id"), headers.get("x-wkvm-user-message-id")
+        parent_id = headers.get("x-wkvm-parent-message-id") or None
+        if not (user and chat and asst_id and user_msg_id):
+            self.ctx.metrics.restarts.labels("missing_metadata").inc()
+            return self._from_checkpoint(tenant, prompt_ids, "missing_metadata"), None
+        key = (tenant, user, chat)
+        fp = self.ctx.model.fingerprint
+        with self.lock:
+            sess = self.sessions.get(key)
+            if sess is not None and time.monotonic() - sess.last_used > self.ctx.config.chat_session_ttl:
+                self._drop(key)
+                sess = None
+            if sess is not None and sess.busy:
+                raise APIError(409, "this chat session is already generating an answer; wait for it to finish",
+                               None, "session_busy")  # fmt: skip
+            reason = self._reason(sess, fp, parent_id, asst_id, user_msg_id, visible(messages[:-1]), prompt_ids)
+            if sess is None or reason is not None:
+                sess = Session(fp)
+                self._park(key, sess)
+            sess.last_used = time.monotonic()
+            sess.reserved_at = time.monotonic()
+            self.sessions.move_to_end(key)
+        if reason is not None:
+            self.ctx.metrics.restarts.labels(reason).inc()
+        if reason is None and sess.handle is not None:
+            try:
+                _, state = self.ctx.store.load(tenant + SESS, sess.handle)
+            except StateNotFound:
+                state, reason = None, "no_session"
+                self.ctx.metrics.restarts.labels(reason).inc()
+            if state is not None:
+                n = len(sess.token_ids) - 1
+                self.ctx.metrics.reuse_hits.inc()
+                self.ctx.metrics.reuse_tokens.inc(n)
+                info = {"mode": "parent_bound", "reused_tokens": n, "restart_reason": None}
+                return Plan(prompt_ids[n:], state, prompt_ids[:n], sess.handle, info), key
+        return self._from_checkpoint(tenant, prompt_ids, reason), key
+
+    @staticmethod
+    def _reason(sess, fp, parent_id, asst_id, user_msg_id, history, prompt_ids) -> str | None:
+        """Why the parked session cannot continue (None: it can)."""
+        if parent_id is None:
+            return None if sess is None else "edited_history"  # a first turn; in a known chat it was redone
+        if sess is None or sess.handle is None:
+            return "no_session"
+        if sess.fingerprint != fp:
+            return "model_changed"
+        if asst_id in sess.message_ids or user_msg_id in sess.message_ids:
+            return "message_id_reused"
+        if parent_id != sess.last_assistant_id:
+            return "stale_parent"
+        if history != sess.history:
+            return "edited_history"
+        n = len(sess.token_ids) - 1
+        if n < 0 or len(prompt_ids) <= n or prompt_ids[:n] != sess.token_ids[:n]:
+            return "token_mismatch"
+        return None
+
+    # --- after a turn --------------------------------------------------------------------------
+    def _after(self, tenant, prompt_ids, plan: Plan, handles: list[RequestHandle], session_key, headers) -> None:
+        h = handles[0]
+        req = h.request
+        if h.output.finish_reason not in ("stop", "length") or req.final_state is None:
+            return
+        self._checkpoint(tenant, req.history(), req.final_state, "turn_end")
+        if req.prompt_state is not None:
+            self._checkpoint(tenant, req.base_ids + req.prompt_ids, req.prompt_state, "prompt_end")
+        if session_key is not None:
+            self._update_session(tenant, session_key, headers, req, h.output.text)
+
+    def _checkpoint(self, tenant: str, token_ids: list[int], state: State, kind: str) -> None:
+        store = self.ctx.store
+        name = "c-" + hashlib.sha256(repr(token_ids).encode()).hexdigest()[:32]
+        rec = store.put(tenant + CKPT, name, state, token_ids, op="checkpoint", op_params={"kind": kind}, durable=False)
+        with self.lock:
+            evicted = self._trie(tenant).insert(token_ids, rec.handle, kind)
+        for cp in evicted:
+            store.discard(tenant + CKPT, cp.key)
+        if rec.version > 1:  # the same tokens again: keep only the newest version
+            store.discard(tenant + CKPT, f"{name}@{rec.version - 1}")
+
+    def _update_session(self, tenant, key, headers, req, reply: str) -> None:
+        store = self.ctx.store
+        messages = headers.get("_messages")
+        name = "s-" + hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+        rec = store.put(tenant + SESS, name, req.final_state, req.history(), op="session", durable=False)
+        with self.lock:
+            sess = self.sessions.get(key)
+            if sess is None:
+                return
+            old = sess.handle
+            sess.handle, sess.token_ids = rec.handle, req.history()
+            sess.history = visible(messages) + [("assistant", reply.strip())]
+            sess.last_assistant_id = headers.get("x-wkvm-assistant-message-id")
+            sess.message_ids |= {headers.get("x-wkvm-assistant-message-id"), headers.get("x-wkvm-user-message-id")}
+            sess.last_used = time.monotonic()
+        if old is not None:
+            store.discard(tenant + SESS, old)
+
+    def track(self, headers, tenant: str, handles: list[RequestHandle]) -> None:
+        """Mark the session busy while these handles run (a second request gets 409)."""
+        if headers is None or headers.get(HEADER_MODE) != PARENT_TOKEN_V1:
+            return
+        key = (tenant, headers.get("x-openwebui-user-id"), headers.get("x-openwebui-chat-id"))
+        with self.lock:
+            if key in self.sessions:
+                self.sessions[key].inflight = list(handles)
+                self.sessions[key].reserved_at = None
+
+    def _park(self, key, sess: Session) -> None:
+        old = self.sessions.get(key)
+        if old is not None and old.handle:
+            self._drop(key)
+        self.sessions[key] = sess
+        while len(self.sessions) > self.ctx.config.max_chat_sessions:
+            victim = next(iter(self.sessions))
+            self._drop(victim)
+
+    def _drop(self, key) -> None:
+        sess = self.sessions.pop(key, None)
+        if sess is not None and sess.handle:
+            self.ctx.store.discard(key[0] + SESS, sess.handle)

@@ -162,9 +162,12 @@ class StateStore:
 
     def put(
         self, owner: str, name: str, state: State, token_ids: list[int],
-        parent: str | None = None, op: str = "create", op_params: dict | None = None,
+        parent: str | None = None, op: str = "create", op_params: dict | None = None, durable: bool = True,
     ) -> StateRecord:  # fmt: skip
-        """Store a new immutable version (state is batched [1, ...]); returns once it is durable."""
+        """Store a new immutable version (state is batched [1, ...]); returns once it is durable.
+
+        durable=False skips the fsyncs (still atomic): for caches such as prefix checkpoints.
+        """
         valid_name(name)
         self.spec.check(state)
         tensors = statefile.unbatch(state)
@@ -179,7 +182,7 @@ class StateStore:
                     raise QuotaExceeded(
                         f"the state disk quota ({quota} bytes) is full; delete states or raise --state-disk-quota"
                     )
-                atomic_write_bytes(self._blob_path(blob), data)
+                atomic_write_bytes(self._blob_path(blob), data, durable)
                 self.disk_bytes += len(data)
             rec = StateRecord(
                 owner=owner, name=name, version=self.index.next_version(owner, name), parent=parent, op=op,
@@ -218,6 +221,14 @@ class StateStore:
                 self.disk_bytes -= path.stat().st_size if path.exists() else 0
                 path.unlink(missing_ok=True)
             self._pinned = self.index.pinned_blobs()
+
+    def discard(self, owner: str, handle: str) -> bool:
+        """Delete if present; True when something was deleted."""
+        try:
+            self.delete(owner, handle)
+            return True
+        except StateNotFound:
+            return False
 
     def set_pinned(self, owner: str, handle: str, pinned: bool) -> StateRecord:
         with self._lock:

@@ -1,0 +1,205 @@
+"""Chat continuity: parent-token-v1 sessions and automatic prefix reuse never change an answer."""
+
+import threading
+import uuid
+
+import httpx
+import openai
+import pytest
+from live_server import LiveServer
+
+GREEDY = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
+USER_TURNS = ["Goodmorrow,friend.", "Whatnewsfromthecourt?", "Speakplainly.", "Andthen?", "Farewell."]
+
+
+@pytest.fixture(scope="module")
+def reuse(char_model, tmp_path_factory):
+    with LiveServer(model=str(char_model), slots=4, state_dir=str(tmp_path_factory.mktemp("reuse"))) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def fresh(char_model):
+    with LiveServer(model=str(char_model), slots=4, prefix_reuse=False) as s:
+        yield s
+
+
+def chat(server, messages, headers=None):
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": messages, **GREEDY},
+                   headers=headers or {}, timeout=60)  # fmt: skip
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_openai_sdk_multiturn_identical_to_fresh(reuse, fresh):
+    a = openai.OpenAI(base_url=f"{reuse.url}/v1", api_key="x", max_retries=0)
+    b = openai.OpenAI(base_url=f"{fresh.url}/v1", api_key="x", max_retries=0)
+    messages, reused = [], []
+    for turn in USER_TURNS[:4]:
+        messages.append({"role": "user", "content": turn})
+        ra = a.chat.completions.create(model="char-model", messages=messages, extra_body={"ignore_eos": True},
+                                       max_tokens=10, temperature=0)  # fmt: skip
+        rb = b.chat.completions.create(model="char-model", messages=messages, extra_body={"ignore_eos": True},
+                                       max_tokens=10, temperature=0)  # fmt: skip
+        assert ra.choices[0].message.content == rb.choices[0].message.content
+        assert rb.model_extra["wkvm"]["mode"] == "fresh"
+        reused.append(ra.model_extra["wkvm"]["reused_tokens"])
+        messages.append({"role": "assistant", "content": ra.choices[0].message.content})
+    assert reused[0] == 0 and all(n > 0 for n in reused[1:])
+    assert reused == sorted(reused)
+
+
+class OpenWebUI:
+    """Sends what Open WebUI sends with the wkvm header templates configured."""
+
+    def __init__(self, server, user="u1", chat_id=None):
+        self.server, self.user, self.chat_id = server, user, chat_id or uuid.uuid4().hex
+        self.messages, self.last_assistant = [], None
+
+    def headers(self, user_msg_id, asst_id, parent=None, **extra):
+        h = {"X-WKVM-Stateful-Chat": "parent-token-v1", "X-OpenWebUI-User-Id": self.user,
+             "X-OpenWebUI-Chat-Id": self.chat_id, "X-WKVM-User-Message-ID": user_msg_id,
+             "X-WKVM-Assistant-Message-ID": asst_id}  # fmt: skip
+        if parent:
+            h["X-WKVM-Parent-Message-ID"] = parent
+        h.update(extra)
+        return h
+
+    def turn(self, text, parent="auto", user_msg_id=None, asst_id=None, messages=None):
+        msgs = (messages if messages is not None else self.messages) + [{"role": "user", "content": text}]
+        asst_id = asst_id or uuid.uuid4().hex
+        parent = self.last_assistant if parent == "auto" else parent
+        r = chat(self.server, msgs, self.headers(user_msg_id or uuid.uuid4().hex, asst_id, parent))
+        reply = r["choices"][0]["message"]["content"]
+        self.messages = msgs + [{"role": "assistant", "content": reply.strip()}]
+        self.last_assistant = asst_id
+        return r
+
+
+def test_parent_token_v1_continues_and_matches_fresh(reuse, fresh):
+    ui = OpenWebUI(reuse)
+    modes = []
+    for turn in USER_TURNS[:4]:
+        expected = chat(fresh, ui.messages + [{"role": "user", "content": turn}])
+        r = ui.turn(turn)
+        assert r["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
+        modes.append((r["wkvm"]["mode"], r["wkvm"]["restart_reason"]))
+    assert modes[1:] == [("parent_bound", None)] * 3
+
+
+@pytest.mark.parametrize("reason", ["stale_parent", "edited_history", "message_id_reused", "missing_metadata",
+                                    "no_session", "model_changed", "token_mismatch"])  # fmt: skip
+def test_each_rejection_restarts_with_its_reason(reuse, fresh, reason):
+    ui = OpenWebUI(reuse)
+    ui.turn("Hail!")
+    first_user_id = uuid.uuid4().hex
+    ui.turn("Whogoesthere?", user_msg_id=first_user_id)
+    msgs = ui.messages
+    next_turn = {"text": "Standandunfoldyourself."}
+    if reason == "stale_parent":
+        next_turn["parent"] = uuid.uuid4().hex
+    elif reason == "edited_history":
+        msgs = [dict(m) for m in msgs]
+        msgs[0]["content"] = "Hail,Caesar!"
+        next_turn["messages"] = msgs
+    elif reason == "message_id_reused":
+        next_turn["user_msg_id"] = first_user_id
+    elif reason == "no_session":
+        ui.chat_id = uuid.uuid4().hex  # a chat this server never saw, continued from a parent
+    elif reason in ("model_changed", "token_mismatch"):
+        sessions = reuse.ctx.sessions
+        sess = next(s for k, s in sessions.sessions.items() if k[2] == ui.chat_id)
+        if reason == "model_changed":
+            sess.fingerprint = "another-model"
+        else:
+            sess.token_ids = [t + 1 for t in sess.token_ids]
+    before = reuse.ctx.metrics.restarts.labels(reason)._value.get()
+    if reason == "missing_metadata":
+        h = ui.headers(uuid.uuid4().hex, "", ui.last_assistant)
+        del h["X-WKVM-Assistant-Message-ID"]
+        msgs = ui.messages + [{"role": "user", "content": next_turn["text"]}]
+        r = chat(reuse, msgs, h)
+    else:
+        r = ui.turn(**next_turn)
+        msgs = (next_turn.get("messages") or msgs) + [{"role": "user", "content": next_turn["text"]}]
+    assert r["wkvm"]["restart_reason"] == reason and r["wkvm"]["mode"] != "parent_bound"
+    assert reuse.ctx.metrics.restarts.labels(reason)._value.get() == before + 1
+    expected = chat(fresh, msgs)
+    assert r["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
+
+
+def test_edit_turn_3_of_5_resumes_from_turn_2_checkpoint(reuse, fresh):
+    messages, prompts = [], []
+    for turn in USER_TURNS:
+        messages.append({"role": "user", "content": turn})
+        r = chat(reuse, messages)
+        prompts.append(r["usage"]["prompt_tokens"])
+        messages.append({"role": "assistant", "content": r["choices"][0]["message"]["content"]})
+    edited = messages[:4] + [{"role": "user", "content": "Nay,speakofthewar."}]
+    r = chat(reuse, edited)
+    expected = chat(fresh, edited)
+    assert r["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
+    turn2_end = prompts[1] + r["usage"]["completion_tokens"] - 1  # tokens inside the turn-2 end checkpoint
+    assert r["wkvm"]["mode"] in ("exact_prefix", "checkpoint")
+    assert prompts[1] - 1 <= r["wkvm"]["reused_tokens"] <= turn2_end + 2
+    assert r["wkvm"]["reused_tokens"] < r["usage"]["prompt_tokens"]
+
+
+def test_two_users_same_chat_id_never_share(reuse, fresh):
+    chat_id = uuid.uuid4().hex
+    alice = OpenWebUI(reuse, user="alice", chat_id=chat_id)
+    alice.turn("IamAlice.")
+    alice.turn("Rememberme.")
+    bob = OpenWebUI(reuse, user="bob", chat_id=chat_id)
+    bob.messages, bob.last_assistant = alice.messages, alice.last_assistant  # Bob replays Alice's ids
+    history = list(alice.messages)
+    r = bob.turn("WhoamI?")
+    assert r["wkvm"]["mode"] != "parent_bound" and r["wkvm"]["restart_reason"] == "no_session"
+    assert r["wkvm"]["reused_tokens"] == 0  # Bob's checkpoints are his own, and he has none
+    expected = chat(fresh, history + [{"role": "user", "content": "WhoamI?"}])
+    assert r["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
+
+
+def test_busy_session_gets_409(reuse):
+    ui = OpenWebUI(reuse)
+    ui.turn("Begin.")
+    body = {"messages": ui.messages + [{"role": "user", "content": "Goon."}], "max_tokens": 200,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    started = threading.Event()
+
+    def long_request():
+        with httpx.stream("POST", f"{reuse.url}/v1/chat/completions", json=body, timeout=60,
+                          headers=ui.headers(uuid.uuid4().hex, uuid.uuid4().hex, ui.last_assistant)) as r:  # fmt: skip
+            for _ in r.iter_lines():
+                started.set()
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    assert started.wait(30)
+    r = httpx.post(f"{reuse.url}/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2},
+                   headers=ui.headers(uuid.uuid4().hex, uuid.uuid4().hex, ui.last_assistant))  # fmt: skip
+    t.join()
+    assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"
+
+
+def test_tight_caps_evict_and_stay_correct(char_model, fresh):
+    one = None
+    with LiveServer(model=str(char_model), slots=2, max_chat_sessions=1, checkpoint_bytes=1) as tight:
+        one = tight.ctx.model.spec.nbytes
+        assert tight.ctx.sessions.capacity == 1 and one > 1
+        a, b = OpenWebUI(tight), OpenWebUI(tight)
+        for turn in USER_TURNS[:3]:
+            for ui in (a, b):
+                expected = chat(fresh, ui.messages + [{"role": "user", "content": turn}])
+                r = ui.turn(turn)
+                assert r["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
+        assert len(tight.ctx.sessions.sessions) == 1
+        assert all(len(t) <= 1 for t in tight.ctx.sessions.tries.values())
+
+
+def test_no_prefix_reuse_switch(fresh):
+    msgs = [{"role": "user", "content": "Hello"}]
+    first = chat(fresh, msgs)
+    again = chat(fresh, msgs + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                                {"role": "user", "content": "Again"}])  # fmt: skip
+    assert again["wkvm"] == {"mode": "fresh", "reused_tokens": 0, "restart_reason": None}

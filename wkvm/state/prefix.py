@@ -1,0 +1,83 @@
+"""A trie over token sequences: find the longest stored checkpoint whose tokens start a new prompt.
+
+A checkpoint's state holds all but the last (pending) of its token ids, so it serves a prompt P when its *fed*
+tokens are a prefix of P and P has at least one more token; the resumed run feeds P from there. Entries are
+LRU-bounded by count; the caller keeps the states themselves (in the StateStore's tiers).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class Checkpoint:
+    key: str  # what the caller stores the state under
+    n_fed: int  # tokens inside the state
+    kind: str  # "turn_end" (after an answer) or "prompt_end" (after a prompt)
+    full_ids: tuple[int, ...]  # fed tokens plus the pending one
+
+
+class _Node:
+    __slots__ = ("children", "checkpoint")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _Node] = {}
+        self.checkpoint: Checkpoint | None = None
+
+
+class PrefixTrie:
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.root = _Node()
+        self.lru: OrderedDict[tuple[int, ...], Checkpoint] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.lru)
+
+    def insert(self, token_ids: list[int], key: str, kind: str) -> list[Checkpoint]:
+        """Record a checkpoint whose history is `token_ids` (last one pending); returns evicted checkpoints."""
+        fed = tuple(token_ids[:-1])
+        node = self.root
+        for t in fed:
+            node = node.children.setdefault(t, _Node())
+        replaced = [node.checkpoint] if node.checkpoint is not None and node.checkpoint.key != key else []
+        node.checkpoint = Checkpoint(key, len(fed), kind, tuple(token_ids))
+        self.lru.pop(fed, None)
+        self.lru[fed] = node.checkpoint
+        evicted = replaced
+        while len(self.lru) > self.capacity:
+            old_fed, _ = next(iter(self.lru.items()))
+            evicted.append(self.remove(list(old_fed)))
+        return [c for c in evicted if c is not None]
+
+    def longest(self, prompt: list[int]) -> Checkpoint | None:
+        """The checkpoint with the most fed tokens that prefix `prompt`, leaving at least one token to feed."""
+        node, best = self.root, None
+        for t in prompt[:-1]:
+            node = node.children.get(t)
+            if node is None:
+                break
+            if node.checkpoint is not None:
+                best = node.checkpoint
+        if best is not None:
+            self.lru.move_to_end(tuple(prompt[: best.n_fed]))
+        return best
+
+    def remove(self, fed: list[int]) -> Checkpoint | None:
+        path = [self.root]
+        for t in fed:
+            nxt = path[-1].children.get(t)
+            if nxt is None:
+                return None
+            path.append(nxt)
+        cp, path[-1].checkpoint = path[-1].checkpoint, None
+        self.lru.pop(tuple(fed), None)
+        for depth in range(len(fed), 0, -1):  # prune branches that hold nothing now
+            node = path[depth]
+            if node.checkpoint is None and not node.children:
+                del path[depth - 1].children[fed[depth - 1]]
+            else:
+                break
+        return cp
