@@ -1,62 +1,18 @@
-"""Run the real app under uvicorn on a free loopback port, in a thread (or a subprocess)."""
+"""Live servers for tests: the real app in a thread, or `wkvm serve` in another process."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import threading
-import time
-
-import httpx
-import uvicorn
 
 from wkvm.config import ServerConfig
-from wkvm.server.app import create_app
+from wkvm.server.background import BackgroundServer, free_port, wait_healthy
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, timeout: float = 60, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not healthy after {timeout}s")
-
-
-class LiveServer:
+class LiveServer(BackgroundServer):
     def __init__(self, **config):
-        self.port = free_port()
-        self.config = ServerConfig(port=self.port, **config)
-        self.app = create_app(self.config)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def ctx(self):
-        return self.app.state.ctx
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        wait_healthy(self.url)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        super().__init__(ServerConfig(**config))
 
 
 class ServerProcess:
@@ -69,7 +25,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ})
 
     def __enter__(self) -> ServerProcess:
-        wait_healthy(self.url, proc=self.proc)
+        wait_healthy(self.url, alive=lambda: self.proc.poll() is None)
         return self
 
     def __exit__(self, *exc) -> None:
