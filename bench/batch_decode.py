@@ -17,6 +17,7 @@ from common import checkpoint, plot, print_table, timeit, write_json  # noqa: E4
 from wkvm.config import EngineConfig  # noqa: E402
 from wkvm.engine.engine import Engine  # noqa: E402
 from wkvm.models.rwkv7 import load_rwkv7  # noqa: E402
+from wkvm.progress import progress  # noqa: E402
 from wkvm.sampling_params import SamplingParams  # noqa: E402
 from wkvm.tokenizer import WorldTokenizer  # noqa: E402
 
@@ -55,7 +56,7 @@ def main() -> None:
 
     ref_tok_s = args.steps / timeit(ref_decode, repeat=3)
     batches = [int(b) for b in args.batches.split(",")]
-    results = {b: engine_tok_s(model, b, args.steps) for b in batches}
+    results = {b: engine_tok_s(model, b, args.steps) for b in progress(batches, "batch sizes")}
     rows = [[b, results[b], ref_tok_s, results[b] / ref_tok_s] for b in batches]
     print_table(
         f"Aggregate decode tok/s, RWKV-7 0.1B shape fp32, {torch.get_num_threads()} threads",

@@ -17,11 +17,17 @@ def env_default(flag: str, default=None):
     return os.environ.get("WKVM_" + flag.upper().replace("-", "_"), default)
 
 
+EMBEDDED_MODEL = Path(__file__).parent / "assets" / "wkvm-tiny-shakespeare"
+
+
 def default_model() -> Path:
-    """Until an embedded model ships, a small random RWKV-7 in the user cache (output is noise)."""
+    """The embedded model (a small RWKV-7 trained on Shakespeare); a random one if the assets are missing."""
+    if (EMBEDDED_MODEL / "config.json").exists():
+        return EMBEDDED_MODEL
     from wkvm.models.rwkv7_random import RWKV7Shape, save_random_rwkv7
 
     path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "wkvm" / "random-rwkv7-tiny.pth"
+    log.warning("embedded model missing at %s: using a RANDOM model (its output is noise)", EMBEDDED_MODEL)
     if not path.exists():
         save_random_rwkv7(path, RWKV7Shape(4, 128, 32, 65536, None, 16, 16, 8, 32), seed=0)
     return path
@@ -72,10 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from wkvm.config import ServerConfig
     from wkvm.server.app import create_app
 
-    model = args.model
-    if not model:
-        model = str(default_model())
-        log.warning("no --model given: serving a small RANDOM model from %s (its output is noise)", model)
+    model = args.model or str(default_model())
     keys = read_api_keys(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         log.warning("binding %s without an API key: anyone who can reach this port can use the server", args.host)
@@ -124,6 +127,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from wkvm.cli_chat import ChatREPL
+
+    state_dir = Path(args.state_dir or Path.home() / ".cache" / "wkvm" / "chat-states")
+    ChatREPL(args.model or str(default_model()), state_dir, args.max_tokens, args.temperature).run()
+    return 0
+
+
+BENCHES = ("rwkv7_speed", "batch_decode", "state_ops", "multiturn", "weight_streaming")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import subprocess
+
+    bench_dir = Path(__file__).resolve().parent.parent / "bench"
+    names = [n for n in BENCHES if (bench_dir / f"{n}.py").exists()] if args.name == "all" else [args.name]
+    for name in names:
+        script = bench_dir / f"{name}.py"
+        if not script.exists():
+            print(f"wkvm bench: {script} not found (benchmarks run from a source checkout)", file=sys.stderr)
+            return 2
+        rc = subprocess.call([sys.executable, str(script), *args.extra])
+        if rc:
+            return rc
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from wkvm.models.rwkv7_checkpoint import convert
 
@@ -154,6 +184,23 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("src")
     c.add_argument("dst")
     c.set_defaults(func=cmd_convert)
+
+    ch = sub.add_parser("chat", help="chat in the terminal; the state is kept across turns")
+    ch.add_argument("--model", default=env_default("model"))
+    ch.add_argument("--state-dir", default=env_default("state_dir"), help="where /save keeps states")
+    ch.add_argument("--max-tokens", type=int, default=200)
+    ch.add_argument("--temperature", type=float, default=0.8)
+    ch.set_defaults(func=cmd_chat)
+
+    b = sub.add_parser("bench", help="run a benchmark from bench/ and print its table")
+    b.add_argument("name", choices=[*BENCHES, "all"])
+    b.add_argument("extra", nargs=argparse.REMAINDER, help="arguments for the benchmark script")
+    b.set_defaults(func=cmd_bench)
+
+    from wkvm import cli_doctor, cli_states
+
+    cli_states.add_parser(sub)
+    cli_doctor.add_parser(sub)
     return ap
 
 

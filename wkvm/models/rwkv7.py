@@ -16,6 +16,7 @@ from wkvm.models.fingerprint import fingerprint
 from wkvm.models.rwkv7_checkpoint import PTH_FORMAT, CheckpointError, RawTensors, read_checkpoint
 from wkvm.models.spec import State, StateSpec, TensorSpec
 from wkvm.models.wkv7 import DEFAULT_CHUNK, wkv_chunked, wkv_step
+from wkvm.progress import progress
 from wkvm.weights.linear import linear, pack_linear
 from wkvm.weights.provider import ResidentWeights, Tensors, WeightProvider
 
@@ -223,7 +224,7 @@ def build_rwkv7(raw: RawTensors, hf_config: dict | None = None, device="cpu", dt
     cfg = RWKV7Config.from_tensors(raw, hf_config)
     used = {k: v for k, v in raw.items() if not k.startswith("blocks.0.att.v")}  # layer 0 ignores v0..v2
     fp = fingerprint(FAMILY, asdict(cfg), used)
-    layers = [_prepare_layer(raw, i, cfg, dtype, device) for i in range(cfg.n_layer)]
+    layers = [_prepare_layer(raw, i, cfg, dtype, device) for i in progress(range(cfg.n_layer), "loading layers")]
     globals_ = {k: raw[k].to(device=device, dtype=dtype).contiguous() for k in GLOBAL_KEYS}
     for k in ("blocks.0.ln0.weight", "blocks.0.ln0.bias"):
         globals_[k] = globals_[k].reshape(-1)

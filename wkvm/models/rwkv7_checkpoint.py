@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from wkvm.atomic import atomic_path
+from wkvm.progress import progress
 
 RawTensors = dict[str, torch.Tensor]
 
@@ -188,7 +189,7 @@ def hf_config(raw: RawTensors, group_norm_eps: float = 64e-5) -> dict:
 def write_hf(raw: RawTensors, dst: str | os.PathLike, config: dict | None = None) -> None:
     d = Path(dst)
     d.mkdir(parents=True, exist_ok=True)
-    tensors = {_fla_name(k): _to_fla(k, v).contiguous() for k, v in raw.items()}
+    tensors = {_fla_name(k): _to_fla(k, v).contiguous() for k, v in progress(raw.items(), "converting", len(raw))}
     with atomic_path(d / "model.safetensors") as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     with atomic_path(d / "config.json") as tmp:
@@ -197,7 +198,7 @@ def write_hf(raw: RawTensors, dst: str | os.PathLike, config: dict | None = None
 
 def write_pth(raw: RawTensors, dst: str | os.PathLike) -> None:
     with atomic_path(Path(dst)) as tmp:
-        torch.save({k: v.contiguous() for k, v in raw.items()}, tmp)
+        torch.save({k: v.contiguous() for k, v in progress(raw.items(), "converting", len(raw))}, tmp)
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike) -> str:

@@ -1,0 +1,94 @@
+"""`wkvm doctor`: check this machine and a model; each problem comes with its fix; exit 0 only if all pass."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+MIN_FREE_DISK = 1 << 30
+MIN_MEMORY = 2 << 30
+
+
+def checks(args: argparse.Namespace) -> list[tuple[str, bool, str, str]]:
+    """(what, ok, detail, fix) for each check."""
+    out = []
+    v = sys.version_info
+    out.append(("python", v >= (3, 11), f"{v.major}.{v.minor}.{v.micro}", "install Python 3.11 or newer"))
+    try:
+        import torch
+
+        tv = torch.__version__.split("+")[0]
+        out.append(("torch", tv == "2.13.0", torch.__version__,
+                    "pip install torch==2.13.0 (the version wkvm is tested with)"))  # fmt: skip
+        threads = torch.get_num_threads()
+        out.append(("threads", threads >= 1, f"{threads} torch threads, {os.cpu_count()} CPUs",
+                    "set OMP_NUM_THREADS to the number of physical cores"))  # fmt: skip
+    except ImportError:
+        out.append(("torch", False, "not installed", "pip install torch==2.13.0"))
+    mem = _memory_bytes()
+    out.append(("memory", mem is None or mem >= MIN_MEMORY, f"{(mem or 0) / 2**30:.1f} GiB available",
+                "free memory or use a smaller model / --weight-cache-layers"))  # fmt: skip
+    state_dir = Path(args.state_dir or Path.home() / ".cache" / "wkvm")
+    probe = state_dir if state_dir.exists() else next((p for p in state_dir.parents if p.exists()), Path("/"))
+    free = shutil.disk_usage(probe).free
+    out.append(("disk", free >= MIN_FREE_DISK, f"{free / 2**30:.1f} GiB free at {probe}",
+                "free disk space or point --state-dir elsewhere"))  # fmt: skip
+    out.append(_model_check(args.model))
+    out.append(_port_check(args.host, args.port))
+    return out
+
+
+def _memory_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _model_check(model: str | None) -> tuple[str, bool, str, str]:
+    from wkvm.cli import default_model
+
+    path = model or str(default_model())
+    try:
+        from wkvm.models.loader import load_model
+
+        m = load_model(path)
+        cfg = m.config
+        detail = f"{path}: {cfg.n_layer} layers, width {cfg.n_embd}, vocab {cfg.vocab_size}"
+        return ("model", True, detail, "")
+    except Exception as e:  # any failure to read the model is the finding itself
+        return ("model", False, f"{path}: {e}", "point --model at a BlinkDL .pth file or an HF/fla directory")
+
+
+def _port_check(host: str, port: int) -> tuple[str, bool, str, str]:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return ("port", True, f"{host}:{port} is free", "")
+        except OSError as e:
+            return ("port", False, f"{host}:{port}: {e.strerror}", "stop what uses it or pass --port / WKVM_PORT")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("doctor", help="check python, torch, memory, disk, model and port")
+    p.add_argument("--model", default=os.environ.get("WKVM_MODEL"))
+    p.add_argument("--state-dir", default=os.environ.get("WKVM_STATE_DIR"))
+    p.add_argument("--host", default=os.environ.get("WKVM_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(os.environ.get("WKVM_PORT", "8000")))
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    results = checks(args)
+    for what, ok, detail, fix in results:
+        print(f"[{'ok' if ok else 'FAIL':>4}] {what:8} {detail}" + ("" if ok else f"\n       fix: {fix}"))
+    failed = sum(not ok for _, ok, _, _ in results)
+    print("all checks passed" if not failed else f"{failed} problem(s) found")
+    return 0 if not failed else 1

@@ -1,0 +1,131 @@
+"""`wkvm states ls|show|export|import|rm`, against a running server (--url) or a state directory (--state-dir)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+OWNER = "local"
+
+
+class ServerStates:
+    def __init__(self, url: str, api_key: str | None):
+        import httpx
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=120)
+
+    def _ok(self, r):
+        if r.status_code >= 400:
+            try:
+                msg = r.json()["error"]["message"]
+            except (ValueError, KeyError):
+                msg = r.text
+            raise SystemExit(f"wkvm states: {r.status_code}: {msg}")
+        return r
+
+    def ls(self) -> list[dict]:
+        return self._ok(self.http.get("/v1/states")).json()["data"]
+
+    def show(self, handle: str) -> dict:
+        return self._ok(self.http.get(f"/v1/states/{handle}")).json()
+
+    def export(self, handle: str) -> bytes:
+        return self._ok(self.http.get(f"/v1/states/{handle}/export")).content
+
+    def import_(self, data: bytes, name: str | None) -> dict:
+        params = {"name": name} if name else {}
+        return self._ok(self.http.post("/v1/states/import", content=data, params=params)).json()
+
+    def rm(self, handle: str) -> dict:
+        return self._ok(self.http.delete(f"/v1/states/{handle}")).json()
+
+
+class DirStates:
+    """A state directory, opened directly (the model is needed only to export or import)."""
+
+    def __init__(self, state_dir: str, model: str | None, owner: str):
+        self.state_dir, self.model_path, self.owner = Path(state_dir), model, owner
+        self._store = None
+
+    @property
+    def store(self):
+        if self._store is None:
+            if not self.model_path:
+                raise SystemExit("wkvm states: --model is needed with --state-dir (to check fingerprints)")
+            from wkvm.models.loader import load_model
+            from wkvm.state.store import StateStore
+
+            m = load_model(self.model_path)
+            self._store = StateStore(self.state_dir, m.spec, m.fingerprint, m.vocab_size)
+        return self._store
+
+    def _info(self, rec) -> dict:
+        return rec.info(Path(self.model_path or "").stem or "?")
+
+    def ls(self) -> list[dict]:
+        return [self._info(r) for r in self.store.list(self.owner)]
+
+    def show(self, handle: str) -> dict:
+        return self._info(self.store.get(self.owner, handle))
+
+    def export(self, handle: str) -> bytes:
+        return self.store.export_bytes(self.owner, handle)
+
+    def import_(self, data: bytes, name: str | None) -> dict:
+        return self._info(self.store.import_bytes(self.owner, data, name))
+
+    def rm(self, handle: str) -> dict:
+        self.store.delete(self.owner, handle)
+        return {"id": handle, "deleted": True}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("states", help="list, show, export, import or remove states")
+    p.add_argument("action", choices=["ls", "show", "export", "import", "rm"])
+    p.add_argument("args", nargs="*", help="show/rm: HANDLE; export: HANDLE FILE; import: FILE")
+    p.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000 (env WKVM_URL)")
+    p.add_argument("--api-key", help="API key for --url (env WKVM_API_KEY)")
+    p.add_argument("--state-dir", help="a state directory instead of a server")
+    p.add_argument("--model", help="with --state-dir: the model the states belong to")
+    p.add_argument("--owner", default=OWNER, help="with --state-dir: whose states (default: local)")
+    p.add_argument("--name", help="import: store under this name")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    url = args.url or os.environ.get("WKVM_URL")
+    if args.state_dir:
+        backend = DirStates(args.state_dir, args.model or os.environ.get("WKVM_MODEL"), args.owner)
+    elif url:
+        backend = ServerStates(url, args.api_key or os.environ.get("WKVM_API_KEY"))
+    else:
+        print("wkvm states: give --url (a running server) or --state-dir", file=sys.stderr)
+        return 2
+    need = {"ls": 0, "show": 1, "rm": 1, "export": 2, "import": 1}[args.action]
+    if len(args.args) != need:
+        print(f"wkvm states {args.action}: expected {need} argument(s)", file=sys.stderr)
+        return 2
+    if args.action == "ls":
+        rows = backend.ls()
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        for r in [] if args.json else rows:
+            pinned = "pinned" if r["pinned"] else ""
+            print(f"{r['handle']:32} {r['n_tokens']:7} tokens  {r['op']:9} {r['tier']:6} {pinned}")
+        return 0
+    if args.action == "export":
+        data = backend.export(args.args[0])
+        Path(args.args[1]).write_bytes(data)
+        print(f"wrote {args.args[1]} ({len(data)} bytes)")
+        return 0
+    if args.action == "import":
+        out = backend.import_(Path(args.args[0]).read_bytes(), args.name)
+    else:
+        out = backend.show(args.args[0]) if args.action == "show" else backend.rm(args.args[0])
+    print(json.dumps(out, indent=2))
+    return 0
