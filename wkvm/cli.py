@@ -35,6 +35,7 @@ def default_model() -> Path:
 
 SERVE_FLAGS: list[tuple[str, type, object, str]] = [
     ("model", str, None, "BlinkDL .pth or HF/fla directory (default: the embedded model)"),
+    ("device", str, "cpu", "cpu, or cuda with a CUDA build of torch"),
     ("host", str, "127.0.0.1", "address to bind; anything but loopback is reachable from other machines"),
     ("port", int, 8000, "TCP port"),
     ("api-key", str, None, "API key(s), comma-separated; then every route but /health needs one"),
@@ -83,7 +84,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         log.warning("binding %s without an API key: anyone who can reach this port can use the server", args.host)
     config = ServerConfig(
-        model=model, host=args.host, port=args.port, api_keys=keys, served_model_name=args.served_model_name,
+        model=model, device=args.device, host=args.host, port=args.port, api_keys=keys,
+        served_model_name=args.served_model_name,
         slots=args.slots, max_queue=args.max_queue, token_budget=args.token_budget, prefill_chunk=args.prefill_chunk,
         request_timeout=args.request_timeout, state_dir=args.state_dir, state_device_bytes=args.state_device_bytes,
         state_host_bytes=args.state_host_bytes, state_disk_quota=args.state_disk_quota,

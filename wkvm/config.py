@@ -27,6 +27,7 @@ class EngineConfig:
 @dataclass
 class ServerConfig:
     model: str | None = None
+    device: str = "cpu"  # "cuda" with a CUDA build of torch
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: list[str] = field(default_factory=list)
@@ -56,7 +57,8 @@ class ServerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
 
-    def engine_config(self, device: str = "cpu") -> EngineConfig:
+    def engine_config(self) -> EngineConfig:
+        device = self.device
         return EngineConfig(
             n_slots=self.slots, max_queue=self.max_queue, token_budget=max(self.token_budget, self.slots),
             prefill_chunk=self.prefill_chunk, request_timeout=self.request_timeout, device=device,

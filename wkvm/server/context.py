@@ -50,7 +50,7 @@ class ServerContext:
         """Load the model and build the engine and store (called on a background thread at startup)."""
         try:
             cfg = self.config
-            self.model = load_model(cfg.model)
+            self.model = load_model(cfg.model, device=cfg.device)
             self.tokenizer = load_tokenizer(cfg.model)
             self.template = load_chat_template(cfg.model)
             self.engine = Engine(self.model, self.tokenizer, cfg.engine_config())
@@ -58,8 +58,9 @@ class ServerContext:
                 self._tmp = tempfile.TemporaryDirectory(prefix="wkvm-states-")
             root = cfg.state_dir or self._tmp.name
             limits = StoreLimits(cfg.state_device_bytes, cfg.state_host_bytes, cfg.state_disk_quota)
-            self.store = StateStore(root, self.model.spec, self.model.fingerprint, self.model.vocab_size,
-                                    limits=limits, verify_on_load=cfg.verify_state_loads)  # fmt: skip
+            m = self.model
+            self.store = StateStore(root, m.spec, m.fingerprint, m.vocab_size, device=cfg.device, limits=limits,
+                                    verify_on_load=cfg.verify_state_loads)  # fmt: skip
             self.service = StateService(self.engine, self.store)
             from wkvm.server.sessions import ChatSessions
 
