@@ -1,6 +1,6 @@
 """Train wkvm's embedded default model: a small RWKV-7 on tinyshakespeare, on CPU, in well under 45 minutes.
 
-    python scripts/train_default.py --minutes 30 --out models/wkvm-tiny-shakespeare
+    python scripts/train_default.py --minutes 28   # writes wkvm/assets/wkvm-tiny-shakespeare
 
 Writes an HF/fla-format directory (config.json, model.safetensors, tokenizer.json, chat template) that wkvm
 loads, checks that wkvm's inference reproduces the training forward pass, and prints the held-out loss.
@@ -200,7 +200,7 @@ def evaluate(model, data: torch.Tensor, T: int, batch: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=str(ROOT / "data" / "tinyshakespeare.txt"))
-    ap.add_argument("--out", default=str(ROOT / "models" / "wkvm-tiny-shakespeare"))
+    ap.add_argument("--out", default=str(ROOT / "wkvm" / "assets" / "wkvm-tiny-shakespeare"))
     ap.add_argument("--minutes", type=float, default=30.0, help="training time budget (tokenizer and eval extra)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--vocab", type=int, default=1024)

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from wkvm.cli import main
@@ -24,3 +25,73 @@ def test_generate_json(tiny_pth, capsys):
 def test_bad_model_path_is_a_clear_error(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
     assert "not a BlinkDL .pth file" in capsys.readouterr().err
+
+
+def test_states_through_the_cli_on_a_directory(tmp_path, tiny_pth, capsys):
+    from wkvm.models.rwkv7 import load_rwkv7
+    from wkvm.state.store import StateStore
+
+    m = load_rwkv7(tiny_pth)
+    store = StateStore(tmp_path / "sd", m.spec, m.fingerprint, m.vocab_size)
+    _, state = m.prefill([1, 2, 3])
+    store.put("local", "demo", state, [1, 2, 3, 4])
+    store.close()
+    base = ["states", "--state-dir", str(tmp_path / "sd"), "--model", str(tiny_pth)]
+    assert main([*base[:1], "ls", *base[1:]]) == 0
+    assert "demo@1" in capsys.readouterr().out
+    assert main(["states", "export", "demo", str(tmp_path / "demo.state"), *base[1:]]) == 0
+    assert main(["states", "import", str(tmp_path / "demo.state"), "--name", "copy", *base[1:]]) == 0
+    assert json.loads(capsys.readouterr().out.split("\n", 1)[1])["handle"] == "copy@1"
+    assert main(["states", "rm", "demo", *base[1:]]) == 0
+    capsys.readouterr()
+    assert main(["states", "ls", *base[1:], "--json"]) == 0
+    assert [s["handle"] for s in json.loads(capsys.readouterr().out)] == ["copy@1"]
+
+
+def test_states_through_the_cli_on_a_server(tmp_path, tiny_pth, capsys):
+    from live_server import LiveServer
+
+    with LiveServer(model=str(tiny_pth), api_keys=["k"]) as s:
+        import httpx
+
+        httpx.post(f"{s.url}/v1/states", json={"name": "srv", "prompt_ids": [5, 6]}, headers={"X-Api-Key": "k"})
+        url = ["--url", s.url, "--api-key", "k"]
+        assert main(["states", "ls", *url]) == 0 and "srv@1" in capsys.readouterr().out
+        assert main(["states", "export", "srv", str(tmp_path / "srv.state"), *url]) == 0
+        assert main(["states", "import", str(tmp_path / "srv.state"), "--name", "back", *url]) == 0
+        assert main(["states", "show", "back", *url]) == 0
+        capsys.readouterr()
+        with pytest.raises(SystemExit, match="404"):
+            main(["states", "show", "nope", *url])
+
+
+def test_doctor_passes_here(tiny_pth, capsys):
+    from live_server import free_port
+
+    assert main(["doctor", "--model", str(tiny_pth), "--port", str(free_port())]) == 0
+    out = capsys.readouterr().out
+    assert "all checks passed" in out and "[  ok] torch" in out
+
+
+def test_doctor_reports_a_problem_with_its_fix(tmp_path, capsys):
+    assert main(["doctor", "--model", str(tmp_path / "missing.pth")]) == 1
+    assert "fix: point --model" in capsys.readouterr().out
+
+
+def test_chat_repl_keeps_state(tmp_path, capsys):
+    from wkvm.cli import default_model
+    from wkvm.cli_chat import ChatREPL
+
+    repl = ChatREPL(str(default_model()), tmp_path / "chat", max_tokens=12, temperature=0)
+    repl.run(["Good morrow.", "/save first", "How now?", "/states", "/load first", "Speak again.", "/reset", "/quit"])
+    out = capsys.readouterr().out
+    assert "(saved first@1" in out and "(loaded first@1" in out and "first@1" in out
+
+
+def test_default_model_generates_text():
+    from wkvm import LLM, SamplingParams
+    from wkvm.cli import EMBEDDED_MODEL, default_model
+
+    assert default_model() == EMBEDDED_MODEL, "the embedded model is missing"
+    out = LLM(model=EMBEDDED_MODEL).generate("ROMEO:\n", SamplingParams(max_tokens=30, temperature=0))[0]
+    assert out.text.strip() and len(out.token_ids) > 0

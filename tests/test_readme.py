@@ -1,0 +1,45 @@
+"""The README's examples run: its curl and Python blocks against a live server on the embedded model."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from live_server import LiveServer
+
+from wkvm.cli import EMBEDDED_MODEL
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+BLOCKS = re.findall(r"```(sh|python)\n(.*?)```", README, re.S)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with LiveServer(model=str(EMBEDDED_MODEL), slots=2) as s:
+        yield s
+
+
+def test_readme_shows_the_two_commands_first():
+    assert BLOCKS[0][0] == "sh" and "make serve" in BLOCKS[0][1] and "make test" in BLOCKS[0][1]
+
+
+@pytest.mark.parametrize("i", [i for i, (lang, code) in enumerate(BLOCKS) if "127.0.0.1:8000" in code])
+def test_readme_block_runs(server, tmp_path, i):
+    lang, code = BLOCKS[i]
+    code = code.replace("http://127.0.0.1:8000", server.url).replace("/tmp/", f"{tmp_path}/")
+    if lang == "sh":
+        code = "set -e\n" + code.replace("curl -s", "curl -sf")  # -f: an HTTP error fails the block
+        run = subprocess.run(["bash", "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    else:
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert '"error"' not in run.stdout
+
+
+def test_readme_python_api_block_runs():
+    code = next(code for lang, code in BLOCKS if lang == "python" and "from wkvm import LLM" in code)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip()
