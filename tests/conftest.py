@@ -68,3 +68,16 @@ def char_model(ckpt_dir):
     tok.save(str(path / "tokenizer.json"))
     (path / "chat_template.jinja").write_text(CHAR_TEMPLATE)
     return path
+
+
+def greedy_reference(model, prompt, n):
+    """Greedy tokens from a plain prefill + decode loop: the 'alone' run engine outputs must equal."""
+    import torch
+
+    logits, state = model.prefill(prompt)
+    out = []
+    for _ in range(n):
+        tok = int(torch.argmax(logits))
+        out.append(tok)
+        logits = model.decode([tok], state)[0]
+    return out

@@ -4,7 +4,7 @@ import asyncio
 import random
 
 import pytest
-import torch
+from conftest import greedy_reference
 
 from wkvm.config import EngineConfig
 from wkvm.engine.engine import Engine, EngineClosed, QueueFull
@@ -21,16 +21,6 @@ def model(tiny_pth):
 @pytest.fixture(scope="module")
 def tok():
     return WorldTokenizer()
-
-
-def greedy_alone(model, prompt, n):
-    logits, state = model.prefill(prompt)
-    out = []
-    for _ in range(n):
-        t = int(torch.argmax(logits))
-        out.append(t)
-        logits = model.decode([t], state)[0]
-    return out
 
 
 def greedy(n):
@@ -50,7 +40,7 @@ def test_staggered_mixed_batch_equals_alone(model, tok):
     engine.run_until_done()
     assert engine.arena.num_free == 8
     for (prompt, n), h in zip(specs, handles, strict=True):
-        assert h.output.token_ids == greedy_alone(model, prompt, n), h.request_id
+        assert h.output.token_ids == greedy_reference(model, prompt, n), h.request_id
         assert h.output.finish_reason == "length"
 
 
@@ -61,9 +51,9 @@ def test_gathered_batch_equals_alone(model, tok):
     b = engine.submit([8, 9], greedy(2))
     c = engine.submit([10, 11, 12, 13], greedy(30))
     engine.run_until_done()
-    assert a.output.token_ids == greedy_alone(model, [5, 6, 7], 30)
-    assert b.output.token_ids == greedy_alone(model, [8, 9], 2)
-    assert c.output.token_ids == greedy_alone(model, [10, 11, 12, 13], 30)
+    assert a.output.token_ids == greedy_reference(model, [5, 6, 7], 30)
+    assert b.output.token_ids == greedy_reference(model, [8, 9], 2)
+    assert c.output.token_ids == greedy_reference(model, [10, 11, 12, 13], 30)
 
 
 def test_seeded_sampling_independent_of_batch_mates(model, tok):
@@ -111,8 +101,8 @@ def test_preemption_round_trip_exact(model, tok):
     engine.step()
     assert low.request.status.value == "parked"
     engine.run_until_done()
-    assert high.output.token_ids == greedy_alone(model, [7, 8], 5)
-    assert low.output.token_ids == greedy_alone(model, [3, 4, 5, 6], 25)
+    assert high.output.token_ids == greedy_reference(model, [7, 8], 5)
+    assert low.output.token_ids == greedy_reference(model, [3, 4, 5, 6], 25)
 
 
 def test_queue_full_and_timeout(model, tok):
@@ -146,14 +136,14 @@ def test_threaded_engine_sync_async_and_shutdown(model, tok):
     h = engine.submit([1, 2, 3], greedy(6))
     events = list(h)
     assert sum(len(e.token_ids) for e in events) == 6 and events[-1].finish_reason == "length"
-    assert h.output.token_ids == greedy_alone(model, [1, 2, 3], 6)
+    assert h.output.token_ids == greedy_reference(model, [1, 2, 3], 6)
 
     async def stream():
         loop = asyncio.get_running_loop()
         ha = engine.submit([4, 5], greedy(4), loop=loop)
         return [t async for e in ha for t in e.token_ids]
 
-    assert asyncio.run(stream()) == greedy_alone(model, [4, 5], 4)
+    assert asyncio.run(stream()) == greedy_reference(model, [4, 5], 4)
     pending = engine.submit([1], greedy(5))
     engine.shutdown(drain=True)
     assert pending.result(timeout=5).finish_reason == "length"

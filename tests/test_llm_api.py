@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import greedy_reference
 
 from wkvm import LLM, SamplingParams
 from wkvm.sampling_params import InvalidParam
@@ -12,21 +13,11 @@ def llm(tiny_pth):
     return LLM(model=tiny_pth)
 
 
-def greedy_by_hand(model, prompt, n):
-    logits, state = model.prefill(prompt)
-    out = []
-    for _ in range(n):
-        tok = int(torch.argmax(logits))
-        out.append(tok)
-        logits = model.decode([tok], state)[0]
-    return out
-
-
 def test_greedy_token_ids_match_model_loop(llm):
     prompts = [[1, 2, 3], [50, 60, 70, 80, 90], [7]]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for p, o in zip(prompts, outs, strict=True):
-        assert o.token_ids == greedy_by_hand(llm.model, p, 12)
+        assert o.token_ids == greedy_reference(llm.model, p, 12)
         assert o.finish_reason == "length" and o.prompt_token_ids == p
 
 
