@@ -86,3 +86,10 @@ def test_unreadable_inputs_are_refused_with_reason(tmp_path):
     torch.save(raw, tmp_path / "y.pth")
     with pytest.raises(CheckpointError, match="blocks.1.att.k_k"):
         load_rwkv7(tmp_path / "y.pth")
+
+
+def test_fingerprint_covers_layer0_value_weights(tmp_path):
+    raw = save_random_rwkv7(tmp_path / "a.pth", RWKV7Shape(), seed=1)
+    raw["blocks.0.att.value.weight"][0, 0] += 1.0
+    torch.save(raw, tmp_path / "b.pth")
+    assert load_rwkv7(tmp_path / "a.pth").fingerprint != load_rwkv7(tmp_path / "b.pth").fingerprint

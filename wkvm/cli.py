@@ -36,6 +36,7 @@ def default_model() -> Path:
 SERVE_FLAGS: list[tuple[str, type, object, str]] = [
     ("model", str, None, "BlinkDL .pth or HF/fla directory (default: the embedded model)"),
     ("device", str, "cpu", "cpu, or cuda with a CUDA build of torch"),
+    ("weight-cache-layers", int, 0, "stream a weight pack from disk through an LRU cache of N layers (0: resident)"),
     ("host", str, "127.0.0.1", "address to bind; anything but loopback is reachable from other machines"),
     ("port", int, 8000, "TCP port"),
     ("api-key", str, None, "API key(s), comma-separated; then every route but /health needs one"),
@@ -58,6 +59,7 @@ SERVE_FLAGS: list[tuple[str, type, object, str]] = [
     ("checkpoint-bytes", int, 1 << 30, "bytes of prefix-reuse checkpoints kept"),
 ]
 SERVE_SWITCHES = [
+    ("no-read-ahead", "with --weight-cache-layers: do not read the next layer while one computes"),
     ("no-prefix-reuse", "switch off every kind of state reuse (the baseline)"),
     ("verify-state-loads", "check the sha256 of every state read from disk"),
 ]
@@ -84,7 +86,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         log.warning("binding %s without an API key: anyone who can reach this port can use the server", args.host)
     config = ServerConfig(
-        model=model, device=args.device, host=args.host, port=args.port, api_keys=keys,
+        model=model, device=args.device, weight_cache_layers=args.weight_cache_layers,
+        read_ahead=not args.no_read_ahead, host=args.host, port=args.port, api_keys=keys,
         served_model_name=args.served_model_name,
         slots=args.slots, max_queue=args.max_queue, token_budget=args.token_budget, prefill_chunk=args.prefill_chunk,
         request_timeout=args.request_timeout, state_dir=args.state_dir, state_device_bytes=args.state_device_bytes,
@@ -159,6 +162,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from wkvm.models.rwkv7_checkpoint import convert
 
+    if args.pack:
+        from wkvm.weights.pack import write_pack
+
+        write_pack(args.src, args.dst)
+        print(f"wrote {args.dst} (weight pack: manifest.json, globals and one file per layer)")
+        return 0
     fmt = convert(args.src, args.dst)
     print(f"wrote {args.dst} ({'HF/fla directory' if fmt == 'hf' else 'BlinkDL .pth'})")
     return 0
@@ -185,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert between BlinkDL .pth and an HF/fla directory (lossless)")
     c.add_argument("src")
     c.add_argument("dst")
+    c.add_argument("--pack", action="store_true", help="write a weight pack for --weight-cache-layers streaming")
     c.set_defaults(func=cmd_convert)
 
     ch = sub.add_parser("chat", help="chat in the terminal; the state is kept across turns")

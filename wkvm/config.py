@@ -28,6 +28,8 @@ class EngineConfig:
 class ServerConfig:
     model: str | None = None
     device: str = "cpu"  # "cuda" with a CUDA build of torch
+    weight_cache_layers: int = 0  # > 0: stream a weight pack through an LRU cache of this many layers
+    read_ahead: bool = True
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: list[str] = field(default_factory=list)

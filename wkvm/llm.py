@@ -22,10 +22,14 @@ class LLM:
         model: str | os.PathLike,
         tokenizer: str | os.PathLike | None = None,
         config: EngineConfig | None = None,
+        weight_cache_layers: int = 0,
+        read_ahead: bool = True,
         **config_kwargs,
     ):
+        """`weight_cache_layers` > 0 streams a weight pack's layers from disk through a cache of that many."""
         config = replace(config or EngineConfig(), **config_kwargs)
-        self.model = load_model(model, device=config.device)
+        self.model = load_model(model, device=config.device, weight_cache_layers=weight_cache_layers,
+                                read_ahead=read_ahead)  # fmt: skip
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer or model)
         self.engine = Engine(self.model, self.tokenizer, replace(config, max_queue=1 << 30))
 

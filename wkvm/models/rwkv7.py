@@ -77,6 +77,11 @@ class RWKV7Config:
         )  # fmt: skip
 
 
+def used_tensors(raw: RawTensors) -> RawTensors:
+    """Everything but layer 0's v0/v1/v2, which BlinkDL files may carry and the model never uses."""
+    return {k: v for k, v in raw.items() if k not in ("blocks.0.att.v0", "blocks.0.att.v1", "blocks.0.att.v2")}
+
+
 def rwkv7_state_spec(cfg: RWKV7Config) -> StateSpec:
     C, H, N = cfg.n_embd, cfg.n_head, cfg.head_size
     tensors: list[TensorSpec] = []
@@ -89,7 +94,7 @@ def rwkv7_state_spec(cfg: RWKV7Config) -> StateSpec:
     return StateSpec(FAMILY, tuple(tensors))
 
 
-def _prepare_layer(raw: RawTensors, i: int, cfg: RWKV7Config, dtype: torch.dtype, device) -> Tensors:
+def prepare_layer(raw: RawTensors, i: int, cfg: RWKV7Config, dtype: torch.dtype, device) -> Tensors:
     """Layer i's tensors in compute form: vectors flat, mixing coefficients stacked."""
     p = f"blocks.{i}."
     keys = list(LAYER_KEYS) + ([f"att.v{j}" for j in "012"] if i > 0 else [])
@@ -220,16 +225,24 @@ class RWKV7:
         return linear(k, w["ffn.value.weight"])
 
 
-def build_rwkv7(raw: RawTensors, hf_config: dict | None = None, device="cpu", dtype=torch.float32) -> RWKV7:
-    cfg = RWKV7Config.from_tensors(raw, hf_config)
-    used = {k: v for k, v in raw.items() if not k.startswith("blocks.0.att.v")}  # layer 0 ignores v0..v2
-    fp = fingerprint(FAMILY, asdict(cfg), used)
-    layers = [_prepare_layer(raw, i, cfg, dtype, device) for i in progress(range(cfg.n_layer), "loading layers")]
-    globals_ = {k: raw[k].to(device=device, dtype=dtype).contiguous() for k in GLOBAL_KEYS}
+def build_rwkv7(
+    raw: RawTensors, hf_config: dict | None = None, device="cpu", dtype=torch.float32,
+    config: RWKV7Config | None = None, model_fingerprint: str | None = None,
+) -> RWKV7:  # fmt: skip
+    cfg = config or RWKV7Config.from_tensors(raw, hf_config)
+    used = used_tensors(raw)
+    fp = model_fingerprint or fingerprint(FAMILY, asdict(cfg), used)
+    layers = [prepare_layer(raw, i, cfg, dtype, device) for i in progress(range(cfg.n_layer), "loading layers")]
+    return RWKV7(cfg, ResidentWeights(layers, prepare_globals(raw, dtype, device)), fp, device)
+
+
+def prepare_globals(raw: RawTensors, dtype: torch.dtype, device) -> Tensors:
+    """Embedding, first and last norms, head: in compute form."""
+    g = {k: raw[k].to(device=device, dtype=dtype).contiguous() for k in GLOBAL_KEYS}
     for k in ("blocks.0.ln0.weight", "blocks.0.ln0.bias"):
-        globals_[k] = globals_[k].reshape(-1)
-    globals_["head.weight"] = pack_linear(globals_["head.weight"])
-    return RWKV7(cfg, ResidentWeights(layers, globals_), fp, device)
+        g[k] = g[k].reshape(-1)
+    g["head.weight"] = pack_linear(g["head.weight"])
+    return g
 
 
 def load_rwkv7(path: str | os.PathLike, device="cpu", dtype=torch.float32) -> RWKV7:

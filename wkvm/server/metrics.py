@@ -3,8 +3,32 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+STREAM_COUNTERS = {
+    "cache_hits": "Weight-layer cache hits",
+    "cache_misses": "Weight-layer cache misses",
+    "readahead_hits": "Cache misses served by read-ahead",
+    "readahead_misses": "Cache misses read synchronously",
+    "bytes_read": "Weight bytes read from disk",
+}
+
+
+class StreamCollector:
+    """Weight-streaming counters, read from the model's provider at scrape time."""
+
+    def __init__(self) -> None:
+        self.weights = None
+
+    def collect(self):
+        stats = getattr(self.weights, "stats", None)
+        if stats is None:
+            return
+        for name, help_ in STREAM_COUNTERS.items():
+            yield CounterMetricFamily(f"wkvm_weight_{name}", help_, value=getattr(stats, name))
 
 
 class Metrics:
@@ -28,8 +52,11 @@ class Metrics:
         self.reuse_tokens = Counter("wkvm_prefix_reuse_tokens", "Prompt tokens not recomputed thanks to reuse",
                                     registry=r)  # fmt: skip
         self.restarts = Counter("wkvm_session_restarts", "Chat sessions restarted, by reason", ["reason"], registry=r)
+        self.stream = StreamCollector()
+        r.register(self.stream)
 
     def render(self, engine, store) -> bytes:
+        self.stream.weights = engine.model.weights
         sched = engine.scheduler
         self.queue_depth.set(len(sched.waiting))
         self.running.set(len(sched.running))

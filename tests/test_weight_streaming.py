@@ -1,0 +1,95 @@
+"""Weight streaming: output identical to resident for several cache sizes, read-ahead or not, B=1 and B=8;
+the cache never exceeds its bound; bad packs are refused."""
+
+import json
+
+import pytest
+import torch
+
+from wkvm import LLM, SamplingParams
+from wkvm.cli import main
+from wkvm.models.loader import load_model
+from wkvm.models.rwkv7_random import RWKV7Shape, save_random_rwkv7
+from wkvm.weights.pack import PackError, write_pack
+
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8], [1, 6, 1, 8, 0, 3, 3, 9, 8, 8], [5, 7], [9, 9, 9], [4], [8, 6],
+           [1, 1, 2, 3, 5, 8, 13]]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pack")
+    save_random_rwkv7(d / "m.pth", RWKV7Shape(6, 64, 16, 256, None, 8, 8, 4, 8), seed=4, dtype=torch.bfloat16)
+    assert main(["convert", str(d / "m.pth"), str(d / "pack"), "--pack"]) == 0
+    return d
+
+
+def run(llm, batch):
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+    return llm.generate(PROMPTS[:batch], params)
+
+
+@pytest.fixture(scope="module")
+def resident(pack):
+    return {b: run(LLM(model=pack / "m.pth"), b) for b in (1, 8)}
+
+
+@pytest.mark.parametrize("cache", [1, 2, 5, 6])
+@pytest.mark.parametrize("read_ahead", [True, False])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_streamed_equals_resident(pack, resident, cache, read_ahead, batch):
+    llm = LLM(model=pack / "pack", weight_cache_layers=cache, read_ahead=read_ahead)
+    outs = run(llm, batch)
+    for got, want in zip(outs, resident[batch], strict=True):
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert all(abs(a[t] - b[t]) < 1e-5 for t in a.keys() & b.keys())
+    w = llm.model.weights
+    assert len(w.cached_layers) <= cache
+    assert w.stats.layer_calls > 0 and w.stats.bytes_read > 0
+    if read_ahead and cache < 6:
+        assert w.stats.readahead_hits > 0
+    w.close()
+
+
+def test_pack_resident_load_keeps_fingerprint(pack):
+    a, b = load_model(pack / "m.pth"), load_model(pack / "pack")
+    assert a.fingerprint == b.fingerprint
+    assert torch.equal(a.prefill([1, 2, 3])[0], b.prefill([1, 2, 3])[0])
+
+
+def test_bad_packs_are_refused(pack, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(pack / "pack", bad)
+    layer = bad / "layer_003.safetensors"
+    layer.write_bytes(layer.read_bytes()[:-100])
+    with pytest.raises(PackError, match="truncated"):
+        load_model(bad, weight_cache_layers=2)
+    shutil.rmtree(bad)
+    shutil.copytree(pack / "pack", bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["layers"][2]["tensors"]["att.k_k"]["shape"] = [1, 1, 65]
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PackError, match="does not match the manifest"):
+        load_model(bad, weight_cache_layers=2)
+    (bad / "layer_005.safetensors").unlink()
+    with pytest.raises(PackError):
+        load_model(bad)
+    with pytest.raises(ValueError, match="needs a weight pack"):
+        load_model(pack / "m.pth", weight_cache_layers=2)
+    write_pack(pack / "m.pth", tmp_path / "again")
+    assert (tmp_path / "again" / "manifest.json").exists()
+
+
+def test_streaming_counters_in_metrics(pack):
+    from live_server import LiveServer
+
+    with LiveServer(model=str(pack / "pack"), weight_cache_layers=2) as s:
+        import httpx
+
+        httpx.post(f"{s.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+        text = httpx.get(f"{s.url}/metrics").text
+    for name in ("wkvm_weight_cache_hits_total", "wkvm_weight_readahead_hits_total", "wkvm_weight_bytes_read_total"):
+        assert name in text

@@ -1,0 +1,143 @@
+"""The weight pack (`wkvm-pack-v1`): a directory laid out for direct per-layer reads.
+
+    manifest.json            format, family, config, model fingerprint, and for every file: its size, sha256,
+                             and each tensor's dtype, shape, byte offset and length
+    globals.safetensors      embedding, head, norms (kept resident)
+    layer_000.safetensors    one file per layer: one read brings a whole layer in
+
+Every file is an ordinary safetensors file. Tensors are stored in BlinkDL names and shapes, fp32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from wkvm.atomic import atomic_path
+from wkvm.models.fingerprint import fingerprint
+from wkvm.models.rwkv7 import FAMILY, GLOBAL_KEYS, RWKV7Config, used_tensors
+from wkvm.models.rwkv7_checkpoint import CheckpointError, RawTensors, read_checkpoint
+from wkvm.progress import progress
+
+PACK_FORMAT = "wkvm-pack-v1"
+MANIFEST = "manifest.json"
+DTYPES = {"F32": torch.float32}
+
+
+class PackError(CheckpointError):
+    """A pack that is truncated or does not match its manifest."""
+
+
+def is_pack(path: str | os.PathLike) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _header(path: Path) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return n, json.loads(f.read(n))
+
+
+def _write_file(d: Path, name: str, tensors: RawTensors) -> dict:
+    path = d / name
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp))
+    n, header = _header(path)
+    entries = {}
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        start, end = meta["data_offsets"]
+        entries[key] = {"dtype": meta["dtype"], "shape": meta["shape"], "offset": 8 + n + start, "length": end - start}
+    return {"file": name, "bytes": path.stat().st_size, "sha256": _sha256(path), "tensors": entries}
+
+
+def write_pack(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Convert a `.pth` or HF/fla checkpoint into a pack directory."""
+    raw, hf, fmt = read_checkpoint(src)
+    cfg = RWKV7Config.from_tensors(raw, hf if fmt != "pth" else None)
+    used = used_tensors(raw)
+    d = Path(dst)
+    d.mkdir(parents=True, exist_ok=True)
+    f32 = {k: v.to(torch.float32).contiguous() for k, v in used.items()}
+    manifest = {
+        "format": PACK_FORMAT, "family": FAMILY, "config": asdict(cfg),
+        "fingerprint": fingerprint(FAMILY, asdict(cfg), used),
+        "globals": _write_file(d, "globals.safetensors", {k: f32[k] for k in GLOBAL_KEYS}),
+        "layers": [],
+    }  # fmt: skip
+    for i in progress(range(cfg.n_layer), "packing layers"):
+        prefix = f"blocks.{i}."
+        layer = {k.removeprefix(prefix): v for k, v in f32.items() if k.startswith(prefix) and k not in GLOBAL_KEYS}
+        manifest["layers"].append(_write_file(d, f"layer_{i:03d}.safetensors", layer))
+    with atomic_path(d / MANIFEST) as tmp:
+        tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    return d
+
+
+class Pack:
+    """An opened pack; `open` checks that every file exists, has the manifest's size and the same tensors."""
+
+    def __init__(self, path: str | os.PathLike, verify_hashes: bool = False):
+        self.path = Path(path)
+        try:
+            self.manifest = json.loads((self.path / MANIFEST).read_text())
+        except (OSError, ValueError) as e:
+            raise PackError(f"{self.path}: unreadable {MANIFEST}: {e}") from None
+        if self.manifest.get("format") != PACK_FORMAT:
+            raise PackError(f"{self.path}: format {self.manifest.get('format')!r}, expected {PACK_FORMAT!r}")
+        self.config = RWKV7Config(**self.manifest["config"])
+        self.fingerprint: str = self.manifest["fingerprint"]
+        if len(self.manifest["layers"]) != self.config.n_layer:
+            raise PackError(f"{self.path}: manifest lists {len(self.manifest['layers'])} layers, config says "
+                            f"{self.config.n_layer}")  # fmt: skip
+        for entry in [self.manifest["globals"], *self.manifest["layers"]]:
+            self._check(entry, verify_hashes)
+
+    def _check(self, entry: dict, verify_hashes: bool) -> None:
+        path = self.path / entry["file"]
+        if not path.is_file():
+            raise PackError(f"{path}: missing (the pack is incomplete)")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise PackError(f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated or replaced)")
+        n, header = _header(path)
+        for name, t in entry["tensors"].items():
+            meta = header.get(name)
+            same = meta is not None and (meta["dtype"], meta["shape"]) == (t["dtype"], t["shape"])
+            if not same or 8 + n + meta["data_offsets"][0] != t["offset"]:
+                raise PackError(f"{path}: tensor {name} does not match the manifest")
+        if len(header) - ("__metadata__" in header) != len(entry["tensors"]):
+            raise PackError(f"{path}: holds tensors the manifest does not list")
+        if verify_hashes and _sha256(path) != entry["sha256"]:
+            raise PackError(f"{path}: sha256 differs from the manifest (modified or corrupt)")
+
+    def layer_bytes(self, i: int) -> int:
+        return self.manifest["layers"][i]["bytes"]
+
+    def read(self, i: int | None) -> RawTensors:
+        """One read of a layer's file (None: the globals); tensors are views into it, named as in BlinkDL files."""
+        entry = self.manifest["globals"] if i is None else self.manifest["layers"][i]
+        buf = torch.from_numpy(np.fromfile(self.path / entry["file"], dtype=np.uint8))
+        if buf.numel() != entry["bytes"]:
+            raise PackError(f"{self.path / entry['file']}: changed size while the server runs")
+        prefix = "" if i is None else f"blocks.{i}."
+        return {
+            prefix + name: buf[t["offset"] : t["offset"] + t["length"]].view(DTYPES[t["dtype"]]).view(t["shape"])
+            for name, t in entry["tensors"].items()
+        }
