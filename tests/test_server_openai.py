@@ -12,7 +12,8 @@ from wkvm import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def server(world_pth):
-    with LiveServer(model=str(world_pth), slots=4, max_tokens_limit=256) as s:
+    with LiveServer(model=str(world_pth), slots=4, max_tokens_limit=256, max_body_bytes=1 << 20,
+                    max_prompt_tokens=5000) as s:  # fmt: skip
         yield s
 
 
@@ -102,6 +103,19 @@ def test_errors_are_openai_shaped(client, server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
     r = httpx.get(f"{server.url}/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x" * (2 << 20)})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+    def chunked():
+        yield b'{"prompt": "'
+        for _ in range(40):
+            yield b"y" * 65536
+        yield b'"}'
+
+    r = httpx.post(f"{server.url}/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1] * 6000, "max_tokens": 1})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "prompt_too_large"
 
 
 def test_disconnect_mid_stream_frees_slot(server):

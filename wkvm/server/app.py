@@ -12,11 +12,14 @@ from wkvm import __version__
 from wkvm.config import ServerConfig
 from wkvm.server import openai_routes, states_routes
 from wkvm.server.context import ServerContext
-from wkvm.server.errors import APIError, error_body, install_error_handlers
+from wkvm.server.errors import error_body, install_error_handlers
 
 
 class BodyLimit:
-    """Refuse request bodies over `limit` bytes with a 413, whether or not they declare a length."""
+    """Refuse request bodies over `limit` bytes with a 413, whether or not they declare a length.
+
+    A body without a declared length is read here first (up to the limit) and then handed to the app.
+    """
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -25,23 +28,37 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            resp = JSONResponse(error_body(413, self._message(), "body", "body_too_large"), status_code=413)
-            return await resp(scope, receive, send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
+        if declared is not None:
+            if declared.isdigit() and int(declared) > self.limit:
+                return await self._refuse(scope, receive, send)
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
             msg = await receive()
-            seen += len(msg.get("body", b""))
-            if seen > self.limit:
-                raise APIError(413, self._message(), "body", "body_too_large")
-            return msg
+            if msg["type"] != "http.request":
+                break
+            size += len(msg.get("body", b""))
+            if size > self.limit:
+                return await self._refuse(scope, receive, send)
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                break
+        body = b"".join(chunks)
+        sent = False
 
-        return await self.app(scope, counted, send)
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
 
-    def _message(self) -> str:
-        return f"request body over {self.limit} bytes (--max-body-bytes)"
+        return await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send):
+        message = f"request body over {self.limit} bytes (--max-body-bytes)"
+        resp = JSONResponse(error_body(413, message, "body", "body_too_large"), status_code=413)
+        await resp(scope, receive, send)
 
 
 def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
