@@ -1,0 +1,89 @@
+"""What a caller holds for a submitted request: events as they come (sync or async) and the final output."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from wkvm.engine.request import Request
+from wkvm.outputs import GenerationOutput
+
+if TYPE_CHECKING:
+    from wkvm.engine.engine import Engine
+
+
+@dataclass
+class Event:
+    """What one step produced for one request: new tokens and text, and whether it finished."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestHandle:
+    """Iterate it (sync or async) for events; `result()` waits for the whole output."""
+
+    def __init__(self, engine: Engine, req: Request, loop: asyncio.AbstractEventLoop | None):
+        self.engine = engine
+        self.request = req
+        self.output = GenerationOutput(
+            prompt_token_ids=req.prompt_ids, logprobs=[] if req.params.logprobs is not None else None
+        )
+        self.done = threading.Event()
+        self._loop = loop
+        self._sync: queue.Queue[Event] = queue.Queue()
+        self._async: asyncio.Queue[Event] | None = asyncio.Queue() if loop else None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def _push(self, ev: Event) -> None:
+        out = self.output
+        out.token_ids.extend(ev.token_ids)
+        out.text += ev.text
+        if out.logprobs is not None and ev.logprobs:
+            out.logprobs.extend(ev.logprobs)
+        if ev.finished:
+            out.finish_reason, out.error = ev.finish_reason, ev.error
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._async.put_nowait, ev)
+        else:
+            self._sync.put(ev)
+        if ev.finished:
+            self.done.set()
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            ev = self._sync.get()
+            yield ev
+            if ev.finished:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        assert self._async is not None, "submit with loop= to iterate asynchronously"
+        while True:
+            ev = await self._async.get()
+            yield ev
+            if ev.finished:
+                return
+
+    def result(self, timeout: float | None = None) -> GenerationOutput:
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish within {timeout}s")
+        return self.output
+
+    def cancel(self) -> None:
+        self.engine.cancel(self.request_id)
