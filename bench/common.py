@@ -38,6 +38,19 @@ def timeit(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def timeit_pair(a: Callable[[], object], b: Callable[[], object], repeat: int = 5) -> tuple[float, float]:
+    """Median seconds of a and b, run alternately so that machine noise hits both alike."""
+    a()
+    b()
+    ta, tb = [], []
+    for _ in range(repeat):
+        for fn, out in ((a, ta), (b, tb)):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Bytes per second of a large tensor copy (read + write)."""
     src = torch.ones(nbytes // 4)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import checkpoint, copy_bandwidth, matmul_rate, print_table, read_bandwidth, timeit, write_json  # noqa: E402
+from common import checkpoint, copy_bandwidth, matmul_rate, print_table, read_bandwidth, timeit_pair, write_json  # noqa: E402
 
 from wkvm.models.rwkv7 import load_rwkv7  # noqa: E402
 from wkvm.weights.linear import weight_numel  # noqa: E402
@@ -23,7 +23,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--prefill-tokens", type=int, default=1024)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
     torch.manual_seed(0)
     path = checkpoint()
@@ -45,10 +45,8 @@ def main() -> None:
         for t in prompt[:n]:
             _, state = ref.forward([t], state)
 
-    t_dec = timeit(wkvm_decode, args.repeat)
-    r_dec = timeit(ref_decode, args.repeat)
-    t_pre = timeit(lambda: model.prefill(prompt), args.repeat)
-    r_pre = timeit(lambda: ref.forward(prompt, None), args.repeat)
+    t_dec, r_dec = timeit_pair(wkvm_decode, ref_decode, args.repeat)
+    t_pre, r_pre = timeit_pair(lambda: model.prefill(prompt), lambda: ref.forward(prompt, None), args.repeat)
 
     layer_params = sum(weight_numel(t) for i in range(cfg.n_layer) for t in model.weights.layer(i).values())
     head_params = model.weights.globals()["head.weight"].shape.numel()
