@@ -94,8 +94,9 @@ def rwkv7_state_spec(cfg: RWKV7Config) -> StateSpec:
     return StateSpec(FAMILY, tuple(tensors))
 
 
-def prepare_layer(raw: RawTensors, i: int, cfg: RWKV7Config, dtype: torch.dtype, device) -> Tensors:
-    """Layer i's tensors in compute form: vectors flat, mixing coefficients stacked."""
+def prepare_layer(raw: RawTensors, i: int, cfg: RWKV7Config, dtype: torch.dtype, device, pack: bool = True) -> Tensors:
+    """Layer i's tensors in compute form: vectors flat, mixing coefficients stacked; `pack` prepacks the
+    matrices for oneDNN (worth it for resident weights, not for a layer used once and dropped)."""
     p = f"blocks.{i}."
     keys = list(LAYER_KEYS) + ([f"att.v{j}" for j in "012"] if i > 0 else [])
     missing = [p + k for k in keys if p + k not in raw]
@@ -107,6 +108,8 @@ def prepare_layer(raw: RawTensors, i: int, cfg: RWKV7Config, dtype: torch.dtype,
             t[k] = t[k].reshape(-1)
     t["att.r_k"] = t["att.r_k"].reshape(cfg.n_head, cfg.head_size)
     t["att.mix"] = torch.stack([t.pop(f"att.{m}") for m in MIX]).view(6, 1, 1, -1)
+    if not pack:
+        return {k: v.contiguous() for k, v in t.items()}
     for k in LINEAR_KEYS:
         t[k] = pack_linear(t[k])
     for k in LORA_KEYS:  # for many rows a packed copy is faster; for a few, plain x @ W (both measured)

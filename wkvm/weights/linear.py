@@ -25,7 +25,11 @@ def onednn_available() -> bool:
         w, x = torch.randn(48, 32, dtype=torch.float64).float(), torch.randn(5, 32)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
         got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        return bool(torch.allclose(got, F.linear(x, w), rtol=1e-5, atol=1e-5))
+        dense = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        want = F.linear(x, w)
+        return bool(
+            torch.allclose(got, want, rtol=1e-5, atol=1e-5) and torch.allclose(dense, want, rtol=1e-5, atol=1e-5)
+        )
     except RuntimeError:
         return False
 
@@ -39,8 +43,8 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ weight^T -> [..., out]."""
-    if weight.is_mkldnn:
+    """x [..., in] @ weight^T -> [..., out]; plain fp32 CPU weights (e.g. streamed, unpacked) also use oneDNN."""
+    if weight.is_mkldnn or (weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_available()):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
     return F.linear(x, weight)
 

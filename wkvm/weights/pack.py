@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -130,12 +132,22 @@ class Pack:
     def layer_bytes(self, i: int) -> int:
         return self.manifest["layers"][i]["bytes"]
 
-    def read(self, i: int | None) -> RawTensors:
-        """One read of a layer's file (None: the globals); tensors are views into it, named as in BlinkDL files."""
+    def read(self, i: int | None, mapped: bool = False) -> RawTensors:
+        """A layer's tensors (None: the globals), named as in BlinkDL files, as views into one buffer: the file
+        read in one go, or (mapped) the file mapped copy-on-write, so its pages come from the OS page cache
+        as the model touches them and leave it when the layer is dropped."""
         entry = self.manifest["globals"] if i is None else self.manifest["layers"][i]
-        buf = torch.from_numpy(np.fromfile(self.path / entry["file"], dtype=np.uint8))
+        path = self.path / entry["file"]
+        if mapped:
+            with open(path, "rb") as f:  # read-only and populated: the pages are mapped in one call, here
+                mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+            with warnings.catch_warnings():  # torch warns that the buffer is read-only; weights are never written
+                warnings.simplefilter("ignore", UserWarning)
+                buf = torch.frombuffer(mm, dtype=torch.uint8)
+        else:
+            buf = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
         if buf.numel() != entry["bytes"]:
-            raise PackError(f"{self.path / entry['file']}: changed size while the server runs")
+            raise PackError(f"{path}: changed size while the server runs")
         prefix = "" if i is None else f"blocks.{i}."
         return {
             prefix + name: buf[t["offset"] : t["offset"] + t["length"]].view(DTYPES[t["dtype"]]).view(t["shape"])

@@ -1,8 +1,10 @@
 """StreamingWeights: layers come from a pack on disk through an LRU cache of at most N layers, with read-ahead.
 
 The model asks for layer i when it runs layer i, for the whole batch at once, so one sweep of the weights
-serves every running sequence. While layer i computes, a background thread reads and prepares layer i + 1
-(wrapping to layer 0 for the next step). Globals (embedding, head, norms) stay resident.
+serves every running sequence. While layer i computes, a background thread maps layer i + 1 (wrapping to
+layer 0 for the next step) and faults its pages in from disk. Layers are memory-mapped, not copied: a cached
+layer costs address space and page cache, which the OS can reclaim once the layer leaves the cache. Globals
+(embedding, head, norms) stay resident.
 """
 
 from __future__ import annotations
@@ -59,10 +61,11 @@ class StreamingWeights:
             return list(self._cache)
 
     def _load(self, i: int) -> Tensors:
-        raw = self.pack.read(i)
+        """Map layer i with its pages populated (on the read-ahead thread: disk I/O happens here, not in matmuls)."""
+        raw = self.pack.read(i, mapped=True)
         with self._lock:
             self.stats.bytes_read += self.pack.layer_bytes(i)
-        return prepare_layer(raw, i, self.config, self.dtype, self.device)
+        return prepare_layer(raw, i, self.config, self.dtype, self.device, pack=False)
 
     def _insert(self, i: int, tensors: Tensors) -> None:
         with self._lock:
