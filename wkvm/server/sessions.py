@@ -209,9 +209,9 @@ class ChatSessions:
         with self.lock:
             evicted = self._trie(tenant).insert(token_ids, rec.handle, kind)
         for cp in evicted:
-            store.discard(tenant + CKPT, cp.key)
+            store.discard(tenant + CKPT, cp.key, durable=False)
         if rec.version > 1:  # the same tokens again: keep only the newest version
-            store.discard(tenant + CKPT, f"{name}@{rec.version - 1}")
+            store.discard(tenant + CKPT, f"{name}@{rec.version - 1}", durable=False)
 
     def _update_session(self, tenant, key, headers, req, reply: str) -> None:
         store = self.ctx.store
@@ -229,7 +229,7 @@ class ChatSessions:
             sess.message_ids |= {headers.get("x-wkvm-assistant-message-id"), headers.get("x-wkvm-user-message-id")}
             sess.last_used = time.monotonic()
         if old is not None:
-            store.discard(tenant + SESS, old)
+            store.discard(tenant + SESS, old, durable=False)
 
     def track(self, headers, tenant: str, handles: list[RequestHandle]) -> None:
         """Mark the session busy while these handles run (a second request gets 409)."""
@@ -253,4 +253,4 @@ class ChatSessions:
     def _drop(self, key) -> None:
         sess = self.sessions.pop(key, None)
         if sess is not None and sess.handle:
-            self.ctx.store.discard(key[0] + SESS, sess.handle)
+            self.ctx.store.discard(key[0] + SESS, sess.handle, durable=False)

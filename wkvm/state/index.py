@@ -104,14 +104,22 @@ class StateIndex:
         d["pinned"] = bool(d["pinned"])
         return StateRecord(**d)
 
-    def insert(self, rec: StateRecord) -> None:
+    def _sync(self, durable: bool):
+        """Commits fsync (synchronous=FULL) unless `durable` is False: then only the OS has them until the
+        next durable commit, which persists both (used for caches such as prefix checkpoints)."""
+        self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'OFF'}")
+
+    def insert(self, rec: StateRecord, durable: bool = True) -> None:
         values = [getattr(rec, c) for c in COLUMNS]
         values[COLUMNS.index("op_params")] = json.dumps(rec.op_params)
         values[COLUMNS.index("token_ids")] = json.dumps(rec.token_ids)
         values[COLUMNS.index("pinned")] = int(rec.pinned)
-        with self._lock, self._db:
-            self._db.execute("BEGIN IMMEDIATE")
-            self._db.execute(f"INSERT INTO states VALUES ({', '.join('?' * len(COLUMNS))})", values)
+        with self._lock:
+            self._sync(durable)
+            with self._db:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.execute(f"INSERT INTO states VALUES ({', '.join('?' * len(COLUMNS))})", values)
+            self._sync(True)
 
     def next_version(self, owner: str, name: str) -> int:
         with self._lock:
@@ -132,9 +140,13 @@ class StateIndex:
             return self._rows("ORDER BY created_at")
         return self._rows("WHERE owner = ? ORDER BY name, version", (owner,))
 
-    def delete(self, owner: str, name: str, version: int) -> None:
-        with self._lock, self._db:
-            self._db.execute("DELETE FROM states WHERE owner = ? AND name = ? AND version = ?", (owner, name, version))
+    def delete(self, owner: str, name: str, version: int, durable: bool = True) -> None:
+        with self._lock:
+            self._sync(durable)
+            with self._db:
+                self._db.execute("DELETE FROM states WHERE owner = ? AND name = ? AND version = ?",
+                                 (owner, name, version))  # fmt: skip
+            self._sync(True)
 
     def set_pinned(self, owner: str, name: str, version: int, pinned: bool) -> None:
         with self._lock, self._db:

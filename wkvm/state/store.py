@@ -190,7 +190,7 @@ class StateStore:
                 token_ids=meta.token_ids, token_digest=token_digest(meta.token_ids), n_tokens=meta.n_tokens,
                 pinned=False, blob=blob, bytes=self.spec.nbytes, created_at=meta.created_at,
             )  # fmt: skip
-            self.index.insert(rec)
+            self.index.insert(rec, durable)
             self._cache(blob, tensors, "device")
             rec.tier = self.tier_of(blob)
             return rec
@@ -210,10 +210,10 @@ class StateStore:
             rec.tier = self.tier_of(rec.blob)
             return rec
 
-    def delete(self, owner: str, handle: str) -> None:
+    def delete(self, owner: str, handle: str, durable: bool = True) -> None:
         with self._lock:
             rec = self.get(owner, handle)
-            self.index.delete(owner, rec.name, rec.version)
+            self.index.delete(owner, rec.name, rec.version, durable)
             if self.index.blob_refs(rec.blob) == 0:
                 self.device_cache.pop(rec.blob)
                 self.host_cache.pop(rec.blob)
@@ -222,10 +222,10 @@ class StateStore:
                 path.unlink(missing_ok=True)
             self._pinned = self.index.pinned_blobs()
 
-    def discard(self, owner: str, handle: str) -> bool:
+    def discard(self, owner: str, handle: str, durable: bool = True) -> bool:
         """Delete if present; True when something was deleted."""
         try:
-            self.delete(owner, handle)
+            self.delete(owner, handle, durable)
             return True
         except StateNotFound:
             return False
