@@ -72,8 +72,8 @@ def unbatch(state: State) -> State:
     return {k: v[0].detach().to("cpu").contiguous() for k, v in state.items()}
 
 
-def encode(spec: StateSpec, tensors: State, meta: StateMeta) -> bytes:
-    """Serialize unbatched tensors and metadata to wkvm-state-v1 bytes."""
+def encode(spec: StateSpec, tensors: State, meta: StateMeta, digest: str | None = None) -> bytes:
+    """Serialize unbatched tensors and metadata to wkvm-state-v1 bytes (`digest`: their tensor_digest, if known)."""
     md = {
         "format": FORMAT,
         "family": spec.family,
@@ -88,7 +88,7 @@ def encode(spec: StateSpec, tensors: State, meta: StateMeta) -> bytes:
         "op": meta.op,
         "op_params": json.dumps(meta.op_params),
         "created_at": repr(meta.created_at),
-        "tensor_sha256": tensor_digest(spec, tensors),
+        "tensor_sha256": digest or tensor_digest(spec, tensors),
     }
     return st_save({t.name: tensors[t.name] for t in spec.tensors}, metadata=md)
 

@@ -176,7 +176,7 @@ class StateStore:
             meta = StateMeta(self.fingerprint, self.spec.spec_hash, list(token_ids), name, 0, parent, op,
                              op_params or {}, time.time())  # fmt: skip
             if not self._blob_path(blob).exists():
-                data = statefile.encode(self.spec, tensors, meta)
+                data = statefile.encode(self.spec, tensors, meta, digest=blob)
                 quota = self.limits.disk_bytes
                 if quota is not None and self.disk_bytes + len(data) > quota:
                     raise QuotaExceeded(
