@@ -271,3 +271,19 @@ def test_sigkill_during_write_storm_loses_no_acknowledged_state(svc, model, tiny
     for handle, toks in acked[-5:]:
         h, _ = restarted.generate("t", handle, [3], params(5))
         assert h.output.token_ids == fresh(svc, toks + [3], 5).token_ids
+
+
+def test_write_back_states_spill_when_they_leave_ram(model, tmp_path):
+    one = model.spec.nbytes
+    store = StateStore(tmp_path / "wb", model.spec, model.fingerprint, model.vocab_size,
+                       limits=StoreLimits(device_bytes=one, host_bytes=one))  # fmt: skip
+    states = [model.prefill([i + 1, i + 2])[1] for i in range(3)]
+    recs = [store.put("t#ckpt", f"c{i}", s, [i + 1, i + 2, 9], durable=False) for i, s in enumerate(states)]
+    files = {p.stem for p in (tmp_path / "wb" / "blobs").glob("*.state")}
+    assert files == {recs[0].blob}  # only the state pushed out of RAM has a file so far
+    for rec, s in zip(recs, states, strict=True):
+        loaded = store.load("t#ckpt", rec.handle)[1]
+        assert all(torch.equal(loaded[k], s[k]) for k in s)
+    store.close()
+    reopened = StateStore(tmp_path / "wb", model.spec, model.fingerprint, model.vocab_size)
+    assert sorted(r.handle for r in reopened.list("t#ckpt")) == ["c0@1", "c1@1", "c2@1"]

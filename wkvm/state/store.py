@@ -117,6 +117,7 @@ class StateStore:
         self.device_cache = TierCache(self.limits.device_bytes, lambda b: b in self._pinned)
         self.host_cache = TierCache(self.limits.host_bytes, lambda b: b in self._pinned)
         self.disk_bytes = 0
+        self._unwritten: dict[str, tuple[State, StateMeta]] = {}  # write-back states not on disk yet
         self.recover()
 
     # --- crash recovery ------------------------------------------------------------------------
@@ -166,7 +167,9 @@ class StateStore:
     ) -> StateRecord:  # fmt: skip
         """Store a new immutable version (state is batched [1, ...]); returns once it is durable.
 
-        durable=False skips the fsyncs (still atomic): for caches such as prefix checkpoints.
+        durable=False is for caches such as prefix checkpoints: the file is written only when the state
+        leaves RAM (write-back), without fsyncs, and the index commit is not fsynced either. A crash may
+        lose such states (recovery drops their records); it never corrupts anything.
         """
         valid_name(name)
         self.spec.check(state)
@@ -176,14 +179,14 @@ class StateStore:
             meta = StateMeta(self.fingerprint, self.spec.spec_hash, list(token_ids), name, 0, parent, op,
                              op_params or {}, time.time())  # fmt: skip
             if not self._blob_path(blob).exists():
-                data = statefile.encode(self.spec, tensors, meta, digest=blob)
                 quota = self.limits.disk_bytes
-                if quota is not None and self.disk_bytes + len(data) > quota:
+                if quota is not None and self.disk_bytes + self.spec.nbytes > quota:
                     raise QuotaExceeded(
                         f"the state disk quota ({quota} bytes) is full; delete states or raise --state-disk-quota"
                     )
-                atomic_write_bytes(self._blob_path(blob), data, durable)
-                self.disk_bytes += len(data)
+                self._unwritten.setdefault(blob, (tensors, meta))
+                if durable:
+                    self._write(blob, durable=True)
             rec = StateRecord(
                 owner=owner, name=name, version=self.index.next_version(owner, name), parent=parent, op=op,
                 op_params=meta.op_params, fingerprint=self.fingerprint, spec_hash=self.spec.spec_hash,
@@ -217,6 +220,7 @@ class StateStore:
             if self.index.blob_refs(rec.blob) == 0:
                 self.device_cache.pop(rec.blob)
                 self.host_cache.pop(rec.blob)
+                self._unwritten.pop(rec.blob, None)
                 path = self._blob_path(rec.blob)
                 self.disk_bytes -= path.stat().st_size if path.exists() else 0
                 path.unlink(missing_ok=True)
@@ -264,6 +268,7 @@ class StateStore:
                 self._cache(rec.blob, tensors, "host")
             elif tier == "disk":
                 self.host_cache.pop(rec.blob)
+                self._write(rec.blob, durable=False)
             return self.get(owner, handle)
 
     def _cache(self, blob: str, tensors: State, tier: str) -> None:
@@ -276,7 +281,19 @@ class StateStore:
             for b, t in evicted:
                 self._cache(b, t, "host")
         else:
-            self.host_cache.put(blob, {k: v.to("cpu") for k, v in tensors.items()})
+            evicted = self.host_cache.put(blob, {k: v.to("cpu") for k, v in tensors.items()})
+            for b, _ in evicted if evicted is not None else [(blob, tensors)]:
+                self._write(b, durable=False)  # leaving RAM: a write-back state gets its file now
+
+    def _write(self, blob: str, durable: bool) -> None:
+        """Write a blob's file if it has none yet (atomic; fsynced when durable)."""
+        pending = self._unwritten.pop(blob, None)
+        if pending is None:
+            return
+        tensors, meta = pending
+        data = statefile.encode(self.spec, tensors, meta, digest=blob)
+        atomic_write_bytes(self._blob_path(blob), data, durable)
+        self.disk_bytes += len(data)
 
     # --- files ---------------------------------------------------------------------------------
     def _blob_path(self, blob: str) -> Path:
@@ -305,4 +322,8 @@ class StateStore:
                         parent=None, op="import", op_params=lineage)  # fmt: skip
 
     def close(self) -> None:
+        """Write back what only RAM holds (so checkpoints survive a clean restart), then close the index."""
+        with self._lock:
+            for blob in list(self._unwritten):
+                self._write(blob, durable=False)
         self.index.close()
