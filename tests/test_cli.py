@@ -95,3 +95,15 @@ def test_default_model_generates_text():
     assert default_model() == EMBEDDED_MODEL, "the embedded model is missing"
     out = LLM(model=EMBEDDED_MODEL).generate("ROMEO:\n", SamplingParams(max_tokens=30, temperature=0))[0]
     assert out.text.strip() and len(out.token_ids) > 0
+
+
+def test_every_serve_flag_reads_its_env_var(monkeypatch):
+    from wkvm.cli import build_parser
+
+    monkeypatch.setenv("WKVM_SLOTS", "3")
+    monkeypatch.setenv("WKVM_PORT", "9123")
+    monkeypatch.setenv("WKVM_API_KEY", "from-env")
+    monkeypatch.setenv("WKVM_NO_PREFIX_REUSE", "1")
+    args = build_parser().parse_args(["serve"])
+    assert (args.slots, args.port, args.api_key, args.no_prefix_reuse) == (3, 9123, "from-env", True)
+    assert build_parser().parse_args(["serve", "--slots", "5"]).slots == 5

@@ -142,3 +142,21 @@ def test_metrics(server, client):
                  "wkvm_prefix_reuse_tokens_total", "wkvm_session_restarts_total"):  # fmt: skip
         assert name in text, name
     assert 'route="/v1/completions",status="200"' in text
+
+
+def test_health_is_503_until_a_model_is_loaded(tmp_path):
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from wkvm.config import ServerConfig
+    from wkvm.server.app import create_app
+
+    with TestClient(create_app(ServerConfig(model=str(tmp_path / "missing.pth")))) as c:
+        deadline = time.monotonic() + 10
+        while c.app.state.ctx.load_error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = c.get("/health")
+        assert r.status_code == 503 and "failed to load" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed"
