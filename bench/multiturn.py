@@ -1,7 +1,7 @@
 """Multi-turn chat cost: S sessions x T turns (a 512-token first prompt, then +32 user tokens and 32 generated
 tokens per turn), greedy, 0.1B shape, all in one run:
 
-  reuse      wkvm server, automatic prefix reuse on (sessions run concurrently, as users would)
+  reuse      `wkvm serve` in its own process, automatic prefix reuse on (sessions run concurrently, as users would)
   no-reuse   the same server with --no-prefix-reuse (re-prefills the whole history every turn)
   rwkv       BlinkDL's `rwkv` package re-prefilling the whole history every turn (one sequence at a time)
   bound      lower bound: wkvm's model prefilling only the new tokens, then batched decode (no server)
@@ -12,6 +12,7 @@ Writes bench/out/multiturn.{json,png}.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import threading
 import time
@@ -23,9 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import checkpoint, plot, print_table, write_json  # noqa: E402
 
-from wkvm.config import ServerConfig  # noqa: E402
 from wkvm.models.rwkv7 import load_rwkv7  # noqa: E402
-from wkvm.server.background import BackgroundServer  # noqa: E402
+from wkvm.server.background import free_port, wait_healthy  # noqa: E402
 
 
 def script(sessions: int, turns: int, first: int, user: int, vocab: int) -> list[list[list[int]]]:
@@ -34,12 +34,31 @@ def script(sessions: int, turns: int, first: int, user: int, vocab: int) -> list
     return [[rand(first)] + [rand(user) for _ in range(turns - 1)] for _ in range(sessions)]
 
 
+class ServerProcess:
+    """`wkvm serve` in its own process, as in production: the clients' Python does not share its GIL."""
+
+    def __init__(self, path: Path, slots: int, reuse: bool):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = ["--model", str(path), "--port", str(self.port), "--slots", str(slots), "--token-budget", "1024",
+                "--prefill-chunk", "512"] + ([] if reuse else ["--no-prefix-reuse"])  # fmt: skip
+        self.proc = subprocess.Popen([sys.executable, "-m", "wkvm.cli", "serve", *args], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)  # fmt: skip
+
+    def __enter__(self):
+        wait_healthy(self.url, alive=lambda: self.proc.poll() is None)
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
 def run_server(path: Path, plan, gen_tokens: int, reuse: bool) -> tuple[float, list[list[float]], list]:
-    """Every session in its own thread; returns wall time, per-turn latencies and the generated tokens."""
-    cfg = ServerConfig(model=str(path), slots=len(plan), prefix_reuse=reuse, token_budget=1024, prefill_chunk=512)
+    """Every session in its own client thread; returns wall time, per-turn latencies and the generated tokens."""
     lat = [[0.0] * len(plan[0]) for _ in plan]
     out = [[None] * len(plan[0]) for _ in plan]
-    with BackgroundServer(cfg) as server:
+    with ServerProcess(path, len(plan), reuse) as server:
 
         def session(i: int) -> None:
             history: list[int] = []
