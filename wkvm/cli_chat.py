@@ -14,6 +14,7 @@ from wkvm.config import EngineConfig
 from wkvm.engine.engine import Engine
 from wkvm.models.loader import load_model
 from wkvm.sampling_params import SamplingParams
+from wkvm.state.statefile import resume_inputs
 from wkvm.state.store import StateNotFound, StateStore
 from wkvm.tokenizer import load_tokenizer
 
@@ -44,7 +45,7 @@ class ChatREPL:
         full = self.template.render(self.messages)
         if self.state is not None and full.startswith(self.consumed):
             new = self.tokenizer.encode(full[len(self.consumed) :])
-            prompt, base = self.token_ids[-1:] + new, self.token_ids[:-1]
+            prompt, base = resume_inputs(self.token_ids, new)
         else:  # first turn, or the rendering no longer extends what the state holds
             self.state, prompt, base = None, self.tokenizer.encode(full), []
         h = self.engine.submit(prompt, self.params, initial_state=self.state, base_ids=base, capture_state=True)

@@ -19,6 +19,7 @@ from wkvm.engine.engine import RequestHandle
 from wkvm.models.spec import State
 from wkvm.server.errors import APIError
 from wkvm.state.prefix import PrefixTrie
+from wkvm.state.statefile import resume_inputs
 from wkvm.state.store import StateNotFound
 
 log = logging.getLogger("wkvm.sessions")
@@ -90,10 +91,9 @@ class ChatSessions:
     # --- planning ------------------------------------------------------------------------------
     def from_handle(self, tenant: str, handle: str, new_ids: list[int]) -> Plan:
         rec, state = self.ctx.store.load(tenant, handle)
-        if not rec.token_ids and not new_ids:
-            raise ValueError(f"state {rec.handle!r} has no token history: give a prompt to continue from it")
-        info = {"mode": "state", "reused_tokens": max(rec.n_tokens - 1, 0), "restart_reason": None}
-        return Plan(rec.token_ids[-1:] + new_ids, state, rec.token_ids[:-1], rec.handle, info)
+        feed, base = resume_inputs(rec.token_ids, new_ids)
+        info = {"mode": "state", "reused_tokens": len(base), "restart_reason": None}
+        return Plan(feed, state, base, rec.handle, info)
 
     def plan(self, tenant: str, prompt_ids: list[int], state_handle: str | None = None, headers=None) -> Plan:
         if state_handle:

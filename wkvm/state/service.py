@@ -9,7 +9,7 @@ from wkvm.engine.engine import Engine, RequestHandle
 from wkvm.sampling_params import SamplingParams
 from wkvm.state.index import StateRecord
 from wkvm.state.mutations import apply_mutation
-from wkvm.state.statefile import valid_name
+from wkvm.state.statefile import resume_inputs, valid_name
 from wkvm.state.store import StateStore
 
 
@@ -60,10 +60,8 @@ class StateService:
         if save_as is not None:
             valid_name(save_as)
         rec, state = self.store.load(owner, handle)
-        if not rec.token_ids and not suffix_ids:
-            raise ValueError(f"state {rec.handle!r} has no token history: give a prompt to continue from it")
-        prompt = rec.token_ids[-1:] + list(suffix_ids)
-        h = self.engine.submit(prompt, params, initial_state=state, base_ids=rec.token_ids[:-1],
+        prompt, base = resume_inputs(rec.token_ids, suffix_ids)
+        h = self.engine.submit(prompt, params, initial_state=state, base_ids=base,
                                capture_state=save_as is not None, loop=loop)  # fmt: skip
         return Resumed(h, rec, save_as)
 

@@ -30,6 +30,13 @@ class StateFileError(ValueError):
     """A state file refused on import; the message says why."""
 
 
+def resume_inputs(history: list[int], new_ids: list[int]) -> tuple[list[int], list[int]]:
+    """For a state with this token history: (tokens to feed: the pending one and the new ones, tokens inside)."""
+    if not history and not new_ids:
+        raise ValueError("this state has no token history: give a prompt to continue from it")
+    return history[-1:] + list(new_ids), history[:-1]
+
+
 def token_digest(token_ids: list[int]) -> str:
     return hashlib.sha256(np.asarray(token_ids, dtype="<i8").tobytes()).hexdigest()
 
