@@ -163,21 +163,24 @@ def test_two_users_same_chat_id_never_share(reuse, fresh):
 def test_busy_session_gets_409(reuse):
     ui = OpenWebUI(reuse)
     ui.turn("Begin.")
-    body = {"messages": ui.messages + [{"role": "user", "content": "Goon."}], "max_tokens": 200,
+    body = {"messages": ui.messages + [{"role": "user", "content": "Goon."}], "max_tokens": 3000,
             "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
-    started = threading.Event()
+    started, stop = threading.Event(), threading.Event()
 
     def long_request():
         with httpx.stream("POST", f"{reuse.url}/v1/chat/completions", json=body, timeout=60,
                           headers=ui.headers(uuid.uuid4().hex, uuid.uuid4().hex, ui.last_assistant)) as r:  # fmt: skip
             for _ in r.iter_lines():
                 started.set()
+                if stop.is_set():
+                    break  # disconnecting cancels the long request
 
     t = threading.Thread(target=long_request)
     t.start()
     assert started.wait(30)
     r = httpx.post(f"{reuse.url}/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2},
                    headers=ui.headers(uuid.uuid4().hex, uuid.uuid4().hex, ui.last_assistant))  # fmt: skip
+    stop.set()
     t.join()
     assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"
 
