@@ -102,3 +102,15 @@ def test_export_one_process_import_another(server, tiny_pth, tmp_path):
         assert rec["handle"] == "mover@1", rec
         got = o.post("/v1/states/mover/generate", json={"prompt_ids": [1, 2], **greedy()}).json()
     assert got["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
+
+
+def test_bad_names_and_handles_are_400_not_500(server):
+    c = client(server)
+    c.post("/v1/states", json={"name": "base", "prompt_ids": [1, 2, 3]})
+    r = c.post("/v1/states/base/mutate", json={"rule": "interpolate", "params": {"other": "bad@x", "t": 0.5}})
+    assert r.status_code == 400 and "handle" in r.json()["error"]["message"]
+    for stream in (False, True):
+        r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "save_state": "../x", "stream": stream})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "save_state"
+    r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "state": "base@0"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "state"

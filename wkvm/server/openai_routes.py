@@ -14,6 +14,7 @@ from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError
 from wkvm.server.schemas import ChatRequest, CompletionRequest
 from wkvm.server.sessions import Plan
+from wkvm.state.statefile import valid_name
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
@@ -33,6 +34,11 @@ def save_final(ctx: ServerContext, tenant: str, name: str | None, plan: Plan, h:
 
 
 async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body, params, headers=None):
+    if body.save_state is not None:
+        try:
+            valid_name(body.save_state)
+        except ValueError as e:
+            raise APIError(400, str(e), "save_state", "invalid_value") from None
     try:
         plan = ctx.sessions.plan(tenant, prompt_ids, body.state, headers)
     except ValueError as e:

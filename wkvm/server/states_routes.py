@@ -13,6 +13,7 @@ from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError
 from wkvm.server.openai_routes import stream_chunks
 from wkvm.server.schemas import CreateStateRequest, ForkRequest, HibernateRequest, MutateRequest, StateGenerateRequest
+from wkvm.state.mutations import MutationError
 from wkvm.state.statefile import valid_name
 
 IMPORT_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {
@@ -90,7 +91,12 @@ def router(ctx: ServerContext, auth) -> APIRouter:
     @r.post("/{handle}/mutate")
     def mutate(handle: str, body: MutateRequest, request: Request) -> dict:
         tenant = who(request)
-        return info(ctx.service.mutate(tenant, lookup(ctx, tenant, handle).handle, body.rule, body.params))
+        try:
+            return info(ctx.service.mutate(tenant, lookup(ctx, tenant, handle).handle, body.rule, body.params))
+        except MutationError:
+            raise
+        except ValueError as e:  # e.g. a malformed handle in params.other
+            raise bad_request(e, "params") from None
 
     @r.post("/{handle}/hibernate")
     def hibernate(handle: str, body: HibernateRequest, request: Request) -> dict:
