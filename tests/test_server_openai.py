@@ -71,13 +71,25 @@ def test_chat_blocking_and_streaming(client):
 
 
 def test_n2_forks_one_prefill(client, server):
-    before = server.ctx.metrics.prompt_tokens._value.get()
-    r = client.completions.create(model="world", prompt="To be", max_tokens=6, n=2, temperature=1.0, seed=5,
-                                  extra_body={"ignore_eos": True})  # fmt: skip
+    model = server.ctx.engine.model
+    fed = []
+    real_forward = model.forward
+
+    def counting_forward(tokens, state, all_logits=False):
+        fed.append(tokens.numel())
+        return real_forward(tokens, state, all_logits)
+
+    model.forward = counting_forward
+    try:
+        kw = dict(model="world", prompt=[5, 6, 7, 8, 9, 10, 11, 12], max_tokens=6, n=2, temperature=1.0, seed=5,
+                  extra_body={"ignore_eos": True})  # fmt: skip
+        r = client.completions.create(**kw)
+    finally:
+        model.forward = real_forward
     assert sorted(c.index for c in r.choices) == [0, 1]
-    assert server.ctx.metrics.prompt_tokens._value.get() - before == r.usage.prompt_tokens
-    again = client.completions.create(model="world", prompt="To be", max_tokens=6, n=2, temperature=1.0, seed=5,
-                                      extra_body={"ignore_eos": True})  # fmt: skip
+    # one prefill of 7 tokens, then each choice feeds the last prompt token and 5 sampled ones (not 2 x 8 + ...)
+    assert sum(fed) == 7 + 2 * (1 + 5)
+    again = client.completions.create(**kw)
     assert [c.text for c in again.choices] == [c.text for c in r.choices]
 
 

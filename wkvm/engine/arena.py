@@ -35,10 +35,6 @@ class SlotArena:
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def nbytes(self) -> int:
-        return self.spec.nbytes * (self.n_slots + 1)
-
     def alloc(self) -> int | None:
         """A zeroed free slot, or None when all are taken."""
         if not self._free:

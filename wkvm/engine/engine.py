@@ -127,11 +127,6 @@ class Engine:
             fut.set_result((state, req.snapshot_history()))
         self._snapshots.clear()
 
-    @property
-    def num_unfinished(self) -> int:
-        with self._lock:
-            return len(self._handles)
-
     # --- the step ------------------------------------------------------------------------------
     def step(self) -> list[Event]:
         """One engine step: schedule, run the model, sample and postprocess."""

@@ -203,7 +203,7 @@ def write_pth(raw: RawTensors, dst: str | os.PathLike) -> None:
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike) -> str:
     """Convert between .pth and HF/fla directory (direction from the source); returns the target format."""
-    raw, config, fmt = read_checkpoint(src)
+    raw, _, fmt = read_checkpoint(src)
     if fmt == PTH_FORMAT:
         write_hf(raw, dst)
         return HF_FORMAT

@@ -77,18 +77,3 @@ class StateSpec:
             elif x.shape[0] != batch:
                 raise ValueError(f"state tensor {t.name}: batch {x.shape[0]} != {batch}")
         return batch or 0
-
-
-def clone_state(state: State) -> State:
-    return {k: v.clone() for k, v in state.items()}
-
-
-def select_state(state: State, index: int | slice | torch.Tensor) -> State:
-    """Rows of a batched state (a copy when index is a tensor, a view for int/slice)."""
-    if isinstance(index, int):
-        index = slice(index, index + 1)
-    return {k: v[index] for k, v in state.items()}
-
-
-def cat_states(states: list[State]) -> State:
-    return {k: torch.cat([s[k] for s in states]) for k in states[0]}

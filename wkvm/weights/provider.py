@@ -33,8 +33,3 @@ class ResidentWeights:
 
     def globals(self) -> Tensors:
         return self._globals
-
-    @property
-    def nbytes(self) -> int:
-        tensors = [t for d in self._layers for t in d.values()] + list(self._globals.values())
-        return sum(t.numel() * t.element_size() for t in tensors)

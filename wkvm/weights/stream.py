@@ -30,9 +30,6 @@ class StreamStats:
     bytes_read: int = 0
     layer_calls: int = 0
 
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
-
 
 class StreamingWeights:
     def __init__(self, pack: Pack, cache_layers: int, read_ahead: bool = True, device="cpu",
