@@ -47,7 +47,8 @@ def test_streamed_equals_resident(pack, resident, cache, read_ahead, batch):
     w = llm.model.weights
     assert len(w.cached_layers) <= cache
     assert w.stats.layer_calls > 0 and w.stats.bytes_read > 0
-    if read_ahead and cache < 6:
+    assert w.read_ahead == (read_ahead and cache < 6)
+    if w.read_ahead:
         assert w.stats.readahead_hits > 0
     w.close()
 

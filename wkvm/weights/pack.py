@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
-import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -30,7 +28,7 @@ from wkvm.progress import progress
 
 PACK_FORMAT = "wkvm-pack-v1"
 MANIFEST = "manifest.json"
-DTYPES = {"F32": torch.float32}
+DTYPES = {"F32": torch.float32, "U8": torch.uint8}
 
 
 class PackError(CheckpointError):
@@ -55,7 +53,7 @@ def _header(path: Path) -> tuple[int, dict]:
         return n, json.loads(f.read(n))
 
 
-def _write_file(d: Path, name: str, tensors: RawTensors) -> dict:
+def write_file(d: Path, name: str, tensors: RawTensors) -> dict:
     path = d / name
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp))
@@ -80,16 +78,36 @@ def write_pack(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     manifest = {
         "format": PACK_FORMAT, "family": FAMILY, "config": asdict(cfg),
         "fingerprint": fingerprint(FAMILY, asdict(cfg), used),
-        "globals": _write_file(d, "globals.safetensors", {k: f32[k] for k in GLOBAL_KEYS}),
+        "globals": write_file(d, "globals.safetensors", {k: f32[k] for k in GLOBAL_KEYS}),
         "layers": [],
     }  # fmt: skip
     for i in progress(range(cfg.n_layer), "packing layers"):
         prefix = f"blocks.{i}."
         layer = {k.removeprefix(prefix): v for k, v in f32.items() if k.startswith(prefix) and k not in GLOBAL_KEYS}
-        manifest["layers"].append(_write_file(d, f"layer_{i:03d}.safetensors", layer))
+        manifest["layers"].append(write_file(d, f"layer_{i:03d}.safetensors", layer))
     with atomic_path(d / MANIFEST) as tmp:
         tmp.write_text(json.dumps(manifest, indent=1) + "\n")
     return d
+
+
+def check_entry(d: Path, entry: dict, verify_hashes: bool = False) -> None:
+    """File `entry["file"]` in `d` exists, has the listed size and exactly the listed tensors at their offsets."""
+    path = d / entry["file"]
+    if not path.is_file():
+        raise PackError(f"{path}: missing (the pack is incomplete)")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise PackError(f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated or replaced)")
+    n, header = _header(path)
+    for name, t in entry["tensors"].items():
+        meta = header.get(name)
+        same = meta is not None and (meta["dtype"], meta["shape"]) == (t["dtype"], t["shape"])
+        if not same or 8 + n + meta["data_offsets"][0] != t["offset"]:
+            raise PackError(f"{path}: tensor {name} does not match the manifest")
+    if len(header) - ("__metadata__" in header) != len(entry["tensors"]):
+        raise PackError(f"{path}: holds tensors the manifest does not list")
+    if verify_hashes and _sha256(path) != entry["sha256"]:
+        raise PackError(f"{path}: sha256 differs from the manifest (modified or corrupt)")
 
 
 class Pack:
@@ -109,45 +127,20 @@ class Pack:
             raise PackError(f"{self.path}: manifest lists {len(self.manifest['layers'])} layers, config says "
                             f"{self.config.n_layer}")  # fmt: skip
         for entry in [self.manifest["globals"], *self.manifest["layers"]]:
-            self._check(entry, verify_hashes)
-
-    def _check(self, entry: dict, verify_hashes: bool) -> None:
-        path = self.path / entry["file"]
-        if not path.is_file():
-            raise PackError(f"{path}: missing (the pack is incomplete)")
-        size = path.stat().st_size
-        if size != entry["bytes"]:
-            raise PackError(f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated or replaced)")
-        n, header = _header(path)
-        for name, t in entry["tensors"].items():
-            meta = header.get(name)
-            same = meta is not None and (meta["dtype"], meta["shape"]) == (t["dtype"], t["shape"])
-            if not same or 8 + n + meta["data_offsets"][0] != t["offset"]:
-                raise PackError(f"{path}: tensor {name} does not match the manifest")
-        if len(header) - ("__metadata__" in header) != len(entry["tensors"]):
-            raise PackError(f"{path}: holds tensors the manifest does not list")
-        if verify_hashes and _sha256(path) != entry["sha256"]:
-            raise PackError(f"{path}: sha256 differs from the manifest (modified or corrupt)")
+            check_entry(self.path, entry, verify_hashes)
 
     def layer_bytes(self, i: int) -> int:
         return self.manifest["layers"][i]["bytes"]
 
-    def read(self, i: int | None, mapped: bool = False) -> RawTensors:
-        """A layer's tensors (None: the globals), named as in BlinkDL files, as views into one buffer: the file
-        read in one go, or (mapped) the file mapped copy-on-write, so its pages come from the OS page cache
-        as the model touches them and leave it when the layer is dropped."""
+    def file(self, i: int | None) -> Path:
+        return self.path / (self.manifest["globals"] if i is None else self.manifest["layers"][i])["file"]
+
+    def read(self, i: int | None) -> RawTensors:
+        """A layer's tensors (None: the globals), named as in BlinkDL files, as views into the file read in one go."""
         entry = self.manifest["globals"] if i is None else self.manifest["layers"][i]
-        path = self.path / entry["file"]
-        if mapped:
-            with open(path, "rb") as f:  # read-only and populated: the pages are mapped in one call, here
-                mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
-            with warnings.catch_warnings():  # torch warns that the buffer is read-only; weights are never written
-                warnings.simplefilter("ignore", UserWarning)
-                buf = torch.frombuffer(mm, dtype=torch.uint8)
-        else:
-            buf = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+        buf = torch.from_numpy(np.fromfile(self.file(i), dtype=np.uint8))
         if buf.numel() != entry["bytes"]:
-            raise PackError(f"{path}: changed size while the server runs")
+            raise PackError(f"{self.file(i)}: changed size while the server runs")
         prefix = "" if i is None else f"blocks.{i}."
         return {
             prefix + name: buf[t["offset"] : t["offset"] + t["length"]].view(DTYPES[t["dtype"]]).view(t["shape"])

@@ -1,23 +1,41 @@
-"""StreamingWeights: layers come from a pack on disk through an LRU cache of at most N layers, with read-ahead.
+"""StreamingWeights: layers come from a pack on disk through a cache of at most N layers, with read-ahead.
 
 The model asks for layer i when it runs layer i, for the whole batch at once, so one sweep of the weights
-serves every running sequence. While layer i computes, a background thread maps layer i + 1 (wrapping to
-layer 0 for the next step) and faults its pages in from disk. Layers are memory-mapped, not copied: a cached
-layer costs address space and page cache, which the OS can reclaim once the layer leaves the cache. Globals
-(embedding, head, norms) stay resident.
+serves every running sequence. Sweeps are cyclic (0, 1, ..., L-1, 0, ...), and for a cyclic pattern an LRU
+cache smaller than the model never hits: each layer is evicted just before it is needed again. So the cache
+is split instead, the optimal policy for cyclic access: the first N - 1 layers are read once and stay
+(prepacked like resident weights; every sweep hits them), and one reusable buffer takes the other layers in
+turn. N = L keeps every layer.
+
+Reading a layer copies it from a read-only mapping of its file into the buffer, on the model's thread with all
+of torch's threads (a memory copy when the OS has the file cached, disk reads when it has not). The buffer is
+allocated once: no allocation, mapping or page-table work per read. On CPU with oneDNN the files are the
+pack's blocked copy (`wkvm/weights/blocked.py`): the layer already in compute form, matrices in the layout of
+the fast matmul kernel, so a read is a few large copies and nothing else. Otherwise the pack's plain files are
+read and converted per read. Globals (embedding, head, norms) stay resident.
+
+Read-ahead: while layer i computes, a background thread asks the OS to read the next streamed layer into its
+page cache (`madvise(MADV_WILLNEED)`), so disk latency overlaps compute and the copy finds the data in RAM.
+The copy itself is not moved to that thread: it needs the memory bandwidth and cores the matmuls are using
+(measured on 2 cores: a background copy slowed them more than it saved; see docs/performance.md).
+
+One sweep at a time: the buffer is overwritten when the next streamed layer is asked for.
 """
 
 from __future__ import annotations
 
+import mmap
 import threading
-from collections import OrderedDict
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from wkvm.models.rwkv7 import RWKV7Config, prepare_globals, prepare_layer
-from wkvm.weights.pack import Pack
+from wkvm.weights.blocked import SUFFIX, blocked_copy, memory, template
+from wkvm.weights.pack import DTYPES, Pack, PackError
 from wkvm.weights.provider import Tensors
 
 
@@ -25,10 +43,96 @@ from wkvm.weights.provider import Tensors
 class StreamStats:
     cache_hits: int = 0
     cache_misses: int = 0
-    readahead_hits: int = 0  # a miss served by a read-ahead already done or under way
-    readahead_misses: int = 0  # a miss nobody had started reading: computed waited for the full read
-    bytes_read: int = 0
+    readahead_hits: int = 0  # a miss whose layer the read-ahead had already asked the OS for
+    readahead_misses: int = 0  # a miss with no read-ahead before it
+    bytes_read: int = 0  # bytes copied from the pack's files into the cache
     layer_calls: int = 0
+
+
+@dataclass
+class _LayerFile:
+    """A layer file mapped read-only, with its tensors in file order (contiguous, as safetensors writes them)."""
+
+    path: Path
+    map: mmap.mmap
+    data: torch.Tensor  # uint8 over the whole mapping
+    tensors: list[tuple[str, dict]]
+    nbytes: int
+
+    @staticmethod
+    def open(d: Path, entry: dict) -> _LayerFile:
+        path = d / entry["file"]
+        tensors = sorted(entry["tensors"].items(), key=lambda kv: kv[1]["offset"])
+        for (name, a), (_, b) in zip(tensors, tensors[1:], strict=False):
+            if a["offset"] + a["length"] != b["offset"]:
+                raise PackError(f"{path}: tensor data is not contiguous after {name}")
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        if len(mm) != entry["bytes"]:
+            raise PackError(f"{path}: changed size since the pack was opened")
+        with warnings.catch_warnings():  # torch warns that the buffer is read-only; it is only copied from
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(mm, dtype=torch.uint8)
+        return _LayerFile(path, mm, data, tensors, sum(t["length"] for _, t in tensors))
+
+    def plain_bytes(self) -> int:
+        return sum(t["length"] for name, t in self.tensors if not name.endswith(SUFFIX))
+
+    def signature(self) -> tuple:
+        return tuple((name, t["dtype"], tuple(t["shape"]), t["offset"], t["length"]) for name, t in self.tensors)
+
+    def advise(self) -> None:
+        """Have the OS start reading this file into its cache (read-ahead; returns before the reads finish).
+        Filling page tables ahead (MADV_POPULATE_READ) was measured too: 1.2 ms per 30 MB layer even when
+        present, more than the copy's own page faults cost, so it is not done."""
+        self.map.madvise(mmap.MADV_WILLNEED)
+
+
+@dataclass
+class _Plan:
+    """How one file layout lands in the buffer: copies (destination, source offset) and the tensors it yields."""
+
+    copies: list[tuple[torch.Tensor, int]]
+    tensors: Tensors  # views into the buffer, named as in the file (suffix removed)
+
+
+@dataclass
+class _Buffer:
+    plain: torch.Tensor  # uint8: the small tensors (all tensors, for plain files)
+    matrices: dict[str, torch.Tensor]  # blocked oneDNN matrices by name, overwritten by each read
+    plans: dict[tuple, _Plan] = field(default_factory=dict)
+    layer: int | None = None
+    tensors: Tensors | None = None
+
+    def plan(self, f: _LayerFile) -> _Plan:
+        key = f.signature()
+        if key not in self.plans:
+            copies: list[tuple[torch.Tensor, int]] = []
+            tensors: Tensors = {}
+            pos, run_start, run_offset = 0, 0, None
+            for name, t in f.tensors:
+                if name.endswith(SUFFIX):  # a blocked matrix: its own copy, into the oneDNN tensor's memory
+                    name = name.removesuffix(SUFFIX)
+                    copies.append((torch.frombuffer(memory(self.matrices[name]), dtype=torch.uint8), t["offset"]))
+                    tensors[name] = self.matrices[name]
+                    continue
+                part = self.plain[pos : pos + t["length"]]
+                tensors[name] = part.view(DTYPES[t["dtype"]]).view(t["shape"])
+                if run_offset is None or run_offset + pos - run_start != t["offset"]:
+                    if run_offset is not None:  # small tensors next to each other in the file: one copy
+                        copies.append((self.plain[run_start:pos], run_offset))
+                    run_start, run_offset = pos, t["offset"]
+                pos += t["length"]
+            if run_offset is not None:
+                copies.append((self.plain[run_start:pos], run_offset))
+            self.plans[key] = _Plan(copies, tensors)
+        return self.plans[key]
+
+    def fill(self, f: _LayerFile) -> Tensors:
+        plan = self.plan(f)
+        for dst, offset in plan.copies:
+            dst.copy_(f.data[offset : offset + dst.numel()])
+        return plan.tensors
 
 
 class StreamingWeights:
@@ -40,65 +144,82 @@ class StreamingWeights:
         self.config: RWKV7Config = pack.config
         self.n_layers = self.config.n_layer
         self.capacity = min(cache_layers, self.n_layers)
-        self.read_ahead = read_ahead
         self.device, self.dtype = device, dtype
         self.stats = StreamStats()
-        self._cache: OrderedDict[int, Tensors] = OrderedDict()
-        self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wkvm-readahead") if read_ahead else None
+        blocked = blocked_copy(pack) if torch.device(device).type == "cpu" and dtype == torch.float32 else None
+        d, entries = blocked or (pack.path, pack.manifest["layers"])
+        self.blocked = blocked is not None  # files hold the compute form with blocked matrices
         self._globals = prepare_globals(pack.read(None), dtype, device)
+        n_pinned = self.capacity if self.capacity == self.n_layers else self.capacity - 1
+        self._pinned: dict[int, Tensors] = {}
+        for i in range(n_pinned):
+            self._pinned[i] = prepare_layer(pack.read(i), i, self.config, dtype, device, pack=True)
+            self.stats.bytes_read += pack.layer_bytes(i)
+        self._files = {i: _LayerFile.open(d, entries[i]) for i in range(n_pinned, self.n_layers)}
+        self._buffer = self._new_buffer(pack) if self._files else None
+        self.read_ahead = read_ahead and self._buffer is not None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="wkvm-readahead") if self.read_ahead else None
+        self._ahead: dict[int, Future] = {}
+
+    def _new_buffer(self, pack: Pack) -> _Buffer:
+        files = self._files.values()
+        sizes = {n.removesuffix(SUFFIX): t["length"] for f in files for n, t in f.tensors if n.endswith(SUFFIX)}
+        matrices = {k: template(pack.manifest["layers"][-1]["tensors"][k]["shape"]) for k in sizes}
+        if any(len(memory(m)) != sizes[k] for k, m in matrices.items()):
+            raise PackError(f"{pack.path}: its blocked copy does not match this CPU's layout (delete onednn-*/)")
+        plain = torch.zeros(max(f.plain_bytes() for f in files), dtype=torch.uint8)
+        return _Buffer(plain, matrices)
 
     def globals(self) -> Tensors:
         return self._globals
 
     @property
     def cached_layers(self) -> list[int]:
+        """Layers held in memory now (pinned, or in the buffer)."""
         with self._lock:
-            return list(self._cache)
+            held = [] if self._buffer is None or self._buffer.layer is None else [self._buffer.layer]
+            return [*self._pinned, *held]
 
-    def _load(self, i: int) -> Tensors:
-        """Map layer i with its pages populated (on the read-ahead thread: disk I/O happens here, not in matmuls)."""
-        raw = self.pack.read(i, mapped=True)
-        with self._lock:
-            self.stats.bytes_read += self.pack.layer_bytes(i)
-        return prepare_layer(raw, i, self.config, self.dtype, self.device, pack=False)
-
-    def _insert(self, i: int, tensors: Tensors) -> None:
-        with self._lock:
-            self._cache[i] = tensors
-            self._cache.move_to_end(i)
-            while len(self._cache) > self.capacity:
-                self._cache.popitem(last=False)
-
-    def _prefetch(self, i: int) -> None:
-        with self._lock:
-            if self._pool is None or i in self._cache or i in self._pending:
-                return
-            fut = self._pool.submit(self._load, i)
-            self._pending[i] = fut
+    def _next_streamed(self, i: int) -> int:
+        j = (i + 1) % self.n_layers
+        return len(self._pinned) if j in self._pinned else j
 
     def layer(self, i: int) -> Tensors:
         with self._lock:
             self.stats.layer_calls += 1
-            hit = self._cache.get(i)
-            if hit is not None:
-                self._cache.move_to_end(i)
-                self.stats.cache_hits += 1
-            else:
-                self.stats.cache_misses += 1
-            fut = None if hit is not None else self._pending.pop(i, None)
-            if hit is None:
-                if fut is not None:
-                    self.stats.readahead_hits += 1
-                elif self._pool is not None:
-                    self.stats.readahead_misses += 1
-        if hit is None:
-            tensors = fut.result() if fut is not None else self._load(i)
-            self._insert(i, tensors)
-            hit = tensors
-        self._prefetch((i + 1) % self.n_layers)
-        return hit
+            buf = self._buffer
+            hit = i in self._pinned or buf.layer == i
+            self.stats.cache_hits += hit
+            self.stats.cache_misses += not hit
+            if not hit and self.read_ahead:
+                ahead = self._ahead.pop(i, None)
+                self.stats.readahead_hits += ahead is not None
+                self.stats.readahead_misses += ahead is None
+        if i in self._pinned:
+            tensors = self._pinned[i]
+        elif hit:
+            tensors = buf.tensors
+        else:
+            with self._lock:
+                buf.layer, buf.tensors = None, None
+            f = self._files[i]
+            tensors = buf.fill(f)
+            if not self.blocked:  # plain files: convert (and move to the device) per read
+                raw = {f"blocks.{i}.{k}": v for k, v in tensors.items()}
+                tensors = prepare_layer(raw, i, self.config, self.dtype, self.device, pack=False)
+            with self._lock:
+                buf.layer, buf.tensors = i, tensors
+                self.stats.bytes_read += f.nbytes
+        if self.read_ahead:
+            self._ask_ahead(self._next_streamed(i))
+        return tensors
+
+    def _ask_ahead(self, j: int) -> None:
+        with self._lock:
+            if j in self._ahead or self._buffer.layer == j:
+                return
+            self._ahead[j] = self._pool.submit(self._files[j].advise)
 
     def close(self) -> None:
         if self._pool is not None:
