@@ -24,9 +24,32 @@ def pack(tmp_path_factory):
     return d
 
 
+LONG = [(7 * i) % 250 + 1 for i in range(100)]  # a prefill of 100 tokens: chunked WKV and large-batch matmuls
+
+
 def run(llm, batch):
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
     return llm.generate(PROMPTS[:batch], params)
+
+
+def assert_same(outs, want):
+    for got, ref in zip(outs, want, strict=True):
+        assert got.token_ids == ref.token_ids
+        for a, b in zip(got.logprobs, ref.logprobs, strict=True):
+            assert all(abs(a[t] - b[t]) < 1e-5 for t in a.keys() & b.keys())
+
+
+def watch_bound(w) -> list[int]:
+    """Record how many layers are held after every layer() call."""
+    held, layer = [], w.layer
+
+    def counted(i):
+        out = layer(i)
+        held.append(len(w.cached_layers))
+        return out
+
+    w.layer = counted
+    return held
 
 
 @pytest.fixture(scope="module")
@@ -39,18 +62,68 @@ def resident(pack):
 @pytest.mark.parametrize("batch", [1, 8])
 def test_streamed_equals_resident(pack, resident, cache, read_ahead, batch):
     llm = LLM(model=pack / "pack", weight_cache_layers=cache, read_ahead=read_ahead)
-    outs = run(llm, batch)
-    for got, want in zip(outs, resident[batch], strict=True):
-        assert got.token_ids == want.token_ids
-        for a, b in zip(got.logprobs, want.logprobs, strict=True):
-            assert all(abs(a[t] - b[t]) < 1e-5 for t in a.keys() & b.keys())
     w = llm.model.weights
-    assert len(w.cached_layers) <= cache
+    held = watch_bound(w)
+    assert_same(run(llm, batch), resident[batch])
+    assert w.blocked  # CPU fp32 with oneDNN: layers come from the blocked copy
+    assert max(held) <= cache
     assert w.stats.layer_calls > 0 and w.stats.bytes_read > 0
     assert w.read_ahead == (read_ahead and cache < 6)
     if w.read_ahead:
         assert w.stats.readahead_hits > 0
     w.close()
+
+
+def test_long_prefill_streamed_equals_resident(pack):
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=3)
+    want = LLM(model=pack / "m.pth").generate([LONG], params)
+    llm = LLM(model=pack / "pack", weight_cache_layers=2)
+    assert_same(llm.generate([LONG], params), want)
+    llm.model.weights.close()
+
+
+def test_plain_layout_when_no_blocked_copy(pack, resident, monkeypatch, caplog):
+    """Without oneDNN, or when the blocked copy cannot be written, layers stream from the pack's plain files."""
+    import wkvm.weights.blocked as blocked
+
+    def refuse(*args):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(blocked, "_build", refuse)
+    monkeypatch.setattr(blocked, "layout_key", lambda p: "not-built-yet")
+    llm = LLM(model=pack / "pack", weight_cache_layers=3)
+    assert not llm.model.weights.blocked
+    assert "cannot write the blocked copy" in caplog.text
+    assert_same(run(llm, 8), resident[8])
+    llm.model.weights.close()
+
+
+def test_blocked_copy_is_reused_and_rebuilt_when_stale(pack, resident, tmp_path):
+    import shutil
+
+    from wkvm.weights.pack import Pack
+    from wkvm.weights.stream import StreamingWeights
+
+    d = tmp_path / "pack"
+    shutil.copytree(pack / "pack", d, ignore=shutil.ignore_patterns("onednn-*"))
+    StreamingWeights(Pack(d), 2).close()
+    (copy,) = d.glob("onednn-*")
+    layer = copy / "layer_004.safetensors"
+    first = layer.stat().st_mtime_ns
+    StreamingWeights(Pack(d), 2).close()
+    assert layer.stat().st_mtime_ns == first  # valid: reused as is
+    layer.write_bytes(layer.read_bytes()[:-64])  # damaged: rebuilt
+    llm = LLM(model=d, weight_cache_layers=2)
+    assert_same(run(llm, 8), resident[8])
+    llm.model.weights.close()
+    assert layer.stat().st_mtime_ns != first
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["source"][4] = "0" * 64  # the pack's layer changed since the copy was made: rebuilt
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    StreamingWeights(Pack(d), 2).close()
+    assert json.loads((copy / "manifest.json").read_text())["source"] == [
+        e["sha256"] for e in Pack(d).manifest["layers"]
+    ]
 
 
 def test_pack_resident_load_keeps_fingerprint(pack):

@@ -11,9 +11,10 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 STREAM_COUNTERS = {
     "cache_hits": "Weight-layer cache hits",
     "cache_misses": "Weight-layer cache misses",
-    "readahead_hits": "Cache misses served by read-ahead",
-    "readahead_misses": "Cache misses read synchronously",
-    "bytes_read": "Weight bytes read from disk",
+    "readahead_hits": "Cache misses whose layer the read-ahead looked at beforehand",
+    "readahead_misses": "Cache misses with no read-ahead before them",
+    "readahead_requests": "Layers the read-ahead asked the OS to read from disk (others were already in RAM)",
+    "bytes_read": "Weight bytes copied from the pack files (OS page cache or disk)",
 }
 
 
