@@ -73,19 +73,19 @@ def test_chat_blocking_and_streaming(client):
 def test_n2_forks_one_prefill(client, server):
     model = server.ctx.engine.model
     fed = []
-    real_forward = model.forward
+    real_forward = model.forward_groups
 
-    def counting_forward(tokens, state, all_logits=False):
-        fed.append(tokens.numel())
-        return real_forward(tokens, state, all_logits)
+    def counting_forward(groups, all_logits=False):
+        fed.extend(tokens.numel() for tokens, _ in groups)
+        return real_forward(groups, all_logits)
 
-    model.forward = counting_forward
+    model.forward_groups = counting_forward
     try:
         kw = dict(model="world", prompt=[5, 6, 7, 8, 9, 10, 11, 12], max_tokens=6, n=2, temperature=1.0, seed=5,
                   extra_body={"ignore_eos": True})  # fmt: skip
         r = client.completions.create(**kw)
     finally:
-        model.forward = real_forward
+        model.forward_groups = real_forward
     assert sorted(c.index for c in r.choices) == [0, 1]
     # one prefill of 7 tokens, then each choice feeds the last prompt token and 5 sampled ones (not 2 x 8 + ...)
     assert sum(fed) == 7 + 2 * (1 + 5)

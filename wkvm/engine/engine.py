@@ -144,21 +144,19 @@ class Engine:
 
     def _run(self, work: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:
         """Feed each scheduled request its tokens; returns the requests now caught up and their last logits."""
-        reqs: list[Request] = []
-        rows: list[torch.Tensor] = []
+        groups: list[tuple[torch.Tensor, State]] = []
         singles = [r for r, n in work if n == 1]  # decode steps (and 1-token prompt pieces) batch together
+        slots = [r.slot for r in singles]
         if singles:
-            slots = [r.slot for r in singles]
             state, is_view = self.arena.view(slots)
-            logits = self.model.forward(torch.tensor([r.next_tokens(1) for r in singles]), state)
-            if not is_view:
-                self.arena.scatter(slots, state)
-            reqs, rows = singles, [logits]
-        for r, n in work:
-            if n > 1:
-                state, _ = self.arena.view([r.slot])  # one slot is always a view
-                reqs.append(r)
-                rows.append(self.model.forward(torch.tensor([r.next_tokens(n)]), state))
+            groups.append((torch.tensor([r.next_tokens(1) for r in singles]), state))
+        pieces = [(r, n) for r, n in work if n > 1]
+        for r, n in pieces:  # one slot is always a view
+            groups.append((torch.tensor([r.next_tokens(n)]), self.arena.view([r.slot])[0]))
+        rows = self.model.forward_groups(groups)  # one sweep of the weights for the whole step
+        if singles and not is_view:
+            self.arena.scatter(slots, groups[0][1])
+        reqs = singles + [r for r, _ in pieces]
         for r, n in work:
             r.num_computed_tokens += n
             r.check_invariant()

@@ -140,22 +140,36 @@ class RWKV7:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, state: State, all_logits: bool = False) -> torch.Tensor:
         """tokens [B, T] -> logits [B, V] (last position) or [B, T, V]; `state` ([B, ...]) advances in place."""
-        B, T = tokens.shape
+        return self.forward_groups([(tokens, state)], all_logits)[0]
+
+    @torch.inference_mode()
+    def forward_groups(
+        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False
+    ) -> list[torch.Tensor]:
+        """Several independent batches (e.g. the decode batch and prefill chunks of other lengths) in one sweep of
+        the weights: layer i runs for every group before layer i + 1 is asked for, so streamed weights are read
+        once per step. Each group's result is exactly what `forward` gives it alone."""
         cfg, g = self.config, self.weights.globals()
-        x = F.embedding(tokens.to(self.device), g["emb.weight"])
-        x = F.layer_norm(x, (cfg.n_embd,), g["blocks.0.ln0.weight"], g["blocks.0.ln0.bias"], cfg.ln_eps)
-        v_first = x  # replaced by layer 0's v
+        xs, v_firsts = [], []
+        for tokens, _ in groups:
+            x = F.embedding(tokens.to(self.device), g["emb.weight"])
+            xs.append(F.layer_norm(x, (cfg.n_embd,), g["blocks.0.ln0.weight"], g["blocks.0.ln0.bias"], cfg.ln_eps))
+            v_firsts.append(xs[-1])  # replaced by layer 0's v
         for i in range(cfg.n_layer):
             w = self.weights.layer(i)
-            xx = F.layer_norm(x, (cfg.n_embd,), w["ln1.weight"], w["ln1.bias"], cfg.ln_eps)
-            att, v_first = self._time_mix(i, w, xx, state, v_first)
-            x = x + att
-            xx = F.layer_norm(x, (cfg.n_embd,), w["ln2.weight"], w["ln2.bias"], cfg.ln_eps)
-            x = x + self._channel_mix(w, xx, state[f"layers.{i}.ffn_shift"])
-        if not all_logits:
-            x = x[:, -1]
-        x = F.layer_norm(x, (cfg.n_embd,), g["ln_out.weight"], g["ln_out.bias"], cfg.ln_eps)
-        return linear(x, g["head.weight"])
+            for j, (_, state) in enumerate(groups):
+                x = xs[j]
+                xx = F.layer_norm(x, (cfg.n_embd,), w["ln1.weight"], w["ln1.bias"], cfg.ln_eps)
+                att, v_firsts[j] = self._time_mix(i, w, xx, state, v_firsts[j])
+                x = x + att
+                xx = F.layer_norm(x, (cfg.n_embd,), w["ln2.weight"], w["ln2.bias"], cfg.ln_eps)
+                xs[j] = x + self._channel_mix(w, xx, state[f"layers.{i}.ffn_shift"])
+        out = []
+        for x in xs:
+            x = x if all_logits else x[:, -1]
+            x = F.layer_norm(x, (cfg.n_embd,), g["ln_out.weight"], g["ln_out.bias"], cfg.ln_eps)
+            out.append(linear(x, g["head.weight"]))
+        return out
 
     def prefill(
         self, tokens: Sequence[int] | torch.Tensor, state: State | None = None,
