@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -24,22 +25,24 @@ from wkvm.tokenizer import WorldTokenizer  # noqa: E402
 from wkvm.weights.pack import is_pack, write_pack  # noqa: E402
 
 
-def decode_rate(model, batch: int, steps: int) -> tuple[float, float]:
-    """(aggregate tok/s, weight bytes read per generated token) over `steps` decode steps."""
+def decode_rate(model, batch: int, steps: int) -> dict:
+    """Aggregate tok/s, weight bytes read per generated token and the streaming counters per step, over `steps`
+    decode steps."""
     engine = Engine(model, WorldTokenizer(), EngineConfig(n_slots=batch, token_budget=max(batch, 64)))
     for i in range(batch):
         engine.submit([1 + i], SamplingParams(max_tokens=steps + 3, temperature=0, ignore_eos=True))
     for _ in range(2):
         engine.step()
     stats = getattr(model.weights, "stats", None)
-    read0 = stats.bytes_read if stats else 0
+    before = asdict(stats) if stats else {}
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     dt = time.perf_counter() - t0
+    delta = {k: (v - before[k]) / steps for k, v in asdict(stats).items()} if stats else {}
     engine.run_until_done()
-    read = (stats.bytes_read - read0) if stats else 0
-    return batch * steps / dt, read / (batch * steps)
+    return {"tok_s": batch * steps / dt, "bytes_per_token": delta.get("bytes_read", 0) * steps / (batch * steps),
+            "per_step": delta}  # fmt: skip
 
 
 def evict_after_use(weights) -> None:
@@ -70,7 +73,7 @@ def main() -> None:
         "cold 25% + read-ahead": dict(weight_cache_layers=n_layer // 4, read_ahead=True),
         "cold 25%, no read-ahead": dict(weight_cache_layers=n_layer // 4, read_ahead=False),
     }
-    results: dict[str, dict[int, tuple[float, float]]] = {}
+    results: dict[str, dict[int, dict]] = {}
     for name, kw in progress(cases.items(), "cases", len(cases)):
         model = load_model(pack, **kw)
         if name.startswith("cold"):
@@ -82,19 +85,24 @@ def main() -> None:
             model.weights.close()
     rows = []
     for name, r in results.items():
-        for b, (tok_s, bpt) in r.items():
-            rows.append([name, b, tok_s, tok_s / results["resident"][b][0], bpt / 2**20])
-    print_table("Weight streaming, RWKV-7 0.1B shape fp32 (pack read through the page cache)",
-                ["case", "batch", "tok/s", "of resident", "MiB read/token"], rows)  # fmt: skip
-    ratio = results["stream 25% + read-ahead"][8][0] / results["resident"][8][0]
+        for b, m in r.items():
+            c = m["per_step"]
+            counters = [c.get(k, 0) for k in ("cache_hits", "cache_misses", "readahead_hits", "readahead_misses",
+                                              "readahead_requests")]  # fmt: skip
+            rows.append([name, b, m["tok_s"], m["tok_s"] / results["resident"][b]["tok_s"],
+                         m["bytes_per_token"] / 2**20, *counters])  # fmt: skip
+    print_table("Weight streaming, RWKV-7 0.1B shape fp32 (pack read through the page cache); counters per step",
+                ["case", "batch", "tok/s", "of resident", "MiB read/token", "hits", "misses", "ra hits", "ra misses",
+                 "ra asks"], rows)  # fmt: skip
+    ratio = results["stream 25% + read-ahead"][8]["tok_s"] / results["resident"][8]["tok_s"]
     print(f"streaming (25% cache, read-ahead) at B=8: {ratio:.0%} of resident (target >= 50%)")
-    write_json("weight_streaming", {n: {str(b): {"tok_s": v[0], "bytes_per_token": v[1]} for b, v in r.items()}
-                                     for n, r in results.items()})  # fmt: skip
+    write_json("weight_streaming", {n: {str(b): m for b, m in r.items()} for n, r in results.items()})
     cold = results["cold 25% + read-ahead"][8]
-    print(f"cold (every sweep from disk) at B=8: {cold[0]:.1f} tok/s, {cold[0] * cold[1] / 2**20:.0f} MiB/s from disk")
+    print(f"cold (every sweep from disk) at B=8: {cold['tok_s']:.1f} tok/s, "
+          f"{cold['tok_s'] * cold['bytes_per_token'] / 2**20:.0f} MiB/s from disk")  # fmt: skip
     warm = {n: r for n, r in results.items() if not n.startswith("cold")}
-    plot("weight_streaming", [1, 8], {n: [r[b][0] for b in (1, 8)] for n, r in warm.items()}, "batch", "tok/s",
-         "Weight streaming, 0.1B shape")  # fmt: skip
+    plot("weight_streaming", [1, 8], {n: [r[b]["tok_s"] for b in (1, 8)] for n, r in warm.items()}, "batch",
+         "tok/s", "Weight streaming, 0.1B shape")  # fmt: skip
 
 
 if __name__ == "__main__":
