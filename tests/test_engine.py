@@ -80,6 +80,19 @@ def test_penalties_change_the_output(model, tok):
     assert len(set(b.output.token_ids)) >= len(set(a.output.token_ids))
 
 
+def test_repetition_penalty_sees_the_resumed_state_tokens(model, tok):
+    """A request resumed from a state (base_ids) samples exactly as the whole history sent as one prompt."""
+    prompt = [(37 * i) % 250 + 1 for i in range(40)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=3.0)
+    engine = Engine(model, tok)
+    whole = engine.submit(prompt, params)
+    engine.run_until_done()
+    _, state = model.prefill(prompt[:-1])
+    resumed = engine.submit(prompt[-1:], params, initial_state=state, base_ids=prompt[:-1])
+    engine.run_until_done()
+    assert resumed.output.token_ids == whole.output.token_ids
+
+
 def test_cancel_frees_slot_within_one_step(model, tok):
     engine = Engine(model, tok, EngineConfig(n_slots=2))
     h = engine.submit([1, 2, 3], greedy(100))

@@ -16,8 +16,12 @@ from wkvm.sampling_params import SamplingParams
 class SamplerRow:
     params: SamplingParams
     generator: torch.Generator | None = None
-    prompt_ids: list[int] = field(default_factory=list)
+    context_ids: list[int] = field(default_factory=list)  # all before the output: a resumed state's tokens, the prompt
     output_ids: list[int] = field(default_factory=list)
+    context_seen: set[int] = field(init=False)  # for the repetition penalty, computed once
+
+    def __post_init__(self) -> None:
+        self.context_seen = set(self.context_ids)
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
@@ -31,7 +35,7 @@ def apply_penalties(logits: torch.Tensor, row: SamplerRow) -> torch.Tensor:
         counts = torch.bincount(out, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
         logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
     if p.repetition_penalty != 1.0:
-        seen = torch.as_tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long)
+        seen = torch.as_tensor(sorted(row.context_seen.union(row.output_ids)), dtype=torch.long)
         seen = seen[seen < logits.shape[-1]]
         vals = logits[seen]
         logits = logits.clone()
