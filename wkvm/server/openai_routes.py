@@ -63,6 +63,12 @@ def finish(ctx: ServerContext, tenant: str, body, plan: Plan, handles: list[Requ
     return extra
 
 
+def finish_runs(ctx: ServerContext, tenant: str, body, runs: list[tuple[Plan, list[RequestHandle]]]) -> dict:
+    """Extras of a completion: one prompt's `wkvm` object, or for a list of prompts {"prompts": [one per prompt]}."""
+    extras = [finish(ctx, tenant, body, plan, hs) for plan, hs in runs]
+    return extras[0] if len(extras) == 1 else {"wkvm": {"prompts": [e["wkvm"] for e in extras]}}
+
+
 def router(ctx: ServerContext, auth) -> APIRouter:
     r = APIRouter(dependencies=[auth])
 
@@ -114,11 +120,11 @@ def router(ctx: ServerContext, auth) -> APIRouter:
                 media_type="text/event-stream",
             )
         await gen.wait_all(ctx, request, handles)
-        extra = [finish(ctx, tenant, body, plan, hs) for plan, hs in runs][0]
+        extra = finish_runs(ctx, tenant, body, runs)
         out = {**base, "choices": [choice(i, h) for i, h in enumerate(handles)],
                "usage": gen.usage(prompt_tokens, handles), **extra}  # fmt: skip
         if body.return_token_ids:
-            out["prompt_token_ids"] = encoded[0]
+            out["prompt_token_ids"] = encoded if batch else encoded[0]
         return out
 
     @r.post("/v1/chat/completions")
@@ -201,7 +207,7 @@ async def stream_completion(ctx, request, body, runs, handles, base, prompt_toke
         return {**base, "choices": [c]}
 
     async for line in stream_chunks(ctx, request, body, handles, chunk, prompt_tokens, base,
-                                    lambda: [finish(ctx, tenant, body, plan, hs) for plan, hs in runs][0]):  # fmt: skip
+                                    lambda: finish_runs(ctx, tenant, body, runs)):  # fmt: skip
         yield line
 
 
