@@ -107,3 +107,20 @@ def test_every_serve_flag_reads_its_env_var(monkeypatch):
     args = build_parser().parse_args(["serve"])
     assert (args.slots, args.port, args.api_key, args.no_prefix_reuse) == (3, 9123, "from-env", True)
     assert build_parser().parse_args(["serve", "--slots", "5"]).slots == 5
+
+
+def test_convert_keeps_tokenizer_and_chat_template(tmp_path):
+    """A pack, a .pth or an HF directory converted from the embedded model encodes and formats chats the same."""
+    from wkvm.chat_template import load_chat_template
+    from wkvm.cli import EMBEDDED_MODEL
+    from wkvm.tokenizer import load_tokenizer
+
+    msgs = [{"role": "user", "content": "Good morrow"}]
+    want = load_tokenizer(EMBEDDED_MODEL).encode("ROMEO: hi"), load_chat_template(EMBEDDED_MODEL)
+    assert main(["convert", str(EMBEDDED_MODEL), str(tmp_path / "m.pack"), "--pack"]) == 0
+    assert main(["convert", str(EMBEDDED_MODEL), str(tmp_path / "m.pth")]) == 0
+    assert main(["convert", str(tmp_path / "m.pth"), str(tmp_path / "hf")]) == 0
+    for dst in ("m.pack", "m.pth", "hf"):
+        tpl = load_chat_template(tmp_path / dst)
+        assert load_tokenizer(tmp_path / dst).encode("ROMEO: hi") == want[0], dst
+        assert (tpl.render(msgs), tpl.stop) == (want[1].render(msgs), want[1].stop), dst

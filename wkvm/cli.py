@@ -161,15 +161,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from wkvm.models.rwkv7_checkpoint import convert
+    from wkvm.tokenizer import copy_companions
 
     if args.pack:
         from wkvm.weights.pack import write_pack
 
         write_pack(args.src, args.dst)
-        print(f"wrote {args.dst} (weight pack: manifest.json, globals and one file per layer)")
-        return 0
-    fmt = convert(args.src, args.dst)
-    print(f"wrote {args.dst} ({'HF/fla directory' if fmt == 'hf' else 'BlinkDL .pth'})")
+        what = "weight pack: manifest.json, globals and one file per layer"
+    else:
+        fmt = convert(args.src, args.dst)
+        what = "HF/fla directory" if fmt == "hf" else "BlinkDL .pth"
+    copied = copy_companions(args.src, args.dst)
+    print(f"wrote {args.dst} ({what}{'; with ' + ', '.join(copied) if copied else ''})")
     return 0
 
 

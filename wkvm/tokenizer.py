@@ -10,6 +10,8 @@ from typing import Protocol
 
 import pyrwkv_tokenizer
 
+from wkvm.atomic import atomic_write_bytes
+
 
 class Tokenizer(Protocol):
     vocab_size: int
@@ -94,3 +96,27 @@ def load_tokenizer(model_path: str | os.PathLike) -> Tokenizer:
         if candidate.is_file():
             return HFTokenizer(candidate)
     return WorldTokenizer()
+
+
+COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
+
+
+def companion_path(model_path: str | os.PathLike, name: str) -> Path:
+    """Where a model keeps its companion file `name`: inside a directory (HF, pack), or `NAME.<name>` beside a
+    `.pth` (only the tokenizer and chat template files have that form)."""
+    p = Path(model_path)
+    return p / name if p.is_dir() or not p.suffix else p.with_name(f"{p.stem}.{name}")
+
+
+def copy_companions(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """Copy the tokenizer and chat template files that go with model `src` to converted model `dst`, so the
+    converted model encodes text and formats chats the same way. Returns the names copied."""
+    copied = []
+    for name in COMPANIONS:
+        source, target = companion_path(src, name), companion_path(dst, name)
+        if name == "tokenizer_config.json" and Path(dst).suffix == ".pth":
+            continue  # a .pth has no place for it (its chat template would need NAME.chat_template.jinja)
+        if source.is_file():
+            atomic_write_bytes(target, source.read_bytes())
+            copied.append(name)
+    return copied
