@@ -133,6 +133,14 @@ def test_pack_resident_load_keeps_fingerprint(pack):
     assert torch.equal(a.prefill([1, 2, 3])[0], b.prefill([1, 2, 3])[0])
 
 
+def test_loaded_weights_do_not_keep_file_buffers_alive(pack):
+    """Each layer file is read in one go; kept tensors must not be views that pin the whole buffer (1.7x RSS)."""
+    for kw in ({}, {"weight_cache_layers": 3}):
+        w = load_model(pack / "pack", **kw).weights
+        kept = [t for t in [*w.globals().values(), *w.layer(0).values()] if not t.is_mkldnn]
+        assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in kept), kw
+
+
 def test_bad_packs_are_refused(pack, tmp_path):
     import shutil
 

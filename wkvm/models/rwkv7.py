@@ -115,7 +115,13 @@ def prepare_layer(raw: RawTensors, i: int, cfg: RWKV7Config, dtype: torch.dtype,
     for k in LORA_KEYS:  # for many rows a packed copy is faster; for a few, plain x @ W (both measured)
         if k in t and (packed := pack_linear(t[k].t())).is_mkldnn:
             t[k + ".packed"] = packed
-    return {k: v if v.is_mkldnn else v.contiguous() for k, v in t.items()}
+    return {k: v if v.is_mkldnn else owned(v) for k, v in t.items()}
+
+
+def owned(t: torch.Tensor) -> torch.Tensor:
+    """`t` in storage of its own: a view into a larger buffer (a file read in one go) would keep all of it alive."""
+    t = t.contiguous()
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
 class RWKV7:
@@ -255,11 +261,11 @@ def build_rwkv7(
 
 def prepare_globals(raw: RawTensors, dtype: torch.dtype, device) -> Tensors:
     """Embedding, first and last norms, head: in compute form."""
-    g = {k: raw[k].to(device=device, dtype=dtype).contiguous() for k in GLOBAL_KEYS}
+    g = {k: raw[k].to(device=device, dtype=dtype) for k in GLOBAL_KEYS}
     for k in ("blocks.0.ln0.weight", "blocks.0.ln0.bias"):
         g[k] = g[k].reshape(-1)
     g["head.weight"] = pack_linear(g["head.weight"])
-    return g
+    return {k: v if v.is_mkldnn else owned(v) for k, v in g.items()}
 
 
 def load_rwkv7(path: str | os.PathLike, device="cpu", dtype=torch.float32) -> RWKV7:
