@@ -22,6 +22,7 @@ from common import print_table, write_json  # noqa: E402
 
 from wkvm.engine.arena import SlotArena  # noqa: E402
 from wkvm.models.rwkv7 import RWKV7Config, rwkv7_state_spec  # noqa: E402
+from wkvm.state.index import StateIndex  # noqa: E402
 from wkvm.state.store import StateStore, StoreLimits  # noqa: E402
 
 CFG = RWKV7Config(12, 768, 12, 64, 65536, 3072, 64, 64, 32, 128)
@@ -80,6 +81,14 @@ def main() -> None:
             store.hibernate("u", f"session{i}", "disk")
         hib_s = time.perf_counter() - t0
         rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        store.close()
+        # restart: every state file checked by reading and hashing it (the baseline: a fresh index would do
+        # this), then with the size/mtime/inode recorded at write time (what a restart does)
+        index = StateIndex(root / "index.sqlite")
+        index.forget_checked(set(index.checked_files()))
+        index.close()
+        restart_full = timed(lambda: StateStore(root, spec, "f" * 64, CFG.vocab_size).close())
+        restart = timed(lambda: StateStore(root, spec, "f" * 64, CFG.vocab_size).close())
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -103,6 +112,9 @@ def main() -> None:
     )
     print(f"\n{args.sessions} hibernated sessions written in {hib_s:.1f} s; peak RSS {rss1 / 1024:.0f} MiB "
           f"(before: {rss0 / 1024:.0f} MiB); disk {args.sessions * spec.nbytes / 2**30:.2f} GiB")  # fmt: skip
+    n_states = args.samples * 2 + args.sessions
+    print(f"restart with {n_states} states: {restart:.2f} s (hashing every file: {restart_full:.2f} s, "
+          f"{restart_full / restart:.0f}x)")  # fmt: skip
     write_json("state_ops", {
         "state_mib": spec.nbytes / 2**20,
         "host_resume_ms": {"p50": pct(host, 50) * ms, "p99": pct(host, 99) * ms},
@@ -111,6 +123,7 @@ def main() -> None:
         "raw_read_ms": {"p50": pct(raw, 50) * ms, "p99": pct(raw, 99) * ms},
         "fork_ms": {"p50": pct(fork, 50) * ms, "p99": pct(fork, 99) * ms},
         "sessions": args.sessions, "sessions_write_s": hib_s, "peak_rss_mib": rss1 / 1024,
+        "restart_s": restart, "restart_hashing_all_s": restart_full,
     })  # fmt: skip
 
 

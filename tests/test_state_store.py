@@ -287,3 +287,31 @@ def test_write_back_states_spill_when_they_leave_ram(model, tmp_path):
     store.close()
     reopened = StateStore(tmp_path / "wb", model.spec, model.fingerprint, model.vocab_size)
     assert sorted(r.handle for r in reopened.list("t#ckpt")) == ["c0@1", "c1@1", "c2@1"]
+
+
+def test_restart_reads_back_only_changed_files(model, tmp_path, monkeypatch):
+    """A restart checks a state file's checksum only if its size/mtime/inode changed since it was written."""
+    from wkvm.state import statefile
+
+    def open_store():
+        return StateStore(tmp_path / "r", model.spec, model.fingerprint, model.vocab_size)
+
+    store = open_store()
+    _, state = model.prefill(PROMPT)
+    for i, name in enumerate("abc"):
+        state["layers.0.att_shift"][0, 0] = float(i)  # distinct content: one file each
+        store.put("t", name, state, PROMPT)
+    paths = {n: store._blob_path(store.get("t", n).blob) for n in "abc"}
+    store.close()
+    decoded = []
+    real_decode = statefile.decode
+    monkeypatch.setattr(statefile, "decode", lambda *a, **k: decoded.append(1) or real_decode(*a, **k))
+    open_store().close()
+    assert decoded == []  # unchanged files: a stat each, nothing read
+    data = bytearray(paths["b"].read_bytes())
+    data[-5] ^= 0x40
+    paths["b"].write_bytes(bytes(data))
+    paths["c"].write_bytes(paths["c"].read_bytes()[:-100])
+    reopened = open_store()
+    assert [r.name for r in reopened.list("t")] == ["a"]  # b and c were read, failed and dropped
+    assert len(decoded) == 2

@@ -28,6 +28,10 @@ CREATE TABLE IF NOT EXISTS states (
     PRIMARY KEY (owner, name, version)
 );
 CREATE INDEX IF NOT EXISTS states_blob ON states (blob);
+CREATE TABLE IF NOT EXISTS checked_files (
+    blob TEXT PRIMARY KEY,
+    stat TEXT NOT NULL
+);
 """
 COLUMNS = (
     "owner", "name", "version", "parent", "op", "op_params", "fingerprint", "spec_hash",
@@ -162,6 +166,23 @@ class StateIndex:
     def pinned_blobs(self) -> set[str]:
         with self._lock:
             return {r[0] for r in self._db.execute("SELECT DISTINCT blob FROM states WHERE pinned = 1")}
+
+    def checked_files(self) -> dict[str, str]:
+        """Blob -> the file's stat (size, mtime, inode, model) when its checksum last passed or when it was written."""
+        with self._lock:
+            return dict(self._db.execute("SELECT blob, stat FROM checked_files").fetchall())
+
+    def set_checked(self, blob: str, stat: str) -> None:
+        """A cache: committed without fsync (the next durable commit persists it; losing it costs one re-check)."""
+        with self._lock:
+            self._sync(False)
+            with self._db:
+                self._db.execute("INSERT OR REPLACE INTO checked_files VALUES (?, ?)", (blob, stat))
+            self._sync(True)
+
+    def forget_checked(self, blobs: set[str]) -> None:
+        with self._lock, self._db:
+            self._db.executemany("DELETE FROM checked_files WHERE blob = ?", [(b,) for b in blobs])
 
     def delete_blob_records(self, blob: str) -> int:
         with self._lock, self._db:

@@ -122,7 +122,9 @@ class StateStore:
 
     # --- crash recovery ------------------------------------------------------------------------
     def recover(self) -> None:
-        """Remove half-written and unreferenced files; drop records whose blob is missing or fails its checksum."""
+        """Remove half-written and unreferenced files; drop records whose blob is missing or fails its checksum.
+        A file whose size, mtime and inode are those recorded when it was written or last checked (for this
+        model) is not read again, so a restart costs a stat per state, not a read and hash of every byte."""
         with self._lock:
             for tmp in self.blob_dir.glob(f"*{TMP_SUFFIX}"):
                 tmp.unlink(missing_ok=True)
@@ -130,16 +132,25 @@ class StateStore:
             for f in self.blob_dir.glob("*.state"):
                 if f.stem not in referenced:
                     f.unlink(missing_ok=True)
+            checked = self.index.checked_files()
+            self.index.forget_checked(set(checked) - referenced)
             self.disk_bytes = 0
             for blob in referenced:
                 path = self._blob_path(blob)
                 try:
-                    self._read_blob(blob, verify=True)
+                    stat = self._stat_key(path)
+                    if checked.get(blob) != stat:
+                        self._read_blob(blob, verify=True)
+                        self.index.set_checked(blob, stat)
                     self.disk_bytes += path.stat().st_size
                 except (FileNotFoundError, StateFileError) as e:
                     dropped = self.index.delete_blob_records(blob)
                     log.error("state blob %s unusable (%s): dropped %d record(s)", blob[:12], e, dropped)
             self._pinned = self.index.pinned_blobs()
+
+    def _stat_key(self, path: Path) -> str:
+        st = path.stat()
+        return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{self.fingerprint}"
 
     # --- records -------------------------------------------------------------------------------
     def get(self, owner: str, handle: str) -> StateRecord:
@@ -293,6 +304,7 @@ class StateStore:
         tensors, meta = pending
         data = statefile.encode(self.spec, tensors, meta, digest=blob)
         atomic_write_bytes(self._blob_path(blob), data, durable)
+        self.index.set_checked(blob, self._stat_key(self._blob_path(blob)))  # written from the tensors: correct
         self.disk_bytes += len(data)
 
     # --- files ---------------------------------------------------------------------------------
