@@ -176,3 +176,21 @@ def test_streaming_counters_in_metrics(pack):
         text = httpx.get(f"{s.url}/metrics").text
     for name in ("wkvm_weight_cache_hits_total", "wkvm_weight_readahead_hits_total", "wkvm_weight_bytes_read_total"):
         assert name in text
+
+
+def test_a_pack_file_truncated_while_streaming_is_an_error_not_a_crash(pack, tmp_path):
+    import shutil
+
+    from wkvm.weights.pack import Pack
+    from wkvm.weights.stream import StreamingWeights
+
+    d = tmp_path / "pack"
+    shutil.copytree(pack / "pack", d)
+    w = StreamingWeights(Pack(d), 2)
+    w.layer(3)
+    (layer,) = [f for f in d.glob("onednn-*/layer_004.safetensors")]
+    with open(layer, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(PackError, match="changed size"):
+        w.layer(4)
+    w.close()

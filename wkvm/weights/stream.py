@@ -226,6 +226,8 @@ class StreamingWeights:
             with self._lock:
                 buf.layer, buf.tensors = None, None
             f = self._files[i]
+            if f.map.size() != len(f.map):  # fstat, ~1 us: a shrunk file would fault the copy (SIGBUS)
+                raise PackError(f"{f.path}: changed size while the server streams from it; restart the server")
             tensors = buf.fill(f)
             if not self.blocked:  # plain files: convert (and move to the device) per read
                 raw = {f"blocks.{i}.{k}": v for k, v in tensors.items()}
