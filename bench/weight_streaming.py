@@ -88,12 +88,12 @@ def main() -> None:
         for b, m in r.items():
             c = m["per_step"]
             counters = [c.get(k, 0) for k in ("cache_hits", "cache_misses", "readahead_hits", "readahead_misses",
-                                              "readahead_requests")]  # fmt: skip
+                                              "readahead_requests", "disk_reads")]  # fmt: skip
             rows.append([name, b, m["tok_s"], m["tok_s"] / results["resident"][b]["tok_s"],
                          m["bytes_per_token"] / 2**20, *counters])  # fmt: skip
     print_table("Weight streaming, RWKV-7 0.1B shape fp32 (pack read through the page cache); counters per step",
                 ["case", "batch", "tok/s", "of resident", "MiB read/token", "hits", "misses", "ra hits", "ra misses",
-                 "ra asks"], rows)  # fmt: skip
+                 "ra asks", "disk reads"], rows)  # fmt: skip
     ratio = results["stream 25% + read-ahead"][8]["tok_s"] / results["resident"][8]["tok_s"]
     print(f"streaming (25% cache, read-ahead) at B=8: {ratio:.0%} of resident (target >= 50%)")
     write_json("weight_streaming", {n: {str(b): m for b, m in r.items()} for n, r in results.items()})

@@ -75,6 +75,18 @@ def test_streamed_equals_resident(pack, resident, cache, read_ahead, batch):
     w.close()
 
 
+def test_layers_not_in_the_os_cache_are_read_from_disk(pack, resident, monkeypatch):
+    from wkvm.weights.stream import _LayerFile
+
+    monkeypatch.setattr(_LayerFile, "in_ram", lambda self: False)
+    llm = LLM(model=pack / "pack", weight_cache_layers=2)
+    assert_same(run(llm, 8), resident[8])
+    w = llm.model.weights
+    assert w.stats.disk_reads == w.stats.cache_misses > 0
+    assert w.stats.readahead_requests > 0  # nothing looked cached, so read-ahead asked the OS each time
+    w.close()
+
+
 def test_long_prefill_streamed_equals_resident(pack):
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=3)
     want = LLM(model=pack / "m.pth").generate([LONG], params)

@@ -15,6 +15,7 @@ STREAM_COUNTERS = {
     "readahead_misses": "Cache misses with no read-ahead before them",
     "readahead_requests": "Layers the read-ahead asked the OS to read from disk (others were already in RAM)",
     "bytes_read": "Weight bytes copied from the pack files (OS page cache or disk)",
+    "disk_reads": "Layers read from disk because the OS had not cached them",
 }
 
 
