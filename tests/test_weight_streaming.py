@@ -99,14 +99,17 @@ def test_plain_layout_when_no_blocked_copy(pack, resident, monkeypatch, caplog):
     """Without oneDNN, or when the blocked copy cannot be written, layers stream from the pack's plain files."""
     import wkvm.weights.blocked as blocked
 
-    def refuse(*args):
-        raise PermissionError("read-only file system")
+    def out_of_space(p, d, *args):
+        d.mkdir()
+        (d / "layer_000.safetensors").write_bytes(b"half a copy")
+        raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(blocked, "_build", refuse)
+    monkeypatch.setattr(blocked, "_build", out_of_space)
     monkeypatch.setattr(blocked, "layout_key", lambda p: "not-built-yet")
     llm = LLM(model=pack / "pack", weight_cache_layers=3)
     assert not llm.model.weights.blocked
     assert "cannot write the blocked copy" in caplog.text
+    assert not (pack / "pack" / "onednn-not-built-yet").exists()  # no half-built copy left behind
     assert_same(run(llm, 8), resident[8])
     llm.model.weights.close()
 

@@ -22,6 +22,7 @@ import ctypes
 import hashlib
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import torch
@@ -84,7 +85,8 @@ def blocked_copy(pack: Pack) -> tuple[Path, list[dict]] | None:
         pass  # absent, stale or damaged: build it again
     try:
         return d, _build(pack, d, key, source)
-    except OSError as e:
+    except OSError as e:  # read-only, or out of space: leave no half-built copy taking disk
+        shutil.rmtree(d, ignore_errors=True)
         log.warning("cannot write the blocked copy of %s (%s); streaming plain layout, about 2x slower matmuls",
                     pack.path, e)  # fmt: skip
         return None
