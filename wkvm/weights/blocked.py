@@ -93,6 +93,8 @@ def blocked_copy(pack: Pack) -> tuple[Path, list[dict]] | None:
 
 
 def _build(pack: Pack, d: Path, key: str, source: list[str]) -> list[dict]:
+    size = sum(pack.layer_bytes(i) for i in range(pack.config.n_layer))
+    log.info("writing %s: the pack's layers laid out for this CPU (once; %.1f GB)", d, size / 1e9)
     entries = []
     for i in progress(range(pack.config.n_layer), "blocking layers for this CPU"):
         layer = prepare_layer(pack.read(i), i, pack.config, torch.float32, "cpu", pack=False)
