@@ -145,19 +145,21 @@ class Engine:
 
     def _run(self, work: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:
         """Feed each scheduled request its tokens; returns the requests now caught up and their last logits."""
+        by_length: dict[int, list[Request]] = {}  # requests fed the same number of tokens batch together:
+        for r, n in work:  # every decode (n = 1), and prompt pieces of equal length (e.g. full prefill chunks)
+            by_length.setdefault(n, []).append(r)
         groups: list[tuple[torch.Tensor, State]] = []
-        singles = [r for r, n in work if n == 1]  # decode steps (and 1-token prompt pieces) batch together
-        slots = [r.slot for r in singles]
-        if singles:
+        gathered: list[tuple[list[int], State]] = []
+        for n, rs in by_length.items():
+            slots = [r.slot for r in rs]
             state, is_view = self.arena.view(slots)
-            groups.append((torch.tensor([r.next_tokens(1) for r in singles]), state))
-        pieces = [(r, n) for r, n in work if n > 1]
-        for r, n in pieces:  # one slot is always a view
-            groups.append((torch.tensor([r.next_tokens(n)]), self.arena.view([r.slot])[0]))
+            groups.append((torch.tensor([r.next_tokens(n) for r in rs]), state))
+            if not is_view:
+                gathered.append((slots, state))
         rows = self.model.forward_groups(groups)  # one sweep of the weights for the whole step
-        if singles and not is_view:
-            self.arena.scatter(slots, groups[0][1])
-        reqs = singles + [r for r, _ in pieces]
+        for slots, state in gathered:
+            self.arena.scatter(slots, state)
+        reqs = [r for rs in by_length.values() for r in rs]
         for r, n in work:
             r.num_computed_tokens += n
             r.check_invariant()
