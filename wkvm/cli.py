@@ -36,7 +36,8 @@ def default_model() -> Path:
 SERVE_FLAGS: list[tuple[str, type, object, str]] = [
     ("model", str, None, "BlinkDL .pth or HF/fla directory (default: the embedded model)"),
     ("device", str, "cpu", "cpu, or cuda with a CUDA build of torch"),
-    ("weight-cache-layers", int, 0, "stream a weight pack from disk through an LRU cache of N layers (0: resident)"),
+    ("dtype", str, "float32", "weights: float32, or bfloat16 (half the memory, ~2x decode; arithmetic stays fp32)"),
+    ("weight-cache-layers", int, 0, "stream a weight pack from disk, at most N layers in memory (0: resident)"),
     ("host", str, "127.0.0.1", "address to bind; anything but loopback is reachable from other machines"),
     ("port", int, 8000, "TCP port"),
     ("api-key", str, None, "API key(s), comma-separated; then every route but /health needs one"),
@@ -86,7 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         log.warning("binding %s without an API key: anyone who can reach this port can use the server", args.host)
     config = ServerConfig(
-        model=model, device=args.device, weight_cache_layers=args.weight_cache_layers,
+        model=model, device=args.device, dtype=args.dtype, weight_cache_layers=args.weight_cache_layers,
         read_ahead=not args.no_read_ahead, host=args.host, port=args.port, api_keys=keys,
         served_model_name=args.served_model_name,
         slots=args.slots, max_queue=args.max_queue, token_budget=args.token_budget, prefill_chunk=args.prefill_chunk,
@@ -118,7 +119,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from wkvm.llm import LLM
     from wkvm.sampling_params import SamplingParams
 
-    llm = LLM(model=args.model or default_model())
+    llm = LLM(model=args.model or default_model(), dtype=args.dtype)
     prompt = [int(t) for t in args.prompt_ids.split(",")] if args.prompt_ids else args.prompt
     if prompt is None:
         print("wkvm generate: give a prompt or --prompt-ids", file=sys.stderr)
@@ -140,7 +141,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHES = ("rwkv7_speed", "batch_decode", "state_ops", "multiturn", "weight_streaming")
+BENCHES = ("rwkv7_speed", "batch_decode", "state_ops", "multiturn", "weight_streaming", "bf16_speed")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -191,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int)
+    g.add_argument("--dtype", default=env_default("dtype") or "float32", help="weights: float32 or bfloat16")
     g.add_argument("--json", action="store_true", help="print text, token ids and finish reason as JSON")
     g.set_defaults(func=cmd_generate)
 

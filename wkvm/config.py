@@ -28,6 +28,7 @@ class EngineConfig:
 class ServerConfig:
     model: str | None = None
     device: str = "cpu"  # "cuda" with a CUDA build of torch
+    dtype: str = "float32"  # storage of the large matrices, embedding and head: float32 or bfloat16
     weight_cache_layers: int = 0  # > 0: stream a weight pack through an LRU cache of this many layers
     read_ahead: bool = True
     host: str = "127.0.0.1"
@@ -53,6 +54,7 @@ class ServerConfig:
     checkpoint_bytes: int = 1 << 30  # prefix-reuse checkpoints kept before LRU eviction
 
     def __post_init__(self) -> None:
+        weight_dtype(self.dtype)  # raises a ValueError naming the choices
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
         for name in ("slots", "max_queue", "max_body_bytes", "max_prompt_tokens", "max_tokens_limit"):
@@ -65,3 +67,15 @@ class ServerConfig:
             n_slots=self.slots, max_queue=self.max_queue, token_budget=max(self.token_budget, self.slots),
             prefill_chunk=self.prefill_chunk, request_timeout=self.request_timeout, device=device,
         )  # fmt: skip
+
+
+WEIGHT_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def weight_dtype(name: str):
+    """'float32' / 'fp32' or 'bfloat16' / 'bf16' -> the torch dtype weights are stored in."""
+    import torch
+
+    if str(name).lower() not in WEIGHT_DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; use float32 or bfloat16")
+    return getattr(torch, WEIGHT_DTYPES[str(name).lower()])

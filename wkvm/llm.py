@@ -24,11 +24,13 @@ class LLM:
         config: EngineConfig | None = None,
         weight_cache_layers: int = 0,
         read_ahead: bool = True,
+        dtype: str = "float32",
         **config_kwargs,
     ):
-        """`weight_cache_layers` > 0 streams a weight pack's layers from disk through a cache of that many."""
+        """`weight_cache_layers` > 0 streams a weight pack's layers from disk through a cache of that many;
+        `dtype` "bfloat16" stores the large matrices in bf16 (half the memory; arithmetic stays fp32)."""
         config = replace(config or EngineConfig(), **config_kwargs)
-        self.model = load_model(model, device=config.device, weight_cache_layers=weight_cache_layers,
+        self.model = load_model(model, device=config.device, dtype=dtype, weight_cache_layers=weight_cache_layers,
                                 read_ahead=read_ahead)  # fmt: skip
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer or model)
         self.engine = Engine(self.model, self.tokenizer, replace(config, max_queue=1 << 30))

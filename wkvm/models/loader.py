@@ -11,11 +11,15 @@ from wkvm.models.rwkv7_checkpoint import detect_format
 
 
 def load_model(
-    path: str | os.PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32,
+    path: str | os.PathLike, device: str = "cpu", dtype: torch.dtype | str = torch.float32,
     weight_cache_layers: int = 0, read_ahead: bool = True,
 ) -> RWKV7:  # fmt: skip
-    """A pack with weight_cache_layers > 0 streams its layers from disk; everything else is loaded resident."""
+    """A pack with weight_cache_layers > 0 streams its layers from disk; everything else is loaded resident.
+    `dtype` stores the large matrices, embedding and head in float32 or bfloat16; arithmetic is fp32 either way."""
+    from wkvm.config import weight_dtype
     from wkvm.weights.pack import Pack, is_pack
+
+    dtype = dtype if isinstance(dtype, torch.dtype) else weight_dtype(dtype)
 
     if is_pack(path):
         pack = Pack(path)

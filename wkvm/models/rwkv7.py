@@ -96,13 +96,14 @@ def rwkv7_state_spec(cfg: RWKV7Config) -> StateSpec:
 
 def prepare_layer(raw: RawTensors, i: int, cfg: RWKV7Config, dtype: torch.dtype, device, pack: bool = True) -> Tensors:
     """Layer i's tensors in compute form: vectors flat, mixing coefficients stacked; `pack` prepacks the
-    matrices for oneDNN (worth it for resident weights, not for a layer used once and dropped)."""
+    matrices for oneDNN (worth it for resident weights, not for a layer used once and dropped). `dtype` is the
+    storage of the six large matrices (float32 or bfloat16); everything else, and all arithmetic, stays fp32."""
     p = f"blocks.{i}."
     keys = list(LAYER_KEYS) + ([f"att.v{j}" for j in "012"] if i > 0 else [])
     missing = [p + k for k in keys if p + k not in raw]
     if missing:
         raise CheckpointError(f"RWKV-7 checkpoint lacks tensors {missing[:4]}")
-    t = {k: raw[p + k].to(device=device, dtype=dtype) for k in keys}
+    t = {k: raw[p + k].to(device=device, dtype=dtype if k in LINEAR_KEYS else torch.float32) for k in keys}
     for k in ("att.w0", "att.a0", "att.v0", "att.k_k", "att.k_a", "ffn.x_k", *(f"att.{m}" for m in MIX)):
         if k in t:
             t[k] = t[k].reshape(-1)
@@ -158,7 +159,7 @@ class RWKV7:
         cfg, g = self.config, self.weights.globals()
         xs, v_firsts = [], []
         for tokens, _ in groups:
-            x = F.embedding(tokens.to(self.device), g["emb.weight"])
+            x = F.embedding(tokens.to(self.device), g["emb.weight"]).float()
             xs.append(F.layer_norm(x, (cfg.n_embd,), g["blocks.0.ln0.weight"], g["blocks.0.ln0.bias"], cfg.ln_eps))
             v_firsts.append(xs[-1])  # replaced by layer 0's v
         for i in range(cfg.n_layer):
@@ -260,8 +261,9 @@ def build_rwkv7(
 
 
 def prepare_globals(raw: RawTensors, dtype: torch.dtype, device) -> Tensors:
-    """Embedding, first and last norms, head: in compute form."""
-    g = {k: raw[k].to(device=device, dtype=dtype) for k in GLOBAL_KEYS}
+    """Embedding, first and last norms, head: in compute form (embedding and head stored in `dtype`)."""
+    big = ("emb.weight", "head.weight")
+    g = {k: raw[k].to(device=device, dtype=dtype if k in big else torch.float32) for k in GLOBAL_KEYS}
     for k in ("blocks.0.ln0.weight", "blocks.0.ln0.bias"):
         g[k] = g[k].reshape(-1)
     g["head.weight"] = pack_linear(g["head.weight"])

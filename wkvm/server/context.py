@@ -50,8 +50,8 @@ class ServerContext:
         """Load the model and build the engine and store (called on a background thread at startup)."""
         try:
             cfg = self.config
-            self.model = load_model(cfg.model, device=cfg.device, weight_cache_layers=cfg.weight_cache_layers,
-                                    read_ahead=cfg.read_ahead)  # fmt: skip
+            self.model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype,
+                                    weight_cache_layers=cfg.weight_cache_layers, read_ahead=cfg.read_ahead)  # fmt: skip
             self.tokenizer = load_tokenizer(cfg.model)
             self.template = load_chat_template(cfg.model)
             self.engine = Engine(self.model, self.tokenizer, cfg.engine_config())

@@ -34,16 +34,36 @@ def onednn_available() -> bool:
         return False
 
 
+@functools.cache
+def onednn_bf16_available() -> bool:
+    """oneDNN bf16 matmuls: native on CPUs with AVX512-BF16/AMX, emulated (slower than fp32) on plain AVX-512."""
+    if not onednn_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    try:
+        w, x = torch.randn(48, 32).bfloat16(), torch.randn(5, 32).bfloat16()
+        got = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT),
+                                                 None, "none", [], "")  # fmt: skip
+        return bool(torch.allclose(got.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2))
+    except RuntimeError:
+        return False
+
+
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` is [out, in] (nn.Linear layout); returns the form `linear` expects."""
+    """`weight` is [out, in] (nn.Linear layout), fp32 or bf16; returns the form `linear` expects."""
     weight = weight.contiguous()
-    if weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_available():
+    if weight.device.type == "cpu" and (
+        (weight.dtype == torch.float32 and onednn_available())
+        or (weight.dtype == torch.bfloat16 and onednn_bf16_available())
+    ):
         return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
     return weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ weight^T -> [..., out]; plain fp32 CPU weights (e.g. streamed, unpacked) also use oneDNN."""
+    """x [..., in] @ weight^T -> [..., out]; plain fp32 CPU weights (e.g. streamed, unpacked) also use oneDNN.
+    bf16 weights take x rounded to bf16 (accumulating in fp32) and give fp32 back."""
+    if weight.dtype != x.dtype:
+        return linear(x.to(weight.dtype), weight).to(x.dtype)
     if weight.is_mkldnn or (weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_available()):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
     return F.linear(x, weight)
