@@ -85,3 +85,18 @@ def test_bf16_streaming_equals_bf16_resident(trained_pth, ids, tmp_path):
 def test_unknown_dtype_is_a_clear_error(trained_pth):
     with pytest.raises(ValueError, match="use float32 or bfloat16"):
         load_model(trained_pth, dtype="float16")
+
+
+def test_server_serves_bf16_and_answers_like_the_python_api(trained_pth, ids):
+    import openai
+    from live_server import LiveServer
+
+    want = LLM(model=trained_pth, dtype="bfloat16").generate([ids], SamplingParams(max_tokens=12, temperature=0,
+                                                                                   ignore_eos=True))[0]  # fmt: skip
+    with LiveServer(model=str(trained_pth), dtype="bf16") as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+        r = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    assert r.choices[0].model_extra["token_ids"] == want.token_ids
+    with pytest.raises(ValueError, match="use float32 or bfloat16"):
+        LiveServer(model=str(trained_pth), dtype="int4")
