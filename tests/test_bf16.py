@@ -78,7 +78,8 @@ def test_bf16_streaming_equals_bf16_resident(trained_pth, ids, tmp_path):
     streamed = load_model(tmp_path / "pack", dtype="bfloat16", weight_cache_layers=2)
     got = streamed.prefill(ids, all_logits=True)[0]
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
-    assert not streamed.weights.blocked  # the blocked copy is fp32 only: bf16 streams the plain files
+    assert streamed.weights.blocked  # a bf16 blocked copy beside the fp32 pack
+    assert len(list((tmp_path / "pack").glob("onednn-*"))) == 1
     streamed.weights.close()
 
 

@@ -105,7 +105,7 @@ def test_plain_layout_when_no_blocked_copy(pack, resident, monkeypatch, caplog):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(blocked, "_build", out_of_space)
-    monkeypatch.setattr(blocked, "layout_key", lambda p: "not-built-yet")
+    monkeypatch.setattr(blocked, "layout_key", lambda pack, dtype: "not-built-yet")
     llm = LLM(model=pack / "pack", weight_cache_layers=3)
     assert not llm.model.weights.blocked
     assert "cannot write the blocked copy" in caplog.text

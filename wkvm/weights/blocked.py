@@ -30,7 +30,7 @@ import torch
 from wkvm.atomic import atomic_path
 from wkvm.models.rwkv7 import LINEAR_KEYS, prepare_layer
 from wkvm.progress import progress
-from wkvm.weights.linear import onednn_available, pack_linear
+from wkvm.weights.linear import onednn_available, onednn_bf16_available, pack_linear
 from wkvm.weights.pack import MANIFEST, Pack, PackError, check_entry, write_file
 
 FORMAT = "wkvm-pack-onednn-v2"
@@ -44,9 +44,9 @@ def memory(packed: torch.Tensor) -> ctypes.Array:
     return (ctypes.c_char * n).from_address(torch.ops.mkldnn.data_ptr(packed))
 
 
-def template(shape: list[int]) -> torch.Tensor:
+def template(shape: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A blocked matrix of `shape` whose bytes a read then overwrites."""
-    return pack_linear(torch.zeros(shape))
+    return pack_linear(torch.zeros(shape, dtype=dtype))
 
 
 def _shapes(pack: Pack) -> list[list[int]]:
@@ -54,23 +54,25 @@ def _shapes(pack: Pack) -> list[list[int]]:
     return sorted({tuple(tensors[k]["shape"]) for k in LINEAR_KEYS})
 
 
-def layout_key(pack: Pack) -> str | None:
-    """Names this machine's blocked layout for the pack's matrix shapes; None when oneDNN is not in use."""
-    if not onednn_available():
+def layout_key(pack: Pack, dtype: torch.dtype = torch.float32) -> str | None:
+    """Names this machine's blocked layout for the pack's matrix shapes in `dtype` (float32 or bfloat16); None
+    when oneDNN does not pack that dtype here."""
+    if not (onednn_bf16_available() if dtype == torch.bfloat16 else dtype == torch.float32 and onednn_available()):
         return None
     h = hashlib.sha256(torch.__version__.encode())
     for shape in _shapes(pack):
         n = shape[0] * shape[1]
-        probe = (torch.arange(n, dtype=torch.float64) % 251 - 125).float().reshape(shape)
+        probe = (torch.arange(n, dtype=torch.float64) % 251 - 125).to(dtype).reshape(shape)
         packed = pack_linear(probe)  # keep a reference while its memory is read
         h.update(repr(shape).encode() + bytes(memory(packed)))
     return h.hexdigest()[:16]
 
 
-def blocked_copy(pack: Pack) -> tuple[Path, list[dict]] | None:
-    """(directory, per-layer file entries) of the pack's blocked copy, built if missing or stale; None when
-    oneDNN is not in use or the copy cannot be written (then layers stream in plain layout)."""
-    key = layout_key(pack)
+def blocked_copy(pack: Pack, dtype: torch.dtype = torch.float32) -> tuple[Path, list[dict]] | None:
+    """(directory, per-layer file entries) of the pack's blocked copy with matrices in `dtype`, built if missing
+    or stale; None when oneDNN does not pack that dtype here or the copy cannot be written (then layers stream
+    from the plain files)."""
+    key = layout_key(pack, dtype)
     if key is None:
         return None
     d = pack.path / f"onednn-{key}"
@@ -84,7 +86,7 @@ def blocked_copy(pack: Pack) -> tuple[Path, list[dict]] | None:
     except (OSError, ValueError, KeyError, PackError):
         pass  # absent, stale or damaged: build it again
     try:
-        return d, _build(pack, d, key, source)
+        return d, _build(pack, d, key, source, dtype)
     except OSError as e:  # read-only, or out of space: leave no half-built copy taking disk
         shutil.rmtree(d, ignore_errors=True)
         log.warning("cannot write the blocked copy of %s (%s); streaming plain layout, about 2x slower matmuls",
@@ -92,12 +94,12 @@ def blocked_copy(pack: Pack) -> tuple[Path, list[dict]] | None:
         return None
 
 
-def _build(pack: Pack, d: Path, key: str, source: list[str]) -> list[dict]:
+def _build(pack: Pack, d: Path, key: str, source: list[str], dtype: torch.dtype) -> list[dict]:
     size = sum(pack.layer_bytes(i) for i in range(pack.config.n_layer))
     log.info("writing %s: the pack's layers laid out for this CPU (once; %.1f GB)", d, size / 1e9)
     entries = []
     for i in progress(range(pack.config.n_layer), "blocking layers for this CPU"):
-        layer = prepare_layer(pack.read(i), i, pack.config, torch.float32, "cpu", pack=False)
+        layer = prepare_layer(pack.read(i), i, pack.config, dtype, "cpu", pack=False)
         out = {k: v.clone() for k, v in layer.items() if k not in LINEAR_KEYS}
         for k in LINEAR_KEYS:
             packed = pack_linear(layer[k])  # keep a reference while its memory is copied

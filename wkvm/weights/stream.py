@@ -193,7 +193,7 @@ class StreamingWeights:
         self.device, self.dtype = device, dtype
         self.stats = StreamStats()
         self._lock = threading.Lock()
-        blocked = blocked_copy(pack) if torch.device(device).type == "cpu" and dtype == torch.float32 else None
+        blocked = blocked_copy(pack, dtype) if torch.device(device).type == "cpu" else None
         d, entries = blocked or (pack.path, pack.manifest["layers"])
         self.blocked = blocked is not None  # files hold the compute form with blocked matrices
         self._globals = prepare_globals(pack.read(None), dtype, device)
@@ -212,7 +212,7 @@ class StreamingWeights:
     def _new_buffer(self, pack: Pack) -> _Buffer:
         files = self._files.values()
         sizes = {n.removesuffix(SUFFIX): t["length"] for f in files for n, t in f.tensors if n.endswith(SUFFIX)}
-        matrices = {k: template(pack.manifest["layers"][-1]["tensors"][k]["shape"]) for k in sizes}
+        matrices = {k: template(pack.manifest["layers"][-1]["tensors"][k]["shape"], self.dtype) for k in sizes}
         if any(len(memory(m)) != sizes[k] for k, m in matrices.items()):
             raise PackError(f"{pack.path}: its blocked copy does not match this CPU's layout (delete onednn-*/)")
         plain = torch.zeros(max(f.plain_bytes() for f in files), dtype=torch.uint8)
