@@ -137,7 +137,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from wkvm.cli_chat import ChatREPL
 
     state_dir = Path(args.state_dir or Path.home() / ".cache" / "wkvm" / "chat-states")
-    ChatREPL(args.model or str(default_model()), state_dir, args.max_tokens, args.temperature).run()
+    ChatREPL(args.model or str(default_model()), state_dir, args.max_tokens, args.temperature, args.dtype).run()
     return 0
 
 
@@ -207,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--state-dir", default=env_default("state_dir"), help="where /save keeps states")
     ch.add_argument("--max-tokens", type=int, default=200)
     ch.add_argument("--temperature", type=float, default=0.8)
+    ch.add_argument("--dtype", default=env_default("dtype") or "float32", help="weights: float32 or bfloat16")
     ch.set_defaults(func=cmd_chat)
 
     b = sub.add_parser("bench", help="run a benchmark from bench/ and print its table")

@@ -23,8 +23,8 @@ HELP = "commands: /save NAME, /fork NAME, /load NAME, /states, /reset, /quit"
 
 
 class ChatREPL:
-    def __init__(self, model_path: str, state_dir: Path, max_tokens: int, temperature: float):
-        self.model = load_model(model_path)
+    def __init__(self, model_path: str, state_dir: Path, max_tokens: int, temperature: float, dtype: str = "float32"):
+        self.model = load_model(model_path, dtype=dtype)
         self.tokenizer = load_tokenizer(model_path)
         self.template = load_chat_template(model_path)
         self.engine = Engine(self.model, self.tokenizer, EngineConfig(n_slots=1))
