@@ -65,7 +65,7 @@ def test_streamed_equals_resident(pack, resident, cache, read_ahead, batch):
     w = llm.model.weights
     held = watch_bound(w)
     assert_same(run(llm, batch), resident[batch])
-    assert w.blocked  # CPU fp32 with oneDNN: layers come from the blocked copy
+    assert w.blocked == (cache < 6)  # CPU with oneDNN: streamed layers come from the blocked copy
     assert max(held) <= cache
     assert w.stats.layer_calls == 6 * llm.engine.steps  # one sweep per step, prefills of any length included
     assert w.stats.bytes_read > 0

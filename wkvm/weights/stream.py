@@ -193,11 +193,12 @@ class StreamingWeights:
         self.device, self.dtype = device, dtype
         self.stats = StreamStats()
         self._lock = threading.Lock()
-        blocked = blocked_copy(pack, dtype) if torch.device(device).type == "cpu" else None
+        n_pinned = self.capacity if self.capacity == self.n_layers else self.capacity - 1
+        streams = n_pinned < self.n_layers
+        blocked = blocked_copy(pack, dtype) if streams and torch.device(device).type == "cpu" else None
         d, entries = blocked or (pack.path, pack.manifest["layers"])
         self.blocked = blocked is not None  # files hold the compute form with blocked matrices
         self._globals = prepare_globals(pack.read(None), dtype, device)
-        n_pinned = self.capacity if self.capacity == self.n_layers else self.capacity - 1
         self._pinned: dict[int, Tensors] = {}
         for i in range(n_pinned):
             self._pinned[i] = prepare_layer(pack.read(i), i, self.config, dtype, device, pack=True)
