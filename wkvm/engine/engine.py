@@ -83,8 +83,8 @@ class Engine:
                 raise ValueError(f"request id {req.request_id!r} is already in flight")
             self.scheduler.add(req)
             self._handles[req.request_id] = handle
-            context = req.base_ids + req.prompt_ids  # a resumed request penalizes as if sent whole
-            self._rows[req.request_id] = SamplerRow(params, make_generator(params.seed), context, req.output_ids)
+            self._rows[req.request_id] = SamplerRow(params, make_generator(params.seed), req.prompt_ids,
+                                                    req.output_ids, req.base_ids)  # fmt: skip
             self._detok[req.request_id] = Detokenizer(self.tokenizer, params.stop)
             self._wake.notify()
         return handle

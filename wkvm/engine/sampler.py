@@ -16,12 +16,16 @@ from wkvm.sampling_params import SamplingParams
 class SamplerRow:
     params: SamplingParams
     generator: torch.Generator | None = None
-    context_ids: list[int] = field(default_factory=list)  # all before the output: a resumed state's tokens, the prompt
+    prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
-    context_seen: set[int] = field(init=False)  # for the repetition penalty, computed once
+    base_ids: list[int] = field(default_factory=list)  # tokens already inside a resumed state: context too
+    _context: set[int] | None = field(default=None, init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        self.context_seen = set(self.context_ids)
+    def context_seen(self) -> set[int]:
+        """Distinct tokens before the output (state and prompt), for the repetition penalty; built on first use."""
+        if self._context is None:
+            self._context = set(self.base_ids).union(self.prompt_ids)
+        return self._context
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
@@ -35,7 +39,7 @@ def apply_penalties(logits: torch.Tensor, row: SamplerRow) -> torch.Tensor:
         counts = torch.bincount(out, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
         logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
     if p.repetition_penalty != 1.0:
-        seen = torch.as_tensor(sorted(row.context_seen.union(row.output_ids)), dtype=torch.long)
+        seen = torch.as_tensor(sorted(row.context_seen().union(row.output_ids)), dtype=torch.long)
         seen = seen[seen < logits.shape[-1]]
         vals = logits[seen]
         logits = logits.clone()
