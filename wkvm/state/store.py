@@ -304,7 +304,8 @@ class StateStore:
         tensors, meta = pending
         data = statefile.encode(self.spec, tensors, meta, digest=blob)
         atomic_write_bytes(self._blob_path(blob), data, durable)
-        self.index.set_checked(blob, self._stat_key(self._blob_path(blob)))  # written from the tensors: correct
+        if durable:  # fsynced, written from the tensors: correct. A write-back file (not fsynced) could lose its
+            self.index.set_checked(blob, self._stat_key(self._blob_path(blob)))  # data in a power cut: check it
         self.disk_bytes += len(data)
 
     # --- files ---------------------------------------------------------------------------------
