@@ -28,7 +28,6 @@ One sweep at a time: the buffer is overwritten when the next streamed layer is a
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 import threading
@@ -46,7 +45,7 @@ from wkvm.weights.pack import DTYPES, Pack, PackError
 from wkvm.weights.provider import Tensors
 
 RESIDENCY_SAMPLES = 8
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if ctypes.util.find_library("c") else None
+_libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's included: no library search
 
 
 @dataclass
@@ -96,7 +95,7 @@ class _LayerFile:
 
     def in_ram(self) -> bool:
         """Whether a sample of this file's pages is in the OS page cache (False where mincore is unavailable)."""
-        if _libc is None or not hasattr(_libc, "mincore"):
+        if not hasattr(_libc, "mincore"):
             return False
         page, n = mmap.PAGESIZE, len(self.map)
         flag = ctypes.c_ubyte()
