@@ -185,7 +185,6 @@ class StreamingWeights:
                  dtype: torch.dtype = torch.float32):  # fmt: skip
         if cache_layers < 1:
             raise ValueError("cache_layers must be at least 1 (0 means: load the model resident)")
-        self.pack = pack
         self.config: RWKV7Config = pack.config
         self.n_layers = self.config.n_layer
         self.capacity = min(cache_layers, self.n_layers)
