@@ -95,6 +95,20 @@ def test_queue_full_is_a_clear_error():
         sched.add(make_req(3, 3))
 
 
+def test_queue_room_counts_down_and_never_goes_negative():
+    sched = Scheduler(EngineConfig(n_slots=1, max_queue=2), SlotArena(SPEC, 1))
+    assert sched.queue_room == 2
+    low = make_req("low", 3, max_tokens=50, priority=5)
+    sched.add(low)
+    sched.schedule()
+    assert sched.queue_room == 2  # admitted: running requests leave the queue
+    sched.add(make_req(1, 3, priority=0))
+    sched.add(make_req(2, 3, priority=0))
+    assert sched.queue_room == 0
+    sched.park(low)  # a parked request rejoins the queue even when it is full
+    assert len(sched.waiting) == 3 and sched.queue_room == 0
+
+
 def test_preemption_parks_lowest_rank_and_resumes():
     arena = SlotArena(SPEC, 1)
     sched = Scheduler(EngineConfig(n_slots=1, token_budget=8), arena)

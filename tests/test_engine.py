@@ -1,7 +1,9 @@
 """The engine: continuous batching is exact, seeds are per request, cancel/preempt/timeout/queue behave."""
 
 import asyncio
+import math
 import random
+import threading
 
 import pytest
 from conftest import greedy_reference
@@ -9,7 +11,7 @@ from conftest import greedy_reference
 from wkvm.config import EngineConfig
 from wkvm.engine.engine import Engine, EngineClosed, QueueFull
 from wkvm.models.rwkv7 import load_rwkv7
-from wkvm.sampling_params import SamplingParams
+from wkvm.sampling_params import MIN_TEMPERATURE, InvalidParam, SamplingParams
 from wkvm.tokenizer import WorldTokenizer
 
 
@@ -23,8 +25,15 @@ def tok():
     return WorldTokenizer()
 
 
-def greedy(n):
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
+
+
+def poisoned_state(model):
+    """A state with one huge but finite element: the model's logits for it come out NaN."""
+    state = model.spec.zeros(1)
+    state["layers.0.wkv"].view(-1)[0] = 3e38
+    return state
 
 
 def test_staggered_mixed_batch_equals_alone(model, tok):
@@ -171,3 +180,157 @@ def test_shutdown_without_drain_aborts(model, tok):
     next(iter(h))
     engine.shutdown(drain=False)
     assert h.result(timeout=5).finish_reason == "abort"
+
+
+NAN, INF = float("nan"), float("inf")
+OUT_OF_RANGE = [
+    ("temperature", [NAN, INF, -0.5, 2.5]),
+    ("repetition_penalty", [1e-300, NAN, 0.0, 11.0]),
+    ("presence_penalty", [NAN, -INF]),
+    ("frequency_penalty", [INF, 2.5]),
+    ("top_p", [0.0, NAN, 1.5]),
+    ("min_p", [NAN, 1.5]),
+    ("max_tokens", [0, 2.5, True]),
+    ("stop_token_ids", [[-1], [True], ["7"]]),
+]
+
+
+@pytest.mark.parametrize(("param", "value"), [(p, v) for p, values in OUT_OF_RANGE for v in values])
+def test_sampling_params_reject_values_that_could_overflow(param, value):
+    with pytest.raises(InvalidParam, match=param) as err:
+        SamplingParams(**{param: value})
+    assert err.value.param == param
+
+
+def test_tiny_temperature_is_raised_and_samples_beside_others(model, tok):
+    """temperature 1e-300 once made the sampler's multinomial raise, failing every request in the engine."""
+    tiny = SamplingParams(max_tokens=6, temperature=1e-300, seed=1, ignore_eos=True)
+    assert tiny.temperature == MIN_TEMPERATURE
+    engine = Engine(model, tok)
+    a = engine.submit([1, 2, 3], tiny)
+    b = engine.submit([4, 5], greedy(6))
+    engine.run_until_done()
+    assert a.output.finish_reason == "length" and len(a.output.token_ids) == 6
+    assert b.output.token_ids == greedy_reference(model, [4, 5], 6)
+
+
+def test_poisoned_state_fails_only_its_own_request(model, tok):
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True, logprobs=2)
+    alone = Engine(model, tok)
+    ref = alone.submit([7, 8, 9], sampled)
+    alone.run_until_done()
+    engine = Engine(model, tok, EngineConfig(n_slots=4))
+    healthy = engine.submit([1, 2, 3], greedy(8, logprobs=2))
+    bad = engine.submit([4, 5], greedy(8, logprobs=2), initial_state=poisoned_state(model), capture_state=True)
+    other = engine.submit([7, 8, 9], sampled)
+    engine.run_until_done()
+    assert healthy.output.token_ids == greedy_reference(model, [1, 2, 3], 8)
+    assert other.output.token_ids == ref.output.token_ids
+    assert not any(math.isnan(v) for lp in healthy.output.logprobs + other.output.logprobs for v in lp.values())
+    out = bad.output
+    assert out.finish_reason == "error" and out.error_code == "non_finite" and "non-finite logits" in out.error
+    assert out.token_ids == [] and out.logprobs == [] and bad.request.final_state is None
+    assert engine.arena.num_free == 4
+
+
+@pytest.mark.parametrize(
+    ("param", "value"), [("temperature", 1e-300), ("repetition_penalty", 1e-300), ("frequency_penalty", INF)]
+)
+def test_params_that_bypass_validation_fail_only_their_request(model, tok, param, value):
+    params = greedy(8)
+    setattr(params, param, value)  # past __post_init__, as a buggy caller could
+    engine = Engine(model, tok)
+    healthy = engine.submit([1, 2, 3], greedy(8))
+    bad = engine.submit([1, 2, 3], params)
+    engine.run_until_done()
+    assert healthy.output.token_ids == greedy_reference(model, [1, 2, 3], 8)
+    assert bad.output.finish_reason == "error" and bad.output.error_code == "non_finite"
+
+
+def test_prefill_only_from_a_poisoned_state_fails(model, tok):
+    engine = Engine(model, tok)
+    h = engine.submit([4, 5], greedy(1), initial_state=poisoned_state(model), capture_state=True, prefill_only=True)
+    engine.run_until_done()
+    assert h.output.finish_reason == "error" and h.output.error_code == "non_finite"
+    assert h.request.final_state is None
+
+
+def test_the_slot_a_poisoned_request_leaves_is_clean(model, tok):
+    engine = Engine(model, tok, EngineConfig(n_slots=1))
+    bad = engine.submit([4, 5], greedy(8), initial_state=poisoned_state(model))
+    engine.run_until_done()
+    assert bad.output.finish_reason == "error"
+    nxt = engine.submit([1, 2, 3], greedy(8))
+    engine.step()
+    assert nxt.request.slot == 0  # the very slot the poisoned state was in
+    engine.run_until_done()
+    assert nxt.output.token_ids == greedy_reference(model, [1, 2, 3], 8)
+
+
+@pytest.mark.allows_5xx  # the simulated step failure is logged as an error, on purpose
+def test_error_codes_for_cancel_timeout_and_engine_error(model, tok):
+    engine = Engine(model, tok, EngineConfig(n_slots=2))
+    cancelled = engine.submit([1, 2], greedy(100))
+    timed_out = engine.submit([3, 4], greedy(10_000), timeout=0.05)
+    engine.step()
+    cancelled.cancel()
+    engine.run_until_done()
+    assert (cancelled.output.finish_reason, cancelled.output.error_code) == ("abort", "cancelled")
+    assert (timed_out.output.finish_reason, timed_out.output.error_code) == ("abort", "timeout")
+
+    def broken(work):
+        raise RuntimeError("simulated kernel failure")
+
+    engine._run = broken
+    engine.start()
+    h = engine.submit([1, 2], greedy(5))
+    assert h.result(timeout=30).finish_reason == "error" and h.output.error_code == "engine_error"
+    engine.shutdown(drain=False)
+
+
+def test_abort_all_ends_running_and_waiting_requests_at_once(model, tok):
+    engine = Engine(model, tok, EngineConfig(n_slots=1))
+    engine.start()
+    running = engine.submit([1, 2], greedy(100_000))
+    events = iter(running)
+    next(events)
+    waiting = engine.submit([3, 4], greedy(5))
+    engine.abort_all("the server is shutting down")
+    assert running.done.is_set() and waiting.done.is_set()  # final events dispatched before abort_all returns
+    for h in (running, waiting):
+        assert (h.output.finish_reason, h.output.error_code) == ("abort", "shutdown")
+        assert h.output.error == "the server is shutting down"
+    assert list(events)[-1].finish_reason == "abort"  # the stream ends
+    after = engine.submit([5, 6], greedy(4))  # abort_all alone does not close the engine
+    assert after.result(timeout=30).token_ids == greedy_reference(model, [5, 6], 4)
+    assert engine.arena.num_free == 1
+    engine.shutdown()
+
+
+def test_stop_accepting_and_queue_room(model, tok):
+    engine = Engine(model, tok, EngineConfig(n_slots=1, max_queue=3))
+    assert engine.queue_room() == 3
+    a = engine.submit([1, 2], greedy(4))
+    engine.submit([3, 4], greedy(4))
+    assert engine.queue_room() == 1
+    engine.step()  # admits one: it leaves the queue
+    assert engine.queue_room() == 2
+    engine.stop_accepting()
+    assert engine.queue_room() == 0
+    with pytest.raises(EngineClosed):
+        engine.submit([5], greedy(1))
+    engine.run_until_done()  # work already in carries on
+    assert a.output.token_ids == greedy_reference(model, [1, 2], 4)
+
+
+def test_shutdown_with_drain_timeout_aborts_what_is_left(model, tok):
+    engine = Engine(model, tok, EngineConfig(n_slots=1))
+    engine.start()
+    h = engine.submit([1, 2], greedy(10_000_000))
+    next(iter(h))
+    stopper = threading.Thread(target=engine.shutdown, kwargs={"drain": True, "timeout": 0.1})
+    stopper.start()
+    stopper.join(60)  # a hang guard, not a speed bound: without the abort this would run for hours
+    assert not stopper.is_alive()
+    assert (h.output.finish_reason, h.output.error_code) == ("abort", "shutdown")
+    assert engine.arena.num_free == 1

@@ -5,6 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class ErrorCode:
+    """Values of `error_code`: why a request finished with "error" or "abort"."""
+
+    NON_FINITE = "non_finite"  # this request's numbers went out of range (its state or parameters): its own fault
+    ENGINE_ERROR = "engine_error"  # an engine step failed unexpectedly, failing every request in flight
+    SHUTDOWN = "shutdown"
+    TIMEOUT = "timeout"
+    CANCELLED = "cancelled"
+
+
 @dataclass
 class GenerationOutput:
     prompt_token_ids: list[int]
@@ -13,6 +23,7 @@ class GenerationOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     logprobs: list[dict[int, float]] | None = None
     error: str | None = None
+    error_code: str | None = None  # an ErrorCode value when finish_reason is "error" or "abort"
 
     @property
     def outputs(self) -> list[GenerationOutput]:

@@ -1,17 +1,29 @@
-"""SamplingParams: what a request asks of the sampler (names follow vLLM and the OpenAI API)."""
+"""SamplingParams: what a request asks of the sampler (names follow vLLM and the OpenAI API).
+
+Every number is bounded so the sampler's arithmetic cannot overflow (a temperature of 1e-300 turns logits into
+infinities); the ranges are module constants so the server's schema and docs state the same limits.
+"""
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20
+TEMPERATURE_RANGE = (0.0, 2.0)
+MIN_TEMPERATURE = 0.01  # a positive temperature below this is raised to it, as in vLLM
+TOP_P_RANGE = (0.0, 1.0)  # open at 0: top_p must be > 0
+MIN_P_RANGE = (0.0, 1.0)
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty
+REPETITION_PENALTY_RANGE = (0.01, 10.0)
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0: greedy; a positive value below MIN_TEMPERATURE is raised to it
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
@@ -31,22 +43,22 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        checks = [
-            (self.max_tokens >= 1, "max_tokens", "must be at least 1"),
-            (self.temperature >= 0, "temperature", "must be >= 0"),
-            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
-            (self.top_k >= 0, "top_k", "must be >= 0 (0 or -1 disables it)"),
-            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
-            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
-            (len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings"),
-            (all(self.stop), "stop", "stop strings must be non-empty"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be 0..{MAX_LOGPROBS}"),
-        ]
-        for ok, name, why in checks:
-            if not ok:
-                raise InvalidParam(name, f"{name} {why}")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
+        _check_number("temperature", self.temperature, TEMPERATURE_RANGE)
+        _check_number("top_p", self.top_p, TOP_P_RANGE, open_lo=True)
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 or -1 disables it)")
+        _check_number("min_p", self.min_p, MIN_P_RANGE)
+        _check_number("presence_penalty", self.presence_penalty, PENALTY_RANGE)
+        _check_number("frequency_penalty", self.frequency_penalty, PENALTY_RANGE)
+        _check_number("repetition_penalty", self.repetition_penalty, REPETITION_PENALTY_RANGE)
+        ids_ok = all(_is_int(t) and t >= 0 for t in self.stop_token_ids)
+        _check(ids_ok, "stop_token_ids", "a list of non-negative integer token ids")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings")
+        _check(all(self.stop), "stop", "non-empty strings")
+        lp_ok = self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS)
+        _check(lp_ok, "logprobs", f"an integer in 0..{MAX_LOGPROBS}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
 
     @property
     def greedy(self) -> bool:
@@ -63,3 +75,20 @@ class InvalidParam(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+def _check(ok: bool, name: str, allowed: str) -> None:
+    if not ok:
+        raise InvalidParam(name, f"{name} must be {allowed}")
+
+
+def _check_number(name: str, x: object, bounds: tuple[float, float], open_lo: bool = False) -> None:
+    """A finite real number within bounds; each comparison is written so that NaN fails it."""
+    lo, hi = bounds
+    ok = isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+    ok = ok and (lo < x if open_lo else lo <= x) and x <= hi
+    _check(ok, name, f"a finite number in {'(' if open_lo else '['}{lo:g}, {hi:g}]")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)

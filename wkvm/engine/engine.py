@@ -16,14 +16,16 @@ from wkvm.engine.arena import SlotArena
 from wkvm.engine.detokenizer import Detokenizer
 from wkvm.engine.handle import Event, RequestHandle
 from wkvm.engine.request import Request, Status
-from wkvm.engine.sampler import SamplerRow, make_generator, sample
+from wkvm.engine.sampler import NON_FINITE_LOGITS, SamplerRow, make_generator, sample
 from wkvm.engine.scheduler import QueueFull, Scheduler
 from wkvm.models.spec import State
+from wkvm.outputs import ErrorCode
 from wkvm.sampling_params import SamplingParams
 from wkvm.tokenizer import Tokenizer
 
 log = logging.getLogger("wkvm.engine")
 __all__ = ["Engine", "EngineClosed", "Event", "QueueFull", "RequestHandle"]
+SHUTDOWN_MESSAGE = "the engine shut down before this request finished"
 
 
 class EngineClosed(RuntimeError):
@@ -89,6 +91,16 @@ class Engine:
             self._wake.notify()
         return handle
 
+    def queue_room(self) -> int:
+        """How many more requests submit() would accept right now: 0 once the engine stops accepting."""
+        with self._lock:
+            return self.scheduler.queue_room if self._accepting else 0
+
+    def stop_accepting(self) -> None:
+        """From now on submit() raises EngineClosed; running and waiting requests carry on."""
+        with self._lock:
+            self._accepting = False
+
     def cancel(self, request_id: str) -> None:
         """Abort a request; its slot is freed at the start of the next step."""
         with self._lock:
@@ -113,7 +125,7 @@ class Engine:
     def _take_snapshots(self) -> None:
         for rid, fut in self._snapshots:
             handle = self._handles.get(rid)
-            if handle is None:
+            if handle is None or handle.request.status.finished:
                 fut.set_exception(KeyError(f"request {rid!r} finished before its snapshot"))
                 continue
             req = handle.request
@@ -163,8 +175,10 @@ class Engine:
         for r, n in work:
             r.num_computed_tokens += n
             r.check_invariant()
-            if r.capture_prompt_state and r.prompt_state is None and r.num_computed_tokens == len(r.prompt_ids) - 1:
-                r.prompt_state = self.arena.read(r.slot)  # all of the prompt but its last (pending) token
+            slot = r.slot  # None when abort_all finished it while the model ran
+            at_prompt_end = r.num_computed_tokens == len(r.prompt_ids) - 1
+            if r.capture_prompt_state and r.prompt_state is None and at_prompt_end and slot is not None:
+                r.prompt_state = self.arena.read(slot)  # all of the prompt but its last (pending) token
         logits = rows[0] if len(rows) == 1 else torch.cat(rows)
         done = [i for i, r in enumerate(reqs) if r.gap == 0]
         if not done:
@@ -177,38 +191,57 @@ class Engine:
         if logits is None:
             return []
         events = []
-        if any(r.prefill_only for r in reqs):
-            for r in reqs:
-                if r.prefill_only:
-                    self._finish(r, Status.FINISHED_LENGTH)
-                    events.append(Event(r.request_id, [], "", None, Status.FINISHED_LENGTH.value))
-            keep = [i for i, r in enumerate(reqs) if not r.prefill_only]
-            if not keep:
-                return events
+        keep = []
+        for i, r in enumerate(reqs):
+            if r.status.finished:  # aborted from another thread while the model ran
+                continue
+            if r.prefill_only:
+                events.append(self._end_prefill(r, logits[i]))
+            else:
+                keep.append(i)
+        if not keep:
+            return events
+        if len(keep) < len(reqs):
             reqs, logits = [reqs[i] for i in keep], logits[torch.tensor(keep)]
         rows = [self._rows[r.request_id] for r in reqs]
-        tokens, lps = sample(logits, rows)
-        eos = self.tokenizer.eos_token_id
-        for req, tok, lp in zip(reqs, tokens, lps, strict=True):
-            p, detok = req.params, self._detok[req.request_id]
-            req.output_ids.append(tok)
-            status = None
-            if detok.add(tok) or tok in p.stop_token_ids or (tok == eos and not p.ignore_eos):
-                status = Status.FINISHED_STOPPED
-            elif len(req.output_ids) >= p.max_tokens:
-                status = Status.FINISHED_LENGTH
-            if status is not None:
-                detok.flush()
-                self._finish(req, status)
-            ev = Event(req.request_id, [tok], detok.delta(final=status is not None), [lp] if lp else None)
-            ev.finish_reason = status.value if status else None
-            events.append(ev)
+        for req, s in zip(reqs, sample(logits, rows), strict=True):
+            events.append(self._fail_one(req, s.error) if s.error else self._append(req, s.token, s.logprobs))
         return events
 
-    def _finish(self, req: Request, status: Status, error: str | None = None) -> None:
-        if req.capture_state and req.slot is not None:
+    def _append(self, req: Request, tok: int, lp: dict[int, float] | None) -> Event:
+        """Add one sampled token; finish the request on a stop or at max_tokens."""
+        p, detok = req.params, self._detok[req.request_id]
+        req.output_ids.append(tok)
+        status = None
+        if detok.add(tok) or tok in p.stop_token_ids or (tok == self.tokenizer.eos_token_id and not p.ignore_eos):
+            status = Status.FINISHED_STOPPED
+        elif len(req.output_ids) >= p.max_tokens:
+            status = Status.FINISHED_LENGTH
+        if status is not None:
+            detok.flush()
+            self._finish(req, status)
+        ev = Event(req.request_id, [tok], detok.delta(final=status is not None), [lp] if lp else None)
+        ev.finish_reason = status.value if status else None
+        return ev
+
+    def _end_prefill(self, req: Request, logits: torch.Tensor) -> Event:
+        """A prefill-only request is done once its prompt is in; a state that yields non-finite logits fails."""
+        if not bool(torch.isfinite(logits).all()):
+            return self._fail_one(req, NON_FINITE_LOGITS)
+        self._finish(req, Status.FINISHED_LENGTH)
+        return Event(req.request_id, [], "", None, Status.FINISHED_LENGTH.value)
+
+    def _fail_one(self, req: Request, message: str) -> Event:
+        """This request's numbers went out of range: it alone fails, and its slot is freed (zeroed on reuse)."""
+        self._finish(req, Status.FINISHED_ERROR, message, ErrorCode.NON_FINITE)
+        return Event(req.request_id, [], "", None, Status.FINISHED_ERROR.value, message, ErrorCode.NON_FINITE)
+
+    def _finish(self, req: Request, status: Status, error: str | None = None, error_code: str | None = None) -> None:
+        # the state is kept only when the step itself ended a healthy request, at a token boundary
+        at_boundary = error_code in (None, ErrorCode.CANCELLED, ErrorCode.TIMEOUT)
+        if req.capture_state and req.slot is not None and at_boundary:
             req.final_state = self.arena.read(req.slot)
-        req.error = error
+        req.error, req.error_code = error, error_code
         self.scheduler.finish(req, status)
 
     def _reap(self) -> list[Event]:
@@ -216,33 +249,42 @@ class Engine:
         now = time.monotonic()
         events = []
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-            reason = None
+            reason = code = None
             if req.cancel_requested:
-                reason = "cancelled"
+                reason, code = "cancelled", ErrorCode.CANCELLED
             elif req.deadline is not None and now > req.deadline:
-                reason = "timeout: the request ran past its time limit"
+                reason, code = "timeout: the request ran past its time limit", ErrorCode.TIMEOUT
             if reason:
-                self._finish(req, Status.FINISHED_ABORTED, reason)
-                events.append(Event(req.request_id, [], "", None, "abort", reason))
+                self._finish(req, Status.FINISHED_ABORTED, reason, code)
+                events.append(Event(req.request_id, [], "", None, "abort", reason, code))
         return events
 
     def _dispatch(self, events: list[Event]) -> None:
         for ev in events:
-            with self._lock:
+            with self._lock:  # pushed under the lock: no event reaches a handle after its final one
                 handle = self._handles.get(ev.request_id)
                 if ev.finished:
                     self._handles.pop(ev.request_id, None)
                     self._rows.pop(ev.request_id, None)
                     self._detok.pop(ev.request_id, None)
-            if handle is not None:
-                handle._push(ev)
+                if handle is not None:
+                    handle._push(ev)
 
-    def _fail_all(self, message: str, status: Status = Status.FINISHED_ERROR) -> None:
+    def _fail_all(self, message: str, status: Status, error_code: str) -> None:
         with self._lock:
             reqs = list(self.scheduler.running) + list(self.scheduler.waiting)
             for req in reqs:
-                self._finish(req, status, message)
-        self._dispatch([Event(r.request_id, [], "", None, status.value, message) for r in reqs])
+                self._finish(req, status, message, error_code)
+            self._take_snapshots()  # pending snapshots of these requests fail rather than wait forever
+        self._dispatch([Event(r.request_id, [], "", None, status.value, message, error_code) for r in reqs])
+
+    def abort_all(self, reason: str) -> None:
+        """Finish every running and waiting request now as aborted (error_code "shutdown"), ending their streams.
+
+        Safe from any thread while the step loop runs: a step in flight drops its results for these requests.
+        Their slots are freed; a captured final state is not kept, since a step may be writing it.
+        """
+        self._fail_all(reason, Status.FINISHED_ABORTED, ErrorCode.SHUTDOWN)
 
     # --- running -------------------------------------------------------------------------------
     def run_until_done(self) -> None:
@@ -271,11 +313,15 @@ class Engine:
                 self.step()
             except Exception as e:  # a bug: fail the in-flight requests loudly rather than hang them
                 log.exception("engine step failed")
-                self._fail_all(f"internal engine error: {e}")
-        self._fail_all("the engine shut down before this request finished", Status.FINISHED_ABORTED)
+                self._fail_all(f"internal engine error: {e}", Status.FINISHED_ERROR, ErrorCode.ENGINE_ERROR)
+        self.abort_all(SHUTDOWN_MESSAGE)
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Stop accepting; finish in-flight work (drain) or abort it; join the thread."""
+        """Stop accepting; finish in-flight work (drain) or abort it; join the thread.
+
+        With drain and a timeout, whatever still runs after `timeout` seconds is aborted at once, so this returns
+        within about `timeout` plus the step then in flight.
+        """
         with self._lock:
             self._accepting = False
             self._stopping = True
@@ -284,9 +330,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
-                with self._lock:
-                    self._drain = False
+                self.abort_all(SHUTDOWN_MESSAGE)  # nothing is left to drain, so the loop exits after this step
                 self._thread.join()
             self._thread = None
         else:
-            self._fail_all("the engine shut down before this request finished", Status.FINISHED_ABORTED)
+            self.abort_all(SHUTDOWN_MESSAGE)

@@ -26,6 +26,7 @@ class Event:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     error: str | None = None
+    error_code: str | None = None  # an ErrorCode value (wkvm.outputs)
 
     @property
     def finished(self) -> bool:
@@ -57,7 +58,7 @@ class RequestHandle:
         if out.logprobs is not None and ev.logprobs:
             out.logprobs.extend(ev.logprobs)
         if ev.finished:
-            out.finish_reason, out.error = ev.finish_reason, ev.error
+            out.finish_reason, out.error, out.error_code = ev.finish_reason, ev.error, ev.error_code
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._async.put_nowait, ev)
         else:

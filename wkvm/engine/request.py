@@ -47,6 +47,7 @@ class Request:
     parked_state: State | None = None  # host copy while preempted
     final_state: State | None = None
     error: str | None = None
+    error_code: str | None = None  # an ErrorCode value (wkvm.outputs) when it ended in error or abort
     generator: torch.Generator | None = None
     cancel_requested: bool = False
 

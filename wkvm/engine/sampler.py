@@ -1,6 +1,8 @@
 """The sampler: penalties, greedy/temperature/top-k/top-p/min-p, per-request seeds, top-k logprobs.
 
 Logprobs are those of the model's raw distribution (before penalties and temperature), as in vLLM.
+Rows are independent: a row whose logits or distribution are not finite gets an error instead of a token, and
+every other row samples exactly as it would have without it (multinomial never sees an invalid distribution).
 """
 
 from __future__ import annotations
@@ -10,6 +12,14 @@ from dataclasses import dataclass, field
 import torch
 
 from wkvm.sampling_params import SamplingParams
+
+NON_FINITE_LOGITS = (
+    "the model produced non-finite logits (NaN or infinity) for this request; its state holds values out of range"
+)
+INVALID_DISTRIBUTION = (
+    "sampling this request produced an invalid distribution (NaN, infinity or all zero); "
+    "its logits or sampling parameters are out of range"
+)
 
 
 @dataclass
@@ -26,6 +36,15 @@ class SamplerRow:
         if self._context is None:
             self._context = set(self.base_ids).union(self.prompt_ids)
         return self._context
+
+
+@dataclass
+class Sampled:
+    """One row's outcome: a token (with its logprobs when asked), or the error that kept it from sampling."""
+
+    token: int | None
+    logprobs: dict[int, float] | None = None
+    error: str | None = None
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
@@ -71,24 +90,42 @@ def top_logprobs(logprobs: torch.Tensor, chosen: int, k: int) -> dict[int, float
     return out
 
 
-def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], list[dict[int, float] | None]]:
-    """logits [B, V] (fp32) -> one token per row and, where asked, its logprobs dict."""
+def valid_distribution(probs: torch.Tensor) -> bool:
+    """Finite, non-negative and not all zero: what torch.multinomial needs."""
+    total = probs.sum()
+    return bool(torch.isfinite(total) & (total > 0) & (probs >= 0).all())  # one device sync, not three
+
+
+def choose(logits: torch.Tensor, row: SamplerRow, greedy_id: int) -> int | None:
+    """One row's token from its finite logits [V]; None when penalties or temperature push them out of range."""
+    p = row.params
+    if p.greedy and not p.uses_penalties:
+        return greedy_id
+    x = apply_penalties(logits, row) if p.uses_penalties else logits
+    if p.greedy:
+        return int(torch.argmax(x)) if bool(torch.isfinite(x).all()) else None
+    probs = filtered_probs(x, p)
+    if not valid_distribution(probs):
+        return None
+    return int(torch.multinomial(probs, 1, generator=row.generator))
+
+
+def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
+    """logits [B, V] -> one Sampled per row: its token and, where asked, its logprobs dict; or its error."""
     logits = logits.float()
+    finite = torch.isfinite(logits).all(-1).tolist()  # one check for the whole batch
     need_lp = any(r.params.logprobs is not None for r in rows)
-    raw_lp = torch.log_softmax(logits, -1) if need_lp else None
+    raw_lp = torch.log_softmax(logits, -1) if need_lp else None  # a finite row gives no NaN here (-inf may be)
     greedy_ids = torch.argmax(logits, -1).tolist()
-    tokens: list[int] = []
-    lps: list[dict[int, float] | None] = []
+    out: list[Sampled] = []
     for i, row in enumerate(rows):
-        p = row.params
-        if p.greedy and not p.uses_penalties:
-            tok = greedy_ids[i]
-        else:
-            x = apply_penalties(logits[i], row) if p.uses_penalties else logits[i]
-            if p.greedy:
-                tok = int(torch.argmax(x))
-            else:
-                tok = int(torch.multinomial(filtered_probs(x, p), 1, generator=row.generator))
-        tokens.append(tok)
-        lps.append(top_logprobs(raw_lp[i], tok, p.logprobs) if raw_lp is not None and p.logprobs is not None else None)
-    return tokens, lps
+        if not finite[i]:
+            out.append(Sampled(None, error=NON_FINITE_LOGITS))
+            continue
+        tok = choose(logits[i], row, greedy_ids[i])
+        if tok is None:
+            out.append(Sampled(None, error=INVALID_DISTRIBUTION))
+            continue
+        k = row.params.logprobs
+        out.append(Sampled(tok, top_logprobs(raw_lp[i], tok, k) if raw_lp is not None and k is not None else None))
+    return out

@@ -38,8 +38,13 @@ class Scheduler:
         self.park: Callable[[Request], None] = self._park
         self.unpark: Callable[[Request], None] = self._unpark
 
+    @property
+    def queue_room(self) -> int:
+        """How many more requests `add` accepts now (parked requests count as waiting)."""
+        return max(0, self.config.max_queue - len(self.waiting))
+
     def add(self, req: Request) -> None:
-        if len(self.waiting) >= self.config.max_queue:
+        if self.queue_room == 0:
             raise QueueFull(
                 f"the queue is full ({self.config.max_queue} waiting requests); retry later or raise --max-queue"
             )
