@@ -8,6 +8,8 @@ import openai
 import pytest
 from live_server import LiveServer
 
+from wkvm.sampling_params import SamplingParams
+
 GREEDY = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
 USER_TURNS = ["Goodmorrow,friend.", "Whatnewsfromthecourt?", "Speakplainly.", "Andthen?", "Farewell."]
 
@@ -206,3 +208,61 @@ def test_no_prefix_reuse_switch(fresh):
     again = chat(fresh, msgs + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
                                 {"role": "user", "content": "Again"}])  # fmt: skip
     assert again["wkvm"] == {"mode": "fresh", "reused_tokens": 0, "restart_reason": None}
+
+
+def test_a_failing_checkpoint_never_fails_the_answer(reuse, fresh, monkeypatch):
+    def broken_put(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(reuse.ctx.store, "put", broken_put)
+    msgs = [{"role": "user", "content": "Isthediskfull?"}]
+    r = chat(reuse, msgs)  # checkpoints are a cache: the answer comes back whatever happens to them
+    assert r["choices"][0]["message"]["content"] == chat(fresh, msgs)["choices"][0]["message"]["content"]
+
+
+def test_full_quota_never_fails_a_chat_answer(char_model, fresh, tmp_path):
+    """Users' states fill --state-disk-quota: chat turns still answer, and their checkpoints stay within it."""
+    quota, root = 600_000, tmp_path / "quota"
+    with LiveServer(model=str(char_model), slots=2, state_dir=str(root), state_disk_quota=quota) as server:
+        for i in range(200):
+            r = httpx.post(f"{server.url}/v1/states", json={"name": f"fill{i}", "prompt": f"Fill{i}."}, timeout=60)
+            if r.status_code != 200:
+                break
+        assert r.status_code == 413 and r.json()["error"]["code"] == "state_quota_exceeded"
+        messages = []
+        for turn in USER_TURNS[:3]:
+            messages.append({"role": "user", "content": turn})
+            reply = chat(server, messages)["choices"][0]["message"]["content"]  # 413 here before
+            assert reply == chat(fresh, messages)["choices"][0]["message"]["content"]
+            messages.append({"role": "assistant", "content": reply})
+    assert sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) <= quota
+
+
+def run_plan(ctx, tenant: str, prompt_ids: list[int], scope: str | None = None) -> tuple[dict, list[int]]:
+    """One request through ChatSessions.plan, the engine and the plan's finish (as the server runs it)."""
+    plan = ctx.sessions.plan(tenant, prompt_ids, scope=scope)
+    run = {"initial_state": plan.base_state, "base_ids": plan.base_ids, "capture_state": True}
+    h = ctx.engine.submit(plan.feed_ids, SamplingParams(**GREEDY), **run, capture_prompt_state=True)
+    h.result(60)
+    plan.finish([h])
+    return plan.info, h.output.token_ids
+
+
+def test_checkpoints_are_reused_only_within_their_scope(char_model, tmp_path):
+    tenant, a, b = "key-1f2e", "key-1f2e/user-9a0b:fp=ab12cd", "key-1f2e/user-9a0b:fp=ffff00"
+    config = {"model": str(char_model), "slots": 2, "state_dir": str(tmp_path / "scoped")}
+    with LiveServer(**config) as server:
+        ctx = server.ctx
+        prompt = ctx.tokenizer.encode("[user]Scopedprefix.[assistant]")
+        info, out = run_plan(ctx, tenant, prompt, scope=a)
+        assert info["mode"] == "fresh"
+        longer = prompt + out + ctx.tokenizer.encode("[user]More.[assistant]")
+        assert run_plan(ctx, tenant, longer, scope=b)[0]["reused_tokens"] == 0
+        assert run_plan(ctx, tenant, longer)[0]["reused_tokens"] == 0  # the default scope is the tenant
+        info, _ = run_plan(ctx, tenant, longer, scope=a)
+        assert info["mode"] == "exact_prefix" and info["reused_tokens"] == len(prompt) + len(out) - 1
+    with LiveServer(**config) as restarted:  # checkpoint owners map back to their scopes
+        ctx = restarted.ctx
+        assert {a, b, tenant} <= set(ctx.sessions.tries)
+        assert run_plan(ctx, tenant, longer + [5, 6], scope=a)[0]["reused_tokens"] >= len(longer) - 1
+        assert run_plan(ctx, tenant, longer + [5, 6], scope="key-1f2e/user-9a0b:fp=000000")[0]["mode"] == "fresh"

@@ -1,11 +1,14 @@
-"""Durable states: resume from every tier, fork isolation, export/import, mutations, LRU tiers, crash safety."""
+"""Durable states: resume from every tier, fork isolation, export/import, mutations, LRU tiers, crash safety,
+quota and internal-state budget, bounded metadata, strict handles and names."""
 
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -14,10 +17,13 @@ from wkvm.config import EngineConfig
 from wkvm.engine.engine import Engine
 from wkvm.models.rwkv7 import load_rwkv7
 from wkvm.sampling_params import SamplingParams
+from wkvm.state import statefile
+from wkvm.state.index import parse_handle
 from wkvm.state.mutations import register_mutation
+from wkvm.state.quota import state_file_bytes
 from wkvm.state.service import StateService
-from wkvm.state.statefile import StateFileError
-from wkvm.state.store import StateNotFound, StateStore, StoreLimits
+from wkvm.state.statefile import MAX_HISTORY_TOKENS, HistoryTooLong, StateFileError, valid_name
+from wkvm.state.store import QuotaExceeded, StateNotFound, StateStore, StoreLimits
 from wkvm.tokenizer import WorldTokenizer
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133]
@@ -179,13 +185,139 @@ def test_import_refuses_bad_files(svc, model, tmp_path):
     other = StateStore(tmp_path / "o", model.spec, "0" * 64, model.vocab_size)
     with pytest.raises(StateFileError, match="another model"):
         other.import_bytes("b", good)
-    n = int.from_bytes(good[:8], "little")
-    header = json.loads(good[8 : 8 + n])
-    header["__metadata__"]["token_ids"] = json.dumps(PROMPT[:-1] + [7])
+    with pytest.raises(StateFileError, match="token digest"):
+        svc.store.import_bytes("b", with_metadata(good, token_ids=json.dumps(PROMPT[:-1] + [7])))
+
+
+def with_metadata(data: bytes, **fields: str) -> bytes:
+    """The same state file with some `__metadata__` strings replaced."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    header["__metadata__"].update(fields)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw = raw.ljust(-(-len(raw) // 8) * 8)
-    with pytest.raises(StateFileError, match="token digest"):
-        svc.store.import_bytes("b", len(raw).to_bytes(8, "little") + raw + good[8 + n :])
+    return len(raw).to_bytes(8, "little") + raw + data[8 + n :]
+
+
+def test_import_refuses_crafted_metadata_and_values(svc, model):
+    good = svc.store.export_bytes("a", svc.create("a", "x", PROMPT).handle)
+    deep = "[" * 50_000 + "]" * 50_000
+    cases = {
+        "token_ids": with_metadata(good, token_ids=deep, n_tokens="1"),
+        "op_params is not valid JSON": with_metadata(good, op_params="[" * 20_000 + "]" * 20_000),
+        "op_params is 100000 bytes": with_metadata(good, op_params=deep),
+        "nested deeper": with_metadata(good, op_params=json.dumps({"a": {"b": {"c": {"d": {"e": 1}}}}})),
+        "keys": with_metadata(good, op_params=json.dumps({f"k{i}": i for i in range(65)})),
+        "op_params is .* bytes": with_metadata(good, op_params=json.dumps({"x": "y" * 70_000})),
+        "vocabulary range": with_metadata(good, token_ids="[99999999999999999999999]", n_tokens="1"),
+        "at least one token": with_metadata(
+            good, token_ids="[]", n_tokens="0", token_digest=statefile.token_digest([])
+        ),
+    }
+    for reason, data in cases.items():
+        with pytest.raises(StateFileError, match=reason):
+            svc.store.import_bytes("b", data)
+    svc.store.import_bytes("b", with_metadata(good, op_params=json.dumps({"a": {"b": {"c": [1]}}})))
+    tensors, meta = statefile.decode(good, model.spec, model.fingerprint, model.vocab_size)
+    tensors["layers.1.wkv"].view(-1)[7] = 3e38  # finite, and the checksum below is recomputed: only the bound sees it
+    with pytest.raises(StateFileError, match=r"tensor layers\.1\.wkv holds a value of magnitude 3e\+38"):
+        svc.store.import_bytes("b", statefile.encode(model.spec, tensors, meta))
+
+
+def test_handles_and_names_are_strict(svc):
+    assert parse_handle(f"x@{2**63 - 1}") == ("x", 2**63 - 1)
+    for bad in ("x@9223372036854775808", "secret@\u0661", "x@0", "x@+1", "x@ 1", "x@1\n"):
+        with pytest.raises(ValueError, match="invalid handle"):
+            parse_handle(bad)
+    svc.create("a", "secret", PROMPT)
+    with pytest.raises(ValueError, match="invalid handle"):
+        svc.store.get("a", "secret@\u0661")  # an Arabic-Indic one: str.isdigit accepts it, int() reads it as 1
+    with pytest.raises(ValueError, match="invalid handle"):
+        svc.store.get("a", "secret@99999999999999999999")
+    for bad in ("name\n", "a" * 129, "", ".hidden", "a/b", 5, None, ["a"]):
+        with pytest.raises(StateFileError, match="invalid state name"):
+            valid_name(bad)
+    with pytest.raises(StateFileError, match="invalid state name"):
+        svc.create("a", "trailing\n", PROMPT)
+    assert valid_name("a" * 128) == "a" * 128
+
+
+def test_version_numbers_are_never_reused(svc, model, tmp_path):
+    assert [svc.create("a", "vr", PROMPT[:n]).handle for n in (3, 4)] == ["vr@1", "vr@2"]
+    svc.store.delete("a", "vr@2")
+    assert svc.create("a", "vr", PROMPT[:5]).handle == "vr@3"
+    svc.store.delete("a", "vr@3")
+    assert svc.store.fork("a", "vr@1", "vr").handle == "vr@4"
+    for h in ("vr@1", "vr@4"):
+        svc.store.delete("a", h)
+    svc.store.close()
+    reopened = make_service(model, tmp_path / "states")
+    assert reopened.create("a", "vr", PROMPT[:3]).handle == "vr@5"  # even with every version deleted, restarted
+    assert reopened.create("b", "vr", PROMPT[:3]).handle == "vr@1"  # numbering is per tenant and name
+
+
+def test_histories_are_capped_stored_once_and_not_listed(model, tmp_path):
+    store = StateStore(tmp_path / "h", model.spec, model.fingerprint, model.vocab_size)
+    state = model.prefill([1, 2])[1]
+    with pytest.raises(HistoryTooLong, match="capped"):
+        store.put("a", "long", state, [3] * (MAX_HISTORY_TOKENS + 1))
+    history = [i % 251 for i in range(MAX_HISTORY_TOKENS)]
+    store.put("a", "long", state, history)
+    before = store.index.file_bytes()
+    for i in range(10):
+        store.fork("a", "long", f"fork{i}")
+    assert store.index.file_bytes() - before < 1 << 20  # ten rows, not ten 5 MB JSON copies (which made 36 MB)
+    t0 = time.perf_counter()
+    listed = store.list("a")
+    assert time.perf_counter() - t0 < 0.2 and len(listed) == 11  # measured 1.7 s when listing parsed every history
+    assert all(r.token_ids is None and r.n_tokens == MAX_HISTORY_TOKENS for r in listed)
+    assert store.get("a", "fork9").token_ids == history
+    blobs = sum(p.stat().st_size for p in (tmp_path / "h" / "blobs").iterdir())
+    assert store.disk_bytes == blobs + store.index.file_bytes()  # the index counts
+    for i in range(10):
+        store.delete("a", f"fork{i}")
+    store.delete("a", "long")
+    assert store.index.has_history(statefile.token_digest(history)) is False  # gone with its last record
+
+
+OLD_SCHEMA = """
+CREATE TABLE states (owner TEXT NOT NULL, name TEXT NOT NULL, version INTEGER NOT NULL, parent TEXT,
+    op TEXT NOT NULL, op_params TEXT NOT NULL, fingerprint TEXT NOT NULL, spec_hash TEXT NOT NULL,
+    token_ids TEXT NOT NULL, token_digest TEXT NOT NULL, n_tokens INTEGER NOT NULL, pinned INTEGER NOT NULL DEFAULT 0,
+    blob TEXT NOT NULL, bytes INTEGER NOT NULL, created_at REAL NOT NULL, PRIMARY KEY (owner, name, version));
+CREATE INDEX states_blob ON states (blob);
+CREATE TABLE checked_files (blob TEXT PRIMARY KEY, stat TEXT NOT NULL);
+"""
+OLD_COLUMNS = ["owner", "name", "version", "parent", "op", "op_params", "fingerprint", "spec_hash", "token_ids"]
+OLD_COLUMNS += ["token_digest", "n_tokens", "pinned", "blob", "bytes", "created_at"]
+
+
+def test_index_with_json_histories_is_migrated(svc, model, tmp_path):
+    """A state directory written before histories were shared opens, serves its states, and keeps numbering."""
+    for n in (3, 5):
+        svc.create("a", "old", PROMPT[:n])
+    svc.store.fork("a", "old@1", "twin")
+    recs = [svc.store.get("a", h) for h in ("old@1", "old@2", "twin@1")]
+    svc.store.close()
+    path = tmp_path / "states" / "index.sqlite"
+    path.unlink()
+    db = sqlite3.connect(path)
+    db.executescript(OLD_SCHEMA)
+    for r in recs:
+        row = [json.dumps(getattr(r, c)) if c in ("op_params", "token_ids") else getattr(r, c) for c in OLD_COLUMNS]
+        db.execute(f"INSERT INTO states VALUES ({', '.join('?' * len(row))})", row)
+    db.commit()
+    db.close()
+    reopened = make_service(model, tmp_path / "states")
+    assert [reopened.store.get("a", r.handle).token_ids for r in recs] == [r.token_ids for r in recs]
+    assert [r.handle for r in reopened.store.list("a")] == ["old@1", "old@2", "twin@1"]
+    columns = [c[1] for c in reopened.store.index._db.execute("PRAGMA table_info(states)")]
+    assert "token_ids" not in columns
+    assert reopened.store.index._db.execute("SELECT COUNT(*) FROM histories").fetchone() == (2,)
+    h, _ = reopened.generate("a", "twin", SUFFIX, params())
+    assert_same(h.output, fresh(svc, PROMPT[:3] + SUFFIX))
+    reopened.store.delete("a", "old@2")
+    assert reopened.create("a", "old", PROMPT[:4]).handle == "old@3"
 
 
 def test_mutations(svc):
@@ -315,3 +447,78 @@ def test_restart_reads_back_only_changed_files(model, tmp_path, monkeypatch):
     reopened = open_store()
     assert [r.name for r in reopened.list("t")] == ["a"]  # b and c were read, failed and dropped
     assert len(decoded) == 2
+
+
+def random_state(spec, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {t.name: torch.randn((1, *t.shape), generator=g) for t in spec.tensors}
+
+
+def dir_bytes(root) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def fill_users(store, quota: int, start: int = 0) -> int:
+    """Put user states until the quota refuses one; checks the directory never exceeds the quota on the way."""
+    n = start
+    with pytest.raises(QuotaExceeded, match="delete states or raise --state-disk-quota"):
+        while True:
+            store.put("u", f"s{n}", random_state(store.spec, n), [1, 2, 3])
+            assert dir_bytes(store.root) <= quota
+            n += 1
+    return n - start
+
+
+def test_checkpoints_give_way_to_users_and_never_exceed_the_quota(model, tmp_path):
+    one, quota = model.spec.nbytes, 1_200_000
+    limits = StoreLimits(device_bytes=one, host_bytes=one, disk_bytes=quota)
+    alone = fill_users(StateStore(tmp_path / "alone", model.spec, model.fingerprint, limits=limits), quota)
+    root = tmp_path / "shared"
+    store = StateStore(root, model.spec, model.fingerprint, limits=limits)
+    for i in range(alone // 3):
+        store.put("u", f"s{i}", random_state(model.spec, i), [1, 2, 3])
+    for i in range(150):  # the RAM tiers hold one state each: checkpoints spill to disk and fill the room left
+        store.put("t#ckpt", f"c{i}", random_state(model.spec, 1000 + i), [1, 2, i], durable=False)
+        assert dir_bytes(root) <= quota
+    on_disk = [r for r in store.list("t#ckpt") if store._blob_path(r.blob).exists()]
+    assert len(on_disk) > 10 and len(store.list("t#ckpt")) < 150  # those the room left could not hold were dropped
+    assert fill_users(store, quota, start=alone // 3) + alone // 3 >= alone - 1  # users got the room back
+    assert len([r for r in store.list("t#ckpt") if store._blob_path(r.blob).exists()]) < len(on_disk)
+    for r in store.list("t#ckpt"):  # what is left is whole
+        assert store.load("t#ckpt", r.handle)[0].token_ids[:2] == [1, 2]
+    store.close()
+    assert dir_bytes(root) <= quota
+
+
+def test_close_writes_back_checkpoints_only_within_the_quota(model, tmp_path):
+    """Checkpoints held in RAM while users fill the quota are not all written at shutdown (6.34 MB in 5 MB)."""
+    quota, root = 1_000_000, tmp_path / "close"
+    store = StateStore(root, model.spec, model.fingerprint, limits=StoreLimits(disk_bytes=quota))
+    for i in range(40):
+        assert store.put("t#ckpt", f"c{i}", random_state(model.spec, 1000 + i), [1, 2, i], durable=False) is not None
+    users = fill_users(store, quota)
+    store.close()
+    assert dir_bytes(root) <= quota
+    reopened = StateStore(root, model.spec, model.fingerprint, limits=StoreLimits(disk_bytes=quota))
+    assert len(reopened.list("u")) == users and len(reopened.list("t#ckpt")) < 40
+
+
+def test_internal_budget_and_blobs_shared_with_users(model, tmp_path):
+    """Internal states keep within their own budget (LRU, None when one cannot fit); a blob a user record shares
+    is the user's, and becomes a cache entry again when the user's record goes."""
+    budget = 3 * state_file_bytes(model.spec, 3)  # room for three 3-token checkpoints
+    store = StateStore(tmp_path / "b", model.spec, model.fingerprint, limits=StoreLimits(internal_bytes=budget))
+    shared = random_state(model.spec, 0)
+    ckpt = store.put("t#ckpt", "shared", shared, [1, 2, 0], durable=False)
+    saved = store.put("u", "saved", shared, [1, 2, 0])  # a save_state final state == the turn-end checkpoint
+    assert saved.blob == ckpt.blob
+    for i in range(1, 6):
+        assert store.put("t#ckpt", f"c{i}", random_state(model.spec, i), [1, 2, i], durable=False) is not None
+    assert [r.name for r in store.list("t#ckpt")] == ["c3", "c4", "c5", "shared"]  # the user's blob costs nothing
+    assert store.put("t#ckpt", "big", random_state(model.spec, 9), [1] * 40_000, durable=False) is None
+    assert [r.name for r in store.list("t#ckpt")] == ["c3", "c4", "c5", "shared"]
+    store.delete("u", "saved")
+    assert [r.name for r in store.list("t#ckpt")] == ["c4", "c5", "shared"]  # it joined the budget: c3 made room
+    assert store.load("t#ckpt", "shared")[0].blob == ckpt.blob and store._blob_path(ckpt.blob).exists()
+    with pytest.raises(StateNotFound):
+        store.get("t#ckpt", "c3")

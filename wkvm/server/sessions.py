@@ -23,7 +23,7 @@ from wkvm.state.statefile import resume_inputs
 from wkvm.state.store import StateNotFound
 
 log = logging.getLogger("wkvm.sessions")
-CKPT, SESS = "#ckpt", "#sessions"  # owner suffixes: tenant ids never contain '#', so users never list these
+CKPT, SESS = "#ckpt", "#sessions"  # owner suffixes: tenants and scopes never contain '#' (store.is_internal)
 HEADER_MODE = "x-wkvm-stateful-chat"
 PARENT_TOKEN_V1 = "parent-token-v1"
 RESERVATION_S = 30.0
@@ -77,16 +77,18 @@ class ChatSessions:
         self._rebuild()
 
     def _rebuild(self) -> None:
-        """Checkpoints survive restarts (they are stored states); parked sessions do not."""
+        """Checkpoints survive restarts (they are stored states, owner `<scope>#ckpt`); parked sessions do not."""
         store = self.ctx.store
         for rec in store.index.list():
             if rec.owner.endswith(CKPT):
-                self._trie(rec.owner[: -len(CKPT)]).insert(rec.token_ids, rec.handle, rec.op_params.get("kind", ""))
+                scope = rec.owner.removesuffix(CKPT)
+                for cp in self._trie(scope).insert(store.token_ids(rec), rec.handle, rec.op_params.get("kind", "")):
+                    store.discard(rec.owner, cp.key, durable=False)  # beyond the trie's capacity
             elif rec.owner.endswith(SESS):
-                store.delete(rec.owner, rec.handle)
+                store.discard(rec.owner, rec.handle)
 
-    def _trie(self, tenant: str) -> PrefixTrie:
-        return self.tries.setdefault(tenant, PrefixTrie(self.capacity))
+    def _trie(self, scope: str) -> PrefixTrie:
+        return self.tries.setdefault(scope, PrefixTrie(self.capacity))
 
     # --- planning ------------------------------------------------------------------------------
     def from_handle(self, tenant: str, handle: str, new_ids: list[int]) -> Plan:
@@ -95,31 +97,41 @@ class ChatSessions:
         info = {"mode": "state", "reused_tokens": len(base), "restart_reason": None}
         return Plan(feed, state, base, rec.handle, info)
 
-    def plan(self, tenant: str, prompt_ids: list[int], state_handle: str | None = None, headers=None) -> Plan:
+    def plan(
+        self,
+        tenant: str,
+        prompt_ids: list[int],
+        state_handle: str | None = None,
+        headers=None,
+        scope: str | None = None,
+    ) -> Plan:
+        """Where this request starts. Checkpoints are stored and looked up under `scope` (an opaque string the
+        server builds; default: the tenant); explicit handles and parked sessions always belong to the tenant."""
         if state_handle:
             return self.from_handle(tenant, state_handle, prompt_ids)
         if not self.enabled:
             return Plan(list(prompt_ids))
+        scope = tenant if scope is None else scope
         messages = headers.get("_messages") if headers is not None else None
         session_key = None
         if headers is not None and headers.get(HEADER_MODE) == PARENT_TOKEN_V1 and messages is not None:
-            plan, session_key = self._parent_bound(tenant, prompt_ids, headers, messages)
+            plan, session_key = self._parent_bound(tenant, scope, prompt_ids, headers, messages)
         else:
-            plan = self._from_checkpoint(tenant, prompt_ids, None)
+            plan = self._from_checkpoint(scope, prompt_ids, None)
         plan.capture = True
-        plan.finish = lambda handles: self._after(tenant, prompt_ids, plan, handles, session_key, headers)
+        plan.finish = lambda handles: self._after(tenant, scope, plan, handles, session_key, headers)
         return plan
 
-    def _from_checkpoint(self, tenant: str, prompt_ids: list[int], reason: str | None) -> Plan:
+    def _from_checkpoint(self, scope: str, prompt_ids: list[int], reason: str | None) -> Plan:
         m = self.ctx.metrics
         with self.lock:
-            cp = self._trie(tenant).longest(prompt_ids)
+            cp = self._trie(scope).longest(prompt_ids)
         if cp is not None:
             try:
-                _, state = self.ctx.store.load(tenant + CKPT, cp.key)
-            except StateNotFound:
+                _, state = self.ctx.store.load(scope + CKPT, cp.key)
+            except StateNotFound:  # evicted by the store (its budget, or room for users' states)
                 with self.lock:
-                    self._trie(tenant).remove(list(cp.full_ids[:-1]))
+                    self._trie(scope).remove(list(cp.full_ids[:-1]))
                 cp = None
         if cp is None:
             m.reuse_misses.inc()
@@ -130,13 +142,13 @@ class ChatSessions:
         info = {"mode": "exact_prefix" if exact else "checkpoint", "reused_tokens": cp.n_fed, "restart_reason": reason}
         return Plan(prompt_ids[cp.n_fed :], state, prompt_ids[: cp.n_fed], cp.key, info)
 
-    def _parent_bound(self, tenant: str, prompt_ids: list[int], headers, messages) -> tuple[Plan, tuple | None]:
+    def _parent_bound(self, tenant: str, scope: str, prompt_ids, headers, messages) -> tuple[Plan, tuple | None]:
         user, chat = headers.get("x-openwebui-user-id"), headers.get("x-openwebui-chat-id")
         asst_id, user_msg_id = headers.get("x-wkvm-assistant-message-id"), headers.get("x-wkvm-user-message-id")
         parent_id = headers.get("x-wkvm-parent-message-id") or None
         if not (user and chat and asst_id and user_msg_id):
             self.ctx.metrics.restarts.labels("missing_metadata").inc()
-            return self._from_checkpoint(tenant, prompt_ids, "missing_metadata"), None
+            return self._from_checkpoint(scope, prompt_ids, "missing_metadata"), None
         key = (tenant, user, chat)
         fp = self.ctx.model.fingerprint
         with self.lock:
@@ -168,7 +180,7 @@ class ChatSessions:
                 self.ctx.metrics.reuse_tokens.inc(n)
                 info = {"mode": "parent_bound", "reused_tokens": n, "restart_reason": None}
                 return Plan(prompt_ids[n:], state, prompt_ids[:n], sess.handle, info), key
-        return self._from_checkpoint(tenant, prompt_ids, reason), key
+        return self._from_checkpoint(scope, prompt_ids, reason), key
 
     @staticmethod
     def _reason(sess, fp, parent_id, asst_id, user_msg_id, history, prompt_ids) -> str | None:
@@ -191,43 +203,51 @@ class ChatSessions:
         return None
 
     # --- after a turn --------------------------------------------------------------------------
-    def _after(self, tenant, prompt_ids, plan: Plan, handles: list[RequestHandle], session_key, headers) -> None:
-        h = handles[0]
-        req = h.request
-        if h.output.finish_reason not in ("stop", "length") or req.final_state is None:
-            return
-        self._checkpoint(tenant, req.history(), req.final_state, "turn_end")
-        if req.prompt_state is not None:
-            self._checkpoint(tenant, req.base_ids + req.prompt_ids, req.prompt_state, "prompt_end")
-        if session_key is not None:
-            self._update_session(tenant, session_key, headers, req, h.output.text)
+    def _after(self, tenant, scope, plan: Plan, handles: list[RequestHandle], session_key, headers) -> None:
+        """Checkpoint the turn and park the session: a cache, so a failure is logged and never fails the answer."""
+        try:
+            h = handles[0]
+            req = h.request
+            if h.output.finish_reason not in ("stop", "length") or req.final_state is None:
+                return
+            self._checkpoint(scope, req.history(), req.final_state, "turn_end")
+            if req.prompt_state is not None:
+                self._checkpoint(scope, req.base_ids + req.prompt_ids, req.prompt_state, "prompt_end")
+            if session_key is not None:
+                self._update_session(tenant, session_key, headers, req, h.output.text)
+        except Exception:
+            log.warning("could not store this turn's checkpoints/session; the next turn recomputes", exc_info=True)
 
-    def _checkpoint(self, tenant: str, token_ids: list[int], state: State, kind: str) -> None:
+    def _checkpoint(self, scope: str, token_ids: list[int], state: State, kind: str) -> None:
         store = self.ctx.store
         name = "c-" + hashlib.sha256(repr(token_ids).encode()).hexdigest()[:32]
-        rec = store.put(tenant + CKPT, name, state, token_ids, op="checkpoint", op_params={"kind": kind}, durable=False)
+        rec = store.put(scope + CKPT, name, state, token_ids, op="checkpoint", op_params={"kind": kind}, durable=False)
+        if rec is None:  # the store had no room within its checkpoint budget: this prefix is not reusable
+            return
         with self.lock:
-            evicted = self._trie(tenant).insert(token_ids, rec.handle, kind)
+            evicted = self._trie(scope).insert(token_ids, rec.handle, kind)
         for cp in evicted:
-            store.discard(tenant + CKPT, cp.key, durable=False)
+            store.discard(scope + CKPT, cp.key, durable=False)
         if rec.version > 1:  # the same tokens again: keep only the newest version
-            store.discard(tenant + CKPT, f"{name}@{rec.version - 1}", durable=False)
+            store.discard(scope + CKPT, f"{name}@{rec.version - 1}", durable=False)
 
     def _update_session(self, tenant, key, headers, req, reply: str) -> None:
         store = self.ctx.store
         messages = headers.get("_messages")
         name = "s-" + hashlib.sha256(repr(key).encode()).hexdigest()[:32]
         rec = store.put(tenant + SESS, name, req.final_state, req.history(), op="session", durable=False)
+        new = rec.handle if rec is not None else None  # None: not kept (no room); the next turn restarts, no_session
         with self.lock:
             sess = self.sessions.get(key)
-            if sess is None:
-                return
-            old = sess.handle
-            sess.handle, sess.token_ids = rec.handle, req.history()
-            sess.history = visible(messages) + [("assistant", reply.strip())]
-            sess.last_assistant_id = headers.get("x-wkvm-assistant-message-id")
-            sess.message_ids |= {headers.get("x-wkvm-assistant-message-id"), headers.get("x-wkvm-user-message-id")}
-            sess.last_used = time.monotonic()
+            if sess is None:  # dropped meanwhile
+                old = new
+            else:
+                old = sess.handle
+                sess.handle, sess.token_ids = new, req.history() if new is not None else []
+                sess.history = visible(messages) + [("assistant", reply.strip())]
+                sess.last_assistant_id = headers.get("x-wkvm-assistant-message-id")
+                sess.message_ids |= {headers.get("x-wkvm-assistant-message-id"), headers.get("x-wkvm-user-message-id")}
+                sess.last_used = time.monotonic()
         if old is not None:
             store.discard(tenant + SESS, old, durable=False)
 

@@ -1,14 +1,27 @@
-"""The state index: one SQLite table (WAL, synchronous=FULL) of immutable `name@version` records per owner."""
+"""The state index: SQLite (WAL, synchronous=FULL) of immutable `name@version` records per owner.
+
+A token history is stored once, as int32 little-endian ids keyed by its digest (table `histories`), however many
+records share it (forks, versions of one conversation), and is removed with the last record using it: ten forks of
+a 1M-token state add ten small rows, not ten 7 MB JSON copies. Listing never reads histories. The last version
+issued per (owner, name) is kept in `names`, so a deleted version number is never issued again.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SCHEMA = """
+import numpy as np
+
+from wkvm.state.quota import is_internal
+from wkvm.state.statefile import StateMeta, token_digest
+
+log = logging.getLogger("wkvm.state")
+STATES = """
 CREATE TABLE IF NOT EXISTS states (
     owner TEXT NOT NULL,
     name TEXT NOT NULL,
@@ -18,7 +31,6 @@ CREATE TABLE IF NOT EXISTS states (
     op_params TEXT NOT NULL,
     fingerprint TEXT NOT NULL,
     spec_hash TEXT NOT NULL,
-    token_ids TEXT NOT NULL,
     token_digest TEXT NOT NULL,
     n_tokens INTEGER NOT NULL,
     pinned INTEGER NOT NULL DEFAULT 0,
@@ -27,7 +39,20 @@ CREATE TABLE IF NOT EXISTS states (
     created_at REAL NOT NULL,
     PRIMARY KEY (owner, name, version)
 );
+"""
+SCHEMA = """
 CREATE INDEX IF NOT EXISTS states_blob ON states (blob);
+CREATE INDEX IF NOT EXISTS states_history ON states (token_digest);
+CREATE TABLE IF NOT EXISTS histories (
+    digest TEXT PRIMARY KEY,
+    ids BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS names (
+    owner TEXT NOT NULL,
+    name TEXT NOT NULL,
+    last_version INTEGER NOT NULL,
+    PRIMARY KEY (owner, name)
+);
 CREATE TABLE IF NOT EXISTS checked_files (
     blob TEXT PRIMARY KEY,
     stat TEXT NOT NULL
@@ -35,8 +60,10 @@ CREATE TABLE IF NOT EXISTS checked_files (
 """
 COLUMNS = (
     "owner", "name", "version", "parent", "op", "op_params", "fingerprint", "spec_hash",
-    "token_ids", "token_digest", "n_tokens", "pinned", "blob", "bytes", "created_at",
+    "token_digest", "n_tokens", "pinned", "blob", "bytes", "created_at",
 )  # fmt: skip
+MAX_VERSION = (1 << 63) - 1  # SQLite INTEGER
+WAL_PAGES = 64  # checkpoint the write-ahead log past this many pages; one small commit adds at most ~16 more
 
 
 @dataclass
@@ -49,7 +76,7 @@ class StateRecord:
     op_params: dict
     fingerprint: str
     spec_hash: str
-    token_ids: list[int]
+    token_ids: list[int] | None  # None in listings: loaded by get/load only
     token_digest: str
     n_tokens: int
     pinned: bool
@@ -57,6 +84,27 @@ class StateRecord:
     bytes: int
     created_at: float
     tier: str = field(default="disk", compare=False)
+
+    @classmethod
+    def new(cls, owner: str, version: int, meta: StateMeta, blob: str, nbytes: int) -> StateRecord:
+        """The record of a state just stored from `meta` (unpinned)."""
+        return cls(
+            owner=owner,
+            name=meta.name,
+            version=version,
+            parent=meta.parent,
+            op=meta.op,
+            op_params=meta.op_params,
+            fingerprint=meta.fingerprint,
+            spec_hash=meta.spec_hash,
+            token_ids=meta.token_ids,
+            token_digest=token_digest(meta.token_ids),
+            n_tokens=meta.n_tokens,
+            pinned=False,
+            blob=blob,
+            bytes=nbytes,
+            created_at=meta.created_at,
+        )
 
     @property
     def handle(self) -> str:
@@ -77,9 +125,25 @@ def parse_handle(handle: str) -> tuple[str, int | None]:
     name, sep, version = handle.partition("@")
     if not sep:
         return name, None
-    if not version.isdigit() or int(version) < 1:
-        raise ValueError(f"invalid handle {handle!r}: the version after '@' must be a positive integer")
+    # ASCII digits only: str.isdigit also accepts e.g. Arabic-Indic digits, which int() reads as numbers
+    if not (version.isascii() and version.isdigit()) or not 1 <= int(version[:20]) <= MAX_VERSION:
+        raise ValueError(f"invalid handle {handle[:160]!r}: the version after '@' must be an integer 1..{MAX_VERSION}")
     return name, int(version)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def pack_ids(token_ids: list[int]) -> bytes:
+    return np.asarray(token_ids, dtype="<i4").tobytes()  # callers check ids fit (statefile.check_history)
+
+
+def unpack_ids(data: bytes) -> list[int]:
+    return np.frombuffer(data, dtype="<i4").tolist()
 
 
 class StateIndex:
@@ -90,23 +154,64 @@ class StateIndex:
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
-            self._db.executescript(SCHEMA)
+            self._db.execute(f"PRAGMA wal_autocheckpoint={WAL_PAGES}")  # the WAL counts in the quota: keep it small
+            self._db.execute("PRAGMA journal_size_limit=0")  # and shrink it at each checkpoint
+            self.wal_reserve = (WAL_PAGES + 16) * self._db.execute("PRAGMA page_size").fetchone()[0]
+            self._create_tables()
+            self._migrate_json_histories()
+
+    def _create_tables(self) -> None:
+        for statement in (STATES + SCHEMA).split(";"):  # one by one: executescript would commit an open transaction
+            if statement.strip():
+                self._db.execute(statement)
+
+    def _migrate_json_histories(self) -> None:
+        """Index files from before shared histories hold every record's ids as JSON (column states.token_ids):
+        move each history to `histories` once, rebuild `states` without the column, seed `names`."""
+        if "token_ids" not in [r[1] for r in self._db.execute("PRAGMA table_info(states)")]:
+            return
+        log.info("state index %s: moving token histories to the shared table (one-time upgrade)", self.path)
+        db = self._db
+        with db:
+            db.execute("BEGIN IMMEDIATE")
+            for (digest,) in db.execute("SELECT DISTINCT token_digest FROM states").fetchall():
+                (ids,) = db.execute("SELECT token_ids FROM states WHERE token_digest = ? LIMIT 1", (digest,)).fetchone()
+                db.execute("INSERT OR IGNORE INTO histories VALUES (?, ?)", (digest, pack_ids(json.loads(ids))))
+            db.execute("ALTER TABLE states RENAME TO states_json")
+            db.execute("DROP INDEX states_blob")
+            db.execute("DROP INDEX states_history")
+            self._create_tables()
+            db.execute(f"INSERT INTO states SELECT {', '.join(COLUMNS)} FROM states_json")
+            db.execute("DROP TABLE states_json")
+            rows = db.execute("SELECT owner, name, MAX(version) FROM states GROUP BY owner, name").fetchall()
+            db.executemany("INSERT OR IGNORE INTO names VALUES (?, ?, ?)", [r for r in rows if not is_internal(r[0])])
+        db.execute("VACUUM")  # give the JSON copies' pages back to the file system
 
     def close(self) -> None:
         self._db.close()
 
-    def _rows(self, sql: str, args: tuple = ()) -> list[StateRecord]:
+    def file_bytes(self, reserve_wal: bool = False) -> int:
+        """Bytes on disk of the index: the database, its write-ahead log and shared-memory file. reserve_wal counts
+        the log at the most it reaches between checkpoints (what a quota must leave room for)."""
+        db, wal, shm = (_size(self.path.with_name(self.path.name + suffix)) for suffix in ("", "-wal", "-shm"))
+        return db + (max(wal, self.wal_reserve) if reserve_wal else wal) + shm
+
+    def _rows(self, sql: str, args: tuple = (), with_ids: bool = False) -> list[StateRecord]:
+        cols = ", ".join(COLUMNS)
+        if with_ids:  # a record whose history is missing is not served (its binding cannot be proven)
+            query = f"SELECT {cols}, ids FROM states JOIN histories ON digest = token_digest {sql}"
+        else:
+            query = f"SELECT {cols}, NULL FROM states {sql}"
         with self._lock:
-            rows = self._db.execute(f"SELECT {', '.join(COLUMNS)} FROM states {sql}", args).fetchall()
+            rows = self._db.execute(query, args).fetchall()
         return [self._record(r) for r in rows]
 
     @staticmethod
     def _record(row: tuple) -> StateRecord:
-        d = dict(zip(COLUMNS, row, strict=True))
+        d = dict(zip(COLUMNS, row[:-1], strict=True))
         d["op_params"] = json.loads(d["op_params"])
-        d["token_ids"] = json.loads(d["token_ids"])
         d["pinned"] = bool(d["pinned"])
-        return StateRecord(**d)
+        return StateRecord(**d, token_ids=None if row[-1] is None else unpack_ids(row[-1]))
 
     def _sync(self, durable: bool):
         """Commits fsync (synchronous=FULL) unless `durable` is False: then only the OS has them until the
@@ -114,42 +219,79 @@ class StateIndex:
         self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'OFF'}")
 
     def insert(self, rec: StateRecord, durable: bool = True) -> None:
+        """Add a record; its history is stored if new (rec.token_ids may be None only when it is already there)."""
         values = [getattr(rec, c) for c in COLUMNS]
         values[COLUMNS.index("op_params")] = json.dumps(rec.op_params)
-        values[COLUMNS.index("token_ids")] = json.dumps(rec.token_ids)
         values[COLUMNS.index("pinned")] = int(rec.pinned)
         with self._lock:
             self._sync(durable)
             with self._db:
                 self._db.execute("BEGIN IMMEDIATE")
+                if rec.token_ids is not None:
+                    history = (rec.token_digest, pack_ids(rec.token_ids))
+                    self._db.execute("INSERT OR IGNORE INTO histories VALUES (?, ?)", history)
                 self._db.execute(f"INSERT INTO states VALUES ({', '.join('?' * len(COLUMNS))})", values)
+                if not is_internal(rec.owner):  # internal names are caches: not kept once their states go
+                    self._db.execute(
+                        "INSERT INTO names VALUES (?, ?, ?) ON CONFLICT (owner, name) "
+                        "DO UPDATE SET last_version = MAX(last_version, excluded.last_version)",
+                        (rec.owner, rec.name, rec.version),
+                    )
             self._sync(True)
 
     def next_version(self, owner: str, name: str) -> int:
+        """One more than the last version ever issued for this name (kept after deletes: a handle names one state)."""
         with self._lock:
             row = self._db.execute(
-                "SELECT MAX(version) FROM states WHERE owner = ? AND name = ?", (owner, name)
+                "SELECT MAX(v) FROM (SELECT last_version AS v FROM names WHERE owner = ? AND name = ? "
+                "UNION ALL SELECT MAX(version) FROM states WHERE owner = ? AND name = ?)",
+                (owner, name, owner, name),
             ).fetchone()
+        if (row[0] or 0) >= MAX_VERSION:
+            raise ValueError(f"state {name!r} has used every version number; choose another name")
         return (row[0] or 0) + 1
 
-    def get(self, owner: str, name: str, version: int | None) -> StateRecord | None:
+    def get(self, owner: str, name: str, version: int | None, with_ids: bool = True) -> StateRecord | None:
         if version is None:
-            rows = self._rows("WHERE owner = ? AND name = ? ORDER BY version DESC LIMIT 1", (owner, name))
+            rows = self._rows("WHERE owner = ? AND name = ? ORDER BY version DESC LIMIT 1", (owner, name), with_ids)
         else:
-            rows = self._rows("WHERE owner = ? AND name = ? AND version = ?", (owner, name, version))
+            rows = self._rows("WHERE owner = ? AND name = ? AND version = ?", (owner, name, version), with_ids)
         return rows[0] if rows else None
 
     def list(self, owner: str | None = None) -> list[StateRecord]:
+        """Records without their token ids (see token_ids)."""
         if owner is None:
             return self._rows("ORDER BY created_at")
         return self._rows("WHERE owner = ? ORDER BY name, version", (owner,))
+
+    def token_ids(self, digest: str) -> list[int]:
+        with self._lock:
+            row = self._db.execute("SELECT ids FROM histories WHERE digest = ?", (digest,)).fetchone()
+        if row is None:
+            raise KeyError(f"token history {digest[:12]} is not in the index")
+        return unpack_ids(row[0])
+
+    def has_history(self, digest: str) -> bool:
+        with self._lock:
+            return self._db.execute("SELECT 1 FROM histories WHERE digest = ?", (digest,)).fetchone() is not None
+
+    def _forget_histories(self, digests: set[str]) -> None:
+        """Remove histories no record uses any more (inside the caller's transaction)."""
+        self._db.executemany(
+            "DELETE FROM histories WHERE digest = ? AND NOT EXISTS (SELECT 1 FROM states WHERE token_digest = ?)",
+            [(d, d) for d in digests],
+        )
 
     def delete(self, owner: str, name: str, version: int, durable: bool = True) -> None:
         with self._lock:
             self._sync(durable)
             with self._db:
-                self._db.execute("DELETE FROM states WHERE owner = ? AND name = ? AND version = ?",
-                                 (owner, name, version))  # fmt: skip
+                self._db.execute("BEGIN IMMEDIATE")
+                rows = self._db.execute(
+                    "DELETE FROM states WHERE owner = ? AND name = ? AND version = ? RETURNING token_digest",
+                    (owner, name, version),
+                ).fetchall()
+                self._forget_histories({r[0] for r in rows})
             self._sync(True)
 
     def set_pinned(self, owner: str, name: str, version: int, pinned: bool) -> None:
@@ -162,6 +304,10 @@ class StateIndex:
     def blob_refs(self, blob: str) -> int:
         with self._lock:
             return self._db.execute("SELECT COUNT(*) FROM states WHERE blob = ?", (blob,)).fetchone()[0]
+
+    def blob_owners(self, blob: str) -> set[str]:
+        with self._lock:
+            return {r[0] for r in self._db.execute("SELECT DISTINCT owner FROM states WHERE blob = ?", (blob,))}
 
     def pinned_blobs(self) -> set[str]:
         with self._lock:
@@ -184,6 +330,12 @@ class StateIndex:
         with self._lock, self._db:
             self._db.executemany("DELETE FROM checked_files WHERE blob = ?", [(b,) for b in blobs])
 
-    def delete_blob_records(self, blob: str) -> int:
-        with self._lock, self._db:
-            return self._db.execute("DELETE FROM states WHERE blob = ?", (blob,)).rowcount
+    def delete_blob_records(self, blob: str, durable: bool = True) -> int:
+        with self._lock:
+            self._sync(durable)
+            with self._db:
+                self._db.execute("BEGIN IMMEDIATE")
+                rows = self._db.execute("DELETE FROM states WHERE blob = ? RETURNING token_digest", (blob,)).fetchall()
+                self._forget_histories({r[0] for r in rows})
+            self._sync(True)
+            return len(rows)

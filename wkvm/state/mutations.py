@@ -30,10 +30,10 @@ def register_mutation(name: str) -> Callable[[MutationRule], MutationRule]:
 
 
 def _fraction(params: dict, key: str) -> float:
-    try:
-        value = float(params[key])
-    except (KeyError, TypeError, ValueError):
-        raise MutationError(f"params.{key} must be a number in [0, 1]") from None
+    value = params.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):  # JSON true is not 1, nor "0.5" a number
+        raise MutationError(f"params.{key} must be a number in [0, 1], got {value!r}")
+    value = float(value)
     if not 0.0 <= value <= 1.0:
         raise MutationError(f"params.{key} must be in [0, 1], got {value}")
     return value

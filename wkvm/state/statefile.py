@@ -3,6 +3,11 @@
 Convention: a state holds the recurrent state after all but the last of its `token_ids`; the last token is
 *pending* and is fed first when generation resumes. So every state can produce the next-token distribution
 without storing logits, and a turn's final state (whose last sampled token was never fed) needs no extra step.
+
+Import is the trust boundary: `decode` refuses whatever this server could not have produced itself — another model,
+a history longer than MAX_HISTORY_TOKENS, values beyond MAX_STATE_ABS (the trained default model's states stay
+below 1.1e4 even after 32k repeats of one token; docs/state-file.md has the measurement), metadata nested or
+sized beyond the bounds below.
 """
 
 from __future__ import annotations
@@ -22,12 +27,39 @@ from safetensors.torch import save as st_save
 from wkvm.models.spec import State, StateSpec
 
 FORMAT = "wkvm-state-v1"
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
-MAX_TOKENS = 10_000_000
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}")  # used with fullmatch: '$' would accept a trailing '\n'
+MAX_HISTORY_TOKENS = 1 << 20  # 8x the server's longest prompt; keeps a history's index row and JSON bounded (4 MiB)
+MAX_TOKEN_ID = (1 << 31) - 1  # the index stores ids as int32
+MAX_STATE_ABS = 1e6  # ~100x the largest value the trained model reaches; far from fp32 overflow (docs/state-file.md)
+MAX_OP_PARAMS_BYTES = 16 << 20  # `wkvm chat` keeps its transcript here; the depth limit is what guards the parser
+MAX_OP_PARAMS_DEPTH = 4
+MAX_OP_PARAMS_KEYS = 64
 
 
 class StateFileError(ValueError):
-    """A state file refused on import; the message says why."""
+    """A state file or state refused (import, or a name/history the store does not accept); the message says why."""
+
+
+class HistoryTooLong(StateFileError):
+    """A token history longer than MAX_HISTORY_TOKENS (HTTP 400)."""
+
+
+def check_history(token_ids: list[int], vocab_size: int | None = None) -> None:
+    """Refuse an empty, over-long or out-of-vocabulary token history."""
+    if not token_ids:
+        raise StateFileError("a state needs at least one token in its history")
+    if len(token_ids) > MAX_HISTORY_TOKENS:
+        raise HistoryTooLong(
+            f"a state's token history is capped at {MAX_HISTORY_TOKENS} tokens and this one has {len(token_ids)}: "
+            "start a new state from a shorter prompt"
+        )
+    limit = min(vocab_size, MAX_TOKEN_ID + 1) if vocab_size is not None else MAX_TOKEN_ID + 1
+    try:
+        ids = np.asarray(token_ids, dtype=np.int64)
+    except (OverflowError, ValueError, TypeError):  # e.g. an id beyond int64
+        ids = None
+    if ids is None or ids.ndim != 1 or int(ids.min()) < 0 or int(ids.max()) >= limit:
+        raise StateFileError(f"token ids out of the vocabulary range 0..{limit - 1}")
 
 
 def resume_inputs(history: list[int], new_ids: list[int]) -> tuple[list[int], list[int]]:
@@ -67,9 +99,12 @@ class StateMeta:
 
 
 def valid_name(name: str) -> str:
-    if not isinstance(name, str) or not NAME_RE.match(name):
+    if not isinstance(name, str):
+        raise StateFileError(f"invalid state name: expected a string, got {type(name).__name__}")
+    if not NAME_RE.fullmatch(name):
         raise StateFileError(
-            f"invalid state name {name!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            f"invalid state name {name[:140]!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or "
+            "digit"
         )
     return name
 
@@ -100,8 +135,14 @@ def encode(spec: StateSpec, tensors: State, meta: StateMeta, digest: str | None 
     return st_save({t.name: tensors[t.name] for t in spec.tensors}, metadata=md)
 
 
-def decode(data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int | None = None) -> tuple[State, StateMeta]:
-    """Parse and validate wkvm-state-v1 bytes against this model; raises StateFileError naming the problem."""
+def decode(
+    data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int | None = None, imported: bool = True
+) -> tuple[State, StateMeta]:
+    """Parse and validate wkvm-state-v1 bytes against this model; raises StateFileError naming the problem.
+
+    imported=False is for the store's own files (recovery): it skips the import bounds (history cap, value bound,
+    op_params size), which protect the server from files it did not write and could refuse a state it made.
+    """
     try:
         tensors = st_load(data)
     except (SafetensorError, ValueError, RuntimeError) as e:
@@ -116,6 +157,29 @@ def decode(data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int | Non
         )
     if md.get("spec_hash") != spec.spec_hash:
         raise StateFileError("state spec hash does not match this model's state layout")
+    _check_tensors(spec, tensors)
+    if md.get("tensor_sha256") != tensor_digest(spec, tensors):
+        raise StateFileError("tensor checksum mismatch: the file was modified or corrupted")
+    if imported:  # after the checksum: a corrupted file is reported as such
+        _check_magnitude(spec, tensors, MAX_STATE_ABS)
+    token_ids = _token_ids(md, vocab_size, imported)
+    if md.get("token_digest") != token_digest(token_ids):
+        raise StateFileError("token digest does not match token_ids")
+    op_params = _op_params(md.get("op_params", "{}"), imported)
+    try:
+        meta = StateMeta(
+            fingerprint=fingerprint, spec_hash=spec.spec_hash, token_ids=token_ids,
+            name=md.get("name", ""), version=int(md.get("version", "0")), parent=md.get("parent") or None,
+            op=md.get("op", "import"), op_params=op_params, created_at=float(md.get("created_at", "0")),
+        )  # fmt: skip
+    except (ValueError, TypeError) as e:
+        raise StateFileError(f"bad metadata field: {e}") from None
+    if not math.isfinite(meta.created_at):
+        raise StateFileError("bad metadata: created_at must be a finite number")
+    return tensors, meta
+
+
+def _check_tensors(spec: StateSpec, tensors: State) -> None:
     if set(tensors) != set(spec.names):
         missing, extra = sorted(set(spec.names) - set(tensors)), sorted(set(tensors) - set(spec.names))
         raise StateFileError(f"tensor names differ from the spec: missing {missing[:3]}, unexpected {extra[:3]}")
@@ -125,23 +189,16 @@ def decode(data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int | Non
             raise StateFileError(f"tensor {t.name}: {list(x.shape)} {x.dtype}, expected {list(t.shape)} {t.dtype}")
         if not torch.isfinite(x).all():
             raise StateFileError(f"tensor {t.name} holds NaN or infinite values")
-    if md.get("tensor_sha256") != tensor_digest(spec, tensors):
-        raise StateFileError("tensor checksum mismatch: the file was modified or corrupted")
-    token_ids = _token_ids(md, vocab_size)
-    if md.get("token_digest") != token_digest(token_ids):
-        raise StateFileError("token digest does not match token_ids")
-    try:
-        meta = StateMeta(
-            fingerprint=fingerprint, spec_hash=spec.spec_hash, token_ids=token_ids,
-            name=md.get("name", ""), version=int(md.get("version", "0")), parent=md.get("parent") or None,
-            op=md.get("op", "import"), op_params=json.loads(md.get("op_params", "{}")),
-            created_at=float(md.get("created_at", "0")),
-        )  # fmt: skip
-    except (ValueError, TypeError) as e:
-        raise StateFileError(f"bad metadata field: {e}") from None
-    if not isinstance(meta.op_params, dict) or not math.isfinite(meta.created_at):
-        raise StateFileError("bad metadata: op_params must be an object and created_at a number")
-    return tensors, meta
+
+
+def _check_magnitude(spec: StateSpec, tensors: State, max_abs: float) -> None:
+    for t in spec.tensors:
+        x = tensors[t.name]
+        if x.numel() and float(x.abs().max()) > max_abs:
+            raise StateFileError(
+                f"tensor {t.name} holds a value of magnitude {float(x.abs().max()):.3g}, beyond {max_abs:g}: "
+                "no state of a model reaches that (a crafted or corrupted file)"
+            )
 
 
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -166,25 +223,59 @@ def _metadata(data: bytes) -> dict[str, str]:
     n = int.from_bytes(data[:8], "little")
     try:
         header = json.loads(data[8 : 8 + n])
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise StateFileError("unreadable safetensors header") from None
-    md = header.get("__metadata__") or {}
+    md = (header.get("__metadata__") or {}) if isinstance(header, dict) else None
     if not isinstance(md, dict):
         raise StateFileError("safetensors metadata is not an object")
     return md
 
 
-def _token_ids(md: dict[str, str], vocab_size: int | None) -> list[int]:
+def _json(text: str, field: str):
     try:
-        ids = json.loads(md.get("token_ids", "null"))
+        return json.loads(text)
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python's stack
+        raise StateFileError(f"{field} is not valid JSON (or is nested too deeply)") from None
+
+
+def _token_ids(md: dict[str, str], vocab_size: int | None, imported: bool) -> list[int]:
+    try:
         n = int(md.get("n_tokens", "-1"))
     except ValueError:
-        raise StateFileError("token_ids / n_tokens are not valid JSON / integer") from None
+        raise StateFileError("n_tokens is not an integer") from None
+    raw = md.get("token_ids", "null")
+    if imported and (n > MAX_HISTORY_TOKENS or len(raw) > 24 * MAX_HISTORY_TOKENS):
+        raise HistoryTooLong(f"the file's token history ({n} tokens) exceeds the cap of {MAX_HISTORY_TOKENS} tokens")
+    ids = _json(raw, "token_ids")
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise StateFileError("token_ids must be a list of integers")
-    if len(ids) != n or n > MAX_TOKENS:
+    if len(ids) != n:
         raise StateFileError(f"n_tokens {n} does not match {len(ids)} token ids")
-    limit = vocab_size if vocab_size is not None else 1 << 62
-    if any(not 0 <= t < limit for t in ids):
-        raise StateFileError(f"token ids out of the vocabulary range 0..{limit - 1}")
+    if imported:
+        check_history(ids, vocab_size)
+    elif any(not 0 <= t < (vocab_size or 1 << 62) for t in ids):
+        raise StateFileError(f"token ids out of the vocabulary range 0..{(vocab_size or 1 << 62) - 1}")
     return ids
+
+
+def _op_params(raw: str, imported: bool) -> dict:
+    """A JSON object; on import at most MAX_OP_PARAMS_BYTES long, MAX_OP_PARAMS_DEPTH deep, MAX_OP_PARAMS_KEYS keys
+    per object."""
+    if imported and len(raw) > MAX_OP_PARAMS_BYTES:
+        raise StateFileError(f"op_params is {len(raw)} bytes; the most a state file may carry is {MAX_OP_PARAMS_BYTES}")
+    params = _json(raw, "op_params")
+    if not isinstance(params, dict):
+        raise StateFileError("bad metadata: op_params must be a JSON object")
+    if imported:
+        _check_nesting(params, 1)
+    return params
+
+
+def _check_nesting(value, depth: int) -> None:
+    if isinstance(value, dict | list):
+        if depth > MAX_OP_PARAMS_DEPTH:
+            raise StateFileError(f"op_params is nested deeper than {MAX_OP_PARAMS_DEPTH} levels")
+        if isinstance(value, dict) and len(value) > MAX_OP_PARAMS_KEYS:
+            raise StateFileError(f"op_params has an object with {len(value)} keys; at most {MAX_OP_PARAMS_KEYS}")
+        for v in value.values() if isinstance(value, dict) else value:
+            _check_nesting(v, depth + 1)

@@ -1,9 +1,13 @@
 """StateStore: immutable `name@version` states in tiers (device -> host RAM -> disk), LRU with pins.
 
-Disk is the source of truth: a state is acknowledged only after its file is fsynced and its index row is
+Disk is the source of truth: a user's state is acknowledged only after its file is fsynced and its index row is
 committed. The device and host tiers are byte-bounded LRU caches above it; using a state moves it up, and a
 full tier pushes its least recently used unpinned state one tier down. Tensors are stored content-addressed
 (`blobs/<sha256>.state`), so a fork is a new record sharing the same immutable blob: copy-on-write.
+
+Internal states (owners with '#': prefix checkpoints, parked chat sessions) are a write-back cache kept within
+the room users leave (see wkvm/state/quota.py): `put` returns None for one it cannot keep, and one may be evicted
+later; neither ever raises QuotaExceeded.
 """
 
 from __future__ import annotations
@@ -11,19 +15,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from wkvm.atomic import TMP_SUFFIX, atomic_write_bytes
 from wkvm.models.spec import State, StateSpec
 from wkvm.state import statefile
+from wkvm.state.blobs import BlobFiles
 from wkvm.state.index import StateIndex, StateRecord, parse_handle
-from wkvm.state.statefile import StateFileError, StateMeta, token_digest, valid_name
+from wkvm.state.quota import INDEX_COMMIT_BYTES, DiskUsage, QuotaExceeded, StoreLimits, is_internal, state_file_bytes
+from wkvm.state.statefile import StateFileError, StateMeta, check_history, token_digest, valid_name
+from wkvm.state.tiers import TierCache
 
+__all__ = ["QuotaExceeded", "StateNotFound", "StateStore", "StoreLimits", "is_internal"]
 log = logging.getLogger("wkvm.state")
 TIERS = ("device", "host", "disk")
 
@@ -31,64 +36,6 @@ TIERS = ("device", "host", "disk")
 class StateNotFound(KeyError):
     def __str__(self) -> str:
         return str(self.args[0])
-
-
-class QuotaExceeded(RuntimeError):
-    pass
-
-
-@dataclass
-class StoreLimits:
-    device_bytes: int = 256 << 20
-    host_bytes: int = 1 << 30
-    disk_bytes: int | None = None  # quota; None = unlimited
-
-
-class TierCache:
-    """Byte-bounded LRU of blob -> unbatched tensors; `is_pinned` blobs are never evicted."""
-
-    def __init__(self, limit: int, is_pinned: Callable[[str], bool]):
-        self.limit = limit
-        self.is_pinned = is_pinned
-        self.items: OrderedDict[str, State] = OrderedDict()
-        self.sizes: dict[str, int] = {}
-        self.nbytes = 0
-
-    def __contains__(self, blob: str) -> bool:
-        return blob in self.items
-
-    def get(self, blob: str) -> State | None:
-        if blob in self.items:
-            self.items.move_to_end(blob)
-            return self.items[blob]
-        return None
-
-    def pop(self, blob: str) -> State | None:
-        tensors = self.items.pop(blob, None)
-        if tensors is not None:
-            self.nbytes -= self.sizes.pop(blob)
-        return tensors
-
-    def put(self, blob: str, tensors: State) -> list[tuple[str, State]] | None:
-        """Insert, evicting LRU unpinned entries; returns them, or None if it cannot fit (nothing changes)."""
-        size = _nbytes(tensors)
-        evictable = sum(n for b, n in self.sizes.items() if not self.is_pinned(b))
-        if size > self.limit - (self.nbytes - evictable):
-            return None
-        evicted = []
-        for b in list(self.items):
-            if self.nbytes + size <= self.limit:
-                break
-            if not self.is_pinned(b):
-                evicted.append((b, self.pop(b)))
-        self.items[blob] = tensors
-        self.sizes[blob] = size
-        self.nbytes += size
-        return evicted
-
-
-def _nbytes(tensors: State) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 class StateStore:
@@ -103,8 +50,7 @@ class StateStore:
         verify_on_load: bool = False,
     ):
         self.root = Path(root)
-        self.blob_dir = self.root / "blobs"
-        self.blob_dir.mkdir(parents=True, exist_ok=True)
+        self.files = BlobFiles(self.root, spec, fingerprint, vocab_size)
         self.spec = spec
         self.fingerprint = fingerprint
         self.vocab_size = vocab_size
@@ -116,56 +62,49 @@ class StateStore:
         self._pinned = self.index.pinned_blobs()
         self.device_cache = TierCache(self.limits.device_bytes, lambda b: b in self._pinned)
         self.host_cache = TierCache(self.limits.host_bytes, lambda b: b in self._pinned)
-        self.disk_bytes = 0
+        self.usage = DiskUsage(self.limits.disk_bytes, self.limits.internal_bytes)
         self._unwritten: dict[str, tuple[State, StateMeta]] = {}  # write-back states not on disk yet
         self.recover()
 
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes on disk: state files and the index (what --state-disk-quota bounds, with internal files)."""
+        with self._lock:  # the metrics thread reads it
+            return self.usage.blob_bytes() + self.index.file_bytes()
+
     # --- crash recovery ------------------------------------------------------------------------
     def recover(self) -> None:
-        """Remove half-written and unreferenced files; drop records whose blob is missing or fails its checksum.
-        A file whose size, mtime and inode are those recorded when it was written or last checked (for this
-        model) is not read again, so a restart costs a stat per state, not a read and hash of every byte."""
+        """Check the files against the index (BlobFiles.recover), then evict internal states beyond their budget or
+        the quota (an older server wrote them all back)."""
         with self._lock:
-            for tmp in self.blob_dir.glob(f"*{TMP_SUFFIX}"):
-                tmp.unlink(missing_ok=True)
-            referenced = {r.blob for r in self.index.list()}
-            for f in self.blob_dir.glob("*.state"):
-                if f.stem not in referenced:
-                    f.unlink(missing_ok=True)
-            checked = self.index.checked_files()
-            self.index.forget_checked(set(checked) - referenced)
-            self.disk_bytes = 0
-            for blob in referenced:
-                path = self._blob_path(blob)
-                try:
-                    stat = self._stat_key(path)
-                    if checked.get(blob) != stat:
-                        self._read_blob(blob, verify=True)
-                        self.index.set_checked(blob, stat)
-                    self.disk_bytes += path.stat().st_size
-                except (FileNotFoundError, StateFileError) as e:
-                    dropped = self.index.delete_blob_records(blob)
-                    log.error("state blob %s unusable (%s): dropped %d record(s)", blob[:12], e, dropped)
+            records, sizes = self.files.recover(self.index)
+            self.usage.add_records(records, sizes)
+            self._settle()
             self._pinned = self.index.pinned_blobs()
-
-    def _stat_key(self, path: Path) -> str:
-        st = path.stat()
-        return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{self.fingerprint}"
 
     # --- records -------------------------------------------------------------------------------
     def get(self, owner: str, handle: str) -> StateRecord:
+        """The record with its token history."""
+        return self._record(owner, handle, with_ids=True)
+
+    def _record(self, owner: str, handle: str, with_ids: bool) -> StateRecord:
         name, version = parse_handle(handle)
-        rec = self.index.get(owner, name, version)
+        rec = self.index.get(owner, name, version, with_ids)
         if rec is None:
-            raise StateNotFound(f"state {handle!r} not found")
+            raise StateNotFound(f"state {handle[:160]!r} not found")
         rec.tier = self.tier_of(rec.blob)
         return rec
 
     def list(self, owner: str) -> list[StateRecord]:
+        """The owner's records, without token histories (`token_ids` is None; `get` has them)."""
         recs = self.index.list(owner)
         for r in recs:
             r.tier = self.tier_of(r.blob)
         return recs
+
+    def token_ids(self, rec: StateRecord) -> list[int]:
+        """A record's token history (for records from `list`)."""
+        return rec.token_ids if rec.token_ids is not None else self.index.token_ids(rec.token_digest)
 
     def tier_of(self, blob: str) -> str:
         if blob in self.device_cache:
@@ -173,68 +112,128 @@ class StateStore:
         return "host" if blob in self.host_cache else "disk"
 
     def put(
-        self, owner: str, name: str, state: State, token_ids: list[int],
-        parent: str | None = None, op: str = "create", op_params: dict | None = None, durable: bool = True,
-    ) -> StateRecord:  # fmt: skip
+        self,
+        owner: str,
+        name: str,
+        state: State,
+        token_ids: list[int],
+        parent: str | None = None,
+        op: str = "create",
+        op_params: dict | None = None,
+        durable: bool = True,
+    ) -> StateRecord | None:
         """Store a new immutable version (state is batched [1, ...]); returns once it is durable.
 
-        durable=False is for caches such as prefix checkpoints: the file is written only when the state
-        leaves RAM (write-back), without fsyncs, and the index commit is not fsynced either. A crash may
-        lose such states (recovery drops their records); it never corrupts anything.
+        A user state raises QuotaExceeded when users' states and the index leave no room (internal files are evicted
+        first), StateFileError (HistoryTooLong) for a history it cannot take. An internal state (owner with '#')
+        raises neither: None means it was not kept. durable=False (internal states only) is write-back: the file is
+        written, unfsynced, when the state leaves RAM, and the index commit is not fsynced; a crash may lose such
+        states (recovery drops their records), never corrupt anything.
         """
         valid_name(name)
         self.spec.check(state)
+        internal = is_internal(owner)
+        durable = durable or not internal
+        try:
+            check_history(token_ids, self.vocab_size)
+        except StateFileError:
+            if internal:
+                return None  # a cache entry the store cannot take is simply not kept
+            raise
         tensors = statefile.unbatch(state)
         blob = statefile.tensor_digest(self.spec, tensors)
         with self._lock:
-            meta = StateMeta(self.fingerprint, self.spec.spec_hash, list(token_ids), name, 0, parent, op,
-                             op_params or {}, time.time())  # fmt: skip
-            if not self._blob_path(blob).exists():
-                quota = self.limits.disk_bytes
-                if quota is not None and self.disk_bytes + self.spec.nbytes > quota:
-                    raise QuotaExceeded(
-                        f"the state disk quota ({quota} bytes) is full; delete states or raise --state-disk-quota"
-                    )
-                self._unwritten.setdefault(blob, (tensors, meta))
-                if durable:
-                    self._write(blob, durable=True)
-            rec = StateRecord(
-                owner=owner, name=name, version=self.index.next_version(owner, name), parent=parent, op=op,
-                op_params=meta.op_params, fingerprint=self.fingerprint, spec_hash=self.spec.spec_hash,
-                token_ids=meta.token_ids, token_digest=token_digest(meta.token_ids), n_tokens=meta.n_tokens,
-                pinned=False, blob=blob, bytes=self.spec.nbytes, created_at=meta.created_at,
-            )  # fmt: skip
+            ids = list(token_ids)
+            meta = StateMeta(
+                self.fingerprint, self.spec.spec_hash, ids, name, 0, parent, op, op_params or {}, time.time()
+            )
+            growth = self._index_growth(token_digest(ids), len(ids))
+            if internal and not self._admit_internal(blob, tensors, meta, growth):
+                return None
+            if not internal:
+                self._admit_user(blob, tensors, meta, growth)
+            rec = StateRecord.new(owner, self.index.next_version(owner, name), meta, blob, self.spec.nbytes)
             self.index.insert(rec, durable)
             self._cache(blob, tensors, "device")
+            if not self.usage.known(blob):  # an internal state evicted while the tiers made room
+                return None
             rec.tier = self.tier_of(blob)
             return rec
+
+    def _admit_internal(self, blob: str, tensors: State, meta: StateMeta, index_growth: int) -> bool:
+        """Make room in the internal budget and the room the quota leaves (evicting least recently used internal
+        states); False if it cannot fit."""
+        known = self.usage.known(blob)
+        size, file = self.usage.footprint(blob) if known else (state_file_bytes(self.spec, meta.n_tokens), 0)
+        victims = self.usage.internal_room(blob, size, file, self._index_bytes() + index_growth)
+        if victims is None:
+            return False
+        for b in victims:
+            self._evict(b)
+        if known:
+            self.usage.touch(blob)
+        else:
+            self.usage.add_internal(blob, size, on_disk=False)
+            self._unwritten[blob] = (tensors, meta)
+        return True
+
+    def _admit_user(self, blob: str, tensors: State, meta: StateMeta, index_growth: int) -> None:
+        """Write a user state's file durably (or make an internal one durable), within the quota."""
+        data = None
+        if self.usage.is_user(blob):
+            size, new = self.usage.user[blob], 0
+        elif blob in self.usage.internal_files:
+            size = new = self.usage.internal[blob]
+        else:
+            data = statefile.encode(self.spec, tensors, meta, digest=blob)
+            size = new = len(data)
+        for b in self.usage.user_room(blob, new + index_growth, self._index_bytes()):
+            self._evict(b)
+        if data is not None:
+            self._unwritten.pop(blob, None)
+            self.files.write(blob, data, durable=True)
+        elif new:  # a write-back file becomes a user's: make it durable now
+            self.files.make_durable(blob)
+        if new:  # fsynced: a restart need not read it back
+            self.index.set_checked(blob, self.files.stat_key(blob))
+        self.usage.add_user(blob, size)
+
+    def check_room(self, owner: str, n_tokens: int = 0) -> None:
+        """Raise QuotaExceeded now if a new state of `owner` could not be stored (checked before generating one to
+        save); internal files do not count: they would be evicted."""
+        if not is_internal(owner):
+            self.usage.user_room("", state_file_bytes(self.spec, n_tokens) + INDEX_COMMIT_BYTES, self._index_bytes())
+
+    def _index_growth(self, digest: str, n_tokens: int) -> int:
+        """A new history (int32 ids) lands in the WAL, then in the database."""
+        return INDEX_COMMIT_BYTES + (0 if self.index.has_history(digest) else 2 * 4 * n_tokens)
+
+    def _index_bytes(self) -> int:
+        return self.index.file_bytes(reserve_wal=True)
 
     def fork(self, owner: str, handle: str, name: str) -> StateRecord:
         """A new state sharing the source's tensors (no copy until someone writes, and nobody does)."""
         valid_name(name)
         with self._lock:
-            src = self.get(owner, handle)
-            rec = StateRecord(
-                owner=owner, name=name, version=self.index.next_version(owner, name), parent=src.handle,
-                op="fork", op_params={}, fingerprint=src.fingerprint, spec_hash=src.spec_hash,
-                token_ids=src.token_ids, token_digest=src.token_digest, n_tokens=src.n_tokens, pinned=False,
-                blob=src.blob, bytes=src.bytes, created_at=time.time(),
-            )  # fmt: skip
-            self.index.insert(rec)
-            rec.tier = self.tier_of(rec.blob)
-            return rec
+            src = self._record(owner, handle, with_ids=False)
+            if not is_internal(owner):
+                for b in self.usage.user_room(src.blob, INDEX_COMMIT_BYTES, self._index_bytes()):
+                    self._evict(b)
+            new = {"owner": owner, "name": name, "parent": src.handle, "op": "fork", "op_params": {}, "pinned": False}
+            rec = replace(src, **new, version=self.index.next_version(owner, name), created_at=time.time())
+            self.index.insert(rec)  # its token_ids are None: the history is stored already
+            return self.get(owner, rec.handle)
 
     def delete(self, owner: str, handle: str, durable: bool = True) -> None:
         with self._lock:
-            rec = self.get(owner, handle)
+            rec = self._record(owner, handle, with_ids=False)
             self.index.delete(owner, rec.name, rec.version, durable)
-            if self.index.blob_refs(rec.blob) == 0:
-                self.device_cache.pop(rec.blob)
-                self.host_cache.pop(rec.blob)
-                self._unwritten.pop(rec.blob, None)
-                path = self._blob_path(rec.blob)
-                self.disk_bytes -= path.stat().st_size if path.exists() else 0
-                path.unlink(missing_ok=True)
+            owners = self.index.blob_owners(rec.blob)
+            if not owners:
+                self._remove_blob(rec.blob)
+            elif self.usage.is_user(rec.blob) and all(is_internal(o) for o in owners):
+                self.usage.add_internal(rec.blob, self.usage.user[rec.blob], on_disk=True)  # now a cache entry
+                self._settle()
             self._pinned = self.index.pinned_blobs()
 
     def discard(self, owner: str, handle: str, durable: bool = True) -> bool:
@@ -247,12 +246,31 @@ class StateStore:
 
     def set_pinned(self, owner: str, handle: str, pinned: bool) -> StateRecord:
         with self._lock:
-            rec = self.get(owner, handle)
+            rec = self._record(owner, handle, with_ids=False)
             self.index.set_pinned(owner, rec.name, rec.version, pinned)
             self._pinned = self.index.pinned_blobs()
             if pinned:  # a pinned state is kept resident: bring it up, then LRU never evicts it
                 self.load(owner, rec.handle)
             return self.get(owner, rec.handle)
+
+    # --- internal states: eviction -------------------------------------------------------------
+    def _evict(self, blob: str) -> None:
+        """Drop an internal-only blob: its records, its tensors in RAM, its file."""
+        dropped = self.index.delete_blob_records(blob, durable=False)
+        log.debug("internal state %s evicted (%d record(s))", blob[:12], dropped)
+        self._remove_blob(blob)
+
+    def _remove_blob(self, blob: str) -> None:
+        self.device_cache.pop(blob)
+        self.host_cache.pop(blob)
+        self._unwritten.pop(blob, None)
+        self.files.remove(blob)
+        self.usage.forget(blob)
+
+    def _settle(self) -> None:
+        """Evict internal states until they fit their budget and all files the quota."""
+        for b in self.usage.excess(self._index_bytes()):
+            self._evict(b)
 
     # --- tensors and tiers ---------------------------------------------------------------------
     def load(self, owner: str, handle: str) -> tuple[StateRecord, State]:
@@ -263,8 +281,9 @@ class StateStore:
             if tensors is None:
                 tensors = self.host_cache.pop(rec.blob)
                 if tensors is None:
-                    tensors, _ = self._read_blob(rec.blob, verify=self.verify_on_load)
+                    tensors = self.files.read(rec.blob, verify=self.verify_on_load)
                 self._cache(rec.blob, tensors, "device")
+            self.usage.touch(rec.blob)
             rec.tier = self.tier_of(rec.blob)
             return rec, {k: v.unsqueeze(0) for k, v in tensors.items()}
 
@@ -273,17 +292,19 @@ class StateStore:
         if tier not in ("host", "disk"):
             raise ValueError("tier must be 'host' or 'disk'")
         with self._lock:
-            rec = self.get(owner, handle)
+            rec = self._record(owner, handle, with_ids=False)
             tensors = self.device_cache.pop(rec.blob)
             if tier == "host" and tensors is not None:
                 self._cache(rec.blob, tensors, "host")
             elif tier == "disk":
                 self.host_cache.pop(rec.blob)
-                self._write(rec.blob, durable=False)
+                self._spill(rec.blob)
             return self.get(owner, handle)
 
     def _cache(self, blob: str, tensors: State, tier: str) -> None:
         """Place tensors in `tier`; evicted entries move down a tier (host evictions just leave RAM)."""
+        if not self.usage.known(blob):
+            return  # evicted meanwhile (an internal state making room for another)
         if tier == "device":
             evicted = self.device_cache.put(blob, {k: v.to(self.device) for k, v in tensors.items()})
             if evicted is None:
@@ -294,49 +315,45 @@ class StateStore:
         else:
             evicted = self.host_cache.put(blob, {k: v.to("cpu") for k, v in tensors.items()})
             for b, _ in evicted if evicted is not None else [(blob, tensors)]:
-                self._write(b, durable=False)  # leaving RAM: a write-back state gets its file now
+                self._spill(b)  # leaving RAM: a write-back state gets its file now
 
-    def _write(self, blob: str, durable: bool) -> None:
-        """Write a blob's file if it has none yet (atomic; fsynced when durable)."""
+    def _spill(self, blob: str, make_room: bool = True) -> None:
+        """Write a write-back state's file (not fsynced) if the quota and the internal budget leave room (evicting
+        older internal files unless not `make_room`); else drop it."""
         pending = self._unwritten.pop(blob, None)
         if pending is None:
             return
-        tensors, meta = pending
-        data = statefile.encode(self.spec, tensors, meta, digest=blob)
-        atomic_write_bytes(self._blob_path(blob), data, durable)
-        if durable:  # fsynced, written from the tensors: correct. A write-back file (not fsynced) could lose its
-            self.index.set_checked(blob, self._stat_key(self._blob_path(blob)))  # data in a power cut: check it
-        self.disk_bytes += len(data)
+        data = statefile.encode(self.spec, *pending, digest=blob)
+        victims = self.usage.internal_room(blob, len(data), len(data), self._index_bytes())
+        if victims is None or (victims and not make_room):
+            self._evict(blob)
+            return
+        for b in victims:
+            self._evict(b)
+        self.files.write(blob, data, durable=False)
+        self.usage.add_internal(blob, len(data), on_disk=True)
 
     # --- files ---------------------------------------------------------------------------------
     def _blob_path(self, blob: str) -> Path:
-        return self.blob_dir / f"{blob}.state"
-
-    def _read_blob(self, blob: str, verify: bool) -> tuple[State, StateMeta | None]:
-        if not verify:
-            return statefile.read_tensors(self._blob_path(blob), self.spec), None
-        data = self._blob_path(blob).read_bytes()
-        tensors, meta = statefile.decode(data, self.spec, self.fingerprint, self.vocab_size)
-        if statefile.tensor_digest(self.spec, tensors) != blob:
-            raise StateFileError("blob content does not match its name")
-        return tensors, meta
+        return self.files.path(blob)
 
     def export_bytes(self, owner: str, handle: str) -> bytes:
         rec, state = self.load(owner, handle)
-        meta = StateMeta(rec.fingerprint, rec.spec_hash, rec.token_ids, rec.name, rec.version, rec.parent, rec.op,
-                         rec.op_params, rec.created_at)  # fmt: skip
+        meta = StateMeta(rec.fingerprint, rec.spec_hash, rec.token_ids, rec.name, rec.version, rec.parent, rec.op)
+        meta.op_params, meta.created_at = rec.op_params, rec.created_at
         return statefile.encode(self.spec, statefile.unbatch(state), meta)
 
     def import_bytes(self, owner: str, data: bytes, name: str | None = None) -> StateRecord:
         """Validate every field of an exported file, then store it as a new version."""
         tensors, meta = statefile.decode(data, self.spec, self.fingerprint, self.vocab_size)
         lineage = {"from": f"{meta.name}@{meta.version}", "parent": meta.parent, "op": meta.op}
-        return self.put(owner, name or meta.name, {k: v.unsqueeze(0) for k, v in tensors.items()}, meta.token_ids,
-                        parent=None, op="import", op_params=lineage)  # fmt: skip
+        state = {k: v.unsqueeze(0) for k, v in tensors.items()}
+        return self.put(owner, name or meta.name, state, meta.token_ids, parent=None, op="import", op_params=lineage)
 
     def close(self) -> None:
-        """Write back what only RAM holds (so checkpoints survive a clean restart), then close the index."""
+        """Write back what only RAM holds (so checkpoints survive a clean restart) while the quota and the internal
+        budget leave room, most recently used first; drop the rest. Then close the index."""
         with self._lock:
-            for blob in list(self._unwritten):
-                self._write(blob, durable=False)
+            for blob in reversed(list(self.usage.internal)):
+                self._spill(blob, make_room=False)
         self.index.close()

@@ -1,0 +1,94 @@
+"""BlobFiles: the store's content-addressed state files, `blobs/<sha256 of the tensors>.state` (wkvm-state-v1).
+
+Writes are atomic (temp, rename; fsynced when durable). A file's stat key (size, mtime, inode, model) recorded
+when it was written durably or last verified lets a restart skip re-reading unchanged files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from wkvm.atomic import TMP_SUFFIX, atomic_write_bytes, fsync_dir
+from wkvm.models.spec import State, StateSpec
+from wkvm.state import statefile
+from wkvm.state.index import StateIndex, StateRecord
+from wkvm.state.statefile import StateFileError
+
+log = logging.getLogger("wkvm.state")
+
+
+class BlobFiles:
+    def __init__(self, root: Path, spec: StateSpec, fingerprint: str, vocab_size: int | None):
+        self.dir = root / "blobs"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.spec = spec
+        self.fingerprint = fingerprint
+        self.vocab_size = vocab_size
+
+    def path(self, blob: str) -> Path:
+        return self.dir / f"{blob}.state"
+
+    def size(self, blob: str) -> int:
+        return self.path(blob).stat().st_size
+
+    def stat_key(self, blob: str) -> str:
+        st = self.path(blob).stat()
+        return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{self.fingerprint}"
+
+    def write(self, blob: str, data: bytes, durable: bool) -> None:
+        atomic_write_bytes(self.path(blob), data, durable)
+
+    def make_durable(self, blob: str) -> None:
+        """fsync a file written without it (a write-back file that a user's state now shares)."""
+        fd = os.open(self.path(blob), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(self.dir)
+
+    def remove(self, blob: str) -> None:
+        self.path(blob).unlink(missing_ok=True)
+
+    def sweep(self, referenced: set[str]) -> None:
+        """Remove half-written files and files no record references."""
+        for tmp in self.dir.glob(f"*{TMP_SUFFIX}"):
+            tmp.unlink(missing_ok=True)
+        for f in self.dir.glob("*.state"):
+            if f.stem not in referenced:
+                f.unlink(missing_ok=True)
+
+    def read(self, blob: str, verify: bool) -> State:
+        """The tensors (views into one read); verify: decode every field and check the content digest."""
+        if not verify:
+            return statefile.read_tensors(self.path(blob), self.spec)
+        data = self.path(blob).read_bytes()
+        tensors, _ = statefile.decode(data, self.spec, self.fingerprint, self.vocab_size, imported=False)
+        if statefile.tensor_digest(self.spec, tensors) != blob:
+            raise StateFileError("blob content does not match its name")
+        return tensors
+
+    def recover(self, index: StateIndex) -> tuple[list[StateRecord], dict[str, int]]:
+        """Remove half-written and unreferenced files; drop records whose blob is missing or fails its checksum.
+        A file whose size, mtime and inode are those recorded when it was written or last checked (for this
+        model) is not read again, so a restart costs a stat per state, not a read and hash of every byte.
+        Returns the records (by created_at) and the usable blobs' file sizes."""
+        records = index.list()
+        referenced = {r.blob for r in records}
+        self.sweep(referenced)
+        checked = index.checked_files()
+        index.forget_checked(set(checked) - referenced)
+        sizes = {}
+        for blob in referenced:
+            try:
+                stat = self.stat_key(blob)
+                if checked.get(blob) != stat:
+                    self.read(blob, verify=True)
+                    index.set_checked(blob, stat)
+                sizes[blob] = self.size(blob)
+            except (FileNotFoundError, StateFileError) as e:
+                dropped = index.delete_blob_records(blob)
+                log.error("state blob %s unusable (%s): dropped %d record(s)", blob[:12], e, dropped)
+        return [r for r in records if r.blob in sizes], sizes
