@@ -1,3 +1,4 @@
+import logging
 import os
 
 os.environ["RWKV_V7_ON"] = "1"  # BlinkDL's `rwkv` package reads this at import
@@ -81,3 +82,34 @@ def greedy_reference(model, prompt, n):
         out.append(tok)
         logits = model.decode([tok], state)[0]
     return out
+
+
+SERVER_ERROR_LOGGERS = ("wkvm.server", "wkvm.engine")
+
+
+class _ErrorRecords(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture(autouse=True)
+def no_server_errors(request):
+    """Every test: no 5xx answered and no engine step failure logged by an in-process server, unless the test is
+    marked `allows_5xx` (e.g. a 503 while the model loads). A 5xx is a bug."""
+    handler = _ErrorRecords()
+    loggers = [logging.getLogger(name) for name in SERVER_ERROR_LOGGERS]
+    for lg in loggers:
+        lg.addHandler(handler)
+    yield
+    for lg in loggers:
+        lg.removeHandler(handler)
+    if request.node.get_closest_marker("allows_5xx") is None:
+        assert not handler.records, "server errors logged: " + "; ".join(r.getMessage() for r in handler.records)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "allows_5xx: the test expects the server to answer a 5xx (e.g. 503 loading)")

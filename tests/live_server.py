@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 
 from wkvm.config import ServerConfig
 from wkvm.server.background import BackgroundServer, free_port, wait_healthy
@@ -16,21 +17,37 @@ class LiveServer(BackgroundServer):
 
 
 class ServerProcess:
-    """`wkvm serve` in a separate process (for cross-process tests)."""
+    """`wkvm serve` in a separate process (for cross-process tests). Its log is kept; on exit the test fails if
+    the server answered a 5xx or logged a traceback (a 5xx is a bug)."""
 
     def __init__(self, *args: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "wkvm.cli", "serve", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ})
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (kept open for the process's life)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ})
 
     def __enter__(self) -> ServerProcess:
         wait_healthy(self.url, alive=lambda: self.proc.poll() is None)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM, then wait; returns the exit code (killed after `timeout`: a failure)."""
         self.proc.terminate()
         try:
-            self.proc.wait(timeout=20)
+            return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            raise
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.stop()
+        text = self.output()
+        self.log.close()
+        if exc[0] is None:
+            assert "server error:" not in text and "Traceback" not in text, text[-3000:]

@@ -41,7 +41,7 @@ SERVE_FLAGS: list[tuple[str, type, object, str]] = [
     ("host", str, "127.0.0.1", "address to bind; anything but loopback is reachable from other machines"),
     ("port", int, 8000, "TCP port"),
     ("api-key", str, None, "API key(s), comma-separated; then every route but /health needs one"),
-    ("api-key-file", str, None, "file with one API key per line ('#' comments)"),
+    ("api-key-file", str, None, "file with one API key per line (lines starting with '#' are comments)"),
     ("served-model-name", str, None, "model id reported by /v1/models"),
     ("slots", int, 8, "state slots: sequences running at once"),
     ("max-queue", int, 256, "waiting requests beyond which the server answers 429"),
@@ -58,6 +58,7 @@ SERVE_FLAGS: list[tuple[str, type, object, str]] = [
     ("max-chat-sessions", int, 1024, "parked chat sessions (parent-token-v1) kept"),
     ("chat-session-ttl", float, 24 * 3600.0, "seconds a parked chat session lives"),
     ("checkpoint-bytes", int, 1 << 30, "bytes of prefix-reuse checkpoints kept"),
+    ("shutdown-grace", float, 10.0, "seconds running requests get to finish on SIGTERM/Ctrl-C before they are ended"),
 ]
 SERVE_SWITCHES = [
     ("no-read-ahead", "with --weight-cache-layers: do not ask the OS for the next layer while one computes"),
@@ -70,17 +71,16 @@ def read_api_keys(args: argparse.Namespace) -> list[str]:
     keys = [k.strip() for k in (args.api_key or "").split(",") if k.strip()]
     if args.api_key_file:
         for line in Path(args.api_key_file).read_text().splitlines():
-            line = line.split("#", 1)[0].strip()
-            if line:
+            line = line.strip()
+            if line and not line.startswith("#"):  # '#' inside a key is part of the key
                 keys.append(line)
     return keys
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from wkvm.config import ServerConfig
     from wkvm.server.app import create_app
+    from wkvm.server.serving import GracefulServer
 
     model = args.model or str(default_model())
     keys = read_api_keys(args)
@@ -97,8 +97,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
         prefix_reuse=not args.no_prefix_reuse, max_chat_sessions=args.max_chat_sessions,
         chat_session_ttl=args.chat_session_ttl, checkpoint_bytes=args.checkpoint_bytes,
+        shutdown_grace=args.shutdown_grace,
     )  # fmt: skip
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
+    GracefulServer(create_app(config), args.host, args.port, config.shutdown_grace).run()
     return 0
 
 

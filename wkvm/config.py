@@ -52,9 +52,12 @@ class ServerConfig:
     max_chat_sessions: int = 1024
     chat_session_ttl: float = 24 * 3600.0
     checkpoint_bytes: int = 1 << 30  # prefix-reuse checkpoints kept before LRU eviction
+    shutdown_grace: float = 10.0  # seconds running requests get to finish after SIGTERM before they are ended
 
     def __post_init__(self) -> None:
         weight_dtype(self.dtype)  # raises a ValueError naming the choices
+        if not self.shutdown_grace >= 0:
+            raise ValueError("shutdown_grace must be >= 0 seconds")
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
         for name in ("slots", "max_queue", "max_body_bytes", "max_prompt_tokens", "max_tokens_limit"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from contextlib import asynccontextmanager
 
@@ -11,54 +12,15 @@ from fastapi.responses import JSONResponse, Response
 from wkvm import __version__
 from wkvm.config import ServerConfig
 from wkvm.server import openai_routes, states_routes
+from wkvm.server.asgi import ApiKeyGate, BodyLimit, RequestMetrics
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import error_body, install_error_handlers
 
+log = logging.getLogger("wkvm.server")
 
-class BodyLimit:
-    """Refuse request bodies over `limit` bytes with a 413, whether or not they declare a length.
 
-    A body without a declared length is read here first (up to the limit) and then handed to the app.
-    """
-
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None:
-            if declared.isdigit() and int(declared) > self.limit:
-                return await self._refuse(scope, receive, send)
-            return await self.app(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                break
-            size += len(msg.get("body", b""))
-            if size > self.limit:
-                return await self._refuse(scope, receive, send)
-            chunks.append(msg.get("body", b""))
-            if not msg.get("more_body"):
-                break
-        body = b"".join(chunks)
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)
-
-    async def _refuse(self, scope, receive, send):
-        message = f"request body over {self.limit} bytes (--max-body-bytes)"
-        resp = JSONResponse(error_body(413, message, "body", "body_too_large"), status_code=413)
-        await resp(scope, receive, send)
+def server_error(path: str, status: int) -> None:
+    log.error("server error: %s answered %d", path, status)
 
 
 def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
@@ -77,20 +39,15 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
                   redoc_url=None)  # fmt: skip
     app.state.ctx = ctx
     install_error_handlers(app)
+    # the last added runs first: metrics see every response, the key is checked before the body is read
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    app.add_middleware(ApiKeyGate, keys=config.api_keys)
+    app.add_middleware(RequestMetrics, count=ctx.metrics.count_request, on_server_error=server_error)
 
     def authenticated(request: Request) -> str:
         return ctx.tenant(request)
 
     auth = Depends(authenticated)
-
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        ctx.metrics.requests.labels(path, str(response.status_code)).inc()
-        return response
 
     @app.get("/health")
     def health():

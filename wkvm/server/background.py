@@ -8,10 +8,10 @@ import time
 from dataclasses import replace
 
 import httpx
-import uvicorn
 
 from wkvm.config import ServerConfig
 from wkvm.server.app import create_app
+from wkvm.server.serving import GracefulServer
 
 
 def free_port() -> int:
@@ -42,7 +42,7 @@ class BackgroundServer:
         self.config = replace(config, host="127.0.0.1", port=self.port)
         self.app = create_app(self.config)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = GracefulServer(self.app, "127.0.0.1", self.port, self.config.shutdown_grace, "warning")
         self.thread = threading.Thread(target=self.server.run, name="wkvm-http", daemon=True)
 
     @property
@@ -55,5 +55,5 @@ class BackgroundServer:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        self.server.begin_shutdown()
+        self.thread.join(timeout=30 + self.config.shutdown_grace)

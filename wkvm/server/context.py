@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import secrets
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +16,7 @@ from wkvm.chat_template import ChatTemplate, load_chat_template
 from wkvm.config import ServerConfig
 from wkvm.engine.engine import Engine
 from wkvm.models.loader import load_model
+from wkvm.server.asgi import header, key_matches, key_owner, presented_key
 from wkvm.server.errors import APIError
 from wkvm.server.metrics import Metrics
 from wkvm.state.service import StateService
@@ -58,7 +59,7 @@ class ServerContext:
             if cfg.state_dir is None:
                 self._tmp = tempfile.TemporaryDirectory(prefix="wkvm-states-")
             root = cfg.state_dir or self._tmp.name
-            limits = StoreLimits(cfg.state_device_bytes, cfg.state_host_bytes, cfg.state_disk_quota)
+            limits = StoreLimits.from_config(cfg)
             m = self.model
             self.store = StateStore(root, m.spec, m.fingerprint, m.vocab_size, device=cfg.device, limits=limits,
                                     verify_on_load=cfg.verify_state_loads)  # fmt: skip
@@ -72,6 +73,17 @@ class ServerContext:
         except Exception as e:  # reported by /health and every route, instead of a dead process
             self.load_error = f"{type(e).__name__}: {e}"
             log.exception("model load failed")
+
+    def end_requests(self, grace: float) -> None:
+        """Refuse new requests; give running ones `grace` seconds, then end them (streams still close cleanly)."""
+        engine = self.engine
+        if engine is None:
+            return
+        engine.stop_accepting()
+        deadline = time.monotonic() + grace
+        while engine.scheduler.has_work and time.monotonic() < deadline:
+            time.sleep(0.05)
+        engine.abort_all("the server is shutting down")
 
     def shutdown(self) -> None:
         if self.engine is not None:
@@ -88,19 +100,14 @@ class ServerContext:
             raise APIError(503, "the model is still loading; retry shortly", code="not_ready")
 
     def tenant(self, request: Request) -> str:
-        """Authenticate (when keys are configured) and name the tenant that owns states."""
-        keys = self.config.api_keys
-        key = None
-        auth = request.headers.get("authorization", "")
-        if auth.lower().startswith("bearer "):
-            key = auth[7:].strip()
-        key = key or request.headers.get("x-api-key")
-        if keys:
-            if not key or not any(secrets.compare_digest(key, k) for k in keys):
-                raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer KEY' or 'X-Api-Key'",
-                               code="invalid_api_key")  # fmt: skip
-            owner = "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+        """Name the tenant that owns states: the API key's hash (keys are checked by ApiKeyGate before any
+        route runs) and, when Open WebUI forwards one, its user id."""
+        key = presented_key(request.scope)
+        if self.config.api_keys:
+            if not key_matches(key, [k.encode() for k in self.config.api_keys]):  # the gate already refused it
+                raise APIError(401, "missing or invalid API key", code="invalid_api_key")
+            owner = key_owner(key)
         else:
             owner = "anonymous"
-        user = request.headers.get("x-openwebui-user-id")
-        return f"{owner}/user-{hashlib.sha256(user.encode()).hexdigest()[:16]}" if user else owner
+        user = header(request.scope, b"x-openwebui-user-id")
+        return f"{owner}/user-{hashlib.sha256(user).hexdigest()[:16]}" if user else owner

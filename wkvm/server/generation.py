@@ -25,6 +25,8 @@ def new_id(prefix: str) -> str:
 
 
 def encode_prompt(ctx: ServerContext, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    if isinstance(prompt, str):
+        check_text(prompt, param)
     ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise APIError(400, f"{param} is empty: give at least one token", param, "empty_prompt")
@@ -38,6 +40,16 @@ def encode_prompt(ctx: ServerContext, prompt: str | list[int], param: str = "pro
     return ids
 
 
+def check_text(text: str, param: str) -> None:
+    """JSON can carry lone UTF-16 surrogates ("\\ud800") that no tokenizer can encode: refuse them clearly."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        where = f"character {e.start}"
+        raise APIError(400, f"{param}: invalid Unicode at {where} (an unpaired surrogate); send valid UTF-8 text",
+                       param, "invalid_text") from None
+
+
 def sampling_params(
     ctx: ServerContext, body: SamplingFields, max_tokens: int | None, logprobs: int | None,
     default_max: int = 16, extra_stop: list[str] | None = None,
@@ -48,6 +60,13 @@ def sampling_params(
     for s in extra_stop or []:
         if len(stop) < MAX_STOP_STRINGS and s not in stop:
             stop.append(s)
+    for s in stop:
+        check_text(s, "stop")
+    vocab = ctx.model.vocab_size
+    bad = next((t for t in body.stop_token_ids or [] if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"stop_token_ids: {bad} is outside the vocabulary 0..{vocab - 1}", "stop_token_ids",
+                       "invalid_token")
     n = max_tokens if max_tokens is not None else default_max
     if n > ctx.config.max_tokens_limit:
         raise APIError(400, f"max_tokens {n} exceeds this server's limit {ctx.config.max_tokens_limit} "
@@ -90,13 +109,25 @@ async def launch(
     if len(prompt_ids) > 1:
         pre = engine.submit(prompt_ids[:-1], SamplingParams(max_tokens=1), initial_state=base_state,
                             base_ids=base_ids, capture_state=True, prefill_only=True, loop=loop)  # fmt: skip
-        async for _ in pre:
-            pass
+        try:
+            async for _ in pre:
+                pass
+        finally:
+            pre.cancel()  # a no-op once it finished; frees the slot if this request was abandoned meanwhile
         if pre.request.final_state is None:
+            raise_if_failed(pre)
             raise APIError(503, pre.output.error or "prefill was aborted", None, "aborted")
         state, base_ids = pre.request.final_state, base_ids + prompt_ids[:-1]
-    return [engine.submit(prompt_ids[-1:], p, initial_state=state, base_ids=base_ids, capture_state=capture,
-                          loop=loop) for p in params]  # fmt: skip
+    handles: list[RequestHandle] = []
+    try:
+        for p in params:
+            handles.append(engine.submit(prompt_ids[-1:], p, initial_state=state, base_ids=base_ids,
+                                         capture_state=capture, loop=loop))  # fmt: skip
+    except BaseException:  # all n choices or none
+        for h in handles:
+            h.cancel()
+        raise
+    return handles
 
 
 class Watch:
@@ -148,8 +179,17 @@ async def wait_all(ctx: ServerContext, request: Request, handles: list[RequestHa
             async for ev in h:
                 w.saw(i, ev)
     for h in handles:
-        if h.output.finish_reason == "error":
-            raise APIError(503, h.output.error or "generation failed", None, "engine_error")
+        raise_if_failed(h)
+
+
+def raise_if_failed(h: RequestHandle) -> None:
+    """A request the engine failed: non-finite numbers come from this request's own input (its state or
+    parameters), so they are a 400; anything else is the server's fault."""
+    if h.output.finish_reason != "error":
+        return
+    code = getattr(h.output, "error_code", None) or "engine_error"
+    status = 400 if code == "non_finite" else 500
+    raise APIError(status, h.output.error or "generation failed", None, code)
 
 
 async def merged(
@@ -185,6 +225,13 @@ def usage(prompt_tokens: int, handles: list[RequestHandle]) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
+MIN_LOGPROB = -9999.0  # JSON has no -Infinity; vLLM reports impossible tokens with this value too
+
+
+def json_logprob(v: float) -> float:
+    return v if v > MIN_LOGPROB else MIN_LOGPROB  # also maps NaN, which compares False
+
+
 def token_str(ctx: ServerContext, token_id: int) -> str:
     return ctx.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
@@ -199,9 +246,9 @@ def completion_logprobs(ctx: ServerContext, token_ids: list[int], lps: list[dict
     for s in tokens:
         offsets.append(pos)
         pos += len(s)
-    tops = [dict(sorted(((token_str(ctx, i), v) for i, v in lp.items()), key=lambda kv: -kv[1])[: max(k, 1)])
-            for lp in lps]  # fmt: skip
-    return {"tokens": tokens, "token_logprobs": [lp[t] for t, lp in zip(token_ids, lps, strict=True)],
+    tops = [dict(sorted(((token_str(ctx, i), json_logprob(v)) for i, v in lp.items()), key=lambda kv: -kv[1])
+                 [: max(k, 1)]) for lp in lps]  # fmt: skip
+    return {"tokens": tokens, "token_logprobs": [json_logprob(lp[t]) for t, lp in zip(token_ids, lps, strict=True)],
             "top_logprobs": tops, "text_offset": offsets}  # fmt: skip
 
 
@@ -211,7 +258,7 @@ def chat_logprobs(ctx: ServerContext, token_ids: list[int], lps: list[dict[int, 
 
     def entry(t: int, v: float) -> dict:
         b = ctx.tokenizer.token_bytes(t)
-        return {"token": b.decode("utf-8", errors="replace"), "logprob": v, "bytes": list(b)}
+        return {"token": b.decode("utf-8", errors="replace"), "logprob": json_logprob(v), "bytes": list(b)}
 
     content = []
     for t, lp in zip(token_ids, lps, strict=True):

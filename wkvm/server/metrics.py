@@ -57,6 +57,9 @@ class Metrics:
         self.stream = StreamCollector()
         r.register(self.stream)
 
+    def count_request(self, route: str, status: int) -> None:
+        self.requests.labels(route, str(status)).inc()
+
     def render(self, engine, store) -> bytes:
         self.stream.weights = engine.model.weights
         sched = engine.scheduler

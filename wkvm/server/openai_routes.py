@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import time
 
 from fastapi import APIRouter, Request
@@ -9,13 +11,16 @@ from fastapi.responses import StreamingResponse
 
 from wkvm.chat_template import ChatTemplateError
 from wkvm.engine.engine import RequestHandle
+from wkvm.engine.scheduler import QueueFull
 from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
-from wkvm.server.errors import APIError
-from wkvm.server.schemas import ChatRequest, CompletionRequest
+from wkvm.server.errors import APIError, error_body
+from wkvm.server.schemas import MAX_PROMPTS, ChatRequest, CompletionRequest
 from wkvm.server.sessions import Plan
-from wkvm.state.statefile import valid_name
+from wkvm.state.statefile import MAX_HISTORY_TOKENS, valid_name
+from wkvm.state.store import QuotaExceeded
 
+log = logging.getLogger("wkvm.server")
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -25,24 +30,56 @@ def check_model(ctx: ServerContext, model: str | None) -> None:
                        "model_not_found")  # fmt: skip
 
 
-def save_final(ctx: ServerContext, tenant: str, name: str | None, plan: Plan, h: RequestHandle) -> dict | None:
-    if not name or h.request.final_state is None:
-        return None
-    rec = ctx.store.put(tenant, name, h.request.final_state, h.request.history(), parent=plan.parent,
-                        op="generate", op_params={"completion_tokens": len(h.output.token_ids)})  # fmt: skip
-    return rec.info(ctx.model_name)
+def reuse_scope(tenant: str, user: str | None, cache_salt: str | None) -> str:
+    """Whose checkpoints a request may resume from: the tenant (API key, Open WebUI user), narrowed by the
+    request's `user` and `cache_salt`, so reuse (and its latency) never confirms another user's prompt."""
+    scope = tenant
+    for tag, value in (("u", user), ("salt", cache_salt)):
+        if value:
+            scope += f"/{tag}-{hashlib.sha256(value.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
+    return scope
+
+
+def save_final(ctx: ServerContext, tenant: str, name: str, parent: str | None, h: RequestHandle) -> dict:
+    """Save a finished generation's state: {"state": StateInfo}, or {"state_error": ...} when it cannot be
+    saved (quota full, history too long). The generation itself is never lost to a failed save."""
+    if h.request.final_state is None:
+        return {}
+    try:
+        rec = ctx.store.put(tenant, name, h.request.final_state, h.request.history(), parent=parent,
+                            op="generate", op_params={"completion_tokens": len(h.output.token_ids)})  # fmt: skip
+    except (QuotaExceeded, ValueError) as e:
+        status, code = (413, "state_quota_exceeded") if isinstance(e, QuotaExceeded) else (400, "invalid_state")
+        return {"state_error": error_body(status, str(e), "save_state", code)["error"]}
+    return {"state": {"object": "state", **rec.info(ctx.model_name)}}
+
+
+def check_name(name: str, param: str) -> None:
+    try:
+        valid_name(name)
+    except ValueError as e:
+        raise APIError(400, str(e), param, "invalid_value") from None
+
+
+def check_save_room(ctx: ServerContext, tenant: str, n_tokens: int, param: str) -> None:
+    """Refuse before generating when a state of up to `n_tokens` tokens could not be saved: a clear 400 / 413
+    up front instead of a generation whose state is then lost."""
+    if n_tokens > MAX_HISTORY_TOKENS:
+        raise APIError(400, f"{param}: the saved state would hold up to {n_tokens} tokens; a state holds at most "
+                       f"{MAX_HISTORY_TOKENS}: lower max_tokens or start a new state", param, "history_too_long")
+    ctx.store.check_room(tenant, n_tokens)
 
 
 async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body, params, headers=None):
     if body.save_state is not None:
-        try:
-            valid_name(body.save_state)
-        except ValueError as e:
-            raise APIError(400, str(e), "save_state", "invalid_value") from None
+        check_name(body.save_state, "save_state")
     try:
-        plan = ctx.sessions.plan(tenant, prompt_ids, body.state, headers)
+        scope = reuse_scope(tenant, body.user, body.cache_salt)
+        plan = ctx.sessions.plan(tenant, prompt_ids, body.state, headers, scope=scope)
     except ValueError as e:
         raise APIError(400, str(e), "state", "invalid_state") from None
+    if body.save_state is not None:
+        check_save_room(ctx, tenant, len(plan.base_ids) + len(plan.feed_ids) + params[0].max_tokens, "save_state")
     try:
         handles = await gen.launch(ctx, plan.feed_ids, params, plan.base_state, plan.base_ids,
                                    capture=plan.capture or bool(body.save_state),
@@ -53,13 +90,32 @@ async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body, pa
     return plan, handles
 
 
+async def start_all(ctx: ServerContext, tenant: str, encoded: list[list[int]], body, params, headers):
+    """Admit every prompt of a request or none: check the queue has room for all, and if one still fails to
+    start, cancel the ones already started."""
+    per_prompt = len(params) + (1 if len(params) > 1 else 0)  # n > 1 adds one shared prefill
+    need = len(encoded) * per_prompt
+    if need > 1 and need > ctx.engine.queue_room():
+        raise QueueFull(f"the request needs {need} places in the queue and fewer are free; retry later or send "
+                        "fewer prompts")
+    runs: list[tuple[Plan, list[RequestHandle]]] = []
+    try:
+        for ids in encoded:
+            runs.append(await start(ctx, tenant, ids, body, params, headers))
+    except BaseException:
+        for _, handles in runs:
+            for h in handles:
+                h.cancel()
+        raise
+    return runs
+
+
 def finish(ctx: ServerContext, tenant: str, body, plan: Plan, handles: list[RequestHandle]) -> dict:
     extra: dict = {"wkvm": plan.info}
     if plan.finish is not None:
         plan.finish(handles)
-    saved = save_final(ctx, tenant, body.save_state, plan, handles[0]) if body.save_state else None
-    if saved:
-        extra["state"] = saved
+    if body.save_state:
+        extra.update(save_final(ctx, tenant, body.save_state, plan.parent, handles[0]))
     return extra
 
 
@@ -93,13 +149,16 @@ def router(ctx: ServerContext, auth) -> APIRouter:
         p = body.prompt
         batch = isinstance(p, list) and p and isinstance(p[0], (str, list))
         prompts = list(p) if batch else [p]
+        if len(prompts) > MAX_PROMPTS:
+            raise APIError(400, f"prompt: at most {MAX_PROMPTS} prompts in one request; send several requests",
+                           "prompt", "too_many_prompts")
         if len(prompts) > 1 and (body.state or body.save_state):
             raise APIError(400, "state and save_state take a single prompt", "prompt", "invalid_value")
         if body.save_state and body.n > 1:
             raise APIError(400, "save_state needs n = 1", "save_state", "invalid_value")
         params = gen.per_choice(gen.sampling_params(ctx, body, body.max_tokens, body.logprobs), body.n)
         encoded = [gen.encode_prompt(ctx, q, "prompt") for q in prompts]
-        runs = [await start(ctx, tenant, ids, body, params, request.headers) for ids in encoded]
+        runs = await start_all(ctx, tenant, encoded, body, params, request.headers)
         handles = [h for _, hs in runs for h in hs]
         prompt_tokens = sum(len(ids) for ids in encoded)
         rid, created = gen.new_id("cmpl"), int(time.time())
@@ -145,7 +204,7 @@ def router(ctx: ServerContext, auth) -> APIRouter:
         params = gen.per_choice(sp, body.n)
         prompt_ids = gen.encode_prompt(ctx, text, "messages")
         headers = {**request.headers, "_messages": messages}
-        plan, handles = await start(ctx, tenant, prompt_ids, body, params, headers)
+        ((plan, handles),) = await start_all(ctx, tenant, [prompt_ids], body, params, headers)
         base = {"id": gen.new_id("chatcmpl"), "created": int(time.time()), "model": ctx.model_name}
         if body.stream:
             return StreamingResponse(
@@ -230,17 +289,31 @@ async def stream_chat(ctx, request, body, plan, handles, base, prompt_tokens, te
 
 
 async def stream_chunks(ctx, request, body, handles, chunk, prompt_tokens, base, on_done):
-    """SSE lines: a chunk per event; the very last choice chunk carries the `wkvm` (and `state`) extras."""
-    held = None
-    async for i, ev in gen.merged(ctx, request, handles):
-        if not ev.token_ids and not ev.finished and not ev.text:
-            continue
+    """SSE lines: a chunk per event; the very last choice chunk carries the `wkvm` (and `state`) extras.
+
+    The stream always ends with `data: [DONE]`: after the final chunk, or after an `error` event when a
+    generation failed (or, for a bug, when this code did) once the response had started."""
+    try:
+        held = None
+        async for i, ev in gen.merged(ctx, request, handles):
+            if not ev.token_ids and not ev.finished and not ev.text:
+                continue
+            if held is not None:
+                yield gen.sse(held)
+            held = chunk(i, ev)
+        failed = next((h for h in handles if h.output.finish_reason == "error"), None)
         if held is not None:
+            if failed is None:
+                held.update(on_done())
             yield gen.sse(held)
-        held = chunk(i, ev)
-    if held is not None:
-        held.update(on_done())
-        yield gen.sse(held)
-    if body.stream_options and body.stream_options.include_usage:
-        yield gen.sse({**base, "choices": [], "usage": gen.usage(prompt_tokens, handles)})
+        if failed is not None:
+            try:
+                gen.raise_if_failed(failed)
+            except APIError as e:
+                yield gen.sse(error_body(e.status, e.message, e.param, e.code))
+        elif body.stream_options and body.stream_options.include_usage:
+            yield gen.sse({**base, "choices": [], "usage": gen.usage(prompt_tokens, handles)})
+    except Exception as e:  # the response has started: the client still gets an error event and [DONE]
+        log.exception("stream failed after it started (a bug)")
+        yield gen.sse(error_body(500, f"internal error: {type(e).__name__}", None, "internal_error"))
     yield gen.sse("[DONE]")

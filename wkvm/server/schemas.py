@@ -1,16 +1,23 @@
-"""Request bodies of the HTTP API (OpenAI-compatible fields plus wkvm's extensions)."""
+"""Request bodies of the HTTP API (OpenAI-compatible fields plus wkvm's extensions).
+
+Types are strict where OpenAI's schema has types: `max_tokens: "5"`, `true` or `2.0` is a 400, not a 5.
+Numbers must be finite (JSON's non-standard NaN/Infinity literals are refused). Ranges: docs/http-api.md.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 Seed = Field(default=None, ge=-(2**63), le=2**64 - 1)
+MAX_PROMPTS = 128  # prompts in one /v1/completions list (each is a request in the queue)
+MAX_STOP_TOKEN_IDS = 64
+MAX_TEXT_FIELD = 256  # user, cache_salt
 
 
 class Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(Body):
@@ -20,20 +27,21 @@ class StreamOptions(Body):
 class SamplingFields(Body):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
+    temperature: float = Field(default=1.0, ge=0, le=2)  # below 0.01 (but not 0) runs as 0.01, as in vLLM
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=-1, ge=-1)
     min_p: float = Field(default=0.0, ge=0, le=1)
     seed: int | None = Seed
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(default=1.0, gt=0, le=10)
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=10)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=MAX_TEXT_FIELD)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_TEXT_FIELD)  # as in vLLM
     return_token_ids: bool = False
 
 
@@ -91,9 +99,13 @@ class StateGenerateRequest(SamplingFields):
     save_as: str | None = None
 
 
+ParamValue = Annotated[str, Field(max_length=MAX_TEXT_FIELD)] | int | float | bool | None
+
+
 class MutateRequest(Body):
-    rule: str
-    params: dict[str, Any] = Field(default_factory=dict)
+    rule: str = Field(max_length=64)
+    # scalars only: the params are recorded in the new state's provenance (op_params)
+    params: dict[Annotated[str, Field(max_length=64)], ParamValue] = Field(default_factory=dict, max_length=16)
 
 
 class HibernateRequest(Body):

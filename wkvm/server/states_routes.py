@@ -11,10 +11,9 @@ from fastapi.responses import Response, StreamingResponse
 from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError
-from wkvm.server.openai_routes import stream_chunks
+from wkvm.server.openai_routes import check_name, check_save_room, save_final, stream_chunks
 from wkvm.server.schemas import CreateStateRequest, ForkRequest, HibernateRequest, MutateRequest, StateGenerateRequest
 from wkvm.state.mutations import MutationError
-from wkvm.state.statefile import valid_name
 
 IMPORT_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {
     "type": "string", "format": "binary"}}}}}  # fmt: skip
@@ -61,12 +60,9 @@ def router(ctx: ServerContext, auth) -> APIRouter:
     @r.post("/import", openapi_extra=IMPORT_BODY)
     async def import_state(request: Request, name: str | None = None) -> dict:
         tenant = who(request)
-        data = await request.body()
         if name is not None:
-            try:
-                valid_name(name)
-            except ValueError as e:
-                raise bad_request(e, "name") from None
+            check_name(name, "name")
+        data = await request.body()
         return info(ctx.store.import_bytes(tenant, data, name))
 
     @r.get("/{handle}")
@@ -126,12 +122,10 @@ def router(ctx: ServerContext, auth) -> APIRouter:
         tenant = who(request)
         rec = lookup(ctx, tenant, handle)
         suffix = prompt_of(body, required=False)
-        if body.save_as is not None:
-            try:
-                valid_name(body.save_as)
-            except ValueError as e:
-                raise bad_request(e, "save_as") from None
         params = gen.sampling_params(ctx, body, body.max_tokens, body.logprobs)
+        if body.save_as is not None:
+            check_name(body.save_as, "save_as")
+            check_save_room(ctx, tenant, rec.n_tokens + len(suffix) + params.max_tokens, "save_as")
         try:
             plan = ctx.sessions.from_handle(tenant, rec.handle, suffix)
         except ValueError as e:
@@ -146,11 +140,8 @@ def router(ctx: ServerContext, auth) -> APIRouter:
 
         def extras() -> dict:
             out: dict = {"wkvm": plan.info}
-            if body.save_as and h.request.final_state is not None:
-                saved = ctx.store.put(tenant, body.save_as, h.request.final_state, h.request.history(),
-                                      parent=rec.handle, op="generate",
-                                      op_params={"completion_tokens": len(h.output.token_ids)})  # fmt: skip
-                out["state"] = info(saved)
+            if body.save_as:
+                out.update(save_final(ctx, tenant, body.save_as, rec.handle, h))
             return out
 
         if body.stream:

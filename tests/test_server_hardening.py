@@ -1,0 +1,306 @@
+"""Issue #12: one request never hurts another. Every finding of the adversarial review has a test here: a
+poisoned request fails alone with an OpenAI-shaped 4xx while another tenant's stream runs unchanged."""
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from live_server import LiveServer, ServerProcess
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from wkvm.state.statefile import tensor_digest, token_digest
+
+KEYS = ["key-a", "Zx9#kP2-long-secret"]
+A = {"Authorization": "Bearer key-a"}
+B = {"X-Api-Key": "Zx9#kP2-long-secret"}
+
+
+@pytest.fixture(scope="module")
+def server(world_pth):
+    with LiveServer(model=str(world_pth), api_keys=KEYS, slots=4, max_tokens_limit=64, max_queue=64,
+                    shutdown_grace=0) as s:  # fmt: skip
+        yield s
+
+
+def post(server, path, body=None, headers=B, content=None):
+    kw = {"content": content, "headers": {**headers, "content-type": "application/json"}} if content else {"json": body}
+    return httpx.post(f"{server.url}{path}", headers=headers, timeout=60, **kw)
+
+
+def assert_4xx(r, status=None):
+    assert 400 <= r.status_code < 500, f"{r.status_code} {r.text}"
+    if status is not None:
+        assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"], r.text
+    return err
+
+
+def exported_state(server, name="src"):
+    r = post(server, "/v1/states", {"name": name, "prompt_ids": [5, 6, 7]})
+    assert r.status_code == 200, r.text
+    return httpx.get(f"{server.url}/v1/states/{name}/export", headers=B).content
+
+
+def doctored(data: bytes, server, values=None, **meta) -> bytes:
+    """A valid export with some tensor values and metadata changed, its tensor checksum recomputed."""
+    tensors = st_load(data)
+    n = int.from_bytes(data[:8], "little")
+    md = json.loads(data[8 : 8 + n])["__metadata__"]
+    if values is not None:
+        name = next(iter(tensors))
+        tensors[name].view(-1)[0] = values
+    md.update(meta)
+    md["tensor_sha256"] = tensor_digest(server.ctx.model.spec, tensors)
+    return st_save(tensors, metadata=md)
+
+
+def poisons(server) -> list[tuple[str, str, dict]]:
+    """(method, path, httpx kwargs) for every poison of the review; each must fail alone with a 4xx."""
+    data = exported_state(server, "poison-src")
+    nested = "[" * 50_000 + "]" * 50_000
+    return [
+        ("POST", "/v1/completions", {"json": {"prompt": "x", "repetition_penalty": 1e-300}}),
+        ("POST", "/v1/completions", {"content": b'{"prompt": "x", "temperature": NaN}'}),
+        ("POST", "/v1/completions", {"content": b'{"prompt": "\\ud800"}'}),
+        ("POST", "/v1/chat/completions", {"content": b'{"messages": [{"role": "user", "content": "\\udfff"}]}'}),
+        ("POST", "/v1/completions", {"json": {"prompt": ["ROMEO:"] * 260, "max_tokens": 4}}),
+        ("POST", "/v1/completions", {"json": {"prompt": "x", "max_tokens": "5"}}),
+        ("POST", "/v1/completions", {"json": {"prompt": "x", "max_tokens": True}}),
+        ("POST", "/v1/completions", {"json": {"prompt": "x", "max_tokens": 2.0}}),
+        ("POST", "/v1/completions", {"json": {"prompt": "x", "stop_token_ids": [10**30]}}),
+        ("POST", "/v1/completions", {"json": {"prompt": "x", "stop_token_ids": [70000]}}),
+        ("GET", "/v1/states/x@9223372036854775808", {}),
+        ("GET", "/v1/states/poison-src@\u0661", {}),
+        ("POST", "/v1/completions", {"json": {"prompt": "x", "state": "poison-src@99999999999999999999"}}),
+        ("POST", "/v1/states", {"json": {"name": "bad\n", "prompt": "x"}}),
+        ("POST", "/v1/states/poison-src/mutate", {"json": {"rule": "decay", "params": {"alpha": True}}}),
+        ("POST", "/v1/states/import", {"content": doctored(data, server, values=3e38)}),
+        ("POST", "/v1/states/import", {"content": doctored(data, server, token_ids=nested)}),
+        ("POST", "/v1/states/import", {"content": doctored(data, server, op_params=nested)}),
+        ("POST", "/v1/states/import", {"content": doctored(data, server, token_ids="[]", n_tokens="0",
+                                                           token_digest=token_digest([]))}),  # fmt: skip
+    ]
+
+
+def stream_events(server, headers=A) -> list[dict]:
+    """Tenant A's greedy stream, without the fields that differ run to run (id, created)."""
+    body = {"prompt": "The quick brown fox", "max_tokens": 40, "temperature": 0, "stream": True, "ignore_eos": True,
+            "logprobs": 2, "stream_options": {"include_usage": True}}  # fmt: skip
+    out = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ev = json.loads(line[6:])
+                ev.pop("id"), ev.pop("created")
+                ev.pop("wkvm", None)  # reuse mode depends on earlier requests, not on the answer
+                out.append(ev)
+            elif line:
+                out.append(line)
+    return out
+
+
+def test_other_tenants_poison_never_changes_a_stream(server):
+    reference = stream_events(server)
+    assert reference[-1] == "data: [DONE]"
+    cases = poisons(server)
+    statuses = []
+
+    def attack():
+        for method, path, kw in cases:
+            headers = {**B, "content-type": "application/json"} if "content" in kw else B
+            r = httpx.request(method, f"{server.url}{path}", headers=headers, timeout=60, **kw)
+            statuses.append((path, r.status_code))
+            assert_4xx(r)
+        for body in ({"prompt": "x", "temperature": 1e-300, "max_tokens": 8},
+                     {"messages": [{"role": "user", "content": "x"}], "temperature": 1e-300, "max_tokens": 8}):
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            r = httpx.post(f"{server.url}{path}", json=body, headers=B, timeout=60)  # a tiny temperature is valid
+            assert r.status_code == 200, r.text
+
+    for _ in range(2):  # the poison lands while A's stream is in flight
+        attacker = threading.Thread(target=attack)
+        attacker.start()
+        during = stream_events(server)
+        attacker.join()
+        assert during == reference
+    assert len(statuses) == 2 * len(cases)
+
+
+def test_poison_status_codes(server):
+    for method, path, kw in poisons(server):
+        headers = {**B, "content-type": "application/json"} if "content" in kw else B
+        r = httpx.request(method, f"{server.url}{path}", headers=headers, timeout=60, **kw)
+        err = assert_4xx(r)
+        assert r.status_code in (400, 404, 413), (path, r.text)
+        assert "internal" not in err["message"], err
+    r = post(server, "/v1/completions", {"prompt": "x", "temperature": 1e-300, "max_tokens": 4, "logprobs": 1})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_non_ascii_key_is_401(server):
+    for headers in ({"X-Api-Key": "é"}, {"Authorization": "Bearer é"}, {"Authorization": "Bearer \u2603"}):
+        raw = {k: v.encode("utf-8") for k, v in headers.items()}
+        r = httpx.get(f"{server.url}/v1/models", headers=raw)
+        assert_4xx(r, 401)
+
+
+def test_every_configured_key_works_and_keys_keep_their_hash(server):
+    for headers in (A, B):
+        assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == 200
+    assert httpx.get(f"{server.url}/v1/models", headers={"X-Api-Key": "Zx9"}).status_code == 401
+
+
+def test_key_file_keeps_hash_characters(tmp_path):
+    import argparse
+
+    from wkvm.cli import read_api_keys
+
+    f = tmp_path / "keys"
+    f.write_text("# team keys\nZx9#kP2-long-secret\n  other-key  \n\n")
+    keys = read_api_keys(argparse.Namespace(api_key=None, api_key_file=str(f)))
+    assert keys == ["Zx9#kP2-long-secret", "other-key"]
+
+
+def test_key_is_checked_before_the_body_is_read(server):
+    r = httpx.post(f"{server.url}/v1/completions", content=b"{bad", headers={"content-type": "application/json"})
+    assert_4xx(r, 401)
+    # announce a 100 MB body and send none of it: the 401 must come back without waiting for the body
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000000\r\n\r\n")  # fmt: skip
+        head = sock.recv(4096)
+    assert head.startswith(b"HTTP/1.1 401"), head[:200]
+
+
+def test_versions_are_never_reused(server):
+    for _ in range(2):
+        assert post(server, "/v1/states", {"name": "vr", "prompt_ids": [1, 2]}).status_code == 200
+    assert httpx.delete(f"{server.url}/v1/states/vr@2", headers=B).status_code == 200
+    r = post(server, "/v1/states", {"name": "vr", "prompt_ids": [3, 4]})
+    assert r.json()["handle"] == "vr@3"
+    assert_4xx(httpx.get(f"{server.url}/v1/states/vr@2", headers=B), 404)
+
+
+def test_names_with_a_trailing_newline_are_refused(server):
+    for name in ("bad\n", "bad\r\n", "ok\x00"):
+        assert_4xx(post(server, "/v1/states", {"name": name, "prompt": "x"}), 400)
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "save_state": "bad\n"})
+    assert_4xx(r, 400)
+
+
+def test_list_of_prompts_is_capped_and_admitted_whole(world_pth):
+    with LiveServer(model=str(world_pth), slots=1, max_queue=8, shutdown_grace=0) as s:
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": ["ROMEO:"] * 260, "max_tokens": 4})
+        assert assert_4xx(r, 400)["code"] == "too_many_prompts"
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": ["ROMEO:"] * 10, "max_tokens": 4}, timeout=60)
+        assert_4xx(r, 429)
+        assert not s.ctx.engine.scheduler.has_work  # nothing of the refused request was queued
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": ["ROMEO:"] * 4, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 4
+
+
+def wait_until(cond, timeout=5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return cond()
+
+
+def test_blocking_request_whose_client_left_frees_its_slot(world_pth):
+    long = {"prompt": "Long", "max_tokens": 16000, "temperature": 0, "ignore_eos": True}
+    with LiveServer(model=str(world_pth), slots=1, shutdown_grace=0) as s:
+        sched = s.ctx.engine.scheduler
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{s.url}/v1/completions", json=long, timeout=1.0)
+        assert wait_until(lambda: not sched.running and not sched.waiting), "the abandoned request still runs"
+        # a request queued behind a stream, whose client gives up while it waits, leaves the queue too
+        with httpx.stream("POST", f"{s.url}/v1/completions", json={**long, "stream": True}, timeout=30) as r:
+            next(r.iter_lines())
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{s.url}/v1/completions", json=long, timeout=1.0)
+            assert wait_until(lambda: not sched.waiting), "the abandoned queued request is still waiting"
+        assert wait_until(lambda: not sched.running)
+
+
+def test_prefix_reuse_is_scoped_to_user_and_cache_salt(world_pth):
+    secret = {"prompt": "My password is hunter2 and my bank is far away from here", "max_tokens": 2,
+              "temperature": 0}  # fmt: skip
+    with LiveServer(model=str(world_pth), shutdown_grace=0) as s:
+
+        def mode(**extra):
+            r = httpx.post(f"{s.url}/v1/completions", json={**secret, **extra}, timeout=60)
+            return r.json()["wkvm"]["mode"]
+
+        assert mode(user="alice") == "fresh"
+        assert mode(user="mallory") == "fresh"  # another user's guess reveals nothing
+        assert mode(user="alice") != "fresh"  # the same user still reuses
+        assert mode(user="alice", cache_salt="s1") == "fresh"
+        assert mode(user="alice", cache_salt="s1") != "fresh"
+        assert mode(user="alice", cache_salt="s2") == "fresh"
+
+
+def test_sigterm_ends_streams_cleanly_and_keeps_states(tiny_pth, tmp_path):
+    state_dir = str(tmp_path / "states")
+    args = ("--model", str(tiny_pth), "--state-dir", state_dir, "--shutdown-grace", "1")
+    lines: list[str] = []
+    with ServerProcess(*args) as s:
+        r = httpx.post(f"{s.url}/v1/states", json={"name": "kept", "prompt_ids": [1, 2, 3]})
+        assert r.status_code == 200
+        body = {"prompt": [1, 2], "max_tokens": 16000, "ignore_eos": True, "stream": True}
+        started = threading.Event()
+
+        def read():
+            with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as resp:
+                for line in resp.iter_lines():
+                    if line:
+                        lines.append(line)
+                        started.set()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert started.wait(60)
+        t0 = time.monotonic()
+        assert s.stop(timeout=30) == 0
+        assert time.monotonic() - t0 < 20
+        reader.join(30)
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert lines[-1] == "data: [DONE]"
+    assert events[-1]["choices"][0]["finish_reason"] == "abort"
+    with ServerProcess(*args) as s:
+        assert httpx.get(f"{s.url}/v1/states/kept").json()["handle"] == "kept@1"
+
+
+def test_logprobs_are_always_json_numbers():
+    from wkvm.server.generation import MIN_LOGPROB, json_logprob
+
+    assert json_logprob(float("-inf")) == MIN_LOGPROB
+    assert json_logprob(float("nan")) == MIN_LOGPROB
+    assert json_logprob(-1.5) == -1.5
+
+
+def test_full_quota_never_breaks_completions_or_streams(world_pth, tmp_path):
+    root = tmp_path / "quota"
+    with LiveServer(model=str(world_pth), state_dir=str(root), state_disk_quota=600_000, shutdown_grace=0) as s:
+        for i in range(200):
+            r = httpx.post(f"{s.url}/v1/states", json={"name": f"fill{i}", "prompt_ids": [i + 1, 2]}, timeout=60)
+            if r.status_code != 200:
+                break
+        assert assert_4xx(r, 413)["code"] == "state_quota_exceeded"
+        for path, body in (("/v1/completions", {"prompt": "Once upon"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Once upon"}]})):
+            body = {**body, "max_tokens": 6, "temperature": 0}
+            assert httpx.post(f"{s.url}{path}", json=body, timeout=60).status_code == 200
+            with httpx.stream("POST", f"{s.url}{path}", json={**body, "stream": True}, timeout=60) as r:
+                lines = [x for x in r.iter_lines() if x]
+            assert lines[-1] == "data: [DONE]" and "error" not in json.loads(lines[-2][6:]), lines[-2:]
+        generated = s.ctx.metrics.generated_tokens._value.get()
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 4, "save_state": "late"})
+        assert_4xx(r, 413)
+        assert s.ctx.metrics.generated_tokens._value.get() == generated  # refused before generating
+    assert sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) <= 600_000

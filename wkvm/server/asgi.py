@@ -1,0 +1,142 @@
+"""ASGI layers that run before any route: API-key check, body limit, request metrics.
+
+They are plain ASGI (not `@app.middleware("http")`): Starlette's BaseHTTPMiddleware wraps `receive`, and a
+route behind it could not see its client disconnect, so an abandoned request kept its slot until the end.
+The key is checked on the raw header bytes before a single body byte is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Callable
+
+from fastapi.responses import JSONResponse
+
+from wkvm.server.errors import error_body
+
+OPEN_PATHS = ("/health",)  # reachable without a key (load balancers' health checks)
+
+
+def header(scope, name: bytes) -> bytes | None:
+    for k, v in scope.get("headers") or []:
+        if k == name:
+            return v
+    return None
+
+
+def presented_key(scope) -> bytes | None:
+    """The key a client sent: `Authorization: Bearer KEY` or `X-Api-Key: KEY` (raw bytes, any encoding)."""
+    auth = header(scope, b"authorization") or b""
+    if auth[:7].lower() == b"bearer ":
+        key = auth[7:].strip()
+        if key:
+            return key
+    return header(scope, b"x-api-key")
+
+
+def key_matches(key: bytes | None, keys: list[bytes]) -> bool:
+    """Compare against every configured key in constant time (no early exit on the first match or on length)."""
+    if key is None:
+        return False
+    digest = hashlib.sha256(key).digest()
+    matched = False
+    for k in keys:
+        matched |= hmac.compare_digest(digest, hashlib.sha256(k).digest())
+    return matched
+
+
+def key_owner(key: bytes) -> str:
+    return "key-" + hashlib.sha256(key).hexdigest()[:16]
+
+
+async def send_error(scope, receive, send, status: int, message: str, param: str | None, code: str) -> None:
+    await JSONResponse(error_body(status, message, param, code), status_code=status)(scope, receive, send)
+
+
+class ApiKeyGate:
+    """401 for every route but /health when keys are configured, decided on headers alone."""
+
+    def __init__(self, app, keys: list[str]):
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.keys or scope.get("path") in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        if not key_matches(presented_key(scope), self.keys):
+            message = "missing or invalid API key: send 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'"
+            return await send_error(scope, receive, send, 401, message, None, "invalid_api_key")
+        return await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """Refuse request bodies over `limit` bytes with a 413, whether or not they declare a length.
+
+    A body without a declared length is read here first (up to the limit) and then handed to the app.
+    """
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = header(scope, b"content-length")
+        if declared is not None:
+            if declared.isdigit() and int(declared) > self.limit:
+                return await self._refuse(scope, receive, send)
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                break
+            size += len(msg.get("body", b""))
+            if size > self.limit:
+                return await self._refuse(scope, receive, send)
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                break
+        body = b"".join(chunks)
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send):
+        message = f"request body over {self.limit} bytes (--max-body-bytes)"
+        await send_error(scope, receive, send, 413, message, "body", "body_too_large")
+
+
+class RequestMetrics:
+    """Counts responses by route and status; `on_server_error(path, status)` hears of every 5xx (a bug or an
+    outage: the test suite asserts it never happens unexpectedly)."""
+
+    def __init__(self, app, count: Callable[[str, int], None], on_server_error: Callable[[str, int], None]):
+        self.app, self.count, self.on_server_error = app, count, on_server_error
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.count(route, status)
+            if status >= 500 and scope.get("path") not in OPEN_PATHS:  # /health's 503 (loading) is its answer
+                self.on_server_error(scope.get("path", ""), status)

@@ -1,0 +1,46 @@
+"""Run the app under uvicorn with a bounded shutdown.
+
+On SIGTERM or Ctrl-C the server stops taking connections, lets running requests finish for up to
+`--shutdown-grace` seconds, then ends the rest: every stream gets a final chunk (`finish_reason: "abort"`)
+and `[DONE]`, blocking requests get their partial answer. Then parked states are written and the process
+exits 0. A second signal ends the running requests at once. Uvicorn alone would wait for every stream to
+finish (minutes for a long generation), and its forced exit cuts streams without `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import uvicorn
+from fastapi import FastAPI
+
+log = logging.getLogger("wkvm.server")
+
+
+class GracefulServer(uvicorn.Server):
+    def __init__(self, app: FastAPI, host: str, port: int, grace: float, log_level: str = "info"):
+        # uvicorn's own limit is a backstop only: by then every request has been ended
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace + 10)
+        super().__init__(config)
+        self.ctx = app.state.ctx
+        self.grace = grace
+        self._drainer: threading.Thread | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._drainer is None:
+            log.info("shutting down: running requests have %.0f s to finish (--shutdown-grace)", self.grace)
+            self.begin_shutdown()
+        else:
+            log.info("second signal: ending running requests now")
+            self.ctx.end_requests(0)
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises caught signals after shutting down (exit status 143); ours drains, so it is a clean 0
+        getattr(self, "_captured_signals", []).clear()
+
+    def begin_shutdown(self) -> None:
+        """Stop accepting requests and end the running ones after the grace period (returns at once)."""
+        self._drainer = threading.Thread(target=self.ctx.end_requests, args=(self.grace,), name="wkvm-drain",
+                                         daemon=True)  # fmt: skip
+        self._drainer.start()
+        self.should_exit = True
