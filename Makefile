@@ -7,10 +7,12 @@ WKVM_PORT ?= 8000
 
 .PHONY: serve test lint bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
+	# the checkout on sys.path as a plain entry: a folder named wkvm/ beside a user's script cannot shadow the package
+	echo "$(CURDIR)" > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/wkvm-checkout.pth"
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -2,6 +2,8 @@
 tensors, the state and the arithmetic stay fp32. Judged against BlinkDL's `rwkv` package on the trained default
 model: our bf16 must stay closer to the fp32 reference than the package's own bf16 path does."""
 
+import logging
+
 import pytest
 import torch
 from conftest import greedy_reference
@@ -71,6 +73,9 @@ def test_bf16_weights_take_half_the_memory(trained_pth):
 
 
 def test_bf16_streaming_equals_bf16_resident(trained_pth, ids, tmp_path):
+    """With oneDNN's bf16 kernel, layers stream from a bf16 blocked copy beside the fp32 pack; without it (e.g. an
+    AVX2-only CPU) from the pack's plain files. The output equals resident bf16 either way."""
+    from wkvm.weights.linear import onednn_bf16_available
     from wkvm.weights.pack import write_pack
 
     write_pack(trained_pth, tmp_path / "pack")
@@ -78,9 +83,27 @@ def test_bf16_streaming_equals_bf16_resident(trained_pth, ids, tmp_path):
     streamed = load_model(tmp_path / "pack", dtype="bfloat16", weight_cache_layers=2)
     got = streamed.prefill(ids, all_logits=True)[0]
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
-    assert streamed.weights.blocked  # a bf16 blocked copy beside the fp32 pack
-    assert len(list((tmp_path / "pack").glob("onednn-*"))) == 1
+    assert streamed.weights.blocked == onednn_bf16_available()
+    assert len(list((tmp_path / "pack").glob("onednn-*"))) == int(onednn_bf16_available())
     streamed.weights.close()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_without_a_native_kernel_warns_at_load(trained_pth, monkeypatch, caplog, native):
+    """Without a native bf16 kernel (AVX2-only or plain AVX-512 CPUs) bf16 is slower than fp32: say so at load."""
+    from wkvm.weights import linear
+
+    monkeypatch.setattr(linear, "bf16_native", lambda: native)
+    with caplog.at_level(logging.WARNING, logger="wkvm.models.loader"):
+        load_model(trained_pth, dtype="bfloat16")
+        load_model(trained_pth)  # float32 never warns
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "bf16" in r.getMessage()]
+    if native:
+        assert warnings == [] and "faster" in linear.bf16_speed()
+    else:
+        (message,) = warnings
+        assert "no native bf16 kernel" in message and "slower than float32" in message
+        assert "use --dtype float32" in message
 
 
 def test_unknown_dtype_is_a_clear_error(trained_pth):

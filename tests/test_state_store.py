@@ -22,7 +22,7 @@ from wkvm.state.index import parse_handle
 from wkvm.state.mutations import register_mutation
 from wkvm.state.quota import state_file_bytes
 from wkvm.state.service import StateService
-from wkvm.state.statefile import MAX_HISTORY_TOKENS, HistoryTooLong, StateFileError, valid_name
+from wkvm.state.statefile import MAX_HISTORY_TOKENS, MAX_OP_PARAMS_BYTES, HistoryTooLong, StateFileError, valid_name
 from wkvm.state.store import QuotaExceeded, StateNotFound, StateStore, StoreLimits
 from wkvm.tokenizer import WorldTokenizer
 
@@ -205,10 +205,10 @@ def test_import_refuses_crafted_metadata_and_values(svc, model):
     cases = {
         "token_ids": with_metadata(good, token_ids=deep, n_tokens="1"),
         "op_params is not valid JSON": with_metadata(good, op_params="[" * 20_000 + "]" * 20_000),
-        "op_params is 100000 bytes": with_metadata(good, op_params=deep),
+        "nested too deeply": with_metadata(good, op_params=deep),
         "nested deeper": with_metadata(good, op_params=json.dumps({"a": {"b": {"c": {"d": {"e": 1}}}}})),
         "keys": with_metadata(good, op_params=json.dumps({f"k{i}": i for i in range(65)})),
-        "op_params is .* bytes": with_metadata(good, op_params=json.dumps({"x": "y" * 70_000})),
+        "op_params is .* bytes": with_metadata(good, op_params=json.dumps({"x": "y" * MAX_OP_PARAMS_BYTES})),
         "vocabulary range": with_metadata(good, token_ids="[99999999999999999999999]", n_tokens="1"),
         "at least one token": with_metadata(
             good, token_ids="[]", n_tokens="0", token_digest=statefile.token_digest([])

@@ -8,6 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 TMP_SUFFIX = ".wkvm-tmp"
+_UMASK = os.umask(0o022)  # read once at import (os.umask can only be read by setting it), then restored
+os.umask(_UMASK)
+FILE_MODE = 0o666 & ~_UMASK  # what open() gives a new file; some writers (safetensors) create theirs 0600
 
 
 def fsync_dir(path: Path) -> None:
@@ -26,6 +29,7 @@ def atomic_path(target: Path, durable: bool = True) -> Iterator[Path]:
     tmp = target.with_name(f".{target.name}.{os.getpid()}{TMP_SUFFIX}")
     try:
         yield tmp
+        os.chmod(tmp, FILE_MODE)
         if durable:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())

@@ -36,7 +36,7 @@ def default_model() -> Path:
 SERVE_FLAGS: list[tuple[str, type, object, str]] = [
     ("model", str, None, "BlinkDL .pth, HF/fla directory or weight pack (default: the embedded model)"),
     ("device", str, "cpu", "cpu, or cuda with a CUDA build of torch"),
-    ("dtype", str, "float32", "weights: float32, or bfloat16 (half the memory, 1.3-1.5x faster measured; fp32 math)"),
+    ("dtype", str, "float32", "float32, or bfloat16: half the memory; faster only with native bf16 (wkvm doctor)"),
     ("weight-cache-layers", int, 0, "stream a weight pack from disk, at most N layers in memory (0: resident)"),
     ("host", str, "127.0.0.1", "address to bind; anything but loopback is reachable from other machines"),
     ("port", int, 8000, "TCP port"),
@@ -79,10 +79,12 @@ def read_api_keys(args: argparse.Namespace) -> list[str]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from wkvm.config import ServerConfig
+    from wkvm.models.loader import check_model_path
     from wkvm.server.app import create_app
     from wkvm.server.serving import GracefulServer
 
     model = args.model or str(default_model())
+    check_model_path(model)  # before binding the port: a wrong path is one line and exit 2, not a 503 server
     keys = read_api_keys(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         log.warning("binding %s without an API key: anyone who can reach this port can use the server", args.host)
@@ -99,8 +101,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         chat_session_ttl=args.chat_session_ttl, checkpoint_bytes=args.checkpoint_bytes,
         shutdown_grace=args.shutdown_grace,
     )  # fmt: skip
-    GracefulServer(create_app(config), args.host, args.port, config.shutdown_grace).run()
-    return 0
+    app = create_app(config)
+    GracefulServer(app, args.host, args.port, config.shutdown_grace).run()
+    return 1 if app.state.ctx.load_error else 0
 
 
 def add_serve_flags(s: argparse.ArgumentParser) -> None:

@@ -27,15 +27,15 @@ def checks(args: argparse.Namespace) -> list[tuple[str, bool, str, str]]:
         threads = torch.get_num_threads()
         out.append(("threads", threads >= 1, f"{threads} torch threads, {os.cpu_count()} CPUs",
                     "set OMP_NUM_THREADS to the number of physical cores"))  # fmt: skip
-        from wkvm.weights.linear import onednn_available, onednn_bf16_available
+        from wkvm.weights.linear import bf16_speed, onednn_available
 
         detail = (
             "oneDNN prepacked fp32 (self-checked)"
             if onednn_available()
             else "plain F.linear: up to 2x slower on CPU (WKVM_ONEDNN=0 is set, or this torch has no oneDNN)"
         )
-        detail += "; bf16 kernel " + ("available (--dtype bfloat16)" if onednn_bf16_available() else "not available")
         out.append(("matmul", True, detail, ""))  # information: either path computes the same model
+        out.append(("bf16", True, f"--dtype bfloat16: {bf16_speed()}", ""))  # information: float32 always works
     except ImportError:
         out.append(("torch", False, "not installed", "pip install torch==2.13.0"))
     mem = _memory_bytes()

@@ -57,6 +57,15 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
             return JSONResponse(error_body(503, "the model is still loading"), status_code=503)
         return {"status": "ok", "model": ctx.model_name}
 
+    @app.get("/version", dependencies=[auth])
+    def version() -> dict:
+        """What is running (as vLLM's /version, plus the model's identity)."""
+        import torch
+
+        ctx.require_ready()
+        return {"version": __version__, "torch": torch.__version__, "model": ctx.model_name,
+                "family": ctx.model.spec.family, "fingerprint": ctx.model.fingerprint}  # fmt: skip
+
     @app.get("/metrics", dependencies=[auth], response_class=Response)
     def metrics() -> Response:
         body = ctx.metrics.render(ctx.engine, ctx.store) if ctx.ready.is_set() else b""

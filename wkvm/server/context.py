@@ -7,6 +7,7 @@ import logging
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +40,15 @@ class ServerContext:
     store: StateStore | None = None
     service: StateService | None = None
     sessions: object = None  # chat continuity (wkvm.server.sessions), set once loaded
+    started_at: float = field(default_factory=time.time)
+    on_load_failure: Callable[[], None] | None = None  # `wkvm serve` exits instead of serving 503s forever
     _tmp: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def model_created(self) -> int:
+        """/v1/models' `created`: the model file's modification time (seconds since the epoch)."""
+        path = Path(self.config.model or ".")
+        return int(path.stat().st_mtime) if path.exists() else int(self.started_at)
 
     @property
     def model_name(self) -> str:
@@ -73,6 +82,8 @@ class ServerContext:
         except Exception as e:  # reported by /health and every route, instead of a dead process
             self.load_error = f"{type(e).__name__}: {e}"
             log.exception("model load failed")
+            if self.on_load_failure is not None:
+                self.on_load_failure()
 
     def end_requests(self, grace: float) -> None:
         """Refuse new requests; give running ones `grace` seconds, then end them (streams still close cleanly)."""

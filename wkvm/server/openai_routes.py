@@ -128,11 +128,20 @@ def finish_runs(ctx: ServerContext, tenant: str, body, runs: list[tuple[Plan, li
 def router(ctx: ServerContext, auth) -> APIRouter:
     r = APIRouter(dependencies=[auth])
 
+    def model_card() -> dict:
+        return {"id": ctx.model_name, "object": "model", "created": ctx.model_created, "owned_by": "wkvm",
+                "root": ctx.config.model, "family": ctx.model.spec.family}  # fmt: skip
+
     @r.get("/v1/models")
     def models() -> dict:
         ctx.require_ready()
-        return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": 0,
-                                            "owned_by": "wkvm", "root": ctx.config.model}]}  # fmt: skip
+        return {"object": "list", "data": [model_card()]}
+
+    @r.get("/v1/models/{model_id:path}")
+    def model(model_id: str) -> dict:
+        ctx.require_ready()
+        check_model(ctx, model_id)
+        return model_card()
 
     @r.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

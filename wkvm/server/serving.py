@@ -26,6 +26,11 @@ class GracefulServer(uvicorn.Server):
         self.ctx = app.state.ctx
         self.grace = grace
         self._drainer: threading.Thread | None = None
+        self.ctx.on_load_failure = self._load_failed
+
+    def _load_failed(self) -> None:
+        log.error("exiting: the model failed to load (%s)", self.ctx.load_error)
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame) -> None:
         if self._drainer is None:

@@ -31,7 +31,7 @@ NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}")  # used with fullmatc
 MAX_HISTORY_TOKENS = 1 << 20  # 8x the server's longest prompt; keeps a history's index row and JSON bounded (4 MiB)
 MAX_TOKEN_ID = (1 << 31) - 1  # the index stores ids as int32
 MAX_STATE_ABS = 1e6  # ~100x the largest value the trained model reaches; far from fp32 overflow (docs/state-file.md)
-MAX_OP_PARAMS_BYTES = 16 << 20  # `wkvm chat` keeps its transcript here; the depth limit is what guards the parser
+MAX_OP_PARAMS_BYTES = 16 << 20  # `wkvm chat` keeps its transcript here; the depth limit guards the parser
 MAX_OP_PARAMS_DEPTH = 4
 MAX_OP_PARAMS_KEYS = 64
 

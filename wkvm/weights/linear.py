@@ -2,6 +2,10 @@
 
 On the CPUs we measured, oneDNN's packed fp32 matmul runs 1.4x (gemv) to 2.4x (prefill) faster than the default
 BLAS path, still in IEEE fp32. Set WKVM_ONEDNN=0 to use `F.linear` everywhere.
+
+bf16 weights pay off only where the CPU multiplies bf16 natively (AVX512-BF16 or AMX). Elsewhere the bf16 matmul
+is emulated: single-stream decode still gains from reading half the bytes, but prefill and batched decode run
+slower than fp32 (`bench/bf16_speed.py`: the figures below, runs in docs/performance.md).
 """
 
 from __future__ import annotations
@@ -13,6 +17,10 @@ import torch
 import torch.nn.functional as F
 
 PACK_BATCH_HINT = 64
+# bf16 over fp32 tok/s, bench/bf16_speed.py on AMD EPYC (2 threads): natively, and with oneDNN limited to AVX2
+# (no bf16 kernel at all) or to AVX512_CORE (bf16 emulated) via ONEDNN_MAX_CPU_ISA
+BF16_NATIVE_SPEED = "1.3-1.5x float32's tok/s in prefill and decode"
+BF16_EMULATED_SPEED = "0.2-0.5x float32's tok/s in prefill, 0.3-1.0x in batch-8 decode, 1.3-2.5x single-stream"
 
 
 @functools.cache
@@ -46,6 +54,25 @@ def onednn_bf16_available() -> bool:
         return bool(torch.allclose(got.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2))
     except RuntimeError:
         return False
+
+
+@functools.cache
+def bf16_native() -> bool:
+    """oneDNN multiplies bf16 with the CPU's own bf16 instructions: AVX512-BF16 (AMX CPUs have it too)."""
+    if not onednn_bf16_available() or not hasattr(torch.cpu, "_is_avx512_bf16_supported"):
+        return False
+    return torch.cpu._is_avx512_bf16_supported()
+
+
+def bf16_speed() -> str:
+    """What `--dtype bfloat16` does to speed on this CPU, in one line."""
+    if bf16_native():
+        return f"native bf16 kernel (AVX512-BF16): half the weight memory, and faster (measured {BF16_NATIVE_SPEED})"
+    kernel = "oneDNN emulates bf16 on this CPU" if onednn_bf16_available() else "oneDNN has no bf16 kernel here"
+    return (
+        f"no native bf16 kernel ({kernel}): half the weight memory, but prefill and batched decode run slower than "
+        f"float32 (measured {BF16_EMULATED_SPEED}); use --dtype float32 unless weight memory is the limit"
+    )
 
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,135 @@
+"""Issue #13: what a newcomer trips over: a wrong --model, /v1/models/{id}, /version, system messages, pack modes."""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from live_server import LiveServer
+
+import wkvm
+from wkvm.chat_template import load_chat_template
+from wkvm.cli import EMBEDDED_MODEL
+
+
+def serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "wkvm.cli", "serve", "--port", "1", *args]  # never binds: it must fail first
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(("model", "says"), [("/nonexistent/model.pth", "does not exist"),
+                                             ("BlinkDL/rwkv7-g1", "never downloads")])  # fmt: skip
+def test_wrong_model_fails_before_binding(model, says):
+    r = serve("--model", model)
+    assert r.returncode == 2 and says in r.stderr, r.stderr
+    assert "Uvicorn running" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_model_that_fails_to_load_later_exits(tmp_path, world_pth):
+    from wkvm.server.background import free_port
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "rwkv7"}))  # looks like a model, has no weights
+    cmd = [sys.executable, "-m", "wkvm.cli", "serve", "--model", str(broken), "--port", str(free_port())]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "the model failed to load" in r.stderr, r.stderr[-2000:]
+
+
+def test_models_retrieve_created_and_version(world_pth):
+    with LiveServer(model=str(world_pth), shutdown_grace=0) as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+        card = client.models.retrieve(s.ctx.model_name)
+        assert card.id == s.ctx.model_name and card.created == int(os.stat(world_pth).st_mtime)
+        assert client.models.list().data[0].created == card.created
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("gpt-9")
+        v = httpx.get(f"{s.url}/version").json()
+        assert v["family"] == "rwkv7" and v["fingerprint"] == s.ctx.model.fingerprint and v["version"]
+
+
+def test_embedded_template_renders_system_messages():
+    tpl = load_chat_template(EMBEDDED_MODEL)
+    user = [{"role": "user", "content": "What news?"}]
+    with_system = tpl.render([{"role": "system", "content": "Speak in verse."}, *user])
+    assert with_system == "Speak in verse.\n\n" + tpl.render(user)
+    assert tpl.render(user) == "ROMEO:\nWhat news?\n\nJULIET:\n"
+
+
+def test_pack_files_have_the_usual_mode(tmp_path):
+    from wkvm.weights.pack import write_pack
+
+    old = os.umask(0o022)
+    try:
+        pack = write_pack(EMBEDDED_MODEL, tmp_path / "pack")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in pack.iterdir() if p.is_file()}
+    assert set(modes.values()) == {0o644}, modes
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_a_folder_named_wkvm_beside_a_script_does_not_shadow_the_package(tmp_path):
+    (tmp_path / "wkvm").mkdir()  # e.g. the clone itself, next to a script saved in its parent
+    (tmp_path / "snippet.py").write_text("import wkvm\nprint(wkvm.__version__)\n")
+    r = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == wkvm.__version__, r.stderr
+
+
+def test_wheel_carries_the_embedded_model(tmp_path):
+    cmd = [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q", "-w",
+           str(tmp_path)]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("wkvm-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"):
+        assert f"wkvm/assets/wkvm-tiny-shakespeare/{f}" in names
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "wkvm = wkvm.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_dockerfile_lints_clean():
+    hadolint = Path(sys.executable).parent / "hadolint"
+    r = subprocess.run([str(hadolint), str(REPO / "Dockerfile")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize(("env", "args", "host"), [
+    ({}, [], "127.0.0.1"),
+    ({"WKVM_API_KEY": "k"}, [], "0.0.0.0"),
+    ({"WKVM_API_KEY_FILE": "/keys"}, ["--model", "/m"], "0.0.0.0"),
+    ({}, ["--model", "/m", "--api-key", "k"], "0.0.0.0"),
+    ({}, ["--api-key-file=/keys"], "0.0.0.0"),
+    ({}, ["--model", "/api-key models"], "127.0.0.1"),
+])  # fmt: skip
+def test_container_listens_outside_only_with_a_key(tmp_path, env, args, host):
+    fake = tmp_path / "wkvm"
+    fake.write_text('#!/bin/sh\necho "$WKVM_HOST|$*"\n')
+    fake.chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WKVM_")}
+    run_env = {**clean, **env, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    r = subprocess.run(["sh", str(REPO / "docker" / "entrypoint.sh"), *args], env=run_env, capture_output=True,
+                       text=True, timeout=30)  # fmt: skip
+    assert r.stdout.strip() == f"{host}|serve {' '.join(args)}".strip()
+
+
+def docker_daemon() -> bool:
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not docker_daemon(), reason="no Docker daemon here: the Dockerfile is linted instead")
+def test_docker_image_builds():
+    r = subprocess.run(["docker", "build", "-q", "-t", "wkvm-test", str(REPO)], capture_output=True, text=True,
+                       timeout=1800)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
