@@ -42,7 +42,7 @@ def test_states_through_the_cli_on_a_directory(tmp_path, tiny_pth, capsys):
     assert main([*base[:1], "ls", *base[1:]]) == 0
     assert "demo@1" in capsys.readouterr().out
     assert main(["states", "export", "demo", str(tmp_path / "demo.state"), *base[1:]]) == 0
-    assert main(["states", "import", str(tmp_path / "demo.state"), "--name", "copy", *base[1:]]) == 0
+    assert main(["states", "import", str(tmp_path / "demo.state"), "--name", "copy", *base[1:], "--json"]) == 0
     assert json.loads(capsys.readouterr().out.split("\n", 1)[1])["handle"] == "copy@1"
     assert main(["states", "rm", "demo", *base[1:]]) == 0
     capsys.readouterr()
@@ -91,10 +91,11 @@ def test_doctor_reports_a_problem_with_its_fix(tmp_path, capsys, monkeypatch):
 
 
 def test_chat_repl_keeps_state(tmp_path, capsys):
+    from wkvm import SamplingParams
     from wkvm.cli import default_model
     from wkvm.cli_chat import ChatREPL
 
-    repl = ChatREPL(str(default_model()), tmp_path / "chat", max_tokens=12, temperature=0)
+    repl = ChatREPL(str(default_model()), tmp_path / "chat", SamplingParams(max_tokens=12, temperature=0))
     repl.run(["Good morrow.", "/save first", "How now?", "/states", "/load first", "Speak again.", "/reset", "/quit"])
     out = capsys.readouterr().out
     assert "(saved first@1" in out and "(loaded first@1" in out and "first@1" in out

@@ -5,9 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import logging.config
 import os
+import re
 import sys
+from fractions import Fraction
 from pathlib import Path
+
+from wkvm import __version__
+from wkvm.logs import FORMATS, LEVELS, QUIET_LOGGERS, TEXT_FORMAT, log_config
 
 log = logging.getLogger("wkvm")
 
@@ -15,6 +21,36 @@ log = logging.getLogger("wkvm")
 def env_default(flag: str, default=None):
     """Every flag can also come from WKVM_<FLAG>."""
     return os.environ.get("WKVM_" + flag.upper().replace("-", "_"), default)
+
+
+SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+SIZE_UNITS |= {"ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?i?)b?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '268435456', '256MiB', '2G', '1.5GB' or '512k': k/M/G/T count 1000s, KiB/MiB/GiB/TiB 1024s."""
+    m = SIZE.fullmatch(str(text))
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in SIZE_UNITS:
+        # ArgumentTypeError: argparse shows this message as is (for a ValueError it prints only the type's name)
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: give bytes, or a number with a unit: 512k, 256MiB, 2G, 1.5GB "
+            "(k/M/G/T count 1000s, KiB/MiB/GiB/TiB 1024s; any case)"
+        )
+    return int(Fraction(m.group(1)) * SIZE_UNITS[unit])
+
+
+def choice(*names: str):
+    """An argparse type taking one of `names` in any case (an env var cannot use argparse's `choices`)."""
+
+    def pick(text: str) -> str:
+        if text.lower() not in names:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of: {', '.join(names)}")
+        return text.lower()
+
+    pick.__name__ = "choice"
+    return pick
 
 
 EMBEDDED_MODEL = Path(__file__).parent / "assets" / "wkvm-tiny-shakespeare"
@@ -49,21 +85,24 @@ SERVE_FLAGS: list[tuple[str, type, object, str]] = [
     ("prefill-chunk", int, 256, "most prompt tokens one request feeds per step"),
     ("request-timeout", float, None, "seconds before a request is aborted"),
     ("state-dir", str, None, "directory of durable states (default: a temporary one)"),
-    ("state-device-bytes", int, 256 << 20, "bytes of states kept on the device"),
-    ("state-host-bytes", int, 1 << 30, "bytes of states kept in host RAM"),
-    ("state-disk-quota", int, None, "bytes of state files on disk (default: unlimited)"),
-    ("max-body-bytes", int, 256 << 20, "largest request body"),
+    ("state-device-bytes", parse_size, "256MiB", "bytes of states kept on the device (256MiB, 2G, ...)"),
+    ("state-host-bytes", parse_size, "1GiB", "bytes of states kept in host RAM"),
+    ("state-disk-quota", parse_size, None, "bytes of state files on disk (default: unlimited)"),
+    ("max-body-bytes", parse_size, "256MiB", "largest request body"),
     ("max-prompt-tokens", int, 1 << 17, "largest prompt in tokens"),
     ("max-tokens-limit", int, 1 << 14, "most tokens one request may generate"),
     ("max-chat-sessions", int, 1024, "parked chat sessions (parent-token-v1) kept"),
     ("chat-session-ttl", float, 24 * 3600.0, "seconds a parked chat session lives"),
-    ("checkpoint-bytes", int, 1 << 30, "bytes of prefix-reuse checkpoints kept"),
+    ("checkpoint-bytes", parse_size, "1GiB", "bytes of prefix-reuse checkpoints kept"),
     ("shutdown-grace", float, 10.0, "seconds running requests get to finish on SIGTERM/Ctrl-C before they are ended"),
+    ("log-level", choice(*LEVELS), "info", "least severe log lines shown: " + ", ".join(LEVELS)),
+    ("log-format", choice(*FORMATS), "text", "text, or json: one object per line (time, level, logger, message)"),
 ]
 SERVE_SWITCHES = [
     ("no-read-ahead", "with --weight-cache-layers: do not ask the OS for the next layer while one computes"),
     ("no-prefix-reuse", "switch off every kind of state reuse (the baseline)"),
     ("verify-state-loads", "check the sha256 of every state read from disk"),
+    ("no-access-log", "do not log a line per HTTP request"),
 ]
 
 
@@ -83,6 +122,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from wkvm.server.app import create_app
     from wkvm.server.serving import GracefulServer
 
+    logs = log_config(args.log_level, args.log_format)
+    logging.config.dictConfig(logs)  # now, before the first line is logged; uvicorn applies it again
+    logging.captureWarnings(True)  # library warnings in the same format, not bare stderr lines
     model = args.model or str(default_model())
     check_model_path(model)  # before binding the port: a wrong path is one line and exit 2, not a 503 server
     keys = read_api_keys(args)
@@ -102,34 +144,66 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shutdown_grace=args.shutdown_grace,
     )  # fmt: skip
     app = create_app(config)
-    GracefulServer(app, args.host, args.port, config.shutdown_grace).run()
+    GracefulServer(app, args.host, args.port, config.shutdown_grace, args.log_level, logs, not args.no_access_log).run()
     return 1 if app.state.ctx.load_error else 0
 
 
 def add_serve_flags(s: argparse.ArgumentParser) -> None:
     for flag, typ, default, help_ in SERVE_FLAGS:
+        env = "WKVM_" + flag.upper().replace("-", "_")
         raw = env_default(flag)
-        if flag == "api-key" and raw is None:
-            raw = os.environ.get("WKVM_API_KEY")
-        s.add_argument(f"--{flag}", type=typ, default=typ(raw) if raw is not None else default,
-                       help=f"{help_} [env WKVM_{flag.upper().replace('-', '_')}]")  # fmt: skip
+        if raw is not None:
+            try:
+                typ(raw)  # a bad value fails here, naming the variable (argparse would blame the flag)
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                raise SystemExit(f"wkvm: {env}={raw!r}: {e}") from None
+            default = raw  # argparse converts a string default with `type`; the help shows it as written (256MiB)
+        shown = " (default: %(default)s)" if default is not None and flag != "api-key" else ""  # --help hides keys
+        metavar = "SIZE" if typ is parse_size else None
+        s.add_argument(f"--{flag}", type=typ, default=default, metavar=metavar, help=f"{help_}{shown} [env {env}]")
     for flag, help_ in SERVE_SWITCHES:
         on = (env_default(flag) or "").lower() in ("1", "true", "yes", "on")
         s.add_argument(f"--{flag}", action="store_true", default=on,
                        help=f"{help_} [env WKVM_{flag.upper().replace('-', '_')}=1]")  # fmt: skip
 
 
+SAMPLING_FLAGS: list[tuple[str, type, object, str]] = [
+    ("max-tokens", int, 200, "most tokens to generate (in chat: per answer)"),
+    ("temperature", float, 0.8, "sampling temperature; 0 always picks the most likely token (repeatable)"),
+    ("top-p", float, 0.9, "sample from the most likely tokens whose probabilities add up to this (1: all)"),
+    ("seed", int, None, "random seed: the same seed gives the same sample"),
+]
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """The sampling flags of `generate` and `chat`: one set of defaults for both."""
+    for flag, typ, default, help_ in SAMPLING_FLAGS:
+        shown = " (default: %(default)s)" if default is not None else ""
+        p.add_argument(f"--{flag}", type=typ, default=default, help=help_ + shown)
+
+
+def sampling_params(args: argparse.Namespace):
+    from wkvm.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    model_help = "BlinkDL .pth, HF/fla directory or weight pack (default: the embedded model) [env WKVM_MODEL]"
+    p.add_argument("--model", default=env_default("model"), help=model_help)
+    dtype_help = "weights: float32 or bfloat16 (default: %(default)s) [env WKVM_DTYPE]"
+    p.add_argument("--dtype", default=env_default("dtype") or "float32", help=dtype_help)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from wkvm.llm import LLM
-    from wkvm.sampling_params import SamplingParams
 
     llm = LLM(model=args.model or default_model(), dtype=args.dtype)
     prompt = [int(t) for t in args.prompt_ids.split(",")] if args.prompt_ids else args.prompt
     if prompt is None:
         print("wkvm generate: give a prompt or --prompt-ids", file=sys.stderr)
         return 2
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    out = llm.generate([prompt], params)[0]
+    out = llm.generate([prompt], sampling_params(args))[0]
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}))
     else:
@@ -141,20 +215,31 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from wkvm.cli_chat import ChatREPL
 
     state_dir = Path(args.state_dir or Path.home() / ".cache" / "wkvm" / "chat-states")
-    ChatREPL(args.model or str(default_model()), state_dir, args.max_tokens, args.temperature, args.dtype).run()
+    ChatREPL(args.model or str(default_model()), state_dir, sampling_params(args), args.dtype).run()
     return 0
 
 
-BENCHES = ("rwkv7_speed", "batch_decode", "state_ops", "multiturn", "weight_streaming", "bf16_speed")
+BENCHES = {  # what each measures, from the docstring of bench/NAME.py
+    "rwkv7_speed": "decode (B=1) and 1,024-token prefill tok/s vs BlinkDL's rwkv package, with floor and ceiling",
+    "batch_decode": "aggregate decode tok/s at B = 1 to 64 vs the rwkv package at B=1",
+    "state_ops": "resume latency from host and disk, fork latency, 2,000 hibernated sessions, restart time",
+    "multiturn": "multi-turn chat: prefix reuse vs no reuse vs the rwkv package vs a lower bound",
+    "weight_streaming": "decode tok/s with resident, partly cached and streamed weights (read-ahead, warm/cold)",
+    "bf16_speed": "bf16 vs fp32 weights: decode B=1/B=8, prefill, memory, KL; vs the rwkv package's bf16",
+}
+BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     import subprocess
 
-    bench_dir = Path(__file__).resolve().parent.parent / "bench"
-    names = [n for n in BENCHES if (bench_dir / f"{n}.py").exists()] if args.name == "all" else [args.name]
+    if not BENCH_DIR.is_dir():
+        how = "clone the repository, `pip install -e .` in it, then run `wkvm bench all` there"
+        print(f"wkvm bench: {BENCH_DIR} does not exist: benchmarks run from a source checkout ({how})", file=sys.stderr)
+        return 2
+    names = [n for n in BENCHES if (BENCH_DIR / f"{n}.py").exists()] if args.name == "all" else [args.name]
     for name in names:
-        script = bench_dir / f"{name}.py"
+        script = BENCH_DIR / f"{name}.py"
         if not script.exists():
             print(f"wkvm bench: {script} not found (benchmarks run from a source checkout)", file=sys.stderr)
             return 2
@@ -183,39 +268,40 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="wkvm", description="A state-native inference engine for recurrent LMs.")
+    ap.add_argument("--version", action="version", version=f"wkvm {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    about = "Serve the OpenAI-compatible HTTP API. Byte sizes take units: 512k, 2G (1000s), 256MiB (1024s)."
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server", description=about)
     add_serve_flags(s)
     s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generate", help="generate from a prompt")
-    g.add_argument("prompt", nargs="?")
-    g.add_argument("--model", default=env_default("model"))
+    g.add_argument("prompt", nargs="?", help="text to continue (or give --prompt-ids)")
+    add_model_flags(g)
     g.add_argument("--prompt-ids", help="comma-separated token ids instead of text")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--dtype", default=env_default("dtype") or "float32", help="weights: float32 or bfloat16")
+    add_sampling_flags(g)
     g.add_argument("--json", action="store_true", help="print text, token ids and finish reason as JSON")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("convert", help="convert between BlinkDL .pth and an HF/fla directory (lossless)")
-    c.add_argument("src")
-    c.add_argument("dst")
+    c.add_argument("src", help="a BlinkDL .pth file or an HF/fla directory")
+    c.add_argument("dst", help="what to write: a directory from a .pth, a .pth from a directory, or a pack (--pack)")
     c.add_argument("--pack", action="store_true", help="write a weight pack for --weight-cache-layers streaming")
     c.set_defaults(func=cmd_convert)
 
     ch = sub.add_parser("chat", help="chat in the terminal; the state is kept across turns")
-    ch.add_argument("--model", default=env_default("model"))
-    ch.add_argument("--state-dir", default=env_default("state_dir"), help="where /save keeps states")
-    ch.add_argument("--max-tokens", type=int, default=200)
-    ch.add_argument("--temperature", type=float, default=0.8)
-    ch.add_argument("--dtype", default=env_default("dtype") or "float32", help="weights: float32 or bfloat16")
+    add_model_flags(ch)
+    state_help = "where /save and /fork keep states (default: ~/.cache/wkvm/chat-states) [env WKVM_STATE_DIR]"
+    ch.add_argument("--state-dir", default=env_default("state_dir"), help=state_help)
+    add_sampling_flags(ch)
     ch.set_defaults(func=cmd_chat)
 
-    b = sub.add_parser("bench", help="run a benchmark from bench/ and print its table")
-    b.add_argument("name", choices=[*BENCHES, "all"])
+    listing = "\n".join(f"  {name:17} {what}" for name, what in BENCHES.items())
+    about = f"Run a benchmark from a source checkout's bench/ directory and print its table.\n\n{listing}"
+    raw = argparse.RawDescriptionHelpFormatter  # keeps the one-line-per-benchmark listing
+    b = sub.add_parser("bench", help="run a benchmark from bench/", description=about, formatter_class=raw)
+    b.add_argument("name", choices=[*BENCHES, "all"], help="a benchmark listed above, or all of them in turn")
     b.add_argument("extra", nargs=argparse.REMAINDER, help="arguments for the benchmark script")
     b.set_defaults(func=cmd_bench)
 
@@ -227,7 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=TEXT_FORMAT)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

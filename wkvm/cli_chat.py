@@ -1,37 +1,63 @@
 """`wkvm chat`: a terminal chat that keeps the conversation's recurrent state across turns.
 
-Each turn feeds only the new text after what the state has already consumed. Commands: /save NAME, /fork NAME,
-/load NAME, /states, /reset, /quit.
+Each turn feeds only the new text after what the state has already consumed. A conversation with a name is on a
+branch: /fork NAME or /load NAME puts it there, every answer is then saved as the branch's next version, and the
+prompt shows where it is (`[scene@3] you> `); /save NAME only bookmarks the current point. Ctrl-C during an
+answer stops it and keeps what was generated as the turn (before the first token, the turn is dropped); Ctrl-C
+is never delivered in the middle of an engine step, which would leave the engine half-updated.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from wkvm.chat_template import load_chat_template
 from wkvm.config import EngineConfig
 from wkvm.engine.engine import Engine
+from wkvm.engine.handle import RequestHandle
 from wkvm.models.loader import load_model
 from wkvm.sampling_params import SamplingParams
+from wkvm.state.index import StateRecord
+from wkvm.state.quota import QuotaExceeded
 from wkvm.state.statefile import resume_inputs
 from wkvm.state.store import StateNotFound, StateStore
 from wkvm.tokenizer import load_tokenizer
 
 OWNER = "local"
-HELP = "commands: /save NAME, /fork NAME, /load NAME, /states, /reset, /quit"
+LEAVE = ("/quit", "/exit", "quit", "exit")
+HELP = (
+    "commands: /save NAME (bookmark this point), /fork NAME (save it and continue on NAME), /load NAME[@N], "
+    "/states, /reset, /quit (or quit, exit, Ctrl-D). Ctrl-C stops an answer and keeps what it said so far"
+)
+
+
+@contextmanager
+def ctrl_c_sets(flag: threading.Event) -> Iterator[None]:
+    """Inside, Ctrl-C sets `flag` instead of raising KeyboardInterrupt wherever the main thread happens to be."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread can handle signals, and only it receives Ctrl-C
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: flag.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class ChatREPL:
-    def __init__(self, model_path: str, state_dir: Path, max_tokens: int, temperature: float, dtype: str = "float32"):
+    def __init__(self, model_path: str, state_dir: Path, params: SamplingParams, dtype: str = "float32"):
         self.model = load_model(model_path, dtype=dtype)
         self.tokenizer = load_tokenizer(model_path)
         self.template = load_chat_template(model_path)
         self.engine = Engine(self.model, self.tokenizer, EngineConfig(n_slots=1))
         self.store = StateStore(state_dir, self.model.spec, self.model.fingerprint, self.model.vocab_size)
-        self.params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=0.9,
-                                     stop=self.template.stop)  # fmt: skip
-        self.name = "chat"
+        self.params = replace(params, stop=[*params.stop, *self.template.stop])
         self.reset()
 
     def reset(self) -> None:
@@ -39,57 +65,74 @@ class ChatREPL:
         self.state = None
         self.token_ids: list[int] = []  # the state holds all but the last (pending)
         self.consumed = ""  # text of token_ids
+        self.branch: str | None = None  # the name every answer is saved under; None: answers are not saved
+        self.handle: str | None = None  # the stored version this conversation is at
+
+    def prompt(self) -> str:
+        return f"[{self.handle or self.branch}] you> " if self.branch else "you> "
 
     def turn(self, text: str) -> str:
         self.messages.append({"role": "user", "content": text})
         full = self.template.render(self.messages)
-        if self.state is not None and full.startswith(self.consumed):
+        state = self.state
+        if state is not None and full.startswith(self.consumed):
             new = self.tokenizer.encode(full[len(self.consumed) :])
             prompt, base = resume_inputs(self.token_ids, new)
         else:  # first turn, or the rendering no longer extends what the state holds
-            self.state, prompt, base = None, self.tokenizer.encode(full), []
-        h = self.engine.submit(prompt, self.params, initial_state=self.state, base_ids=base, capture_state=True)
-        printed = 0
-        while not h.done.is_set():
-            self.engine.step()
-            sys.stdout.write(h.output.text[printed:])
-            sys.stdout.flush()
-            printed = len(h.output.text)
-        sys.stdout.write(h.output.text[printed:] + "\n")
+            state, prompt, base = None, self.tokenizer.encode(full), []
+        h = self.engine.submit(prompt, self.params, initial_state=state, base_ids=base, capture_state=True)
+        stopped = self._stream(h)
+        if stopped and (not h.request.output_ids or h.request.final_state is None):
+            self.messages.pop()  # the state is still the one before this turn
+            print("(stopped before the answer began: this turn is dropped)")
+            return ""
+        # with an answer begun the whole prompt was fed: the state holds the history but its last token
         self.state, self.token_ids = h.request.final_state, h.request.history()
         self.consumed = self.tokenizer.decode(self.token_ids)
         self.messages.append({"role": "assistant", "content": h.output.text.strip()})
+        if stopped:
+            print("(stopped: the answer so far is kept as this turn)")
+        if self.branch is not None:
+            rec = self._put(self.branch, "generate")
+            self.handle = rec.handle if rec else None
         return h.output.text
 
+    def _stream(self, h: RequestHandle) -> bool:
+        """Print the answer as it comes; Ctrl-C cancels it. True if it was stopped that way."""
+        interrupted = threading.Event()
+        printed = 0
+        with ctrl_c_sets(interrupted):
+            while not h.done.is_set():
+                if interrupted.is_set():
+                    self.engine.cancel(h.request.request_id)  # the next step ends it at a token boundary
+                self.engine.step()
+                sys.stdout.write(h.output.text[printed:])
+                sys.stdout.flush()
+                printed = len(h.output.text)
+        sys.stdout.write(h.output.text[printed:] + "\n")
+        return interrupted.is_set() and h.output.finish_reason == "abort"
+
+    def _put(self, name: str, op: str) -> StateRecord | None:
+        transcript = {"messages": self.messages}  # /load brings the chat back, not just the state
+        try:
+            return self.store.put(OWNER, name, self.state, self.token_ids, self.handle, op, transcript)
+        except (ValueError, QuotaExceeded) as e:
+            print(f"(not saved: {e})")
+            return None
+
     def command(self, line: str) -> bool:
-        """Run a /command; returns False to quit."""
+        """Run a command; returns False to leave."""
         cmd, _, arg = line.partition(" ")
         arg = arg.strip()
-        if cmd in ("/quit", "/exit"):
+        if cmd.lower() in LEAVE:
             return False
         if cmd == "/reset":
             self.reset()
             print("(new conversation)")
         elif cmd in ("/save", "/fork") and arg:
-            if self.state is None:
-                print("(nothing to save yet)")
-            else:
-                rec = self.store.put(OWNER, arg, self.state, self.token_ids, op=cmd[1:],
-                                     op_params={"messages": self.messages})  # fmt: skip
-                if cmd == "/fork":
-                    self.name = arg
-                print(f"(saved {rec.handle}, {rec.n_tokens} tokens)")
+            self.save(arg, fork=cmd == "/fork")
         elif cmd == "/load" and arg:
-            try:
-                rec, state = self.store.load(OWNER, arg)
-            except (StateNotFound, ValueError) as e:
-                print(f"({e})")
-                return True
-            self.state, self.token_ids, self.name = state, rec.token_ids, rec.name
-            self.consumed = self.tokenizer.decode(rec.token_ids)
-            self.messages = list(rec.op_params.get("messages", []))
-            note = "" if self.messages else " (no chat transcript saved with it: the next turn starts fresh)"
-            print(f"(loaded {rec.handle}, {rec.n_tokens} tokens){note}")
+            self.load(arg)
         elif cmd == "/states":
             for rec in self.store.list(OWNER):
                 print(f"  {rec.handle:24} {rec.n_tokens:6} tokens  {rec.op:8} {rec.tier}")
@@ -97,18 +140,59 @@ class ChatREPL:
             print(HELP)
         return True
 
-    def run(self, lines=None) -> None:
-        print(f"wkvm chat on {self.model.family} ({HELP})")
-        source = lines if lines is not None else iter(lambda: input("> "), None)
+    def save(self, name: str, fork: bool) -> None:
+        """Store the current state under `name`; a fork also moves the conversation onto that branch."""
+        if self.state is None:
+            print("(nothing to save yet: say something first)")
+            return
+        rec = self._put(name, "fork" if fork else "save")
+        if rec is None:
+            return
+        if fork:
+            origin = self.handle or "the unsaved conversation"
+            print(f"(forked {rec.handle} from {origin}, which stays as it was; the next turns continue on {name})")
+            self.branch = name
+        else:
+            print(f"(saved {rec.handle}, {rec.n_tokens} tokens)")
+        if self.branch == name:
+            self.handle = rec.handle
+
+    def load(self, handle: str) -> None:
         try:
-            for line in source:
+            rec, state = self.store.load(OWNER, handle)
+        except (StateNotFound, ValueError) as e:
+            print(f"({e})")
+            return
+        self.state, self.token_ids = state, rec.token_ids
+        self.branch, self.handle = rec.name, rec.handle
+        self.consumed = self.tokenizer.decode(rec.token_ids)
+        self.messages = list(rec.op_params.get("messages", []))
+        note = "" if self.messages else " (no chat transcript saved with it: the next turn starts fresh)"
+        print(f"(loaded {rec.handle}, {rec.n_tokens} tokens; the next turns continue on {rec.name}){note}")
+
+    def run(self, lines: Iterable[str] | None = None) -> None:
+        """Chat over `lines`, or what is typed at the prompt, until a leave command or the end of input."""
+        print(f"wkvm chat on {self.model.family}. {HELP}")
+        try:
+            for line in lines if lines is not None else self._typed():
                 line = line.strip()
-                if line.startswith("/"):
+                if line.startswith("/") or line.lower() in LEAVE:
                     if not self.command(line):
                         break
                 elif line:
                     self.turn(line)
-        except (EOFError, KeyboardInterrupt):
+        except KeyboardInterrupt:  # outside an answer, e.g. while a prompt is tokenized
             print()
         finally:
             self.store.close()
+
+    def _typed(self) -> Iterator[str]:
+        """Lines typed at the prompt until EOF (Ctrl-D); Ctrl-C at the prompt only says how to leave."""
+        while True:
+            try:
+                yield input(self.prompt())
+            except EOFError:
+                print()
+                return
+            except KeyboardInterrupt:
+                print("\n(to leave: /quit, quit, exit or Ctrl-D)")

@@ -87,10 +87,14 @@ def _port_check(host: str, port: int) -> tuple[str, bool, str, str]:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("doctor", help="check python, torch, memory, disk, model and port")
-    p.add_argument("--model", default=os.environ.get("WKVM_MODEL"))
-    p.add_argument("--state-dir", default=os.environ.get("WKVM_STATE_DIR"))
-    p.add_argument("--host", default=os.environ.get("WKVM_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(os.environ.get("WKVM_PORT", "8000")))
+    p.add_argument("--model", default=os.environ.get("WKVM_MODEL"),
+                   help="model to try loading (default: the embedded model) [env WKVM_MODEL]")
+    p.add_argument("--state-dir", default=os.environ.get("WKVM_STATE_DIR"),
+                   help="directory whose free disk space to check (default: ~/.cache/wkvm) [env WKVM_STATE_DIR]")
+    p.add_argument("--host", default=os.environ.get("WKVM_HOST", "127.0.0.1"),
+                   help="address to check is free to bind (default: %(default)s) [env WKVM_HOST]")
+    p.add_argument("--port", type=int, default=int(os.environ.get("WKVM_PORT", "8000")),
+                   help="port to check is free (default: %(default)s) [env WKVM_PORT]")
     p.set_defaults(func=run)
 
 

@@ -1,4 +1,7 @@
-"""`wkvm states ls|show|export|import|rm`, against a running server (--url) or a state directory (--state-dir)."""
+"""`wkvm states ls|show|export|import|rm`, against a running server (--url) or a state directory (--state-dir).
+
+With --url it only speaks HTTP and never imports torch (seconds of start-up on a loaded machine).
+"""
 
 from __future__ import annotations
 
@@ -83,17 +86,24 @@ class DirStates:
         return {"id": handle, "deleted": True}
 
 
+IMPORT_NOTE = (
+    "import FILE stores the file under the name it was exported with, or --name NAME; if that name already has "
+    "versions, the import becomes its newest version (older ones stay; a bare NAME now means the import) and the "
+    "output says so"
+)
+
+
 def add_parser(sub) -> None:
-    p = sub.add_parser("states", help="list, show, export, import or remove states")
-    p.add_argument("action", choices=["ls", "show", "export", "import", "rm"])
+    p = sub.add_parser("states", help="list, show, export, import or remove states", description=IMPORT_NOTE)
+    p.add_argument("action", choices=["ls", "show", "export", "import", "rm"], help="what to do")
     p.add_argument("args", nargs="*", help="show/rm: HANDLE; export: HANDLE FILE; import: FILE")
     p.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000 (env WKVM_URL)")
     p.add_argument("--api-key", help="API key for --url (env WKVM_API_KEY)")
     p.add_argument("--state-dir", help="a state directory instead of a server")
     p.add_argument("--model", help="with --state-dir: the model the states belong to")
     p.add_argument("--owner", default=OWNER, help="with --state-dir: whose states (default: local)")
-    p.add_argument("--name", help="import: store under this name")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--name", help="import: store under this name instead of the file's")
+    p.add_argument("--json", action="store_true", help="print JSON (default: readable text)")
     p.set_defaults(func=run)
 
 
@@ -127,5 +137,31 @@ def run(args: argparse.Namespace) -> int:
         out = backend.import_(Path(args.args[0]).read_bytes(), args.name)
     else:
         out = backend.show(args.args[0]) if args.action == "show" else backend.rm(args.args[0])
-    print(json.dumps(out, indent=2))
+    if args.json:
+        print(json.dumps(out, indent=2))
+    elif args.action == "import":
+        print(imported(args.args[0], out))
+    elif args.action == "rm":
+        print(f"deleted {out['id']}")
+    else:
+        print(key_values(out))
     return 0
+
+
+def imported(file: str, info: dict) -> str:
+    """What an import did; a name that already existed gets a new version, which a user should not miss."""
+    if info["version"] == 1:
+        return f"imported {file} as {info['handle']} (new name {info['name']})"
+    return (
+        f"imported {file} as {info['handle']}: added version {info['version']} to existing name {info['name']} "
+        f"(a bare {info['name']} now means this version; --name NAME imports under another name)"
+    )
+
+
+def key_values(info: dict) -> str:
+    width = max(map(len, info))
+    lines = []
+    for key, value in info.items():
+        text = json.dumps(value) if isinstance(value, dict | list) else "-" if value is None else str(value)
+        lines.append(f"{key + ':':{width + 1}} {text}")
+    return "\n".join(lines)

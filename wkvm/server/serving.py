@@ -14,14 +14,33 @@ import threading
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.config import LOGGING_CONFIG
 
 log = logging.getLogger("wkvm.server")
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, app: FastAPI, host: str, port: int, grace: float, log_level: str = "info"):
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str,
+        port: int,
+        grace: float,
+        log_level: str = "info",
+        log_config: dict | None = None,
+        access_log: bool = True,
+    ):
+        """`log_config` (a dictConfig dictionary, see wkvm.logs) replaces uvicorn's own formats; None keeps them."""
         # uvicorn's own limit is a backstop only: by then every request has been ended
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace + 10)
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            log_config=log_config or LOGGING_CONFIG,
+            access_log=access_log,
+            timeout_graceful_shutdown=grace + 10,
+        )
         super().__init__(config)
         self.ctx = app.state.ctx
         self.grace = grace

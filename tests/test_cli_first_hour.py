@@ -1,0 +1,264 @@
+"""Issue #13: what a newcomer trips over in the CLI and the logs: chat branches and leaving, `states` output and
+start-up cost, --version, --help, size units, `bench` outside a checkout, one timestamped log format."""
+
+import argparse
+import json
+import logging
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from live_server import LiveServer, ServerProcess
+
+from wkvm import SamplingParams, __version__, cli
+from wkvm.cli import EMBEDDED_MODEL, build_parser, main, parse_size
+from wkvm.cli_chat import ChatREPL
+from wkvm.logs import JsonFormatter
+from wkvm.state.store import StateStore
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def chat(tmp_path, max_tokens: int = 12) -> ChatREPL:
+    return ChatREPL(str(EMBEDDED_MODEL), tmp_path / "states", SamplingParams(max_tokens=max_tokens, temperature=0))
+
+
+def stored(repl: ChatREPL, tmp_path) -> dict[str, list[int]]:
+    """Versions per name in the chat's state directory (the REPL has closed its store)."""
+    store = StateStore(tmp_path / "states", repl.model.spec, repl.model.fingerprint, repl.model.vocab_size)
+    try:
+        out: dict[str, list[int]] = {}
+        for rec in store.list("local"):
+            out.setdefault(rec.name, []).append(rec.version)
+        return {name: sorted(v) for name, v in out.items()}
+    finally:
+        store.close()
+
+
+def test_fork_switches_the_conversation_to_the_branch(tmp_path, capsys):
+    repl = chat(tmp_path)
+    repl.run(["Good morrow.", "/save scene", "/fork alt", "How now?", "Speak again.", "/quit"])
+    out = capsys.readouterr().out
+    assert "(forked alt@1 from the unsaved conversation" in out
+    assert repl.branch == "alt" and repl.handle == "alt@3" and repl.prompt() == "[alt@3] you> "
+    assert stored(repl, tmp_path) == {"scene": [1], "alt": [1, 2, 3]}  # the original stays as it was
+    assert [m["role"] for m in repl.messages] == ["user", "assistant"] * 3
+
+
+def test_load_puts_the_conversation_on_that_branch(tmp_path, capsys):
+    repl = chat(tmp_path)
+    repl.run(["Good morrow.", "/save scene", "How now?", "/load scene", "Speak again.", "exit"])
+    assert "(loaded scene@1" in capsys.readouterr().out
+    assert repl.handle == "scene@2" and len(repl.messages) == 4  # continued from scene@1, not from "How now?"
+
+
+@pytest.mark.parametrize("word", ["quit", "exit", "/quit", "/exit", "Quit"])
+def test_quit_and_exit_leave(tmp_path, word):
+    lines = iter([word, "never read"])
+    chat(tmp_path).run(lines)
+    assert next(lines) == "never read"
+
+
+def interrupt_at_step(repl: ChatREPL, n: int, skip: bool = False) -> None:
+    """Press Ctrl-C when the engine is stepped the n-th time (skip: before that step runs)."""
+    real, calls = repl.engine.step, [0]
+
+    def step():
+        calls[0] += 1
+        if calls[0] == n:
+            signal.raise_signal(signal.SIGINT)
+            if skip:
+                return []
+        return real()
+
+    repl.engine.step = step
+
+
+def test_ctrl_c_stops_the_answer_keeps_it_and_the_chat_goes_on(tmp_path, capsys):
+    repl = chat(tmp_path, max_tokens=200)
+    interrupt_at_step(repl, 3)  # step 1 prefills and samples the first token
+    repl.run(["Good morrow.", "How now?", "/quit"])
+    out = capsys.readouterr().out
+    assert "(stopped: the answer so far is kept as this turn)" in out
+    assert [m["role"] for m in repl.messages] == ["user", "assistant"] * 2  # the chat went on after Ctrl-C
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_before_the_first_token_drops_the_turn(tmp_path, capsys):
+    repl = chat(tmp_path)
+    interrupt_at_step(repl, 1, skip=True)
+    repl.run(["Good morrow.", "How now?", "/quit"])
+    assert "this turn is dropped" in capsys.readouterr().out
+    assert repl.messages[0] == {"role": "user", "content": "How now?"} and len(repl.messages) == 2
+
+
+def test_chat_from_a_pipe_shows_the_branch_and_ends_at_eof(tmp_path):
+    cmd = [sys.executable, "-m", "wkvm.cli", "chat", "--state-dir", str(tmp_path), "--max-tokens", "8"]
+    r = subprocess.run(cmd, input="Good morrow.\n/fork scene\nHow now?\n", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "[scene@1] you> " in r.stdout and "[scene@2] you> " in r.stdout and "Traceback" not in r.stderr
+
+
+@pytest.fixture(scope="module")
+def server():
+    with LiveServer(model=str(EMBEDDED_MODEL)) as s:
+        httpx.post(f"{s.url}/v1/states", json={"name": "srv", "prompt_ids": [5, 6]}).raise_for_status()
+        yield s
+
+
+def test_states_show_prints_text_and_json_with_json(server, capsys):
+    assert main(["states", "show", "srv", "--url", server.url]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^handle: +srv@1$", text, re.M) and re.search(r"^n_tokens: +2$", text, re.M)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+    assert main(["states", "show", "srv", "--url", server.url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["handle"] == "srv@1"
+
+
+def test_states_import_says_when_it_adds_a_version_to_an_existing_name(server, tmp_path, capsys):
+    file, url = str(tmp_path / "srv.state"), ["--url", server.url]
+    assert main(["states", "export", "srv", file, *url]) == 0
+    assert main(["states", "import", file, *url]) == 0
+    assert main(["states", "import", file, "--name", "fresh", *url]) == 0
+    out = capsys.readouterr().out
+    assert "added version 2 to existing name srv" in out and "as fresh@1 (new name fresh)" in out
+
+
+def test_states_import_behaviour_is_in_the_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["states", "--help"])
+    assert "already has versions, the import becomes its newest version" in " ".join(capsys.readouterr().out.split())
+
+
+def test_states_ls_imports_no_torch_and_logs_no_http_lines(server):
+    code = (
+        "import sys; from wkvm.cli import main; rc = main(['states', 'ls', '--url', sys.argv[1]]); "
+        "print('torch imported' if 'torch' in sys.modules else 'no torch'); sys.exit(rc)"
+    )
+    r = subprocess.run([sys.executable, "-c", code, server.url], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "srv@1" in r.stdout and "no torch" in r.stdout
+    assert "HTTP Request" not in r.stderr, r.stderr
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"wkvm {__version__}"
+
+
+SIZES = {"268435456": 268435456, "256MiB": 256 << 20, "2G": 2 * 10**9, "1.5GB": 1_500_000_000, "512k": 512_000}
+SIZES |= {"512K": 512_000, "1gib": 1 << 30, "0.5 MiB": 1 << 19, "3b": 3, "4TiB": 4 << 40}
+
+
+@pytest.mark.parametrize(("text", "size"), SIZES.items())
+def test_parse_size(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "lots", "12Q", "-1G", "1.5.5G", "1e9", "inf", "5ib", "MiB"])
+def test_parse_size_rejects_garbage_with_examples(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a size: .* 256MiB, 2G"):
+        parse_size(text)
+
+
+def test_size_flags_and_env_vars_take_units(monkeypatch, capsys):
+    monkeypatch.setenv("WKVM_STATE_DEVICE_BYTES", "2G")
+    args = build_parser().parse_args(["serve", "--max-body-bytes", "1.5GB", "--state-disk-quota", "512k"])
+    assert (args.state_device_bytes, args.max_body_bytes, args.state_disk_quota) == (2 * 10**9, 1_500_000_000, 512_000)
+    assert (args.state_host_bytes, args.checkpoint_bytes) == (1 << 30, 1 << 30)  # the defaults, parsed
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--checkpoint-bytes", "lots"])
+    assert "'lots' is not a size" in capsys.readouterr().err
+    monkeypatch.setenv("WKVM_STATE_HOST_BYTES", "lots")
+    with pytest.raises(SystemExit, match="WKVM_STATE_HOST_BYTES='lots': 'lots' is not a size"):
+        build_parser()
+
+
+def help_of(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines at the terminal width
+
+
+def test_serve_help_shows_defaults_but_not_keys(monkeypatch, capsys):
+    monkeypatch.setenv("WKVM_API_KEY", "sekrit")
+    text = help_of(["serve"], capsys)
+    for shown in ("(default: 8000)", "(default: 256MiB)", "(default: 1GiB)", "(default: info)", "(default: text)"):
+        assert shown in text
+    assert "--no-access-log" in text and "sekrit" not in text
+
+
+def test_generate_and_chat_share_sampling_defaults_shown_in_help(capsys):
+    names = ("max_tokens", "temperature", "top_p", "seed")
+    gen, ch = build_parser().parse_args(["generate"]), build_parser().parse_args(["chat"])
+    assert [getattr(gen, n) for n in names] == [getattr(ch, n) for n in names]
+    for argv in (["generate"], ["chat"]):
+        assert f"(default: {gen.temperature})" in help_of(argv, capsys)
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat", "convert", "bench", "states", "doctor"])
+def test_every_flag_and_argument_has_help(command):
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [a.dest for a in sub.choices[command]._actions if not a.help]
+    assert not missing, f"wkvm {command}: no help for {missing}"
+
+
+def test_bench_help_says_what_each_benchmark_measures(capsys):
+    text = help_of(["bench"], capsys)
+    scripts = {p.stem for p in (ROOT / "bench").glob("*.py")} - {"common"}
+    assert set(cli.BENCHES) == scripts
+    for name, what in cli.BENCHES.items():
+        assert f"{name} {what}" in text
+
+
+def test_bench_all_outside_a_checkout_fails_and_says_why(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "BENCH_DIR", tmp_path / "bench")
+    assert main(["bench", "all"]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist: benchmarks run from a source checkout" in err
+
+
+TEXT_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR) +[\w.]+: .*")
+
+
+def served_log(*args: str) -> str:
+    """Log of `wkvm serve` answering /health once and stopping."""
+    with ServerProcess("--model", str(EMBEDDED_MODEL), *args) as s:
+        httpx.get(f"{s.url}/health").raise_for_status()
+        assert s.stop() == 0
+        return s.output()
+
+
+def test_server_log_lines_have_timestamps_and_one_format():
+    lines = served_log().splitlines()
+    assert lines and all(TEXT_LINE.fullmatch(line) for line in lines), "\n".join(lines)
+    assert any(" uvicorn.error: Uvicorn running on" in line for line in lines)
+    assert any(" uvicorn.access: 127.0.0.1:" in line and '"GET /health HTTP/1.1" 200' in line for line in lines)
+
+
+def test_json_log_lines_parse_and_access_lines_have_fields():
+    lines = [json.loads(line) for line in served_log("--log-format", "json").splitlines()]
+    assert all({"time", "level", "logger", "message"} <= line.keys() for line in lines)
+    access = [line for line in lines if line["logger"] == "uvicorn.access"]
+    assert {"client", "method", "path", "status"} <= access[0].keys()
+    assert any(line["method"] == "GET" and line["path"] == "/health" and line["status"] == 200 for line in access)
+
+
+def test_no_access_log_and_log_level_flags():
+    text = served_log("--no-access-log", "--log-level", "warning")
+    assert "uvicorn.access" not in text and "Uvicorn running" not in text
+
+
+def test_json_formatter_keeps_exceptions_on_one_line():
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record = logging.LogRecord("wkvm.server", logging.ERROR, __file__, 1, "failed %s", ("x",), sys.exc_info())
+    line = JsonFormatter().format(record)
+    assert "\n" not in line and json.loads(line)["exception"].endswith("ValueError: boom")

@@ -1,0 +1,54 @@
+"""One log format for wkvm's and uvicorn's loggers: text lines with timestamps, or one JSON object per line.
+
+Every record goes to stderr through the root logger, so uvicorn's startup and access lines look like wkvm's own.
+The same dictionary configures logging before the model loads and is handed to uvicorn (`log_config`), which
+would otherwise install its own two formats without timestamps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime
+
+LEVELS = ("debug", "info", "warning", "error")
+FORMATS = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi")
+QUIET_LOGGERS = ("httpx", "httpcore")  # one INFO line per HTTP request they make: noise in a CLI or a server log
+
+
+class JsonFormatter(logging.Formatter):
+    """time, level, logger, message; access lines add client, method, path and status."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "time": datetime.fromtimestamp(record.created).astimezone().isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        # uvicorn logs an access line as (client, method, path, http version, status)
+        if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) == 5:
+            client, method, path, _, status = record.args
+            line.update(client=client, method=method, path=path, status=status)
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line)
+
+
+def log_config(level: str = "info", fmt: str = "text") -> dict:
+    """A `logging.config.dictConfig` dictionary: every logger through one stderr handler in `fmt`."""
+    if level not in LEVELS or fmt not in FORMATS:
+        raise ValueError(f"log level {level!r} / format {fmt!r}: use one of {LEVELS} / {FORMATS}")
+    formatter = {"()": JsonFormatter} if fmt == "json" else {"format": TEXT_FORMAT}
+    loggers: dict[str, dict] = {name: {"handlers": [], "propagate": True} for name in UVICORN_LOGGERS}
+    loggers.update({name: {"level": "WARNING"} for name in QUIET_LOGGERS})
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"wkvm": formatter},
+        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "wkvm", "stream": "ext://sys.stderr"}},
+        "root": {"handlers": ["stderr"], "level": level.upper()},
+        "loggers": loggers,
+    }
