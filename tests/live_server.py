@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,9 +32,9 @@ class ServerProcess:
         wait_healthy(self.url, alive=lambda: self.proc.poll() is None)
         return self
 
-    def stop(self, timeout: float = 30) -> int:
-        """SIGTERM, then wait; returns the exit code (killed after `timeout`: a failure)."""
-        self.proc.terminate()
+    def stop(self, timeout: float = 30, sig: int = signal.SIGTERM) -> int:
+        """Send `sig` (SIGTERM; SIGINT is Ctrl-C), then wait; returns the exit code (killed after `timeout`)."""
+        self.proc.send_signal(sig)
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -2,6 +2,7 @@
 poisoned request fails alone with an OpenAI-shaped 4xx while another tenant's stream runs unchanged."""
 
 import json
+import signal
 import socket
 import threading
 import time
@@ -245,7 +246,8 @@ def test_prefix_reuse_is_scoped_to_user_and_cache_salt(world_pth):
         assert mode(user="alice", cache_salt="s2") == "fresh"
 
 
-def test_sigterm_ends_streams_cleanly_and_keeps_states(tiny_pth, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_ends_streams_cleanly_and_keeps_states(tiny_pth, tmp_path, sig):
     state_dir = str(tmp_path / "states")
     args = ("--model", str(tiny_pth), "--state-dir", state_dir, "--shutdown-grace", "1")
     lines: list[str] = []
@@ -266,7 +268,7 @@ def test_sigterm_ends_streams_cleanly_and_keeps_states(tiny_pth, tmp_path):
         reader.start()
         assert started.wait(60)
         t0 = time.monotonic()
-        assert s.stop(timeout=30) == 0
+        assert s.stop(timeout=30, sig=sig) == 0
         assert time.monotonic() - t0 < 20
         reader.join(30)
     events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]

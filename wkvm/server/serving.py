@@ -54,7 +54,7 @@ class GracefulServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         if self._drainer is None:
             log.info("shutting down: running requests have %.0f s to finish (--shutdown-grace)", self.grace)
-            self.begin_shutdown()
+            self._start_drain()  # uvicorn's handler below sets should_exit (set here first, a SIGINT would force-exit)
         else:
             log.info("second signal: ending running requests now")
             self.ctx.end_requests(0)
@@ -64,7 +64,10 @@ class GracefulServer(uvicorn.Server):
 
     def begin_shutdown(self) -> None:
         """Stop accepting requests and end the running ones after the grace period (returns at once)."""
+        self._start_drain()
+        self.should_exit = True
+
+    def _start_drain(self) -> None:
         self._drainer = threading.Thread(target=self.ctx.end_requests, args=(self.grace,), name="wkvm-drain",
                                          daemon=True)  # fmt: skip
         self._drainer.start()
-        self.should_exit = True
