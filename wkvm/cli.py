@@ -226,6 +226,7 @@ BENCHES = {  # what each measures, from the docstring of bench/NAME.py
     "multiturn": "multi-turn chat: prefix reuse vs no reuse vs the rwkv package vs a lower bound",
     "weight_streaming": "decode tok/s with resident, partly cached and streamed weights (read-ahead, warm/cold)",
     "bf16_speed": "bf16 vs fp32 weights: decode B=1/B=8, prefill, memory, KL; vs the rwkv package's bf16",
+    "event_loop": "/health latency p50/p99 idle vs during a storm of state writes (hibernate, import, save_as)",
 }
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 

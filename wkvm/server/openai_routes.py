@@ -8,6 +8,7 @@ import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from wkvm.chat_template import ChatTemplateError
 from wkvm.engine.engine import RequestHandle
@@ -73,13 +74,19 @@ def check_save_room(ctx: ServerContext, tenant: str, n_tokens: int, param: str) 
 async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body, params, headers=None):
     if body.save_state is not None:
         check_name(body.save_state, "save_state")
-    try:
-        scope = reuse_scope(tenant, body.user, body.cache_salt)
-        plan = ctx.sessions.plan(tenant, prompt_ids, body.state, headers, scope=scope)
-    except ValueError as e:
-        raise APIError(400, str(e), "state", "invalid_state") from None
-    if body.save_state is not None:
-        check_save_room(ctx, tenant, len(plan.base_ids) + len(plan.feed_ids) + params[0].max_tokens, "save_state")
+    scope = reuse_scope(tenant, body.user, body.cache_salt)
+
+    def plan_run() -> Plan:  # reads the store (SQLite, maybe a state file): off the event loop
+        try:
+            plan = ctx.sessions.plan(tenant, prompt_ids, body.state, headers, scope=scope)
+        except ValueError as e:
+            raise APIError(400, str(e), "state", "invalid_state") from None
+        if body.save_state is not None:
+            n_tokens = len(plan.base_ids) + len(plan.feed_ids) + params[0].max_tokens
+            check_save_room(ctx, tenant, n_tokens, "save_state")
+        return plan
+
+    plan = await run_in_threadpool(plan_run)
     try:
         handles = await gen.launch(ctx, plan.feed_ids, params, plan.base_state, plan.base_ids,
                                    capture=plan.capture or bool(body.save_state),
@@ -188,7 +195,7 @@ def router(ctx: ServerContext, auth) -> APIRouter:
                 media_type="text/event-stream",
             )
         await gen.wait_all(ctx, request, handles)
-        extra = finish_runs(ctx, tenant, body, runs)
+        extra = await run_in_threadpool(finish_runs, ctx, tenant, body, runs)
         out = {**base, "choices": [choice(i, h) for i, h in enumerate(handles)],
                "usage": gen.usage(prompt_tokens, handles), **extra}  # fmt: skip
         if body.return_token_ids:
@@ -221,7 +228,7 @@ def router(ctx: ServerContext, auth) -> APIRouter:
                 media_type="text/event-stream",
             )
         await gen.wait_all(ctx, request, handles)
-        extra = finish(ctx, tenant, body, plan, handles)
+        extra = await run_in_threadpool(finish, ctx, tenant, body, plan, handles)
         choices = []
         for i, h in enumerate(handles):
             c = {"index": i, "message": {"role": "assistant", "content": h.output.text},
@@ -313,7 +320,7 @@ async def stream_chunks(ctx, request, body, handles, chunk, prompt_tokens, base,
         failed = next((h for h in handles if h.output.finish_reason == "error"), None)
         if held is not None:
             if failed is None:
-                held.update(on_done())
+                held.update(await run_in_threadpool(on_done))  # saves states: disk I/O off the event loop
             yield gen.sse(held)
         if failed is not None:
             try:

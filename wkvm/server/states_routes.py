@@ -7,6 +7,7 @@ import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
@@ -63,7 +64,7 @@ def router(ctx: ServerContext, auth) -> APIRouter:
         if name is not None:
             check_name(name, "name")
         data = await request.body()
-        return info(ctx.store.import_bytes(tenant, data, name))
+        return info(await run_in_threadpool(ctx.store.import_bytes, tenant, data, name))
 
     @r.get("/{handle}")
     def get(handle: str, request: Request) -> dict:
@@ -120,16 +121,21 @@ def router(ctx: ServerContext, auth) -> APIRouter:
     @r.post("/{handle}/generate")
     async def generate(handle: str, body: StateGenerateRequest, request: Request):
         tenant = who(request)
-        rec = lookup(ctx, tenant, handle)
         suffix = prompt_of(body, required=False)
         params = gen.sampling_params(ctx, body, body.max_tokens, body.logprobs)
         if body.save_as is not None:
             check_name(body.save_as, "save_as")
-            check_save_room(ctx, tenant, rec.n_tokens + len(suffix) + params.max_tokens, "save_as")
-        try:
-            plan = ctx.sessions.from_handle(tenant, rec.handle, suffix)
-        except ValueError as e:
-            raise bad_request(e, "prompt") from None
+
+        def prepare():  # the store's reads (and its lock) stay off the event loop
+            rec = lookup(ctx, tenant, handle)
+            if body.save_as is not None:
+                check_save_room(ctx, tenant, rec.n_tokens + len(suffix) + params.max_tokens, "save_as")
+            try:
+                return rec, ctx.sessions.from_handle(tenant, rec.handle, suffix)
+            except ValueError as e:
+                raise bad_request(e, "prompt") from None
+
+        rec, plan = await run_in_threadpool(prepare)
         handles = await gen.launch(ctx, plan.feed_ids, [params], plan.base_state, plan.base_ids,
                                    capture=body.save_as is not None)  # fmt: skip
         ctx.metrics.prompt_tokens.inc(len(suffix))
@@ -161,7 +167,7 @@ def router(ctx: ServerContext, auth) -> APIRouter:
         if body.return_token_ids:
             c["token_ids"] = h.output.token_ids
             c["prompt_token_ids"] = suffix
-        return {**base, "choices": [c], "usage": gen.usage(len(suffix), handles), **extras()}
+        return {**base, "choices": [c], "usage": gen.usage(len(suffix), handles), **await run_in_threadpool(extras)}
 
     return r
 
