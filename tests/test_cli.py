@@ -1,6 +1,7 @@
 """CLI smoke tests: convert round trip and generate --json."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -118,8 +119,25 @@ def test_every_serve_flag_reads_its_env_var(monkeypatch):
     monkeypatch.setenv("WKVM_API_KEY", "from-env")
     monkeypatch.setenv("WKVM_NO_PREFIX_REUSE", "1")
     args = build_parser().parse_args(["serve"])
-    assert (args.slots, args.port, args.api_key, args.no_prefix_reuse) == (3, 9123, "from-env", True)
+    assert (args.slots, args.port, args.api_key, args.prefix_reuse) == (3, 9123, "from-env", False)
     assert build_parser().parse_args(["serve", "--slots", "5"]).slots == 5
+
+
+def test_serve_flags_are_the_server_config(monkeypatch):
+    """One source of defaults: `wkvm serve` with no flags builds exactly ServerConfig()'s settings."""
+    from dataclasses import fields
+
+    from wkvm.cli import build_parser
+    from wkvm.config import ServerConfig
+
+    for name in [k for k in os.environ if k.startswith("WKVM_")]:
+        monkeypatch.delenv(name)
+    args = build_parser().parse_args(["serve"])
+    settings = [f for f in fields(ServerConfig) if "help" in f.metadata]
+    assert len(settings) == len(fields(ServerConfig)) - 1  # every setting but api_keys (--api-key, --api-key-file)
+    assert {f.name: getattr(args, f.name) for f in settings} == {f.name: f.default for f in settings}
+    off = build_parser().parse_args(["serve", "--no-access-log", "--verify-state-loads", "--state-disk-quota", "1M"])
+    assert (off.access_log, off.verify_state_loads, off.state_disk_quota) == (False, True, 10**6)
 
 
 def test_convert_keeps_tokenizer_and_chat_template(tmp_path):

@@ -13,7 +13,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from wkvm import __version__
-from wkvm.logs import FORMATS, LEVELS, QUIET_LOGGERS, TEXT_FORMAT, log_config
+from wkvm.logs import QUIET_LOGGERS, TEXT_FORMAT, log_config
 
 log = logging.getLogger("wkvm")
 
@@ -69,41 +69,27 @@ def default_model() -> Path:
     return path
 
 
-SERVE_FLAGS: list[tuple[str, type, object, str]] = [
-    ("model", str, None, "BlinkDL .pth, HF/fla directory or weight pack (default: the embedded model)"),
-    ("device", str, "cpu", "cpu, or cuda with a CUDA build of torch"),
-    ("dtype", str, "float32", "float32, or bfloat16: half the memory; faster only with native bf16 (wkvm doctor)"),
-    ("weight-cache-layers", int, 0, "stream a weight pack from disk, at most N layers in memory (0: resident)"),
-    ("host", str, "127.0.0.1", "address to bind; anything but loopback is reachable from other machines"),
-    ("port", int, 8000, "TCP port"),
-    ("api-key", str, None, "API key(s), comma-separated; then every route but /health needs one"),
-    ("api-key-file", str, None, "file with one API key per line (lines starting with '#' are comments)"),
-    ("served-model-name", str, None, "model id reported by /v1/models"),
-    ("slots", int, 8, "state slots: sequences running at once"),
-    ("max-queue", int, 256, "waiting requests beyond which the server answers 429"),
-    ("token-budget", int, 512, "tokens per engine step (decode + prefill)"),
-    ("prefill-chunk", int, 256, "most prompt tokens one request feeds per step"),
-    ("request-timeout", float, None, "seconds before a request is aborted"),
-    ("state-dir", str, None, "directory of durable states (default: a temporary one)"),
-    ("state-device-bytes", parse_size, "256MiB", "bytes of states kept on the device (256MiB, 2G, ...)"),
-    ("state-host-bytes", parse_size, "1GiB", "bytes of states kept in host RAM"),
-    ("state-disk-quota", parse_size, None, "bytes of state files on disk (default: unlimited)"),
-    ("max-body-bytes", parse_size, "256MiB", "largest request body"),
-    ("max-prompt-tokens", int, 1 << 17, "largest prompt in tokens"),
-    ("max-tokens-limit", int, 1 << 14, "most tokens one request may generate"),
-    ("max-chat-sessions", int, 1024, "parked chat sessions (parent-token-v1) kept"),
-    ("chat-session-ttl", float, 24 * 3600.0, "seconds a parked chat session lives"),
-    ("checkpoint-bytes", parse_size, "1GiB", "bytes of prefix-reuse checkpoints kept"),
-    ("shutdown-grace", float, 10.0, "seconds running requests get to finish on SIGTERM/Ctrl-C before they are ended"),
-    ("log-level", choice(*LEVELS), "info", "least severe log lines shown: " + ", ".join(LEVELS)),
-    ("log-format", choice(*FORMATS), "text", "text, or json: one object per line (time, level, logger, message)"),
+KEY_FLAGS = [
+    ("api-key", "API key(s), comma-separated; then every route but /health needs one"),
+    ("api-key-file", "file with one API key per line (lines starting with '#' are comments)"),
 ]
-SERVE_SWITCHES = [
-    ("no-read-ahead", "with --weight-cache-layers: do not ask the OS for the next layer while one computes"),
-    ("no-prefix-reuse", "switch off every kind of state reuse (the baseline)"),
-    ("verify-state-loads", "check the sha256 of every state read from disk"),
-    ("no-access-log", "do not log a line per HTTP request"),
-]
+
+
+def format_size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def flag_type(f):
+    """The argparse type of a ServerConfig field (see wkvm.config.opt)."""
+    kind = f.metadata.get("kind", "")
+    if kind == "size":
+        return parse_size
+    if kind.startswith("choice:"):
+        return choice(*kind.removeprefix("choice:").split(","))
+    return int if "int" in str(f.type) else float if "float" in str(f.type) else str
 
 
 def read_api_keys(args: argparse.Namespace) -> list[str]:
@@ -130,27 +116,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     keys = read_api_keys(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         log.warning("binding %s without an API key: anyone who can reach this port can use the server", args.host)
-    config = ServerConfig(
-        model=model, device=args.device, dtype=args.dtype, weight_cache_layers=args.weight_cache_layers,
-        read_ahead=not args.no_read_ahead, host=args.host, port=args.port, api_keys=keys,
-        served_model_name=args.served_model_name,
-        slots=args.slots, max_queue=args.max_queue, token_budget=args.token_budget, prefill_chunk=args.prefill_chunk,
-        request_timeout=args.request_timeout, state_dir=args.state_dir, state_device_bytes=args.state_device_bytes,
-        state_host_bytes=args.state_host_bytes, state_disk_quota=args.state_disk_quota,
-        verify_state_loads=args.verify_state_loads, max_body_bytes=args.max_body_bytes,
-        max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
-        prefix_reuse=not args.no_prefix_reuse, max_chat_sessions=args.max_chat_sessions,
-        chat_session_ttl=args.chat_session_ttl, checkpoint_bytes=args.checkpoint_bytes,
-        shutdown_grace=args.shutdown_grace,
-    )  # fmt: skip
+    from dataclasses import fields
+
+    settings = {f.name: getattr(args, f.name) for f in fields(ServerConfig) if "help" in f.metadata}
+    config = ServerConfig(**{**settings, "model": model, "api_keys": keys})
     app = create_app(config)
-    GracefulServer(app, args.host, args.port, config.shutdown_grace, args.log_level, logs, not args.no_access_log).run()
+    server = GracefulServer(app, config.host, config.port, config.shutdown_grace, config.log_level, logs,
+                            config.access_log)  # fmt: skip
+    server.run()
     return 1 if app.state.ctx.load_error else 0
 
 
 def add_serve_flags(s: argparse.ArgumentParser) -> None:
-    for flag, typ, default, help_ in SERVE_FLAGS:
+    """One flag per ServerConfig field (its default and help), each also read from WKVM_<FLAG>."""
+    from dataclasses import fields
+
+    from wkvm.config import ServerConfig
+
+    for flag, help_ in KEY_FLAGS:  # never shown with a default: --help must not print a key from the environment
         env = "WKVM_" + flag.upper().replace("-", "_")
+        s.add_argument(f"--{flag}", default=env_default(flag), help=f"{help_} [env {env}]")
+    for f in fields(ServerConfig):
+        if "help" not in f.metadata:
+            continue
+        if isinstance(f.default, bool):  # a switch: --no-NAME turns a default-on setting off, --NAME one on
+            flag = f.name.replace("_", "-") if not f.default else "no-" + f.name.replace("_", "-")
+            on = (env_default(flag) or "").lower() in ("1", "true", "yes", "on")
+            env = "WKVM_" + flag.upper().replace("-", "_")
+            s.add_argument(f"--{flag}", dest=f.name, action="store_false" if f.default else "store_true",
+                           default=f.default != on, help=f"{f.metadata['help']} [env {env}=1]")
+            continue
+        flag, typ = f.name.replace("_", "-"), flag_type(f)
+        env = "WKVM_" + f.name.upper()
+        default = format_size(f.default) if typ is parse_size and f.default is not None else f.default
         raw = env_default(flag)
         if raw is not None:
             try:
@@ -158,13 +156,10 @@ def add_serve_flags(s: argparse.ArgumentParser) -> None:
             except (ValueError, argparse.ArgumentTypeError) as e:
                 raise SystemExit(f"wkvm: {env}={raw!r}: {e}") from None
             default = raw  # argparse converts a string default with `type`; the help shows it as written (256MiB)
-        shown = " (default: %(default)s)" if default is not None and flag != "api-key" else ""  # --help hides keys
+        shown = " (default: %(default)s)" if default is not None else ""
         metavar = "SIZE" if typ is parse_size else None
-        s.add_argument(f"--{flag}", type=typ, default=default, metavar=metavar, help=f"{help_}{shown} [env {env}]")
-    for flag, help_ in SERVE_SWITCHES:
-        on = (env_default(flag) or "").lower() in ("1", "true", "yes", "on")
-        s.add_argument(f"--{flag}", action="store_true", default=on,
-                       help=f"{help_} [env WKVM_{flag.upper().replace('-', '_')}=1]")  # fmt: skip
+        s.add_argument(f"--{flag}", type=typ, default=default, metavar=metavar,
+                       help=f"{f.metadata['help']}{shown} [env {env}]")
 
 
 SAMPLING_FLAGS: list[tuple[str, type, object, str]] = [

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from wkvm.logs import FORMATS, LEVELS
+
 
 @dataclass
 class EngineConfig:
@@ -24,35 +26,50 @@ class EngineConfig:
             raise ValueError("request_timeout must be positive")
 
 
+def opt(default, help: str, kind: str = "", **kw):
+    """A ServerConfig field that is also a `wkvm serve` flag: `help` is its --help text (for a setting that is on
+    by default, the text of its --no-NAME flag); `kind` "size" takes 256MiB / 2G, "choice:a,b" one of the names,
+    "" the annotation's type."""
+    return field(default=default, metadata={"help": help, "kind": kind}, **kw)
+
+
 @dataclass
 class ServerConfig:
-    model: str | None = None
-    device: str = "cpu"  # "cuda" with a CUDA build of torch
-    dtype: str = "float32"  # storage of the large matrices, embedding and head: float32 or bfloat16
-    weight_cache_layers: int = 0  # > 0: stream a weight pack through an LRU cache of this many layers
-    read_ahead: bool = True
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_keys: list[str] = field(default_factory=list)
-    served_model_name: str | None = None
-    slots: int = 8
-    max_queue: int = 256
-    token_budget: int = 512
-    prefill_chunk: int = 256
-    request_timeout: float | None = None
-    state_dir: str | None = None  # None: a fresh temporary directory (states do not outlive the process)
-    state_device_bytes: int = 256 << 20
-    state_host_bytes: int = 1 << 30
-    state_disk_quota: int | None = None
-    verify_state_loads: bool = False
-    max_body_bytes: int = 256 << 20
-    max_prompt_tokens: int = 1 << 17
-    max_tokens_limit: int = 1 << 14  # the most tokens one request may ask to generate
-    prefix_reuse: bool = True
-    max_chat_sessions: int = 1024
-    chat_session_ttl: float = 24 * 3600.0
-    checkpoint_bytes: int = 1 << 30  # prefix-reuse checkpoints kept before LRU eviction
-    shutdown_grace: float = 10.0  # seconds running requests get to finish after SIGTERM before they are ended
+    """Every `wkvm serve` setting: one source of names, defaults and help (the CLI flags are generated from it)."""
+
+    model: str | None = opt(None, "BlinkDL .pth, HF/fla directory or weight pack (default: the embedded model)")
+    device: str = opt("cpu", "cpu, or cuda with a CUDA build of torch")
+    dtype: str = opt("float32", "float32, or bfloat16: half the memory; faster only with native bf16 (wkvm doctor)",
+                     "choice:float32,fp32,bfloat16,bf16")
+    weight_cache_layers: int = opt(0, "stream a weight pack from disk, at most N layers in memory (0: resident)")
+    read_ahead: bool = opt(True, "with --weight-cache-layers: do not ask the OS for the next layer while one computes")
+    host: str = opt("127.0.0.1", "address to bind; anything but loopback is reachable from other machines")
+    port: int = opt(8000, "TCP port")
+    api_keys: list[str] = field(default_factory=list)  # flags: --api-key, --api-key-file
+    served_model_name: str | None = opt(None, "model id reported by /v1/models (default: the model's file name)")
+    slots: int = opt(8, "state slots: sequences running at once")
+    max_queue: int = opt(256, "waiting requests beyond which the server answers 429")
+    token_budget: int = opt(512, "tokens per engine step (decode + prefill)")
+    prefill_chunk: int = opt(256, "most prompt tokens one request feeds per step")
+    request_timeout: float | None = opt(None, "seconds before a request is aborted")
+    state_dir: str | None = opt(None, "directory of durable states (default: a temporary one)")
+    state_device_bytes: int = opt(256 << 20, "bytes of states kept on the device (256MiB, 2G, ...)", "size")
+    state_host_bytes: int = opt(1 << 30, "bytes of states kept in host RAM", "size")
+    state_disk_quota: int | None = opt(None, "bytes of user state files on disk, index included (default: unlimited)",
+                                       "size")
+    verify_state_loads: bool = opt(False, "check the sha256 of every state read from disk")
+    max_body_bytes: int = opt(256 << 20, "largest request body", "size")
+    max_prompt_tokens: int = opt(1 << 17, "largest prompt in tokens")
+    max_tokens_limit: int = opt(1 << 14, "most tokens one request may generate")
+    prefix_reuse: bool = opt(True, "switch off every kind of state reuse (the baseline)")
+    max_chat_sessions: int = opt(1024, "parked chat sessions (parent-token-v1) kept")
+    chat_session_ttl: float = opt(24 * 3600.0, "seconds a parked chat session lives")
+    checkpoint_bytes: int = opt(1 << 30, "bytes of prefix-reuse checkpoints and parked chats kept", "size")
+    shutdown_grace: float = opt(10.0, "seconds running requests get to finish on SIGTERM/Ctrl-C before they are ended")
+    log_level: str = opt("info", "least severe log lines shown", "choice:" + ",".join(LEVELS))
+    log_format: str = opt("text", "text, or json: one object per line (time, level, logger, message)",
+                          "choice:" + ",".join(FORMATS))
+    access_log: bool = opt(True, "do not log a line per HTTP request")
 
     def __post_init__(self) -> None:
         weight_dtype(self.dtype)  # raises a ValueError naming the choices
