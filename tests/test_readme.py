@@ -42,8 +42,20 @@ def test_readme_block_runs(server, tmp_path, i):
     assert '"error"' not in run.stdout
 
 
-def test_readme_python_api_block_runs():
+def test_readme_python_api_block_runs(monkeypatch, capsys):
     code = next(code for lang, code in BLOCKS if lang == "python" and "from wkvm import LLM" in code)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip()
+    # it prints the text, the token ids and the finish reason
+    printed = re.fullmatch(r"(.+) \[([0-9, ]+)\] (stop|length)\n", run.stdout, re.S)
+    assert printed, run.stdout
+    text, ids, finish = printed[1], [int(t) for t in printed[2].split(", ")], printed[3]
+    assert text.strip() and finish == "length" and len(ids) == 40  # this prompt runs to max_tokens=40
+    monkeypatch.chdir(ROOT)
+    namespace: dict = {}
+    exec(code, namespace)  # the same block in this process: its objects, and the same output
+    capsys.readouterr()
+    (out,) = namespace["out"]
+    assert isinstance(out.text, str) and all(isinstance(t, int) for t in out.token_ids)
+    assert (out.text, out.token_ids, out.finish_reason) == (text, ids, finish)
+    assert len(out.logprobs) == len(ids) and all(len(lp) in (3, 4) for lp in out.logprobs)  # top 3 + chosen

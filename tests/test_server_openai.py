@@ -1,11 +1,13 @@
 """The OpenAI-compatible API through the official `openai` SDK, against a live server on a random model."""
 
 import json
+import uuid
 
 import httpx
 import openai
 import pytest
 from live_server import LiveServer
+from prometheus_client.parser import text_string_to_metric_families
 
 from wkvm import LLM, SamplingParams
 
@@ -27,16 +29,27 @@ def test_models(client, server):
     assert [m.id for m in models.data] == [server.ctx.model_name]
 
 
+def fresh_scope() -> str:
+    """A `user` no other request used: its reuse scope starts with no checkpoints, so its reuse mode is known."""
+    return f"user-{uuid.uuid4().hex}"
+
+
 def test_greedy_completion_equals_python_api(client, world_pth):
-    r = client.completions.create(model="world", prompt="Once upon a time", max_tokens=12, temperature=0,
-                                  extra_body={"return_token_ids": True, "ignore_eos": True})  # fmt: skip
+    kw = dict(model="world", prompt="Once upon a time", max_tokens=12, temperature=0, user=fresh_scope(),
+              extra_body={"return_token_ids": True, "ignore_eos": True})  # fmt: skip
+    r = client.completions.create(**kw)
     expected = LLM(model=world_pth).generate("Once upon a time", SamplingParams(max_tokens=12, temperature=0,
                                                                               ignore_eos=True))[0]  # fmt: skip
     c = r.choices[0]
     assert c.text == expected.text and c.model_extra["token_ids"] == expected.token_ids
     assert r.model_extra["prompt_token_ids"] == expected.prompt_token_ids
     assert r.usage.prompt_tokens == len(expected.prompt_token_ids) and r.usage.completion_tokens == 12
-    assert r.model_extra["wkvm"]["mode"] in ("fresh", "checkpoint", "exact_prefix")
+    assert r.model_extra["wkvm"] == {"mode": "fresh", "reused_tokens": 0, "restart_reason": None}
+    # the same prompt again resumes from the state stored after its prompt: all but the last token are reused
+    again = client.completions.create(**kw)
+    assert again.choices[0].model_extra["token_ids"] == expected.token_ids
+    n = len(expected.prompt_token_ids)
+    assert again.model_extra["wkvm"] == {"mode": "checkpoint", "reused_tokens": n - 1, "restart_reason": None}
 
 
 def test_token_id_prompt_and_logprobs(client):
@@ -44,21 +57,31 @@ def test_token_id_prompt_and_logprobs(client):
                                   extra_body={"ignore_eos": True})  # fmt: skip
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
-    assert all(len(t) >= 1 and max(t.values()) <= 0 for t in lp.top_logprobs)
+    # greedy: the chosen token is the most likely one, so the top 3 include it and hold exactly 3 entries
+    assert [len(t) for t in lp.top_logprobs] == [3] * 5
+    assert all(max(t.values()) <= 0 for t in lp.top_logprobs)
+    assert [t[tok] for t, tok in zip(lp.top_logprobs, lp.tokens, strict=True)] == lp.token_logprobs
+    assert [max(t.values()) for t in lp.top_logprobs] == lp.token_logprobs
     assert lp.text_offset[0] == 0
 
 
 def test_prompt_list_reports_each_prompt(client):
     kw = dict(model="world", prompt=[[7, 8, 9, 10], [101, 202, 303]], max_tokens=4, temperature=0, n=2,
-              extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+              user=fresh_scope(), extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
     r = client.completions.create(**kw)
     assert len(r.choices) == 4
-    prompts = r.model_extra["wkvm"]["prompts"]
-    assert len(prompts) == 2 and all(p["mode"] in ("fresh", "checkpoint", "exact_prefix") for p in prompts)
+    fresh = {"mode": "fresh", "reused_tokens": 0, "restart_reason": None}
+    assert r.model_extra["wkvm"]["prompts"] == [fresh, fresh]
     assert r.model_extra["prompt_token_ids"][1] == [101, 202, 303]
     assert [c.model_extra["prompt_token_ids"] for c in r.choices][2:] == [[101, 202, 303]] * 2
     last = [c for c in client.completions.create(stream=True, **kw) if c.choices][-1]
-    assert len(last.model_extra["wkvm"]["prompts"]) == 2
+    # n > 1 checkpoints only choice 0's whole history, which is longer than either prompt: nothing to resume
+    assert last.model_extra["wkvm"]["prompts"] == [fresh, fresh]
+    # n = 1 checkpoints each prompt; a later list reports, per prompt, whether it resumed from one
+    client.completions.create(**{**kw, "n": 1})
+    mixed = client.completions.create(**{**kw, "n": 1, "prompt": [[7, 8, 9, 10], [55, 66]]})
+    resumed = {"mode": "checkpoint", "reused_tokens": 3, "restart_reason": None}
+    assert mixed.model_extra["wkvm"]["prompts"] == [resumed, fresh]
 
 
 def test_streaming_completion_matches_blocking(client):
@@ -161,15 +184,39 @@ def test_disconnect_mid_stream_frees_slot(world_pth):
         assert server.ctx.engine.arena.num_free == 2
 
 
-def test_metrics(server, client):
-    client.completions.create(model="world", prompt="a", max_tokens=2)
+def scrape(server) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics: (name, sorted labels) -> value."""
     text = httpx.get(f"{server.url}/metrics").text
-    for name in ("wkvm_requests_total", "wkvm_prompt_tokens_total", "wkvm_generation_tokens_total",
-                 "wkvm_time_to_first_token_seconds", "wkvm_inter_token_latency_seconds", "wkvm_queue_depth",
-                 "wkvm_slots_free", "wkvm_slots_total", "wkvm_states", "wkvm_state_bytes",
-                 "wkvm_prefix_reuse_tokens_total", "wkvm_session_restarts_total"):  # fmt: skip
-        assert name in text, name
-    assert 'route="/v1/completions",status="200"' in text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}  # fmt: skip
+
+
+def test_metrics(server, client):
+    ok = ("wkvm_requests_total", (("route", "/v1/completions"), ("status", "200")))
+    before = scrape(server)
+    r = client.completions.create(model="world", prompt="a", max_tokens=2, user=fresh_scope(),
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    after = scrape(server)
+
+    def moved(name, labels=()):
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert r.usage.completion_tokens == 2
+    assert moved(*ok) == 1
+    assert moved("wkvm_prompt_tokens_total") == r.usage.prompt_tokens
+    assert moved("wkvm_generation_tokens_total") == 2
+    assert moved("wkvm_time_to_first_token_seconds_count") == 1
+    assert moved("wkvm_inter_token_latency_seconds_count") == 1  # one gap between two tokens
+    assert moved("wkvm_prefix_reuse_misses_total") == 1 and moved("wkvm_prefix_reuse_hits_total") == 0
+    assert moved("wkvm_prefix_reuse_tokens_total") == 0
+    assert after[("wkvm_slots_total", ())] == after[("wkvm_slots_free", ())] == 4
+    assert after[("wkvm_queue_depth", ())] == 0
+    assert after[("wkvm_state_bytes", (("tier", "device"),))] > 0  # the completion's checkpoints
+    again = client.completions.create(model="world", prompt="a b c d", max_tokens=3, extra_body={"ignore_eos": True})
+    last = scrape(server)
+    assert last[ok] - after[ok] == 1
+    assert last[("wkvm_generation_tokens_total", ())] - after[("wkvm_generation_tokens_total", ())] == 3
+    assert last[("wkvm_prompt_tokens_total", ())] - after[("wkvm_prompt_tokens_total", ())] == again.usage.prompt_tokens
 
 
 @pytest.mark.allows_5xx

@@ -19,7 +19,7 @@ from wkvm.models.rwkv7 import load_rwkv7
 from wkvm.sampling_params import SamplingParams
 from wkvm.state import statefile
 from wkvm.state.index import parse_handle
-from wkvm.state.mutations import register_mutation
+from wkvm.state.mutations import RULES, register_mutation
 from wkvm.state.quota import state_file_bytes
 from wkvm.state.service import StateService
 from wkvm.state.statefile import MAX_HISTORY_TOKENS, MAX_OP_PARAMS_BYTES, HistoryTooLong, StateFileError, valid_name
@@ -340,12 +340,27 @@ def test_mutations(svc):
     with pytest.raises(ValueError, match="unknown mutation"):
         svc.mutate("a", "m@1", "nope", {})
 
+
+def test_custom_mutation_rule(svc):
+    svc.create("a", "m", PROMPT)
+
     @register_mutation("negate_shift")
     def negate_shift(spec, st, p, load):
         return {k: -v if k.endswith("_shift") else v.clone() for k, v in st.items()}
 
-    custom = svc.mutate("a", "m@1", "negate_shift", {})
-    assert custom.op_params == {"rule": "negate_shift"}
+    try:
+        custom = svc.mutate("a", "m@1", "negate_shift", {})
+    finally:
+        RULES.pop("negate_shift")  # the registry is process-wide: leave no rule behind for other tests
+    assert custom.op == "mutate" and custom.op_params == {"rule": "negate_shift"} and custom.parent == "m@1"
+    src, out = svc.store.load("a", "m@1")[1], svc.store.load("a", custom.handle)[1]
+    assert out.keys() == src.keys() and any(k.endswith("_shift") for k in src)
+    for k in src:
+        want = -src[k] if k.endswith("_shift") else src[k]
+        assert torch.equal(out[k], want), k
+    assert any(src[k].abs().sum() > 0 for k in src if k.endswith("_shift"))  # so the negation is visible
+    with pytest.raises(ValueError, match="unknown mutation"):
+        svc.mutate("a", "m@1", "negate_shift", {})
 
 
 def test_lru_tiers_stay_within_limits_and_pins_stay(model, tmp_path):

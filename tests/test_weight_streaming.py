@@ -10,8 +10,9 @@ from wkvm import LLM, SamplingParams
 from wkvm.cli import main
 from wkvm.models.loader import load_model
 from wkvm.models.rwkv7_random import RWKV7Shape, save_random_rwkv7
+from wkvm.server.metrics import STREAM_COUNTERS
 from wkvm.weights.linear import onednn_available
-from wkvm.weights.pack import PackError, write_pack
+from wkvm.weights.pack import Pack, PackError, write_pack
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8], [1, 6, 1, 8, 0, 3, 3, 9, 8, 8], [5, 7], [9, 9, 9], [4], [8, 6],
            [1, 1, 2, 3, 5, 8, 13]]  # fmt: skip
@@ -122,7 +123,6 @@ NO_ONEDNN = "no oneDNN (WKVM_ONEDNN=0?), so no blocked copy; plain streaming: te
 def test_blocked_copy_is_reused_and_rebuilt_when_stale(pack, resident, tmp_path):
     import shutil
 
-    from wkvm.weights.pack import Pack
     from wkvm.weights.stream import StreamingWeights
 
     d = tmp_path / "pack"
@@ -187,21 +187,33 @@ def test_bad_packs_are_refused(pack, tmp_path):
 
 
 def test_streaming_counters_in_metrics(pack):
+    import httpx
     from live_server import LiveServer
+    from prometheus_client.parser import text_string_to_metric_families
 
     with LiveServer(model=str(pack / "pack"), weight_cache_layers=2) as s:
-        import httpx
-
-        httpx.post(f"{s.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         text = httpx.get(f"{s.url}/metrics").text
-    for name in ("wkvm_weight_cache_hits_total", "wkvm_weight_readahead_hits_total", "wkvm_weight_bytes_read_total"):
-        assert name in text
+        w, steps = s.ctx.engine.model.weights, s.ctx.engine.steps
+    got = {m.name: m.samples[0].value for m in text_string_to_metric_families(text) if m.name.startswith("wkvm_weight")}
+    assert got == {f"wkvm_weight_{k}": getattr(w.stats, k) for k in STREAM_COUNTERS}  # scraped = the provider's
+    hits, misses = got["wkvm_weight_cache_hits"], got["wkvm_weight_cache_misses"]
+    # 6 layers, a cache of 2: layer 0 stays and hits every sweep; layers 1..5 take the one buffer in turn and miss
+    assert steps > 0 and hits + misses == w.stats.layer_calls == 6 * steps
+    assert hits == steps and misses == 5 * steps
+    # each miss was looked at ahead: layer 0 (pinned) asks for layer 1, layer i for layer i + 1
+    assert got["wkvm_weight_readahead_hits"] == misses and got["wkvm_weight_readahead_misses"] == 0
+    assert got["wkvm_weight_disk_reads"] <= misses and got["wkvm_weight_readahead_requests"] <= misses
+    streamed = {i: f.nbytes for i, f in w._files.items()}
+    assert set(streamed) == {1, 2, 3, 4, 5}
+    # layer 0 read once at load, and every streamed layer once per sweep
+    assert got["wkvm_weight_bytes_read"] == Pack(pack / "pack").layer_bytes(0) + steps * sum(streamed.values())
 
 
 def test_a_pack_file_truncated_while_streaming_is_an_error_not_a_crash(pack, tmp_path):
     import shutil
 
-    from wkvm.weights.pack import Pack
     from wkvm.weights.stream import StreamingWeights
 
     d = tmp_path / "pack"

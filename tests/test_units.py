@@ -1,0 +1,178 @@
+"""Unit tests on hand-built inputs: the prefix trie, the RAM tier cache, the sampler's filters and penalties,
+and every reason a parked chat session is refused."""
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from wkvm.engine.sampler import SamplerRow, apply_penalties, filtered_probs
+from wkvm.sampling_params import SamplingParams
+from wkvm.server.sessions import ChatSessions, Session
+from wkvm.state.prefix import PrefixTrie
+from wkvm.state.tiers import TierCache
+
+
+def keys(checkpoints) -> list[str]:
+    return [c.key for c in checkpoints]
+
+
+def test_trie_finds_the_longest_checkpoint_leaving_a_token_to_feed():
+    trie = PrefixTrie(capacity=8)
+    assert trie.insert([1, 2, 3, 4], "a", "turn_end") == []
+    assert trie.insert([1, 2, 3], "b", "prompt_end") == []
+    a = trie.longest([1, 2, 3, 4, 5])
+    assert (a.key, a.n_fed, a.kind, a.full_ids) == ("a", 3, "turn_end", (1, 2, 3, 4))
+    assert trie.longest([1, 2, 3, 4]).key == "a"  # holds 1, 2, 3; token 4 is still to feed
+    assert trie.longest([1, 2, 3]).key == "b"  # "a" holds every token of this prompt: nothing would be left
+    assert trie.longest([1, 2]) is None
+    assert trie.longest([1, 2, 9, 9]).key == "b"
+    assert trie.longest([2, 1, 2, 3, 4]) is None  # a prefix, not any substring
+    assert len(trie) == 2
+
+
+def test_trie_remove_prunes_and_keeps_the_rest():
+    trie = PrefixTrie(capacity=8)
+    trie.insert([1, 2, 3, 4], "a", "turn_end")
+    trie.insert([1, 2, 3], "b", "prompt_end")
+    assert trie.remove([1, 2, 3]).key == "a"
+    assert trie.remove([1, 2, 3]) is None and trie.remove([7]) is None
+    assert trie.longest([1, 2, 3, 4, 5]).key == "b" and len(trie) == 1
+    assert trie.root.children[1].children[2].children == {}  # the emptied branch is gone
+    assert trie.remove([1, 2]).key == "b"
+    assert trie.root.children == {} and len(trie) == 0
+
+
+def test_trie_replaces_a_key_and_evicts_least_recently_used():
+    trie = PrefixTrie(capacity=2)
+    trie.insert([1, 2], "x", "turn_end")
+    assert trie.insert([1, 2], "x", "turn_end") == []  # the same key again: nothing to discard
+    assert keys(trie.insert([1, 2], "x2", "turn_end")) == ["x"]  # same tokens, new key: the old one is returned
+    trie.insert([5, 6], "y", "turn_end")
+    assert trie.longest([1, 2, 3]).key == "x2"  # a lookup makes x2 the most recently used
+    assert keys(trie.insert([7, 8], "z", "turn_end")) == ["y"]
+    assert len(trie) == 2 and trie.longest([5, 6, 7]) is None
+    assert keys(trie.insert([9, 9], "w", "turn_end")) == ["x2"]
+    assert [trie.longest(p).key for p in ([7, 8, 0], [9, 9, 0])] == ["z", "w"]
+
+
+def blob(n: int) -> dict[str, torch.Tensor]:
+    return {"t": torch.zeros(n, dtype=torch.uint8)}
+
+
+def test_tier_cache_is_a_byte_bounded_lru():
+    cache = TierCache(100, is_pinned=lambda b: False)
+    assert cache.put("a", blob(40)) == [] and cache.put("b", blob(40)) == []
+    assert cache.nbytes == 80
+    assert cache.get("a") is not None  # a is now the most recently used
+    evicted = cache.put("c", blob(40))
+    assert [b for b, _ in evicted] == ["b"] and evicted[0][1]["t"].numel() == 40
+    assert list(cache.items) == ["a", "c"] and cache.nbytes == 80 and "b" not in cache
+    assert cache.put("c", blob(50)) == [] and cache.nbytes == 90  # the same blob again: counted once
+    assert [b for b, _ in cache.put("d", blob(100))] == ["a", "c"] and cache.nbytes == 100
+    assert cache.get("a") is None and cache.pop("d")["t"].numel() == 100 and cache.nbytes == 0
+
+
+def test_tier_cache_never_evicts_pins_and_refuses_what_cannot_fit():
+    pinned = {"p"}
+    cache = TierCache(100, is_pinned=lambda b: b in pinned)
+    cache.put("p", blob(60))
+    cache.put("a", blob(30))
+    assert [b for b, _ in cache.put("b", blob(40))] == ["a"]  # p is older but pinned
+    assert list(cache.items) == ["p", "b"] and cache.nbytes == 100
+    before = (list(cache.items), dict(cache.sizes), cache.nbytes)
+    assert cache.put("big", blob(41)) is None  # 100 - 60 pinned bytes leave 40: b would go and still not do
+    assert (list(cache.items), dict(cache.sizes), cache.nbytes) == before and "big" not in cache
+    pinned.discard("p")
+    assert [b for b, _ in cache.put("big", blob(41))] == ["p"] and cache.nbytes == 81
+
+
+LOGITS = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4]))
+ROOTS = [math.sqrt(p) for p in (0.1, 0.2, 0.3, 0.4)]
+
+
+FILTER_CASES = [
+    (dict(), [0.1, 0.2, 0.3, 0.4]),
+    (dict(temperature=0.5), [1 / 30, 4 / 30, 9 / 30, 16 / 30]),  # p ** (1 / T), normalized
+    (dict(temperature=2.0), [r / sum(ROOTS) for r in ROOTS]),
+    (dict(top_k=2), [0, 0, 3 / 7, 4 / 7]),
+    (dict(top_k=4), [0.1, 0.2, 0.3, 0.4]),
+    (dict(top_p=0.5), [0, 0, 3 / 7, 4 / 7]),  # 0.4 alone < 0.5: the smallest set reaching it adds 0.3
+    (dict(top_p=0.8), [0, 2 / 9, 3 / 9, 4 / 9]),
+    (dict(min_p=0.6), [0, 0, 3 / 7, 4 / 7]),  # below 0.6 * 0.4 = 0.24 goes
+    (dict(min_p=0.3), [0, 2 / 9, 3 / 9, 4 / 9]),  # below 0.12 goes
+    (dict(temperature=0.5, top_k=3), [0, 4 / 29, 9 / 29, 16 / 29]),  # temperature first, then the filters
+]
+
+
+def case_id(params: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in params.items()) or "defaults"
+
+
+@pytest.mark.parametrize("params, expected", FILTER_CASES, ids=[case_id(p) for p, _ in FILTER_CASES])
+def test_filtered_probs(params, expected):
+    assert_close(filtered_probs(LOGITS, SamplingParams(**params)), torch.tensor(expected), atol=2e-5, rtol=0)
+
+
+PENALTY_LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+
+
+PENALTY_CASES = [
+    (dict(frequency_penalty=0.5), [2 - 2 * 0.5, -1.0, 0.5, 3 - 0.5, -2.0]),  # token 0 came out twice, 3 once
+    (dict(presence_penalty=0.25), [2 - 0.25, -1.0, 0.5, 3 - 0.25, -2.0]),
+    (dict(frequency_penalty=0.5, presence_penalty=0.25), [0.75, -1.0, 0.5, 2.25, -2.0]),
+    (dict(frequency_penalty=-0.5), [3.0, -1.0, 0.5, 3.5, -2.0]),  # a negative penalty encourages
+    # every token seen in the state (4), the prompt (1) or the output (0, 3): positive / 2, negative * 2
+    (dict(repetition_penalty=2.0), [1.0, -2.0, 0.5, 1.5, -4.0]),
+    (dict(frequency_penalty=0.5, repetition_penalty=2.0), [0.5, -2.0, 0.5, 1.25, -4.0]),
+]
+
+
+@pytest.mark.parametrize("params, expected", PENALTY_CASES, ids=[case_id(p) for p, _ in PENALTY_CASES])
+def test_apply_penalties(params, expected):
+    row = SamplerRow(SamplingParams(**params), prompt_ids=[1], output_ids=[0, 3, 0], base_ids=[4])
+    logits = PENALTY_LOGITS.clone()
+    assert_close(apply_penalties(logits, row), torch.tensor(expected))
+    assert torch.equal(logits, PENALTY_LOGITS)  # the model's logits are left as they were
+
+
+HISTORY = [("user", "Hail!"), ("assistant", "Who?")]
+
+
+def parked(**changes) -> Session:
+    """A session parked after one turn: tokens 1..4 (4 pending), answer a1 to user message u1."""
+    fields = dict(fingerprint="fp", handle="s@1", token_ids=[1, 2, 3, 4], history=list(HISTORY),
+                  last_assistant_id="a1", message_ids={"u1", "a1"})  # fmt: skip
+    return Session(**{**fields, **changes})
+
+
+def reason(sess, fp="fp", parent="a1", asst="a2", user="u2", history=HISTORY, prompt=(1, 2, 3, 4, 5, 6)):
+    return ChatSessions._reason(sess, fp, parent, asst, user, list(history), list(prompt))
+
+
+def test_a_valid_continuation_has_no_reason():
+    assert reason(parked()) is None
+    assert reason(parked(), prompt=[1, 2, 3, 9]) is None  # the pending token is fed again, so it may differ
+    assert reason(None, parent=None) is None  # a chat's first turn
+
+
+@pytest.mark.parametrize(
+    "sess, kwargs, expected",
+    [
+        (None, {}, "no_session"),
+        (parked(handle=None), {}, "no_session"),  # its state could not be kept
+        (parked(), dict(fp="other"), "model_changed"),
+        (parked(), dict(asst="a1"), "message_id_reused"),
+        (parked(), dict(user="u1"), "message_id_reused"),
+        (parked(), dict(parent="a0"), "stale_parent"),
+        (parked(), dict(parent=None), "edited_history"),  # a first turn again in a known chat: it was redone
+        (parked(), dict(history=[("user", "Hail,Caesar!"), ("assistant", "Who?")]), "edited_history"),
+        (parked(), dict(prompt=[1, 9, 3, 4, 5]), "token_mismatch"),
+        (parked(), dict(prompt=[1, 2, 3]), "token_mismatch"),  # nothing left to feed
+        (parked(token_ids=[]), {}, "token_mismatch"),
+        (parked(), dict(fp="other", parent="a0"), "model_changed"),  # the first reason found is given
+    ],
+)
+def test_each_session_rejection_reason(sess, kwargs, expected):
+    assert reason(sess, **kwargs) == expected
