@@ -75,13 +75,13 @@ def test_prompt_list_reports_each_prompt(client):
     assert r.model_extra["prompt_token_ids"][1] == [101, 202, 303]
     assert [c.model_extra["prompt_token_ids"] for c in r.choices][2:] == [[101, 202, 303]] * 2
     last = [c for c in client.completions.create(stream=True, **kw) if c.choices][-1]
-    # n > 1 checkpoints only choice 0's whole history, which is longer than either prompt: nothing to resume
-    assert last.model_extra["wkvm"]["prompts"] == [fresh, fresh]
-    # n = 1 checkpoints each prompt; a later list reports, per prompt, whether it resumed from one
-    client.completions.create(**{**kw, "n": 1})
+    # n > 1 checkpoints the shared prefill (the prompt's end), so the same request resumes each prompt from it
+    resumed = [{"mode": "checkpoint", "reused_tokens": n, "restart_reason": None} for n in (3, 2)]
+    assert last.model_extra["wkvm"]["prompts"] == resumed
+    assert [c.text for c in client.completions.create(**kw).choices] == [c.text for c in r.choices]
+    # a later list reports, per prompt, whether it resumed from a checkpoint
     mixed = client.completions.create(**{**kw, "n": 1, "prompt": [[7, 8, 9, 10], [55, 66]]})
-    resumed = {"mode": "checkpoint", "reused_tokens": 3, "restart_reason": None}
-    assert mixed.model_extra["wkvm"]["prompts"] == [resumed, fresh]
+    assert mixed.model_extra["wkvm"]["prompts"] == [resumed[0], fresh]
 
 
 def test_streaming_completion_matches_blocking(client):

@@ -127,6 +127,9 @@ async def launch(
         for h in handles:
             h.cancel()
         raise
+    if capture_prompt and state is not None:
+        for h in handles:  # the shared prefill is the prompt-end state: checkpoint it as a single choice would
+            h.request.prompt_state = state
     return handles
 
 
