@@ -6,10 +6,14 @@ import random
 import threading
 
 import pytest
+import torch
 from conftest import greedy_reference
 
 from wkvm.config import EngineConfig
 from wkvm.engine.engine import Engine, EngineClosed, QueueFull
+from wkvm.engine.request import Request
+from wkvm.engine.runner import ModelRunner
+from wkvm.engine.sampler import NON_FINITE_LOGITS
 from wkvm.models.rwkv7 import load_rwkv7
 from wkvm.sampling_params import MIN_TEMPERATURE, InvalidParam, SamplingParams
 from wkvm.tokenizer import WorldTokenizer
@@ -281,7 +285,7 @@ def test_error_codes_for_cancel_timeout_and_engine_error(model, tok):
     def broken(work):
         raise RuntimeError("simulated kernel failure")
 
-    engine._run = broken
+    engine.runner.run = broken
     engine.start()
     h = engine.submit([1, 2], greedy(5))
     assert h.result(timeout=30).finish_reason == "error" and h.output.error_code == "engine_error"
@@ -334,3 +338,40 @@ def test_shutdown_with_drain_timeout_aborts_what_is_left(model, tok):
     assert not stopper.is_alive()
     assert (h.output.finish_reason, h.output.error_code) == ("abort", "shutdown")
     assert engine.arena.num_free == 1
+
+
+def runner_request(runner, rid, prompt, params, state=None, **kw):
+    """A request placed in a slot of the runner's arena, as the scheduler would admit it."""
+    req = Request(rid, prompt, params, **kw)
+    req.slot = runner.arena.alloc()
+    if state is not None:
+        runner.write_state(req.slot, state)
+    runner.add(req)
+    return req
+
+
+def test_runner_step_fails_only_the_poisoned_rows(model):
+    runner = ModelRunner(model, EngineConfig(n_slots=4))
+    healthy = runner_request(runner, "healthy", [1, 2, 3], greedy(4))
+    bad = runner_request(runner, "bad", [4, 5, 6], greedy(4), poisoned_state(model))
+    bad_prefill = runner_request(runner, "bad-prefill", [7, 8], greedy(1), poisoned_state(model), prefill_only=True)
+    ok_prefill = runner_request(runner, "ok-prefill", [7, 8], greedy(1), prefill_only=True)
+    work = [(healthy, 3), (bad, 3), (bad_prefill, 2), (ok_prefill, 2)]
+    out = {r.request_id: s for r, s in runner.run(work).caught_up}
+    assert [r.num_computed_tokens for r, _ in work] == [3, 3, 2, 2]
+    assert out["healthy"].token == greedy_reference(model, [1, 2, 3], 1)[0] and out["healthy"].error is None
+    assert (out["bad"].token, out["bad"].error) == (None, NON_FINITE_LOGITS)
+    assert (out["bad-prefill"].token, out["bad-prefill"].error) == (None, NON_FINITE_LOGITS)
+    assert (out["ok-prefill"].token, out["ok-prefill"].error) == (None, None)
+
+
+def test_runner_captures_the_prompt_state_before_the_last_prompt_token(model):
+    runner = ModelRunner(model, EngineConfig(n_slots=2))
+    req = runner_request(runner, "r", [1, 2, 3, 4], greedy(2), capture_prompt_state=True)
+    assert runner.run([(req, 3)]).caught_up == []  # not caught up yet: the last prompt token is still to feed
+    _, expected = model.prefill([1, 2, 3])
+    for k, v in expected.items():
+        assert torch.allclose(req.prompt_state[k], v, atol=1e-6), k
+    [(r, s)] = runner.run([(req, 1)]).caught_up
+    assert r is req and s.token == greedy_reference(model, [1, 2, 3, 4], 1)[0]
+    assert torch.equal(runner.request_state(req)["layers.0.wkv"], runner.read_state(req.slot)["layers.0.wkv"])

@@ -1,4 +1,4 @@
-"""The engine: a step loop (schedule -> run model -> sample/postprocess) on its own thread or inline."""
+"""The engine: a step loop (schedule -> runner.run -> postprocess) on its own thread or inline; it holds no tensor."""
 
 from __future__ import annotations
 
@@ -9,14 +9,12 @@ import logging
 import threading
 import time
 
-import torch
-
 from wkvm.config import EngineConfig
 from wkvm.engine.arena import SlotArena
 from wkvm.engine.detokenizer import Detokenizer
 from wkvm.engine.handle import Event, RequestHandle
 from wkvm.engine.request import Request, Status
-from wkvm.engine.sampler import NON_FINITE_LOGITS, SamplerRow, make_generator, sample
+from wkvm.engine.runner import ModelRunner, StepOutput
 from wkvm.engine.scheduler import QueueFull, Scheduler
 from wkvm.models.spec import State
 from wkvm.outputs import ErrorCode
@@ -34,15 +32,13 @@ class EngineClosed(RuntimeError):
 
 class Engine:
     def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig | None = None):
-        self.model = model
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
-        self.arena = SlotArena(model.spec, self.config.n_slots, self.config.device)
-        self.scheduler = Scheduler(self.config, self.arena)
+        self.runner = ModelRunner(model, self.config)
+        self.scheduler = Scheduler(self.config, self.runner.arena)  # slot bookkeeping; parks states through it
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._handles: dict[str, RequestHandle] = {}
-        self._rows: dict[str, SamplerRow] = {}
         self._detok: dict[str, Detokenizer] = {}
         self._ids = itertools.count()
         self._snapshots: list[tuple[str, concurrent.futures.Future]] = []
@@ -51,6 +47,14 @@ class Engine:
         self._stopping = False
         self._drain = True
         self.steps = 0
+
+    @property
+    def model(self):
+        return self.runner.model
+
+    @property
+    def arena(self) -> SlotArena:
+        return self.runner.arena
 
     # --- submission ----------------------------------------------------------------------------
     def submit(
@@ -85,8 +89,7 @@ class Engine:
                 raise ValueError(f"request id {req.request_id!r} is already in flight")
             self.scheduler.add(req)
             self._handles[req.request_id] = handle
-            self._rows[req.request_id] = SamplerRow(params, make_generator(params.seed), req.prompt_ids,
-                                                    req.output_ids, req.base_ids)  # fmt: skip
+            self.runner.add(req)
             self._detok[req.request_id] = Detokenizer(self.tokenizer, params.stop)
             self._wake.notify()
         return handle
@@ -128,84 +131,35 @@ class Engine:
             if handle is None or handle.request.status.finished:
                 fut.set_exception(KeyError(f"request {rid!r} finished before its snapshot"))
                 continue
-            req = handle.request
-            if req.slot is not None:
-                state = self.arena.read(req.slot)
-            elif req.parked_state is not None:
-                state = {k: v.clone() for k, v in req.parked_state.items()}
-            elif req.initial_state is not None:
-                state = {k: v.clone() for k, v in req.initial_state.items()}
-            else:
-                state = self.model.spec.zeros(1)
-            fut.set_result((state, req.snapshot_history()))
+            fut.set_result((self.runner.request_state(handle.request), handle.request.snapshot_history()))
         self._snapshots.clear()
 
     # --- the step ------------------------------------------------------------------------------
     def step(self) -> list[Event]:
-        """One engine step: schedule, run the model, sample and postprocess."""
+        """One engine step: schedule, run the model (and sample), postprocess."""
         with self._lock:
             self._take_snapshots()
             events = self._reap()
             batch = self.scheduler.schedule()
         if batch.work:
-            reqs, logits = self._run(batch.work)
+            out = self.runner.run(batch.work)
             with self._lock:
-                events += self._postprocess(reqs, logits)
+                events += self._postprocess(out)
             self.steps += 1
         self._dispatch(events)
         return events
 
-    def _run(self, work: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:
-        """Feed each scheduled request its tokens; returns the requests now caught up and their last logits."""
-        by_length: dict[int, list[Request]] = {}  # requests fed the same number of tokens batch together:
-        for r, n in work:  # every decode (n = 1), and prompt pieces of equal length (e.g. full prefill chunks)
-            by_length.setdefault(n, []).append(r)
-        groups: list[tuple[torch.Tensor, State]] = []
-        gathered: list[tuple[list[int], State]] = []
-        for n, rs in by_length.items():
-            slots = [r.slot for r in rs]
-            state, is_view = self.arena.view(slots)
-            groups.append((torch.tensor([r.next_tokens(n) for r in rs]), state))
-            if not is_view:
-                gathered.append((slots, state))
-        rows = self.model.forward_groups(groups)  # one sweep of the weights for the whole step
-        for slots, state in gathered:
-            self.arena.scatter(slots, state)
-        reqs = [r for rs in by_length.values() for r in rs]
-        for r, n in work:
-            r.num_computed_tokens += n
-            r.check_invariant()
-            slot = r.slot  # None when abort_all finished it while the model ran
-            at_prompt_end = r.num_computed_tokens == len(r.prompt_ids) - 1
-            if r.capture_prompt_state and r.prompt_state is None and at_prompt_end and slot is not None:
-                r.prompt_state = self.arena.read(slot)  # all of the prompt but its last (pending) token
-        logits = rows[0] if len(rows) == 1 else torch.cat(rows)
-        done = [i for i, r in enumerate(reqs) if r.gap == 0]
-        if not done:
-            return [], None
-        if len(done) < len(reqs):
-            logits = logits[torch.tensor(done)]
-        return [reqs[i] for i in done], logits
-
-    def _postprocess(self, reqs: list[Request], logits: torch.Tensor | None) -> list[Event]:
-        if logits is None:
-            return []
+    def _postprocess(self, out: StepOutput) -> list[Event]:
         events = []
-        keep = []
-        for i, r in enumerate(reqs):
-            if r.status.finished:  # aborted from another thread while the model ran
+        for req, s in out.caught_up:
+            if req.status.finished:  # aborted from another thread while the model ran
                 continue
-            if r.prefill_only:
-                events.append(self._end_prefill(r, logits[i]))
+            if s.error:
+                events.append(self._fail_one(req, s.error))
+            elif req.prefill_only:
+                events.append(self._end_prefill(req))
             else:
-                keep.append(i)
-        if not keep:
-            return events
-        if len(keep) < len(reqs):
-            reqs, logits = [reqs[i] for i in keep], logits[torch.tensor(keep)]
-        rows = [self._rows[r.request_id] for r in reqs]
-        for req, s in zip(reqs, sample(logits, rows), strict=True):
-            events.append(self._fail_one(req, s.error) if s.error else self._append(req, s.token, s.logprobs))
+                events.append(self._append(req, s.token, s.logprobs))
         return events
 
     def _append(self, req: Request, tok: int, lp: dict[int, float] | None) -> Event:
@@ -224,10 +178,8 @@ class Engine:
         ev.finish_reason = status.value if status else None
         return ev
 
-    def _end_prefill(self, req: Request, logits: torch.Tensor) -> Event:
-        """A prefill-only request is done once its prompt is in; a state that yields non-finite logits fails."""
-        if not bool(torch.isfinite(logits).all()):
-            return self._fail_one(req, NON_FINITE_LOGITS)
+    def _end_prefill(self, req: Request) -> Event:
+        """A prefill-only request is done once its prompt is in (the runner fails one whose logits are non-finite)."""
         self._finish(req, Status.FINISHED_LENGTH)
         return Event(req.request_id, [], "", None, Status.FINISHED_LENGTH.value)
 
@@ -240,7 +192,7 @@ class Engine:
         # the state is kept only when the step itself ended a healthy request, at a token boundary
         at_boundary = error_code in (None, ErrorCode.CANCELLED, ErrorCode.TIMEOUT)
         if req.capture_state and req.slot is not None and at_boundary:
-            req.final_state = self.arena.read(req.slot)
+            req.final_state = self.runner.read_state(req.slot)
         req.error, req.error_code = error, error_code
         self.scheduler.finish(req, status)
 
@@ -265,7 +217,7 @@ class Engine:
                 handle = self._handles.get(ev.request_id)
                 if ev.finished:
                     self._handles.pop(ev.request_id, None)
-                    self._rows.pop(ev.request_id, None)
+                    self.runner.release(ev.request_id)
                     self._detok.pop(ev.request_id, None)
                 if handle is not None:
                     handle._push(ev)

@@ -1,0 +1,112 @@
+"""ModelRunner: the only part of the engine that touches tensors.
+
+It owns the model, the `SlotArena` of states and each request's sampler row. `run` feeds every scheduled request
+its tokens in one sweep of the weights (requests fed the same number of tokens share a batch), captures prompt
+states, and for each request now caught up returns a sampled token, or an error that fails that request alone.
+The engine above it keeps to bookkeeping (scheduling, stop conditions, events), so another device layout or a
+tensor-parallel model changes this file only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from wkvm.config import EngineConfig
+from wkvm.engine.arena import SlotArena
+from wkvm.engine.request import Request
+from wkvm.engine.sampler import NON_FINITE_LOGITS, Sampled, SamplerRow, make_generator, sample
+from wkvm.models.spec import State
+
+
+@dataclass
+class StepOutput:
+    """Per request caught up this step: its token and logprobs (none for prefill-only), or the error that ended it."""
+
+    caught_up: list[tuple[Request, Sampled]]
+
+
+class ModelRunner:
+    def __init__(self, model, config: EngineConfig):
+        self.model = model
+        self.arena = SlotArena(model.spec, config.n_slots, config.device)
+        self._rows: dict[str, SamplerRow] = {}
+
+    def add(self, req: Request) -> None:
+        """Give a new request its sampler row (seeded generator, token context for penalties)."""
+        p = req.params
+        self._rows[req.request_id] = SamplerRow(p, make_generator(p.seed), req.prompt_ids, req.output_ids, req.base_ids)
+
+    def release(self, request_id: str) -> None:
+        self._rows.pop(request_id, None)
+
+    def run(self, work: list[tuple[Request, int]]) -> StepOutput:
+        """Feed each (request, n) its next n tokens in one weight sweep; sample for the requests now caught up."""
+        reqs, logits = self._forward(work)
+        for r, n in work:
+            r.num_computed_tokens += n
+            r.check_invariant()
+            slot = r.slot  # None when abort_all finished it while the model ran
+            at_prompt_end = r.num_computed_tokens == len(r.prompt_ids) - 1
+            if r.capture_prompt_state and r.prompt_state is None and at_prompt_end and slot is not None:
+                r.prompt_state = self.arena.read(slot)  # all of the prompt but its last (pending) token
+        done = [i for i, r in enumerate(reqs) if r.gap == 0]
+        if not done:
+            return StepOutput([])
+        if len(done) < len(reqs):
+            logits = logits[torch.tensor(done)]
+        return StepOutput(self._sample([reqs[i] for i in done], logits))
+
+    def _forward(self, work: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor]:
+        """One model call for the whole step; returns the requests in batch order and their last logits [B, V]."""
+        by_length: dict[int, list[Request]] = {}  # requests fed the same number of tokens batch together:
+        for r, n in work:  # every decode (n = 1), and prompt pieces of equal length (e.g. full prefill chunks)
+            by_length.setdefault(n, []).append(r)
+        groups: list[tuple[torch.Tensor, State]] = []
+        gathered: list[tuple[list[int], State]] = []
+        for n, rs in by_length.items():
+            slots = [r.slot for r in rs]
+            state, is_view = self.arena.view(slots)
+            groups.append((torch.tensor([r.next_tokens(n) for r in rs]), state))
+            if not is_view:
+                gathered.append((slots, state))
+        rows = self.model.forward_groups(groups)  # one sweep of the weights for the whole step
+        for slots, state in gathered:
+            self.arena.scatter(slots, state)
+        reqs = [r for rs in by_length.values() for r in rs]
+        return reqs, rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[Request, Sampled]]:
+        """A prefill-only request samples nothing but fails on non-finite logits; the rest go through the sampler."""
+        out: list[tuple[Request, Sampled]] = []
+        keep: list[tuple[int, SamplerRow]] = []
+        for i, r in enumerate(reqs):
+            row = self._rows.get(r.request_id)  # gone when abort_all finished the request while the model ran
+            if r.prefill_only:
+                finite = bool(torch.isfinite(logits[i]).all())
+                out.append((r, Sampled(None, error=None if finite else NON_FINITE_LOGITS)))
+            elif row is not None:
+                keep.append((i, row))
+        if keep:
+            idx = [i for i, _ in keep]
+            sub = logits if len(keep) == len(reqs) else logits[torch.tensor(idx)]
+            out += zip([reqs[i] for i in idx], sample(sub, [row for _, row in keep]), strict=True)
+        return out
+
+    def read_state(self, slot: int) -> State:
+        """A host copy of one slot's state (batch dim 1)."""
+        return self.arena.read(slot)
+
+    def write_state(self, slot: int, state: State) -> None:
+        self.arena.write(slot, state)
+
+    def request_state(self, req: Request) -> State:
+        """A host copy of a request's current state, wherever it is: its slot, parked, its start state, or zeros."""
+        if req.slot is not None:
+            return self.arena.read(req.slot)
+        if req.parked_state is not None:
+            return {k: v.clone() for k, v in req.parked_state.items()}
+        if req.initial_state is not None:
+            return {k: v.clone() for k, v in req.initial_state.items()}
+        return self.model.spec.zeros(1)
