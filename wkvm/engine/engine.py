@@ -8,6 +8,7 @@ import itertools
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 from wkvm.config import EngineConfig
 from wkvm.engine.arena import SlotArena
@@ -22,12 +23,25 @@ from wkvm.sampling_params import SamplingParams
 from wkvm.tokenizer import Tokenizer
 
 log = logging.getLogger("wkvm.engine")
-__all__ = ["Engine", "EngineClosed", "Event", "QueueFull", "RequestHandle"]
+__all__ = ["Engine", "EngineClosed", "EngineStats", "Event", "QueueFull", "RequestHandle"]
 SHUTDOWN_MESSAGE = "the engine shut down before this request finished"
 
 
 class EngineClosed(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    waiting: int
+    running: int
+    slots_free: int
+    slots_total: int
+    weight_stream: object | None  # the streaming weight provider's counters (StreamStats), None when resident
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
 
 
 class Engine:
@@ -55,6 +69,13 @@ class Engine:
     @property
     def arena(self) -> SlotArena:
         return self.runner.arena
+
+    def stats(self) -> EngineStats:
+        """What the server reports (metrics, shutdown): read under the lock, no internals handed out."""
+        with self._lock:
+            sched = self.scheduler
+            return EngineStats(len(sched.waiting), len(sched.running), self.arena.num_free, self.arena.n_slots,
+                               getattr(self.model.weights, "stats", None))  # fmt: skip
 
     # --- submission ----------------------------------------------------------------------------
     def submit(

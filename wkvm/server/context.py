@@ -92,7 +92,7 @@ class ServerContext:
             return
         engine.stop_accepting()
         deadline = time.monotonic() + grace
-        while engine.scheduler.has_work and time.monotonic() < deadline:
+        while engine.stats().busy and time.monotonic() < deadline:
             time.sleep(0.05)
         engine.abort_all("the server is shutting down")
 

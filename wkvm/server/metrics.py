@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
+
+if TYPE_CHECKING:
+    from wkvm.engine.engine import Engine
+    from wkvm.state.store import StateStore
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -23,10 +29,10 @@ class StreamCollector:
     """Weight-streaming counters, read from the model's provider at scrape time."""
 
     def __init__(self) -> None:
-        self.weights = None
+        self.stats = None
 
     def collect(self):
-        stats = getattr(self.weights, "stats", None)
+        stats = self.stats
         if stats is None:
             return
         for name, help_ in STREAM_COUNTERS.items():
@@ -60,17 +66,16 @@ class Metrics:
     def count_request(self, route: str, status: int) -> None:
         self.requests.labels(route, str(status)).inc()
 
-    def render(self, engine, store) -> bytes:
-        self.stream.weights = engine.model.weights
-        sched = engine.scheduler
-        self.queue_depth.set(len(sched.waiting))
-        self.running.set(len(sched.running))
-        self.slots_free.set(engine.arena.num_free)
-        self.slots_total.set(engine.arena.n_slots)
+    def render(self, engine: Engine, store: StateStore | None) -> bytes:
+        e = engine.stats()
+        self.stream.stats = e.weight_stream
+        self.queue_depth.set(e.waiting)
+        self.running.set(e.running)
+        self.slots_free.set(e.slots_free)
+        self.slots_total.set(e.slots_total)
         if store is not None:
-            self.states.labels("device").set(len(store.device_cache.items))
-            self.states.labels("host").set(len(store.host_cache.items))
-            self.state_bytes.labels("device").set(store.device_cache.nbytes)
-            self.state_bytes.labels("host").set(store.host_cache.nbytes)
-            self.state_bytes.labels("disk").set(store.disk_bytes)
+            for tier, (count, nbytes) in store.tier_stats().items():
+                if count is not None:
+                    self.states.labels(tier).set(count)
+                self.state_bytes.labels(tier).set(nbytes)
         return generate_latest(self.registry)

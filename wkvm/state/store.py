@@ -106,6 +106,13 @@ class StateStore:
         """A record's token history (for records from `list`)."""
         return rec.token_ids if rec.token_ids is not None else self.index.token_ids(rec.token_digest)
 
+    def tier_stats(self) -> dict[str, tuple[int | None, int]]:
+        """tier -> (states held, bytes) for metrics; on disk only bytes (the state files and the index)."""
+        with self._lock:
+            device, host = self.device_cache, self.host_cache
+            return {"device": (len(device.items), device.nbytes), "host": (len(host.items), host.nbytes),
+                    "disk": (None, self.disk_bytes)}  # fmt: skip
+
     def tier_of(self, blob: str) -> str:
         if blob in self.device_cache:
             return "device"
