@@ -82,12 +82,13 @@ class ChatREPL:
             state, prompt, base = None, self.tokenizer.encode(full), []
         h = self.engine.submit(prompt, self.params, initial_state=state, base_ids=base, capture_state=True)
         stopped = self._stream(h)
-        if stopped and (not h.request.output_ids or h.request.final_state is None):
+        run = h.run_result()
+        if stopped and (not h.output.token_ids or run.final_state is None):
             self.messages.pop()  # the state is still the one before this turn
             print("(stopped before the answer began: this turn is dropped)")
             return ""
         # with an answer begun the whole prompt was fed: the state holds the history but its last token
-        self.state, self.token_ids = h.request.final_state, h.request.history()
+        self.state, self.token_ids = run.final_state, run.history
         self.consumed = self.tokenizer.decode(self.token_ids)
         self.messages.append({"role": "assistant", "content": h.output.text.strip()})
         if stopped:
@@ -104,7 +105,7 @@ class ChatREPL:
         with ctrl_c_sets(interrupted):
             while not h.done.is_set():
                 if interrupted.is_set():
-                    self.engine.cancel(h.request.request_id)  # the next step ends it at a token boundary
+                    self.engine.cancel(h.request_id)  # the next step ends it at a token boundary
                 self.engine.step()
                 sys.stdout.write(h.output.text[printed:])
                 sys.stdout.flush()

@@ -90,6 +90,7 @@ class Engine:
         capture_state: bool = False,
         prefill_only: bool = False,
         capture_prompt_state: bool = False,
+        prompt_state: State | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> RequestHandle:
         if not prompt_ids:
@@ -100,7 +101,7 @@ class Engine:
             request_id=request_id or f"req-{next(self._ids)}", prompt_ids=list(prompt_ids), params=params,
             arrival=now, priority=priority, deadline=now + timeout if timeout else None,
             initial_state=initial_state, base_ids=list(base_ids or []), capture_state=capture_state,
-            prefill_only=prefill_only, capture_prompt_state=capture_prompt_state,
+            prefill_only=prefill_only, capture_prompt_state=capture_prompt_state, prompt_state=prompt_state,
         )  # fmt: skip
         handle = RequestHandle(self, req, loop)
         with self._lock:

@@ -10,10 +10,24 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from wkvm.engine.request import Request
+from wkvm.models.spec import State
 from wkvm.outputs import GenerationOutput
 
 if TYPE_CHECKING:
     from wkvm.engine.engine import Engine
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What a finished request leaves behind for the state layer: its token history and the states asked for.
+
+    `final_state` holds all of `history` but its last (pending) token; `prompt_state` all of `prompt_history` but
+    its last. Either is None when not captured (or when the request did not end at a token boundary)."""
+
+    history: list[int]
+    final_state: State | None
+    prompt_history: list[int]
+    prompt_state: State | None
 
 
 @dataclass
@@ -85,6 +99,10 @@ class RequestHandle:
         if not self.done.wait(timeout):
             raise TimeoutError(f"request {self.request_id} did not finish within {timeout}s")
         return self.output
+
+    def run_result(self) -> RunResult:
+        req = self.request
+        return RunResult(req.history(), req.final_state, req.base_ids + req.prompt_ids, req.prompt_state)
 
     def cancel(self) -> None:
         self.engine.cancel(self.request_id)

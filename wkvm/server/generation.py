@@ -114,22 +114,22 @@ async def launch(
                 pass
         finally:
             pre.cancel()  # a no-op once it finished; frees the slot if this request was abandoned meanwhile
-        if pre.request.final_state is None:
+        state = pre.run_result().final_state
+        if state is None:
             raise_if_failed(pre)
             raise APIError(503, pre.output.error or "prefill was aborted", None, "aborted")
-        state, base_ids = pre.request.final_state, base_ids + prompt_ids[:-1]
+        base_ids = base_ids + prompt_ids[:-1]
+    # the shared prefill is the prompt-end state: each choice reports it, to be checkpointed as for n = 1
+    prompt_state = state if capture_prompt else None
     handles: list[RequestHandle] = []
     try:
         for p in params:
             handles.append(engine.submit(prompt_ids[-1:], p, initial_state=state, base_ids=base_ids,
-                                         capture_state=capture, loop=loop))  # fmt: skip
+                                         capture_state=capture, prompt_state=prompt_state, loop=loop))  # fmt: skip
     except BaseException:  # all n choices or none
         for h in handles:
             h.cancel()
         raise
-    if capture_prompt and state is not None:
-        for h in handles:  # the shared prefill is the prompt-end state: checkpoint it as a single choice would
-            h.request.prompt_state = state
     return handles
 
 

@@ -44,15 +44,12 @@ def reuse_scope(tenant: str, user: str | None, cache_salt: str | None) -> str:
 def save_final(ctx: ServerContext, tenant: str, name: str, parent: str | None, h: RequestHandle) -> dict:
     """Save a finished generation's state: {"state": StateInfo}, or {"state_error": ...} when it cannot be
     saved (quota full, history too long). The generation itself is never lost to a failed save."""
-    if h.request.final_state is None:
-        return {}
     try:
-        rec = ctx.store.put(tenant, name, h.request.final_state, h.request.history(), parent=parent,
-                            op="generate", op_params={"completion_tokens": len(h.output.token_ids)})  # fmt: skip
+        rec = ctx.service.save_run(tenant, name, h.run_result(), parent, {"completion_tokens": len(h.output.token_ids)})
     except (QuotaExceeded, ValueError) as e:
         status, code = (413, "state_quota_exceeded") if isinstance(e, QuotaExceeded) else (400, "invalid_state")
         return {"state_error": error_body(status, str(e), "save_state", code)["error"]}
-    return {"state": {"object": "state", **rec.info(ctx.model_name)}}
+    return {"state": {"object": "state", **rec.info(ctx.model_name)}} if rec is not None else {}
 
 
 def check_name(name: str, param: str) -> None:

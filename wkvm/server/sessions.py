@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from wkvm.engine.engine import RequestHandle
+from wkvm.engine.handle import RunResult
 from wkvm.models.spec import State
 from wkvm.server.errors import APIError
 from wkvm.state.prefix import PrefixTrie
@@ -207,21 +208,21 @@ class ChatSessions:
         """Checkpoint the turn and park the session: a cache, so a failure is logged and never fails the answer."""
         try:
             h = handles[0]
-            req = h.request
-            if h.output.finish_reason not in ("stop", "length") or req.final_state is None:
+            run = h.run_result()
+            if h.output.finish_reason not in ("stop", "length") or run.final_state is None:
                 return
-            self._checkpoint(scope, req.history(), req.final_state, "turn_end")
-            if req.prompt_state is not None:
-                self._checkpoint(scope, req.base_ids + req.prompt_ids, req.prompt_state, "prompt_end")
+            self._checkpoint(scope, run.history, run.final_state, "turn_end")
+            if run.prompt_state is not None:
+                self._checkpoint(scope, run.prompt_history, run.prompt_state, "prompt_end")
             if session_key is not None:
-                self._update_session(tenant, session_key, headers, req, h.output.text)
+                self._update_session(tenant, session_key, headers, run, h.output.text)
         except Exception:
             log.warning("could not store this turn's checkpoints/session; the next turn recomputes", exc_info=True)
 
     def _checkpoint(self, scope: str, token_ids: list[int], state: State, kind: str) -> None:
         store = self.ctx.store
         name = "c-" + hashlib.sha256(repr(token_ids).encode()).hexdigest()[:32]
-        rec = store.put(scope + CKPT, name, state, token_ids, op="checkpoint", op_params={"kind": kind}, durable=False)
+        rec = self.ctx.service.save_checkpoint(scope + CKPT, name, state, token_ids, kind)
         if rec is None:  # the store had no room within its checkpoint budget: this prefix is not reusable
             return
         with self.lock:
@@ -231,11 +232,11 @@ class ChatSessions:
         if rec.version > 1:  # the same tokens again: keep only the newest version
             store.discard(scope + CKPT, f"{name}@{rec.version - 1}", durable=False)
 
-    def _update_session(self, tenant, key, headers, req, reply: str) -> None:
+    def _update_session(self, tenant, key, headers, run: RunResult, reply: str) -> None:
         store = self.ctx.store
         messages = headers.get("_messages")
         name = "s-" + hashlib.sha256(repr(key).encode()).hexdigest()[:32]
-        rec = store.put(tenant + SESS, name, req.final_state, req.history(), op="session", durable=False)
+        rec = self.ctx.service.save_run(tenant + SESS, name, run, op="session", durable=False)
         new = rec.handle if rec is not None else None  # None: not kept (no room); the next turn restarts, no_session
         with self.lock:
             sess = self.sessions.get(key)
@@ -243,7 +244,7 @@ class ChatSessions:
                 old = new
             else:
                 old = sess.handle
-                sess.handle, sess.token_ids = new, req.history() if new is not None else []
+                sess.handle, sess.token_ids = new, run.history if new is not None else []
                 sess.history = visible(messages) + [("assistant", reply.strip())]
                 sess.last_assistant_id = headers.get("x-wkvm-assistant-message-id")
                 sess.message_ids |= {headers.get("x-wkvm-assistant-message-id"), headers.get("x-wkvm-user-message-id")}

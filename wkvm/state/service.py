@@ -6,6 +6,8 @@ import asyncio
 from dataclasses import dataclass
 
 from wkvm.engine.engine import Engine, RequestHandle
+from wkvm.engine.handle import RunResult
+from wkvm.models.spec import State
 from wkvm.sampling_params import SamplingParams
 from wkvm.state.index import StateRecord
 from wkvm.state.mutations import apply_mutation
@@ -22,12 +24,10 @@ class Resumed:
     save_as: str | None
 
     def save(self, service: StateService, owner: str) -> StateRecord | None:
-        req = self.handle.request
-        if self.save_as is None or req.final_state is None:
+        if self.save_as is None:
             return None
-        params = {"prompt_tokens": len(req.prompt_ids) - 1, "completion_tokens": len(req.output_ids)}
-        return service.store.put(owner, self.save_as, req.final_state, req.history(), parent=self.source.handle,
-                                 op="generate", op_params=params)  # fmt: skip
+        params = {"completion_tokens": len(self.handle.output.token_ids)}
+        return service.save_run(owner, self.save_as, self.handle.run_result(), self.source.handle, params)
 
 
 class StateService:
@@ -45,12 +45,27 @@ class StateService:
         else:
             h = self.engine.submit(prompt_ids[:-1], SamplingParams(max_tokens=1), capture_state=True, prefill_only=True)
             self._wait(h, timeout)
-            if h.request.final_state is None:
+            state = h.run_result().final_state
+            if state is None:
                 raise RuntimeError(h.output.error or "state creation did not finish")
-            state = h.request.final_state
         return self.store.put(
             owner, name, state, list(prompt_ids), op="create", op_params={"prompt_tokens": len(prompt_ids)}
         )
+
+    def save_run(
+        self, owner: str, name: str, result: RunResult, parent: str | None = None, op_params: dict | None = None,
+        op: str = "generate", durable: bool = True,
+    ) -> StateRecord | None:  # fmt: skip
+        """Store a finished run's final state under `name` (every save of a generation comes here); None when
+        there is no final state, or for an internal owner whose state the store chose not to keep."""
+        if result.final_state is None:
+            return None
+        return self.store.put(owner, name, result.final_state, result.history, parent=parent, op=op,
+                              op_params=op_params or {}, durable=durable)  # fmt: skip
+
+    def save_checkpoint(self, owner: str, name: str, state: State, history: list[int], kind: str) -> StateRecord | None:
+        """A prefix-reuse checkpoint (an internal owner): write-back, best effort; None when the store has no room."""
+        return self.store.put(owner, name, state, history, op="checkpoint", op_params={"kind": kind}, durable=False)
 
     def start(
         self, owner: str, handle: str, suffix_ids: list[int], params: SamplingParams,
