@@ -17,7 +17,7 @@ from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError, error_body
 from wkvm.server.schemas import MAX_PROMPTS, ChatRequest, CompletionRequest
-from wkvm.server.sessions import Plan
+from wkvm.server.sessions import ChatMeta, Plan
 from wkvm.state.statefile import MAX_HISTORY_TOKENS, valid_name
 from wkvm.state.store import QuotaExceeded
 
@@ -68,14 +68,14 @@ def check_save_room(ctx: ServerContext, tenant: str, n_tokens: int, param: str) 
     ctx.store.check_room(tenant, n_tokens)
 
 
-async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body, params, headers=None):
+async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body, params, chat: ChatMeta | None):
     if body.save_state is not None:
         check_name(body.save_state, "save_state")
     scope = reuse_scope(tenant, body.user, body.cache_salt)
 
     def plan_run() -> Plan:  # reads the store (SQLite, maybe a state file): off the event loop
         try:
-            plan = ctx.sessions.plan(tenant, prompt_ids, body.state, headers, scope=scope)
+            plan = ctx.sessions.plan(tenant, prompt_ids, body.state, chat, scope=scope)
         except ValueError as e:
             raise APIError(400, str(e), "state", "invalid_state") from None
         if body.save_state is not None:
@@ -89,12 +89,13 @@ async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body, pa
                                    capture=plan.capture or bool(body.save_state),
                                    capture_prompt=plan.capture)  # fmt: skip
     finally:
-        ctx.sessions.track(headers, tenant, locals().get("handles", []))
+        ctx.sessions.track(chat, tenant, locals().get("handles", []))
     ctx.metrics.prompt_tokens.inc(len(prompt_ids))
     return plan, handles
 
 
-async def start_all(ctx: ServerContext, tenant: str, encoded: list[list[int]], body, params, headers):
+async def start_all(ctx: ServerContext, tenant: str, encoded: list[list[int]], body, params,
+                    chat: ChatMeta | None = None):  # fmt: skip
     """Admit every prompt of a request or none: check the queue has room for all, and if one still fails to
     start, cancel the ones already started."""
     per_prompt = len(params) + (1 if len(params) > 1 else 0)  # n > 1 adds one shared prefill
@@ -105,7 +106,7 @@ async def start_all(ctx: ServerContext, tenant: str, encoded: list[list[int]], b
     runs: list[tuple[Plan, list[RequestHandle]]] = []
     try:
         for ids in encoded:
-            runs.append(await start(ctx, tenant, ids, body, params, headers))
+            runs.append(await start(ctx, tenant, ids, body, params, chat))
     except BaseException:
         for _, handles in runs:
             for h in handles:
@@ -171,7 +172,7 @@ def router(ctx: ServerContext, auth) -> APIRouter:
             raise APIError(400, "save_state needs n = 1", "save_state", "invalid_value")
         params = gen.per_choice(gen.sampling_params(ctx, body, body.max_tokens, body.logprobs), body.n)
         encoded = [gen.encode_prompt(ctx, q, "prompt") for q in prompts]
-        runs = await start_all(ctx, tenant, encoded, body, params, request.headers)
+        runs = await start_all(ctx, tenant, encoded, body, params)
         handles = [h for _, hs in runs for h in hs]
         prompt_tokens = sum(len(ids) for ids in encoded)
         rid, created = gen.new_id("cmpl"), int(time.time())
@@ -216,8 +217,8 @@ def router(ctx: ServerContext, auth) -> APIRouter:
         sp = gen.sampling_params(ctx, body, max_tokens, k, gen.DEFAULT_CHAT_MAX_TOKENS, ctx.template.stop)
         params = gen.per_choice(sp, body.n)
         prompt_ids = gen.encode_prompt(ctx, text, "messages")
-        headers = {**request.headers, "_messages": messages}
-        ((plan, handles),) = await start_all(ctx, tenant, [prompt_ids], body, params, headers)
+        chat = ChatMeta.from_headers(request.headers, messages)
+        ((plan, handles),) = await start_all(ctx, tenant, [prompt_ids], body, params, chat)
         base = {"id": gen.new_id("chatcmpl"), "created": int(time.time()), "model": ctx.model_name}
         if body.stream:
             return StreamingResponse(

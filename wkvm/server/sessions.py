@@ -41,6 +41,27 @@ class Plan:
     finish: Callable[[list[RequestHandle]], None] | None = None
 
 
+@dataclass(frozen=True)
+class ChatMeta:
+    """A chat turn as the parent-token-v1 protocol describes it: its messages and the identity headers."""
+
+    messages: list[dict[str, str]]
+    stateful: bool = False  # X-WKVM-Stateful-Chat: parent-token-v1
+    user: str | None = None
+    chat: str | None = None
+    assistant_id: str | None = None
+    user_message_id: str | None = None
+    parent_id: str | None = None
+
+    @classmethod
+    def from_headers(cls, headers, messages: list[dict[str, str]]) -> ChatMeta:
+        return cls(
+            messages, headers.get(HEADER_MODE) == PARENT_TOKEN_V1, headers.get("x-openwebui-user-id"),
+            headers.get("x-openwebui-chat-id"), headers.get("x-wkvm-assistant-message-id"),
+            headers.get("x-wkvm-user-message-id"), headers.get("x-wkvm-parent-message-id") or None,
+        )  # fmt: skip
+
+
 @dataclass
 class Session:
     """A parked chat: its state (in the store) bound to model, ids, visible history and exact tokens."""
@@ -103,7 +124,7 @@ class ChatSessions:
         tenant: str,
         prompt_ids: list[int],
         state_handle: str | None = None,
-        headers=None,
+        chat: ChatMeta | None = None,
         scope: str | None = None,
     ) -> Plan:
         """Where this request starts. Checkpoints are stored and looked up under `scope` (an opaque string the
@@ -113,14 +134,13 @@ class ChatSessions:
         if not self.enabled:
             return Plan(list(prompt_ids))
         scope = tenant if scope is None else scope
-        messages = headers.get("_messages") if headers is not None else None
         session_key = None
-        if headers is not None and headers.get(HEADER_MODE) == PARENT_TOKEN_V1 and messages is not None:
-            plan, session_key = self._parent_bound(tenant, scope, prompt_ids, headers, messages)
+        if chat is not None and chat.stateful:
+            plan, session_key = self._parent_bound(tenant, scope, prompt_ids, chat)
         else:
             plan = self._from_checkpoint(scope, prompt_ids, None)
         plan.capture = True
-        plan.finish = lambda handles: self._after(tenant, scope, plan, handles, session_key, headers)
+        plan.finish = lambda handles: self._after(tenant, scope, plan, handles, session_key, chat)
         return plan
 
     def _from_checkpoint(self, scope: str, prompt_ids: list[int], reason: str | None) -> Plan:
@@ -143,10 +163,9 @@ class ChatSessions:
         info = {"mode": "exact_prefix" if exact else "checkpoint", "reused_tokens": cp.n_fed, "restart_reason": reason}
         return Plan(prompt_ids[cp.n_fed :], state, prompt_ids[: cp.n_fed], cp.key, info)
 
-    def _parent_bound(self, tenant: str, scope: str, prompt_ids, headers, messages) -> tuple[Plan, tuple | None]:
-        user, chat = headers.get("x-openwebui-user-id"), headers.get("x-openwebui-chat-id")
-        asst_id, user_msg_id = headers.get("x-wkvm-assistant-message-id"), headers.get("x-wkvm-user-message-id")
-        parent_id = headers.get("x-wkvm-parent-message-id") or None
+    def _parent_bound(self, tenant: str, scope: str, prompt_ids, meta: ChatMeta) -> tuple[Plan, tuple | None]:
+        user, chat, messages = meta.user, meta.chat, meta.messages
+        asst_id, user_msg_id, parent_id = meta.assistant_id, meta.user_message_id, meta.parent_id
         if not (user and chat and asst_id and user_msg_id):
             self.ctx.metrics.restarts.labels("missing_metadata").inc()
             return self._from_checkpoint(scope, prompt_ids, "missing_metadata"), None
@@ -204,7 +223,7 @@ class ChatSessions:
         return None
 
     # --- after a turn --------------------------------------------------------------------------
-    def _after(self, tenant, scope, plan: Plan, handles: list[RequestHandle], session_key, headers) -> None:
+    def _after(self, tenant, scope, plan: Plan, handles: list[RequestHandle], session_key, chat: ChatMeta | None):
         """Checkpoint the turn and park the session: a cache, so a failure is logged and never fails the answer."""
         try:
             h = handles[0]
@@ -215,7 +234,7 @@ class ChatSessions:
             if run.prompt_state is not None:
                 self._checkpoint(scope, run.prompt_history, run.prompt_state, "prompt_end")
             if session_key is not None:
-                self._update_session(tenant, session_key, headers, run, h.output.text)
+                self._update_session(tenant, session_key, chat, run, h.output.text)
         except Exception:
             log.warning("could not store this turn's checkpoints/session; the next turn recomputes", exc_info=True)
 
@@ -232,9 +251,9 @@ class ChatSessions:
         if rec.version > 1:  # the same tokens again: keep only the newest version
             store.discard(scope + CKPT, f"{name}@{rec.version - 1}", durable=False)
 
-    def _update_session(self, tenant, key, headers, run: RunResult, reply: str) -> None:
+    def _update_session(self, tenant, key, chat: ChatMeta, run: RunResult, reply: str) -> None:
         store = self.ctx.store
-        messages = headers.get("_messages")
+        messages = chat.messages
         name = "s-" + hashlib.sha256(repr(key).encode()).hexdigest()[:32]
         rec = self.ctx.service.save_run(tenant + SESS, name, run, op="session", durable=False)
         new = rec.handle if rec is not None else None  # None: not kept (no room); the next turn restarts, no_session
@@ -246,17 +265,17 @@ class ChatSessions:
                 old = sess.handle
                 sess.handle, sess.token_ids = new, run.history if new is not None else []
                 sess.history = visible(messages) + [("assistant", reply.strip())]
-                sess.last_assistant_id = headers.get("x-wkvm-assistant-message-id")
-                sess.message_ids |= {headers.get("x-wkvm-assistant-message-id"), headers.get("x-wkvm-user-message-id")}
+                sess.last_assistant_id = chat.assistant_id
+                sess.message_ids |= {chat.assistant_id, chat.user_message_id}
                 sess.last_used = time.monotonic()
         if old is not None:
             store.discard(tenant + SESS, old, durable=False)
 
-    def track(self, headers, tenant: str, handles: list[RequestHandle]) -> None:
+    def track(self, chat: ChatMeta | None, tenant: str, handles: list[RequestHandle]) -> None:
         """Mark the session busy while these handles run (a second request gets 409)."""
-        if headers is None or headers.get(HEADER_MODE) != PARENT_TOKEN_V1:
+        if chat is None or not chat.stateful:
             return
-        key = (tenant, headers.get("x-openwebui-user-id"), headers.get("x-openwebui-chat-id"))
+        key = (tenant, chat.user, chat.chat)
         with self.lock:
             if key in self.sessions:
                 self.sessions[key].inflight = list(handles)
