@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from wkvm.models.spec import State
 from wkvm.sampling_params import SamplingParams
 
@@ -48,7 +46,6 @@ class Request:
     final_state: State | None = None
     error: str | None = None
     error_code: str | None = None  # an ErrorCode value (wkvm.outputs) when it ended in error or abort
-    generator: torch.Generator | None = None
     cancel_requested: bool = False
 
     @property
