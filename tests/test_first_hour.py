@@ -63,15 +63,18 @@ def test_embedded_template_renders_system_messages():
 
 
 def test_pack_files_have_the_usual_mode(tmp_path):
+    """Pack files get the mode open() gives under this process's umask (safetensors alone creates them 0600)."""
+    from wkvm.atomic import FILE_MODE
     from wkvm.weights.pack import write_pack
 
-    old = os.umask(0o022)
-    try:
-        pack = write_pack(EMBEDDED_MODEL, tmp_path / "pack")
-    finally:
-        os.umask(old)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert 0o666 & ~umask == FILE_MODE
+    pack = write_pack(EMBEDDED_MODEL, tmp_path / "pack")
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in pack.iterdir() if p.is_file()}
-    assert set(modes.values()) == {0o644}, modes
+    assert set(modes.values()) == {FILE_MODE}, modes
+    if umask & 0o044 == 0:  # a umask that lets others read (022, 002): then they can read the pack
+        assert FILE_MODE & 0o044 == 0o044
 
 
 REPO = Path(__file__).resolve().parent.parent

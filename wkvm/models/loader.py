@@ -63,5 +63,4 @@ def load_model(
         raise ValueError(
             f"{path}: --weight-cache-layers needs a weight pack (make one with `wkvm convert SRC DST --pack`)"
         )
-    detect_format(path)  # raises a CheckpointError naming what is wrong
-    return load_rwkv7(path, device=device, dtype=dtype)
+    return load_rwkv7(path, device=device, dtype=dtype)  # check_model_path above checked the format

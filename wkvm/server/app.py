@@ -41,7 +41,7 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
     install_error_handlers(app)
     # the last added runs first: metrics see every response, the key is checked before the body is read
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
-    app.add_middleware(ApiKeyGate, keys=config.api_keys)
+    app.add_middleware(ApiKeyGate, keys=ctx.keys)
     app.add_middleware(RequestMetrics, count=ctx.metrics.count_request, on_server_error=server_error)
 
     def authenticated(request: Request) -> str:

@@ -35,15 +35,24 @@ def presented_key(scope) -> bytes | None:
     return header(scope, b"x-api-key")
 
 
-def key_matches(key: bytes | None, keys: list[bytes]) -> bool:
-    """Compare against every configured key in constant time (no early exit on the first match or on length)."""
-    if key is None:
-        return False
-    digest = hashlib.sha256(key).digest()
-    matched = False
-    for k in keys:
-        matched |= hmac.compare_digest(digest, hashlib.sha256(k).digest())
-    return matched
+class KeyRing:
+    """The configured API keys, kept as sha256 digests computed once."""
+
+    def __init__(self, keys: list[str]):
+        self.digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+
+    def __bool__(self) -> bool:
+        return bool(self.digests)
+
+    def matches(self, key: bytes | None) -> bool:
+        """Compare against every key in constant time (no early exit on the first match or on length)."""
+        if key is None:
+            return False
+        digest = hashlib.sha256(key).digest()
+        matched = False
+        for d in self.digests:
+            matched |= hmac.compare_digest(digest, d)
+        return matched
 
 
 def key_owner(key: bytes) -> str:
@@ -57,14 +66,13 @@ async def send_error(scope, receive, send, status: int, message: str, param: str
 class ApiKeyGate:
     """401 for every route but /health when keys are configured, decided on headers alone."""
 
-    def __init__(self, app, keys: list[str]):
-        self.app = app
-        self.keys = [k.encode() for k in keys]
+    def __init__(self, app, keys: KeyRing):
+        self.app, self.keys = app, keys
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not self.keys or scope.get("path") in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        if not key_matches(presented_key(scope), self.keys):
+        if not self.keys.matches(presented_key(scope)):
             message = "missing or invalid API key: send 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'"
             return await send_error(scope, receive, send, 401, message, None, "invalid_api_key")
         return await self.app(scope, receive, send)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import tempfile
@@ -17,7 +18,7 @@ from wkvm.chat_template import ChatTemplate, load_chat_template
 from wkvm.config import ServerConfig
 from wkvm.engine.engine import Engine
 from wkvm.models.loader import load_model
-from wkvm.server.asgi import header, key_matches, key_owner, presented_key
+from wkvm.server.asgi import KeyRing, header, key_owner, presented_key
 from wkvm.server.errors import APIError
 from wkvm.server.metrics import Metrics
 from wkvm.state.service import StateService
@@ -43,6 +44,10 @@ class ServerContext:
     started_at: float = field(default_factory=time.time)
     on_load_failure: Callable[[], None] | None = None  # `wkvm serve` exits instead of serving 503s forever
     _tmp: tempfile.TemporaryDirectory | None = None
+
+    @functools.cached_property
+    def keys(self) -> KeyRing:
+        return KeyRing(self.config.api_keys)
 
     @property
     def model_created(self) -> int:
@@ -114,8 +119,8 @@ class ServerContext:
         """Name the tenant that owns states: the API key's hash (keys are checked by ApiKeyGate before any
         route runs) and, when Open WebUI forwards one, its user id."""
         key = presented_key(request.scope)
-        if self.config.api_keys:
-            if not key_matches(key, [k.encode() for k in self.config.api_keys]):  # the gate already refused it
+        if self.keys:
+            if not self.keys.matches(key):  # ApiKeyGate refused it already; this keeps routes safe without the gate
                 raise APIError(401, "missing or invalid API key", code="invalid_api_key")
             owner = key_owner(key)
         else:

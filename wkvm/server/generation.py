@@ -12,6 +12,7 @@ from fastapi import Request
 
 from wkvm.engine.engine import Event, RequestHandle
 from wkvm.models.spec import State
+from wkvm.outputs import ErrorCode
 from wkvm.sampling_params import MAX_STOP_STRINGS, InvalidParam, SamplingParams
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError
@@ -45,8 +46,8 @@ def check_text(text: str, param: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        where = f"character {e.start}"
-        raise APIError(400, f"{param}: invalid Unicode at {where} (an unpaired surrogate); send valid UTF-8 text",
+        raise APIError(400, f"{param}: invalid Unicode at character {e.start} (an unpaired surrogate); send valid "
+                       "UTF-8 text",
                        param, "invalid_text") from None
 
 
@@ -190,8 +191,8 @@ def raise_if_failed(h: RequestHandle) -> None:
     parameters), so they are a 400; anything else is the server's fault."""
     if h.output.finish_reason != "error":
         return
-    code = getattr(h.output, "error_code", None) or "engine_error"
-    status = 400 if code == "non_finite" else 500
+    code = h.output.error_code or ErrorCode.ENGINE_ERROR
+    status = 400 if code == ErrorCode.NON_FINITE else 500
     raise APIError(status, h.output.error or "generation failed", None, code)
 
 

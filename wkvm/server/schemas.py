@@ -10,6 +10,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from wkvm.sampling_params import (
+    MAX_LOGPROBS,
+    MIN_P_RANGE,
+    PENALTY_RANGE,
+    REPETITION_PENALTY_RANGE,
+    TEMPERATURE_RANGE,
+    TOP_P_RANGE,
+)
+
 Seed = Field(default=None, ge=-(2**63), le=2**64 - 1)
 MAX_PROMPTS = 128  # prompts in one /v1/completions list (each is a request in the queue)
 MAX_STOP_TOKEN_IDS = 64
@@ -27,16 +36,17 @@ class StreamOptions(Body):
 class SamplingFields(Body):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)  # below 0.01 (but not 0) runs as 0.01, as in vLLM
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    # ranges from SamplingParams (one source); a temperature in (0, 0.01) runs as 0.01, as in vLLM
+    temperature: float = Field(default=1.0, ge=TEMPERATURE_RANGE[0], le=TEMPERATURE_RANGE[1])
+    top_p: float = Field(default=1.0, gt=TOP_P_RANGE[0], le=TOP_P_RANGE[1])
     top_k: int = Field(default=-1, ge=-1)
-    min_p: float = Field(default=0.0, ge=0, le=1)
+    min_p: float = Field(default=0.0, ge=MIN_P_RANGE[0], le=MIN_P_RANGE[1])
     seed: int | None = Seed
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(default=1.0, ge=0.01, le=10)
+    presence_penalty: float = Field(default=0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    frequency_penalty: float = Field(default=0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    repetition_penalty: float = Field(default=1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -48,7 +58,7 @@ class SamplingFields(Body):
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     n: int = Field(default=1, ge=1, le=16)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1, le=16)
@@ -73,7 +83,7 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     n: int = Field(default=1, ge=1, le=16)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -95,7 +105,7 @@ class ForkRequest(Body):
 class StateGenerateRequest(SamplingFields):
     prompt: str | None = None
     prompt_ids: list[int] | None = None
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     save_as: str | None = None
 
 
