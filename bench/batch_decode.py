@@ -16,10 +16,10 @@ from common import checkpoint, plot, print_table, timeit, write_json  # noqa: E4
 
 from wkvm.config import EngineConfig  # noqa: E402
 from wkvm.engine.engine import Engine  # noqa: E402
-from wkvm.models.rwkv7 import load_rwkv7  # noqa: E402
+from wkvm.models.rwkv7.tokenizer import WorldTokenizer  # noqa: E402
 from wkvm.progress import progress  # noqa: E402
 from wkvm.sampling_params import SamplingParams  # noqa: E402
-from wkvm.tokenizer import WorldTokenizer  # noqa: E402
+from wkvm.weights.loader import load_model  # noqa: E402
 
 
 def engine_tok_s(model, batch: int, steps: int) -> float:
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     args = ap.parse_args()
     path = checkpoint()
-    model = load_rwkv7(path)
+    model = load_model(path)
     from rwkv.model import RWKV
 
     ref = RWKV(str(path).removesuffix(".pth"), "cpu fp32")

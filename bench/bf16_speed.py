@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import checkpoint, print_table, timeit_pair, write_json  # noqa: E402
 
-from wkvm.models.rwkv7 import load_rwkv7  # noqa: E402
+from wkvm.weights.loader import load_model  # noqa: E402
 
 
 def weight_bytes(model) -> int:
@@ -32,7 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     path = checkpoint()
-    fp32, bf16 = load_rwkv7(path), load_rwkv7(path, dtype=torch.bfloat16)
+    fp32, bf16 = load_model(path), load_model(path, dtype=torch.bfloat16)
     prompt = torch.randint(0, fp32.config.vocab_size, (args.prefill_tokens,)).tolist()
     n = args.decode_tokens
 

@@ -14,7 +14,7 @@ import torch
 os.environ.setdefault("RWKV_V7_ON", "1")
 os.environ.setdefault("RWKV_CUDA_ON", "0")
 
-from wkvm.models.rwkv7_random import SHAPE_0_1B, RWKV7Shape, save_random_rwkv7  # noqa: E402
+from wkvm.models.rwkv7.random_weights import SHAPE_0_1B, RWKV7Shape, save_random_rwkv7  # noqa: E402
 
 OUT = Path(__file__).parent / "out"
 
@@ -67,7 +67,7 @@ def read_bandwidth(nbytes: int = 1 << 30) -> float:
 
 def matmul_rate(m: int = 1024, k: int = 768, n: int = 3072) -> dict[str, float]:
     """fp32 FLOP/s of a prefill-sized matmul: default BLAS (`F.linear`) and wkvm's packed `linear`."""
-    from wkvm.weights.linear import linear, pack_linear
+    from wkvm.models.linear import linear, pack_linear
 
     a, b = torch.randn(m, k), torch.randn(n, k)
     packed = pack_linear(b)

@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import checkpoint, plot, print_table, write_json  # noqa: E402
 
-from wkvm.models.rwkv7 import load_rwkv7  # noqa: E402
 from wkvm.server.background import free_port, wait_healthy  # noqa: E402
+from wkvm.weights.loader import load_model  # noqa: E402
 
 
 def script(sessions: int, turns: int, first: int, user: int, vocab: int) -> list[list[list[int]]]:
@@ -109,7 +109,7 @@ def run_rwkv(path: Path, plan, gen_tokens: int) -> tuple[float, list[list[float]
 
 def lower_bound(path: Path, plan, gen_tokens: int) -> tuple[float, list[float]]:
     """Prefill only each turn's new tokens from the live state, then decode all sessions as one batch."""
-    model = load_rwkv7(path)
+    model = load_model(path)
     states = [model.new_state() for _ in plan]
     pending: list[list[int]] = [[] for _ in plan]
     per_turn = []

@@ -15,8 +15,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import checkpoint, copy_bandwidth, matmul_rate, print_table, read_bandwidth, timeit_pair, write_json  # noqa: E402
 
-from wkvm.models.rwkv7 import load_rwkv7  # noqa: E402
-from wkvm.weights.linear import weight_numel  # noqa: E402
+from wkvm.models.linear import weight_numel  # noqa: E402
+from wkvm.weights.loader import load_model  # noqa: E402
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     path = checkpoint()
-    model = load_rwkv7(path)
+    model = load_model(path)
     from rwkv.model import RWKV
 
     ref = RWKV(str(path).removesuffix(".pth"), "cpu fp32")

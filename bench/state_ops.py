@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import print_table, write_json  # noqa: E402
 
 from wkvm.engine.arena import SlotArena  # noqa: E402
-from wkvm.models.rwkv7 import RWKV7Config, rwkv7_state_spec  # noqa: E402
+from wkvm.models.rwkv7.model import RWKV7Config, rwkv7_state_spec  # noqa: E402
 from wkvm.state.index import StateIndex  # noqa: E402
 from wkvm.state.store import StateStore, StoreLimits  # noqa: E402
 

@@ -18,11 +18,14 @@ from common import OUT, checkpoint, plot, print_table, write_json  # noqa: E402
 
 from wkvm.config import EngineConfig  # noqa: E402
 from wkvm.engine.engine import Engine  # noqa: E402
-from wkvm.models.loader import load_model  # noqa: E402
+from wkvm.models.rwkv7.tokenizer import WorldTokenizer  # noqa: E402
 from wkvm.progress import progress  # noqa: E402
 from wkvm.sampling_params import SamplingParams  # noqa: E402
-from wkvm.tokenizer import WorldTokenizer  # noqa: E402
-from wkvm.weights.pack import is_pack, write_pack  # noqa: E402
+from wkvm.weights.loader import (
+    is_pack,  # noqa: E402
+    load_model,  # noqa: E402
+)
+from wkvm.weights.pack import write_pack  # noqa: E402
 
 
 def decode_rate(model, batch: int, steps: int) -> dict:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from wkvm.models.rwkv7_checkpoint import write_hf  # noqa: E402
+from wkvm.models.rwkv7.checkpoint import write_hf  # noqa: E402
 
 DECAY_SCALE = 0.606531
 CHAT_TEMPLATE = (
@@ -282,9 +282,9 @@ def main() -> None:
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (out / "chat_template.json").write_text(json.dumps({"name": "shakespeare-dialogue", "stop": ["\n\n"]}) + "\n")
 
-    from wkvm.models.rwkv7 import load_rwkv7
+    from wkvm.weights.loader import load_model
 
-    loaded = load_rwkv7(out)
+    loaded = load_model(out)
     sample = val[:200]
     with torch.no_grad():
         ref = model.eval()(sample.view(1, -1))[0]

@@ -6,7 +6,7 @@ os.environ.setdefault("RWKV_CUDA_ON", "0")
 
 import pytest  # noqa: E402
 
-from wkvm.models.rwkv7_random import RWKV7Shape, save_random_rwkv7  # noqa: E402
+from wkvm.models.rwkv7.random_weights import RWKV7Shape, save_random_rwkv7  # noqa: E402
 
 # Shapes for the exactness tests: H >= 3, L >= 3, four unequal LoRA ranks, V = 65536 and small V.
 SHAPES = {

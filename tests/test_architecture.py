@@ -6,10 +6,11 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "wkvm"
 
-# lowest first; models and weights still share a layer (RWKV-7 knowledge inside weights/: issue #14 item 1)
+# lowest first
 LAYERS = [
     {"atomic", "config", "progress", "outputs", "sampling_params", "tokenizer", "chat_template", "logs"},
-    {"models", "weights"},
+    {"models"},
+    {"weights"},
     {"engine"},
     {"state"},
     {"server"},

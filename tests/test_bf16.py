@@ -10,9 +10,9 @@ from conftest import greedy_reference
 
 from wkvm import LLM, SamplingParams
 from wkvm.cli import EMBEDDED_MODEL
-from wkvm.models.loader import load_model
-from wkvm.models.rwkv7_checkpoint import read_checkpoint, write_pth
+from wkvm.models.rwkv7.checkpoint import read_checkpoint, write_pth
 from wkvm.tokenizer import load_tokenizer
+from wkvm.weights.loader import load_model
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n\nJULIET:\n"
 
@@ -75,7 +75,7 @@ def test_bf16_weights_take_half_the_memory(trained_pth):
 def test_bf16_streaming_equals_bf16_resident(trained_pth, ids, tmp_path):
     """With oneDNN's bf16 kernel, layers stream from a bf16 blocked copy beside the fp32 pack; without it (e.g. an
     AVX2-only CPU) from the pack's plain files. The output equals resident bf16 either way."""
-    from wkvm.weights.linear import onednn_bf16_available
+    from wkvm.models.linear import onednn_bf16_available
     from wkvm.weights.pack import write_pack
 
     write_pack(trained_pth, tmp_path / "pack")
@@ -91,10 +91,10 @@ def test_bf16_streaming_equals_bf16_resident(trained_pth, ids, tmp_path):
 @pytest.mark.parametrize("native", [True, False])
 def test_bf16_without_a_native_kernel_warns_at_load(trained_pth, monkeypatch, caplog, native):
     """Without a native bf16 kernel (AVX2-only or plain AVX-512 CPUs) bf16 is slower than fp32: say so at load."""
-    from wkvm.weights import linear
+    from wkvm.models import linear
 
     monkeypatch.setattr(linear, "bf16_native", lambda: native)
-    with caplog.at_level(logging.WARNING, logger="wkvm.models.loader"):
+    with caplog.at_level(logging.WARNING, logger="wkvm.weights.loader"):
         load_model(trained_pth, dtype="bfloat16")
         load_model(trained_pth)  # float32 never warns
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "bf16" in r.getMessage()]

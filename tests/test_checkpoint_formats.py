@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from wkvm.models.rwkv7 import load_rwkv7
-from wkvm.models.rwkv7_checkpoint import CheckpointError, convert, read_checkpoint
-from wkvm.models.rwkv7_random import RWKV7Shape, save_random_rwkv7
+from wkvm.models.rwkv7.checkpoint import CheckpointError, convert, read_checkpoint
+from wkvm.models.rwkv7.random_weights import RWKV7Shape, save_random_rwkv7
+from wkvm.weights.loader import load_model
 
 
 def assert_bit_identical(a, b):
@@ -18,7 +18,7 @@ def assert_bit_identical(a, b):
 
 
 def test_pth_and_hf_give_identical_logits(tiny_pth, tiny_hf):
-    a, b = load_rwkv7(tiny_pth), load_rwkv7(tiny_hf)
+    a, b = load_model(tiny_pth), load_model(tiny_hf)
     tokens = list(range(1, 40))
     la, _ = a.prefill(tokens, all_logits=True)
     lb, _ = b.prefill(tokens, all_logits=True)
@@ -60,36 +60,39 @@ def test_fingerprint_sees_weight_bytes(tmp_path):
     raw = save_random_rwkv7(tmp_path / "a.pth", RWKV7Shape(), seed=1)
     raw["blocks.1.ffn.value.weight"][0, 0] = torch.nextafter(raw["blocks.1.ffn.value.weight"][0, 0], torch.tensor(9.0))
     torch.save(raw, tmp_path / "b.pth")
-    assert load_rwkv7(tmp_path / "a.pth").fingerprint != load_rwkv7(tmp_path / "b.pth").fingerprint
+    assert load_model(tmp_path / "a.pth").fingerprint != load_model(tmp_path / "b.pth").fingerprint
 
 
 def test_dimensions_read_from_tensors(tmp_path):
     shape = RWKV7Shape(5, 80, 20, 77, 123, 6, 10, 3, 14)
     save_random_rwkv7(tmp_path / "odd.pth", shape)
-    cfg = load_rwkv7(tmp_path / "odd.pth").config
+    cfg = load_model(tmp_path / "odd.pth").config
     assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.head_size, cfg.vocab_size, cfg.ffn_size) == (5, 80, 4, 20, 77, 123)
     assert (cfg.decay_rank, cfg.a_rank, cfg.v_rank, cfg.gate_rank) == (6, 10, 3, 14)
 
 
 def test_unreadable_inputs_are_refused_with_reason(tmp_path):
-    with pytest.raises(CheckpointError, match="not a BlinkDL"):
-        load_rwkv7(tmp_path / "nothing-here")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "nothing-here")
+    (tmp_path / "w.bin").write_bytes(b"\0" * 64)
+    with pytest.raises(CheckpointError, match="not a checkpoint wkvm reads .*rwkv7: RWKV-7 as a BlinkDL .pth"):
+        load_model(tmp_path / "w.bin")
     (tmp_path / "d").mkdir()
-    (tmp_path / "d" / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(CheckpointError, match="not RWKV-7"):
-        load_rwkv7(tmp_path / "d")
+    (tmp_path / "d" / "config.json").write_text('{"model_type": "bert"}')
+    with pytest.raises(CheckpointError, match="model_type 'bert' is not a family wkvm runs .*'rwkv7'"):
+        load_model(tmp_path / "d")
     torch.save({"foo": torch.zeros(2)}, tmp_path / "x.pth")
     with pytest.raises(CheckpointError, match="emb.weight"):
-        load_rwkv7(tmp_path / "x.pth")
+        load_model(tmp_path / "x.pth")
     raw = save_random_rwkv7(tmp_path / "y.pth", RWKV7Shape())
     del raw["blocks.1.att.k_k"]
     torch.save(raw, tmp_path / "y.pth")
     with pytest.raises(CheckpointError, match="blocks.1.att.k_k"):
-        load_rwkv7(tmp_path / "y.pth")
+        load_model(tmp_path / "y.pth")
 
 
 def test_fingerprint_covers_layer0_value_weights(tmp_path):
     raw = save_random_rwkv7(tmp_path / "a.pth", RWKV7Shape(), seed=1)
     raw["blocks.0.att.value.weight"][0, 0] += 1.0
     torch.save(raw, tmp_path / "b.pth")
-    assert load_rwkv7(tmp_path / "a.pth").fingerprint != load_rwkv7(tmp_path / "b.pth").fingerprint
+    assert load_model(tmp_path / "a.pth").fingerprint != load_model(tmp_path / "b.pth").fingerprint

@@ -8,8 +8,8 @@ import torch
 
 from wkvm import cli_doctor
 from wkvm.cli import main
-from wkvm.models.rwkv7_checkpoint import read_checkpoint
-from wkvm.weights.linear import bf16_speed
+from wkvm.models.linear import bf16_speed
+from wkvm.models.rwkv7.checkpoint import read_checkpoint
 
 
 def test_convert_round_trip_via_cli(tmp_path, tiny_pth, capsys):
@@ -27,14 +27,14 @@ def test_generate_json(tiny_pth, capsys):
 
 def test_bad_model_path_is_a_clear_error(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
-    assert "not a BlinkDL .pth file" in capsys.readouterr().err
+    assert "missing' does not exist" in capsys.readouterr().err
 
 
 def test_states_through_the_cli_on_a_directory(tmp_path, tiny_pth, capsys):
-    from wkvm.models.rwkv7 import load_rwkv7
     from wkvm.state.store import StateStore
+    from wkvm.weights.loader import load_model
 
-    m = load_rwkv7(tiny_pth)
+    m = load_model(tiny_pth)
     store = StateStore(tmp_path / "sd", m.spec, m.fingerprint, m.vocab_size)
     _, state = m.prefill([1, 2, 3])
     store.put("local", "demo", state, [1, 2, 3, 4])

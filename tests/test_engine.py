@@ -14,14 +14,14 @@ from wkvm.engine.engine import Engine, EngineClosed, QueueFull
 from wkvm.engine.request import Request
 from wkvm.engine.runner import ModelRunner
 from wkvm.engine.sampler import NON_FINITE_LOGITS
-from wkvm.models.rwkv7 import load_rwkv7
+from wkvm.models.rwkv7.tokenizer import WorldTokenizer
 from wkvm.sampling_params import MIN_TEMPERATURE, InvalidParam, SamplingParams
-from wkvm.tokenizer import WorldTokenizer
+from wkvm.weights.loader import load_model
 
 
 @pytest.fixture(scope="module")
 def model(tiny_pth):
-    return load_rwkv7(tiny_pth)
+    return load_model(tiny_pth)
 
 
 @pytest.fixture(scope="module")

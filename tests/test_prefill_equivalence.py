@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from wkvm.models.rwkv7 import load_rwkv7
+from wkvm.weights.loader import load_model
 
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def model(tiny_pth):
-    return load_rwkv7(tiny_pth)
+    return load_model(tiny_pth)
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ import pytest
 import torch
 from conftest import SHAPES, reference_model
 
-from wkvm.models.rwkv7 import load_rwkv7
-from wkvm.models.rwkv7_random import save_random_rwkv7
+from wkvm.models.rwkv7.random_weights import save_random_rwkv7
+from wkvm.weights.loader import load_model
 
 TOL = 1e-4
 
@@ -14,7 +14,7 @@ TOL = 1e-4
 def pair(request, ckpt_dir):
     path = ckpt_dir / f"ref-{request.param}.pth"
     save_random_rwkv7(path, SHAPES[request.param], seed=sorted(SHAPES).index(request.param))
-    return load_rwkv7(path), reference_model(path)
+    return load_model(path), reference_model(path)
 
 
 def test_logits_each_token_greedy_and_state(pair):

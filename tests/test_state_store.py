@@ -15,7 +15,7 @@ import torch
 
 from wkvm.config import EngineConfig
 from wkvm.engine.engine import Engine
-from wkvm.models.rwkv7 import load_rwkv7
+from wkvm.models.rwkv7.tokenizer import WorldTokenizer
 from wkvm.sampling_params import SamplingParams
 from wkvm.state import statefile
 from wkvm.state.index import parse_handle
@@ -24,7 +24,7 @@ from wkvm.state.quota import state_file_bytes
 from wkvm.state.service import StateService
 from wkvm.state.statefile import MAX_HISTORY_TOKENS, MAX_OP_PARAMS_BYTES, HistoryTooLong, StateFileError, valid_name
 from wkvm.state.store import QuotaExceeded, StateNotFound, StateStore, StoreLimits
-from wkvm.tokenizer import WorldTokenizer
+from wkvm.weights.loader import load_model
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133]
 SUFFIX = [5, 6, 7]
@@ -33,7 +33,7 @@ LP_TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def model(tiny_pth):
-    return load_rwkv7(tiny_pth)
+    return load_model(tiny_pth)
 
 
 def make_service(model, root, limits=None):
@@ -137,13 +137,13 @@ EXPORT_CHILD = textwrap.dedent(
     import json, sys
     from wkvm.config import EngineConfig
     from wkvm.engine.engine import Engine
-    from wkvm.models.rwkv7 import load_rwkv7
+    from wkvm.weights.loader import load_model
     from wkvm.sampling_params import SamplingParams
     from wkvm.state.service import StateService
     from wkvm.state.store import StateStore
-    from wkvm.tokenizer import WorldTokenizer
+    from wkvm.models.rwkv7.tokenizer import WorldTokenizer
     model_path, root, file, suffix = sys.argv[1:5]
-    m = load_rwkv7(model_path)
+    m = load_model(model_path)
     store = StateStore(root, m.spec, m.fingerprint, m.vocab_size)
     svc = StateService(Engine(m, WorldTokenizer(), EngineConfig()), store)
     rec = svc.store.import_bytes("other-tenant", open(file, "rb").read())
@@ -384,9 +384,9 @@ def test_lru_tiers_stay_within_limits_and_pins_stay(model, tmp_path):
 STORM_CHILD = textwrap.dedent(
     """
     import sys, torch
-    from wkvm.models.rwkv7 import load_rwkv7
+    from wkvm.weights.loader import load_model
     from wkvm.state.store import StateStore
-    m = load_rwkv7(sys.argv[1])
+    m = load_model(sys.argv[1])
     store = StateStore(sys.argv[2], m.spec, m.fingerprint, m.vocab_size)
     g = torch.Generator().manual_seed(0)
     for i in range(100000):

@@ -5,7 +5,8 @@ import os
 import pytest
 
 from wkvm.engine.detokenizer import Detokenizer
-from wkvm.tokenizer import HFTokenizer, WorldTokenizer, load_tokenizer
+from wkvm.models.rwkv7.tokenizer import WorldTokenizer
+from wkvm.tokenizer import HFTokenizer, load_tokenizer
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

@@ -8,10 +8,10 @@ import torch
 
 from wkvm import LLM, SamplingParams
 from wkvm.cli import main
-from wkvm.models.loader import load_model
-from wkvm.models.rwkv7_random import RWKV7Shape, save_random_rwkv7
+from wkvm.models.linear import onednn_available
+from wkvm.models.rwkv7.random_weights import RWKV7Shape, save_random_rwkv7
 from wkvm.server.metrics import STREAM_COUNTERS
-from wkvm.weights.linear import onednn_available
+from wkvm.weights.loader import load_model
 from wkvm.weights.pack import Pack, PackError, write_pack
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8], [1, 6, 1, 8, 0, 3, 3, 9, 8, 8], [5, 7], [9, 9, 9], [4], [8, 6],

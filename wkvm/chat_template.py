@@ -1,38 +1,33 @@
-"""Chat templates: a Jinja template shipped with the model, else the RWKV World `User: ...\\n\\nAssistant:` format."""
+"""Chat templates: the model's Jinja template (sandboxed), else its family's format (`default_chat_template`)."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-WORLD_ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
-
 
 class ChatTemplateError(ValueError):
     pass
 
 
-def world_text(content: str) -> str:
-    """World format separates turns by a blank line, so a message may not contain one."""
-    return re.sub(r"\n{2,}", "\n", content.replace("\r\n", "\n").strip())
-
-
 @dataclass
 class ChatTemplate:
-    source: str | None = None  # Jinja source; None = RWKV World format
-    stop: list[str] = field(default_factory=lambda: ["\n\nUser:"])
-    name: str = "rwkv-world"
+    """A Jinja chat template (HF convention: `messages`, `add_generation_prompt`) and the stop strings that end an
+    answer. `source=None` is a model without any chat format: rendering fails with a message a user can act on."""
+
+    source: str | None = None
+    stop: list[str] = field(default_factory=list)
+    name: str = "none"
 
     def render(self, messages: list[dict[str, str]]) -> str:
         if self.source is None:
-            turns = [f"{WORLD_ROLES[m['role']]}: {world_text(m['content'])}" for m in messages]
-            return "\n\n".join(turns) + "\n\nAssistant:"
+            raise ChatTemplateError("this model has no chat template (none shipped with it, and its family has no "
+                                    "default): use /v1/completions, or add chat_template.jinja beside the model")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         try:
             return env.from_string(self.source).render(messages=messages, add_generation_prompt=True)
@@ -40,9 +35,10 @@ class ChatTemplate:
             raise ChatTemplateError(f"the model's chat template failed: {e}") from None
 
 
-def load_chat_template(model_path: str | os.PathLike) -> ChatTemplate:
+def load_chat_template(model_path: str | os.PathLike, default: ChatTemplate | None = None) -> ChatTemplate:
     """`chat_template.jinja` (+ optional `chat_template.json` with "stop") in the model directory, or
-    `NAME.chat_template.jinja` beside `NAME.pth`; `tokenizer_config.json`'s "chat_template"; else World."""
+    `NAME.chat_template.jinja` beside `NAME.pth`; `tokenizer_config.json`'s "chat_template"; else the family's
+    `default`; else a template that refuses to render."""
     p = Path(model_path)
     base = p if p.is_dir() else p.parent
     prefix = "" if p.is_dir() else f"{p.stem}."
@@ -56,4 +52,4 @@ def load_chat_template(model_path: str | os.PathLike) -> ChatTemplate:
         tpl = json.loads(tok_cfg.read_text()).get("chat_template")
         if isinstance(tpl, str):
             return ChatTemplate(tpl, [], "tokenizer_config.json")
-    return ChatTemplate()
+    return default or ChatTemplate()

@@ -57,16 +57,11 @@ EMBEDDED_MODEL = Path(__file__).parent / "assets" / "wkvm-tiny-shakespeare"
 
 
 def default_model() -> Path:
-    """The embedded model (a small RWKV-7 trained on Shakespeare); a random one if the assets are missing."""
-    if (EMBEDDED_MODEL / "config.json").exists():
-        return EMBEDDED_MODEL
-    from wkvm.models.rwkv7_random import RWKV7Shape, save_random_rwkv7
-
-    path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "wkvm" / "random-rwkv7-tiny.pth"
-    log.warning("embedded model missing at %s: using a RANDOM model (its output is noise)", EMBEDDED_MODEL)
-    if not path.exists():
-        save_random_rwkv7(path, RWKV7Shape(4, 128, 32, 65536, None, 16, 16, 8, 32), seed=0)
-    return path
+    """The embedded model (a small model trained on Shakespeare, shipped in the package's assets)."""
+    if not (EMBEDDED_MODEL / "config.json").exists():
+        raise FileNotFoundError(f"the embedded model is missing at {EMBEDDED_MODEL} (a damaged install: reinstall "
+                                "wkvm), or pass --model PATH")  # fmt: skip
+    return EMBEDDED_MODEL
 
 
 KEY_FLAGS = [
@@ -104,9 +99,9 @@ def read_api_keys(args: argparse.Namespace) -> list[str]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from wkvm.config import ServerConfig
-    from wkvm.models.loader import check_model_path
     from wkvm.server.app import create_app
     from wkvm.server.serving import GracefulServer
+    from wkvm.weights.loader import check_model_path
 
     logs = log_config(args.log_level, args.log_format)
     logging.config.dictConfig(logs)  # now, before the first line is logged; uvicorn applies it again
@@ -184,7 +179,7 @@ def sampling_params(args: argparse.Namespace):
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    model_help = "BlinkDL .pth, HF/fla directory or weight pack (default: the embedded model) [env WKVM_MODEL]"
+    model_help = "a checkpoint (file or directory) or weight pack (default: the embedded model) [env WKVM_MODEL]"
     p.add_argument("--model", default=env_default("model"), help=model_help)
     dtype_help = "weights: float32 or bfloat16 (default: %(default)s) [env WKVM_DTYPE]"
     p.add_argument("--dtype", default=env_default("dtype") or "float32", help=dtype_help)
@@ -214,16 +209,21 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHES = {  # what each measures, from the docstring of bench/NAME.py
-    "rwkv7_speed": "decode (B=1) and 1,024-token prefill tok/s vs BlinkDL's rwkv package, with floor and ceiling",
-    "batch_decode": "aggregate decode tok/s at B = 1 to 64 vs the rwkv package at B=1",
-    "state_ops": "resume latency from host and disk, fork latency, 2,000 hibernated sessions, restart time",
-    "multiturn": "multi-turn chat: prefix reuse vs no reuse vs the rwkv package vs a lower bound",
-    "weight_streaming": "decode tok/s with resident, partly cached and streamed weights (read-ahead, warm/cold)",
-    "bf16_speed": "bf16 vs fp32 weights: decode B=1/B=8, prefill, memory, KL; vs the rwkv package's bf16",
-    "event_loop": "/health latency p50/p99 idle vs during a storm of state writes (hibernate, import, save_as)",
-}
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+
+
+def benches() -> dict[str, str]:
+    """name -> what it measures (the first sentence of bench/NAME.py's docstring); empty outside a checkout."""
+    import ast
+
+    out = {}
+    for script in sorted(BENCH_DIR.glob("*.py")) if BENCH_DIR.is_dir() else []:
+        doc = ast.get_docstring(ast.parse(script.read_text())) or ""
+        if script.stem != "common":
+            first = " ".join(doc.split("\n\n")[0].split())  # the first paragraph, on one line
+            out[script.stem] = first.split(". ")[0].rstrip(".:")
+    return out
+
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -233,7 +233,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         how = "clone the repository, `pip install -e .` in it, then run `wkvm bench all` there"
         print(f"wkvm bench: {BENCH_DIR} does not exist: benchmarks run from a source checkout ({how})", file=sys.stderr)
         return 2
-    names = [n for n in BENCHES if (BENCH_DIR / f"{n}.py").exists()] if args.name == "all" else [args.name]
+    names = list(benches()) if args.name == "all" else [args.name]
     for name in names:
         script = BENCH_DIR / f"{name}.py"
         if not script.exists():
@@ -246,17 +246,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from wkvm.models.rwkv7_checkpoint import convert
+    from wkvm.models import registry
     from wkvm.tokenizer import copy_companions
+    from wkvm.weights.loader import check_model_path
 
+    check_model_path(args.src)
     if args.pack:
         from wkvm.weights.pack import write_pack
 
         write_pack(args.src, args.dst)
         what = "weight pack: manifest.json, globals and one file per layer"
     else:
-        fmt = convert(args.src, args.dst)
-        what = "HF/fla directory" if fmt == "hf" else "BlinkDL .pth"
+        family, _ = registry.detect(args.src)
+        what = f"{family.name}, format {family.convert(Path(args.src), Path(args.dst))}"
     copied = copy_companions(args.src, args.dst)
     print(f"wrote {args.dst} ({what}{'; with ' + ', '.join(copied) if copied else ''})")
     return 0
@@ -280,9 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print text, token ids and finish reason as JSON")
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("convert", help="convert between BlinkDL .pth and an HF/fla directory (lossless)")
-    c.add_argument("src", help="a BlinkDL .pth file or an HF/fla directory")
-    c.add_argument("dst", help="what to write: a directory from a .pth, a .pth from a directory, or a pack (--pack)")
+    c = sub.add_parser("convert", help="convert a checkpoint between its family's formats, or into a weight pack")
+    c.add_argument("src", help="a checkpoint (file or directory)")
+    c.add_argument("dst", help="what to write: the family's other format (a directory from a .pth file, a .pth "
+                               "from a directory), or a weight pack with --pack")  # fmt: skip
     c.add_argument("--pack", action="store_true", help="write a weight pack for --weight-cache-layers streaming")
     c.set_defaults(func=cmd_convert)
 
@@ -293,11 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(ch)
     ch.set_defaults(func=cmd_chat)
 
-    listing = "\n".join(f"  {name:17} {what}" for name, what in BENCHES.items())
+    listing = "\n".join(f"  {name:17} {what}" for name, what in benches().items()) or "  (none: not a checkout)"
     about = f"Run a benchmark from a source checkout's bench/ directory and print its table.\n\n{listing}"
     raw = argparse.RawDescriptionHelpFormatter  # keeps the one-line-per-benchmark listing
     b = sub.add_parser("bench", help="run a benchmark from bench/", description=about, formatter_class=raw)
-    b.add_argument("name", choices=[*BENCHES, "all"], help="a benchmark listed above, or all of them in turn")
+    b.add_argument("name", choices=[*benches(), "all"], help="a benchmark listed above, or all of them in turn")
     b.add_argument("extra", nargs=argparse.REMAINDER, help="arguments for the benchmark script")
     b.set_defaults(func=cmd_bench)
 

@@ -17,17 +17,15 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from wkvm.chat_template import load_chat_template
 from wkvm.config import EngineConfig
 from wkvm.engine.engine import Engine
 from wkvm.engine.handle import RequestHandle
-from wkvm.models.loader import load_model
 from wkvm.sampling_params import SamplingParams
 from wkvm.state.index import StateRecord
 from wkvm.state.quota import QuotaExceeded
 from wkvm.state.statefile import resume_inputs
 from wkvm.state.store import StateNotFound, StateStore
-from wkvm.tokenizer import load_tokenizer
+from wkvm.weights.loader import load_model, load_text_tools
 
 OWNER = "local"
 LEAVE = ("/quit", "/exit", "quit", "exit")
@@ -53,8 +51,7 @@ def ctrl_c_sets(flag: threading.Event) -> Iterator[None]:
 class ChatREPL:
     def __init__(self, model_path: str, state_dir: Path, params: SamplingParams, dtype: str = "float32"):
         self.model = load_model(model_path, dtype=dtype)
-        self.tokenizer = load_tokenizer(model_path)
-        self.template = load_chat_template(model_path)
+        self.tokenizer, self.template = load_text_tools(model_path, self.model.family)
         self.engine = Engine(self.model, self.tokenizer, EngineConfig(n_slots=1))
         self.store = StateStore(state_dir, self.model.spec, self.model.fingerprint, self.model.vocab_size)
         self.params = replace(params, stop=[*params.stop, *self.template.stop])

@@ -27,7 +27,7 @@ def checks(args: argparse.Namespace) -> list[tuple[str, bool, str, str]]:
         threads = torch.get_num_threads()
         out.append(("threads", threads >= 1, f"{threads} torch threads, {os.cpu_count()} CPUs",
                     "set OMP_NUM_THREADS to the number of physical cores"))  # fmt: skip
-        from wkvm.weights.linear import bf16_speed, onednn_available
+        from wkvm.models.linear import bf16_speed, onednn_available
 
         detail = (
             "oneDNN prepacked fp32 (self-checked)"
@@ -66,14 +66,15 @@ def _model_check(model: str | None) -> tuple[str, bool, str, str]:
 
     path = model or str(default_model())
     try:
-        from wkvm.models.loader import load_model
+        from wkvm.models import registry
+        from wkvm.weights.loader import load_model
 
         m = load_model(path)
-        cfg = m.config
-        detail = f"{path}: {cfg.n_layer} layers, width {cfg.n_embd}, vocab {cfg.vocab_size}"
-        return ("model", True, detail, "")
+        return ("model", True, f"{path}: {registry.family(m.family).describe(m.config)}", "")
     except Exception as e:  # any failure to read the model is the finding itself
-        return ("model", False, f"{path}: {e}", "point --model at a BlinkDL .pth file or an HF/fla directory")
+        from wkvm.models import registry
+
+        return ("model", False, f"{path}: {e}", f"point --model at a checkpoint: {registry.known_formats()}")
 
 
 def _port_check(host: str, port: int) -> tuple[str, bool, str, str]:

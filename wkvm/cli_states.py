@@ -59,8 +59,8 @@ class DirStates:
         if self._store is None:
             if not self.model_path:
                 raise SystemExit("wkvm states: --model is needed with --state-dir (to check fingerprints)")
-            from wkvm.models.loader import load_model
             from wkvm.state.store import StateStore
+            from wkvm.weights.loader import load_model
 
             m = load_model(self.model_path)
             self._store = StateStore(self.state_dir, m.spec, m.fingerprint, m.vocab_size)

@@ -8,10 +8,10 @@ from dataclasses import replace
 
 from wkvm.config import EngineConfig
 from wkvm.engine.engine import Engine
-from wkvm.models.loader import load_model
 from wkvm.outputs import GenerationOutput
 from wkvm.sampling_params import SamplingParams
-from wkvm.tokenizer import Tokenizer, load_tokenizer
+from wkvm.tokenizer import Tokenizer
+from wkvm.weights.loader import load_model, load_text_tools
 
 Prompt = str | Sequence[int]
 
@@ -32,7 +32,7 @@ class LLM:
         config = replace(config or EngineConfig(), **config_kwargs)
         self.model = load_model(model, device=config.device, dtype=dtype, weight_cache_layers=weight_cache_layers,
                                 read_ahead=read_ahead)  # fmt: skip
-        self.tokenizer: Tokenizer = load_tokenizer(tokenizer or model)
+        self.tokenizer: Tokenizer = load_text_tools(tokenizer or model, self.model.family)[0]
         self.engine = Engine(self.model, self.tokenizer, replace(config, max_queue=1 << 30))
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:

@@ -1,14 +1,13 @@
-"""Tokenizers: the RWKV World tokenizer (vocab rwkv_vocab_v20230424) and HF `tokenizers` files."""
+"""Tokenizers: the protocol, HF `tokenizers` files, and the companion files that travel with a model.
+
+A model family may give a default tokenizer for checkpoints that ship none (`ModelFamily.default_tokenizer`)."""
 
 from __future__ import annotations
 
-import ast
 import os
-from functools import cached_property
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
-
-import pyrwkv_tokenizer
 
 from wkvm.atomic import atomic_write_bytes
 
@@ -16,6 +15,7 @@ from wkvm.atomic import atomic_write_bytes
 class Tokenizer(Protocol):
     vocab_size: int
     eos_token_id: int | None
+    exact_bytes: bool  # token_bytes(i) is exactly token i's bytes (byte-level vocab): detokenize byte by byte
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -24,48 +24,10 @@ class Tokenizer(Protocol):
     def token_bytes(self, token_id: int) -> bytes: ...
 
 
-class WorldTokenizer:
-    """Encoding by the maintained Rust wheel; decoding from the vocab's byte table, so partial UTF-8 is exact."""
-
-    eos_token_id = 0
-
-    def __init__(self, vocab_file: str | os.PathLike | None = None):
-        default = Path(pyrwkv_tokenizer.__file__).with_name("rwkv_vocab_v20230424.txt")
-        self.vocab_file = Path(vocab_file or default)
-        self._rust = pyrwkv_tokenizer.WorldTokenizer(str(self.vocab_file))
-
-    @cached_property
-    def _bytes(self) -> dict[int, bytes]:
-        table: dict[int, bytes] = {}
-        for line in self.vocab_file.read_text(encoding="utf-8").splitlines():
-            idx, rest = line.split(" ", 1)
-            literal, length = rest.rsplit(" ", 1)
-            value = ast.literal_eval(literal)
-            b = value.encode("utf-8") if isinstance(value, str) else value
-            if len(b) != int(length):
-                raise ValueError(f"{self.vocab_file}: token {idx} has {len(b)} bytes, file says {length}")
-            table[int(idx)] = b
-        return table
-
-    @property
-    def vocab_size(self) -> int:
-        return max(self._bytes) + 1
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._rust.encode(text))
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return self._bytes.get(token_id, b"")
-
-    def decode_bytes(self, ids: list[int]) -> bytes:
-        return b"".join(self.token_bytes(i) for i in ids)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
-
-
 class HFTokenizer:
     """A `tokenizer.json` read by HF `tokenizers`."""
+
+    exact_bytes = False
 
     def __init__(self, path: str | os.PathLike, eos_token: str | None = None):
         from tokenizers import Tokenizer as _Tok
@@ -88,14 +50,18 @@ class HFTokenizer:
         return self.decode([token_id]).encode("utf-8")
 
 
-def load_tokenizer(model_path: str | os.PathLike) -> Tokenizer:
-    """`tokenizer.json` in a model directory (or `NAME.tokenizer.json` beside `NAME.pth`), else RWKV World."""
+def load_tokenizer(model_path: str | os.PathLike, default: Callable[[], Tokenizer | None] | None = None) -> Tokenizer:
+    """`tokenizer.json` in a model directory (or `NAME.tokenizer.json` beside `NAME.pth`), else the family's
+    `default` tokenizer."""
     p = Path(model_path)
-    candidates = [p / "tokenizer.json"] if p.is_dir() else [p.with_suffix(".tokenizer.json")]
-    for candidate in candidates:
-        if candidate.is_file():
-            return HFTokenizer(candidate)
-    return WorldTokenizer()
+    candidate = p / "tokenizer.json" if p.is_dir() else p.with_suffix(".tokenizer.json")
+    if candidate.is_file():
+        return HFTokenizer(candidate)
+    tokenizer = default() if default else None
+    if tokenizer is None:
+        raise ValueError(f"{model_path}: no {candidate.name} beside the model, and its family has no default "
+                         "tokenizer: put the model's tokenizer.json there")  # fmt: skip
+    return tokenizer
 
 
 COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")

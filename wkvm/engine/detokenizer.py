@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import codecs
 
-from wkvm.tokenizer import Tokenizer, WorldTokenizer
+from wkvm.tokenizer import Tokenizer
 
 
 class Detokenizer:
@@ -19,7 +19,7 @@ class Detokenizer:
         self._released = 0
         self._ids: list[int] = []
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._bytewise = isinstance(tokenizer, WorldTokenizer)
+        self._bytewise = tokenizer.exact_bytes
 
     def add(self, token_id: int) -> bool:
         """Append one generated token; returns True when a stop string has appeared (text is cut before it)."""

@@ -14,16 +14,16 @@ from pathlib import Path
 
 from fastapi import Request
 
-from wkvm.chat_template import ChatTemplate, load_chat_template
+from wkvm.chat_template import ChatTemplate
 from wkvm.config import ServerConfig
 from wkvm.engine.engine import Engine
-from wkvm.models.loader import load_model
 from wkvm.server.asgi import KeyRing, header, key_owner, presented_key
 from wkvm.server.errors import APIError
 from wkvm.server.metrics import Metrics
 from wkvm.state.service import StateService
 from wkvm.state.store import StateStore, StoreLimits
-from wkvm.tokenizer import Tokenizer, load_tokenizer
+from wkvm.tokenizer import Tokenizer
+from wkvm.weights.loader import load_model, load_text_tools
 
 log = logging.getLogger("wkvm.server")
 
@@ -67,8 +67,7 @@ class ServerContext:
             cfg = self.config
             self.model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype,
                                     weight_cache_layers=cfg.weight_cache_layers, read_ahead=cfg.read_ahead)  # fmt: skip
-            self.tokenizer = load_tokenizer(cfg.model)
-            self.template = load_chat_template(cfg.model)
+            self.tokenizer, self.template = load_text_tools(cfg.model, self.model.family)
             self.engine = Engine(self.model, self.tokenizer, cfg.engine_config())
             if cfg.state_dir is None:
                 self._tmp = tempfile.TemporaryDirectory(prefix="wkvm-states-")

@@ -8,9 +8,9 @@ each shape. Another machine or torch build computes another key and builds its o
 
     onednn-<layout>/manifest.json     format, layout key, sha256 of every source layer file, and per layer the
                                       same file entry as the pack manifest (size, sha256, tensor offsets)
-    onednn-<layout>/layer_000.safetensors   the layer in compute form (`prepare_layer`: vectors flat, mixing
-                                      coefficients stacked), each matrix as `<name>.onednn`, uint8 bytes of
-                                      the blocked layout
+    onednn-<layout>/layer_000.safetensors   the layer in compute form (the family's `prepare_layer`), each of
+                                      its `linear_keys` matrices as `<name>.onednn`, uint8 bytes of the
+                                      blocked layout
 
 A copy whose source hashes differ from the pack (the pack was rewritten) is rebuilt. Files are written
 atomically and the manifest last, so a crash mid-build leaves no copy that would be used.
@@ -23,14 +23,14 @@ import hashlib
 import json
 import logging
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from wkvm.atomic import atomic_path
-from wkvm.models.rwkv7 import LINEAR_KEYS, prepare_layer
+from wkvm.models.linear import onednn_available, onednn_bf16_available, pack_linear
 from wkvm.progress import progress
-from wkvm.weights.linear import onednn_available, onednn_bf16_available, pack_linear
 from wkvm.weights.pack import MANIFEST, Pack, PackError, check_entry, write_file
 
 FORMAT = "wkvm-pack-onednn-v2"
@@ -49,18 +49,35 @@ def template(shape: list[int], dtype: torch.dtype = torch.float32) -> torch.Tens
     return pack_linear(torch.zeros(shape, dtype=dtype))
 
 
-def _shapes(pack: Pack) -> list[list[int]]:
-    tensors = pack.manifest["layers"][-1]["tensors"]
-    return sorted({tuple(tensors[k]["shape"]) for k in LINEAR_KEYS})
+@dataclass
+class BlockedCopy:
+    path: Path
+    layers: list[dict]  # per layer: its file entry (size, sha256, tensor offsets)
+    shapes: dict[str, list[int]]  # each blocked matrix's [out, in] by name (a buffer holds one of each)
 
 
-def layout_key(pack: Pack, dtype: torch.dtype = torch.float32) -> str | None:
-    """Names this machine's blocked layout for the pack's matrix shapes in `dtype` (float32 or bfloat16); None
+def matrix_shapes(pack: Pack) -> dict[str, list[int]]:
+    """The [out, in] shape of every matrix the family's layers pass to `linear`, by name: read from one prepared
+    layer per distinct set of `linear_keys` (one layer for a family whose layers are all alike)."""
+    family, cfg = pack.family, pack.config
+    last_of_kind = {family.linear_keys(cfg, i): i for i in range(cfg.n_layer)}
+    shapes: dict[str, list[int]] = {}
+    for keys, i in last_of_kind.items():
+        layer = family.prepare_layer(pack.read(i), i, cfg, torch.float32, "cpu", pack=False)
+        for k in keys:
+            shape = list(layer[k].shape)
+            if shapes.setdefault(k, shape) != shape:
+                raise PackError(f"{pack.path}: matrix {k} has shape {shape} in layer {i}, {shapes[k]} elsewhere")
+    return shapes
+
+
+def layout_key(shapes: dict[str, list[int]], dtype: torch.dtype = torch.float32) -> str | None:
+    """Names this machine's blocked layout for matrices of these shapes in `dtype` (float32 or bfloat16); None
     when oneDNN does not pack that dtype here."""
     if not (onednn_bf16_available() if dtype == torch.bfloat16 else dtype == torch.float32 and onednn_available()):
         return None
     h = hashlib.sha256(torch.__version__.encode())
-    for shape in _shapes(pack):
+    for shape in sorted({tuple(s) for s in shapes.values()}):
         n = shape[0] * shape[1]
         probe = (torch.arange(n, dtype=torch.float64) % 251 - 125).to(dtype).reshape(shape)
         packed = pack_linear(probe)  # keep a reference while its memory is read
@@ -68,11 +85,13 @@ def layout_key(pack: Pack, dtype: torch.dtype = torch.float32) -> str | None:
     return h.hexdigest()[:16]
 
 
-def blocked_copy(pack: Pack, dtype: torch.dtype = torch.float32) -> tuple[Path, list[dict]] | None:
-    """(directory, per-layer file entries) of the pack's blocked copy with matrices in `dtype`, built if missing
-    or stale; None when oneDNN does not pack that dtype here or the copy cannot be written (then layers stream
-    from the plain files)."""
-    key = layout_key(pack, dtype)
+def blocked_copy(pack: Pack, dtype: torch.dtype = torch.float32) -> BlockedCopy | None:
+    """The pack's blocked copy with matrices in `dtype`, built if missing or stale; None when oneDNN does not
+    pack that dtype here or the copy cannot be written (then layers stream from the plain files)."""
+    if not (onednn_bf16_available() if dtype == torch.bfloat16 else dtype == torch.float32 and onednn_available()):
+        return None
+    shapes = matrix_shapes(pack)
+    key = layout_key(shapes, dtype)
     if key is None:
         return None
     d = pack.path / f"onednn-{key}"
@@ -82,11 +101,11 @@ def blocked_copy(pack: Pack, dtype: torch.dtype = torch.float32) -> tuple[Path, 
         if manifest.get("format") == FORMAT and manifest.get("source") == source:
             for entry in manifest["layers"]:
                 check_entry(d, entry)
-            return d, manifest["layers"]
+            return BlockedCopy(d, manifest["layers"], shapes)
     except (OSError, ValueError, KeyError, PackError):
         pass  # absent, stale or damaged: build it again
     try:
-        return d, _build(pack, d, key, source, dtype)
+        return BlockedCopy(d, _build(pack, d, key, source, dtype), shapes)
     except OSError as e:  # read-only, or out of space: leave no half-built copy taking disk
         shutil.rmtree(d, ignore_errors=True)
         log.warning("cannot write the blocked copy of %s (%s); streaming plain layout, about 2x slower matmuls",
@@ -98,10 +117,12 @@ def _build(pack: Pack, d: Path, key: str, source: list[str], dtype: torch.dtype)
     size = sum(pack.layer_bytes(i) for i in range(pack.config.n_layer))
     log.info("writing %s: the pack's layers laid out for this CPU (once; %.1f GB)", d, size / 1e9)
     entries = []
-    for i in progress(range(pack.config.n_layer), "blocking layers for this CPU"):
-        layer = prepare_layer(pack.read(i), i, pack.config, dtype, "cpu", pack=False)
-        out = {k: v.clone() for k, v in layer.items() if k not in LINEAR_KEYS}
-        for k in LINEAR_KEYS:
+    family, cfg = pack.family, pack.config
+    for i in progress(range(cfg.n_layer), "blocking layers for this CPU"):
+        layer = family.prepare_layer(pack.read(i), i, cfg, dtype, "cpu", pack=False)
+        matrices = family.linear_keys(cfg, i)
+        out = {k: v.clone() for k, v in layer.items() if k not in matrices}
+        for k in matrices:
             packed = pack_linear(layer[k])  # keep a reference while its memory is copied
             out[k + SUFFIX] = torch.frombuffer(bytearray(memory(packed)), dtype=torch.uint8)
         entries.append(write_file(d, f"layer_{i:03d}.safetensors", out))

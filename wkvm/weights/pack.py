@@ -5,7 +5,8 @@
     globals.safetensors      embedding, head, norms (kept resident)
     layer_000.safetensors    one file per layer: one read brings a whole layer in
 
-Every file is an ordinary safetensors file. Tensors are stored in BlinkDL names and shapes, fp32.
+Every file is an ordinary safetensors file. Tensors are stored in the family's raw names (a layer's without its
+`layer_prefix`) and checkpoint shapes, fp32.
 """
 
 from __future__ import annotations
@@ -21,22 +22,18 @@ import torch
 from safetensors.torch import save_file
 
 from wkvm.atomic import atomic_path
-from wkvm.models.fingerprint import fingerprint
-from wkvm.models.rwkv7 import FAMILY, GLOBAL_KEYS, RWKV7Config, used_tensors
-from wkvm.models.rwkv7_checkpoint import CheckpointError, RawTensors, read_checkpoint
+from wkvm.models import registry
+from wkvm.models.family import CheckpointError, RawTensors
 from wkvm.progress import progress
+from wkvm.weights.loader import PACK_MANIFEST as MANIFEST
+from wkvm.weights.loader import checkpoint_fingerprint, read_checkpoint
 
 PACK_FORMAT = "wkvm-pack-v1"
-MANIFEST = "manifest.json"
 DTYPES = {"F32": torch.float32, "U8": torch.uint8}
 
 
 class PackError(CheckpointError):
     """A pack that is truncated or does not match its manifest."""
-
-
-def is_pack(path: str | os.PathLike) -> bool:
-    return (Path(path) / MANIFEST).is_file()
 
 
 def _sha256(path: Path) -> str:
@@ -68,22 +65,23 @@ def write_file(d: Path, name: str, tensors: RawTensors) -> dict:
 
 
 def write_pack(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
-    """Convert a `.pth` or HF/fla checkpoint into a pack directory."""
-    raw, hf, fmt = read_checkpoint(src)
-    cfg = RWKV7Config.from_tensors(raw, hf if fmt != "pth" else None)
-    used = used_tensors(raw)
+    """Convert a checkpoint of any family into a pack directory."""
+    family, ckpt = read_checkpoint(src)
+    cfg = family.config_from_checkpoint(ckpt)
+    used = family.used_tensors(ckpt.raw)
     d = Path(dst)
     d.mkdir(parents=True, exist_ok=True)
     f32 = {k: v.to(torch.float32).contiguous() for k, v in used.items()}
+    global_keys = family.global_keys(cfg)
     manifest = {
-        "format": PACK_FORMAT, "family": FAMILY, "config": asdict(cfg),
-        "fingerprint": fingerprint(FAMILY, asdict(cfg), used),
-        "globals": write_file(d, "globals.safetensors", {k: f32[k] for k in GLOBAL_KEYS}),
+        "format": PACK_FORMAT, "family": family.name, "config": asdict(cfg),
+        "fingerprint": checkpoint_fingerprint(family, cfg, ckpt.raw),
+        "globals": write_file(d, "globals.safetensors", {k: f32[k] for k in global_keys}),
         "layers": [],
     }  # fmt: skip
     for i in progress(range(cfg.n_layer), "packing layers"):
-        prefix = f"blocks.{i}."
-        layer = {k.removeprefix(prefix): v for k, v in f32.items() if k.startswith(prefix) and k not in GLOBAL_KEYS}
+        prefix = family.layer_prefix(i)
+        layer = {k.removeprefix(prefix): v for k, v in f32.items() if k.startswith(prefix) and k not in global_keys}
         manifest["layers"].append(write_file(d, f"layer_{i:03d}.safetensors", layer))
     with atomic_path(d / MANIFEST) as tmp:
         tmp.write_text(json.dumps(manifest, indent=1) + "\n")
@@ -121,7 +119,11 @@ class Pack:
             raise PackError(f"{self.path}: unreadable {MANIFEST}: {e}") from None
         if self.manifest.get("format") != PACK_FORMAT:
             raise PackError(f"{self.path}: format {self.manifest.get('format')!r}, expected {PACK_FORMAT!r}")
-        self.config = RWKV7Config(**self.manifest["config"])
+        self.family = registry.family(self.manifest.get("family", ""))
+        try:
+            self.config = self.family.config_from_dict(self.manifest["config"])
+        except (KeyError, TypeError) as e:
+            raise PackError(f"{self.path}: manifest config does not fit family {self.family.name!r}: {e}") from None
         self.fingerprint: str = self.manifest["fingerprint"]
         if len(self.manifest["layers"]) != self.config.n_layer:
             raise PackError(f"{self.path}: manifest lists {len(self.manifest['layers'])} layers, config says "
@@ -136,12 +138,13 @@ class Pack:
         return self.path / (self.manifest["globals"] if i is None else self.manifest["layers"][i])["file"]
 
     def read(self, i: int | None) -> RawTensors:
-        """A layer's tensors (None: the globals), named as in BlinkDL files, as views into the file read in one go."""
+        """A layer's tensors (None: the globals), named as the family's raw tensors (layer prefix added), as views
+        into the file read in one go."""
         entry = self.manifest["globals"] if i is None else self.manifest["layers"][i]
         buf = torch.from_numpy(np.fromfile(self.file(i), dtype=np.uint8))
         if buf.numel() != entry["bytes"]:
             raise PackError(f"{self.file(i)}: changed size while the server runs")
-        prefix = "" if i is None else f"blocks.{i}."
+        prefix = "" if i is None else self.family.layer_prefix(i)
         return {
             prefix + name: buf[t["offset"] : t["offset"] + t["length"]].view(DTYPES[t["dtype"]]).view(t["shape"])
             for name, t in entry["tensors"].items()

@@ -39,10 +39,9 @@ from pathlib import Path
 
 import torch
 
-from wkvm.models.rwkv7 import RWKV7Config, prepare_globals, prepare_layer
+from wkvm.models.provider import Tensors
 from wkvm.weights.blocked import SUFFIX, blocked_copy, memory, template
 from wkvm.weights.pack import DTYPES, Pack, PackError
-from wkvm.weights.provider import Tensors
 
 RESIDENCY_SAMPLES = 8
 _libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's included: no library search
@@ -185,7 +184,7 @@ class StreamingWeights:
                  dtype: torch.dtype = torch.float32):  # fmt: skip
         if cache_layers < 1:
             raise ValueError("cache_layers must be at least 1 (0 means: load the model resident)")
-        self.config: RWKV7Config = pack.config
+        self.family, self.config = pack.family, pack.config
         self.n_layers = self.config.n_layer
         self.capacity = min(cache_layers, self.n_layers)
         self.device, self.dtype = device, dtype
@@ -194,24 +193,27 @@ class StreamingWeights:
         n_pinned = self.capacity if self.capacity == self.n_layers else self.capacity - 1
         streams = n_pinned < self.n_layers
         blocked = blocked_copy(pack, dtype) if streams and torch.device(device).type == "cpu" else None
-        d, entries = blocked or (pack.path, pack.manifest["layers"])
+        d, entries = (blocked.path, blocked.layers) if blocked else (pack.path, pack.manifest["layers"])
         self.blocked = blocked is not None  # files hold the compute form with blocked matrices
-        self._globals = prepare_globals(pack.read(None), dtype, device)
+        self._globals = self.family.prepare_globals(pack.read(None), self.config, dtype, device)
         self._pinned: dict[int, Tensors] = {}
         for i in range(n_pinned):
-            self._pinned[i] = prepare_layer(pack.read(i), i, self.config, dtype, device, pack=True)
+            self._pinned[i] = self.family.prepare_layer(pack.read(i), i, self.config, dtype, device, pack=True)
             self.stats.bytes_read += pack.layer_bytes(i)
         self._files = {i: _LayerFile.open(d, entries[i]) for i in range(n_pinned, self.n_layers)}
         self._close_files = weakref.finalize(self, _close_fds, [f.fd for f in self._files.values()])
-        self._buffer = self._new_buffer(pack) if self._files else None
+        self._buffer = self._new_buffer(pack, blocked.shapes if blocked else {}) if self._files else None
         self.read_ahead = read_ahead and self._buffer is not None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="wkvm-readahead") if self.read_ahead else None
         self._ahead: dict[int, Future | None] = {}  # looked at ahead: None when found in RAM
 
-    def _new_buffer(self, pack: Pack) -> _Buffer:
+    def _new_buffer(self, pack: Pack, shapes: dict[str, list[int]]) -> _Buffer:
         files = self._files.values()
         sizes = {n.removesuffix(SUFFIX): t["length"] for f in files for n, t in f.tensors if n.endswith(SUFFIX)}
-        matrices = {k: template(pack.manifest["layers"][-1]["tensors"][k]["shape"], self.dtype) for k in sizes}
+        if set(sizes) - set(shapes):
+            raise PackError(f"{pack.path}: its blocked copy holds matrices {sorted(set(sizes) - set(shapes))} that "
+                            "the family does not list (delete onednn-*/)")  # fmt: skip
+        matrices = {k: template(shapes[k], self.dtype) for k in sizes}
         if any(len(memory(m)) != sizes[k] for k, m in matrices.items()):
             raise PackError(f"{pack.path}: its blocked copy does not match this CPU's layout (delete onednn-*/)")
         plain = torch.zeros(max(f.plain_bytes() for f in files), dtype=torch.uint8)
@@ -259,8 +261,9 @@ class StreamingWeights:
             cached = not requested and f.in_ram()
             tensors = buf.fill(f, cached)
             if not self.blocked:  # plain files: convert (and move to the device) per read
-                raw = {f"blocks.{i}.{k}": v for k, v in tensors.items()}
-                tensors = prepare_layer(raw, i, self.config, self.dtype, self.device, pack=False)
+                prefix = self.family.layer_prefix(i)
+                raw = {prefix + k: v for k, v in tensors.items()}
+                tensors = self.family.prepare_layer(raw, i, self.config, self.dtype, self.device, pack=False)
             with self._lock:
                 buf.layer, buf.tensors = i, tensors
                 self.stats.bytes_read += f.nbytes

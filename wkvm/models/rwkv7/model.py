@@ -5,20 +5,17 @@ State per layer i: `layers.{i}.att_shift` [C], `layers.{i}.wkv` [H, N, N] (value
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from wkvm.models.fingerprint import fingerprint
-from wkvm.models.rwkv7_checkpoint import PTH_FORMAT, CheckpointError, RawTensors, read_checkpoint
+from wkvm.models.family import RawTensors, layer_count, owned, require
+from wkvm.models.linear import linear, pack_linear
+from wkvm.models.provider import Tensors, WeightProvider
+from wkvm.models.rwkv7.wkv import DEFAULT_CHUNK, wkv_chunked, wkv_step
 from wkvm.models.spec import State, StateSpec, TensorSpec
-from wkvm.models.wkv7 import DEFAULT_CHUNK, wkv_chunked, wkv_step
-from wkvm.progress import progress
-from wkvm.weights.linear import linear, pack_linear
-from wkvm.weights.provider import ResidentWeights, Tensors, WeightProvider
 
 FAMILY = "rwkv7"
 DECAY_SCALE = 0.606531  # exp(-0.5), as in BlinkDL's reference
@@ -58,12 +55,12 @@ class RWKV7Config:
 
     @staticmethod
     def from_tensors(raw: RawTensors, hf: dict | None = None) -> RWKV7Config:
-        for k in GLOBAL_KEYS:
-            if k not in raw:
-                raise CheckpointError(f"RWKV-7 checkpoint lacks tensor {k!r}")
+        require(raw, GLOBAL_KEYS, "RWKV-7")
+        require(raw, ["blocks.0.att.r_k", "blocks.0.ffn.key.weight", "blocks.0.att.w1", "blocks.0.att.a1",
+                      "blocks.0.att.g1"], "RWKV-7")  # fmt: skip
         vocab, embd = raw["emb.weight"].shape
         n_head, head_size = raw["blocks.0.att.r_k"].shape
-        n_layer = 1 + max(int(k.split(".")[1]) for k in raw if k.startswith("blocks."))
+        n_layer = layer_count(raw, "blocks.")
         hf = hf or {}
         eps = float(hf.get("norm_eps", 1e-5))
         # rounded so that 64 * 1e-5 and 64e-5 fingerprint alike
@@ -100,9 +97,7 @@ def prepare_layer(raw: RawTensors, i: int, cfg: RWKV7Config, dtype: torch.dtype,
     storage of the six large matrices (float32 or bfloat16); everything else, and all arithmetic, stays fp32."""
     p = f"blocks.{i}."
     keys = list(LAYER_KEYS) + ([f"att.v{j}" for j in "012"] if i > 0 else [])
-    missing = [p + k for k in keys if p + k not in raw]
-    if missing:
-        raise CheckpointError(f"RWKV-7 checkpoint lacks tensors {missing[:4]}")
+    require(raw, [p + k for k in keys], "RWKV-7")
     t = {k: raw[p + k].to(device=device, dtype=dtype if k in LINEAR_KEYS else torch.float32) for k in keys}
     for k in ("att.w0", "att.a0", "att.v0", "att.k_k", "att.k_a", "ffn.x_k", *(f"att.{m}" for m in MIX)):
         if k in t:
@@ -117,12 +112,6 @@ def prepare_layer(raw: RawTensors, i: int, cfg: RWKV7Config, dtype: torch.dtype,
         if k in t and (packed := pack_linear(t[k].t())).is_mkldnn:
             t[k + ".packed"] = packed
     return {k: v if v.is_mkldnn else owned(v) for k, v in t.items()}
-
-
-def owned(t: torch.Tensor) -> torch.Tensor:
-    """`t` in storage of its own: a view into a larger buffer (a file read in one go) would keep all of it alive."""
-    t = t.contiguous()
-    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
 class RWKV7:
@@ -249,17 +238,6 @@ class RWKV7:
         return linear(k, w["ffn.value.weight"])
 
 
-def build_rwkv7(
-    raw: RawTensors, hf_config: dict | None = None, device="cpu", dtype=torch.float32,
-    config: RWKV7Config | None = None, model_fingerprint: str | None = None,
-) -> RWKV7:  # fmt: skip
-    cfg = config or RWKV7Config.from_tensors(raw, hf_config)
-    used = used_tensors(raw)
-    fp = model_fingerprint or fingerprint(FAMILY, asdict(cfg), used)
-    layers = [prepare_layer(raw, i, cfg, dtype, device) for i in progress(range(cfg.n_layer), "loading layers")]
-    return RWKV7(cfg, ResidentWeights(layers, prepare_globals(raw, dtype, device)), fp, device)
-
-
 def prepare_globals(raw: RawTensors, dtype: torch.dtype, device) -> Tensors:
     """Embedding, first and last norms, head: in compute form (embedding and head stored in `dtype`)."""
     big = ("emb.weight", "head.weight")
@@ -268,8 +246,3 @@ def prepare_globals(raw: RawTensors, dtype: torch.dtype, device) -> Tensors:
         g[k] = g[k].reshape(-1)
     g["head.weight"] = pack_linear(g["head.weight"])
     return {k: v if v.is_mkldnn else owned(v) for k, v in g.items()}
-
-
-def load_rwkv7(path: str | os.PathLike, device="cpu", dtype=torch.float32) -> RWKV7:
-    raw, hf, fmt = read_checkpoint(path)
-    return build_rwkv7(raw, None if fmt == PTH_FORMAT else hf, device, dtype)

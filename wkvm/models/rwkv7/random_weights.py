@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from wkvm.models.rwkv7_checkpoint import RawTensors, write_hf, write_pth
+from wkvm.models.family import RawTensors
+from wkvm.models.rwkv7.checkpoint import write_hf, write_pth
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from wkvm.atomic import atomic_path
+from wkvm.models.family import CheckpointError, RawTensors
 from wkvm.progress import progress
-
-RawTensors = dict[str, torch.Tensor]
 
 PTH_FORMAT = "pth"
 HF_FORMAT = "hf"
@@ -35,25 +34,14 @@ _GLOBAL = {
 }
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read as RWKV-7; the message says why."""
-
-
-def detect_format(path: str | os.PathLike) -> str:
+def detect_pth(path: str | os.PathLike) -> str | None:
+    """PTH_FORMAT for a `.pth` file (or NAME given for NAME.pth); HF directories are matched by model_type."""
     p = Path(path)
-    if p.is_dir():
-        cfg = p / "config.json"
-        if not cfg.exists():
-            raise CheckpointError(f"{p} is a directory without config.json; expected an HF/fla RWKV-7 model")
-        model_type = json.loads(cfg.read_text()).get("model_type")
-        if model_type not in HF_MODEL_TYPES:
-            raise CheckpointError(f"{cfg}: model_type {model_type!r} is not RWKV-7 (expected 'rwkv7')")
-        return HF_FORMAT
     if p.suffix == ".pth" and p.is_file():
         return PTH_FORMAT
     if not p.exists() and Path(str(p) + ".pth").is_file():
         return PTH_FORMAT
-    raise CheckpointError(f"{p}: not a BlinkDL .pth file nor an HF/fla model directory")
+    return None
 
 
 def _pth_file(path: str | os.PathLike) -> Path:
@@ -143,9 +131,9 @@ def read_hf(path: str | os.PathLike) -> tuple[RawTensors, dict]:
     return {names[k]: _from_fla(names[k], v) for k, v in fla.items()}, config
 
 
-def read_checkpoint(path: str | os.PathLike) -> tuple[RawTensors, dict, str]:
-    """BlinkDL-named tensors, the HF config (empty for .pth) and the detected format."""
-    fmt = detect_format(path)
+def read_checkpoint(path: str | os.PathLike, fmt: str | None = None) -> tuple[RawTensors, dict, str]:
+    """BlinkDL-named tensors, the HF config (empty for .pth) and the format (detected when not given)."""
+    fmt = fmt or detect_pth(path) or HF_FORMAT
     if fmt == PTH_FORMAT:
         return read_pth(path), {}, fmt
     raw, config = read_hf(path)

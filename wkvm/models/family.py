@@ -1,0 +1,165 @@
+"""The model-family protocol: what a family (a recurrent, attention or hybrid architecture) gives the rest of wkvm.
+
+A family is a package `wkvm/models/<family>/` whose `FAMILY` object implements `ModelFamily`, listed once in
+`wkvm/models/registry.py`. Everything else (loader, weight packs, blocked copies, streaming, the engine, the state
+store, the server, the CLI) reaches the family only through this protocol and the model it builds
+(`LanguageModel`), so a new family touches nothing outside its package.
+
+Checkpoints are read into `RawTensors`: the family's canonical tensor names (one naming for all its formats) in
+the file's shapes and dtype. A layer's tensors share the prefix `layer_prefix(i)`; the rest are globals. The same
+raw tensors feed a resident model (`prepare_layer`/`prepare_globals` -> `build`), a weight pack (stored raw, one
+file per layer) and a streamed model (raw layer read -> `prepare_layer` per read, or a blocked copy).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from wkvm.chat_template import ChatTemplate
+from wkvm.models.provider import Tensors, WeightProvider
+from wkvm.models.spec import State, StateSpec
+from wkvm.tokenizer import Tokenizer
+
+RawTensors = dict[str, torch.Tensor]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read; the message says why."""
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read from disk: raw tensors, the HF-style config dict (empty when the format has none) and
+    the format's name (e.g. "pth", "hf")."""
+
+    raw: RawTensors
+    config: dict = field(default_factory=dict)
+    format: str = ""
+
+
+class FamilyConfig(Protocol):
+    """A family's model configuration: a frozen dataclass (stored in pack manifests via `asdict`)."""
+
+    n_layer: int
+    vocab_size: int
+
+
+class LanguageModel(Protocol):
+    """A built model: what the engine, the runner and the state layer use."""
+
+    family: str
+    config: Any  # the family's FamilyConfig dataclass
+    spec: StateSpec
+    fingerprint: str
+    device: torch.device
+    weights: WeightProvider
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def new_state(self, batch: int = 1) -> State: ...
+
+    def forward(self, tokens: torch.Tensor, state: State, all_logits: bool = False) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, V] (last position) or [B, T, V]; `state` advances in place."""
+        ...
+
+    def forward_groups(
+        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False
+    ) -> list[torch.Tensor]:
+        """Several independent batches in one sweep of the weights; each result equals `forward` on it alone."""
+        ...
+
+    def prefill(
+        self, tokens: Sequence[int] | torch.Tensor, state: State | None = None,
+        all_logits: bool = False, chunk_size: int | None = None,
+    ) -> tuple[torch.Tensor, State]: ...  # fmt: skip
+
+    def decode(self, tokens: Sequence[int] | torch.Tensor, state: State) -> torch.Tensor: ...
+
+
+class ModelFamily(Protocol):
+    name: str  # StateSpec.family and the pack manifest's "family"
+    model_types: tuple[str, ...]  # HF config.json `model_type` values this family reads
+    formats: str  # for messages: the checkpoint formats it reads, e.g. "X as a .pth file or an HF directory"
+
+    def detect(self, path: Path) -> str | None:
+        """The format name when `path` is a checkpoint of this family in a layout other than an HF directory with
+        a `model_type` (those the registry matches by `model_types` as format "hf"), else None. Never raises."""
+        ...
+
+    def read_checkpoint(self, path: Path, fmt: str) -> Checkpoint: ...
+
+    def config_from_checkpoint(self, ckpt: Checkpoint) -> Any:
+        """The family config (a frozen dataclass) for checkpoint tensors; CheckpointError if they do not fit."""
+        ...
+
+    def config_from_dict(self, d: dict) -> Any:
+        """The config stored in a pack manifest (`asdict` of the dataclass) back as the dataclass."""
+        ...
+
+    def used_tensors(self, raw: RawTensors) -> RawTensors:
+        """The tensors the model uses: what a fingerprint hashes and a pack stores."""
+        ...
+
+    def global_keys(self, cfg: Any) -> tuple[str, ...]: ...
+
+    def layer_prefix(self, i: int) -> str: ...
+
+    def linear_keys(self, cfg: Any, i: int) -> tuple[str, ...]:
+        """Names in `prepare_layer(..., i)`'s result of the [out, in] matrices that go through `linear`: a blocked
+        copy stores these in oneDNN's layout."""
+        ...
+
+    def prepare_layer(self, raw: RawTensors, i: int, cfg: Any, dtype: torch.dtype, device: torch.device | str,
+                      pack: bool = True) -> Tensors:  # fmt: skip
+        """Layer i's raw tensors in compute form; `pack` prepacks matrices (resident weights)."""
+        ...
+
+    def prepare_globals(self, raw: RawTensors, cfg: Any, dtype: torch.dtype, device: torch.device | str) -> Tensors: ...
+
+    def build(self, cfg: Any, weights: WeightProvider, fingerprint: str, device: torch.device | str) -> LanguageModel:
+        ...
+
+    def describe(self, cfg: Any) -> str:
+        """One line for `wkvm doctor` and logs, e.g. '12 layers, width 768, vocab 65536'."""
+        ...
+
+    def convert(self, src: Path, dst: Path) -> str:
+        """Convert a checkpoint between this family's formats (direction from the source); the target's format
+        name. CheckpointError when the family has one format only."""
+        ...
+
+    def default_tokenizer(self) -> Tokenizer | None:
+        """The tokenizer for checkpoints that ship none (None: a tokenizer.json is required)."""
+        ...
+
+    def default_chat_template(self) -> ChatTemplate | None:
+        """The chat format for checkpoints that ship none (None: chat answers 400 without a template)."""
+        ...
+
+
+def owned(t: torch.Tensor) -> torch.Tensor:
+    """`t` in storage of its own: a view into a larger buffer (a file read in one go) would keep all of it alive."""
+    t = t.contiguous()
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
+def layer_count(raw: RawTensors, prefix: str, after: str = ".") -> int:
+    """1 + the largest i among names `prefix{i}{after}...` (0 when there are none)."""
+    idx = [int(k[len(prefix) :].split(after, 1)[0]) for k in raw if k.startswith(prefix)]
+    return 1 + max(idx) if idx else 0
+
+
+def require(raw: RawTensors, keys: Sequence[str], what: str) -> None:
+    missing = [k for k in keys if k not in raw]
+    if missing:
+        raise CheckpointError(f"{what} checkpoint lacks tensors {missing[:4]}")
+
+
+PathLike = str | os.PathLike

@@ -1,0 +1,25 @@
+"""The RWKV World chat format (`User: ...\\n\\nAssistant:`): the default for RWKV checkpoints without a template."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from wkvm.chat_template import ChatTemplate
+
+WORLD_ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
+
+
+def world_text(content: str) -> str:
+    """World format separates turns by a blank line, so a message may not contain one."""
+    return re.sub(r"\n{2,}", "\n", content.replace("\r\n", "\n").strip())
+
+
+@dataclass
+class WorldTemplate(ChatTemplate):
+    stop: list[str] = field(default_factory=lambda: ["\n\nUser:"])
+    name: str = "rwkv-world"
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        turns = [f"{WORLD_ROLES[m['role']]}: {world_text(m['content'])}" for m in messages]
+        return "\n\n".join(turns) + "\n\nAssistant:"

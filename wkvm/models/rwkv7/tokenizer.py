@@ -1,0 +1,51 @@
+"""The RWKV World tokenizer (vocab rwkv_vocab_v20230424): the default for RWKV checkpoints without tokenizer.json."""
+
+from __future__ import annotations
+
+import ast
+import os
+from functools import cached_property
+from pathlib import Path
+
+import pyrwkv_tokenizer
+
+
+class WorldTokenizer:
+    """Encoding by the maintained Rust wheel; decoding from the vocab's byte table, so partial UTF-8 is exact."""
+
+    eos_token_id = 0
+    exact_bytes = True
+
+    def __init__(self, vocab_file: str | os.PathLike | None = None):
+        default = Path(pyrwkv_tokenizer.__file__).with_name("rwkv_vocab_v20230424.txt")
+        self.vocab_file = Path(vocab_file or default)
+        self._rust = pyrwkv_tokenizer.WorldTokenizer(str(self.vocab_file))
+
+    @cached_property
+    def _bytes(self) -> dict[int, bytes]:
+        table: dict[int, bytes] = {}
+        for line in self.vocab_file.read_text(encoding="utf-8").splitlines():
+            idx, rest = line.split(" ", 1)
+            literal, length = rest.rsplit(" ", 1)
+            value = ast.literal_eval(literal)
+            b = value.encode("utf-8") if isinstance(value, str) else value
+            if len(b) != int(length):
+                raise ValueError(f"{self.vocab_file}: token {idx} has {len(b)} bytes, file says {length}")
+            table[int(idx)] = b
+        return table
+
+    @property
+    def vocab_size(self) -> int:
+        return max(self._bytes) + 1
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._rust.encode(text))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._bytes.get(token_id, b"")
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        return b"".join(self.token_bytes(i) for i in ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")

@@ -1,0 +1,100 @@
+"""Open a model by path: find its family (registry) and format (checkpoint or weight pack), build it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from wkvm.chat_template import ChatTemplate, load_chat_template
+from wkvm.models import linear, registry
+from wkvm.models.family import Checkpoint, CheckpointError, LanguageModel, ModelFamily, RawTensors
+from wkvm.models.fingerprint import fingerprint
+from wkvm.models.provider import ResidentWeights
+from wkvm.progress import progress
+from wkvm.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+PACK_MANIFEST = "manifest.json"  # a weight pack (wkvm.weights.pack) is a directory with this file
+
+
+def is_pack(path: str | os.PathLike) -> bool:
+    return (Path(path) / PACK_MANIFEST).is_file()
+
+
+def check_model_path(path: str | os.PathLike) -> None:
+    """Fail early with one line a user can act on: a missing path, a hub id (wkvm never downloads), or a file
+    or directory that is no model wkvm reads. Raises CheckpointError (a ValueError)."""
+    p = Path(path)
+    if not p.exists() and not Path(f"{p}.pth").is_file():
+        if HUB_ID.fullmatch(str(path)):
+            raise CheckpointError(f"model {str(path)!r} does not exist here; it looks like a Hugging Face hub id, and "
+                                  "wkvm never downloads: download the checkpoint first and pass its local path")
+        raise CheckpointError(f"model path {str(path)!r} does not exist")
+    if not is_pack(p):
+        registry.detect(p)
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[ModelFamily, Checkpoint]:
+    family, fmt = registry.detect(path)
+    return family, family.read_checkpoint(Path(path), fmt)
+
+
+def checkpoint_fingerprint(family: ModelFamily, cfg, raw: RawTensors) -> str:
+    return fingerprint(family.name, asdict(cfg), family.used_tensors(raw))
+
+
+def build_resident(
+    family: ModelFamily, cfg, raw: RawTensors, fp: str, device: torch.device | str, dtype: torch.dtype
+) -> LanguageModel:
+    """Every layer prepared (matrices prepacked) and held in memory."""
+    layers = [family.prepare_layer(raw, i, cfg, dtype, device) for i in progress(range(cfg.n_layer), "loading layers")]
+    weights = ResidentWeights(layers, family.prepare_globals(raw, cfg, dtype, device))
+    return family.build(cfg, weights, fp, device)
+
+
+def load_model(
+    path: str | os.PathLike, device: str = "cpu", dtype: torch.dtype | str = torch.float32,
+    weight_cache_layers: int = 0, read_ahead: bool = True,
+) -> LanguageModel:  # fmt: skip
+    """A pack with weight_cache_layers > 0 streams its layers from disk; everything else is loaded resident.
+    `dtype` stores the large matrices, embedding and head in float32 or bfloat16; arithmetic is fp32 either way."""
+    from wkvm.config import weight_dtype
+
+    check_model_path(path)
+    dtype = dtype if isinstance(dtype, torch.dtype) else weight_dtype(dtype)
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not linear.bf16_native():
+        log.warning("--dtype bfloat16: %s", linear.bf16_speed())
+
+    if is_pack(path):
+        from wkvm.weights.pack import Pack
+
+        pack = Pack(path)
+        if weight_cache_layers > 0:
+            from wkvm.weights.stream import StreamingWeights
+
+            weights = StreamingWeights(pack, weight_cache_layers, read_ahead, device, dtype)
+            return pack.family.build(pack.config, weights, pack.fingerprint, device)
+        raw = pack.read(None)
+        for i in range(pack.config.n_layer):
+            raw.update(pack.read(i))
+        return build_resident(pack.family, pack.config, raw, pack.fingerprint, device, dtype)
+    if weight_cache_layers > 0:
+        raise ValueError(
+            f"{path}: --weight-cache-layers needs a weight pack (make one with `wkvm convert SRC DST --pack`)"
+        )
+    family, ckpt = read_checkpoint(path)
+    cfg = family.config_from_checkpoint(ckpt)
+    return build_resident(family, cfg, ckpt.raw, checkpoint_fingerprint(family, cfg, ckpt.raw), device, dtype)
+
+
+def load_text_tools(path: str | os.PathLike, family: str) -> tuple[Tokenizer, ChatTemplate]:
+    """The tokenizer and chat template for the model at `path`: its own files, else its family's defaults."""
+    f = registry.family(family)
+    return load_tokenizer(path, f.default_tokenizer), load_chat_template(path, f.default_chat_template())
