@@ -7,10 +7,11 @@ WKVM_PORT ?= 8000
 
 .PHONY: serve test lint bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	# constraints.txt pins torch: no extra (transformers, ...) may pull another torch and its CUDA packages
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
 	# the checkout on sys.path as a plain entry: a folder named wkvm/ beside a user's script cannot shadow the package
 	echo "$(CURDIR)" > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/wkvm-checkout.pth"
 	touch $(STAMP)

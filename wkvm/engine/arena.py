@@ -6,7 +6,7 @@ import heapq
 
 import torch
 
-from wkvm.models.spec import State, StateSpec
+from wkvm.models.spec import FIXED_KINDS, State, StateSpec
 
 
 class SlotArena:
@@ -19,6 +19,10 @@ class SlotArena:
     def __init__(self, spec: StateSpec, n_slots: int, device: str | torch.device = "cpu"):
         if n_slots < 1:
             raise ValueError("the arena needs at least one slot")
+        paged = [t.name for t in spec.tensors if t.kind not in FIXED_KINDS]
+        if paged:
+            raise ValueError(f"state tensors {paged[:3]} are of a paged kind (kv), which the slot arena does not "
+                             "hold yet (see docs/state-file.md)")  # fmt: skip
         self.spec = spec
         self.n_slots = n_slots
         self.device = torch.device(device)

@@ -18,12 +18,26 @@ State = dict[str, torch.Tensor]
 """A batch of states: spec name -> tensor of shape [B, *TensorSpec.shape]."""
 
 
+KINDS = {
+    "recurrent": "a fixed-size memory updated every token (RWKV wkv, Mamba2 ssm, GDN delta state)",
+    "shift": "the last token's input to a layer ([C]): token shift",
+    "conv": "the last K-1 inputs of a depthwise causal convolution ([C, K-1], oldest first)",
+    "kv": "an attention layer's keys and values: grows with the context, paged (see docs/state-file.md)",
+}
+FIXED_KINDS = ("recurrent", "shift", "conv")  # fixed size per sequence: a slot in the arena holds them
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str = "float32"
-    kind: str = "recurrent"  # "recurrent" (a matrix memory, e.g. wkv) or "shift" (the last token's input)
+    kind: str = "recurrent"  # one of KINDS
+
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"state tensor {self.name}: kind {self.kind!r} is not one of {sorted(KINDS)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

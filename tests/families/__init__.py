@@ -1,0 +1,17 @@
+"""The model families the conformance suite runs (tests/test_conformance.py): one module per family.
+
+Each module has `NAME` (the registry's family name) and `write_checkpoint(path, vocab_size, seed) -> Path`, which
+writes a tiny random checkpoint of the family as a directory (config.json + weights, in the family's main format)
+with `vocab_size` tokens. The suite adds a tokenizer and chat template beside it and runs every state operation.
+A family that needs registering first (a test-only one) does so when its module is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from types import ModuleType
+
+
+def all_families() -> list[ModuleType]:
+    return [importlib.import_module(f"{__name__}.{m.name}") for m in sorted(pkgutil.iter_modules(__path__))]
