@@ -55,19 +55,26 @@ def world_pth(ckpt_dir):
 CHAR_TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[assistant]"
 
 
-@pytest.fixture(scope="session")
-def char_model(ckpt_dir):
-    """A random model over 94 printable, non-space ASCII characters, one token each, with a space-free chat
-    template: any token sequence it generates retokenizes to itself, so chat continuity can be exact."""
+CHAR_VOCAB = {chr(c): i for i, c in enumerate(range(0x21, 0x7F))}
+
+
+def write_char_tokenizer(path):
+    """tokenizer.json over 94 printable, non-space ASCII characters, one token each, and a space-free chat
+    template, in model directory `path`: any token sequence retokenizes to itself, so chat continuity can be exact."""
     from tokenizers import Tokenizer, decoders, models
 
-    path = ckpt_dir / "char-model"
-    vocab = {chr(c): i for i, c in enumerate(range(0x21, 0x7F))}
-    save_random_rwkv7(path, RWKV7Shape(2, 32, 16, len(vocab), None, 8, 8, 4, 8), seed=11, fmt="hf")
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok = Tokenizer(models.BPE(vocab=CHAR_VOCAB, merges=[]))
     tok.decoder = decoders.Fuse()
     tok.save(str(path / "tokenizer.json"))
     (path / "chat_template.jinja").write_text(CHAR_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def char_model(ckpt_dir):
+    """A random RWKV-7 model with the char tokenizer (write_char_tokenizer)."""
+    path = ckpt_dir / "char-model"
+    save_random_rwkv7(path, RWKV7Shape(2, 32, 16, len(CHAR_VOCAB), None, 8, 8, 4, 8), seed=11, fmt="hf")
+    write_char_tokenizer(path)
     return path
 
 

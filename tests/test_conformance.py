@@ -1,0 +1,206 @@
+"""The family conformance suite: every model family (tests/families/) passes every state operation exactly.
+
+For each family: a tiny random checkpoint with the char tokenizer; then batched == alone, chunked prefill == token
+by token, preemption (park/resume) == uninterrupted, and over HTTP: resume from every tier (device, host, disk, a
+restarted server) == uninterrupted, fork isolation, export -> import into another server, chat reuse == fresh,
+and a weight pack streamed through a one-layer cache == resident. Greedy tokens must be identical and logprobs
+within 1e-5. A new family adds a module to tests/families/ and nothing here.
+"""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+import torch
+from conftest import CHAR_VOCAB, greedy_reference, write_char_tokenizer
+from families import all_families
+from live_server import LiveServer
+
+from wkvm.config import EngineConfig
+from wkvm.engine.engine import Engine
+from wkvm.sampling_params import SamplingParams
+from wkvm.weights.loader import load_model, load_text_tools
+
+FAMILIES = all_families()
+LP_TOL = 1e-5
+PROMPT = [5, 17, 30, 2, 44, 61, 9, 12, 80, 33, 3]
+
+
+@pytest.fixture(scope="module", params=FAMILIES, ids=[f.NAME for f in FAMILIES])
+def family_dir(request, tmp_path_factory):
+    path = request.param.write_checkpoint(tmp_path_factory.mktemp(request.param.NAME) / "model", len(CHAR_VOCAB), 5)
+    write_char_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(family_dir):
+    return load_model(family_dir)
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
+
+
+def engine(model, family_dir, **config) -> Engine:
+    return Engine(model, load_text_tools(family_dir, model.family)[0], EngineConfig(**config))
+
+
+def test_outputs_vary_with_the_prompt(model):
+    """The suite compares outputs, so a degenerate random model (same token whatever the prompt) proves nothing."""
+    outs = {tuple(greedy_reference(model, [t, t + 1], 6)) for t in range(0, 60, 6)}
+    assert len(outs) >= 3, outs
+
+
+def test_chunked_prefill_equals_token_by_token(model):
+    ids = PROMPT * 3
+    want, want_state = model.prefill(ids, all_logits=True)
+    steps, state = [], model.new_state(1)
+    for t in ids:
+        steps.append(model.decode([t], state)[0])
+    torch.testing.assert_close(torch.stack(steps), want, rtol=1e-4, atol=1e-4)
+    for chunk in (1, 4, 7, 16):
+        got, got_state = model.prefill(ids, all_logits=True, chunk_size=chunk)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for name in model.spec.names:
+            torch.testing.assert_close(got_state[name], want_state[name], rtol=1e-4, atol=1e-5)
+    for name in model.spec.names:
+        torch.testing.assert_close(state[name], want_state[name], rtol=1e-4, atol=1e-5)
+
+
+def test_forward_groups_equal_separate_forwards(model):
+    a, b = torch.tensor([PROMPT[:5], PROMPT[3:8]]), torch.tensor([PROMPT])
+    sa, sb = model.new_state(2), model.new_state(1)
+    ra, rb = model.forward_groups([(a, sa), (b, sb)])
+    sa2, sb2 = model.new_state(2), model.new_state(1)
+    torch.testing.assert_close(ra, model.forward(a, sa2), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rb, model.forward(b, sb2), rtol=1e-5, atol=1e-5)
+
+
+def test_batched_equals_alone(model, family_dir):
+    """Staggered arrivals, mixed prompt and output lengths, chunked prefill beside decodes, on 4 slots."""
+    rng = random.Random(0)
+    eng = engine(model, family_dir, n_slots=4, token_budget=24, prefill_chunk=8)
+    specs = [([rng.randrange(0, len(CHAR_VOCAB)) for _ in range(rng.randint(1, 30))], rng.randint(1, 10))
+             for _ in range(9)]  # fmt: skip
+    handles = []
+    for i, (prompt, n) in enumerate(specs):
+        handles.append(eng.submit(prompt, greedy(n), request_id=f"r{i}"))
+        for _ in range(rng.randint(0, 2)):
+            eng.step()
+    eng.run_until_done()
+    for (prompt, n), h in zip(specs, handles, strict=True):
+        assert h.output.token_ids == greedy_reference(model, prompt, n), h.request_id
+
+
+def test_preemption_parks_and_resumes_exactly(model, family_dir):
+    eng = engine(model, family_dir, n_slots=1)
+    low = eng.submit(PROMPT, greedy(16), priority=5)
+    for _ in range(5):
+        eng.step()
+    high = eng.submit([7, 8], greedy(5), priority=0)
+    eng.step()
+    assert low.request.status.value == "parked"
+    eng.run_until_done()
+    assert high.output.token_ids == greedy_reference(model, [7, 8], 5)
+    assert low.output.token_ids == greedy_reference(model, PROMPT, 16)
+
+
+def test_weight_pack_streamed_equals_resident(model, family_dir, tmp_path):
+    from wkvm.weights.pack import write_pack
+
+    write_pack(family_dir, tmp_path / "pack")
+    streamed = load_model(tmp_path / "pack", weight_cache_layers=1)
+    assert streamed.fingerprint == model.fingerprint
+    assert greedy_reference(streamed, PROMPT, 12) == greedy_reference(model, PROMPT, 12)
+    torch.testing.assert_close(streamed.prefill(PROMPT, all_logits=True)[0], model.prefill(PROMPT, all_logits=True)[0],
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+# --- over HTTP: the state API and chat reuse ---------------------------------------------------------------------
+
+
+def body(n: int = 8) -> dict:
+    return {"max_tokens": n, "temperature": 0, "ignore_eos": True, "return_token_ids": True, "logprobs": 2}
+
+
+def completion(c: httpx.Client, prompt: list[int], n: int = 8) -> dict:
+    r = c.post("/v1/completions", json={"prompt": prompt, **body(n)})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def from_state(c: httpx.Client, handle: str, prompt: list[int], n: int = 8, **extra) -> dict:
+    r = c.post(f"/v1/states/{handle}/generate", json={"prompt_ids": prompt, **body(n), **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a["token_ids"] == b["token_ids"]
+    for x, y in zip(a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"], strict=True):
+        assert abs(x - y) < LP_TOL
+
+
+@pytest.fixture(scope="module")
+def server(family_dir, tmp_path_factory):
+    state_dir = tmp_path_factory.mktemp("states")
+    with LiveServer(model=str(family_dir), state_dir=str(state_dir), slots=4) as s:
+        s.state_dir = state_dir
+        yield s
+
+
+@pytest.mark.parametrize("tier", ["device", "host", "disk"])
+def test_resume_from_every_tier_equals_uninterrupted(server, tier):
+    c = httpx.Client(base_url=server.url, timeout=60)
+    want = completion(c, PROMPT + [4, 5])
+    r = c.post("/v1/states", json={"name": f"t-{tier}", "prompt_ids": PROMPT})
+    assert r.status_code == 200, r.text
+    if tier != "device":
+        assert c.post(f"/v1/states/t-{tier}/hibernate", json={"tier": tier}).json()["tier"] == tier
+    assert_same(from_state(c, f"t-{tier}", [4, 5])["choices"][0], want)
+
+
+def test_fork_branches_are_independent(server):
+    c = httpx.Client(base_url=server.url, timeout=60)
+    assert c.post("/v1/states", json={"name": "root", "prompt_ids": PROMPT}).status_code == 200
+    assert c.post("/v1/states/root/fork", json={"name": "branch"}).json()["parent"] == "root@1"
+    a = from_state(c, "root", [1, 2], save_as="root")
+    b = from_state(c, "branch", [3, 4], save_as="branch")
+    assert_same(a["choices"][0], completion(c, PROMPT + [1, 2]))
+    assert_same(b["choices"][0], completion(c, PROMPT + [3, 4]))
+    assert_same(from_state(c, "root@1", [3, 4])["choices"][0], b["choices"][0])  # the fork left root@1 untouched
+
+
+def test_export_import_and_restart(server, family_dir, tmp_path):
+    c = httpx.Client(base_url=server.url, timeout=60)
+    assert c.post("/v1/states", json={"name": "moving", "prompt_ids": PROMPT}).status_code == 200
+    assert c.post("/v1/states/moving/hibernate", json={"tier": "disk"}).status_code == 200
+    data = c.get("/v1/states/moving/export").content
+    want = completion(c, PROMPT + [6])
+    with LiveServer(model=str(family_dir), state_dir=str(tmp_path / "other"), slots=2) as other:
+        o = httpx.Client(base_url=other.url, timeout=60)
+        r = o.post("/v1/states/import", content=data, headers={"Content-Type": "application/octet-stream"})
+        assert r.status_code == 200, r.text
+        assert_same(from_state(o, r.json()["handle"], [6])["choices"][0], want)
+    with LiveServer(model=str(family_dir), state_dir=str(server.state_dir), slots=2) as again:  # a restart
+        a = httpx.Client(base_url=again.url, timeout=60)
+        assert a.get("/v1/states/moving").json()["tier"] == "disk"
+        assert_same(from_state(a, "moving", [6])["choices"][0], want)
+
+
+def test_chat_reuse_equals_fresh(server, family_dir):
+    with LiveServer(model=str(family_dir), slots=2, prefix_reuse=False) as fresh:
+        messages, reused = [], []
+        for turn in ["Goodmorrow,friend.", "Whatnews?", "Speakplainly."]:
+            messages.append({"role": "user", "content": turn})
+            req = {"messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            a = httpx.post(f"{server.url}/v1/chat/completions", json=req, timeout=60).json()
+            b = httpx.post(f"{fresh.url}/v1/chat/completions", json=req, timeout=60).json()
+            assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+            assert b["wkvm"]["mode"] == "fresh"
+            reused.append(a["wkvm"]["reused_tokens"])
+            messages.append({"role": "assistant", "content": a["choices"][0]["message"]["content"]})
+        assert reused[0] == 0 and all(n > 0 for n in reused[1:]), reused
