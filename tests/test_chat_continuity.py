@@ -244,7 +244,7 @@ def run_plan(ctx, tenant: str, prompt_ids: list[int], scope: str | None = None) 
     """One request through ChatSessions.plan, the engine and the plan's finish (as the server runs it)."""
     plan = ctx.sessions.plan(tenant, prompt_ids, scope=scope)
     run = {"initial_state": plan.base_state, "base_ids": plan.base_ids, "capture_state": True}
-    h = ctx.engine.submit(plan.feed_ids, SamplingParams(**GREEDY), **run, capture_prompt_state=True)
+    h = ctx.client.engine.submit(plan.feed_ids, SamplingParams(**GREEDY), **run, capture_prompt_state=True)
     h.result(60)
     plan.finish([h])
     return plan.info, h.output.token_ids

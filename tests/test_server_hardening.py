@@ -201,7 +201,7 @@ def test_list_of_prompts_is_capped_and_admitted_whole(world_pth):
         assert assert_4xx(r, 400)["code"] == "too_many_prompts"
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": ["ROMEO:"] * 10, "max_tokens": 4}, timeout=60)
         assert_4xx(r, 429)
-        assert not s.ctx.engine.scheduler.has_work  # nothing of the refused request was queued
+        assert not s.ctx.client.engine.scheduler.has_work  # nothing of the refused request was queued
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": ["ROMEO:"] * 4, "max_tokens": 2}, timeout=60)
         assert r.status_code == 200 and len(r.json()["choices"]) == 4
 
@@ -216,7 +216,7 @@ def wait_until(cond, timeout=5.0) -> bool:
 def test_blocking_request_whose_client_left_frees_its_slot(world_pth):
     long = {"prompt": "Long", "max_tokens": 16000, "temperature": 0, "ignore_eos": True}
     with LiveServer(model=str(world_pth), slots=1, shutdown_grace=0) as s:
-        sched = s.ctx.engine.scheduler
+        sched = s.ctx.client.engine.scheduler
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{s.url}/v1/completions", json=long, timeout=1.0)
         assert wait_until(lambda: not sched.running and not sched.waiting), "the abandoned request still runs"

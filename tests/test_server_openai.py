@@ -107,7 +107,7 @@ def test_chat_blocking_and_streaming(client):
 
 
 def test_n2_forks_one_prefill(client, server):
-    model = server.ctx.engine.model
+    model = server.ctx.client.engine.model
     fed = []
     real_forward = model.forward_groups
 
@@ -177,11 +177,11 @@ def test_disconnect_mid_stream_frees_slot(world_pth):
             for line in r.iter_lines():
                 if line.startswith("data: ") and json.loads(line[6:])["choices"]:
                     break
-            assert server.ctx.engine.arena.num_free == 1
+            assert server.ctx.client.engine.arena.num_free == 1
         deadline = time.monotonic() + 10
-        while server.ctx.engine.arena.num_free != 2 and time.monotonic() < deadline:
+        while server.ctx.client.engine.arena.num_free != 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert server.ctx.engine.arena.num_free == 2
+        assert server.ctx.client.engine.arena.num_free == 2
 
 
 def scrape(server) -> dict[tuple[str, tuple], float]:

@@ -9,9 +9,11 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from state_harness import Harness
 
 from wkvm.config import EngineConfig
 from wkvm.engine.engine import Engine
@@ -21,7 +23,6 @@ from wkvm.state import statefile
 from wkvm.state.index import parse_handle
 from wkvm.state.mutations import RULES, register_mutation
 from wkvm.state.quota import state_file_bytes
-from wkvm.state.service import StateService
 from wkvm.state.statefile import MAX_HISTORY_TOKENS, MAX_OP_PARAMS_BYTES, HistoryTooLong, StateFileError, valid_name
 from wkvm.state.store import QuotaExceeded, StateNotFound, StateStore, StoreLimits
 from wkvm.weights.loader import load_model
@@ -39,7 +40,7 @@ def model(tiny_pth):
 def make_service(model, root, limits=None):
     engine = Engine(model, WorldTokenizer(), EngineConfig(n_slots=4))
     store = StateStore(root, model.spec, model.fingerprint, model.vocab_size, limits=limits)
-    return StateService(engine, store)
+    return Harness(engine, store)
 
 
 @pytest.fixture
@@ -135,17 +136,18 @@ def test_tenants_and_handles(svc):
 EXPORT_CHILD = textwrap.dedent(
     """
     import json, sys
+    sys.path.insert(0, sys.argv[5])
+    from state_harness import Harness
     from wkvm.config import EngineConfig
     from wkvm.engine.engine import Engine
     from wkvm.weights.loader import load_model
     from wkvm.sampling_params import SamplingParams
-    from wkvm.state.service import StateService
     from wkvm.state.store import StateStore
     from wkvm.models.rwkv7.tokenizer import WorldTokenizer
     model_path, root, file, suffix = sys.argv[1:5]
     m = load_model(model_path)
     store = StateStore(root, m.spec, m.fingerprint, m.vocab_size)
-    svc = StateService(Engine(m, WorldTokenizer(), EngineConfig()), store)
+    svc = Harness(Engine(m, WorldTokenizer(), EngineConfig()), store)
     rec = svc.store.import_bytes("other-tenant", open(file, "rb").read())
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     h, _ = svc.generate("other-tenant", rec.handle, json.loads(suffix), greedy)
@@ -160,7 +162,7 @@ def test_export_import_in_another_process(svc, tiny_pth, tmp_path):
     (tmp_path / "moving.state").write_bytes(data)
     out = subprocess.run(
         [sys.executable, "-c", EXPORT_CHILD, str(tiny_pth), str(tmp_path / "other"), str(tmp_path / "moving.state"),
-         json.dumps(SUFFIX)],
+         json.dumps(SUFFIX), str(Path(__file__).parent)],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     got = json.loads(out.stdout.strip().splitlines()[-1])

@@ -9,8 +9,8 @@ from torch.testing import assert_close
 
 from wkvm.engine.sampler import SamplerRow, apply_penalties, filtered_probs
 from wkvm.sampling_params import SamplingParams
-from wkvm.server.sessions import ChatSessions, Session
 from wkvm.state.prefix import PrefixTrie
+from wkvm.state.sessions import ChatSessions, Session
 from wkvm.state.tiers import TierCache
 
 

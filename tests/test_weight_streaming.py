@@ -195,7 +195,7 @@ def test_streaming_counters_in_metrics(pack):
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         text = httpx.get(f"{s.url}/metrics").text
-        w, steps = s.ctx.engine.model.weights, s.ctx.engine.steps
+        w, steps = s.ctx.client.engine.model.weights, s.ctx.client.engine.steps
     got = {m.name: m.samples[0].value for m in text_string_to_metric_families(text) if m.name.startswith("wkvm_weight")}
     assert got == {f"wkvm_weight_{k}": getattr(w.stats, k) for k in STREAM_COUNTERS}  # scraped = the provider's
     hits, misses = got["wkvm_weight_cache_hits"], got["wkvm_weight_cache_misses"]

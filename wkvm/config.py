@@ -1,10 +1,14 @@
-"""Engine configuration: one dataclass, validated on creation."""
+"""Engine and server configuration: dataclasses validated on creation; the server's fields are the CLI flags."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from wkvm.logs import FORMATS, LEVELS
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -26,7 +30,7 @@ class EngineConfig:
             raise ValueError("request_timeout must be positive")
 
 
-def opt(default, help: str, kind: str = "", **kw):
+def opt(default: Any, help: str, kind: str = "", **kw: Any) -> Any:
     """A ServerConfig field that is also a `wkvm serve` flag: `help` is its --help text (for a setting that is on
     by default, the text of its --no-NAME flag); `kind` "size" takes 256MiB / 2G, "choice:a,b" one of the names,
     "" the annotation's type."""
@@ -38,7 +42,7 @@ class ServerConfig:
     """Every `wkvm serve` setting: one source of names, defaults and help (the CLI flags are generated from it)."""
 
     model: str | None = opt(None, "a checkpoint (file or directory) or weight pack (default: the embedded model)")
-    device: str = opt("cpu", "cpu, or cuda with a CUDA build of torch")
+    device: str = opt(EngineConfig.device, "cpu, or cuda with a CUDA build of torch")
     dtype: str = opt("float32", "float32, or bfloat16: half the memory; faster only with native bf16 (wkvm doctor)",
                      "choice:float32,fp32,bfloat16,bf16")
     weight_cache_layers: int = opt(0, "stream a weight pack from disk, at most N layers in memory (0: resident)")
@@ -47,11 +51,12 @@ class ServerConfig:
     port: int = opt(8000, "TCP port")
     api_keys: list[str] = field(default_factory=list)  # flags: --api-key, --api-key-file
     served_model_name: str | None = opt(None, "model id reported by /v1/models (default: the model's file name)")
-    slots: int = opt(8, "state slots: sequences running at once")
-    max_queue: int = opt(256, "waiting requests beyond which the server answers 429")
-    token_budget: int = opt(512, "tokens per engine step (decode + prefill)")
-    prefill_chunk: int = opt(256, "most prompt tokens one request feeds per step")
-    request_timeout: float | None = opt(None, "seconds before a request is aborted")
+    # the engine's settings take EngineConfig's defaults: one source
+    slots: int = opt(EngineConfig.n_slots, "state slots: sequences running at once")
+    max_queue: int = opt(EngineConfig.max_queue, "waiting requests beyond which the server answers 429")
+    token_budget: int = opt(EngineConfig.token_budget, "tokens per engine step (decode + prefill)")
+    prefill_chunk: int = opt(EngineConfig.prefill_chunk, "most prompt tokens one request feeds per step")
+    request_timeout: float | None = opt(EngineConfig.request_timeout, "seconds before a request is aborted")
     state_dir: str | None = opt(None, "directory of durable states (default: a temporary one)")
     state_device_bytes: int = opt(256 << 20, "bytes of states kept on the device (256MiB, 2G, ...)", "size")
     state_host_bytes: int = opt(1 << 30, "bytes of states kept in host RAM", "size")
@@ -92,10 +97,11 @@ class ServerConfig:
 WEIGHT_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
-def weight_dtype(name: str):
+def weight_dtype(name: str) -> torch.dtype:
     """'float32' / 'fp32' or 'bfloat16' / 'bf16' -> the torch dtype weights are stored in."""
     import torch
 
     if str(name).lower() not in WEIGHT_DTYPES:
         raise ValueError(f"dtype {name!r} is not supported; use float32 or bfloat16")
-    return getattr(torch, WEIGHT_DTYPES[str(name).lower()])
+    dtype: torch.dtype = getattr(torch, WEIGHT_DTYPES[str(name).lower()])
+    return dtype

@@ -1,4 +1,6 @@
-"""Everything a request handler needs: model, engine, state store, template, metrics, auth."""
+"""Everything a request handler needs: the engine client, state store and service, chat sessions, tokenizer and
+template, metrics, auth. The loaded parts are set by `load()` (on a thread at startup); routes call
+`require_ready()` before touching them."""
 
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ from fastapi import Request
 
 from wkvm.chat_template import ChatTemplate
 from wkvm.config import ServerConfig
+from wkvm.engine.client import EngineClient, LocalEngineClient, ModelInfo
 from wkvm.engine.engine import Engine
 from wkvm.server.asgi import KeyRing, header, key_owner, presented_key
 from wkvm.server.errors import APIError
 from wkvm.server.metrics import Metrics
 from wkvm.state.service import StateService
+from wkvm.state.sessions import ChatSessions
 from wkvm.state.store import StateStore, StoreLimits
 from wkvm.tokenizer import Tokenizer
 from wkvm.weights.loader import load_model, load_text_tools
@@ -34,16 +38,17 @@ class ServerContext:
     metrics: Metrics = field(default_factory=Metrics)
     ready: threading.Event = field(default_factory=threading.Event)
     load_error: str | None = None
-    model: object = None
-    tokenizer: Tokenizer | None = None
-    template: ChatTemplate | None = None
-    engine: Engine | None = None
-    store: StateStore | None = None
-    service: StateService | None = None
-    sessions: object = None  # chat continuity (wkvm.server.sessions), set once loaded
     started_at: float = field(default_factory=time.time)
     on_load_failure: Callable[[], None] | None = None  # `wkvm serve` exits instead of serving 503s forever
-    _tmp: tempfile.TemporaryDirectory | None = None
+    # set by load(), read only after require_ready():
+    client: EngineClient = field(init=False)
+    model: ModelInfo = field(init=False)  # the client's: routes never see the model's tensors
+    tokenizer: Tokenizer = field(init=False)
+    template: ChatTemplate = field(init=False)
+    store: StateStore = field(init=False)
+    service: StateService = field(init=False)
+    sessions: ChatSessions = field(init=False)
+    _tmp: tempfile.TemporaryDirectory[str] | None = None
 
     @functools.cached_property
     def keys(self) -> KeyRing:
@@ -65,22 +70,24 @@ class ServerContext:
         """Load the model and build the engine and store (called on a background thread at startup)."""
         try:
             cfg = self.config
-            self.model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype,
-                                    weight_cache_layers=cfg.weight_cache_layers, read_ahead=cfg.read_ahead)  # fmt: skip
-            self.tokenizer, self.template = load_text_tools(cfg.model, self.model.family)
-            self.engine = Engine(self.model, self.tokenizer, cfg.engine_config())
-            if cfg.state_dir is None:
+            if cfg.model is None:
+                raise ValueError("no model given")
+            model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype,
+                               weight_cache_layers=cfg.weight_cache_layers, read_ahead=cfg.read_ahead)  # fmt: skip
+            self.tokenizer, self.template = load_text_tools(cfg.model, model.family)
+            engine = Engine(model, self.tokenizer, cfg.engine_config())
+            self.client = LocalEngineClient(engine)
+            self.model = m = self.client.model
+            root = cfg.state_dir
+            if root is None:
                 self._tmp = tempfile.TemporaryDirectory(prefix="wkvm-states-")
-            root = cfg.state_dir or self._tmp.name
+                root = self._tmp.name
             limits = StoreLimits.from_config(cfg)
-            m = self.model
             self.store = StateStore(root, m.spec, m.fingerprint, m.vocab_size, device=cfg.device, limits=limits,
                                     verify_on_load=cfg.verify_state_loads)  # fmt: skip
-            self.service = StateService(self.engine, self.store)
-            from wkvm.server.sessions import ChatSessions
-
-            self.sessions = ChatSessions(self)
-            self.engine.start()
+            self.service = StateService(self.store)
+            self.sessions = ChatSessions(self.service, m.fingerprint, cfg, self.metrics)
+            engine.start()
             self.ready.set()
             log.info("model %s loaded (fingerprint %s...)", self.model_name, self.model.fingerprint[:12])
         except Exception as e:  # reported by /health and every route, instead of a dead process
@@ -91,19 +98,17 @@ class ServerContext:
 
     def end_requests(self, grace: float) -> None:
         """Refuse new requests; give running ones `grace` seconds, then end them (streams still close cleanly)."""
-        engine = self.engine
-        if engine is None:
+        if not self.ready.is_set():
             return
-        engine.stop_accepting()
+        self.client.stop_accepting()
         deadline = time.monotonic() + grace
-        while engine.stats().busy and time.monotonic() < deadline:
+        while self.client.stats().busy and time.monotonic() < deadline:
             time.sleep(0.05)
-        engine.abort_all("the server is shutting down")
+        self.client.abort_all("the server is shutting down")
 
     def shutdown(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown(drain=True, timeout=30)
-        if self.store is not None:
+        if self.ready.is_set():
+            self.client.shutdown(drain=True, timeout=30)
             self.store.close()
         if self._tmp is not None:
             self._tmp.cleanup()

@@ -9,10 +9,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from wkvm.engine.client import PrefillFailed
 from wkvm.engine.engine import EngineClosed
 from wkvm.engine.scheduler import QueueFull
+from wkvm.outputs import ErrorCode
 from wkvm.sampling_params import InvalidParam
 from wkvm.state.mutations import MutationError
+from wkvm.state.sessions import SessionBusy
 from wkvm.state.statefile import StateFileError
 from wkvm.state.store import QuotaExceeded, StateNotFound
 
@@ -43,6 +46,16 @@ def _param(loc: tuple) -> str:
     return out or "body"
 
 
+def prefill_failed(e: PrefillFailed) -> JSONResponse:
+    """A shared prefill (n > 1, state creation) that ended without a state: non-finite numbers come from the
+    request's own input (400); an engine failure is the server's (500); cancelled or timed out, 503."""
+    if e.error_code == ErrorCode.NON_FINITE:
+        return error_response(400, str(e), None, e.error_code)
+    if e.error_code == ErrorCode.ENGINE_ERROR:
+        return error_response(500, str(e), None, e.error_code)
+    return error_response(503, str(e), None, e.error_code or "aborted")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
@@ -71,6 +84,8 @@ def install_error_handlers(app: FastAPI) -> None:
         QuotaExceeded: lambda e: error_response(413, str(e), None, "state_quota_exceeded"),
         QueueFull: lambda e: error_response(429, str(e), None, "queue_full"),
         EngineClosed: lambda e: error_response(503, str(e), None, "shutting_down"),
+        SessionBusy: lambda e: error_response(409, str(e), None, "session_busy"),
+        PrefillFailed: prefill_failed,
     }
     for exc, make in handlers.items():
         app.add_exception_handler(exc, lambda _r, e, make=make: make(e))

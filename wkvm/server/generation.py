@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from wkvm.engine.engine import Event, RequestHandle
-from wkvm.models.spec import State
 from wkvm.outputs import ErrorCode
 from wkvm.sampling_params import MAX_STOP_STRINGS, InvalidParam, SamplingParams
 from wkvm.server.context import ServerContext
@@ -93,45 +92,6 @@ def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
         p.seed = (params.seed + i) % (2**64)
         out.append(p)
     return out
-
-
-async def launch(
-    ctx: ServerContext, prompt_ids: list[int], params: list[SamplingParams], base_state: State | None = None,
-    base_ids: list[int] | None = None, capture: bool = False, capture_prompt: bool = False,
-) -> list[RequestHandle]:  # fmt: skip
-    """Submit len(params) generations of one prompt; n > 1 prefills once and forks the state n ways."""
-    loop = asyncio.get_running_loop()
-    engine = ctx.engine
-    base_ids = list(base_ids or [])
-    if len(params) == 1:
-        return [engine.submit(prompt_ids, params[0], initial_state=base_state, base_ids=base_ids,
-                              capture_state=capture, capture_prompt_state=capture_prompt, loop=loop)]  # fmt: skip
-    state = base_state
-    if len(prompt_ids) > 1:
-        pre = engine.submit(prompt_ids[:-1], SamplingParams(max_tokens=1), initial_state=base_state,
-                            base_ids=base_ids, capture_state=True, prefill_only=True, loop=loop)  # fmt: skip
-        try:
-            async for _ in pre:
-                pass
-        finally:
-            pre.cancel()  # a no-op once it finished; frees the slot if this request was abandoned meanwhile
-        state = pre.run_result().final_state
-        if state is None:
-            raise_if_failed(pre)
-            raise APIError(503, pre.output.error or "prefill was aborted", None, "aborted")
-        base_ids = base_ids + prompt_ids[:-1]
-    # the shared prefill is the prompt-end state: each choice reports it, to be checkpointed as for n = 1
-    prompt_state = state if capture_prompt else None
-    handles: list[RequestHandle] = []
-    try:
-        for p in params:
-            handles.append(engine.submit(prompt_ids[-1:], p, initial_state=state, base_ids=base_ids,
-                                         capture_state=capture, prompt_state=prompt_state, loop=loop))  # fmt: skip
-    except BaseException:  # all n choices or none
-        for h in handles:
-            h.cancel()
-        raise
-    return handles
 
 
 class Watch:

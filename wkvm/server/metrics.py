@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily
 
 if TYPE_CHECKING:
-    from wkvm.engine.engine import Engine
+    from wkvm.engine.engine import EngineStats
     from wkvm.state.store import StateStore
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -66,8 +66,17 @@ class Metrics:
     def count_request(self, route: str, status: int) -> None:
         self.requests.labels(route, str(status)).inc()
 
-    def render(self, engine: Engine, store: StateStore | None) -> bytes:
-        e = engine.stats()
+    def reuse_hit(self, tokens: int) -> None:
+        self.reuse_hits.inc()
+        self.reuse_tokens.inc(tokens)
+
+    def reuse_miss(self) -> None:
+        self.reuse_misses.inc()
+
+    def restart(self, reason: str) -> None:
+        self.restarts.labels(reason).inc()
+
+    def render(self, e: EngineStats, store: StateStore | None) -> bytes:
         self.stream.stats = e.weight_stream
         self.queue_depth.set(e.waiting)
         self.running.set(e.running)

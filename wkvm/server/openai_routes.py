@@ -17,7 +17,7 @@ from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError, error_body
 from wkvm.server.schemas import MAX_PROMPTS, ChatRequest, CompletionRequest
-from wkvm.server.sessions import ChatMeta, Plan
+from wkvm.state.sessions import ChatMeta, Plan
 from wkvm.state.statefile import MAX_HISTORY_TOKENS, valid_name
 from wkvm.state.store import QuotaExceeded
 
@@ -85,9 +85,9 @@ async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body, pa
 
     plan = await run_in_threadpool(plan_run)
     try:
-        handles = await gen.launch(ctx, plan.feed_ids, params, plan.base_state, plan.base_ids,
-                                   capture=plan.capture or bool(body.save_state),
-                                   capture_prompt=plan.capture)  # fmt: skip
+        handles = await ctx.client.generate(plan.feed_ids, params, plan.base_state, plan.base_ids,
+                                            capture=plan.capture or bool(body.save_state),
+                                            capture_prompt=plan.capture)  # fmt: skip
     finally:
         ctx.sessions.track(chat, tenant, locals().get("handles", []))
     ctx.metrics.prompt_tokens.inc(len(prompt_ids))
@@ -100,7 +100,7 @@ async def start_all(ctx: ServerContext, tenant: str, encoded: list[list[int]], b
     start, cancel the ones already started."""
     per_prompt = len(params) + (1 if len(params) > 1 else 0)  # n > 1 adds one shared prefill
     need = len(encoded) * per_prompt
-    if need > 1 and need > ctx.engine.queue_room():
+    if need > 1 and need > ctx.client.queue_room():
         raise QueueFull(f"the request needs {need} places in the queue and fewer are free; retry later or send "
                         "fewer prompts")
     runs: list[tuple[Plan, list[RequestHandle]]] = []

@@ -46,11 +46,13 @@ def router(ctx: ServerContext, auth) -> APIRouter:
         return []
 
     @r.post("")
-    def create(body: CreateStateRequest, request: Request) -> dict:
+    async def create(body: CreateStateRequest, request: Request) -> dict:
         tenant = who(request)
+        check_name(body.name, "name")
         ids = prompt_of(body)
+        state = await ctx.client.prefill(ids[:-1]) if len(ids) > 1 else ctx.model.spec.zeros(1)
         try:
-            return info(ctx.service.create(tenant, body.name, ids))
+            return info(await run_in_threadpool(ctx.service.save_created, tenant, body.name, ids, state))
         except ValueError as e:
             raise bad_request(e, "name") from None
 
@@ -136,8 +138,8 @@ def router(ctx: ServerContext, auth) -> APIRouter:
                 raise bad_request(e, "prompt") from None
 
         rec, plan = await run_in_threadpool(prepare)
-        handles = await gen.launch(ctx, plan.feed_ids, [params], plan.base_state, plan.base_ids,
-                                   capture=body.save_as is not None)  # fmt: skip
+        handles = await ctx.client.generate(plan.feed_ids, [params], plan.base_state, plan.base_ids,
+                                            capture=body.save_as is not None)  # fmt: skip
         ctx.metrics.prompt_tokens.inc(len(suffix))
         h = handles[0]
         base = {"id": gen.new_id("cmpl"), "object": "text_completion", "created": int(time.time()),

@@ -14,13 +14,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from wkvm.engine.engine import RequestHandle
-from wkvm.engine.handle import RunResult
+from wkvm.config import ServerConfig
+from wkvm.engine.handle import RequestHandle, RunResult
 from wkvm.models.spec import State
-from wkvm.server.errors import APIError
 from wkvm.state.prefix import PrefixTrie
-from wkvm.state.statefile import resume_inputs
+from wkvm.state.service import StateService
 from wkvm.state.store import StateNotFound
 
 log = logging.getLogger("wkvm.sessions")
@@ -28,6 +28,20 @@ CKPT, SESS = "#ckpt", "#sessions"  # owner suffixes: tenants and scopes never co
 HEADER_MODE = "x-wkvm-stateful-chat"
 PARENT_TOKEN_V1 = "parent-token-v1"
 RESERVATION_S = 30.0
+
+
+class SessionBusy(RuntimeError):
+    """A parent-token-v1 chat session is already generating (the server answers 409)."""
+
+
+class ReuseMetrics(Protocol):
+    """What chat reuse reports (the server's Prometheus counters)."""
+
+    def reuse_hit(self, tokens: int) -> None: ...
+
+    def reuse_miss(self) -> None: ...
+
+    def restart(self, reason: str) -> None: ...
 
 
 @dataclass
@@ -89,10 +103,11 @@ def visible(messages: list[dict[str, str]]) -> list[tuple[str, str]]:
 
 
 class ChatSessions:
-    def __init__(self, ctx):
-        self.ctx = ctx
-        self.enabled = ctx.config.prefix_reuse
-        self.capacity = max(1, ctx.config.checkpoint_bytes // max(ctx.model.spec.nbytes, 1))
+    def __init__(self, service: StateService, fingerprint: str, config: ServerConfig, metrics: ReuseMetrics):
+        self.service, self.store = service, service.store
+        self.fingerprint, self.config, self.metrics = fingerprint, config, metrics
+        self.enabled = config.prefix_reuse
+        self.capacity = max(1, config.checkpoint_bytes // max(self.store.spec.nbytes, 1))
         self.tries: dict[str, PrefixTrie] = {}
         self.sessions: OrderedDict[tuple[str, str, str], Session] = OrderedDict()
         self.lock = threading.RLock()
@@ -100,7 +115,7 @@ class ChatSessions:
 
     def _rebuild(self) -> None:
         """Checkpoints survive restarts (they are stored states, owner `<scope>#ckpt`); parked sessions do not."""
-        store = self.ctx.store
+        store = self.store
         for rec in store.index.list():
             if rec.owner.endswith(CKPT):
                 scope = rec.owner.removesuffix(CKPT)
@@ -114,10 +129,9 @@ class ChatSessions:
 
     # --- planning ------------------------------------------------------------------------------
     def from_handle(self, tenant: str, handle: str, new_ids: list[int]) -> Plan:
-        rec, state = self.ctx.store.load(tenant, handle)
-        feed, base = resume_inputs(rec.token_ids, new_ids)
-        info = {"mode": "state", "reused_tokens": len(base), "restart_reason": None}
-        return Plan(feed, state, base, rec.handle, info)
+        r = self.service.resume(tenant, handle, new_ids)
+        info = {"mode": "state", "reused_tokens": len(r.base_ids), "restart_reason": None}
+        return Plan(r.feed_ids, r.state, r.base_ids, r.parent, info)
 
     def plan(
         self,
@@ -144,22 +158,20 @@ class ChatSessions:
         return plan
 
     def _from_checkpoint(self, scope: str, prompt_ids: list[int], reason: str | None) -> Plan:
-        m = self.ctx.metrics
         with self.lock:
             cp = self._trie(scope).longest(prompt_ids)
         if cp is not None:
             try:
-                _, state = self.ctx.store.load(scope + CKPT, cp.key)
+                _, state = self.store.load(scope + CKPT, cp.key)
             except StateNotFound:  # evicted by the store (its budget, or room for users' states)
                 with self.lock:
                     self._trie(scope).remove(list(cp.full_ids[:-1]))
                 cp = None
         if cp is None:
-            m.reuse_misses.inc()
+            self.metrics.reuse_miss()
             return Plan(list(prompt_ids), info={"mode": "fresh", "reused_tokens": 0, "restart_reason": reason})
         exact = cp.kind == "turn_end" and tuple(prompt_ids[: len(cp.full_ids)]) == cp.full_ids
-        m.reuse_hits.inc()
-        m.reuse_tokens.inc(cp.n_fed)
+        self.metrics.reuse_hit(cp.n_fed)
         info = {"mode": "exact_prefix" if exact else "checkpoint", "reused_tokens": cp.n_fed, "restart_reason": reason}
         return Plan(prompt_ids[cp.n_fed :], state, prompt_ids[: cp.n_fed], cp.key, info)
 
@@ -167,18 +179,17 @@ class ChatSessions:
         user, chat, messages = meta.user, meta.chat, meta.messages
         asst_id, user_msg_id, parent_id = meta.assistant_id, meta.user_message_id, meta.parent_id
         if not (user and chat and asst_id and user_msg_id):
-            self.ctx.metrics.restarts.labels("missing_metadata").inc()
+            self.metrics.restart("missing_metadata")
             return self._from_checkpoint(scope, prompt_ids, "missing_metadata"), None
         key = (tenant, user, chat)
-        fp = self.ctx.model.fingerprint
+        fp = self.fingerprint
         with self.lock:
             sess = self.sessions.get(key)
-            if sess is not None and time.monotonic() - sess.last_used > self.ctx.config.chat_session_ttl:
+            if sess is not None and time.monotonic() - sess.last_used > self.config.chat_session_ttl:
                 self._drop(key)
                 sess = None
             if sess is not None and sess.busy:
-                raise APIError(409, "this chat session is already generating an answer; wait for it to finish",
-                               None, "session_busy")  # fmt: skip
+                raise SessionBusy("this chat session is already generating an answer; wait for it to finish")
             reason = self._reason(sess, fp, parent_id, asst_id, user_msg_id, visible(messages[:-1]), prompt_ids)
             if sess is None or reason is not None:
                 sess = Session(fp)
@@ -187,17 +198,16 @@ class ChatSessions:
             sess.reserved_at = time.monotonic()
             self.sessions.move_to_end(key)
         if reason is not None:
-            self.ctx.metrics.restarts.labels(reason).inc()
+            self.metrics.restart(reason)
         if reason is None and sess.handle is not None:
             try:
-                _, state = self.ctx.store.load(tenant + SESS, sess.handle)
+                _, state = self.store.load(tenant + SESS, sess.handle)
             except StateNotFound:
                 state, reason = None, "no_session"
-                self.ctx.metrics.restarts.labels(reason).inc()
+                self.metrics.restart(reason)
             if state is not None:
                 n = len(sess.token_ids) - 1
-                self.ctx.metrics.reuse_hits.inc()
-                self.ctx.metrics.reuse_tokens.inc(n)
+                self.metrics.reuse_hit(n)
                 info = {"mode": "parent_bound", "reused_tokens": n, "restart_reason": None}
                 return Plan(prompt_ids[n:], state, prompt_ids[:n], sess.handle, info), key
         return self._from_checkpoint(scope, prompt_ids, reason), key
@@ -239,9 +249,9 @@ class ChatSessions:
             log.warning("could not store this turn's checkpoints/session; the next turn recomputes", exc_info=True)
 
     def _checkpoint(self, scope: str, token_ids: list[int], state: State, kind: str) -> None:
-        store = self.ctx.store
+        store = self.store
         name = "c-" + hashlib.sha256(repr(token_ids).encode()).hexdigest()[:32]
-        rec = self.ctx.service.save_checkpoint(scope + CKPT, name, state, token_ids, kind)
+        rec = self.service.save_checkpoint(scope + CKPT, name, state, token_ids, kind)
         if rec is None:  # the store had no room within its checkpoint budget: this prefix is not reusable
             return
         with self.lock:
@@ -252,10 +262,10 @@ class ChatSessions:
             store.discard(scope + CKPT, f"{name}@{rec.version - 1}", durable=False)
 
     def _update_session(self, tenant, key, chat: ChatMeta, run: RunResult, reply: str) -> None:
-        store = self.ctx.store
+        store = self.store
         messages = chat.messages
         name = "s-" + hashlib.sha256(repr(key).encode()).hexdigest()[:32]
-        rec = self.ctx.service.save_run(tenant + SESS, name, run, op="session", durable=False)
+        rec = self.service.save_run(tenant + SESS, name, run, op="session", durable=False)
         new = rec.handle if rec is not None else None  # None: not kept (no room); the next turn restarts, no_session
         with self.lock:
             sess = self.sessions.get(key)
@@ -286,11 +296,11 @@ class ChatSessions:
         if old is not None and old.handle:
             self._drop(key)
         self.sessions[key] = sess
-        while len(self.sessions) > self.ctx.config.max_chat_sessions:
+        while len(self.sessions) > self.config.max_chat_sessions:
             victim = next(iter(self.sessions))
             self._drop(victim)
 
     def _drop(self, key) -> None:
         sess = self.sessions.pop(key, None)
         if sess is not None and sess.handle:
-            self.ctx.store.discard(key[0] + SESS, sess.handle, durable=False)
+            self.store.discard(key[0] + SESS, sess.handle, durable=False)

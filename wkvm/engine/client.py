@@ -1,0 +1,144 @@
+"""EngineClient: everything the HTTP layer asks of an engine. `LocalEngineClient` runs today's in-process engine;
+a remote one (replicas behind a router) implements the same contract.
+
+Generation with n > 1 choices and state creation share one prefill: the prompt but its last token is fed once
+(`submit_prefill` -> `prefilled_state`), and each choice starts from that state with the last token pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from dataclasses import dataclass
+from typing import Protocol
+
+from wkvm.engine.engine import Engine, EngineStats
+from wkvm.engine.handle import RequestHandle
+from wkvm.models.spec import State, StateSpec
+from wkvm.sampling_params import SamplingParams
+
+
+class PrefillFailed(RuntimeError):
+    """A shared prefill ended without a state: `error_code` says why (aborted, timeout, engine error)."""
+
+    def __init__(self, message: str, error_code: str | None):
+        super().__init__(message)
+        self.error_code = error_code
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What callers of an engine may know about its model (no tensors, no weights)."""
+
+    family: str
+    fingerprint: str
+    vocab_size: int
+    spec: StateSpec
+
+
+class EngineClient(Protocol):
+    model: ModelInfo
+
+    async def generate(
+        self, prompt_ids: list[int], params: list[SamplingParams], base_state: State | None = None,
+        base_ids: list[int] | None = None, capture: bool = False, capture_prompt: bool = False,
+    ) -> list[RequestHandle]:  # fmt: skip
+        """Start len(params) generations of one prompt (all or none); n > 1 prefills once and forks n ways."""
+        ...
+
+    async def prefill(self, prompt_ids: list[int], base_state: State | None = None,
+                      base_ids: list[int] | None = None) -> State:  # fmt: skip
+        """The state after feeding `prompt_ids` (from `base_state`); raises PrefillFailed."""
+        ...
+
+    def snapshot(self, request_id: str) -> concurrent.futures.Future[tuple[State, list[int]]]:
+        """A running request's state and history at its next token boundary (for migrating running streams)."""
+        ...
+
+    def queue_room(self) -> int: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def stop_accepting(self) -> None: ...
+
+    def abort_all(self, reason: str) -> None: ...
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None: ...
+
+
+def submit_prefill(engine: Engine, prompt_ids: list[int], base_state: State | None = None,
+                   base_ids: list[int] | None = None, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+    """Feed `prompt_ids` and stop: the request's final state is the state after them."""
+    return engine.submit(prompt_ids, SamplingParams(max_tokens=1), initial_state=base_state, base_ids=base_ids,
+                         capture_state=True, prefill_only=True, loop=loop)  # fmt: skip
+
+
+def prefilled_state(h: RequestHandle) -> State:
+    state = h.run_result().final_state
+    if state is None:
+        raise PrefillFailed(h.output.error or "the prefill was aborted", h.output.error_code)
+    return state
+
+
+class LocalEngineClient:
+    """The engine in this process (its step loop on its own thread)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        m = engine.model
+        self.model = ModelInfo(m.family, m.fingerprint, m.vocab_size, m.spec)
+
+    async def prefill(self, prompt_ids: list[int], base_state: State | None = None,
+                      base_ids: list[int] | None = None) -> State:  # fmt: skip
+        h = submit_prefill(self.engine, prompt_ids, base_state, base_ids, asyncio.get_running_loop())
+        try:
+            async for _ in h:
+                pass
+        finally:
+            h.cancel()  # a no-op once it finished; frees the slot if the caller was abandoned meanwhile
+        return prefilled_state(h)
+
+    async def generate(
+        self, prompt_ids: list[int], params: list[SamplingParams], base_state: State | None = None,
+        base_ids: list[int] | None = None, capture: bool = False, capture_prompt: bool = False,
+    ) -> list[RequestHandle]:  # fmt: skip
+        loop = asyncio.get_running_loop()
+        base_ids = list(base_ids or [])
+        submit = self.engine.submit
+        if len(params) == 1:
+            return [submit(prompt_ids, params[0], initial_state=base_state, base_ids=base_ids, capture_state=capture,
+                           capture_prompt_state=capture_prompt, loop=loop)]  # fmt: skip
+        state = base_state
+        if len(prompt_ids) > 1:
+            state = await self.prefill(prompt_ids[:-1], base_state, base_ids)
+            base_ids = base_ids + prompt_ids[:-1]
+        # the shared prefill is the prompt-end state: each choice reports it, to be checkpointed as for n = 1
+        prompt_state = state if capture_prompt else None
+        handles: list[RequestHandle] = []
+        try:
+            for p in params:
+                handles.append(submit(prompt_ids[-1:], p, initial_state=state, base_ids=base_ids,
+                                      capture_state=capture, prompt_state=prompt_state, loop=loop))  # fmt: skip
+        except BaseException:  # all n choices or none
+            for h in handles:
+                h.cancel()
+            raise
+        return handles
+
+    def snapshot(self, request_id: str) -> concurrent.futures.Future[tuple[State, list[int]]]:
+        return self.engine.snapshot(request_id)
+
+    def queue_room(self) -> int:
+        return self.engine.queue_room()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def stop_accepting(self) -> None:
+        self.engine.stop_accepting()
+
+    def abort_all(self, reason: str) -> None:
+        self.engine.abort_all(reason)
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        self.engine.shutdown(drain, timeout)
