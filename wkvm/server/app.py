@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -58,7 +59,7 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
         return {"status": "ok", "model": ctx.model_name}
 
     @app.get("/version", dependencies=[auth])
-    def version() -> dict:
+    def version() -> dict[str, Any]:
         """What is running (as vLLM's /version, plus the model's identity)."""
         import torch
 
@@ -72,7 +73,7 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
         return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/openapi.json", dependencies=[auth], include_in_schema=False)
-    def openapi() -> dict:
+    def openapi() -> dict[str, Any]:
         return app.openapi()
 
     app.include_router(openai_routes.router(ctx, auth))

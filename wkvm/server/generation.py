@@ -7,6 +7,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 
@@ -180,11 +181,11 @@ async def merged(
                 t.cancel()
 
 
-def sse(obj: dict | str) -> str:
+def sse(obj: dict[str, Any] | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-def usage(prompt_tokens: int, handles: list[RequestHandle]) -> dict:
+def usage(prompt_tokens: int, handles: list[RequestHandle]) -> dict[str, Any]:
     completion = sum(len(h.output.token_ids) for h in handles)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
@@ -201,7 +202,7 @@ def token_str(ctx: ServerContext, token_id: int) -> str:
 
 
 def completion_logprobs(ctx: ServerContext, token_ids: list[int], lps: list[dict[int, float]] | None, k: int,
-                        offset: int = 0) -> dict | None:  # fmt: skip
+                        offset: int = 0) -> dict[str, Any] | None:  # fmt: skip
     """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
     if lps is None:
         return None
@@ -216,11 +217,11 @@ def completion_logprobs(ctx: ServerContext, token_ids: list[int], lps: list[dict
             "top_logprobs": tops, "text_offset": offsets}  # fmt: skip
 
 
-def chat_logprobs(ctx: ServerContext, token_ids: list[int], lps: list[dict[int, float]] | None, k: int) -> dict | None:
+def chat_logprobs(ctx: ServerContext, token_ids: list[int], lps: list[dict[int, float]] | None, k: int) -> dict[str, Any] | None:
     if lps is None:
         return None
 
-    def entry(t: int, v: float) -> dict:
+    def entry(t: int, v: float) -> dict[str, Any]:
         b = ctx.tokenizer.token_bytes(t)
         return {"token": b.decode("utf-8", errors="replace"), "logprob": json_logprob(v), "bytes": list(b)}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -41,7 +42,7 @@ def reuse_scope(tenant: str, user: str | None, cache_salt: str | None) -> str:
     return scope
 
 
-def save_final(ctx: ServerContext, tenant: str, name: str, parent: str | None, h: RequestHandle) -> dict:
+def save_final(ctx: ServerContext, tenant: str, name: str, parent: str | None, h: RequestHandle) -> dict[str, Any]:
     """Save a finished generation's state: {"state": StateInfo}, or {"state_error": ...} when it cannot be
     saved (quota full, history too long). The generation itself is never lost to a failed save."""
     try:
@@ -115,8 +116,8 @@ async def start_all(ctx: ServerContext, tenant: str, encoded: list[list[int]], b
     return runs
 
 
-def finish(ctx: ServerContext, tenant: str, body, plan: Plan, handles: list[RequestHandle]) -> dict:
-    extra: dict = {"wkvm": plan.info}
+def finish(ctx: ServerContext, tenant: str, body, plan: Plan, handles: list[RequestHandle]) -> dict[str, Any]:
+    extra: dict[str, Any] = {"wkvm": plan.info}
     if plan.finish is not None:
         plan.finish(handles)
     if body.save_state:
@@ -124,7 +125,7 @@ def finish(ctx: ServerContext, tenant: str, body, plan: Plan, handles: list[Requ
     return extra
 
 
-def finish_runs(ctx: ServerContext, tenant: str, body, runs: list[tuple[Plan, list[RequestHandle]]]) -> dict:
+def finish_runs(ctx: ServerContext, tenant: str, body, runs: list[tuple[Plan, list[RequestHandle]]]) -> dict[str, Any]:
     """Extras of a completion: one prompt's `wkvm` object, or for a list of prompts {"prompts": [one per prompt]}."""
     extras = [finish(ctx, tenant, body, plan, hs) for plan, hs in runs]
     return extras[0] if len(extras) == 1 else {"wkvm": {"prompts": [e["wkvm"] for e in extras]}}
@@ -133,17 +134,17 @@ def finish_runs(ctx: ServerContext, tenant: str, body, runs: list[tuple[Plan, li
 def router(ctx: ServerContext, auth) -> APIRouter:
     r = APIRouter(dependencies=[auth])
 
-    def model_card() -> dict:
+    def model_card() -> dict[str, Any]:
         return {"id": ctx.model_name, "object": "model", "created": ctx.model_created, "owned_by": "wkvm",
                 "root": ctx.config.model, "family": ctx.model.spec.family}  # fmt: skip
 
     @r.get("/v1/models")
-    def models() -> dict:
+    def models() -> dict[str, Any]:
         ctx.require_ready()
         return {"object": "list", "data": [model_card()]}
 
     @r.get("/v1/models/{model_id:path}")
-    def model(model_id: str) -> dict:
+    def model(model_id: str) -> dict[str, Any]:
         ctx.require_ready()
         check_model(ctx, model_id)
         return model_card()
@@ -178,7 +179,7 @@ def router(ctx: ServerContext, auth) -> APIRouter:
         rid, created = gen.new_id("cmpl"), int(time.time())
         k = body.logprobs or 0
 
-        def choice(i: int, h: RequestHandle) -> dict:
+        def choice(i: int, h: RequestHandle) -> dict[str, Any]:
             c = {"index": i, "text": h.output.text, "finish_reason": h.output.finish_reason,
                  "logprobs": gen.completion_logprobs(ctx, h.output.token_ids, h.output.logprobs, k)}  # fmt: skip
             if body.return_token_ids:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -27,7 +28,7 @@ class GracefulServer(uvicorn.Server):
         port: int,
         grace: float,
         log_level: str = "info",
-        log_config: dict | None = None,
+        log_config: dict[str, Any] | None = None,
         access_log: bool = True,
     ):
         """`log_config` (a dictConfig dictionary, see wkvm.logs) replaces uvicorn's own formats; None keeps them."""

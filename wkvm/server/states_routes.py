@@ -4,6 +4,7 @@ export, import). Every route acts only on the caller's own states; another tenan
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -31,7 +32,7 @@ def router(ctx: ServerContext, auth) -> APIRouter:
         ctx.require_ready()
         return ctx.tenant(request)
 
-    def info(rec) -> dict:
+    def info(rec) -> dict[str, Any]:
         return {"object": "state", **rec.info(ctx.model_name)}
 
     def prompt_of(body, param_text: str = "prompt", required: bool = True) -> list[int]:
@@ -46,7 +47,7 @@ def router(ctx: ServerContext, auth) -> APIRouter:
         return []
 
     @r.post("")
-    async def create(body: CreateStateRequest, request: Request) -> dict:
+    async def create(body: CreateStateRequest, request: Request) -> dict[str, Any]:
         tenant = who(request)
         check_name(body.name, "name")
         ids = prompt_of(body)
@@ -57,11 +58,11 @@ def router(ctx: ServerContext, auth) -> APIRouter:
             raise bad_request(e, "name") from None
 
     @r.get("")
-    def list_states(request: Request) -> dict:
+    def list_states(request: Request) -> dict[str, Any]:
         return {"object": "list", "data": [info(rec) for rec in ctx.store.list(who(request))]}
 
     @r.post("/import", openapi_extra=IMPORT_BODY)
-    async def import_state(request: Request, name: str | None = None) -> dict:
+    async def import_state(request: Request, name: str | None = None) -> dict[str, Any]:
         tenant = who(request)
         if name is not None:
             check_name(name, "name")
@@ -69,18 +70,18 @@ def router(ctx: ServerContext, auth) -> APIRouter:
         return info(await run_in_threadpool(ctx.store.import_bytes, tenant, data, name))
 
     @r.get("/{handle}")
-    def get(handle: str, request: Request) -> dict:
+    def get(handle: str, request: Request) -> dict[str, Any]:
         return info(lookup(ctx, who(request), handle))
 
     @r.delete("/{handle}")
-    def delete(handle: str, request: Request) -> dict:
+    def delete(handle: str, request: Request) -> dict[str, Any]:
         tenant = who(request)
         rec = lookup(ctx, tenant, handle)
         ctx.store.delete(tenant, rec.handle)
         return {"id": rec.handle, "object": "state", "deleted": True}
 
     @r.post("/{handle}/fork")
-    def fork(handle: str, body: ForkRequest, request: Request) -> dict:
+    def fork(handle: str, body: ForkRequest, request: Request) -> dict[str, Any]:
         tenant = who(request)
         try:
             return info(ctx.store.fork(tenant, lookup(ctx, tenant, handle).handle, body.name))
@@ -88,7 +89,7 @@ def router(ctx: ServerContext, auth) -> APIRouter:
             raise bad_request(e, "name") from None
 
     @r.post("/{handle}/mutate")
-    def mutate(handle: str, body: MutateRequest, request: Request) -> dict:
+    def mutate(handle: str, body: MutateRequest, request: Request) -> dict[str, Any]:
         tenant = who(request)
         try:
             return info(ctx.service.mutate(tenant, lookup(ctx, tenant, handle).handle, body.rule, body.params))
@@ -98,17 +99,17 @@ def router(ctx: ServerContext, auth) -> APIRouter:
             raise bad_request(e, "params") from None
 
     @r.post("/{handle}/hibernate")
-    def hibernate(handle: str, body: HibernateRequest, request: Request) -> dict:
+    def hibernate(handle: str, body: HibernateRequest, request: Request) -> dict[str, Any]:
         tenant = who(request)
         return info(ctx.store.hibernate(tenant, lookup(ctx, tenant, handle).handle, body.tier))
 
     @r.post("/{handle}/pin")
-    def pin(handle: str, request: Request) -> dict:
+    def pin(handle: str, request: Request) -> dict[str, Any]:
         tenant = who(request)
         return info(ctx.store.set_pinned(tenant, lookup(ctx, tenant, handle).handle, True))
 
     @r.post("/{handle}/unpin")
-    def unpin(handle: str, request: Request) -> dict:
+    def unpin(handle: str, request: Request) -> dict[str, Any]:
         tenant = who(request)
         return info(ctx.store.set_pinned(tenant, lookup(ctx, tenant, handle).handle, False))
 
@@ -146,8 +147,8 @@ def router(ctx: ServerContext, auth) -> APIRouter:
                 "model": ctx.model_name}  # fmt: skip
         k = body.logprobs or 0
 
-        def extras() -> dict:
-            out: dict = {"wkvm": plan.info}
+        def extras() -> dict[str, Any]:
+            out: dict[str, Any] = {"wkvm": plan.info}
             if body.save_as:
                 out.update(save_final(ctx, tenant, body.save_as, rec.handle, h))
             return out
