@@ -21,6 +21,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check wkvm tests bench scripts
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)

@@ -6,35 +6,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import checkpoint, plot, print_table, timeit, write_json  # noqa: E402
+from common import checkpoint, engine_decode_tok_s, plot, print_table, timeit, write_json  # noqa: E402
 
-from wkvm.config import EngineConfig  # noqa: E402
-from wkvm.engine.engine import Engine  # noqa: E402
 from wkvm.models.rwkv7.tokenizer import WorldTokenizer  # noqa: E402
 from wkvm.progress import progress  # noqa: E402
-from wkvm.sampling_params import SamplingParams  # noqa: E402
 from wkvm.weights.loader import load_model  # noqa: E402
 
 
 def engine_tok_s(model, batch: int, steps: int) -> float:
-    engine = Engine(model, WorldTokenizer(), EngineConfig(n_slots=batch, token_budget=max(batch, 64)))
-    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        engine.submit([1 + i], params)
-    engine.step()  # first token of every request; from here on each step is one decode token per request
-    engine.step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    dt = time.perf_counter() - t0
-    engine.run_until_done()
-    return batch * steps / dt
+    return engine_decode_tok_s(model, WorldTokenizer(), batch, steps, lambda i: [1 + i])
 
 
 def main() -> None:

@@ -1,9 +1,11 @@
-"""Shared bench helpers: a cached random 0.1B-shape checkpoint, timers, machine rates, table output."""
+"""Shared bench helpers: a cached random 0.1B-shape checkpoint, timers, machine rates, the CPU's name, engine decode
+throughput, table output."""
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -24,6 +26,37 @@ def checkpoint(shape: RWKV7Shape = SHAPE_0_1B, name: str = "rwkv7-0.1b-random") 
     if not path.exists():
         save_random_rwkv7(path, shape, seed=0)
     return path
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def engine_decode_tok_s(model, tokenizer, batch: int, steps: int, prompt: Callable[[int], list[int]]) -> float:
+    """Aggregate decode tok/s of the engine running `batch` requests (request i starts from `prompt(i)`), timed
+    over `steps` steps after every request has its first token (each step then decodes one token per request)."""
+    from wkvm.config import EngineConfig
+    from wkvm.engine.engine import Engine
+    from wkvm.sampling_params import SamplingParams
+
+    engine = Engine(model, tokenizer, EngineConfig(n_slots=batch, token_budget=max(batch, 64)))
+    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.submit(prompt(i), params)
+    engine.step()
+    engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    dt = time.perf_counter() - t0
+    engine.run_until_done()
+    return batch * steps / dt
 
 
 def timeit(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> float:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from wkvm.llm import LLM
@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 _EXPORTS = {"LLM": "wkvm.llm", "GenerationOutput": "wkvm.outputs", "SamplingParams": "wkvm.sampling_params"}
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # imported on first use: `wkvm --version` and `wkvm states --url` must not pay for importing torch
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -35,7 +35,7 @@ class ChatTemplate:
             raise ChatTemplateError(f"the model's chat template failed: {e}") from None
 
 
-def load_chat_template(model_path: str | os.PathLike, default: ChatTemplate | None = None) -> ChatTemplate:
+def load_chat_template(model_path: str | os.PathLike[str], default: ChatTemplate | None = None) -> ChatTemplate:
     """`chat_template.jinja` (+ optional `chat_template.json` with "stop") in the model directory, or
     `NAME.chat_template.jinja` beside `NAME.pth`; `tokenizer_config.json`'s "chat_template"; else the family's
     `default`; else a template that refuses to render."""

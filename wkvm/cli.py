@@ -9,16 +9,22 @@ import logging.config
 import os
 import re
 import sys
+from collections.abc import Callable
+from dataclasses import Field
 from fractions import Fraction
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from wkvm import __version__
 from wkvm.logs import QUIET_LOGGERS, TEXT_FORMAT, log_config
 
+if TYPE_CHECKING:
+    from wkvm.sampling_params import SamplingParams
+
 log = logging.getLogger("wkvm")
 
 
-def env_default(flag: str, default=None):
+def env_default(flag: str, default: str | None = None) -> str | None:
     """Every flag can also come from WKVM_<FLAG>."""
     return os.environ.get("WKVM_" + flag.upper().replace("-", "_"), default)
 
@@ -41,7 +47,7 @@ def parse_size(text: str) -> int:
     return int(Fraction(m.group(1)) * SIZE_UNITS[unit])
 
 
-def choice(*names: str):
+def choice(*names: str) -> Callable[[str], str]:
     """An argparse type taking one of `names` in any case (an env var cannot use argparse's `choices`)."""
 
     def pick(text: str) -> str:
@@ -77,7 +83,7 @@ def format_size(n: int) -> str:
     return str(n)
 
 
-def flag_type(f):
+def flag_type(f: Field[Any]) -> Callable[[str], Any]:
     """The argparse type of a ServerConfig field (see wkvm.config.opt)."""
     kind = f.metadata.get("kind", "")
     if kind == "size":
@@ -143,7 +149,7 @@ def add_serve_flags(s: argparse.ArgumentParser) -> None:
             continue
         flag, typ = f.name.replace("_", "-"), flag_type(f)
         env = "WKVM_" + f.name.upper()
-        default = format_size(f.default) if typ is parse_size and f.default is not None else f.default
+        default = format_size(f.default) if typ is parse_size and isinstance(f.default, int) else f.default
         raw = env_default(flag)
         if raw is not None:
             try:
@@ -172,7 +178,7 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{flag}", type=typ, default=default, help=help_ + shown)
 
 
-def sampling_params(args: argparse.Namespace):
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
     from wkvm.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
@@ -317,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        rc: int = args.func(args)
+        return rc
     except (ValueError, FileNotFoundError) as e:
         print(f"wkvm {args.command}: {e}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ from pathlib import Path
 from wkvm.config import EngineConfig
 from wkvm.engine.engine import Engine
 from wkvm.engine.handle import RequestHandle
+from wkvm.models.spec import State
 from wkvm.sampling_params import SamplingParams
 from wkvm.state.index import StateRecord
 from wkvm.state.quota import QuotaExceeded
@@ -59,7 +60,7 @@ class ChatREPL:
 
     def reset(self) -> None:
         self.messages: list[dict[str, str]] = []
-        self.state = None
+        self.state: State | None = None
         self.token_ids: list[int] = []  # the state holds all but the last (pending)
         self.consumed = ""  # text of token_ids
         self.branch: str | None = None  # the name every answer is saved under; None: answers are not saved
@@ -72,6 +73,7 @@ class ChatREPL:
         self.messages.append({"role": "user", "content": text})
         full = self.template.render(self.messages)
         state = self.state
+        base: list[int]
         if state is not None and full.startswith(self.consumed):
             new = self.tokenizer.encode(full[len(self.consumed) :])
             prompt, base = resume_inputs(self.token_ids, new)
@@ -112,6 +114,7 @@ class ChatREPL:
 
     def _put(self, name: str, op: str) -> StateRecord | None:
         transcript = {"messages": self.messages}  # /load brings the chat back, not just the state
+        assert self.state is not None, "nothing to save"  # save() checks; turn() saves the state its run left
         try:
             return self.store.put(OWNER, name, self.state, self.token_ids, self.handle, op, transcript)
         except (ValueError, QuotaExceeded) as e:
@@ -161,6 +164,7 @@ class ChatREPL:
         except (StateNotFound, ValueError) as e:
             print(f"({e})")
             return
+        assert rec.token_ids is not None  # load() reads the token ids (only listings leave them None)
         self.state, self.token_ids = state, rec.token_ids
         self.branch, self.handle = rec.name, rec.handle
         self.consumed = self.tokenizer.decode(rec.token_ids)

@@ -86,7 +86,7 @@ def _port_check(host: str, port: int) -> tuple[str, bool, str, str]:
             return ("port", False, f"{host}:{port}: {e.strerror}", "stop what uses it or pass --port / WKVM_PORT")
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("doctor", help="check python, torch, memory, disk, model and port")
     p.add_argument("--model", default=os.environ.get("WKVM_MODEL"),
                    help="model to try loading (default: the embedded model) [env WKVM_MODEL]")

@@ -10,6 +10,13 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import httpx
+
+    from wkvm.state.index import StateRecord
+    from wkvm.state.store import StateStore
 
 OWNER = "local"
 
@@ -21,7 +28,7 @@ class ServerStates:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=120)
 
-    def _ok(self, r):
+    def _ok(self, r: httpx.Response) -> httpx.Response:
         if r.status_code >= 400:
             try:
                 msg = r.json()["error"]["message"]
@@ -30,21 +37,25 @@ class ServerStates:
             raise SystemExit(f"wkvm states: {r.status_code}: {msg}")
         return r
 
-    def ls(self) -> list[dict]:
-        return self._ok(self.http.get("/v1/states")).json()["data"]
+    def ls(self) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = self._ok(self.http.get("/v1/states")).json()["data"]
+        return rows
 
-    def show(self, handle: str) -> dict:
-        return self._ok(self.http.get(f"/v1/states/{handle}")).json()
+    def show(self, handle: str) -> dict[str, Any]:
+        info: dict[str, Any] = self._ok(self.http.get(f"/v1/states/{handle}")).json()
+        return info
 
     def export(self, handle: str) -> bytes:
         return self._ok(self.http.get(f"/v1/states/{handle}/export")).content
 
-    def import_(self, data: bytes, name: str | None) -> dict:
+    def import_(self, data: bytes, name: str | None) -> dict[str, Any]:
         params = {"name": name} if name else {}
-        return self._ok(self.http.post("/v1/states/import", content=data, params=params)).json()
+        info: dict[str, Any] = self._ok(self.http.post("/v1/states/import", content=data, params=params)).json()
+        return info
 
-    def rm(self, handle: str) -> dict:
-        return self._ok(self.http.delete(f"/v1/states/{handle}")).json()
+    def rm(self, handle: str) -> dict[str, Any]:
+        info: dict[str, Any] = self._ok(self.http.delete(f"/v1/states/{handle}")).json()
+        return info
 
 
 class DirStates:
@@ -52,10 +63,10 @@ class DirStates:
 
     def __init__(self, state_dir: str, model: str | None, owner: str):
         self.state_dir, self.model_path, self.owner = Path(state_dir), model, owner
-        self._store = None
+        self._store: StateStore | None = None
 
     @property
-    def store(self):
+    def store(self) -> StateStore:
         if self._store is None:
             if not self.model_path:
                 raise SystemExit("wkvm states: --model is needed with --state-dir (to check fingerprints)")
@@ -66,22 +77,23 @@ class DirStates:
             self._store = StateStore(self.state_dir, m.spec, m.fingerprint, m.vocab_size)
         return self._store
 
-    def _info(self, rec) -> dict:
-        return rec.info(Path(self.model_path or "").stem or "?")
+    def _info(self, rec: StateRecord) -> dict[str, Any]:
+        info: dict[str, Any] = rec.info(Path(self.model_path or "").stem or "?")
+        return info
 
-    def ls(self) -> list[dict]:
+    def ls(self) -> list[dict[str, Any]]:
         return [self._info(r) for r in self.store.list(self.owner)]
 
-    def show(self, handle: str) -> dict:
+    def show(self, handle: str) -> dict[str, Any]:
         return self._info(self.store.get(self.owner, handle))
 
     def export(self, handle: str) -> bytes:
         return self.store.export_bytes(self.owner, handle)
 
-    def import_(self, data: bytes, name: str | None) -> dict:
+    def import_(self, data: bytes, name: str | None) -> dict[str, Any]:
         return self._info(self.store.import_bytes(self.owner, data, name))
 
-    def rm(self, handle: str) -> dict:
+    def rm(self, handle: str) -> dict[str, Any]:
         self.store.delete(self.owner, handle)
         return {"id": handle, "deleted": True}
 
@@ -93,7 +105,7 @@ IMPORT_NOTE = (
 )
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("states", help="list, show, export, import or remove states", description=IMPORT_NOTE)
     p.add_argument("action", choices=["ls", "show", "export", "import", "rm"], help="what to do")
     p.add_argument("args", nargs="*", help="show/rm: HANDLE; export: HANDLE FILE; import: FILE")
@@ -109,6 +121,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     url = args.url or os.environ.get("WKVM_URL")
+    backend: DirStates | ServerStates
     if args.state_dir:
         backend = DirStates(args.state_dir, args.model or os.environ.get("WKVM_MODEL"), args.owner)
     elif url:
@@ -148,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def imported(file: str, info: dict) -> str:
+def imported(file: str, info: dict[str, Any]) -> str:
     """What an import did; a name that already existed gets a new version, which a user should not miss."""
     if info["version"] == 1:
         return f"imported {file} as {info['handle']} (new name {info['name']})"
@@ -158,7 +171,7 @@ def imported(file: str, info: dict) -> str:
     )
 
 
-def key_values(info: dict) -> str:
+def key_values(info: dict[str, Any]) -> str:
     width = max(map(len, info))
     lines = []
     for key, value in info.items():

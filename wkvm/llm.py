@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any, cast
 
 from wkvm.config import EngineConfig
 from wkvm.engine.engine import Engine
@@ -19,13 +20,13 @@ Prompt = str | Sequence[int]
 class LLM:
     def __init__(
         self,
-        model: str | os.PathLike,
-        tokenizer: str | os.PathLike | None = None,
+        model: str | os.PathLike[str],
+        tokenizer: str | os.PathLike[str] | None = None,
         config: EngineConfig | None = None,
         weight_cache_layers: int = 0,
         read_ahead: bool = True,
         dtype: str = "float32",
-        **config_kwargs,
+        **config_kwargs: Any,
     ):
         """`weight_cache_layers` > 0 streams a weight pack's layers from disk through a cache of that many;
         `dtype` "bfloat16" stores the large matrices in bf16 (half the memory; arithmetic stays fp32)."""
@@ -50,9 +51,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationOutput]:
         """Run every prompt through the engine's continuous batching; outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        encoded = [self.encode_prompt(p) for p in prompts]
+        one = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        # checked just above: a str or token ids is one prompt, anything else a sequence of prompts
+        batch = [cast(Prompt, prompts)] if one else cast(Sequence[Prompt], prompts)
+        encoded = [self.encode_prompt(p) for p in batch]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(encoded)
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from datetime import datetime
+from typing import Any
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("text", "json")
@@ -22,7 +23,7 @@ class JsonFormatter(logging.Formatter):
     """time, level, logger, message; access lines add client, method, path and status."""
 
     def format(self, record: logging.LogRecord) -> str:
-        line = {
+        line: dict[str, object] = {
             "time": datetime.fromtimestamp(record.created).astimezone().isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(),
             "logger": record.name,
@@ -37,12 +38,12 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line)
 
 
-def log_config(level: str = "info", fmt: str = "text") -> dict:
+def log_config(level: str = "info", fmt: str = "text") -> dict[str, Any]:
     """A `logging.config.dictConfig` dictionary: every logger through one stderr handler in `fmt`."""
     if level not in LEVELS or fmt not in FORMATS:
         raise ValueError(f"log level {level!r} / format {fmt!r}: use one of {LEVELS} / {FORMATS}")
-    formatter = {"()": JsonFormatter} if fmt == "json" else {"format": TEXT_FORMAT}
-    loggers: dict[str, dict] = {name: {"handlers": [], "propagate": True} for name in UVICORN_LOGGERS}
+    formatter: dict[str, object] = {"()": JsonFormatter} if fmt == "json" else {"format": TEXT_FORMAT}
+    loggers: dict[str, dict[str, object]] = {name: {"handlers": [], "propagate": True} for name in UVICORN_LOGGERS}
     loggers.update({name: {"level": "WARNING"} for name in QUIET_LOGGERS})
     return {
         "version": 1,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import cast
 
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20
@@ -86,7 +87,9 @@ def _check_number(name: str, x: object, bounds: tuple[float, float], open_lo: bo
     """A finite real number within bounds; each comparison is written so that NaN fails it."""
     lo, hi = bounds
     ok = isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-    ok = ok and (lo < x if open_lo else lo <= x) and x <= hi
+    # read only when `ok`: then a numbers.Real, which compares with floats (typeshed's float admits only float)
+    v = cast(float, x)
+    ok = ok and (lo < v if open_lo else lo <= v) and v <= hi
     _check(ok, name, f"a finite number in {'(' if open_lo else '['}{lo:g}, {hi:g}]")
 
 

@@ -13,9 +13,17 @@ from wkvm.atomic import atomic_write_bytes
 
 
 class Tokenizer(Protocol):
-    vocab_size: int
-    eos_token_id: int | None
-    exact_bytes: bool  # token_bytes(i) is exactly token i's bytes (byte-level vocab): detokenize byte by byte
+    # read-only: a plain attribute or a property satisfies each
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    @property
+    def exact_bytes(self) -> bool:
+        """token_bytes(i) is exactly token i's bytes (byte-level vocab): detokenize byte by byte."""
+        ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -29,7 +37,7 @@ class HFTokenizer:
 
     exact_bytes = False
 
-    def __init__(self, path: str | os.PathLike, eos_token: str | None = None):
+    def __init__(self, path: str | os.PathLike[str], eos_token: str | None = None):
         from tokenizers import Tokenizer as _Tok
 
         self._tok = _Tok.from_file(str(path))
@@ -50,7 +58,9 @@ class HFTokenizer:
         return self.decode([token_id]).encode("utf-8")
 
 
-def load_tokenizer(model_path: str | os.PathLike, default: Callable[[], Tokenizer | None] | None = None) -> Tokenizer:
+def load_tokenizer(
+    model_path: str | os.PathLike[str], default: Callable[[], Tokenizer | None] | None = None
+) -> Tokenizer:
     """`tokenizer.json` in a model directory (or `NAME.tokenizer.json` beside `NAME.pth`), else the family's
     `default` tokenizer."""
     p = Path(model_path)
@@ -67,14 +77,14 @@ def load_tokenizer(model_path: str | os.PathLike, default: Callable[[], Tokenize
 COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
 
 
-def companion_path(model_path: str | os.PathLike, name: str) -> Path:
+def companion_path(model_path: str | os.PathLike[str], name: str) -> Path:
     """Where a model keeps its companion file `name`: inside a directory (HF, pack), or `NAME.<name>` beside a
     `.pth` (only the tokenizer and chat template files have that form)."""
     p = Path(model_path)
     return p / name if p.is_dir() or not p.suffix else p.with_name(f"{p.stem}.{name}")
 
 
-def copy_companions(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+def copy_companions(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> list[str]:
     """Copy the tokenizer and chat template files that go with model `src` to converted model `dst`, so the
     converted model encodes text and formats chats the same way. Returns the names copied."""
     copied = []

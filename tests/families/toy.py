@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from wkvm.models import registry
-from wkvm.models.family import Checkpoint, CheckpointError, RawTensors, layer_count, owned, require
+from wkvm.models.family import Checkpoint, CheckpointError, ModelBase, RawTensors, layer_count, owned, require
 from wkvm.models.linear import linear, pack_linear
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.spec import State, StateSpec, TensorSpec
@@ -35,28 +35,16 @@ class ToyConfig:
     kernel: int
 
 
-class ToyModel:
+class ToyModel(ModelBase):
     family = NAME
+    config: ToyConfig
 
     def __init__(self, cfg: ToyConfig, weights: WeightProvider, fingerprint: str, device: torch.device | str):
-        self.config, self.weights, self.fingerprint = cfg, weights, fingerprint
-        self.device = torch.device(device)
         tensors = []
         for i in range(cfg.n_layer):
             tensors += [TensorSpec(f"layers.{i}.conv", (cfg.width, cfg.kernel - 1), kind="conv"),
                         TensorSpec(f"layers.{i}.h", (cfg.width,), kind="recurrent")]  # fmt: skip
-        self.spec = StateSpec(NAME, tuple(tensors))
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    def new_state(self, batch: int = 1) -> State:
-        return self.spec.zeros(batch, self.device)
-
-    @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, state: State, all_logits: bool = False) -> torch.Tensor:
-        return self.forward_groups([(tokens, state)], all_logits)[0]
+        super().__init__(cfg, StateSpec(NAME, tuple(tensors)), weights, fingerprint, device)
 
     @torch.inference_mode()
     def forward_groups(
@@ -81,22 +69,6 @@ class ToyModel:
             h.mul_(w["decay"]).add_(conv[:, :, t])
             out.append(torch.tanh(h))
         return linear(torch.stack(out, 1), w["w_out"])
-
-    def prefill(
-        self, tokens: Sequence[int] | torch.Tensor, state: State | None = None,
-        all_logits: bool = False, chunk_size: int | None = None,
-    ) -> tuple[torch.Tensor, State]:  # fmt: skip
-        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1)
-        if ids.shape[1] == 0:
-            raise ValueError("prefill needs at least one token")
-        state = self.new_state(1) if state is None else state
-        step = chunk_size or ids.shape[1]
-        pieces = [self.forward(ids[:, s : s + step], state, all_logits) for s in range(0, ids.shape[1], step)]
-        return (torch.cat(pieces, 1)[0] if all_logits else pieces[-1][0]), state
-
-    def decode(self, tokens: Sequence[int] | torch.Tensor, state: State) -> torch.Tensor:
-        return self.forward(torch.as_tensor(tokens, dtype=torch.long).reshape(-1, 1), state)
-
 
 class ToyFamily:
     name = NAME

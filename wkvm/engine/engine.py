@@ -17,6 +17,7 @@ from wkvm.engine.handle import Event, RequestHandle
 from wkvm.engine.request import Request, Status
 from wkvm.engine.runner import ModelRunner, StepOutput
 from wkvm.engine.scheduler import QueueFull, Scheduler
+from wkvm.models.family import LanguageModel
 from wkvm.models.spec import State
 from wkvm.outputs import ErrorCode
 from wkvm.sampling_params import SamplingParams
@@ -45,7 +46,7 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig | None = None):
+    def __init__(self, model: LanguageModel, tokenizer: Tokenizer, config: EngineConfig | None = None):
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.runner = ModelRunner(model, self.config)
@@ -55,7 +56,7 @@ class Engine:
         self._handles: dict[str, RequestHandle] = {}
         self._detok: dict[str, Detokenizer] = {}
         self._ids = itertools.count()
-        self._snapshots: list[tuple[str, concurrent.futures.Future]] = []
+        self._snapshots: list[tuple[str, concurrent.futures.Future[tuple[State, list[int]]]]] = []
         self._thread: threading.Thread | None = None
         self._accepting = True
         self._stopping = False
@@ -63,7 +64,7 @@ class Engine:
         self.steps = 0
 
     @property
-    def model(self):
+    def model(self) -> LanguageModel:
         return self.runner.model
 
     @property
@@ -134,12 +135,12 @@ class Engine:
                 handle.request.cancel_requested = True
                 self._wake.notify()
 
-    def snapshot(self, request_id: str) -> concurrent.futures.Future:
+    def snapshot(self, request_id: str) -> concurrent.futures.Future[tuple[State, list[int]]]:
         """At the next token boundary, copy a request's state without stopping it.
 
         The future yields (state [1, ...] on the host, token history whose last token is pending).
         """
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut: concurrent.futures.Future[tuple[State, list[int]]] = concurrent.futures.Future()
         with self._lock:
             if request_id not in self._handles:
                 raise KeyError(f"no request {request_id!r} in flight")
@@ -181,6 +182,7 @@ class Engine:
             elif req.prefill_only:
                 events.append(self._end_prefill(req))
             else:
+                assert s.token is not None  # a row without an error sampled a token
                 events.append(self._append(req, s.token, s.logprobs))
         return events
 

@@ -73,7 +73,7 @@ class RequestHandle:
             out.logprobs.extend(ev.logprobs)
         if ev.finished:
             out.finish_reason, out.error, out.error_code = ev.finish_reason, ev.error, ev.error_code
-        if self._loop is not None:
+        if self._loop is not None and self._async is not None:
             self._loop.call_soon_threadsafe(self._async.put_nowait, ev)
         else:
             self._sync.put(ev)

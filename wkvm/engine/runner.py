@@ -17,6 +17,7 @@ from wkvm.config import EngineConfig
 from wkvm.engine.arena import SlotArena
 from wkvm.engine.request import Request
 from wkvm.engine.sampler import NON_FINITE_LOGITS, Sampled, SamplerRow, make_generator, sample
+from wkvm.models.family import LanguageModel
 from wkvm.models.spec import State
 
 
@@ -28,7 +29,7 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, config: EngineConfig):
+    def __init__(self, model: LanguageModel, config: EngineConfig):
         self.model = model
         self.arena = SlotArena(model.spec, config.n_slots, config.device)
         self._rows: dict[str, SamplerRow] = {}
@@ -66,7 +67,7 @@ class ModelRunner:
         groups: list[tuple[torch.Tensor, State]] = []
         gathered: list[tuple[list[int], State]] = []
         for n, rs in by_length.items():
-            slots = [r.slot for r in rs]
+            slots = [r.slot for r in rs if r.slot is not None]  # every request fed this step holds a slot
             state, is_view = self.arena.view(slots)
             groups.append((torch.tensor([r.next_tokens(n) for r in rs]), state))
             if not is_view:

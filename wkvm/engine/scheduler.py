@@ -109,6 +109,7 @@ class Scheduler:
 
     def _park(self, req: Request) -> None:
         """Preempt: move the state to host memory (never recompute) and requeue."""
+        assert req.slot is not None  # a running request holds a slot
         req.parked_state = self.arena.read(req.slot)
         self.arena.free(req.slot)
         req.slot = None
@@ -117,6 +118,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def _unpark(self, req: Request) -> None:
+        assert req.slot is not None and req.parked_state is not None  # just given a slot; parked with a state
         self.arena.write(req.slot, req.parked_state)
         req.parked_state = None
 

@@ -14,12 +14,13 @@ file per layer) and a streamed model (raw layer read -> `prepare_layer` per read
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from safetensors import safe_open
 
 from wkvm.chat_template import ChatTemplate
 from wkvm.models.provider import Tensors, WeightProvider
@@ -39,7 +40,7 @@ class Checkpoint:
     the format's name (e.g. "pth", "hf")."""
 
     raw: RawTensors
-    config: dict = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
     format: str = ""
 
 
@@ -83,6 +84,74 @@ class LanguageModel(Protocol):
     def decode(self, tokens: Sequence[int] | torch.Tensor, state: State) -> torch.Tensor: ...
 
 
+class ModelBase:
+    """The entry points every family's model shares; a family's model subclasses this, sets the attributes in its
+    `__init__` and implements `forward_groups`."""
+
+    family: str
+    config: Any
+    spec: StateSpec
+    fingerprint: str
+    device: torch.device
+    weights: WeightProvider
+
+    def __init__(self, config: Any, spec: StateSpec, weights: WeightProvider, fingerprint: str,
+                 device: torch.device | str) -> None:  # fmt: skip
+        self.config, self.spec, self.weights, self.fingerprint = config, spec, weights, fingerprint
+        self.device = torch.device(device)
+
+    @property
+    def vocab_size(self) -> int:
+        vocab: int = self.config.vocab_size
+        return vocab
+
+    def new_state(self, batch: int = 1) -> State:
+        return self.spec.zeros(batch, self.device)
+
+    def forward_groups(
+        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False
+    ) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, state: State, all_logits: bool = False) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, V] (last position) or [B, T, V]; `state` ([B, ...]) advances in place."""
+        return self.forward_groups([(tokens, state)], all_logits)[0]
+
+    def prefill(
+        self, tokens: Sequence[int] | torch.Tensor, state: State | None = None,
+        all_logits: bool = False, chunk_size: int | None = None,
+    ) -> tuple[torch.Tensor, State]:  # fmt: skip
+        """One sequence: feed T tokens (in pieces of `chunk_size`); returns logits [V] or [T, V] and the state."""
+        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1)
+        if ids.shape[1] == 0:
+            raise ValueError("prefill needs at least one token")
+        state = self.new_state(1) if state is None else state
+        step = chunk_size or ids.shape[1]
+        pieces = [self.forward(ids[:, s : s + step], state, all_logits) for s in range(0, ids.shape[1], step)]
+        return (torch.cat(pieces, 1)[0] if all_logits else pieces[-1][0]), state
+
+    def decode(self, tokens: Sequence[int] | torch.Tensor, state: State) -> torch.Tensor:
+        """One step for B sequences: tokens [B] -> logits [B, V]; state advances in place."""
+        return self.forward(torch.as_tensor(tokens, dtype=torch.long).reshape(-1, 1), state)
+
+
+def read_safetensors_dir(path: Path, rename: Callable[[str], str | None] | None = None) -> RawTensors:
+    """Every tensor of every `*.safetensors` file in directory `path`, named by `rename` (None drops a tensor).
+    Never reads `*.bin`/`*.pt` pickles."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files (pytorch_model.bin is not read: unsafe to unpickle)")
+    raw: RawTensors = {}
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for k in sf.keys():  # noqa: SIM118 (safe_open is not a dict)
+                name = rename(k) if rename else k
+                if name is not None:
+                    raw[name] = sf.get_tensor(k)
+    return raw
+
+
 class ModelFamily(Protocol):
     name: str  # StateSpec.family and the pack manifest's "family"
     model_types: tuple[str, ...]  # HF config.json `model_type` values this family reads
@@ -99,7 +168,7 @@ class ModelFamily(Protocol):
         """The family config (a frozen dataclass) for checkpoint tensors; CheckpointError if they do not fit."""
         ...
 
-    def config_from_dict(self, d: dict) -> Any:
+    def config_from_dict(self, d: dict[str, Any]) -> Any:
         """The config stored in a pack manifest (`asdict` of the dataclass) back as the dataclass."""
         ...
 
@@ -162,4 +231,4 @@ def require(raw: RawTensors, keys: Sequence[str], what: str) -> None:
         raise CheckpointError(f"{what} checkpoint lacks tensors {missing[:4]}")
 
 
-PathLike = str | os.PathLike
+PathLike = str | os.PathLike[str]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Any
 
 import torch
 
 
-def fingerprint(family: str, config: dict, tensors: dict[str, torch.Tensor]) -> str:
+def fingerprint(family: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     h.update(json.dumps({"family": family, "config": config}, sort_keys=True).encode())
     for name in sorted(tensors):

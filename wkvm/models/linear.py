@@ -25,7 +25,8 @@ BF16_EMULATED_SPEED = "0.2-0.5x float32's tok/s in prefill, 0.3-1.0x in batch-8 
 
 @functools.cache
 def onednn_available() -> bool:
-    if os.environ.get("WKVM_ONEDNN", "1") == "0" or not torch.backends.mkldnn.is_available():
+    # torch leaves mkldnn.is_available unannotated (it returns torch._C.has_mkldnn, a bool)
+    if os.environ.get("WKVM_ONEDNN", "1") == "0" or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise") or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
@@ -82,7 +83,8 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
         (weight.dtype == torch.float32 and onednn_available())
         or (weight.dtype == torch.bfloat16 and onednn_bf16_available())
     ):
-        return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+        return packed
     return weight
 
 
@@ -92,7 +94,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype != x.dtype:
         return linear(x.to(weight.dtype), weight).to(x.dtype)
     if weight.is_mkldnn or (weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_available()):
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
+        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
+        return y
     return F.linear(x, weight)
 
 

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from pathlib import Path
 
 from wkvm.models.family import CheckpointError, ModelFamily
 
 # name -> module whose FAMILY implements ModelFamily; a new family adds its line here and nothing else
 MODULES = {
+    "mamba2": "wkvm.models.mamba2",
+    "qwen3_5": "wkvm.models.qwen3_5",
     "rwkv7": "wkvm.models.rwkv7",
 }
 _loaded: dict[str, ModelFamily] = {}
@@ -39,7 +42,7 @@ def known_formats() -> str:
     return "; ".join(f"{f.name}: {f.formats}" for f in families())
 
 
-def detect(path: str | Path) -> tuple[ModelFamily, str]:
+def detect(path: str | os.PathLike[str]) -> tuple[ModelFamily, str]:
     """The family and format of the checkpoint at `path`: what a family's `detect` recognises, else an HF
     directory by its config.json's `model_type` (format "hf")."""
     p = Path(path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -28,7 +29,7 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
     ctx = ServerContext(config)
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI):
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if load_in_background:
             threading.Thread(target=ctx.load, name="wkvm-load", daemon=True).start()
         else:
@@ -50,8 +51,8 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
 
     auth = Depends(authenticated)
 
-    @app.get("/health")
-    def health():
+    @app.get("/health", response_model=None)
+    def health() -> dict[str, Any] | JSONResponse:
         if ctx.load_error:
             return JSONResponse(error_body(503, f"model failed to load: {ctx.load_error}"), status_code=503)
         if not ctx.ready.is_set():

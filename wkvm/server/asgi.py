@@ -10,22 +10,24 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Callable
+from typing import cast
 
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from wkvm.server.errors import error_body
 
 OPEN_PATHS = ("/health",)  # reachable without a key (load balancers' health checks)
 
 
-def header(scope, name: bytes) -> bytes | None:
+def header(scope: Scope, name: bytes) -> bytes | None:
     for k, v in scope.get("headers") or []:
         if k == name:
-            return v
+            return cast(bytes, v)  # the ASGI spec makes header values byte strings
     return None
 
 
-def presented_key(scope) -> bytes | None:
+def presented_key(scope: Scope) -> bytes | None:
     """The key a client sent: `Authorization: Bearer KEY` or `X-Api-Key: KEY` (raw bytes, any encoding)."""
     auth = header(scope, b"authorization") or b""
     if auth[:7].lower() == b"bearer ":
@@ -59,17 +61,18 @@ def key_owner(key: bytes) -> str:
     return "key-" + hashlib.sha256(key).hexdigest()[:16]
 
 
-async def send_error(scope, receive, send, status: int, message: str, param: str | None, code: str) -> None:
+async def send_error(scope: Scope, receive: Receive, send: Send, status: int, message: str, param: str | None,
+                     code: str) -> None:  # fmt: skip
     await JSONResponse(error_body(status, message, param, code), status_code=status)(scope, receive, send)
 
 
 class ApiKeyGate:
     """401 for every route but /health when keys are configured, decided on headers alone."""
 
-    def __init__(self, app, keys: KeyRing):
+    def __init__(self, app: ASGIApp, keys: KeyRing):
         self.app, self.keys = app, keys
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.keys or scope.get("path") in OPEN_PATHS:
             return await self.app(scope, receive, send)
         if not self.keys.matches(presented_key(scope)):
@@ -84,10 +87,10 @@ class BodyLimit:
     A body without a declared length is read here first (up to the limit) and then handed to the app.
     """
 
-    def __init__(self, app, limit: int):
+    def __init__(self, app: ASGIApp, limit: int):
         self.app, self.limit = app, limit
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = header(scope, b"content-length")
@@ -95,7 +98,8 @@ class BodyLimit:
             if declared.isdigit() and int(declared) > self.limit:
                 return await self._refuse(scope, receive, send)
             return await self.app(scope, receive, send)
-        chunks, size = [], 0
+        chunks: list[bytes] = []
+        size = 0
         while True:
             msg = await receive()
             if msg["type"] != "http.request":
@@ -109,7 +113,7 @@ class BodyLimit:
         body = b"".join(chunks)
         sent = False
 
-        async def replay():
+        async def replay() -> Message:
             nonlocal sent
             if not sent:
                 sent = True
@@ -118,7 +122,7 @@ class BodyLimit:
 
         return await self.app(scope, replay, send)
 
-    async def _refuse(self, scope, receive, send):
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"request body over {self.limit} bytes (--max-body-bytes)"
         await send_error(scope, receive, send, 413, message, "body", "body_too_large")
 
@@ -127,15 +131,15 @@ class RequestMetrics:
     """Counts responses by route and status; `on_server_error(path, status)` hears of every 5xx (a bug or an
     outage: the test suite asserts it never happens unexpectedly)."""
 
-    def __init__(self, app, count: Callable[[str, int], None], on_server_error: Callable[[str, int], None]):
+    def __init__(self, app: ASGIApp, count: Callable[[str, int], None], on_server_error: Callable[[str, int], None]):
         self.app, self.count, self.on_server_error = app, count, on_server_error
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         status = 500
 
-        async def send_status(message):
+        async def send_status(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]

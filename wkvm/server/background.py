@@ -5,22 +5,25 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from typing import cast
 
 import httpx
 
 from wkvm.config import ServerConfig
 from wkvm.server.app import create_app
+from wkvm.server.context import ServerContext
 from wkvm.server.serving import GracefulServer
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return cast(int, s.getsockname()[1])  # an AF_INET socket's name is (host, port)
 
 
-def wait_healthy(url: str, timeout: float = 120, alive=lambda: True) -> None:
+def wait_healthy(url: str, timeout: float = 120, alive: Callable[[], bool] = lambda: True) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not alive():
@@ -46,14 +49,14 @@ class BackgroundServer:
         self.thread = threading.Thread(target=self.server.run, name="wkvm-http", daemon=True)
 
     @property
-    def ctx(self):
-        return self.app.state.ctx
+    def ctx(self) -> ServerContext:
+        return cast(ServerContext, self.app.state.ctx)  # create_app sets it
 
     def __enter__(self) -> BackgroundServer:
         self.thread.start()
         wait_healthy(self.url, alive=self.thread.is_alive)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.server.begin_shutdown()
         self.thread.join(timeout=30 + self.config.shutdown_grace)

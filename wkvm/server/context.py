@@ -124,7 +124,8 @@ class ServerContext:
         route runs) and, when Open WebUI forwards one, its user id."""
         key = presented_key(request.scope)
         if self.keys:
-            if not self.keys.matches(key):  # ApiKeyGate refused it already; this keeps routes safe without the gate
+            # ApiKeyGate refused it already; this keeps routes safe without the gate
+            if key is None or not self.keys.matches(key):
                 raise APIError(401, "missing or invalid API key", code="invalid_api_key")
             owner = key_owner(key)
         else:

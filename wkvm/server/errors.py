@@ -39,7 +39,7 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
-def _param(loc: tuple) -> str:
+def _param(loc: tuple[Any, ...]) -> str:
     parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
     out = ""
     for p in parts:
@@ -59,11 +59,11 @@ def prefill_failed(e: PrefillFailed) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError):
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
         return error_response(e.status, e.message, e.param, e.code)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError):
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {"loc": ("body",), "msg": "invalid request"}
         param = _param(tuple(first.get("loc", ())))
         msg = first.get("msg", "invalid value")
@@ -72,7 +72,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, f"{param}: {msg}", param, "invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException):
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         status = e.status_code if 400 <= e.status_code < 500 else 400
         message = "no such route" if e.status_code == 404 else str(e.detail)
         return error_response(status, message)
@@ -92,6 +92,6 @@ def install_error_handlers(app: FastAPI) -> None:
         app.add_exception_handler(exc, lambda _r, e, make=make: make(e))
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, e: Exception):
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:
         log.exception("unhandled error (a bug)")
         return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), status_code=500)

@@ -102,7 +102,7 @@ class Watch:
         self.ctx, self.request, self.handles = ctx, request, handles
         self.t0 = time.monotonic()
         self.last: dict[int, float] = {}
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def saw(self, i: int, ev: Event) -> None:
         if not ev.token_ids:
@@ -120,7 +120,7 @@ class Watch:
         self._task = asyncio.create_task(self._watch())
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         if self._task:
             self._task.cancel()
         self.cancel_unfinished()
@@ -161,7 +161,7 @@ async def merged(
     ctx: ServerContext, request: Request, handles: list[RequestHandle]
 ) -> AsyncIterator[tuple[int, Event]]:
     """Events of all handles as they come, tagged with the handle's index."""
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
     async def pump(i: int, h: RequestHandle) -> None:
         async for ev in h:
@@ -217,7 +217,8 @@ def completion_logprobs(ctx: ServerContext, token_ids: list[int], lps: list[dict
             "top_logprobs": tops, "text_offset": offsets}  # fmt: skip
 
 
-def chat_logprobs(ctx: ServerContext, token_ids: list[int], lps: list[dict[int, float]] | None, k: int) -> dict[str, Any] | None:
+def chat_logprobs(ctx: ServerContext, token_ids: list[int], lps: list[dict[int, float]] | None,
+                  k: int) -> dict[str, Any] | None:  # fmt: skip
     if lps is None:
         return None
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, Metric
 
 if TYPE_CHECKING:
     from wkvm.engine.engine import EngineStats
@@ -29,9 +30,9 @@ class StreamCollector:
     """Weight-streaming counters, read from the model's provider at scrape time."""
 
     def __init__(self) -> None:
-        self.stats = None
+        self.stats: object | None = None  # StreamStats; read by attribute name
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         stats = self.stats
         if stats is None:
             return

@@ -5,25 +5,29 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, cast
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, params
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from wkvm.chat_template import ChatTemplateError
-from wkvm.engine.engine import RequestHandle
+from wkvm.engine.engine import Event, RequestHandle
 from wkvm.engine.scheduler import QueueFull
+from wkvm.sampling_params import SamplingParams
 from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError, error_body
-from wkvm.server.schemas import MAX_PROMPTS, ChatRequest, CompletionRequest
+from wkvm.server.schemas import MAX_PROMPTS, ChatRequest, CompletionRequest, SamplingFields
 from wkvm.state.sessions import ChatMeta, Plan
 from wkvm.state.statefile import MAX_HISTORY_TOKENS, valid_name
 from wkvm.state.store import QuotaExceeded
 
 log = logging.getLogger("wkvm.server")
 CHAT_ROLES = ("system", "developer", "user", "assistant")
+GenBody = CompletionRequest | ChatRequest  # the bodies that can start from / save a state
+Run = tuple[Plan, list[RequestHandle]]
 
 
 def check_model(ctx: ServerContext, model: str | None) -> None:
@@ -69,7 +73,8 @@ def check_save_room(ctx: ServerContext, tenant: str, n_tokens: int, param: str) 
     ctx.store.check_room(tenant, n_tokens)
 
 
-async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body, params, chat: ChatMeta | None):
+async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body: GenBody, params: list[SamplingParams],
+                chat: ChatMeta | None) -> Run:  # fmt: skip
     if body.save_state is not None:
         check_name(body.save_state, "save_state")
     scope = reuse_scope(tenant, body.user, body.cache_salt)
@@ -95,8 +100,8 @@ async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body, pa
     return plan, handles
 
 
-async def start_all(ctx: ServerContext, tenant: str, encoded: list[list[int]], body, params,
-                    chat: ChatMeta | None = None):  # fmt: skip
+async def start_all(ctx: ServerContext, tenant: str, encoded: list[list[int]], body: GenBody,
+                    params: list[SamplingParams], chat: ChatMeta | None = None) -> list[Run]:  # fmt: skip
     """Admit every prompt of a request or none: check the queue has room for all, and if one still fails to
     start, cancel the ones already started."""
     per_prompt = len(params) + (1 if len(params) > 1 else 0)  # n > 1 adds one shared prefill
@@ -104,7 +109,7 @@ async def start_all(ctx: ServerContext, tenant: str, encoded: list[list[int]], b
     if need > 1 and need > ctx.client.queue_room():
         raise QueueFull(f"the request needs {need} places in the queue and fewer are free; retry later or send "
                         "fewer prompts")
-    runs: list[tuple[Plan, list[RequestHandle]]] = []
+    runs: list[Run] = []
     try:
         for ids in encoded:
             runs.append(await start(ctx, tenant, ids, body, params, chat))
@@ -116,7 +121,7 @@ async def start_all(ctx: ServerContext, tenant: str, encoded: list[list[int]], b
     return runs
 
 
-def finish(ctx: ServerContext, tenant: str, body, plan: Plan, handles: list[RequestHandle]) -> dict[str, Any]:
+def finish(ctx: ServerContext, tenant: str, body: GenBody, plan: Plan, handles: list[RequestHandle]) -> dict[str, Any]:
     extra: dict[str, Any] = {"wkvm": plan.info}
     if plan.finish is not None:
         plan.finish(handles)
@@ -125,13 +130,13 @@ def finish(ctx: ServerContext, tenant: str, body, plan: Plan, handles: list[Requ
     return extra
 
 
-def finish_runs(ctx: ServerContext, tenant: str, body, runs: list[tuple[Plan, list[RequestHandle]]]) -> dict[str, Any]:
+def finish_runs(ctx: ServerContext, tenant: str, body: CompletionRequest, runs: list[Run]) -> dict[str, Any]:
     """Extras of a completion: one prompt's `wkvm` object, or for a list of prompts {"prompts": [one per prompt]}."""
     extras = [finish(ctx, tenant, body, plan, hs) for plan, hs in runs]
     return extras[0] if len(extras) == 1 else {"wkvm": {"prompts": [e["wkvm"] for e in extras]}}
 
 
-def router(ctx: ServerContext, auth) -> APIRouter:
+def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
     r = APIRouter(dependencies=[auth])
 
     def model_card() -> dict[str, Any]:
@@ -149,8 +154,8 @@ def router(ctx: ServerContext, auth) -> APIRouter:
         check_model(ctx, model_id)
         return model_card()
 
-    @r.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    @r.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> dict[str, Any] | StreamingResponse:
         ctx.require_ready()
         tenant = ctx.tenant(request)
         check_model(ctx, body.model)
@@ -163,7 +168,8 @@ def router(ctx: ServerContext, auth) -> APIRouter:
                 raise APIError(400, f"{field} is not supported", field, "unsupported")
         p = body.prompt
         batch = isinstance(p, list) and p and isinstance(p[0], (str, list))
-        prompts = list(p) if batch else [p]
+        # strict schema: a list led by a str or a list is list[str] or list[list[int]]; else p is str or list[int]
+        prompts = cast(list[str | list[int]], list(p) if batch else [p])
         if len(prompts) > MAX_PROMPTS:
             raise APIError(400, f"prompt: at most {MAX_PROMPTS} prompts in one request; send several requests",
                            "prompt", "too_many_prompts")
@@ -201,8 +207,8 @@ def router(ctx: ServerContext, auth) -> APIRouter:
             out["prompt_token_ids"] = encoded if batch else encoded[0]
         return out
 
-    @r.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
+    @r.post("/v1/chat/completions", response_model=None)
+    async def chat(body: ChatRequest, request: Request) -> dict[str, Any] | StreamingResponse:
         ctx.require_ready()
         tenant = ctx.tenant(request)
         check_model(ctx, body.model)
@@ -262,17 +268,19 @@ def chat_messages(body: ChatRequest) -> list[dict[str, str]]:
                 if part.type != "text" or part.text is None:
                     msg = f"messages[{i}].content[{j}]: only text parts are supported yet (got {part.type!r})"
                     raise APIError(400, msg, f"messages[{i}].content[{j}].type", "unsupported")
-            content = "".join(part.text for part in m.content)
+            content = "".join(part.text or "" for part in m.content)  # None was refused just above
         else:
             content = m.content or ""
         out.append({"role": m.role, "content": content})
     return out
 
 
-async def stream_completion(ctx, request, body, runs, handles, base, prompt_tokens, tenant, k):
+async def stream_completion(ctx: ServerContext, request: Request, body: CompletionRequest, runs: list[Run],
+                            handles: list[RequestHandle], base: dict[str, Any], prompt_tokens: int, tenant: str,
+                            k: int) -> AsyncIterator[str]:  # fmt: skip
     offsets = [0] * len(handles)
 
-    def chunk(i, ev):
+    def chunk(i: int, ev: Event) -> dict[str, Any]:
         c = {"index": i, "text": ev.text, "finish_reason": ev.finish_reason,
              "logprobs": gen.completion_logprobs(ctx, ev.token_ids, ev.logprobs, k, offsets[i])}  # fmt: skip
         offsets[i] += len(ev.text)
@@ -285,13 +293,15 @@ async def stream_completion(ctx, request, body, runs, handles, base, prompt_toke
         yield line
 
 
-async def stream_chat(ctx, request, body, plan, handles, base, prompt_tokens, tenant, k):
+async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, plan: Plan,
+                      handles: list[RequestHandle], base: dict[str, Any], prompt_tokens: int, tenant: str,
+                      k: int | None) -> AsyncIterator[str]:  # fmt: skip
     base = {**base, "object": "chat.completion.chunk"}
     for i in range(len(handles)):
         delta = {"role": "assistant", "content": ""}
         yield gen.sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]})
 
-    def chunk(i, ev):
+    def chunk(i: int, ev: Event) -> dict[str, Any]:
         c = {"index": i, "delta": {"content": ev.text} if ev.text else {}, "finish_reason": ev.finish_reason,
              "logprobs": gen.chat_logprobs(ctx, ev.token_ids, ev.logprobs, k or 0)}  # fmt: skip
         if body.return_token_ids:
@@ -303,13 +313,15 @@ async def stream_chat(ctx, request, body, plan, handles, base, prompt_tokens, te
         yield line
 
 
-async def stream_chunks(ctx, request, body, handles, chunk, prompt_tokens, base, on_done):
+async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFields, handles: list[RequestHandle],
+                        chunk: Callable[[int, Event], dict[str, Any]], prompt_tokens: int, base: dict[str, Any],
+                        on_done: Callable[[], dict[str, Any]]) -> AsyncIterator[str]:  # fmt: skip
     """SSE lines: a chunk per event; the very last choice chunk carries the `wkvm` (and `state`) extras.
 
     The stream always ends with `data: [DONE]`: after the final chunk, or after an `error` event when a
     generation failed (or, for a bug, when this code did) once the response had started."""
     try:
-        held = None
+        held: dict[str, Any] | None = None
         async for i, ev in gen.merged(ctx, request, handles):
             if not ev.token_ids and not ev.finished and not ev.text:
                 continue

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI
 from uvicorn.config import LOGGING_CONFIG
+
+if TYPE_CHECKING:
+    from wkvm.server.context import ServerContext
 
 log = logging.getLogger("wkvm.server")
 
@@ -40,10 +44,11 @@ class GracefulServer(uvicorn.Server):
             log_level=log_level,
             log_config=log_config or LOGGING_CONFIG,
             access_log=access_log,
-            timeout_graceful_shutdown=grace + 10,
+            # the stub says int | None; uvicorn only passes it to asyncio.wait_for, which takes a float
+            timeout_graceful_shutdown=grace + 10,  # type: ignore[arg-type]
         )
         super().__init__(config)
-        self.ctx = app.state.ctx
+        self.ctx: ServerContext = app.state.ctx
         self.grace = grace
         self._drainer: threading.Thread | None = None
         self.ctx.on_load_failure = self._load_failed
@@ -52,7 +57,7 @@ class GracefulServer(uvicorn.Server):
         log.error("exiting: the model failed to load (%s)", self.ctx.load_error)
         self.should_exit = True
 
-    def handle_exit(self, sig: int, frame) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drainer is None:
             log.info("shutting down: running requests have %.0f s to finish (--shutdown-grace)", self.grace)
             self._start_drain()  # uvicorn's handler below sets should_exit (set here first, a SIGINT would force-exit)

@@ -6,16 +6,19 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, params
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from wkvm.engine.engine import Event
 from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError
 from wkvm.server.openai_routes import check_name, check_save_room, save_final, stream_chunks
 from wkvm.server.schemas import CreateStateRequest, ForkRequest, HibernateRequest, MutateRequest, StateGenerateRequest
+from wkvm.state.index import StateRecord
 from wkvm.state.mutations import MutationError
+from wkvm.state.sessions import Plan
 
 IMPORT_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {
     "type": "string", "format": "binary"}}}}}  # fmt: skip
@@ -25,17 +28,18 @@ def bad_request(e: ValueError, param: str) -> APIError:
     return APIError(400, str(e), param, "invalid_value")
 
 
-def router(ctx: ServerContext, auth) -> APIRouter:
+def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
     r = APIRouter(prefix="/v1/states", dependencies=[auth])
 
     def who(request: Request) -> str:
         ctx.require_ready()
         return ctx.tenant(request)
 
-    def info(rec) -> dict[str, Any]:
+    def info(rec: StateRecord) -> dict[str, Any]:
         return {"object": "state", **rec.info(ctx.model_name)}
 
-    def prompt_of(body, param_text: str = "prompt", required: bool = True) -> list[int]:
+    def prompt_of(body: CreateStateRequest | StateGenerateRequest, param_text: str = "prompt",
+                  required: bool = True) -> list[int]:  # fmt: skip
         if body.prompt is not None and body.prompt_ids is not None:
             raise APIError(400, "give prompt or prompt_ids, not both", param_text, "invalid_value")
         if body.prompt_ids is not None:
@@ -121,15 +125,15 @@ def router(ctx: ServerContext, auth) -> APIRouter:
         disposition = f'attachment; filename="{rec.name}@{rec.version}.wkvm-state"'
         return Response(data, media_type="application/octet-stream", headers={"Content-Disposition": disposition})
 
-    @r.post("/{handle}/generate")
-    async def generate(handle: str, body: StateGenerateRequest, request: Request):
+    @r.post("/{handle}/generate", response_model=None)
+    async def generate(handle: str, body: StateGenerateRequest, request: Request) -> dict[str, Any] | StreamingResponse:
         tenant = who(request)
         suffix = prompt_of(body, required=False)
         params = gen.sampling_params(ctx, body, body.max_tokens, body.logprobs)
         if body.save_as is not None:
             check_name(body.save_as, "save_as")
 
-        def prepare():  # the store's reads (and its lock) stay off the event loop
+        def prepare() -> tuple[StateRecord, Plan]:  # the store's reads (and its lock) stay off the event loop
             rec = lookup(ctx, tenant, handle)
             if body.save_as is not None:
                 check_save_room(ctx, tenant, rec.n_tokens + len(suffix) + params.max_tokens, "save_as")
@@ -155,7 +159,7 @@ def router(ctx: ServerContext, auth) -> APIRouter:
 
         if body.stream:
 
-            def chunk(i, ev):
+            def chunk(i: int, ev: Event) -> dict[str, Any]:
                 c = {"index": 0, "text": ev.text, "finish_reason": ev.finish_reason,
                      "logprobs": gen.completion_logprobs(ctx, ev.token_ids, ev.logprobs, k)}  # fmt: skip
                 if body.return_token_ids:
@@ -175,7 +179,7 @@ def router(ctx: ServerContext, auth) -> APIRouter:
     return r
 
 
-def lookup(ctx: ServerContext, tenant: str, handle: str):
+def lookup(ctx: ServerContext, tenant: str, handle: str) -> StateRecord:
     try:
         return ctx.store.get(tenant, handle)
     except ValueError as e:

@@ -8,12 +8,14 @@ issued per (owner, name) is kept in `names`, so a deleted version number is neve
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import sqlite3
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -73,10 +75,10 @@ class StateRecord:
     version: int
     parent: str | None
     op: str
-    op_params: dict
+    op_params: dict[str, Any]
     fingerprint: str
     spec_hash: str
-    token_ids: list[int] | None  # None in listings: loaded by get/load only
+    token_ids: builtins.list[int] | None  # None in listings: loaded by get/load only
     token_digest: str
     n_tokens: int
     pinned: bool
@@ -110,7 +112,7 @@ class StateRecord:
     def handle(self) -> str:
         return f"{self.name}@{self.version}"
 
-    def info(self, model_name: str) -> dict:
+    def info(self, model_name: str) -> dict[str, Any]:
         """The StateInfo object of the HTTP API."""
         return {
             "handle": self.handle, "name": self.name, "version": self.version, "parent": self.parent,
@@ -138,12 +140,13 @@ def _size(path: Path) -> int:
         return 0
 
 
-def pack_ids(token_ids: list[int]) -> bytes:
+def pack_ids(token_ids: builtins.list[int]) -> bytes:
     return np.asarray(token_ids, dtype="<i4").tobytes()  # callers check ids fit (statefile.check_history)
 
 
-def unpack_ids(data: bytes) -> list[int]:
-    return np.frombuffer(data, dtype="<i4").tolist()
+def unpack_ids(data: bytes) -> builtins.list[int]:
+    ids: builtins.list[int] = np.frombuffer(data, dtype="<i4").tolist()
+    return ids
 
 
 class StateIndex:
@@ -196,7 +199,7 @@ class StateIndex:
         db, wal, shm = (_size(self.path.with_name(self.path.name + suffix)) for suffix in ("", "-wal", "-shm"))
         return db + (max(wal, self.wal_reserve) if reserve_wal else wal) + shm
 
-    def _rows(self, sql: str, args: tuple = (), with_ids: bool = False) -> list[StateRecord]:
+    def _rows(self, sql: str, args: tuple[object, ...] = (), with_ids: bool = False) -> builtins.list[StateRecord]:
         cols = ", ".join(COLUMNS)
         if with_ids:  # a record whose history is missing is not served (its binding cannot be proven)
             query = f"SELECT {cols}, ids FROM states JOIN histories ON digest = token_digest {sql}"
@@ -207,13 +210,13 @@ class StateIndex:
         return [self._record(r) for r in rows]
 
     @staticmethod
-    def _record(row: tuple) -> StateRecord:
+    def _record(row: tuple[Any, ...]) -> StateRecord:
         d = dict(zip(COLUMNS, row[:-1], strict=True))
         d["op_params"] = json.loads(d["op_params"])
         d["pinned"] = bool(d["pinned"])
         return StateRecord(**d, token_ids=None if row[-1] is None else unpack_ids(row[-1]))
 
-    def _sync(self, durable: bool):
+    def _sync(self, durable: bool) -> None:
         """Commits fsync (synchronous=FULL) unless `durable` is False: then only the OS has them until the
         next durable commit, which persists both (used for caches such as prefix checkpoints)."""
         self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'OFF'}")
@@ -258,13 +261,13 @@ class StateIndex:
             rows = self._rows("WHERE owner = ? AND name = ? AND version = ?", (owner, name, version), with_ids)
         return rows[0] if rows else None
 
-    def list(self, owner: str | None = None) -> list[StateRecord]:
+    def list(self, owner: str | None = None) -> builtins.list[StateRecord]:
         """Records without their token ids (see token_ids)."""
         if owner is None:
             return self._rows("ORDER BY created_at")
         return self._rows("WHERE owner = ? ORDER BY name, version", (owner,))
 
-    def token_ids(self, digest: str) -> list[int]:
+    def token_ids(self, digest: str) -> builtins.list[int]:
         with self._lock:
             row = self._db.execute("SELECT ids FROM histories WHERE digest = ?", (digest,)).fetchone()
         if row is None:
@@ -303,7 +306,8 @@ class StateIndex:
 
     def blob_refs(self, blob: str) -> int:
         with self._lock:
-            return self._db.execute("SELECT COUNT(*) FROM states WHERE blob = ?", (blob,)).fetchone()[0]
+            count: int = self._db.execute("SELECT COUNT(*) FROM states WHERE blob = ?", (blob,)).fetchone()[0]
+            return count
 
     def blob_owners(self, blob: str) -> set[str]:
         with self._lock:

@@ -7,13 +7,14 @@ and returns new tensors. Register your own with `@register_mutation("name")`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from wkvm.models.spec import State, StateSpec
 
 Loader = Callable[[str], State]
-MutationRule = Callable[[StateSpec, State, dict, Loader], State]
+MutationRule = Callable[[StateSpec, State, dict[str, Any], Loader], State]
 RULES: dict[str, MutationRule] = {}
 
 
@@ -29,7 +30,7 @@ def register_mutation(name: str) -> Callable[[MutationRule], MutationRule]:
     return deco
 
 
-def _fraction(params: dict, key: str) -> float:
+def _fraction(params: dict[str, Any], key: str) -> float:
     value = params.get(key)
     if isinstance(value, bool) or not isinstance(value, int | float):  # JSON true is not 1, nor "0.5" a number
         raise MutationError(f"params.{key} must be a number in [0, 1], got {value!r}")
@@ -40,7 +41,7 @@ def _fraction(params: dict, key: str) -> float:
 
 
 @register_mutation("decay")
-def decay(spec: StateSpec, state: State, params: dict, load: Loader) -> State:
+def decay(spec: StateSpec, state: State, params: dict[str, Any], load: Loader) -> State:
     """Scale the recurrent (matrix) memory by alpha: 1 keeps it, 0 forgets it; token shifts are kept."""
     alpha = _fraction(params, "alpha")
     kinds = {t.name: t.kind for t in spec.tensors}
@@ -48,7 +49,7 @@ def decay(spec: StateSpec, state: State, params: dict, load: Loader) -> State:
 
 
 @register_mutation("interpolate")
-def interpolate(spec: StateSpec, state: State, params: dict, load: Loader) -> State:
+def interpolate(spec: StateSpec, state: State, params: dict[str, Any], load: Loader) -> State:
     """(1 - t) * this + t * other, tensor by tensor; both states come from the same model."""
     t = _fraction(params, "t")
     other = params.get("other")
@@ -58,7 +59,7 @@ def interpolate(spec: StateSpec, state: State, params: dict, load: Loader) -> St
     return {k: torch.lerp(v, other_state[k].to(v.device), t) for k, v in state.items()}
 
 
-def apply_mutation(rule: str, spec: StateSpec, state: State, params: dict, load: Loader) -> State:
+def apply_mutation(rule: str, spec: StateSpec, state: State, params: dict[str, Any], load: Loader) -> State:
     if rule not in RULES:
         raise MutationError(f"unknown mutation rule {rule!r}; known: {sorted(RULES)}")
     return RULES[rule](spec, state, params, load)

@@ -49,16 +49,19 @@ class PrefixTrie:
         evicted = replaced
         while len(self.lru) > self.capacity:
             old_fed, _ = next(iter(self.lru.items()))
-            evicted.append(self.remove(list(old_fed)))
-        return [c for c in evicted if c is not None]
+            gone = self.remove(list(old_fed))
+            if gone is not None:
+                evicted.append(gone)
+        return evicted
 
     def longest(self, prompt: list[int]) -> Checkpoint | None:
         """The checkpoint with the most fed tokens that prefix `prompt`, leaving at least one token to feed."""
         node, best = self.root, None
         for t in prompt[:-1]:
-            node = node.children.get(t)
-            if node is None:
+            child = node.children.get(t)
+            if child is None:
                 break
+            node = child
             if node.checkpoint is not None:
                 best = node.checkpoint
         if best is not None:

@@ -14,8 +14,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from wkvm.config import ServerConfig
 from wkvm.models.spec import StateSpec
+
+if TYPE_CHECKING:  # index imports this module
+    from wkvm.state.index import StateRecord
 
 INDEX_COMMIT_BYTES = 32 << 10  # what a record may add to the index file: a page split in each table it touches
 
@@ -32,7 +37,7 @@ class StoreLimits:
     internal_bytes: int | None = None  # budget of internal states (RAM and disk): --checkpoint-bytes; None = unlimited
 
     @classmethod
-    def from_config(cls, cfg) -> StoreLimits:
+    def from_config(cls, cfg: ServerConfig) -> StoreLimits:
         """From a ServerConfig: --state-device-bytes, --state-host-bytes, --state-disk-quota, --checkpoint-bytes."""
         return cls(cfg.state_device_bytes, cfg.state_host_bytes, cfg.state_disk_quota, cfg.checkpoint_bytes)
 
@@ -86,7 +91,7 @@ class DiskUsage:
         if on_disk:
             self.internal_files.add(blob)
 
-    def add_records(self, records: list, sizes: dict[str, int]) -> None:
+    def add_records(self, records: list[StateRecord], sizes: dict[str, int]) -> None:
         """Account the files of existing records (given by created_at: a blob's last use sets its LRU place)."""
         users = {r.blob for r in records if not is_internal(r.owner)}
         for r in records:

@@ -7,6 +7,7 @@ resumed state) is the server's, through its EngineClient; this layer never calls
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from wkvm.engine.handle import RunResult
 from wkvm.models.spec import State
@@ -35,18 +36,18 @@ class StateService:
         valid_name(name)
         if not prompt_ids:
             raise ValueError("a state needs at least one prompt token")
-        return self.store.put(owner, name, state, list(prompt_ids), op="create",
-                              op_params={"prompt_tokens": len(prompt_ids)})  # fmt: skip
+        return self.store.put_user(owner, name, state, list(prompt_ids), op="create",
+                                   op_params={"prompt_tokens": len(prompt_ids)})  # fmt: skip
 
     def resume(self, owner: str, handle: str, new_ids: list[int]) -> Resume:
         """Continue stored state `handle` with `new_ids`: its pending token comes first."""
         rec, state = self.store.load(owner, handle)
-        feed, base = resume_inputs(rec.token_ids, new_ids)
+        feed, base = resume_inputs(self.store.token_ids(rec), new_ids)
         return Resume(feed, state, base, rec.handle)
 
     def save_run(
-        self, owner: str, name: str, result: RunResult, parent: str | None = None, op_params: dict | None = None,
-        op: str = "generate", durable: bool = True,
+        self, owner: str, name: str, result: RunResult, parent: str | None = None,
+        op_params: dict[str, Any] | None = None, op: str = "generate", durable: bool = True,
     ) -> StateRecord | None:  # fmt: skip
         """Store a finished run's final state under `name` (every save of a generation comes here); None when
         there is no final state, or for an internal owner whose state the store chose not to keep."""
@@ -62,10 +63,10 @@ class StateService:
     def save_snapshot(self, owner: str, name: str, state: State, history: list[int], request_id: str) -> StateRecord:
         """A running request's state taken at a token boundary (EngineClient.snapshot)."""
         valid_name(name)
-        return self.store.put(owner, name, state, history, op="snapshot", op_params={"request_id": request_id})
+        return self.store.put_user(owner, name, state, history, op="snapshot", op_params={"request_id": request_id})
 
-    def mutate(self, owner: str, handle: str, rule: str, params: dict) -> StateRecord:
+    def mutate(self, owner: str, handle: str, rule: str, params: dict[str, Any]) -> StateRecord:
         rec, state = self.store.load(owner, handle)
         new = apply_mutation(rule, self.store.spec, state, params, lambda h: self.store.load(owner, h)[1])
-        return self.store.put(owner, rec.name, new, rec.token_ids, parent=rec.handle, op="mutate",
-                              op_params={"rule": rule, **params})  # fmt: skip
+        return self.store.put_user(owner, rec.name, new, self.store.token_ids(rec), parent=rec.handle, op="mutate",
+                                   op_params={"rule": rule, **params})  # fmt: skip

@@ -12,9 +12,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from wkvm.config import ServerConfig
 from wkvm.engine.handle import RequestHandle, RunResult
@@ -28,6 +28,7 @@ CKPT, SESS = "#ckpt", "#sessions"  # owner suffixes: tenants and scopes never co
 HEADER_MODE = "x-wkvm-stateful-chat"
 PARENT_TOKEN_V1 = "parent-token-v1"
 RESERVATION_S = 30.0
+SessionKey = tuple[str, str, str]  # (tenant, Open WebUI user id, chat id)
 
 
 class SessionBusy(RuntimeError):
@@ -50,7 +51,7 @@ class Plan:
     base_state: State | None = None
     base_ids: list[int] = field(default_factory=list)  # tokens already inside base_state
     parent: str | None = None  # handle of the state this run started from
-    info: dict = field(default_factory=lambda: {"mode": "fresh", "reused_tokens": 0, "restart_reason": None})
+    info: dict[str, Any] = field(default_factory=lambda: {"mode": "fresh", "reused_tokens": 0, "restart_reason": None})
     capture: bool = False
     finish: Callable[[list[RequestHandle]], None] | None = None
 
@@ -68,7 +69,7 @@ class ChatMeta:
     parent_id: str | None = None
 
     @classmethod
-    def from_headers(cls, headers, messages: list[dict[str, str]]) -> ChatMeta:
+    def from_headers(cls, headers: Mapping[str, str], messages: list[dict[str, str]]) -> ChatMeta:
         return cls(
             messages, headers.get(HEADER_MODE) == PARENT_TOKEN_V1, headers.get("x-openwebui-user-id"),
             headers.get("x-openwebui-chat-id"), headers.get("x-wkvm-assistant-message-id"),
@@ -109,7 +110,7 @@ class ChatSessions:
         self.enabled = config.prefix_reuse
         self.capacity = max(1, config.checkpoint_bytes // max(self.store.spec.nbytes, 1))
         self.tries: dict[str, PrefixTrie] = {}
-        self.sessions: OrderedDict[tuple[str, str, str], Session] = OrderedDict()
+        self.sessions: OrderedDict[SessionKey, Session] = OrderedDict()
         self.lock = threading.RLock()
         self._rebuild()
 
@@ -175,7 +176,8 @@ class ChatSessions:
         info = {"mode": "exact_prefix" if exact else "checkpoint", "reused_tokens": cp.n_fed, "restart_reason": reason}
         return Plan(prompt_ids[cp.n_fed :], state, prompt_ids[: cp.n_fed], cp.key, info)
 
-    def _parent_bound(self, tenant: str, scope: str, prompt_ids, meta: ChatMeta) -> tuple[Plan, tuple | None]:
+    def _parent_bound(self, tenant: str, scope: str, prompt_ids: list[int],
+                      meta: ChatMeta) -> tuple[Plan, SessionKey | None]:  # fmt: skip
         user, chat, messages = meta.user, meta.chat, meta.messages
         asst_id, user_msg_id, parent_id = meta.assistant_id, meta.user_message_id, meta.parent_id
         if not (user and chat and asst_id and user_msg_id):
@@ -213,7 +215,8 @@ class ChatSessions:
         return self._from_checkpoint(scope, prompt_ids, reason), key
 
     @staticmethod
-    def _reason(sess, fp, parent_id, asst_id, user_msg_id, history, prompt_ids) -> str | None:
+    def _reason(sess: Session | None, fp: str, parent_id: str | None, asst_id: str, user_msg_id: str,
+                history: list[tuple[str, str]], prompt_ids: list[int]) -> str | None:  # fmt: skip
         """Why the parked session cannot continue (None: it can)."""
         if parent_id is None:
             return None if sess is None else "edited_history"  # a first turn; in a known chat it was redone
@@ -233,7 +236,8 @@ class ChatSessions:
         return None
 
     # --- after a turn --------------------------------------------------------------------------
-    def _after(self, tenant, scope, plan: Plan, handles: list[RequestHandle], session_key, chat: ChatMeta | None):
+    def _after(self, tenant: str, scope: str, plan: Plan, handles: list[RequestHandle], session_key: SessionKey | None,
+               chat: ChatMeta | None) -> None:  # fmt: skip
         """Checkpoint the turn and park the session: a cache, so a failure is logged and never fails the answer."""
         try:
             h = handles[0]
@@ -243,7 +247,7 @@ class ChatSessions:
             self._checkpoint(scope, run.history, run.final_state, "turn_end")
             if run.prompt_state is not None:
                 self._checkpoint(scope, run.prompt_history, run.prompt_state, "prompt_end")
-            if session_key is not None:
+            if session_key is not None and chat is not None:
                 self._update_session(tenant, session_key, chat, run, h.output.text)
         except Exception:
             log.warning("could not store this turn's checkpoints/session; the next turn recomputes", exc_info=True)
@@ -261,7 +265,7 @@ class ChatSessions:
         if rec.version > 1:  # the same tokens again: keep only the newest version
             store.discard(scope + CKPT, f"{name}@{rec.version - 1}", durable=False)
 
-    def _update_session(self, tenant, key, chat: ChatMeta, run: RunResult, reply: str) -> None:
+    def _update_session(self, tenant: str, key: SessionKey, chat: ChatMeta, run: RunResult, reply: str) -> None:
         store = self.store
         messages = chat.messages
         name = "s-" + hashlib.sha256(repr(key).encode()).hexdigest()[:32]
@@ -276,14 +280,14 @@ class ChatSessions:
                 sess.handle, sess.token_ids = new, run.history if new is not None else []
                 sess.history = visible(messages) + [("assistant", reply.strip())]
                 sess.last_assistant_id = chat.assistant_id
-                sess.message_ids |= {chat.assistant_id, chat.user_message_id}
+                sess.message_ids |= {i for i in (chat.assistant_id, chat.user_message_id) if i is not None}
                 sess.last_used = time.monotonic()
         if old is not None:
             store.discard(tenant + SESS, old, durable=False)
 
     def track(self, chat: ChatMeta | None, tenant: str, handles: list[RequestHandle]) -> None:
         """Mark the session busy while these handles run (a second request gets 409)."""
-        if chat is None or not chat.stateful:
+        if chat is None or not chat.stateful or chat.user is None or chat.chat is None:
             return
         key = (tenant, chat.user, chat.chat)
         with self.lock:
@@ -291,7 +295,7 @@ class ChatSessions:
                 self.sessions[key].inflight = list(handles)
                 self.sessions[key].reserved_at = None
 
-    def _park(self, key, sess: Session) -> None:
+    def _park(self, key: SessionKey, sess: Session) -> None:
         old = self.sessions.get(key)
         if old is not None and old.handle:
             self._drop(key)
@@ -300,7 +304,7 @@ class ChatSessions:
             victim = next(iter(self.sessions))
             self._drop(victim)
 
-    def _drop(self, key) -> None:
+    def _drop(self, key: SessionKey) -> None:
         sess = self.sessions.pop(key, None)
         if sess is not None and sess.handle:
             self.store.discard(key[0] + SESS, sess.handle, durable=False)

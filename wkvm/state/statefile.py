@@ -15,8 +15,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -90,7 +92,7 @@ class StateMeta:
     version: int = 0
     parent: str | None = None
     op: str = "create"
-    op_params: dict = field(default_factory=dict)
+    op_params: dict[str, Any] = field(default_factory=dict)
     created_at: float = 0.0
 
     @property
@@ -205,7 +207,7 @@ def _check_magnitude(spec: StateSpec, tensors: State, max_abs: float) -> None:
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-def read_tensors(path, spec: StateSpec) -> State:
+def read_tensors(path: str | os.PathLike[str], spec: StateSpec) -> State:
     """Fast read of a trusted local state file: one read, tensors are views into it (no checksum)."""
     raw = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
     n = int.from_bytes(raw[:8].numpy().tobytes(), "little")
@@ -232,7 +234,7 @@ def _metadata(data: bytes) -> dict[str, str]:
     return md
 
 
-def _json(text: str, field: str):
+def _json(text: str, field: str) -> Any:
     try:
         return json.loads(text)
     except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python's stack
@@ -259,7 +261,7 @@ def _token_ids(md: dict[str, str], vocab_size: int | None, imported: bool) -> li
     return ids
 
 
-def _op_params(raw: str, imported: bool) -> dict:
+def _op_params(raw: str, imported: bool) -> dict[str, Any]:
     """A JSON object; on import at most MAX_OP_PARAMS_BYTES long, MAX_OP_PARAMS_DEPTH deep, MAX_OP_PARAMS_KEYS keys
     per object."""
     if imported and len(raw) > MAX_OP_PARAMS_BYTES:
@@ -272,7 +274,7 @@ def _op_params(raw: str, imported: bool) -> dict:
     return params
 
 
-def _check_nesting(value, depth: int) -> None:
+def _check_nesting(value: object, depth: int) -> None:
     if isinstance(value, dict | list):
         if depth > MAX_OP_PARAMS_DEPTH:
             raise StateFileError(f"op_params is nested deeper than {MAX_OP_PARAMS_DEPTH} levels")

@@ -12,11 +12,13 @@ later; neither ever raises QuotaExceeded.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -95,14 +97,14 @@ class StateStore:
         rec.tier = self.tier_of(rec.blob)
         return rec
 
-    def list(self, owner: str) -> list[StateRecord]:
+    def list(self, owner: str) -> builtins.list[StateRecord]:
         """The owner's records, without token histories (`token_ids` is None; `get` has them)."""
         recs = self.index.list(owner)
         for r in recs:
             r.tier = self.tier_of(r.blob)
         return recs
 
-    def token_ids(self, rec: StateRecord) -> list[int]:
+    def token_ids(self, rec: StateRecord) -> builtins.list[int]:
         """A record's token history (for records from `list`)."""
         return rec.token_ids if rec.token_ids is not None else self.index.token_ids(rec.token_digest)
 
@@ -123,10 +125,10 @@ class StateStore:
         owner: str,
         name: str,
         state: State,
-        token_ids: list[int],
+        token_ids: builtins.list[int],
         parent: str | None = None,
         op: str = "create",
-        op_params: dict | None = None,
+        op_params: dict[str, Any] | None = None,
         durable: bool = True,
     ) -> StateRecord | None:
         """Store a new immutable version (state is batched [1, ...]); returns once it is durable.
@@ -150,7 +152,7 @@ class StateStore:
         tensors = statefile.unbatch(state)
         blob = statefile.tensor_digest(self.spec, tensors)
         with self._lock:
-            ids = list(token_ids)
+            ids: builtins.list[int] = list(token_ids)
             meta = StateMeta(
                 self.fingerprint, self.spec.spec_hash, ids, name, 0, parent, op, op_params or {}, time.time()
             )
@@ -166,6 +168,15 @@ class StateStore:
                 return None
             rec.tier = self.tier_of(blob)
             return rec
+
+    def put_user(self, owner: str, name: str, state: State, token_ids: builtins.list[int], parent: str | None = None,
+                 op: str = "create", op_params: dict[str, Any] | None = None) -> StateRecord:  # fmt: skip
+        """`put` for a user's state, which is stored or raises, never None."""
+        if is_internal(owner):
+            raise ValueError(f"owner {owner!r} is internal: use put")
+        rec = self.put(owner, name, state, token_ids, parent, op, op_params)
+        assert rec is not None  # put returns None only for internal owners
+        return rec
 
     def _admit_internal(self, blob: str, tensors: State, meta: StateMeta, index_growth: int) -> bool:
         """Make room in the internal budget and the room the quota leaves (evicting least recently used internal
@@ -226,8 +237,8 @@ class StateStore:
             if not is_internal(owner):
                 for b in self.usage.user_room(src.blob, INDEX_COMMIT_BYTES, self._index_bytes()):
                     self._evict(b)
-            new = {"owner": owner, "name": name, "parent": src.handle, "op": "fork", "op_params": {}, "pinned": False}
-            rec = replace(src, **new, version=self.index.next_version(owner, name), created_at=time.time())
+            rec = replace(src, owner=owner, name=name, parent=src.handle, op="fork", op_params={}, pinned=False,
+                          version=self.index.next_version(owner, name), created_at=time.time())  # fmt: skip
             self.index.insert(rec)  # its token_ids are None: the history is stored already
             return self.get(owner, rec.handle)
 
@@ -346,7 +357,8 @@ class StateStore:
 
     def export_bytes(self, owner: str, handle: str) -> bytes:
         rec, state = self.load(owner, handle)
-        meta = StateMeta(rec.fingerprint, rec.spec_hash, rec.token_ids, rec.name, rec.version, rec.parent, rec.op)
+        meta = StateMeta(rec.fingerprint, rec.spec_hash, self.token_ids(rec), rec.name, rec.version, rec.parent,
+                         rec.op)  # fmt: skip
         meta.op_params, meta.created_at = rec.op_params, rec.created_at
         return statefile.encode(self.spec, statefile.unbatch(state), meta)
 
@@ -355,7 +367,7 @@ class StateStore:
         tensors, meta = statefile.decode(data, self.spec, self.fingerprint, self.vocab_size)
         lineage = {"from": f"{meta.name}@{meta.version}", "parent": meta.parent, "op": meta.op}
         state = {k: v.unsqueeze(0) for k, v in tensors.items()}
-        return self.put(owner, name or meta.name, state, meta.token_ids, parent=None, op="import", op_params=lineage)
+        return self.put_user(owner, name or meta.name, state, meta.token_ids, op="import", op_params=lineage)
 
     def close(self) -> None:
         """Write back what only RAM holds (so checkpoints survive a clean restart) while the quota and the internal

@@ -41,12 +41,13 @@ class TierCache:
         evictable = sum(n for b, n in self.sizes.items() if not self.is_pinned(b))
         if size > self.limit - (self.nbytes - evictable):
             return None
-        evicted = []
+        evicted: list[tuple[str, State]] = []
         for b in list(self.items):
             if self.nbytes + size <= self.limit:
                 break
             if not self.is_pinned(b):
-                evicted.append((b, self.pop(b)))
+                evicted.append((b, self.items[b]))
+                self.pop(b)
         self.items[blob] = tensors
         self.sizes[blob] = size
         self.nbytes += size

@@ -25,23 +25,26 @@ import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from wkvm.atomic import atomic_path
 from wkvm.models.linear import onednn_available, onednn_bf16_available, pack_linear
 from wkvm.progress import progress
-from wkvm.weights.pack import MANIFEST, Pack, PackError, check_entry, write_file
+from wkvm.weights.loader import PACK_MANIFEST as MANIFEST
+from wkvm.weights.pack import Pack, PackError, check_entry, write_file
 
 FORMAT = "wkvm-pack-onednn-v2"
 SUFFIX = ".onednn"
 log = logging.getLogger(__name__)
 
 
-def memory(packed: torch.Tensor) -> ctypes.Array:
+def memory(packed: torch.Tensor) -> ctypes.Array[ctypes.c_char]:
     """The bytes of a oneDNN tensor as a writable buffer (it stays valid while `packed` lives)."""
-    n = torch.ops.mkldnn._nbytes(packed)
-    return (ctypes.c_char * n).from_address(torch.ops.mkldnn.data_ptr(packed))
+    n: int = torch.ops.mkldnn._nbytes(packed)
+    address: int = torch.ops.mkldnn.data_ptr(packed)
+    return (ctypes.c_char * n).from_address(address)
 
 
 def template(shape: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -52,7 +55,7 @@ def template(shape: list[int], dtype: torch.dtype = torch.float32) -> torch.Tens
 @dataclass
 class BlockedCopy:
     path: Path
-    layers: list[dict]  # per layer: its file entry (size, sha256, tensor offsets)
+    layers: list[dict[str, Any]]  # per layer: its file entry (size, sha256, tensor offsets)
     shapes: dict[str, list[int]]  # each blocked matrix's [out, in] by name (a buffer holds one of each)
 
 
@@ -97,7 +100,7 @@ def blocked_copy(pack: Pack, dtype: torch.dtype = torch.float32) -> BlockedCopy 
     d = pack.path / f"onednn-{key}"
     source = [e["sha256"] for e in pack.manifest["layers"]]
     try:
-        manifest = json.loads((d / MANIFEST).read_text())
+        manifest: dict[str, Any] = json.loads((d / MANIFEST).read_text())
         if manifest.get("format") == FORMAT and manifest.get("source") == source:
             for entry in manifest["layers"]:
                 check_entry(d, entry)
@@ -113,7 +116,7 @@ def blocked_copy(pack: Pack, dtype: torch.dtype = torch.float32) -> BlockedCopy 
         return None
 
 
-def _build(pack: Pack, d: Path, key: str, source: list[str], dtype: torch.dtype) -> list[dict]:
+def _build(pack: Pack, d: Path, key: str, source: list[str], dtype: torch.dtype) -> list[dict[str, Any]]:
     size = sum(pack.layer_bytes(i) for i in range(pack.config.n_layer))
     log.info("writing %s: the pack's layers laid out for this CPU (once; %.1f GB)", d, size / 1e9)
     entries = []

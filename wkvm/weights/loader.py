@@ -7,6 +7,7 @@ import os
 import re
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,11 +25,11 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 PACK_MANIFEST = "manifest.json"  # a weight pack (wkvm.weights.pack) is a directory with this file
 
 
-def is_pack(path: str | os.PathLike) -> bool:
+def is_pack(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / PACK_MANIFEST).is_file()
 
 
-def check_model_path(path: str | os.PathLike) -> None:
+def check_model_path(path: str | os.PathLike[str]) -> None:
     """Fail early with one line a user can act on: a missing path, a hub id (wkvm never downloads), or a file
     or directory that is no model wkvm reads. Raises CheckpointError (a ValueError)."""
     p = Path(path)
@@ -41,17 +42,17 @@ def check_model_path(path: str | os.PathLike) -> None:
         registry.detect(p)
 
 
-def read_checkpoint(path: str | os.PathLike) -> tuple[ModelFamily, Checkpoint]:
+def read_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelFamily, Checkpoint]:
     family, fmt = registry.detect(path)
     return family, family.read_checkpoint(Path(path), fmt)
 
 
-def checkpoint_fingerprint(family: ModelFamily, cfg, raw: RawTensors) -> str:
+def checkpoint_fingerprint(family: ModelFamily, cfg: Any, raw: RawTensors) -> str:
     return fingerprint(family.name, asdict(cfg), family.used_tensors(raw))
 
 
 def build_resident(
-    family: ModelFamily, cfg, raw: RawTensors, fp: str, device: torch.device | str, dtype: torch.dtype
+    family: ModelFamily, cfg: Any, raw: RawTensors, fp: str, device: torch.device | str, dtype: torch.dtype
 ) -> LanguageModel:
     """Every layer prepared (matrices prepacked) and held in memory."""
     layers = [family.prepare_layer(raw, i, cfg, dtype, device) for i in progress(range(cfg.n_layer), "loading layers")]
@@ -60,7 +61,7 @@ def build_resident(
 
 
 def load_model(
-    path: str | os.PathLike, device: str = "cpu", dtype: torch.dtype | str = torch.float32,
+    path: str | os.PathLike[str], device: str = "cpu", dtype: torch.dtype | str = torch.float32,
     weight_cache_layers: int = 0, read_ahead: bool = True,
 ) -> LanguageModel:  # fmt: skip
     """A pack with weight_cache_layers > 0 streams its layers from disk; everything else is loaded resident.
@@ -94,7 +95,7 @@ def load_model(
     return build_resident(family, cfg, ckpt.raw, checkpoint_fingerprint(family, cfg, ckpt.raw), device, dtype)
 
 
-def load_text_tools(path: str | os.PathLike, family: str) -> tuple[Tokenizer, ChatTemplate]:
+def load_text_tools(path: str | os.PathLike[str], family: str) -> tuple[Tokenizer, ChatTemplate]:
     """The tokenizer and chat template for the model at `path`: its own files, else its family's defaults."""
     f = registry.family(family)
     return load_tokenizer(path, f.default_tokenizer), load_chat_template(path, f.default_chat_template())

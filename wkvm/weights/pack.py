@@ -16,6 +16,7 @@ import json
 import os
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,18 +45,18 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _header(path: Path) -> tuple[int, dict]:
+def _header(path: Path) -> tuple[int, dict[str, Any]]:
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         return n, json.loads(f.read(n))
 
 
-def write_file(d: Path, name: str, tensors: RawTensors) -> dict:
+def write_file(d: Path, name: str, tensors: RawTensors) -> dict[str, Any]:
     path = d / name
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp))
     n, header = _header(path)
-    entries = {}
+    entries: dict[str, dict[str, Any]] = {}
     for key, meta in header.items():
         if key == "__metadata__":
             continue
@@ -64,7 +65,7 @@ def write_file(d: Path, name: str, tensors: RawTensors) -> dict:
     return {"file": name, "bytes": path.stat().st_size, "sha256": _sha256(path), "tensors": entries}
 
 
-def write_pack(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+def write_pack(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
     """Convert a checkpoint of any family into a pack directory."""
     family, ckpt = read_checkpoint(src)
     cfg = family.config_from_checkpoint(ckpt)
@@ -73,7 +74,7 @@ def write_pack(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     f32 = {k: v.to(torch.float32).contiguous() for k, v in used.items()}
     global_keys = family.global_keys(cfg)
-    manifest = {
+    manifest: dict[str, Any] = {
         "format": PACK_FORMAT, "family": family.name, "config": asdict(cfg),
         "fingerprint": checkpoint_fingerprint(family, cfg, ckpt.raw),
         "globals": write_file(d, "globals.safetensors", {k: f32[k] for k in global_keys}),
@@ -88,7 +89,7 @@ def write_pack(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     return d
 
 
-def check_entry(d: Path, entry: dict, verify_hashes: bool = False) -> None:
+def check_entry(d: Path, entry: dict[str, Any], verify_hashes: bool = False) -> None:
     """File `entry["file"]` in `d` exists, has the listed size and exactly the listed tensors at their offsets."""
     path = d / entry["file"]
     if not path.is_file():
@@ -100,7 +101,7 @@ def check_entry(d: Path, entry: dict, verify_hashes: bool = False) -> None:
     for name, t in entry["tensors"].items():
         meta = header.get(name)
         same = meta is not None and (meta["dtype"], meta["shape"]) == (t["dtype"], t["shape"])
-        if not same or 8 + n + meta["data_offsets"][0] != t["offset"]:
+        if meta is None or not same or 8 + n + meta["data_offsets"][0] != t["offset"]:
             raise PackError(f"{path}: tensor {name} does not match the manifest")
     if len(header) - ("__metadata__" in header) != len(entry["tensors"]):
         raise PackError(f"{path}: holds tensors the manifest does not list")
@@ -111,10 +112,10 @@ def check_entry(d: Path, entry: dict, verify_hashes: bool = False) -> None:
 class Pack:
     """An opened pack; `open` checks that every file exists, has the manifest's size and the same tensors."""
 
-    def __init__(self, path: str | os.PathLike, verify_hashes: bool = False):
+    def __init__(self, path: str | os.PathLike[str], verify_hashes: bool = False):
         self.path = Path(path)
         try:
-            self.manifest = json.loads((self.path / MANIFEST).read_text())
+            self.manifest: dict[str, Any] = json.loads((self.path / MANIFEST).read_text())
         except (OSError, ValueError) as e:
             raise PackError(f"{self.path}: unreadable {MANIFEST}: {e}") from None
         if self.manifest.get("format") != PACK_FORMAT:
@@ -132,10 +133,12 @@ class Pack:
             check_entry(self.path, entry, verify_hashes)
 
     def layer_bytes(self, i: int) -> int:
-        return self.manifest["layers"][i]["bytes"]
+        n: int = self.manifest["layers"][i]["bytes"]
+        return n
 
     def file(self, i: int | None) -> Path:
-        return self.path / (self.manifest["globals"] if i is None else self.manifest["layers"][i])["file"]
+        name: str = (self.manifest["globals"] if i is None else self.manifest["layers"][i])["file"]
+        return self.path / name
 
     def read(self, i: int | None) -> RawTensors:
         """A layer's tensors (None: the globals), named as the family's raw tensors (layer prefix added), as views

@@ -36,6 +36,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -67,11 +68,11 @@ class _LayerFile:
     fd: int  # for reads of pages the OS has not cached
     map: mmap.mmap
     data: torch.Tensor  # uint8 over the whole mapping
-    tensors: list[tuple[str, dict]]
+    tensors: list[tuple[str, dict[str, Any]]]  # name, manifest entry (JSON)
     nbytes: int
 
     @staticmethod
-    def open(d: Path, entry: dict) -> _LayerFile:
+    def open(d: Path, entry: dict[str, Any]) -> _LayerFile:
         path = d / entry["file"]
         tensors = sorted(entry["tensors"].items(), key=lambda kv: kv[1]["offset"])
         for (name, a), (_, b) in zip(tensors, tensors[1:], strict=False):
@@ -89,7 +90,7 @@ class _LayerFile:
     def plain_bytes(self) -> int:
         return sum(t["length"] for name, t in self.tensors if not name.endswith(SUFFIX))
 
-    def signature(self) -> tuple:
+    def signature(self) -> tuple[tuple[Any, ...], ...]:
         return tuple((name, t["dtype"], tuple(t["shape"]), t["offset"], t["length"]) for name, t in self.tensors)
 
     def in_ram(self) -> bool:
@@ -123,7 +124,7 @@ class _Plan:
 class _Buffer:
     plain: torch.Tensor  # uint8: the small tensors (all tensors, for plain files)
     matrices: dict[str, torch.Tensor]  # blocked oneDNN matrices by name, overwritten by each read
-    plans: dict[tuple, _Plan] = field(default_factory=dict)
+    plans: dict[tuple[tuple[Any, ...], ...], _Plan] = field(default_factory=dict)
     layer: int | None = None
     tensors: Tensors | None = None
 
@@ -161,7 +162,8 @@ class _Buffer:
             for dst, offset in plan.copies:
                 dst.copy_(f.data[offset : offset + dst.numel()])
         else:
-            _preadv_all(f.fd, [memoryview(dst.numpy()) for dst, _ in plan.copies], plan.copies[0][1])
+            # numpy's stubs give ndarray the buffer protocol (__buffer__) only for Python >= 3.12
+            _preadv_all(f.fd, [memoryview(dst.numpy()) for dst, _ in plan.copies], plan.copies[0][1])  # type: ignore[arg-type]
         return plan.tensors
 
 
@@ -180,7 +182,7 @@ def _preadv_all(fd: int, views: list[memoryview], offset: int) -> None:
 
 
 class StreamingWeights:
-    def __init__(self, pack: Pack, cache_layers: int, read_ahead: bool = True, device="cpu",
+    def __init__(self, pack: Pack, cache_layers: int, read_ahead: bool = True, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32):  # fmt: skip
         if cache_layers < 1:
             raise ValueError("cache_layers must be at least 1 (0 means: load the model resident)")
@@ -205,7 +207,7 @@ class StreamingWeights:
         self._buffer = self._new_buffer(pack, blocked.shapes if blocked else {}) if self._files else None
         self.read_ahead = read_ahead and self._buffer is not None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="wkvm-readahead") if self.read_ahead else None
-        self._ahead: dict[int, Future | None] = {}  # looked at ahead: None when found in RAM
+        self._ahead: dict[int, Future[None] | None] = {}  # looked at ahead: None when found in RAM
 
     def _new_buffer(self, pack: Pack, shapes: dict[str, list[int]]) -> _Buffer:
         files = self._files.values()
@@ -237,7 +239,7 @@ class StreamingWeights:
         with self._lock:
             self.stats.layer_calls += 1
             buf = self._buffer
-            hit = i in self._pinned or buf.layer == i
+            hit = i in self._pinned or (buf is not None and buf.layer == i)
             self.stats.cache_hits += hit
             self.stats.cache_misses += not hit
             requested = False  # the read-ahead asked the OS to read this layer from disk
@@ -248,9 +250,10 @@ class StreamingWeights:
                 self.stats.readahead_misses += not looked
         if i in self._pinned:
             tensors = self._pinned[i]
-        elif hit:
+        elif hit and buf is not None and buf.tensors is not None:  # buf.layer == i: its tensors are set with it
             tensors = buf.tensors
         else:
+            assert buf is not None, f"layer {i} is neither pinned nor streamed"
             with self._lock:
                 buf.layer, buf.tensors = None, None
             f = self._files[i]
@@ -273,6 +276,8 @@ class StreamingWeights:
         return tensors
 
     def _ask_ahead(self, j: int) -> None:
+        if self._pool is None or self._buffer is None:  # no read-ahead (__init__ makes both when it reads ahead)
+            return
         if j in self._ahead or self._buffer.layer == j:
             return
         f = self._files[j]

@@ -9,13 +9,13 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from wkvm.atomic import atomic_path
-from wkvm.models.family import CheckpointError, RawTensors
+from wkvm.models.family import CheckpointError, RawTensors, read_safetensors_dir
 from wkvm.progress import progress
 
 PTH_FORMAT = "pth"
@@ -34,7 +34,7 @@ _GLOBAL = {
 }
 
 
-def detect_pth(path: str | os.PathLike) -> str | None:
+def detect_pth(path: str | os.PathLike[str]) -> str | None:
     """PTH_FORMAT for a `.pth` file (or NAME given for NAME.pth); HF directories are matched by model_type."""
     p = Path(path)
     if p.suffix == ".pth" and p.is_file():
@@ -44,12 +44,12 @@ def detect_pth(path: str | os.PathLike) -> str | None:
     return None
 
 
-def _pth_file(path: str | os.PathLike) -> Path:
+def _pth_file(path: str | os.PathLike[str]) -> Path:
     p = Path(path)
     return p if p.is_file() else Path(str(p) + ".pth")
 
 
-def read_pth(path: str | os.PathLike) -> RawTensors:
+def read_pth(path: str | os.PathLike[str]) -> RawTensors:
     # weights_only: a checkpoint is untrusted bytes; mmap: do not copy a large file into RAM twice.
     obj = torch.load(_pth_file(path), map_location="cpu", weights_only=True, mmap=True)
     if not isinstance(obj, dict) or "emb.weight" not in obj:
@@ -113,25 +113,18 @@ def _blink_names(fla_names: list[str]) -> dict[str, str]:
     return {n: forward[n] for n in fla_names}
 
 
-def read_hf(path: str | os.PathLike) -> tuple[RawTensors, dict]:
+def read_hf(path: str | os.PathLike[str]) -> tuple[RawTensors, dict[str, Any]]:
     """Read an HF/fla directory; returns BlinkDL-named tensors and the config dict."""
     p = Path(path)
-    config = json.loads((p / "config.json").read_text())
-    files = sorted(p.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{p}: no *.safetensors files (pytorch_model.bin is not read: unsafe to unpickle)")
-    fla: RawTensors = {}
-    for f in files:
-        with safe_open(f, framework="pt") as sf:
-            for k in sf.keys():  # noqa: SIM118 (safe_open is not a dict)
-                fla[k] = sf.get_tensor(k)
+    config: dict[str, Any] = json.loads((p / "config.json").read_text())
+    fla = read_safetensors_dir(p)
     if "lm_head.weight" not in fla and config.get("tie_word_embeddings"):
         fla["lm_head.weight"] = fla["model.embeddings.weight"]
     names = _blink_names(list(fla))
     return {names[k]: _from_fla(names[k], v) for k, v in fla.items()}, config
 
 
-def read_checkpoint(path: str | os.PathLike, fmt: str | None = None) -> tuple[RawTensors, dict, str]:
+def read_checkpoint(path: str | os.PathLike[str], fmt: str | None = None) -> tuple[RawTensors, dict[str, Any], str]:
     """BlinkDL-named tensors, the HF config (empty for .pth) and the format (detected when not given)."""
     fmt = fmt or detect_pth(path) or HF_FORMAT
     if fmt == PTH_FORMAT:
@@ -140,14 +133,14 @@ def read_checkpoint(path: str | os.PathLike, fmt: str | None = None) -> tuple[Ra
     return raw, config, fmt
 
 
-def hf_config(raw: RawTensors, group_norm_eps: float = 64e-5) -> dict:
+def hf_config(raw: RawTensors, group_norm_eps: float = 64e-5) -> dict[str, Any]:
     """An fla-compatible config.json for BlinkDL tensors, every dimension read from them."""
     vocab, hidden = raw["emb.weight"].shape
     heads, head_dim = raw["blocks.0.att.r_k"].shape
     n_layer = 1 + max(int(k.split(".")[1]) for k in raw if k.startswith("blocks."))
     ffn = raw["blocks.0.ffn.key.weight"].shape[0]
     v_rank = raw["blocks.1.att.v1"].shape[1] if "blocks.1.att.v1" in raw else 32
-    cfg = {
+    cfg: dict[str, Any] = {
         "model_type": "rwkv7",
         "architectures": ["RWKV7ForCausalLM"],
         "vocab_size": vocab,
@@ -174,7 +167,7 @@ def hf_config(raw: RawTensors, group_norm_eps: float = 64e-5) -> dict:
     return cfg
 
 
-def write_hf(raw: RawTensors, dst: str | os.PathLike, config: dict | None = None) -> None:
+def write_hf(raw: RawTensors, dst: str | os.PathLike[str], config: dict[str, Any] | None = None) -> None:
     d = Path(dst)
     d.mkdir(parents=True, exist_ok=True)
     tensors = {_fla_name(k): _to_fla(k, v).contiguous() for k, v in progress(raw.items(), "converting", len(raw))}
@@ -184,12 +177,12 @@ def write_hf(raw: RawTensors, dst: str | os.PathLike, config: dict | None = None
         tmp.write_text(json.dumps(config or hf_config(raw), indent=2) + "\n")
 
 
-def write_pth(raw: RawTensors, dst: str | os.PathLike) -> None:
+def write_pth(raw: RawTensors, dst: str | os.PathLike[str]) -> None:
     with atomic_path(Path(dst)) as tmp:
         torch.save({k: v.contiguous() for k, v in progress(raw.items(), "converting", len(raw))}, tmp)
 
 
-def convert(src: str | os.PathLike, dst: str | os.PathLike) -> str:
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> str:
     """Convert between .pth and HF/fla directory (direction from the source); returns the target format."""
     raw, _, fmt = read_checkpoint(src)
     if fmt == PTH_FORMAT:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from wkvm.chat_template import ChatTemplate
-from wkvm.models.family import Checkpoint, RawTensors
+from wkvm.models.family import Checkpoint, ModelFamily, RawTensors
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.rwkv7 import checkpoint, model
 from wkvm.models.rwkv7.model import RWKV7, RWKV7Config
@@ -16,7 +17,7 @@ from wkvm.tokenizer import Tokenizer
 
 class RWKV7Family:
     name = model.FAMILY
-    model_types = checkpoint.HF_MODEL_TYPES
+    model_types: tuple[str, ...] = checkpoint.HF_MODEL_TYPES
     formats = "RWKV-7 as a BlinkDL .pth file or an HF/fla directory"
 
     def detect(self, path: Path) -> str | None:
@@ -29,7 +30,7 @@ class RWKV7Family:
     def config_from_checkpoint(self, ckpt: Checkpoint) -> RWKV7Config:
         return RWKV7Config.from_tensors(ckpt.raw, ckpt.config if ckpt.format != checkpoint.PTH_FORMAT else None)
 
-    def config_from_dict(self, d: dict) -> RWKV7Config:
+    def config_from_dict(self, d: dict[str, Any]) -> RWKV7Config:
         return RWKV7Config(**d)
 
     def used_tensors(self, raw: RawTensors) -> RawTensors:
@@ -44,14 +45,16 @@ class RWKV7Family:
     def linear_keys(self, cfg: RWKV7Config, i: int) -> tuple[str, ...]:
         return model.LINEAR_KEYS
 
-    def prepare_layer(self, raw: RawTensors, i: int, cfg: RWKV7Config, dtype: torch.dtype, device,
-                      pack: bool = True) -> Tensors:  # fmt: skip
+    def prepare_layer(self, raw: RawTensors, i: int, cfg: RWKV7Config, dtype: torch.dtype,
+                      device: torch.device | str, pack: bool = True) -> Tensors:  # fmt: skip
         return model.prepare_layer(raw, i, cfg, dtype, device, pack)
 
-    def prepare_globals(self, raw: RawTensors, cfg: RWKV7Config, dtype: torch.dtype, device) -> Tensors:
+    def prepare_globals(
+        self, raw: RawTensors, cfg: RWKV7Config, dtype: torch.dtype, device: torch.device | str
+    ) -> Tensors:
         return model.prepare_globals(raw, dtype, device)
 
-    def build(self, cfg: RWKV7Config, weights: WeightProvider, fingerprint: str, device) -> RWKV7:
+    def build(self, cfg: RWKV7Config, weights: WeightProvider, fingerprint: str, device: torch.device | str) -> RWKV7:
         return RWKV7(cfg, weights, fingerprint, device)
 
     def describe(self, cfg: RWKV7Config) -> str:
@@ -72,3 +75,4 @@ class RWKV7Family:
 
 
 FAMILY = RWKV7Family()
+_check: ModelFamily = FAMILY  # mypy proves RWKV7Family satisfies the protocol

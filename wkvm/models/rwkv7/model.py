@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from wkvm.models.family import RawTensors, layer_count, owned, require
+from wkvm.models.family import ModelBase, RawTensors, layer_count, owned, require
 from wkvm.models.linear import linear, pack_linear
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.rwkv7.wkv import DEFAULT_CHUNK, wkv_chunked, wkv_step
@@ -54,7 +55,7 @@ class RWKV7Config:
     gn_eps: float = 64e-5
 
     @staticmethod
-    def from_tensors(raw: RawTensors, hf: dict | None = None) -> RWKV7Config:
+    def from_tensors(raw: RawTensors, hf: dict[str, Any] | None = None) -> RWKV7Config:
         require(raw, GLOBAL_KEYS, "RWKV-7")
         require(raw, ["blocks.0.att.r_k", "blocks.0.ffn.key.weight", "blocks.0.att.w1", "blocks.0.att.a1",
                       "blocks.0.att.g1"], "RWKV-7")  # fmt: skip
@@ -91,7 +92,9 @@ def rwkv7_state_spec(cfg: RWKV7Config) -> StateSpec:
     return StateSpec(FAMILY, tuple(tensors))
 
 
-def prepare_layer(raw: RawTensors, i: int, cfg: RWKV7Config, dtype: torch.dtype, device, pack: bool = True) -> Tensors:
+def prepare_layer(
+    raw: RawTensors, i: int, cfg: RWKV7Config, dtype: torch.dtype, device: torch.device | str, pack: bool = True
+) -> Tensors:
     """Layer i's tensors in compute form: vectors flat, mixing coefficients stacked; `pack` prepacks the
     matrices for oneDNN (worth it for resident weights, not for a layer used once and dropped). `dtype` is the
     storage of the six large matrices (float32 or bfloat16); everything else, and all arithmetic, stays fp32."""
@@ -114,29 +117,15 @@ def prepare_layer(raw: RawTensors, i: int, cfg: RWKV7Config, dtype: torch.dtype,
     return {k: v if v.is_mkldnn else owned(v) for k, v in t.items()}
 
 
-class RWKV7:
+class RWKV7(ModelBase):
     family = FAMILY
+    config: RWKV7Config
 
-    def __init__(self, cfg: RWKV7Config, weights: WeightProvider, model_fingerprint: str, device="cpu"):
-        self.config = cfg
-        self.weights = weights
-        self.fingerprint = model_fingerprint
-        self.device = torch.device(device)
-        self.spec = rwkv7_state_spec(cfg)
+    def __init__(
+        self, cfg: RWKV7Config, weights: WeightProvider, model_fingerprint: str, device: torch.device | str = "cpu"
+    ):
+        super().__init__(cfg, rwkv7_state_spec(cfg), weights, model_fingerprint, device)
         self.wkv_chunk = DEFAULT_CHUNK
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    def new_state(self, batch: int = 1) -> State:
-        return self.spec.zeros(batch, self.device)
-
-    # --- public entry points -------------------------------------------------------------------
-    @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, state: State, all_logits: bool = False) -> torch.Tensor:
-        """tokens [B, T] -> logits [B, V] (last position) or [B, T, V]; `state` ([B, ...]) advances in place."""
-        return self.forward_groups([(tokens, state)], all_logits)[0]
 
     @torch.inference_mode()
     def forward_groups(
@@ -167,25 +156,10 @@ class RWKV7:
             out.append(linear(x, g["head.weight"]))
         return out
 
-    def prefill(
-        self, tokens: Sequence[int] | torch.Tensor, state: State | None = None,
-        all_logits: bool = False, chunk_size: int | None = None,
-    ) -> tuple[torch.Tensor, State]:  # fmt: skip
-        """One sequence: feed T tokens (in pieces of `chunk_size`); returns logits [V] or [T, V] and the state."""
-        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1)
-        if ids.shape[1] == 0:
-            raise ValueError("prefill needs at least one token")
-        state = self.new_state(1) if state is None else state
-        step = chunk_size or ids.shape[1]
-        pieces = [self.forward(ids[:, s : s + step], state, all_logits) for s in range(0, ids.shape[1], step)]
-        return (torch.cat(pieces, 1)[0] if all_logits else pieces[-1][0]), state
-
-    def decode(self, tokens: Sequence[int] | torch.Tensor, state: State) -> torch.Tensor:
-        """One step for B sequences: tokens [B] -> logits [B, V]; state advances in place."""
-        return self.forward(torch.as_tensor(tokens, dtype=torch.long).reshape(-1, 1), state)
-
     # --- blocks --------------------------------------------------------------------------------
-    def _time_mix(self, i: int, w: Tensors, x: torch.Tensor, state: State, v_first: torch.Tensor):
+    def _time_mix(
+        self, i: int, w: Tensors, x: torch.Tensor, state: State, v_first: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, C = x.shape
         H, N = self.config.n_head, self.config.head_size
         shift = state[f"layers.{i}.att_shift"]
@@ -217,7 +191,10 @@ class RWKV7:
         o = o.view(B, T, C) + bonus.view(B, T, C)
         return linear(o * g, w["att.output.weight"]), v_first
 
-    def _wkv(self, S: torch.Tensor, r, log_w, k, v, a, b) -> torch.Tensor:
+    def _wkv(
+        self, S: torch.Tensor, r: torch.Tensor, log_w: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        a: torch.Tensor, b: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
         """Run the recurrence on [B, T, C] inputs against S [B, H, N, N] (in place)."""
         B, T, C = r.shape
         H, N = self.config.n_head, self.config.head_size
@@ -225,8 +202,10 @@ class RWKV7:
         if T == 1:
             o = wkv_step(S_flat, *(t.reshape(B * H, N) for t in (r, log_w, k, v, a, b)))
             return o.view(B, 1, C)
-        heads = [t.view(B, T, H, N).transpose(1, 2).reshape(B * H, T, N) for t in (r, log_w, k, v, a, b)]
-        o = wkv_chunked(S_flat, *heads, chunk=self.wkv_chunk)
+        hr, hw, hk, hv, ha, hb = (
+            t.view(B, T, H, N).transpose(1, 2).reshape(B * H, T, N) for t in (r, log_w, k, v, a, b)
+        )
+        o = wkv_chunked(S_flat, hr, hw, hk, hv, ha, hb, chunk=self.wkv_chunk)
         return o.view(B, H, T, N).transpose(1, 2).reshape(B, T, C)
 
     def _channel_mix(self, w: Tensors, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -238,7 +217,7 @@ class RWKV7:
         return linear(k, w["ffn.value.weight"])
 
 
-def prepare_globals(raw: RawTensors, dtype: torch.dtype, device) -> Tensors:
+def prepare_globals(raw: RawTensors, dtype: torch.dtype, device: torch.device | str) -> Tensors:
     """Embedding, first and last norms, head: in compute form (embedding and head stored in `dtype`)."""
     big = ("emb.weight", "head.weight")
     g = {k: raw[k].to(device=device, dtype=dtype if k in big else torch.float32) for k in GLOBAL_KEYS}

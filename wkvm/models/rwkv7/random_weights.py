@@ -72,7 +72,7 @@ def random_rwkv7(shape: RWKV7Shape, seed: int = 0, dtype: torch.dtype = torch.fl
 
 
 def save_random_rwkv7(
-    path: str | os.PathLike, shape: RWKV7Shape, seed: int = 0, fmt: str = "pth", dtype=torch.float32
+    path: str | os.PathLike[str], shape: RWKV7Shape, seed: int = 0, fmt: str = "pth", dtype: torch.dtype = torch.float32
 ) -> RawTensors:
     """Write a random checkpoint as BlinkDL `.pth` (fmt='pth') or an HF/fla directory (fmt='hf')."""
     raw = random_rwkv7(shape, seed, dtype)

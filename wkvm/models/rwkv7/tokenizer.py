@@ -16,7 +16,7 @@ class WorldTokenizer:
     eos_token_id = 0
     exact_bytes = True
 
-    def __init__(self, vocab_file: str | os.PathLike | None = None):
+    def __init__(self, vocab_file: str | os.PathLike[str] | None = None):
         default = Path(pyrwkv_tokenizer.__file__).with_name("rwkv_vocab_v20230424.txt")
         self.vocab_file = Path(vocab_file or default)
         self._rust = pyrwkv_tokenizer.WorldTokenizer(str(self.vocab_file))

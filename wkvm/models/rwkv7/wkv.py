@@ -12,7 +12,10 @@ import torch
 DEFAULT_CHUNK = 32
 
 
-def wkv_step(S: torch.Tensor, r, log_w, k, v, a, b) -> torch.Tensor:
+def wkv_step(
+    S: torch.Tensor, r: torch.Tensor, log_w: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+    b: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
     """One token for a batch of heads, in place on S ([BH, N, N]); inputs [BH, N]; returns o [BH, N].
 
     o = S_t r = S_{t-1} (w*r) + (S_{t-1} a)(b.r) + v (k.r), so one read of S serves both S a and the output,
@@ -28,7 +31,10 @@ def wkv_step(S: torch.Tensor, r, log_w, k, v, a, b) -> torch.Tensor:
     return o
 
 
-def wkv_chunked(S: torch.Tensor, r, log_w, k, v, a, b, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+def wkv_chunked(
+    S: torch.Tensor, r: torch.Tensor, log_w: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+    b: torch.Tensor, chunk: int = DEFAULT_CHUNK,
+) -> torch.Tensor:  # fmt: skip
     """T tokens in chunks of `chunk`, in place on S; inputs [BH, T, N]; returns o [BH, T, N].
 
     Within a chunk the diagonal decays factor as exp(g_t - g_j) with g the cumulative log-decay.

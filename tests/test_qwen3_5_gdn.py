@@ -1,0 +1,247 @@
+"""Qwen3.5 Gated DeltaNet against transformers (its torch code paths) in fp32, on odd tiny shapes: Hk != Hv, head
+dims not powers of two, vocab not a multiple of 8, a tied head; plus Qwen3-Next's fused layout, the multimodal
+layout, chunking, batching, bf16 and streamed weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from families.qwen3_5 import randomize, tiny_config
+from transformers import DynamicCache, Qwen3_5ForCausalLM
+
+from wkvm.models.family import CheckpointError
+from wkvm.models.qwen3_5.gated_delta import gated_delta_chunked, gated_delta_step
+from wkvm.weights.loader import load_model
+from wkvm.weights.pack import write_pack
+
+SHAPES = {
+    "gqa": dict(vocab_size=101, hidden_size=72, intermediate_size=88, linear_num_key_heads=2, linear_num_value_heads=6,
+                linear_key_head_dim=12, linear_value_head_dim=20, num_hidden_layers=2),
+    "tied": dict(vocab_size=77, hidden_size=40, intermediate_size=56, linear_num_key_heads=3, linear_num_value_heads=3,
+                 linear_key_head_dim=10, linear_value_head_dim=6, linear_conv_kernel_dim=3, num_hidden_layers=3,
+                 tie_word_embeddings=True),
+}  # fmt: skip
+ATOL = 1e-4
+
+
+class LinearCache(DynamicCache):
+    """transformers 5.24 asks a cache for its length through attention layers only, which a model of linear
+    attention layers lacks: this one counts the tokens fed (see `count_tokens`); nothing else changes."""
+
+    seen = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+
+def count_tokens(module, args, kwargs, output) -> None:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    cache = kwargs.get("cache")
+    if isinstance(cache, LinearCache):
+        cache.seen += ids.shape[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices run fastest on one thread, and OpenMP threads on a shared CPU wait on descheduled peers."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def save_hf(model: torch.nn.Module, path) -> torch.nn.Module:
+    randomize(model)
+    model.save_pretrained(path, safe_serialization=True)
+    model.register_forward_hook(count_tokens, with_kwargs=True)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def pair(request, tmp_path_factory):
+    """(checkpoint dir, transformers model, wkvm model) for one shape."""
+    torch.manual_seed(1)
+    path = tmp_path_factory.mktemp(request.param) / "ckpt"
+    hf = save_hf(Qwen3_5ForCausalLM(tiny_config(**SHAPES[request.param])), path)
+    return path, hf, load_model(path)
+
+
+def ids_for(vocab: int, batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def test_full_prompt_logits(pair):
+    _, hf, m = pair
+    ids = ids_for(m.vocab_size, 2, 83)  # more than one kernel chunk
+    want = hf(ids, use_cache=False).logits
+    got = m.forward(ids, m.new_state(2), all_logits=True)
+    assert (got - want).abs().max() < ATOL
+    assert want[0, :, :].std(0).mean() > 0.1  # outputs vary by token
+
+
+@torch.no_grad()
+def test_decode_after_prefill(pair):
+    _, hf, m = pair
+    ids = ids_for(m.vocab_size, 1, 24, seed=2)
+    cache = LinearCache(config=hf.config)
+    want = [hf(ids[:, :13], cache=cache, use_cache=True).logits[0, -1]]
+    want += [hf(ids[:, t : t + 1], cache=cache, use_cache=True).logits[0, -1] for t in range(13, 24)]
+    logits, state = m.prefill(ids[0, :13], all_logits=False)
+    got = [logits] + [m.decode(ids[:, t], state)[0] for t in range(13, 24)]
+    assert (torch.stack(got) - torch.stack(want)).abs().max() < ATOL
+
+
+@torch.no_grad()
+def test_greedy_matches_generate(pair):
+    _, hf, m = pair
+    for seed, length in ((3, 1), (4, 7), (5, 19)):
+        prompt = ids_for(m.vocab_size, 1, length, seed=seed)
+        want = hf.generate(prompt, max_new_tokens=32, do_sample=False, cache=LinearCache(config=hf.config))
+        logits, state = m.prefill(prompt[0])
+        got = []
+        for _ in range(32):
+            got.append(int(logits.argmax()))
+            logits = m.decode([got[-1]], state)[0]
+        assert got == want[0, length:].tolist()
+
+
+@torch.no_grad()
+def test_chunked_prefill_equals_token_by_token(pair):
+    _, _, m = pair
+    ids = ids_for(m.vocab_size, 1, 70, seed=6)[0]
+    step_state = m.new_state(1)
+    want = torch.stack([m.decode(ids[t : t + 1], step_state)[0] for t in range(70)])
+    for chunk in (1, 5, 64, None):
+        got, state = m.prefill(ids, all_logits=True, chunk_size=chunk)
+        assert (got - want).abs().max() < ATOL
+        for k in state:
+            assert torch.allclose(state[k], step_state[k], atol=1e-4), (chunk, k)
+    for kernel_chunk in (1, 7, 32):  # the WY chunk: sizes not dividing T
+        m.delta_chunk = kernel_chunk
+        try:
+            got, _ = m.prefill(ids, all_logits=True)
+        finally:
+            m.delta_chunk = 64
+        assert (got - want).abs().max() < ATOL
+    head, state = m.prefill(ids[:29], all_logits=True)  # continuing from a non-zero state
+    tail, state = m.prefill(ids[29:], state, all_logits=True, chunk_size=17)
+    assert (torch.cat([head, tail]) - want).abs().max() < ATOL
+
+
+@torch.no_grad()
+def test_batched_decode_equals_each_alone(pair):
+    _, _, m = pair
+    prompts = [ids_for(m.vocab_size, 1, n, seed=n)[0] for n in (3, 11, 6)]
+    states = [m.prefill(p)[1] for p in prompts]
+    batch = {k: torch.cat([s[k] for s in states]) for k in states[0]}
+    nxt = torch.tensor([5, 9, 2])
+    got = m.decode(nxt, batch)
+    for j, s in enumerate(states):
+        alone = m.decode(nxt[j : j + 1], s)
+        assert (got[j] - alone[0]).abs().max() < 1e-5
+        for k in s:
+            assert torch.allclose(batch[k][j], s[k][0], atol=1e-6)
+
+
+@torch.no_grad()
+def test_forward_groups_equals_separate(pair):
+    _, _, m = pair
+    groups = [(ids_for(m.vocab_size, 2, 9, seed=7), m.new_state(2)), (ids_for(m.vocab_size, 1, 1, seed=8),
+              m.new_state(1)), (ids_for(m.vocab_size, 3, 70, seed=9), m.new_state(3))]  # fmt: skip
+    alone = [m.forward(t, m.new_state(t.shape[0]), all_logits=True) for t, _ in groups]
+    together = m.forward_groups(groups, all_logits=True)
+    for a, b in zip(alone, together, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_recurrence_chunked_equals_step():
+    """Strong and weak decays, a non-zero start, chunks that do not divide T."""
+    torch.manual_seed(0)
+    BH, T, dk, dv = 5, 45, 9, 7
+    q, k = (torch.nn.functional.normalize(torch.randn(BH, T, dk), dim=-1) for _ in range(2))
+    v = torch.randn(BH, T, dv)
+    g = -torch.rand(BH, T) * torch.tensor([0.01, 0.5, 3.0, 20.0, 80.0])[:, None]
+    beta = torch.rand(BH, T)
+    S0 = torch.randn(BH, dk, dv)
+    S = S0.clone()
+    want = torch.stack([gated_delta_step(S, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t]) for t in range(T)], 1)
+    for chunk in (1, 4, 16, 64):
+        Sc = S0.clone()
+        got = gated_delta_chunked(Sc, q, k, v, g, beta, chunk=chunk)
+        assert (got - want).abs().max() < 1e-5 and (Sc - S).abs().max() < 1e-5
+
+
+@torch.no_grad()
+def test_qwen3_next_fused_layout(tmp_path):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    n = 2
+    cfg = Qwen3NextConfig(vocab_size=93, hidden_size=48, intermediate_size=40, num_hidden_layers=n,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_conv_kernel_dim=4,
+                          linear_key_head_dim=10, linear_value_head_dim=14, linear_num_key_heads=2,
+                          linear_num_value_heads=4, mlp_only_layers=list(range(n)), num_experts=0,
+                          layer_types=["linear_attention"] * n)  # fmt: skip
+    torch.manual_seed(2)
+    hf = save_hf(Qwen3NextForCausalLM(cfg), tmp_path / "next")
+    ids = ids_for(93, 2, 40, seed=10)
+    want = hf(ids, use_cache=False).logits
+    got = load_model(tmp_path / "next").forward(ids, load_model(tmp_path / "next").new_state(2), all_logits=True)
+    assert (got - want).abs().max() < ATOL
+    from wkvm.models.qwen3_5.checkpoint import convert
+
+    convert(tmp_path / "next", tmp_path / "text")  # to the Qwen3.5 text layout: transformers reads it alike
+    assert json.loads((tmp_path / "text" / "config.json").read_text())["model_type"] == "qwen3_5_text"
+    again = Qwen3_5ForCausalLM.from_pretrained(tmp_path / "text").eval()
+    assert (again(ids, use_cache=False).logits - want).abs().max() < ATOL
+
+
+@torch.no_grad()
+def test_multimodal_checkpoint_reads_the_language_model(tmp_path):
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = tiny_config(**SHAPES["gqa"]).to_dict()
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=72, patch_size=4,
+                  num_position_embeddings=16)  # fmt: skip
+    torch.manual_seed(3)
+    hf = save_hf(Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)),
+                 tmp_path / "mm")  # fmt: skip
+    ids = ids_for(101, 1, 30, seed=11)
+    want = hf(input_ids=ids, use_cache=False).logits
+    m = load_model(tmp_path / "mm")
+    assert (m.forward(ids, m.new_state(1), all_logits=True) - want).abs().max() < ATOL
+
+
+def test_full_attention_layer_is_refused(tmp_path):
+    torch.manual_seed(4)
+    model = Qwen3_5ForCausalLM(tiny_config(101, layer_types=["linear_attention", "full_attention"]))
+    model.save_pretrained(tmp_path / "hybrid", safe_serialization=True)
+    with pytest.raises(CheckpointError, match=r"hybrid attention layers are not supported yet \(issue #17\)"):
+        load_model(tmp_path / "hybrid")
+
+
+@torch.no_grad()
+def test_bf16_runs_close(pair):
+    path, _, m = pair
+    ids = ids_for(m.vocab_size, 1, 20, seed=12)
+    want = m.forward(ids, m.new_state(1), all_logits=True)
+    low = load_model(path, dtype="bfloat16")
+    got = low.forward(ids, low.new_state(1), all_logits=True)
+    assert got.dtype == torch.float32 and (got - want).abs().mean() < 0.05 * want.abs().mean()
+    assert torch.corrcoef(torch.stack([got.flatten(), want.flatten()]))[0, 1] > 0.99
+
+
+@torch.no_grad()
+def test_pack_streaming_equals_resident(pair, tmp_path):
+    path, _, m = pair
+    write_pack(path, tmp_path / "pack")
+    streamed = load_model(tmp_path / "pack", weight_cache_layers=1)
+    ids = ids_for(m.vocab_size, 2, 15, seed=13)
+    want = m.forward(ids, m.new_state(2), all_logits=True)
+    assert (streamed.forward(ids, streamed.new_state(2), all_logits=True) - want).abs().max() < 1e-5
+    assert streamed.fingerprint == m.fingerprint

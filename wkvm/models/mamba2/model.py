@@ -1,0 +1,202 @@
+"""Mamba2: the forward pass, state explicit (the HF `Mamba2ForCausalLM` math, no fused kernels).
+
+A block: x += out_proj(gated_norm(ssm(silu(conv(xBC))), z)) where in_proj(rms_norm(x)) = [z | xBC | dt],
+xBC = [x | B | C]. State per layer i: `layers.{i}.conv` [conv_dim, K-1] (the last K-1 conv inputs, oldest first)
+and `layers.{i}.ssm` [H, P, N] (head, head_dim, state). Logits have the checkpoint's (padded) vocab size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from wkvm.models.family import CheckpointError, ModelBase, RawTensors, layer_count, owned, require
+from wkvm.models.linear import linear, pack_linear
+from wkvm.models.mamba2.ssd import DEFAULT_CHUNK, ssd_chunked, ssd_step
+from wkvm.models.provider import Tensors, WeightProvider
+from wkvm.models.spec import State, StateSpec, TensorSpec
+
+FAMILY = "mamba2"
+PREFIX = "backbone.layers."
+EMBEDDING = "backbone.embeddings.weight"
+NORM_F = "backbone.norm_f.weight"
+HEAD = "lm_head.weight"
+LINEAR_KEYS = ("mixer.in_proj.weight", "mixer.out_proj.weight")
+LAYER_KEYS = ("norm.weight", "mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.dt_bias", "mixer.A_log",
+              "mixer.D", "mixer.norm.weight", "mixer.out_proj.weight")  # fmt: skip
+OPTIONAL_KEYS = ("mixer.in_proj.bias", "mixer.out_proj.bias", "mixer.conv1d.bias")
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    n_layer: int
+    d_model: int
+    d_inner: int  # n_heads * head_dim
+    n_heads: int
+    head_dim: int
+    d_state: int
+    n_groups: int
+    d_conv: int
+    vocab_size: int  # the embedding's rows: the padded vocab
+    tie_embeddings: bool
+    norm_eps: float = 1e-5
+    dt_min: float = 0.0
+    dt_max: float | None = None  # None: no upper clamp of dt
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_groups * self.d_state
+
+    @staticmethod
+    def from_tensors(raw: RawTensors, hf: dict[str, Any]) -> Mamba2Config:
+        """Every size read from the tensors but n_groups (B and C's split), eps and the dt limit (config.json)."""
+        p = PREFIX + "0."
+        require(raw, [EMBEDDING, NORM_F, *(p + k for k in LAYER_KEYS)], "Mamba2")
+        vocab, d_model = raw[EMBEDDING].shape
+        n_heads = raw[p + "mixer.A_log"].shape[0]
+        d_inner = raw[p + "mixer.out_proj.weight"].shape[1]
+        conv_dim, _, d_conv = raw[p + "mixer.conv1d.weight"].shape
+        n_groups = int(hf.get("n_groups", 8))
+        d_state = (conv_dim - d_inner) // (2 * n_groups)
+        if d_inner % n_heads or conv_dim != d_inner + 2 * n_groups * d_state or d_conv < 2:
+            raise CheckpointError(f"Mamba2: conv1d has {conv_dim} channels and kernel {d_conv}; expected "
+                                  f"{d_inner} + 2 x {n_groups} groups x d_state, kernel >= 2")  # fmt: skip
+        in_out = raw[p + "mixer.in_proj.weight"].shape[0]
+        if in_out != d_inner + conv_dim + n_heads:
+            raise CheckpointError(f"Mamba2: in_proj has {in_out} outputs, expected {d_inner + conv_dim + n_heads} "
+                                  "(z, xBC, dt); a gated-MLP part (d_mlp > 0) is not supported")  # fmt: skip
+        if hf.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"Mamba2: activation {hf['hidden_act']!r} is not supported (only silu)")
+        dt_min, dt_max = time_step_limit(hf)
+        return Mamba2Config(
+            n_layer=layer_count(raw, PREFIX), d_model=d_model, d_inner=d_inner, n_heads=n_heads,
+            head_dim=d_inner // n_heads, d_state=d_state, n_groups=n_groups, d_conv=d_conv, vocab_size=vocab,
+            tie_embeddings=HEAD not in raw, norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+            dt_min=dt_min, dt_max=None if dt_max == float("inf") else dt_max,
+        )  # fmt: skip
+
+
+def time_step_limit(hf: dict[str, Any]) -> tuple[float, float]:
+    """HF's `time_step_limit`; transformers 5 writes infinity as {"__float__": "Infinity"}, older ones as Infinity."""
+    values = hf.get("time_step_limit", (0.0, float("inf")))
+    lo, hi = (float(v["__float__"] if isinstance(v, dict) else v) for v in values)
+    return lo, hi
+
+
+def mamba2_state_spec(cfg: Mamba2Config) -> StateSpec:
+    tensors: list[TensorSpec] = []
+    for i in range(cfg.n_layer):
+        tensors += [
+            TensorSpec(f"layers.{i}.conv", (cfg.conv_dim, cfg.d_conv - 1), kind="conv"),
+            TensorSpec(f"layers.{i}.ssm", (cfg.n_heads, cfg.head_dim, cfg.d_state), kind="recurrent"),
+        ]
+    return StateSpec(FAMILY, tuple(tensors))
+
+
+def global_keys(cfg: Mamba2Config) -> tuple[str, ...]:
+    return (EMBEDDING, NORM_F) if cfg.tie_embeddings else (EMBEDDING, NORM_F, HEAD)
+
+
+def prepare_layer(
+    raw: RawTensors, i: int, cfg: Mamba2Config, dtype: torch.dtype, device: torch.device | str, pack: bool = True
+) -> Tensors:
+    """Layer i in compute form: in_proj/out_proj in `dtype` (prepacked when `pack`), the rest fp32; the conv
+    weight as [conv_dim, K], A = -exp(A_log) and a zero conv bias where the checkpoint has none."""
+    p = f"{PREFIX}{i}."
+    require(raw, [p + k for k in LAYER_KEYS], "Mamba2")
+    keys = [k for k in (*LAYER_KEYS, *OPTIONAL_KEYS) if p + k in raw]
+    t = {k: raw[p + k].to(device=device, dtype=dtype if k in LINEAR_KEYS else torch.float32) for k in keys}
+    t["mixer.conv1d.weight"] = t["mixer.conv1d.weight"].reshape(cfg.conv_dim, cfg.d_conv)
+    t.setdefault("mixer.conv1d.bias", torch.zeros(cfg.conv_dim, device=device))
+    t["mixer.A"] = -torch.exp(t.pop("mixer.A_log"))
+    if not pack:
+        return {k: v.contiguous() for k, v in t.items()}
+    for k in LINEAR_KEYS:
+        t[k] = pack_linear(t[k])
+    return {k: v if v.is_mkldnn else owned(v) for k, v in t.items()}
+
+
+def prepare_globals(raw: RawTensors, cfg: Mamba2Config, dtype: torch.dtype, device: torch.device | str) -> Tensors:
+    """Embedding and head in `dtype` (a tied head is the embedding, prepacked), the final norm fp32."""
+    require(raw, global_keys(cfg), "Mamba2")
+    emb = raw[EMBEDDING].to(device=device, dtype=dtype)
+    head = emb if cfg.tie_embeddings else raw[HEAD].to(device=device, dtype=dtype)
+    g = {EMBEDDING: emb, NORM_F: raw[NORM_F].to(device=device, dtype=torch.float32), HEAD: pack_linear(head)}
+    return {k: v if v.is_mkldnn else owned(v) for k, v in g.items()}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
+    """RMS norm of y * silu(z) over each of `groups` equal slices of the last axis (HF MambaRMSNormGated)."""
+    h = torch.unflatten(y * F.silu(z), -1, (groups, -1))
+    return F.rms_norm(h, h.shape[-1:], None, eps).flatten(-2) * weight
+
+
+def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv over x [b, T, C] after the window [b, C, K-1] (updated in place) -> [b, T, C]."""
+    full = torch.cat([window, x.transpose(1, 2)], dim=-1)  # [b, C, K-1+T]
+    if x.shape[1] == 1:
+        out = torch.einsum("bck,ck->bc", full, weight).add_(bias).unsqueeze(1)
+    else:
+        out = F.conv1d(full, weight.unsqueeze(1), bias, groups=weight.shape[0]).transpose(1, 2)
+    window.copy_(full[:, :, -window.shape[-1] :])
+    return out
+
+
+class Mamba2(ModelBase):
+    family = FAMILY
+    config: Mamba2Config
+
+    def __init__(self, cfg: Mamba2Config, weights: WeightProvider, model_fingerprint: str,
+                 device: torch.device | str = "cpu"):  # fmt: skip
+        super().__init__(cfg, mamba2_state_spec(cfg), weights, model_fingerprint, device)
+        self.ssd_chunk = DEFAULT_CHUNK
+
+    @torch.inference_mode()
+    def forward_groups(
+        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False
+    ) -> list[torch.Tensor]:
+        """Several independent batches in one sweep of the weights: layer i runs for every group before layer
+        i + 1 is asked for. Each group's result is exactly what `forward` gives it alone."""
+        cfg, g = self.config, self.weights.globals()
+        xs = [F.embedding(tokens.to(self.device), g[EMBEDDING]).float() for tokens, _ in groups]
+        for i in range(cfg.n_layer):
+            w = self.weights.layer(i)
+            for j, (_, state) in enumerate(groups):
+                xs[j] = xs[j] + self._mixer(i, w, rms_norm(xs[j], w["norm.weight"], cfg.norm_eps), state)
+        out = []
+        for x in xs:
+            x = x if all_logits else x[:, -1]
+            out.append(linear(rms_norm(x, g[NORM_F], cfg.norm_eps), g[HEAD]))
+        return out
+
+    def _mixer(self, i: int, w: Tensors, h: torch.Tensor, state: State) -> torch.Tensor:
+        cfg = self.config
+        b, T, _ = h.shape
+        H, P, G, N = cfg.n_heads, cfg.head_dim, cfg.n_groups, cfg.d_state
+        zxbcdt = linear(h, w["mixer.in_proj.weight"])
+        if "mixer.in_proj.bias" in w:
+            zxbcdt = zxbcdt + w["mixer.in_proj.bias"]
+        z, xbc, dt = torch.split(zxbcdt, [cfg.d_inner, cfg.conv_dim, H], dim=-1)
+        xbc = F.silu(causal_conv(xbc, state[f"layers.{i}.conv"], w["mixer.conv1d.weight"], w["mixer.conv1d.bias"]))
+        x, B, C = torch.split(xbc, [cfg.d_inner, G * N, G * N], dim=-1)
+        dt = F.softplus(dt + w["mixer.dt_bias"])
+        if cfg.dt_min > 0.0 or cfg.dt_max is not None:
+            dt = dt.clamp(cfg.dt_min, cfg.dt_max)
+        S = state[f"layers.{i}.ssm"]
+        A, D = w["mixer.A"], w["mixer.D"]
+        if T == 1:
+            y = ssd_step(S, x.reshape(b, H, P), dt.reshape(b, H), A, B.reshape(b, G, N), C.reshape(b, G, N), D)
+        else:
+            y = ssd_chunked(S, x.reshape(b, T, H, P), dt, A, B.reshape(b, T, G, N), C.reshape(b, T, G, N), D,
+                            self.ssd_chunk)  # fmt: skip
+        y = gated_rms_norm(y.reshape(b, T, cfg.d_inner), z, w["mixer.norm.weight"], G, cfg.norm_eps)
+        out = linear(y, w["mixer.out_proj.weight"])
+        return out + w["mixer.out_proj.bias"] if "mixer.out_proj.bias" in w else out

@@ -1,0 +1,80 @@
+"""Qwen3.5 text (Gated DeltaNet layers) as a wkvm model family: HF directories of Qwen3.5 (text or multimodal)
+and Qwen3-Next with dense MLPs. Tokenizer and chat template come from the checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wkvm.chat_template import ChatTemplate
+from wkvm.models.family import Checkpoint, RawTensors
+from wkvm.models.provider import Tensors, WeightProvider
+from wkvm.models.qwen3_5 import checkpoint, model
+from wkvm.models.qwen3_5.model import Qwen35, Qwen35Config
+from wkvm.tokenizer import Tokenizer
+
+
+class Qwen35Family:
+    name = model.FAMILY
+    model_types = checkpoint.HF_MODEL_TYPES
+    formats = "Qwen3.5 (text, or the text part of a multimodal checkpoint) or dense Qwen3-Next as an HF directory"
+
+    def detect(self, path: Path) -> str | None:
+        return None  # HF directories only: the registry matches them by model_type
+
+    def read_checkpoint(self, path: Path, fmt: str) -> Checkpoint:
+        raw, config = checkpoint.read_hf(path)
+        return Checkpoint(raw, config, checkpoint.HF_FORMAT)
+
+    def config_from_checkpoint(self, ckpt: Checkpoint) -> Qwen35Config:
+        return Qwen35Config.from_checkpoint(ckpt.raw, ckpt.config)
+
+    def config_from_dict(self, d: dict[str, Any]) -> Qwen35Config:
+        return Qwen35Config(**{**d, "layer_types": tuple(d["layer_types"])})
+
+    def used_tensors(self, raw: RawTensors) -> RawTensors:
+        n_layer = 1 + max((int(k.split(".")[2]) for k in raw if k.startswith("model.layers.")), default=-1)
+        keep = {model.EMBED, model.FINAL_NORM, model.HEAD}
+        for i in range(n_layer):
+            keep.update(f"model.layers.{i}.{k}" for k in model.GDN_RAW + model.MLP_RAW + model.NORM_RAW)
+        return {k: v for k, v in raw.items() if k in keep}
+
+    def global_keys(self, cfg: Qwen35Config) -> tuple[str, ...]:
+        return model.global_keys(cfg)
+
+    def layer_prefix(self, i: int) -> str:
+        return f"model.layers.{i}."
+
+    def linear_keys(self, cfg: Qwen35Config, i: int) -> tuple[str, ...]:
+        return model.linear_keys(cfg, i)
+
+    def prepare_layer(self, raw: RawTensors, i: int, cfg: Qwen35Config, dtype: torch.dtype,
+                      device: torch.device | str, pack: bool = True) -> Tensors:  # fmt: skip
+        return model.prepare_layer(raw, i, cfg, dtype, device, pack)
+
+    def prepare_globals(self, raw: RawTensors, cfg: Qwen35Config, dtype: torch.dtype,
+                        device: torch.device | str) -> Tensors:  # fmt: skip
+        return model.prepare_globals(raw, cfg, dtype, device)
+
+    def build(self, cfg: Qwen35Config, weights: WeightProvider, fingerprint: str, device: torch.device | str) -> Qwen35:
+        return Qwen35(cfg, weights, fingerprint, device)
+
+    def describe(self, cfg: Qwen35Config) -> str:
+        return (
+            f"Qwen3.5 (Gated DeltaNet), {cfg.n_layer} layers, width {cfg.n_embd}, {cfg.n_k_heads} key / "
+            f"{cfg.n_v_heads} value heads of {cfg.k_head_dim}/{cfg.v_head_dim}, vocab {cfg.vocab_size}"
+        )
+
+    def convert(self, src: Path, dst: Path) -> str:
+        return checkpoint.convert(src, dst)
+
+    def default_tokenizer(self) -> Tokenizer | None:
+        return None
+
+    def default_chat_template(self) -> ChatTemplate | None:
+        return None
+
+
+FAMILY = Qwen35Family()
