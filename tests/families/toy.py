@@ -9,7 +9,6 @@ imported; nothing under wkvm/ names it.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,17 +45,14 @@ class ToyModel(ModelBase):
                         TensorSpec(f"layers.{i}.h", (cfg.width,), kind="recurrent")]  # fmt: skip
         super().__init__(cfg, StateSpec(NAME, tuple(tensors)), weights, fingerprint, device)
 
-    @torch.inference_mode()
-    def forward_groups(
-        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False
-    ) -> list[torch.Tensor]:
-        g = self.weights.globals()
-        xs = [g["emb"][tokens.to(self.device)].float() for tokens, _ in groups]
-        for i in range(self.config.n_layer):
-            w = self.weights.layer(i)
-            for j, (_, state) in enumerate(groups):
-                xs[j] = xs[j] + self._layer(w, xs[j], state[f"layers.{i}.conv"], state[f"layers.{i}.h"])
-        return [linear(x if all_logits else x[:, -1], g["head"]) for x in xs]
+    def embed(self, tokens: torch.Tensor, g: Tensors) -> torch.Tensor:
+        return g["emb"][tokens].float()
+
+    def block(self, i: int, w: Tensors, x: torch.Tensor, state: State) -> torch.Tensor:
+        return x + self._layer(w, x, state[f"layers.{i}.conv"], state[f"layers.{i}.h"])
+
+    def logits(self, x: torch.Tensor, g: Tensors) -> torch.Tensor:
+        return linear(x, g["head"])
 
     def _layer(self, w: Tensors, x: torch.Tensor, window: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         T = x.shape[1]

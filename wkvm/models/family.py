@@ -85,8 +85,8 @@ class LanguageModel(Protocol):
 
 
 class ModelBase:
-    """The entry points every family's model shares; a family's model subclasses this, sets the attributes in its
-    `__init__` and implements `forward_groups`."""
+    """The entry points every family's model shares; a family's model subclasses this and implements `embed`,
+    `block` and `logits` (or its own `forward_groups`, when layers pass more than the residual stream)."""
 
     family: str
     config: Any
@@ -108,10 +108,32 @@ class ModelBase:
     def new_state(self, batch: int = 1) -> State:
         return self.spec.zeros(batch, self.device)
 
+    def embed(self, tokens: torch.Tensor, g: Tensors) -> torch.Tensor:
+        """tokens [B, T] -> the first residual stream [B, T, C] (fp32)."""
+        raise NotImplementedError
+
+    def block(self, i: int, w: Tensors, x: torch.Tensor, state: State) -> torch.Tensor:
+        """Layer i on residual stream x [B, T, C] with layer weights `w`, advancing `state` in place."""
+        raise NotImplementedError
+
+    def logits(self, x: torch.Tensor, g: Tensors) -> torch.Tensor:
+        """Final norm and head: [..., C] -> [..., V]."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
     def forward_groups(
         self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False
     ) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """Several independent batches (e.g. the decode batch and prefill pieces of other lengths) in one sweep of
+        the weights: layer i runs for every group before layer i + 1 is asked for, so streamed weights are read
+        once per step. Each group's result is exactly what `forward` gives it alone."""
+        g = self.weights.globals()
+        xs = [self.embed(tokens.to(self.device), g) for tokens, _ in groups]
+        for i in range(self.config.n_layer):
+            w = self.weights.layer(i)
+            for j, (_, state) in enumerate(groups):
+                xs[j] = self.block(i, w, xs[j], state)
+        return [self.logits(x if all_logits else x[:, -1], g) for x in xs]
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, state: State, all_logits: bool = False) -> torch.Tensor:

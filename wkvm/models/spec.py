@@ -19,7 +19,7 @@ State = dict[str, torch.Tensor]
 
 
 KINDS = {
-    "recurrent": "a fixed-size memory updated every token (RWKV wkv, Mamba2 ssm, GDN delta state)",
+    "recurrent": "a fixed-size memory updated every token (a linear recurrence's matrix state)",
     "shift": "the last token's input to a layer ([C]): token shift",
     "conv": "the last K-1 inputs of a depthwise causal convolution ([C, K-1], oldest first)",
     "kv": "an attention layer's keys and values: grows with the context, paged (see docs/state-file.md)",

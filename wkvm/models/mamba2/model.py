@@ -7,7 +7,6 @@ and `layers.{i}.ssm` [H, P, N] (head, head_dim, state). Logits have the checkpoi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,23 +158,14 @@ class Mamba2(ModelBase):
         super().__init__(cfg, mamba2_state_spec(cfg), weights, model_fingerprint, device)
         self.ssd_chunk = DEFAULT_CHUNK
 
-    @torch.inference_mode()
-    def forward_groups(
-        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False
-    ) -> list[torch.Tensor]:
-        """Several independent batches in one sweep of the weights: layer i runs for every group before layer
-        i + 1 is asked for. Each group's result is exactly what `forward` gives it alone."""
-        cfg, g = self.config, self.weights.globals()
-        xs = [F.embedding(tokens.to(self.device), g[EMBEDDING]).float() for tokens, _ in groups]
-        for i in range(cfg.n_layer):
-            w = self.weights.layer(i)
-            for j, (_, state) in enumerate(groups):
-                xs[j] = xs[j] + self._mixer(i, w, rms_norm(xs[j], w["norm.weight"], cfg.norm_eps), state)
-        out = []
-        for x in xs:
-            x = x if all_logits else x[:, -1]
-            out.append(linear(rms_norm(x, g[NORM_F], cfg.norm_eps), g[HEAD]))
-        return out
+    def embed(self, tokens: torch.Tensor, g: Tensors) -> torch.Tensor:
+        return F.embedding(tokens, g[EMBEDDING]).float()
+
+    def block(self, i: int, w: Tensors, x: torch.Tensor, state: State) -> torch.Tensor:
+        return x + self._mixer(i, w, rms_norm(x, w["norm.weight"], self.config.norm_eps), state)
+
+    def logits(self, x: torch.Tensor, g: Tensors) -> torch.Tensor:
+        return linear(rms_norm(x, g[NORM_F], self.config.norm_eps), g[HEAD])
 
     def _mixer(self, i: int, w: Tensors, h: torch.Tensor, state: State) -> torch.Tensor:
         cfg = self.config

@@ -8,7 +8,6 @@ behind a pre-RMSNorm whose weight is stored zero-centred (the norm scales by 1 +
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,26 +190,16 @@ class Qwen35(ModelBase):
         super().__init__(cfg, state_spec(cfg), weights, model_fingerprint, device)
         self.delta_chunk = DEFAULT_CHUNK
 
-    # --- public entry points -------------------------------------------------------------------
-    @torch.inference_mode()
-    def forward_groups(
-        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False
-    ) -> list[torch.Tensor]:
-        """Several independent batches in one sweep of the weights: layer i runs for every group before layer
-        i + 1 is asked for. Each group's result is exactly what `forward` gives it alone."""
-        cfg, g = self.config, self.weights.globals()
-        xs = [F.embedding(tokens.to(self.device), g[EMBED]).float() for tokens, _ in groups]
-        for i in range(cfg.n_layer):
-            w = self.weights.layer(i)
-            for j, (_, state) in enumerate(groups):
-                x = xs[j]
-                x = x + self._gated_delta_net(i, w, rms_norm(x, w["input_norm"], cfg.rms_eps), state)
-                xs[j] = x + self._mlp(w, rms_norm(x, w["post_norm"], cfg.rms_eps))
-        out = []
-        for x in xs:
-            x = x if all_logits else x[:, -1]
-            out.append(linear(rms_norm(x, g["final_norm"], cfg.rms_eps), g[HEAD]))
-        return out
+    def embed(self, tokens: torch.Tensor, g: Tensors) -> torch.Tensor:
+        return F.embedding(tokens, g[EMBED]).float()
+
+    def block(self, i: int, w: Tensors, x: torch.Tensor, state: State) -> torch.Tensor:
+        eps = self.config.rms_eps
+        x = x + self._gated_delta_net(i, w, rms_norm(x, w["input_norm"], eps), state)
+        return x + self._mlp(w, rms_norm(x, w["post_norm"], eps))
+
+    def logits(self, x: torch.Tensor, g: Tensors) -> torch.Tensor:
+        return linear(rms_norm(x, g["final_norm"], self.config.rms_eps), g[HEAD])
 
     # --- blocks --------------------------------------------------------------------------------
     def _gated_delta_net(self, i: int, w: Tensors, x: torch.Tensor, state: State) -> torch.Tensor:
