@@ -16,10 +16,11 @@ import pytest
 import torch
 from conftest import CHAR_VOCAB, greedy_reference, write_char_tokenizer
 from families import all_families
-from live_server import LiveServer
+from live_server import LiveServer, ServerProcess
 
 from wkvm.config import EngineConfig
 from wkvm.engine.engine import Engine
+from wkvm.models import registry
 from wkvm.sampling_params import SamplingParams
 from wkvm.weights.loader import load_model, load_text_tools
 
@@ -204,3 +205,16 @@ def test_chat_reuse_equals_fresh(server, family_dir):
             reused.append(a["wkvm"]["reused_tokens"])
             messages.append({"role": "assistant", "content": a["choices"][0]["message"]["content"]})
         assert reused[0] == 0 and all(n > 0 for n in reused[1:]), reused
+
+
+def test_wkvm_serve_runs_the_family(model, family_dir):
+    """`wkvm serve --model DIR` in its own process: loads the family, answers a chat and a completion, exits 0."""
+    if model.family not in registry.MODULES:
+        pytest.skip("a test-only family is registered in this test process only")
+    with ServerProcess("--model", str(family_dir)) as s:
+        chat = {"messages": [{"role": "user", "content": "Hail."}], "max_tokens": 4, "temperature": 0}
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=chat, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+        r = httpx.get(f"{s.url}/v1/models", timeout=60)
+        assert r.json()["data"][0]["family"] == model.family
+        assert s.stop() == 0
