@@ -1,0 +1,109 @@
+"""Paged KV caches: the same attention as contiguous caches, copy-on-write forks, dense round trips, all or
+nothing page reservation."""
+
+import pytest
+import torch
+
+from wkvm.engine.kv_pages import OutOfPages, PagedKV, PagePool, SeqKV
+from wkvm.models.kv import DenseKV, key_name, value_name
+from wkvm.models.spec import StateSpec, TensorSpec
+
+H_KV, D, H_Q = 2, 6, 4
+SPEC = StateSpec("test", tuple(TensorSpec(f"layers.{i}.{x}", (H_KV, D), kind="kv") for i in (0, 1) for x in "kv"))
+
+
+def dense_state(batch: int) -> dict[str, torch.Tensor]:
+    return {t.name: torch.zeros(batch, 0, H_KV, D) for t in SPEC.tensors}
+
+
+def feed(kv, layer: int, gen: torch.Generator, batch: int, n: int) -> torch.Tensor:
+    """Append n random tokens' keys/values to `layer` and attend with random queries."""
+    k, v = torch.randn(batch, n, H_KV, D, generator=gen), torch.randn(batch, n, H_KV, D, generator=gen)
+    q = torch.randn(batch, n, H_Q, D, generator=gen)
+    kv.append(layer, k, v)
+    return kv.attend(layer, q, D**-0.5)
+
+
+@pytest.mark.parametrize("page", [1, 3, 16])
+def test_paged_attention_equals_dense(page):
+    """Chunks of 5, 1, 7 and 1 tokens for 2 rows and 2 layers: every output equals the contiguous cache's."""
+    pool = PagePool(SPEC, n_pages=64, page_tokens=page)
+    seqs = [SeqKV(), SeqKV()]
+    state = dense_state(2)
+    for n in (5, 1, 7, 1):
+        for s in seqs:
+            s.reserve(pool, n)
+        paged, dense = PagedKV(pool, seqs, n), DenseKV(state, [0, 1])
+        assert paged.positions().tolist() == dense.positions().tolist()
+        for layer in (0, 1):
+            a = feed(paged, layer, torch.Generator().manual_seed(n * 10 + layer), 2, n)
+            b = feed(dense, layer, torch.Generator().manual_seed(n * 10 + layer), 2, n)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        paged.commit()
+    for i, s in enumerate(seqs):
+        got = s.to_dense(pool)
+        for name in got:
+            torch.testing.assert_close(got[name], state[name][i])
+
+
+def test_rows_of_different_lengths_attend_only_to_their_own_tokens():
+    pool = PagePool(SPEC, n_pages=32, page_tokens=4)
+    short, long = SeqKV(), SeqKV()
+    for s, n in ((short, 2), (long, 9)):  # fill each alone first
+        s.reserve(pool, n)
+        kv = PagedKV(pool, [s], n)
+        feed(kv, 0, torch.Generator().manual_seed(n), 1, n)
+        kv.commit()
+    alone = []
+    for s in (short, long):
+        twin = s.fork(pool)
+        twin.reserve(pool, 3)
+        alone.append(feed(PagedKV(pool, [twin], 3), 0, torch.Generator().manual_seed(99), 1, 3))
+        twin.free(pool)
+    for s in (short, long):
+        s.reserve(pool, 3)
+    gen = torch.Generator().manual_seed(99)
+    k, v, q = (torch.randn(1, 3, h, D, generator=gen) for h in (H_KV, H_KV, H_Q))
+    both = PagedKV(pool, [short, long], 3)
+    both.append(0, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1))
+    out = both.attend(0, q.expand(2, -1, -1, -1), D**-0.5)
+    torch.testing.assert_close(out[0:1], alone[0])
+    torch.testing.assert_close(out[1:2], alone[1])
+
+
+def test_fork_copies_only_the_shared_partial_page_on_append():
+    pool = PagePool(SPEC, n_pages=16, page_tokens=4)
+    a = SeqKV()
+    a.reserve(pool, 10)  # pages: 4 + 4 + 2 (the last partially filled)
+    kv = PagedKV(pool, [a], 10)
+    feed(kv, 0, torch.Generator().manual_seed(0), 1, 10)
+    kv.commit()
+    before = a.to_dense(pool)
+    free = pool.num_free
+    b = a.fork(pool)
+    assert pool.num_free == free and b.pages == a.pages  # a fork copies nothing
+    b.reserve(pool, 1)
+    assert b.pages[:2] == a.pages[:2] and b.pages[2] != a.pages[2] and pool.num_free == free - 1
+    kv = PagedKV(pool, [b], 1)
+    feed(kv, 0, torch.Generator().manual_seed(1), 1, 1)
+    kv.commit()
+    after = a.to_dense(pool)
+    assert all(torch.equal(before[n], after[n]) for n in before)  # the source never sees the fork's token
+    assert torch.equal(b.to_dense(pool)[key_name(0)][:10], before[key_name(0)])
+    b.free(pool)
+    a.free(pool)
+    assert pool.num_free == 16 and not any(pool.refs)
+
+
+def test_dense_round_trip_and_all_or_nothing_reservation():
+    pool = PagePool(SPEC, n_pages=3, page_tokens=4)
+    dense = {t.name: torch.randn(7, H_KV, D) for t in SPEC.tensors}
+    seq = SeqKV.from_dense(pool, dense)
+    assert seq.length == 7 and len(seq.pages) == 2
+    assert all(torch.equal(seq.to_dense(pool)[n], dense[n]) for n in dense)
+    with pytest.raises(OutOfPages):
+        seq.reserve(pool, 6)  # needs 2 more pages, 1 free
+    assert pool.num_free == 1 and len(seq.pages) == 2  # nothing taken
+    seq.reserve(pool, 5)
+    assert pool.num_free == 0
+    assert value_name(1) in seq.to_dense(pool)

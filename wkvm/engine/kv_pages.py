@@ -1,0 +1,167 @@
+"""Paged key/value caches (issue #16; docs/design-paged-kv.md): a shared pool of fixed-size pages per kv tensor,
+a page table per sequence, copy-on-write forks, and `PagedKV`, the `KVBatch` an attention layer gets.
+
+Not wired into the scheduler yet: this module is the page bookkeeping and the attention view, tested on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from wkvm.models.kv import key_name, value_name
+from wkvm.models.spec import StateSpec
+
+
+class OutOfPages(RuntimeError):
+    """No free page: the scheduler preempts a sequence (parks its pages to host) and retries."""
+
+
+class PagePool:
+    """`n_pages` pages of `page_tokens` tokens for every kv tensor of `spec`, with reference counts."""
+
+    def __init__(self, spec: StateSpec, n_pages: int, page_tokens: int = 16, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32):  # fmt: skip
+        if n_pages < 1 or page_tokens < 1:
+            raise ValueError("the KV pool needs at least one page of at least one token")
+        self.page_tokens = page_tokens
+        self.pages = {
+            t.name: torch.zeros((n_pages, page_tokens, *t.shape), dtype=dtype, device=device)
+            for t in spec.tensors
+            if t.kind == "kv"
+        }
+        self.refs = [0] * n_pages
+        self._free = list(range(n_pages - 1, -1, -1))  # pop() hands out the lowest page first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise OutOfPages("no free KV page")
+        page = self._free.pop()
+        self.refs[page] = 1
+        return page
+
+    def retain(self, page: int) -> None:
+        self.refs[page] += 1
+
+    def release(self, page: int) -> None:
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            self._free.append(page)
+
+    def copy_page(self, src: int) -> int:
+        """A private copy of page `src` (copy-on-write)."""
+        dst = self.alloc()
+        for pages in self.pages.values():
+            pages[dst].copy_(pages[src])
+        return dst
+
+    def flat(self, name: str) -> torch.Tensor:
+        """Tensor `name`'s pages as one row per token slot: [n_pages * page_tokens, *shape]."""
+        pages = self.pages[name]
+        return pages.view(pages.shape[0] * pages.shape[1], *pages.shape[2:])
+
+
+@dataclass
+class SeqKV:
+    """One sequence's cache: its page table and how many tokens it holds."""
+
+    pages: list[int] = field(default_factory=list)
+    length: int = 0
+
+    def reserve(self, pool: PagePool, n_new: int) -> None:
+        """Make room for `n_new` more tokens: a shared, partially filled last page is copied first (only this side
+        appends to it), then new pages are taken. All or nothing: raises OutOfPages having taken none."""
+        P = pool.page_tokens
+        need = -(-(self.length + n_new) // P) - len(self.pages)
+        cow = bool(self.pages) and self.length % P != 0 and pool.refs[self.pages[-1]] > 1 and n_new > 0
+        if need + cow > pool.num_free:
+            raise OutOfPages(f"{need + cow} KV pages needed, {pool.num_free} free")
+        if cow:
+            shared = self.pages[-1]
+            self.pages[-1] = pool.copy_page(shared)
+            pool.release(shared)
+        self.pages += [pool.alloc() for _ in range(need)]
+
+    def fork(self, pool: PagePool) -> SeqKV:
+        """A second sequence sharing every page (copy-on-write: no page is copied now)."""
+        for p in self.pages:
+            pool.retain(p)
+        return SeqKV(list(self.pages), self.length)
+
+    def free(self, pool: PagePool) -> None:
+        for p in self.pages:
+            pool.release(p)
+        self.pages, self.length = [], 0
+
+    def slots(self, pool: PagePool, start: int, end: int) -> torch.Tensor:
+        """Flat token-slot indices of positions start..end-1 (their pages must be reserved)."""
+        pos = torch.arange(start, end)
+        table = torch.tensor(self.pages, dtype=torch.long)
+        return table[pos // pool.page_tokens] * pool.page_tokens + pos % pool.page_tokens
+
+    def to_dense(self, pool: PagePool) -> dict[str, torch.Tensor]:
+        """The used tokens of every kv tensor, [length, *shape] (what a state file stores)."""
+        idx = self.slots(pool, 0, self.length)
+        return {name: pool.flat(name)[idx].clone() for name in pool.pages}
+
+    @classmethod
+    def from_dense(cls, pool: PagePool, dense: dict[str, torch.Tensor]) -> SeqKV:
+        n = next(iter(dense.values())).shape[0] if dense else 0
+        seq = cls()
+        seq.reserve(pool, n)
+        idx = seq.slots(pool, 0, n)
+        for name, x in dense.items():
+            pool.flat(name)[idx] = x.to(pool.flat(name).dtype)
+        seq.length = n
+        return seq
+
+
+class PagedKV:
+    """The `KVBatch` of B sequences feeding T new tokens each: appends go to their pages (reserved beforehand with
+    `SeqKV.reserve`), attention gathers each row's tokens. `commit()` after the forward advances the lengths."""
+
+    def __init__(self, pool: PagePool, seqs: list[SeqKV], n_new: int):
+        self.pool, self.seqs, self.n_new = pool, seqs, n_new
+        self._start = torch.tensor([s.length for s in seqs], dtype=torch.long)
+        self._write = torch.stack([s.slots(pool, s.length, s.length + n_new) for s in seqs])  # [B, T]
+        lmax = int(self._start.max()) + n_new
+        self._read = torch.stack([_padded(s.slots(pool, 0, s.length + n_new), lmax) for s in seqs])  # [B, Lmax]
+        t = torch.arange(n_new).view(1, n_new, 1)
+        j = torch.arange(lmax).view(1, 1, lmax)
+        self._mask = (j <= self._start.view(-1, 1, 1) + t).unsqueeze(1)  # [B, 1, T, Lmax]: causal and in range
+
+    def positions(self) -> torch.Tensor:
+        return self._start.clone()
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        for name, x in ((key_name(layer), k), (value_name(layer), v)):
+            flat = self.pool.flat(name)
+            flat[self._write.reshape(-1)] = x.reshape(-1, *x.shape[2:]).to(flat.dtype)
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        k = self.pool.flat(key_name(layer))[self._read].float()  # [B, Lmax, Hkv, D]
+        v = self.pool.flat(value_name(layer))[self._read].float()
+        qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        Hq, Hkv = qh.shape[1], kh.shape[1]
+        if Hq != Hkv:
+            kh, vh = kh.repeat_interleave(Hq // Hkv, 1), vh.repeat_interleave(Hq // Hkv, 1)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=self._mask, scale=scale)
+        return out.transpose(1, 2)
+
+    def commit(self) -> None:
+        for s in self.seqs:
+            s.length += self.n_new
+
+
+def _padded(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """`idx` padded to length n with its first entry (the mask hides the padding)."""
+    if idx.numel() >= n:
+        return idx[:n]
+    fill = idx[:1] if idx.numel() else torch.zeros(1, dtype=torch.long)
+    return torch.cat([idx, fill.expand(n - idx.numel())])
