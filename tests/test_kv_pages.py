@@ -107,3 +107,49 @@ def test_dense_round_trip_and_all_or_nothing_reservation():
     seq.reserve(pool, 5)
     assert pool.num_free == 0
     assert value_name(1) in seq.to_dense(pool)
+
+
+# --- kv tensors in stored states: files hold the used tokens only --------------------------------------------------
+
+HYBRID = StateSpec("test", (TensorSpec("layers.0.h", (4,)), *SPEC.tensors))
+
+
+def kv_state(n_kv: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {t.name: torch.randn(1, *t.shape_for(n_kv), generator=gen) for t in HYBRID.tensors}
+
+
+def test_stored_kv_states_round_trip_through_every_tier_and_export(tmp_path):
+    from wkvm.state import statefile
+    from wkvm.state.statefile import StateFileError, StateMeta
+    from wkvm.state.store import StateStore
+
+    store = StateStore(tmp_path / "s", HYBRID, "fp", vocab_size=100)
+    for n in (1, 6, 40):  # a state of n tokens holds n - 1 in its kv tensors (the last token is pending)
+        state = kv_state(n - 1, seed=n)
+        rec = store.put("a", f"s{n}", state, list(range(n)))
+        for tier in ("host", "disk"):
+            store.hibernate("a", rec.handle, tier)
+            _, back = store.load("a", rec.handle)
+            assert all(torch.equal(back[k].cpu(), state[k]) for k in state), (n, tier)
+        data = store.export_bytes("a", rec.handle)
+        imported = store.import_bytes("b", data)
+        assert all(torch.equal(store.load("b", imported.handle)[1][k].cpu(), state[k]) for k in state)
+    small, large = (len(store.export_bytes("a", f"s{n}")) for n in (6, 40))
+    assert large - small >= 34 * HYBRID.token_nbytes  # a file grows with the context
+    wrong = statefile.encode(HYBRID, statefile.unbatch(kv_state(3)), StateMeta("fp", HYBRID.spec_hash, [1, 2]))
+    with pytest.raises(StateFileError, match="kv tensors hold 3 tokens; a state of 2 tokens"):
+        store.import_bytes("a", wrong)
+    with pytest.raises(ValueError, match="expected"):
+        store.put("a", "bad", {**kv_state(3), key_name(0): torch.zeros(1, 2, H_KV, D)}, [1, 2, 3, 4])
+
+
+def test_interpolate_refuses_kv_states(tmp_path):
+    from wkvm.state.mutations import MutationError, apply_mutation
+
+    state = kv_state(3)
+    with pytest.raises(MutationError, match="cannot be blended"):
+        apply_mutation("interpolate", HYBRID, state, {"other": "x", "t": 0.5}, lambda h: state)
+    decayed = apply_mutation("decay", HYBRID, state, {"alpha": 0.5}, lambda h: state)
+    assert torch.equal(decayed[key_name(0)], state[key_name(0)])  # keys and values are kept
+    assert torch.equal(decayed["layers.0.h"], state["layers.0.h"] * 0.5)

@@ -44,6 +44,15 @@ class TensorSpec:
         return DTYPES[self.dtype]
 
     @property
+    def paged(self) -> bool:
+        """A `kv` tensor: one entry of `shape` per cached token (a state's first axis after the batch)."""
+        return self.kind == "kv"
+
+    def shape_for(self, n_kv: int) -> tuple[int, ...]:
+        """This tensor's shape (without the batch axis) in a state holding `n_kv` cached tokens."""
+        return (n_kv, *self.shape) if self.paged else self.shape
+
+    @property
     def nbytes(self) -> int:
         n = 1
         for d in self.shape:
@@ -62,8 +71,17 @@ class StateSpec:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of one sequence's state."""
-        return sum(t.nbytes for t in self.tensors)
+        """Bytes of one sequence's fixed-size state (kv tensors add `token_nbytes` per cached token)."""
+        return sum(t.nbytes for t in self.tensors if not t.paged)
+
+    @property
+    def token_nbytes(self) -> int:
+        """Bytes one cached token adds to the kv tensors (0 for a purely recurrent model)."""
+        return sum(t.nbytes for t in self.tensors if t.paged)
+
+    @property
+    def has_kv(self) -> bool:
+        return any(t.paged for t in self.tensors)
 
     @property
     def spec_hash(self) -> str:
@@ -71,7 +89,12 @@ class StateSpec:
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
     def zeros(self, batch: int = 1, device: torch.device | str = "cpu") -> State:
-        return {t.name: torch.zeros((batch, *t.shape), dtype=t.torch_dtype, device=device) for t in self.tensors}
+        """The state before any token: fixed tensors zero, kv tensors empty."""
+        return {t.name: torch.zeros((batch, *t.shape_for(0)), dtype=t.torch_dtype, device=device) for t in self.tensors}
+
+    def kv_length(self, state: State) -> int:
+        """Cached tokens in a batched state's kv tensors (0 without kv tensors)."""
+        return next((state[t.name].shape[1] for t in self.tensors if t.paged), 0)
 
     def check(self, state: State) -> int:
         """Validate a batched state against the spec; returns the batch size."""
@@ -80,12 +103,12 @@ class StateSpec:
             extra = sorted(set(state) - set(self.names))
             raise ValueError(f"state does not match spec: missing {missing[:3]}, unexpected {extra[:3]}")
         batch = None
+        n_kv = self.kv_length(state)
         for t in self.tensors:
             x = state[t.name]
-            if tuple(x.shape[1:]) != t.shape or x.dtype != t.torch_dtype:
-                raise ValueError(
-                    f"state tensor {t.name}: expected [B, {list(t.shape)}] {t.dtype}, got {list(x.shape)} {x.dtype}"
-                )
+            if tuple(x.shape[1:]) != t.shape_for(n_kv) or x.dtype != t.torch_dtype:
+                raise ValueError(f"state tensor {t.name}: expected [B, {list(t.shape_for(n_kv))}] {t.dtype}, got "
+                                 f"{list(x.shape)} {x.dtype}")  # fmt: skip
             if batch is None:
                 batch = x.shape[0]
             elif x.shape[0] != batch:

@@ -52,6 +52,9 @@ def decay(spec: StateSpec, state: State, params: dict[str, Any], load: Loader) -
 def interpolate(spec: StateSpec, state: State, params: dict[str, Any], load: Loader) -> State:
     """(1 - t) * this + t * other, tensor by tensor; both states come from the same model."""
     t = _fraction(params, "t")
+    if spec.has_kv:
+        raise MutationError("interpolate blends fixed-size states; this model's state holds attention keys and values "
+                            "of its own context, which two states cannot be blended into")  # fmt: skip
     other = params.get("other")
     if not isinstance(other, str):
         raise MutationError("params.other must be the handle of a state of the same model")

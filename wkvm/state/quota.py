@@ -44,7 +44,7 @@ class StoreLimits:
 
 def state_file_bytes(spec: StateSpec, n_tokens: int) -> int:
     """An upper bound of a state file's bytes: tensors, their header, metadata, ids as JSON (<= 12 chars each)."""
-    return spec.nbytes + 256 * len(spec.tensors) + 2048 + 12 * n_tokens
+    return spec.nbytes + spec.token_nbytes * n_tokens + 256 * len(spec.tensors) + 2048 + 12 * n_tokens
 
 
 def is_internal(owner: str) -> bool:

@@ -76,8 +76,11 @@ def token_digest(token_ids: list[int]) -> str:
 
 
 def tensor_digest(spec: StateSpec, tensors: State) -> str:
-    """sha256 over the tensors' raw bytes in spec order (tensors without the batch dim)."""
+    """sha256 over the tensors' raw bytes in spec order (tensors without the batch dim); a spec with kv tensors
+    also hashes their token count, so the byte boundaries are part of the content."""
     h = hashlib.sha256()
+    if spec.has_kv:
+        h.update(next(tensors[t.name].shape[0] for t in spec.tensors if t.paged).to_bytes(8, "little"))
     for t in spec.tensors:
         h.update(tensors[t.name].contiguous().view(torch.uint8).numpy().data)
     return h.hexdigest()
@@ -159,7 +162,7 @@ def decode(
         )
     if md.get("spec_hash") != spec.spec_hash:
         raise StateFileError("state spec hash does not match this model's state layout")
-    _check_tensors(spec, tensors)
+    n_kv = _check_tensors(spec, tensors)
     if md.get("tensor_sha256") != tensor_digest(spec, tensors):
         raise StateFileError("tensor checksum mismatch: the file was modified or corrupted")
     if imported:  # after the checksum: a corrupted file is reported as such
@@ -167,6 +170,9 @@ def decode(
     token_ids = _token_ids(md, vocab_size, imported)
     if md.get("token_digest") != token_digest(token_ids):
         raise StateFileError("token digest does not match token_ids")
+    if spec.has_kv and n_kv != len(token_ids) - 1:
+        raise StateFileError(f"the kv tensors hold {n_kv} tokens; a state of {len(token_ids)} tokens (the last one "
+                             f"pending) holds {len(token_ids) - 1}")  # fmt: skip
     op_params = _op_params(md.get("op_params", "{}"), imported)
     try:
         meta = StateMeta(
@@ -181,16 +187,19 @@ def decode(
     return tensors, meta
 
 
-def _check_tensors(spec: StateSpec, tensors: State) -> None:
+def _check_tensors(spec: StateSpec, tensors: State) -> int:
+    """Names, shapes, dtypes and finiteness against the spec; returns the kv tensors' token count (0 if none)."""
     if set(tensors) != set(spec.names):
         missing, extra = sorted(set(spec.names) - set(tensors)), sorted(set(tensors) - set(spec.names))
         raise StateFileError(f"tensor names differ from the spec: missing {missing[:3]}, unexpected {extra[:3]}")
+    n_kv = next((tensors[t.name].shape[0] if tensors[t.name].dim() else 0 for t in spec.tensors if t.paged), 0)
     for t in spec.tensors:
-        x = tensors[t.name]
-        if tuple(x.shape) != t.shape or x.dtype != t.torch_dtype:
-            raise StateFileError(f"tensor {t.name}: {list(x.shape)} {x.dtype}, expected {list(t.shape)} {t.dtype}")
+        x, want = tensors[t.name], t.shape_for(n_kv)
+        if tuple(x.shape) != want or x.dtype != t.torch_dtype:
+            raise StateFileError(f"tensor {t.name}: {list(x.shape)} {x.dtype}, expected {list(want)} {t.dtype}")
         if not torch.isfinite(x).all():
             raise StateFileError(f"tensor {t.name} holds NaN or infinite values")
+    return n_kv
 
 
 def _check_magnitude(spec: StateSpec, tensors: State, max_abs: float) -> None:
@@ -215,10 +224,12 @@ def read_tensors(path: str | os.PathLike[str], spec: StateSpec) -> State:
     out: State = {}
     for t in spec.tensors:
         entry = header.get(t.name)
-        if entry is None or _ST_DTYPES.get(entry["dtype"]) != t.torch_dtype or tuple(entry["shape"]) != t.shape:
+        shape = tuple(entry["shape"]) if entry is not None else ()
+        n_kv = shape[0] if t.paged and shape else 0
+        if entry is None or _ST_DTYPES.get(entry["dtype"]) != t.torch_dtype or shape != t.shape_for(n_kv):
             raise StateFileError(f"{path}: tensor {t.name} missing or of the wrong shape/dtype")
         start, end = entry["data_offsets"]
-        out[t.name] = raw[8 + n + start : 8 + n + end].view(t.torch_dtype).view(t.shape)
+        out[t.name] = raw[8 + n + start : 8 + n + end].view(t.torch_dtype).view(shape)
     return out
 
 
