@@ -96,6 +96,26 @@ def test_ctrl_c_before_the_first_token_drops_the_turn(tmp_path, capsys):
     assert repl.messages[0] == {"role": "user", "content": "How now?"} and len(repl.messages) == 2
 
 
+def test_a_turn_the_model_fails_is_dropped_and_nothing_is_saved(tmp_path, capsys):
+    """A state that makes the model's numbers non-finite fails the turn: it is dropped, the branch keeps its last
+    good version, and the chat goes on."""
+    repl = chat(tmp_path)
+    repl.turn("Good morrow.")
+    repl.command("/fork alt")
+    good_handle, good_state = repl.handle, repl.state
+    assert good_state is not None
+    poisoned = {k: v.clone() for k, v in good_state.items()}
+    next(iter(poisoned.values())).view(-1)[0] = 3e38
+    repl.state = poisoned
+    assert repl.turn("How now?") == ""
+    assert "the model failed" in capsys.readouterr().out
+    assert repl.handle == good_handle and len(repl.messages) == 2  # no new version; the failed turn is not kept
+    repl.state = good_state
+    repl.turn("Speak again.")
+    assert repl.handle == "alt@2" and len(repl.messages) == 4
+    repl.run(["/quit"])
+
+
 def test_chat_from_a_pipe_shows_the_branch_and_ends_at_eof(tmp_path):
     cmd = [sys.executable, "-m", "wkvm.cli", "chat", "--state-dir", str(tmp_path), "--max-tokens", "8"]
     r = subprocess.run(cmd, input="Good morrow.\n/fork scene\nHow now?\n", capture_output=True, text=True, timeout=300)

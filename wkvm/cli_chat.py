@@ -82,9 +82,10 @@ class ChatREPL:
         h = self.engine.submit(prompt, self.params, initial_state=state, base_ids=base, capture_state=True)
         stopped = self._stream(h)
         run = h.run_result()
-        if stopped and (not h.output.token_ids or run.final_state is None):
+        if run.final_state is None or (stopped and not h.output.token_ids):
             self.messages.pop()  # the state is still the one before this turn
-            print("(stopped before the answer began: this turn is dropped)")
+            why = "stopped before the answer began" if stopped else f"the model failed: {h.output.error}"
+            print(f"({why}: this turn is dropped)")
             return ""
         # with an answer begun the whole prompt was fed: the state holds the history but its last token
         self.state, self.token_ids = run.final_state, run.history
