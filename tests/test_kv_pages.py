@@ -153,3 +153,56 @@ def test_interpolate_refuses_kv_states(tmp_path):
     decayed = apply_mutation("decay", HYBRID, state, {"alpha": 0.5}, lambda h: state)
     assert torch.equal(decayed[key_name(0)], state[key_name(0)])  # keys and values are kept
     assert torch.equal(decayed["layers.0.h"], state["layers.0.h"] * 0.5)
+
+
+# --- the slot arena with kv tensors: fixed parts in slots, kv in pages --------------------------------------------
+
+
+def test_arena_holds_fixed_state_in_slots_and_kv_in_pages():
+    from wkvm.engine.arena import SlotArena
+
+    arena = SlotArena(HYBRID, n_slots=3, kv_pages=8, page_tokens=4)
+    assert set(arena.tensors) == {"layers.0.h"}
+    a = arena.alloc()
+    assert a is not None
+    state = kv_state(6, seed=1)
+    arena.write(a, state)
+    assert all(torch.equal(arena.read(a)[k], state[k]) for k in state)
+    assert arena.pool is not None and arena.pool.num_free == 6  # 6 tokens in pages of 4
+    b = arena.alloc()
+    assert b is not None
+    arena.copy(a, b)  # a fork shares the pages
+    assert arena.pool.num_free == 6
+    arena.reserve(b, 1)  # appending to the shared, partial last page copies it
+    assert arena.pool.num_free == 5
+    gen = torch.Generator().manual_seed(3)
+    k, v, q = (torch.randn(1, 1, h, D, generator=gen) for h in (H_KV, H_KV, H_Q))
+    kv = arena.kv_batch([b], 1)
+    assert kv is not None
+    kv.append(0, k, v)
+    got = kv.attend(0, q, D**-0.5)
+    kv.commit()
+    dense = {n: x.clone() for n, x in state.items() if n != "layers.0.h"}
+    ref = DenseKV(dense, [0, 1])
+    ref.append(0, k, v)
+    torch.testing.assert_close(got, ref.attend(0, q, D**-0.5))
+    assert all(torch.equal(arena.read(a)[n], state[n]) for n in state)  # the source is untouched
+    assert arena.read(b)[key_name(0)].shape[1] == 7
+    arena.free(b)
+    arena.free(a)
+    assert arena.pool.num_free == 8
+
+
+def test_arena_write_is_all_or_nothing_when_pages_run_out():
+    from wkvm.engine.arena import SlotArena
+    from wkvm.engine.kv_pages import OutOfPages
+
+    arena = SlotArena(HYBRID, n_slots=2, kv_pages=2, page_tokens=4)
+    a = arena.alloc()
+    assert a is not None
+    arena.write(a, kv_state(5))
+    with pytest.raises(OutOfPages):
+        arena.write(a, kv_state(12))  # needs 3 pages
+    assert arena.read(a)[key_name(0)].shape[1] == 5  # the old state is still there
+    with pytest.raises(ValueError, match="give the KV cache some pages"):
+        SlotArena(HYBRID, n_slots=1)

@@ -1,4 +1,6 @@
-"""SlotArena: every sequence's recurrent state lives in one fixed-size slot of preallocated tensors."""
+"""SlotArena: every sequence's fixed-size state lives in one slot of preallocated tensors; its attention keys and
+values (kind `kv`), if the model has any, in pages of a shared pool (`wkvm/engine/kv_pages.py`), one page table
+per slot. Reads and writes of a slot's state carry both, the kv part as dense `[1, n, ...]` tensors."""
 
 from __future__ import annotations
 
@@ -6,7 +8,8 @@ import heapq
 
 import torch
 
-from wkvm.models.spec import FIXED_KINDS, State, StateSpec
+from wkvm.engine.kv_pages import PagedKV, PagePool, SeqKV
+from wkvm.models.spec import State, StateSpec
 
 
 class SlotArena:
@@ -16,17 +19,22 @@ class SlotArena:
     keeps running sequences packed so a decode batch is often a contiguous range (a view, no copy).
     """
 
-    def __init__(self, spec: StateSpec, n_slots: int, device: str | torch.device = "cpu"):
+    def __init__(self, spec: StateSpec, n_slots: int, device: str | torch.device = "cpu", kv_pages: int = 0,
+                 page_tokens: int = 16):  # fmt: skip
         if n_slots < 1:
             raise ValueError("the arena needs at least one slot")
-        paged = [t.name for t in spec.tensors if t.kind not in FIXED_KINDS]
-        if paged:
-            raise ValueError(f"state tensors {paged[:3]} are of a paged kind (kv), which the slot arena does not "
-                             "hold yet (see docs/state-file.md)")  # fmt: skip
+        if spec.has_kv and kv_pages < 1:
+            raise ValueError("this model has attention layers: give the KV cache some pages")
         self.spec = spec
         self.n_slots = n_slots
         self.device = torch.device(device)
-        self.tensors: State = spec.zeros(n_slots + 1, self.device)
+        self.tensors: State = {
+            t.name: torch.zeros((n_slots + 1, *t.shape), dtype=t.torch_dtype, device=self.device)
+            for t in spec.tensors
+            if not t.paged
+        }
+        self.pool = PagePool(spec, kv_pages, page_tokens, self.device) if spec.has_kv else None
+        self.kv: dict[int, SeqKV] = {}  # slot -> its pages (models with kv tensors only)
         self._free = list(range(n_slots))
         heapq.heapify(self._free)
         self._used: set[int] = set()
@@ -52,16 +60,39 @@ class SlotArena:
         if slot not in self._used:
             raise ValueError(f"slot {slot} is not allocated")
         self._used.remove(slot)
+        self._drop_kv(slot)
         heapq.heappush(self._free, slot)
 
     def reset(self, slot: int) -> None:
         for t in self.tensors.values():
             t[slot].zero_()
+        self._drop_kv(slot)
+
+    def _drop_kv(self, slot: int) -> None:
+        seq = self.kv.pop(slot, None)
+        if seq is not None and self.pool is not None:
+            seq.free(self.pool)
 
     def copy(self, src: int, dst: int) -> None:
-        """Fork: dst becomes an exact copy of src."""
+        """Fork: dst becomes an exact copy of src (its kv pages shared copy-on-write)."""
         for t in self.tensors.values():
             t[dst].copy_(t[src])
+        if self.pool is not None:
+            self._drop_kv(dst)
+            self.kv[dst] = self.kv.get(src, SeqKV()).fork(self.pool)
+
+    def reserve(self, slot: int, n_new: int) -> None:
+        """Room in `slot`'s pages for `n_new` more tokens (before a forward feeds them); raises OutOfPages having
+        taken none. A no-op for models without kv tensors."""
+        if self.pool is not None:
+            self.kv.setdefault(slot, SeqKV()).reserve(self.pool, n_new)
+
+    def kv_batch(self, slots: list[int], n_new: int) -> PagedKV | None:
+        """The attention view of `slots` feeding `n_new` tokens each (pages reserved); None without kv tensors.
+        Call `commit()` on it after the forward."""
+        if self.pool is None:
+            return None
+        return PagedKV(self.pool, [self.kv.setdefault(s, SeqKV()) for s in slots], n_new)
 
     def view(self, slots: list[int]) -> tuple[State, bool]:
         """The batch state for `slots`: a view when they form a contiguous range, else a gathered copy.
@@ -80,10 +111,20 @@ class SlotArena:
             t.index_copy_(0, idx, state[k])
 
     def read(self, slot: int, device: str | torch.device = "cpu") -> State:
-        """A copy of one slot's state (batch dim 1), e.g. to park it in host memory."""
-        return {k: t[slot : slot + 1].to(device, copy=True) for k, t in self.tensors.items()}
+        """A copy of one slot's state (batch dim 1), e.g. to park it in host memory; kv tensors as [1, n, ...]."""
+        out = {k: t[slot : slot + 1].to(device, copy=True) for k, t in self.tensors.items()}
+        if self.pool is not None:
+            dense = self.kv.get(slot, SeqKV()).to_dense(self.pool)
+            out.update({k: v.unsqueeze(0).to(device) for k, v in dense.items()})
+        return out
 
     def write(self, slot: int, state: State) -> None:
+        """Set one slot's state (batch dim 1); its kv tensors go into fresh pages (raises OutOfPages)."""
         self.spec.check(state)
+        if self.pool is not None:
+            dense = {t.name: state[t.name][0] for t in self.spec.tensors if t.paged}
+            seq = SeqKV.from_dense(self.pool, dense)  # before dropping the old pages: all or nothing
+            self._drop_kv(slot)
+            self.kv[slot] = seq
         for k, t in self.tensors.items():
             t[slot].copy_(state[k][0])
