@@ -206,3 +206,48 @@ def test_arena_write_is_all_or_nothing_when_pages_run_out():
     assert arena.read(a)[key_name(0)].shape[1] == 5  # the old state is still there
     with pytest.raises(ValueError, match="give the KV cache some pages"):
         SlotArena(HYBRID, n_slots=1)
+
+
+def test_scheduler_parks_for_kv_pages_and_resumes_with_the_cache_intact():
+    """Three prompts need 3 pages each of a 7-page pool; each step feeds whole prompts, then one token per request.
+    The lowest-ranked request is parked (keys and values to host) when pages run short, resumes later with its
+    cache unchanged, and every request ends with exactly its tokens cached."""
+    from wkvm.config import EngineConfig
+    from wkvm.engine.arena import SlotArena
+    from wkvm.engine.request import Request, Status
+    from wkvm.engine.scheduler import Scheduler
+    from wkvm.sampling_params import SamplingParams
+
+    arena = SlotArena(HYBRID, n_slots=3, kv_pages=7, page_tokens=4)
+    sched = Scheduler(EngineConfig(n_slots=3, token_budget=64, prefill_chunk=64), arena)
+    reqs = [Request(f"r{i}", list(range(1, 10)), SamplingParams(max_tokens=6), priority=i) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    written: dict[str, list[float]] = {r.request_id: [] for r in reqs}  # the value stored for each cached token
+    parked_ever = set()
+    for step in range(40):
+        batch = sched.schedule()
+        parked_ever |= {r.request_id for r in batch.parked}
+        for r, n in batch.work:  # the runner's part: append n tokens' keys/values, then advance
+            assert r.slot is not None
+            kv = arena.kv_batch([r.slot], n)
+            assert kv is not None
+            vals = [float(r.num_computed_tokens + t) for t in range(n)]
+            x = torch.tensor(vals).view(1, n, 1, 1).expand(1, n, H_KV, D)
+            for layer in (0, 1):
+                kv.append(layer, x, x)
+            kv.commit()
+            written[r.request_id] += vals
+            r.num_computed_tokens += n
+            if not r.is_prefilling:
+                r.output_ids.append(7)
+        for r in list(sched.running):
+            if len(r.output_ids) >= 6:  # the last sampled token is pending (not fed, not cached)
+                assert r.slot is not None
+                cached = arena.read(r.slot)[key_name(1)][0, :, 0, 0].tolist()
+                assert cached == written[r.request_id] == [float(i) for i in range(r.num_computed_tokens)]
+                sched.finish(r, Status.FINISHED_LENGTH)
+        if not sched.has_work:
+            break
+    assert not sched.has_work and parked_ever, "the pool was meant to run short"
+    assert arena.pool is not None and arena.pool.num_free == 7

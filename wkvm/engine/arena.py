@@ -87,6 +87,10 @@ class SlotArena:
         if self.pool is not None:
             self.kv.setdefault(slot, SeqKV()).reserve(self.pool, n_new)
 
+    def can_hold(self, n_tokens: int) -> bool:
+        """Whether a new sequence of `n_tokens` cached tokens fits the free KV pages (always, without kv)."""
+        return self.pool is None or -(-n_tokens // self.pool.page_tokens) <= self.pool.num_free
+
     def kv_batch(self, slots: list[int], n_new: int) -> PagedKV | None:
         """The attention view of `slots` feeding `n_new` tokens each (pages reserved); None without kv tensors.
         Call `commit()` on it after the forward."""

@@ -3,6 +3,11 @@
 Running requests take their gap first (1 token when decoding, a capped chunk when prefilling), then waiting
 requests are admitted while budget and slots last. When no slot is free and a waiting request outranks
 (priority, then arrival) the lowest-ranked running one, that one is parked in host memory and resumes later.
+
+Models with attention layers also need KV pages for the tokens a step feeds (grow and preempt, as vLLM does):
+each request's pages are reserved when it is scheduled; when the pool is out of pages the lowest-ranked other
+running request is parked (its keys and values copied to host, never recomputed), and if there is none the
+request waits itself.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from dataclasses import dataclass
 
 from wkvm.config import EngineConfig
 from wkvm.engine.arena import SlotArena
+from wkvm.engine.kv_pages import OutOfPages
 from wkvm.engine.request import Request, Status
 
 
@@ -59,15 +65,27 @@ class Scheduler:
         work: list[tuple[Request, int]] = []
         parked = self._preempt_for_waiting()
         for req in sorted(self.running, key=lambda r: r.sort_key):
+            if req.status != Status.RUNNING:
+                continue  # parked this step to make room for a higher-ranked request's pages
             n = self._take(req, budget)
-            if n:
+            if n and self._pages_for(req, n, work, parked):
                 work.append((req, n))
                 budget -= n
         self.waiting.sort(key=lambda r: r.sort_key)
         while self.waiting and budget > 0 and self.arena.num_free > 0:
+            head = self.waiting[0]
+            if any(head is p for p in parked):
+                break  # parked this step for want of KV pages: it waits for the next one
+            n = self._take(head, budget)
+            state = head.parked_state if head.parked_state is not None else head.initial_state
+            if not self.arena.can_hold((self.arena.spec.kv_length(state) if state else 0) + n):
+                break  # its keys and values and this step's tokens do not fit the free pages: wait, in order
             req = self.waiting.pop(0)
-            self._admit(req)
-            n = self._take(req, budget)
+            if not self._admit(req):
+                self.waiting.insert(0, req)
+                break
+            if n and not self._pages_for(req, n, work, parked):
+                break
             if n:
                 work.append((req, n))
                 budget -= n
@@ -96,16 +114,42 @@ class Scheduler:
             parked.append(worst)
         return parked
 
-    def _admit(self, req: Request) -> None:
+    def _pages_for(self, req: Request, n: int, work: list[tuple[Request, int]], parked: list[Request]) -> bool:
+        """Reserve KV pages for `n` tokens of `req`, parking lower-ranked running requests not yet given work this
+        step while the pool is short; False (and `req` parked) when nothing can make room."""
+        assert req.slot is not None
+        while True:
+            try:
+                self.arena.reserve(req.slot, n)
+                return True
+            except OutOfPages:
+                scheduled = {id(r) for r, _ in work}
+                others = [r for r in self.running if r is not req and id(r) not in scheduled]
+                victim = max(others, key=lambda r: r.sort_key, default=None)
+                if victim is None or not req.sort_key < victim.sort_key:
+                    victim = req
+                self.park(victim)
+                parked.append(victim)
+                if victim is req:
+                    return False
+
+    def _admit(self, req: Request) -> bool:
+        """Give `req` a slot and its state; False (nothing changed) when its keys and values do not fit the pool."""
         slot = self.arena.alloc()
         assert slot is not None
         req.slot = slot
-        if req.status == Status.PARKED:
-            self.unpark(req)
-        elif req.initial_state is not None:
-            self.arena.write(slot, req.initial_state)
+        try:
+            if req.status == Status.PARKED:
+                self.unpark(req)
+            elif req.initial_state is not None:
+                self.arena.write(slot, req.initial_state)
+        except OutOfPages:
+            self.arena.free(slot)
+            req.slot = None
+            return False
         req.status = Status.RUNNING
         self.running.append(req)
+        return True
 
     def _park(self, req: Request) -> None:
         """Preempt: move the state to host memory (never recompute) and requeue."""
