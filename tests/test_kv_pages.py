@@ -225,7 +225,7 @@ def test_scheduler_parks_for_kv_pages_and_resumes_with_the_cache_intact():
         sched.add(r)
     written: dict[str, list[float]] = {r.request_id: [] for r in reqs}  # the value stored for each cached token
     parked_ever = set()
-    for step in range(40):
+    for _step in range(40):
         batch = sched.schedule()
         parked_ever |= {r.request_id for r in batch.parked}
         for r, n in batch.work:  # the runner's part: append n tokens' keys/values, then advance
