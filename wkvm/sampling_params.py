@@ -6,10 +6,16 @@ infinities); the ranges are module constants so the server's schema and docs sta
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, Any, cast
+
+import llguidance
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # declared in the stub only
 
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20
@@ -19,6 +25,9 @@ TOP_P_RANGE = (0.0, 1.0)  # open at 0: top_p must be > 0
 MIN_P_RANGE = (0.0, 1.0)
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty
 REPETITION_PENALTY_RANGE = (0.01, 10.0)
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+# compact JSON: no whitespace between tokens, so a reply cannot drift into endless blank space
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 @dataclass
@@ -36,6 +45,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token (the chosen token is always included)
+    # OpenAI's: None or {"type": "text"}; {"type": "json_object"}; {"type": "json_schema", "json_schema":
+    # {"name": ..., "schema": {...}, "strict": ...}}. A JSON reply ends (finish_reason "stop") when the value closes.
+    response_format: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +72,39 @@ class SamplingParams:
         _check(lp_ok, "logprobs", f"an integer in 0..{MAX_LOGPROBS}")
         if 0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
+        self.grammar()  # raises InvalidParam("response_format", ...) for a format or schema it cannot enforce
+
+    def json_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the reply must match (json_object: any object); None for free text."""
+        fmt = self.response_format
+        if fmt is None:
+            return None
+        ok = isinstance(fmt, dict) and fmt.get("type") in RESPONSE_FORMATS
+        _check(ok, "response_format", f'an object whose "type" is one of {", ".join(RESPONSE_FORMATS)}')
+        if fmt["type"] == "text":
+            return None
+        if fmt["type"] == "json_object":
+            return {"type": "object"}
+        spec = fmt.get("json_schema")
+        if not (isinstance(spec, dict) and isinstance(spec.get("schema"), dict)):
+            need = '"json_schema": {"name": ..., "schema": {...}}, the schema a JSON schema object'
+            raise InvalidParam("response_format", f'response_format: type "json_schema" needs {need}')
+        return cast(dict[str, Any], spec["schema"])
+
+    def grammar(self) -> str | None:
+        """llguidance grammar text for the response format (None: free text); sub-millisecond to build and check."""
+        schema = self.json_schema()
+        if schema is None:
+            return None
+        try:
+            canonical = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(canonical, defaults=JSON_OPTIONS)
+        except (TypeError, ValueError) as e:
+            raise InvalidParam("response_format", f"response_format: the schema is not plain JSON: {e}") from None
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+        if is_error:
+            raise InvalidParam("response_format", f"response_format: the schema cannot be enforced: {messages[0]}")
+        return grammar
 
     @property
     def greedy(self) -> bool:

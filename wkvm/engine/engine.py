@@ -49,7 +49,7 @@ class Engine:
     def __init__(self, model: LanguageModel, tokenizer: Tokenizer, config: EngineConfig | None = None):
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
-        self.runner = ModelRunner(model, self.config)
+        self.runner = ModelRunner(model, self.config, tokenizer)
         self.scheduler = Scheduler(self.config, self.runner.arena)  # slot bookkeeping; parks states through it
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -110,9 +110,13 @@ class Engine:
                 raise EngineClosed("the engine is shutting down and accepts no new requests")
             if req.request_id in self._handles:
                 raise ValueError(f"request id {req.request_id!r} is already in flight")
-            self.scheduler.add(req)
+            self.runner.add(req)  # first: it refuses a grammar that does not compile for this tokenizer
+            try:
+                self.scheduler.add(req)
+            except QueueFull:
+                self.runner.release(req.request_id)
+                raise
             self._handles[req.request_id] = handle
-            self.runner.add(req)
             self._detok[req.request_id] = Detokenizer(self.tokenizer, params.stop)
             self._wake.notify()
         return handle
@@ -183,15 +187,16 @@ class Engine:
                 events.append(self._end_prefill(req))
             else:
                 assert s.token is not None  # a row without an error sampled a token
-                events.append(self._append(req, s.token, s.logprobs))
+                events.append(self._append(req, s.token, s.logprobs, s.grammar_done))
         return events
 
-    def _append(self, req: Request, tok: int, lp: dict[int, float] | None) -> Event:
-        """Add one sampled token; finish the request on a stop or at max_tokens."""
+    def _append(self, req: Request, tok: int, lp: dict[int, float] | None, grammar_done: bool = False) -> Event:
+        """Add one sampled token; finish the request on a stop (or a completed response_format) or at max_tokens."""
         p, detok = req.params, self._detok[req.request_id]
         req.output_ids.append(tok)
         status = None
-        if detok.add(tok) or tok in p.stop_token_ids or (tok == self.tokenizer.eos_token_id and not p.ignore_eos):
+        eos = tok == self.tokenizer.eos_token_id and not p.ignore_eos
+        if detok.add(tok) or tok in p.stop_token_ids or eos or grammar_done:
             status = Status.FINISHED_STOPPED
         elif len(req.output_ids) >= p.max_tokens:
             status = Status.FINISHED_LENGTH

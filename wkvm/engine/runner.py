@@ -15,10 +15,12 @@ import torch
 
 from wkvm.config import EngineConfig
 from wkvm.engine.arena import SlotArena
+from wkvm.engine.grammar import GrammarCompiler
 from wkvm.engine.request import Request
 from wkvm.engine.sampler import NON_FINITE_LOGITS, Sampled, SamplerRow, make_generator, sample
 from wkvm.models.family import LanguageModel
 from wkvm.models.spec import State
+from wkvm.tokenizer import Tokenizer
 
 
 @dataclass
@@ -29,15 +31,25 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LanguageModel, config: EngineConfig):
+    def __init__(self, model: LanguageModel, config: EngineConfig, tokenizer: Tokenizer | None = None):
         self.model = model
         self.arena = SlotArena(model.spec, config.n_slots, config.device)
         self._rows: dict[str, SamplerRow] = {}
+        self.grammars = GrammarCompiler(tokenizer) if tokenizer is not None else None
 
     def add(self, req: Request) -> None:
-        """Give a new request its sampler row (seeded generator, token context for penalties)."""
+        """Give a new request its sampler row (seeded generator, token context for penalties, grammar state).
+
+        The row lives until the request finishes, across preemption and parking, so its grammar's parse does too.
+        """
         p = req.params
-        self._rows[req.request_id] = SamplerRow(p, make_generator(p.seed), req.prompt_ids, req.output_ids, req.base_ids)
+        row = SamplerRow(p, make_generator(p.seed), req.prompt_ids, req.output_ids, req.base_ids)
+        grammar = None if req.prefill_only else p.grammar()
+        if grammar is not None:
+            if self.grammars is None:
+                raise ValueError("response_format needs the engine's tokenizer (ModelRunner was given none)")
+            row.grammar = self.grammars.state(grammar)
+        self._rows[req.request_id] = row
 
     def release(self, request_id: str) -> None:
         self._rows.pop(request_id, None)

@@ -1,8 +1,10 @@
-"""The sampler: penalties, greedy/temperature/top-k/top-p/min-p, per-request seeds, top-k logprobs.
+"""The sampler: grammar masks, penalties, greedy/temperature/top-k/top-p/min-p, per-request seeds, top-k logprobs.
 
-Logprobs are those of the model's raw distribution (before penalties and temperature), as in vLLM.
+Logprobs are those of the model's raw distribution (before grammar mask, penalties and temperature), as in vLLM.
 Rows are independent: a row whose logits or distribution are not finite gets an error instead of a token, and
 every other row samples exactly as it would have without it (multinomial never sees an invalid distribution).
+A constrained row (one with a `GrammarState`) masks its own logits to the tokens its grammar allows; the batch's
+logits are never changed in place, so free rows in the same batch sample exactly as without it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from wkvm.engine.grammar import GrammarState
 from wkvm.sampling_params import SamplingParams
 
 NON_FINITE_LOGITS = (
@@ -20,6 +23,7 @@ INVALID_DISTRIBUTION = (
     "sampling this request produced an invalid distribution (NaN, infinity or all zero); "
     "its logits or sampling parameters are out of range"
 )
+NO_ALLOWED_TOKEN = "the response_format grammar allows no token here"
 
 
 @dataclass
@@ -29,6 +33,7 @@ class SamplerRow:
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     base_ids: list[int] = field(default_factory=list)  # tokens already inside a resumed state: context too
+    grammar: GrammarState | None = None  # the response_format's parse so far (None: free text)
     _context: set[int] | None = field(default=None, init=False, repr=False)
 
     def context_seen(self) -> set[int]:
@@ -45,6 +50,7 @@ class Sampled:
     token: int | None
     logprobs: dict[int, float] | None = None
     error: str | None = None
+    grammar_done: bool = False  # this token completed the response_format's value: the reply ends here
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
@@ -102,8 +108,8 @@ def choose(logits: torch.Tensor, row: SamplerRow, greedy_id: int) -> int | None:
     if p.greedy and not p.uses_penalties:
         return greedy_id
     x = apply_penalties(logits, row) if p.uses_penalties else logits
-    if p.greedy:
-        return int(torch.argmax(x)) if bool(torch.isfinite(x).all()) else None
+    if p.greedy:  # a NaN or infinite maximum means no usable logit (grammar-masked ones are -inf)
+        return int(torch.argmax(x)) if bool(torch.isfinite(x.max())) else None
     probs = filtered_probs(x, p)
     if not valid_distribution(probs):
         return None
@@ -122,10 +128,23 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
         if not finite[i]:
             out.append(Sampled(None, error=NON_FINITE_LOGITS))
             continue
-        tok = choose(logits[i], row, greedy_ids[i])
+        x, greedy_id = logits[i], greedy_ids[i]
+        if row.grammar is not None:
+            allowed = row.grammar.allowed(x.shape[-1])
+            if not bool(allowed.any()):
+                out.append(Sampled(None, error=f"{NO_ALLOWED_TOKEN}: {row.grammar.error or 'no token fits'}"))
+                continue
+            x = x.masked_fill(~allowed, float("-inf"))  # a new tensor: the batch's logits stay as they were
+            greedy_id = int(torch.argmax(x))
+        tok = choose(x, row, greedy_id)
         if tok is None:
             out.append(Sampled(None, error=INVALID_DISTRIBUTION))
             continue
+        done = False
+        if row.grammar is not None:
+            row.grammar.accept(tok)
+            done = row.grammar.done
         k = row.params.logprobs
-        out.append(Sampled(tok, top_logprobs(raw_lp[i], tok, k) if raw_lp is not None and k is not None else None))
+        lp = top_logprobs(raw_lp[i], tok, k) if raw_lp is not None and k is not None else None
+        out.append(Sampled(tok, lp, grammar_done=done))
     return out

@@ -254,10 +254,6 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
 def chat_messages(body: ChatRequest) -> list[dict[str, str]]:
     if body.tools or body.functions:
         raise APIError(400, "tools / function calling is not supported yet", "tools", "unsupported")
-    fmt = (body.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise APIError(400, f"response_format {fmt!r} is not supported yet (only 'text')", "response_format",
-                       "unsupported")  # fmt: skip
     out = []
     for i, m in enumerate(body.messages):
         if m.role not in CHAT_ROLES:

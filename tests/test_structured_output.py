@@ -1,0 +1,297 @@
+"""response_format JSON modes: every sampled reply of a random model parses and validates against its schema.
+
+A random model's free output is garbage, so validity comes from the grammar mask alone. Replies are sampled at
+temperature 1 with different seeds, many at once through one engine.
+"""
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from live_server import LiveServer
+
+from wkvm.config import EngineConfig
+from wkvm.engine.engine import Engine
+from wkvm.engine.grammar import GrammarCompiler
+from wkvm.sampling_params import InvalidParam, SamplingParams
+from wkvm.weights.loader import load_model, load_text_tools
+
+N_REPLIES = 50
+
+
+def obj(properties, required=None):
+    """An object schema closed to other keys (extra keys would be unbounded strings for a random model)."""
+    keys = list(required or properties)
+    return {"type": "object", "properties": properties, "required": keys, "additionalProperties": False}
+
+
+NAME = {"type": "string", "maxLength": 6}
+AGE = {"type": "integer", "minimum": 0, "maximum": 120}
+SHORT_OR_NULL = {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 3}]}
+SMALL_INTS = {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 2, "maxItems": 5}
+SHORT_TAGS = {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 3}
+SCHEMAS = {
+    "nested": obj({"user": obj({"name": NAME, "age": AGE}), "active": {"type": "boolean"}, "note": SHORT_OR_NULL}),
+    "array_min_items": obj({"xs": SMALL_INTS}),
+    "enums": obj(
+        {
+            "color": {"enum": ["red", "green", "blue"]},
+            "size": {"type": "string", "enum": ["S", "M", "XL"]},
+            "level": {"enum": [1, 2, 3]},
+        }
+    ),
+    "numbers": obj(
+        {
+            "x": {"type": "number", "minimum": 0, "maximum": 10},
+            "y": {"type": "number"},
+            "n": {"type": "integer", "exclusiveMinimum": 0},
+        },
+        required=["x", "n"],
+    ),
+    "strings": obj(
+        {
+            "code": {"type": "string", "maxLength": 4},
+            "tags": SHORT_TAGS,
+            "word": {"type": "string", "minLength": 2, "maxLength": 5},
+        }
+    ),
+}
+
+
+def fmt(schema):
+    return {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}}
+
+
+def sampled(seed=0, **kw):
+    return SamplingParams(max_tokens=kw.pop("max_tokens", 300), temperature=1.0, seed=seed, **kw)
+
+
+@pytest.fixture(scope="module")
+def char(char_model):
+    tok, _ = load_text_tools(char_model, "rwkv7")
+    return load_model(char_model), tok
+
+
+@pytest.fixture(scope="module")
+def world(world_pth):
+    tok, _ = load_text_tools(world_pth, "rwkv7")
+    return load_model(world_pth), tok
+
+
+def replies(model, tok, schema, n, prompt="Say:", **kw):
+    engine = Engine(model, tok, EngineConfig(n_slots=n, token_budget=max(512, n)))
+    handles = [engine.submit(tok.encode(prompt), sampled(seed=i, response_format=fmt(schema), **kw)) for i in range(n)]
+    engine.run_until_done()
+    return engine, [h.output for h in handles]
+
+
+def check_valid(outputs, schema):
+    for out in outputs:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_every_sampled_reply_validates(char, name):
+    model, tok = char
+    engine, outputs = replies(model, tok, SCHEMAS[name], N_REPLIES)
+    check_valid(outputs, SCHEMAS[name])
+    assert len({o.text for o in outputs}) >= 10  # the seeds sample different replies
+    assert engine.runner.grammars is not None and engine.runner.grammars.compilations == 1  # compiled once
+
+
+def test_world_vocabulary(world):
+    """The grammar engine takes the World tokenizer (65,536 logits, 65,530 tokens): pad rows are never sampled."""
+    model, tok = world
+    tags = {"type": "array", "items": {"enum": ["a", "bb"]}, "minItems": 1, "maxItems": 3}
+    schema = obj({"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}, "tags": tags})
+    _, outputs = replies(model, tok, schema, 12)
+    check_valid(outputs, schema)
+    assert all(t < tok.vocab_size for o in outputs for t in o.token_ids)
+
+
+def test_json_object(char):
+    """json_object: an object at the top level; the reply ends when it closes."""
+    model, tok = char
+    engine = Engine(model, tok, EngineConfig(n_slots=20))
+    params = [sampled(seed=i, max_tokens=2000, response_format={"type": "json_object"}) for i in range(20)]
+    handles = [engine.submit(tok.encode("Go"), p) for p in params]
+    engine.run_until_done()
+    for h in handles:
+        assert h.output.finish_reason == "stop"
+        assert isinstance(json.loads(h.output.text), dict)
+
+
+def test_mask_and_eos(world):
+    """EOS is allowed only once the grammar accepts; tokens past the tokenizer's vocabulary never are."""
+    model, tok = world
+    state = GrammarCompiler(tok).state(sampled(response_format=fmt({"type": "integer"})).grammar())
+    width = 65536
+    allowed = state.allowed(width)
+    assert not allowed[tok.vocab_size :].any() and not allowed[tok.eos_token_id]
+    state.accept(tok.encode("7")[0])
+    allowed = state.allowed(width)
+    assert allowed[tok.eos_token_id] and allowed[tok.encode("3")[0]] and not state.done
+    assert not allowed[tok.encode("a")[0]]
+
+
+def test_grammar_cache_is_lru(world):
+    _, tok = world
+    compiler = GrammarCompiler(tok, cache_size=2)
+    grammars = [sampled(response_format=fmt({"enum": [i]})).grammar() for i in range(3)]
+    for g in grammars + grammars[2:]:
+        compiler.state(g)
+    assert compiler.compilations == 3  # the third schema evicted the first; repeating the third compiles nothing
+    compiler.state(grammars[0])
+    assert compiler.compilations == 4
+
+
+@pytest.mark.parametrize(
+    "response_format, problem",
+    [
+        ({"type": "xml"}, '"type" is one of'),
+        ({"type": "json_schema"}, "JSON schema object"),
+        (fmt({"type": "strnig"}), "Invalid type: strnig"),
+        (fmt({"type": "string", "minLength": 5, "maxLength": 2}), "minLength (5) is greater than maxLength (2)"),
+        (fmt({"not": {"type": "string"}}), "Unimplemented keys"),
+        (fmt({"type": "number", "maximum": float("nan")}), "not plain JSON"),
+    ],
+)
+def test_invalid_response_format(response_format, problem):
+    with pytest.raises(InvalidParam, match="response_format") as e:
+        SamplingParams(response_format=response_format)
+    assert e.value.param == "response_format" and problem in str(e.value)
+
+
+def test_free_rows_unchanged_by_a_constrained_neighbour(char):
+    model, tok = char
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    prompts = [tok.encode(p) for p in ("Hello", "World!", "abc")]
+
+    def free_tokens(with_constrained):
+        engine = Engine(model, tok, EngineConfig(n_slots=4))
+        free = [engine.submit(p, greedy) for p in prompts]
+        if with_constrained:
+            c = engine.submit(tok.encode("Hi"), sampled(response_format=fmt(SCHEMAS["nested"])))
+        engine.run_until_done()
+        if with_constrained:
+            check_valid([c.output], SCHEMAS["nested"])
+        return [h.output.token_ids for h in free]
+
+    assert free_tokens(True) == free_tokens(False)
+
+
+def test_preempted_constrained_request_resumes_its_parse(char):
+    """Parked mid-reply and resumed, a constrained request continues its parse: same reply as uninterrupted."""
+    model, tok = char
+    schema = SCHEMAS["strings"]
+    params = sampled(seed=3, response_format=fmt(schema))
+
+    def run(preempt):
+        engine = Engine(model, tok, EngineConfig(n_slots=1))
+        low = engine.submit(tok.encode("Hey"), params, priority=5)
+        for _ in range(6):
+            engine.step()
+        if preempt:
+            engine.submit(tok.encode("xy"), SamplingParams(max_tokens=5, temperature=0), priority=0)
+            engine.step()
+            assert low.request.status.value == "parked" and low.request.output_ids
+        engine.run_until_done()
+        return low.output
+
+    alone, parked = run(False), run(True)
+    check_valid([parked], schema)
+    assert parked.token_ids == alone.token_ids
+
+
+@pytest.fixture(scope="module")
+def server(char_model):
+    with LiveServer(model=str(char_model), slots=4) as s:
+        yield s
+
+
+CHAT = {
+    "messages": [{"role": "user", "content": "Give"}],
+    "max_tokens": 300,
+    "temperature": 1.0,
+    "seed": 7,
+    "response_format": fmt(SCHEMAS["nested"]),
+}
+
+
+def streamed_text(url, body, field):
+    out = []
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                out += [field(c) or "" for c in chunk["choices"]]
+    return "".join(out)
+
+
+def test_http_streaming_equals_blocking(server):
+    url = f"{server.url}/v1/chat/completions"
+    blocking = httpx.post(url, json=CHAT, timeout=60).json()["choices"][0]
+    assert blocking["finish_reason"] == "stop"
+    check_valid_text(blocking["message"]["content"], SCHEMAS["nested"])
+    assert streamed_text(url, CHAT, lambda c: c["delta"].get("content")) == blocking["message"]["content"]
+
+    body = {"prompt": "Go", "max_tokens": 300, "seed": 2, "response_format": fmt(SCHEMAS["enums"])}
+    url = f"{server.url}/v1/completions"
+    text = httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"]
+    check_valid_text(text, SCHEMAS["enums"])
+    assert streamed_text(url, body, lambda c: c["text"]) == text
+
+
+def test_http_state_generate(server):
+    r = httpx.post(f"{server.url}/v1/states", json={"name": "ctx", "prompt": "Facts:"}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = {"prompt": "Now", "max_tokens": 300, "seed": 1, "response_format": fmt(SCHEMAS["numbers"])}
+    url = f"{server.url}/v1/states/{r.json()['handle']}/generate"
+    c = httpx.post(url, json=body, timeout=60).json()["choices"][0]
+    assert c["finish_reason"] == "stop"
+    check_valid_text(c["text"], SCHEMAS["numbers"])
+    assert streamed_text(url, body, lambda ch: ch["text"]) == c["text"]
+
+
+def check_valid_text(text, schema):
+    jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize(
+    "response_format, param, problem",
+    [
+        (fmt({"type": "object", "properties": {"a": {"type": "strnig"}}}), "response_format", "Invalid type: strnig"),
+        (fmt({"type": "array", "uniqueItems": True}), "response_format", "uniqueItems"),
+        ({"type": "yaml"}, "response_format.type", "json_schema"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema", "required"),
+    ],
+)
+def test_http_invalid_schema_is_400(server, response_format, param, problem):
+    for path, body in (("chat/completions", CHAT), ("completions", {"prompt": "x"})):
+        r = httpx.post(f"{server.url}/v1/{path}", json={**body, "response_format": response_format}, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and problem in err["message"], err
+
+
+def test_openai_sdk_json_schema(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    schema = SCHEMAS["enums"]
+    r = client.chat.completions.create(
+        model=server.ctx.model_name,
+        messages=[{"role": "user", "content": "Pick a color and a size."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema, "strict": True}},
+        temperature=1.0,
+        seed=11,
+    )
+    assert r.choices[0].finish_reason == "stop"
+    check_valid_text(r.choices[0].message.content, schema)
+    hi = [{"role": "user", "content": "Hi"}]
+    r = client.chat.completions.create(
+        model=server.ctx.model_name, messages=hi, response_format={"type": "json_object"}, max_tokens=2000, seed=4
+    )
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)

@@ -1,0 +1,82 @@
+"""Llama as a wkvm model family: HF `LlamaForCausalLM` directories and llama.cpp GGUF files (architecture llama).
+An HF directory brings its tokenizer.json; a GGUF file carries its own (`gguf_text`)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wkvm.chat_template import ChatTemplate
+from wkvm.models.family import Checkpoint, RawTensors
+from wkvm.models.llama import checkpoint, model
+from wkvm.models.llama.model import Llama, LlamaConfig
+from wkvm.models.provider import Tensors, WeightProvider
+from wkvm.tokenizer import Tokenizer
+
+
+class LlamaFamily:
+    name = model.FAMILY
+    model_types = checkpoint.HF_MODEL_TYPES
+    formats = "Llama as an HF directory (LlamaForCausalLM) or a llama.cpp .gguf file (F32/F16/BF16/Q8_0/Q4_0/Q4_1)"
+
+    def detect(self, path: Path) -> str | None:
+        return checkpoint.detect(path)
+
+    def read_checkpoint(self, path: Path, fmt: str) -> Checkpoint:
+        raw, config = checkpoint.read(path, fmt)
+        return Checkpoint(raw, config, fmt)
+
+    def config_from_checkpoint(self, ckpt: Checkpoint) -> LlamaConfig:
+        return LlamaConfig.from_hf(ckpt.raw, ckpt.config)
+
+    def config_from_dict(self, d: dict[str, Any]) -> LlamaConfig:
+        names = {f.name for f in fields(LlamaConfig)}
+        return LlamaConfig(**{k: v for k, v in d.items() if k in names})
+
+    def used_tensors(self, raw: RawTensors) -> RawTensors:
+        return model.used_tensors(raw)
+
+    def global_keys(self, cfg: LlamaConfig) -> tuple[str, ...]:
+        return model.global_keys(cfg)
+
+    def layer_prefix(self, i: int) -> str:
+        return f"model.layers.{i}."
+
+    def linear_keys(self, cfg: LlamaConfig, i: int) -> tuple[str, ...]:
+        return model.LINEAR
+
+    def prepare_layer(self, raw: RawTensors, i: int, cfg: LlamaConfig, dtype: torch.dtype,
+                      device: torch.device | str, pack: bool = True) -> Tensors:  # fmt: skip
+        return model.prepare_layer(raw, i, cfg, dtype, device, pack)
+
+    def prepare_globals(self, raw: RawTensors, cfg: LlamaConfig, dtype: torch.dtype,
+                        device: torch.device | str) -> Tensors:  # fmt: skip
+        return model.prepare_globals(raw, cfg, dtype, device)
+
+    def build(self, cfg: LlamaConfig, weights: WeightProvider, fingerprint: str, device: torch.device | str) -> Llama:
+        return Llama(cfg, weights, fingerprint, device)
+
+    def describe(self, cfg: LlamaConfig) -> str:
+        rope = f"RoPE {cfg.rope_type} theta {cfg.rope_theta:g}" + (
+            f" x{cfg.rope_factor:g}" if cfg.rope_type != "default" else ""
+        )
+        return (
+            f"Llama, {cfg.n_layer} layers, width {cfg.n_embd}, {cfg.n_heads} query / {cfg.n_kv_heads} key-value "
+            f"heads of {cfg.head_dim}, MLP {cfg.ffn_size}, {rope}, vocab {cfg.vocab_size}"
+            + (", tied head" if cfg.tied_head else "")
+        )
+
+    def convert(self, src: Path, dst: Path) -> str:
+        return checkpoint.convert(src, dst)
+
+    def default_tokenizer(self) -> Tokenizer | None:
+        return None
+
+    def default_chat_template(self) -> ChatTemplate | None:
+        return None
+
+
+FAMILY = LlamaFamily()

@@ -1,0 +1,149 @@
+"""llama.cpp GGUF files of architecture `llama`, read into the HF names and an HF-style config dict.
+
+Tensors are dequantized to fp32 at load with `gguf.quants.dequantize` (llama.cpp's own Python reference; tested
+here for F32, F16, BF16, Q8_0, Q4_0 and Q4_1). llama.cpp's converter (`convert_hf_to_gguf.py`,
+`LlamaModel.permute`) reorders the rows of each head of `attn_q` and `attn_k` from HF's half-split RoPE layout
+(pair j is rows j and j + D/2) to interleaved pairs (rows 2j, 2j + 1); `unpermute` undoes it, so the model runs
+one RoPE for both formats. Quantization blocks run along rows, so the row order commutes with dequantizing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from wkvm.models.family import CheckpointError, RawTensors
+from wkvm.models.llama.model import EMBED, FINAL_NORM, HEAD
+
+ARCHITECTURE = "llama"
+GLOBAL_NAMES = {"token_embd.weight": EMBED, "output_norm.weight": FINAL_NORM, "output.weight": HEAD}
+LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}  # fmt: skip
+STRING = 8  # GGUFValueType.STRING
+
+
+def architecture(path: Path) -> str | None:
+    """`general.architecture`, read from the header without parsing the file (the writer puts it first)."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if head[:4] != b"GGUF" or len(head) < 24:
+        return None
+    n_key = struct.unpack_from("<Q", head, 24)[0]
+    key = head[32 : 32 + n_key]
+    if key != b"general.architecture" or struct.unpack_from("<I", head, 32 + n_key)[0] != STRING:
+        return str(field(open_reader(path), "general.architecture"))
+    n_value = struct.unpack_from("<Q", head, 36 + n_key)[0]
+    return head[44 + n_key : 44 + n_key + n_value].decode("utf-8", "replace")
+
+
+def open_reader(path: str | os.PathLike[str]) -> GGUFReader:
+    """A reader of the file (memory-mapped). Parsing the metadata takes seconds for a 49k-token vocabulary, so the
+    last file opened is kept: loading a model and then its tokenizer and chat template parse it once."""
+    p = Path(path).resolve()
+    st = p.stat()
+    return _reader(p, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=1)
+def _reader(path: Path, mtime_ns: int, size: int) -> GGUFReader:
+    return GGUFReader(path, "r")
+
+
+def metadata(reader: GGUFReader) -> dict[str, Any]:
+    """Every key-value field but the tokenizer's long arrays (read those with `field`)."""
+    long = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
+    return {k: f.contents() for k, f in reader.fields.items() if k not in long}
+
+
+def field(reader: GGUFReader, key: str) -> Any:
+    f = reader.get_field(key)
+    return None if f is None else f.contents()
+
+
+def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's RoPE row order on a [n_head * D, in] q or k matrix."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_config(meta: dict[str, Any], vocab: int, tied: bool) -> dict[str, Any]:
+    """The config.json an HF `LlamaForCausalLM` of these dimensions would have."""
+    a = ARCHITECTURE + "."
+    try:
+        heads, width = int(meta[a + "attention.head_count"]), int(meta[a + "embedding_length"])
+        cfg: dict[str, Any] = {
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": width,
+            "intermediate_size": int(meta[a + "feed_forward_length"]),
+            "num_hidden_layers": int(meta[a + "block_count"]),
+            "num_attention_heads": heads, "num_key_value_heads": int(meta.get(a + "attention.head_count_kv", heads)),
+            "head_dim": int(meta.get(a + "attention.key_length", width // heads)),
+            "rms_norm_eps": float(meta[a + "attention.layer_norm_rms_epsilon"]), "vocab_size": vocab,
+            "max_position_embeddings": int(meta.get(a + "context_length", 2048)), "tie_word_embeddings": tied,
+            "attention_bias": False, "mlp_bias": False,
+        }  # fmt: skip
+    except KeyError as e:
+        raise CheckpointError(f"GGUF metadata lacks {e}") from None
+    if int(meta.get(a + "attention.value_length", cfg["head_dim"])) != cfg["head_dim"]:
+        raise CheckpointError("GGUF key and value head sizes differ: not a Llama wkvm runs")
+    if int(meta.get(a + "rope.dimension_count", cfg["head_dim"])) != cfg["head_dim"]:
+        raise CheckpointError("GGUF rope.dimension_count != head size: partial rotary embeddings are not supported")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta.get(a + "rope.freq_base", 10000.0))}
+    scaling = meta.get(a + "rope.scaling.type", "none")
+    factor = meta.get(a + "rope.scaling.factor", meta.get(a + "rope.scale_linear"))
+    if scaling == "linear" or (scaling == "none" and factor not in (None, 1.0)):
+        rope.update(rope_type="linear", factor=float(factor if factor is not None else 1.0))
+    elif scaling != "none":
+        raise CheckpointError(f"GGUF RoPE scaling {scaling!r} is not supported (none and linear are)")
+    cfg["rope_parameters"] = rope
+    for key in ("bos", "eos"):
+        if f"tokenizer.ggml.{key}_token_id" in meta:
+            cfg[f"{key}_token_id"] = int(meta[f"tokenizer.ggml.{key}_token_id"])
+    return cfg
+
+
+def hf_name(name: str) -> str:
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in LAYER_NAMES and parts[3] == "weight":
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.weight"
+    if name == "rope_freqs.weight":
+        raise CheckpointError("GGUF has rope_freqs (Llama 3.1 RoPE scaling as per-frequency factors): not supported "
+                              "yet; run the HF checkpoint, whose llama3 rope_parameters wkvm reads")  # fmt: skip
+    raise CheckpointError(f"GGUF tensor {name!r} is not part of a dense Llama (MoE, biases and extras are not read)")
+
+
+def read_gguf(path: Path) -> tuple[RawTensors, dict[str, Any]]:
+    """Raw tensors under HF names (every type dequantized to fp32) and an HF-style config dict."""
+    reader = open_reader(path)
+    meta = metadata(reader)
+    if meta.get("general.architecture") != ARCHITECTURE:
+        raise CheckpointError(f"{path}: GGUF architecture {meta.get('general.architecture')!r} is not llama")
+    raw: RawTensors = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise CheckpointError(f"{path}: tensor {t.name} has GGML type {t.tensor_type.name}, which the gguf "
+                                  "package cannot dequantize") from None  # fmt: skip
+        raw[name] = torch.from_numpy(np.array(arr, copy=True)).reshape([int(d) for d in reversed(t.shape)])
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    vocab = len(tokens) if tokens else raw[EMBED].shape[0] if EMBED in raw else 0
+    config = hf_config(meta, vocab, tied=HEAD not in raw)
+    for i in range(config["num_hidden_layers"]):
+        for proj, heads in (("q_proj", config["num_attention_heads"]), ("k_proj", config["num_key_value_heads"])):
+            name = f"model.layers.{i}.self_attn.{proj}.weight"
+            if name in raw:
+                raw[name] = unpermute(raw[name], heads)
+    return raw, config

@@ -1,0 +1,254 @@
+"""Llama: the forward pass, written against `KVBatch` (see wkvm/models/kv.py) so the engine can hand it paged caches.
+
+A decoder layer is grouped-query attention with RoPE, then a SiLU-gated MLP, each behind a pre-RMSNorm. State per
+layer i: `layers.{i}.k` / `layers.{i}.v`, one [Hkv, D] entry per cached token (kind "kv"); keys are cached after
+RoPE. Raw tensor names are the HF `LlamaForCausalLM` names whatever the file format (GGUF is renamed on reading).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from wkvm.models.family import CheckpointError, ModelBase, RawTensors, owned, require
+from wkvm.models.kv import DenseKV, KVBatch, key_name, value_name
+from wkvm.models.linear import linear, pack_linear
+from wkvm.models.provider import Tensors, WeightProvider
+from wkvm.models.spec import State, StateSpec, TensorSpec
+
+FAMILY = "llama"
+ROPE_TYPES = ("default", "linear", "llama3")
+
+EMBED, FINAL_NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+# raw names under layer_prefix(i)
+ATTN_RAW = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight")
+MLP_RAW = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+NORM_RAW = ("input_layernorm.weight", "post_attention_layernorm.weight")
+LAYER_RAW = ATTN_RAW + MLP_RAW + NORM_RAW
+# compute-form names of the matrices that go through `linear`
+LINEAR = ("self_attn.qkv", "self_attn.o_proj.weight", "mlp.gate_up", "mlp.down_proj.weight")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    n_layer: int
+    n_embd: int
+    vocab_size: int
+    ffn_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_type: str = "default"  # one of ROPE_TYPES
+    rope_factor: float = 1.0  # linear and llama3
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_original_context: int = 8192  # llama3
+    tied_head: bool = False
+    rms_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise CheckpointError(f"RoPE scaling {self.rope_type!r} is not supported (known: {', '.join(ROPE_TYPES)})")
+        if self.n_heads % self.n_kv_heads:
+            raise CheckpointError(f"{self.n_heads} query heads are not a multiple of {self.n_kv_heads} key/value heads")
+        if self.head_dim % 2:
+            raise CheckpointError(f"head_dim {self.head_dim} is odd: RoPE rotates pairs")
+
+    @staticmethod
+    def from_hf(raw: RawTensors, hf: dict[str, Any]) -> LlamaConfig:
+        """Dimensions from the tensors; heads, RoPE and eps from config.json (transformers 5's `rope_parameters`
+        or the older `rope_theta` + `rope_scaling`)."""
+        for flag in ("attention_bias", "mlp_bias"):
+            if hf.get(flag):
+                raise CheckpointError(f"Llama config.json sets {flag}: biased projections are not supported")
+        if any(k.endswith(".bias") for k in raw):
+            raise CheckpointError("Llama checkpoint has bias tensors: biased projections are not supported")
+        require(raw, [EMBED, FINAL_NORM] + [f"model.layers.0.{k}" for k in LAYER_RAW], "Llama")
+        vocab, embd = raw[EMBED].shape
+        try:
+            heads = int(hf["num_attention_heads"])
+            kv_heads = int(hf.get("num_key_value_heads") or heads)
+        except KeyError as e:
+            raise CheckpointError(f"Llama config.json lacks {e}") from None
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
+            raise CheckpointError("partial rotary embeddings are not supported")
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        cfg = LlamaConfig(
+            n_layer=1 + max(int(k.split(".")[2]) for k in raw if k.startswith("model.layers.")),
+            n_embd=embd, vocab_size=vocab, ffn_size=raw["model.layers.0.mlp.gate_proj.weight"].shape[0],
+            n_heads=heads, n_kv_heads=kv_heads, head_dim=int(hf.get("head_dim") or embd // heads),
+            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), rope_type=rope_type,
+            rope_factor=float(rope.get("factor", 1.0)),
+            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            rope_original_context=int(rope.get("original_max_position_embeddings", 8192)),
+            tied_head=HEAD not in raw, rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        )  # fmt: skip
+        q, k = raw["model.layers.0.self_attn.q_proj.weight"], raw["model.layers.0.self_attn.k_proj.weight"]
+        if q.shape[0] != heads * cfg.head_dim or k.shape[0] != kv_heads * cfg.head_dim:
+            raise CheckpointError(f"Llama q/k projections {list(q.shape)}/{list(k.shape)} do not fit {heads} query and "
+                                  f"{kv_heads} key/value heads of {cfg.head_dim}")  # fmt: skip
+        return cfg
+
+
+def inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """RoPE's per-pair angular frequencies [D/2], scaled as transformers' `ROPE_INIT_FUNCTIONS` scale them."""
+    d = cfg.head_dim
+    f = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if cfg.rope_type == "linear":
+        return f / cfg.rope_factor
+    if cfg.rope_type == "llama3":
+        low_wavelen = cfg.rope_original_context / cfg.rope_low_freq_factor
+        high_wavelen = cfg.rope_original_context / cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / f
+        scaled = torch.where(wavelen > low_wavelen, f / cfg.rope_factor, f)
+        smooth = (cfg.rope_original_context / wavelen - cfg.rope_low_freq_factor) / (
+            cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return f
+
+
+def state_spec(cfg: LlamaConfig) -> StateSpec:
+    per_token = (cfg.n_kv_heads, cfg.head_dim)
+    tensors = [TensorSpec(name(i), per_token, kind="kv") for i in range(cfg.n_layer) for name in (key_name, value_name)]
+    return StateSpec(FAMILY, tuple(tensors))
+
+
+def global_keys(cfg: LlamaConfig) -> tuple[str, ...]:
+    return (EMBED, FINAL_NORM) if cfg.tied_head else (EMBED, FINAL_NORM, HEAD)
+
+
+def used_tensors(raw: RawTensors) -> RawTensors:
+    n_layer = 1 + max((int(k.split(".")[2]) for k in raw if k.startswith("model.layers.")), default=-1)
+    keep = {EMBED, FINAL_NORM, HEAD}  # HEAD is absent from a tied checkpoint's raw tensors
+    for i in range(n_layer):
+        keep.update(f"model.layers.{i}.{k}" for k in LAYER_RAW)
+    return {k: v for k, v in raw.items() if k in keep}
+
+
+def prepare_layer(
+    raw: RawTensors, i: int, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device | str, pack: bool = True
+) -> Tensors:
+    """Layer i in compute form: q, k, v fused into one [out, in] matrix, gate and up fused; matrices in `dtype`,
+    norms fp32."""
+    p = f"model.layers.{i}."
+    require(raw, [p + k for k in LAYER_RAW], "Llama")
+    r = {k: raw[p + k].to(device=device, dtype=torch.float32) for k in LAYER_RAW}
+    t: Tensors = {
+        "input_norm": r["input_layernorm.weight"],
+        "post_norm": r["post_attention_layernorm.weight"],
+        "self_attn.qkv": torch.cat([r[f"self_attn.{x}_proj.weight"] for x in "qkv"]),
+        "self_attn.o_proj.weight": r["self_attn.o_proj.weight"],
+        "mlp.gate_up": torch.cat([r["mlp.gate_proj.weight"], r["mlp.up_proj.weight"]]),
+        "mlp.down_proj.weight": r["mlp.down_proj.weight"],
+    }
+    for k in LINEAR:
+        t[k] = t[k].to(dtype)
+    if not pack:
+        return {k: v.contiguous() for k, v in t.items()}
+    for k in LINEAR:
+        t[k] = pack_linear(t[k])
+    return {k: v if v.is_mkldnn else owned(v) for k, v in t.items()}
+
+
+def prepare_globals(raw: RawTensors, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device | str) -> Tensors:
+    """Embedding (in `dtype`), final norm, head (prepacked; the embedding itself when tied)."""
+    require(raw, global_keys(cfg), "Llama")
+    embed = raw[EMBED].to(device=device, dtype=dtype)
+    head = embed if cfg.tied_head else raw[HEAD].to(device=device, dtype=dtype)
+    g = {EMBED: embed, "final_norm": raw[FINAL_NORM].to(device=device, dtype=torch.float32), HEAD: pack_linear(head)}
+    return {k: v if v.is_mkldnn else owned(v) for k, v in g.items()}
+
+
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * scale
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in HF's half-split layout: pair j is (x[j], x[j + D/2]). x [B, T, H, D]; cos, sin [B, T, 1, D]."""
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class Llama(ModelBase):
+    family = FAMILY
+    config: LlamaConfig
+
+    def __init__(self, cfg: LlamaConfig, weights: WeightProvider, model_fingerprint: str,
+                 device: torch.device | str = "cpu"):  # fmt: skip
+        super().__init__(cfg, state_spec(cfg), weights, model_fingerprint, device)
+        self.inv_freq = inv_freq(cfg).to(self.device)
+        self.layers = list(range(cfg.n_layer))
+
+    def new_state(self, batch: int = 1) -> State:
+        """Empty caches, [B, 0, Hkv, D] fp32 per layer (DenseKV's form)."""
+        return self.spec.zeros(batch, self.device)
+
+    def embed(self, tokens: torch.Tensor, g: Tensors) -> torch.Tensor:
+        return F.embedding(tokens, g[EMBED]).float()
+
+    def logits(self, x: torch.Tensor, g: Tensors) -> torch.Tensor:
+        return linear(rms_norm(x, g["final_norm"], self.config.rms_eps), g[HEAD])
+
+    def block(self, i: int, w: Tensors, x: torch.Tensor, state: State) -> torch.Tensor:
+        kv = DenseKV(state, [i])
+        return self.layer(i, w, x, kv, self.rope(kv.positions(), x.shape[1]))
+
+    @torch.inference_mode()
+    def forward_groups(
+        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False
+    ) -> list[torch.Tensor]:
+        """As ModelBase's, with each group's state wrapped once in a `KVBatch` and its RoPE angles computed once."""
+        return self.forward_kv([(tokens, DenseKV(state, self.layers)) for tokens, state in groups], all_logits)
+
+    @torch.inference_mode()
+    def forward_kv(
+        self, groups: Sequence[tuple[torch.Tensor, KVBatch]], all_logits: bool = False
+    ) -> list[torch.Tensor]:
+        """Groups of tokens [B, T] with their caches (any `KVBatch`): one sweep of the weights."""
+        g = self.weights.globals()
+        xs = [self.embed(tokens.to(self.device), g) for tokens, _ in groups]
+        ropes = [self.rope(kv.positions(), tokens.shape[1]) for tokens, kv in groups]
+        for i in self.layers:
+            w = self.weights.layer(i)
+            for j, (_, kv) in enumerate(groups):
+                xs[j] = self.layer(i, w, xs[j], kv, ropes[j])
+        return [self.logits(x if all_logits else x[:, -1], g) for x in xs]
+
+    def rope(self, start: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, 1, D] for positions start[b] .. start[b] + T - 1 of each row."""
+        pos = start.to(self.device)[:, None] + torch.arange(T, device=self.device)
+        angles = (pos[..., None].float() * self.inv_freq).repeat(1, 1, 2)
+        return angles.cos().unsqueeze(2), angles.sin().unsqueeze(2)
+
+    def layer(self, i: int, w: Tensors, x: torch.Tensor, kv: KVBatch,
+              rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        eps = self.config.rms_eps
+        x = x + self._attention(i, w, rms_norm(x, w["input_norm"], eps), kv, rope)
+        return x + self._mlp(w, rms_norm(x, w["post_norm"], eps))
+
+    def _attention(self, i: int, w: Tensors, x: torch.Tensor, kv: KVBatch,
+                   rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        cfg = self.config
+        B, T, _ = x.shape
+        Hq, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q, k, v = torch.split(linear(x, w["self_attn.qkv"]), [Hq * D, Hkv * D, Hkv * D], -1)
+        q = rotate(q.reshape(B, T, Hq, D), *rope)
+        kv.append(i, rotate(k.reshape(B, T, Hkv, D), *rope), v.reshape(B, T, Hkv, D))
+        o = kv.attend(i, q, D**-0.5)
+        return linear(o.reshape(B, T, Hq * D), w["self_attn.o_proj.weight"])
+
+    @staticmethod
+    def _mlp(w: Tensors, x: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(x, w["mlp.gate_up"]).chunk(2, -1)
+        return linear(F.silu(gate) * up, w["mlp.down_proj.weight"])
