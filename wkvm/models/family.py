@@ -158,6 +158,11 @@ class ModelBase:
         return self.forward(torch.as_tensor(tokens, dtype=torch.long).reshape(-1, 1), state)
 
 
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last axis, times `scale` (as HF's Llama/Qwen RMSNorm computes it, in fp32)."""
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * scale
+
+
 def read_safetensors_dir(path: Path, rename: Callable[[str], str | None] | None = None) -> RawTensors:
     """Every tensor of every `*.safetensors` file in directory `path`, named by `rename` (None drops a tensor).
     Never reads `*.bin`/`*.pt` pickles."""

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from wkvm.models.family import CheckpointError, ModelBase, RawTensors, owned, require
+from wkvm.models.family import CheckpointError, ModelBase, RawTensors, owned, require, rms_norm
 from wkvm.models.kv import DenseKV, KVBatch, key_name, value_name
 from wkvm.models.linear import linear, pack_linear
 from wkvm.models.provider import Tensors, WeightProvider
@@ -170,10 +170,6 @@ def prepare_globals(raw: RawTensors, cfg: LlamaConfig, dtype: torch.dtype, devic
     return {k: v if v.is_mkldnn else owned(v) for k, v in g.items()}
 
 
-def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * scale
-
-
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE in HF's half-split layout: pair j is (x[j], x[j + D/2]). x [B, T, H, D]; cos, sin [B, T, 1, D]."""
     x1, x2 = x.chunk(2, -1)
@@ -189,10 +185,6 @@ class Llama(ModelBase):
         super().__init__(cfg, state_spec(cfg), weights, model_fingerprint, device)
         self.inv_freq = inv_freq(cfg).to(self.device)
         self.layers = list(range(cfg.n_layer))
-
-    def new_state(self, batch: int = 1) -> State:
-        """Empty caches, [B, 0, Hkv, D] fp32 per layer (DenseKV's form)."""
-        return self.spec.zeros(batch, self.device)
 
     def embed(self, tokens: torch.Tensor, g: Tensors) -> torch.Tensor:
         return F.embedding(tokens, g[EMBED]).float()

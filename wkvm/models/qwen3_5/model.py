@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from wkvm.models.family import CheckpointError, ModelBase, RawTensors, owned, require
+from wkvm.models.family import CheckpointError, ModelBase, RawTensors, owned, require, rms_norm
 from wkvm.models.linear import linear, pack_linear
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.qwen3_5.gated_delta import DEFAULT_CHUNK, gated_delta_chunked, gated_delta_step
@@ -175,10 +175,6 @@ def prepare_globals(raw: RawTensors, cfg: Qwen35Config, dtype: torch.dtype, devi
     g = {EMBED: embed, "final_norm": 1.0 + raw[FINAL_NORM].to(device=device, dtype=torch.float32)}
     g[HEAD] = pack_linear(head)
     return {k: v if v.is_mkldnn else owned(v) for k, v in g.items()}
-
-
-def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * scale
 
 
 class Qwen35(ModelBase):
