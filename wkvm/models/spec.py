@@ -84,6 +84,20 @@ class StateSpec:
         return any(t.paged for t in self.tensors)
 
     @property
+    def cuttable(self) -> bool:
+        """Whether the state after tokens[:n] can be cut out of the state after a longer history: true when every
+        tensor is kv (attention only), whose first n entries depend on the first n tokens alone."""
+        return bool(self.tensors) and all(t.paged for t in self.tensors)
+
+    def cut(self, state: State, n: int) -> State:
+        """The state after the first `n` of the tokens in `state` (a `cuttable` spec only)."""
+        if not self.cuttable:
+            raise ValueError(f"a {self.family} state holds fixed-size tensors: it cannot be cut to a shorter history")
+        if not 0 <= n <= self.kv_length(state):
+            raise ValueError(f"cannot cut a state of {self.kv_length(state)} tokens to {n}")
+        return {k: v[:, :n].clone() for k, v in state.items()}
+
+    @property
     def spec_hash(self) -> str:
         doc = {"family": self.family, "tensors": [[t.name, list(t.shape), t.dtype, t.kind] for t in self.tensors]}
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()

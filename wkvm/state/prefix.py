@@ -68,6 +68,27 @@ class PrefixTrie:
             self.lru.move_to_end(tuple(prompt[: best.n_fed]))
         return best
 
+    def longest_shared(self, prompt: list[int]) -> tuple[Checkpoint, int] | None:
+        """For states that can be cut at any token (`StateSpec.cuttable`: keys and values only): a checkpoint whose
+        fed tokens share the most leading tokens with `prompt` (leaving at least one to feed), and that count.
+        The checkpoint's state cut to that many tokens is the state after them, whatever followed."""
+        node, depth = self.root, 0
+        for t in prompt[:-1]:
+            child = node.children.get(t)
+            if child is None:
+                break
+            node, depth = child, depth + 1
+        if depth == 0:
+            return None
+        stack = [node]  # any checkpoint at or below the deepest shared node serves
+        while stack:
+            below = stack.pop()
+            if below.checkpoint is not None:
+                self.lru.move_to_end(below.checkpoint.full_ids[:-1])
+                return below.checkpoint, depth
+            stack.extend(below.children.values())
+        return None
+
     def remove(self, fed: list[int]) -> Checkpoint | None:
         path = [self.root]
         for t in fed:

@@ -159,22 +159,36 @@ class ChatSessions:
         return plan
 
     def _from_checkpoint(self, scope: str, prompt_ids: list[int], reason: str | None) -> Plan:
+        """The longest stored checkpoint that starts this prompt; for attention-only models (a state cut to any
+        shorter history is exact) the checkpoint sharing the most leading tokens, cut to them."""
+        spec = self.store.spec
         with self.lock:
-            cp = self._trie(scope).longest(prompt_ids)
-        if cp is not None:
+            trie = self._trie(scope)
+            if spec.cuttable:
+                found = trie.longest_shared(prompt_ids)
+            else:
+                cp = trie.longest(prompt_ids)
+                found = (cp, cp.n_fed) if cp is not None else None
+        state = None
+        if found is not None:
             try:
-                _, state = self.store.load(scope + CKPT, cp.key)
+                _, state = self.store.load(scope + CKPT, found[0].key)
             except StateNotFound:  # evicted by the store (its budget, or room for users' states)
                 with self.lock:
-                    self._trie(scope).remove(list(cp.full_ids[:-1]))
-                cp = None
-        if cp is None:
+                    self._trie(scope).remove(list(found[0].full_ids[:-1]))
+        if found is None or state is None:
             self.metrics.reuse_miss()
             return Plan(list(prompt_ids), info={"mode": "fresh", "reused_tokens": 0, "restart_reason": reason})
-        exact = cp.kind == "turn_end" and tuple(prompt_ids[: len(cp.full_ids)]) == cp.full_ids
-        self.metrics.reuse_hit(cp.n_fed)
-        info = {"mode": "exact_prefix" if exact else "checkpoint", "reused_tokens": cp.n_fed, "restart_reason": reason}
-        return Plan(prompt_ids[cp.n_fed :], state, prompt_ids[: cp.n_fed], cp.key, info)
+        cp, n = found
+        if n < cp.n_fed:
+            state, mode = spec.cut(state, n), "kv_prefix"
+        elif cp.kind == "turn_end" and tuple(prompt_ids[: len(cp.full_ids)]) == cp.full_ids:
+            mode = "exact_prefix"
+        else:
+            mode = "checkpoint"
+        self.metrics.reuse_hit(n)
+        info = {"mode": mode, "reused_tokens": n, "restart_reason": reason}
+        return Plan(prompt_ids[n:], state, prompt_ids[:n], cp.key, info)
 
     def _parent_bound(self, tenant: str, scope: str, prompt_ids: list[int],
                       meta: ChatMeta) -> tuple[Plan, SessionKey | None]:  # fmt: skip

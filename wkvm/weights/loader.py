@@ -98,4 +98,5 @@ def load_model(
 def load_text_tools(path: str | os.PathLike[str], family: str) -> tuple[Tokenizer, ChatTemplate]:
     """The tokenizer and chat template for the model at `path`: its own files, else its family's defaults."""
     f = registry.family(family)
-    return load_tokenizer(path, f.default_tokenizer), load_chat_template(path, f.default_chat_template())
+    return (load_tokenizer(path, lambda: f.default_tokenizer(Path(path))),
+            load_chat_template(path, f.default_chat_template(Path(path))))  # fmt: skip

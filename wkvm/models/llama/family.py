@@ -12,6 +12,7 @@ import torch
 from wkvm.chat_template import ChatTemplate
 from wkvm.models.family import Checkpoint, RawTensors
 from wkvm.models.llama import checkpoint, model
+from wkvm.models.llama.gguf_text import gguf_chat_template, gguf_tokenizer
 from wkvm.models.llama.model import Llama, LlamaConfig
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.tokenizer import Tokenizer
@@ -72,11 +73,11 @@ class LlamaFamily:
     def convert(self, src: Path, dst: Path) -> str:
         return checkpoint.convert(src, dst)
 
-    def default_tokenizer(self) -> Tokenizer | None:
-        return None
+    def default_tokenizer(self, path: Path) -> Tokenizer | None:
+        return gguf_tokenizer(path) if checkpoint.detect(path) == checkpoint.GGUF_FORMAT else None
 
-    def default_chat_template(self) -> ChatTemplate | None:
-        return None
+    def default_chat_template(self, path: Path) -> ChatTemplate | None:
+        return gguf_chat_template(path) if checkpoint.detect(path) == checkpoint.GGUF_FORMAT else None
 
 
 FAMILY = LlamaFamily()

@@ -51,6 +51,7 @@ class LlamaConfig:
     rope_original_context: int = 8192  # llama3
     tied_head: bool = False
     rms_eps: float = 1e-6
+    max_context: int | None = None  # max_position_embeddings (GGUF: llama.context_length)
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -90,6 +91,7 @@ class LlamaConfig:
             rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
             rope_original_context=int(rope.get("original_max_position_embeddings", 8192)),
             tied_head=HEAD not in raw, rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_context=int(hf["max_position_embeddings"]) if hf.get("max_position_embeddings") else None,
         )  # fmt: skip
         q, k = raw["model.layers.0.self_attn.q_proj.weight"], raw["model.layers.0.self_attn.k_proj.weight"]
         if q.shape[0] != heads * cfg.head_dim or k.shape[0] != kv_heads * cfg.head_dim:
@@ -198,10 +200,20 @@ class Llama(ModelBase):
 
     @torch.inference_mode()
     def forward_groups(
-        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False
-    ) -> list[torch.Tensor]:
-        """As ModelBase's, with each group's state wrapped once in a `KVBatch` and its RoPE angles computed once."""
-        return self.forward_kv([(tokens, DenseKV(state, self.layers)) for tokens, state in groups], all_logits)
+        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False,
+        caches: Sequence[KVBatch] | None = None,
+    ) -> list[torch.Tensor]:  # fmt: skip
+        """As ModelBase's, with each group's cache (its state's kv tensors when `caches` is None) and its RoPE
+        angles computed once."""
+        if caches is None:
+            caches = [DenseKV(state, self.layers) for _, state in groups]
+        elif len(caches) != len(groups):
+            raise ValueError(f"{len(groups)} groups but {len(caches)} caches")
+        return self.forward_kv([(tokens, kv) for (tokens, _), kv in zip(groups, caches, strict=True)], all_logits)
+
+    @property
+    def context_length(self) -> int | None:
+        return self.config.max_context
 
     @torch.inference_mode()
     def forward_kv(

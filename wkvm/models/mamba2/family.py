@@ -66,10 +66,10 @@ class Mamba2Family:
             raise CheckpointError(f"{src}: not a Mamba2 checkpoint directory")
         return checkpoint.convert(src, dst, fmt)
 
-    def default_tokenizer(self) -> Tokenizer | None:
+    def default_tokenizer(self, path: Path) -> Tokenizer | None:
         return None  # HF and state-spaces checkpoints ship (or name) a tokenizer.json
 
-    def default_chat_template(self) -> ChatTemplate | None:
+    def default_chat_template(self, path: Path) -> ChatTemplate | None:
         return None
 
 

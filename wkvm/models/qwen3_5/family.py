@@ -70,10 +70,10 @@ class Qwen35Family:
     def convert(self, src: Path, dst: Path) -> str:
         return checkpoint.convert(src, dst)
 
-    def default_tokenizer(self) -> Tokenizer | None:
+    def default_tokenizer(self, path: Path) -> Tokenizer | None:
         return None
 
-    def default_chat_template(self) -> ChatTemplate | None:
+    def default_chat_template(self, path: Path) -> ChatTemplate | None:
         return None
 
 

@@ -63,12 +63,12 @@ class RWKV7Family:
     def convert(self, src: Path, dst: Path) -> str:
         return checkpoint.convert(src, dst)
 
-    def default_tokenizer(self) -> Tokenizer | None:
+    def default_tokenizer(self, path: Path) -> Tokenizer | None:
         from wkvm.models.rwkv7.tokenizer import WorldTokenizer
 
         return WorldTokenizer()
 
-    def default_chat_template(self) -> ChatTemplate | None:
+    def default_chat_template(self, path: Path) -> ChatTemplate | None:
         from wkvm.models.rwkv7.chat_format import WorldTemplate
 
         return WorldTemplate()

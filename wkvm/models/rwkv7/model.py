@@ -12,7 +12,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from wkvm.models.family import ModelBase, RawTensors, layer_count, owned, require
+from wkvm.models.family import ModelBase, RawTensors, layer_count, no_attention, owned, require
+from wkvm.models.kv import KVBatch
 from wkvm.models.linear import linear, pack_linear
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.rwkv7.wkv import DEFAULT_CHUNK, wkv_chunked, wkv_step
@@ -129,11 +130,13 @@ class RWKV7(ModelBase):
 
     @torch.inference_mode()
     def forward_groups(
-        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False
-    ) -> list[torch.Tensor]:
+        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False,
+        caches: Sequence[KVBatch] | None = None,
+    ) -> list[torch.Tensor]:  # fmt: skip
         """Several independent batches (e.g. the decode batch and prefill chunks of other lengths) in one sweep of
         the weights: layer i runs for every group before layer i + 1 is asked for, so streamed weights are read
         once per step. Each group's result is exactly what `forward` gives it alone."""
+        no_attention(self, caches)
         cfg, g = self.config, self.weights.globals()
         xs, v_firsts = [], []
         for tokens, _ in groups:

