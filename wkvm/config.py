@@ -67,6 +67,8 @@ class ServerConfig:
     state_host_bytes: int = opt(1 << 30, "bytes of states kept in host RAM", "size")
     state_disk_quota: int | None = opt(None, "bytes of user state files on disk, index included (default: unlimited)",
                                        "size")
+    max_state_tokens: int = opt(1 << 16, "attention models: the most cached tokens a stored state (save, hibernate, "
+                                "export, import) may hold; a state file is at most this x the bytes per token")
     verify_state_loads: bool = opt(False, "check the sha256 of every state read from disk")
     max_body_bytes: int = opt(256 << 20, "largest request body", "size")
     max_prompt_tokens: int = opt(1 << 17, "largest prompt in tokens")
@@ -87,7 +89,8 @@ class ServerConfig:
             raise ValueError("shutdown_grace must be >= 0 seconds")
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
-        for name in ("slots", "max_queue", "max_body_bytes", "max_prompt_tokens", "max_tokens_limit"):
+        limits = ("max_body_bytes", "max_prompt_tokens", "max_tokens_limit", "max_state_tokens")
+        for name in ("slots", "max_queue", *limits):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
 

@@ -21,7 +21,7 @@ from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError, error_body
 from wkvm.server.schemas import MAX_PROMPTS, ChatRequest, CompletionRequest, SamplingFields
 from wkvm.state.sessions import ChatMeta, Plan
-from wkvm.state.statefile import MAX_HISTORY_TOKENS, valid_name
+from wkvm.state.statefile import valid_name
 from wkvm.state.store import QuotaExceeded
 
 log = logging.getLogger("wkvm.server")
@@ -67,9 +67,9 @@ def check_name(name: str, param: str) -> None:
 def check_save_room(ctx: ServerContext, tenant: str, n_tokens: int, param: str) -> None:
     """Refuse before generating when a state of up to `n_tokens` tokens could not be saved: a clear 400 / 413
     up front instead of a generation whose state is then lost."""
-    if n_tokens > MAX_HISTORY_TOKENS:
+    if n_tokens > ctx.store.max_tokens:
         raise APIError(400, f"{param}: the saved state would hold up to {n_tokens} tokens; a state holds at most "
-                       f"{MAX_HISTORY_TOKENS}: lower max_tokens or start a new state", param, "history_too_long")
+                       f"{ctx.store.max_tokens}: lower max_tokens or start a new state", param, "history_too_long")
     ctx.store.check_room(tenant, n_tokens)
 
 

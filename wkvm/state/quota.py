@@ -35,11 +35,14 @@ class StoreLimits:
     host_bytes: int = 1 << 30
     disk_bytes: int | None = None  # quota on users' state files plus the index; None = unlimited
     internal_bytes: int | None = None  # budget of internal states (RAM and disk): --checkpoint-bytes; None = unlimited
+    kv_tokens: int = 1 << 16  # attention models: most cached tokens one stored state holds (--max-state-tokens)
 
     @classmethod
     def from_config(cls, cfg: ServerConfig) -> StoreLimits:
-        """From a ServerConfig: --state-device-bytes, --state-host-bytes, --state-disk-quota, --checkpoint-bytes."""
-        return cls(cfg.state_device_bytes, cfg.state_host_bytes, cfg.state_disk_quota, cfg.checkpoint_bytes)
+        """From a ServerConfig: --state-device-bytes, --state-host-bytes, --state-disk-quota, --checkpoint-bytes,
+        --max-state-tokens."""
+        return cls(cfg.state_device_bytes, cfg.state_host_bytes, cfg.state_disk_quota, cfg.checkpoint_bytes,
+                   cfg.max_state_tokens)  # fmt: skip
 
 
 def state_file_bytes(spec: StateSpec, n_tokens: int) -> int:

@@ -27,7 +27,15 @@ from wkvm.state import statefile
 from wkvm.state.blobs import BlobFiles
 from wkvm.state.index import StateIndex, StateRecord, parse_handle
 from wkvm.state.quota import INDEX_COMMIT_BYTES, DiskUsage, QuotaExceeded, StoreLimits, is_internal, state_file_bytes
-from wkvm.state.statefile import StateFileError, StateMeta, check_history, token_digest, valid_name
+from wkvm.state.statefile import (
+    MAX_HISTORY_TOKENS,
+    HistoryTooLong,
+    StateFileError,
+    StateMeta,
+    check_history,
+    token_digest,
+    valid_name,
+)
 from wkvm.state.tiers import TierCache
 
 __all__ = ["QuotaExceeded", "StateNotFound", "StateStore", "StoreLimits", "is_internal"]
@@ -145,6 +153,7 @@ class StateStore:
         durable = durable or not internal
         try:
             check_history(token_ids, self.vocab_size)
+            self.check_kv_tokens(self.spec.kv_length(state))
         except StateFileError:
             if internal:
                 return None  # a cache entry the store cannot take is simply not kept
@@ -168,6 +177,17 @@ class StateStore:
                 return None
             rec.tier = self.tier_of(blob)
             return rec
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest token history a state may have: the file format's cap, and for attention models
+        --max-state-tokens (keys and values grow with the history; the pending token holds none)."""
+        return min(MAX_HISTORY_TOKENS, self.limits.kv_tokens + 1) if self.spec.has_kv else MAX_HISTORY_TOKENS
+
+    def check_kv_tokens(self, n_kv: int) -> None:
+        if n_kv > self.limits.kv_tokens:
+            raise HistoryTooLong(f"the state holds keys and values of {n_kv} tokens; a stored state holds at most "
+                                 f"{self.limits.kv_tokens} (--max-state-tokens): start a shorter one")  # fmt: skip
 
     def put_user(self, owner: str, name: str, state: State, token_ids: builtins.list[int], parent: str | None = None,
                  op: str = "create", op_params: dict[str, Any] | None = None) -> StateRecord:  # fmt: skip

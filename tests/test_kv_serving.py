@@ -1,0 +1,88 @@
+"""Attention models in the engine and the server: the KV page pool under pressure (grow and preempt), the context
+limit, and --max-state-tokens bounding stored states. On the conformance suite's tiny random Llama."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from conftest import CHAR_VOCAB, greedy_reference, write_char_tokenizer
+from families import llama
+from live_server import LiveServer
+
+from wkvm.config import EngineConfig
+from wkvm.engine.engine import Engine
+from wkvm.sampling_params import SamplingParams
+from wkvm.weights.loader import load_model, load_text_tools
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = llama.write_checkpoint(tmp_path_factory.mktemp("llama") / "model", len(CHAR_VOCAB), 3)
+    write_char_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return load_model(model_dir)
+
+
+def engine(model, model_dir, pages: int, page_tokens: int = 4, **config) -> Engine:
+    kv_bytes = pages * page_tokens * model.spec.token_nbytes
+    cfg = EngineConfig(kv_cache_bytes=kv_bytes, kv_page_tokens=page_tokens, **config)
+    return Engine(model, load_text_tools(model_dir, model.family)[0], cfg)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def test_a_short_pool_preempts_and_every_answer_is_exact(model, model_dir):
+    """Four requests of 8 + 10 tokens need 72 cached tokens; the pool holds 24: requests park (their keys and values
+    copied to host) and resume, and each answer equals its run alone."""
+    eng = engine(model, model_dir, pages=6, n_slots=4, token_budget=16, prefill_chunk=8)
+    prompts = [[(7 * i + j) % len(CHAR_VOCAB) for j in range(8)] for i in range(4)]
+    handles = [eng.submit(p, greedy(10)) for p in prompts]
+    parked: list[int] = []  # cached tokens of each request parked for want of pages
+    park = eng.scheduler.park
+
+    def counting_park(req) -> None:
+        parked.append(len(eng.arena.kv[req.slot].pages) if req.slot in eng.arena.kv else 0)
+        park(req)
+
+    eng.scheduler.park = counting_park
+    eng.run_until_done()
+    assert parked and max(parked) > 0  # requests were preempted holding pages
+    assert eng.arena.pool is not None and eng.arena.pool.num_free == 6  # every page back
+    for p, h in zip(prompts, handles, strict=True):
+        assert h.output.token_ids == greedy_reference(model, p, 10)
+
+
+def test_context_limit_refuses_long_prompts_and_ends_with_length(model, model_dir):
+    eng = engine(model, model_dir, pages=4, n_slots=2)  # 16 tokens in all: the context limit
+    assert eng.runner.context_limit == 16
+    with pytest.raises(ValueError, match="limit of 16 tokens.*--kv-cache-bytes"):
+        eng.submit(list(range(16)), greedy(4))
+    prompt = list(range(1, 13))
+    h = eng.submit(prompt, greedy(50))
+    eng.run_until_done()
+    assert h.output.finish_reason == "length" and len(h.output.token_ids) == 4  # 12 + 4 = 16
+    assert h.output.token_ids == greedy_reference(model, prompt, 4)
+
+
+def test_max_state_tokens_bounds_saves_and_imports(model_dir, tmp_path):
+    prompt = list(range(1, 21))
+    with LiveServer(model=str(model_dir), state_dir=str(tmp_path / "a")) as big:
+        c = httpx.Client(base_url=big.url, timeout=60)
+        assert c.post("/v1/states", json={"name": "long", "prompt_ids": prompt}).status_code == 200
+        data = c.get("/v1/states/long/export").content
+    with LiveServer(model=str(model_dir), state_dir=str(tmp_path / "b"), max_state_tokens=8) as small:
+        c = httpx.Client(base_url=small.url, timeout=60)
+        r = c.post("/v1/states", json={"name": "long", "prompt_ids": prompt})
+        assert r.status_code == 400 and "--max-state-tokens" in r.json()["error"]["message"], r.text
+        r = c.post("/v1/states/import", content=data, headers={"Content-Type": "application/octet-stream"})
+        assert r.status_code == 400 and "at most 8" in r.json()["error"]["message"], r.text
+        r = c.post("/v1/completions", json={"prompt": prompt[:5], "max_tokens": 10, "save_state": "s"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "history_too_long", r.text
+        ok = c.post("/v1/states", json={"name": "short", "prompt_ids": prompt[:9]})  # 8 cached + 1 pending
+        assert ok.status_code == 200, ok.text
