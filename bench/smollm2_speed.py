@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import llamacpp  # noqa: E402
 from common import checkpoint, cpu_name, engine_decode_tok_s, print_table, timeit_pair, write_json  # noqa: E402
 
+from wkvm.config import weight_dtype  # noqa: E402
 from wkvm.models.llama import FAMILY  # noqa: E402
 from wkvm.weights.loader import load_model, load_text_tools  # noqa: E402
 
@@ -64,11 +65,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--dtype", default="float32", help="wkvm's weights: float32 or bfloat16 (transformers stays fp32)")
     args = ap.parse_args()
     if not GGUF.is_file():
         sys.exit(f"{GGUF} is missing: run `make smollm2`")
     threads = torch.get_num_threads()
-    model = load_model(GGUF)
+    model = load_model(GGUF, dtype=weight_dtype(args.dtype))
     tokenizer = load_text_tools(GGUF, model.family)[0]
     prompt = torch.randint(0, model.vocab_size, (args.prefill_tokens,), generator=torch.Generator().manual_seed(0))
     n = args.decode_tokens
@@ -117,7 +119,8 @@ def main() -> None:
     isa = torch.backends.cpu.get_cpu_capability()
     print(f"CPU: {cpu_name()}; torch ISA {isa}; {threads} threads (llama.cpp -t {threads})")
     print_table(
-        "SmolLM2-135M-Instruct: wkvm fp32 (dequantized Q4_1), transformers fp32 (same weights), llama.cpp Q4_1 native",
+        f"SmolLM2-135M-Instruct: wkvm {args.dtype} (dequantized Q4_1), transformers fp32 (same weights), "
+        "llama.cpp Q4_1 native",
         ["case", "wkvm tok/s", "transformers", "x transformers", "llama.cpp", "x llama.cpp"],
         rows,
     )
@@ -125,8 +128,8 @@ def main() -> None:
           f"B={b} vs llama.cpp B={b} = {engine_bn / lc.get(f'decode_b{b}', na):.2f}x (target >= 2.1x)")  # fmt: skip
     print_table("State memory (fp32)", ["model, context", "bytes per token", "MiB per sequence"], memory_table(model))
     write_json(
-        "smollm2_speed",
-        {"cpu": cpu_name(), "isa": isa, "threads": threads, "wkvm_dtype": "float32 (dequantized Q4_1)",
+        f"smollm2_speed_{args.dtype}",
+        {"cpu": cpu_name(), "isa": isa, "threads": threads, "wkvm_dtype": f"{args.dtype} (dequantized Q4_1)",
          "llama_cpp_dtype": "Q4_1", "decode_b1_tok_s": dec, "engine_decode_b1_tok_s": engine_b1,
          f"engine_decode_b{b}_tok_s": engine_bn, "prefill_tok_s": pre, "transformers_decode_b1_tok_s": ref_dec,
          "transformers_prefill_tok_s": ref_pre, "llama_cpp": lc},
