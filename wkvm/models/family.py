@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 
 from wkvm.chat_template import ChatTemplate
 from wkvm.models.kv import KVBatch
+from wkvm.models.linear import pack_linear
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.spec import State, StateSpec
 from wkvm.tokenizer import Tokenizer
@@ -118,9 +120,11 @@ class ModelBase:
     def new_state(self, batch: int = 1) -> State:
         return self.spec.zeros(batch, self.device)
 
+    embed_key: str = ""  # the embedding's name in `weights.globals()`, for the default `embed`
+
     def embed(self, tokens: torch.Tensor, g: Tensors) -> torch.Tensor:
-        """tokens [B, T] -> the first residual stream [B, T, C] (fp32)."""
-        raise NotImplementedError
+        """tokens [B, T] -> the first residual stream [B, T, C] (fp32): by default a lookup in `g[embed_key]`."""
+        return F.embedding(tokens, g[self.embed_key]).float()
 
     def block(self, i: int, w: Tensors, x: torch.Tensor, state: State) -> torch.Tensor:
         """Layer i on residual stream x [B, T, C] with layer weights `w`, advancing `state` in place."""
@@ -268,6 +272,28 @@ def owned(t: torch.Tensor) -> torch.Tensor:
     """`t` in storage of its own: a view into a larger buffer (a file read in one go) would keep all of it alive."""
     t = t.contiguous()
     return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
+def compute_form(t: Tensors, linear_keys: Sequence[str], pack: bool) -> Tensors:
+    """Prepared tensors as a model keeps them: with `pack`, the `linear_keys` matrices prepacked for oneDNN and the
+    rest in storage of their own; without, all plain and contiguous (a streamed layer, used once and dropped)."""
+    if not pack:
+        return {k: v.contiguous() for k, v in t.items()}
+    for k in linear_keys:
+        t[k] = pack_linear(t[k])
+    return resident(t)
+
+
+def resident(t: Tensors) -> Tensors:
+    """Every tensor not prepacked in storage of its own (see `owned`)."""
+    return {k: v if v.is_mkldnn else owned(v) for k, v in t.items()}
+
+
+def embedding_and_head(raw: RawTensors, embed_key: str, head_key: str, tied: bool, dtype: torch.dtype,
+                       device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The embedding in `dtype` and the head prepacked: the embedding matrix itself when the head is tied."""
+    embed = raw[embed_key].to(device=device, dtype=dtype)
+    return embed, pack_linear(embed if tied else raw[head_key].to(device=device, dtype=dtype))
 
 
 def layer_count(raw: RawTensors, prefix: str, after: str = ".") -> int:

@@ -37,11 +37,8 @@ class LlamaFamily:
         names = {f.name for f in fields(LlamaConfig)}
         return LlamaConfig(**{k: v for k, v in d.items() if k in names})
 
-    def used_tensors(self, raw: RawTensors) -> RawTensors:
-        return model.used_tensors(raw)
-
-    def global_keys(self, cfg: LlamaConfig) -> tuple[str, ...]:
-        return model.global_keys(cfg)
+    used_tensors = staticmethod(model.used_tensors)
+    global_keys = staticmethod(model.global_keys)
 
     def layer_prefix(self, i: int) -> str:
         return f"model.layers.{i}."
@@ -49,13 +46,8 @@ class LlamaFamily:
     def linear_keys(self, cfg: LlamaConfig, i: int) -> tuple[str, ...]:
         return model.LINEAR
 
-    def prepare_layer(self, raw: RawTensors, i: int, cfg: LlamaConfig, dtype: torch.dtype,
-                      device: torch.device | str, pack: bool = True) -> Tensors:  # fmt: skip
-        return model.prepare_layer(raw, i, cfg, dtype, device, pack)
-
-    def prepare_globals(self, raw: RawTensors, cfg: LlamaConfig, dtype: torch.dtype,
-                        device: torch.device | str) -> Tensors:  # fmt: skip
-        return model.prepare_globals(raw, cfg, dtype, device)
+    prepare_layer = staticmethod(model.prepare_layer)
+    prepare_globals = staticmethod(model.prepare_globals)
 
     def build(self, cfg: LlamaConfig, weights: WeightProvider, fingerprint: str, device: torch.device | str) -> Llama:
         return Llama(cfg, weights, fingerprint, device)

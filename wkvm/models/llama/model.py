@@ -15,9 +15,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from wkvm.models.family import CheckpointError, ModelBase, RawTensors, owned, require, rms_norm
+from wkvm.models.family import (
+    CheckpointError,
+    ModelBase,
+    RawTensors,
+    compute_form,
+    embedding_and_head,
+    require,
+    resident,
+    rms_norm,
+)
 from wkvm.models.kv import DenseKV, KVBatch, key_name, value_name
-from wkvm.models.linear import linear, pack_linear
+from wkvm.models.linear import linear
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.spec import State, StateSpec, TensorSpec
 
@@ -156,20 +165,14 @@ def prepare_layer(
     }
     for k in LINEAR:
         t[k] = t[k].to(dtype)
-    if not pack:
-        return {k: v.contiguous() for k, v in t.items()}
-    for k in LINEAR:
-        t[k] = pack_linear(t[k])
-    return {k: v if v.is_mkldnn else owned(v) for k, v in t.items()}
+    return compute_form(t, LINEAR, pack)
 
 
 def prepare_globals(raw: RawTensors, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device | str) -> Tensors:
     """Embedding (in `dtype`), final norm, head (prepacked; the embedding itself when tied)."""
     require(raw, global_keys(cfg), "Llama")
-    embed = raw[EMBED].to(device=device, dtype=dtype)
-    head = embed if cfg.tied_head else raw[HEAD].to(device=device, dtype=dtype)
-    g = {EMBED: embed, "final_norm": raw[FINAL_NORM].to(device=device, dtype=torch.float32), HEAD: pack_linear(head)}
-    return {k: v if v.is_mkldnn else owned(v) for k, v in g.items()}
+    embed, head = embedding_and_head(raw, EMBED, HEAD, cfg.tied_head, dtype, device)
+    return resident({EMBED: embed, "final_norm": raw[FINAL_NORM].to(device=device, dtype=torch.float32), HEAD: head})
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -180,6 +183,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 class Llama(ModelBase):
     family = FAMILY
+    embed_key = EMBED
     config: LlamaConfig
 
     def __init__(self, cfg: LlamaConfig, weights: WeightProvider, model_fingerprint: str,
@@ -187,9 +191,6 @@ class Llama(ModelBase):
         super().__init__(cfg, state_spec(cfg), weights, model_fingerprint, device)
         self.inv_freq = inv_freq(cfg).to(self.device)
         self.layers = list(range(cfg.n_layer))
-
-    def embed(self, tokens: torch.Tensor, g: Tensors) -> torch.Tensor:
-        return F.embedding(tokens, g[EMBED]).float()
 
     def logits(self, x: torch.Tensor, g: Tensors) -> torch.Tensor:
         return linear(rms_norm(x, g["final_norm"], self.config.rms_eps), g[HEAD])

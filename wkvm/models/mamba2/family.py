@@ -36,8 +36,7 @@ class Mamba2Family:
     def used_tensors(self, raw: RawTensors) -> RawTensors:
         return dict(raw)  # the readers drop a tied head: the embedding is counted once
 
-    def global_keys(self, cfg: Mamba2Config) -> tuple[str, ...]:
-        return model.global_keys(cfg)
+    global_keys = staticmethod(model.global_keys)
 
     def layer_prefix(self, i: int) -> str:
         return f"{model.PREFIX}{i}."
@@ -45,13 +44,8 @@ class Mamba2Family:
     def linear_keys(self, cfg: Mamba2Config, i: int) -> tuple[str, ...]:
         return model.LINEAR_KEYS
 
-    def prepare_layer(self, raw: RawTensors, i: int, cfg: Mamba2Config, dtype: torch.dtype,
-                      device: torch.device | str, pack: bool = True) -> Tensors:  # fmt: skip
-        return model.prepare_layer(raw, i, cfg, dtype, device, pack)
-
-    def prepare_globals(self, raw: RawTensors, cfg: Mamba2Config, dtype: torch.dtype,
-                        device: torch.device | str) -> Tensors:  # fmt: skip
-        return model.prepare_globals(raw, cfg, dtype, device)
+    prepare_layer = staticmethod(model.prepare_layer)
+    prepare_globals = staticmethod(model.prepare_globals)
 
     def build(self, cfg: Mamba2Config, weights: WeightProvider, fingerprint: str, device: torch.device | str) -> Mamba2:
         return Mamba2(cfg, weights, fingerprint, device)

@@ -13,8 +13,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from wkvm.models.family import CheckpointError, ModelBase, RawTensors, layer_count, owned, require
-from wkvm.models.linear import linear, pack_linear
+from wkvm.models.family import (
+    CheckpointError,
+    ModelBase,
+    RawTensors,
+    compute_form,
+    embedding_and_head,
+    layer_count,
+    require,
+    resident,
+)
+from wkvm.models.linear import linear
 from wkvm.models.mamba2.ssd import DEFAULT_CHUNK, ssd_chunked, ssd_step
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.spec import State, StateSpec, TensorSpec
@@ -112,20 +121,14 @@ def prepare_layer(
     t["mixer.conv1d.weight"] = t["mixer.conv1d.weight"].reshape(cfg.conv_dim, cfg.d_conv)
     t.setdefault("mixer.conv1d.bias", torch.zeros(cfg.conv_dim, device=device))
     t["mixer.A"] = -torch.exp(t.pop("mixer.A_log"))
-    if not pack:
-        return {k: v.contiguous() for k, v in t.items()}
-    for k in LINEAR_KEYS:
-        t[k] = pack_linear(t[k])
-    return {k: v if v.is_mkldnn else owned(v) for k, v in t.items()}
+    return compute_form(t, LINEAR_KEYS, pack)
 
 
 def prepare_globals(raw: RawTensors, cfg: Mamba2Config, dtype: torch.dtype, device: torch.device | str) -> Tensors:
     """Embedding and head in `dtype` (a tied head is the embedding, prepacked), the final norm fp32."""
     require(raw, global_keys(cfg), "Mamba2")
-    emb = raw[EMBEDDING].to(device=device, dtype=dtype)
-    head = emb if cfg.tie_embeddings else raw[HEAD].to(device=device, dtype=dtype)
-    g = {EMBEDDING: emb, NORM_F: raw[NORM_F].to(device=device, dtype=torch.float32), HEAD: pack_linear(head)}
-    return {k: v if v.is_mkldnn else owned(v) for k, v in g.items()}
+    emb, head = embedding_and_head(raw, EMBEDDING, HEAD, cfg.tie_embeddings, dtype, device)
+    return resident({EMBEDDING: emb, NORM_F: raw[NORM_F].to(device=device, dtype=torch.float32), HEAD: head})
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -151,15 +154,13 @@ def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bia
 
 class Mamba2(ModelBase):
     family = FAMILY
+    embed_key = EMBEDDING
     config: Mamba2Config
 
     def __init__(self, cfg: Mamba2Config, weights: WeightProvider, model_fingerprint: str,
                  device: torch.device | str = "cpu"):  # fmt: skip
         super().__init__(cfg, mamba2_state_spec(cfg), weights, model_fingerprint, device)
         self.ssd_chunk = DEFAULT_CHUNK
-
-    def embed(self, tokens: torch.Tensor, g: Tensors) -> torch.Tensor:
-        return F.embedding(tokens, g[EMBEDDING]).float()
 
     def block(self, i: int, w: Tensors, x: torch.Tensor, state: State) -> torch.Tensor:
         return x + self._mixer(i, w, rms_norm(x, w["norm.weight"], self.config.norm_eps), state)

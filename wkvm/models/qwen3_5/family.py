@@ -41,8 +41,7 @@ class Qwen35Family:
             keep.update(f"model.layers.{i}.{k}" for k in model.GDN_RAW + model.MLP_RAW + model.NORM_RAW)
         return {k: v for k, v in raw.items() if k in keep}
 
-    def global_keys(self, cfg: Qwen35Config) -> tuple[str, ...]:
-        return model.global_keys(cfg)
+    global_keys = staticmethod(model.global_keys)
 
     def layer_prefix(self, i: int) -> str:
         return f"model.layers.{i}."
@@ -50,13 +49,8 @@ class Qwen35Family:
     def linear_keys(self, cfg: Qwen35Config, i: int) -> tuple[str, ...]:
         return model.linear_keys(cfg, i)
 
-    def prepare_layer(self, raw: RawTensors, i: int, cfg: Qwen35Config, dtype: torch.dtype,
-                      device: torch.device | str, pack: bool = True) -> Tensors:  # fmt: skip
-        return model.prepare_layer(raw, i, cfg, dtype, device, pack)
-
-    def prepare_globals(self, raw: RawTensors, cfg: Qwen35Config, dtype: torch.dtype,
-                        device: torch.device | str) -> Tensors:  # fmt: skip
-        return model.prepare_globals(raw, cfg, dtype, device)
+    prepare_layer = staticmethod(model.prepare_layer)
+    prepare_globals = staticmethod(model.prepare_globals)
 
     def build(self, cfg: Qwen35Config, weights: WeightProvider, fingerprint: str, device: torch.device | str) -> Qwen35:
         return Qwen35(cfg, weights, fingerprint, device)

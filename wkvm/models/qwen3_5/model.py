@@ -14,8 +14,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from wkvm.models.family import CheckpointError, ModelBase, RawTensors, owned, require, rms_norm
-from wkvm.models.linear import linear, pack_linear
+from wkvm.models.family import (
+    CheckpointError,
+    ModelBase,
+    RawTensors,
+    compute_form,
+    embedding_and_head,
+    require,
+    resident,
+    rms_norm,
+)
+from wkvm.models.linear import linear
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.qwen3_5.gated_delta import DEFAULT_CHUNK, gated_delta_chunked, gated_delta_step
 from wkvm.models.spec import State, StateSpec, TensorSpec
@@ -160,34 +169,26 @@ def prepare_layer(
     }
     for k in linear_keys(cfg, i):
         t[k] = t[k].to(dtype)
-    if not pack:
-        return {k: v.contiguous() for k, v in t.items()}
-    for k in linear_keys(cfg, i):
-        t[k] = pack_linear(t[k])
-    return {k: v if v.is_mkldnn else owned(v) for k, v in t.items()}
+    return compute_form(t, linear_keys(cfg, i), pack)
 
 
 def prepare_globals(raw: RawTensors, cfg: Qwen35Config, dtype: torch.dtype, device: torch.device | str) -> Tensors:
     """Embedding (in `dtype`), final norm (as 1 + w), head (prepacked; the embedding itself when tied)."""
     require(raw, global_keys(cfg), "Qwen3.5")
-    embed = raw[EMBED].to(device=device, dtype=dtype)
-    head = embed if cfg.tied_head else raw[HEAD].to(device=device, dtype=dtype)
-    g = {EMBED: embed, "final_norm": 1.0 + raw[FINAL_NORM].to(device=device, dtype=torch.float32)}
-    g[HEAD] = pack_linear(head)
-    return {k: v if v.is_mkldnn else owned(v) for k, v in g.items()}
+    embed, head = embedding_and_head(raw, EMBED, HEAD, cfg.tied_head, dtype, device)
+    norm = 1.0 + raw[FINAL_NORM].to(device=device, dtype=torch.float32)
+    return resident({EMBED: embed, "final_norm": norm, HEAD: head})
 
 
 class Qwen35(ModelBase):
     family = FAMILY
+    embed_key = EMBED
     config: Qwen35Config
 
     def __init__(self, cfg: Qwen35Config, weights: WeightProvider, model_fingerprint: str,
                  device: torch.device | str = "cpu"):  # fmt: skip
         super().__init__(cfg, state_spec(cfg), weights, model_fingerprint, device)
         self.delta_chunk = DEFAULT_CHUNK
-
-    def embed(self, tokens: torch.Tensor, g: Tensors) -> torch.Tensor:
-        return F.embedding(tokens, g[EMBED]).float()
 
     def block(self, i: int, w: Tensors, x: torch.Tensor, state: State) -> torch.Tensor:
         eps = self.config.rms_eps

@@ -33,8 +33,7 @@ class RWKV7Family:
     def config_from_dict(self, d: dict[str, Any]) -> RWKV7Config:
         return RWKV7Config(**d)
 
-    def used_tensors(self, raw: RawTensors) -> RawTensors:
-        return model.used_tensors(raw)
+    used_tensors = staticmethod(model.used_tensors)
 
     def global_keys(self, cfg: RWKV7Config) -> tuple[str, ...]:
         return model.GLOBAL_KEYS
@@ -45,9 +44,7 @@ class RWKV7Family:
     def linear_keys(self, cfg: RWKV7Config, i: int) -> tuple[str, ...]:
         return model.LINEAR_KEYS
 
-    def prepare_layer(self, raw: RawTensors, i: int, cfg: RWKV7Config, dtype: torch.dtype,
-                      device: torch.device | str, pack: bool = True) -> Tensors:  # fmt: skip
-        return model.prepare_layer(raw, i, cfg, dtype, device, pack)
+    prepare_layer = staticmethod(model.prepare_layer)
 
     def prepare_globals(
         self, raw: RawTensors, cfg: RWKV7Config, dtype: torch.dtype, device: torch.device | str

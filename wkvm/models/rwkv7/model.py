@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from wkvm.models.family import ModelBase, RawTensors, layer_count, no_attention, owned, require
+from wkvm.models.family import ModelBase, RawTensors, compute_form, layer_count, no_attention, require, resident
 from wkvm.models.kv import KVBatch
 from wkvm.models.linear import linear, pack_linear
 from wkvm.models.provider import Tensors, WeightProvider
@@ -108,14 +108,11 @@ def prepare_layer(
             t[k] = t[k].reshape(-1)
     t["att.r_k"] = t["att.r_k"].reshape(cfg.n_head, cfg.head_size)
     t["att.mix"] = torch.stack([t.pop(f"att.{m}") for m in MIX]).view(6, 1, 1, -1)
-    if not pack:
-        return {k: v.contiguous() for k, v in t.items()}
-    for k in LINEAR_KEYS:
-        t[k] = pack_linear(t[k])
-    for k in LORA_KEYS:  # for many rows a packed copy is faster; for a few, plain x @ W (both measured)
+    t = compute_form(t, LINEAR_KEYS, pack)
+    for k in LORA_KEYS if pack else ():  # for many rows a packed copy is faster; for a few, plain x @ W (both measured)
         if k in t and (packed := pack_linear(t[k].t())).is_mkldnn:
             t[k + ".packed"] = packed
-    return {k: v if v.is_mkldnn else owned(v) for k, v in t.items()}
+    return t
 
 
 class RWKV7(ModelBase):
@@ -133,9 +130,7 @@ class RWKV7(ModelBase):
         self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False,
         caches: Sequence[KVBatch] | None = None,
     ) -> list[torch.Tensor]:  # fmt: skip
-        """Several independent batches (e.g. the decode batch and prefill chunks of other lengths) in one sweep of
-        the weights: layer i runs for every group before layer i + 1 is asked for, so streamed weights are read
-        once per step. Each group's result is exactly what `forward` gives it alone."""
+        """As ModelBase's, with each group's layer-0 value (v_first) carried into every later layer."""
         no_attention(self, caches)
         cfg, g = self.config, self.weights.globals()
         xs, v_firsts = [], []
@@ -227,4 +222,4 @@ def prepare_globals(raw: RawTensors, dtype: torch.dtype, device: torch.device | 
     for k in ("blocks.0.ln0.weight", "blocks.0.ln0.bias"):
         g[k] = g[k].reshape(-1)
     g["head.weight"] = pack_linear(g["head.weight"])
-    return {k: v if v.is_mkldnn else owned(v) for k, v in g.items()}
+    return resident(g)
