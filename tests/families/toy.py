@@ -48,7 +48,7 @@ class ToyModel(ModelBase):
     def embed(self, tokens: torch.Tensor, g: Tensors) -> torch.Tensor:
         return g["emb"][tokens].float()
 
-    def block(self, i: int, w: Tensors, x: torch.Tensor, state: State) -> torch.Tensor:
+    def block(self, i: int, w: Tensors, x: torch.Tensor, state: State, attn=None) -> torch.Tensor:
         return x + self._layer(w, x, state[f"layers.{i}.conv"], state[f"layers.{i}.h"])
 
     def logits(self, x: torch.Tensor, g: Tensors) -> torch.Tensor:

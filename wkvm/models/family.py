@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from wkvm.chat_template import ChatTemplate
-from wkvm.models.kv import KVBatch
+from wkvm.models.kv import Attn, DenseKV, KVBatch
 from wkvm.models.linear import pack_linear
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.spec import State, StateSpec
@@ -121,13 +121,19 @@ class ModelBase:
         return self.spec.zeros(batch, self.device)
 
     embed_key: str = ""  # the embedding's name in `weights.globals()`, for the default `embed`
+    kv_layers: tuple[int, ...] = ()  # the attention layers, whose state is keys and values (kind "kv")
 
     def embed(self, tokens: torch.Tensor, g: Tensors) -> torch.Tensor:
         """tokens [B, T] -> the first residual stream [B, T, C] (fp32): by default a lookup in `g[embed_key]`."""
         return F.embedding(tokens, g[self.embed_key]).float()
 
-    def block(self, i: int, w: Tensors, x: torch.Tensor, state: State) -> torch.Tensor:
-        """Layer i on residual stream x [B, T, C] with layer weights `w`, advancing `state` in place."""
+    def block(self, i: int, w: Tensors, x: torch.Tensor, state: State, attn: Attn | None) -> torch.Tensor:
+        """Layer i on residual stream x [B, T, C] with layer weights `w`, advancing `state` in place; an attention
+        layer (one of `kv_layers`) appends to and attends over `attn.kv` (None for models without attention)."""
+        raise NotImplementedError
+
+    def rope(self, start: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of the RoPE angles for positions start[b] .. start[b] + T - 1 (models with attention layers)."""
         raise NotImplementedError
 
     def logits(self, x: torch.Tensor, g: Tensors) -> torch.Tensor:
@@ -145,15 +151,29 @@ class ModelBase:
     ) -> list[torch.Tensor]:  # fmt: skip
         """Several independent batches (e.g. the decode batch and prefill pieces of other lengths) in one sweep of
         the weights: layer i runs for every group before layer i + 1 is asked for, so streamed weights are read
-        once per step. Each group's result is exactly what `forward` gives it alone."""
-        no_attention(self, caches)
+        once per step. Each group's result is exactly what `forward` gives it alone. Attention layers use
+        `caches` (one per group) or, without it, the kv tensors of each group's state dict (`DenseKV`)."""
+        attns = self._attention_inputs(groups, caches)
         g = self.weights.globals()
         xs = [self.embed(tokens.to(self.device), g) for tokens, _ in groups]
         for i in range(self.config.n_layer):
             w = self.weights.layer(i)
             for j, (_, state) in enumerate(groups):
-                xs[j] = self.block(i, w, xs[j], state)
+                xs[j] = self.block(i, w, xs[j], state, attns[j])
         return [self.logits(x if all_logits else x[:, -1], g) for x in xs]
+
+    def _attention_inputs(self, groups: Sequence[tuple[torch.Tensor, State]],
+                          caches: Sequence[KVBatch] | None) -> list[Attn | None]:  # fmt: skip
+        """Per group: its cache and RoPE angles (computed once for every attention layer); None without attention."""
+        if not self.kv_layers:
+            no_attention(self, caches)
+            return [None] * len(groups)
+        if caches is None:
+            caches = [DenseKV(state, list(self.kv_layers)) for _, state in groups]
+        if len(caches) != len(groups):
+            raise ValueError(f"{len(groups)} groups but {len(caches)} caches")
+        pairs = zip(groups, caches, strict=True)
+        return [Attn(kv, *self.rope(kv.positions(), tokens.shape[1])) for (tokens, _), kv in pairs]
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, state: State, all_logits: bool = False) -> torch.Tensor:
@@ -178,7 +198,7 @@ class ModelBase:
         return self.forward(torch.as_tensor(tokens, dtype=torch.long).reshape(-1, 1), state)
 
 
-def no_attention(model: ModelBase, caches: Sequence[KVBatch] | None) -> None:
+def no_attention(model: Any, caches: Sequence[KVBatch] | None) -> None:
     """Refuse KV caches for a model without attention layers (a caller's bug, not a request's)."""
     if caches is not None:
         raise TypeError(f"{model.family} has no attention layers: forward_groups takes no caches")

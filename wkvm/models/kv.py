@@ -9,6 +9,7 @@ outside the engine and by tests.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -32,6 +33,16 @@ class KVBatch(Protocol):
         """Causal attention of the new tokens' queries q [B, T, Hq, D] (Hq a multiple of Hkv: grouped-query) over
         each row's cache including the tokens just appended; returns [B, T, Hq, D]."""
         ...
+
+
+@dataclass
+class Attn:
+    """What an attention layer gets for one group: its cache and the RoPE angles of the group's new tokens
+    (computed once per forward, for every attention layer)."""
+
+    kv: KVBatch
+    cos: torch.Tensor
+    sin: torch.Tensor
 
 
 def key_name(layer: int) -> str:

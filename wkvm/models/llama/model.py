@@ -25,7 +25,8 @@ from wkvm.models.family import (
     resident,
     rms_norm,
 )
-from wkvm.models.kv import DenseKV, KVBatch, key_name, value_name
+from wkvm.models.kv import Attn, key_name, value_name
+from wkvm.models.rope import angles, rotate
 from wkvm.models.linear import linear
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.spec import State, StateSpec, TensorSpec
@@ -175,12 +176,6 @@ def prepare_globals(raw: RawTensors, cfg: LlamaConfig, dtype: torch.dtype, devic
     return resident({EMBED: embed, "final_norm": raw[FINAL_NORM].to(device=device, dtype=torch.float32), HEAD: head})
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in HF's half-split layout: pair j is (x[j], x[j + D/2]). x [B, T, H, D]; cos, sin [B, T, 1, D]."""
-    x1, x2 = x.chunk(2, -1)
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
 class Llama(ModelBase):
     family = FAMILY
     embed_key = EMBED
@@ -190,67 +185,32 @@ class Llama(ModelBase):
                  device: torch.device | str = "cpu"):  # fmt: skip
         super().__init__(cfg, state_spec(cfg), weights, model_fingerprint, device)
         self.inv_freq = inv_freq(cfg).to(self.device)
-        self.layers = list(range(cfg.n_layer))
+        self.kv_layers = tuple(range(cfg.n_layer))
 
     def logits(self, x: torch.Tensor, g: Tensors) -> torch.Tensor:
         return linear(rms_norm(x, g["final_norm"], self.config.rms_eps), g[HEAD])
 
-    def block(self, i: int, w: Tensors, x: torch.Tensor, state: State) -> torch.Tensor:
-        kv = DenseKV(state, [i])
-        return self.layer(i, w, x, kv, self.rope(kv.positions(), x.shape[1]))
+    def block(self, i: int, w: Tensors, x: torch.Tensor, state: State, attn: Attn | None) -> torch.Tensor:
+        assert attn is not None  # every Llama layer is attention
+        eps = self.config.rms_eps
+        x = x + self._attention(i, w, rms_norm(x, w["input_norm"], eps), attn)
+        return x + self._mlp(w, rms_norm(x, w["post_norm"], eps))
 
-    @torch.inference_mode()
-    def forward_groups(
-        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False,
-        caches: Sequence[KVBatch] | None = None,
-    ) -> list[torch.Tensor]:  # fmt: skip
-        """As ModelBase's, with each group's cache (its state's kv tensors when `caches` is None) and its RoPE
-        angles computed once."""
-        if caches is None:
-            caches = [DenseKV(state, self.layers) for _, state in groups]
-        elif len(caches) != len(groups):
-            raise ValueError(f"{len(groups)} groups but {len(caches)} caches")
-        return self.forward_kv([(tokens, kv) for (tokens, _), kv in zip(groups, caches, strict=True)], all_logits)
+    def rope(self, start: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return angles(self.inv_freq, start, T)
 
     @property
     def context_length(self) -> int | None:
         return self.config.max_context
 
-    @torch.inference_mode()
-    def forward_kv(
-        self, groups: Sequence[tuple[torch.Tensor, KVBatch]], all_logits: bool = False
-    ) -> list[torch.Tensor]:
-        """Groups of tokens [B, T] with their caches (any `KVBatch`): one sweep of the weights."""
-        g = self.weights.globals()
-        xs = [self.embed(tokens.to(self.device), g) for tokens, _ in groups]
-        ropes = [self.rope(kv.positions(), tokens.shape[1]) for tokens, kv in groups]
-        for i in self.layers:
-            w = self.weights.layer(i)
-            for j, (_, kv) in enumerate(groups):
-                xs[j] = self.layer(i, w, xs[j], kv, ropes[j])
-        return [self.logits(x if all_logits else x[:, -1], g) for x in xs]
-
-    def rope(self, start: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, T, 1, D] for positions start[b] .. start[b] + T - 1 of each row."""
-        pos = start.to(self.device)[:, None] + torch.arange(T, device=self.device)
-        angles = (pos[..., None].float() * self.inv_freq).repeat(1, 1, 2)
-        return angles.cos().unsqueeze(2), angles.sin().unsqueeze(2)
-
-    def layer(self, i: int, w: Tensors, x: torch.Tensor, kv: KVBatch,
-              rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # fmt: skip
-        eps = self.config.rms_eps
-        x = x + self._attention(i, w, rms_norm(x, w["input_norm"], eps), kv, rope)
-        return x + self._mlp(w, rms_norm(x, w["post_norm"], eps))
-
-    def _attention(self, i: int, w: Tensors, x: torch.Tensor, kv: KVBatch,
-                   rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    def _attention(self, i: int, w: Tensors, x: torch.Tensor, attn: Attn) -> torch.Tensor:
         cfg = self.config
         B, T, _ = x.shape
         Hq, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         q, k, v = torch.split(linear(x, w["self_attn.qkv"]), [Hq * D, Hkv * D, Hkv * D], -1)
-        q = rotate(q.reshape(B, T, Hq, D), *rope)
-        kv.append(i, rotate(k.reshape(B, T, Hkv, D), *rope), v.reshape(B, T, Hkv, D))
-        o = kv.attend(i, q, D**-0.5)
+        q = rotate(q.reshape(B, T, Hq, D), attn.cos, attn.sin)
+        attn.kv.append(i, rotate(k.reshape(B, T, Hkv, D), attn.cos, attn.sin), v.reshape(B, T, Hkv, D))
+        o = attn.kv.attend(i, q, D**-0.5)
         return linear(o.reshape(B, T, Hq * D), w["self_attn.o_proj.weight"])
 
     @staticmethod

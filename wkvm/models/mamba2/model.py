@@ -25,6 +25,7 @@ from wkvm.models.family import (
 )
 from wkvm.models.linear import linear
 from wkvm.models.mamba2.ssd import DEFAULT_CHUNK, ssd_chunked, ssd_step
+from wkvm.models.kv import Attn
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.spec import State, StateSpec, TensorSpec
 
@@ -162,7 +163,7 @@ class Mamba2(ModelBase):
         super().__init__(cfg, mamba2_state_spec(cfg), weights, model_fingerprint, device)
         self.ssd_chunk = DEFAULT_CHUNK
 
-    def block(self, i: int, w: Tensors, x: torch.Tensor, state: State) -> torch.Tensor:
+    def block(self, i: int, w: Tensors, x: torch.Tensor, state: State, attn: Attn | None) -> torch.Tensor:
         return x + self._mixer(i, w, rms_norm(x, w["norm.weight"], self.config.norm_eps), state)
 
     def logits(self, x: torch.Tensor, g: Tensors) -> torch.Tensor:

@@ -25,6 +25,7 @@ from wkvm.models.family import (
     rms_norm,
 )
 from wkvm.models.linear import linear
+from wkvm.models.kv import Attn
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.qwen3_5.gated_delta import DEFAULT_CHUNK, gated_delta_chunked, gated_delta_step
 from wkvm.models.spec import State, StateSpec, TensorSpec
@@ -190,7 +191,7 @@ class Qwen35(ModelBase):
         super().__init__(cfg, state_spec(cfg), weights, model_fingerprint, device)
         self.delta_chunk = DEFAULT_CHUNK
 
-    def block(self, i: int, w: Tensors, x: torch.Tensor, state: State) -> torch.Tensor:
+    def block(self, i: int, w: Tensors, x: torch.Tensor, state: State, attn: Attn | None) -> torch.Tensor:
         eps = self.config.rms_eps
         x = x + self._gated_delta_net(i, w, rms_norm(x, w["input_norm"], eps), state)
         return x + self._mlp(w, rms_norm(x, w["post_norm"], eps))
