@@ -52,7 +52,8 @@ def world_pth(ckpt_dir):
     return path
 
 
-CHAR_TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[assistant]"
+CHAR_TEMPLATE = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant]{% endif %}")
 
 
 CHAR_VOCAB = {chr(c): i for i, c in enumerate(range(0x21, 0x7F))}

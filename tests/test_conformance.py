@@ -29,9 +29,10 @@ LP_TOL = 1e-5
 PROMPT = [5, 17, 30, 2, 44, 61, 9, 12, 80, 33, 3]
 
 
-@pytest.fixture(scope="module", params=FAMILIES, ids=[f.NAME for f in FAMILIES])
+@pytest.fixture(scope="module", params=FAMILIES, ids=[f.__name__.rsplit(".", 1)[-1] for f in FAMILIES])
 def family_dir(request, tmp_path_factory):
-    path = request.param.write_checkpoint(tmp_path_factory.mktemp(request.param.NAME) / "model", len(CHAR_VOCAB), 5)
+    name = request.param.__name__.rsplit(".", 1)[-1]
+    path = request.param.write_checkpoint(tmp_path_factory.mktemp(name) / "model", len(CHAR_VOCAB), 5)
     write_char_tokenizer(path)
     return path
 
@@ -239,3 +240,21 @@ def test_prefix_reuse_at_any_token(server, model):
         assert got["wkvm"]["mode"] == "kv_prefix" and got["wkvm"]["reused_tokens"] == len(shared), got["wkvm"]
     else:
         assert got["wkvm"]["mode"] == "fresh" and got["wkvm"]["reused_tokens"] == 0, got["wkvm"]
+
+
+def test_a_shared_system_prompt_is_reused_from_the_second_request(server, model):
+    """Chats that share a system prompt and ask different questions: the first keeps a checkpoint at the end of the
+    system messages (their tokens are an exact prefix), so every later one reuses at least all of them, whatever
+    the family; every answer equals a run without reuse."""
+    c = httpx.Client(base_url=server.url, timeout=60)
+    system = {"role": "system", "content": "Thouartacourtierofgreatwit;answerbrieflyandinverse." * 2}
+    head = server.ctx.tokenizer.encode(server.ctx.template.render([system], add_generation_prompt=False))
+    user = f"sys-{random.random()}"  # a reuse scope of its own: no other test's checkpoints
+    reused = []
+    for q in ["Whatnews?", "Whocomes?", "Whereisthedog?", "Sing!", "Whatisthehour?"]:
+        req = {"messages": [system, {"role": "user", "content": q}], "max_tokens": 6, "temperature": 0,
+               "ignore_eos": True, "return_token_ids": True, "user": user}  # fmt: skip
+        r = c.post("/v1/chat/completions", json=req).json()
+        assert r["choices"][0]["token_ids"] == greedy_reference(model, r["prompt_token_ids"], 6)
+        reused.append(r["wkvm"]["reused_tokens"])
+    assert reused[0] == 0 and all(n >= len(head) for n in reused[1:]), (reused, len(head))

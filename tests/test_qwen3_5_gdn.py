@@ -11,7 +11,6 @@ import torch
 from families.qwen3_5 import randomize, tiny_config
 from transformers import DynamicCache, Qwen3_5ForCausalLM
 
-from wkvm.models.family import CheckpointError
 from wkvm.models.qwen3_5.gated_delta import gated_delta_chunked, gated_delta_step
 from wkvm.weights.loader import load_model
 from wkvm.weights.pack import write_pack
@@ -215,14 +214,6 @@ def test_multimodal_checkpoint_reads_the_language_model(tmp_path):
     want = hf(input_ids=ids, use_cache=False).logits
     m = load_model(tmp_path / "mm")
     assert (m.forward(ids, m.new_state(1), all_logits=True) - want).abs().max() < ATOL
-
-
-def test_full_attention_layer_is_refused(tmp_path):
-    torch.manual_seed(4)
-    model = Qwen3_5ForCausalLM(tiny_config(101, layer_types=["linear_attention", "full_attention"]))
-    model.save_pretrained(tmp_path / "hybrid", safe_serialization=True)
-    with pytest.raises(CheckpointError, match=r"hybrid attention layers are not supported yet \(issue #17\)"):
-        load_model(tmp_path / "hybrid")
 
 
 @torch.no_grad()

@@ -24,13 +24,13 @@ class ChatTemplate:
     stop: list[str] = field(default_factory=list)
     name: str = "none"
 
-    def render(self, messages: list[dict[str, str]]) -> str:
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if self.source is None:
             raise ChatTemplateError("this model has no chat template (none shipped with it, and its family has no "
                                     "default): use /v1/completions, or add chat_template.jinja beside the model")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         try:
-            return env.from_string(self.source).render(messages=messages, add_generation_prompt=True)
+            return env.from_string(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt)
         except TemplateError as e:
             raise ChatTemplateError(f"the model's chat template failed: {e}") from None
 

@@ -42,8 +42,11 @@ class EngineClient(Protocol):
     async def generate(
         self, prompt_ids: list[int], params: list[SamplingParams], base_state: State | None = None,
         base_ids: list[int] | None = None, capture: bool = False, capture_prompt: bool = False,
+        capture_at: int | None = None,
     ) -> list[RequestHandle]:  # fmt: skip
-        """Start len(params) generations of one prompt (all or none); n > 1 prefills once and forks n ways."""
+        """Start len(params) generations of one prompt (all or none); n > 1 prefills once and forks n ways.
+        `capture` keeps the final state, `capture_prompt` the state after all of the prompt but its last token,
+        `capture_at` (n = 1 only) the state after that many prompt tokens: a branch point worth checkpointing."""
         ...
 
     async def prefill(self, prompt_ids: list[int], base_state: State | None = None,
@@ -101,13 +104,14 @@ class LocalEngineClient:
     async def generate(
         self, prompt_ids: list[int], params: list[SamplingParams], base_state: State | None = None,
         base_ids: list[int] | None = None, capture: bool = False, capture_prompt: bool = False,
+        capture_at: int | None = None,
     ) -> list[RequestHandle]:  # fmt: skip
         loop = asyncio.get_running_loop()
         base_ids = list(base_ids or [])
         submit = self.engine.submit
         if len(params) == 1:
             return [submit(prompt_ids, params[0], initial_state=base_state, base_ids=base_ids, capture_state=capture,
-                           capture_prompt_state=capture_prompt, loop=loop)]  # fmt: skip
+                           capture_prompt_state=capture_prompt, capture_at=capture_at, loop=loop)]  # fmt: skip
         state = base_state
         if len(prompt_ids) > 1:
             state = await self.prefill(prompt_ids[:-1], base_state, base_ids)

@@ -92,6 +92,7 @@ class Engine:
         prefill_only: bool = False,
         capture_prompt_state: bool = False,
         prompt_state: State | None = None,
+        capture_at: int | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> RequestHandle:
         if not prompt_ids:
@@ -109,6 +110,7 @@ class Engine:
             arrival=now, priority=priority, deadline=now + timeout if timeout else None,
             initial_state=initial_state, base_ids=list(base_ids or []), capture_state=capture_state,
             prefill_only=prefill_only, capture_prompt_state=capture_prompt_state, prompt_state=prompt_state,
+            capture_at=capture_at if capture_at is not None and 0 < capture_at < len(prompt_ids) else None,
         )  # fmt: skip
         handle = RequestHandle(self, req, loop)
         with self._lock:

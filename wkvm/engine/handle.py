@@ -6,7 +6,7 @@ import asyncio
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from wkvm.engine.request import Request
@@ -22,12 +22,15 @@ class RunResult:
     """What a finished request leaves behind for the state layer: its token history and the states asked for.
 
     `final_state` holds all of `history` but its last (pending) token; `prompt_state` all of `prompt_history` but
-    its last. Either is None when not captured (or when the request did not end at a token boundary)."""
+    its last; `branch_state` (a state inside the prompt, asked for with `capture_at`) all of `branch_history` but its
+    last. Each is None when not captured (or when the request did not end at a token boundary)."""
 
     history: list[int]
     final_state: State | None
     prompt_history: list[int]
     prompt_state: State | None
+    branch_history: list[int] = field(default_factory=list)
+    branch_state: State | None = None
 
 
 @dataclass
@@ -102,7 +105,9 @@ class RequestHandle:
 
     def run_result(self) -> RunResult:
         req = self.request
-        return RunResult(req.history(), req.final_state, req.base_ids + req.prompt_ids, req.prompt_state)
+        branch = req.base_ids + req.prompt_ids[: req.capture_at + 1] if req.capture_at is not None else []
+        return RunResult(req.history(), req.final_state, req.base_ids + req.prompt_ids, req.prompt_state, branch,
+                         req.branch_state)  # fmt: skip
 
     def cancel(self) -> None:
         self.engine.cancel(self.request_id)

@@ -38,6 +38,8 @@ class Request:
     prefill_only: bool = False  # feed the prompt, sample nothing, finish (to build a state)
     capture_prompt_state: bool = False  # keep a copy of the state after prompt_ids[:-1] in `prompt_state`
     prompt_state: State | None = None
+    capture_at: int | None = None  # also keep the state after this many prompt tokens (a branch point) ...
+    branch_state: State | None = None  # ... here
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens of prompt + output already fed into the state

@@ -80,6 +80,8 @@ class ModelRunner:
             at_prompt_end = r.num_computed_tokens == len(r.prompt_ids) - 1
             if r.capture_prompt_state and r.prompt_state is None and at_prompt_end and slot is not None:
                 r.prompt_state = self.arena.read(slot)  # all of the prompt but its last (pending) token
+            if r.capture_at == r.num_computed_tokens and r.branch_state is None and slot is not None:
+                r.branch_state = self.arena.read(slot)
         done = [i for i, r in enumerate(reqs) if r.gap == 0]
         if not done:
             return StepOutput([])

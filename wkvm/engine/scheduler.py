@@ -101,6 +101,8 @@ class Scheduler:
         left = len(req.prompt_ids) - req.num_computed_tokens
         if req.capture_prompt_state and req.prompt_state is None and left > 1:
             left -= 1  # stop one short, so the state before the last prompt token can be captured
+        if req.capture_at is not None and req.num_computed_tokens < req.capture_at:
+            left = min(left, req.capture_at - req.num_computed_tokens)  # stop at the branch point too
         return min(req.gap, left, self.config.prefill_chunk, budget)
 
     def _preempt_for_waiting(self) -> list[Request]:

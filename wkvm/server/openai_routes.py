@@ -73,6 +73,20 @@ def check_save_room(ctx: ServerContext, tenant: str, n_tokens: int, param: str) 
     ctx.store.check_room(tenant, n_tokens)
 
 
+def system_prefix(ctx: ServerContext, messages: list[dict[str, str]], text: str, prompt_ids: list[int]) -> int:
+    """How many leading tokens of the prompt are its leading system messages, when they render and tokenize to an
+    exact prefix of it (0 otherwise): a boundary many conversations share, worth a checkpoint on first sight."""
+    k = next((i for i, m in enumerate(messages) if m.get("role") not in ("system", "developer")), len(messages))
+    if k == 0 or k == len(messages):
+        return 0
+    try:
+        head = ctx.template.render(messages[:k], add_generation_prompt=False)
+    except ChatTemplateError:
+        return 0
+    ids = ctx.tokenizer.encode(head) if head and text.startswith(head) else []
+    return len(ids) if ids and prompt_ids[: len(ids)] == ids else 0
+
+
 async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body: GenBody, params: list[SamplingParams],
                 chat: ChatMeta | None) -> Run:  # fmt: skip
     if body.save_state is not None:
@@ -93,7 +107,7 @@ async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body: Ge
     try:
         handles = await ctx.client.generate(plan.feed_ids, params, plan.base_state, plan.base_ids,
                                             capture=plan.capture or bool(body.save_state),
-                                            capture_prompt=plan.capture)  # fmt: skip
+                                            capture_prompt=plan.capture, capture_at=plan.capture_at)  # fmt: skip
     finally:
         ctx.sessions.track(chat, tenant, locals().get("handles", []))
     ctx.metrics.prompt_tokens.inc(len(prompt_ids))
@@ -224,7 +238,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         sp = gen.sampling_params(ctx, body, max_tokens, k, gen.DEFAULT_CHAT_MAX_TOKENS, ctx.template.stop)
         params = gen.per_choice(sp, body.n)
         prompt_ids = gen.encode_prompt(ctx, text, "messages")
-        chat = ChatMeta.from_headers(request.headers, messages)
+        chat = ChatMeta.from_headers(request.headers, messages, system_prefix(ctx, messages, text, prompt_ids))
         ((plan, handles),) = await start_all(ctx, tenant, [prompt_ids], body, params, chat)
         base = {"id": gen.new_id("chatcmpl"), "created": int(time.time()), "model": ctx.model_name}
         if body.stream:

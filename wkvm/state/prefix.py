@@ -68,6 +68,18 @@ class PrefixTrie:
             self.lru.move_to_end(tuple(prompt[: best.n_fed]))
         return best
 
+    def branch_point(self, prompt: list[int]) -> int:
+        """How many leading tokens of `prompt` (all but its last) some stored history shares, where no checkpoint
+        is stored yet: the place two histories part (e.g. the end of a shared system prompt), worth a checkpoint
+        of its own. 0 when there is none."""
+        node, depth = self.root, 0
+        for t in prompt[:-1]:
+            child = node.children.get(t)
+            if child is None:
+                break
+            node, depth = child, depth + 1
+        return depth if node.checkpoint is None else 0
+
     def longest_shared(self, prompt: list[int]) -> tuple[Checkpoint, int] | None:
         """For states that can be cut at any token (`StateSpec.cuttable`: keys and values only): a checkpoint whose
         fed tokens share the most leading tokens with `prompt` (leaving at least one to feed), and that count.

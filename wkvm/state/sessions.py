@@ -54,11 +54,13 @@ class Plan:
     info: dict[str, Any] = field(default_factory=lambda: {"mode": "fresh", "reused_tokens": 0, "restart_reason": None})
     capture: bool = False
     finish: Callable[[list[RequestHandle]], None] | None = None
+    capture_at: int | None = None  # a branch point inside feed_ids whose state is worth a checkpoint
 
 
 @dataclass(frozen=True)
 class ChatMeta:
-    """A chat turn as the parent-token-v1 protocol describes it: its messages and the identity headers."""
+    """A chat turn: its messages, how many prompt tokens its leading system messages take (0: none, or not an exact
+    token prefix), and the parent-token-v1 identity headers."""
 
     messages: list[dict[str, str]]
     stateful: bool = False  # X-WKVM-Stateful-Chat: parent-token-v1
@@ -67,13 +69,15 @@ class ChatMeta:
     assistant_id: str | None = None
     user_message_id: str | None = None
     parent_id: str | None = None
+    system_tokens: int = 0
 
     @classmethod
-    def from_headers(cls, headers: Mapping[str, str], messages: list[dict[str, str]]) -> ChatMeta:
+    def from_headers(cls, headers: Mapping[str, str], messages: list[dict[str, str]],
+                     system_tokens: int = 0) -> ChatMeta:  # fmt: skip
         return cls(
             messages, headers.get(HEADER_MODE) == PARENT_TOKEN_V1, headers.get("x-openwebui-user-id"),
             headers.get("x-openwebui-chat-id"), headers.get("x-wkvm-assistant-message-id"),
-            headers.get("x-wkvm-user-message-id"), headers.get("x-wkvm-parent-message-id") or None,
+            headers.get("x-wkvm-user-message-id"), headers.get("x-wkvm-parent-message-id") or None, system_tokens,
         )  # fmt: skip
 
 
@@ -154,6 +158,7 @@ class ChatSessions:
             plan, session_key = self._parent_bound(tenant, scope, prompt_ids, chat)
         else:
             plan = self._from_checkpoint(scope, prompt_ids, None)
+            plan.capture_at = self._branch(scope, prompt_ids, len(plan.base_ids), chat.system_tokens if chat else 0)
         plan.capture = True
         plan.finish = lambda handles: self._after(tenant, scope, plan, handles, session_key, chat)
         return plan
@@ -189,6 +194,14 @@ class ChatSessions:
         self.metrics.reuse_hit(n)
         info = {"mode": mode, "reused_tokens": n, "restart_reason": reason}
         return Plan(prompt_ids[n:], state, prompt_ids[:n], cp.key, info)
+
+    def _branch(self, scope: str, prompt_ids: list[int], reused: int, system_tokens: int) -> int | None:
+        """A point beyond what this prompt reuses where a checkpoint would serve later prompts (relative to the
+        tokens it feeds): where it parts from a stored history, else the end of its system messages (shared by
+        many conversations from their first). The run keeps the state there."""
+        with self.lock:
+            point = self._trie(scope).branch_point(prompt_ids) or system_tokens
+        return point - reused if reused < point < len(prompt_ids) - 1 else None
 
     def _parent_bound(self, tenant: str, scope: str, prompt_ids: list[int],
                       meta: ChatMeta) -> tuple[Plan, SessionKey | None]:  # fmt: skip
@@ -261,6 +274,8 @@ class ChatSessions:
             self._checkpoint(scope, run.history, run.final_state, "turn_end")
             if run.prompt_state is not None:
                 self._checkpoint(scope, run.prompt_history, run.prompt_state, "prompt_end")
+            if run.branch_state is not None:
+                self._checkpoint(scope, run.branch_history, run.branch_state, "branch")
             if session_key is not None and chat is not None:
                 self._update_session(tenant, session_key, chat, run, h.output.text)
         except Exception:

@@ -38,7 +38,7 @@ class Qwen35Family:
         n_layer = 1 + max((int(k.split(".")[2]) for k in raw if k.startswith("model.layers.")), default=-1)
         keep = {model.EMBED, model.FINAL_NORM, model.HEAD}
         for i in range(n_layer):
-            keep.update(f"model.layers.{i}.{k}" for k in model.GDN_RAW + model.MLP_RAW + model.NORM_RAW)
+            keep.update(f"model.layers.{i}.{k}" for k in model.GDN_RAW + model.ATTN_RAW + model.MLP_RAW + model.NORM_RAW)
         return {k: v for k, v in raw.items() if k in keep}
 
     global_keys = staticmethod(model.global_keys)
@@ -56,9 +56,13 @@ class Qwen35Family:
         return Qwen35(cfg, weights, fingerprint, device)
 
     def describe(self, cfg: Qwen35Config) -> str:
+        n_attn = len(cfg.attention_layers)
+        attn = (f", {n_attn} gated attention layers ({cfg.n_heads} query / {cfg.n_kv_heads} key-value heads of "
+                f"{cfg.head_dim}, RoPE on {cfg.rotary_dim})" if n_attn else "")  # fmt: skip
         return (
-            f"Qwen3.5 (Gated DeltaNet), {cfg.n_layer} layers, width {cfg.n_embd}, {cfg.n_k_heads} key / "
-            f"{cfg.n_v_heads} value heads of {cfg.k_head_dim}/{cfg.v_head_dim}, vocab {cfg.vocab_size}"
+            f"Qwen3.5 ({'hybrid' if n_attn else 'Gated DeltaNet'}), {cfg.n_layer} layers, width {cfg.n_embd}, "
+            f"{cfg.n_k_heads} key / {cfg.n_v_heads} value heads of {cfg.k_head_dim}/{cfg.v_head_dim}{attn}, "
+            f"vocab {cfg.vocab_size}"
         )
 
     def convert(self, src: Path, dst: Path) -> str:

@@ -1,9 +1,12 @@
 """Qwen3.5 text (and Qwen3-Next with dense MLPs): the forward pass, state explicit.
 
-A decoder layer is a token mixer (for now only Gated DeltaNet, `linear_attention`) then a dense SwiGLU MLP, each
-behind a pre-RMSNorm whose weight is stored zero-centred (the norm scales by 1 + w). State per GDN layer i:
-`layers.{i}.conv` [2*Hk*dk + Hv*dv, K-1] (the last K-1 inputs of the causal conv, oldest first) and
-`layers.{i}.delta` [Hv, dk, dv] (HF/fla axis order). Raw tensor names are the HF Qwen3.5 text names.
+A decoder layer is a token mixer then a dense SwiGLU MLP, each behind a pre-RMSNorm whose weight is stored
+zero-centred (the norm scales by 1 + w). The mixer is Gated DeltaNet (`linear_attention`) or gated full attention
+(`full_attention`: grouped-query attention whose q projection also gives a per-head output gate, q/k RMSNorm per
+head, RoPE on the first `rotary_dim` dims of each head), typically 3:1. State per GDN layer i: `layers.{i}.conv`
+[2*Hk*dk + Hv*dv, K-1] (the last K-1 inputs of the causal conv, oldest first) and `layers.{i}.delta` [Hv, dk, dv]
+(HF/fla axis order); per attention layer i: `layers.{i}.k` / `layers.{i}.v`, one [Hkv, D] entry per token (kind
+"kv", keys after RoPE). Raw tensor names are the HF Qwen3.5 text names.
 """
 
 from __future__ import annotations
@@ -25,15 +28,15 @@ from wkvm.models.family import (
     rms_norm,
 )
 from wkvm.models.linear import linear
-from wkvm.models.kv import Attn
+from wkvm.models.kv import Attn, key_name, value_name
 from wkvm.models.provider import Tensors, WeightProvider
+from wkvm.models.rope import angles, rotate
 from wkvm.models.qwen3_5.gated_delta import DEFAULT_CHUNK, gated_delta_chunked, gated_delta_step
 from wkvm.models.spec import State, StateSpec, TensorSpec
 
 FAMILY = "qwen3_5"
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
-HYBRID_REFUSED = "hybrid attention layers are not supported yet (issue #17)"
 L2_EPS = 1e-6  # fla's l2norm epsilon, as transformers uses it
 
 EMBED, FINAL_NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
@@ -45,8 +48,13 @@ GDN_RAW = (
 )  # fmt: skip
 MLP_RAW = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 NORM_RAW = ("input_layernorm.weight", "post_attention_layernorm.weight")
+ATTN_RAW = (
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+)  # fmt: skip
 # compute-form names of the matrices that go through `linear`
 GDN_LINEAR = ("linear_attn.in_proj", "linear_attn.out_proj.weight")
+ATTN_LINEAR = ("self_attn.qkv", "self_attn.o_proj.weight")
 MLP_LINEAR = ("mlp.gate_up", "mlp.down_proj.weight")
 
 
@@ -64,6 +72,17 @@ class Qwen35Config:
     layer_types: tuple[str, ...]
     tied_head: bool = False
     rms_eps: float = 1e-6
+    # full-attention layers (0 when there are none)
+    n_heads: int = 0
+    n_kv_heads: int = 0
+    head_dim: int = 0
+    rotary_dim: int = 0  # head_dim x partial_rotary_factor: RoPE turns the first rotary_dim dims of each head
+    rope_theta: float = 10000.0
+    max_context: int | None = None
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == FULL_ATTENTION)
 
     @property
     def key_dim(self) -> int:
@@ -90,37 +109,80 @@ class Qwen35Config:
             for i in range(n_layer)
         )
         declared = tuple(text.get("layer_types") or kinds)
-        if FULL_ATTENTION in kinds or FULL_ATTENTION in declared:
-            raise CheckpointError(HYBRID_REFUSED)
+        if declared != kinds:
+            raise CheckpointError(f"Qwen3.5 config.json's layer_types {list(declared)} do not match the tensors "
+                                  f"({list(kinds)})")  # fmt: skip
         if any(k.startswith("model.layers.") and ".mlp.experts." in k for k in raw):
             raise CheckpointError("mixture-of-experts MLP layers are not supported (dense MLP checkpoints only)")
+        if text.get("attention_bias") or any(k.endswith(".bias") and ".self_attn." in k for k in raw):
+            raise CheckpointError("Qwen3.5 attention with biased projections is not supported")
         try:
             hk, hv = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
             dk, dv = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
+            attn = _attention_config(text) if FULL_ATTENTION in kinds else {}
         except KeyError as e:
             raise CheckpointError(f"Qwen3.5 config.json lacks {e}") from None
+        for i, kind in enumerate(kinds):
+            mixer = GDN_RAW if kind == LINEAR_ATTENTION else ATTN_RAW
+            require(raw, [f"model.layers.{i}.{k}" for k in mixer + MLP_RAW + NORM_RAW], "Qwen3.5")
         p = "model.layers.0."
-        require(raw, [p + k for k in GDN_RAW + MLP_RAW + NORM_RAW], "Qwen3.5")
-        conv = raw[p + "linear_attn.conv1d.weight"]
+        ffn = raw[p + "mlp.gate_proj.weight"].shape[0]
+        conv_kernel = 0
+        if LINEAR_ATTENTION in kinds:
+            first = kinds.index(LINEAR_ATTENTION)
+            conv = raw[f"model.layers.{first}.linear_attn.conv1d.weight"]
+            conv_kernel = conv.shape[-1]
         cfg = Qwen35Config(
-            n_layer=n_layer, n_embd=embd, vocab_size=vocab, ffn_size=raw[p + "mlp.gate_proj.weight"].shape[0],
-            n_k_heads=hk, n_v_heads=hv, k_head_dim=dk, v_head_dim=dv, conv_kernel=conv.shape[-1], layer_types=kinds,
-            tied_head=HEAD not in raw, rms_eps=float(text.get("rms_norm_eps", 1e-6)),
+            n_layer=n_layer, n_embd=embd, vocab_size=vocab, ffn_size=ffn, n_k_heads=hk, n_v_heads=hv, k_head_dim=dk,
+            v_head_dim=dv, conv_kernel=conv_kernel, layer_types=kinds, tied_head=HEAD not in raw,
+            rms_eps=float(text.get("rms_norm_eps", 1e-6)), **attn,
         )  # fmt: skip
-        if conv.shape[0] != cfg.conv_dim or raw[p + "linear_attn.A_log"].numel() != hv or hv % hk:
-            raise CheckpointError(f"Qwen3.5 tensors do not fit the config's heads ({hk} key x {dk}, {hv} value x {dv})")
+        if LINEAR_ATTENTION in kinds:
+            first = kinds.index(LINEAR_ATTENTION)
+            if (conv.shape[0] != cfg.conv_dim or raw[f"model.layers.{first}.linear_attn.A_log"].numel() != hv
+                    or hv % hk):  # fmt: skip
+                raise CheckpointError(f"Qwen3.5 tensors do not fit the config's heads ({hk} key x {dk}, {hv} value "
+                                      f"x {dv})")  # fmt: skip
+        for i in cfg.attention_layers:
+            q, k = raw[f"model.layers.{i}.self_attn.q_proj.weight"], raw[f"model.layers.{i}.self_attn.k_proj.weight"]
+            if q.shape[0] != 2 * cfg.n_heads * cfg.head_dim or k.shape[0] != cfg.n_kv_heads * cfg.head_dim:
+                raise CheckpointError(f"Qwen3.5 attention projections {list(q.shape)}/{list(k.shape)} do not fit "
+                                      f"{cfg.n_heads} query (gated) and {cfg.n_kv_heads} key/value heads of "
+                                      f"{cfg.head_dim}")  # fmt: skip
         return cfg
+
+
+def _attention_config(text: dict[str, Any]) -> dict[str, Any]:
+    """Heads, RoPE and context of the full-attention layers, from config.json (transformers 5's
+    `rope_parameters`, or the older top-level `rope_theta` / `partial_rotary_factor`)."""
+    heads, kv_heads = int(text["num_attention_heads"]), int(text["num_key_value_heads"])
+    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type != "default":  # mrope sections are equal for text-only positions: plain RoPE
+        raise CheckpointError(f"Qwen3.5 RoPE type {rope_type!r} is not supported (default only)")
+    factor = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
+    rotary = int(head_dim * factor)
+    if heads % kv_heads or rotary % 2 or not 0 < rotary <= head_dim:
+        raise CheckpointError(f"Qwen3.5 attention: {heads} heads over {kv_heads} key/value heads, rotary dims "
+                              f"{rotary} of {head_dim}: not a shape wkvm runs")  # fmt: skip
+    context = text.get("max_position_embeddings")
+    return {"n_heads": heads, "n_kv_heads": kv_heads, "head_dim": head_dim, "rotary_dim": rotary,
+            "rope_theta": float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
+            "max_context": int(context) if context else None}  # fmt: skip
 
 
 def state_spec(cfg: Qwen35Config) -> StateSpec:
     tensors: list[TensorSpec] = []
     for i, kind in enumerate(cfg.layer_types):
-        if kind != LINEAR_ATTENTION:
-            raise ValueError(HYBRID_REFUSED)
-        tensors += [
-            TensorSpec(f"layers.{i}.conv", (cfg.conv_dim, cfg.conv_kernel - 1), kind="conv"),
-            TensorSpec(f"layers.{i}.delta", (cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim), kind="recurrent"),
-        ]
+        if kind == FULL_ATTENTION:
+            per_token = (cfg.n_kv_heads, cfg.head_dim)
+            tensors += [TensorSpec(key_name(i), per_token, kind="kv"), TensorSpec(value_name(i), per_token, kind="kv")]
+        else:
+            tensors += [
+                TensorSpec(f"layers.{i}.conv", (cfg.conv_dim, cfg.conv_kernel - 1), kind="conv"),
+                TensorSpec(f"layers.{i}.delta", (cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim), kind="recurrent"),
+            ]
     return StateSpec(FAMILY, tuple(tensors))
 
 
@@ -129,15 +191,12 @@ def global_keys(cfg: Qwen35Config) -> tuple[str, ...]:
 
 
 def raw_layer_keys(cfg: Qwen35Config, i: int) -> tuple[str, ...]:
-    if cfg.layer_types[i] != LINEAR_ATTENTION:
-        raise CheckpointError(HYBRID_REFUSED)
-    return GDN_RAW + MLP_RAW + NORM_RAW
+    mixer = ATTN_RAW if cfg.layer_types[i] == FULL_ATTENTION else GDN_RAW
+    return mixer + MLP_RAW + NORM_RAW
 
 
 def linear_keys(cfg: Qwen35Config, i: int) -> tuple[str, ...]:
-    if cfg.layer_types[i] != LINEAR_ATTENTION:
-        raise CheckpointError(HYBRID_REFUSED)
-    return GDN_LINEAR + MLP_LINEAR
+    return (ATTN_LINEAR if cfg.layer_types[i] == FULL_ATTENTION else GDN_LINEAR) + MLP_LINEAR
 
 
 def used_tensors(raw: RawTensors, cfg: Qwen35Config) -> RawTensors:
@@ -150,8 +209,9 @@ def used_tensors(raw: RawTensors, cfg: Qwen35Config) -> RawTensors:
 def prepare_layer(
     raw: RawTensors, i: int, cfg: Qwen35Config, dtype: torch.dtype, device: torch.device | str, pack: bool = True
 ) -> Tensors:
-    """Layer i in compute form: the four input projections fused into one [out, in] matrix (q, k, v | z | b | a),
-    gate and up fused, norms as 1 + w, the conv weight [D, K]; matrices in `dtype`, the rest fp32."""
+    """Layer i in compute form: a GDN layer's four input projections fused into one [out, in] matrix
+    (q, k, v | z | b | a) and its conv weight [D, K]; an attention layer's q (with gate), k, v fused; gate and up
+    fused; norms as 1 + w; matrices in `dtype`, the rest fp32."""
     p = f"model.layers.{i}."
     keys = raw_layer_keys(cfg, i)
     require(raw, [p + k for k in keys], "Qwen3.5")
@@ -159,15 +219,25 @@ def prepare_layer(
     t: Tensors = {
         "input_norm": 1.0 + r["input_layernorm.weight"],
         "post_norm": 1.0 + r["post_attention_layernorm.weight"],
-        "linear_attn.in_proj": torch.cat([r[f"linear_attn.in_proj_{x}.weight"] for x in ("qkv", "z", "b", "a")]),
-        "linear_attn.conv": r["linear_attn.conv1d.weight"].reshape(cfg.conv_dim, cfg.conv_kernel),
-        "linear_attn.neg_A": -r["linear_attn.A_log"].exp(),
-        "linear_attn.dt_bias": r["linear_attn.dt_bias"],
-        "linear_attn.norm": r["linear_attn.norm.weight"],
-        "linear_attn.out_proj.weight": r["linear_attn.out_proj.weight"],
         "mlp.gate_up": torch.cat([r["mlp.gate_proj.weight"], r["mlp.up_proj.weight"]]),
         "mlp.down_proj.weight": r["mlp.down_proj.weight"],
     }
+    if cfg.layer_types[i] == FULL_ATTENTION:
+        t.update({
+            "self_attn.qkv": torch.cat([r[f"self_attn.{x}_proj.weight"] for x in "qkv"]),
+            "self_attn.o_proj.weight": r["self_attn.o_proj.weight"],
+            "self_attn.q_norm": 1.0 + r["self_attn.q_norm.weight"],
+            "self_attn.k_norm": 1.0 + r["self_attn.k_norm.weight"],
+        })  # fmt: skip
+    else:
+        t.update({
+            "linear_attn.in_proj": torch.cat([r[f"linear_attn.in_proj_{x}.weight"] for x in ("qkv", "z", "b", "a")]),
+            "linear_attn.conv": r["linear_attn.conv1d.weight"].reshape(cfg.conv_dim, cfg.conv_kernel),
+            "linear_attn.neg_A": -r["linear_attn.A_log"].exp(),
+            "linear_attn.dt_bias": r["linear_attn.dt_bias"],
+            "linear_attn.norm": r["linear_attn.norm.weight"],
+            "linear_attn.out_proj.weight": r["linear_attn.out_proj.weight"],
+        })  # fmt: skip
     for k in linear_keys(cfg, i):
         t[k] = t[k].to(dtype)
     return compute_form(t, linear_keys(cfg, i), pack)
@@ -190,16 +260,42 @@ class Qwen35(ModelBase):
                  device: torch.device | str = "cpu"):  # fmt: skip
         super().__init__(cfg, state_spec(cfg), weights, model_fingerprint, device)
         self.delta_chunk = DEFAULT_CHUNK
+        self.kv_layers = cfg.attention_layers
+        d = cfg.rotary_dim
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float().to(self.device) / d))
 
     def block(self, i: int, w: Tensors, x: torch.Tensor, state: State, attn: Attn | None) -> torch.Tensor:
         eps = self.config.rms_eps
-        x = x + self._gated_delta_net(i, w, rms_norm(x, w["input_norm"], eps), state)
+        h = rms_norm(x, w["input_norm"], eps)
+        x = x + (self._attention(i, w, h, attn) if attn is not None and i in self.kv_layers
+                 else self._gated_delta_net(i, w, h, state))  # fmt: skip
         return x + self._mlp(w, rms_norm(x, w["post_norm"], eps))
+
+    def rope(self, start: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return angles(self.inv_freq, start, T)
+
+    @property
+    def context_length(self) -> int | None:
+        return self.config.max_context
 
     def logits(self, x: torch.Tensor, g: Tensors) -> torch.Tensor:
         return linear(rms_norm(x, g["final_norm"], self.config.rms_eps), g[HEAD])
 
     # --- blocks --------------------------------------------------------------------------------
+    def _attention(self, i: int, w: Tensors, x: torch.Tensor, attn: Attn) -> torch.Tensor:
+        """Gated full attention: q and a per-head gate from one projection, q/k RMSNorm per head, partial RoPE,
+        grouped-query attention, output times sigmoid(gate)."""
+        cfg = self.config
+        B, T, _ = x.shape
+        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qg, k, v = torch.split(linear(x, w["self_attn.qkv"]), [2 * H * D, Hkv * D, Hkv * D], -1)
+        q, gate = qg.reshape(B, T, H, 2 * D).chunk(2, -1)
+        q = rotate(rms_norm(q, w["self_attn.q_norm"], cfg.rms_eps), attn.cos, attn.sin)
+        k = rotate(rms_norm(k.reshape(B, T, Hkv, D), w["self_attn.k_norm"], cfg.rms_eps), attn.cos, attn.sin)
+        attn.kv.append(i, k, v.reshape(B, T, Hkv, D))
+        o = attn.kv.attend(i, q, D**-0.5) * torch.sigmoid(gate)
+        return linear(o.reshape(B, T, H * D), w["self_attn.o_proj.weight"])
+
     def _gated_delta_net(self, i: int, w: Tensors, x: torch.Tensor, state: State) -> torch.Tensor:
         cfg = self.config
         B, T, _ = x.shape

@@ -20,6 +20,6 @@ class WorldTemplate(ChatTemplate):
     stop: list[str] = field(default_factory=lambda: ["\n\nUser:"])
     name: str = "rwkv-world"
 
-    def render(self, messages: list[dict[str, str]]) -> str:
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         turns = [f"{WORLD_ROLES[m['role']]}: {world_text(m['content'])}" for m in messages]
-        return "\n\n".join(turns) + "\n\nAssistant:"
+        return "\n\n".join(turns) + ("\n\nAssistant:" if add_generation_prompt else "")
