@@ -116,13 +116,25 @@ def prepare_layer(
     """Layer i in compute form: in_proj/out_proj in `dtype` (prepacked when `pack`), the rest fp32; the conv
     weight as [conv_dim, K], A = -exp(A_log) and a zero conv bias where the checkpoint has none."""
     p = f"{PREFIX}{i}."
-    require(raw, [p + k for k in LAYER_KEYS], "Mamba2")
-    keys = [k for k in (*LAYER_KEYS, *OPTIONAL_KEYS) if p + k in raw]
-    t = {k: raw[p + k].to(device=device, dtype=dtype if k in LINEAR_KEYS else torch.float32) for k in keys}
+    require(raw, [p + "norm.weight"], "Mamba2")
+    t = mixer_tensors(raw, p + "mixer.", cfg, dtype, device)
+    t["norm.weight"] = raw[p + "norm.weight"].to(device=device, dtype=torch.float32)
+    return compute_form(t, LINEAR_KEYS, pack)
+
+
+def mixer_tensors(raw: RawTensors, prefix: str, cfg: Mamba2Config, dtype: torch.dtype,
+                  device: torch.device | str) -> Tensors:  # fmt: skip
+    """A Mamba2 mixer's raw tensors under `prefix` (e.g. `backbone.layers.3.mixer.`) as `mixer.*` compute tensors,
+    unpacked: the projections in `dtype`, the rest fp32 (the Mamba2 family and hybrids with Mamba2 layers)."""
+    names = [k.removeprefix("mixer.") for k in LAYER_KEYS if k.startswith("mixer.")]
+    require(raw, [prefix + k for k in names], "Mamba2 mixer")
+    names += [k.removeprefix("mixer.") for k in OPTIONAL_KEYS if prefix + k.removeprefix("mixer.") in raw]
+    t = {f"mixer.{k}": raw[prefix + k].to(device=device, dtype=dtype if f"mixer.{k}" in LINEAR_KEYS
+                                          else torch.float32) for k in names}  # fmt: skip
     t["mixer.conv1d.weight"] = t["mixer.conv1d.weight"].reshape(cfg.conv_dim, cfg.d_conv)
     t.setdefault("mixer.conv1d.bias", torch.zeros(cfg.conv_dim, device=device))
     t["mixer.A"] = -torch.exp(t.pop("mixer.A_log"))
-    return compute_form(t, LINEAR_KEYS, pack)
+    return t
 
 
 def prepare_globals(raw: RawTensors, cfg: Mamba2Config, dtype: torch.dtype, device: torch.device | str) -> Tensors:
@@ -170,25 +182,28 @@ class Mamba2(ModelBase):
         return linear(rms_norm(x, g[NORM_F], self.config.norm_eps), g[HEAD])
 
     def _mixer(self, i: int, w: Tensors, h: torch.Tensor, state: State) -> torch.Tensor:
-        cfg = self.config
-        b, T, _ = h.shape
-        H, P, G, N = cfg.n_heads, cfg.head_dim, cfg.n_groups, cfg.d_state
-        zxbcdt = linear(h, w["mixer.in_proj.weight"])
-        if "mixer.in_proj.bias" in w:
-            zxbcdt = zxbcdt + w["mixer.in_proj.bias"]
-        z, xbc, dt = torch.split(zxbcdt, [cfg.d_inner, cfg.conv_dim, H], dim=-1)
-        xbc = F.silu(causal_conv(xbc, state[f"layers.{i}.conv"], w["mixer.conv1d.weight"], w["mixer.conv1d.bias"]))
-        x, B, C = torch.split(xbc, [cfg.d_inner, G * N, G * N], dim=-1)
-        dt = F.softplus(dt + w["mixer.dt_bias"])
-        if cfg.dt_min > 0.0 or cfg.dt_max is not None:
-            dt = dt.clamp(cfg.dt_min, cfg.dt_max)
-        S = state[f"layers.{i}.ssm"]
-        A, D = w["mixer.A"], w["mixer.D"]
-        if T == 1:
-            y = ssd_step(S, x.reshape(b, H, P), dt.reshape(b, H), A, B.reshape(b, G, N), C.reshape(b, G, N), D)
-        else:
-            y = ssd_chunked(S, x.reshape(b, T, H, P), dt, A, B.reshape(b, T, G, N), C.reshape(b, T, G, N), D,
-                            self.ssd_chunk)  # fmt: skip
-        y = gated_rms_norm(y.reshape(b, T, cfg.d_inner), z, w["mixer.norm.weight"], G, cfg.norm_eps)
-        out = linear(y, w["mixer.out_proj.weight"])
-        return out + w["mixer.out_proj.bias"] if "mixer.out_proj.bias" in w else out
+        return mixer(self.config, w, h, state[f"layers.{i}.conv"], state[f"layers.{i}.ssm"], self.ssd_chunk)
+
+
+def mixer(cfg: Mamba2Config, w: Tensors, h: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
+          chunk: int) -> torch.Tensor:  # fmt: skip
+    """The Mamba2 mixer on h [b, T, d_model] with `mixer.*` weights, advancing its conv window and SSM state."""
+    b, T, _ = h.shape
+    H, P, G, N = cfg.n_heads, cfg.head_dim, cfg.n_groups, cfg.d_state
+    zxbcdt = linear(h, w["mixer.in_proj.weight"])
+    if "mixer.in_proj.bias" in w:
+        zxbcdt = zxbcdt + w["mixer.in_proj.bias"]
+    z, xbc, dt = torch.split(zxbcdt, [cfg.d_inner, cfg.conv_dim, H], dim=-1)
+    xbc = F.silu(causal_conv(xbc, conv, w["mixer.conv1d.weight"], w["mixer.conv1d.bias"]))
+    x, B, C = torch.split(xbc, [cfg.d_inner, G * N, G * N], dim=-1)
+    dt = F.softplus(dt + w["mixer.dt_bias"])
+    if cfg.dt_min > 0.0 or cfg.dt_max is not None:
+        dt = dt.clamp(cfg.dt_min, cfg.dt_max)
+    A, D = w["mixer.A"], w["mixer.D"]
+    if T == 1:
+        y = ssd_step(ssm, x.reshape(b, H, P), dt.reshape(b, H), A, B.reshape(b, G, N), C.reshape(b, G, N), D)
+    else:
+        y = ssd_chunked(ssm, x.reshape(b, T, H, P), dt, A, B.reshape(b, T, G, N), C.reshape(b, T, G, N), D, chunk)
+    y = gated_rms_norm(y.reshape(b, T, cfg.d_inner), z, w["mixer.norm.weight"], G, cfg.norm_eps)
+    out = linear(y, w["mixer.out_proj.weight"])
+    return out + w["mixer.out_proj.bias"] if "mixer.out_proj.bias" in w else out

@@ -38,7 +38,8 @@ class Qwen35Family:
         n_layer = 1 + max((int(k.split(".")[2]) for k in raw if k.startswith("model.layers.")), default=-1)
         keep = {model.EMBED, model.FINAL_NORM, model.HEAD}
         for i in range(n_layer):
-            keep.update(f"model.layers.{i}.{k}" for k in model.GDN_RAW + model.ATTN_RAW + model.MLP_RAW + model.NORM_RAW)
+            names = model.GDN_RAW + model.ATTN_RAW + model.MLP_RAW + model.NORM_RAW
+            keep.update(f"model.layers.{i}.{k}" for k in names)
         return {k: v for k, v in raw.items() if k in keep}
 
     global_keys = staticmethod(model.global_keys)
