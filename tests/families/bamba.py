@@ -15,9 +15,10 @@ def tiny_config(vocab_size: int, **overrides):
     from transformers import BambaConfig
 
     shape = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                 num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
-                 mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, tie_word_embeddings=False,
-                 pad_token_id=None, bos_token_id=None, eos_token_id=None)  # fmt: skip
+                 num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8,
+                 mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+                 mamba_chunk_size=16, tie_word_embeddings=False, pad_token_id=None, bos_token_id=None,
+                 eos_token_id=None)  # fmt: skip
     shape.update(overrides)
     return BambaConfig(**shape)
 
