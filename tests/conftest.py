@@ -79,6 +79,25 @@ def char_model(ckpt_dir):
     return path
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a test module of tiny models: their matrices gain nothing from threads, and on a busy
+    machine OpenMP threads wait on each other (5x slower)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def ids_for(vocab: int, batch: int, length: int, seed: int = 0):
+    """Random token ids [batch, length], the same for a seed."""
+    import torch
+
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
 def greedy_reference(model, prompt, n):
     """Greedy tokens from a plain prefill + decode loop: the 'alone' run engine outputs must equal."""
     import torch

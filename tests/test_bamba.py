@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import ids_for
 from families.bamba import randomize, tiny_config
 from transformers import BambaForCausalLM
 
 from wkvm.models.family import CheckpointError
 from wkvm.weights.loader import load_model
 from wkvm.weights.pack import write_pack
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices: threads only wait on each other
 
 SHAPES = {
     "gqa": dict(vocab_size=101, hidden_size=64, num_hidden_layers=4, attn_layer_indices=[1, 3], num_attention_heads=4,
@@ -23,14 +26,6 @@ SHAPES = {
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def pair(request, tmp_path_factory):
     torch.manual_seed(3)
@@ -39,10 +34,6 @@ def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param) / "ckpt"
     hf.save_pretrained(path, safe_serialization=True)
     return path, hf, load_model(path)
-
-
-def ids_for(vocab: int, batch: int, length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 @torch.no_grad()

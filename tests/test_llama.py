@@ -29,6 +29,8 @@ from wkvm.tokenizer import HFTokenizer
 from wkvm.weights.loader import load_model
 from wkvm.weights.pack import write_pack
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices: threads only wait on each other
+
 ATOL = 1e-4
 SHAPES = {
     "gqa_llama3": dict(vocab_size=101, hidden_size=60, intermediate_size=88, num_attention_heads=6,
@@ -44,15 +46,6 @@ GGUF_SHAPE = dict(vocab_size=99, hidden_size=64, intermediate_size=96, num_atten
                   head_dim=12, num_hidden_layers=2)
 QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 SMOLLM2 = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices run fastest on one thread, and OpenMP threads on a shared CPU wait on descheduled peers."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def hf_model(shape: dict, seed: int = 0) -> LlamaForCausalLM:

@@ -16,6 +16,8 @@ from wkvm.models.mamba2.checkpoint import detect_state_spaces
 from wkvm.weights.loader import load_model
 from wkvm.weights.pack import write_pack
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices: threads only wait on each other
+
 ATOL = 1e-4
 # hidden * expand == heads * head_dim; groups > 1, head_dim 12 and 5, vocabs not multiples of 8, kernels 4, 3, 2
 SHAPES = {
@@ -27,15 +29,6 @@ SHAPES = {
                                 "state_size": 12, "n_groups": 1, "conv_kernel": 2, "vocab_size": 67, "use_bias": True,
                                 "use_conv_bias": False, "tie_word_embeddings": True},
 }  # fmt: skip
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices gain nothing from threads, and on a busy machine OpenMP threads wait on each other (5x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))

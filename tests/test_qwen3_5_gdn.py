@@ -8,12 +8,15 @@ import json
 
 import pytest
 import torch
+from conftest import ids_for
 from families.qwen3_5 import randomize, tiny_config
 from transformers import DynamicCache, Qwen3_5ForCausalLM
 
 from wkvm.models.qwen3_5.gated_delta import gated_delta_chunked, gated_delta_step
 from wkvm.weights.loader import load_model
 from wkvm.weights.pack import write_pack
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices: threads only wait on each other
 
 SHAPES = {
     "gqa": dict(vocab_size=101, hidden_size=72, intermediate_size=88, linear_num_key_heads=2, linear_num_value_heads=6,
@@ -45,15 +48,6 @@ def count_tokens(module, args, kwargs, output) -> None:
         cache.seen += ids.shape[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices run fastest on one thread, and OpenMP threads on a shared CPU wait on descheduled peers."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def save_hf(model: torch.nn.Module, path) -> torch.nn.Module:
     randomize(model)
     model.save_pretrained(path, safe_serialization=True)
@@ -68,10 +62,6 @@ def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param) / "ckpt"
     hf = save_hf(Qwen3_5ForCausalLM(tiny_config(**SHAPES[request.param])), path)
     return path, hf, load_model(path)
-
-
-def ids_for(vocab: int, batch: int, length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 @torch.no_grad()

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import ids_for
 from families.qwen3_5 import randomize, tiny_config
 from transformers import DynamicCache, Qwen3_5ForCausalLM
 
 from wkvm.models.family import CheckpointError
 from wkvm.weights.loader import load_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices: threads only wait on each other
 
 L, F = "linear_attention", "full_attention"
 SHAPES = {
@@ -30,14 +33,6 @@ SHAPES = {
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def pair(request, tmp_path_factory):
     shape = dict(SHAPES[request.param])
@@ -48,10 +43,6 @@ def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param) / "ckpt"
     hf.save_pretrained(path, safe_serialization=True)
     return hf, load_model(path)
-
-
-def ids_for(vocab: int, batch: int, length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def test_state_is_slots_for_gdn_and_kv_for_attention(pair):

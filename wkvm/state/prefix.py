@@ -72,24 +72,24 @@ class PrefixTrie:
         """How many leading tokens of `prompt` (all but its last) some stored history shares, where no checkpoint
         is stored yet: the place two histories part (e.g. the end of a shared system prompt), worth a checkpoint
         of its own. 0 when there is none."""
+        node, depth = self._deepest(prompt)
+        return depth if node.checkpoint is None else 0
+
+    def _deepest(self, prompt: list[int]) -> tuple[_Node, int]:
+        """The deepest node the prompt's tokens (all but its last) reach, and its depth."""
         node, depth = self.root, 0
         for t in prompt[:-1]:
             child = node.children.get(t)
             if child is None:
                 break
             node, depth = child, depth + 1
-        return depth if node.checkpoint is None else 0
+        return node, depth
 
     def longest_shared(self, prompt: list[int]) -> tuple[Checkpoint, int] | None:
         """For states that can be cut at any token (`StateSpec.cuttable`: keys and values only): a checkpoint whose
         fed tokens share the most leading tokens with `prompt` (leaving at least one to feed), and that count.
         The checkpoint's state cut to that many tokens is the state after them, whatever followed."""
-        node, depth = self.root, 0
-        for t in prompt[:-1]:
-            child = node.children.get(t)
-            if child is None:
-                break
-            node, depth = child, depth + 1
+        node, depth = self._deepest(prompt)
         if depth == 0:
             return None
         stack = [node]  # any checkpoint at or below the deepest shared node serves
