@@ -45,11 +45,11 @@ def engine_decode_tok_s(model, tokenizer, batch: int, steps: int, prompt: Callab
     from wkvm.engine.engine import Engine
     from wkvm.sampling_params import SamplingParams
 
-    engine = Engine(model, tokenizer, EngineConfig(n_slots=batch, token_budget=max(batch, 64)))
+    engine = Engine(model, tokenizer, EngineConfig(n_slots=batch, token_budget=max(batch, 512), prefill_chunk=512))
     params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        engine.submit(prompt(i), params)
-    engine.step()
+    handles = [engine.submit(prompt(i), params) for i in range(batch)]
+    while not all(h.output.token_ids for h in handles):  # prefill (several steps for a long prompt)
+        engine.step()
     engine.step()
     t0 = time.perf_counter()
     for _ in range(steps):

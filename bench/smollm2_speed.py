@@ -31,10 +31,13 @@ from wkvm.weights.loader import load_model, load_text_tools  # noqa: E402
 GGUF = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def llama_cpp(bin_dir: Path, threads: int, prefill: int, decode: int, batch: int) -> dict[str, float]:
-    """tok/s from llama.cpp on the GGUF: B=1 decode and prefill (llama-bench), B=`batch` decode (batched-bench)."""
+def llama_cpp(bin_dir: Path, threads: int, prefill: int, decode: int, batch: int, depth: int) -> dict[str, float]:
+    """tok/s from llama.cpp on the GGUF: B=1 decode (also after `depth` cached tokens) and prefill (llama-bench),
+    B=`batch` decode (batched-bench)."""
     out: dict[str, float] = {}
-    for key, flags in (("prefill", ["-p", str(prefill), "-n", "0"]), ("decode_b1", ["-p", "0", "-n", str(decode)])):
+    cases = (("prefill", ["-p", str(prefill), "-n", "0"]), ("decode_b1", ["-p", "0", "-n", str(decode)]),
+             ("decode_b1_deep", ["-p", "0", "-n", str(decode), "-d", str(depth)]))  # fmt: skip
+    for key, flags in cases:
         cmd = [str(bin_dir / "llama-bench"), "-m", str(GGUF), "-t", str(threads), "-r", "3", "-o", "json", *flags]
         res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
         out[key] = float(res[0]["avg_ts"])
@@ -63,6 +66,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--prefill-tokens", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--depth", type=int, default=4096, help="cached tokens before the long-context decode row")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--dtype", default="float32", help="wkvm's weights: float32 or bfloat16 (transformers stays fp32)")
@@ -98,12 +102,14 @@ def main() -> None:
     t_pre, r_pre = timeit_pair(lambda: model.prefill(prompt), ref_prefill, args.repeat)
     engine_b1 = engine_decode_tok_s(model, tokenizer, 1, n, lambda i: prompt[:32].tolist())
     engine_bn = engine_decode_tok_s(model, tokenizer, args.batch, n, lambda i: prompt[i : i + 32].tolist())
+    deep_ids = torch.randint(0, model.vocab_size, (args.depth,), generator=torch.Generator().manual_seed(1)).tolist()
+    engine_deep = engine_decode_tok_s(model, tokenizer, 1, n, lambda i: deep_ids)
     lc: dict[str, float] = {}
     if not args.no_llama_cpp:
         bin_dir = llamacpp.binaries(verbose=False)
         if bin_dir is not None:
             t0 = time.perf_counter()
-            lc = llama_cpp(bin_dir, threads, args.prefill_tokens, n, args.batch)
+            lc = llama_cpp(bin_dir, threads, args.prefill_tokens, n, args.batch, args.depth)
             print(f"llama.cpp runs took {time.perf_counter() - t0:.0f} s")
     dec, ref_dec, pre, ref_pre = n / t_dec, n / r_dec, len(prompt) / t_pre, len(prompt) / r_pre
     na = float("nan")
@@ -112,6 +118,8 @@ def main() -> None:
         ["decode B=1 (model)", dec, ref_dec, dec / ref_dec, lc.get("decode_b1", na), dec / lc.get("decode_b1", na)],
         ["decode B=1 (engine)", engine_b1, ref_dec, engine_b1 / ref_dec, lc.get("decode_b1", na),
          engine_b1 / lc.get("decode_b1", na)],
+        [f"decode B=1 after {args.depth} tokens (engine)", engine_deep, na, na, lc.get("decode_b1_deep", na),
+         engine_deep / lc.get("decode_b1_deep", na)],
         [f"decode B={b} (engine, aggregate)", engine_bn, na, na, lc.get(f"decode_b{b}", na),
          engine_bn / lc.get(f"decode_b{b}", na)],
         [f"prefill {len(prompt)}", pre, ref_pre, pre / ref_pre, lc.get("prefill", na), pre / lc.get("prefill", na)],
@@ -131,7 +139,9 @@ def main() -> None:
         f"smollm2_speed_{args.dtype}",
         {"cpu": cpu_name(), "isa": isa, "threads": threads, "wkvm_dtype": f"{args.dtype} (dequantized Q4_1)",
          "llama_cpp_dtype": "Q4_1", "decode_b1_tok_s": dec, "engine_decode_b1_tok_s": engine_b1,
-         f"engine_decode_b{b}_tok_s": engine_bn, "prefill_tok_s": pre, "transformers_decode_b1_tok_s": ref_dec,
+         f"engine_decode_b{b}_tok_s": engine_bn,
+         f"engine_decode_b1_after_{args.depth}_tok_s": engine_deep, "prefill_tok_s": pre,
+         "transformers_decode_b1_tok_s": ref_dec,
          "transformers_prefill_tok_s": ref_pre, "llama_cpp": lc},
     )  # fmt: skip
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from wkvm.models.kv import key_name, value_name
+from wkvm.models.kv import grouped_attention, key_name, value_name
 from wkvm.models.spec import StateSpec
 
 
@@ -128,17 +127,27 @@ class SeqKV:
 
 class PagedKV:
     """The `KVBatch` of B sequences feeding T new tokens each: appends go to their pages (reserved beforehand with
-    `SeqKV.reserve`), attention gathers each row's tokens. `commit()` after the forward advances the lengths."""
+    `SeqKV.reserve`), attention reads each row's tokens. `commit()` after the forward advances the lengths.
+
+    A single row whose pages are consecutive in the pool (the common case: pages are handed out lowest first) is
+    read as a view of the pool, without a copy; otherwise the rows' tokens are gathered. Decode rows of equal
+    length need no mask."""
 
     def __init__(self, pool: PagePool, seqs: list[SeqKV], n_new: int):
         self.pool, self.seqs, self.n_new = pool, seqs, n_new
-        self._start = torch.tensor([s.length for s in seqs], dtype=torch.long)
+        starts = [s.length for s in seqs]
+        self._start = torch.tensor(starts, dtype=torch.long)
         self._write = torch.stack([s.slots(pool, s.length, s.length + n_new) for s in seqs])  # [B, T]
-        lmax = int(self._start.max()) + n_new
-        self._read = torch.stack([_padded(s.slots(pool, 0, s.length + n_new), lmax) for s in seqs])  # [B, Lmax]
-        t = torch.arange(n_new).view(1, n_new, 1)
-        j = torch.arange(lmax).view(1, 1, lmax)
-        self._mask = (j <= self._start.view(-1, 1, 1) + t).unsqueeze(1)  # [B, 1, T, Lmax]: causal and in range
+        lmax = max(starts) + n_new
+        self._span = _consecutive(seqs[0], pool, lmax) if len(seqs) == 1 else None  # (first token slot, length)
+        self._read = None if self._span else torch.stack([_padded(s.slots(pool, 0, s.length + n_new), lmax)
+                                                          for s in seqs])  # [B, Lmax]  # fmt: skip
+        if n_new == 1 and len(set(starts)) == 1:
+            self._mask: torch.Tensor | None = None  # every row sees all of its keys, and no row is padded
+        else:
+            t = torch.arange(n_new).view(1, n_new, 1)
+            j = torch.arange(lmax).view(1, 1, lmax)
+            self._mask = (j <= self._start.view(-1, 1, 1) + t).unsqueeze(1)  # [B, 1, T, Lmax]: causal, in range
 
     def positions(self) -> torch.Tensor:
         return self._start.clone()
@@ -149,18 +158,28 @@ class PagedKV:
             flat[self._write.reshape(-1)] = x.reshape(-1, *x.shape[2:]).to(flat.dtype)
 
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        k = self.pool.flat(key_name(layer))[self._read].float()  # [B, Lmax, Hkv, D]
-        v = self.pool.flat(value_name(layer))[self._read].float()
-        qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        Hq, Hkv = qh.shape[1], kh.shape[1]
-        if Hq != Hkv:
-            kh, vh = kh.repeat_interleave(Hq // Hkv, 1), vh.repeat_interleave(Hq // Hkv, 1)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=self._mask, scale=scale)
-        return out.transpose(1, 2)
+        k, v = (self._tokens(self.pool.flat(name)) for name in (key_name(layer), value_name(layer)))
+        return grouped_attention(q, k, v, self._mask, scale)
+
+    def _tokens(self, flat: torch.Tensor) -> torch.Tensor:
+        """Each row's cached tokens, [B, Lmax, Hkv, D]: a view when they lie in one run of the pool."""
+        if self._span is not None:
+            first, n = self._span
+            return flat[first : first + n].unsqueeze(0)
+        assert self._read is not None
+        return flat[self._read]
 
     def commit(self) -> None:
         for s in self.seqs:
             s.length += self.n_new
+
+
+def _consecutive(seq: SeqKV, pool: PagePool, n: int) -> tuple[int, int] | None:
+    """(first token slot, n) when the pages holding seq's first n tokens follow each other in the pool."""
+    used = seq.pages[: -(-n // pool.page_tokens)]
+    if used and all(b == a + 1 for a, b in zip(used, used[1:], strict=False)):
+        return used[0] * pool.page_tokens, n
+    return None
 
 
 def _padded(idx: torch.Tensor, n: int) -> torch.Tensor:

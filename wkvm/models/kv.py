@@ -81,11 +81,23 @@ class DenseKV:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
     """q [B, T, Hq, D] for positions start..start+T-1 over k, v [B, start+T, Hkv, D]: causal, grouped-query."""
-    T, Hq, Hkv = q.shape[1], q.shape[2], k.shape[2]
-    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2).float(), v.transpose(1, 2).float()
-    if Hq != Hkv:
-        kh, vh = kh.repeat_interleave(Hq // Hkv, 1), vh.repeat_interleave(Hq // Hkv, 1)
-    L = kh.shape[2]
-    mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril_(L - T)  # row t sees keys 0..start+t
+    T, L = q.shape[1], k.shape[1]
+    mask = None if T == 1 else torch.ones(T, L, dtype=torch.bool, device=q.device).tril_(L - T)  # t sees 0..start+t
+    return grouped_attention(q, k, v, mask, scale)
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float) -> torch.Tensor:  # fmt: skip
+    """Grouped-query attention without copying keys and values per query head: the G = Hq / Hkv query heads that
+    share a key/value head (HF's `repeat_kv` order: query head j*G + g uses kv head j) attend as G x T rows of that
+    head. q [B, T, Hq, D], k, v [B, L, Hkv, D], mask (True = attend) broadcastable to [B, 1, T, L] or None (every
+    query sees every key); returns [B, T, Hq, D]."""
+    B, T, Hq, D = q.shape
+    L, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    qh = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)  # rows ordered (g, t)
+    kh, vh = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
+    if mask is not None and G > 1:
+        mask = mask.expand(mask.shape[0] if mask.dim() == 4 else 1, 1, T, L).repeat(1, 1, G, 1)
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-    return out.transpose(1, 2)
+    return out.reshape(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
