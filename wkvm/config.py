@@ -53,6 +53,8 @@ class ServerConfig:
     port: int = opt(8000, "TCP port")
     api_keys: list[str] = field(default_factory=list)  # flags: --api-key, --api-key-file
     served_model_name: str | None = opt(None, "model id reported by /v1/models (default: the model's file name)")
+    embeddings: str | None = opt(None, "a sentence-transformers model directory served at /v1/embeddings beside the "
+                                 "generative model (e.g. models/all-MiniLM-L6-v2, from `make minilm`)")
     # the engine's settings take EngineConfig's defaults: one source
     slots: int = opt(EngineConfig.n_slots, "state slots: sequences running at once")
     max_queue: int = opt(EngineConfig.max_queue, "waiting requests beyond which the server answers 429")

@@ -18,6 +18,7 @@ from fastapi import Request
 
 from wkvm.chat_template import ChatTemplate
 from wkvm.config import ServerConfig
+from wkvm.embeddings import EmbeddingModel
 from wkvm.engine.client import EngineClient, LocalEngineClient, ModelInfo
 from wkvm.engine.engine import Engine
 from wkvm.server.asgi import KeyRing, header, key_owner, presented_key
@@ -48,6 +49,7 @@ class ServerContext:
     store: StateStore = field(init=False)
     service: StateService = field(init=False)
     sessions: ChatSessions = field(init=False)
+    embedder: EmbeddingModel | None = None  # --embeddings
     _tmp: tempfile.TemporaryDirectory[str] | None = None
 
     @functools.cached_property
@@ -87,6 +89,8 @@ class ServerContext:
                                     verify_on_load=cfg.verify_state_loads)  # fmt: skip
             self.service = StateService(self.store)
             self.sessions = ChatSessions(self.service, m.fingerprint, cfg, self.metrics)
+            if cfg.embeddings:
+                self.embedder = EmbeddingModel(cfg.embeddings, cfg.device)
             engine.start()
             self.ready.set()
             log.info("model %s loaded (fingerprint %s...)", self.model_name, self.model.fingerprint[:12])

