@@ -8,7 +8,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "wkvm"
 
 # lowest first
 LAYERS = [
-    {"atomic", "config", "progress", "outputs", "sampling_params", "tokenizer", "chat_template", "logs"},
+    {"atomic", "config", "progress", "outputs", "sampling_params", "tokenizer", "chat_template", "logs", "embeddings"},
     {"models"},
     {"weights"},
     {"engine"},

@@ -137,8 +137,8 @@ def test_errors_are_openai_shaped(client, server):
         client.completions.create(model="gpt-9", prompt="x", max_tokens=5)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="world", messages=[{"role": "user", "content": "x"}],
-                                       tools=[{"type": "function", "function": {"name": "f"}}])  # fmt: skip
-    assert e.value.body["param"] == "tools"
+                                       tools=[{"type": "function", "function": {"name": "no spaces"}}])  # fmt: skip
+    assert e.value.body["param"] == "tools[0].function.name"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="world", messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:,"}}]}])  # fmt: skip

@@ -82,3 +82,25 @@ def test_chat_continuity_reuses_every_earlier_token(client):
                                            user=scope())  # fmt: skip
     assert again["choices"][0]["message"]["content"] == fresh.choices[0].message.content
     assert "Berlin" in fresh.choices[0].message.content
+
+
+def test_weather_tool_call(client):
+    """The issue's end-to-end example: a required tool call from the real model, arguments valid for the schema.
+    (SmolLM2's template shows no tools, so the grammar does the forcing; the model fills in the arguments.)"""
+    import json
+
+    import jsonschema
+
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                               "unit": {"enum": ["celsius", "fahrenheit"]}},
+              "required": ["city", "unit"], "additionalProperties": False}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": params}}]  # fmt: skip
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model="smollm2", tools=tools, tool_choice="required", temperature=0,
+                                       max_tokens=60, user=scope(), messages=ask)  # fmt: skip
+    (call,) = r.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, params)
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    print(f"\nSmolLM2 tool call: {call.function.name}({args})")

@@ -6,6 +6,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -24,13 +25,15 @@ class ChatTemplate:
     stop: list[str] = field(default_factory=list)
     name: str = "none"
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
         if self.source is None:
             raise ChatTemplateError("this model has no chat template (none shipped with it, and its family has no "
                                     "default): use /v1/completions, or add chat_template.jinja beside the model")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         try:
-            return env.from_string(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt)
+            return env.from_string(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                       tools=tools)  # fmt: skip
         except TemplateError as e:
             raise ChatTemplateError(f"the model's chat template failed: {e}") from None
 

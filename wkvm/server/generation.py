@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -49,6 +50,14 @@ def check_text(text: str, param: str) -> None:
         raise APIError(400, f"{param}: invalid Unicode at character {e.start} (an unpaired surrogate); send valid "
                        "UTF-8 text",
                        param, "invalid_text") from None
+
+
+def with_response_format(sp: SamplingParams, fmt: dict[str, Any], param: str) -> SamplingParams:
+    """`sp` whose reply must match `fmt` (compiled and checked now: an unenforceable schema is a 400 on `param`)."""
+    try:
+        return dataclasses.replace(sp, response_format=fmt)
+    except InvalidParam as e:
+        raise APIError(400, str(e).replace("response_format", param, 1), param, "invalid_value") from None
 
 
 def sampling_params(

@@ -20,12 +20,13 @@ from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError, error_body
 from wkvm.server.schemas import MAX_PROMPTS, ChatRequest, CompletionRequest, SamplingFields
+from wkvm.server.tools import ToolMode, parse_reply, template_messages, tool_mode
 from wkvm.state.sessions import ChatMeta, Plan
 from wkvm.state.statefile import valid_name
 from wkvm.state.store import QuotaExceeded
 
 log = logging.getLogger("wkvm.server")
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 GenBody = CompletionRequest | ChatRequest  # the bodies that can start from / save a state
 Run = tuple[Plan, list[RequestHandle]]
 
@@ -73,14 +74,15 @@ def check_save_room(ctx: ServerContext, tenant: str, n_tokens: int, param: str) 
     ctx.store.check_room(tenant, n_tokens)
 
 
-def system_prefix(ctx: ServerContext, messages: list[dict[str, str]], text: str, prompt_ids: list[int]) -> int:
+def system_prefix(ctx: ServerContext, messages: list[dict[str, Any]], text: str, prompt_ids: list[int],
+                  tools: list[dict[str, Any]] | None = None) -> int:  # fmt: skip
     """How many leading tokens of the prompt are its leading system messages, when they render and tokenize to an
     exact prefix of it (0 otherwise): a boundary many conversations share, worth a checkpoint on first sight."""
     k = next((i for i, m in enumerate(messages) if m.get("role") not in ("system", "developer")), len(messages))
     if k == 0 or k == len(messages):
         return 0
     try:
-        head = ctx.template.render(messages[:k], add_generation_prompt=False)
+        head = ctx.template.render(messages[:k], add_generation_prompt=False, tools=tools)
     except ChatTemplateError:
         return 0
     ids = ctx.tokenizer.encode(head) if head and text.startswith(head) else []
@@ -236,8 +238,9 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         tenant = ctx.tenant(request)
         check_model(ctx, body.model)
         messages = chat_messages(body)
+        mode = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
         try:
-            text = ctx.template.render(messages)
+            text = ctx.template.render(template_messages(messages), tools=mode.tools if mode else None)
         except ChatTemplateError as e:
             raise APIError(400, str(e), "messages", "template_error") from None
         if body.save_state and body.n > 1:
@@ -245,22 +248,28 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         max_tokens = body.max_completion_tokens or body.max_tokens
         k = (body.top_logprobs or 0) if body.logprobs else None
         sp = gen.sampling_params(ctx, body, max_tokens, k, gen.DEFAULT_CHAT_MAX_TOKENS, ctx.template.stop)
+        if mode is not None and mode.forced:  # the reply can only be a valid call: the grammar enforces it
+            if body.response_format is not None:
+                raise APIError(400, "tool_choice required / named already fixes the reply's form: leave out "
+                               "response_format", "response_format", "invalid_value")  # fmt: skip
+            sp = gen.with_response_format(sp, mode.response_format(), "tools")
         params = gen.per_choice(sp, body.n)
         prompt_ids = gen.encode_prompt(ctx, text, "messages")
-        chat = ChatMeta.from_headers(request.headers, messages, system_prefix(ctx, messages, text, prompt_ids))
+        system = system_prefix(ctx, messages, text, prompt_ids, mode.tools if mode else None)
+        chat = ChatMeta.from_headers(request.headers, messages, system)
         ((plan, handles),) = await start_all(ctx, tenant, [prompt_ids], body, params, chat)
         base = {"id": gen.new_id("chatcmpl"), "created": int(time.time()), "model": ctx.model_name}
         if body.stream:
             return StreamingResponse(
-                stream_chat(ctx, request, body, plan, handles, base, len(prompt_ids), tenant, k),
+                stream_chat(ctx, request, body, plan, handles, base, len(prompt_ids), tenant, k, mode),
                 media_type="text/event-stream",
             )
         await gen.wait_all(ctx, request, handles)
         extra = await run_in_threadpool(finish, ctx, tenant, body, plan, handles)
         choices = []
         for i, h in enumerate(handles):
-            c = {"index": i, "message": {"role": "assistant", "content": h.output.text},
-                 "finish_reason": h.output.finish_reason,
+            message, finish_reason = reply(h.output.text, h.output.finish_reason, mode)
+            c = {"index": i, "message": message, "finish_reason": finish_reason,
                  "logprobs": gen.chat_logprobs(ctx, h.output.token_ids, h.output.logprobs, k or 0)}  # fmt: skip
             if body.return_token_ids:
                 c["token_ids"] = h.output.token_ids
@@ -274,10 +283,10 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
     return r
 
 
-def chat_messages(body: ChatRequest) -> list[dict[str, str]]:
-    if body.tools or body.functions:
-        raise APIError(400, "tools / function calling is not supported yet", "tools", "unsupported")
-    out = []
+def chat_messages(body: ChatRequest) -> list[dict[str, Any]]:
+    if body.functions:
+        raise APIError(400, "functions (the deprecated form) is not supported: use tools", "functions", "unsupported")
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(body.messages):
         if m.role not in CHAT_ROLES:
             raise APIError(400, f"messages[{i}].role {m.role!r} is not supported; use one of {list(CHAT_ROLES)}",
@@ -285,12 +294,20 @@ def chat_messages(body: ChatRequest) -> list[dict[str, str]]:
         if isinstance(m.content, list):
             for j, part in enumerate(m.content):
                 if part.type != "text" or part.text is None:
-                    msg = f"messages[{i}].content[{j}]: only text parts are supported yet (got {part.type!r})"
-                    raise APIError(400, msg, f"messages[{i}].content[{j}].type", "unsupported")
+                    why = f"messages[{i}].content[{j}]: only text parts are supported yet (got {part.type!r})"
+                    raise APIError(400, why, f"messages[{i}].content[{j}].type", "unsupported")
             content = "".join(part.text or "" for part in m.content)  # None was refused just above
         else:
             content = m.content or ""
-        out.append({"role": m.role, "content": content})
+        msg: dict[str, Any] = {"role": m.role, "content": content}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise APIError(400, f"messages[{i}]: only assistant messages carry tool_calls",
+                               f"messages[{i}].tool_calls", "invalid_value")  # fmt: skip
+            msg["tool_calls"] = m.tool_calls
+        if m.role == "tool":
+            msg["tool_call_id"] = m.tool_call_id or ""
+        out.append(msg)
     return out
 
 
@@ -314,14 +331,30 @@ async def stream_completion(ctx: ServerContext, request: Request, body: Completi
 
 async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, plan: Plan,
                       handles: list[RequestHandle], base: dict[str, Any], prompt_tokens: int, tenant: str,
-                      k: int | None) -> AsyncIterator[str]:  # fmt: skip
+                      k: int | None, mode: ToolMode | None = None) -> AsyncIterator[str]:  # fmt: skip
+    """Chat chunks. With tools that may be called, a choice's text is held back and its last chunk carries the
+    reply as content or as `tool_calls` (one delta per call, with its index): a call is known only once its text
+    is complete."""
     base = {**base, "object": "chat.completion.chunk"}
     for i in range(len(handles)):
         delta = {"role": "assistant", "content": ""}
         yield gen.sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]})
+    held = [""] * len(handles)
+    hold = mode is not None and mode.choice != "none"
 
     def chunk(i: int, ev: Event) -> dict[str, Any]:
-        c = {"index": i, "delta": {"content": ev.text} if ev.text else {}, "finish_reason": ev.finish_reason,
+        finish_reason = ev.finish_reason
+        d: dict[str, Any] = {"content": ev.text} if ev.text else {}
+        if hold:
+            held[i] += ev.text
+            d = {}
+            if ev.finish_reason is not None:
+                message, finish_reason = reply(held[i], ev.finish_reason, mode)
+                calls = message.get("tool_calls") or []
+                d = {"content": message["content"]} if message["content"] else {}
+                if calls:
+                    d["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
+        c = {"index": i, "delta": d, "finish_reason": finish_reason,
              "logprobs": gen.chat_logprobs(ctx, ev.token_ids, ev.logprobs, k or 0)}  # fmt: skip
         if body.return_token_ids:
             c["token_ids"] = ev.token_ids
@@ -330,6 +363,16 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
     async for line in stream_chunks(ctx, request, body, handles, chunk, prompt_tokens, base,
                                     lambda: finish(ctx, tenant, body, plan, handles)):  # fmt: skip
         yield line
+
+
+def reply(text: str, finish_reason: str | None, mode: ToolMode | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant message (and finish reason) for a finished choice: tool calls when its text is one."""
+    if mode is None or finish_reason != "stop":
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = parse_reply(text, mode)
+    if not calls:
+        return {"role": "assistant", "content": text}, finish_reason
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
 
 async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFields, handles: list[RequestHandle],

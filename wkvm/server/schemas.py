@@ -94,6 +94,8 @@ class ChatMessage(Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant message that called tools
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatRequest(SamplingFields):
@@ -104,6 +106,7 @@ class ChatRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     state: str | None = None
     save_state: str | None = None

@@ -62,7 +62,7 @@ class ChatMeta:
     """A chat turn: its messages, how many prompt tokens its leading system messages take (0: none, or not an exact
     token prefix), and the parent-token-v1 identity headers."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     stateful: bool = False  # X-WKVM-Stateful-Chat: parent-token-v1
     user: str | None = None
     chat: str | None = None
@@ -72,7 +72,7 @@ class ChatMeta:
     system_tokens: int = 0
 
     @classmethod
-    def from_headers(cls, headers: Mapping[str, str], messages: list[dict[str, str]],
+    def from_headers(cls, headers: Mapping[str, str], messages: list[dict[str, Any]],
                      system_tokens: int = 0) -> ChatMeta:  # fmt: skip
         return cls(
             messages, headers.get(HEADER_MODE) == PARENT_TOKEN_V1, headers.get("x-openwebui-user-id"),
@@ -102,7 +102,7 @@ class Session:
         return any(not h.done.is_set() for h in self.inflight)
 
 
-def visible(messages: list[dict[str, str]]) -> list[tuple[str, str]]:
+def visible(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
     """Open WebUI stores messages with outer whitespace stripped: compare after the same normalisation."""
     return [(m["role"], m["content"].strip()) for m in messages]
 

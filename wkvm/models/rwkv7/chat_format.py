@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from wkvm.chat_template import ChatTemplate
 
-WORLD_ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
+WORLD_ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant", "tool": "User"}
 
 
 def world_text(content: str) -> str:
@@ -20,6 +21,9 @@ class WorldTemplate(ChatTemplate):
     stop: list[str] = field(default_factory=lambda: ["\n\nUser:"])
     name: str = "rwkv-world"
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        turns = [f"{WORLD_ROLES[m['role']]}: {world_text(m['content'])}" for m in messages]
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
+        """The World format has no tool convention: `tools` are not shown (tool_choice required / named still
+        force a valid call through the grammar); a tool result reads as a user turn."""
+        turns = [f"{WORLD_ROLES[m['role']]}: {world_text(m['content'] or '')}" for m in messages]
         return "\n\n".join(turns) + ("\n\nAssistant:" if add_generation_prompt else "")

@@ -1,0 +1,124 @@
+"""Tool calling through the `openai` SDK on a random tiny model: `tool_choice` required and named are enforced by
+the grammar (every reply a call to an offered tool with schema-valid arguments), streaming carries the same calls
+as `delta.tool_calls`, `auto` recognises Hermes, Mistral and plain-JSON calls (parser unit tests; a random model
+never calls on its own), a tool result goes back through the template, and bad tool requests are clear 400s."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from live_server import LiveServer
+
+from wkvm.server.errors import APIError
+from wkvm.server.tools import parse_reply, tool_mode
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}  # fmt: skip
+ADD = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                                  "required": ["a", "b"], "additionalProperties": False}}}  # fmt: skip
+TOOLS = [WEATHER, ADD]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "Weather?"}]
+
+
+@pytest.fixture(scope="module")
+def server(char_model):
+    with LiveServer(model=str(char_model), slots=4) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def check_calls(choice, names: set[str], most: int | None = None) -> list[tuple[str, dict]]:
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    calls = choice.message.tool_calls
+    assert calls and (most is None or len(calls) <= most)
+    out = []
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, PARAMS[call.function.name])
+        out.append((call.function.name, args))
+    return out
+
+
+def test_required_and_named_replies_are_always_valid_calls(client):
+    for seed in range(12):
+        r = client.chat.completions.create(model="char-model", messages=ASK, tools=TOOLS, tool_choice="required",
+                                           temperature=1.0, seed=seed, max_tokens=400)  # fmt: skip
+        check_calls(r.choices[0], {"get_weather", "add"})
+    for seed in range(6):
+        r = client.chat.completions.create(model="char-model", messages=ASK, tools=TOOLS, seed=seed, temperature=1.0,
+                                           tool_choice={"type": "function", "function": {"name": "add"}},
+                                           parallel_tool_calls=False, max_tokens=400)  # fmt: skip
+        assert [name for name, _ in check_calls(r.choices[0], {"add"}, most=1)] == ["add"]
+
+
+def test_streamed_calls_equal_the_blocking_ones(client):
+    kw = dict(model="char-model", messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0, seed=3,
+              max_tokens=400)
+    want = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [tc for d in deltas if d.tool_calls for tc in d.tool_calls]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in want]
+    assert [c.index for c in calls] == list(range(len(calls)))
+    assert not any(d.content for d in deltas)  # a forced reply is calls only
+
+
+def test_a_tool_result_goes_back_through_the_template(client):
+    r = client.chat.completions.create(model="char-model", messages=ASK, tools=TOOLS, tool_choice="required", seed=1,
+                                       temperature=1.0, max_tokens=400)  # fmt: skip
+    call = r.choices[0].message.tool_calls[0]
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "Sunny,21"}]  # fmt: skip
+    again = client.chat.completions.create(model="char-model", messages=history, tools=TOOLS, tool_choice="none",
+                                           max_tokens=5, temperature=0)  # fmt: skip
+    assert again.choices[0].finish_reason in ("stop", "length") and not again.choices[0].message.tool_calls
+
+
+def test_bad_tool_requests_are_clear(client):
+    cases = [
+        (dict(tools=[{"type": "function", "function": {"name": "x y"}}]), "tools[0].function.name"),
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(tools=[WEATHER, WEATHER]), "tools"),
+        (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "response_format"),
+    ]
+    for kw, param in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="char-model", messages=ASK, max_tokens=4, **kw)
+        assert e.value.body["param"] == param, (kw, e.value.body)
+
+
+def test_auto_recognises_hermes_mistral_and_plain_json_calls():
+    mode = tool_mode(TOOLS, None, None)
+    assert mode is not None and mode.choice == "auto"
+    call = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+    hermes = f"Let me check.<tool_call>\n{call}\n</tool_call>"
+    content, calls = parse_reply(hermes, mode)
+    assert content == "Let me check." and [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "celsius"}
+    content, calls = parse_reply('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+                                 '{"name": "add", "arguments": {"a": 3, "b": 4}}]', mode)  # fmt: skip
+    assert content is None and len(calls) == 2 and calls[0]["id"] != calls[1]["id"]
+    content, calls = parse_reply('{"name": "add", "parameters": {"a": 1, "b": 2}}', mode)
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"a": 1, "b": 2}
+    for text in ('{"name": "delete_everything", "arguments": {}}', "Just words.", "<tool_call>{broken</tool_call>"):
+        assert parse_reply(text, mode) == (text, [])  # unknown tool, no call, broken call: plain content
+    none = tool_mode(TOOLS, "none", None)
+    assert none is not None and parse_reply(hermes, none) == (hermes, [])
+    with pytest.raises(APIError):
+        tool_mode([{"type": "function"}], None, None)

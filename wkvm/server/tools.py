@@ -1,0 +1,147 @@
+"""Tool calling for /v1/chat/completions (issue #18): OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`.
+
+The tools go to the chat template (its Jinja `tools` variable, as HF templates expect). `tool_choice` "required"
+or a named function is enforced with the grammar engine: the reply can only be a JSON list of calls
+`[{"name": ..., "arguments": {...}}]` to offered tools, arguments matching each tool's parameters schema (one
+call unless `parallel_tool_calls`). "auto" (the default when tools are given) lets the model answer freely and
+recognises calls in its text: Hermes / Qwen `<tool_call>{...}</tool_call>`, Mistral `[TOOL_CALLS] [...]`, or a
+reply that is only a JSON call (or list of calls). "none" never returns calls. See docs/http-api.md.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from wkvm.server.errors import APIError
+
+HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+MISTRAL = "[TOOL_CALLS]"
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    tools: list[dict[str, Any]]  # OpenAI tool objects, as given (for the template)
+    choice: str  # "none", "auto", "required" or "named"
+    name: str | None = None  # the named function
+    parallel: bool = True
+
+    @property
+    def functions(self) -> dict[str, dict[str, Any]]:
+        return {t["function"]["name"]: t["function"] for t in self.tools}
+
+    @property
+    def forced(self) -> bool:
+        return self.choice in ("required", "named")
+
+    def response_format(self) -> dict[str, Any]:
+        """The JSON schema a forced reply must match: a list of calls to offered tools (to the named one only)."""
+        names = [self.name] if self.name else list(self.functions)
+        calls = []
+        for n in names:
+            args = self.functions[n].get("parameters") or {"type": "object"}
+            calls.append({"type": "object", "properties": {"name": {"const": n}, "arguments": args},
+                          "required": ["name", "arguments"], "additionalProperties": False})
+        item = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        schema = {"type": "array", "items": item, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
+        return {"type": "json_schema", "json_schema": {"name": "tool_calls", "schema": schema, "strict": True}}
+
+
+def tool_mode(tools: list[Any] | None, choice: Any, parallel: bool | None) -> ToolMode | None:
+    """Validate the request's tools and tool_choice; None when the request offers no tools (or chooses none and
+    offers none)."""
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice needs tools: offer at least one tool", "tool_choice", "invalid_value")
+        return None
+    checked = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+            raise APIError(400, f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., ...}}}}',
+                           f"tools[{i}]", "invalid_value")  # fmt: skip
+        name = fn.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise APIError(400, f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -",
+                           f"tools[{i}].function.name", "invalid_value")  # fmt: skip
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object",
+                           f"tools[{i}].function.parameters", "invalid_value")  # fmt: skip
+        checked.append(t)
+    names = [t["function"]["name"] for t in checked]
+    if len(set(names)) != len(names):
+        raise APIError(400, "tools: function names must be distinct", "tools", "invalid_value")
+    if choice is None or choice in ("auto", "none", "required"):
+        return ToolMode(checked, choice or "auto", None, parallel is not False)
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+        raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                       '{"name": ...}}', "tool_choice", "invalid_value")  # fmt: skip
+    if name not in names:
+        raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", "tool_choice", "invalid_value")
+    return ToolMode(checked, "named", name, parallel is not False)
+
+
+def parse_reply(text: str, mode: ToolMode) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool_calls) for a finished reply: calls in OpenAI's shape, content the text around them (None
+    when nothing else was said). A reply whose calls do not parse, or name tools not offered, is plain content."""
+    if mode.choice == "none":
+        return text, []
+    found: list[Any] = []
+    rest = text
+    if mode.forced:
+        found = _json(text) or []
+        rest = ""
+    elif HERMES.search(text):
+        for m in HERMES.finditer(text):
+            found.append(_json(m.group(1)))
+        rest = HERMES.sub("", text)
+    elif MISTRAL in text:
+        head, _, tail = text.partition(MISTRAL)
+        found, rest = _json(tail) or [None], head
+    else:
+        whole = _json(text)
+        if isinstance(whole, (dict, list)):
+            found, rest = whole if isinstance(whole, list) else [whole], ""
+    calls = [c for c in (_call(x, mode) for x in found) if c is not None]
+    if not calls or len(calls) != len(found):
+        return text, []
+    content = rest.strip() or None
+    return content, calls
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text.strip())
+    except ValueError:
+        return None
+
+
+def _call(x: Any, mode: ToolMode) -> dict[str, Any] | None:
+    if not isinstance(x, dict) or x.get("name") not in mode.functions:
+        return None
+    args = x.get("arguments", x.get("parameters", {}))
+    if isinstance(args, str):
+        args = _json(args)
+    if not isinstance(args, dict):
+        return None
+    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+            "function": {"name": x["name"], "arguments": json.dumps(args)}}  # fmt: skip
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for the chat template: assistant tool_calls with their arguments as objects (HF templates render
+    `tool_call.function.arguments` with `tojson`)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [{**c, "function": {**c["function"], "arguments": _json(c["function"]["arguments"])
+                                        if isinstance(c["function"].get("arguments"), str)
+                                        else c["function"].get("arguments")}} for c in m["tool_calls"]]  # fmt: skip
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
