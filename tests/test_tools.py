@@ -122,3 +122,24 @@ def test_auto_recognises_hermes_mistral_and_plain_json_calls():
     assert none is not None and parse_reply(hermes, none) == (hermes, [])
     with pytest.raises(APIError):
         tool_mode([{"type": "function"}], None, None)
+
+
+def test_a_tool_round_trip_keeps_reuse_exact(client, server):
+    """After a forced call, the next turn (call + result in the history) resumes from a stored checkpoint that its
+    prompt really starts with, and answers exactly as a fresh run (another reuse scope)."""
+    import httpx
+
+    user = "tools-roundtrip"
+    first = client.chat.completions.create(model="char-model", messages=ASK, tools=TOOLS, tool_choice="required",
+                                           seed=2, temperature=1.0, max_tokens=400, user=user,
+                                           parallel_tool_calls=False)  # fmt: skip
+    call = first.choices[0].message.tool_calls[0]
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "Sunny"}]  # fmt: skip
+    body = {"model": "char-model", "messages": history, "tools": TOOLS, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    again = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "user": user}, timeout=60).json()
+    fresh = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "user": "tools-fresh"}, timeout=60).json()
+    assert again["wkvm"]["reused_tokens"] >= first.usage.prompt_tokens - 1, again["wkvm"]
+    assert fresh["wkvm"]["reused_tokens"] == 0
+    assert again["choices"][0]["message"] == fresh["choices"][0]["message"]
