@@ -1,0 +1,72 @@
+"""Bamba as a wkvm model family: HF `BambaForCausalLM` directories (model_type `bamba`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from wkvm.chat_template import ChatTemplate
+from wkvm.models.bamba import model
+from wkvm.models.bamba.model import Bamba, BambaConfig
+from wkvm.models.family import Checkpoint, CheckpointError, read_safetensors_dir
+from wkvm.models.mamba2.model import Mamba2Config
+from wkvm.models.provider import WeightProvider
+from wkvm.tokenizer import Tokenizer
+
+
+class BambaFamily:
+    name = model.FAMILY
+    model_types = ("bamba",)
+    formats = "Bamba (Mamba2 + attention) as an HF directory (BambaForCausalLM, *.safetensors)"
+
+    def detect(self, path: Path) -> str | None:
+        return None  # HF directories only: the registry matches them by model_type
+
+    def read_checkpoint(self, path: Path, fmt: str) -> Checkpoint:
+        config = json.loads((path / "config.json").read_text())
+        raw = read_safetensors_dir(path, lambda k: k if k.startswith("model.") or k == model.HEAD else None)
+        if config.get("tie_word_embeddings") and model.HEAD in raw:
+            del raw[model.HEAD]  # tied: the embedding is the head
+        if not config.get("tie_word_embeddings") and model.HEAD not in raw:
+            raise CheckpointError(f"{path}: no {model.HEAD} and tie_word_embeddings is not set")
+        return Checkpoint(raw, config, "hf")
+
+    def config_from_checkpoint(self, ckpt: Checkpoint) -> BambaConfig:
+        return BambaConfig.from_checkpoint(ckpt.raw, ckpt.config)
+
+    def config_from_dict(self, d: dict[str, Any]) -> BambaConfig:
+        names = {f.name for f in fields(BambaConfig)}
+        d = {k: v for k, v in d.items() if k in names}
+        return BambaConfig(**{**d, "layer_types": tuple(d["layer_types"]), "mamba": Mamba2Config(**d["mamba"])})
+
+    used_tensors = staticmethod(model.used_tensors)
+    global_keys = staticmethod(model.global_keys)
+    linear_keys = staticmethod(model.linear_keys)
+    prepare_layer = staticmethod(model.prepare_layer)
+    prepare_globals = staticmethod(model.prepare_globals)
+
+    def layer_prefix(self, i: int) -> str:
+        return f"{model.PREFIX}{i}."
+
+    def build(self, cfg: BambaConfig, weights: WeightProvider, fingerprint: str, device: Any) -> Bamba:
+        return Bamba(cfg, weights, fingerprint, device)
+
+    def describe(self, cfg: BambaConfig) -> str:
+        m = cfg.mamba
+        return (f"Bamba, {cfg.n_layer} layers ({len(cfg.attention_layers)} attention), width {cfg.n_embd}, Mamba2 "
+                f"{m.n_heads} heads x {m.head_dim}, d_state {m.d_state}; attention {cfg.n_heads} query / "
+                f"{cfg.n_kv_heads} key-value heads of {cfg.head_dim}, vocab {cfg.vocab_size}")  # fmt: skip
+
+    def convert(self, src: Path, dst: Path) -> str:
+        raise CheckpointError("Bamba has one checkpoint format (an HF directory): nothing to convert")
+
+    def default_tokenizer(self, path: Path) -> Tokenizer | None:
+        return None
+
+    def default_chat_template(self, path: Path) -> ChatTemplate | None:
+        return None
+
+
+FAMILY = BambaFamily()
