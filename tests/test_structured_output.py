@@ -295,3 +295,16 @@ def test_openai_sdk_json_schema(server):
         model=server.ctx.model_name, messages=hi, response_format={"type": "json_object"}, max_tokens=2000, seed=4
     )
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_a_grammar_dead_end_is_the_requests_own_400(server):
+    """A schema this vocabulary cannot finish (the char tokenizer has no space): the request fails alone with a
+    400 that says why, and an unconstrained request beside it is untouched."""
+    schema = {"type": "object", "properties": {"a": {"const": "x y"}}, "required": ["a"], "additionalProperties": False}
+    body = {"messages": [{"role": "user", "content": "Give"}], "max_tokens": 50, "temperature": 0,
+            "response_format": fmt(schema)}  # fmt: skip
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "grammar_dead_end" and "allows no token" in r.json()["error"]["message"]
+    ok = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "response_format": None}, timeout=60)
+    assert ok.status_code == 200

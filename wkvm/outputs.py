@@ -9,6 +9,7 @@ class ErrorCode:
     """Values of `error_code`: why a request finished with "error" or "abort"."""
 
     NON_FINITE = "non_finite"  # this request's numbers went out of range (its state or parameters): its own fault
+    GRAMMAR_DEAD_END = "grammar_dead_end"  # its response_format / forced tool call allows no token of this vocabulary
     ENGINE_ERROR = "engine_error"  # an engine step failed unexpectedly, failing every request in flight
     SHUTDOWN = "shutdown"
     TIMEOUT = "timeout"

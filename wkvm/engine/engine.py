@@ -190,7 +190,7 @@ class Engine:
             if req.status.finished:  # aborted from another thread while the model ran
                 continue
             if s.error:
-                events.append(self._fail_one(req, s.error))
+                events.append(self._fail_one(req, s.error, s.error_code))
             elif req.prefill_only:
                 events.append(self._end_prefill(req))
             else:
@@ -231,10 +231,11 @@ class Engine:
         self._finish(req, Status.FINISHED_LENGTH)
         return Event(req.request_id, [], "", None, Status.FINISHED_LENGTH.value)
 
-    def _fail_one(self, req: Request, message: str) -> Event:
-        """This request's numbers went out of range: it alone fails, and its slot is freed (zeroed on reuse)."""
-        self._finish(req, Status.FINISHED_ERROR, message, ErrorCode.NON_FINITE)
-        return Event(req.request_id, [], "", None, Status.FINISHED_ERROR.value, message, ErrorCode.NON_FINITE)
+    def _fail_one(self, req: Request, message: str, code: str = ErrorCode.NON_FINITE) -> Event:
+        """This request's numbers went out of range, or its grammar left no token: it alone fails, and its slot is
+        freed (zeroed on reuse)."""
+        self._finish(req, Status.FINISHED_ERROR, message, code)
+        return Event(req.request_id, [], "", None, Status.FINISHED_ERROR.value, message, code)
 
     def _finish(self, req: Request, status: Status, error: str | None = None, error_code: str | None = None) -> None:
         # the state is kept only when the step itself ended a healthy request, at a token boundary

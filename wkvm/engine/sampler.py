@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from wkvm.engine.grammar import GrammarState
+from wkvm.outputs import ErrorCode
 from wkvm.sampling_params import SamplingParams
 
 NON_FINITE_LOGITS = (
@@ -50,6 +51,7 @@ class Sampled:
     token: int | None
     logprobs: dict[int, float] | None = None
     error: str | None = None
+    error_code: str = ErrorCode.NON_FINITE  # with `error`: which kind
     grammar_done: bool = False  # this token completed the response_format's value: the reply ends here
 
 
@@ -131,8 +133,9 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
         x, greedy_id = logits[i], greedy_ids[i]
         if row.grammar is not None:
             allowed = row.grammar.allowed(x.shape[-1])
-            if not bool(allowed.any()):
-                out.append(Sampled(None, error=f"{NO_ALLOWED_TOKEN}: {row.grammar.error or 'no token fits'}"))
+            if row.grammar.error is not None or not bool(allowed.any()):
+                why = f"{NO_ALLOWED_TOKEN}: {row.grammar.error or 'no token fits'}"
+                out.append(Sampled(None, error=why, error_code=ErrorCode.GRAMMAR_DEAD_END))
                 continue
             x = x.masked_fill(~allowed, float("-inf"))  # a new tensor: the batch's logits stay as they were
             greedy_id = int(torch.argmax(x))
@@ -143,6 +146,10 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
         done = False
         if row.grammar is not None:
             row.grammar.accept(tok)
+            if row.grammar.error is not None:  # the grammar has no way on from here: fail, never a "stop"
+                why = f"{NO_ALLOWED_TOKEN}: {row.grammar.error}"
+                out.append(Sampled(None, error=why, error_code=ErrorCode.GRAMMAR_DEAD_END))
+                continue
             done = row.grammar.done
         k = row.params.logprobs
         lp = top_logprobs(raw_lp[i], tok, k) if raw_lp is not None and k is not None else None

@@ -20,7 +20,7 @@ def angles(inv_freq: torch.Tensor, start: torch.Tensor, T: int) -> tuple[torch.T
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, T, H, D]: pair j of the first R = cos.shape[-1] dims is (x[j], x[j + R/2]); dims from R on pass."""
     R = cos.shape[-1]
-    rot, rest = (x, None) if R == x.shape[-1] else (x[..., :R], x[..., R:])
+    rot, rest = (x, None) if x.shape[-1] == R else (x[..., :R], x[..., R:])
     x1, x2 = rot.chunk(2, -1)
     out = rot * cos + torch.cat([-x2, x1], -1) * sin
     return out if rest is None else torch.cat([out, rest], -1)

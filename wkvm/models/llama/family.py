@@ -10,11 +10,11 @@ from typing import Any
 import torch
 
 from wkvm.chat_template import ChatTemplate
-from wkvm.models.family import Checkpoint, RawTensors
+from wkvm.models.family import Checkpoint
 from wkvm.models.llama import checkpoint, model
 from wkvm.models.llama.gguf_text import gguf_chat_template, gguf_tokenizer
 from wkvm.models.llama.model import Llama, LlamaConfig
-from wkvm.models.provider import Tensors, WeightProvider
+from wkvm.models.provider import WeightProvider
 from wkvm.tokenizer import Tokenizer
 
 

@@ -8,7 +8,6 @@ RoPE. Raw tensor names are the HF `LlamaForCausalLM` names whatever the file for
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +25,9 @@ from wkvm.models.family import (
     rms_norm,
 )
 from wkvm.models.kv import Attn, key_name, value_name
-from wkvm.models.rope import angles, rotate
 from wkvm.models.linear import linear
 from wkvm.models.provider import Tensors, WeightProvider
+from wkvm.models.rope import angles, rotate
 from wkvm.models.spec import State, StateSpec, TensorSpec
 
 FAMILY = "llama"

@@ -11,7 +11,7 @@ from wkvm.chat_template import ChatTemplate
 from wkvm.models.family import Checkpoint, CheckpointError, RawTensors
 from wkvm.models.mamba2 import checkpoint, model
 from wkvm.models.mamba2.model import Mamba2, Mamba2Config
-from wkvm.models.provider import Tensors, WeightProvider
+from wkvm.models.provider import WeightProvider
 from wkvm.tokenizer import Tokenizer
 
 

@@ -23,9 +23,9 @@ from wkvm.models.family import (
     require,
     resident,
 )
+from wkvm.models.kv import Attn
 from wkvm.models.linear import linear
 from wkvm.models.mamba2.ssd import DEFAULT_CHUNK, ssd_chunked, ssd_step
-from wkvm.models.kv import Attn
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.spec import State, StateSpec, TensorSpec
 

@@ -10,7 +10,7 @@ import torch
 
 from wkvm.chat_template import ChatTemplate
 from wkvm.models.family import Checkpoint, RawTensors
-from wkvm.models.provider import Tensors, WeightProvider
+from wkvm.models.provider import WeightProvider
 from wkvm.models.qwen3_5 import checkpoint, model
 from wkvm.models.qwen3_5.model import Qwen35, Qwen35Config
 from wkvm.tokenizer import Tokenizer

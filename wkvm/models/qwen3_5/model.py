@@ -27,11 +27,11 @@ from wkvm.models.family import (
     resident,
     rms_norm,
 )
-from wkvm.models.linear import linear
 from wkvm.models.kv import Attn, key_name, value_name
+from wkvm.models.linear import linear
 from wkvm.models.provider import Tensors, WeightProvider
-from wkvm.models.rope import angles, rotate
 from wkvm.models.qwen3_5.gated_delta import DEFAULT_CHUNK, gated_delta_chunked, gated_delta_step
+from wkvm.models.rope import angles, rotate
 from wkvm.models.spec import State, StateSpec, TensorSpec
 
 FAMILY = "qwen3_5"
