@@ -78,3 +78,16 @@ def test_a_server_without_embeddings_answers_404(tiny_pth):
     with LiveServer(model=str(tiny_pth)) as s:
         r = httpx.post(f"{s.url}/v1/embeddings", json={"input": "hi"})
         assert r.status_code == 404 and "--embeddings" in r.json()["error"]["message"]
+
+
+def test_embeddings_alone(tmp_path):
+    """`--model none --embeddings DIR`: an embeddings-only server; generative routes answer a clear 404."""
+    with LiveServer(model="none", embeddings=str(MINILM)) as s:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["all-MiniLM-L6-v2"]
+        assert len(c.embeddings.create(model="all-MiniLM-L6-v2", input="hi").data[0].embedding) == 384
+        with pytest.raises(openai.NotFoundError, match="embeddings only"):
+            c.chat.completions.create(model="all-MiniLM-L6-v2", messages=[{"role": "user", "content": "hi"}])
+        assert httpx.get(f"{s.url}/health").status_code == 200
+        assert httpx.get(f"{s.url}/metrics").status_code == 200
+        assert httpx.get(f"{s.url}/v1/states").status_code == 404

@@ -113,7 +113,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.config.dictConfig(logs)  # now, before the first line is logged; uvicorn applies it again
     logging.captureWarnings(True)  # library warnings in the same format, not bare stderr lines
     model = args.model or str(default_model())
-    check_model_path(model)  # before binding the port: a wrong path is one line and exit 2, not a 503 server
+    if model == "none":  # embeddings only
+        if not args.embeddings:
+            raise ValueError("--model none serves embeddings only: give --embeddings DIR")
+    else:
+        check_model_path(model)  # before binding the port: a wrong path is one line and exit 2, not a 503 server
     keys = read_api_keys(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         log.warning("binding %s without an API key: anyone who can reach this port can use the server", args.host)

@@ -43,7 +43,8 @@ def opt(default: Any, help: str, kind: str = "", **kw: Any) -> Any:
 class ServerConfig:
     """Every `wkvm serve` setting: one source of names, defaults and help (the CLI flags are generated from it)."""
 
-    model: str | None = opt(None, "a checkpoint (file or directory) or weight pack (default: the embedded model)")
+    model: str | None = opt(None, "a checkpoint (file or directory) or weight pack (default: the embedded model); "
+                            "none: no generative model, only --embeddings")
     device: str = opt(EngineConfig.device, "cpu, or cuda with a CUDA build of torch")
     dtype: str = opt("float32", "float32, or bfloat16: half the memory; faster only with native bf16 (wkvm doctor)",
                      "choice:float32,fp32,bfloat16,bf16")

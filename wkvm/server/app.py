@@ -70,7 +70,7 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
 
     @app.get("/metrics", dependencies=[auth], response_class=Response)
     def metrics() -> Response:
-        body = ctx.metrics.render(ctx.client.stats(), ctx.store) if ctx.ready.is_set() else b""
+        body = ctx.metrics.render(ctx.client.stats(), ctx.store) if ctx.ready.is_set() and ctx.generative else b""
         return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/openapi.json", dependencies=[auth], include_in_schema=False)

@@ -31,6 +31,7 @@ from wkvm.tokenizer import Tokenizer
 from wkvm.weights.loader import load_model, load_text_tools
 
 log = logging.getLogger("wkvm.server")
+NO_MODEL = "none"  # --model none: no generative model (an embeddings-only server)
 
 
 @dataclass
@@ -63,9 +64,16 @@ class ServerContext:
         return int(path.stat().st_mtime) if path.exists() else int(self.started_at)
 
     @property
+    def generative(self) -> bool:
+        """False for an embeddings-only server (`--model none --embeddings DIR`)."""
+        return self.config.model != NO_MODEL
+
+    @property
     def model_name(self) -> str:
         if self.config.served_model_name:
             return self.config.served_model_name
+        if not self.generative and self.config.embeddings:
+            return Path(self.config.embeddings).name
         return Path(self.config.model).stem if self.config.model else "wkvm"
 
     def load(self) -> None:
@@ -74,6 +82,13 @@ class ServerContext:
             cfg = self.config
             if cfg.model is None:
                 raise ValueError("no model given")
+            if not self.generative:
+                if not cfg.embeddings:
+                    raise ValueError("--model none serves embeddings only: give --embeddings DIR")
+                self.embedder = EmbeddingModel(cfg.embeddings, cfg.device)
+                self.ready.set()
+                log.info("embedding model %s loaded (no generative model: --model none)", self.embedder.name)
+                return
             model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype,
                                weight_cache_layers=cfg.weight_cache_layers, read_ahead=cfg.read_ahead)  # fmt: skip
             self.tokenizer, self.template = load_text_tools(cfg.model, model.family)
@@ -102,7 +117,7 @@ class ServerContext:
 
     def end_requests(self, grace: float) -> None:
         """Refuse new requests; give running ones `grace` seconds, then end them (streams still close cleanly)."""
-        if not self.ready.is_set():
+        if not self.ready.is_set() or not self.generative:
             return
         self.client.stop_accepting()
         deadline = time.monotonic() + grace
@@ -111,17 +126,21 @@ class ServerContext:
         self.client.abort_all("the server is shutting down")
 
     def shutdown(self) -> None:
-        if self.ready.is_set():
+        if self.ready.is_set() and self.generative:
             self.client.shutdown(drain=True, timeout=30)
             self.store.close()
         if self._tmp is not None:
             self._tmp.cleanup()
 
-    def require_ready(self) -> None:
+    def require_ready(self, generative: bool = True) -> None:
+        """503 while loading or after a failed load; 404 for a generative route on an embeddings-only server."""
         if self.load_error:
             raise APIError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
         if not self.ready.is_set():
             raise APIError(503, "the model is still loading; retry shortly", code="not_ready")
+        if generative and not self.generative:
+            raise APIError(404, "this server serves embeddings only (--model none): /v1/embeddings and /v1/models",
+                           "model", "model_not_found")  # fmt: skip
 
     def tenant(self, request: Request) -> str:
         """Name the tenant that owns states: the API key's hash (keys are checked by ApiKeyGate before any

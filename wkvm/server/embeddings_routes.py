@@ -21,7 +21,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
 
     @r.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
-        ctx.require_ready()
+        ctx.require_ready(generative=False)
         model = ctx.embedder
         if model is None:
             raise APIError(404, "this server has no embedding model: start it with --embeddings DIR (e.g. "

@@ -167,12 +167,12 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
 
     @r.get("/v1/models")
     def models() -> dict[str, Any]:
-        ctx.require_ready()
-        return {"object": "list", "data": [model_card(), *embedding_card()]}
+        ctx.require_ready(generative=False)
+        return {"object": "list", "data": [*([model_card()] if ctx.generative else []), *embedding_card()]}
 
     @r.get("/v1/models/{model_id:path}")
     def model(model_id: str) -> dict[str, Any]:
-        ctx.require_ready()
+        ctx.require_ready(generative=False)
         cards = embedding_card()
         if cards and model_id == cards[0]["id"]:
             return cards[0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request, params
+from fastapi import APIRouter, Depends, Request, params
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -29,7 +29,10 @@ def bad_request(e: ValueError, param: str) -> APIError:
 
 
 def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
-    r = APIRouter(prefix="/v1/states", dependencies=[auth])
+    def generative_ready() -> None:  # after the key check: every state route needs the generative model
+        ctx.require_ready()
+
+    r = APIRouter(prefix="/v1/states", dependencies=[auth, Depends(generative_ready)])
 
     def who(request: Request) -> str:
         ctx.require_ready()
