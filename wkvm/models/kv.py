@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from wkvm.models.spec import State
+from wkvm.models.spec import State, TensorSpec
 
 
 class KVBatch(Protocol):
@@ -43,6 +43,11 @@ class Attn:
     kv: KVBatch
     cos: torch.Tensor
     sin: torch.Tensor
+
+
+def kv_tensors(layer: int, kv_heads: int, head_dim: int) -> list[TensorSpec]:
+    """An attention layer's state: its keys and values, one [kv_heads, head_dim] entry per token."""
+    return [TensorSpec(name(layer), (kv_heads, head_dim), kind="kv") for name in (key_name, value_name)]
 
 
 def key_name(layer: int) -> str:

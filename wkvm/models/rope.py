@@ -10,6 +10,11 @@ from __future__ import annotations
 import torch
 
 
+def frequencies(theta: float, dim: int) -> torch.Tensor:
+    """RoPE's per-pair angular frequencies [dim/2] for `dim` rotary dimensions (transformers' default init)."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
 def angles(inv_freq: torch.Tensor, start: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [B, T, 1, 2 * len(inv_freq)] for positions start[b] + t (start [B] long)."""
     pos = start.to(inv_freq.device)[:, None] + torch.arange(T, device=inv_freq.device)

@@ -79,7 +79,7 @@ def system_prefix(ctx: ServerContext, messages: list[dict[str, Any]], text: str,
     """How many leading tokens of the prompt are its leading system messages, when they render and tokenize to an
     exact prefix of it (0 otherwise): a boundary many conversations share, worth a checkpoint on first sight."""
     k = next((i for i, m in enumerate(messages) if m.get("role") not in ("system", "developer")), len(messages))
-    if k == 0 or k == len(messages):
+    if k == 0 or k == len(messages) or not ctx.config.prefix_reuse:  # no reuse: no checkpoint to place
         return 0
     try:
         head = ctx.template.render(messages[:k], add_generation_prompt=False, tools=tools)

@@ -26,12 +26,12 @@ from wkvm.models.family import (
     resident,
     rms_norm,
 )
-from wkvm.models.kv import Attn, key_name, value_name
+from wkvm.models.kv import Attn, kv_tensors
 from wkvm.models.linear import linear
-from wkvm.models.mamba2.model import Mamba2Config, mixer, mixer_tensors, time_step_limit
+from wkvm.models.mamba2.model import Mamba2Config, mixer, mixer_state, mixer_tensors, time_step_limit
 from wkvm.models.mamba2.ssd import DEFAULT_CHUNK
 from wkvm.models.provider import Tensors, WeightProvider
-from wkvm.models.rope import angles, rotate
+from wkvm.models.rope import angles, frequencies, rotate
 from wkvm.models.spec import State, StateSpec, TensorSpec
 
 FAMILY = "bamba"
@@ -136,17 +136,9 @@ def mamba_config(raw: RawTensors, kinds: tuple[str, ...], n_layer: int, vocab: i
 
 
 def state_spec(cfg: BambaConfig) -> StateSpec:
-    m = cfg.mamba
     tensors: list[TensorSpec] = []
     for i, kind in enumerate(cfg.layer_types):
-        if kind == ATTENTION:
-            per_token = (cfg.n_kv_heads, cfg.head_dim)
-            tensors += [TensorSpec(key_name(i), per_token, kind="kv"), TensorSpec(value_name(i), per_token, kind="kv")]
-        else:
-            tensors += [
-                TensorSpec(f"layers.{i}.conv", (m.conv_dim, m.d_conv - 1), kind="conv"),
-                TensorSpec(f"layers.{i}.ssm", (m.n_heads, m.head_dim, m.d_state), kind="recurrent"),
-            ]
+        tensors += kv_tensors(i, cfg.n_kv_heads, cfg.head_dim) if kind == ATTENTION else mixer_state(cfg.mamba, i)
     return StateSpec(FAMILY, tuple(tensors))
 
 
@@ -204,8 +196,7 @@ class Bamba(ModelBase):
         super().__init__(cfg, state_spec(cfg), weights, model_fingerprint, device)
         self.ssd_chunk = DEFAULT_CHUNK
         self.kv_layers = cfg.attention_layers
-        d = cfg.rotary_dim
-        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float().to(self.device) / d))
+        self.inv_freq = frequencies(cfg.rope_theta, cfg.rotary_dim).to(self.device)
 
     @property
     def context_length(self) -> int | None:

@@ -24,11 +24,11 @@ from wkvm.models.family import (
     resident,
     rms_norm,
 )
-from wkvm.models.kv import Attn, key_name, value_name
+from wkvm.models.kv import Attn, kv_tensors
 from wkvm.models.linear import linear
 from wkvm.models.provider import Tensors, WeightProvider
-from wkvm.models.rope import angles, rotate
-from wkvm.models.spec import State, StateSpec, TensorSpec
+from wkvm.models.rope import angles, frequencies, rotate
+from wkvm.models.spec import State, StateSpec
 
 FAMILY = "llama"
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -111,8 +111,7 @@ class LlamaConfig:
 
 def inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     """RoPE's per-pair angular frequencies [D/2], scaled as transformers' `ROPE_INIT_FUNCTIONS` scale them."""
-    d = cfg.head_dim
-    f = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    f = frequencies(cfg.rope_theta, cfg.head_dim)
     if cfg.rope_type == "linear":
         return f / cfg.rope_factor
     if cfg.rope_type == "llama3":
@@ -130,8 +129,7 @@ def inv_freq(cfg: LlamaConfig) -> torch.Tensor:
 
 
 def state_spec(cfg: LlamaConfig) -> StateSpec:
-    per_token = (cfg.n_kv_heads, cfg.head_dim)
-    tensors = [TensorSpec(name(i), per_token, kind="kv") for i in range(cfg.n_layer) for name in (key_name, value_name)]
+    tensors = [t for i in range(cfg.n_layer) for t in kv_tensors(i, cfg.n_kv_heads, cfg.head_dim)]
     return StateSpec(FAMILY, tuple(tensors))
 
 

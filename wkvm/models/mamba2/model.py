@@ -97,13 +97,15 @@ def time_step_limit(hf: dict[str, Any]) -> tuple[float, float]:
 
 
 def mamba2_state_spec(cfg: Mamba2Config) -> StateSpec:
-    tensors: list[TensorSpec] = []
-    for i in range(cfg.n_layer):
-        tensors += [
-            TensorSpec(f"layers.{i}.conv", (cfg.conv_dim, cfg.d_conv - 1), kind="conv"),
-            TensorSpec(f"layers.{i}.ssm", (cfg.n_heads, cfg.head_dim, cfg.d_state), kind="recurrent"),
-        ]
-    return StateSpec(FAMILY, tuple(tensors))
+    return StateSpec(FAMILY, tuple(t for i in range(cfg.n_layer) for t in mixer_state(cfg, i)))
+
+
+def mixer_state(cfg: Mamba2Config, i: int) -> list[TensorSpec]:
+    """Mamba2 layer i's state: the causal conv's last inputs and the SSM state (this family and hybrids)."""
+    return [
+        TensorSpec(f"layers.{i}.conv", (cfg.conv_dim, cfg.d_conv - 1), kind="conv"),
+        TensorSpec(f"layers.{i}.ssm", (cfg.n_heads, cfg.head_dim, cfg.d_state), kind="recurrent"),
+    ]
 
 
 def global_keys(cfg: Mamba2Config) -> tuple[str, ...]:

@@ -27,11 +27,11 @@ from wkvm.models.family import (
     resident,
     rms_norm,
 )
-from wkvm.models.kv import Attn, key_name, value_name
+from wkvm.models.kv import Attn, kv_tensors
 from wkvm.models.linear import linear
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.qwen3_5.gated_delta import DEFAULT_CHUNK, gated_delta_chunked, gated_delta_step
-from wkvm.models.rope import angles, rotate
+from wkvm.models.rope import angles, frequencies, rotate
 from wkvm.models.spec import State, StateSpec, TensorSpec
 
 FAMILY = "qwen3_5"
@@ -176,8 +176,7 @@ def state_spec(cfg: Qwen35Config) -> StateSpec:
     tensors: list[TensorSpec] = []
     for i, kind in enumerate(cfg.layer_types):
         if kind == FULL_ATTENTION:
-            per_token = (cfg.n_kv_heads, cfg.head_dim)
-            tensors += [TensorSpec(key_name(i), per_token, kind="kv"), TensorSpec(value_name(i), per_token, kind="kv")]
+            tensors += kv_tensors(i, cfg.n_kv_heads, cfg.head_dim)
         else:
             tensors += [
                 TensorSpec(f"layers.{i}.conv", (cfg.conv_dim, cfg.conv_kernel - 1), kind="conv"),
@@ -261,8 +260,7 @@ class Qwen35(ModelBase):
         super().__init__(cfg, state_spec(cfg), weights, model_fingerprint, device)
         self.delta_chunk = DEFAULT_CHUNK
         self.kv_layers = cfg.attention_layers
-        d = cfg.rotary_dim
-        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float().to(self.device) / d))
+        self.inv_freq = frequencies(cfg.rope_theta, cfg.rotary_dim).to(self.device)
 
     def block(self, i: int, w: Tensors, x: torch.Tensor, state: State, attn: Attn | None) -> torch.Tensor:
         eps = self.config.rms_eps
