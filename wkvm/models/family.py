@@ -27,6 +27,7 @@ from wkvm.chat_template import ChatTemplate
 from wkvm.models.kv import Attn, DenseKV, KVBatch
 from wkvm.models.linear import pack_linear
 from wkvm.models.provider import Tensors, WeightProvider
+from wkvm.models.rope import angles
 from wkvm.models.spec import State, StateSpec
 from wkvm.tokenizer import Tokenizer
 
@@ -122,6 +123,7 @@ class ModelBase:
 
     embed_key: str = ""  # the embedding's name in `weights.globals()`, for the default `embed`
     kv_layers: tuple[int, ...] = ()  # the attention layers, whose state is keys and values (kind "kv")
+    inv_freq: torch.Tensor  # RoPE frequencies, set by models with attention layers
 
     def embed(self, tokens: torch.Tensor, g: Tensors) -> torch.Tensor:
         """tokens [B, T] -> the first residual stream [B, T, C] (fp32): by default a lookup in `g[embed_key]`."""
@@ -133,8 +135,9 @@ class ModelBase:
         raise NotImplementedError
 
     def rope(self, start: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of the RoPE angles for positions start[b] .. start[b] + T - 1 (models with attention layers)."""
-        raise NotImplementedError
+        """cos, sin of the RoPE angles for positions start[b] .. start[b] + T - 1 (models with attention layers set
+        `inv_freq`, their per-pair frequencies)."""
+        return angles(self.inv_freq, start, T)
 
     def logits(self, x: torch.Tensor, g: Tensors) -> torch.Tensor:
         """Final norm and head: [..., C] -> [..., V]."""
@@ -142,7 +145,9 @@ class ModelBase:
 
     @property
     def context_length(self) -> int | None:
-        return None
+        """The config's `max_context` (a trained context length) where it has one."""
+        context: int | None = getattr(self.config, "max_context", None)
+        return context
 
     @torch.inference_mode()
     def forward_groups(

@@ -31,7 +31,7 @@ from wkvm.models.linear import linear
 from wkvm.models.mamba2.model import Mamba2Config, mixer, mixer_state, mixer_tensors, time_step_limit
 from wkvm.models.mamba2.ssd import DEFAULT_CHUNK
 from wkvm.models.provider import Tensors, WeightProvider
-from wkvm.models.rope import angles, frequencies, rotate
+from wkvm.models.rope import frequencies, rotate
 from wkvm.models.spec import State, StateSpec, TensorSpec
 
 FAMILY = "bamba"
@@ -197,13 +197,6 @@ class Bamba(ModelBase):
         self.ssd_chunk = DEFAULT_CHUNK
         self.kv_layers = cfg.attention_layers
         self.inv_freq = frequencies(cfg.rope_theta, cfg.rotary_dim).to(self.device)
-
-    @property
-    def context_length(self) -> int | None:
-        return self.config.max_context
-
-    def rope(self, start: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return angles(self.inv_freq, start, T)
 
     def logits(self, x: torch.Tensor, g: Tensors) -> torch.Tensor:
         return linear(rms_norm(x, g["final_norm"], self.config.rms_eps), g[HEAD])

@@ -27,7 +27,7 @@ from wkvm.models.family import (
 from wkvm.models.kv import Attn, kv_tensors
 from wkvm.models.linear import linear
 from wkvm.models.provider import Tensors, WeightProvider
-from wkvm.models.rope import angles, frequencies, rotate
+from wkvm.models.rope import frequencies, rotate
 from wkvm.models.spec import State, StateSpec
 
 FAMILY = "llama"
@@ -192,13 +192,6 @@ class Llama(ModelBase):
         eps = self.config.rms_eps
         x = x + self._attention(i, w, rms_norm(x, w["input_norm"], eps), attn)
         return x + self._mlp(w, rms_norm(x, w["post_norm"], eps))
-
-    def rope(self, start: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return angles(self.inv_freq, start, T)
-
-    @property
-    def context_length(self) -> int | None:
-        return self.config.max_context
 
     def _attention(self, i: int, w: Tensors, x: torch.Tensor, attn: Attn) -> torch.Tensor:
         cfg = self.config

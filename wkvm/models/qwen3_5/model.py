@@ -31,7 +31,7 @@ from wkvm.models.kv import Attn, kv_tensors
 from wkvm.models.linear import linear
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.qwen3_5.gated_delta import DEFAULT_CHUNK, gated_delta_chunked, gated_delta_step
-from wkvm.models.rope import angles, frequencies, rotate
+from wkvm.models.rope import frequencies, rotate
 from wkvm.models.spec import State, StateSpec, TensorSpec
 
 FAMILY = "qwen3_5"
@@ -268,13 +268,6 @@ class Qwen35(ModelBase):
         x = x + (self._attention(i, w, h, attn) if attn is not None and i in self.kv_layers
                  else self._gated_delta_net(i, w, h, state))  # fmt: skip
         return x + self._mlp(w, rms_norm(x, w["post_norm"], eps))
-
-    def rope(self, start: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return angles(self.inv_freq, start, T)
-
-    @property
-    def context_length(self) -> int | None:
-        return self.config.max_context
 
     def logits(self, x: torch.Tensor, g: Tensors) -> torch.Tensor:
         return linear(rms_norm(x, g["final_norm"], self.config.rms_eps), g[HEAD])
