@@ -194,7 +194,7 @@ OUT_OF_RANGE = [
     ("frequency_penalty", [INF, 2.5]),
     ("top_p", [0.0, NAN, 1.5]),
     ("min_p", [NAN, 1.5]),
-    ("max_tokens", [0, 2.5, True]),
+    ("max_tokens", [-1, 2.5, True]),  # 0 is valid: score the prompt, generate nothing
     ("stop_token_ids", [[-1], [True], ["7"]]),
 ]
 

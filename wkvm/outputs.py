@@ -23,6 +23,8 @@ class GenerationOutput:
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     logprobs: list[dict[int, float]] | None = None
+    # with SamplingParams.prompt_logprobs: one per prompt token, the first None (nothing precedes it)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None
     error_code: str | None = None  # an ErrorCode value when finish_reason is "error" or "abort"
 

@@ -32,7 +32,7 @@ JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: the prompt is fed (and scored, with prompt_logprobs) and nothing is generated
     temperature: float = 1.0  # 0: greedy; a positive value below MIN_TEMPERATURE is raised to it
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -45,6 +45,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token (the chosen token is always included)
+    # top-k logprobs per prompt token (its own token always included; the first token has none), as vLLM's
+    # `prompt_logprobs`: from the logits of the forward that prefills the prompt
+    prompt_logprobs: int | None = None
     # OpenAI's: None or {"type": "text"}; {"type": "json_object"}; {"type": "json_schema", "json_schema":
     # {"name": ..., "schema": {...}, "strict": ...}}. A JSON reply ends (finish_reason "stop") when the value closes.
     response_format: dict[str, Any] | None = None
@@ -56,7 +59,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
+        ok = _is_int(self.max_tokens) and self.max_tokens >= 0
+        _check(ok, "max_tokens", "an integer >= 0 (0: feed the prompt and generate nothing, e.g. to score it)")
         _check_number("temperature", self.temperature, TEMPERATURE_RANGE)
         _check_number("top_p", self.top_p, TOP_P_RANGE, open_lo=True)
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 or -1 disables it)")
@@ -68,8 +72,9 @@ class SamplingParams:
         _check(ids_ok, "stop_token_ids", "a list of non-negative integer token ids")
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings")
         _check(all(self.stop), "stop", "non-empty strings")
-        lp_ok = self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS)
-        _check(lp_ok, "logprobs", f"an integer in 0..{MAX_LOGPROBS}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            _check(k is None or (_is_int(k) and 0 <= k <= MAX_LOGPROBS), name, f"an integer in 0..{MAX_LOGPROBS}")
         if 0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
         self.grammar()  # raises InvalidParam("response_format", ...) for a format or schema it cannot enforce

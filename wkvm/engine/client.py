@@ -2,7 +2,8 @@
 a remote one (replicas behind a router) implements the same contract.
 
 Generation with n > 1 choices and state creation share one prefill: the prompt but its last token is fed once
-(`submit_prefill` -> `prefilled_state`), and each choice starts from that state with the last token pending.
+(`submit_prefill` -> `prefilled_state`), and each choice starts from that state with the last token pending; choices
+that score their prompt (`prompt_logprobs`) are each fed the whole prompt instead.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ class EngineClient(Protocol):
         base_ids: list[int] | None = None, capture: bool = False, capture_prompt: bool = False,
         capture_at: int | None = None,
     ) -> list[RequestHandle]:  # fmt: skip
-        """Start len(params) generations of one prompt (all or none); n > 1 prefills once and forks n ways.
-        `capture` keeps the final state, `capture_prompt` the state after all of the prompt but its last token,
-        `capture_at` (n = 1 only) the state after that many prompt tokens: a branch point worth checkpointing."""
+        """Start len(params) generations of one prompt (all or none); n > 1 prefills once and forks n ways (with
+        `prompt_logprobs` each choice is fed the whole prompt instead). `capture` keeps the final state,
+        `capture_prompt` the state after all of the prompt but its last token, `capture_at` (n = 1 only) the state
+        after that many prompt tokens: a branch point worth checkpointing."""
         ...
 
     async def prefill(self, prompt_ids: list[int], base_state: State | None = None,
@@ -112,17 +114,19 @@ class LocalEngineClient:
         if len(params) == 1:
             return [submit(prompt_ids, params[0], initial_state=base_state, base_ids=base_ids, capture_state=capture,
                            capture_prompt_state=capture_prompt, capture_at=capture_at, loop=loop)]  # fmt: skip
-        state = base_state
-        if len(prompt_ids) > 1:
+        state, feed, prompt_state = base_state, prompt_ids, None
+        shared = params[0].prompt_logprobs is None  # a choice scoring its prompt is fed all of it itself
+        if shared and len(prompt_ids) > 1:
             state = await self.prefill(prompt_ids[:-1], base_state, base_ids)
-            base_ids = base_ids + prompt_ids[:-1]
-        # the shared prefill is the prompt-end state: each choice reports it, to be checkpointed as for n = 1
-        prompt_state = state if capture_prompt else None
+            base_ids, feed = base_ids + prompt_ids[:-1], prompt_ids[-1:]
+        if shared and capture_prompt:  # the shared prefill is the prompt-end state: each choice reports it, to be
+            prompt_state = state  # checkpointed as for n = 1
         handles: list[RequestHandle] = []
         try:
             for p in params:
-                handles.append(submit(prompt_ids[-1:], p, initial_state=state, base_ids=base_ids,
-                                      capture_state=capture, prompt_state=prompt_state, loop=loop))  # fmt: skip
+                handles.append(submit(feed, p, initial_state=state, base_ids=base_ids, capture_state=capture,
+                                      capture_prompt_state=capture_prompt and not shared, prompt_state=prompt_state,
+                                      loop=loop))  # fmt: skip
         except BaseException:  # all n choices or none
             for h in handles:
                 h.cancel()

@@ -109,8 +109,10 @@ class Engine:
             request_id=request_id or f"req-{next(self._ids)}", prompt_ids=list(prompt_ids), params=params,
             arrival=now, priority=priority, deadline=now + timeout if timeout else None,
             initial_state=initial_state, base_ids=list(base_ids or []), capture_state=capture_state,
-            prefill_only=prefill_only, capture_prompt_state=capture_prompt_state, prompt_state=prompt_state,
+            prefill_only=prefill_only or params.max_tokens == 0, capture_prompt_state=capture_prompt_state,
+            prompt_state=prompt_state,
             capture_at=capture_at if capture_at is not None and 0 < capture_at < len(prompt_ids) else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )  # fmt: skip
         handle = RequestHandle(self, req, loop)
         with self._lock:
@@ -213,6 +215,8 @@ class Engine:
             self._finish(req, status)
         ev = Event(req.request_id, [tok], detok.delta(final=status is not None), [lp] if lp else None)
         ev.finish_reason = status.value if status else None
+        if len(req.output_ids) == 1:
+            ev.prompt_logprobs = req.prompt_logprobs
         return ev
 
     def _at_context_limit(self, req: Request) -> bool:
@@ -229,7 +233,7 @@ class Engine:
     def _end_prefill(self, req: Request) -> Event:
         """A prefill-only request is done once its prompt is in (the runner fails one whose logits are non-finite)."""
         self._finish(req, Status.FINISHED_LENGTH)
-        return Event(req.request_id, [], "", None, Status.FINISHED_LENGTH.value)
+        return Event(req.request_id, [], "", None, Status.FINISHED_LENGTH.value, prompt_logprobs=req.prompt_logprobs)
 
     def _fail_one(self, req: Request, message: str, code: str = ErrorCode.NON_FINITE) -> Event:
         """This request's numbers went out of range, or its grammar left no token: it alone fails, and its slot is

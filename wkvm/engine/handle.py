@@ -44,6 +44,7 @@ class Event:
     finish_reason: str | None = None
     error: str | None = None
     error_code: str | None = None  # an ErrorCode value (wkvm.outputs)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with a request's first token (or prefill's end)
 
     @property
     def finished(self) -> bool:
@@ -74,6 +75,8 @@ class RequestHandle:
         out.text += ev.text
         if out.logprobs is not None and ev.logprobs:
             out.logprobs.extend(ev.logprobs)
+        if ev.prompt_logprobs is not None:
+            out.prompt_logprobs = ev.prompt_logprobs
         if ev.finished:
             out.finish_reason, out.error, out.error_code = ev.finish_reason, ev.error, ev.error_code
         if self._loop is not None and self._async is not None:

@@ -40,6 +40,8 @@ class Request:
     prompt_state: State | None = None
     capture_at: int | None = None  # also keep the state after this many prompt tokens (a branch point) ...
     branch_state: State | None = None  # ... here
+    # per prompt token fed so far, with params.prompt_logprobs (the first token's is None): filled by the runner
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens of prompt + output already fed into the state

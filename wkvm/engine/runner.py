@@ -2,7 +2,8 @@
 
 It owns the model, the `SlotArena` of states and each request's sampler row. `run` feeds every scheduled request
 its tokens in one sweep of the weights (requests fed the same number of tokens share a batch), captures prompt
-states, and for each request now caught up returns a sampled token, or an error that fails that request alone.
+states, scores the prompt tokens of requests asking for prompt logprobs (every position's logits, in that same
+sweep), and for each request now caught up returns a sampled token, or an error that fails that request alone.
 The engine above it keeps to bookkeeping (scheduling, stop conditions, events), so another device layout or a
 tensor-parallel model changes this file only.
 """
@@ -18,7 +19,7 @@ from wkvm.engine.arena import SlotArena
 from wkvm.engine.grammar import GrammarCompiler
 from wkvm.engine.kv_pages import PagedKV
 from wkvm.engine.request import Request
-from wkvm.engine.sampler import NON_FINITE_LOGITS, Sampled, SamplerRow, make_generator, sample
+from wkvm.engine.sampler import NON_FINITE_LOGITS, Sampled, SamplerRow, make_generator, prompt_token_logprobs, sample
 from wkvm.models.family import LanguageModel
 from wkvm.models.spec import State, StateSpec
 from wkvm.tokenizer import Tokenizer
@@ -29,6 +30,20 @@ class StepOutput:
     """Per request caught up this step: its token and logprobs (none for prefill-only), or the error that ended it."""
 
     caught_up: list[tuple[Request, Sampled]]
+
+
+def scores_prompt(r: Request) -> bool:
+    """Whether this step's tokens score prompt tokens: position j's logits give token j + 1's prompt logprob."""
+    return r.prompt_logprobs is not None and r.num_computed_tokens + 1 < len(r.prompt_ids)
+
+
+def score_prompt(r: Request, logits: torch.Tensor) -> None:
+    """Record the prompt logprobs the logits [n, V] of the tokens fed from `r.num_computed_tokens` on give."""
+    assert r.prompt_logprobs is not None  # scores_prompt(r) held
+    start = r.num_computed_tokens
+    del r.prompt_logprobs[start + 1 :]  # a recomputed piece replaces what it scored before
+    targets = r.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
+    r.prompt_logprobs += prompt_token_logprobs(logits, targets, r.params.prompt_logprobs or 0)
 
 
 def kv_pages(spec: StateSpec, config: EngineConfig) -> int:
@@ -72,8 +87,10 @@ class ModelRunner:
 
     def run(self, work: list[tuple[Request, int]]) -> StepOutput:
         """Feed each (request, n) its next n tokens in one weight sweep; sample for the requests now caught up."""
-        reqs, logits = self._forward(work)
+        reqs, logits, every = self._forward(work)
         for r, n in work:
+            if r.request_id in every:
+                score_prompt(r, every[r.request_id])
             r.num_computed_tokens += n
             r.check_invariant()
             slot = r.slot  # None when abort_all finished it while the model ran
@@ -89,15 +106,16 @@ class ModelRunner:
             logits = logits[torch.tensor(done)]
         return StepOutput(self._sample([reqs[i] for i in done], logits))
 
-    def _forward(self, work: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor]:
-        """One model call for the whole step; returns the requests in batch order and their last logits [B, V]."""
-        by_length: dict[int, list[Request]] = {}  # requests fed the same number of tokens batch together:
-        for r, n in work:  # every decode (n = 1), and prompt pieces of equal length (e.g. full prefill chunks)
-            by_length.setdefault(n, []).append(r)
+    def _forward(self, work: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor, dict[str, torch.Tensor]]:
+        """One model call for the whole step; returns the requests in batch order, their last logits [B, V] and, by
+        request id, the logits of every token fed [n, V] to the requests scoring their prompt."""
+        by_length: dict[tuple[int, bool], list[Request]] = {}  # requests fed the same number of tokens batch
+        for r, n in work:  # together: every decode (n = 1), and prompt pieces of equal length (e.g. full chunks)
+            by_length.setdefault((n, scores_prompt(r)), []).append(r)
         groups: list[tuple[torch.Tensor, State]] = []
         gathered: list[tuple[list[int], State]] = []
         caches: list[PagedKV] = []
-        for n, rs in by_length.items():
+        for (n, _), rs in by_length.items():
             slots = [r.slot for r in rs if r.slot is not None]  # every request fed this step holds a slot
             state, is_view = self.arena.view(slots)
             groups.append((torch.tensor([r.next_tokens(n) for r in rs]), state))
@@ -106,14 +124,23 @@ class ModelRunner:
             kv = self.arena.kv_batch(slots, n)  # pages reserved by the scheduler
             if kv is not None:
                 caches.append(kv)
-        # one sweep of the weights for the whole step
-        rows = self.model.forward_groups(groups, caches=caches) if caches else self.model.forward_groups(groups)
+        # one sweep of the weights for the whole step; every position's logits only when a prompt is being scored
+        every = any(scoring for _, scoring in by_length)
+        if caches:
+            rows = self.model.forward_groups(groups, every, caches=caches)
+        else:
+            rows = self.model.forward_groups(groups, every)
         for slots, state in gathered:
             self.arena.scatter(slots, state)
         for kv in caches:
             kv.commit()
         reqs = [r for rs in by_length.values() for r in rs]
-        return reqs, rows[0] if len(rows) == 1 else torch.cat(rows)
+        scored: dict[str, torch.Tensor] = {}
+        for ((_, scoring), rs), x in zip(by_length.items(), rows, strict=True):
+            if scoring:
+                scored.update((r.request_id, x[b]) for b, r in enumerate(rs))
+        last = [x[:, -1] for x in rows] if every else rows
+        return reqs, last[0] if len(last) == 1 else torch.cat(last), scored
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[Request, Sampled]]:
         """A prefill-only request samples nothing but fails on non-finite logits; the rest go through the sampler."""

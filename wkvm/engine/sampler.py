@@ -98,6 +98,19 @@ def top_logprobs(logprobs: torch.Tensor, chosen: int, k: int) -> dict[int, float
     return out
 
 
+def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[dict[int, float]]:
+    """Row i of logits [T, V] scored against targets[i] (len(targets) <= T rows are used): the target's logprob and
+    the top k, as `top_logprobs` gives a sampled token."""
+    lp = torch.log_softmax(logits[: len(targets)].float(), -1)
+    chosen = lp.gather(-1, torch.tensor(targets).unsqueeze(-1))[:, 0].tolist()
+    out = [{t: v} for t, v in zip(targets, chosen, strict=True)]
+    if k > 0:
+        vals, ids = torch.topk(lp, min(k, lp.shape[-1]))
+        for d, row_ids, row_vals in zip(out, ids.tolist(), vals.tolist(), strict=True):
+            d.update(zip(row_ids, row_vals, strict=True))
+    return out
+
+
 def valid_distribution(probs: torch.Tensor) -> bool:
     """Finite, non-negative and not all zero: what torch.multinomial needs."""
     total = probs.sum()

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -62,7 +62,7 @@ def with_response_format(sp: SamplingParams, fmt: dict[str, Any], param: str) ->
 
 def sampling_params(
     ctx: ServerContext, body: SamplingFields, max_tokens: int | None, logprobs: int | None,
-    default_max: int = 16, extra_stop: list[str] | None = None,
+    default_max: int = 16, extra_stop: list[str] | None = None, prompt_logprobs: int | None = None,
 ) -> SamplingParams:  # fmt: skip
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
@@ -87,6 +87,7 @@ def sampling_params(
             min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty, stop=stop,
             stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             response_format=body.response_format.as_dict() if body.response_format else None,
         )  # fmt: skip
     except InvalidParam as e:
@@ -211,9 +212,10 @@ def token_str(ctx: ServerContext, token_id: int) -> str:
     return ctx.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
-def completion_logprobs(ctx: ServerContext, token_ids: list[int], lps: list[dict[int, float]] | None, k: int,
-                        offset: int = 0) -> dict[str, Any] | None:  # fmt: skip
-    """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+def completion_logprobs(ctx: ServerContext, token_ids: list[int], lps: Sequence[dict[int, float] | None] | None,
+                        k: int, offset: int = 0) -> dict[str, Any] | None:  # fmt: skip
+    """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset (a None entry, an echoed
+    prompt's first token, is null in both lists)."""
     if lps is None:
         return None
     tokens = [token_str(ctx, t) for t in token_ids]
@@ -221,10 +223,33 @@ def completion_logprobs(ctx: ServerContext, token_ids: list[int], lps: list[dict
     for s in tokens:
         offsets.append(pos)
         pos += len(s)
-    tops = [dict(sorted(((token_str(ctx, i), json_logprob(v)) for i, v in lp.items()), key=lambda kv: -kv[1])
-                 [: max(k, 1)]) for lp in lps]  # fmt: skip
-    return {"tokens": tokens, "token_logprobs": [json_logprob(lp[t]) for t, lp in zip(token_ids, lps, strict=True)],
-            "top_logprobs": tops, "text_offset": offsets}  # fmt: skip
+
+    def top(lp: dict[int, float]) -> dict[str, float]:
+        ranked = sorted(((token_str(ctx, i), json_logprob(v)) for i, v in lp.items()), key=lambda kv: -kv[1])
+        return dict(ranked[: max(k, 1)])
+
+    pairs = list(zip(token_ids, lps, strict=True))
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if lp is None else json_logprob(lp[t]) for t, lp in pairs],
+        "top_logprobs": [None if lp is None else top(lp) for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def echo_text(ctx: ServerContext, prompt: str | list[int]) -> str:
+    """The text `echo` returns for a prompt: as sent, or its token ids decoded."""
+    return prompt if isinstance(prompt, str) else ctx.tokenizer.decode(prompt)
+
+
+def echoed(ctx: ServerContext, head: str, prompt_ids: list[int], prompt_lps: list[dict[int, float] | None] | None,
+           k: int, text: str, lps: dict[str, Any] | None) -> tuple[str, dict[str, Any] | None]:  # fmt: skip
+    """`echo`: the prompt's text `head` before a completion's `text`, and its tokens' logprobs (the first null: nothing
+    precedes it) before the completion's `lps` (whose text offsets start after `head`)."""
+    head_lps = completion_logprobs(ctx, prompt_ids, prompt_lps, k)
+    if head_lps is None or lps is None:
+        return head + text, head_lps or lps
+    return head + text, {key: head_lps[key] + lps[key] for key in head_lps}
 
 
 def chat_logprobs(ctx: ServerContext, token_ids: list[int], lps: list[dict[int, float]] | None,

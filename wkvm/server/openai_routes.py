@@ -97,7 +97,10 @@ async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body: Ge
 
     def plan_run() -> Plan:  # reads the store (SQLite, maybe a state file): off the event loop
         try:
-            plan = ctx.sessions.plan(tenant, prompt_ids, body.state, chat, scope=scope)
+            if params[0].prompt_logprobs is not None:  # scored from its first token: no reused prefix, no checkpoint
+                plan = Plan(list(prompt_ids))
+            else:
+                plan = ctx.sessions.plan(tenant, prompt_ids, body.state, chat, scope=scope)
         except ValueError as e:
             raise APIError(400, str(e), "state", "invalid_state") from None
         if body.save_state is not None:
@@ -184,13 +187,10 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         ctx.require_ready()
         tenant = ctx.tenant(request)
         check_model(ctx, body.model)
-        for field, bad in (
-            ("echo", body.echo),
-            ("suffix", body.suffix),
-            ("best_of", body.best_of not in (None, body.n)),
-        ):
+        for field, bad in (("suffix", body.suffix), ("best_of", body.best_of not in (None, body.n))):
             if bad:
                 raise APIError(400, f"{field} is not supported", field, "unsupported")
+        check_echo(body)
         p = body.prompt
         batch = isinstance(p, list) and p and isinstance(p[0], (str, list))
         # strict schema: a list led by a str or a list is list[str] or list[list[int]]; else p is str or list[int]
@@ -202,7 +202,9 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             raise APIError(400, "state and save_state take a single prompt", "prompt", "invalid_value")
         if body.save_state and body.n > 1:
             raise APIError(400, "save_state needs n = 1", "save_state", "invalid_value")
-        params = gen.per_choice(gen.sampling_params(ctx, body, body.max_tokens, body.logprobs), body.n)
+        scored = body.logprobs if body.echo else None  # echo with logprobs: the prompt tokens' logprobs too
+        sp = gen.sampling_params(ctx, body, body.max_tokens, body.logprobs, prompt_logprobs=scored)
+        params = gen.per_choice(sp, body.n)
         encoded = [gen.encode_prompt(ctx, q, "prompt") for q in prompts]
         runs = await start_all(ctx, tenant, encoded, body, params)
         handles = [h for _, hs in runs for h in hs]
@@ -211,8 +213,12 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         k = body.logprobs or 0
 
         def choice(i: int, h: RequestHandle) -> dict[str, Any]:
-            c = {"index": i, "text": h.output.text, "finish_reason": h.output.finish_reason,
-                 "logprobs": gen.completion_logprobs(ctx, h.output.token_ids, h.output.logprobs, k)}  # fmt: skip
+            out, j = h.output, i // body.n
+            head = gen.echo_text(ctx, prompts[j]) if body.echo else ""
+            text, lps = out.text, gen.completion_logprobs(ctx, out.token_ids, out.logprobs, k, len(head))
+            if body.echo:
+                text, lps = gen.echoed(ctx, head, encoded[j], out.prompt_logprobs, k, text, lps)
+            c = {"index": i, "text": text, "finish_reason": out.finish_reason, "logprobs": lps}
             if body.return_token_ids:
                 c["token_ids"] = h.output.token_ids
                 c["prompt_token_ids"] = encoded[i // body.n]
@@ -220,8 +226,9 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
 
         base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
         if body.stream:
+            echoes = [(gen.echo_text(ctx, q), ids) for q, ids in zip(prompts, encoded, strict=True) if body.echo]
             return StreamingResponse(
-                stream_completion(ctx, request, body, runs, handles, base, prompt_tokens, tenant, k),
+                stream_completion(ctx, request, body, runs, handles, base, prompt_tokens, tenant, k, echoes),
                 media_type="text/event-stream",
             )
         await gen.wait_all(ctx, request, handles)
@@ -283,6 +290,21 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
     return r
 
 
+def check_echo(body: CompletionRequest) -> None:
+    """max_tokens 0 only scores a prompt, so it needs echo; a prompt scored with echo and logprobs is fed from its
+    first token, so it cannot start from a state."""
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens 0 generates nothing: send echo: true to get the prompt back (with logprobs, "
+                       "its tokens' logprobs), or max_tokens >= 1", "max_tokens", "invalid_value")  # fmt: skip
+    if body.max_tokens == 0 and body.save_state:
+        raise APIError(400, "save_state needs max_tokens >= 1: max_tokens 0 only scores the prompt", "save_state",
+                       "invalid_value")  # fmt: skip
+    if body.echo and body.logprobs is not None and body.state:
+        raise APIError(400, "echo with logprobs scores the prompt from its first token, so it cannot start from a "
+                       "state: leave out state (send the whole text as prompt), echo or logprobs", "state",
+                       "invalid_value")  # fmt: skip
+
+
 def chat_messages(body: ChatRequest) -> list[dict[str, Any]]:
     if body.functions:
         raise APIError(400, "functions (the deprecated form) is not supported: use tools", "functions", "unsupported")
@@ -313,13 +335,20 @@ def chat_messages(body: ChatRequest) -> list[dict[str, Any]]:
 
 async def stream_completion(ctx: ServerContext, request: Request, body: CompletionRequest, runs: list[Run],
                             handles: list[RequestHandle], base: dict[str, Any], prompt_tokens: int, tenant: str,
-                            k: int) -> AsyncIterator[str]:  # fmt: skip
-    offsets = [0] * len(handles)
+                            k: int, echoes: list[tuple[str, list[int]]]) -> AsyncIterator[str]:  # fmt: skip
+    """Completion chunks; with `echo` (`echoes`: each prompt's text and ids) a choice's first chunk starts with its
+    prompt, and with its prompt tokens' logprobs."""
+    offsets: list[int | None] = [None] * len(handles)  # text sent so far, per choice; None before its first chunk
 
     def chunk(i: int, ev: Event) -> dict[str, Any]:
-        c = {"index": i, "text": ev.text, "finish_reason": ev.finish_reason,
-             "logprobs": gen.completion_logprobs(ctx, ev.token_ids, ev.logprobs, k, offsets[i])}  # fmt: skip
-        offsets[i] += len(ev.text)
+        sent = offsets[i]
+        head, ids = echoes[i // body.n] if echoes and sent is None else ("", [])
+        offset = len(head) if sent is None else sent
+        text, lps = ev.text, gen.completion_logprobs(ctx, ev.token_ids, ev.logprobs, k, offset)
+        if echoes and sent is None:
+            text, lps = gen.echoed(ctx, head, ids, ev.prompt_logprobs, k, text, lps)
+        offsets[i] = offset + len(ev.text)
+        c = {"index": i, "text": text, "finish_reason": ev.finish_reason, "logprobs": lps}
         if body.return_token_ids:
             c["token_ids"] = ev.token_ids
         return {**base, "choices": [c]}

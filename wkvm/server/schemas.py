@@ -75,6 +75,7 @@ class SamplingFields(Body):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 (with echo): score the prompt, generate nothing
     n: int = Field(default=1, ge=1, le=16)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
