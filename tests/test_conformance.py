@@ -97,6 +97,28 @@ def test_batched_equals_alone(model, family_dir):
         assert h.output.token_ids == greedy_reference(model, prompt, n), h.request_id
 
 
+def test_prompt_logprobs_equal_a_whole_prefill(model, family_dir):
+    """Prompt logprobs (echo + logprobs, lm-eval's scoring) come from the engine's chunked, batched prefill: each
+    equals the logprob of a plain all-positions prefill, beside a decode and a request that generates after scoring."""
+    ids = PROMPT * 3
+    want = torch.log_softmax(model.prefill(ids, all_logits=True)[0], -1)[:-1]
+    want = want.gather(-1, torch.tensor(ids[1:]).unsqueeze(-1))[:, 0].tolist()
+    eng = engine(model, family_dir, n_slots=3, token_budget=12, prefill_chunk=5)
+    decoding = eng.submit(PROMPT[:3], greedy(12))
+    eng.step()
+    scored = eng.submit(ids, SamplingParams(max_tokens=0, prompt_logprobs=2))
+    scored_then_generated = eng.submit(ids, greedy(3, prompt_logprobs=0))
+    eng.run_until_done()
+    for h in (scored, scored_then_generated):
+        lps = h.output.prompt_logprobs
+        assert lps is not None and lps[0] is None and len(lps) == len(ids)
+        got = [d[t] for d, t in zip(lps[1:], ids[1:], strict=True)]
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
+    assert scored.output.token_ids == [] and scored.output.finish_reason == "length"
+    assert scored_then_generated.output.token_ids == greedy_reference(model, ids, 3)
+    assert decoding.output.token_ids == greedy_reference(model, PROMPT[:3], 12)
+
+
 def test_preemption_parks_and_resumes_exactly(model, family_dir):
     eng = engine(model, family_dir, n_slots=1)
     low = eng.submit(PROMPT, greedy(16), priority=5)
