@@ -152,3 +152,15 @@ def test_python_api_prompt_logprobs(one_thread):
     assert all(t in d and len(d) <= 2 for d, t in zip(scored.prompt_logprobs[1:], ids[1:], strict=True))
     assert both.token_ids == plain.token_ids and plain.prompt_logprobs is None  # scoring changes no token
     assert [list(d) for d in both.prompt_logprobs[1:]] == [[t] for t in ids[1:9]]  # k = 0: its own token only
+
+
+def test_a_scored_prompt_leaves_no_wrong_checkpoint(server):
+    """max_tokens 0 feeds the whole prompt and samples nothing: its final state has no pending token, so it must not
+    become a checkpoint of its prompt (a later request would resume one token ahead)."""
+    kw = dict(prompt=PROMPT, temperature=0, ignore_eos=True, user=uuid.uuid4().hex)
+    for _ in range(2):
+        complete(server, echo=True, max_tokens=0, **kw)
+    after = complete(server, max_tokens=8, **kw)
+    fresh = complete(server, max_tokens=8, **{**kw, "user": uuid.uuid4().hex})
+    assert after["choices"][0]["text"] == fresh["choices"][0]["text"]
+    assert fresh["wkvm"]["mode"] == "fresh"

@@ -109,9 +109,11 @@ async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body: Ge
         return plan
 
     plan = await run_in_threadpool(plan_run)
+    # max_tokens 0 ends with the whole prompt fed and no token pending, which no history describes: its final state
+    # is never kept (so no checkpoint is made of it; save_state with max_tokens 0 is refused up front)
+    keep = params[0].max_tokens > 0 and (plan.capture or bool(body.save_state))
     try:
-        handles = await ctx.client.generate(plan.feed_ids, params, plan.base_state, plan.base_ids,
-                                            capture=plan.capture or bool(body.save_state),
+        handles = await ctx.client.generate(plan.feed_ids, params, plan.base_state, plan.base_ids, capture=keep,
                                             capture_prompt=plan.capture, capture_at=plan.capture_at)  # fmt: skip
     finally:
         ctx.sessions.track(chat, tenant, locals().get("handles", []))
