@@ -26,6 +26,7 @@ from wkvm.state.store import StateNotFound
 log = logging.getLogger("wkvm.sessions")
 CKPT, SESS = "#ckpt", "#sessions"  # owner suffixes: tenants and scopes never contain '#' (store.is_internal)
 HEADER_MODE = "x-wkvm-stateful-chat"
+HEADER_TASK = "x-wkvm-task"  # Open WebUI's {{TASK}}: title_generation, tags_generation, ... ('' on a chat turn)
 PARENT_TOKEN_V1 = "parent-token-v1"
 RESERVATION_S = 30.0
 SessionKey = tuple[str, str, str]  # (tenant, Open WebUI user id, chat id)
@@ -70,6 +71,7 @@ class ChatMeta:
     user_message_id: str | None = None
     parent_id: str | None = None
     system_tokens: int = 0
+    task: str | None = None  # a background request about the chat (title, tags, follow-ups), not a turn of it
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str], messages: list[dict[str, Any]],
@@ -78,7 +80,20 @@ class ChatMeta:
             messages, headers.get(HEADER_MODE) == PARENT_TOKEN_V1, headers.get("x-openwebui-user-id"),
             headers.get("x-openwebui-chat-id"), headers.get("x-wkvm-assistant-message-id"),
             headers.get("x-wkvm-user-message-id"), headers.get("x-wkvm-parent-message-id") or None, system_tokens,
+            headers.get(HEADER_TASK) or None,
         )  # fmt: skip
+
+    @property
+    def turn(self) -> bool:
+        """A parent-token-v1 turn of the chat. Open WebUI sends its background tasks (title, tags, follow-ups)
+        with the chat's headers while the next turn may already run: with X-WKVM-Task set they are served from
+        checkpoints like any request and never touch the chat's parked session."""
+        return self.stateful and self.task is None
+
+    @property
+    def bound(self) -> bool:
+        """A turn carrying every id its session needs: the one request that session is busy with."""
+        return self.turn and all((self.user, self.chat, self.assistant_id, self.user_message_id))
 
 
 @dataclass
@@ -154,7 +169,7 @@ class ChatSessions:
             return Plan(list(prompt_ids))
         scope = tenant if scope is None else scope
         session_key = None
-        if chat is not None and chat.stateful:
+        if chat is not None and chat.turn:
             plan, session_key = self._parent_bound(tenant, scope, prompt_ids, chat)
         else:
             plan = self._from_checkpoint(scope, prompt_ids, None)
@@ -315,8 +330,9 @@ class ChatSessions:
             store.discard(tenant + SESS, old, durable=False)
 
     def track(self, chat: ChatMeta | None, tenant: str, handles: list[RequestHandle]) -> None:
-        """Mark the session busy while these handles run (a second request gets 409)."""
-        if chat is None or not chat.stateful or chat.user is None or chat.chat is None:
+        """Mark the session busy while these handles run (a second turn gets 409). Only a turn bound to the session
+        does: a background task or a turn without its ids never parks there, so it never makes the chat busy."""
+        if chat is None or not chat.bound or chat.user is None or chat.chat is None:
             return
         key = (tenant, chat.user, chat.chat)
         with self.lock:
