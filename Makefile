@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# constraints.txt pins torch: no extra (transformers, ...) may pull another torch and its CUDA packages
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,eval]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,cluster,eval]'
 	# the checkout on sys.path as a plain entry: a folder named wkvm/ beside a user's script cannot shadow the package
 	echo "$(CURDIR)" > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/wkvm-checkout.pth"
 	touch $(STAMP)

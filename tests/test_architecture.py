@@ -14,6 +14,7 @@ LAYERS = [
     {"engine"},
     {"state"},
     {"server"},
+    {"cluster"},
     {"llm", "cli", "cli_chat", "cli_doctor", "cli_states", "__init__", "__main__"},
 ]
 

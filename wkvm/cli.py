@@ -125,6 +125,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = {f.name: getattr(args, f.name) for f in fields(ServerConfig) if "help" in f.metadata}
     config = ServerConfig(**{**settings, "model": model, "api_keys": keys})
+    if config.replicas:
+        from wkvm.cluster import launch
+
+        return launch.run(config)
     app = create_app(config)
     server = GracefulServer(app, config.host, config.port, config.shutdown_grace, config.log_level, logs,
                             config.access_log)  # fmt: skip

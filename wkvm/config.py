@@ -85,6 +85,9 @@ class ServerConfig:
     log_format: str = opt("text", "text, or json: one object per line (time, level, logger, message)",
                           "choice:" + ",".join(FORMATS))
     access_log: bool = opt(True, "do not log a line per HTTP request")
+    replicas: int = opt(0, "engine replicas on Ray Serve behind one endpoint, requests routed to the replica holding "
+                        "their state (0: one process; Ray is not imported)")
+    ray_address: str | None = opt(None, "with --replicas: join this Ray cluster (default: start a local Ray instance)")
 
     def __post_init__(self) -> None:
         weight_dtype(self.dtype)  # raises a ValueError naming the choices
@@ -93,6 +96,10 @@ class ServerConfig:
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
         limits = ("max_body_bytes", "max_prompt_tokens", "max_tokens_limit", "max_state_tokens")
+        if self.replicas < 0:
+            raise ValueError("replicas must be >= 0")
+        if self.ray_address and not self.replicas:
+            raise ValueError("--ray-address needs --replicas N")
         for name in ("slots", "max_queue", *limits):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")

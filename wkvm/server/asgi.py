@@ -61,6 +61,20 @@ def key_owner(key: bytes) -> str:
     return "key-" + hashlib.sha256(key).hexdigest()[:16]
 
 
+def tenant_of(scope: Scope, keys: KeyRing) -> str | None:
+    """The tenant that owns a request's states: the API key's hash (or "anonymous" without keys) and, when Open
+    WebUI forwards one, its user id. None for a missing or wrong key."""
+    key = presented_key(scope)
+    if keys:
+        if key is None or not keys.matches(key):
+            return None
+        owner = key_owner(key)
+    else:
+        owner = "anonymous"
+    user = header(scope, b"x-openwebui-user-id")
+    return f"{owner}/user-{hashlib.sha256(user).hexdigest()[:16]}" if user else owner
+
+
 async def send_error(scope: Scope, receive: Receive, send: Send, status: int, message: str, param: str | None,
                      code: str) -> None:  # fmt: skip
     await JSONResponse(error_body(status, message, param, code), status_code=status)(scope, receive, send)

@@ -5,7 +5,6 @@ template, metrics, auth. The loaded parts are set by `load()` (on a thread at st
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import tempfile
 import threading
@@ -21,7 +20,7 @@ from wkvm.config import ServerConfig
 from wkvm.embeddings import EmbeddingModel
 from wkvm.engine.client import EngineClient, LocalEngineClient, ModelInfo
 from wkvm.engine.engine import Engine
-from wkvm.server.asgi import KeyRing, header, key_owner, presented_key
+from wkvm.server.asgi import KeyRing, tenant_of
 from wkvm.server.errors import APIError
 from wkvm.server.metrics import Metrics
 from wkvm.state.service import StateService
@@ -143,15 +142,9 @@ class ServerContext:
                            "model", "model_not_found")  # fmt: skip
 
     def tenant(self, request: Request) -> str:
-        """Name the tenant that owns states: the API key's hash (keys are checked by ApiKeyGate before any
-        route runs) and, when Open WebUI forwards one, its user id."""
-        key = presented_key(request.scope)
-        if self.keys:
-            # ApiKeyGate refused it already; this keeps routes safe without the gate
-            if key is None or not self.keys.matches(key):
-                raise APIError(401, "missing or invalid API key", code="invalid_api_key")
-            owner = key_owner(key)
-        else:
-            owner = "anonymous"
-        user = header(request.scope, b"x-openwebui-user-id")
-        return f"{owner}/user-{hashlib.sha256(user).hexdigest()[:16]}" if user else owner
+        """Name the tenant that owns states (`asgi.tenant_of`; keys are checked by ApiKeyGate before any route
+        runs, and again here to keep routes safe without the gate)."""
+        tenant = tenant_of(request.scope, self.keys)
+        if tenant is None:
+            raise APIError(401, "missing or invalid API key", code="invalid_api_key")
+        return tenant

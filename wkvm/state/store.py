@@ -138,6 +138,8 @@ class StateStore:
         op: str = "create",
         op_params: dict[str, Any] | None = None,
         durable: bool = True,
+        version: int | None = None,
+        created_at: float | None = None,
     ) -> StateRecord | None:
         """Store a new immutable version (state is batched [1, ...]); returns once it is durable.
 
@@ -145,7 +147,8 @@ class StateStore:
         first), StateFileError (HistoryTooLong) for a history it cannot take. An internal state (owner with '#')
         raises neither: None means it was not kept. durable=False (internal states only) is write-back: the file is
         written, unfsynced, when the state leaves RAM, and the index commit is not fsynced; a crash may lose such
-        states (recovery drops their records), never corrupt anything.
+        states (recovery drops their records), never corrupt anything. `version` and `created_at` keep a moved
+        state's identity (`adopt_bytes`); by default the next version and now.
         """
         valid_name(name)
         self.spec.check(state)
@@ -163,14 +166,18 @@ class StateStore:
         with self._lock:
             ids: builtins.list[int] = list(token_ids)
             meta = StateMeta(
-                self.fingerprint, self.spec.spec_hash, ids, name, 0, parent, op, op_params or {}, time.time()
+                self.fingerprint, self.spec.spec_hash, ids, name, 0, parent, op, op_params or {},
+                time.time() if created_at is None else created_at,
             )
             growth = self._index_growth(token_digest(ids), len(ids))
             if internal and not self._admit_internal(blob, tensors, meta, growth):
                 return None
             if not internal:
                 self._admit_user(blob, tensors, meta, growth)
-            rec = StateRecord.new(owner, self.index.next_version(owner, name), meta, blob, self.spec.nbytes)
+            if version is not None and self.index.get(owner, name, version, with_ids=False) is not None:
+                raise ValueError(f"state {name}@{version} exists already")
+            version = self.index.next_version(owner, name) if version is None else version
+            rec = StateRecord.new(owner, version, meta, blob, self.spec.nbytes)
             self.index.insert(rec, durable)
             self._cache(blob, tensors, "device")
             if not self.usage.known(blob):  # an internal state evicted while the tiers made room
@@ -388,6 +395,20 @@ class StateStore:
         lineage = {"from": f"{meta.name}@{meta.version}", "parent": meta.parent, "op": meta.op}
         state = {k: v.unsqueeze(0) for k, v in tensors.items()}
         return self.put_user(owner, name or meta.name, state, meta.token_ids, op="import", op_params=lineage)
+
+    def adopt_bytes(self, owner: str, data: bytes) -> StateRecord:
+        """Store an exported file under its own name and version, with its lineage and creation time: a state moved
+        here from another replica keeps its handle. Every field is validated as for an import."""
+        tensors, meta = statefile.decode(data, self.spec, self.fingerprint, self.vocab_size)
+        state = {k: v.unsqueeze(0) for k, v in tensors.items()}
+        rec = self.put(owner, meta.name, state, meta.token_ids, meta.parent, meta.op, meta.op_params,
+                       version=meta.version, created_at=meta.created_at)  # fmt: skip
+        assert rec is not None  # a user's state is stored or raises
+        return rec
+
+    def versions(self, owner: str, name: str) -> builtins.list[StateRecord]:
+        """Every stored version of a name, oldest first."""
+        return sorted((r for r in self.list(owner) if r.name == name), key=lambda r: r.version)
 
     def close(self) -> None:
         """Write back what only RAM holds (so checkpoints survive a clean restart) while the quota and the internal

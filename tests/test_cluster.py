@@ -1,0 +1,165 @@
+"""Several replicas on Ray Serve (`wkvm serve --replicas 2`): affinity routing, states reachable from any request,
+moving a state between replicas exactly, a killed replica losing no acknowledged state.
+
+One cluster (a local Ray instance, the embedded model, an API key) for the module; it takes ~30-60 s to start on
+2 cores. Run alone with `pytest -m cluster`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from wkvm.server.background import free_port, wait_healthy
+
+pytest.importorskip("ray", reason="Ray Serve is the optional extra wkvm[cluster]; make test installs it")
+pytestmark = pytest.mark.cluster
+
+KEY = "cluster-test-key"
+MODEL = "wkvm-tiny-shakespeare"
+GREEDY = {"model": MODEL, "temperature": 0, "max_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    port = free_port()
+    state_dir = tmp_path_factory.mktemp("cluster-states")
+    log = (tmp_path_factory.mktemp("cluster-log") / "serve.log").open("w")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "wkvm.cli", "serve", "--replicas", "2", "--port", str(port),
+                             "--state-dir", str(state_dir), "--api-key", KEY, "--slots", "4"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, timeout=300, alive=lambda: proc.poll() is None)
+        client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+        yield client
+        client.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def chat(client, messages, **headers):
+    r = client.post("/v1/chat/completions", json={**GREEDY, "messages": messages}, headers=headers)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_key_checked_by_the_front(cluster):
+    r = httpx.post(f"{cluster.base_url}/v1/completions", json={**GREEDY, "prompt": "ROMEO:"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert cluster.get("/health").json() == {"status": "ok", "replicas": ["r0", "r1"]}
+
+
+def test_chat_session_stays_on_its_replica_and_reuses_its_state(cluster):
+    messages: list[dict[str, str]] = []
+    replicas, reused, replies = [], [], []
+    for turn in range(6):
+        messages.append({"role": "user", "content": f"Tell me of turn {turn}."})
+        r = chat(cluster, messages, **{"X-OpenWebUI-Chat-Id": "chat-6", "X-OpenWebUI-User-Id": "ann"})
+        body = r.json()
+        replicas.append(r.headers["x-wkvm-replica"])
+        reused.append(body["wkvm"]["reused_tokens"])
+        replies.append(body["choices"][0]["message"]["content"])
+        messages.append({"role": "assistant", "content": replies[-1]})
+    assert len(set(replicas)) == 1, replicas
+    assert reused[0] == 0 and all(n > 0 for n in reused[1:]), reused
+    # the same conversation, bound to nothing (no session): the same answers, whichever replica computes them
+    plain: list[dict[str, str]] = []
+    for turn in range(6):
+        plain.append({"role": "user", "content": f"Tell me of turn {turn}."})
+        r = cluster.post("/v1/chat/completions", json={**GREEDY, "messages": plain, "cache_salt": "fresh"})
+        plain.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+        assert plain[-1]["content"] == replies[turn]
+
+
+def test_user_field_binds_a_session(cluster):
+    seen = set()
+    for turn in range(3):
+        r = cluster.post("/v1/completions", json={**GREEDY, "prompt": f"KING {turn}:", "user": "bob"})
+        assert r.status_code == 200, r.text
+        seen.add(r.headers["x-wkvm-replica"])
+    assert len(seen) == 1
+
+
+def test_state_moves_between_replicas_exactly(cluster):
+    r = cluster.post("/v1/states", json={"name": "voyage", "prompt": "ROMEO: I dreamt"})
+    assert r.status_code == 200, r.text
+    owner = r.headers["x-wkvm-replica"]
+    other = "r1" if owner == "r0" else "r0"
+    ask = {**GREEDY, "prompt": " a dream"}
+    before = cluster.post("/v1/states/voyage@1/generate", json=ask)
+    assert before.headers["x-wkvm-replica"] == owner
+    moved = cluster.post("/v1/states/voyage/migrate", json={"to": other})
+    assert moved.status_code == 200, moved.text
+    info = moved.json()
+    assert info["from"] == owner and info["to"] == other and info["handles"] == ["voyage@1"] and info["bytes"] > 0
+    after = cluster.post("/v1/states/voyage@1/generate", json=ask)
+    assert after.headers["x-wkvm-replica"] == other
+    assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+    handles = [s["handle"] for s in cluster.get("/v1/states").json()["data"]]
+    assert handles.count("voyage@1") == 1
+    exported = cluster.get("/v1/states/voyage@1/export")
+    assert exported.status_code == 200 and exported.headers["x-wkvm-replica"] == other
+    # a new version of the name is issued where the name lives now
+    fork = cluster.post("/v1/states/voyage@1/fork", json={"name": "voyage"})
+    assert fork.status_code == 200 and fork.json()["handle"] == "voyage@2", fork.text
+
+
+def test_migrate_refuses_clearly(cluster):
+    bad = cluster.post("/v1/states/voyage/migrate", json={"to": "r9"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "unknown_replica"
+    missing = cluster.post("/v1/states/never-made/migrate", json={"to": "r0"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "state_not_found"
+
+
+def test_tenants_do_not_share_states_across_replicas(cluster):
+    r = cluster.post("/v1/states", json={"name": "secret", "prompt": "JULIET:"},
+                     headers={"X-OpenWebUI-User-Id": "carol"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    listed = [s["handle"] for s in cluster.get("/v1/states").json()["data"]]
+    assert "secret@1" not in listed
+    assert cluster.get("/v1/states/secret@1").status_code == 404
+
+
+def test_metrics_per_replica_and_for_the_app(cluster):
+    text = cluster.get("/metrics").text
+    assert 'wkvm_cluster_routed_total{outcome="hit"}' in text
+    assert "wkvm_cluster_migrations_total 1.0" in text or "wkvm_cluster_migrations_total" in text
+    assert 'replica="r0"' in text and 'replica="r1"' in text
+    listing = cluster.get("/v1/cluster").json()["replicas"]
+    assert [r["slot"] for r in listing] == ["r0", "r1"]
+
+
+def test_a_killed_replica_loses_no_acknowledged_state(cluster):
+    r = cluster.post("/v1/states", json={"name": "durable", "prompt": "KING RICHARD:"})
+    assert r.status_code == 200, r.text
+    owner = r.headers["x-wkvm-replica"]
+    ask = {**GREEDY, "prompt": " now"}
+    want = cluster.post("/v1/states/durable@1/generate", json=ask).json()["choices"][0]["text"]
+    pid = next(x["pid"] for x in cluster.get("/v1/cluster").json()["replicas"] if x["slot"] == owner)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 180
+    while True:  # Serve replaces the replica; the replacement takes the same slot and its state directory
+        listing = cluster.get("/v1/cluster")
+        if listing.status_code == 200:
+            mine = [x for x in listing.json()["replicas"] if x["slot"] == owner]
+            if mine and mine[0].get("pid") not in (None, pid):
+                break
+        assert time.monotonic() < deadline, "the killed replica was not replaced"
+        time.sleep(1)
+    got = cluster.post("/v1/states/durable@1/generate", json=ask)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["text"] == want

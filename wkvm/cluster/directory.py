@@ -1,0 +1,90 @@
+"""The directory: which replica slot holds what. One Ray actor per application (`wkvm-directory`).
+
+Replicas take stable slot names (r0, r1, ...) when they start: a replacement for a dead replica takes the dead one's
+slot, and with it its state directory (`<state-dir>/<slot>`), so every acknowledged state comes back. A slot's
+holder reports the named states it holds; the front records the owner of each chat session and named state a
+replica answered for, and asks here where a request should go.
+
+Across machines the same holds as long as `--state-dir` is a path every node mounts (or a slot always lands on the
+node that has its directory): the directory knows slots, not disks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Slot:
+    name: str
+    replica_id: str
+    actor: Any  # the replica's Ray actor handle (pinged to tell a dead holder from a live one)
+
+
+@dataclass
+class Directory:
+    slots: dict[str, Slot] = field(default_factory=dict)
+    owners: dict[str, str] = field(default_factory=dict)  # route key -> slot name
+
+    async def claim(self, replica_id: str, actor: Any) -> str:
+        """A starting replica's slot: the first one free or held by a dead replica."""
+        for s in self.slots.values():
+            if s.replica_id == replica_id:
+                return s.name
+        n = 0
+        while True:
+            name = f"r{n}"
+            held = self.slots.get(name)
+            if held is None or not await alive(held.actor):
+                break
+            n += 1
+        self.slots[name] = Slot(name, replica_id, actor)
+        return name
+
+    def holds(self, slot: str, keys: list[str]) -> None:
+        """The named states a slot's directory holds (reported by its replica once it has opened them)."""
+        for k in keys:
+            self.owners[k] = slot
+
+    def release(self, replica_id: str) -> None:
+        """A replica stopping cleanly: its slot is free (its states stay on disk for the next holder)."""
+        for name, s in list(self.slots.items()):
+            if s.replica_id == replica_id:
+                del self.slots[name]
+
+    def lookup(self, key: str) -> tuple[str | None, str | None]:
+        """(slot, replica id) owning `key`; (None, None) when nobody does."""
+        slot = self.owners.get(key)
+        held = self.slots.get(slot) if slot else None
+        return (slot, held.replica_id if held else None)
+
+    def record(self, key: str, slot: str) -> None:
+        self.owners[key] = slot
+
+    def forget(self, key: str) -> None:
+        self.owners.pop(key, None)
+
+    def replicas(self) -> dict[str, str]:
+        """slot -> replica id, by slot name."""
+        return {name: self.slots[name].replica_id for name in sorted(self.slots)}
+
+    def owned(self) -> dict[str, int]:
+        """Route keys per slot (for /v1/cluster)."""
+        out: dict[str, int] = {}
+        for slot in self.owners.values():
+            out[slot] = out.get(slot, 0) + 1
+        return out
+
+
+async def alive(actor: Any) -> bool:
+    """Whether Ray's actor table calls the holder anything but DEAD (one restarting comes back as itself, with its
+    replica id, and claims its own slot again). A ping cannot tell: an actor still in its constructor answers late."""
+    import ray
+
+    def state() -> str:
+        info = ray._private.state.actors(actor_id=actor._actor_id.hex())
+        return str(info.get("State", "DEAD")) if info else "DEAD"
+
+    return await asyncio.to_thread(state) != "DEAD"

@@ -1,0 +1,137 @@
+"""Carry one HTTP request from the front to a replica and run it through the replica's wkvm app.
+
+The front has read the request (headers and body); a replica gets it as a `ForwardedRequest`, runs the very ASGI
+app a single-process server runs, and yields the response as it is produced: first its `Head` (status, headers,
+which replica answered), then the body in the chunks the app wrote (one per SSE event for a stream). When the
+caller stops reading (the client went away), the app sees `http.disconnect`, as under uvicorn, and ends the request.
+
+Also here: which replica a request belongs to (`route_key`), read from its path, headers and JSON body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.types import ASGIApp, Message
+
+from wkvm.server.asgi import header
+
+STATES = "/v1/states"
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+MISROUTED = 0  # the status of a Head that says "not the replica you asked for": ask the directory again
+
+
+@dataclass(frozen=True)
+class ForwardedRequest:
+    method: str
+    path: str
+    query_string: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    client: tuple[str, int] | None = None
+
+    def scope(self) -> dict[str, Any]:
+        return {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": self.method,
+            "scheme": "http", "path": self.path, "raw_path": self.path.encode(), "root_path": "",
+            "query_string": self.query_string, "headers": list(self.headers), "client": self.client,
+            "server": ("127.0.0.1", 0),
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Head:
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    replica: str  # the slot that answered (r0, r1, ...)
+
+
+async def run_asgi(app: ASGIApp, req: ForwardedRequest, replica: str) -> AsyncIterator[Head | bytes]:
+    """Run `req` through `app`; yield its Head, then its body chunks."""
+    out: asyncio.Queue[Message | None] = asyncio.Queue()
+    gone = asyncio.Event()
+    body_sent = False
+
+    async def receive() -> Message:
+        nonlocal body_sent
+        if not body_sent:
+            body_sent = True
+            return {"type": "http.request", "body": req.body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        await out.put(message)
+
+    async def run() -> None:
+        try:
+            await app(req.scope(), receive, send)
+        finally:
+            out.put_nowait(None)
+
+    task = asyncio.create_task(run())
+    try:
+        while (msg := await out.get()) is not None:
+            if msg["type"] == "http.response.start":
+                yield Head(msg["status"], list(msg.get("headers", [])), replica)
+            elif msg["type"] == "http.response.body":
+                if msg.get("body"):
+                    yield bytes(msg["body"])
+                if not msg.get("more_body"):
+                    break
+        if task.done() and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]  # an app that failed before answering
+    finally:
+        gone.set()  # a caller that stopped early: the app sees the client leave (a finished app ignores it)
+
+
+@dataclass(frozen=True)
+class RouteKey:
+    """Which replica should answer: `key` names what the request is bound to (a named state, a chat session), or
+    None for any replica. `strict`: only the owner can answer (it alone holds the state)."""
+
+    key: str | None
+    strict: bool = False
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:24]
+
+
+def state_key(tenant: str, handle: str) -> str:
+    """All versions of a name live on one replica: versions are issued there."""
+    return "state:" + _digest(tenant, handle.split("@", 1)[0])
+
+
+def route_key(tenant: str, req: ForwardedRequest) -> RouteKey:
+    """A named state's owner for the Durable State API and for generation from or into a named state; the chat
+    session's owner for Open WebUI's chat id (per user) or the OpenAI `user` field; any replica otherwise."""
+    path = req.path.rstrip("/")
+    if path.startswith(STATES + "/") and path != STATES + "/import":
+        return RouteKey(state_key(tenant, path.split("/")[3]), strict=True)
+    body = _json(req.body) if req.method == "POST" and (path == STATES or path in GENERATION_PATHS) else {}
+    for field in ("state", "save_state", "name"):
+        value = body.get(field)
+        if isinstance(value, str) and value and (field != "name" or path == STATES):
+            return RouteKey(state_key(tenant, value), strict=True)
+    if path in GENERATION_PATHS:
+        chat = header(req.scope(), b"x-openwebui-chat-id")
+        if chat:
+            return RouteKey("session:" + _digest(tenant, chat.decode("latin-1")))
+        user = body.get("user")
+        if isinstance(user, str) and user:
+            return RouteKey("session:" + _digest(tenant, "user", user))
+    return RouteKey(None)
+
+
+def _json(body: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return {}  # the replica answers the 400
+    return value if isinstance(value, dict) else {}

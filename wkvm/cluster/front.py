@@ -1,0 +1,264 @@
+"""The front: the Serve ingress every request enters by. It checks the API key (before reading the body), reads
+the body (bounded), asks the directory which replica the request belongs to, and forwards it there through the
+engine deployment's handle, whose `AffinityRouter` honours that choice. It answers itself only what spans
+replicas: `/health`, `/metrics` (its routing counters and every replica's metrics, labelled by slot),
+`/v1/cluster`, the list `GET /v1/states` (merged over replicas) and `POST /v1/states/{handle}/migrate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from wkvm.cluster.forward import MISROUTED, STATES, ForwardedRequest, Head, route_key, state_key
+from wkvm.config import ServerConfig
+from wkvm.server.asgi import ApiKeyGate, BodyLimit, KeyRing, tenant_of
+from wkvm.server.errors import error_body, error_response
+from wkvm.server.metrics import LATENCY_BUCKETS
+
+REPLICA_HEADER = b"x-wkvm-replica"
+OWNER_WAIT_SECONDS = 30.0  # a request only its state's owner can answer waits this long for it (a restart)
+CALL_SECONDS = 10.0  # the front's own calls to one replica (listing, metrics, moving states)
+RETRY_SECONDS = 0.5
+log = logging.getLogger("wkvm.cluster")
+
+
+class ClusterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.routed = Counter("wkvm_cluster_routed", "Requests by routing outcome: hit (its owner answered), "
+                              "fallback (another replica did), new (first request of a state or session), any "
+                              "(bound to nothing)", ["outcome"], registry=r)  # fmt: skip
+        self.migrations = Counter("wkvm_cluster_migrations", "States moved between replicas", registry=r)
+        self.moved_bytes = Counter("wkvm_cluster_migrated_bytes", "Bytes of state files moved", registry=r)
+        self.migration_seconds = Histogram("wkvm_cluster_migration_seconds", "Time to move a state (export, adopt, "
+                                           "drop)", buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+
+
+class Front:
+    """The ingress logic, independent of how Serve wraps it (`build_front` does)."""
+
+    def __init__(self, config: ServerConfig, engine: Any, directory: Any):
+        self.config, self.engine, self.directory = config, engine, directory
+        self.keys = KeyRing(config.api_keys)
+        self.metrics = ClusterMetrics()
+
+    def tenant(self, request: Request) -> str:
+        return tenant_of(request.scope, self.keys) or "anonymous"  # ApiKeyGate refused a wrong key already
+
+    async def replicas(self) -> dict[str, str]:
+        return dict(await self.directory.replicas.remote())
+
+    async def forward(self, request: Request) -> Response:
+        req = await forwarded(request)
+        route = route_key(self.tenant(request), req)
+        deadline = time.monotonic() + OWNER_WAIT_SECONDS
+        while True:
+            slot, target = (await self.directory.lookup.remote(route.key)) if route.key else (None, None)
+            strict = route.strict and slot is not None
+            gen = self.engine.options(stream=True).http.remote(req, target=target, strict=strict)
+            try:
+                head = await asyncio.wait_for(anext(gen), max(0.1, deadline - time.monotonic()) if strict else None)
+            except TimeoutError:
+                gen.cancel()
+                head = Head(MISROUTED, [], "")
+            if not isinstance(head, Head):
+                raise TypeError(f"a replica answered {type(head).__name__} before its head")
+            if head.status != MISROUTED:
+                break
+            if time.monotonic() > deadline:  # its owner is being replaced: the replacement takes its slot
+                message = f"replica {slot}, which holds this state, is restarting; retry shortly"
+                return error_response(503, message, None, "replica_unavailable")
+            await asyncio.sleep(RETRY_SECONDS)
+        outcome = "any" if route.key is None else "new" if slot is None else "hit" if head.replica == slot else None
+        outcome = outcome or "fallback"
+        self.metrics.routed.labels(outcome).inc()
+        if route.key is not None and head.replica != slot and head.status < 400:
+            await self.directory.record.remote(route.key, head.replica)
+        return StreamingResponse(relay(gen), status_code=head.status,
+                                 headers=response_headers(head))  # fmt: skip
+
+    async def call(self, replica_id: str, method: str, *args: Any) -> Any:
+        """Call a method of one replica (by id), retrying while the call lands elsewhere (Misrouted); TimeoutError
+        when that replica does not answer in CALL_SECONDS (it died and is being replaced)."""
+        deadline = time.monotonic() + CALL_SECONDS
+        while True:
+            call = getattr(self.engine, method).remote(*args, target=replica_id, strict=True)
+            try:
+                return await asyncio.wait_for(call, max(0.1, deadline - time.monotonic()))
+            except TimeoutError:
+                call.cancel()
+                raise
+            except Exception as e:
+                if "Misrouted" not in type(e).__name__ + str(e) or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(RETRY_SECONDS)
+
+    async def list_states(self, request: Request) -> Response:
+        """`GET /v1/states` from every replica, merged."""
+        req = await forwarded(request)
+        data: list[Any] = []
+        for rid in (await self.replicas()).values():
+            gen = self.engine.options(stream=True).http.remote(req, target=rid, strict=True)
+            try:
+                status, body = await asyncio.wait_for(collect(gen), CALL_SECONDS)
+            except TimeoutError:
+                gen.cancel()
+                status, body = MISROUTED, b""
+            if status == MISROUTED:
+                return error_response(503, "a replica is restarting: the list is incomplete; retry shortly", None,
+                                      "replica_unavailable")  # fmt: skip
+            if status != 200:
+                return Response(body, status_code=status, media_type="application/json")
+            data.extend(json.loads(body)["data"])
+        data.sort(key=lambda s: (s.get("created", 0), s.get("id", "")))
+        return JSONResponse({"object": "list", "data": data})
+
+    async def migrate(self, handle: str, request: Request) -> Response:
+        """Move a named state (every version of its name) to another replica; its handles stay the same."""
+        try:
+            to = json.loads(await request.body() or b"{}").get("to")
+        except (ValueError, AttributeError):
+            to = None
+        replicas = await self.replicas()
+        if to not in replicas:
+            return error_response(400, f"'to' must name a replica: one of {', '.join(replicas)}", "to",
+                                  "unknown_replica")  # fmt: skip
+        tenant, name = self.tenant(request), handle.split("@", 1)[0]
+        key = state_key(tenant, handle)
+        slot, source = await self.directory.lookup.remote(key)
+        if slot is None or source is None:
+            if slot is None:
+                return error_response(404, f"no state {handle!r}", None, "state_not_found")
+            return error_response(503, f"replica {slot}, which holds {handle!r}, is restarting; retry shortly", None,
+                                  "replica_unavailable")  # fmt: skip
+        if slot == to:
+            return JSONResponse(migration(handle, slot, to, 0, 0.0, []))
+        t0 = time.perf_counter()
+        files: list[bytes] = await self.call(source, "export_name", tenant, name)
+        if not files:
+            return error_response(404, f"no state {handle!r}", None, "state_not_found")  # deleted meanwhile
+        handles: list[str] = await self.call(replicas[to], "adopt", tenant, files)
+        await self.directory.record.remote(key, to)
+        versions = [int(h.rsplit("@", 1)[1]) for h in handles]
+        if not await self.call(source, "drop_name", tenant, name, versions):
+            # a new version appeared on the source meanwhile: it stays the owner, the copy goes
+            await self.directory.record.remote(key, slot)
+            await self.call(replicas[to], "drop_name", tenant, name, versions)
+            return error_response(409, f"{name!r} changed while it moved; nothing moved: retry", None,
+                                  "state_changed")  # fmt: skip
+        seconds = time.perf_counter() - t0
+        nbytes = sum(len(f) for f in files)
+        self.metrics.migrations.inc()
+        self.metrics.moved_bytes.inc(nbytes)
+        self.metrics.migration_seconds.observe(seconds)
+        return JSONResponse(migration(handle, slot, to, nbytes, seconds, handles))
+
+    async def cluster(self) -> dict[str, Any]:
+        replicas = await self.replicas()
+        owned = await self.directory.owned.remote()
+        status = await asyncio.gather(*(self.call(rid, "status") for rid in replicas.values()), return_exceptions=True)
+        out = [s if isinstance(s, dict) else {"slot": slot, "replica_id": rid, "status": "unavailable",
+                                              "error": f"{type(s).__name__}: {s}"[:300]}
+               for (slot, rid), s in zip(replicas.items(), status, strict=True)]  # fmt: skip
+        return {"object": "cluster", "replicas": [{**s, "owned_keys": owned.get(s["slot"], 0)} for s in out]}
+
+    async def health(self) -> Response:
+        replicas = await self.replicas()
+        if not replicas:
+            return JSONResponse(error_body(503, "no engine replica is ready yet"), status_code=503)
+        return JSONResponse({"status": "ok", "replicas": sorted(replicas)})
+
+    async def render_metrics(self) -> Response:
+        replicas = await self.replicas()
+        texts = await asyncio.gather(*(self.call(rid, "metrics") for rid in replicas.values()), return_exceptions=True)
+        answered = {slot: t for slot, t in zip(replicas, texts, strict=True) if isinstance(t, bytes)}  # not restarting
+        body = generate_latest(self.metrics.registry) + labelled(answered)
+        return Response(body, media_type="text/plain; version=0.0.4")
+
+
+def migration(handle: str, source: str, to: str, nbytes: int, seconds: float, handles: list[str]) -> dict[str, Any]:
+    return {"object": "state.migration", "handle": handle, "from": source, "to": to, "bytes": nbytes,
+            "seconds": round(seconds, 6), "handles": handles}  # fmt: skip
+
+
+async def forwarded(request: Request) -> ForwardedRequest:
+    scope = request.scope
+    client = scope.get("client")
+    return ForwardedRequest(request.method, scope["path"], scope.get("query_string", b""), list(scope["headers"]),
+                            await request.body(), tuple(client) if client else None)  # fmt: skip
+
+
+def response_headers(head: Head) -> dict[str, str]:
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers}
+    headers[REPLICA_HEADER.decode()] = head.replica
+    return headers
+
+
+async def relay(gen: Any) -> AsyncIterator[bytes]:
+    """The body chunks after the head; the replica's generator is cancelled if the client goes away."""
+    done = False
+    try:
+        async for chunk in gen:
+            yield chunk
+        done = True
+    finally:
+        if not done:
+            gen.cancel()
+
+
+async def collect(gen: Any) -> tuple[int, bytes]:
+    head = await anext(gen)
+    return head.status, b"".join([c async for c in gen])
+
+
+def labelled(texts: dict[str, bytes]) -> bytes:
+    """Replicas' Prometheus texts as one, each sample labelled with its replica's slot."""
+    families: dict[str, tuple[str, str, list[str]]] = {}
+    for slot, text in texts.items():
+        for fam in text_string_to_metric_families(text.decode()):
+            _, _, lines = families.setdefault(fam.name, (fam.type, fam.documentation, []))
+            for s in fam.samples:
+                labels = {**s.labels, "replica": slot}
+                inner = ",".join(f'{k}="{escape(v)}"' for k, v in labels.items())
+                lines.append(f"{s.name}{{{inner}}} {s.value!r}")
+    out = []
+    for name, (kind, doc, lines) in families.items():
+        out += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", *lines]
+    return ("\n".join(out) + "\n").encode() if out else b""
+
+
+def escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+async def replica_failed(request: Request, exc: Exception) -> Response:
+    """A replica died, failed or did not answer mid-call: an outage, reported as one (Serve restarts replicas)."""
+    log.error("request to %s failed in a replica: %s: %s", request.url.path, type(exc).__name__, exc)
+    return error_response(503, f"the replica serving this request failed ({type(exc).__name__}); retry",
+                          None, "replica_unavailable")  # fmt: skip
+
+
+def build_front_app(front: Front) -> FastAPI:
+    """The ingress app: the same ASGI gate and body limit as a single server, then the front's routes."""
+    app = FastAPI(title="wkvm", openapi_url=None, docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, limit=front.config.max_body_bytes)
+    app.add_middleware(ApiKeyGate, keys=front.keys)
+    methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+    app.add_exception_handler(Exception, replica_failed)
+    app.add_api_route("/health", front.health, methods=["GET"])
+    app.add_api_route("/metrics", front.render_metrics, methods=["GET"])
+    app.add_api_route("/v1/cluster", front.cluster, methods=["GET"])
+    app.add_api_route(STATES, front.list_states, methods=["GET"])
+    app.add_api_route(STATES + "/{handle}/migrate", front.migrate, methods=["POST"])
+    app.add_api_route("/{path:path}", front.forward, methods=methods)
+    return app

@@ -1,0 +1,131 @@
+"""`EngineReplica`: one Ray Serve replica, a whole single-process wkvm server (engine, state store, chat sessions,
+routes) without its own HTTP listener: the front forwards requests to `http`.
+
+Each replica takes a slot from the directory and keeps its durable states in `<state-dir>/<slot>`; a replacement
+for a crashed replica takes the same slot and directory, so every acknowledged state is there again. A state moves
+between replicas as its exported file (`export_name` -> `adopt` -> `drop_name`), keeping its handle and lineage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray import serve
+
+from wkvm.cluster.directory import Directory
+from wkvm.cluster.forward import MISROUTED, ForwardedRequest, Head, run_asgi, state_key
+from wkvm.config import ServerConfig
+from wkvm.server.app import create_app
+from wkvm.server.context import ServerContext
+from wkvm.state.quota import is_internal
+from wkvm.state.store import StateNotFound
+
+log = logging.getLogger("wkvm.cluster")
+DIRECTORY = "wkvm-directory"
+NAMESPACE = "wkvm"  # the directory's (Serve runs replicas in its own namespace)
+
+
+class Misrouted(RuntimeError):
+    """A call for a replica that is being replaced reached another one."""
+
+
+class EngineReplica:
+    def __init__(self, config: ServerConfig):
+        self.replica_id: str = serve.get_replica_context().replica_id.unique_id
+        self.directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
+        me = ray.get_runtime_context().current_actor
+        # the slot first (it names the state directory), then the keys of what that directory holds
+        self.slot: str = ray.get(self.directory.claim.remote(self.replica_id, me))
+        state_dir = str(Path(config.state_dir) / self.slot) if config.state_dir else None
+        # replicas on one machine share its cores: torch's default of every core each would oversubscribe them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, config.replicas)))
+        self.app = create_app(replace(config, state_dir=state_dir), load_in_background=False)
+        self.ctx: ServerContext = self.app.state.ctx
+        self.ctx.load()
+        if self.ctx.load_error:
+            raise RuntimeError(self.ctx.load_error)
+        keys = [state_key(r.owner, r.name) for r in self.ctx.store.index.list() if not is_internal(r.owner)]
+        ray.get(self.directory.holds.remote(self.slot, keys))
+        log.info("replica %s holds slot %s (%d named states)", self.replica_id, self.slot, len(set(keys)))
+
+    def misrouted(self, route: dict[str, object]) -> bool:
+        """A strict call meant for another replica (its owner was being replaced when it was routed)."""
+        return bool(route.get("strict")) and route.get("target") != self.replica_id
+
+    async def http(self, req: ForwardedRequest, **route: object) -> AsyncIterator[Head | bytes]:
+        """Answer one forwarded request. Every method's `route` keywords (`target`, `strict`) are the router's."""
+        if self.misrouted(route):
+            yield Head(MISROUTED, [], self.slot)
+            return
+        async for part in run_asgi(self.app, req, self.slot):
+            yield part
+
+    async def export_name(self, tenant: str, name: str, **route: object) -> list[bytes]:
+        """Every version of a named state as exported files, oldest first."""
+        self.check(route)
+        store = self.ctx.store
+
+        def export() -> list[bytes]:
+            return [store.export_bytes(tenant, r.handle) for r in store.versions(tenant, name)]
+
+        return await asyncio.to_thread(export)
+
+    async def adopt(self, tenant: str, files: list[bytes], **route: object) -> list[str]:
+        """Store moved states under their own handles (validated as an import)."""
+        self.check(route)
+        store = self.ctx.store
+        return await asyncio.to_thread(lambda: [store.adopt_bytes(tenant, f).handle for f in files])
+
+    async def drop_name(self, tenant: str, name: str, versions: list[int], **route: object) -> bool:
+        """Delete a moved name here, unless a version other than `versions` appeared meanwhile (then keep all)."""
+        self.check(route)
+        store = self.ctx.store
+
+        def drop() -> bool:
+            have = [r.version for r in store.versions(tenant, name)]
+            if have != versions:
+                return False
+            for v in versions:
+                with contextlib.suppress(StateNotFound):
+                    store.delete(tenant, f"{name}@{v}")
+            return True
+
+        return await asyncio.to_thread(drop)
+
+    def check(self, route: dict[str, object]) -> None:
+        if self.misrouted(route):
+            raise Misrouted(f"replica {self.slot} got a call for replica {route.get('target')}")
+
+    def status(self, **route: object) -> dict[str, Any]:
+        self.check(route)
+        s = self.ctx.client.stats()
+        return {"slot": self.slot, "replica_id": self.replica_id, "pid": os.getpid(), "status": "ok",
+                "running": s.running, "waiting": s.waiting, "slots_free": s.slots_free}  # fmt: skip
+
+    def metrics(self, **route: object) -> bytes:
+        self.check(route)
+        return self.ctx.metrics.render(self.ctx.client.stats(), self.ctx.store)
+
+    def __del__(self) -> None:
+        """Serve's graceful stop: running requests get `--shutdown-grace`, then parked states are written."""
+        ctx: ServerContext | None = getattr(self, "ctx", None)
+        if ctx is None:
+            return
+        ctx.end_requests(ctx.config.shutdown_grace)
+        ctx.shutdown()
+        with contextlib.suppress(Exception):  # the directory went first (the whole application is stopping)
+            self.directory.release.remote(self.replica_id)
+
+
+def directory_actor() -> Any:
+    """The directory as a named Ray actor (async methods: pings never block lookups)."""
+    return ray.remote(num_cpus=0)(Directory).options(name=DIRECTORY, namespace=NAMESPACE, get_if_exists=True).remote()
