@@ -2,6 +2,8 @@
 
 Prints tok/s for both, the ratios, the decode floor (weight bytes per token over measured read bandwidth)
 and the prefill ceiling (2 x layer parameters FLOPs per token over the fastest fp32 matmul rate measured).
+With --int8 (the default) also wkvm with `--dtype int8` weights, timed alternately with fp32 in the same run; its
+decode floor counts int8 bytes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--prefill-tokens", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--no-int8", dest="int8", action="store_false", help="skip the int8 rows")
     args = ap.parse_args()
     torch.manual_seed(0)
     path = checkpoint()
@@ -64,6 +67,14 @@ def main() -> None:
         ["decode B=1", dec, ref_dec, dec / ref_dec, floor, dec / floor, dec / issue_floor],
         [f"prefill {len(prompt)}", pre, ref_pre, pre / ref_pre, ceiling, pre / ceiling, pre / issue_ceiling],
     ]
+    q8: dict[str, float] = {}
+    if args.int8:
+        q8 = int8_rows(path, model, prompt, n, args.repeat, bw)
+        floor8 = q8["decode_floor_tok_s"]
+        rows += [["decode B=1 int8", q8["decode_tok_s"], ref_dec, q8["decode_tok_s"] / ref_dec, floor8,
+                  q8["decode_tok_s"] / floor8, float("nan")],
+                 [f"prefill {len(prompt)} int8", q8["prefill_tok_s"], ref_pre, q8["prefill_tok_s"] / ref_pre,
+                  float("nan"), float("nan"), float("nan")]]  # fmt: skip
     print_table(
         f"RWKV-7 {cfg.n_layer}L C{cfg.n_embd} V{cfg.vocab_size} fp32, {torch.get_num_threads()} threads "
         f"(read {bw / 1e9:.1f} GB/s, copy {copy_bw / 1e9:.1f} GB/s; matmul BLAS {rates['blas'] / 1e9:.0f}, "
@@ -73,6 +84,9 @@ def main() -> None:
     )
     print("bound: decode = read bandwidth / weight bytes per token; prefill = best matmul rate / (2 x layer params)")
     print("copy/BLAS bound (the issue's definition): copy bandwidth (bytes copied per second) and BLAS matmul rate")
+    if q8:
+        print(f"int8 x fp32 (alternating in this run): decode {q8['decode_x_fp32']:.2f}x, "
+              f"prefill {q8['prefill_x_fp32']:.2f}x; int8 kernel {q8['kernel']}")  # fmt: skip
     write_json(
         "rwkv7_speed",
         {
@@ -81,9 +95,33 @@ def main() -> None:
             "prefill_tok_s": pre, "rwkv_prefill_tok_s": ref_pre, "prefill_ceiling_tok_s": ceiling,
             "read_bandwidth_gb_s": bw / 1e9, "copy_bandwidth_gb_s": copy_bw / 1e9,
             "matmul_blas_gflop_s": rates["blas"] / 1e9, "matmul_packed_gflop_s": rates["packed"] / 1e9,
-            "threads": torch.get_num_threads(),
+            "threads": torch.get_num_threads(), "int8": q8,
         },
     )  # fmt: skip
+
+
+def int8_rows(path: Path, fp32, prompt: list[int], n: int, repeat: int, bw: float) -> dict:
+    """`--dtype int8` against fp32, alternating: tok/s, ratios, and the decode floor for int8 weight bytes."""
+    from wkvm.models import int8
+
+    q8 = load_model(path, dtype="int8")
+
+    def decode(model):
+        def run():
+            state = model.new_state()
+            for t in prompt[:n]:
+                model.decode([t], state)
+
+        return run
+
+    t8, t32 = timeit_pair(decode(q8), decode(fp32), repeat)
+    p8, p32 = timeit_pair(lambda: q8.prefill(prompt), lambda: fp32.prefill(prompt), repeat)
+    w = q8.weights
+    tensors = [t for i in range(q8.config.n_layer) for t in w.layer(i).values()] + [w.globals()["head.weight"]]
+    nbytes = sum(torch.ops.mkldnn._nbytes(t) if t.is_mkldnn else t.numel() * t.element_size() for t in tensors)
+    return {"decode_tok_s": n / t8, "prefill_tok_s": len(prompt) / p8, "decode_x_fp32": t32 / t8,
+            "prefill_x_fp32": p32 / p8, "decode_floor_tok_s": bw / (nbytes + 4 * q8.config.n_embd),
+            "kernel": int8.kernel_path()}  # fmt: skip
 
 
 if __name__ == "__main__":

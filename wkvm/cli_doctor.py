@@ -27,7 +27,7 @@ def checks(args: argparse.Namespace) -> list[tuple[str, bool, str, str]]:
         threads = torch.get_num_threads()
         out.append(("threads", threads >= 1, f"{threads} torch threads, {os.cpu_count()} CPUs",
                     "set OMP_NUM_THREADS to the number of physical cores"))  # fmt: skip
-        from wkvm.models.linear import bf16_speed, onednn_available
+        from wkvm.models.linear import bf16_speed, cpu_isa, kernels, onednn_available
 
         detail = (
             "oneDNN prepacked fp32 (self-checked)"
@@ -36,6 +36,9 @@ def checks(args: argparse.Namespace) -> list[tuple[str, bool, str, str]]:
         )
         out.append(("matmul", True, detail, ""))  # information: either path computes the same model
         out.append(("bf16", True, f"--dtype bfloat16: {bf16_speed()}", ""))  # information: float32 always works
+        out.append(("cpu", True, f"ISA: {' '.join(cpu_isa()) or 'none of avx2/avx512/amx'}", ""))
+        for dtype, kernel in kernels().items():  # information: each dtype works everywhere, at its speed
+            out.append(("kernel", True, f"--dtype {dtype}: {kernel}", ""))
     except ImportError:
         out.append(("torch", False, "not installed", "pip install torch==2.13.0"))
     mem = _memory_bytes()

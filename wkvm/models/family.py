@@ -20,12 +20,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 
 from wkvm.chat_template import ChatTemplate
 from wkvm.models.kv import Attn, DenseKV, KVBatch
-from wkvm.models.linear import pack_linear
+from wkvm.models.linear import embedding, pack_linear, stored
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.rope import angles
 from wkvm.models.spec import State, StateSpec
@@ -127,7 +126,7 @@ class ModelBase:
 
     def embed(self, tokens: torch.Tensor, g: Tensors) -> torch.Tensor:
         """tokens [B, T] -> the first residual stream [B, T, C] (fp32): by default a lookup in `g[embed_key]`."""
-        return F.embedding(tokens, g[self.embed_key]).float()
+        return embedding(tokens, g[self.embed_key])
 
     def block(self, i: int, w: Tensors, x: torch.Tensor, state: State, attn: Attn | None) -> torch.Tensor:
         """Layer i on residual stream x [B, T, C] with layer weights `w`, advancing `state` in place; an attention
@@ -317,8 +316,8 @@ def resident(t: Tensors) -> Tensors:
 def embedding_and_head(raw: RawTensors, embed_key: str, head_key: str, tied: bool, dtype: torch.dtype,
                        device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The embedding in `dtype` and the head prepacked: the embedding matrix itself when the head is tied."""
-    embed = raw[embed_key].to(device=device, dtype=dtype)
-    return embed, pack_linear(embed if tied else raw[head_key].to(device=device, dtype=dtype))
+    embed = stored(raw[embed_key].to(device), dtype)
+    return embed, pack_linear(embed if tied else stored(raw[head_key].to(device), dtype))
 
 
 def layer_count(raw: RawTensors, prefix: str, after: str = ".") -> int:

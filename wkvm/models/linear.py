@@ -6,6 +6,9 @@ BLAS path, still in IEEE fp32. Set WKVM_ONEDNN=0 to use `F.linear` everywhere.
 bf16 weights pay off only where the CPU multiplies bf16 natively (AVX512-BF16 or AMX). Elsewhere the bf16 matmul
 is emulated: single-stream decode still gains from reading half the bytes, but prefill and batched decode run
 slower than fp32 (`bench/bf16_speed.py`: the figures below, runs in docs/performance.md).
+
+int8 weights (`--dtype int8`, weight-only with per-channel scales) are int8 tensors [out, in + 4] that `linear`
+hands to wkvm/models/int8.py: a native kernel for decode-sized batches, dequantize + oneDNN for prefill.
 """
 
 from __future__ import annotations
@@ -16,11 +19,15 @@ import os
 import torch
 import torch.nn.functional as F
 
+from wkvm.models import int8
+
 PACK_BATCH_HINT = 64
 # bf16 over fp32 tok/s, bench/bf16_speed.py on AMD EPYC (2 threads): natively, and with oneDNN limited to AVX2
 # (no bf16 kernel at all) or to AVX512_CORE (bf16 emulated) via ONEDNN_MAX_CPU_ISA
 BF16_NATIVE_SPEED = "1.3-1.5x float32's tok/s in prefill and decode"
 BF16_EMULATED_SPEED = "0.2-0.5x float32's tok/s in prefill, 0.3-1.0x in batch-8 decode, 1.3-2.5x single-stream"
+# int8 over fp32 tok/s, `bench/int8_speed.py --e2e` (SmolLM2-135M, RWKV-7 0.1B) on AMD EPYC, AVX512-VNNI kernel
+INT8_SPEED = "2.4-3.5x float32's tok/s in single-stream decode, 2.0-2.3x at batch 8, 0.9-1.1x in prefill"
 
 
 @functools.cache
@@ -76,8 +83,47 @@ def bf16_speed() -> str:
     )
 
 
+def stored(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A large matrix [out, in] in its storage `dtype` (float32, bfloat16, or int8: quantized per output channel)."""
+    return int8.quantize(weight) if dtype == torch.int8 else weight.to(dtype)
+
+
+ISA_FLAGS = {"avx2": "avx2", "avx512f": "avx512f", "avx512_bf16": "avx512_bf16", "avx512_vnni": "avx512_vnni",
+             "amx": "amx_tile"}  # fmt: skip
+
+
+def cpu_isa() -> list[str]:
+    """The instruction sets the matmul kernels care about that this CPU has (Linux flags; else torch's view)."""
+    flags = set(int8.cpu_flags().split())
+    if not flags:
+        return [str(torch.backends.cpu.get_cpu_capability()).lower()]
+    return [name for name, flag in ISA_FLAGS.items() if flag in flags]
+
+
+def kernels() -> dict[str, str]:
+    """Which linear kernel each weight dtype runs on this CPU (builds the int8 kernel on first use)."""
+    fp32 = "oneDNN prepacked fp32" if onednn_available() else "F.linear (WKVM_ONEDNN=0, or no oneDNN in this torch)"
+    bf16 = ("oneDNN native bf16" if bf16_native() else "oneDNN bf16, emulated (slower than fp32)"
+            if onednn_bf16_available() else "ATen bf16 (no oneDNN bf16 kernel: slower than fp32)")  # fmt: skip
+    path = int8.kernel_path()
+    q8 = "dequantize per call (no native kernel)" if path == "torch" else f"wkvm int8 kernel ({path})"
+    prefill = "oneDNN" if onednn_available() else "F.linear"
+    return {"float32": fp32, "bfloat16": bf16, "int8": f"{q8} up to {int8.KERNEL_ROWS} rows, then fp32 {prefill}"}
+
+
+def int8_speed() -> str:
+    """What `--dtype int8` runs on this CPU, in one line (builds the int8 kernel on first use)."""
+    path = int8.kernel_path()
+    if path == "torch":
+        return "no native int8 kernel (no C++ compiler, or its build failed): a quarter of the weight memory, but " \
+               "every matmul dequantizes first, slower than float32; install g++ or use --dtype float32"  # fmt: skip
+    note = "" if path == "avx512_vnni" else " (with AVX512-VNNI; without it batched decode and prefill gain less)"
+    return f"native int8 kernel ({path}): a quarter of float32's weight memory; measured {INT8_SPEED}{note}"
+
+
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` is [out, in] (nn.Linear layout), fp32 or bf16; returns the form `linear` expects."""
+    """`weight` is [out, in] (nn.Linear layout), fp32 or bf16, or a `stored` int8 matrix; returns the form `linear`
+    expects."""
     weight = weight.contiguous()
     if weight.device.type == "cpu" and (
         (weight.dtype == torch.float32 and onednn_available())
@@ -90,7 +136,9 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight^T -> [..., out]; plain fp32 CPU weights (e.g. streamed, unpacked) also use oneDNN.
-    bf16 weights take x rounded to bf16 (accumulating in fp32) and give fp32 back."""
+    bf16 weights take x rounded to bf16 (accumulating in fp32) and give fp32 back; int8 ones give fp32."""
+    if weight.dtype == torch.int8:
+        return int8.linear(x, weight)
     if weight.dtype != x.dtype:
         return linear(x.to(weight.dtype), weight).to(x.dtype)
     if weight.is_mkldnn or (weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_available()):
@@ -99,5 +147,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of an embedding stored as float32, bfloat16 or int8, in fp32."""
+    return int8.embedding(ids, weight) if weight.dtype == torch.int8 else F.embedding(ids, weight).float()
+
+
 def weight_numel(weight: torch.Tensor) -> int:
-    return weight.shape.numel()
+    return weight.shape[0] * int8.in_features(weight) if weight.dtype == torch.int8 else weight.shape.numel()

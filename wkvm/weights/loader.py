@@ -65,13 +65,16 @@ def load_model(
     weight_cache_layers: int = 0, read_ahead: bool = True,
 ) -> LanguageModel:  # fmt: skip
     """A pack with weight_cache_layers > 0 streams its layers from disk; everything else is loaded resident.
-    `dtype` stores the large matrices, embedding and head in float32 or bfloat16; arithmetic is fp32 either way."""
+    `dtype` stores the large matrices, embedding and head in float32, bfloat16 or int8; arithmetic is fp32 (int8
+    decode rounds x to int16 inside the kernel)."""
     from wkvm.config import weight_dtype
 
     check_model_path(path)
     dtype = dtype if isinstance(dtype, torch.dtype) else weight_dtype(dtype)
     if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not linear.bf16_native():
         log.warning("--dtype bfloat16: %s", linear.bf16_speed())
+    if dtype == torch.int8 and torch.device(device).type == "cpu":
+        log.info("--dtype int8: %s", linear.int8_speed())  # builds the kernel on first use (warns if it cannot)
 
     if is_pack(path):
         from wkvm.weights.pack import Pack

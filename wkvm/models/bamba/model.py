@@ -27,7 +27,7 @@ from wkvm.models.family import (
     rms_norm,
 )
 from wkvm.models.kv import Attn, kv_tensors
-from wkvm.models.linear import linear
+from wkvm.models.linear import linear, stored
 from wkvm.models.mamba2.model import Mamba2Config, mixer, mixer_state, mixer_tensors, time_step_limit
 from wkvm.models.mamba2.ssd import DEFAULT_CHUNK
 from wkvm.models.provider import Tensors, WeightProvider
@@ -168,13 +168,13 @@ def prepare_layer(
     t: Tensors = {
         "input_norm": f32["input_layernorm.weight"],
         "post_norm": f32["pre_ff_layernorm.weight"],
-        "mlp.gate_up": torch.cat([f32["feed_forward.gate_proj.weight"], f32["feed_forward.up_proj.weight"]]).to(dtype),
-        "mlp.down_proj.weight": f32["feed_forward.down_proj.weight"].to(dtype),
+        "mlp.gate_up": stored(torch.cat([f32[f"feed_forward.{x}_proj.weight"] for x in ("gate", "up")]), dtype),
+        "mlp.down_proj.weight": stored(f32["feed_forward.down_proj.weight"], dtype),
     }
     if cfg.layer_types[i] == ATTENTION:
         require(raw, [p + k for k in ATTN_RAW], "Bamba")
-        t["self_attn.qkv"] = torch.cat([raw[f"{p}self_attn.{x}_proj.weight"] for x in "qkv"]).to(device, dtype)
-        t["self_attn.o_proj.weight"] = raw[p + "self_attn.o_proj.weight"].to(device, dtype)
+        t["self_attn.qkv"] = stored(torch.cat([raw[f"{p}self_attn.{x}_proj.weight"] for x in "qkv"]).to(device), dtype)
+        t["self_attn.o_proj.weight"] = stored(raw[p + "self_attn.o_proj.weight"].to(device), dtype)
     else:
         t.update(mixer_tensors(raw, p + "mamba.", cfg.mamba, dtype, device))
     return compute_form(t, linear_keys(cfg, i), pack)

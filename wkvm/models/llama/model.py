@@ -25,7 +25,7 @@ from wkvm.models.family import (
     rms_norm,
 )
 from wkvm.models.kv import Attn, kv_tensors
-from wkvm.models.linear import linear
+from wkvm.models.linear import linear, stored
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.rope import frequencies, rotate
 from wkvm.models.spec import State, StateSpec
@@ -162,7 +162,7 @@ def prepare_layer(
         "mlp.down_proj.weight": r["mlp.down_proj.weight"],
     }
     for k in LINEAR:
-        t[k] = t[k].to(dtype)
+        t[k] = stored(t[k], dtype)
     return compute_form(t, LINEAR, pack)
 
 

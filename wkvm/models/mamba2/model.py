@@ -24,7 +24,7 @@ from wkvm.models.family import (
     resident,
 )
 from wkvm.models.kv import Attn
-from wkvm.models.linear import linear
+from wkvm.models.linear import linear, stored
 from wkvm.models.mamba2.ssd import DEFAULT_CHUNK, ssd_chunked, ssd_step
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.spec import State, StateSpec, TensorSpec
@@ -131,8 +131,8 @@ def mixer_tensors(raw: RawTensors, prefix: str, cfg: Mamba2Config, dtype: torch.
     names = [k.removeprefix("mixer.") for k in LAYER_KEYS if k.startswith("mixer.")]
     require(raw, [prefix + k for k in names], "Mamba2 mixer")
     names += [k.removeprefix("mixer.") for k in OPTIONAL_KEYS if prefix + k.removeprefix("mixer.") in raw]
-    t = {f"mixer.{k}": raw[prefix + k].to(device=device, dtype=dtype if f"mixer.{k}" in LINEAR_KEYS
-                                          else torch.float32) for k in names}  # fmt: skip
+    t = {f"mixer.{k}": stored(raw[prefix + k].to(device), dtype) if f"mixer.{k}" in LINEAR_KEYS
+         else raw[prefix + k].to(device, torch.float32) for k in names}  # fmt: skip
     t["mixer.conv1d.weight"] = t["mixer.conv1d.weight"].reshape(cfg.conv_dim, cfg.d_conv)
     t.setdefault("mixer.conv1d.bias", torch.zeros(cfg.conv_dim, device=device))
     t["mixer.A"] = -torch.exp(t.pop("mixer.A_log"))

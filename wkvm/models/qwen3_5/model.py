@@ -28,7 +28,7 @@ from wkvm.models.family import (
     rms_norm,
 )
 from wkvm.models.kv import Attn, kv_tensors
-from wkvm.models.linear import linear
+from wkvm.models.linear import linear, stored
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.qwen3_5.gated_delta import DEFAULT_CHUNK, gated_delta_chunked, gated_delta_step
 from wkvm.models.rope import frequencies, rotate
@@ -238,7 +238,7 @@ def prepare_layer(
             "linear_attn.out_proj.weight": r["linear_attn.out_proj.weight"],
         })  # fmt: skip
     for k in linear_keys(cfg, i):
-        t[k] = t[k].to(dtype)
+        t[k] = stored(t[k], dtype)
     return compute_form(t, linear_keys(cfg, i), pack)
 
 

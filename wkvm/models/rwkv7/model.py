@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from wkvm.models.family import ModelBase, RawTensors, compute_form, layer_count, no_attention, require, resident
 from wkvm.models.kv import KVBatch
-from wkvm.models.linear import linear, pack_linear
+from wkvm.models.linear import embedding, linear, pack_linear, stored
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.rwkv7.wkv import DEFAULT_CHUNK, wkv_chunked, wkv_step
 from wkvm.models.spec import State, StateSpec, TensorSpec
@@ -98,11 +98,12 @@ def prepare_layer(
 ) -> Tensors:
     """Layer i's tensors in compute form: vectors flat, mixing coefficients stacked; `pack` prepacks the
     matrices for oneDNN (worth it for resident weights, not for a layer used once and dropped). `dtype` is the
-    storage of the six large matrices (float32 or bfloat16); everything else, and all arithmetic, stays fp32."""
+    storage of the six large matrices (float32, bfloat16 or int8); everything else, and all arithmetic, stays fp32."""
     p = f"blocks.{i}."
     keys = list(LAYER_KEYS) + ([f"att.v{j}" for j in "012"] if i > 0 else [])
     require(raw, [p + k for k in keys], "RWKV-7")
-    t = {k: raw[p + k].to(device=device, dtype=dtype if k in LINEAR_KEYS else torch.float32) for k in keys}
+    t = {k: stored(raw[p + k].to(device), dtype) if k in LINEAR_KEYS else raw[p + k].to(device, torch.float32)
+         for k in keys}  # fmt: skip
     for k in ("att.w0", "att.a0", "att.v0", "att.k_k", "att.k_a", "ffn.x_k", *(f"att.{m}" for m in MIX)):
         if k in t:
             t[k] = t[k].reshape(-1)
@@ -135,7 +136,7 @@ class RWKV7(ModelBase):
         cfg, g = self.config, self.weights.globals()
         xs, v_firsts = [], []
         for tokens, _ in groups:
-            x = F.embedding(tokens.to(self.device), g["emb.weight"]).float()
+            x = embedding(tokens.to(self.device), g["emb.weight"])
             xs.append(F.layer_norm(x, (cfg.n_embd,), g["blocks.0.ln0.weight"], g["blocks.0.ln0.bias"], cfg.ln_eps))
             v_firsts.append(xs[-1])  # replaced by layer 0's v
         for i in range(cfg.n_layer):
@@ -218,7 +219,7 @@ class RWKV7(ModelBase):
 def prepare_globals(raw: RawTensors, dtype: torch.dtype, device: torch.device | str) -> Tensors:
     """Embedding, first and last norms, head: in compute form (embedding and head stored in `dtype`)."""
     big = ("emb.weight", "head.weight")
-    g = {k: raw[k].to(device=device, dtype=dtype if k in big else torch.float32) for k in GLOBAL_KEYS}
+    g = {k: stored(raw[k].to(device), dtype) if k in big else raw[k].to(device, torch.float32) for k in GLOBAL_KEYS}
     for k in ("blocks.0.ln0.weight", "blocks.0.ln0.bias"):
         g[k] = g[k].reshape(-1)
     g["head.weight"] = pack_linear(g["head.weight"])

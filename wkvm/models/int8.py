@@ -1,0 +1,188 @@
+"""Weight-only int8 matrices (`--dtype int8`): a quarter of fp32's bytes, multiplied by a native kernel.
+
+Format: one int8 tensor [N, K + 4] per matrix, weights q[n, k] = round(W[n, k] / s_n) in -127..127 with
+s_n = max|W[n]| / 127 (symmetric, per output channel; fp32, native byte order). With K even, rows come in blocks of
+32: a block's 32 * (K + 4) bytes are K/2 pair rows of 64 bytes (q[r, k] and q[r, k + 1] at bytes 2r and 2r + 1 of
+pair row k/2), then the 32 scales; the kernel then multiplies 16 rows per register and reads one stream. Rows after
+the last whole block, and all rows when K is odd, are plain: K weights, then the scale. One tensor keeps everything
+that moves weights (compute form, prepared layers, owned storage) unchanged; a tied embedding shares the head's.
+
+Decode is bound by reading the weights, and torch's own weight-only CPU kernels (`_weight_int8pack_mm`) ran
+5-13x slower than wkvm's fp32 oneDNN gemv on these shapes; so decode-sized batches (up to `KERNEL_ROWS` rows of
+x) go to `int8_linear.cpp`, built on first use with the machine's C++ compiler into
+~/.cache/wkvm/torch_extensions (a name hashed from the source, torch's version and the CPU flags; 10-25 s once).
+It rounds each row of x to int16 (a step of 3e-5 of the row's largest value, finer than bf16's rounding) and
+multiplies exactly in integers, so its result is the dequantized matrix's product to ~1e-5, and the same bits on
+every ISA. More rows (prefill) are compute-bound: the matrix is dequantized to fp32 per call and goes to oneDNN,
+whose GEMM beats the kernel there. Without a compiler every call dequantizes in torch (correct, slow) after a
+one-line warning; importing never fails.
+
+WKVM_INT8_KERNEL=avx512_vnni|avx512|avx2|scalar|torch forces a path (tests run the AVX2 kernel on AVX-512 machines).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("wkvm.int8")
+
+# rows of x up to which the kernel beats dequantize + oneDNN without VNNI: 32, and 128 for a matrix of 8M+ weights
+# (a head), whose dequantized fp32 copy costs more to make than the kernel's extra arithmetic; with VNNI the kernel
+# ran at or above fp32 oneDNN at every size measured (up to 256 rows), so it takes all sizes
+KERNEL_ROWS, KERNEL_ROWS_LARGE, LARGE = 32, 128, 8 << 20
+SOURCE = Path(__file__).with_name("int8_linear.cpp")
+ISAS = ("scalar", "avx2", "avx512", "avx512_vnni")  # the kernel's isa argument is the index
+SCALE_BYTES = 4
+BLOCK = 32
+
+
+def quantize(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] float -> int8 [N, K + 4] in the format above."""
+    w = w.detach().to(torch.float32)
+    K, nb = w.shape[1], n_blocks(*w.shape)
+    scale = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    out = torch.cat([q, _bytes(scale).view(-1, SCALE_BYTES)], 1)
+    if nb:
+        pairs = q[: nb * BLOCK].view(nb, BLOCK, K // 2, 2).transpose(1, 2).reshape(nb, BLOCK * K)
+        out[: nb * BLOCK] = torch.cat([pairs, _bytes(scale[: nb * BLOCK]).view(nb, -1)], 1).view(-1, K + SCALE_BYTES)
+    return out
+
+
+def n_blocks(n: int, k: int) -> int:
+    """How many 32-row blocks a quantized [n, k] matrix has (none when k is odd)."""
+    return 0 if k % 2 else n // BLOCK
+
+
+def in_features(w: torch.Tensor) -> int:
+    return int(w.shape[1]) - SCALE_BYTES
+
+
+def scales(w: torch.Tensor) -> torch.Tensor:
+    """The per-row fp32 scales [N] of a quantized matrix."""
+    _, block_scales, plain = _parts(w)
+    return torch.cat([block_scales.reshape(-1), _plain_scales(plain)])
+
+
+def dequantize(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """int8 [N, K + 4] -> [N, K] in `dtype` (torch ops; the kernel's own `dequantize` is one parallel pass)."""
+    pairs, block_scales, plain = _parts(w)
+    K = in_features(w)
+    top = pairs.transpose(1, 2).reshape(-1, K).to(torch.float32) * block_scales.reshape(-1, 1)
+    bottom = plain[:, :K].to(torch.float32) * _plain_scales(plain)[:, None]
+    return torch.cat([top, bottom]).to(dtype)
+
+
+def embedding(ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a quantized embedding, dequantized to fp32 (only the rows looked up)."""
+    pairs, block_scales, plain = _parts(w)
+    K, edge = in_features(w), pairs.shape[0] * BLOCK
+    flat = ids.reshape(-1)
+    out = torch.empty(flat.numel(), K)
+    blocked = flat < edge
+    if blocked.any():
+        b, r = flat[blocked] // BLOCK, flat[blocked] % BLOCK
+        out[blocked] = pairs[b, :, r, :].reshape(-1, K).to(torch.float32) * block_scales[b, r][:, None]
+    if not blocked.all():
+        rows = plain[flat[~blocked] - edge]
+        out[~blocked] = rows[:, :K].to(torch.float32) * _plain_scales(rows)[:, None]
+    return out.view(*ids.shape, K)
+
+
+def _parts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Blocks' weights [nb, K/2, 32, 2], blocks' scales [nb, 32], plain rows [N - 32 nb, K + 4] (views of w)."""
+    K = in_features(w)
+    nb = n_blocks(w.shape[0], K)
+    blocks = w[: nb * BLOCK].reshape(nb, BLOCK * (K + SCALE_BYTES))
+    pairs = blocks[:, : BLOCK * K].view(nb, K // 2, BLOCK, 2)
+    return pairs, _floats(blocks[:, BLOCK * K :]).view(nb, BLOCK), w[nb * BLOCK :]
+
+
+def _plain_scales(rows: torch.Tensor) -> torch.Tensor:
+    return _floats(rows[:, -SCALE_BYTES:])
+
+
+def _floats(b: torch.Tensor) -> torch.Tensor:
+    """int8 bytes (any view) -> the fp32 values they hold, in a fresh aligned tensor."""
+    return torch.empty(b.numel(), dtype=torch.int8).copy_(b.reshape(-1)).view(torch.float32)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int8)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, path: str | None = None) -> torch.Tensor:
+    """x [..., K] fp32 @ dequantize(w)^T -> [..., N] fp32; `path` (an ISA name or "torch") overrides the choice."""
+    path = "torch" if w.device.type != "cpu" else path or kernel_path()
+    if path != "torch" and native_isa() is None:
+        raise RuntimeError(f"int8 kernel path {path!r} asked for, but the kernel could not be built")
+    x2 = x.reshape(-1, in_features(w)).to(torch.float32)
+    if _kernel_takes(path, x2.shape[0], w):
+        y: torch.Tensor = torch.ops.wkvm_int8.linear(x2.contiguous(), w, ISAS.index(path))
+    else:
+        from wkvm.models.linear import linear as float_linear
+
+        y = float_linear(x2, torch.ops.wkvm_int8.dequantize(w) if path != "torch" else dequantize(w))
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+def _kernel_takes(path: str, m: int, w: torch.Tensor) -> bool:
+    if path == "torch":
+        return False
+    return path == "avx512_vnni" or m <= KERNEL_ROWS or (m <= KERNEL_ROWS_LARGE and w.numel() >= LARGE)
+
+
+@functools.cache
+def kernel_path() -> str:
+    """What int8 matmuls of decode size run on here: an ISA of the native kernel, or "torch" (dequantize per call)."""
+    forced = os.environ.get("WKVM_INT8_KERNEL", "auto").lower()
+    if forced not in ("auto", "torch", *ISAS):
+        raise ValueError(f"WKVM_INT8_KERNEL={forced!r}: use auto, {', '.join(ISAS)} or torch")
+    best = native_isa()
+    if forced == "torch" or best is None:
+        return "torch"
+    if forced != "auto" and ISAS.index(forced) > ISAS.index(best):
+        raise ValueError(f"WKVM_INT8_KERNEL={forced}: this CPU runs at most {best}")
+    return best if forced == "auto" else forced
+
+
+@functools.cache
+def native_isa() -> str | None:
+    """The best ISA of the native kernel on this CPU, building it on first use; None when it cannot be built."""
+    try:
+        build()
+        return ISAS[int(torch.ops.wkvm_int8.best_isa())]
+    except Exception as e:  # no compiler, failed build or load: int8 still works, only slower
+        log.warning("int8 kernel unavailable (%s); int8 matmuls dequantize per call (slow)", str(e).splitlines()[0])
+        return None
+
+
+def build() -> None:
+    """Compile (once per source, torch and CPU) and load int8_linear.cpp as torch.ops.wkvm_int8."""
+    from torch.utils import cpp_extension
+
+    if hasattr(torch.ops.wkvm_int8, "linear"):
+        return
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + torch.__version__.encode() + cpu_flags().encode()).hexdigest()[:16]
+    name = f"wkvm_int8_{key}"
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "wkvm" / "torch_extensions")
+    (root / name).mkdir(parents=True, exist_ok=True)
+    log.info("building the int8 kernel in %s (once)", root / name)
+    cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3"], build_directory=str(root / name),
+                       is_python_module=False, verbose=False)  # fmt: skip
+
+
+def cpu_flags() -> str:
+    """This CPU's feature flags as /proc/cpuinfo lists them ("" where there is no such file)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
