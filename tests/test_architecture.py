@@ -66,3 +66,13 @@ def test_the_check_sees_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from wkvm.server.app import create_app\n")
     assert wkvm_imports(bad) == {"server"}
+
+
+def test_single_process_serving_never_imports_ray():
+    """Ray is imported only by `wkvm serve --replicas N` (wkvm/cluster/)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, wkvm.cli, wkvm.server.app, wkvm.server.serving; wkvm.cli.build_parser(); "
+            "assert 'ray' not in sys.modules, 'ray imported'")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True)
