@@ -14,7 +14,7 @@ SERVE_MODEL := $(SMOLLM2)
 export WKVM_MODEL := $(CURDIR)/$(SMOLLM2)
 endif
 
-.PHONY: serve test lint bench clean smollm2 minilm
+.PHONY: serve test lint bench clean smollm2 minilm e2e-openwebui
 
 $(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -47,6 +47,12 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/rwkv7_speed.py
+
+# Open WebUI in headless Chromium against wkvm, every reply checked against a server without reuse; not part of
+# `make test`: installs Open WebUI (~3 GB) into ~/.cache/wkvm/openwebui-venv; needs Debian's chromium package.
+# Report: docs/openwebui_e2e.json and .png (docs/chat-continuity.md)
+e2e-openwebui: $(STAMP)
+	$(BIN)/python scripts/e2e_openwebui.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
