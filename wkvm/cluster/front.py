@@ -147,8 +147,10 @@ class Front:
         files: list[bytes] = await self.call(source, "export_name", tenant, name)
         if not files:
             return error_response(404, f"no state {handle!r}", None, "state_not_found")  # deleted meanwhile
+        t1 = time.perf_counter()
         handles: list[str] = await self.call(replicas[to], "adopt", tenant, files)
         await self.directory.record.remote(key, to)
+        t2 = time.perf_counter()
         versions = [int(h.rsplit("@", 1)[1]) for h in handles]
         if not await self.call(source, "drop_name", tenant, name, versions):
             # a new version appeared on the source meanwhile: it stays the owner, the copy goes
@@ -161,7 +163,8 @@ class Front:
         self.metrics.migrations.inc()
         self.metrics.moved_bytes.inc(nbytes)
         self.metrics.migration_seconds.observe(seconds)
-        return JSONResponse(migration(handle, slot, to, nbytes, seconds, handles))
+        steps = {"export": t1 - t0, "adopt": t2 - t1, "drop": time.perf_counter() - t2}
+        return JSONResponse(migration(handle, slot, to, nbytes, seconds, handles) | {"steps_seconds": steps})
 
     async def cluster(self) -> dict[str, Any]:
         replicas = await self.replicas()

@@ -1,0 +1,149 @@
+"""Moving a parked state between replicas vs re-prefilling its conversation (the NVIDIA Dynamo approach).
+
+Starts `wkvm serve --replicas 2` on the 0.1B-shape random RWKV-7 checkpoint (a local Ray instance), creates named
+states with 1k and 4k tokens of history, then moves each between the two replicas N times
+(`POST /v1/states/{h}/migrate`, timed at the client: export, adopt, drop and the HTTP round trip) and re-prefills
+the same history N_PREFILL times (`POST /v1/states` with the same tokens: the work a replica without the state
+does). Also: the overhead Ray adds per request (a 1-token completion through the replicas vs the same request to a
+single-process `wkvm serve`), and aggregate decode tok/s of 8 concurrent streams at 1 vs 2 replicas.
+
+These are parked states (between turns). Migrating a *running* stream is not built yet (docs/cluster.md).
+Writes bench/out/migration.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import checkpoint, cpu_name, print_table, write_json  # noqa: E402
+
+from wkvm.server.background import free_port, wait_healthy  # noqa: E402
+
+
+def serve(model: Path, replicas: int, state_dir: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    extra = ["--replicas", str(replicas)] if replicas else []
+    proc = subprocess.Popen([sys.executable, "-m", "wkvm.cli", "serve", "--model", str(model), "--port", str(port),
+                             "--state-dir", state_dir, "--no-access-log", *extra],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, timeout=600, alive=lambda: proc.poll() is None)
+    return proc, url
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def request_overhead(url: str, n: int) -> float:
+    c = httpx.Client(base_url=url, timeout=120)
+    body = {"model": c.get("/v1/models").json()["data"][0]["id"], "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        assert c.post("/v1/completions", json=body).status_code == 200
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def aggregate_decode(url: str, streams: int, tokens: int) -> float:
+    c = httpx.Client(base_url=url, timeout=600)
+    model = c.get("/v1/models").json()["data"][0]["id"]
+
+    def one(i: int) -> int:
+        body = {"model": model, "prompt": f"Stream {i}:", "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+                "user": f"user-{i}"}  # fmt: skip
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["completion_tokens"])
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+        done = sum(pool.map(one, range(streams)))
+    return done / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--moves", type=int, default=50)
+    ap.add_argument("--prefills", type=int, default=3)
+    ap.add_argument("--lengths", default="1024,4096")
+    args = ap.parse_args()
+    model = checkpoint()
+    out: dict[str, object] = {"cpu": cpu_name(), "moves": args.moves}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url = serve(model, 2, tmp + "/cluster", Path(tmp) / "cluster.log")
+        try:
+            c = httpx.Client(base_url=url, timeout=1200)
+            rng = random.Random(0)
+            for n in [int(x) for x in args.lengths.split(",")]:
+                ids = [rng.randrange(1, 65000) for _ in range(n)]
+                r = c.post("/v1/states", json={"name": f"h{n}", "prompt_ids": ids})
+                assert r.status_code == 200, r.text
+                where = r.headers["x-wkvm-replica"]
+                moves, nbytes = [], 0
+                for _ in range(args.moves):
+                    to = "r1" if where == "r0" else "r0"
+                    t0 = time.perf_counter()
+                    m = c.post(f"/v1/states/h{n}/migrate", json={"to": to})
+                    moves.append(time.perf_counter() - t0)
+                    assert m.status_code == 200, m.text
+                    nbytes, where = m.json()["bytes"], to
+                prefills = []
+                for i in range(args.prefills):
+                    t0 = time.perf_counter()
+                    assert c.post("/v1/states", json={"name": f"p{n}-{i}", "prompt_ids": ids}).status_code == 200
+                    prefills.append(time.perf_counter() - t0)
+                p50, p99, pre = pct(moves, 0.5), pct(moves, 0.99), statistics.median(prefills)
+                out[f"history_{n}"] = {"move_p50_s": p50, "move_p99_s": p99, "reprefill_s": pre, "bytes": nbytes,
+                                       "mb_per_s": nbytes / p50 / 1e6, "moves_s": moves,
+                                       "prefills_s": prefills}  # fmt: skip
+                rows.append([n, f"{nbytes / 2**20:.2f}", f"{p50 * 1e3:.1f}", f"{p99 * 1e3:.1f}", f"{pre * 1e3:.0f}",
+                             f"{pre / p50:.1f}x", f"{nbytes / p50 / 1e6:.0f}"])  # fmt: skip
+            overhead_cluster = request_overhead(url, 30)
+            agg2 = aggregate_decode(url, 8, 64)
+        finally:
+            stop(proc)
+        proc, url = serve(model, 0, tmp + "/single", Path(tmp) / "single.log")
+        try:
+            overhead_single = request_overhead(url, 30)
+            agg1 = aggregate_decode(url, 8, 64)
+        finally:
+            stop(proc)
+    out |= {"request_s_cluster": overhead_cluster, "request_s_single": overhead_single,
+            "aggregate_tok_s_2_replicas": agg2, "aggregate_tok_s_1_process": agg1}  # fmt: skip
+    print_table(f"Moving a parked 0.1B-shape RWKV-7 state between 2 replicas ({args.moves} moves) vs re-prefill; "
+                f"{cpu_name()}", ["history", "MiB", "move p50 ms", "move p99 ms", "re-prefill ms", "speed-up",
+                                  "MB/s"], rows)  # fmt: skip
+    print_table("Per request and aggregate", ["", "2 replicas (Ray Serve)", "1 process"],
+                [["1-token completion, median ms", f"{overhead_cluster * 1e3:.1f}", f"{overhead_single * 1e3:.1f}"],
+                 ["8 streams x 64 tokens, tok/s", f"{agg2:.1f}", f"{agg1:.1f}"]])  # fmt: skip
+    print("wrote", write_json("migration", out))
+
+
+if __name__ == "__main__":
+    main()
