@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -69,16 +70,65 @@ inline void store_block(const Problem& p, int64_t b, int64_t m, const int64_t (&
     for (int64_t r = 0; r < BLOCK; ++r) store(p, m + i, b * BLOCK + r, tot[i][r]);
 }
 
-void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* q, float* scale) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* r = x + m * K;
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(r[k]));
-    scale[m] = amax / 32767.f;
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-    for (int64_t k = 0; k < K; ++k)
-      q[m * K + k] = static_cast<int16_t>(std::nearbyint(std::min(32767.f, std::max(-32767.f, r[k] * inv))));
+// x's rows to int16 with their own scales. The AVX2 version (used by every vector path) gives the same bits: max is
+// exact in any order, the scale is computed alike, and cvtps rounds to nearest even as the ROUND trick does.
+constexpr float QMAX = 32767.f;
+
+inline float amax_scalar(const float* r, int64_t k0, int64_t K, float amax) {
+  for (int64_t k = k0; k < K; ++k) {
+    const float a = std::fabs(r[k]);
+    amax = a > amax ? a : amax;
   }
+  return amax;
+}
+
+inline void round_scalar(const float* r, int64_t k0, int64_t K, float inv, int16_t* q) {
+  constexpr float ROUND = 12582912.f;  // 1.5 * 2^23: adding then subtracting it rounds to nearest, ties to even
+  for (int64_t k = k0; k < K; ++k) {
+    float v = r[k] * inv;
+    v = v > QMAX ? QMAX : (v < -QMAX ? -QMAX : v);
+    q[k] = static_cast<int16_t>(static_cast<int32_t>((v + ROUND) - ROUND));
+  }
+}
+
+inline float inverse(float amax) { return amax > 0.f ? QMAX / amax : 0.f; }
+
+void quantize_row_scalar(const float* r, int64_t K, int16_t* q, float* scale) {
+  const float amax = amax_scalar(r, 0, K, 0.f);
+  *scale = amax / QMAX;
+  round_scalar(r, 0, K, inverse(amax), q);
+}
+
+#ifdef WKVM_X86
+__attribute__((target("avx2"))) void quantize_row_avx2(const float* r, int64_t K, int16_t* q, float* scale) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 mx = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(r + k), abs_mask));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  const float amax = amax_scalar(r, k, K, amax_scalar(lanes, 0, 8, 0.f));
+  *scale = amax / QMAX;
+  const float inv = inverse(amax);
+  const __m256 vinv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(QMAX), lo = _mm256_set1_ps(-QMAX);
+  for (k = 0; k + 16 <= K; k += 16) {
+    const __m256 va = _mm256_mul_ps(_mm256_loadu_ps(r + k), vinv), vb = _mm256_mul_ps(_mm256_loadu_ps(r + k + 8), vinv);
+    const __m256i a = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, va)));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, vb)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+  }
+  round_scalar(r, k, K, inv, q);
+}
+#endif
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* q, float* scale, int64_t isa) {
+  void (*row)(const float*, int64_t, int16_t*, float*) = quantize_row_scalar;
+#ifdef WKVM_X86
+  if (isa >= 1) row = quantize_row_avx2;
+#endif
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) row(x + m * K, K, q + m * K, scale + m);
+  });
 }
 
 inline int64_t dot_scalar(const int16_t* x, const int8_t* w, int64_t k0, int64_t k1) {
@@ -306,11 +356,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t isa) {
   TORCH_CHECK(w.size(1) == x.size(1) + 4, "w rows must hold K = x.size(1) weights and a float32 scale");
   TORCH_CHECK(isa >= 0 && isa <= best_isa(), "this CPU cannot run kernel isa ", isa);
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
-  std::vector<int16_t> xq(M * K);
+  std::unique_ptr<int16_t[]> xq(new int16_t[M * K]);  // uninitialized: every element is written
   std::vector<float> xs(M);
-  quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xs.data());
+  quantize_rows(x.data_ptr<float>(), M, K, xq.get(), xs.data(), isa);
   at::Tensor y = at::empty({M, N}, x.options());
-  const Problem p{xq.data(), xs.data(), w.data_ptr<int8_t>(), y.data_ptr<float>(), M, N, K, K % 2 ? 0 : N / BLOCK};
+  const Problem p{xq.get(), xs.data(), w.data_ptr<int8_t>(), y.data_ptr<float>(), M, N, K, K % 2 ? 0 : N / BLOCK};
   void (*blocks)(const Problem&, int64_t, int64_t) = blocks_scalar;
   void (*rows)(const Problem&, int64_t, int64_t) = rows_scalar;
 #ifdef WKVM_X86
