@@ -80,6 +80,24 @@ def char_model(ckpt_dir):
 
 
 @pytest.fixture(scope="module")
+def reuse(char_model, tmp_path_factory):
+    """A live server on the char model with state reuse on (chat continuity, Open WebUI tests); one per module."""
+    from live_server import LiveServer
+
+    with LiveServer(model=str(char_model), slots=4, state_dir=str(tmp_path_factory.mktemp("reuse"))) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def fresh(char_model):
+    """The same without any reuse: the oracle every reused answer must equal."""
+    from live_server import LiveServer
+
+    with LiveServer(model=str(char_model), slots=4, prefix_reuse=False) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
 def one_thread():
     """torch on one thread for a test module of tiny models: their matrices gain nothing from threads, and on a busy
     machine OpenMP threads wait on each other (5x slower)."""

@@ -14,16 +14,7 @@ GREEDY = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
 USER_TURNS = ["Goodmorrow,friend.", "Whatnewsfromthecourt?", "Speakplainly.", "Andthen?", "Farewell."]
 
 
-@pytest.fixture(scope="module")
-def reuse(char_model, tmp_path_factory):
-    with LiveServer(model=str(char_model), slots=4, state_dir=str(tmp_path_factory.mktemp("reuse"))) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def fresh(char_model):
-    with LiveServer(model=str(char_model), slots=4, prefix_reuse=False) as s:
-        yield s
+# fixtures `reuse` and `fresh` (a server with and one without state reuse): tests/conftest.py
 
 
 def chat(server, messages, headers=None):

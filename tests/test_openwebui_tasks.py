@@ -8,21 +8,11 @@ import uuid
 
 import httpx
 import pytest
-from live_server import LiveServer
 
 GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def reuse(char_model, tmp_path_factory):
-    with LiveServer(model=str(char_model), slots=4, state_dir=str(tmp_path_factory.mktemp("owui"))) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def fresh(char_model):
-    with LiveServer(model=str(char_model), slots=4, prefix_reuse=False) as s:
-        yield s
+# fixtures `reuse` and `fresh` (a server with and one without state reuse): tests/conftest.py
 
 
 class Chat:
