@@ -27,7 +27,7 @@ PACK_BATCH_HINT = 64
 BF16_NATIVE_SPEED = "1.3-1.5x float32's tok/s in prefill and decode"
 BF16_EMULATED_SPEED = "0.2-0.5x float32's tok/s in prefill, 0.3-1.0x in batch-8 decode, 1.3-2.5x single-stream"
 # int8 over fp32 tok/s, `bench/int8_speed.py --e2e` (SmolLM2-135M, RWKV-7 0.1B) on AMD EPYC, AVX512-VNNI kernel
-INT8_SPEED = "2.4-3.5x float32's tok/s in single-stream decode, 2.0-2.3x at batch 8, 0.9-1.1x in prefill"
+INT8_SPEED = "2.4-4.0x float32's tok/s in single-stream decode, 1.9-2.4x at batch 8, 0.9-1.4x in prefill"
 
 
 @functools.cache
