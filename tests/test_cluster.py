@@ -7,10 +7,12 @@ One cluster (a local Ray instance, the embedded model, an API key) for the modul
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -39,6 +41,7 @@ def cluster(tmp_path_factory):
     try:
         wait_healthy(url, timeout=300, alive=lambda: proc.poll() is None)
         client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+        client.server_pid = proc.pid  # for the rolling restart (SIGHUP)
         yield client
         client.close()
     finally:
@@ -163,3 +166,59 @@ def test_a_killed_replica_loses_no_acknowledged_state(cluster):
     got = cluster.post("/v1/states/durable@1/generate", json=ask)
     assert got.status_code == 200, got.text
     assert got.json()["choices"][0]["text"] == want
+
+
+def pids(cluster):
+    listing = cluster.get("/v1/cluster")
+    return {x["slot"]: x.get("pid") for x in listing.json()["replicas"]} if listing.status_code == 200 else {}
+
+
+def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
+    """SIGHUP to `wkvm serve --replicas` replaces every replica; Serve lets each finish its running requests first."""
+    chats = {}
+    for c in range(3):
+        messages = [{"role": "user", "content": f"Speak of crowns, {c}."}]
+        messages.append({"role": "assistant", "content": chat(cluster, messages, **{"X-OpenWebUI-Chat-Id": f"roll-{c}"})
+                         .json()["choices"][0]["message"]["content"]})  # fmt: skip
+        chats[c] = messages + [{"role": "user", "content": "And then?"}]
+    ask = {**GREEDY, "prompt": " anon"}
+    states = {}
+    for i in range(3):
+        assert cluster.post("/v1/states", json={"name": f"roll{i}", "prompt": f"HAMLET {i}:"}).status_code == 200
+        states[i] = cluster.post(f"/v1/states/roll{i}@1/generate", json=ask).json()["choices"][0]["text"]
+    long = {**GREEDY, "max_tokens": 300, "ignore_eos": True, "prompt": "GLOUCESTER:"}
+    want = cluster.post("/v1/completions", json=long).json()["choices"][0]["text"]
+    got: dict[int, str] = {}
+
+    def stream(i: int) -> None:
+        text = ""
+        with cluster.stream("POST", "/v1/completions", json={**long, "stream": True, "user": f"r{i}"}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        got[i] = text
+
+    before = pids(cluster)
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    os.kill(cluster.server_pid, signal.SIGHUP)
+    for t in threads:
+        t.join(300)
+    assert [got.get(i) == want for i in range(4)] == [True] * 4
+    deadline = time.monotonic() + 240
+    while True:  # every replica replaced, every slot held again
+        now = pids(cluster)
+        if len(now) == len(before) and all(p is not None and p not in before.values() for p in now.values()):
+            break
+        assert time.monotonic() < deadline, f"replicas not all replaced: {before} -> {now}"
+        time.sleep(2)
+    for i, text in states.items():
+        r = cluster.post(f"/v1/states/roll{i}@1/generate", json=ask)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == text, r.text
+    for c, messages in chats.items():
+        after = chat(cluster, messages, **{"X-OpenWebUI-Chat-Id": f"roll-{c}"}).json()
+        plain = cluster.post("/v1/chat/completions", json={**GREEDY, "messages": messages, "cache_salt": "x"}).json()
+        assert after["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+        assert after["wkvm"]["reused_tokens"] > 0, after["wkvm"]  # from the checkpoints written back at the stop

@@ -54,6 +54,12 @@ class Directory:
             if s.replica_id == replica_id:
                 del self.slots[name]
 
+    async def prune(self) -> None:
+        """Forget holders Ray reports dead (killed before they could release their slots)."""
+        for name, s in list(self.slots.items()):
+            if not await alive(s.actor):
+                del self.slots[name]
+
     def lookup(self, key: str) -> tuple[str | None, str | None]:
         """(slot, replica id) owning `key`; (None, None) when nobody does."""
         slot = self.owners.get(key)

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import threading
+import time
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -23,6 +26,7 @@ from wkvm.config import ServerConfig
 
 log = logging.getLogger("wkvm.cluster")
 APP = NAMESPACE
+SLOT = re.compile(r"r\d+")
 
 
 @serve.ingress()
@@ -34,12 +38,14 @@ class FrontDeployment:
         return build_front_app(self.front)
 
 
-def application(config: ServerConfig) -> Any:
-    """The bound Serve application (the directory actor must exist first: `directory_actor()`)."""
+def application(config: ServerConfig, generation: int = 0) -> Any:
+    """The bound Serve application (the directory actor must exist first: `directory_actor()`). A new `generation`
+    changes the replicas' options, so deploying it replaces them one by one (a rolling restart)."""
     engine = serve.deployment(EngineReplica).options(
         name="wkvm-engine",
         num_replicas=config.replicas,
-        ray_actor_options={"num_cpus": 0},  # replicas share the machine's cores (each sets its torch threads)
+        # replicas share the machine's cores (each sets its torch threads)
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": {"WKVM_GENERATION": str(generation)}}},
         max_ongoing_requests=config.slots + config.max_queue,  # beyond it the owner is overloaded: fall back
         request_router_config=RequestRouterConfig(request_router_class=AffinityRouter),
         graceful_shutdown_timeout_s=config.shutdown_grace + 30,
@@ -71,6 +77,28 @@ def start(config: ServerConfig) -> Any:
     return directory
 
 
+def absorb_unheld_slots(config: ServerConfig, directory: Any) -> None:
+    """Give every slot directory no replica holds (a rolling restart may start new replicas in new slots before the
+    old ones stop) to a live replica, which takes its named states. Call only when every replica is running."""
+    if not config.state_dir or not Path(config.state_dir).is_dir():
+        return
+    deadline = time.monotonic() + config.shutdown_grace + 60
+    while True:  # replaced replicas drain (Serve lets their requests finish), close their stores, release slots
+        ray.get(directory.prune.remote())
+        held: dict[str, str] = ray.get(directory.replicas.remote())
+        if len(held) <= config.replicas or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    unheld = sorted(p.name for p in Path(config.state_dir).iterdir() if SLOT.fullmatch(p.name) and p.name not in held)
+    if not unheld or not held:
+        return
+    engine = serve.get_deployment_handle("wkvm-engine", app_name=APP)
+    heirs = list(held.values())
+    for i, slot in enumerate(unheld):
+        n = engine.absorb.remote(slot, target=heirs[i % len(heirs)], strict=True).result()
+        log.info("slot %s had no replica: %d named states moved to a live one", slot, n)
+
+
 def stop() -> None:
     """Delete the application (each replica drains: `EngineReplica.__del__`), then leave Ray."""
     try:
@@ -81,23 +109,39 @@ def stop() -> None:
 
 
 def run(config: ServerConfig) -> int:
-    """Serve until SIGTERM or Ctrl-C."""
-    done = threading.Event()
+    """Serve until SIGTERM or Ctrl-C; SIGHUP restarts the replicas one by one (Serve drains each first)."""
+    done, restart = threading.Event(), threading.Event()
 
     def on_signal(sig: int, frame: FrameType | None) -> None:
         log.info("shutting down the replicas (running requests have %.0f s: --shutdown-grace)", config.shutdown_grace)
         done.set()
 
+    def on_hangup(sig: int, frame: FrameType | None) -> None:
+        restart.set()
+        done.set()
+
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)
     try:
         directory = start(config)
     except RuntimeError as e:  # a replica failed to start (its traceback is in the log above)
         log.error("the replicas did not start: %s", e)
         stop()
         return 1
+    absorb_unheld_slots(config, directory)  # a restart with fewer replicas than before
     log.info("wkvm serving on http://%s:%d with %d replicas", config.host, config.port, config.replicas)
-    done.wait()
+    generation = 0
+    while True:
+        done.wait()
+        if not restart.is_set():
+            break
+        done.clear()
+        restart.clear()
+        generation += 1
+        log.info("rolling restart %d: replacing the replicas one by one", generation)
+        serve.run(application(config, generation), name=APP, route_prefix="/")
+        absorb_unheld_slots(config, directory)
     stop()
     del directory
     return 0

@@ -26,8 +26,8 @@ from wkvm.cluster.forward import MISROUTED, ForwardedRequest, Head, run_asgi, st
 from wkvm.config import ServerConfig
 from wkvm.server.app import create_app
 from wkvm.server.context import ServerContext
-from wkvm.state.quota import is_internal
-from wkvm.state.store import StateNotFound
+from wkvm.state.quota import StoreLimits, is_internal
+from wkvm.state.store import StateNotFound, StateStore
 
 log = logging.getLogger("wkvm.cluster")
 DIRECTORY = "wkvm-directory"
@@ -100,6 +100,34 @@ class EngineReplica:
             return True
 
         return await asyncio.to_thread(drop)
+
+    async def absorb(self, slot: str, **route: object) -> int:
+        """Take every named state of a slot no replica holds (left behind by a rolling restart that gave the new
+        replicas other slots): each moves here with its handle, and the directory learns it. Returns how many."""
+        self.check(route)
+        cfg, m = self.ctx.config, self.ctx.model
+        root = Path(cfg.state_dir or "") / slot
+        if not cfg.state_dir or slot == self.slot or not (root / "index.sqlite").exists():
+            return 0
+
+        def move() -> list[str]:
+            other = StateStore(root, m.spec, m.fingerprint, m.vocab_size, device=cfg.device,
+                               limits=StoreLimits.from_config(cfg))  # fmt: skip
+            try:
+                recs = sorted((r for r in other.index.list() if not is_internal(r.owner)),
+                              key=lambda r: (r.owner, r.name, r.version))  # fmt: skip
+                for r in recs:
+                    self.ctx.store.adopt_bytes(r.owner, other.export_bytes(r.owner, r.handle))
+                for r in recs:
+                    other.delete(r.owner, r.handle)
+                return [state_key(r.owner, r.name) for r in recs]
+            finally:
+                other.close()
+
+        keys = await asyncio.to_thread(move)
+        await self.directory.holds.remote(self.slot, keys)
+        log.info("replica %s took %d named states from unheld slot %s", self.slot, len(keys), slot)
+        return len(keys)
 
     def check(self, route: dict[str, object]) -> None:
         if self.misrouted(route):
