@@ -18,7 +18,11 @@ import time
 import httpx
 import pytest
 
+from wkvm.cli import default_model
+from wkvm.server.asgi import key_owner
 from wkvm.server.background import free_port, wait_healthy
+from wkvm.state.store import StateStore
+from wkvm.weights.loader import load_model
 
 pytest.importorskip("ray", reason="Ray Serve is the optional extra wkvm[cluster]; make test installs it")
 pytestmark = pytest.mark.cluster
@@ -41,7 +45,7 @@ def cluster(tmp_path_factory):
     try:
         wait_healthy(url, timeout=300, alive=lambda: proc.poll() is None)
         client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
-        client.server_pid = proc.pid  # for the rolling restart (SIGHUP)
+        client.server_pid, client.state_dir = proc.pid, state_dir  # for the rolling restart (SIGHUP)
         yield client
         client.close()
     finally:
@@ -198,6 +202,13 @@ def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
                     text += json.loads(line[6:])["choices"][0]["text"]
         got[i] = text
 
+    # a slot directory no replica holds (as a restart with fewer replicas, or new replicas in new slots, leaves):
+    # the restart hands it to a live replica, which adopts its named states
+    exported = cluster.get("/v1/states/roll0@1/export").content
+    model = load_model(default_model())
+    orphan = StateStore(cluster.state_dir / "r7", model.spec, model.fingerprint, model.config.vocab_size)
+    orphan.import_bytes(key_owner(KEY.encode()), exported, name="orphan")
+    orphan.close()
     before = pids(cluster)
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
     for t in threads:
@@ -217,6 +228,11 @@ def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
     for i, text in states.items():
         r = cluster.post(f"/v1/states/roll{i}@1/generate", json=ask)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == text, r.text
+    deadline = time.monotonic() + 120
+    while (r := cluster.post("/v1/states/orphan@1/generate", json=ask)).status_code != 200:
+        assert time.monotonic() < deadline, r.text
+        time.sleep(2)
+    assert r.json()["choices"][0]["text"] == states[0]  # the same state as roll0@1, under its own handle
     for c, messages in chats.items():
         after = chat(cluster, messages, **{"X-OpenWebUI-Chat-Id": f"roll-{c}"}).json()
         plain = cluster.post("/v1/chat/completions", json={**GREEDY, "messages": messages, "cache_salt": "x"}).json()

@@ -12,6 +12,7 @@ node that has its directory): the directory knows slots, not disks.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,20 +29,30 @@ class Directory:
     slots: dict[str, Slot] = field(default_factory=dict)
     owners: dict[str, str] = field(default_factory=dict)  # route key -> slot name
 
-    async def claim(self, replica_id: str, actor: Any) -> str:
-        """A starting replica's slot: the first one free or held by a dead replica."""
+    async def claim(self, replica_id: str, actor: Any, slots: int = 0, wait: float = 0.0) -> str:
+        """A starting replica's slot: the first one free or held by a dead replica. A replica that would get a slot
+        past the first `slots` waits up to `wait` seconds for one of those to free up (in a rolling restart the new
+        replica may start while the one it replaces is still draining: its slot, with its states and checkpoints,
+        should pass on rather than be left behind)."""
         for s in self.slots.values():
             if s.replica_id == replica_id:
                 return s.name
-        n = 0
+        deadline = time.monotonic() + wait
         while True:
-            name = f"r{n}"
-            held = self.slots.get(name)
-            if held is None or not await alive(held.actor):
+            name = await self._first_free()
+            if int(name[1:]) < slots or time.monotonic() >= deadline:
                 break
-            n += 1
+            await asyncio.sleep(0.5)
         self.slots[name] = Slot(name, replica_id, actor)
         return name
+
+    async def _first_free(self) -> str:
+        n = 0
+        while True:
+            held = self.slots.get(f"r{n}")
+            if held is None or not await alive(held.actor):
+                return f"r{n}"
+            n += 1
 
     def holds(self, slot: str, keys: list[str]) -> None:
         """The named states a slot's directory holds (reported by its replica once it has opened them)."""

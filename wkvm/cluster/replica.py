@@ -31,6 +31,7 @@ from wkvm.state.store import StateNotFound, StateStore
 
 log = logging.getLogger("wkvm.cluster")
 DIRECTORY = "wkvm-directory"
+SLOT_WAIT_SECONDS = 60.0  # a new replica waits this long for a slot of the first N to free up (rolling restarts)
 NAMESPACE = "wkvm"  # the directory's (Serve runs replicas in its own namespace)
 
 
@@ -44,7 +45,7 @@ class EngineReplica:
         self.directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
         me = ray.get_runtime_context().current_actor
         # the slot first (it names the state directory), then the keys of what that directory holds
-        self.slot: str = ray.get(self.directory.claim.remote(self.replica_id, me))
+        self.slot: str = ray.get(self.directory.claim.remote(self.replica_id, me, config.replicas, SLOT_WAIT_SECONDS))
         state_dir = str(Path(config.state_dir) / self.slot) if config.state_dir else None
         # replicas on one machine share its cores: torch's default of every core each would oversubscribe them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, config.replicas)))
@@ -106,7 +107,7 @@ class EngineReplica:
         replicas other slots): each moves here with its handle, and the directory learns it. Returns how many."""
         self.check(route)
         cfg, m = self.ctx.config, self.ctx.model
-        root = Path(cfg.state_dir or "") / slot
+        root = Path(cfg.state_dir or "").parent / slot  # this replica's own directory is <state-dir>/<its slot>
         if not cfg.state_dir or slot == self.slot or not (root / "index.sqlite").exists():
             return 0
 
