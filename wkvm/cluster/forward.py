@@ -24,6 +24,7 @@ from wkvm.server.asgi import header
 STATES = "/v1/states"
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 MISROUTED = 0  # the status of a Head that says "not the replica you asked for": ask the directory again
+MISROUTED_REPLY = "wkvm:misrouted"  # what a replica method returns for the same (an answer, not an error to log)
 
 
 @dataclass(frozen=True)

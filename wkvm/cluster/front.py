@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from wkvm.cluster.forward import MISROUTED, STATES, ForwardedRequest, Head, route_key, state_key
+from wkvm.cluster.forward import MISROUTED, MISROUTED_REPLY, STATES, ForwardedRequest, Head, route_key, state_key
 from wkvm.config import ServerConfig
 from wkvm.server.asgi import ApiKeyGate, BodyLimit, KeyRing, tenant_of
 from wkvm.server.errors import error_body, error_response
@@ -88,19 +88,20 @@ class Front:
                                  headers=response_headers(head))  # fmt: skip
 
     async def call(self, replica_id: str, method: str, *args: Any) -> Any:
-        """Call a method of one replica (by id), retrying while the call lands elsewhere (Misrouted); TimeoutError
-        when that replica does not answer in CALL_SECONDS (it died and is being replaced)."""
+        """Call a method of one replica (by id), again while the call lands elsewhere (it answers MISROUTED_REPLY);
+        TimeoutError when that replica does not answer in CALL_SECONDS (it died and is being replaced)."""
         deadline = time.monotonic() + CALL_SECONDS
         while True:
             call = getattr(self.engine, method).remote(*args, target=replica_id, strict=True)
             try:
-                return await asyncio.wait_for(call, max(0.1, deadline - time.monotonic()))
+                result = await asyncio.wait_for(call, max(0.1, deadline - time.monotonic()))
             except TimeoutError:
                 call.cancel()
                 raise
-            except Exception as e:
-                if "Misrouted" not in type(e).__name__ + str(e) or time.monotonic() > deadline:
-                    raise
+            if not (isinstance(result, str) and result == MISROUTED_REPLY):
+                return result
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica {replica_id} is being replaced")
             await asyncio.sleep(RETRY_SECONDS)
 
     async def list_states(self, request: Request) -> Response:

@@ -19,6 +19,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from wkvm.cluster.forward import MISROUTED_REPLY
 from wkvm.cluster.front import Front, build_front_app
 from wkvm.cluster.replica import DIRECTORY, NAMESPACE, EngineReplica, directory_actor
 from wkvm.cluster.router import AffinityRouter
@@ -95,8 +96,12 @@ def absorb_unheld_slots(config: ServerConfig, directory: Any) -> None:
     engine = serve.get_deployment_handle("wkvm-engine", app_name=APP)
     heirs = list(held.values())
     for i, slot in enumerate(unheld):
-        n = engine.absorb.remote(slot, target=heirs[i % len(heirs)], strict=True).result()
-        log.info("slot %s had no replica: %d named states moved to a live one", slot, n)
+        for _ in range(30):  # the router may land it on another replica for a moment: that one says so
+            n = engine.absorb.remote(slot, target=heirs[i % len(heirs)], strict=True).result()
+            if n != MISROUTED_REPLY:
+                log.info("slot %s had no replica: %s named states moved to a live one", slot, n)
+                break
+            time.sleep(1)
 
 
 def stop() -> None:

@@ -22,7 +22,7 @@ import torch
 from ray import serve
 
 from wkvm.cluster.directory import Directory
-from wkvm.cluster.forward import MISROUTED, ForwardedRequest, Head, run_asgi, state_key
+from wkvm.cluster.forward import MISROUTED, MISROUTED_REPLY, ForwardedRequest, Head, run_asgi, state_key
 from wkvm.config import ServerConfig
 from wkvm.server.app import create_app
 from wkvm.server.context import ServerContext
@@ -33,10 +33,6 @@ log = logging.getLogger("wkvm.cluster")
 DIRECTORY = "wkvm-directory"
 SLOT_WAIT_SECONDS = 60.0  # a new replica waits this long for a slot of the first N to free up (rolling restarts)
 NAMESPACE = "wkvm"  # the directory's (Serve runs replicas in its own namespace)
-
-
-class Misrouted(RuntimeError):
-    """A call for a replica that is being replaced reached another one."""
 
 
 class EngineReplica:
@@ -70,9 +66,10 @@ class EngineReplica:
         async for part in run_asgi(self.app, req, self.slot):
             yield part
 
-    async def export_name(self, tenant: str, name: str, **route: object) -> list[bytes]:
+    async def export_name(self, tenant: str, name: str, **route: object) -> list[bytes] | str:
         """Every version of a named state as exported files, oldest first."""
-        self.check(route)
+        if self.misrouted(route):
+            return MISROUTED_REPLY
         store = self.ctx.store
 
         def export() -> list[bytes]:
@@ -80,15 +77,17 @@ class EngineReplica:
 
         return await asyncio.to_thread(export)
 
-    async def adopt(self, tenant: str, files: list[bytes], **route: object) -> list[str]:
+    async def adopt(self, tenant: str, files: list[bytes], **route: object) -> list[str] | str:
         """Store moved states under their own handles (validated as an import)."""
-        self.check(route)
+        if self.misrouted(route):
+            return MISROUTED_REPLY
         store = self.ctx.store
         return await asyncio.to_thread(lambda: [store.adopt_bytes(tenant, f).handle for f in files])
 
-    async def drop_name(self, tenant: str, name: str, versions: list[int], **route: object) -> bool:
+    async def drop_name(self, tenant: str, name: str, versions: list[int], **route: object) -> bool | str:
         """Delete a moved name here, unless a version other than `versions` appeared meanwhile (then keep all)."""
-        self.check(route)
+        if self.misrouted(route):
+            return MISROUTED_REPLY
         store = self.ctx.store
 
         def drop() -> bool:
@@ -102,10 +101,11 @@ class EngineReplica:
 
         return await asyncio.to_thread(drop)
 
-    async def absorb(self, slot: str, **route: object) -> int:
+    async def absorb(self, slot: str, **route: object) -> int | str:
         """Take every named state of a slot no replica holds (left behind by a rolling restart that gave the new
         replicas other slots): each moves here with its handle, and the directory learns it. Returns how many."""
-        self.check(route)
+        if self.misrouted(route):
+            return MISROUTED_REPLY
         cfg, m = self.ctx.config, self.ctx.model
         root = Path(cfg.state_dir or "").parent / slot  # this replica's own directory is <state-dir>/<its slot>
         if not cfg.state_dir or slot == self.slot or not (root / "index.sqlite").exists():
@@ -130,18 +130,16 @@ class EngineReplica:
         log.info("replica %s took %d named states from unheld slot %s", self.slot, len(keys), slot)
         return len(keys)
 
-    def check(self, route: dict[str, object]) -> None:
+    def status(self, **route: object) -> dict[str, Any] | str:
         if self.misrouted(route):
-            raise Misrouted(f"replica {self.slot} got a call for replica {route.get('target')}")
-
-    def status(self, **route: object) -> dict[str, Any]:
-        self.check(route)
+            return MISROUTED_REPLY
         s = self.ctx.client.stats()
         return {"slot": self.slot, "replica_id": self.replica_id, "pid": os.getpid(), "status": "ok",
                 "running": s.running, "waiting": s.waiting, "slots_free": s.slots_free}  # fmt: skip
 
-    def metrics(self, **route: object) -> bytes:
-        self.check(route)
+    def metrics(self, **route: object) -> bytes | str:
+        if self.misrouted(route):
+            return MISROUTED_REPLY
         return self.ctx.metrics.render(self.ctx.client.stats(), self.ctx.store)
 
     def __del__(self) -> None:
