@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -144,7 +145,7 @@ def test_tenants_do_not_share_states_across_replicas(cluster):
 def test_metrics_per_replica_and_for_the_app(cluster):
     text = cluster.get("/metrics").text
     assert 'wkvm_cluster_routed_total{outcome="hit"}' in text
-    assert "wkvm_cluster_migrations_total 1.0" in text or "wkvm_cluster_migrations_total" in text
+    assert re.search(r"^wkvm_cluster_migrations_total \d", text, re.MULTILINE)  # a sample, not only its HELP line
     assert 'replica="r0"' in text and 'replica="r1"' in text
     listing = cluster.get("/v1/cluster").json()["replicas"]
     assert [r["slot"] for r in listing] == ["r0", "r1"]

@@ -19,8 +19,6 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message
 
-from wkvm.server.asgi import header
-
 STATES = "/v1/states"
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 MISROUTED = 0  # the status of a Head that says "not the replica you asked for": ask the directory again
@@ -121,7 +119,7 @@ def route_key(tenant: str, req: ForwardedRequest) -> RouteKey:
         if isinstance(value, str) and value and (field != "name" or path == STATES):
             return RouteKey(state_key(tenant, value), strict=True)
     if path in GENERATION_PATHS:
-        chat = header(req.scope(), b"x-openwebui-chat-id")
+        chat = dict(req.headers).get(b"x-openwebui-chat-id")
         if chat:
             return RouteKey("session:" + _digest(tenant, chat.decode("latin-1")))
         user = body.get("user")

@@ -79,9 +79,7 @@ class Front:
                 message = f"replica {slot}, which holds this state, is restarting; retry shortly"
                 return error_response(503, message, None, "replica_unavailable")
             await asyncio.sleep(RETRY_SECONDS)
-        outcome = "any" if route.key is None else "new" if slot is None else "hit" if head.replica == slot else None
-        outcome = outcome or "fallback"
-        self.metrics.routed.labels(outcome).inc()
+        self.metrics.routed.labels(outcome(route.key, slot, head.replica)).inc()
         if route.key is not None and head.replica != slot and head.status < 400:
             await self.directory.record.remote(route.key, head.replica)
         return StreamingResponse(relay(gen), status_code=head.status,
@@ -98,7 +96,7 @@ class Front:
             except TimeoutError:
                 call.cancel()
                 raise
-            if not (isinstance(result, str) and result == MISROUTED_REPLY):
+            if result != MISROUTED_REPLY:
                 return result
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replica {replica_id} is being replaced")
@@ -107,22 +105,25 @@ class Front:
     async def list_states(self, request: Request) -> Response:
         """`GET /v1/states` from every replica, merged."""
         req = await forwarded(request)
-        data: list[Any] = []
-        for rid in (await self.replicas()).values():
-            gen = self.engine.options(stream=True).http.remote(req, target=rid, strict=True)
-            try:
-                status, body = await asyncio.wait_for(collect(gen), CALL_SECONDS)
-            except TimeoutError:
-                gen.cancel()
-                status, body = MISROUTED, b""
+        answers = await asyncio.gather(*(self.collect(req, rid) for rid in (await self.replicas()).values()))
+        for status, body in answers:
             if status == MISROUTED:
                 return error_response(503, "a replica is restarting: the list is incomplete; retry shortly", None,
                                       "replica_unavailable")  # fmt: skip
             if status != 200:
                 return Response(body, status_code=status, media_type="application/json")
-            data.extend(json.loads(body)["data"])
-        data.sort(key=lambda s: (s.get("created", 0), s.get("id", "")))
+        data = [s for _, body in answers for s in json.loads(body)["data"]]
+        data.sort(key=lambda s: (s["created_at"], s["handle"]))
         return JSONResponse({"object": "list", "data": data})
+
+    async def collect(self, req: ForwardedRequest, replica_id: str) -> tuple[int, bytes]:
+        """One replica's whole answer to `req` (MISROUTED when it is being replaced or does not answer in time)."""
+        gen = self.engine.options(stream=True).http.remote(req, target=replica_id, strict=True)
+        try:
+            return await asyncio.wait_for(collect(gen), CALL_SECONDS)
+        except TimeoutError:
+            gen.cancel()
+            return MISROUTED, b""
 
     async def migrate(self, handle: str, request: Request) -> Response:
         """Move a named state (every version of its name) to another replica; its handles stay the same."""
@@ -188,6 +189,13 @@ class Front:
         answered = {slot: t for slot, t in zip(replicas, texts, strict=True) if isinstance(t, bytes)}  # not restarting
         body = generate_latest(self.metrics.registry) + labelled(answered)
         return Response(body, media_type="text/plain; version=0.0.4")
+
+
+def outcome(key: str | None, owner: str | None, answered: str) -> str:
+    """The routing counter's label: any (bound to nothing), new (no owner yet), hit (the owner answered), fallback."""
+    if key is None:
+        return "any"
+    return "new" if owner is None else "hit" if answered == owner else "fallback"
 
 
 def migration(handle: str, source: str, to: str, nbytes: int, seconds: float, handles: list[str]) -> dict[str, Any]:

@@ -102,6 +102,9 @@ def absorb_unheld_slots(config: ServerConfig, directory: Any) -> None:
                 log.info("slot %s had no replica: %s named states moved to a live one", slot, n)
                 break
             time.sleep(1)
+        else:
+            log.warning("slot %s has no replica and its states could not be moved: restart with --replicas %d",
+                        slot, config.replicas)  # fmt: skip
 
 
 def stop() -> None:
