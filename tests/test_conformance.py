@@ -132,6 +132,31 @@ def test_preemption_parks_and_resumes_exactly(model, family_dir):
     assert low.output.token_ids == greedy_reference(model, PROMPT, 16)
 
 
+def test_a_request_moved_to_another_engine_equals_uninterrupted(model, family_dir):
+    """Live migration at the engine level: requests suspended mid-prefill and mid-decode (greedy, and seeded sampling
+    with penalties) go on in another engine and give exactly the tokens and text of a run that never moved."""
+    sampled = SamplingParams(max_tokens=14, temperature=0.9, top_p=0.95, seed=123, presence_penalty=0.5,
+                             frequency_penalty=0.3, repetition_penalty=1.2, ignore_eos=True)  # fmt: skip
+    jobs = [(PROMPT * 3, greedy(12)), (PROMPT, greedy(12)), (PROMPT[2:], sampled)]
+    whole = engine(model, family_dir, n_slots=3)
+    want = [whole.submit(p, sp) for p, sp in jobs]
+    whole.run_until_done()
+    src = engine(model, family_dir, n_slots=3, token_budget=16, prefill_chunk=4)
+    running = [src.submit(p, sp) for p, sp in jobs]
+    for _ in range(4):  # the long prompt is still prefilling; the others have sampled a few tokens
+        src.step()
+    assert running[0].request.is_prefilling and len(running[1].request.output_ids) >= 2
+    moving = [src.suspend(h.request_id) for h in running]
+    src.step()
+    dst = engine(model, family_dir, n_slots=2)
+    moved = [dst.resume_continuation(f.result(), sp) for f, (_, sp) in zip(moving, jobs, strict=True)]
+    dst.run_until_done()
+    for h, m, w in zip(running, moved, want, strict=True):
+        assert h.output.finish_reason == "abort" and h.output.error_code == "migrated" and h.continuation is not None
+        assert m.output.token_ids == w.output.token_ids
+        assert m.output.text == w.output.text and m.output.finish_reason == w.output.finish_reason
+
+
 def test_weight_pack_streamed_equals_resident(model, family_dir, tmp_path):
     from wkvm.weights.pack import write_pack
 

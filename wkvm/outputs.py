@@ -14,6 +14,7 @@ class ErrorCode:
     SHUTDOWN = "shutdown"
     TIMEOUT = "timeout"
     CANCELLED = "cancelled"
+    MIGRATED = "migrated"  # stopped at a token boundary to go on in another engine (Engine.suspend / resume)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from wkvm.engine.engine import Engine, EngineStats
 from wkvm.engine.handle import RequestHandle
+from wkvm.engine.request import Continuation
 from wkvm.models.spec import State, StateSpec
 from wkvm.sampling_params import SamplingParams
 
@@ -58,6 +59,14 @@ class EngineClient(Protocol):
 
     def snapshot(self, request_id: str) -> concurrent.futures.Future[tuple[State, list[int]]]:
         """A running request's state and history at its next token boundary (for migrating running streams)."""
+        ...
+
+    def suspend(self, request_id: str) -> concurrent.futures.Future[Continuation]:
+        """Stop a running request at its next token boundary so that it goes on elsewhere (`resume`)."""
+        ...
+
+    async def resume(self, c: Continuation, params: SamplingParams) -> RequestHandle:
+        """Go on with a request suspended in another engine on the same model."""
         ...
 
     def queue_room(self) -> int: ...
@@ -135,6 +144,12 @@ class LocalEngineClient:
 
     def snapshot(self, request_id: str) -> concurrent.futures.Future[tuple[State, list[int]]]:
         return self.engine.snapshot(request_id)
+
+    def suspend(self, request_id: str) -> concurrent.futures.Future[Continuation]:
+        return self.engine.suspend(request_id)
+
+    async def resume(self, c: Continuation, params: SamplingParams) -> RequestHandle:
+        return self.engine.resume_continuation(c, params, loop=asyncio.get_running_loop())
 
     def queue_room(self) -> int:
         return self.engine.queue_room()

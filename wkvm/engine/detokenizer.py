@@ -47,6 +47,19 @@ class Detokenizer:
         elif self._ids and not self.stopped:
             self.text = self.tokenizer.decode(self._ids)
 
+    @property
+    def released(self) -> str:
+        """The text delta() has handed out so far."""
+        return self.text[: self._released]
+
+    def replay(self, token_ids: list[int], released: str) -> None:
+        """Catch up with a generation begun elsewhere: its tokens, of which `released` was already handed out."""
+        for t in token_ids:
+            self.add(t)
+        if not self.text.startswith(released):
+            raise ValueError("the replayed tokens do not give the text already sent (another tokenizer?)")
+        self._released = len(released)
+
     def delta(self, final: bool = False) -> str:
         """Text not yet released; holds back a possible stop-string prefix unless final."""
         end = len(self.text)

@@ -14,7 +14,7 @@ from wkvm.config import EngineConfig
 from wkvm.engine.arena import SlotArena
 from wkvm.engine.detokenizer import Detokenizer
 from wkvm.engine.handle import Event, RequestHandle
-from wkvm.engine.request import Request, Status
+from wkvm.engine.request import Continuation, Request, Status
 from wkvm.engine.runner import ModelRunner, StepOutput
 from wkvm.engine.scheduler import QueueFull, Scheduler
 from wkvm.models.family import LanguageModel
@@ -26,6 +26,7 @@ from wkvm.tokenizer import Tokenizer
 log = logging.getLogger("wkvm.engine")
 __all__ = ["Engine", "EngineClosed", "EngineStats", "Event", "QueueFull", "RequestHandle"]
 SHUTDOWN_MESSAGE = "the engine shut down before this request finished"
+MIGRATED_MESSAGE = "moved to another engine, where it goes on"
 
 
 class EngineClosed(RuntimeError):
@@ -57,6 +58,7 @@ class Engine:
         self._detok: dict[str, Detokenizer] = {}
         self._ids = itertools.count()
         self._snapshots: list[tuple[str, concurrent.futures.Future[tuple[State, list[int]]]]] = []
+        self._suspends: list[tuple[str, concurrent.futures.Future[Continuation]]] = []
         self._thread: threading.Thread | None = None
         self._accepting = True
         self._stopping = False
@@ -94,7 +96,10 @@ class Engine:
         prompt_state: State | None = None,
         capture_at: int | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        resume: Continuation | None = None,
     ) -> RequestHandle:
+        """Queue a request. `resume` continues one suspended in another engine (`suspend`): `prompt_ids`,
+        `base_ids`, `initial_state` and the capture arguments must be its own (`resume_continuation` passes them)."""
         if not prompt_ids:
             raise ValueError("a request needs at least one prompt token")
         limit = self.runner.context_limit
@@ -114,7 +119,15 @@ class Engine:
             capture_at=capture_at if capture_at is not None and 0 < capture_at < len(prompt_ids) else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )  # fmt: skip
+        detok = Detokenizer(self.tokenizer, params.stop)
+        if resume is not None:
+            req.output_ids, req.num_computed_tokens = list(resume.output_ids), resume.num_computed_tokens
+            req.branch_state = resume.branch_state
+            req.check_invariant()
+            detok.replay(req.output_ids, resume.text)
         handle = RequestHandle(self, req, loop)
+        if resume is not None:
+            handle.output.token_ids, handle.output.text = list(req.output_ids), resume.text
         with self._lock:
             if not self._accepting:
                 raise EngineClosed("the engine is shutting down and accepts no new requests")
@@ -122,12 +135,14 @@ class Engine:
                 raise ValueError(f"request id {req.request_id!r} is already in flight")
             self.runner.add(req)  # first: it refuses a grammar that does not compile for this tokenizer
             try:
+                if resume is not None:
+                    self.runner.resume(req, resume.generator)
                 self.scheduler.add(req)
-            except QueueFull:
+            except (QueueFull, ValueError):
                 self.runner.release(req.request_id)
                 raise
             self._handles[req.request_id] = handle
-            self._detok[req.request_id] = Detokenizer(self.tokenizer, params.stop)
+            self._detok[req.request_id] = detok
             self._wake.notify()
         return handle
 
@@ -162,6 +177,55 @@ class Engine:
             self._wake.notify()
         return fut
 
+    def resume_continuation(self, c: Continuation, params: SamplingParams, request_id: str | None = None,
+                            timeout: float | None = None, loop: asyncio.AbstractEventLoop | None = None,
+                            ) -> RequestHandle:  # fmt: skip
+        """Go on with a request `suspend` stopped in another engine (same model): it samples, stops and reports as
+        it would have there."""
+        return self.submit(c.prompt_ids, params, request_id, timeout=timeout, initial_state=c.state,
+                           base_ids=c.base_ids, capture_state=c.capture_state,
+                           capture_prompt_state=c.capture_prompt_state, prompt_state=c.prompt_state,
+                           capture_at=c.capture_at, loop=loop, resume=c)  # fmt: skip
+
+    def suspend(self, request_id: str) -> concurrent.futures.Future[Continuation]:
+        """At the next token boundary, stop a request so that it can go on in another engine (live migration).
+
+        The future yields its `Continuation`; the request ends with finish_reason "abort" and error_code "migrated",
+        and its handle's `continuation` is set before that final event. Requests that only prefill or score their
+        prompt are refused (ValueError): their results do not survive a move.
+        """
+        fut: concurrent.futures.Future[Continuation] = concurrent.futures.Future()
+        with self._lock:
+            handle = self._handles.get(request_id)
+            if handle is None:
+                raise KeyError(f"no request {request_id!r} in flight")
+            req = handle.request
+            if req.prefill_only or req.prompt_logprobs is not None:
+                raise ValueError("a request that only prefills or scores its prompt cannot move")
+            self._suspends.append((request_id, fut))
+            self._wake.notify()
+        return fut
+
+    def _take_suspends(self) -> list[Event]:
+        events = []
+        for rid, fut in self._suspends:
+            handle = self._handles.get(rid)
+            if handle is None or handle.request.status.finished:
+                fut.set_exception(KeyError(f"request {rid!r} finished before it could move"))
+                continue
+            req = handle.request
+            c = Continuation(
+                list(req.prompt_ids), list(req.base_ids), list(req.output_ids), req.num_computed_tokens,
+                self.runner.request_state(req), self.runner.generator_state(rid), self._detok[rid].released,
+                req.capture_state, req.capture_prompt_state, req.prompt_state, req.capture_at, req.branch_state,
+            )  # fmt: skip
+            self._finish(req, Status.FINISHED_ABORTED, MIGRATED_MESSAGE, ErrorCode.MIGRATED)
+            handle.continuation = c
+            fut.set_result(c)
+            events.append(Event(rid, [], "", None, Status.FINISHED_ABORTED.value, MIGRATED_MESSAGE, ErrorCode.MIGRATED))
+        self._suspends.clear()
+        return events
+
     def _take_snapshots(self) -> None:
         for rid, fut in self._snapshots:
             handle = self._handles.get(rid)
@@ -176,7 +240,7 @@ class Engine:
         """One engine step: schedule, run the model (and sample), postprocess."""
         with self._lock:
             self._take_snapshots()
-            events = self._reap()
+            events = self._take_suspends() + self._reap()
             batch = self.scheduler.schedule()
         if batch.work:
             out = self.runner.run(batch.work)
@@ -281,6 +345,9 @@ class Engine:
             for req in reqs:
                 self._finish(req, status, message, error_code)
             self._take_snapshots()  # pending snapshots of these requests fail rather than wait forever
+            for rid, fut in self._suspends:
+                fut.set_exception(KeyError(f"request {rid!r} ended before it could move"))
+            self._suspends.clear()
         self._dispatch([Event(r.request_id, [], "", None, status.value, message, error_code) for r in reqs])
 
     def abort_all(self, reason: str) -> None:
@@ -294,7 +361,7 @@ class Engine:
     # --- running -------------------------------------------------------------------------------
     def run_until_done(self) -> None:
         """Step inline until no request is left (offline use; no thread)."""
-        while self.scheduler.has_work or self._snapshots:
+        while self.scheduler.has_work or self._snapshots or self._suspends:
             self.step()
 
     @property

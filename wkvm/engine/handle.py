@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from wkvm.engine.request import Request
+from wkvm.engine.request import Continuation, Request
 from wkvm.models.spec import State
 from wkvm.outputs import GenerationOutput
 
@@ -61,6 +61,7 @@ class RequestHandle:
             prompt_token_ids=req.prompt_ids, logprobs=[] if req.params.logprobs is not None else None
         )
         self.done = threading.Event()
+        self.continuation: Continuation | None = None  # set when the engine suspended it to go on elsewhere
         self._loop = loop
         self._sync: queue.Queue[Event] = queue.Queue()
         self._async: asyncio.Queue[Event] | None = asyncio.Queue() if loop else None

@@ -6,6 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from wkvm.models.spec import State
 from wkvm.sampling_params import SamplingParams
 
@@ -22,6 +24,30 @@ class Status(enum.Enum):
     @property
     def finished(self) -> bool:
         return self.name.startswith("FINISHED")
+
+
+@dataclass
+class Continuation:
+    """A request stopped at a token boundary to go on in another engine (live migration; Engine.suspend/resume).
+
+    `state` holds `base_ids` and the first `num_computed_tokens` of prompt + output; the rest of the output (its last
+    token, after a sampled one) is pending. The seeded generator's position, the states the request captured and
+    the text already released go with it, so the destination samples, stops and reports exactly as the source
+    would have: penalties and the grammar's parse are rebuilt from `output_ids`, the stop-string tail from them too.
+    """
+
+    prompt_ids: list[int]
+    base_ids: list[int]
+    output_ids: list[int]
+    num_computed_tokens: int
+    state: State
+    generator: torch.Tensor | None = None  # torch.Generator.get_state() of a seeded request
+    text: str = ""  # the output's text released so far (what the client has been sent)
+    capture_state: bool = False
+    capture_prompt_state: bool = False
+    prompt_state: State | None = None
+    capture_at: int | None = None
+    branch_state: State | None = None
 
 
 @dataclass(eq=False)

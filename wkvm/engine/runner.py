@@ -82,6 +82,22 @@ class ModelRunner:
             row.grammar = self.grammars.state(grammar)
         self._rows[req.request_id] = row
 
+    def generator_state(self, request_id: str) -> torch.Tensor | None:
+        """Where a seeded request's generator is (to go on elsewhere); None for an unseeded one."""
+        row = self._rows.get(request_id)
+        return row.generator.get_state() if row is not None and row.generator is not None else None
+
+    def resume(self, req: Request, generator: torch.Tensor | None) -> None:
+        """A request begun in another engine (after `add`): its generator where it was, its grammar past its output."""
+        row = self._rows[req.request_id]
+        if generator is not None:
+            if row.generator is None:
+                raise ValueError("a generator state was given for a request without a seed")
+            row.generator.set_state(generator)
+        if row.grammar is not None:
+            for t in req.output_ids:
+                row.grammar.accept(t)
+
     def release(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
 

@@ -22,6 +22,7 @@ from wkvm.engine.client import EngineClient, LocalEngineClient, ModelInfo
 from wkvm.engine.engine import Engine
 from wkvm.server.asgi import KeyRing, tenant_of
 from wkvm.server.errors import APIError
+from wkvm.server.handover import Handovers
 from wkvm.server.metrics import Metrics
 from wkvm.state.service import StateService
 from wkvm.state.sessions import ChatSessions
@@ -50,6 +51,7 @@ class ServerContext:
     service: StateService = field(init=False)
     sessions: ChatSessions = field(init=False)
     embedder: EmbeddingModel | None = None  # --embeddings
+    handovers: Handovers = field(default_factory=Handovers)  # streams that could move to another server
     _tmp: tempfile.TemporaryDirectory[str] | None = None
 
     @functools.cached_property

@@ -14,11 +14,16 @@ from starlette.concurrency import run_in_threadpool
 
 from wkvm.chat_template import ChatTemplateError
 from wkvm.engine.engine import Event, RequestHandle
+from wkvm.engine.request import Continuation
 from wkvm.engine.scheduler import QueueFull
+from wkvm.outputs import ErrorCode
 from wkvm.sampling_params import SamplingParams
 from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError, error_body
+from wkvm.server.handover import RESUME_HEADER, STREAM_HEADER, HandoverError, LiveStream, Ticket, marker
+from wkvm.server.handover import decode as decode_ticket
+from wkvm.server.handover import encode as encode_ticket
 from wkvm.server.schemas import MAX_PROMPTS, ChatRequest, CompletionRequest, SamplingFields
 from wkvm.server.tools import ToolMode, parse_reply, template_messages, tool_mode
 from wkvm.state.sessions import ChatMeta, Plan
@@ -142,6 +147,55 @@ async def start_all(ctx: ServerContext, tenant: str, encoded: list[list[int]], b
     return runs
 
 
+Moved = tuple[Continuation, Ticket]
+
+
+def taken_over(ctx: ServerContext, request: Request, tenant: str) -> Moved | None:
+    """The stream this request continues (`X-WKVM-Resume`: moved here from another server), or None."""
+    ticket = request.headers.get(RESUME_HEADER)
+    if ticket is None:
+        return None
+    data = ctx.handovers.take_in(ticket)
+    try:
+        moved = decode_ticket(data, ctx.model.spec, ctx.model.fingerprint, ctx.model.vocab_size) if data else None
+    except HandoverError as e:
+        raise APIError(400, str(e), None, "invalid_handover") from None
+    if moved is None or moved[1].tenant != tenant:
+        raise APIError(400, f"{RESUME_HEADER}: no moved stream waits here under this ticket (it expired, was taken, "
+                       "or is another tenant's)", None, "unknown_handover")  # fmt: skip
+    return moved
+
+
+async def resume_run(ctx: ServerContext, tenant: str, prompt_ids: list[int], body: GenBody,
+                     params: list[SamplingParams], chat: ChatMeta | None, moved: Moved) -> Run:  # fmt: skip
+    """Go on with a stream moved here: the same request, its engine request resumed where the source stopped."""
+    c, t = moved
+    if not body.stream or len(params) != 1:
+        raise APIError(400, "only a single-choice stream can move", None, "invalid_handover")
+    if (c.base_ids + c.prompt_ids)[-len(prompt_ids) :] != prompt_ids:
+        raise APIError(400, f"{RESUME_HEADER}: this is not the request that moved", None, "invalid_handover")
+    plan = Plan(list(c.prompt_ids), None, list(c.base_ids), t.parent, t.info, t.capture, capture_at=c.capture_at)
+    if t.finish:
+        ctx.sessions.continued(tenant, reuse_scope(tenant, body.user, body.cache_salt), plan, chat)
+    handle = await ctx.client.resume(c, params[0])
+    ctx.sessions.track(chat, tenant, [handle])
+    return plan, [handle]
+
+
+def live_stream(tenant: str, body: GenBody, plan: Plan, handles: list[RequestHandle], rid: str,
+                created: int, prompts: int = 1) -> LiveStream:  # fmt: skip
+    """How this stream could move to another server (or why it cannot)."""
+    ticket = Ticket(rid, created, tenant, plan.info, plan.parent, plan.capture, plan.finish is not None)
+    why = None
+    if len(handles) != 1 or prompts != 1:
+        why = "only a single-choice stream of one prompt can move"
+    elif body.state or body.save_state:
+        why = "it is bound to a named state on this server: move the state when the stream ends"
+    elif handles[0].request.params.prompt_logprobs is not None:
+        why = "it scores its prompt (echo with logprobs)"
+    return LiveStream(tenant, handles[0], ticket, why)
+
+
 def finish(ctx: ServerContext, tenant: str, body: GenBody, plan: Plan, handles: list[RequestHandle]) -> dict[str, Any]:
     extra: dict[str, Any] = {"wkvm": plan.info}
     if plan.finish is not None:
@@ -208,10 +262,17 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         sp = gen.sampling_params(ctx, body, body.max_tokens, body.logprobs, prompt_logprobs=scored)
         params = gen.per_choice(sp, body.n)
         encoded = [gen.encode_prompt(ctx, q, "prompt") for q in prompts]
-        runs = await start_all(ctx, tenant, encoded, body, params)
+        moved = taken_over(ctx, request, tenant)
+        if moved is not None:
+            if len(encoded) != 1:
+                raise APIError(400, "only a single-choice stream of one prompt can move", "prompt", "invalid_handover")
+            runs = [await resume_run(ctx, tenant, encoded[0], body, params, None, moved)]
+            rid, created = moved[1].id, moved[1].created
+        else:
+            runs = await start_all(ctx, tenant, encoded, body, params)
+            rid, created = gen.new_id("cmpl"), int(time.time())
         handles = [h for _, hs in runs for h in hs]
         prompt_tokens = sum(len(ids) for ids in encoded)
-        rid, created = gen.new_id("cmpl"), int(time.time())
         k = body.logprobs or 0
 
         def choice(i: int, h: RequestHandle) -> dict[str, Any]:
@@ -229,10 +290,13 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
         if body.stream:
             echoes = [(gen.echo_text(ctx, q), ids) for q, ids in zip(prompts, encoded, strict=True) if body.echo]
+            live = live_stream(tenant, body, runs[0][0], handles, rid, created, len(runs))
+            ctx.handovers.register(live)
             return StreamingResponse(
-                stream_completion(ctx, request, body, runs, handles, base, prompt_tokens, tenant, k, echoes),
-                media_type="text/event-stream",
-            )
+                stream_completion(ctx, request, body, runs, handles, base, prompt_tokens, tenant, k, echoes, live,
+                                  moved[0].text if moved else None),
+                media_type="text/event-stream", headers=movable_header(live),
+            )  # fmt: skip
         await gen.wait_all(ctx, request, handles)
         extra = await run_in_threadpool(finish_runs, ctx, tenant, body, runs)
         out = {**base, "choices": [choice(i, h) for i, h in enumerate(handles)],
@@ -266,13 +330,22 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         prompt_ids = gen.encode_prompt(ctx, text, "messages")
         system = system_prefix(ctx, messages, text, prompt_ids, mode.tools if mode else None)
         chat = ChatMeta.from_headers(request.headers, messages, system)
-        ((plan, handles),) = await start_all(ctx, tenant, [prompt_ids], body, params, chat)
-        base = {"id": gen.new_id("chatcmpl"), "created": int(time.time()), "model": ctx.model_name}
+        moved = taken_over(ctx, request, tenant)
+        if moved is not None:
+            plan, handles = await resume_run(ctx, tenant, prompt_ids, body, params, chat, moved)
+            rid, created = moved[1].id, moved[1].created
+        else:
+            ((plan, handles),) = await start_all(ctx, tenant, [prompt_ids], body, params, chat)
+            rid, created = gen.new_id("chatcmpl"), int(time.time())
+        base = {"id": rid, "created": created, "model": ctx.model_name}
         if body.stream:
+            live = live_stream(tenant, body, plan, handles, rid, created)
+            ctx.handovers.register(live)
             return StreamingResponse(
-                stream_chat(ctx, request, body, plan, handles, base, len(prompt_ids), tenant, k, mode),
-                media_type="text/event-stream",
-            )
+                stream_chat(ctx, request, body, plan, handles, base, len(prompt_ids), tenant, k, mode, live,
+                            moved[0].text if moved else None),
+                media_type="text/event-stream", headers=movable_header(live),
+            )  # fmt: skip
         await gen.wait_all(ctx, request, handles)
         extra = await run_in_threadpool(finish, ctx, tenant, body, plan, handles)
         choices = []
@@ -337,10 +410,13 @@ def chat_messages(body: ChatRequest) -> list[dict[str, Any]]:
 
 async def stream_completion(ctx: ServerContext, request: Request, body: CompletionRequest, runs: list[Run],
                             handles: list[RequestHandle], base: dict[str, Any], prompt_tokens: int, tenant: str,
-                            k: int, echoes: list[tuple[str, list[int]]]) -> AsyncIterator[str]:  # fmt: skip
+                            k: int, echoes: list[tuple[str, list[int]]], live: LiveStream,
+                            sent: str | None = None) -> AsyncIterator[str]:  # fmt: skip
     """Completion chunks; with `echo` (`echoes`: each prompt's text and ids) a choice's first chunk starts with its
-    prompt, and with its prompt tokens' logprobs."""
+    prompt, and with its prompt tokens' logprobs. `sent`: the text a server this stream moved from has sent."""
     offsets: list[int | None] = [None] * len(handles)  # text sent so far, per choice; None before its first chunk
+    if sent is not None:
+        offsets[0] = (len(echoes[0][0]) if echoes else 0) + len(sent)
 
     def chunk(i: int, ev: Event) -> dict[str, Any]:
         sent = offsets[i]
@@ -356,21 +432,22 @@ async def stream_completion(ctx: ServerContext, request: Request, body: Completi
         return {**base, "choices": [c]}
 
     async for line in stream_chunks(ctx, request, body, handles, chunk, prompt_tokens, base,
-                                    lambda: finish_runs(ctx, tenant, body, runs)):  # fmt: skip
+                                    lambda: finish_runs(ctx, tenant, body, runs), live):  # fmt: skip
         yield line
 
 
 async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, plan: Plan,
                       handles: list[RequestHandle], base: dict[str, Any], prompt_tokens: int, tenant: str,
-                      k: int | None, mode: ToolMode | None = None) -> AsyncIterator[str]:  # fmt: skip
+                      k: int | None, mode: ToolMode | None, live: LiveStream,
+                      sent: str | None = None) -> AsyncIterator[str]:  # fmt: skip
     """Chat chunks. With tools that may be called, a choice's text is held back and its last chunk carries the
     reply as content or as `tool_calls` (one delta per call, with its index): a call is known only once its text
-    is complete."""
+    is complete. `sent`: the text a server this stream moved from has sent (or held back)."""
     base = {**base, "object": "chat.completion.chunk"}
-    for i in range(len(handles)):
+    for i in range(len(handles) if sent is None else 0):  # a moved stream's role chunk went out already
         delta = {"role": "assistant", "content": ""}
         yield gen.sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]})
-    held = [""] * len(handles)
+    held = [""] * len(handles) if sent is None else [sent]
     hold = mode is not None and mode.choice != "none"
 
     def chunk(i: int, ev: Event) -> dict[str, Any]:
@@ -392,7 +469,7 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
         return {**base, "choices": [c]}
 
     async for line in stream_chunks(ctx, request, body, handles, chunk, prompt_tokens, base,
-                                    lambda: finish(ctx, tenant, body, plan, handles)):  # fmt: skip
+                                    lambda: finish(ctx, tenant, body, plan, handles), live):  # fmt: skip
         yield line
 
 
@@ -408,14 +485,21 @@ def reply(text: str, finish_reason: str | None, mode: ToolMode | None) -> tuple[
 
 async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFields, handles: list[RequestHandle],
                         chunk: Callable[[int, Event], dict[str, Any]], prompt_tokens: int, base: dict[str, Any],
-                        on_done: Callable[[], dict[str, Any]]) -> AsyncIterator[str]:  # fmt: skip
+                        on_done: Callable[[], dict[str, Any]], live: LiveStream | None = None,
+                        ) -> AsyncIterator[str]:  # fmt: skip
     """SSE lines: a chunk per event; the very last choice chunk carries the `wkvm` (and `state`) extras.
 
     The stream always ends with `data: [DONE]`: after the final chunk, or after an `error` event when a
-    generation failed (or, for a bug, when this code did) once the response had started."""
+    generation failed (or, for a bug, when this code did) once the response had started. A stream moved to another
+    server (`live`, handover.py) ends instead with the handover event, after every chunk produced here."""
     try:
         held: dict[str, Any] | None = None
         async for i, ev in gen.merged(ctx, request, handles):
+            if ev.error_code == ErrorCode.MIGRATED and live is not None:
+                if held is not None:
+                    yield gen.sse(held)
+                yield await run_in_threadpool(hand_over, ctx, live)
+                return
             if not ev.token_ids and not ev.finished and not ev.text:
                 continue
             if held is not None:
@@ -436,4 +520,20 @@ async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFiel
     except Exception as e:  # the response has started: the client still gets an error event and [DONE]
         log.exception("stream failed after it started (a bug)")
         yield gen.sse(error_body(500, f"internal error: {type(e).__name__}", None, "internal_error"))
+    finally:
+        if live is not None:
+            ctx.handovers.unregister(live.ticket.id)
     yield gen.sse("[DONE]")
+
+
+def hand_over(ctx: ServerContext, live: LiveStream) -> str:
+    """The handover event ending a stream whose request the engine suspended: its ticket waits here."""
+    c, to = live.handle.continuation, ctx.handovers.destination(live.ticket.id)
+    assert c is not None and to is not None  # suspended through Handovers.move, which names the destination
+    ctx.sessions.moved([live.handle])
+    data = encode_ticket(ctx.model.spec, ctx.model.fingerprint, c, live.ticket)
+    return marker(ctx.handovers.put_out(data), to)
+
+
+def movable_header(live: LiveStream) -> dict[str, str]:
+    return {STREAM_HEADER: live.ticket.id} if live.why_not is None else {}

@@ -329,6 +329,22 @@ class ChatSessions:
         if old is not None:
             store.discard(tenant + SESS, old, durable=False)
 
+    def continued(self, tenant: str, scope: str, plan: Plan, chat: ChatMeta | None) -> None:
+        """A turn that began on another server and moved here mid-answer: after it, checkpoint it here and park its
+        session here (the next turn is routed here), as `plan` would have done there."""
+        key = None
+        if chat is not None and chat.bound and chat.user is not None and chat.chat is not None:
+            key = (tenant, chat.user, chat.chat)
+            with self.lock:
+                self._park(key, Session(self.fingerprint, reserved_at=time.monotonic()))
+        plan.finish = lambda handles: self._after(tenant, scope, plan, handles, key, chat)
+
+    def moved(self, handles: list[RequestHandle]) -> None:
+        """These handles' turn moved to another server: the session parked here for it is stale, so drop it."""
+        with self.lock:
+            for key in [k for k, s in self.sessions.items() if any(h in s.inflight for h in handles)]:
+                self._drop(key)
+
     def track(self, chat: ChatMeta | None, tenant: str, handles: list[RequestHandle]) -> None:
         """Mark the session busy while these handles run (a second turn gets 409). Only a turn bound to the session
         does: a background task or a turn without its ids never parks there, so it never makes the chat busy."""

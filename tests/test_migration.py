@@ -1,0 +1,167 @@
+"""Running streams moved between two servers at a token boundary (server/handover.py), without Ray: the test plays
+the cluster front's part (carry the ticket, send the same request to the other server with X-WKVM-Resume).
+
+The client's stream, the source's chunks followed by the destination's, must equal a run that never moved: the same
+tokens (greedy, and seeded sampling with penalties), the same text and ids, one role chunk, no token lost or
+repeated; a moved chat turn leaves its session on the destination, whose next turn reuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+import uuid
+
+import httpx
+import pytest
+from live_server import LiveServer
+
+from wkvm.server.handover import RESUME_HEADER, STREAM_HEADER, parse_marker
+
+MESSAGES = [{"role": "user", "content": "Speakonandtellmeallthatthouknowest."}]
+LONG = {"max_tokens": 200, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+
+@pytest.fixture(scope="module")
+def pair(char_model, tmp_path_factory):
+    """Servers a and b; a's engine steps take >= 5 ms, as a real model's do (the tiny one's take ~0.3 ms), so a
+    stream is still running when the test moves it."""
+    with (
+        LiveServer(model=str(char_model), slots=4, state_dir=str(tmp_path_factory.mktemp("a"))) as a,
+        LiveServer(model=str(char_model), slots=4, state_dir=str(tmp_path_factory.mktemp("b"))) as b,
+    ):
+        runner = a.ctx.client.engine.runner
+        run = runner.run
+
+        def slow(work):
+            time.sleep(0.005)
+            return run(work)
+
+        runner.run = slow
+        yield a, b
+
+
+def events(lines) -> Iterator[str]:
+    """SSE events as they come (each its text without the trailing blank line)."""
+    cur: list[str] = []
+    for line in lines:
+        if line:
+            cur.append(line)
+        elif cur:
+            yield "\n".join(cur)
+            cur = []
+    if cur:
+        yield "\n".join(cur)
+
+
+def moved_stream(a, b, path, body, headers=None, after=1) -> tuple[list[dict], int]:
+    """Stream from `a`, move it to `b` after `after` chunks, go on there: every data chunk the client would see,
+    and how many came from `a`."""
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", a.url + path, json=body, headers=headers or {}) as r:
+            assert r.status_code == 200
+            stream_id = r.headers[STREAM_HEADER]
+            seen, ticket, moving = [], None, False
+            for ev in events(r.iter_lines()):
+                mark = parse_marker((ev + "\n\n").encode())
+                if mark is not None:
+                    ticket, to = mark
+                    assert to == "b"
+                    continue
+                seen.append(ev)
+                if len(seen) == after and not moving:
+                    live = a.ctx.handovers.live()
+                    stream = next(s for s in live if s.ticket.id == stream_id)
+                    a.ctx.handovers.move(a.ctx.client, stream.tenant, stream_id, "b").result(30)
+                    moving = True
+        assert ticket is not None, "the stream finished before it could move: make it longer"
+        assert "data: [DONE]" not in seen
+        n_source = len(seen)
+        b.ctx.handovers.put_in(ticket, a.ctx.handovers.take_out(ticket))
+        with client.stream("POST", b.url + path, json=body, headers={**(headers or {}), RESUME_HEADER: ticket}) as r:
+            assert r.status_code == 200, r.read()
+            seen += list(events(r.iter_lines()))
+    assert seen[-1] == "data: [DONE]"
+    return [json.loads(e.removeprefix("data: ")) for e in seen[:-1]], n_source
+
+
+def whole_stream(server, path, body, headers=None) -> list[dict]:
+    with httpx.stream("POST", server.url + path, json=body, headers=headers or {}, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [ev for ev in events(r.iter_lines()) if ev != "data: [DONE]"]
+    return [json.loads(e.removeprefix("data: ")) for e in lines]
+
+
+def chat_text(chunks) -> str:
+    return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+
+
+def token_ids(chunks) -> list[int]:
+    return [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids", [])]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "top_p": 0.9, "seed": 11,
+                                                          "presence_penalty": 0.4, "frequency_penalty": 0.2}])
+def test_a_moved_chat_stream_equals_one_that_never_moved(pair, fresh, sampling):
+    a, b = pair
+    body = {"messages": MESSAGES, **LONG, **sampling, "return_token_ids": True, "logprobs": True, "top_logprobs": 2}
+    got, n_source = moved_stream(a, b, "/v1/chat/completions", body, after=2)
+    want = whole_stream(fresh, "/v1/chat/completions", body)
+    assert 2 <= n_source < len(got)
+    assert token_ids(got) == token_ids(want) and len(token_ids(got)) == 200
+    assert chat_text(got) == chat_text(want)
+    assert len({c["id"] for c in got}) == 1 and len({c["created"] for c in got}) == 1
+    assert sum("role" in c["choices"][0]["delta"] for c in got if c["choices"]) == 1
+    lps = [e["token"] for c in got if c["choices"] and c["choices"][0]["logprobs"]
+           for e in c["choices"][0]["logprobs"]["content"]]  # fmt: skip
+    assert len(lps) == 200
+    assert got[-1]["usage"] == want[-1]["usage"]
+    assert got[-2]["choices"][0]["finish_reason"] == want[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_moved_completion_stream_with_a_stop_string(pair, fresh):
+    a, b = pair
+    whole = whole_stream(fresh, "/v1/completions", {"prompt": "Romeo:", **LONG, "temperature": 0})
+    text = "".join(c["choices"][0]["text"] for c in whole if c["choices"])
+    stop = text[120:123]  # ends the reply well after the move; its first characters may already be out
+    body = {"prompt": "Romeo:", **LONG, "temperature": 0, "stop": [stop], "return_token_ids": True}
+    got, _ = moved_stream(a, b, "/v1/completions", body)
+    want = whole_stream(fresh, "/v1/completions", body)
+    assert "".join(c["choices"][0]["text"] for c in got if c["choices"]) == \
+        "".join(c["choices"][0]["text"] for c in want if c["choices"]) == text[: text.index(stop)]
+    assert token_ids(got) == token_ids(want)
+    assert got[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_moved_chat_turn_parks_its_session_on_the_destination(pair, fresh):
+    a, b = pair
+    user, chat_id = "u-move", uuid.uuid4().hex
+
+    def headers(asst: str, user_msg: str, parent: str | None) -> dict[str, str]:
+        h = {"X-WKVM-Stateful-Chat": "parent-token-v1", "X-OpenWebUI-User-Id": user, "X-OpenWebUI-Chat-Id": chat_id,
+             "X-WKVM-User-Message-ID": user_msg, "X-WKVM-Assistant-Message-ID": asst}  # fmt: skip
+        return h | ({"X-WKVM-Parent-Message-ID": parent} if parent else {})
+
+    body = {"messages": MESSAGES, **LONG, "temperature": 0}
+    got, _ = moved_stream(a, b, "/v1/chat/completions", body, headers("a1", "u1", None), after=2)
+    reply = chat_text(got)
+    assert reply == chat_text(whole_stream(fresh, "/v1/chat/completions", body))
+    assert not [k for k in a.ctx.sessions.sessions if k[2] == chat_id]  # the source let go of it
+    messages = MESSAGES + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Andthen?"}]
+    nxt = {"messages": messages, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(b.url + "/v1/chat/completions", json=nxt, headers=headers("a2", "u2", "a1"), timeout=60).json()
+    want = httpx.post(fresh.url + "/v1/chat/completions", json=nxt, timeout=60).json()
+    assert r["wkvm"]["mode"] == "parent_bound" and r["wkvm"]["reused_tokens"] > 200
+    assert r["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+
+
+def test_what_cannot_move_says_why(pair):
+    a, _ = pair
+    with httpx.stream("POST", a.url + "/v1/chat/completions", timeout=60,
+                      json={"messages": MESSAGES, **LONG, "n": 2}) as r:  # fmt: skip
+        assert STREAM_HEADER not in r.headers
+        r.read()
+    r = httpx.post(a.url + "/v1/chat/completions", json={"messages": MESSAGES, **LONG},
+                   headers={RESUME_HEADER: "0" * 32}, timeout=60)  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_handover"
