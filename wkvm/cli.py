@@ -195,7 +195,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     model_help = "a checkpoint (file or directory) or weight pack (default: the embedded model) [env WKVM_MODEL]"
     p.add_argument("--model", default=env_default("model"), help=model_help)
-    dtype_help = "weights: float32, bfloat16 or int8 (default: %(default)s) [env WKVM_DTYPE]"
+    dtype_help = "weights: float32, bfloat16, int8 or int4 (default: %(default)s) [env WKVM_DTYPE]"
     p.add_argument("--dtype", default=env_default("dtype") or "float32", help=dtype_help)
 
 

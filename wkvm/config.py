@@ -47,7 +47,8 @@ class ServerConfig:
                             "none: no generative model, only --embeddings")
     device: str = opt(EngineConfig.device, "cpu, or cuda with a CUDA build of torch")
     dtype: str = opt("float32", "float32; bfloat16: half the memory, faster only with native bf16; int8: a quarter, "
-                     "faster decode (wkvm doctor)", "choice:float32,fp32,bfloat16,bf16,int8")
+                     "faster decode; int4: 5 bits a weight, faster still (wkvm doctor)",
+                     "choice:float32,fp32,bfloat16,bf16,int8,int4")
     weight_cache_layers: int = opt(0, "stream a weight pack from disk, at most N layers in memory (0: resident)")
     read_ahead: bool = opt(True, "with --weight-cache-layers: do not ask the OS for the next layer while one computes")
     host: str = opt("127.0.0.1", "address to bind; anything but loopback is reachable from other machines")
@@ -113,15 +114,17 @@ class ServerConfig:
         )  # fmt: skip
 
 
-WEIGHT_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "int8": "int8"}
+WEIGHT_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "int8": "int8",
+                 "int4": "int4"}  # fmt: skip
 
 
 def weight_dtype(name: str) -> torch.dtype:
-    """'float32' / 'fp32', 'bfloat16' / 'bf16' or 'int8' -> the torch dtype the large matrices are stored in (int8:
-    weight-only, per-channel scales; wkvm/models/int8.py)."""
+    """'float32' / 'fp32', 'bfloat16' / 'bf16', 'int8' or 'int4' -> the torch dtype the large matrices are stored in
+    (int8: weight-only, per-channel scales, wkvm/models/int8.py; int4: torch.int4 names group-wise int4 held in uint8
+    tensors, wkvm/models/int4.py)."""
     import torch
 
     if str(name).lower() not in WEIGHT_DTYPES:
-        raise ValueError(f"dtype {name!r} is not supported; use float32, bfloat16 or int8")
+        raise ValueError(f"dtype {name!r} is not supported; use float32, bfloat16, int8 or int4")
     dtype: torch.dtype = getattr(torch, WEIGHT_DTYPES[str(name).lower()])
     return dtype

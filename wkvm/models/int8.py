@@ -165,17 +165,23 @@ def native_isa() -> str | None:
 
 def build() -> None:
     """Compile (once per source, torch and CPU) and load int8_linear.cpp as torch.ops.wkvm_int8."""
+    load_kernel(SOURCE, "wkvm_int8")
+
+
+def load_kernel(source: Path, namespace: str, cflags: tuple[str, ...] = ("-O3",)) -> None:
+    """Compile `source` (once per its text, the flags, torch's version and the CPU) with the machine's C++ compiler
+    into ~/.cache/wkvm/torch_extensions and load it; its ops register as torch.ops.<namespace>."""
     from torch.utils import cpp_extension
 
-    if hasattr(torch.ops.wkvm_int8, "linear"):
+    if hasattr(getattr(torch.ops, namespace), "linear"):
         return
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + torch.__version__.encode() + cpu_flags().encode()).hexdigest()[:16]
-    name = f"wkvm_int8_{key}"
+    flags = "" if cflags == ("-O3",) else " ".join(cflags)  # the int8 kernel's key from before flags were a choice
+    key = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + cpu_flags().encode() + flags.encode())
+    name = f"{namespace}_{key.hexdigest()[:16]}"
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "wkvm" / "torch_extensions")
     (root / name).mkdir(parents=True, exist_ok=True)
-    log.info("building the int8 kernel in %s (once)", root / name)
-    cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3"], build_directory=str(root / name),
+    log.info("building %s in %s (once)", source.name, root / name)
+    cpp_extension.load(name=name, sources=[str(source)], extra_cflags=list(cflags), build_directory=str(root / name),
                        is_python_module=False, verbose=False)  # fmt: skip
 
 

@@ -8,7 +8,9 @@ is emulated: single-stream decode still gains from reading half the bytes, but p
 slower than fp32 (`bench/bf16_speed.py`: the figures below, runs in docs/performance.md).
 
 int8 weights (`--dtype int8`, weight-only with per-channel scales) are int8 tensors [out, in + 4] that `linear`
-hands to wkvm/models/int8.py: a native kernel for decode-sized batches, dequantize + oneDNN for prefill.
+hands to wkvm/models/int8.py: a native kernel for decode-sized batches, dequantize + oneDNN for prefill. int4
+weights (`--dtype int4`, groups of 32 with an fp16 step and offset) are uint8 tensors [out, in / 32 * 20] that go to
+wkvm/models/int4.py the same way; the config names them torch.int4, storage is uint8 (torch.int4 holds no data).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from wkvm.models import int8
+from wkvm.models import int4, int8
 
 PACK_BATCH_HINT = 64
 # bf16 over fp32 tok/s, bench/bf16_speed.py on AMD EPYC (2 threads): natively, and with oneDNN limited to AVX2
@@ -28,6 +30,7 @@ BF16_NATIVE_SPEED = "1.3-1.5x float32's tok/s in prefill and decode"
 BF16_EMULATED_SPEED = "0.2-0.5x float32's tok/s in prefill, 0.3-1.0x in batch-8 decode, 1.3-2.5x single-stream"
 # int8 over fp32 tok/s, `bench/int8_speed.py --e2e` (SmolLM2-135M, RWKV-7 0.1B) on AMD EPYC, AVX512-VNNI kernel
 INT8_SPEED = "2.4-4.0x float32's tok/s in single-stream decode, 1.9-2.4x at batch 8, 0.9-1.4x in prefill"
+INT4_SPEED = "(to be measured)"
 
 
 @functools.cache
@@ -84,7 +87,10 @@ def bf16_speed() -> str:
 
 
 def stored(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A large matrix [out, in] in its storage `dtype` (float32, bfloat16, or int8: quantized per output channel)."""
+    """A large matrix [out, in] in its storage `dtype`: float32, bfloat16, int8 (quantized per output channel) or
+    int4 (groups of 32 along `in`; a matrix whose `in` is not a multiple of 32 is stored as int8)."""
+    if dtype == torch.int4:
+        return int4.quantize(weight) if weight.shape[1] % int4.GROUP == 0 else int8.quantize(weight)
     return int8.quantize(weight) if dtype == torch.int8 else weight.to(dtype)
 
 
@@ -108,7 +114,10 @@ def kernels() -> dict[str, str]:
     path = int8.kernel_path()
     q8 = "dequantize per call (no native kernel)" if path == "torch" else f"wkvm int8 kernel ({path})"
     prefill = "oneDNN" if onednn_available() else "F.linear"
-    return {"float32": fp32, "bfloat16": bf16, "int8": f"{q8} up to {int8.KERNEL_ROWS} rows, then fp32 {prefill}"}
+    q4_path = int4.kernel_path()
+    q4 = "dequantize per call (no native kernel)" if q4_path == "torch" else f"wkvm int4 kernel ({q4_path})"
+    return {"float32": fp32, "bfloat16": bf16, "int8": f"{q8} up to {int8.KERNEL_ROWS} rows, then fp32 {prefill}",
+            "int4": f"{q4} up to {int4.KERNEL_ROWS} rows, then fp32 {prefill}"}  # fmt: skip
 
 
 def int8_speed() -> str:
@@ -119,6 +128,15 @@ def int8_speed() -> str:
                "every matmul dequantizes first, slower than float32; install g++ or use --dtype float32"  # fmt: skip
     note = "" if path == "avx512_vnni" else " (with AVX512-VNNI; without it batched decode and prefill gain less)"
     return f"native int8 kernel ({path}): a quarter of float32's weight memory; measured {INT8_SPEED}{note}"
+
+
+def int4_speed() -> str:
+    """What `--dtype int4` runs on this CPU, in one line (builds the int4 kernel on first use)."""
+    path = int4.kernel_path()
+    if path == "torch":
+        return "no native int4 kernel (no C++ compiler, or its build failed): 5 bits a weight, but every matmul " \
+               "dequantizes first, slower than float32; install g++ or use --dtype float32"  # fmt: skip
+    return f"native int4 kernel ({path}): 5 bits a weight (a sixth of float32's bytes); measured {INT4_SPEED}"
 
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
@@ -139,6 +157,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     bf16 weights take x rounded to bf16 (accumulating in fp32) and give fp32 back; int8 ones give fp32."""
     if weight.dtype == torch.int8:
         return int8.linear(x, weight)
+    if weight.dtype == torch.uint8:
+        return int4.linear(x, weight)
     if weight.dtype != x.dtype:
         return linear(x.to(weight.dtype), weight).to(x.dtype)
     if weight.is_mkldnn or (weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_available()):
@@ -148,9 +168,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of an embedding stored as float32, bfloat16 or int8, in fp32."""
+    """Rows `ids` of an embedding stored as float32, bfloat16, int8 or int4, in fp32."""
+    if weight.dtype == torch.uint8:
+        return int4.embedding(ids, weight)
     return int8.embedding(ids, weight) if weight.dtype == torch.int8 else F.embedding(ids, weight).float()
 
 
 def weight_numel(weight: torch.Tensor) -> int:
+    if weight.dtype == torch.uint8:
+        return weight.shape[0] * int4.in_features(weight)
     return weight.shape[0] * int8.in_features(weight) if weight.dtype == torch.int8 else weight.shape.numel()

@@ -65,8 +65,8 @@ def load_model(
     weight_cache_layers: int = 0, read_ahead: bool = True,
 ) -> LanguageModel:  # fmt: skip
     """A pack with weight_cache_layers > 0 streams its layers from disk; everything else is loaded resident.
-    `dtype` stores the large matrices, embedding and head in float32, bfloat16 or int8; arithmetic is fp32 (int8
-    decode rounds x to int16 inside the kernel)."""
+    `dtype` stores the large matrices, embedding and head in float32, bfloat16, int8 or int4; arithmetic is fp32
+    (int8 decode rounds x to int16 inside the kernel, int4 decode to int8 per group of 32)."""
     from wkvm.config import weight_dtype
 
     check_model_path(path)
@@ -75,6 +75,8 @@ def load_model(
         log.warning("--dtype bfloat16: %s", linear.bf16_speed())
     if dtype == torch.int8 and torch.device(device).type == "cpu":
         log.info("--dtype int8: %s", linear.int8_speed())  # builds the kernel on first use (warns if it cannot)
+    if dtype == torch.int4 and torch.device(device).type == "cpu":
+        log.info("--dtype int4: %s", linear.int4_speed())
 
     if is_pack(path):
         from wkvm.weights.pack import Pack

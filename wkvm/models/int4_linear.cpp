@@ -1,0 +1,325 @@
+// y[M, N] = x[M, K] @ dequant(W)^T for group-wise int4 matrices; wkvm/models/int4.py describes the format:
+// W is uint8 [N, G * 20] with G = K / 32 groups per row, weight = q * d + m (q in 0..15, d and m fp16 per group).
+// Each whole group of 16 rows is a block; a block's group g is 320 bytes: 4 chunks of 64 bytes, byte 4r + j of
+// chunk c holding row r's q[8c + j] (low nibble) and q[8c + 4 + j] (high nibble), then the 16 rows' d, then their m.
+// Rows after the last whole block are plain: per group 16 bytes (q[j] low, q[16 + j] high), d, m.
+//
+// Decode sizes. Each row of x is rounded to int8 per group of 32 (scale max|x| / 127, as llama.cpp's q8 activations)
+// and the group's integer sum of x is kept, so that a group's contribution is
+//   dx * (d * sum(q * xq) + m * sum(xq)),
+// where sum(q * xq) is exact in int32: one vpdpbusd (unsigned nibble x signed int8, 4 products per lane) per
+// 4 k with AVX512-VNNI, vpmaddubsw + vpmaddwd on AVX-512BW and AVX2. A register holds one lane per output row
+// (16 rows per AVX-512 register, 8 per AVX2 one), so x's 4-byte quads are broadcast and there are no horizontal
+// sums. The float arithmetic per group and row is the same expression in the same order on every path, and the
+// build turns off contraction to FMA, so the portable, AVX2, AVX-512 and VNNI paths return the same bits. Output
+// blocks are split across torch's own thread pool (at::parallel_for). isa: 0 portable C++, 1 AVX2 (+F16C),
+// 2 AVX-512BW, 3 AVX512-VNNI; best_isa() says what this CPU runs.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define WKVM_X86 1
+#endif
+
+namespace {
+
+constexpr int64_t GROUP = 32;       // weights per scale, along K
+constexpr int64_t ROWS = 16;        // rows per block
+constexpr int64_t ROW_BYTES = 20;   // per row and group: 16 nibble bytes, fp16 d, fp16 m
+constexpr int64_t BLOCK_BYTES = ROWS * ROW_BYTES;  // per block and group
+constexpr int64_t NIBBLES = 256;    // a block group's nibble bytes, before its 16 d and 16 m
+
+struct Problem {
+  const int8_t* xq;   // [M, K] x rounded to int8 per group
+  const float* xs;    // [M, G] the groups' scales
+  const int32_t* xsum;  // [M, G] the groups' sums of xq
+  const uint8_t* w;   // [N, G * 20]
+  float* y;           // [M, N]
+  int64_t M, N, K, G, blocks;
+};
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  float v;
+  if (exp == 0) {
+    v = static_cast<float>(man) * 5.9604644775390625e-8f;  // subnormal: man * 2^-24, exact
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    bits |= sign;
+    std::memcpy(&v, &bits, sizeof v);
+    return v;
+  }
+  const uint32_t bits = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline const uint8_t* block_group(const Problem& p, int64_t b, int64_t g) {
+  return p.w + b * ROWS * p.G * ROW_BYTES + g * BLOCK_BYTES;
+}
+
+// one group's contribution, the same expression on every path
+inline float group_term(int32_t isum, float d, int32_t xsum, float m, float dx) {
+  return (static_cast<float>(isum) * d + static_cast<float>(xsum) * m) * dx;
+}
+
+// ---- x to int8 per group (portable; GCC vectorizes it for the baseline ISA) ----
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, int32_t* sum) {
+  constexpr float ROUND = 12582912.f;  // 1.5 * 2^23: adding then subtracting it rounds to nearest, ties to even
+  const int64_t G = K / GROUP;
+  at::parallel_for(0, M * G, std::max<int64_t>(1, 512), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* r = x + i * GROUP;
+      float amax = 0.f;
+      for (int64_t k = 0; k < GROUP; ++k) amax = std::max(amax, std::fabs(r[k]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      scale[i] = amax / 127.f;
+      int32_t s = 0;
+      for (int64_t k = 0; k < GROUP; ++k) {
+        float v = r[k] * inv;
+        v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
+        const int32_t qi = static_cast<int32_t>((v + ROUND) - ROUND);
+        q[i * GROUP + k] = static_cast<int8_t>(qi);
+        s += qi;
+      }
+      sum[i] = s;
+    }
+  });
+}
+
+// ---- portable C++ (the reference the vector paths equal bit for bit) ----
+
+// weight k of row r in a block group, and of a plain row's group
+inline int32_t block_q(const uint8_t* bg, int64_t r, int64_t k) {
+  const uint8_t byte = bg[64 * (k / 8) + 4 * r + (k % 4)];
+  return (k % 8) < 4 ? byte & 15 : byte >> 4;
+}
+
+inline int32_t plain_q(const uint8_t* pg, int64_t k) { return k < 16 ? pg[k] & 15 : pg[k - 16] >> 4; }
+
+void blocks_scalar(const Problem& p, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b)
+    for (int64_t m = 0; m < p.M; ++m)
+      for (int64_t r = 0; r < ROWS; ++r) {
+        float acc = 0.f;
+        for (int64_t g = 0; g < p.G; ++g) {
+          const uint8_t* bg = block_group(p, b, g);
+          const int8_t* xg = p.xq + m * p.K + g * GROUP;
+          int32_t isum = 0;
+          for (int64_t k = 0; k < GROUP; ++k) isum += block_q(bg, r, k) * xg[k];
+          const float d = half_to_float(load_u16(bg + NIBBLES + 2 * r));
+          const float mn = half_to_float(load_u16(bg + NIBBLES + 32 + 2 * r));
+          acc += group_term(isum, d, p.xsum[m * p.G + g], mn, p.xs[m * p.G + g]);
+        }
+        p.y[m * p.N + b * ROWS + r] = acc;
+      }
+}
+
+void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < p.M; ++m) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < p.G; ++g) {
+        const uint8_t* pg = p.w + n * p.G * ROW_BYTES + g * ROW_BYTES;
+        const int8_t* xg = p.xq + m * p.K + g * GROUP;
+        int32_t isum = 0;
+        for (int64_t k = 0; k < GROUP; ++k) isum += plain_q(pg, k) * xg[k];
+        const float d = half_to_float(load_u16(pg + 16)), mn = half_to_float(load_u16(pg + 18));
+        acc += group_term(isum, d, p.xsum[m * p.G + g], mn, p.xs[m * p.G + g]);
+      }
+      p.y[m * p.N + n] = acc;
+    }
+}
+
+#ifdef WKVM_X86
+
+// ---- AVX2: a block as two halves of 8 rows, 8 rows per register ----
+
+#define WKVM_AVX2 "avx2,f16c"
+
+template <int MT>
+__attribute__((target(WKVM_AVX2))) void half_avx2(const Problem& p, int64_t b, int64_t h, int64_t m) {
+  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.G; ++g) {
+    const uint8_t* bg = block_group(p, b, g);
+    __m256i wv[8];
+    for (int c = 0; c < 4; ++c) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + 64 * c + 32 * h));
+      wv[2 * c] = _mm256_and_si256(raw, low);
+      wv[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bg + NIBBLES + 16 * h)));
+    const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bg + NIBBLES + 32 + 16 * h)));
+    for (int i = 0; i < MT; ++i) {
+      const int8_t* xg = p.xq + (m + i) * p.K + g * GROUP;
+      __m256i isum = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        int32_t quad;
+        std::memcpy(&quad, xg + 4 * j, sizeof quad);
+        const __m256i pairs = _mm256_maddubs_epi16(wv[j], _mm256_set1_epi32(quad));  // <= 2 * 15 * 127: no saturation
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
+      }
+      const int64_t gi = (m + i) * p.G + g;
+      const __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(isum), d),
+                                     _mm256_mul_ps(_mm256_set1_ps(static_cast<float>(p.xsum[gi])), mn));
+      acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(t, _mm256_set1_ps(p.xs[gi])));
+    }
+  }
+  for (int i = 0; i < MT; ++i) _mm256_storeu_ps(p.y + (m + i) * p.N + b * ROWS + 8 * h, acc[i]);
+}
+
+__attribute__((target(WKVM_AVX2))) void blocks_avx2(const Problem& p, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b)
+    for (int64_t h = 0; h < 2; ++h) {
+      int64_t m = 0;
+      for (; m + 4 <= p.M; m += 4) half_avx2<4>(p, b, h, m);
+      for (; m < p.M; ++m) half_avx2<1>(p, b, h, m);
+    }
+}
+
+// ---- AVX-512BW and AVX512-VNNI: 16 rows per register ----
+
+#define WKVM_AVX512 "avx2,f16c,avx512f,avx512bw"
+#define WKVM_VNNI "avx2,f16c,avx512f,avx512bw,avx512vnni"
+
+#define WKVM_KERNELS512(NAME, TARGET, DOT)                                                                     \
+  template <int MT>                                                                                            \
+  __attribute__((target(TARGET))) void NAME##_block(const Problem& p, int64_t b, int64_t m) {                  \
+    const __m512i low = _mm512_set1_epi8(15);                                                                  \
+    __m512 acc[MT];                                                                                            \
+    for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();                                                 \
+    for (int64_t g = 0; g < p.G; ++g) {                                                                        \
+      const uint8_t* bg = block_group(p, b, g);                                                                \
+      __m512i wv[8];                                                                                           \
+      for (int c = 0; c < 4; ++c) {                                                                            \
+        const __m512i raw = _mm512_loadu_si512(bg + 64 * c);                                                   \
+        wv[2 * c] = _mm512_and_si512(raw, low);                                                                \
+        wv[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);                                      \
+      }                                                                                                        \
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + NIBBLES)));    \
+      const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + NIBBLES + 32))); \
+      for (int i = 0; i < MT; ++i) {                                                                           \
+        const int8_t* xg = p.xq + (m + i) * p.K + g * GROUP;                                                   \
+        __m512i isum = _mm512_setzero_si512();                                                                 \
+        for (int j = 0; j < 8; ++j) {                                                                          \
+          int32_t quad;                                                                                        \
+          std::memcpy(&quad, xg + 4 * j, sizeof quad);                                                         \
+          isum = DOT(isum, wv[j], _mm512_set1_epi32(quad));                                                    \
+        }                                                                                                      \
+        const int64_t gi = (m + i) * p.G + g;                                                                  \
+        const __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum), d),                             \
+                                       _mm512_mul_ps(_mm512_set1_ps(static_cast<float>(p.xsum[gi])), mn));     \
+        acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(t, _mm512_set1_ps(p.xs[gi])));                            \
+      }                                                                                                        \
+    }                                                                                                          \
+    for (int i = 0; i < MT; ++i) _mm512_storeu_ps(p.y + (m + i) * p.N + b * ROWS, acc[i]);                     \
+  }                                                                                                            \
+  __attribute__((target(TARGET))) void NAME##_blocks(const Problem& p, int64_t b0, int64_t b1) {               \
+    for (int64_t b = b0; b < b1; ++b) {                                                                        \
+      int64_t m = 0;                                                                                           \
+      for (; m + 8 <= p.M; m += 8) NAME##_block<8>(p, b, m);                                                   \
+      for (; m + 4 <= p.M; m += 4) NAME##_block<4>(p, b, m);                                                   \
+      for (; m + 2 <= p.M; m += 2) NAME##_block<2>(p, b, m);                                                   \
+      for (; m < p.M; ++m) NAME##_block<1>(p, b, m);                                                           \
+    }                                                                                                          \
+  }
+
+#define WKVM_DOT_BW(acc, w, x) _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)))
+#define WKVM_DOT_VNNI(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
+WKVM_KERNELS512(avx512, WKVM_AVX512, WKVM_DOT_BW)
+WKVM_KERNELS512(vnni, WKVM_VNNI, WKVM_DOT_VNNI)
+
+#endif  // WKVM_X86
+
+int64_t best_isa() {
+#ifdef WKVM_X86
+  __builtin_cpu_init();
+  const bool bw = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  if (bw && __builtin_cpu_supports("avx512vnni")) return 3;
+  if (bw) return 2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return 1;
+#endif
+  return 0;
+}
+
+int64_t check_weights(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu(),
+              "w: contiguous uint8 [N, G * 20] on the CPU");
+  TORCH_CHECK(w.size(1) % ROW_BYTES == 0, "w rows must hold whole groups of 20 bytes");
+  return w.size(1) / ROW_BYTES;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t isa) {
+  const int64_t G = check_weights(w);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "x: contiguous float32 [M, K] on the CPU");
+  TORCH_CHECK(x.size(1) == G * GROUP, "x.size(1) must be K = 32 * the groups per row of w");
+  TORCH_CHECK(isa >= 0 && isa <= best_isa(), "this CPU cannot run kernel isa ", isa);
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  std::unique_ptr<int8_t[]> xq(new int8_t[M * K]);  // uninitialized: every element is written
+  std::unique_ptr<float[]> xs(new float[M * G]);
+  std::unique_ptr<int32_t[]> xsum(new int32_t[M * G]);
+  quantize_rows(x.data_ptr<float>(), M, K, xq.get(), xs.get(), xsum.get());
+  at::Tensor y = at::empty({M, N}, x.options());
+  const Problem p{xq.get(), xs.get(), xsum.get(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K, G, N / ROWS};
+  void (*blocks)(const Problem&, int64_t, int64_t) = blocks_scalar;
+#ifdef WKVM_X86
+  if (isa == 1) blocks = blocks_avx2;
+  if (isa == 2) blocks = avx512_blocks;
+  if (isa == 3) blocks = vnni_blocks;
+#endif
+  // each thread a contiguous band of at least ~32 KiB of weights, so that its share is worth waking it for
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / (ROWS * G * ROW_BYTES));
+  at::parallel_for(0, p.blocks, grain, [&](int64_t b0, int64_t b1) { blocks(p, b0, b1); });
+  rows_scalar(p, p.blocks * ROWS, N);  // at most 15 rows
+  return y;
+}
+
+// W -> fp32 [N, K] in one parallel pass, each weight q * d + m as the kernel's terms use them (prefill multiplies
+// the result with oneDNN's fp32 GEMM).
+at::Tensor dequantize(const at::Tensor& w) {
+  const int64_t G = check_weights(w);
+  const int64_t N = w.size(0), K = G * GROUP;
+  at::Tensor out = at::empty({N, K}, w.options().dtype(at::kFloat));
+  const Problem p{nullptr, nullptr, nullptr, w.data_ptr<uint8_t>(), out.data_ptr<float>(), 0, N, K, G, N / ROWS};
+  at::parallel_for(0, N, ROWS, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t g = 0; g < G; ++g) {
+        float* dst = p.y + n * K + g * GROUP;
+        const bool blocked = n < p.blocks * ROWS;
+        const uint8_t* bg = blocked ? block_group(p, n / ROWS, g) : p.w + n * G * ROW_BYTES + g * ROW_BYTES;
+        const int64_t r = n % ROWS;
+        const float d = half_to_float(load_u16(blocked ? bg + NIBBLES + 2 * r : bg + 16));
+        const float mn = half_to_float(load_u16(blocked ? bg + NIBBLES + 32 + 2 * r : bg + 18));
+        for (int64_t k = 0; k < GROUP; ++k)
+          dst[k] = static_cast<float>(blocked ? block_q(bg, r, k) : plain_q(bg, k)) * d + mn;
+      }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(wkvm_int4, m) {
+  m.def("linear(Tensor x, Tensor w, int isa) -> Tensor", &linear);
+  m.def("dequantize(Tensor w) -> Tensor", &dequantize);
+  m.def("best_isa() -> int", &best_isa);
+}
