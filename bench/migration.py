@@ -7,14 +7,17 @@ the same history N_PREFILL times (`POST /v1/states` with the same tokens: the wo
 does). Also: the overhead Ray adds per request (a 1-token completion through the replicas vs the same request to a
 single-process `wkvm serve`), and aggregate decode tok/s of 8 concurrent streams at 1 vs 2 replicas.
 
-These are parked states (between turns). Migrating a *running* stream is not built yet (docs/cluster.md).
-Writes bench/out/migration.json.
+Running streams: a greedy stream after a 1k/4k-token prompt is moved back and forth `--stream-moves` times while it
+runs (`POST /v1/streams/{id}/migrate`); the downtime a client sees is the longest gap between two chunks around each
+move (it includes one ordinary token interval, reported beside it), and the moved stream's text must equal an
+unmoved run's (0 tokens lost or repeated). Writes bench/out/migration.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import os
 import random
 import signal
@@ -22,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -86,11 +90,57 @@ def aggregate_decode(url: str, streams: int, tokens: int) -> float:
     return done / (time.perf_counter() - t0)
 
 
+def moved_stream(c: httpx.Client, ids: list[int], moves: int, tokens: int) -> dict[str, object]:
+    """Stream `tokens` greedy tokens after prompt `ids`, moving the stream `moves` times while it runs."""
+    body = {"prompt": ids, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    want = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    arrivals: list[float] = []
+    text: list[str] = []
+    head: dict[str, str] = {}
+    started = threading.Event()
+
+    def read() -> None:
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            head.update(r.headers)
+            started.set()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.perf_counter())
+                    chunk = json.loads(line[6:])
+                    text.append(chunk["choices"][0]["text"] if chunk["choices"] else "")
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    started.wait(120)
+    while len(arrivals) < 5:
+        time.sleep(0.01)
+    where, windows, server_side = head["x-wkvm-replica"], [], []
+    for _ in range(moves):
+        to = "r1" if where == "r0" else "r0"
+        t0 = time.perf_counter()
+        m = c.post(f"/v1/streams/{head['x-wkvm-stream-id']}/migrate", json={"to": to})
+        if m.status_code != 200:
+            print(f"move {len(windows)}: {m.status_code} {m.text[:200]}", file=sys.stderr)
+            break  # the stream ended
+        windows.append((t0, time.perf_counter()))
+        server_side.append(m.json()["downtime_seconds"])
+        where = to
+        time.sleep(0.1)
+    reader.join()
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    around = [max((b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if b > w0 and a < w1 + 0.3),
+                  default=0.0) for w0, w1 in windows]  # fmt: skip
+    return {"moves": len(windows), "exact": "".join(text) == want, "downtime_s": around, "front_gap_s": server_side,
+            "token_interval_s": statistics.median(gaps) if gaps else 0.0}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--moves", type=int, default=50)
     ap.add_argument("--prefills", type=int, default=3)
     ap.add_argument("--lengths", default="1024,4096")
+    ap.add_argument("--stream-moves", type=int, default=50)
+    ap.add_argument("--stream-tokens", type=int, default=600)
     args = ap.parse_args()
     model = checkpoint()
     out: dict[str, object] = {"cpu": cpu_name(), "moves": args.moves}
@@ -124,6 +174,19 @@ def main() -> None:
                                        "prefills_s": prefills}  # fmt: skip
                 rows.append([n, f"{nbytes / 2**20:.2f}", f"{p50 * 1e3:.1f}", f"{p99 * 1e3:.1f}", f"{pre * 1e3:.0f}",
                              f"{pre / p50:.1f}x", f"{nbytes / p50 / 1e6:.0f}"])  # fmt: skip
+            streams = []
+            for n in [int(x) for x in args.lengths.split(",")]:
+                ids = [rng.randrange(1, 65000) for _ in range(n)]
+                res = moved_stream(c, ids, args.stream_moves, args.stream_tokens)
+                down = res["downtime_s"]
+                assert isinstance(down, list) and down, res
+                out[f"stream_{n}"] = res
+                front = res["front_gap_s"]
+                assert isinstance(front, list)
+                streams.append([n, res["moves"], "yes" if res["exact"] else "NO",
+                                f"{pct(down, 0.5) * 1e3:.1f}", f"{pct(down, 0.99) * 1e3:.1f}",
+                                f"{pct(front, 0.5) * 1e3:.1f}", f"{pct(front, 0.99) * 1e3:.1f}",
+                                f"{float(res['token_interval_s']) * 1e3:.1f}"])  # type: ignore[arg-type]  # fmt: skip
             overhead_cluster = request_overhead(url, 30)
             agg2 = aggregate_decode(url, 8, 64)
         finally:
@@ -139,6 +202,10 @@ def main() -> None:
     print_table(f"Moving a parked 0.1B-shape RWKV-7 state between 2 replicas ({args.moves} moves) vs re-prefill; "
                 f"{cpu_name()}", ["history", "MiB", "move p50 ms", "move p99 ms", "re-prefill ms", "speed-up",
                                   "MB/s"], rows)  # fmt: skip
+    print_table(f"Moving a running stream between 2 replicas (client-side gap around each move); {cpu_name()}",
+                ["prompt tokens", "moves", "text exact", "gap p50 ms", "gap p99 ms", "front gap p50", "front gap p99",
+                 "token interval ms"],
+                streams)  # fmt: skip
     print_table("Per request and aggregate", ["", "2 replicas (Ray Serve)", "1 process"],
                 [["1-token completion, median ms", f"{overhead_cluster * 1e3:.1f}", f"{overhead_single * 1e3:.1f}"],
                  ["8 streams x 64 tokens, tok/s", f"{agg2:.1f}", f"{agg1:.1f}"]])  # fmt: skip

@@ -142,6 +142,46 @@ def test_tenants_do_not_share_states_across_replicas(cluster):
     assert cluster.get("/v1/states/secret@1").status_code == 404
 
 
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "top_p": 0.9, "seed": 5,
+                                                          "presence_penalty": 0.5}])  # fmt: skip
+def test_a_running_stream_moves_to_another_replica_exactly(cluster, sampling):
+    """POST /v1/streams/{id}/migrate mid-stream: the client's stream goes on from the other replica on the same
+    connection, with the tokens of a run that never moved (greedy, and seeded sampling)."""
+    body = {**GREEDY, **sampling, "max_tokens": 300, "ignore_eos": True, "prompt": "MENENIUS:", "user": "dan"}
+    want = cluster.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    text, ids, moved, last = "", set(), None, ""
+    with cluster.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        stream_id, source = r.headers["x-wkvm-stream-id"], r.headers["x-wkvm-replica"]
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                text += chunk["choices"][0]["text"] if chunk["choices"] else ""
+                ids.add(chunk["id"])
+                if moved is None and len(text) >= 3:
+                    other = "r1" if source == "r0" else "r0"
+                    moved = cluster.post(f"/v1/streams/{stream_id}/migrate", json={"to": other})
+            last = line or last
+    assert moved is not None and moved.status_code == 200, moved.text if moved else "never moved"
+    assert 0 < moved.json()["generated_tokens"] < 300
+    assert text == want and ids == {stream_id} and last == "data: [DONE]"
+    # the session followed the stream: the next request of this user goes to the stream's new replica
+    after = cluster.post("/v1/completions", json={**GREEDY, "prompt": "MENENIUS:", "user": "dan"})
+    assert after.headers["x-wkvm-replica"] == moved.json()["to"]
+    assert re.search(r'^wkvm_cluster_stream_moves_total\{outcome="moved"\} [1-9]', cluster.get("/metrics").text,
+                     re.MULTILINE)  # fmt: skip
+
+
+def test_a_stream_that_cannot_move_says_why(cluster):
+    missing = cluster.post("/v1/streams/chatcmpl-none/migrate", json={"to": "r0"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "stream_not_found"
+    with cluster.stream("POST", "/v1/completions", json={**GREEDY, "prompt": "CORIOLANUS:", "n": 2,
+                                                         "stream": True}) as r:  # fmt: skip
+        assert "x-wkvm-stream-id" not in r.headers  # two choices: it finishes where it is
+        r.read()
+
+
 def test_metrics_per_replica_and_for_the_app(cluster):
     text = cluster.get("/metrics").text
     assert 'wkvm_cluster_routed_total{outcome="hit"}' in text
@@ -191,7 +231,7 @@ def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
     for i in range(3):
         assert cluster.post("/v1/states", json={"name": f"roll{i}", "prompt": f"HAMLET {i}:"}).status_code == 200
         states[i] = cluster.post(f"/v1/states/roll{i}@1/generate", json=ask).json()["choices"][0]["text"]
-    long = {**GREEDY, "max_tokens": 300, "ignore_eos": True, "prompt": "GLOUCESTER:"}
+    long = {**GREEDY, "max_tokens": 1500, "ignore_eos": True, "prompt": "GLOUCESTER:"}
     want = cluster.post("/v1/completions", json=long).json()["choices"][0]["text"]
     got: dict[int, str] = {}
 
@@ -211,6 +251,7 @@ def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
     orphan.import_bytes(key_owner(KEY.encode()), exported, name="orphan")
     orphan.close()
     before = pids(cluster)
+    moves_before = cluster.get("/v1/cluster").json()["stream_moves"]
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
@@ -219,6 +260,8 @@ def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
     for t in threads:
         t.join(300)
     assert [got.get(i) == want for i in range(4)] == [True] * 4
+    # each stopping replica handed its running streams over rather than waiting for them to finish there
+    assert cluster.get("/v1/cluster").json()["stream_moves"] > moves_before
     deadline = time.monotonic() + 240
     while True:  # every replica replaced, every slot held again
         now = pids(cluster)

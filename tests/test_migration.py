@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 import uuid
+from collections.abc import Iterator
 
 import httpx
 import pytest

@@ -28,6 +28,7 @@ class Slot:
 class Directory:
     slots: dict[str, Slot] = field(default_factory=dict)
     owners: dict[str, str] = field(default_factory=dict)  # route key -> slot name
+    stream_moves: int = 0  # running streams handed over, over the application's life (fronts restart too)
 
     async def claim(self, replica_id: str, actor: Any, slots: int = 0, wait: float = 0.0) -> str:
         """A starting replica's slot: the first one free or held by a dead replica. A replica that would get a slot
@@ -82,6 +83,12 @@ class Directory:
 
     def forget(self, key: str) -> None:
         self.owners.pop(key, None)
+
+    def moved_stream(self) -> None:
+        self.stream_moves += 1
+
+    def stream_moves_total(self) -> int:
+        return self.stream_moves
 
     def replicas(self) -> dict[str, str]:
         """slot -> replica id, by slot name."""

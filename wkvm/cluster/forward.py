@@ -90,6 +90,17 @@ async def run_asgi(app: ASGIApp, req: ForwardedRequest, replica: str) -> AsyncIt
 
 
 @dataclass(frozen=True)
+class Handover:
+    """A stream moving from one replica to another at a token boundary, with its ticket (server/handover.py). It
+    travels in Ray's object store as an item the source's streaming call returns and then as an argument of the
+    destination's call: both objects are owned by their caller, the front, so they outlive the source replica."""
+
+    to: str  # the destination slot
+    ticket: str
+    data: bytes
+
+
+@dataclass(frozen=True)
 class RouteKey:
     """Which replica should answer: `key` names what the request is bound to (a named state, a chat session), or
     None for any replica. `strict`: only the owner can answer (it alone holds the state)."""

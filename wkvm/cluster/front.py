@@ -8,10 +8,12 @@ replicas: `/health`, `/metrics` (its routing counters and every replica's metric
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,10 +21,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from wkvm.cluster.forward import MISROUTED, MISROUTED_REPLY, STATES, ForwardedRequest, Head, route_key, state_key
+from wkvm.cluster.forward import (
+    MISROUTED,
+    MISROUTED_REPLY,
+    STATES,
+    ForwardedRequest,
+    Handover,
+    Head,
+    RouteKey,
+    route_key,
+    state_key,
+)
 from wkvm.config import ServerConfig
 from wkvm.server.asgi import ApiKeyGate, BodyLimit, KeyRing, tenant_of
 from wkvm.server.errors import error_body, error_response
+from wkvm.server.handover import RESUME_HEADER, STREAM_HEADER
 from wkvm.server.metrics import LATENCY_BUCKETS
 
 REPLICA_HEADER = b"x-wkvm-replica"
@@ -42,6 +55,19 @@ class ClusterMetrics:
         self.moved_bytes = Counter("wkvm_cluster_migrated_bytes", "Bytes of state files moved", registry=r)
         self.migration_seconds = Histogram("wkvm_cluster_migration_seconds", "Time to move a state (export, adopt, "
                                            "drop)", buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.stream_moves = Counter("wkvm_cluster_stream_moves", "Running streams handed over to another replica, by "
+                                    "outcome (moved, failed)", ["outcome"], registry=r)  # fmt: skip
+        self.stream_downtime = Histogram("wkvm_cluster_stream_move_downtime_seconds", "Gap a moved stream's client "
+                                         "sees: last chunk from the source to first from the destination",
+                                         buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+
+
+@dataclass
+class RunningStream:
+    tenant: str
+    slot: str
+    moves: int = 0  # handovers done so far
+    downtime: float = 0.0  # of the last one: last chunk from the source to the first from the destination
 
 
 class Front:
@@ -51,6 +77,7 @@ class Front:
         self.config, self.engine, self.directory = config, engine, directory
         self.keys = KeyRing(config.api_keys)
         self.metrics = ClusterMetrics()
+        self.streams: dict[str, RunningStream] = {}  # streams that can move, by response id
 
     def tenant(self, request: Request) -> str:
         return tenant_of(request.scope, self.keys) or "anonymous"  # ApiKeyGate refused a wrong key already
@@ -82,8 +109,110 @@ class Front:
         self.metrics.routed.labels(outcome(route.key, slot, head.replica)).inc()
         if route.key is not None and head.replica != slot and head.status < 400:
             await self.directory.record.remote(route.key, head.replica)
-        return StreamingResponse(relay(gen), status_code=head.status,
-                                 headers=response_headers(head))  # fmt: skip
+        body = self.relay(req, route, head, gen)
+        return StreamingResponse(body, status_code=head.status, headers=response_headers(head))
+
+    async def relay(self, req: ForwardedRequest, route: RouteKey, head: Head, gen: Any) -> AsyncIterator[bytes]:
+        """The body chunks after the head. A stream handed over goes on from its destination on this same response;
+        the replica's generator is cancelled if the client goes away."""
+        stream_id = dict(head.headers).get(STREAM_HEADER.encode(), b"").decode() or None
+        if stream_id is not None:
+            self.streams[stream_id] = RunningStream(self.tenant_of(req), head.replica)
+        try:
+            while True:
+                moved: Handover | None = None
+                last = time.perf_counter()
+                async for chunk in relay(gen):
+                    if isinstance(chunk, Handover):
+                        moved = chunk
+                        break
+                    yield chunk
+                    last = time.perf_counter()
+                if moved is None:
+                    return
+                gen, first = await self.hand_over(req, route, moved, stream_id)
+                if gen is not None:
+                    downtime = time.perf_counter() - last
+                    self.metrics.stream_downtime.observe(downtime)
+                    if stream_id is not None and stream_id in self.streams:
+                        self.streams[stream_id].downtime = downtime
+                        self.streams[stream_id].moves += 1
+                yield first
+                if gen is None:  # no replica could take it: the client got an error event and [DONE]
+                    return
+        finally:
+            if stream_id is not None:
+                self.streams.pop(stream_id, None)
+
+    async def hand_over(self, req: ForwardedRequest, route: RouteKey, moved: Handover,
+                        stream_id: str | None) -> tuple[Any, bytes]:  # fmt: skip
+        """Send the moved stream's request with its ticket to its destination (or, when that one cannot take it, to
+        any other replica: the ticket goes on anywhere); returns that replica's generator and its first chunk."""
+        resumed = dataclasses.replace(req, headers=[*req.headers, (RESUME_HEADER.encode(), moved.ticket.encode())])
+        replicas = await self.replicas()
+        order = [moved.to] + [s for s in replicas if s != moved.to]
+        for slot in order:
+            if slot not in replicas:
+                continue
+            gen = self.engine.options(stream=True).http.remote(resumed, target=replicas[slot], strict=True,
+                                                               handover=moved)  # fmt: skip
+            try:
+                head = await asyncio.wait_for(anext(gen), CALL_SECONDS)
+            except (TimeoutError, StopAsyncIteration):
+                gen.cancel()
+                continue
+            if head.status == MISROUTED:
+                continue
+            if head.status != 200:  # the ticket was read: it cannot be offered again
+                detail = b"".join([c async for c in gen])
+                log.error("replica %s refused a moved stream: %s %s", slot, head.status, detail[:300])
+                break
+            self.metrics.stream_moves.labels("moved").inc()
+            self.directory.moved_stream.remote()
+            if stream_id is not None and stream_id in self.streams:
+                self.streams[stream_id].slot = slot
+            if route.key is not None and not route.strict:
+                await self.directory.record.remote(route.key, slot)
+            try:
+                return gen, await anext(gen)
+            except StopAsyncIteration:
+                return gen, b""
+        self.metrics.stream_moves.labels("failed").inc()
+        error = error_body(503, "this stream was moving to another replica and none could take it", None,
+                           "replica_unavailable")  # fmt: skip
+        return None, f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+
+    def tenant_of(self, req: ForwardedRequest) -> str:
+        return tenant_of(req.scope(), self.keys) or "anonymous"
+
+    async def move_stream(self, stream_id: str, request: Request) -> Response:
+        """`POST /v1/streams/{id}/migrate {"to": slot}`: hand a running stream over to another replica at its next
+        token boundary; its client's stream goes on from there on the same connection."""
+        try:
+            to = json.loads(await request.body() or b"{}").get("to")
+        except (ValueError, AttributeError):
+            to = None
+        replicas = await self.replicas()
+        if to not in replicas:
+            return error_response(400, f"'to' must name a replica: one of {', '.join(replicas)}", "to",
+                                  "unknown_replica")  # fmt: skip
+        tenant = self.tenant(request)
+        s = self.streams.get(stream_id)
+        if s is None or s.tenant != tenant or s.slot not in replicas:
+            return error_response(404, f"no running stream {stream_id!r} that can move", None, "stream_not_found")
+        if s.slot == to:
+            return JSONResponse({"object": "stream.migration", "id": stream_id, "from": s.slot, "to": to})
+        t0, source, moves = time.perf_counter(), s.slot, s.moves
+        answer = await self.call(replicas[source], "move_stream", tenant, stream_id, to)
+        if answer["status"] != 200:
+            code = "stream_not_found" if answer["status"] == 404 else "stream_cannot_move"
+            return error_response(answer["status"], answer["message"], None, code)
+        deadline = t0 + CALL_SECONDS  # answer once the stream runs on its new replica (or ended)
+        while stream_id in self.streams and s.moves == moves and time.perf_counter() < deadline:
+            await asyncio.sleep(0.005)
+        return JSONResponse({"object": "stream.migration", "id": stream_id, "from": source, "to": s.slot,
+                             "generated_tokens": answer["generated_tokens"], "downtime_seconds": round(s.downtime, 6),
+                             "seconds": round(time.perf_counter() - t0, 6)})  # fmt: skip
 
     async def call(self, replica_id: str, method: str, *args: Any) -> Any:
         """Call a method of one replica (by id), again while the call lands elsewhere (it answers MISROUTED_REPLY);
@@ -175,7 +304,8 @@ class Front:
         out = [s if isinstance(s, dict) else {"slot": slot, "replica_id": rid, "status": "unavailable",
                                               "error": f"{type(s).__name__}: {s}"[:300]}
                for (slot, rid), s in zip(replicas.items(), status, strict=True)]  # fmt: skip
-        return {"object": "cluster", "replicas": [{**s, "owned_keys": owned.get(s["slot"], 0)} for s in out]}
+        return {"object": "cluster", "replicas": [{**s, "owned_keys": owned.get(s["slot"], 0)} for s in out],
+                "stream_moves": await self.directory.stream_moves_total.remote()}
 
     async def health(self) -> Response:
         replicas = await self.replicas()
@@ -206,7 +336,8 @@ def migration(handle: str, source: str, to: str, nbytes: int, seconds: float, ha
 async def forwarded(request: Request) -> ForwardedRequest:
     scope = request.scope
     client = scope.get("client")
-    return ForwardedRequest(request.method, scope["path"], scope.get("query_string", b""), list(scope["headers"]),
+    headers = [(k, v) for k, v in scope["headers"] if k != RESUME_HEADER.encode()]  # only the front sets it
+    return ForwardedRequest(request.method, scope["path"], scope.get("query_string", b""), headers,
                             await request.body(), tuple(client) if client else None)  # fmt: skip
 
 
@@ -216,8 +347,9 @@ def response_headers(head: Head) -> dict[str, str]:
     return headers
 
 
-async def relay(gen: Any) -> AsyncIterator[bytes]:
-    """The body chunks after the head; the replica's generator is cancelled if the client goes away."""
+async def relay(gen: Any) -> AsyncIterator[Any]:
+    """The body chunks after the head (and a `Handover`, when the stream moves); the replica's generator is cancelled
+    if the client goes away."""
     done = False
     try:
         async for chunk in gen:
@@ -272,5 +404,6 @@ def build_front_app(front: Front) -> FastAPI:
     app.add_api_route("/v1/cluster", front.cluster, methods=["GET"])
     app.add_api_route(STATES, front.list_states, methods=["GET"])
     app.add_api_route(STATES + "/{handle}/migrate", front.migrate, methods=["POST"])
+    app.add_api_route("/v1/streams/{stream_id}/migrate", front.move_stream, methods=["POST"])
     app.add_api_route("/{path:path}", front.forward, methods=methods)
     return app

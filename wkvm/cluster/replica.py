@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -22,10 +24,11 @@ import torch
 from ray import serve
 
 from wkvm.cluster.directory import Directory
-from wkvm.cluster.forward import MISROUTED, MISROUTED_REPLY, ForwardedRequest, Head, run_asgi, state_key
+from wkvm.cluster.forward import MISROUTED, MISROUTED_REPLY, ForwardedRequest, Handover, Head, run_asgi, state_key
 from wkvm.config import ServerConfig
 from wkvm.server.app import create_app
 from wkvm.server.context import ServerContext
+from wkvm.server.handover import HandoverError, parse_marker
 from wkvm.state.quota import StoreLimits, is_internal
 from wkvm.state.store import StateNotFound, StateStore
 
@@ -33,6 +36,8 @@ log = logging.getLogger("wkvm.cluster")
 DIRECTORY = "wkvm-directory"
 SLOT_WAIT_SECONDS = 60.0  # a new replica waits this long for a slot of the first N to free up (rolling restarts)
 NAMESPACE = "wkvm"  # the directory's (Serve runs replicas in its own namespace)
+CALL_SECONDS = 10.0  # a stream to move reaches its next token boundary well within this
+DRAIN_POLL_SECONDS = 0.05
 
 
 class EngineReplica:
@@ -53,18 +58,65 @@ class EngineReplica:
         keys = [state_key(r.owner, r.name) for r in self.ctx.store.index.list() if not is_internal(r.owner)]
         ray.get(self.directory.holds.remote(self.slot, keys))
         log.info("replica %s holds slot %s (%d named states)", self.replica_id, self.slot, len(set(keys)))
+        self._stopped = threading.Event()
+        threading.Thread(target=self._drain_when_stopping, name="wkvm-drain", daemon=True).start()
 
     def misrouted(self, route: dict[str, object]) -> bool:
         """A strict call meant for another replica (its owner was being replaced when it was routed)."""
         return bool(route.get("strict")) and route.get("target") != self.replica_id
 
-    async def http(self, req: ForwardedRequest, **route: object) -> AsyncIterator[Head | bytes]:
-        """Answer one forwarded request. Every method's `route` keywords (`target`, `strict`) are the router's."""
+    async def http(self, req: ForwardedRequest, handover: Handover | None = None,
+                   **route: object) -> AsyncIterator[Head | bytes | Handover]:  # fmt: skip
+        """Answer one forwarded request (`handover`: the stream it continues). A stream this replica hands over ends
+        with its `Handover` instead of the handover event. Every method's `route` keywords are the router's."""
         if self.misrouted(route):
             yield Head(MISROUTED, [], self.slot)
             return
+        if handover is not None:
+            self.ctx.handovers.put_in(handover.ticket, handover.data)
         async for part in run_asgi(self.app, req, self.slot):
-            yield part
+            mark = parse_marker(part) if isinstance(part, bytes) else None
+            if mark is None:
+                yield part
+                continue
+            ticket, to = mark
+            data = self.ctx.handovers.take_out(ticket)
+            if data is not None:
+                yield Handover(to, ticket, data)
+
+    async def move_stream(self, tenant: str, stream_id: str, to: str, **route: object) -> dict[str, Any] | str:
+        """Hand a running stream over to replica `to` at its next token boundary; {"status", ...} says how it went."""
+        if self.misrouted(route):
+            return MISROUTED_REPLY
+        try:
+            fut = self.ctx.handovers.move(self.ctx.client, tenant, stream_id, to)
+        except KeyError:
+            return {"status": 404, "message": f"no running stream {stream_id!r} on {self.slot}"}
+        except HandoverError as e:
+            return {"status": 409, "message": f"stream {stream_id!r} cannot move: {e}"}
+        try:
+            c = await asyncio.wait_for(asyncio.wrap_future(fut), CALL_SECONDS)
+        except (KeyError, TimeoutError):
+            return {"status": 409, "message": f"stream {stream_id!r} finished before it could move"}
+        return {"status": 200, "generated_tokens": len(c.output_ids)}
+
+    def _drain_when_stopping(self) -> None:
+        """When Serve starts stopping this replica (redeploy, scale-down), hand every running stream that can move
+        over to the other replicas, so Serve's drain does not wait for them to finish here."""
+        serve_replica = find_serve_replica()
+        if serve_replica is None:
+            log.warning("replica %s: cannot see when Serve stops it; its streams finish here instead of moving",
+                        self.slot)  # fmt: skip
+            return
+        while not getattr(serve_replica, "_shutting_down", False):
+            if self._stopped.wait(DRAIN_POLL_SECONDS):
+                return
+        others = [slot for slot in ray.get(self.directory.replicas.remote()) if slot != self.slot]
+        streams = [s for s in self.ctx.handovers.live() if s.why_not is None]
+        log.info("replica %s is stopping: moving %d running streams to %s", self.slot, len(streams), others)
+        for i, s in enumerate(streams if others else []):
+            with contextlib.suppress(KeyError, HandoverError):  # finished or moving meanwhile
+                self.ctx.handovers.move(self.ctx.client, s.tenant, s.ticket.id, others[i % len(others)])
 
     async def export_name(self, tenant: str, name: str, **route: object) -> list[bytes] | str:
         """Every version of a named state as exported files, oldest first."""
@@ -147,10 +199,19 @@ class EngineReplica:
         ctx: ServerContext | None = getattr(self, "ctx", None)
         if ctx is None:
             return
+        self._stopped.set()
         ctx.end_requests(ctx.config.shutdown_grace)
         ctx.shutdown()
         with contextlib.suppress(Exception):  # the directory went first (the whole application is stopping)
             self.directory.release.remote(self.replica_id)
+
+
+def find_serve_replica() -> Any:
+    """Serve's own replica object in this actor (Ray 2.58 internals: it sets `_shutting_down` when a stop begins,
+    before it waits for running requests); None when this Ray version has none."""
+    from ray.serve._private.replica import Replica
+
+    return next((o for o in gc.get_objects() if isinstance(o, Replica)), None)
 
 
 def directory_actor() -> Any:
