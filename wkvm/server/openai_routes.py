@@ -487,24 +487,26 @@ async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFiel
                         chunk: Callable[[int, Event], dict[str, Any]], prompt_tokens: int, base: dict[str, Any],
                         on_done: Callable[[], dict[str, Any]], live: LiveStream | None = None,
                         ) -> AsyncIterator[str]:  # fmt: skip
-    """SSE lines: a chunk per event; the very last choice chunk carries the `wkvm` (and `state`) extras.
+    """SSE lines: a chunk per event, sent as it comes; the very last choice chunk carries the `wkvm` (and `state`)
+    extras.
 
     The stream always ends with `data: [DONE]`: after the final chunk, or after an `error` event when a
     generation failed (or, for a bug, when this code did) once the response had started. A stream moved to another
     server (`live`, handover.py) ends instead with the handover event, after every chunk produced here."""
     try:
-        held: dict[str, Any] | None = None
+        held: dict[str, Any] | None = None  # the stream's last chunk, which waits for the extras
+        left = len(handles)
         async for i, ev in gen.merged(ctx, request, handles):
             if ev.error_code == ErrorCode.MIGRATED and live is not None:
-                if held is not None:
-                    yield gen.sse(held)
                 yield await run_in_threadpool(hand_over, ctx, live)
                 return
+            left -= ev.finished
             if not ev.token_ids and not ev.finished and not ev.text:
                 continue
-            if held is not None:
-                yield gen.sse(held)
-            held = chunk(i, ev)
+            if left:
+                yield gen.sse(chunk(i, ev))  # at once: a chunk is never held back for the next token
+            else:
+                held = chunk(i, ev)
         failed = next((h for h in handles if h.output.finish_reason == "error"), None)
         if held is not None:
             if failed is None:
