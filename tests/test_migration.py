@@ -165,3 +165,24 @@ def test_what_cannot_move_says_why(pair):
     r = httpx.post(a.url + "/v1/chat/completions", json={"messages": MESSAGES, **LONG},
                    headers={RESUME_HEADER: "0" * 32}, timeout=60)  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_handover"
+
+
+def test_a_ticket_is_checked_like_an_import(pair):
+    """A ticket from another model, with a token outside the vocabulary, or cut short is refused, naming why."""
+    import torch
+
+    from wkvm.engine.request import Continuation
+    from wkvm.server.handover import HandoverError, Ticket, decode, encode
+
+    m = pair[0].ctx.model
+    c = Continuation([1, 2, 3], [], [4], 3, m.spec.zeros(1), torch.Generator().get_state(), "x")
+    t = Ticket("cmpl-1", 0, "anonymous")
+    back, t2 = decode(encode(m.spec, m.fingerprint, c, t), m.spec, m.fingerprint, m.vocab_size)
+    assert back.output_ids == [4] and t2 == t and torch.equal(back.generator, c.generator)
+    with pytest.raises(HandoverError, match="another model"):
+        decode(encode(m.spec, "other", c, t), m.spec, m.fingerprint, m.vocab_size)
+    c.output_ids = [m.vocab_size]
+    with pytest.raises(HandoverError, match="vocabulary"):
+        decode(encode(m.spec, m.fingerprint, c, t), m.spec, m.fingerprint, m.vocab_size)
+    with pytest.raises(HandoverError, match="unreadable|bad"):
+        decode(encode(m.spec, m.fingerprint, c, t)[:100], m.spec, m.fingerprint, m.vocab_size)

@@ -58,7 +58,7 @@ class EngineClient(Protocol):
         ...
 
     def snapshot(self, request_id: str) -> concurrent.futures.Future[tuple[State, list[int]]]:
-        """A running request's state and history at its next token boundary (for migrating running streams)."""
+        """A running request's state and history at its next token boundary, without stopping it."""
         ...
 
     def suspend(self, request_id: str) -> concurrent.futures.Future[Continuation]:
