@@ -182,18 +182,23 @@ class Front:
                            "replica_unavailable")  # fmt: skip
         return None, f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
 
+    async def destination(self, request: Request) -> tuple[str | None, dict[str, str]]:
+        """The replica a move's body names in "to" (None when it names none of them), and the replicas."""
+        try:
+            to = json.loads(await request.body() or b"{}").get("to")
+        except (ValueError, AttributeError):
+            to = None
+        replicas = await self.replicas()
+        return (to if isinstance(to, str) and to in replicas else None), replicas
+
     def tenant_of(self, req: ForwardedRequest) -> str:
         return tenant_of(req.scope(), self.keys) or "anonymous"
 
     async def move_stream(self, stream_id: str, request: Request) -> Response:
         """`POST /v1/streams/{id}/migrate {"to": slot}`: hand a running stream over to another replica at its next
         token boundary; its client's stream goes on from there on the same connection."""
-        try:
-            to = json.loads(await request.body() or b"{}").get("to")
-        except (ValueError, AttributeError):
-            to = None
-        replicas = await self.replicas()
-        if to not in replicas:
+        to, replicas = await self.destination(request)
+        if to is None:
             return error_response(400, f"'to' must name a replica: one of {', '.join(replicas)}", "to",
                                   "unknown_replica")  # fmt: skip
         tenant = self.tenant(request)
@@ -256,12 +261,8 @@ class Front:
 
     async def migrate(self, handle: str, request: Request) -> Response:
         """Move a named state (every version of its name) to another replica; its handles stay the same."""
-        try:
-            to = json.loads(await request.body() or b"{}").get("to")
-        except (ValueError, AttributeError):
-            to = None
-        replicas = await self.replicas()
-        if to not in replicas:
+        to, replicas = await self.destination(request)
+        if to is None:
             return error_response(400, f"'to' must name a replica: one of {', '.join(replicas)}", "to",
                                   "unknown_replica")  # fmt: skip
         tenant, name = self.tenant(request), handle.split("@", 1)[0]
