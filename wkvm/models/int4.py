@@ -40,6 +40,7 @@ KERNEL_ROWS = 128
 SOURCE = Path(__file__).with_name("int4_linear.cpp")
 GROUP, ROWS, ROW_BYTES = 32, 16, 20  # weights a group, rows a block, bytes a row and group
 CFLAGS = ("-O3", "-ffp-contract=off")  # no FMA contraction: every ISA computes the same float expression
+DTYPE: torch.dtype = torch.int4  # type: ignore[attr-defined]  # the config's name for int4 storage (holds no data)
 
 
 def quantize(w: torch.Tensor, symmetric: bool = False) -> torch.Tensor:

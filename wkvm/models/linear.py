@@ -89,7 +89,7 @@ def bf16_speed() -> str:
 def stored(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A large matrix [out, in] in its storage `dtype`: float32, bfloat16, int8 (quantized per output channel) or
     int4 (groups of 32 along `in`; a matrix whose `in` is not a multiple of 32 is stored as int8)."""
-    if dtype == torch.int4:
+    if dtype == int4.DTYPE:
         return int4.quantize(weight) if weight.shape[1] % int4.GROUP == 0 else int8.quantize(weight)
     return int8.quantize(weight) if dtype == torch.int8 else weight.to(dtype)
 
@@ -117,7 +117,8 @@ def kernels() -> dict[str, str]:
     q4_path = int4.kernel_path()
     q4 = "dequantize per call (no native kernel)" if q4_path == "torch" else f"wkvm int4 kernel ({q4_path})"
     return {"float32": fp32, "bfloat16": bf16, "int8": f"{q8} up to {int8.KERNEL_ROWS} rows, then fp32 {prefill}",
-            "int4": f"{q4} up to {int4.KERNEL_ROWS} rows, then fp32 {prefill}"}  # fmt: skip
+            "int4": f"{q4} at every size" if q4_path == "avx512_vnni" else
+                    f"{q4} up to {int4.KERNEL_ROWS} rows, then fp32 {prefill}"}  # fmt: skip
 
 
 def int8_speed() -> str:

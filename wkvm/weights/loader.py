@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from wkvm.chat_template import ChatTemplate, load_chat_template
-from wkvm.models import linear, registry
+from wkvm.models import int4, linear, registry
 from wkvm.models.family import Checkpoint, CheckpointError, LanguageModel, ModelFamily, RawTensors
 from wkvm.models.fingerprint import fingerprint
 from wkvm.models.provider import ResidentWeights
@@ -75,7 +75,7 @@ def load_model(
         log.warning("--dtype bfloat16: %s", linear.bf16_speed())
     if dtype == torch.int8 and torch.device(device).type == "cpu":
         log.info("--dtype int8: %s", linear.int8_speed())  # builds the kernel on first use (warns if it cannot)
-    if dtype == torch.int4 and torch.device(device).type == "cpu":
+    if dtype == int4.DTYPE and torch.device(device).type == "cpu":
         log.info("--dtype int4: %s", linear.int4_speed())
 
     if is_pack(path):
