@@ -102,6 +102,20 @@ def test_user_field_binds_a_session(cluster):
     assert len(seen) == 1
 
 
+def test_a_shared_system_prompt_goes_where_its_checkpoint_is(cluster):
+    """Routing by prefix: conversations that share a system prompt (and nothing binds) go to one replica, where the
+    first one left a checkpoint of it: the others reuse it."""
+    system = {"role": "system", "content": "Thou art a herald of the court of Denmark; speak in verse. " * 4}
+    replicas, reused = set(), []
+    for who in ("Horatio", "Marcellus", "Bernardo", "Francisco"):
+        r = cluster.post("/v1/chat/completions", json={**GREEDY, "messages": [
+            system, {"role": "user", "content": f"Who comes, {who}?"}]})  # fmt: skip
+        assert r.status_code == 200, r.text
+        replicas.add(r.headers["x-wkvm-replica"])
+        reused.append(r.json()["wkvm"]["reused_tokens"])
+    assert len(replicas) == 1 and reused[0] == 0 and all(n > 0 for n in reused[1:]), (replicas, reused)
+
+
 def test_state_moves_between_replicas_exactly(cluster):
     r = cluster.post("/v1/states", json={"name": "voyage", "prompt": "ROMEO: I dreamt"})
     assert r.status_code == 200, r.text

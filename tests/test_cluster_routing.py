@@ -34,9 +34,32 @@ def test_sessions_route_by_chat_header_or_user_and_the_rest_anywhere():
     by_user = route_key("t", req("POST", "/v1/completions", {"prompt": "x", "user": "bob"}))
     assert by_user.key and by_user.key.startswith("session:")
     for r in (req("POST", "/v1/completions", {"prompt": "x"}), req("GET", "/v1/models"),
+              req("POST", "/v1/chat/completions", {"messages": []}),
               req("POST", "/v1/states/import"), req("POST", "/v1/completions", b"not json"),
               req("POST", "/v1/embeddings", {"input": "x", "user": "bob"})):  # fmt: skip
         assert route_key("t", r).key is None, r.path
+
+
+def test_prompts_route_by_how_they_start():
+    def key(body, path="/v1/chat/completions", tenant="t"):
+        r = route_key(tenant, req("POST", path, body))
+        assert not r.strict
+        return r.key
+
+    system = {"role": "system", "content": "You are a herald."}
+    a = key({"messages": [system, {"role": "user", "content": "Hail!"}]})
+    assert a and a.startswith("prefix:")
+    assert key({"messages": [system, {"role": "user", "content": "Who goes?"}]}) == a  # one system prompt, one place
+    assert key({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hail!"}]}) != a
+    assert key({"messages": [system, {"role": "user", "content": "Hail!"}]}, tenant="u") != a  # per tenant
+    assert key({"messages": [system], "cache_salt": "s"}) != a
+    first = key({"messages": [{"role": "user", "content": "Hail!"}]})  # no system prompt: the first message
+    assert key({"messages": [{"role": "user", "content": "Hail!"}, {"role": "assistant", "content": "Hi"},
+                             {"role": "user", "content": "Again"}]}) == first  # fmt: skip
+    long = "ROMEO: " * 60
+    p = key({"prompt": long + "But soft"}, "/v1/completions")
+    assert p and p == key({"prompt": long + "What light"}, "/v1/completions")
+    assert key({"prompt": "short"}, "/v1/completions") is None
 
 
 def test_a_forwarded_request_streams_through_the_app_and_sees_its_client_leave():

@@ -120,7 +120,8 @@ def state_key(tenant: str, handle: str) -> str:
 
 def route_key(tenant: str, req: ForwardedRequest) -> RouteKey:
     """A named state's owner for the Durable State API and for generation from or into a named state; the chat
-    session's owner for Open WebUI's chat id (per user) or the OpenAI `user` field; any replica otherwise."""
+    session's owner for Open WebUI's chat id (per user) or the OpenAI `user` field; else the replica that answered
+    the same prompt start before (`prefix_text`: its checkpoints are there); any replica otherwise."""
     path = req.path.rstrip("/")
     if path.startswith(STATES + "/") and path != STATES + "/import":
         return RouteKey(state_key(tenant, path.split("/")[3]), strict=True)
@@ -136,7 +137,32 @@ def route_key(tenant: str, req: ForwardedRequest) -> RouteKey:
         user = body.get("user")
         if isinstance(user, str) and user:
             return RouteKey("session:" + _digest(tenant, "user", user))
+        prefix = prefix_text(path, body)
+        if prefix is not None:
+            return RouteKey("prefix:" + _digest(tenant, str(body.get("cache_salt") or ""), prefix))
     return RouteKey(None)
+
+
+PREFIX_CHARS = 256  # a completion prompt's leading characters (or PREFIX_TOKENS token ids) that name its prefix
+PREFIX_TOKENS = 64
+
+
+def prefix_text(path: str, body: dict[str, Any]) -> str | None:
+    """What a request's prompt starts with, for routing it where a checkpoint of that start may be: a chat's
+    leading system messages (shared by many conversations) or else its first message (shared by every later turn of
+    one conversation); a completion prompt's first PREFIX_CHARS characters. None when too short to be worth it."""
+    if path == "/v1/chat/completions":
+        messages = [m for m in body.get("messages") or [] if isinstance(m, dict)]
+        lead = [m for m in messages[: next((i for i, m in enumerate(messages)
+                                            if m.get("role") not in ("system", "developer")), len(messages))]]
+        lead = lead or messages[:1]  # fmt: skip
+        return json.dumps([[m.get("role"), m.get("content")] for m in lead], sort_keys=True) if lead else None
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and len(prompt) >= PREFIX_CHARS:
+        return prompt[:PREFIX_CHARS]
+    if isinstance(prompt, list) and len(prompt) >= PREFIX_TOKENS and all(isinstance(t, int) for t in prompt):
+        return json.dumps(prompt[:PREFIX_TOKENS])
+    return None
 
 
 def _json(body: bytes) -> dict[str, Any]:
