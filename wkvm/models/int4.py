@@ -8,16 +8,20 @@ block are plain (per group 16 bytes: weight j in the low nibble, 16 + j in the h
 first dimension is N, so prepared layers, owned storage and tied embeddings move it like any matrix. Matrices whose
 K is not a multiple of 32 are stored as int8 instead (`stored` in wkvm/models/linear.py): no padding to track.
 
-Why asymmetric: on the default model it moved KL(fp32 || int4) less than Q4_0-style symmetric groups
-(`quantize(symmetric=True)`, same format with m = -8 d; bench/int8_quality.py --int4 prints both), and requantizing
-SmolLM2's Q4_1 GGUF with the same grouping loses almost nothing.
+Measured (bench/int8_quality.py --int4-variants, mean KL(fp32 || int4) over 512 tokens): asymmetric groups beat
+Q4_0-style symmetric ones (`quantize(symmetric=True)`, same format with m = -8 d) on every model: 1.2e-2 vs 1.4e-2
+on the default model, 0.068 vs 0.37 on SmolLM2, 0.17 vs 0.20 on the random RWKV-7 0.1B shape. Most of the loss is in
+the embedding and head: with those two in int8 the KL falls to 1.2e-3, 3.0e-3 and 0.11 (llama.cpp's Q4 files keep
+them at 8 bits too), but `stored` does not know which matrix it stores, so `--dtype int4` quantizes them in int4.
 
 Decode-sized batches go to int4_linear.cpp (built on first use like the int8 kernel; shared `int8.load_kernel`):
 each row of x is rounded to int8 per group of 32 (llama.cpp's q8 activations), so the products are exact integer
-dot products (vpdpbusd with AVX512-VNNI), the same bits on every ISA. With VNNI the kernel takes every size (it
-beat fp32 oneDNN up to 1,024 rows); without it, prefill (more than `KERNEL_ROWS` rows) dequantizes to fp32 per call
-for oneDNN's GEMM. Without a compiler every call dequantizes in torch after a one-line
-warning; importing never fails. WKVM_INT4_KERNEL=avx512_vnni|avx512|avx2|scalar|torch forces a path.
+dot products (vpdpbusd with AVX512-VNNI), the same bits on every ISA. Rounding x costs little: with x kept in fp32
+(the matrices dequantized) the KL moved by at most 4% (SmolLM2: 0.0665 vs 0.069), so int16 x (twice the integer
+instructions) was not built. With VNNI the kernel takes every size (0.97-1.2x fp32 oneDNN's speed from 1 to 1,024
+rows); without it, prefill (more than `KERNEL_ROWS` rows) dequantizes to fp32 per call for oneDNN's GEMM. Without a
+compiler every call dequantizes in torch after a one-line warning; importing never fails.
+WKVM_INT4_KERNEL=avx512_vnni|avx512|avx2|scalar|torch forces a path.
 """
 
 from __future__ import annotations
@@ -96,8 +100,9 @@ def unpack(w: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         b, r = rows[inside] // ROWS, rows[inside] % ROWS
         bytes_ = blocks[:, :, :256].reshape(nb, G, 4, ROWS, 4)[b, :, :, r, :]  # [n, G, chunk, 4]
         q[inside] = torch.stack([bytes_ & 15, bytes_ >> 4], -2).reshape(-1, G, GROUP)
-        scales = blocks[:, :, 256:].contiguous().view(torch.float16).view(nb, G, 2, ROWS)
-        d[inside], m[inside] = scales[b, :, 0, r].float(), scales[b, :, 1, r].float()
+        scales = blocks[b, :, 256:].contiguous().view(torch.float16).view(-1, G, 2, ROWS)  # only the rows' blocks
+        at = torch.arange(len(b))
+        d[inside], m[inside] = scales[at, :, 0, r].float(), scales[at, :, 1, r].float()
     if not inside.all():
         p = plain[rows[~inside] - nb * ROWS]
         q[~inside] = torch.cat([p[..., :16] & 15, p[..., :16] >> 4], -1)
