@@ -156,6 +156,26 @@ def test_a_moved_chat_turn_parks_its_session_on_the_destination(pair, fresh):
     assert r["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
 
 
+def test_a_moved_forced_tool_call_is_the_same_call(pair, fresh):
+    """A forced tool call (grammar-constrained, its text held back until it is complete) moved mid-way: the
+    destination replays the grammar over the tokens so far and holds the text the source held."""
+    a, b = pair
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"],
+        "additionalProperties": False}}}  # fmt: skip
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [weather], "tool_choice": "required",
+            "temperature": 1.0, "seed": 3, "max_tokens": 200, "stream": True}  # fmt: skip
+    got, _ = moved_stream(a, b, "/v1/chat/completions", body)
+    want = whole_stream(fresh, "/v1/chat/completions", body)
+
+    def calls(chunks):
+        return [{k: v for k, v in call.items() if k != "id"} for c in chunks if c["choices"]
+                for call in c["choices"][0]["delta"].get("tool_calls") or []]  # fmt: skip (ids are random)
+
+    assert calls(got) == calls(want) and calls(got)
+    assert got[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
 def test_what_cannot_move_says_why(pair):
     a, _ = pair
     with httpx.stream("POST", a.url + "/v1/chat/completions", timeout=60,

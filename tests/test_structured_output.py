@@ -308,3 +308,26 @@ def test_a_grammar_dead_end_is_the_requests_own_400(server):
     assert r.json()["error"]["code"] == "grammar_dead_end" and "allows no token" in r.json()["error"]["message"]
     ok = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "response_format": None}, timeout=60)
     assert ok.status_code == 200
+
+
+def test_a_constrained_request_moved_to_another_engine_resumes_its_parse(char):
+    """Suspended mid-reply and resumed in another engine (live migration), a constrained request's grammar replays
+    the tokens it already produced: the same valid reply as uninterrupted."""
+    model, tok = char
+    schema = SCHEMAS["nested"]
+    params = sampled(seed=5, response_format=fmt(schema))
+    whole = Engine(model, tok, EngineConfig(n_slots=1))
+    want = whole.submit(tok.encode("Hey"), params)
+    whole.run_until_done()
+    src = Engine(model, tok, EngineConfig(n_slots=1))
+    h = src.submit(tok.encode("Hey"), params)
+    for _ in range(8):
+        src.step()
+    assert h.request.output_ids and not h.done.is_set()
+    moving = src.suspend(h.request_id)
+    src.step()
+    dst = Engine(model, tok, EngineConfig(n_slots=1))
+    moved = dst.resume_continuation(moving.result(), params)
+    dst.run_until_done()
+    check_valid([moved.output], schema)
+    assert moved.output.token_ids == want.output.token_ids and moved.output.text == want.output.text
