@@ -227,6 +227,30 @@ def test_a_killed_replica_loses_no_acknowledged_state(cluster):
     assert got.json()["choices"][0]["text"] == want
 
 
+def test_a_killed_replicas_chat_sessions_go_on(cluster):
+    """Parked chat sessions are mirrored in the directory: after kill -9 of the replica holding one, the chat's next
+    turn (on its replacement or another replica) takes the session over and reuses every earlier token."""
+    base = {"X-WKVM-Stateful-Chat": "parent-token-v1", "X-OpenWebUI-User-Id": "erin",
+            "X-OpenWebUI-Chat-Id": "killed-chat"}  # fmt: skip
+    messages = [{"role": "user", "content": "Speak of the king."}]
+    first = chat(cluster, messages, **base, **{"X-WKVM-User-Message-ID": "u1", "X-WKVM-Assistant-Message-ID": "a1"})
+    owner = first.headers["x-wkvm-replica"]
+    pid = pids(cluster)[owner]
+    os.kill(pid, signal.SIGKILL)
+    messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "And then?"}]  # fmt: skip
+    deadline = time.monotonic() + 180
+    while pids(cluster).get(owner) in (None, pid):  # Serve replaces it
+        assert time.monotonic() < deadline, "the killed replica was not replaced"
+        time.sleep(1)
+    second = chat(cluster, messages, **base, **{"X-WKVM-User-Message-ID": "u2", "X-WKVM-Assistant-Message-ID": "a2",
+                                                "X-WKVM-Parent-Message-ID": "a1"})  # fmt: skip
+    info = second.json()["wkvm"]
+    assert info["mode"] == "parent_bound" and info["reused_tokens"] > 0, info
+    plain = cluster.post("/v1/chat/completions", json={**GREEDY, "messages": messages, "cache_salt": "x"}).json()
+    assert second.json()["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+
+
 def pids(cluster):
     listing = cluster.get("/v1/cluster")
     return {x["slot"]: x.get("pid") for x in listing.json()["replicas"]} if listing.status_code == 200 else {}

@@ -8,6 +8,7 @@ repeated; a moved chat turn leaves its session on the destination, whose next tu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -206,3 +207,54 @@ def test_a_ticket_is_checked_like_an_import(pair):
         decode(encode(m.spec, m.fingerprint, c, t), m.spec, m.fingerprint, m.vocab_size)
     with pytest.raises(HandoverError, match="unreadable|bad"):
         decode(encode(m.spec, m.fingerprint, c, t)[:100], m.spec, m.fingerprint, m.vocab_size)
+
+
+class DictMirror:
+    """The cluster directory's part (SessionMirror), in a dict shared by two servers."""
+
+    def __init__(self):
+        self.copies = {}
+
+    def publish(self, key, copy):
+        self.copies[key] = copy
+
+    def fetch(self, key):
+        return self.copies.get(key)
+
+    def forget(self, key):
+        self.copies.pop(key, None)
+
+
+def test_a_chat_turn_landing_elsewhere_takes_its_parked_session_over(pair, fresh):
+    """Turn 1 on a, turn 2 on b (as when a is full or restarted): b takes a's parked session over from the mirror and
+    continues it (parent_bound, every earlier token reused), answering as a run without reuse."""
+    a, b = pair
+    mirror = DictMirror()
+    a.ctx.sessions.mirror = b.ctx.sessions.mirror = mirror
+    try:
+        user, chat_id = "u-mirror", uuid.uuid4().hex
+
+        def turn(server, messages, asst, user_msg, parent):
+            h = {"X-WKVM-Stateful-Chat": "parent-token-v1", "X-OpenWebUI-User-Id": user,
+                 "X-OpenWebUI-Chat-Id": chat_id, "X-WKVM-User-Message-ID": user_msg,
+                 "X-WKVM-Assistant-Message-ID": asst} | ({"X-WKVM-Parent-Message-ID": parent} if parent else {})
+            body = {"messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=h, timeout=60).json()
+            want = httpx.post(fresh.url + "/v1/chat/completions", json=body, timeout=60).json()
+            assert r["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+            return r
+
+        first = turn(a, MESSAGES, "m1", "u1", None)
+        assert len(mirror.copies) == 1
+        messages = MESSAGES + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                               {"role": "user", "content": "Andthen?"}]  # fmt: skip
+        second = turn(b, messages, "m2", "u2", "m1")
+        assert second["wkvm"]["mode"] == "parent_bound" and second["wkvm"]["reused_tokens"] > 12, second["wkvm"]
+        mirror.copies[next(iter(mirror.copies))] = dataclasses.replace(
+            next(iter(mirror.copies.values())), data=b"garbage")  # a bad copy: refused, the turn restarts, exactly
+        b.ctx.sessions.sessions.clear()
+        third = turn(b, messages + [{"role": "assistant", "content": second["choices"][0]["message"]["content"]},
+                                    {"role": "user", "content": "Well?"}], "m3", "u3", "m2")  # fmt: skip
+        assert third["wkvm"]["mode"] != "parent_bound"
+    finally:
+        a.ctx.sessions.mirror = b.ctx.sessions.mirror = None

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+
+PARKED_BYTES = 512 << 20  # mirrored chat sessions kept (least recently used go first): ~220 0.1B RWKV-7 states
 
 
 @dataclass
@@ -29,6 +32,8 @@ class Directory:
     slots: dict[str, Slot] = field(default_factory=dict)
     owners: dict[str, str] = field(default_factory=dict)  # route key -> slot name
     stream_moves: int = 0  # running streams handed over, over the application's life (fronts restart too)
+    parked: OrderedDict[str, tuple[str, Any, int]] = field(default_factory=OrderedDict)  # key -> slot, copy, bytes
+    parked_bytes: int = 0
 
     async def claim(self, replica_id: str, actor: Any, slots: int = 0, wait: float = 0.0) -> str:
         """A starting replica's slot: the first one free or held by a dead replica. A replica that would get a slot
@@ -83,6 +88,29 @@ class Directory:
 
     def forget(self, key: str) -> None:
         self.owners.pop(key, None)
+
+    def park_session(self, key: str, slot: str, copy: Any, nbytes: int) -> None:
+        """A replica's parked chat session (`sessions.ParkedCopy`), for any replica its next turn lands on."""
+        self.forget_session(key)
+        self.parked[key] = (slot, copy, nbytes)
+        self.parked_bytes += nbytes
+        while self.parked_bytes > PARKED_BYTES and self.parked:
+            _, (_, _, n) = self.parked.popitem(last=False)
+            self.parked_bytes -= n
+
+    def parked_session(self, key: str) -> Any:
+        entry = self.parked.get(key)
+        if entry is None:
+            return None
+        self.parked.move_to_end(key)
+        return entry[1]
+
+    def forget_session(self, key: str, slot: str | None = None) -> None:
+        """Drop a mirrored session (only the copy `slot` published, when given: a stale one elsewhere must not)."""
+        entry = self.parked.get(key)
+        if entry is not None and slot in (None, entry[0]):
+            del self.parked[key]
+            self.parked_bytes -= entry[2]
 
     def moved_stream(self) -> None:
         self.stream_moves += 1

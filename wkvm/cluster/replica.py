@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import hashlib
 import logging
 import os
 import threading
@@ -30,6 +31,7 @@ from wkvm.server.app import create_app
 from wkvm.server.context import ServerContext
 from wkvm.server.handover import HandoverError, parse_marker
 from wkvm.state.quota import StoreLimits, is_internal
+from wkvm.state.sessions import ParkedCopy, SessionKey
 from wkvm.state.store import StateNotFound, StateStore
 
 log = logging.getLogger("wkvm.cluster")
@@ -58,6 +60,7 @@ class EngineReplica:
         keys = [state_key(r.owner, r.name) for r in self.ctx.store.index.list() if not is_internal(r.owner)]
         ray.get(self.directory.holds.remote(self.slot, keys))
         log.info("replica %s holds slot %s (%d named states)", self.replica_id, self.slot, len(set(keys)))
+        self.ctx.sessions.mirror = DirectoryMirror(self.directory, self.slot)
         self._stopped = threading.Event()
         threading.Thread(target=self._drain_when_stopping, name="wkvm-drain", daemon=True).start()
 
@@ -204,6 +207,32 @@ class EngineReplica:
         ctx.shutdown()
         with contextlib.suppress(Exception):  # the directory went first (the whole application is stopping)
             self.directory.release.remote(self.replica_id)
+
+
+class DirectoryMirror:
+    """Parked chat sessions mirrored in the directory, by value (they outlive the replica that parked them): a turn
+    routed elsewhere (its owner full or restarted) takes its session over instead of recomputing it."""
+
+    def __init__(self, directory: Any, slot: str):
+        self.directory, self.slot = directory, slot
+
+    def publish(self, key: SessionKey, copy: ParkedCopy) -> None:
+        self.directory.park_session.remote(mirror_key(key), self.slot, copy, len(copy.data))
+
+    def fetch(self, key: SessionKey) -> ParkedCopy | None:
+        try:
+            copy = ray.get(self.directory.parked_session.remote(mirror_key(key)), timeout=CALL_SECONDS)
+        except Exception:  # the directory is restarting: the turn restarts, exactly
+            log.warning("could not ask the directory for a parked session", exc_info=True)
+            return None
+        return copy if isinstance(copy, ParkedCopy) else None
+
+    def forget(self, key: SessionKey) -> None:
+        self.directory.forget_session.remote(mirror_key(key), self.slot)
+
+
+def mirror_key(key: SessionKey) -> str:
+    return "sess:" + hashlib.sha256("\x00".join(key).encode()).hexdigest()[:24]
 
 
 def find_serve_replica() -> Any:

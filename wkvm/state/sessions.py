@@ -21,6 +21,7 @@ from wkvm.engine.handle import RequestHandle, RunResult
 from wkvm.models.spec import State
 from wkvm.state.prefix import PrefixTrie
 from wkvm.state.service import StateService
+from wkvm.state.statefile import StateFileError, StateMeta, decode, encode, unbatch
 from wkvm.state.store import StateNotFound
 
 log = logging.getLogger("wkvm.sessions")
@@ -117,6 +118,28 @@ class Session:
         return any(not h.done.is_set() for h in self.inflight)
 
 
+@dataclass(frozen=True)
+class ParkedCopy:
+    """A parked session as another server can take it over: its state file (the state and its exact tokens, checked
+    like an import when taken) and what binds it to the chat."""
+
+    data: bytes  # wkvm-state-v1
+    history: list[tuple[str, str]]
+    last_assistant_id: str | None
+    message_ids: list[str]
+
+
+class SessionMirror(Protocol):
+    """Where a server's parked sessions are also kept for the others (the cluster's directory): a turn that lands on
+    another server (its owner was full, or restarted) takes its session over instead of recomputing it."""
+
+    def publish(self, key: SessionKey, copy: ParkedCopy) -> None: ...
+
+    def fetch(self, key: SessionKey) -> ParkedCopy | None: ...
+
+    def forget(self, key: SessionKey) -> None: ...
+
+
 def visible(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
     """Open WebUI stores messages with outer whitespace stripped: compare after the same normalisation."""
     return [(m["role"], m["content"].strip()) for m in messages]
@@ -131,6 +154,7 @@ class ChatSessions:
         self.tries: dict[str, PrefixTrie] = {}
         self.sessions: OrderedDict[SessionKey, Session] = OrderedDict()
         self.lock = threading.RLock()
+        self.mirror: SessionMirror | None = None  # set by a cluster replica
         self._rebuild()
 
     def _rebuild(self) -> None:
@@ -227,6 +251,11 @@ class ChatSessions:
             return self._from_checkpoint(scope, prompt_ids, "missing_metadata"), None
         key = (tenant, user, chat)
         fp = self.fingerprint
+        if parent_id is not None and self.mirror is not None:
+            with self.lock:
+                known = key in self.sessions
+            if not known:
+                self._take_over(key)
         with self.lock:
             sess = self.sessions.get(key)
             if sess is not None and time.monotonic() - sess.last_used > self.config.chat_session_ttl:
@@ -255,6 +284,31 @@ class ChatSessions:
                 info = {"mode": "parent_bound", "reused_tokens": n, "restart_reason": None}
                 return Plan(prompt_ids[n:], state, prompt_ids[:n], sess.handle, info), key
         return self._from_checkpoint(scope, prompt_ids, reason), key
+
+    def _take_over(self, key: SessionKey) -> None:
+        """Park here the session another server parked (its mirror copy), if there is one and it is valid; the usual
+        checks then decide whether this turn continues it."""
+        assert self.mirror is not None
+        copy = self.mirror.fetch(key)
+        if copy is None:
+            return
+        try:
+            tensors, meta = decode(copy.data, self.store.spec, self.fingerprint, self.store.vocab_size)
+        except StateFileError as e:
+            log.warning("a mirrored chat session could not be taken over (%s); the turn restarts", e)
+            return
+        run = RunResult(meta.token_ids, {k: v.unsqueeze(0) for k, v in tensors.items()}, [], None)
+        name = "s-" + hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+        rec = self.service.save_run(key[0] + SESS, name, run, op="session", durable=False)
+        if rec is None:
+            return
+        sess = Session(self.fingerprint, rec.handle, meta.token_ids, list(copy.history), copy.last_assistant_id,
+                       set(copy.message_ids))  # fmt: skip
+        with self.lock:
+            if key not in self.sessions:
+                self._park(key, sess)
+                return
+        self.store.discard(key[0] + SESS, rec.handle, durable=False)  # parked here meanwhile
 
     @staticmethod
     def _reason(sess: Session | None, fp: str, parent_id: str | None, asst_id: str, user_msg_id: str,
@@ -315,6 +369,7 @@ class ChatSessions:
         name = "s-" + hashlib.sha256(repr(key).encode()).hexdigest()[:32]
         rec = self.service.save_run(tenant + SESS, name, run, op="session", durable=False)
         new = rec.handle if rec is not None else None  # None: not kept (no room); the next turn restarts, no_session
+        copy = None
         with self.lock:
             sess = self.sessions.get(key)
             if sess is None:  # dropped meanwhile
@@ -326,8 +381,13 @@ class ChatSessions:
                 sess.last_assistant_id = chat.assistant_id
                 sess.message_ids |= {i for i in (chat.assistant_id, chat.user_message_id) if i is not None}
                 sess.last_used = time.monotonic()
+                if new is not None and self.mirror is not None and run.final_state is not None:
+                    copy = (list(sess.history), sess.last_assistant_id, sorted(sess.message_ids))
         if old is not None:
             store.discard(tenant + SESS, old, durable=False)
+        if copy is not None and self.mirror is not None and run.final_state is not None:
+            meta = StateMeta(self.fingerprint, store.spec.spec_hash, run.history, op="session")
+            self.mirror.publish(key, ParkedCopy(encode(store.spec, unbatch(run.final_state), meta), *copy))
 
     def continued(self, tenant: str, scope: str, plan: Plan, chat: ChatMeta | None) -> None:
         """A turn that began on another server and moved here mid-answer: after it, checkpoint it here and park its
@@ -369,3 +429,5 @@ class ChatSessions:
         sess = self.sessions.pop(key, None)
         if sess is not None and sess.handle:
             self.store.discard(key[0] + SESS, sess.handle, durable=False)
+            if self.mirror is not None:
+                self.mirror.forget(key)
