@@ -18,7 +18,7 @@ Decode-sized batches go to int4_linear.cpp (built on first use like the int8 ker
 each row of x is rounded to int8 per group of 32 (llama.cpp's q8 activations), so the products are exact integer
 dot products (vpdpbusd with AVX512-VNNI), the same bits on every ISA. Rounding x costs little: with x kept in fp32
 (the matrices dequantized) the KL moved by at most 4% (SmolLM2: 0.0665 vs 0.069), so int16 x (twice the integer
-instructions) was not built. With VNNI the kernel takes every size (0.97-1.2x fp32 oneDNN's speed from 1 to 1,024
+instructions) was not built. With VNNI the kernel takes every size (it beat dequantize + oneDNN from 1 to 1,024
 rows); without it, prefill (more than `KERNEL_ROWS` rows) dequantizes to fp32 per call for oneDNN's GEMM. Without a
 compiler every call dequantizes in torch after a one-line warning; importing never fails.
 WKVM_INT4_KERNEL=avx512_vnni|avx512|avx2|scalar|torch forces a path.
@@ -38,8 +38,8 @@ from wkvm.models.int8 import ISAS, load_kernel
 log = logging.getLogger("wkvm.int4")
 
 # rows of x up to which the kernel beats dequantize + oneDNN without VNNI (AVX2: 0.55-0.62x fp32 at 128 rows against
-# 0.36-0.50x for dequantize + oneDNN, 0.53-0.61x at 1,024 against 0.83-0.86x); with VNNI the kernel ran at 0.97-1.2x
-# fp32 oneDNN at every size measured (1 to 1,024 rows), above dequantize + oneDNN everywhere, so it takes all sizes
+# 0.36-0.50x for dequantize + oneDNN, 0.53-0.61x at 1,024 against 0.83-0.86x); with VNNI the kernel ran 0.71-1.22x
+# fp32 oneDNN from 32 to 1,024 rows (3-4x at 1), above dequantize + oneDNN (0.05-0.86x) at every size, so it takes all
 KERNEL_ROWS = 128
 SOURCE = Path(__file__).with_name("int4_linear.cpp")
 GROUP, ROWS, ROW_BYTES = 32, 16, 20  # weights a group, rows a block, bytes a row and group
