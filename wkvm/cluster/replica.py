@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import threading
+import warnings
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -202,7 +203,9 @@ class EngineReplica:
         ctx: ServerContext | None = getattr(self, "ctx", None)
         if ctx is None:
             return
-        self._stopped.set()
+        stopped: threading.Event | None = getattr(self, "_stopped", None)
+        if stopped is not None:
+            stopped.set()
         ctx.end_requests(ctx.config.shutdown_grace)
         ctx.shutdown()
         with contextlib.suppress(Exception):  # the directory went first (the whole application is stopping)
@@ -240,7 +243,9 @@ def find_serve_replica() -> Any:
     before it waits for running requests); None when this Ray version has none."""
     from ray.serve._private.replica import Replica
 
-    return next((o for o in gc.get_objects() if isinstance(o, Replica)), None)
+    with warnings.catch_warnings():  # isinstance over every object wakes deprecated module attributes (torch's)
+        warnings.simplefilter("ignore")
+        return next((o for o in gc.get_objects() if isinstance(o, Replica)), None)
 
 
 def directory_actor() -> Any:
