@@ -78,12 +78,22 @@ class Front:
         self.keys = KeyRing(config.api_keys)
         self.metrics = ClusterMetrics()
         self.streams: dict[str, RunningStream] = {}  # streams that can move, by response id
+        self._known: tuple[float, dict[str, str]] = (0.0, {})
 
     def tenant(self, request: Request) -> str:
         return tenant_of(request.scope, self.keys) or "anonymous"  # ApiKeyGate refused a wrong key already
 
     async def replicas(self) -> dict[str, str]:
-        return dict(await self.directory.replicas.remote())
+        """slot -> replica id, from the directory (remembered for a handover's next few hundred milliseconds)."""
+        found = dict(await self.directory.replicas.remote())
+        self._known = (time.monotonic(), found)
+        return found
+
+    async def recent_replicas(self) -> dict[str, str]:
+        """`replicas()`, or what it said under a second ago (a handover should not wait on the directory; a replica
+        gone since answers "misrouted" or not at all, and the next one is tried)."""
+        at, found = self._known
+        return found if time.monotonic() - at < 1.0 else await self.replicas()
 
     async def forward(self, request: Request) -> Response:
         req = await forwarded(request)
@@ -149,7 +159,7 @@ class Front:
         """Send the moved stream's request with its ticket to its destination (or, when that one cannot take it, to
         any other replica: the ticket goes on anywhere); returns that replica's generator and its first chunk."""
         resumed = dataclasses.replace(req, headers=[*req.headers, (RESUME_HEADER.encode(), moved.ticket.encode())])
-        replicas = await self.replicas()
+        replicas = await self.recent_replicas()
         order = [moved.to] + [s for s in replicas if s != moved.to]
         for slot in order:
             if slot not in replicas:
