@@ -143,8 +143,8 @@ def int4_speed() -> str:
 
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` is [out, in] (nn.Linear layout), fp32 or bf16, or a `stored` int8 matrix; returns the form `linear`
-    expects."""
+    """`weight` is [out, in] (nn.Linear layout), fp32 or bf16, or a `stored` int8 or int4 matrix; returns the form
+    `linear` expects."""
     weight = weight.contiguous()
     if weight.device.type == "cpu" and (
         (weight.dtype == torch.float32 and onednn_available())
@@ -157,7 +157,7 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight^T -> [..., out]; plain fp32 CPU weights (e.g. streamed, unpacked) also use oneDNN.
-    bf16 weights take x rounded to bf16 (accumulating in fp32) and give fp32 back; int8 ones give fp32."""
+    bf16 weights take x rounded to bf16 (accumulating in fp32) and give fp32 back; int8 and int4 ones give fp32."""
     if weight.dtype == torch.int8:
         return int8.linear(x, weight)
     if weight.dtype == torch.uint8:
