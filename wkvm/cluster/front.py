@@ -128,11 +128,12 @@ class Front:
         stream_id = dict(head.headers).get(STREAM_HEADER.encode(), b"").decode() or None
         if stream_id is not None:
             self.streams[stream_id] = RunningStream(self.tenant_of(req), head.replica)
+        source = relay(gen)
         try:
             while True:
                 moved: Handover | None = None
                 last = time.perf_counter()
-                async for chunk in relay(gen):
+                async for chunk in source:
                     if isinstance(chunk, Handover):
                         moved = chunk
                         break
@@ -141,23 +142,24 @@ class Front:
                 if moved is None:
                     return
                 gen, first = await self.hand_over(req, route, moved, stream_id)
-                if gen is not None:
-                    downtime = time.perf_counter() - last
-                    self.metrics.stream_downtime.observe(downtime)
-                    if stream_id is not None and stream_id in self.streams:
-                        self.streams[stream_id].downtime = downtime
-                        self.streams[stream_id].moves += 1
-                yield first
-                if gen is None:  # no replica could take it: the client got an error event and [DONE]
+                if gen is None:  # no replica could take it: the client gets an error event and [DONE]
+                    yield first
                     return
+                downtime = time.perf_counter() - last
+                self.metrics.stream_downtime.observe(downtime)
+                if stream_id is not None and stream_id in self.streams:
+                    self.streams[stream_id].downtime = downtime
+                    self.streams[stream_id].moves += 1
+                source = chained(first, gen)  # `first` may itself be a Handover (that replica is stopping too)
         finally:
             if stream_id is not None:
                 self.streams.pop(stream_id, None)
 
     async def hand_over(self, req: ForwardedRequest, route: RouteKey, moved: Handover,
-                        stream_id: str | None) -> tuple[Any, bytes]:  # fmt: skip
+                        stream_id: str | None) -> tuple[Any, Any]:  # fmt: skip
         """Send the moved stream's request with its ticket to its destination (or, when that one cannot take it, to
-        any other replica: the ticket goes on anywhere); returns that replica's generator and its first chunk."""
+        any other replica: the ticket goes on anywhere); returns that replica's generator and its first item (a chunk,
+        or a Handover when it is stopping too), or (None, an error event and [DONE])."""
         resumed = dataclasses.replace(req, headers=[*req.headers, (RESUME_HEADER.encode(), moved.ticket.encode())])
         replicas = await self.recent_replicas()
         order = [moved.to] + [s for s in replicas if s != moved.to]
@@ -369,6 +371,13 @@ async def relay(gen: Any) -> AsyncIterator[Any]:
     finally:
         if not done:
             gen.cancel()
+
+
+async def chained(first: Any, gen: Any) -> AsyncIterator[Any]:
+    """`first`, then the rest of `relay(gen)`."""
+    yield first
+    async for item in relay(gen):
+        yield item
 
 
 async def collect(gen: Any) -> tuple[int, bytes]:

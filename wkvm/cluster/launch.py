@@ -28,6 +28,7 @@ from wkvm.config import ServerConfig
 log = logging.getLogger("wkvm.cluster")
 APP = NAMESPACE
 SLOT = re.compile(r"r\d+")
+FRONT_DRAIN_SECONDS = 3600.0  # how long a replaced front relays its streams without a --request-timeout
 
 
 @serve.ingress()
@@ -52,7 +53,12 @@ def application(config: ServerConfig, generation: int = 0) -> Any:
         graceful_shutdown_timeout_s=config.shutdown_grace + 30,
         health_check_period_s=2,
     )
-    front = serve.deployment(FrontDeployment).options(name="wkvm-front", ray_actor_options={"num_cpus": 0})
+    # a rolling restart replaces the front too (Serve redeploys the application): the old one keeps relaying the
+    # streams it holds, which the engine replicas hand over among themselves, until they end (their clients'
+    # connections are its); new requests go to the new front. When the engines stop for good, its relays end with them.
+    grace = (config.request_timeout or FRONT_DRAIN_SECONDS) + config.shutdown_grace
+    front = serve.deployment(FrontDeployment).options(name="wkvm-front", ray_actor_options={"num_cpus": 0},
+                                                      graceful_shutdown_timeout_s=grace)  # fmt: skip
     return front.bind(config, engine.bind(config))
 
 
