@@ -183,8 +183,9 @@ def test_a_running_stream_moves_to_another_replica_exactly(cluster, sampling):
     # the session followed the stream: the next request of this user goes to the stream's new replica
     after = cluster.post("/v1/completions", json={**GREEDY, "prompt": "MENENIUS:", "user": "dan"})
     assert after.headers["x-wkvm-replica"] == moved.json()["to"]
-    assert re.search(r'^wkvm_cluster_stream_moves_total\{outcome="moved"\} [1-9]', cluster.get("/metrics").text,
-                     re.MULTILINE)  # fmt: skip
+    metrics = cluster.get("/metrics").text
+    assert re.search(r'^wkvm_cluster_stream_moves_total\{outcome="moved"\} [1-9]', metrics, re.MULTILINE)
+    assert re.search(r"^wkvm_cluster_stream_moved_bytes_total [1-9]", metrics, re.MULTILINE)
 
 
 def test_a_stream_that_cannot_move_says_why(cluster):

@@ -57,6 +57,8 @@ class ClusterMetrics:
                                            "drop)", buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.stream_moves = Counter("wkvm_cluster_stream_moves", "Running streams handed over to another replica, by "
                                     "outcome (moved, failed)", ["outcome"], registry=r)  # fmt: skip
+        self.stream_bytes = Counter("wkvm_cluster_stream_moved_bytes", "Bytes of handover tickets (state, tokens, "
+                                    "sampler) moved with running streams", registry=r)  # fmt: skip
         self.stream_downtime = Histogram("wkvm_cluster_stream_move_downtime_seconds", "Gap a moved stream's client "
                                          "sees: last chunk from the source to first from the destination",
                                          buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
@@ -180,6 +182,7 @@ class Front:
                 log.error("replica %s refused a moved stream: %s %s", slot, head.status, detail[:300])
                 break
             self.metrics.stream_moves.labels("moved").inc()
+            self.metrics.stream_bytes.inc(len(moved.data))
             self.directory.moved_stream.remote()
             if stream_id is not None and stream_id in self.streams:
                 self.streams[stream_id].slot = slot
