@@ -77,7 +77,7 @@ class Handovers:
     def register(self, stream: LiveStream) -> None:
         """A stream about to start (its response may never run, if the client left first: those are pruned)."""
         with self._lock:
-            for k in [k for k, s in self._live.items() if s.handle.done.is_set()]:
+            for k in [k for k, s in self._live.items() if s.handle.done.is_set() and s.to is None]:
                 del self._live[k]
             self._live[stream.ticket.id] = stream
 
@@ -108,11 +108,6 @@ class Handovers:
             with self._lock:
                 s.to = None
             raise HandoverError(f"this stream cannot move now: {e}") from None
-
-    def destination(self, stream_id: str) -> str | None:
-        with self._lock:
-            s = self._live.get(stream_id)
-            return s.to if s is not None else None
 
     def put_out(self, data: bytes) -> str:
         ticket = secrets.token_hex(16)

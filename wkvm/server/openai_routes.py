@@ -530,7 +530,7 @@ async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFiel
 
 def hand_over(ctx: ServerContext, live: LiveStream) -> str:
     """The handover event ending a stream whose request the engine suspended: its ticket waits here."""
-    c, to = live.handle.continuation, ctx.handovers.destination(live.ticket.id)
+    c, to = live.handle.continuation, live.to
     assert c is not None and to is not None  # suspended through Handovers.move, which names the destination
     ctx.sessions.moved([live.handle])
     data = encode_ticket(ctx.model.spec, ctx.model.fingerprint, c, live.ticket)
