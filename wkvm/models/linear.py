@@ -117,9 +117,11 @@ def kernels() -> dict[str, str]:
     prefill = "oneDNN" if onednn_available() else "F.linear"
     q4_path = int4.kernel_path()
     q4 = "dequantize per call (no native kernel)" if q4_path == "torch" else f"wkvm int4 kernel ({q4_path})"
-    return {"float32": fp32, "bfloat16": bf16, "int8": f"{q8} up to {int8.KERNEL_ROWS} rows, then fp32 {prefill}",
-            "int4": f"{q4} at every size" if q4_path == "avx512_vnni" else
-                    f"{q4} up to {int4.KERNEL_ROWS} rows, then fp32 {prefill}"}  # fmt: skip
+    def sizes(kernel: str, isa: str, rows: int) -> str:  # with VNNI both kernels take every size (int8/int4.linear)
+        return f"{kernel} at every size" if isa == "avx512_vnni" else f"{kernel} up to {rows} rows, then fp32 {prefill}"
+
+    return {"float32": fp32, "bfloat16": bf16, "int8": sizes(q8, path, int8.KERNEL_ROWS),
+            "int4": sizes(q4, q4_path, int4.KERNEL_ROWS)}
 
 
 def int8_speed() -> str:
