@@ -79,7 +79,7 @@ def quantize(w: torch.Tensor, symmetric: bool = False) -> torch.Tensor:
 
 def _halves(t: torch.Tensor) -> torch.Tensor:
     """fp16 [..., n] -> its bytes [..., 2n] (native byte order)."""
-    return torch.empty(t.shape, dtype=torch.float16).copy_(t).view(torch.uint8)  # fresh strides, even when empty
+    return torch.empty(t.shape, dtype=torch.float16, device=t.device).copy_(t).view(torch.uint8)  # fresh strides
 
 
 def in_features(w: torch.Tensor) -> int:
@@ -92,16 +92,16 @@ def unpack(w: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     nb = w.shape[0] // ROWS
     blocks = w[: nb * ROWS].reshape(nb, G, ROWS * ROW_BYTES)
     plain = w[nb * ROWS :].reshape(w.shape[0] - nb * ROWS, G, ROW_BYTES)
-    n = rows.numel()
-    q = torch.empty(n, G, GROUP, dtype=torch.uint8)
-    d, m = torch.empty(n, G), torch.empty(n, G)
+    rows, n = rows.to(w.device), rows.numel()
+    q = torch.empty(n, G, GROUP, dtype=torch.uint8, device=w.device)
+    d, m = torch.empty(n, G, device=w.device), torch.empty(n, G, device=w.device)
     inside = rows < nb * ROWS
     if inside.any():
         b, r = rows[inside] // ROWS, rows[inside] % ROWS
         bytes_ = blocks[:, :, :256].reshape(nb, G, 4, ROWS, 4)[b, :, :, r, :]  # [n, G, chunk, 4]
         q[inside] = torch.stack([bytes_ & 15, bytes_ >> 4], -2).reshape(-1, G, GROUP)
         scales = blocks[b, :, 256:].contiguous().view(torch.float16).view(-1, G, 2, ROWS)  # only the rows' blocks
-        at = torch.arange(len(b))
+        at = torch.arange(len(b), device=w.device)
         d[inside], m[inside] = scales[at, :, 0, r].float(), scales[at, :, 1, r].float()
     if not inside.all():
         p = plain[rows[~inside] - nb * ROWS]
@@ -118,7 +118,7 @@ def _values(w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def dequantize(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """uint8 [N, G * 20] -> [N, K] in `dtype` (torch ops; the kernel's own `dequantize` is one parallel pass)."""
-    return _values(w, torch.arange(w.shape[0])).to(dtype)
+    return _values(w, torch.arange(w.shape[0], device=w.device)).to(dtype)
 
 
 def embedding(ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
