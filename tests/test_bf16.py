@@ -107,7 +107,7 @@ def test_bf16_without_a_native_kernel_warns_at_load(trained_pth, monkeypatch, ca
 
 
 def test_unknown_dtype_is_a_clear_error(trained_pth):
-    with pytest.raises(ValueError, match="use float32, bfloat16 or int8"):
+    with pytest.raises(ValueError, match="use float32, bfloat16, int8 or int4"):
         load_model(trained_pth, dtype="float16")
 
 
@@ -122,5 +122,5 @@ def test_server_serves_bf16_and_answers_like_the_python_api(trained_pth, ids):
         r = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0,
                                       extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
     assert r.choices[0].model_extra["token_ids"] == want.token_ids
-    with pytest.raises(ValueError, match="use float32, bfloat16 or int8"):
-        LiveServer(model=str(trained_pth), dtype="int4")
+    with pytest.raises(ValueError, match="use float32, bfloat16, int8 or int4"):
+        LiveServer(model=str(trained_pth), dtype="int2")
