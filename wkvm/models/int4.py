@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
 
-from wkvm.models.int8 import ISAS, load_kernel
+from wkvm.models.int8 import ISAS, built_isa, choose_path, load_kernel
 
 log = logging.getLogger("wkvm.int4")
 
@@ -144,26 +143,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, path: str | None = None) -> torch.T
 @functools.cache
 def kernel_path() -> str:
     """What int4 matmuls of decode size run on here: an ISA of the native kernel, or "torch" (dequantize per call)."""
-    forced = os.environ.get("WKVM_INT4_KERNEL", "auto").lower()
-    if forced not in ("auto", "torch", *ISAS):
-        raise ValueError(f"WKVM_INT4_KERNEL={forced!r}: use auto, {', '.join(ISAS)} or torch")
-    best = native_isa()
-    if forced == "torch" or best is None:
-        return "torch"
-    if forced != "auto" and ISAS.index(forced) > ISAS.index(best):
-        raise ValueError(f"WKVM_INT4_KERNEL={forced}: this CPU runs at most {best}")
-    return best if forced == "auto" else forced
+    return choose_path("WKVM_INT4_KERNEL", native_isa)
 
 
 @functools.cache
 def native_isa() -> str | None:
     """The best ISA of the native kernel on this CPU, building it on first use; None when it cannot be built."""
-    try:
-        build()
-        return ISAS[int(torch.ops.wkvm_int4.best_isa())]
-    except Exception as e:  # no compiler, failed build or load: int4 still works, only slower
-        log.warning("int4 kernel unavailable (%s); int4 matmuls dequantize per call (slow)", str(e).splitlines()[0])
-        return None
+    return built_isa("int4", build, "wkvm_int4", log)
 
 
 def build() -> None:

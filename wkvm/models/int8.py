@@ -26,6 +26,7 @@ import functools
 import hashlib
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -141,25 +142,36 @@ def _kernel_takes(path: str, m: int, w: torch.Tensor) -> bool:
 @functools.cache
 def kernel_path() -> str:
     """What int8 matmuls of decode size run on here: an ISA of the native kernel, or "torch" (dequantize per call)."""
-    forced = os.environ.get("WKVM_INT8_KERNEL", "auto").lower()
-    if forced not in ("auto", "torch", *ISAS):
-        raise ValueError(f"WKVM_INT8_KERNEL={forced!r}: use auto, {', '.join(ISAS)} or torch")
-    best = native_isa()
-    if forced == "torch" or best is None:
-        return "torch"
-    if forced != "auto" and ISAS.index(forced) > ISAS.index(best):
-        raise ValueError(f"WKVM_INT8_KERNEL={forced}: this CPU runs at most {best}")
-    return best if forced == "auto" else forced
+    return choose_path("WKVM_INT8_KERNEL", native_isa)
 
 
 @functools.cache
 def native_isa() -> str | None:
     """The best ISA of the native kernel on this CPU, building it on first use; None when it cannot be built."""
+    return built_isa("int8", build, "wkvm_int8", log)
+
+
+def choose_path(env: str, native: Callable[[], str | None]) -> str:
+    """The path `env` (auto, an ISA, or torch) asks for, given `native()`, the best ISA the kernel runs here."""
+    forced = os.environ.get(env, "auto").lower()
+    if forced not in ("auto", "torch", *ISAS):
+        raise ValueError(f"{env}={forced!r}: use auto, {', '.join(ISAS)} or torch")
+    best = native()
+    if forced == "torch" or best is None:
+        return "torch"
+    if forced != "auto" and ISAS.index(forced) > ISAS.index(best):
+        raise ValueError(f"{env}={forced}: this CPU runs at most {best}")
+    return best if forced == "auto" else forced
+
+
+def built_isa(kind: str, build: Callable[[], None], namespace: str, logger: logging.Logger) -> str | None:
+    """`build()` the `kind` kernel and ask it for its best ISA here; None (and a warning) when it cannot be built."""
     try:
         build()
-        return ISAS[int(torch.ops.wkvm_int8.best_isa())]
-    except Exception as e:  # no compiler, failed build or load: int8 still works, only slower
-        log.warning("int8 kernel unavailable (%s); int8 matmuls dequantize per call (slow)", str(e).splitlines()[0])
+        return ISAS[int(getattr(torch.ops, namespace).best_isa())]
+    except Exception as e:  # no compiler, failed build or load: the dtype still works, only slower
+        logger.warning("%s kernel unavailable (%s); %s matmuls dequantize per call (slow)", kind,
+                       str(e).splitlines()[0], kind)  # fmt: skip
         return None
 
 

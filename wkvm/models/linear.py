@@ -126,22 +126,20 @@ def kernels() -> dict[str, str]:
 
 def int8_speed() -> str:
     """What `--dtype int8` runs on this CPU, in one line (builds the int8 kernel on first use)."""
-    path = int8.kernel_path()
-    if path == "torch":
-        return "no native int8 kernel (no C++ compiler, or its build failed): a quarter of the weight memory, but " \
-               "every matmul dequantizes first, slower than float32; install g++ or use --dtype float32"  # fmt: skip
-    note = "" if path == "avx512_vnni" else " (with AVX512-VNNI; without it batched decode and prefill gain less)"
-    return f"native int8 kernel ({path}): a quarter of float32's weight memory; measured {INT8_SPEED}{note}"
+    return quantized_speed("int8", int8.kernel_path(), "a quarter of float32's weight memory", INT8_SPEED)
 
 
 def int4_speed() -> str:
     """What `--dtype int4` runs on this CPU, in one line (builds the int4 kernel on first use)."""
-    path = int4.kernel_path()
+    return quantized_speed("int4", int4.kernel_path(), "5 bits a weight (a sixth of float32's bytes)", INT4_SPEED)
+
+
+def quantized_speed(kind: str, path: str, size: str, measured: str) -> str:
     if path == "torch":
-        return "no native int4 kernel (no C++ compiler, or its build failed): 5 bits a weight, but every matmul " \
+        return f"no native {kind} kernel (no C++ compiler, or its build failed): {size}, but every matmul " \
                "dequantizes first, slower than float32; install g++ or use --dtype float32"  # fmt: skip
     note = "" if path == "avx512_vnni" else " (with AVX512-VNNI; without it batched decode and prefill gain less)"
-    return f"native int4 kernel ({path}): 5 bits a weight (a sixth of float32's bytes); measured {INT4_SPEED}{note}"
+    return f"native {kind} kernel ({path}): {size}; measured {measured}{note}"
 
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
