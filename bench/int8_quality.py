@@ -55,26 +55,14 @@ def decode_logits(model, ids: list[int]) -> torch.Tensor:
     return torch.stack([model.decode([t], state)[0] for t in ids])
 
 
-def int4_variant(path: Path, symmetric: bool = False, exact_x: bool = False, int8_vocab: bool = False):
-    """An int4 model quantized Q4_0-style (symmetric), run with x in fp32 (matrices dequantized per call), or with
-    its embedding and head in int8 (a what-if: `stored` does not know which matrix it stores, so the bench swaps the
-    families' `stored` for one that keeps matrices with a vocabulary-sized side in int8)."""
-    from wkvm.models import family, linear
-    from wkvm.models.rwkv7 import model as rwkv7
-
-    plain, plain_stored = int4.quantize, linear.stored
-    vocab = load_model(path).vocab_size
-
-    def stored(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return plain_stored(w, torch.int8 if int8_vocab and vocab in w.shape else dtype)
-
+def int4_variant(path: Path, symmetric: bool = False, exact_x: bool = False):
+    """An int4 model quantized Q4_0-style (symmetric), or run with x in fp32 (matrices dequantized per call)."""
+    plain = int4.quantize
     int4.quantize = functools.partial(plain, symmetric=symmetric)  # type: ignore[assignment]
-    family.stored = rwkv7.stored = stored  # type: ignore[attr-defined]
     try:
         model = load_model(path, dtype="int4")
     finally:
         int4.quantize = plain  # type: ignore[assignment]
-        family.stored = rwkv7.stored = plain_stored  # type: ignore[attr-defined]
     if exact_x:
         os.environ["WKVM_INT4_KERNEL"] = "torch"
         int4.kernel_path.cache_clear()
@@ -110,8 +98,7 @@ def measure(name: str, path: Path, text: str, n_tokens: int, bf16: bool, variant
         row(f"{dtype} prefill", model, model.prefill(ids, all_logits=True)[0], prefix=False)
         del model
     if variants:
-        variants = (("int4 x in fp32 (dequantized)", {"exact_x": True}), ("int4 Q4_0-style", {"symmetric": True}),
-                    ("int4, embedding + head int8", {"int8_vocab": True}))  # fmt: skip
+        variants = (("int4 x in fp32 (dequantized)", {"exact_x": True}), ("int4 Q4_0-style", {"symmetric": True}))
         for how, kw in variants:
             model = int4_variant(path, **kw)
             try:

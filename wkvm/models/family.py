@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from wkvm.chat_template import ChatTemplate
 from wkvm.models.kv import Attn, DenseKV, KVBatch
-from wkvm.models.linear import embedding, pack_linear, stored
+from wkvm.models.linear import embedding, pack_linear, stored_outer
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.rope import angles
 from wkvm.models.spec import State, StateSpec
@@ -315,9 +315,10 @@ def resident(t: Tensors) -> Tensors:
 
 def embedding_and_head(raw: RawTensors, embed_key: str, head_key: str, tied: bool, dtype: torch.dtype,
                        device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The embedding in `dtype` and the head prepacked: the embedding matrix itself when the head is tied."""
-    embed = stored(raw[embed_key].to(device), dtype)
-    return embed, pack_linear(embed if tied else stored(raw[head_key].to(device), dtype))
+    """The embedding in `dtype` and the head prepacked (int8 under int4: `stored_outer`): the embedding matrix itself
+    when the head is tied."""
+    embed = stored_outer(raw[embed_key].to(device), dtype)
+    return embed, pack_linear(embed if tied else stored_outer(raw[head_key].to(device), dtype))
 
 
 def layer_count(raw: RawTensors, prefix: str, after: str = ".") -> int:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from wkvm.models.family import ModelBase, RawTensors, compute_form, layer_count, no_attention, require, resident
 from wkvm.models.kv import KVBatch
-from wkvm.models.linear import embedding, linear, pack_linear, stored
+from wkvm.models.linear import embedding, linear, pack_linear, stored, stored_outer
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.rwkv7.wkv import DEFAULT_CHUNK, wkv_chunked, wkv_step
 from wkvm.models.spec import State, StateSpec, TensorSpec
@@ -219,7 +219,8 @@ class RWKV7(ModelBase):
 def prepare_globals(raw: RawTensors, dtype: torch.dtype, device: torch.device | str) -> Tensors:
     """Embedding, first and last norms, head: in compute form (embedding and head stored in `dtype`)."""
     big = ("emb.weight", "head.weight")
-    g = {k: stored(raw[k].to(device), dtype) if k in big else raw[k].to(device, torch.float32) for k in GLOBAL_KEYS}
+    g = {k: stored_outer(raw[k].to(device), dtype) if k in big else raw[k].to(device, torch.float32)
+         for k in GLOBAL_KEYS}  # fmt: skip
     for k in ("blocks.0.ln0.weight", "blocks.0.ln0.bias"):
         g[k] = g[k].reshape(-1)
     g["head.weight"] = pack_linear(g["head.weight"])
