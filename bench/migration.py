@@ -38,10 +38,12 @@ from wkvm.models.linear import cpu_isa  # noqa: E402
 from wkvm.server.background import free_port, wait_healthy  # noqa: E402
 
 
-def serve(model: Path, replicas: int, state_dir: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def serve(model: Path, replicas: int, state_dir: str, log: Path,
+          dtype: str = "float32") -> tuple[subprocess.Popen[bytes], str]:  # fmt: skip
     port = free_port()
     extra = ["--replicas", str(replicas)] if replicas else []
     proc = subprocess.Popen([sys.executable, "-m", "wkvm.cli", "serve", "--model", str(model), "--port", str(port),
+                             "--dtype", dtype,
                              "--state-dir", state_dir, "--no-access-log", *extra],
                             stdout=log.open("w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip
@@ -145,13 +147,14 @@ def main() -> None:
     ap.add_argument("--lengths", default="1024,4096")
     ap.add_argument("--stream-moves", type=int, default=50)
     ap.add_argument("--stream-tokens", type=int, default=600)
+    ap.add_argument("--dtype", default="float32", help="the replicas' weights (the state stays fp32: same bytes moved)")
     args = ap.parse_args()
     model = checkpoint()
     cpu = f"{cpu_name()} ({' '.join(cpu_isa())}, {os.cpu_count()} cores)"
-    out: dict[str, object] = {"cpu": cpu, "moves": args.moves}
+    out: dict[str, object] = {"cpu": cpu, "moves": args.moves, "dtype": args.dtype}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = serve(model, 2, tmp + "/cluster", Path(tmp) / "cluster.log")
+        proc, url = serve(model, 2, tmp + "/cluster", Path(tmp) / "cluster.log", args.dtype)
         try:
             c = httpx.Client(base_url=url, timeout=1200)
             rng = random.Random(0)
@@ -198,7 +201,7 @@ def main() -> None:
             agg2 = aggregate_decode(url, 8, 64)
         finally:
             stop(proc)
-        proc, url = serve(model, 0, tmp + "/single", Path(tmp) / "single.log")
+        proc, url = serve(model, 0, tmp + "/single", Path(tmp) / "single.log", args.dtype)
         try:
             overhead_single = request_overhead(url, 30)
             agg1 = aggregate_decode(url, 8, 64)
@@ -209,7 +212,8 @@ def main() -> None:
     print_table(f"Moving a parked 0.1B-shape RWKV-7 state between 2 replicas ({args.moves} moves) vs re-prefill; "
                 f"{cpu}", ["history", "MiB", "move p50 ms", "move p99 ms", "first move ms", "re-prefill ms",
                                   "speed-up", "MB/s"], rows)  # fmt: skip
-    print_table(f"Moving a running stream between 2 replicas (client-side gap around each move); {cpu}",
+    print_table(f"Moving a running stream between 2 replicas (client-side gap around each move; {args.dtype} weights); "
+                f"{cpu}",
                 ["prompt tokens", "moves", "text exact", "gap p50 ms", "gap p99 ms", "front gap p50", "front gap p99",
                  "token interval ms", "first move ms"],
                 streams)  # fmt: skip

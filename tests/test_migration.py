@@ -149,6 +149,10 @@ def test_a_moved_chat_turn_parks_its_session_on_the_destination(pair, fresh):
     reply = chat_text(got)
     assert reply == chat_text(whole_stream(fresh, "/v1/chat/completions", body))
     assert not [k for k in a.ctx.sessions.sessions if k[2] == chat_id]  # the source let go of it
+    # the turn's prompt-end checkpoint stayed at the source (not shipped): the same prompt there reuses it
+    again = httpx.post(a.url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 4},
+                       headers={"X-OpenWebUI-User-Id": user}, timeout=60).json()["wkvm"]  # same tenant, no session
+    assert again["mode"] in ("checkpoint", "exact_prefix") and again["reused_tokens"] > 0, again
     messages = MESSAGES + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Andthen?"}]
     nxt = {"messages": messages, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
     r = httpx.post(b.url + "/v1/chat/completions", json=nxt, headers=headers("a2", "u2", "a1"), timeout=60).json()

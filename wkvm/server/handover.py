@@ -62,6 +62,7 @@ class LiveStream:
     handle: RequestHandle
     ticket: Ticket
     why_not: str | None = None  # set when this stream cannot move
+    scope: str = ""  # whose checkpoints it makes (openai_routes.reuse_scope)
     to: str | None = None  # where it is moving (once asked)
 
 

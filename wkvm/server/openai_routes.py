@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -193,7 +194,7 @@ def live_stream(tenant: str, body: GenBody, plan: Plan, handles: list[RequestHan
         why = "it is bound to a named state on this server: move the state when the stream ends"
     elif handles[0].request.params.prompt_logprobs is not None:
         why = "it scores its prompt (echo with logprobs)"
-    return LiveStream(tenant, handles[0], ticket, why)
+    return LiveStream(tenant, handles[0], ticket, why, reuse_scope(tenant, body.user, body.cache_salt))
 
 
 def finish(ctx: ServerContext, tenant: str, body: GenBody, plan: Plan, handles: list[RequestHandle]) -> dict[str, Any]:
@@ -533,6 +534,10 @@ def hand_over(ctx: ServerContext, live: LiveStream) -> str:
     c, to = live.handle.continuation, live.to
     assert c is not None and to is not None  # suspended through Handovers.move, which names the destination
     ctx.sessions.moved([live.handle])
+    if c.prompt_state is not None:  # checkpointed here rather than shipped: half the ticket, a shorter handover
+        if live.ticket.finish:
+            ctx.sessions.keep_prompt_end(live.scope, c.base_ids + c.prompt_ids, c.prompt_state)
+        c = dataclasses.replace(c, prompt_state=None, capture_prompt_state=False)
     data = encode_ticket(ctx.model.spec, ctx.model.fingerprint, c, live.ticket)
     return marker(ctx.handovers.put_out(data), to)
 

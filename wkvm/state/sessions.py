@@ -399,6 +399,13 @@ class ChatSessions:
                 self._park(key, Session(self.fingerprint, reserved_at=time.monotonic()))
         plan.finish = lambda handles: self._after(tenant, scope, plan, handles, key, chat)
 
+    def keep_prompt_end(self, scope: str, history: list[int], state: State) -> None:
+        """The prompt-end checkpoint of a turn that moves to another server mid-answer (kept here, not shipped)."""
+        try:
+            self._checkpoint(scope, history, state, "prompt_end")
+        except Exception:
+            log.warning("could not store a moved turn's prompt checkpoint", exc_info=True)
+
     def moved(self, handles: list[RequestHandle]) -> None:
         """These handles' turn moved to another server: the session parked here for it is stale, so drop it."""
         with self.lock:
