@@ -30,6 +30,7 @@ from wkvm.engine.client import EngineClient
 from wkvm.engine.handle import RequestHandle
 from wkvm.engine.request import Continuation
 from wkvm.models.spec import State, StateSpec
+from wkvm.state.statefile import metadata
 
 FORMAT = "wkvm-handover-v1"
 RESUME_HEADER = "x-wkvm-resume"
@@ -86,9 +87,9 @@ class Handovers:
         with self._lock:
             self._live.pop(stream_id, None)
 
-    def live(self, tenant: str | None = None) -> list[LiveStream]:
+    def live(self) -> list[LiveStream]:
         with self._lock:
-            return [s for s in self._live.values() if tenant is None or s.tenant == tenant]
+            return list(self._live.values())
 
     def move(self, client: EngineClient, tenant: str, stream_id: str,
              to: str) -> concurrent.futures.Future[Continuation]:  # fmt: skip
@@ -172,9 +173,8 @@ def encode(spec: StateSpec, fingerprint: str, c: Continuation, ticket: Ticket) -
 def decode(data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int) -> tuple[Continuation, Ticket]:
     """A ticket's contents, checked against this model; HandoverError names what is wrong."""
     try:
-        tensors = st_load(data)
-        md = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")]).get("__metadata__", {})
-    except (SafetensorError, ValueError, RuntimeError) as e:
+        tensors, md = st_load(data), metadata(data)
+    except (SafetensorError, ValueError, RuntimeError) as e:  # StateFileError is a ValueError
         raise HandoverError(f"unreadable handover ticket: {e}") from None
     if md.get("format") != FORMAT:
         raise HandoverError(f"handover format {md.get('format')!r}, expected {FORMAT!r}")

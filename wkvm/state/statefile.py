@@ -152,7 +152,7 @@ def decode(
         tensors = st_load(data)
     except (SafetensorError, ValueError, RuntimeError) as e:
         raise StateFileError(f"not a readable safetensors file (truncated or corrupt?): {e}") from None
-    md = _metadata(data)
+    md = metadata(data)
     if md.get("format") != FORMAT:
         raise StateFileError(f"format is {md.get('format')!r}, expected {FORMAT!r}")
     if md.get("fingerprint") != fingerprint:
@@ -233,7 +233,8 @@ def read_tensors(path: str | os.PathLike[str], spec: StateSpec) -> State:
     return out
 
 
-def _metadata(data: bytes) -> dict[str, str]:
+def metadata(data: bytes) -> dict[str, str]:
+    """The safetensors file's metadata (strings); StateFileError when its header is not readable."""
     n = int.from_bytes(data[:8], "little")
     try:
         header = json.loads(data[8 : 8 + n])
