@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from wkvm.models.kv import grouped_attention, key_name, value_name
+from wkvm.models import fused
+from wkvm.models.kv import grouped_attention, key_name, rope_append_attend, value_name
 from wkvm.models.spec import StateSpec
 
 
@@ -137,6 +138,9 @@ class PagedKV:
         self.pool, self.seqs, self.n_new = pool, seqs, n_new
         starts = [s.length for s in seqs]
         self._start = torch.tensor(starts, dtype=torch.long)
+        self._table: torch.Tensor | None = None  # [B, pages] for the fused decode kernel, made on first use
+        self._fused = False
+        self._flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._write = torch.stack([s.slots(pool, s.length, s.length + n_new) for s in seqs])  # [B, T]
         lmax = max(starts) + n_new
         self._span = _consecutive(seqs[0], pool, lmax) if len(seqs) == 1 else None  # (first token slot, length)
@@ -160,6 +164,21 @@ class PagedKV:
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         k, v = (self._tokens(self.pool.flat(name)) for name in (key_name(layer), value_name(layer)))
         return grouped_attention(q, k, v, self._mask, scale)
+
+    def rope_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+        """A decode step (one new token per row) on fp32 CPU pages: the fused kernel reads and writes the pages in
+        place; else `rope_append_attend`. (Per layer of a small model this is hot: what it needs is made once.)"""
+        if self._table is None:
+            self._fused = fused.rope_attend_fits(q, k, v, cos, sin, *self.pool.pages.values())
+            width = max(len(s.pages) for s in self.seqs)
+            self._table = torch.tensor([s.pages + [0] * (width - len(s.pages)) for s in self.seqs], dtype=torch.long)
+        if not self._fused:
+            return rope_append_attend(self, layer, q, k, v, cos, sin, scale)
+        flat = self._flat.get(layer)
+        if flat is None:
+            flat = self._flat[layer] = (self.pool.flat(key_name(layer)), self.pool.flat(value_name(layer)))
+        return fused.rope_attend(q, k, v, cos, sin, *flat, self._table, self._start, self.pool.page_tokens, scale)
 
     def _tokens(self, flat: torch.Tensor) -> torch.Tensor:
         """Each row's cached tokens, [B, Lmax, Hkv, D]: a view when they lie in one run of the pool."""

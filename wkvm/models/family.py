@@ -208,11 +208,6 @@ def no_attention(model: Any, caches: Sequence[KVBatch] | None) -> None:
         raise TypeError(f"{model.family} has no attention layers: forward_groups takes no caches")
 
 
-def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last axis, times `scale` (as HF's Llama/Qwen RMSNorm computes it, in fp32)."""
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * scale
-
-
 def read_safetensors_dir(path: Path, rename: Callable[[str], str | None] | None = None) -> RawTensors:
     """Every tensor of every `*.safetensors` file in directory `path`, named by `rename` (None drops a tensor).
     Never reads `*.bin`/`*.pt` pickles."""

@@ -180,21 +180,34 @@ def build() -> None:
     load_kernel(SOURCE, "wkvm_int8")
 
 
-def load_kernel(source: Path, namespace: str, cflags: tuple[str, ...] = ("-O3",)) -> None:
+def load_kernel(source: Path, namespace: str, cflags: tuple[str, ...] = ("-O3",), op: str = "linear") -> None:
     """Compile `source` (once per its text, the flags, torch's version and the CPU) with the machine's C++ compiler
-    into ~/.cache/wkvm/torch_extensions and load it; its ops register as torch.ops.<namespace>."""
+    into ~/.cache/wkvm/torch_extensions and load it; its ops (`op` one of them) register as torch.ops.<namespace>.
+
+    Built with OpenMP: at::parallel_for runs serially in code compiled without it (ATen's ParallelOpenMP.h), and
+    torch's own libgomp is the one loaded, so the kernels share torch's threads. A compiler without OpenMP builds it
+    serial (one log line)."""
     from torch.utils import cpp_extension
 
-    if hasattr(getattr(torch.ops, namespace), "linear"):
+    if hasattr(getattr(torch.ops, namespace), op):
         return
-    flags = "" if cflags == ("-O3",) else " ".join(cflags)  # the int8 kernel's key from before flags were a choice
-    key = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + cpu_flags().encode() + flags.encode())
-    name = f"{namespace}_{key.hexdigest()[:16]}"
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "wkvm" / "torch_extensions")
-    (root / name).mkdir(parents=True, exist_ok=True)
-    log.info("building %s in %s (once)", source.name, root / name)
-    cpp_extension.load(name=name, sources=[str(source)], extra_cflags=list(cflags), build_directory=str(root / name),
-                       is_python_module=False, verbose=False)  # fmt: skip
+    for openmp in (("-fopenmp",), ()):
+        flags = (*cflags, *openmp)
+        key = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + cpu_flags().encode()
+                             + " ".join(flags).encode())  # fmt: skip
+        name = f"{namespace}_{key.hexdigest()[:16]}"
+        (root / name).mkdir(parents=True, exist_ok=True)
+        log.info("building %s in %s (once)", source.name, root / name)
+        try:
+            cpp_extension.load(name=name, sources=[str(source)], extra_cflags=list(flags), extra_ldflags=list(openmp),
+                               build_directory=str(root / name), is_python_module=False, verbose=False)  # fmt: skip
+            return
+        except Exception as e:
+            if not openmp:
+                raise
+            log.info("%s did not build with OpenMP (%s); building it single-threaded", source.name,
+                     str(e).splitlines()[0])  # fmt: skip
 
 
 def cpu_flags() -> str:

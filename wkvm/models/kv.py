@@ -15,6 +15,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from wkvm.models import fused
+from wkvm.models.rope import rotate
 from wkvm.models.spec import State, TensorSpec
 
 
@@ -34,6 +36,12 @@ class KVBatch(Protocol):
         each row's cache including the tokens just appended; returns [B, T, Hq, D]."""
         ...
 
+    def rope_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+        """What every attention layer does with its new tokens: RoPE (`rope.rotate` with cos, sin) on q and k, append
+        k and v, attend with q; the same as `rope_append_attend`, which a one-token step may run as one kernel."""
+        ...
+
 
 @dataclass
 class Attn:
@@ -43,6 +51,17 @@ class Attn:
     kv: KVBatch
     cos: torch.Tensor
     sin: torch.Tensor
+
+    def rope_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B, T, Hq, D], k, v [B, T, Hkv, D] of the new tokens, before RoPE -> attention output [B, T, Hq, D]."""
+        return self.kv.rope_attend(layer, q, k, v, self.cos, self.sin, scale)
+
+
+def rope_append_attend(kv: KVBatch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+    """`KVBatch.rope_attend` as separate torch ops: any number of new tokens, any device and dtype."""
+    kv.append(layer, rotate(k, cos, sin), v)
+    return kv.attend(layer, rotate(q, cos, sin), scale)
 
 
 def kv_tensors(layer: int, kv_heads: int, head_dim: int) -> list[TensorSpec]:
@@ -82,6 +101,22 @@ class DenseKV:
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         k, v = self.state[key_name(layer)], self.state[value_name(layer)]
         return attention(q, k, v, self.length, scale)
+
+    def rope_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+        """One new token on fp32 CPU caches: the fused kernel, each row's grown cache as one page (the engine's paged
+        caches run the same kernel, so both give the same bits); else `rope_append_attend`."""
+        kn, vn = key_name(layer), value_name(layer)
+        if not fused.rope_attend_fits(q, k, v, cos, sin, self.state[kn], self.state[vn]):
+            return rope_append_attend(self, layer, q, k, v, cos, sin, scale)
+        B, n, (Hkv, D) = self.batch, self.length, k.shape[2:]
+        for name in (kn, vn):
+            grown = self.state[name].new_empty(B, n + 1, Hkv, D)
+            grown[:, :n] = self.state[name]
+            self.state[name] = grown
+        kflat, vflat = (self.state[name].view(B * (n + 1), Hkv, D) for name in (kn, vn))
+        table, lengths = torch.arange(B).view(B, 1), torch.full((B,), n)
+        return fused.rope_attend(q, k, v, cos, sin, kflat, vflat, table, lengths, n + 1, scale)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from wkvm.models.family import (
     CheckpointError,
@@ -24,14 +23,14 @@ from wkvm.models.family import (
     layer_count,
     require,
     resident,
-    rms_norm,
 )
+from wkvm.models.fused import add_rms_norm, rms_norm, silu_mul
 from wkvm.models.kv import Attn, kv_tensors
 from wkvm.models.linear import linear, stored
 from wkvm.models.mamba2.model import Mamba2Config, mixer, mixer_state, mixer_tensors, time_step_limit
 from wkvm.models.mamba2.ssd import DEFAULT_CHUNK
 from wkvm.models.provider import Tensors, WeightProvider
-from wkvm.models.rope import frequencies, rotate
+from wkvm.models.rope import frequencies
 from wkvm.models.spec import State, StateSpec, TensorSpec
 
 FAMILY = "bamba"
@@ -205,17 +204,16 @@ class Bamba(ModelBase):
         eps = self.config.rms_eps
         h = rms_norm(x, w["input_norm"], eps)
         if attn is not None and i in self.kv_layers:
-            x = x + self._attention(i, w, h, attn)
+            h = self._attention(i, w, h, attn)
         else:
-            x = x + mixer(self.config.mamba, w, h, state[f"layers.{i}.conv"], state[f"layers.{i}.ssm"], self.ssd_chunk)
-        gate, up = linear(rms_norm(x, w["post_norm"], eps), w["mlp.gate_up"]).chunk(2, -1)
-        return x + linear(F.silu(gate) * up, w["mlp.down_proj.weight"])
+            h = mixer(self.config.mamba, w, h, state[f"layers.{i}.conv"], state[f"layers.{i}.ssm"], self.ssd_chunk)
+        x, h = add_rms_norm(x, h, w["post_norm"], eps)
+        return x + linear(silu_mul(linear(h, w["mlp.gate_up"])), w["mlp.down_proj.weight"])
 
     def _attention(self, i: int, w: Tensors, x: torch.Tensor, attn: Attn) -> torch.Tensor:
         cfg = self.config
         B, T, _ = x.shape
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         q, k, v = torch.split(linear(x, w["self_attn.qkv"]), [H * D, Hkv * D, Hkv * D], -1)
-        q = rotate(q.reshape(B, T, H, D), attn.cos, attn.sin)
-        attn.kv.append(i, rotate(k.reshape(B, T, Hkv, D), attn.cos, attn.sin), v.reshape(B, T, Hkv, D))
-        return linear(attn.kv.attend(i, q, D**-0.5).reshape(B, T, H * D), w["self_attn.o_proj.weight"])
+        o = attn.rope_attend(i, q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D), D**-0.5)
+        return linear(o.reshape(B, T, H * D), w["self_attn.o_proj.weight"])

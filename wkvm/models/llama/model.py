@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from wkvm.models.family import (
     CheckpointError,
@@ -22,12 +21,12 @@ from wkvm.models.family import (
     embedding_and_head,
     require,
     resident,
-    rms_norm,
 )
+from wkvm.models.fused import add_rms_norm, rms_norm, silu_mul
 from wkvm.models.kv import Attn, kv_tensors
 from wkvm.models.linear import linear, stored
 from wkvm.models.provider import Tensors, WeightProvider
-from wkvm.models.rope import frequencies, rotate
+from wkvm.models.rope import frequencies
 from wkvm.models.spec import State, StateSpec
 
 FAMILY = "llama"
@@ -190,20 +189,17 @@ class Llama(ModelBase):
     def block(self, i: int, w: Tensors, x: torch.Tensor, state: State, attn: Attn | None) -> torch.Tensor:
         assert attn is not None  # every Llama layer is attention
         eps = self.config.rms_eps
-        x = x + self._attention(i, w, rms_norm(x, w["input_norm"], eps), attn)
-        return x + self._mlp(w, rms_norm(x, w["post_norm"], eps))
+        x, h = add_rms_norm(x, self._attention(i, w, rms_norm(x, w["input_norm"], eps), attn), w["post_norm"], eps)
+        return x + self._mlp(w, h)
 
     def _attention(self, i: int, w: Tensors, x: torch.Tensor, attn: Attn) -> torch.Tensor:
         cfg = self.config
         B, T, _ = x.shape
         Hq, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         q, k, v = torch.split(linear(x, w["self_attn.qkv"]), [Hq * D, Hkv * D, Hkv * D], -1)
-        q = rotate(q.reshape(B, T, Hq, D), attn.cos, attn.sin)
-        attn.kv.append(i, rotate(k.reshape(B, T, Hkv, D), attn.cos, attn.sin), v.reshape(B, T, Hkv, D))
-        o = attn.kv.attend(i, q, D**-0.5)
+        o = attn.rope_attend(i, q.reshape(B, T, Hq, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D), D**-0.5)
         return linear(o.reshape(B, T, Hq * D), w["self_attn.o_proj.weight"])
 
     @staticmethod
     def _mlp(w: Tensors, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, w["mlp.gate_up"]).chunk(2, -1)
-        return linear(F.silu(gate) * up, w["mlp.down_proj.weight"])
+        return linear(silu_mul(linear(x, w["mlp.gate_up"])), w["mlp.down_proj.weight"])

@@ -25,13 +25,13 @@ from wkvm.models.family import (
     embedding_and_head,
     require,
     resident,
-    rms_norm,
 )
+from wkvm.models.fused import add_rms_norm, rms_norm, silu_mul
 from wkvm.models.kv import Attn, kv_tensors
 from wkvm.models.linear import linear, stored
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.qwen3_5.gated_delta import DEFAULT_CHUNK, gated_delta_chunked, gated_delta_step
-from wkvm.models.rope import frequencies, rotate
+from wkvm.models.rope import frequencies
 from wkvm.models.spec import State, StateSpec, TensorSpec
 
 FAMILY = "qwen3_5"
@@ -265,9 +265,10 @@ class Qwen35(ModelBase):
     def block(self, i: int, w: Tensors, x: torch.Tensor, state: State, attn: Attn | None) -> torch.Tensor:
         eps = self.config.rms_eps
         h = rms_norm(x, w["input_norm"], eps)
-        x = x + (self._attention(i, w, h, attn) if attn is not None and i in self.kv_layers
-                 else self._gated_delta_net(i, w, h, state))  # fmt: skip
-        return x + self._mlp(w, rms_norm(x, w["post_norm"], eps))
+        h = (self._attention(i, w, h, attn) if attn is not None and i in self.kv_layers
+             else self._gated_delta_net(i, w, h, state))  # fmt: skip
+        x, h = add_rms_norm(x, h, w["post_norm"], eps)
+        return x + self._mlp(w, h)
 
     def logits(self, x: torch.Tensor, g: Tensors) -> torch.Tensor:
         return linear(rms_norm(x, g["final_norm"], self.config.rms_eps), g[HEAD])
@@ -281,10 +282,9 @@ class Qwen35(ModelBase):
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qg, k, v = torch.split(linear(x, w["self_attn.qkv"]), [2 * H * D, Hkv * D, Hkv * D], -1)
         q, gate = qg.reshape(B, T, H, 2 * D).chunk(2, -1)
-        q = rotate(rms_norm(q, w["self_attn.q_norm"], cfg.rms_eps), attn.cos, attn.sin)
-        k = rotate(rms_norm(k.reshape(B, T, Hkv, D), w["self_attn.k_norm"], cfg.rms_eps), attn.cos, attn.sin)
-        attn.kv.append(i, k, v.reshape(B, T, Hkv, D))
-        o = attn.kv.attend(i, q, D**-0.5) * torch.sigmoid(gate)
+        q = rms_norm(q, w["self_attn.q_norm"], cfg.rms_eps)
+        k = rms_norm(k.reshape(B, T, Hkv, D), w["self_attn.k_norm"], cfg.rms_eps)
+        o = attn.rope_attend(i, q, k, v.reshape(B, T, Hkv, D), D**-0.5) * torch.sigmoid(gate)
         return linear(o.reshape(B, T, H * D), w["self_attn.o_proj.weight"])
 
     def _gated_delta_net(self, i: int, w: Tensors, x: torch.Tensor, state: State) -> torch.Tensor:
@@ -328,5 +328,4 @@ class Qwen35(ModelBase):
 
     @staticmethod
     def _mlp(w: Tensors, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, w["mlp.gate_up"]).chunk(2, -1)
-        return linear(F.silu(gate) * up, w["mlp.down_proj.weight"])
+        return linear(silu_mul(linear(x, w["mlp.gate_up"])), w["mlp.down_proj.weight"])

@@ -1,0 +1,161 @@
+"""The fused per-layer kernel (wkvm/models/fused.cpp): each op equals the torch ops it replaces up to rounding, the
+decode attention reads and writes pages in place like `PagedKV.append` + `attend`, and without a compiler every op
+falls back to torch after one warning."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from wkvm.engine.kv_pages import PagedKV, PagePool, SeqKV
+from wkvm.models import fused
+from wkvm.models.kv import DenseKV, key_name, rope_append_attend, value_name
+from wkvm.models.rope import angles, frequencies
+from wkvm.models.spec import StateSpec, TensorSpec
+
+needs_kernel = pytest.mark.skipif(not fused.available(), reason="the fused kernel cannot be built here (no compiler)")
+
+
+def torch_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * w
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 64), (2, 7), (200, 96)])
+def test_norms_and_silu_equal_torch(shape):
+    g = torch.Generator().manual_seed(len(shape))
+    x, a = torch.randn(*shape, generator=g) * 3, torch.randn(*shape, generator=g)
+    w = torch.randn(shape[-1], generator=g)
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-6), torch_rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+    s, y = fused.add_rms_norm(x, a, w, 1e-5)
+    torch.testing.assert_close(s, x + a, rtol=0, atol=0)
+    torch.testing.assert_close(y, torch_rms_norm(x + a, w, 1e-5), rtol=1e-5, atol=1e-5)
+    gu = torch.randn(*shape[:-1], 2 * shape[-1], generator=g) * 8  # silu's tails: large negative and positive
+    gate, up = gu.chunk(2, -1)
+    torch.testing.assert_close(fused.silu_mul(gu), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_non_contiguous_inputs_and_views_are_read_correctly():
+    base = torch.randn(4, 10, 32)
+    x = base[:, 2:5, :16]  # rows with a stride
+    w = torch.randn(16)
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-6), torch_rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+    gu = base[:, :, :]
+    torch.testing.assert_close(fused.silu_mul(gu.transpose(0, 1)), F.silu(gu.transpose(0, 1)[..., :16])
+                               * gu.transpose(0, 1)[..., 16:], rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def kv_spec(hkv: int, d: int) -> StateSpec:
+    return StateSpec("test", tuple(TensorSpec(f"layers.0.{x}", (hkv, d), kind="kv") for x in "kv"))
+
+
+@needs_kernel
+@pytest.mark.parametrize("hq,hkv,d,rotary,page", [(9, 3, 64, 64, 16), (4, 4, 6, 6, 1), (8, 2, 10, 4, 3),
+                                                  (3, 1, 8, 8, 5)])  # fmt: skip
+def test_decode_attention_equals_append_and_attend(hq, hkv, d, rotary, page):
+    """Rows of different lengths whose pages are scattered over the pool (one forked, sharing pages): the kernel's
+    output and the keys/values it writes equal the torch path's, which runs on a copy of the pool."""
+    spec = kv_spec(hkv, d)
+    pools = [PagePool(spec, n_pages=80, page_tokens=page) for _ in range(2)]
+    g = torch.Generator().manual_seed(hq * 100 + d)
+    lengths = (0, 7, 23)
+    seqs_per_pool = []
+    for pool in pools:
+        pool.alloc()  # page 0 taken: no row starts at the pool's start
+        seqs = []
+        for n in lengths:
+            s = SeqKV()
+            s.reserve(pool, n)
+            s.length = n
+            seqs.append(s)
+        twin = seqs[2].fork(pool)  # shares the third row's pages
+        seqs.append(twin)
+        seqs_per_pool.append(seqs)
+    for name in pools[0].pages:  # the same random history in both pools
+        pools[0].pages[name].normal_(generator=g)
+        pools[1].pages[name].copy_(pools[0].pages[name])
+    inv = frequencies(10000.0, rotary)
+    B = len(lengths) + 1
+    q, k, v = torch.randn(B, 1, hq, d, generator=g), torch.randn(B, 1, hkv, d, generator=g), torch.randn(
+        B, 1, hkv, d, generator=g)  # fmt: skip
+    outs = []
+    for pool, seqs, run in ((pools[0], seqs_per_pool[0], "kernel"), (pools[1], seqs_per_pool[1], "torch")):
+        for s in seqs:
+            s.reserve(pool, 1)
+        kv = PagedKV(pool, seqs, 1)
+        cos, sin = angles(inv, kv.positions(), 1)
+        if run == "kernel":
+            outs.append(kv.rope_attend(0, q, k, v, cos, sin, d**-0.5))
+        else:
+            outs.append(rope_append_attend(kv, 0, q, k, v, cos, sin, d**-0.5))
+        kv.commit()
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    for s0, s1 in zip(*seqs_per_pool, strict=True):
+        a, b = s0.to_dense(pools[0]), s1.to_dense(pools[1])
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-6)
+
+
+@needs_kernel
+def test_dense_cache_decode_runs_the_kernel_and_equals_torch(monkeypatch):
+    hq, hkv, d = 6, 2, 8
+    g = torch.Generator().manual_seed(3)
+    states = [{name(0): torch.randn(2, 5, hkv, d, generator=g) for name in (key_name, value_name)}]
+    states.append({name: t.clone() for name, t in states[0].items()})
+    q, k, v = torch.randn(2, 1, hq, d, generator=g), torch.randn(2, 1, hkv, d, generator=g), torch.randn(
+        2, 1, hkv, d, generator=g)  # fmt: skip
+    cos, sin = angles(frequencies(500.0, d), torch.full((2,), 5), 1)
+    calls = []
+    real = fused.rope_attend
+    monkeypatch.setattr(fused, "rope_attend", lambda *a: calls.append(1) or real(*a))
+    got = DenseKV(states[0], [0]).rope_attend(0, q, k, v, cos, sin, 0.3)
+    want = rope_append_attend(DenseKV(states[1], [0]), 0, q, k, v, cos, sin, 0.3)
+    assert calls == [1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for name in states[0]:
+        torch.testing.assert_close(states[0][name], states[1][name], rtol=1e-6, atol=1e-6)
+
+
+@needs_kernel
+def test_a_page_table_that_does_not_fit_is_refused():
+    pool = PagePool(kv_spec(1, 4), n_pages=2, page_tokens=2)
+    kf, vf = pool.flat("layers.0.k"), pool.flat("layers.0.v")
+    q, k = torch.randn(1, 1, 4), torch.randn(1, 1, 4)
+    cs = torch.ones(1, 4)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        fused.rope_attend(q, k, k, cs, cs, kf, vf, torch.tensor([[5]]), torch.tensor([0]), 2, 1.0)
+    with pytest.raises(RuntimeError, match="do not fit its page table"):
+        fused.rope_attend(q, k, k, cs, cs, kf, vf, torch.tensor([[0]]), torch.tensor([2]), 2, 1.0)
+
+
+def test_without_a_compiler_every_op_falls_back_after_one_warning(monkeypatch, caplog):
+    def no_compiler(*args, **kwargs) -> None:
+        raise RuntimeError("Error building extension: c++: command not found")
+
+    fused.available.cache_clear()
+    monkeypatch.setattr(fused, "load_kernel", no_compiler)
+    monkeypatch.setattr(torch.ops.wkvm_fused, "rms_norm", None, raising=False)  # would fail if called
+    try:
+        with caplog.at_level(logging.WARNING, logger="wkvm.fused"):
+            x, w = torch.randn(2, 8), torch.randn(8)
+            torch.testing.assert_close(fused.rms_norm(x, w, 1e-6), torch_rms_norm(x, w, 1e-6))
+            assert not fused.rope_attend_fits(x[:, None, None], x[:, None, None], x[:, None, None], x, x)
+        (message,) = [r.getMessage() for r in caplog.records if r.name == "wkvm.fused"]
+        assert "fused kernel unavailable" in message and "command not found" in message
+    finally:
+        fused.available.cache_clear()
+
+
+def test_off_forces_the_torch_path_and_a_bad_setting_is_a_clear_error(monkeypatch):
+    fused.available.cache_clear()
+    try:
+        monkeypatch.setenv("WKVM_FUSED", "off")
+        assert not fused.available()
+        fused.available.cache_clear()
+        monkeypatch.setenv("WKVM_FUSED", "fast")
+        with pytest.raises(ValueError, match="use auto or off"):
+            fused.available()
+    finally:
+        fused.available.cache_clear()

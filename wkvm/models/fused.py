@@ -1,0 +1,99 @@
+"""Fused per-layer ops (fused.cpp, torch op namespace `wkvm_fused`) for steps where dispatch, not arithmetic, is the
+cost: a one-token decode step of a small model runs ~45 tiny torch ops per layer (issues #16, #21).
+
+Each function here is one op of the kernel when it is available (built on first use like the int8/int4 kernels,
+cached per source and CPU) and the torch expression it replaces otherwise: no compiler, a tensor off the CPU or not
+float32, or `WKVM_FUSED=off` (the torch path, e.g. to compare). The kernel computes in fp32 like the torch path; its
+results differ from it by rounding only (tests/test_fused.py bounds the difference).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from wkvm.models.int8 import load_kernel
+
+log = logging.getLogger("wkvm.fused")
+
+SOURCE = Path(__file__).with_name("fused.cpp")
+# -march=native is safe: the build is cached per CPU (load_kernel keys it on /proc/cpuinfo's flags)
+CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-trapping-math")  # the last lets the clamps in exp vectorize
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the fused kernel runs here (built now if needed); False, with one warning, when it cannot be built."""
+    setting = os.environ.get("WKVM_FUSED", "auto").lower()
+    if setting not in ("auto", "off"):
+        raise ValueError(f"WKVM_FUSED={setting!r}: use auto or off")
+    if setting == "off":
+        return False
+    try:
+        load_kernel(SOURCE, "wkvm_fused", CFLAGS, op="rope_attend")
+        return True
+    except Exception as e:  # no compiler, failed build or load: the torch path gives the same results, slower
+        log.warning("fused kernel unavailable (%s); per-layer ops run as separate torch ops (slower)",
+                    str(e).splitlines()[0])  # fmt: skip
+        return False
+
+
+def _runs(*xs: torch.Tensor) -> bool:
+    return all(x.device.type == "cpu" and x.dtype == torch.float32 for x in xs) and available()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [N, C] with contiguous rows (a view when possible)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last axis, times `scale` (fp32, as HF's Llama/Qwen RMSNorm computes it)."""
+    if _runs(x, scale) and x.numel():
+        y: torch.Tensor = torch.ops.wkvm_fused.rms_norm(_rows(x), scale.contiguous(), eps)
+        return y.view(x.shape)
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * scale
+
+
+def add_rms_norm(x: torch.Tensor, a: torch.Tensor, scale: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(x + a, rms_norm(x + a)): a residual add and the next sublayer's pre-norm in one pass."""
+    if _runs(x, a, scale) and x.numel() and x.shape == a.shape:
+        s, y = torch.ops.wkvm_fused.add_rms_norm(_rows(x), _rows(a), scale.contiguous(), eps)
+        return s.view(x.shape), y.view(x.shape)
+    s = x + a
+    return s, rms_norm(s, scale, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last axis (a fused gate/up projection's output)."""
+    if _runs(gate_up) and gate_up.numel():
+        y: torch.Tensor = torch.ops.wkvm_fused.silu_mul(_rows(gate_up))
+        return y.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    gate, up = gate_up.chunk(2, -1)
+    return F.silu(gate) * up
+
+
+def rope_attend_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     *caches: torch.Tensor) -> bool:  # fmt: skip
+    """Whether `rope_attend` runs on these tensors (else the caller rotates, appends and attends with torch)."""
+    return q.shape[1] == 1 and cos.is_contiguous() and sin.is_contiguous() and _runs(q, k, v, cos, sin, *caches)
+
+
+def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kflat: torch.Tensor, vflat: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
+                page_tokens: int, scale: float) -> torch.Tensor:  # fmt: skip
+    """One new token per row (q [B, 1, Hq, D], k, v [B, 1, Hkv, D]; cos, sin [B, 1, 1, R], as `rope.angles` gives
+    them): RoPE on q and k, k and v written at position lengths[b] of row b's pages (`table` [B, pages] of
+    `page_tokens` token slots in kflat / vflat [slots, Hkv, D]), then grouped-query attention over the row's
+    lengths[b] + 1 tokens; returns [B, 1, Hq, D]. Only where `rope_attend_fits`."""
+    q, k, v = (x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous() for x in (q, k, v))
+    out: torch.Tensor = torch.ops.wkvm_fused.rope_attend(q, k, v, cos, sin, kflat, vflat, table, lengths,
+                                                        page_tokens, scale)  # fmt: skip
+    return out
