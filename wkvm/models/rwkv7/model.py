@@ -16,6 +16,7 @@ from wkvm.models.family import ModelBase, RawTensors, compute_form, layer_count,
 from wkvm.models.kv import KVBatch
 from wkvm.models.linear import embedding, linear, pack_linear, stored, stored_outer
 from wkvm.models.provider import Tensors, WeightProvider
+from wkvm.models.rwkv7 import step
 from wkvm.models.rwkv7.wkv import DEFAULT_CHUNK, wkv_chunked, wkv_step
 from wkvm.models.spec import State, StateSpec, TensorSpec
 
@@ -141,8 +142,12 @@ class RWKV7(ModelBase):
             v_firsts.append(xs[-1])  # replaced by layer 0's v
         for i in range(cfg.n_layer):
             w = self.weights.layer(i)
-            for j, (_, state) in enumerate(groups):
+            for j, (tokens, state) in enumerate(groups):
                 x = xs[j]
+                if tokens.shape[1] == 1 and tokens.shape[0] < PACKED_LORA_MIN_ROWS:
+                    y, v_firsts[j] = self._decode_layer(i, w, x.view(x.shape[0], -1), state, v_firsts[j])
+                    xs[j] = y.view(x.shape)
+                    continue
                 xx = F.layer_norm(x, (cfg.n_embd,), w["ln1.weight"], w["ln1.bias"], cfg.ln_eps)
                 att, v_firsts[j] = self._time_mix(i, w, xx, state, v_firsts[j])
                 x = x + att
@@ -156,6 +161,32 @@ class RWKV7(ModelBase):
         return out
 
     # --- blocks --------------------------------------------------------------------------------
+    def _decode_layer(
+        self, i: int, w: Tensors, x: torch.Tensor, state: State, v_first: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i for one token per row (x [B, C]): `_time_mix` and `_channel_mix` in step.py's fused ops, so that
+        little but the matmuls is left outside them (issue #21). Returns x and v_first."""
+        cfg = self.config
+        _, (xr, xw, xk, xv, xa, xg) = step.norm_shift_mix(x, None, w["ln1.weight"], w["ln1.bias"], cfg.ln_eps,
+                                                          state[f"layers.{i}.att_shift"], w["att.mix"])  # fmt: skip
+        r = linear(xr, w["att.receptance.weight"])
+        k = linear(xk, w["att.key.weight"])
+        v = linear(xv, w["att.value.weight"])
+        lora = "wagv" if i > 0 else "wag"  # decay, in-context rate, gate, value residual (not in layer 0)
+        decay, a, g, *v_mix = step.loras(
+            [xw, xa, xg, xv][: len(lora)], [w[f"att.{p}1"] for p in lora], [w[f"att.{p}2"] for p in lora],
+            [w["att.w0"], w["att.a0"], None, w.get("att.v0")][: len(lora)],
+            inner=[step.TANH, step.NONE, step.SIGMOID, step.NONE][: len(lora)],
+            outer=[step.SIGMOID, step.SIGMOID, step.NONE, step.SIGMOID][: len(lora)],
+        )  # fmt: skip
+        v_first = v if i == 0 else v_first
+        o, v = step.wkv(state[f"layers.{i}.wkv"], r, decay, k, v, v_first, v_mix[0] if v_mix else None, a, g, w,
+                        cfg.gn_eps)  # fmt: skip
+        x, (xk,) = step.norm_shift_mix(x, linear(o, w["att.output.weight"]), w["ln2.weight"], w["ln2.bias"],
+                                       cfg.ln_eps, state[f"layers.{i}.ffn_shift"], w["ffn.x_k"])  # fmt: skip
+        x = x + linear(step.relu_square(linear(xk, w["ffn.key.weight"])), w["ffn.value.weight"])
+        return x, v_first
+
     def _time_mix(
         self, i: int, w: Tensors, x: torch.Tensor, state: State, v_first: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

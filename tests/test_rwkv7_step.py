@@ -1,0 +1,119 @@
+"""RWKV-7's decode-step kernel (wkvm/models/rwkv7/step.cpp): each op equals its torch fallback up to rounding on
+random inputs, and a whole model decodes the same with the kernel as with `WKVM_FUSED=off` (greedy tokens equal,
+logits within 1e-4 in fp32)."""
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+from conftest import SHAPES
+
+from wkvm.models.rwkv7 import step
+from wkvm.models.rwkv7.random_weights import save_random_rwkv7
+from wkvm.weights.loader import load_model
+
+needs_kernel = pytest.mark.skipif(not step.available(), reason="the RWKV-7 step kernel cannot be built here")
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def both(monkeypatch: pytest.MonkeyPatch, f: Callable[[int], Any]) -> tuple[Any, Any]:
+    """f(0) on the kernel, then f(1) on the torch fallback (what WKVM_FUSED=off runs)."""
+    kernel = f(0)
+    with monkeypatch.context() as m:
+        m.setattr(step, "available", lambda: False)
+        return kernel, f(1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("B", [1, 3, 8])
+@pytest.mark.parametrize("C,M,with_add", [(768, 6, False), (64, 1, True), (100, 3, True)])
+def test_norm_shift_mix_equals_torch(monkeypatch, B, C, M, with_add):
+    g = torch.Generator().manual_seed(B * C + M)
+    x, add = torch.randn(B, C, generator=g) * 3, torch.randn(B, C, generator=g) if with_add else None
+    ln_w, ln_b, mix = torch.randn(C, generator=g), torch.randn(C, generator=g), torch.rand(M, 1, 1, C, generator=g)
+    shift0 = torch.randn(B, C, generator=g)
+    shifts = [shift0.clone(), shift0.clone()]
+    (s1, m1), (s2, m2) = both(monkeypatch, lambda run: step.norm_shift_mix(x, add, ln_w, ln_b, 1e-5, shifts[run], mix))
+    torch.testing.assert_close(s1, s2, rtol=0, atol=0)
+    torch.testing.assert_close(m1, m2, **TOL)
+    assert m1.shape == (M, B, C)
+    torch.testing.assert_close(shifts[0], shifts[1], **TOL)
+
+
+@needs_kernel
+@pytest.mark.parametrize("B", [1, 3, 8])
+@pytest.mark.parametrize("C,ranks", [(768, (64, 64, 128, 32)), (96, (8, 12, 16)), (40, (3,))])
+def test_loras_equal_torch(monkeypatch, B, C, ranks):
+    g = torch.Generator().manual_seed(B + C)
+    J = len(ranks)
+    xs = [torch.randn(B, C, generator=g) for _ in ranks]
+    firsts = [torch.randn(C, R, generator=g) * 0.3 for R in ranks]
+    seconds = [torch.randn(R, C, generator=g) * 0.3 for R in ranks]
+    biases = [torch.randn(C, generator=g) if j != 2 else None for j in range(J)]
+    inner = [step.TANH, step.NONE, step.SIGMOID, step.NONE][:J]
+    outer = [step.SIGMOID, step.SIGMOID, step.NONE, step.SIGMOID][:J]
+    got, want = both(monkeypatch, lambda _: step.loras(xs, firsts, seconds, biases, inner, outer))
+    for y1, y2 in zip(got, want, strict=True):
+        torch.testing.assert_close(y1, y2, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("B", [1, 3, 8])
+@pytest.mark.parametrize("H,N,first_layer", [(12, 64, False), (3, 32, True), (4, 16, False)])
+def test_wkv_equals_torch(monkeypatch, B, H, N, first_layer):
+    """Several steps in a row on a state whose rows are strided (every other slot of an arena)."""
+    g = torch.Generator().manual_seed(B * H + N)
+    C = H * N
+    w = {k: torch.randn(C, generator=g) for k in ("att.k_k", "att.k_a", "att.ln_x.weight", "att.ln_x.bias")}
+    w["att.r_k"] = torch.randn(H, N, generator=g)
+    arena = torch.randn(2 * B, H, N, N, generator=g) * 0.3
+    arenas = [arena.clone(), arena.clone()]
+    for _ in range(3):
+        r, k, v, v_first, a_raw, gate = (torch.randn(B, C, generator=g) for _ in range(6))
+        decay, a = torch.rand(B, C, generator=g), torch.sigmoid(a_raw)
+        v_mix = None if first_layer else torch.rand(B, C, generator=g)
+        ins = (r, decay, k, v, v_first, v_mix, a, gate)
+        (o1, v1), (o2, v2) = both(monkeypatch, partial(run_wkv, arenas, ins, w))
+        torch.testing.assert_close(o1, o2, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(v1, v2, **TOL)
+        torch.testing.assert_close(arenas[0], arenas[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(arenas[0][1::2], arenas[1][1::2], rtol=0, atol=0)  # other slots untouched
+
+
+def run_wkv(arenas: list[torch.Tensor], ins: tuple[Any, ...], w: dict[str, torch.Tensor],
+            run: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    return step.wkv(arenas[run][::2], *ins, w, 64e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("B", [1, 3, 8])
+def test_relu_square_equals_torch(monkeypatch, B):
+    x = torch.randn(B, 300)
+    got, want = both(monkeypatch, lambda _: step.relu_square(x))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+@pytest.mark.parametrize("shape", ["L3-C96-H3-V300", "L3-C192-H3-N64-V1000"])
+def test_decode_with_kernel_equals_without(tmp_path, monkeypatch, shape, dtype):
+    """Greedy decode of 3 rows for 16 steps: the same tokens, logits within 1e-4 of the torch path's (int8: 2e-3,
+    as its kernel rounds each input row to int16, so an upstream rounding difference can move a step of 3e-5 x the
+    row's largest value; the logits here reach ~8)."""
+    path = tmp_path / "m.pth"
+    save_random_rwkv7(path, SHAPES[shape], seed=11)
+    model = load_model(path, dtype=dtype)
+
+    def decode(_: int) -> tuple[list[list[int]], torch.Tensor]:
+        state = model.new_state(3)
+        tokens, logits = [[1, 2, 3]], []
+        for _ in range(16):
+            logits.append(model.decode(tokens[-1], state))
+            tokens.append(logits[-1].argmax(-1).tolist())
+        return tokens, torch.stack(logits)
+
+    (tok1, lg1), (tok2, lg2) = both(monkeypatch, decode)
+    assert tok1 == tok2
+    torch.testing.assert_close(lg1, lg2, rtol=0, atol=1e-4 if dtype == "float32" else 2e-3)

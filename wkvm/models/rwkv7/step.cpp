@@ -1,0 +1,325 @@
+// RWKV-7 decode-step ops (issue #21): one token per row, so each op below replaces a chain of small torch ops whose
+// dispatch, not arithmetic, was most of a layer's time. wkvm/models/rwkv7/step.py builds this file on first use and
+// keeps a torch fallback for each op; everything is fp32. Rows are [B, C] with contiguous rows (any row stride).
+//
+//   norm_shift_mix(x, add?, ln_w, ln_b, eps, shift (in/out), mix [M, C]) -> (s = x + add, mixed [M, B, C])
+//     xx = layer_norm(s); mixed[m] = xx + (shift - xx) * mix[m]; then shift = xx (token shift of one step).
+//   loras(xs[], firsts[] [C, R], seconds[] [R, C], biases?[] [C], inner[], outer[]) -> ys[] [B, C]
+//     ys[j] = outer_j(bias_j + inner_j(xs[j] @ firsts[j]) @ seconds[j]); activations 0 none, 1 tanh, 2 sigmoid.
+//     Chains run in parallel (the four LoRAs of a layer read ~1.8 MB of weights at the 0.1B shape).
+//   wkv(S [B, H, N, N] (in/out), r, decay, k, v, v_first, v_mix?, a, g, k_k, k_a, r_k [H, N], ln_w, ln_b, gn_eps)
+//     -> (out [B, C], v): the time mix after its matmuls. kk = normalize(k * k_k) per head; k' = k (1 + (a - 1) k_a);
+//     v' = v + (v_first - v) v_mix (v when v_mix is absent: layer 0); w = exp(-0.606531 decay); per head
+//     S = S diag(w) + (S (-kk)) (kk a)^T + v' k'^T, o = S r; out = (group_norm(o) + (r . (k' r_k)) v') * g.
+//   relu_square(x) -> relu(x)^2
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr float kDecayScale = 0.606531f;  // exp(-0.5), as in BlinkDL's reference
+
+// e^x (x clamped to [-87, 88]), as fused.cpp's: a vectorizable polynomial with relative error < 2e-7.
+inline float exp_approx(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // by value: std::min/max's references defeat the vectorizer
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
+
+// tanh(x) = 1 - 2 / (e^2x + 1); for |x| < 0.05 the series (cancellation would cost relative precision there)
+inline float tanh_approx(float x) {
+  const float t = 1.0f - 2.0f / (exp_approx(2.0f * x) + 1.0f);
+  const float x2 = x * x;
+  return (x2 < 2.5e-3f) ? x * (1.0f - x2 * (1.0f / 3.0f - x2 * (2.0f / 15.0f))) : t;
+}
+
+inline float sigmoid_approx(float x) { return 1.0f / (1.0f + exp_approx(-x)); }
+
+void activate(float* y, int64_t n, int64_t act) {
+  if (act == 1) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) y[i] = tanh_approx(y[i]);
+  } else if (act == 2) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) y[i] = sigmoid_approx(y[i]);
+  }
+}
+
+void check_rows(const at::Tensor& x, int64_t B, int64_t C, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), name, " must be a CPU float32 tensor");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == B && x.size(1) == C && x.stride(1) == 1, name, " must be [", B, ", ", C,
+              "] with contiguous rows");
+}
+
+void check_vector(const at::Tensor& x, int64_t C, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.is_contiguous() && x.numel() == C, name,
+              " must be a contiguous CPU float32 tensor of ", C, " values");
+}
+
+std::tuple<at::Tensor, at::Tensor> norm_shift_mix(const at::Tensor& x, const std::optional<at::Tensor>& add,
+                                                  const at::Tensor& ln_w, const at::Tensor& ln_b, double eps,
+                                                  const at::Tensor& shift, const at::Tensor& mix) {
+  const int64_t B = x.size(0), C = x.size(-1), M = mix.size(0);
+  check_rows(x, B, C, "x");
+  check_rows(shift, B, C, "shift");
+  if (add) check_rows(*add, B, C, "add");
+  check_vector(ln_w, C, "ln_w");
+  check_vector(ln_b, C, "ln_b");
+  check_vector(mix, M * C, "mix");
+  at::Tensor s = at::empty({B, C}, x.options()), mixed = at::empty({M, B, C}, x.options());
+  const float *px = x.data_ptr<float>(), *pa = add ? add->data_ptr<float>() : nullptr;
+  const float *pw = ln_w.data_ptr<float>(), *pb = ln_b.data_ptr<float>(), *pm = mix.data_ptr<float>();
+  float *ps = s.data_ptr<float>(), *pmixed = mixed.data_ptr<float>(), *pshift = shift.data_ptr<float>();
+  const int64_t sx = x.stride(0), sa = add ? add->stride(0) : 0, ssh = shift.stride(0);
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, B, 16, [&](int64_t b0, int64_t b1) {
+    std::vector<float> xx(C);
+    for (int64_t b = b0; b < b1; ++b) {
+      float* row = ps + b * C;
+      float* sh = pshift + b * ssh;
+      if (pa) {
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) row[c] = px[b * sx + c] + pa[b * sa + c];
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) row[c] = px[b * sx + c];
+      }
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t c = 0; c < C; ++c) sum += row[c];
+      const float mean = sum / static_cast<float>(C);
+      float var = 0.f;
+#pragma omp simd reduction(+ : var)
+      for (int64_t c = 0; c < C; ++c) var += (row[c] - mean) * (row[c] - mean);
+      const float inv = 1.0f / std::sqrt(var / static_cast<float>(C) + feps);
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) xx[c] = (row[c] - mean) * inv * pw[c] + pb[c];
+      for (int64_t m = 0; m < M; ++m) {
+        float* out = pmixed + (m * B + b) * C;
+        const float* mm = pm + m * C;
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) out[c] = xx[c] + (sh[c] - xx[c]) * mm[c];
+      }
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) sh[c] = xx[c];
+    }
+  });
+  return {s, mixed};
+}
+
+// y [B, C] = outer(bias + inner(x [B, C] @ A [C, R]) @ Bm [R, C]); both products as row updates (axpy), so each
+// weight row is read once for all B rows and the inner loops run along contiguous weight rows.
+void lora_chain(const at::Tensor& x, const at::Tensor& A, const at::Tensor& Bm, const float* bias, int64_t inner,
+                int64_t outer, float* y) {
+  const int64_t B = x.size(0), C = x.size(1), R = A.size(1), sx = x.stride(0);
+  const float *px = x.data_ptr<float>(), *pA = A.data_ptr<float>(), *pB = Bm.data_ptr<float>();
+  std::vector<float> h(B * R, 0.f);
+  for (int64_t c = 0; c < C; ++c) {
+    const float* arow = pA + c * R;
+    for (int64_t b = 0; b < B; ++b) {
+      const float xc = px[b * sx + c];
+      float* hb = h.data() + b * R;
+#pragma omp simd
+      for (int64_t r = 0; r < R; ++r) hb[r] += xc * arow[r];
+    }
+  }
+  activate(h.data(), B * R, inner);
+  for (int64_t b = 0; b < B; ++b) {
+    float* yb = y + b * C;
+    if (bias) {
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) yb[c] = bias[c];
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) yb[c] = 0.f;
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const float* brow = pB + r * C;
+    for (int64_t b = 0; b < B; ++b) {
+      const float hr = h[b * R + r];
+      float* yb = y + b * C;
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) yb[c] += hr * brow[c];
+    }
+  }
+  activate(y, B * C, outer);
+}
+
+std::vector<at::Tensor> loras(at::TensorList xs, at::TensorList firsts, at::TensorList seconds,
+                              const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef inner,
+                              at::IntArrayRef outer) {
+  const int64_t J = static_cast<int64_t>(xs.size());
+  TORCH_CHECK(J > 0 && firsts.size() == xs.size() && seconds.size() == xs.size() &&
+                  static_cast<int64_t>(biases.size()) == J && static_cast<int64_t>(inner.size()) == J &&
+                  static_cast<int64_t>(outer.size()) == J,
+              "loras: one x, first, second, bias and two activations per chain");
+  std::vector<at::Tensor> ys;
+  for (int64_t j = 0; j < J; ++j) {
+    const at::Tensor &x = xs[j], &A = firsts[j], &Bm = seconds[j];
+    TORCH_CHECK(x.dim() == 2, "loras: x must be [B, C]");
+    const int64_t B = x.size(0), C = x.size(1);
+    check_rows(x, B, C, "x");
+    TORCH_CHECK(A.scalar_type() == at::kFloat && A.is_contiguous() && A.dim() == 2 && A.size(0) == C,
+                "loras: first must be a contiguous float32 [C, R]");
+    TORCH_CHECK(Bm.scalar_type() == at::kFloat && Bm.is_contiguous() && Bm.dim() == 2 && Bm.size(0) == A.size(1) &&
+                    Bm.size(1) == C,
+                "loras: second must be a contiguous float32 [R, C]");
+    const std::optional<at::Tensor> bias = biases.get(j);
+    if (bias) check_vector(*bias, C, "bias");
+    TORCH_CHECK(inner[j] >= 0 && inner[j] <= 2 && outer[j] >= 0 && outer[j] <= 2, "loras: activations are 0, 1, 2");
+    ys.push_back(at::empty({B, C}, x.options()));
+  }
+  at::parallel_for(0, J, 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const std::optional<at::Tensor> bias = biases.get(j);
+      lora_chain(xs[j], firsts[j], seconds[j], bias ? bias->data_ptr<float>() : nullptr, inner[j], outer[j],
+                 ys[j].data_ptr<float>());
+    }
+  });
+  return ys;
+}
+
+std::tuple<at::Tensor, at::Tensor> wkv(const at::Tensor& S, const at::Tensor& r, const at::Tensor& decay,
+                                       const at::Tensor& k, const at::Tensor& v, const at::Tensor& v_first,
+                                       const std::optional<at::Tensor>& v_mix, const at::Tensor& a,
+                                       const at::Tensor& g, const at::Tensor& k_k, const at::Tensor& k_a,
+                                       const at::Tensor& r_k, const at::Tensor& ln_w, const at::Tensor& ln_b,
+                                       double gn_eps) {
+  TORCH_CHECK(S.scalar_type() == at::kFloat && S.device().is_cpu() && S.dim() == 4 && S.size(2) == S.size(3),
+              "S must be a CPU float32 [B, H, N, N]");
+  const int64_t B = S.size(0), H = S.size(1), N = S.size(2), C = H * N;
+  TORCH_CHECK(S.stride(3) == 1 && S.stride(2) == N && S.stride(1) == N * N, "S must have contiguous heads");
+  const at::Tensor* rows[] = {&r, &decay, &k, &v, &v_first, &a, &g};
+  const char* names[] = {"r", "decay", "k", "v", "v_first", "a", "g"};
+  for (int i = 0; i < 7; ++i) check_rows(*rows[i], B, C, names[i]);
+  if (v_mix) check_rows(*v_mix, B, C, "v_mix");
+  check_vector(k_k, C, "k_k");
+  check_vector(k_a, C, "k_a");
+  check_vector(r_k, C, "r_k");
+  check_vector(ln_w, C, "ln_w");
+  check_vector(ln_b, C, "ln_b");
+  at::Tensor out = at::empty({B, C}, r.options()), v_out = at::empty({B, C}, r.options());
+  float *pS = S.data_ptr<float>(), *po = out.data_ptr<float>(), *pvo = v_out.data_ptr<float>();
+  const float* pmix = v_mix ? v_mix->data_ptr<float>() : nullptr;
+  const int64_t smix = v_mix ? v_mix->stride(0) : 0, sS = S.stride(0);
+  const float feps = static_cast<float>(gn_eps);
+  // a head's work is ~4 N^2 flops (16K at N = 64): only many heads pay for waking a second thread
+  at::parallel_for(0, B * H, 64, [&](int64_t i0, int64_t i1) {
+    std::vector<float> kk(N), kn(N), bb(N), w(N), o(N);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / H, h = i % H, off = h * N;
+      auto at_row = [&](const at::Tensor& t) { return t.data_ptr<float>() + b * t.stride(0) + off; };
+      const float *pr = at_row(r), *pd = at_row(decay), *pk = at_row(k), *pv = at_row(v), *pvf = at_row(v_first);
+      const float *pa = at_row(a), *pg = at_row(g);
+      const float *kkw = k_k.data_ptr<float>() + off, *kaw = k_a.data_ptr<float>() + off;
+      const float *rkw = r_k.data_ptr<float>() + off, *lw = ln_w.data_ptr<float>() + off;
+      const float* lb = ln_b.data_ptr<float>() + off;
+      float* vo = pvo + b * C + off;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < N; ++j) {
+        kk[j] = pk[j] * kkw[j];
+        ss += kk[j] * kk[j];
+      }
+      const float norm = std::sqrt(ss);
+      const float inv = 1.0f / (norm > 1e-12f ? norm : 1e-12f);  // F.normalize's eps
+      float bonus = 0.f;
+#pragma omp simd reduction(+ : bonus)
+      for (int64_t j = 0; j < N; ++j) {
+        kk[j] *= inv;
+        kn[j] = pk[j] * (1.0f + (pa[j] - 1.0f) * kaw[j]);
+        bb[j] = kk[j] * pa[j];
+        w[j] = exp_approx(-kDecayScale * pd[j]);
+        bonus += pr[j] * kn[j] * rkw[j];
+      }
+      if (pmix) {
+        const float* pm = pmix + b * smix + off;
+#pragma omp simd
+        for (int64_t j = 0; j < N; ++j) vo[j] = pv[j] + (pvf[j] - pv[j]) * pm[j];
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < N; ++j) vo[j] = pv[j];
+      }
+      float* Sh = pS + b * sS + h * N * N;
+      for (int64_t row = 0; row < N; ++row) {  // row = value index: S[row] . (-kk), then the update and S[row] . r
+        float* s = Sh + row * N;
+        float sa = 0.f;
+#pragma omp simd reduction(+ : sa)
+        for (int64_t j = 0; j < N; ++j) sa -= s[j] * kk[j];
+        const float vr = vo[row];
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t j = 0; j < N; ++j) {
+          s[j] = s[j] * w[j] + sa * bb[j] + vr * kn[j];
+          acc += s[j] * pr[j];
+        }
+        o[row] = acc;
+      }
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < N; ++j) sum += o[j];
+      const float mean = sum / static_cast<float>(N);
+      float var = 0.f;
+#pragma omp simd reduction(+ : var)
+      for (int64_t j = 0; j < N; ++j) var += (o[j] - mean) * (o[j] - mean);
+      const float inv_sd = 1.0f / std::sqrt(var / static_cast<float>(N) + feps);
+      float* out_h = po + b * C + off;
+#pragma omp simd
+      for (int64_t j = 0; j < N; ++j) out_h[j] = ((o[j] - mean) * inv_sd * lw[j] + lb[j] + bonus * vo[j]) * pg[j];
+    }
+  });
+  return {out, v_out};
+}
+
+at::Tensor relu_square(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2, "x must be [B, C]");
+  check_rows(x, x.size(0), x.size(1), "x");
+  const int64_t B = x.size(0), C = x.size(1), sx = x.stride(0);
+  at::Tensor y = at::empty({B, C}, x.options());
+  const float* px = x.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) {
+      const float t = px[b * sx + c] > 0.f ? px[b * sx + c] : 0.f;
+      py[b * C + c] = t * t;
+    }
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(wkvm_rwkv7, m) {
+  m.def(
+      "norm_shift_mix(Tensor x, Tensor? add, Tensor ln_w, Tensor ln_b, float eps, Tensor(a!) shift, Tensor mix) "
+      "-> (Tensor, Tensor)",
+      &norm_shift_mix);
+  m.def(
+      "loras(Tensor[] xs, Tensor[] firsts, Tensor[] seconds, Tensor?[] biases, int[] inner, int[] outer) "
+      "-> Tensor[]",
+      &loras);
+  m.def(
+      "wkv(Tensor(a!) S, Tensor r, Tensor decay, Tensor k, Tensor v, Tensor v_first, Tensor? v_mix, Tensor a, "
+      "Tensor g, Tensor k_k, Tensor k_a, Tensor r_k, Tensor ln_w, Tensor ln_b, float gn_eps) -> (Tensor, Tensor)",
+      &wkv);
+  m.def("relu_square(Tensor x) -> Tensor", &relu_square);
+}

@@ -1,0 +1,130 @@
+"""RWKV-7's decode-step ops (step.cpp, torch op namespace `wkvm_rwkv7`): a one-token step ran ~70 small torch ops per
+layer, and on a 2-core AVX-512 EPYC their dispatch cost more than the int8 matmuls (issue #21). These four ops do a
+layer's work between its matmuls: norm + token shift + mixes, the four LoRA chains, the whole wkv part (k/v
+adjustments, the recurrence, group norm, bonus, gate), and relu^2.
+
+Each function is one op of the kernel when it runs (built on first use like the int8/int4 kernels, cached per source
+and CPU) and the torch expression it replaces otherwise: no compiler, a tensor off the CPU, not float32 or laid out
+otherwise, or `WKVM_FUSED=off` (as for wkvm/models/fused.py). The kernel computes in fp32 like the torch path; its
+results differ by rounding only (tests/test_rwkv7_step.py bounds the difference).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from wkvm.models.int8 import load_kernel
+
+log = logging.getLogger("wkvm.rwkv7.step")
+
+SOURCE = Path(__file__).with_name("step.cpp")
+CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-trapping-math")  # as fused.py's (cached per CPU)
+DECAY_SCALE = 0.606531  # exp(-0.5), as in BlinkDL's reference
+NONE, TANH, SIGMOID = 0, 1, 2
+ACTIVATIONS = {NONE: lambda t: t, TANH: torch.tanh, SIGMOID: torch.sigmoid}
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the step kernel runs here (built now if needed); False, with one warning, when it cannot be built."""
+    setting = os.environ.get("WKVM_FUSED", "auto").lower()  # the switch of all fused kernels (wkvm/models/fused.py)
+    if setting not in ("auto", "off"):
+        raise ValueError(f"WKVM_FUSED={setting!r}: use auto or off")
+    if setting == "off":
+        return False
+    try:
+        load_kernel(SOURCE, "wkvm_rwkv7", CFLAGS, op="wkv")
+        return True
+    except Exception as e:  # no compiler, failed build or load: the torch path gives the same results, slower
+        log.warning("RWKV-7 step kernel unavailable (%s); decode runs its per-layer ops in torch (slower)",
+                    str(e).splitlines()[0])  # fmt: skip
+        return False
+
+
+def _runs(*xs: torch.Tensor | None) -> bool:
+    """The kernel takes these: CPU float32, rows [B, C] contiguous along C (or absent)."""
+    return all(x is None or (x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(-1) == 1)
+               for x in xs) and available()  # fmt: skip
+
+
+def norm_shift_mix(x: torch.Tensor, add: torch.Tensor | None, ln_w: torch.Tensor, ln_b: torch.Tensor, eps: float,
+                   shift: torch.Tensor, mix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """For one token per row (x, add, shift [B, C]; mix [M, C]): s = x + add, xx = layer_norm(s), the M token-shift
+    mixes xx + (shift - xx) * mix[m] as [M, B, C]; shift becomes xx. Returns (s, mixes)."""
+    mix = mix.reshape(-1, x.shape[-1])
+    if _runs(x, add, ln_w, ln_b, shift, mix) and x.dim() == 2 and mix.is_contiguous():
+        s, mixed = torch.ops.wkvm_rwkv7.norm_shift_mix(x, add, ln_w, ln_b, eps, shift, mix)
+        return s, mixed
+    s = x if add is None else x + add
+    xx = F.layer_norm(s, (s.shape[-1],), ln_w, ln_b, eps)
+    mixed = torch.addcmul(xx, shift - xx, mix.unsqueeze(1))
+    shift.copy_(xx)
+    return s, mixed
+
+
+def loras(xs: list[torch.Tensor], firsts: list[torch.Tensor], seconds: list[torch.Tensor],
+          biases: list[torch.Tensor | None], inner: list[int], outer: list[int]) -> list[torch.Tensor]:  # fmt: skip
+    """Low-rank chains ys[j] = outer_j(biases[j] + inner_j(xs[j] @ firsts[j]) @ seconds[j]) (xs [B, C], firsts
+    [C, R], seconds [R, C]; activations NONE, TANH or SIGMOID), run side by side."""
+    weights = [*firsts, *seconds]
+    if _runs(*xs, *weights, *biases) and all(w.is_contiguous() for w in weights) and all(x.dim() == 2 for x in xs):
+        ys: list[torch.Tensor] = torch.ops.wkvm_rwkv7.loras(xs, firsts, seconds, biases, inner, outer)
+        return ys
+    out = []
+    for x, first, second, bias, act_in, act_out in zip(xs, firsts, seconds, biases, inner, outer, strict=True):
+        h = ACTIVATIONS[act_in](x @ first) @ second
+        out.append(ACTIVATIONS[act_out](h if bias is None else bias + h))
+    return out
+
+
+def wkv(S: torch.Tensor, r: torch.Tensor, decay: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        v_first: torch.Tensor, v_mix: torch.Tensor | None, a: torch.Tensor, g: torch.Tensor, w: dict[str, torch.Tensor],
+        gn_eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A time mix's work between its matmuls for one token per row (rows [B, C]; S [B, H, N, N] advances in place):
+    k, v adjusted (v toward v_first by v_mix unless v_mix is None), the wkv recurrence with decay
+    exp(-0.606531 * decay), group norm, the r.k bonus, times the gate g. `w` holds the layer's att.k_k, att.k_a,
+    att.r_k, att.ln_x.weight and att.ln_x.bias. Returns (the output projection's input, the v used)."""
+    B, H, N, _ = S.shape
+    vecs = [w["att.k_k"], w["att.k_a"], w["att.r_k"], w["att.ln_x.weight"], w["att.ln_x.bias"]]
+    rows = (r, decay, k, v, v_first, v_mix, a, g)
+    heads_ok = S.stride(3) == 1 and S.stride(2) == N and S.stride(1) == N * N
+    if _runs(S, *rows, *vecs) and heads_ok and all(t.is_contiguous() for t in vecs) and r.dim() == 2:
+        out, v_used = torch.ops.wkvm_rwkv7.wkv(S, r, decay, k, v, v_first, v_mix, a, g, *vecs, gn_eps)
+        return out, v_used
+    return _torch_wkv(S, r, decay, k, v, v_first, v_mix, a, g, vecs, gn_eps)
+
+
+def _torch_wkv(S: torch.Tensor, r: torch.Tensor, decay: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               v_first: torch.Tensor, v_mix: torch.Tensor | None, a: torch.Tensor, g: torch.Tensor,
+               vecs: list[torch.Tensor], gn_eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    from wkvm.models.rwkv7.wkv import wkv_step
+
+    k_k, k_a, r_k, ln_w, ln_b = vecs
+    B, H, N, _ = S.shape
+    C = H * N
+    kk = F.normalize((k * k_k).view(B, H, N), dim=-1, p=2.0).view(B, C)
+    k = k * (1 + (a - 1) * k_a)
+    if v_mix is not None:
+        v = v + (v_first - v) * v_mix
+    log_w = decay * -DECAY_SCALE
+    heads = S.reshape(B * H, N, N)  # a copy when S's rows are strided (a slice of an arena)
+    o = wkv_step(heads, *(t.reshape(B * H, N) for t in (r, log_w, k, v, -kk, kk * a)))
+    if heads.data_ptr() != S.data_ptr():
+        S.copy_(heads.view(S.shape))
+    o = F.group_norm(o.view(B, C), H, ln_w, ln_b, gn_eps)
+    bonus = ((r * k).view(B, H, N) * r_k.view(H, N)).sum(-1, keepdim=True) * v.view(B, H, N)
+    return (o + bonus.view(B, C)) * g, v
+
+
+def relu_square(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2 for rows [B, C]."""
+    if _runs(x) and x.dim() == 2:
+        y: torch.Tensor = torch.ops.wkvm_rwkv7.relu_square(x)
+        return y
+    return torch.relu(x).square_()
