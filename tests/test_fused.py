@@ -159,3 +159,21 @@ def test_off_forces_the_torch_path_and_a_bad_setting_is_a_clear_error(monkeypatc
             fused.available()
     finally:
         fused.available.cache_clear()
+
+
+@needs_kernel
+def test_greedy_equals_argmax_and_flags_every_kind_of_non_finite_row():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(7, 1001, generator=g)
+    logits[1, 17] = logits[1, 900] = 50.0  # a tie: the first index wins, as torch.argmax answers
+    logits[2, 3] = float("nan")
+    logits[3, 1000] = float("inf")
+    logits[4, 0] = float("-inf")
+    logits[5] = -3.0  # every value the same
+    ids, finite = fused.greedy(logits)
+    assert finite == [True, True, False, False, False, True, True]
+    want = torch.argmax(logits, -1).tolist()
+    assert [i for i, ok in zip(ids, finite, strict=True) if ok] == [w for w, ok in zip(want, finite, strict=True) if ok]
+    assert ids[1] == 17 and ids[5] == 0
+    view = torch.randn(3, 2, 50, generator=g)[:, 1]  # rows with a stride
+    assert fused.greedy(view)[0] == torch.argmax(view, -1).tolist()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from wkvm.engine.grammar import GrammarState
+from wkvm.models import fused
 from wkvm.outputs import ErrorCode
 from wkvm.sampling_params import SamplingParams
 
@@ -134,10 +135,9 @@ def choose(logits: torch.Tensor, row: SamplerRow, greedy_id: int) -> int | None:
 def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
     """logits [B, V] -> one Sampled per row: its token and, where asked, its logprobs dict; or its error."""
     logits = logits.float()
-    finite = torch.isfinite(logits).all(-1).tolist()  # one check for the whole batch
+    greedy_ids, finite = fused.greedy(logits)  # one pass for the whole batch
     need_lp = any(r.params.logprobs is not None for r in rows)
     raw_lp = torch.log_softmax(logits, -1) if need_lp else None  # a finite row gives no NaN here (-inf may be)
-    greedy_ids = torch.argmax(logits, -1).tolist()
     out: list[Sampled] = []
     for i, row in enumerate(rows):
         if not finite[i]:

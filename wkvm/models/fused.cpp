@@ -371,9 +371,46 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return out;
 }
 
+// Per row of logits [B, V]: whether every value is finite, and the index of the first maximum (torch.argmax's
+// answer; only meaningful for a finite row). One pass for the check and the max, one for the index: torch's
+// isfinite(...).all() and argmax took ~0.6 ms for 8 rows of a 49k vocabulary, ~4% of a decode step.
+std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& logits) {
+  check_rows(logits, "logits");
+  const int64_t B = logits.size(0), V = logits.size(1), sl = logits.stride(0);
+  TORCH_CHECK(V > 0, "logits must have at least one column");
+  at::Tensor ids = at::empty({B}, logits.options().dtype(at::kLong));
+  at::Tensor finite = at::empty({B}, logits.options().dtype(at::kBool));
+  const float* pl = logits.data_ptr<float>();
+  int64_t* pi = ids.data_ptr<int64_t>();
+  bool* pf = finite.data_ptr<bool>();
+  {  // one thread: ~7 us a row of 49k, and a parallel region measured no faster here
+    for (int64_t b = 0; b < B; ++b) {
+      const float* x = pl + b * sl;
+      float mx = x[0], bad = 0.f;
+#pragma omp simd reduction(max : mx) reduction(+ : bad)
+      for (int64_t v = 0; v < V; ++v) {
+        mx = x[v] > mx ? x[v] : mx;
+        bad += (x[v] - x[v]) != 0.f ? 1.f : 0.f;  // x - x is NaN exactly for NaN and +-inf
+      }
+      int64_t at = 0;  // the first block of 64 holding the max, then the index in it
+      for (; at + 64 <= V; at += 64) {
+        int hit = 0;
+#pragma omp simd reduction(| : hit)
+        for (int64_t v = at; v < at + 64; ++v) hit |= x[v] == mx;
+        if (hit) break;
+      }
+      while (at < V && x[at] != mx) ++at;
+      pf[b] = bad == 0.f;
+      pi[b] = at < V ? at : 0;
+    }
+  }
+  return {ids, finite};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(wkvm_fused, m) {
+  m.def("greedy(Tensor logits) -> (Tensor, Tensor)", &greedy);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor a, Tensor w, float eps) -> (Tensor, Tensor)", &add_rms_norm);
   m.def("silu_mul(Tensor gu) -> Tensor", &silu_mul);

@@ -80,6 +80,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def greedy(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """Per row of logits [B, V]: the first index of its maximum (torch.argmax) and whether every value is finite."""
+    if _runs(logits) and logits.numel():
+        ids, finite = torch.ops.wkvm_fused.greedy(_rows(logits))
+    else:
+        ids, finite = torch.argmax(logits, -1), torch.isfinite(logits).all(-1)
+    return ids.tolist(), finite.tolist()
+
+
 def rope_attend_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      *caches: torch.Tensor) -> bool:  # fmt: skip
     """Whether `rope_attend` runs on these tensors (else the caller rotates, appends and attends with torch)."""
