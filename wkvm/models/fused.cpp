@@ -129,13 +129,16 @@ struct Pages {
   const int64_t* table;
   int64_t page_tokens;
   int64_t slot(int64_t t) const { return table[t / page_tokens] * page_tokens + t % page_tokens; }
-  // f(first token, token count, the first token's slot) for each run of tokens t0..t1-1 within one page
+  // f(first token, token count, the first token's slot, the next run's count and first slot) for each run of tokens
+  // t0..t1-1 within one page (the next run's count is 0 after the last)
   template <class F>
   void each(int64_t t0, int64_t t1, const F& f) const {
+    int64_t count = std::min(page_tokens - t0 % page_tokens, t1 - t0), at = t0 < t1 ? slot(t0) : 0;
     for (int64_t t = t0; t < t1;) {
-      const int64_t count = std::min(page_tokens - t % page_tokens, t1 - t);
-      f(t, count, slot(t));
-      t += count;
+      const int64_t next = t + count, next_count = std::min(page_tokens, t1 - next);
+      const int64_t next_at = next < t1 ? slot(next) : 0;
+      f(t, count, at, next_count > 0 ? next_count : 0, next_at);
+      t = next, count = next_count, at = next_at;
     }
   }
 };
@@ -168,8 +171,8 @@ inline float dot(const float* a, const float* b, int64_t D) {
 }
 
 // Tokens are read this far ahead of use: each takes little arithmetic, so without it the loop waits on memory for
-// every token of a cache that is not in cache (measured: 3-4x slower than hot); a prefetch past a page's end only
-// warms a line that is not used.
+// every token of a cache that is not in cache (measured: 3-4x slower than hot). The next page's first tokens are
+// asked for when a page starts.
 constexpr int64_t AHEAD = 8;
 
 inline void prefetch_rows(const float* p, int64_t floats) {
@@ -187,12 +190,13 @@ struct Heads {
 void scores_of(const float* qr, const float* kf, const Pages& pg, int64_t t0, int64_t t1, const Heads& hs,
                float* scores) {
   const int64_t m = t1 - t0;
-  pg.each(t0, t1, [&](int64_t t, int64_t count, int64_t slot) {
+  pg.each(t0, t1, [&](int64_t t, int64_t count, int64_t slot, int64_t next_count, int64_t next_slot) {
     const float* kp = kf + slot * hs.HD;
+    prefetch_rows(kf + next_slot * hs.HD, std::min(next_count, AHEAD) * hs.HD);
     int64_t i = 0;
     if (hs.D % 8 == 0) {
       for (; i + 4 <= count; i += 4) {
-        prefetch_rows(kp + (i + AHEAD) * hs.HD, 4 * hs.HD);
+        if (i + AHEAD < count) prefetch_rows(kp + (i + AHEAD) * hs.HD, std::min<int64_t>(4, count - i - AHEAD) * hs.HD);
         for (int64_t j = 0; j < hs.Hkv; ++j) {
           const float *k0 = kp + i * hs.HD + j * hs.D, *k1 = k0 + hs.HD, *k2 = k1 + hs.HD, *k3 = k2 + hs.HD;
           for (int64_t h = j * hs.G; h < (j + 1) * hs.G; ++h) {
@@ -223,11 +227,12 @@ void values_of(const float* p, const float* vf, const Pages& pg, int64_t t0, int
                float* acc) {
   const int64_t m = t1 - t0;
   std::fill(acc, acc + hs.Hq * hs.D, 0.f);
-  pg.each(t0, t1, [&](int64_t t, int64_t count, int64_t slot) {
+  pg.each(t0, t1, [&](int64_t t, int64_t count, int64_t slot, int64_t next_count, int64_t next_slot) {
     const float* vp = vf + slot * hs.HD;
+    prefetch_rows(vf + next_slot * hs.HD, std::min(next_count, AHEAD) * hs.HD);
     int64_t i = 0;
     for (; i + 4 <= count; i += 4) {
-      prefetch_rows(vp + (i + AHEAD) * hs.HD, 4 * hs.HD);
+      if (i + AHEAD < count) prefetch_rows(vp + (i + AHEAD) * hs.HD, std::min<int64_t>(4, count - i - AHEAD) * hs.HD);
       for (int64_t h = 0; h < hs.Hq; ++h) {
         const float *v0 = vp + i * hs.HD + (h / hs.G) * hs.D, *v1 = v0 + hs.HD, *v2 = v1 + hs.HD, *v3 = v2 + hs.HD;
         const float* ph = p + h * m + (t - t0) + i;
