@@ -186,8 +186,8 @@ class Front:
             self.directory.moved_stream.remote()
             if stream_id is not None and stream_id in self.streams:
                 self.streams[stream_id].slot = slot
-            if route.key is not None and not route.strict:
-                await self.directory.record.remote(route.key, slot)
+            if route.key is not None and not route.strict:  # not awaited: the first token need not wait on it, and
+                self.directory.record.remote(route.key, slot)  # an actor runs one caller's calls in order
             try:
                 return gen, await anext(gen)
             except StopAsyncIteration:
