@@ -7,6 +7,7 @@ The scheduler reserves pages before each step (`SlotArena.reserve`), the runner 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -136,22 +137,30 @@ class PagedKV:
 
     def __init__(self, pool: PagePool, seqs: list[SeqKV], n_new: int):
         self.pool, self.seqs, self.n_new = pool, seqs, n_new
-        starts = [s.length for s in seqs]
-        self._start = torch.tensor(starts, dtype=torch.long)
+        self._start = torch.tensor([s.length for s in seqs], dtype=torch.long)
         self._table: torch.Tensor | None = None  # [B, pages] for the fused decode kernel, made on first use
         self._fused = False
         self._flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._write = torch.stack([s.slots(pool, s.length, s.length + n_new) for s in seqs])  # [B, T]
+
+    # what the torch path needs, made on first use (a decode step on the fused kernel needs none of it)
+    @functools.cached_property
+    def _write(self) -> torch.Tensor:
+        """[B, T] token slots of the new tokens."""
+        return torch.stack([s.slots(self.pool, s.length, s.length + self.n_new) for s in self.seqs])
+
+    @functools.cached_property
+    def _gather(self) -> tuple[tuple[int, int] | None, torch.Tensor | None, torch.Tensor | None]:
+        """(span, read, mask): span (first token slot, length) when one row's pages are consecutive, else read
+        [B, Lmax] token slots; the mask [B, 1, T, Lmax] (causal, in range), None when no row needs one."""
+        starts, n_new, pool = self._start.tolist(), self.n_new, self.pool
         lmax = max(starts) + n_new
-        self._span = _consecutive(seqs[0], pool, lmax) if len(seqs) == 1 else None  # (first token slot, length)
-        self._read = None if self._span else torch.stack([_padded(s.slots(pool, 0, s.length + n_new), lmax)
-                                                          for s in seqs])  # [B, Lmax]  # fmt: skip
+        span = _consecutive(self.seqs[0], pool, lmax) if len(self.seqs) == 1 else None
+        read = None if span else torch.stack([_padded(s.slots(pool, 0, s.length + n_new), lmax) for s in self.seqs])
         if n_new == 1 and len(set(starts)) == 1:
-            self._mask: torch.Tensor | None = None  # every row sees all of its keys, and no row is padded
-        else:
-            t = torch.arange(n_new).view(1, n_new, 1)
-            j = torch.arange(lmax).view(1, 1, lmax)
-            self._mask = (j <= self._start.view(-1, 1, 1) + t).unsqueeze(1)  # [B, 1, T, Lmax]: causal, in range
+            return span, read, None  # every row sees all of its keys, and no row is padded
+        t = torch.arange(n_new).view(1, n_new, 1)
+        j = torch.arange(lmax).view(1, 1, lmax)
+        return span, read, (j <= self._start.view(-1, 1, 1) + t).unsqueeze(1)
 
     def positions(self) -> torch.Tensor:
         return self._start.clone()
@@ -163,7 +172,7 @@ class PagedKV:
 
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         k, v = (self._tokens(self.pool.flat(name)) for name in (key_name(layer), value_name(layer)))
-        return grouped_attention(q, k, v, self._mask, scale)
+        return grouped_attention(q, k, v, self._gather[2], scale)
 
     def rope_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
@@ -182,11 +191,12 @@ class PagedKV:
 
     def _tokens(self, flat: torch.Tensor) -> torch.Tensor:
         """Each row's cached tokens, [B, Lmax, Hkv, D]: a view when they lie in one run of the pool."""
-        if self._span is not None:
-            first, n = self._span
+        span, read, _ = self._gather
+        if span is not None:
+            first, n = span
             return flat[first : first + n].unsqueeze(0)
-        assert self._read is not None
-        return flat[self._read]
+        assert read is not None
+        return flat[read]
 
     def commit(self) -> None:
         for s in self.seqs:
