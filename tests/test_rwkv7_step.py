@@ -88,6 +88,17 @@ def run_wkv(arenas: list[torch.Tensor], ins: tuple[Any, ...], w: dict[str, torch
 
 
 @needs_kernel
+def test_a_layout_the_kernel_cannot_read_is_refused_with_a_message():
+    H, N = 2, 8
+    w = {k: torch.randn(H * N) for k in ("att.k_k", "att.k_a", "att.r_k", "att.ln_x.weight", "att.ln_x.bias")}
+    rows = [torch.randn(1, H * N) for _ in range(7)]
+    with pytest.raises(RuntimeError, match="contiguous heads"):
+        step.wkv(torch.randn(1, H, N, N).transpose(2, 3), *rows[:5], None, *rows[5:], w, 64e-5)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        step.relu_square(torch.randn(16, 2).t())
+
+
+@needs_kernel
 @pytest.mark.parametrize("B", [1, 3, 8])
 def test_relu_square_equals_torch(monkeypatch, B):
     x = torch.randn(B, 300)

@@ -1,12 +1,15 @@
-"""RWKV-7's decode-step ops (step.cpp, torch op namespace `wkvm_rwkv7`): a one-token step ran ~70 small torch ops per
-layer, and on a 2-core AVX-512 EPYC their dispatch cost more than the int8 matmuls (issue #21). These four ops do a
-layer's work between its matmuls: norm + token shift + mixes, the four LoRA chains, the whole wkv part (k/v
-adjustments, the recurrence, group norm, bonus, gate), and relu^2.
+"""RWKV-7's decode-step ops (step.cpp, torch op namespace `wkvm_rwkv7`): a one-token step ran ~270 torch calls per
+layer (~70 of them arithmetic), and on a 2-core AVX-512 EPYC they cost more than the int8 matmuls (issue #21). These
+four ops do a layer's work between its matmuls: norm + token shift + mixes, the four LoRA chains, the whole wkv part
+(k/v adjustments, the recurrence, group norm, bonus, gate), and relu^2. Measured there (B=1, 2 threads, ms per token,
+WKVM_FUSED=off -> on): int8 13.1 -> 8.1-9.2, int4 12.0 -> 7.0-7.6, fp32 33.6-36.4 -> 30.0-33.2 (oneDNN's gemv is
+most of fp32's token).
 
 Each function is one op of the kernel when it runs (built on first use like the int8/int4 kernels, cached per source
-and CPU) and the torch expression it replaces otherwise: no compiler, a tensor off the CPU, not float32 or laid out
-otherwise, or `WKVM_FUSED=off` (as for wkvm/models/fused.py). The kernel computes in fp32 like the torch path; its
-results differ by rounding only (tests/test_rwkv7_step.py bounds the difference).
+and CPU) and the torch expression it replaces otherwise: no compiler, a tensor off the CPU or not float32, or
+`WKVM_FUSED=off` (as for wkvm/models/fused.py). The ops take rows [B, C] with contiguous rows (any row stride) and
+the state with contiguous heads, as the model holds them; the kernel refuses other layouts with a message. It
+computes in fp32 like the torch path; results differ by rounding only (tests/test_rwkv7_step.py bounds that).
 """
 
 from __future__ import annotations
@@ -48,9 +51,9 @@ def available() -> bool:
 
 
 def _runs(*xs: torch.Tensor | None) -> bool:
-    """The kernel takes these: CPU float32, rows [B, C] contiguous along C (or absent)."""
-    return all(x is None or (x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(-1) == 1)
-               for x in xs) and available()  # fmt: skip
+    """The kernel takes these (CPU float32 or absent; it checks their layout itself and says what it expects).
+    `is_cpu`, not `device.type`: this check runs ~40 times a step, and the latter costs 3x as much."""
+    return all(x is None or (x.is_cpu and x.dtype == torch.float32) for x in xs) and available()
 
 
 def norm_shift_mix(x: torch.Tensor, add: torch.Tensor | None, ln_w: torch.Tensor, ln_b: torch.Tensor, eps: float,
@@ -58,7 +61,7 @@ def norm_shift_mix(x: torch.Tensor, add: torch.Tensor | None, ln_w: torch.Tensor
     """For one token per row (x, add, shift [B, C]; mix [M, C]): s = x + add, xx = layer_norm(s), the M token-shift
     mixes xx + (shift - xx) * mix[m] as [M, B, C]; shift becomes xx. Returns (s, mixes)."""
     mix = mix.reshape(-1, x.shape[-1])
-    if _runs(x, add, ln_w, ln_b, shift, mix) and x.dim() == 2 and mix.is_contiguous():
+    if _runs(x, add, ln_w, ln_b, shift, mix):
         s, mixed = torch.ops.wkvm_rwkv7.norm_shift_mix(x, add, ln_w, ln_b, eps, shift, mix)
         return s, mixed
     s = x if add is None else x + add
@@ -72,8 +75,7 @@ def loras(xs: list[torch.Tensor], firsts: list[torch.Tensor], seconds: list[torc
           biases: list[torch.Tensor | None], inner: list[int], outer: list[int]) -> list[torch.Tensor]:  # fmt: skip
     """Low-rank chains ys[j] = outer_j(biases[j] + inner_j(xs[j] @ firsts[j]) @ seconds[j]) (xs [B, C], firsts
     [C, R], seconds [R, C]; activations NONE, TANH or SIGMOID), run side by side."""
-    weights = [*firsts, *seconds]
-    if _runs(*xs, *weights, *biases) and all(w.is_contiguous() for w in weights) and all(x.dim() == 2 for x in xs):
+    if _runs(*xs, *firsts, *seconds, *biases):
         ys: list[torch.Tensor] = torch.ops.wkvm_rwkv7.loras(xs, firsts, seconds, biases, inner, outer)
         return ys
     out = []
@@ -90,11 +92,9 @@ def wkv(S: torch.Tensor, r: torch.Tensor, decay: torch.Tensor, k: torch.Tensor, 
     k, v adjusted (v toward v_first by v_mix unless v_mix is None), the wkv recurrence with decay
     exp(-0.606531 * decay), group norm, the r.k bonus, times the gate g. `w` holds the layer's att.k_k, att.k_a,
     att.r_k, att.ln_x.weight and att.ln_x.bias. Returns (the output projection's input, the v used)."""
-    B, H, N, _ = S.shape
     vecs = [w["att.k_k"], w["att.k_a"], w["att.r_k"], w["att.ln_x.weight"], w["att.ln_x.bias"]]
     rows = (r, decay, k, v, v_first, v_mix, a, g)
-    heads_ok = S.stride(3) == 1 and S.stride(2) == N and S.stride(1) == N * N
-    if _runs(S, *rows, *vecs) and heads_ok and all(t.is_contiguous() for t in vecs) and r.dim() == 2:
+    if _runs(S, *rows, *vecs):
         out, v_used = torch.ops.wkvm_rwkv7.wkv(S, r, decay, k, v, v_first, v_mix, a, g, *vecs, gn_eps)
         return out, v_used
     return _torch_wkv(S, r, decay, k, v, v_first, v_mix, a, g, vecs, gn_eps)
@@ -124,7 +124,7 @@ def _torch_wkv(S: torch.Tensor, r: torch.Tensor, decay: torch.Tensor, k: torch.T
 
 def relu_square(x: torch.Tensor) -> torch.Tensor:
     """relu(x)^2 for rows [B, C]."""
-    if _runs(x) and x.dim() == 2:
+    if _runs(x):
         y: torch.Tensor = torch.ops.wkvm_rwkv7.relu_square(x)
         return y
     return torch.relu(x).square_()
