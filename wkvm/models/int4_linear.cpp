@@ -10,8 +10,9 @@
 // where sum(q * xq) is exact in int32: one vpdpbusd (unsigned nibble x signed int8, 4 products per lane) per
 // 4 k with AVX512-VNNI, vpmaddubsw + vpmaddwd on AVX-512BW and AVX2. A register holds one lane per output row
 // (16 rows per AVX-512 register, 8 per AVX2 one), so x's 4-byte quads are broadcast and there are no horizontal
-// sums. The float arithmetic per group and row is the same expression in the same order on every path, and the
-// build turns off contraction to FMA, so the portable, AVX2, AVX-512 and VNNI paths return the same bits. Output
+// sums. The float arithmetic per group and row is the same two fused multiply-adds in the same order on every path
+// (std::fma in C++), and the build turns off the compiler's own contraction, so the portable, AVX2, AVX-512 and VNNI
+// paths return the same bits. Output
 // blocks are split across torch's own thread pool (at::parallel_for). isa: 0 portable C++, 1 AVX2 (+F16C),
 // 2 AVX-512BW, 3 AVX512-VNNI; best_isa() says what this CPU runs.
 #include <ATen/Parallel.h>
@@ -41,7 +42,7 @@ constexpr int64_t NIBBLES = 256;    // a block group's nibble bytes, before its 
 struct Problem {
   const int8_t* xq;   // [M, K] x rounded to int8 per group
   const float* xs;    // [M, G] the groups' scales
-  const int32_t* xsum;  // [M, G] the groups' sums of xq
+  const float* xsd;   // [M, G] the groups' sums of xq times their scales
   const uint8_t* w;   // [N, G * 20]
   float* y;           // [M, N]
   int64_t M, N, K, G, blocks;
@@ -73,14 +74,15 @@ inline const uint8_t* block_group(const Problem& p, int64_t b, int64_t g) {
   return p.w + b * ROWS * p.G * ROW_BYTES + g * BLOCK_BYTES;
 }
 
-// one group's contribution, the same expression on every path
-inline float group_term(int32_t isum, float d, int32_t xsum, float m, float dx) {
-  return (static_cast<float>(isum) * d + static_cast<float>(xsum) * m) * dx;
+// acc plus one group's contribution dx * (d * isum + m * sum(xq)) = isum * (d * dx) + m * xsd, as two fused
+// multiply-adds: the same operations in the same order on every path (std::fma rounds once, like the vector FMAs)
+inline float group_term(float acc, int32_t isum, float d, float m, float dx, float xsd) {
+  return std::fma(m, xsd, std::fma(static_cast<float>(isum), d * dx, acc));
 }
 
 // ---- x to int8 per group (portable; GCC vectorizes it for the baseline ISA) ----
 
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, int32_t* sum) {
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, float* sum_scaled) {
   constexpr float ROUND = 12582912.f;  // 1.5 * 2^23: adding then subtracting it rounds to nearest, ties to even
   const int64_t G = K / GROUP;
   at::parallel_for(0, M * G, std::max<int64_t>(1, 512), [&](int64_t i0, int64_t i1) {
@@ -98,7 +100,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* scale
         q[i * GROUP + k] = static_cast<int8_t>(qi);
         s += qi;
       }
-      sum[i] = s;
+      sum_scaled[i] = static_cast<float>(s) * scale[i];
     }
   });
 }
@@ -125,7 +127,7 @@ void blocks_scalar(const Problem& p, int64_t b0, int64_t b1) {
           for (int64_t k = 0; k < GROUP; ++k) isum += block_q(bg, r, k) * xg[k];
           const float d = half_to_float(load_u16(bg + NIBBLES + 2 * r));
           const float mn = half_to_float(load_u16(bg + NIBBLES + 32 + 2 * r));
-          acc += group_term(isum, d, p.xsum[m * p.G + g], mn, p.xs[m * p.G + g]);
+          acc = group_term(acc, isum, d, mn, p.xs[m * p.G + g], p.xsd[m * p.G + g]);
         }
         p.y[m * p.N + b * ROWS + r] = acc;
       }
@@ -141,7 +143,7 @@ void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
         int32_t isum = 0;
         for (int64_t k = 0; k < GROUP; ++k) isum += plain_q(pg, k) * xg[k];
         const float d = half_to_float(load_u16(pg + 16)), mn = half_to_float(load_u16(pg + 18));
-        acc += group_term(isum, d, p.xsum[m * p.G + g], mn, p.xs[m * p.G + g]);
+        acc = group_term(acc, isum, d, mn, p.xs[m * p.G + g], p.xsd[m * p.G + g]);
       }
       p.y[m * p.N + n] = acc;
     }
@@ -151,7 +153,7 @@ void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
 
 // ---- AVX2: a block as two halves of 8 rows, 8 rows per register ----
 
-#define WKVM_AVX2 "avx2,f16c"
+#define WKVM_AVX2 "avx2,f16c,fma"
 
 template <int MT>
 __attribute__((target(WKVM_AVX2))) void half_avx2(const Problem& p, int64_t b, int64_t h, int64_t m) {
@@ -178,9 +180,8 @@ __attribute__((target(WKVM_AVX2))) void half_avx2(const Problem& p, int64_t b, i
         isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
       }
       const int64_t gi = (m + i) * p.G + g;
-      const __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(isum), d),
-                                     _mm256_mul_ps(_mm256_set1_ps(static_cast<float>(p.xsum[gi])), mn));
-      acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(t, _mm256_set1_ps(p.xs[gi])));
+      const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(p.xs[gi])), acc[i]);
+      acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(p.xsd[gi]), t);
     }
   }
   for (int i = 0; i < MT; ++i) _mm256_storeu_ps(p.y + (m + i) * p.N + b * ROWS + 8 * h, acc[i]);
@@ -225,9 +226,9 @@ __attribute__((target(WKVM_AVX2))) void blocks_avx2(const Problem& p, int64_t b0
           isum = DOT(isum, wv[j], _mm512_set1_epi32(quad));                                                    \
         }                                                                                                      \
         const int64_t gi = (m + i) * p.G + g;                                                                  \
-        const __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum), d),                             \
-                                       _mm512_mul_ps(_mm512_set1_ps(static_cast<float>(p.xsum[gi])), mn));     \
-        acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(t, _mm512_set1_ps(p.xs[gi])));                            \
+        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(p.xs[gi])),  \
+                                         acc[i]);                                                              \
+        acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(p.xsd[gi]), t);                                            \
       }                                                                                                        \
     }                                                                                                          \
     for (int i = 0; i < MT; ++i) _mm512_storeu_ps(p.y + (m + i) * p.N + b * ROWS, acc[i]);                     \
@@ -255,7 +256,7 @@ int64_t best_isa() {
   const bool bw = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
   if (bw && __builtin_cpu_supports("avx512vnni")) return 3;
   if (bw) return 2;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return 1;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma")) return 1;
 #endif
   return 0;
 }
@@ -276,10 +277,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t isa) {
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
   std::unique_ptr<int8_t[]> xq(new int8_t[M * K]);  // uninitialized: every element is written
   std::unique_ptr<float[]> xs(new float[M * G]);
-  std::unique_ptr<int32_t[]> xsum(new int32_t[M * G]);
-  quantize_rows(x.data_ptr<float>(), M, K, xq.get(), xs.get(), xsum.get());
+  std::unique_ptr<float[]> xsd(new float[M * G]);
+  quantize_rows(x.data_ptr<float>(), M, K, xq.get(), xs.get(), xsd.get());
   at::Tensor y = at::empty({M, N}, x.options());
-  const Problem p{xq.get(), xs.get(), xsum.get(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K, G, N / ROWS};
+  const Problem p{xq.get(), xs.get(), xsd.get(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K, G, N / ROWS};
   void (*blocks)(const Problem&, int64_t, int64_t) = blocks_scalar;
 #ifdef WKVM_X86
   if (isa == 1) blocks = blocks_avx2;
