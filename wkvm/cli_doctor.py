@@ -39,6 +39,11 @@ def checks(args: argparse.Namespace) -> list[tuple[str, bool, str, str]]:
         out.append(("cpu", True, f"ISA: {' '.join(cpu_isa()) or 'none of avx2/avx512/amx'}", ""))
         for dtype, kernel in kernels().items():  # information: each dtype works everywhere, at its speed
             out.append(("kernel", True, f"--dtype {dtype}: {kernel}", ""))
+        from wkvm.models import fused
+
+        ops = ("wkvm fused kernel (norms, SiLU gate, RoPE + paged attention in one op per layer)" if fused.available()
+               else "separate torch ops (WKVM_FUSED=off, or no C++ compiler): slower decode")  # fmt: skip
+        out.append(("kernel", True, f"per-layer ops: {ops}", ""))
     except ImportError:
         out.append(("torch", False, "not installed", "pip install torch==2.13.0"))
     mem = _memory_bytes()
