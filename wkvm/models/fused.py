@@ -29,17 +29,24 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-trapping-math")  # the 
 @functools.cache
 def available() -> bool:
     """Whether the fused kernel runs here (built now if needed); False, with one warning, when it cannot be built."""
+    return kernel_available(SOURCE, "wkvm_fused", "rope_attend", "fused kernel",
+                            "per-layer ops run as separate torch ops (slower)")  # fmt: skip
+
+
+def kernel_available(source: Path, namespace: str, op: str, what: str, fallback: str) -> bool:
+    """The switch of every fused kernel (this one, a family's step kernel): False under `WKVM_FUSED=off`, else
+    whether `source` builds and loads here (once per source and CPU); without a compiler one warning naming `what`
+    and its `fallback`."""
     setting = os.environ.get("WKVM_FUSED", "auto").lower()
     if setting not in ("auto", "off"):
         raise ValueError(f"WKVM_FUSED={setting!r}: use auto or off")
     if setting == "off":
         return False
     try:
-        load_kernel(SOURCE, "wkvm_fused", CFLAGS, op="rope_attend")
+        load_kernel(source, namespace, CFLAGS, op=op)
         return True
     except Exception as e:  # no compiler, failed build or load: the torch path gives the same results, slower
-        log.warning("fused kernel unavailable (%s); per-layer ops run as separate torch ops (slower)",
-                    str(e).splitlines()[0])  # fmt: skip
+        log.warning("%s unavailable (%s); %s", what, str(e).splitlines()[0], fallback)
         return False
 
 

@@ -26,6 +26,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -181,8 +182,9 @@ def build() -> None:
 
 
 def load_kernel(source: Path, namespace: str, cflags: tuple[str, ...] = ("-O3",), op: str = "linear") -> None:
-    """Compile `source` (once per its text, the flags, torch's version and the CPU) with the machine's C++ compiler
-    into ~/.cache/wkvm/torch_extensions and load it; its ops (`op` one of them) register as torch.ops.<namespace>.
+    """Compile `source` (once per its text and its quoted #includes', the flags, torch's version and the CPU) with the
+    machine's C++ compiler into ~/.cache/wkvm/torch_extensions and load it; its ops (`op` one of them) register as
+    torch.ops.<namespace>.
 
     Built with OpenMP: at::parallel_for runs serially in code compiled without it (ATen's ParallelOpenMP.h), and
     torch's own libgomp is the one loaded, so the kernels share torch's threads. A compiler without OpenMP builds it
@@ -192,9 +194,11 @@ def load_kernel(source: Path, namespace: str, cflags: tuple[str, ...] = ("-O3",)
     if hasattr(getattr(torch.ops, namespace), op):
         return
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "wkvm" / "torch_extensions")
+    text = source.read_bytes()
+    headers = b"".join((source.parent / h.decode()).read_bytes() for h in re.findall(rb'#include "([^"]+)"', text))
     for openmp in (("-fopenmp",), ()):
         flags = (*cflags, *openmp)
-        key = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + cpu_flags().encode()
+        key = hashlib.sha256(text + headers + torch.__version__.encode() + cpu_flags().encode()
                              + " ".join(flags).encode())  # fmt: skip
         name = f"{namespace}_{key.hexdigest()[:16]}"
         (root / name).mkdir(parents=True, exist_ok=True)

@@ -24,24 +24,13 @@
 #include <tuple>
 #include <vector>
 
+#include "../simd_math.h"
+
 namespace {
 
-constexpr float kDecayScale = 0.606531f;  // exp(-0.5), as in BlinkDL's reference
+using wkvm::exp_approx;
 
-// e^x (x clamped to [-87, 88]), as fused.cpp's: a vectorizable polynomial with relative error < 2e-7.
-inline float exp_approx(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // by value: std::min/max's references defeat the vectorizer
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
-}
+constexpr float kDecayScale = 0.606531f;  // exp(-0.5), as in BlinkDL's reference
 
 // tanh(x) = 1 - 2 / (e^2x + 1); for |x| < 0.05 the series (cancellation would cost relative precision there)
 inline float tanh_approx(float x) {

@@ -15,19 +15,14 @@ computes in fp32 like the torch path; results differ by rounding only (tests/tes
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from wkvm.models.int8 import load_kernel
-
-log = logging.getLogger("wkvm.rwkv7.step")
+from wkvm.models import fused
 
 SOURCE = Path(__file__).with_name("step.cpp")
-CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-trapping-math")  # as fused.py's (cached per CPU)
 DECAY_SCALE = 0.606531  # exp(-0.5), as in BlinkDL's reference
 NONE, TANH, SIGMOID = 0, 1, 2
 ACTIVATIONS = {NONE: lambda t: t, TANH: torch.tanh, SIGMOID: torch.sigmoid}
@@ -35,19 +30,10 @@ ACTIVATIONS = {NONE: lambda t: t, TANH: torch.tanh, SIGMOID: torch.sigmoid}
 
 @functools.cache
 def available() -> bool:
-    """Whether the step kernel runs here (built now if needed); False, with one warning, when it cannot be built."""
-    setting = os.environ.get("WKVM_FUSED", "auto").lower()  # the switch of all fused kernels (wkvm/models/fused.py)
-    if setting not in ("auto", "off"):
-        raise ValueError(f"WKVM_FUSED={setting!r}: use auto or off")
-    if setting == "off":
-        return False
-    try:
-        load_kernel(SOURCE, "wkvm_rwkv7", CFLAGS, op="wkv")
-        return True
-    except Exception as e:  # no compiler, failed build or load: the torch path gives the same results, slower
-        log.warning("RWKV-7 step kernel unavailable (%s); decode runs its per-layer ops in torch (slower)",
-                    str(e).splitlines()[0])  # fmt: skip
-        return False
+    """Whether the step kernel runs here (built now if needed; `WKVM_FUSED=off` turns it off like every fused kernel);
+    False, with one warning, when it cannot be built."""
+    return fused.kernel_available(SOURCE, "wkvm_rwkv7", "wkv", "RWKV-7 step kernel",
+                                  "decode runs its per-layer ops in torch (slower)")  # fmt: skip
 
 
 def _runs(*xs: torch.Tensor | None) -> bool:
