@@ -177,3 +177,46 @@ def test_greedy_equals_argmax_and_flags_every_kind_of_non_finite_row():
     assert ids[1] == 17 and ids[5] == 0
     view = torch.randn(3, 2, 50, generator=g)[:, 1]  # rows with a stride
     assert fused.greedy(view)[0] == torch.argmax(view, -1).tolist()
+
+
+@needs_kernel
+def test_a_rows_attention_does_not_depend_on_its_batch():
+    """The same row (300 cached tokens) alone and next to rows of other lengths gives the same bits: its chunks are
+    fixed, not sized by the batch or the threads."""
+    hq, hkv, d, page = 6, 2, 16, 16
+    outs = []
+    for lengths in ((300,), (300, 40, 1000, 7)):
+        pool = PagePool(kv_spec(hkv, d), n_pages=200, page_tokens=page)
+        pool.pages["layers.0.k"].normal_(generator=torch.Generator().manual_seed(1))
+        pool.pages["layers.0.v"].normal_(generator=torch.Generator().manual_seed(2))
+        seqs = []
+        for n in lengths:
+            s = SeqKV()
+            s.reserve(pool, n + 1)
+            s.length = n
+            seqs.append(s)
+        kv = PagedKV(pool, seqs, 1)
+        B = len(lengths)
+        q = torch.randn(1, 1, hq, d, generator=torch.Generator().manual_seed(3)).expand(B, 1, hq, d).contiguous()
+        k = torch.randn(1, 1, hkv, d, generator=torch.Generator().manual_seed(4)).expand(B, 1, hkv, d).contiguous()
+        cos, sin = angles(frequencies(10000.0, d), kv.positions(), 1)
+        outs.append(kv.rope_attend(0, q, k, k, cos, sin, d**-0.5)[0])
+    assert torch.equal(outs[0], outs[1])
+
+
+@needs_kernel
+def test_a_dense_cache_and_pages_give_the_same_bits():
+    """`model.decode` (DenseKV, one page per row) and the engine (PagedKV, 16-token pages) run the same kernel with the
+    same chunks, so their outputs are equal, not just close."""
+    hq, hkv, d, n = 6, 2, 16, 300
+    g = torch.Generator().manual_seed(11)
+    keys, values = torch.randn(1, n, hkv, d, generator=g), torch.randn(1, n, hkv, d, generator=g)
+    q, k, v = (torch.randn(1, 1, h, d, generator=g) for h in (hq, hkv, hkv))
+    cos, sin = angles(frequencies(10000.0, d), torch.tensor([n]), 1)
+    dense = DenseKV({key_name(0): keys.clone(), value_name(0): values.clone()}, [0]).rope_attend(0, q, k, v, cos, sin,
+                                                                                                  0.25)  # fmt: skip
+    pool = PagePool(kv_spec(hkv, d), n_pages=40, page_tokens=16)
+    seq = SeqKV.from_dense(pool, {key_name(0): keys[0], value_name(0): values[0]})
+    seq.reserve(pool, 1)
+    paged = PagedKV(pool, [seq], 1).rope_attend(0, q, k, v, cos, sin, 0.25)
+    assert torch.equal(dense, paged)

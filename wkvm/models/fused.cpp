@@ -163,6 +163,10 @@ inline float dot(const float* a, const float* b, int64_t D) {
 // asked for when a page starts.
 constexpr int64_t AHEAD = 8;
 
+// Decode attention splits each row into chunks of this many tokens (a multiple of 4 and of usual page sizes, so the
+// 4-token blocks fall the same way in a paged and in a dense cache).
+constexpr int64_t CHUNK = 128;
+
 inline void prefetch_rows(const float* p, int64_t floats) {
   for (int64_t f = 0; f < floats; f += 16) __builtin_prefetch(p + f);
 }
@@ -314,12 +318,11 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     std::memcpy(vf + slot * HD, pv + b * sv, HD * sizeof(float));
   }
   // Work items are (row, token chunk): a chunk's scores, softmax numerators and weighted values for every head, merged
-  // per row afterwards (flash-decoding). Chunks are whole pages of at least 64 tokens, about four per thread in all.
+  // per row afterwards (flash-decoding). The chunk size is fixed, so a row's result does not depend on the batch it
+  // is in or on the thread count (and the dense cache, one page per row, splits it the same way).
   int64_t tokens = 0;
   for (int64_t b = 0; b < B; ++b) tokens += pl[b] + 1;
-  const int64_t threads = at::get_num_threads();
-  const int64_t want = std::max<int64_t>(64, (tokens + 4 * threads - 1) / (4 * threads));
-  const int64_t chunk = (want + page_tokens - 1) / page_tokens * page_tokens;
+  const int64_t chunk = CHUNK;
   std::vector<int64_t> first(B + 1, 0);  // row b's items are first[b] .. first[b + 1] - 1
   for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + (pl[b] + chunk) / chunk;
   const int64_t items = first[B];
