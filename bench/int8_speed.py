@@ -1,7 +1,8 @@
 """int8 and int4 weights vs fp32 and bf16, in one process with interleaved repetitions (medians; ratios over fp32).
 
 Kernels: shapes of SmolLM2-135M (576 wide, 1,536 MLP, tied 49,152 head) and RWKV-7 0.1B (768 wide, 3,072 FFN,
-65,536 head) at M = 1 and 8 rows (--rows); fp32 and bf16 are wkvm's prepacked oneDNN linears, int8 and int4 the
+65,536 head) at M = 1 and 8 rows (--rows); fp32 and bf16 are wkvm's prepacked oneDNN linears ("fp32 wkvm": what
+wkvm's fp32 linear runs, its fp32 kernel on the same packed weights up to fp32gemv.ROWS rows), int8 and int4 the
 native kernels on this CPU's best ISA and on AVX2, and int4 dequantized + oneDNN (what prefill without VNNI runs).
 `--e2e`: whole models (SmolLM2 from `make smollm2` when present, the random RWKV-7 0.1B shape), decode B=1 and B=8
 (model steps, no engine) and a prefill (--prefill-tokens), each dtype loaded once and the four run in turn. The
@@ -98,6 +99,12 @@ def end_to_end(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return out
 
 
+def onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed fp32 matmul at every size (what wkvm ran before its fp32 kernel; the ratios' base)."""
+    y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    return y
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", default="1,8", help="M values (comma-separated)")
@@ -136,8 +143,10 @@ def main() -> None:
         w32, w16, q, q4 = pack_linear(w), pack_linear(w.bfloat16()), int8.quantize(w), int4.quantize(w)
         for m in (int(v) for v in args.rows.split(",")):
             x = torch.randn(m, k)
-            fns: dict[str, Callable[[], object]] = {
-                "fp32": lambda x=x, w=w32: linear(x, w), "bf16": lambda x=x, w=w16: linear(x, w)
+            fns: dict[str, Callable[[], object]] = {  # fp32: oneDNN; fp32 wkvm: the fp32 kernel up to its rows
+                "fp32": lambda x=x, w=w32: onednn(x, w),
+                "fp32 wkvm": lambda x=x, w=w32: linear(x, w),
+                "bf16": lambda x=x, w=w16: linear(x, w),
             }
             for p in paths:
                 fns[f"int8 {p}"] = lambda p=p, x=x, q=q: int8.linear(x, q, p)

@@ -1,7 +1,9 @@
 """Linear layers on prepacked weights: oneDNN on CPU when available, plain `F.linear` elsewhere.
 
 On the CPUs we measured, oneDNN's packed fp32 matmul runs 1.4x (gemv) to 2.4x (prefill) faster than the default
-BLAS path, still in IEEE fp32. Set WKVM_ONEDNN=0 to use `F.linear` everywhere.
+BLAS path, still in IEEE fp32. Set WKVM_ONEDNN=0 to use `F.linear` everywhere. Decode-sized fp32 matmuls (up to
+`fp32gemv.ROWS` rows of x) run on wkvm's own kernel over the same packed bytes (wkvm/models/fp32gemv.py: 1.3-1.6x
+oneDNN's M=1 gemv, read-bound; `WKVM_FUSED=off` leaves every size on oneDNN).
 
 bf16 weights pay off only where the CPU multiplies bf16 natively (AVX512-BF16 or AMX). Elsewhere the bf16 matmul
 is emulated: single-stream decode still gains from reading half the bytes, but prefill and batched decode run
@@ -21,7 +23,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from wkvm.models import int4, int8
+from wkvm.models import fp32gemv, int4, int8
 
 PACK_BATCH_HINT = 64
 # bf16 over fp32 tok/s, bench/bf16_speed.py on AMD EPYC (2 threads): natively, and with oneDNN limited to AVX2
@@ -117,6 +119,8 @@ def cpu_isa() -> list[str]:
 def kernels() -> dict[str, str]:
     """Which linear kernel each weight dtype runs on this CPU (builds the int8 kernel on first use)."""
     fp32 = "oneDNN prepacked fp32" if onednn_available() else "F.linear (WKVM_ONEDNN=0, or no oneDNN in this torch)"
+    if onednn_available() and fp32gemv.available():
+        fp32 = f"wkvm fp32 kernel on oneDNN's packed weights up to {fp32gemv.ROWS} rows, then {fp32}"
     bf16 = ("oneDNN native bf16" if bf16_native() else "oneDNN bf16, emulated (slower than fp32)"
             if onednn_bf16_available() else "ATen bf16 (no oneDNN bf16 kernel: slower than fp32)")  # fmt: skip
     path = int8.kernel_path()
@@ -158,6 +162,8 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
         or (weight.dtype == torch.bfloat16 and onednn_bf16_available())
     ):
         packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+        if packed.dtype == torch.float32 and fp32gemv.available():
+            fp32gemv.layout(*weight.shape)  # probe the layout now, at load, not on the first token
         return packed
     return weight
 
@@ -171,6 +177,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return int4.linear(x, weight)
     if weight.dtype != x.dtype:
         return linear(x.to(weight.dtype), weight).to(x.dtype)
+    if weight.is_mkldnn and fp32gemv.takes(x, weight):
+        return fp32gemv.linear(x, weight)
     if weight.is_mkldnn or (weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_available()):
         y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
         return y

@@ -1,0 +1,76 @@
+"""fp32 matmuls of decode size on oneDNN's own prepacked weights (fp32_linear.cpp, torch op namespace `wkvm_fp32`).
+
+A B=1 decode step of an fp32 model is bound by reading its weights, and oneDNN's M=1 gemv on its packed layout
+read them at 17-23 GB/s on the AMD EPYC measured, where a plain broadcast-and-FMA loop over the same panels reads
+them faster (docs/performance.md, issue #21). The kernel reads the packed copy `linear.pack_linear` already keeps,
+so weights are stored once and prefill (many rows, compute-bound, oneDNN's GEMM ahead) is unchanged.
+
+The packed layout is oneDNN's choice per CPU and shape. Before the kernel touches a weight of a new shape, `layout`
+packs a probe matrix of that shape (distinct values, the weight's size once more for a moment, once per shape per
+process) and checks every value's place; shapes whose layout the kernel does not know stay on oneDNN.
+
+Rows of x up to `ROWS` go to the kernel; each output element is computed by the same sequence of fused
+multiply-adds whatever the number of rows, so a row's result does not depend on its batch mates. `WKVM_FUSED=off`,
+no compiler, or a tensor the kernel does not take: oneDNN, as before.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from wkvm.models.fused import kernel_available
+
+SOURCE = Path(__file__).with_name("fp32_linear.cpp")
+# rows of x up to which the kernel beat oneDNN's packed matmul (bench/int8_speed.py's kernel table, AMD EPYC)
+ROWS = 16
+PROBE_BASE = 0x30000000  # probe values are these int32 bit patterns plus n * K + k: distinct, finite, normal floats
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel runs here (built now if needed); False under WKVM_FUSED=off or without a compiler."""
+    return kernel_available(SOURCE, "wkvm_fp32", "linear", "fp32 gemv kernel", "fp32 decode matmuls run on oneDNN")
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` runs on the kernel: a oneDNN-packed fp32 weight of a known layout, fp32 x with at
+    most `ROWS` rows."""
+    return (
+        weight.is_mkldnn
+        and weight.dtype == torch.float32
+        and x.dtype == torch.float32
+        and x.numel() <= ROWS * weight.shape[1]
+        and available()
+        and layout(*weight.shape) is not None
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] for a weight `takes` accepts."""
+    N, K = weight.shape
+    shape = layout(N, K)
+    assert shape is not None
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y: torch.Tensor = torch.ops.wkvm_fp32.linear(x2, weight, *shape)
+    return y.view(*x.shape[:-1], N)
+
+
+@functools.cache
+def layout(n: int, k: int) -> tuple[int, int] | None:
+    """(panel width, padded depth) of oneDNN's packed layout for [n, k] fp32 weights here, if the kernel knows it."""
+    if not available() or n * k >= 2**31 - PROBE_BASE:
+        return None
+    from wkvm.models.linear import PACK_BATCH_HINT
+
+    bits = torch.arange(n * k, dtype=torch.int32).add_(PROBE_BASE)
+    packed = torch.ops.mkldnn._reorder_linear_weight(bits.view(torch.float32).view(n, k), PACK_BATCH_HINT)
+    del bits
+    if not packed.is_mkldnn:
+        return None
+    width, depth = torch.ops.wkvm_fp32.probe(packed, PROBE_BASE, torch.ops.mkldnn._nbytes(packed))
+    return (width, depth) if width and torch.ops.wkvm_fp32.supports(width) else None
