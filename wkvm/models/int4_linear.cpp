@@ -201,64 +201,45 @@ __attribute__((target(WKVM_AVX2))) void blocks_avx2(const Problem& p, int64_t b0
 #define WKVM_AVX512 "avx2,f16c,avx512f,avx512bw"
 #define WKVM_VNNI "avx2,f16c,avx512f,avx512bw,avx512vnni"
 
-// NB neighbouring blocks (16 rows each) at once share x's broadcasts and scales: at batch sizes of 4 and more the
-// broadcasts and float terms, not the vpdpbusd, were most of the instructions. Each output is computed by the same
-// operations in the same order whatever NB and MT are.
 #define WKVM_KERNELS512(NAME, TARGET, DOT)                                                                     \
-  template <int NB, int MT>                                                                                    \
+  template <int MT>                                                                                            \
   __attribute__((target(TARGET))) void NAME##_block(const Problem& p, int64_t b, int64_t m) {                  \
     const __m512i low = _mm512_set1_epi8(15);                                                                  \
-    __m512 acc[NB][MT];                                                                                        \
-    for (int k = 0; k < NB; ++k)                                                                               \
-      for (int i = 0; i < MT; ++i) acc[k][i] = _mm512_setzero_ps();                                            \
+    __m512 acc[MT];                                                                                            \
+    for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();                                                 \
     for (int64_t g = 0; g < p.G; ++g) {                                                                        \
-      __m512i wv[NB][8];                                                                                       \
-      __m512 d[NB], mn[NB];                                                                                    \
-      for (int k = 0; k < NB; ++k) {                                                                           \
-        const uint8_t* bg = block_group(p, b + k, g);                                                          \
-        for (int c = 0; c < 4; ++c) {                                                                          \
-          const __m512i raw = _mm512_loadu_si512(bg + 64 * c);                                                 \
-          wv[k][2 * c] = _mm512_and_si512(raw, low);                                                           \
-          wv[k][2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);                                 \
-        }                                                                                                      \
-        d[k] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + NIBBLES)));            \
-        mn[k] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + NIBBLES + 32)));      \
+      const uint8_t* bg = block_group(p, b, g);                                                                \
+      __m512i wv[8];                                                                                           \
+      for (int c = 0; c < 4; ++c) {                                                                            \
+        const __m512i raw = _mm512_loadu_si512(bg + 64 * c);                                                   \
+        wv[2 * c] = _mm512_and_si512(raw, low);                                                                \
+        wv[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);                                      \
       }                                                                                                        \
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + NIBBLES)));    \
+      const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + NIBBLES + 32))); \
       for (int i = 0; i < MT; ++i) {                                                                           \
         const int8_t* xg = p.xq + (m + i) * p.K + g * GROUP;                                                   \
-        __m512i isum[NB];                                                                                      \
-        for (int k = 0; k < NB; ++k) isum[k] = _mm512_setzero_si512();                                         \
+        __m512i isum = _mm512_setzero_si512();                                                                 \
         for (int j = 0; j < 8; ++j) {                                                                          \
           int32_t quad;                                                                                        \
           std::memcpy(&quad, xg + 4 * j, sizeof quad);                                                         \
-          const __m512i xv = _mm512_set1_epi32(quad);                                                          \
-          for (int k = 0; k < NB; ++k) isum[k] = DOT(isum[k], wv[k][j], xv);                                   \
+          isum = DOT(isum, wv[j], _mm512_set1_epi32(quad));                                                    \
         }                                                                                                      \
         const int64_t gi = (m + i) * p.G + g;                                                                  \
-        const __m512 dx = _mm512_set1_ps(p.xs[gi]), xsd = _mm512_set1_ps(p.xsd[gi]);                          \
-        for (int k = 0; k < NB; ++k) {                                                                         \
-          const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[k]), _mm512_mul_ps(d[k], dx), acc[k][i]);   \
-          acc[k][i] = _mm512_fmadd_ps(mn[k], xsd, t);                                                          \
-        }                                                                                                      \
+        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(p.xs[gi])),  \
+                                         acc[i]);                                                              \
+        acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(p.xsd[gi]), t);                                            \
       }                                                                                                        \
     }                                                                                                          \
-    for (int k = 0; k < NB; ++k)                                                                               \
-      for (int i = 0; i < MT; ++i) _mm512_storeu_ps(p.y + (m + i) * p.N + (b + k) * ROWS, acc[k][i]);         \
+    for (int i = 0; i < MT; ++i) _mm512_storeu_ps(p.y + (m + i) * p.N + b * ROWS, acc[i]);                     \
   }                                                                                                            \
   __attribute__((target(TARGET))) void NAME##_blocks(const Problem& p, int64_t b0, int64_t b1) {               \
-    int64_t b = b0;                                                                                            \
-    for (; b + 2 <= b1; b += 2) {                                                                              \
+    for (int64_t b = b0; b < b1; ++b) {                                                                        \
       int64_t m = 0;                                                                                           \
-      for (; m + 4 <= p.M; m += 4) NAME##_block<2, 4>(p, b, m);                                                \
-      for (; m + 2 <= p.M; m += 2) NAME##_block<2, 2>(p, b, m);                                                \
-      for (; m < p.M; ++m) NAME##_block<2, 1>(p, b, m);                                                        \
-    }                                                                                                          \
-    for (; b < b1; ++b) {                                                                                      \
-      int64_t m = 0;                                                                                           \
-      for (; m + 8 <= p.M; m += 8) NAME##_block<1, 8>(p, b, m);                                                \
-      for (; m + 4 <= p.M; m += 4) NAME##_block<1, 4>(p, b, m);                                                \
-      for (; m + 2 <= p.M; m += 2) NAME##_block<1, 2>(p, b, m);                                                \
-      for (; m < p.M; ++m) NAME##_block<1, 1>(p, b, m);                                                        \
+      for (; m + 8 <= p.M; m += 8) NAME##_block<8>(p, b, m);                                                   \
+      for (; m + 4 <= p.M; m += 4) NAME##_block<4>(p, b, m);                                                   \
+      for (; m + 2 <= p.M; m += 2) NAME##_block<2>(p, b, m);                                                   \
+      for (; m < p.M; ++m) NAME##_block<1>(p, b, m);                                                           \
     }                                                                                                          \
   }
 
