@@ -273,13 +273,18 @@ def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
     long = {**GREEDY, "max_tokens": 750, "ignore_eos": True, "prompt": "GLOUCESTER:"}
     want = cluster.post("/v1/completions", json=long).json()["choices"][0]["text"]
     got: dict[int, str] = {}
+    errors: dict[int, str] = {}  # an error event a stream ended with, to show when the assertion below fails
 
     def stream(i: int) -> None:
         text = ""
         with cluster.stream("POST", "/v1/completions", json={**long, "stream": True, "user": f"r{i}"}) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
-                    text += json.loads(line[6:])["choices"][0]["text"]
+                    event = json.loads(line[6:])
+                    if "choices" not in event:
+                        errors[i] = line
+                        break
+                    text += event["choices"][0]["text"]
         got[i] = text
 
     # a slot directory no replica holds (as a restart with fewer replicas, or new replicas in new slots, leaves):
@@ -298,7 +303,7 @@ def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
     os.kill(cluster.server_pid, signal.SIGHUP)
     for t in threads:
         t.join(300)
-    assert [got.get(i) == want for i in range(8)] == [True] * 8
+    assert [got.get(i) == want for i in range(8)] == [True] * 8, errors
     # each stopping replica handed its running streams over rather than waiting for them to finish there
     assert cluster.get("/v1/cluster").json()["stream_moves"] > moves_before
     deadline = time.monotonic() + 240
