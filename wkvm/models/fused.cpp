@@ -5,21 +5,20 @@
 //   rms_norm(x [N, C], w [C], eps)            -> x * rsqrt(mean(x^2) + eps) * w
 //   add_rms_norm(x [N, C], a [N, C], w, eps)  -> (x + a, rms_norm(x + a))
 //   silu_mul(gu [N, 2F])                      -> silu(gu[:, :F]) * gu[:, F:]
-//   rope_attend(q [B, Hq, D], k, v [B, Hkv, D], cos, sin [B, R], kflat, vflat [S, Hkv, D], table [B, P] int64,
-//               lengths [B] int64, page_tokens, scale) -> [B, Hq, D]
+//   greedy(logits [B, V])                     -> (first index of each row's max, whether the row is all finite)
+//   rope_attend(q [B, (1,) Hq, D], k, v [B, (1,) Hkv, D], cos, sin [B, R], kflat, vflat [S, Hkv, D],
+//               table [B, P] int64, lengths [B] int64, page_tokens, scale) -> q's shape
 //     One new token per row: RoPE (HF half-split pairs over the first R dims) on q and k, k and v written to the
 //     row's slot at position lengths[b] (slot = table[b][pos / page_tokens] * page_tokens + pos % page_tokens),
 //     then grouped-query attention of q over the row's lengths[b] + 1 cached tokens, read page by page in place
-//     (query head h uses kv head h / (Hq / Hkv), HF's repeat_kv order). Work items are (row, kv head) pairs on
-//     torch's thread pool; each writes only its own slot's head, so rows never race.
+//     (query head h uses kv head h / (Hq / Hkv), HF's repeat_kv order). Work items are (row, CHUNK tokens) on
+//     torch's thread pool, merged per row afterwards (flash-decoding).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -322,9 +321,8 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   // is in or on the thread count (and the dense cache, one page per row, splits it the same way).
   int64_t tokens = 0;
   for (int64_t b = 0; b < B; ++b) tokens += pl[b] + 1;
-  const int64_t chunk = CHUNK;
   std::vector<int64_t> first(B + 1, 0);  // row b's items are first[b] .. first[b + 1] - 1
-  for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + (pl[b] + chunk) / chunk;
+  for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + (pl[b] + CHUNK) / CHUNK;
   const int64_t items = first[B];
   const Heads hs{Hq, Hkv, G, D, HD};
   std::vector<float> qr(B * Hq * D), acc(items * Hq * D), max(items * Hq), sum(items * Hq);
@@ -337,7 +335,7 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     std::vector<float> scores;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
-      const int64_t t0 = (i - first[b]) * chunk, t1 = std::min(pl[b] + 1, t0 + chunk);
+      const int64_t t0 = (i - first[b]) * CHUNK, t1 = std::min(pl[b] + 1, t0 + CHUNK);
       const Pages pg{pt + b * P, page_tokens};
       scores.resize(Hq * (t1 - t0));
       scores_of(qr.data() + b * Hq * D, kf, pg, t0, t1, hs, scores.data());
@@ -379,26 +377,25 @@ std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& logits) {
   const float* pl = logits.data_ptr<float>();
   int64_t* pi = ids.data_ptr<int64_t>();
   bool* pf = finite.data_ptr<bool>();
-  {  // one thread: ~7 us a row of 49k, and a parallel region measured no faster here
-    for (int64_t b = 0; b < B; ++b) {
-      const float* x = pl + b * sl;
-      float mx = x[0], bad = 0.f;
+  // one thread: ~7 us a row of 49k, and a parallel region measured no faster here
+  for (int64_t b = 0; b < B; ++b) {
+    const float* x = pl + b * sl;
+    float mx = x[0], bad = 0.f;
 #pragma omp simd reduction(max : mx) reduction(+ : bad)
-      for (int64_t v = 0; v < V; ++v) {
-        mx = x[v] > mx ? x[v] : mx;
-        bad += (x[v] - x[v]) != 0.f ? 1.f : 0.f;  // x - x is NaN exactly for NaN and +-inf
-      }
-      int64_t at = 0;  // the first block of 64 holding the max, then the index in it
-      for (; at + 64 <= V; at += 64) {
-        int hit = 0;
-#pragma omp simd reduction(| : hit)
-        for (int64_t v = at; v < at + 64; ++v) hit |= x[v] == mx;
-        if (hit) break;
-      }
-      while (at < V && x[at] != mx) ++at;
-      pf[b] = bad == 0.f;
-      pi[b] = at < V ? at : 0;
+    for (int64_t v = 0; v < V; ++v) {
+      mx = x[v] > mx ? x[v] : mx;
+      bad += (x[v] - x[v]) != 0.f ? 1.f : 0.f;  // x - x is NaN exactly for NaN and +-inf
     }
+    int64_t at = 0;  // the first block of 64 holding the max, then the index in it
+    for (; at + 64 <= V; at += 64) {
+      int hit = 0;
+#pragma omp simd reduction(| : hit)
+      for (int64_t v = at; v < at + 64; ++v) hit |= x[v] == mx;
+      if (hit) break;
+    }
+    while (at < V && x[at] != mx) ++at;
+    pf[b] = bad == 0.f;
+    pi[b] = at < V ? at : 0;
   }
   return {ids, finite};
 }
