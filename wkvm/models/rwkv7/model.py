@@ -144,7 +144,8 @@ class RWKV7(ModelBase):
             w = self.weights.layer(i)
             for j, (tokens, state) in enumerate(groups):
                 x = xs[j]
-                if tokens.shape[1] == 1 and tokens.shape[0] < PACKED_LORA_MIN_ROWS:
+                # one token per row on the step kernel; without it (WKVM_FUSED=off, no compiler) the torch path below
+                if tokens.shape[1] == 1 and tokens.shape[0] < PACKED_LORA_MIN_ROWS and x.is_cpu and step.available():
                     y, v_firsts[j] = self._decode_layer(i, w, x.view(x.shape[0], -1), state, v_firsts[j])
                     xs[j] = y.view(x.shape)
                     continue

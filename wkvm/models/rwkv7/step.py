@@ -5,11 +5,13 @@ four ops do a layer's work between its matmuls: norm + token shift + mixes, the 
 WKVM_FUSED=off -> on): int8 13.1 -> 8.1-9.2, int4 12.0 -> 7.0-7.6, fp32 33.6-36.4 -> 30.0-33.2 (oneDNN's gemv is
 most of fp32's token).
 
-Each function is one op of the kernel when it runs (built on first use like the int8/int4 kernels, cached per source
-and CPU) and the torch expression it replaces otherwise: no compiler, a tensor off the CPU or not float32, or
-`WKVM_FUSED=off` (as for wkvm/models/fused.py). The ops take rows [B, C] with contiguous rows (any row stride) and
-the state with contiguous heads, as the model holds them; the kernel refuses other layouts with a message. It
-computes in fp32 like the torch path; results differ by rounding only (tests/test_rwkv7_step.py bounds that).
+The model calls them only where the kernel is built (else, and under `WKVM_FUSED=off`, it runs its own torch time and
+channel mix, the code these ops were checked against). Each function is one op of the kernel (built on first use like
+the int8/int4 kernels, cached per source and CPU) and, for tensors the kernel does not take (off the CPU, not
+float32), the torch expression it replaces; tests/test_rwkv7_step.py also uses those as each op's reference. The ops
+take rows [B, C] with contiguous rows (any row stride) and the state with contiguous heads, as the model holds them;
+the kernel refuses other layouts with a message. It computes in fp32 like the torch path; results differ by rounding
+only (tests/test_rwkv7_step.py bounds that).
 """
 
 from __future__ import annotations
@@ -37,9 +39,8 @@ def available() -> bool:
 
 
 def _runs(*xs: torch.Tensor | None) -> bool:
-    """The kernel takes these (CPU float32 or absent; it checks their layout itself and says what it expects).
-    `is_cpu`, not `device.type`: this check runs ~40 times a step, and the latter costs 3x as much."""
-    return all(x is None or (x.is_cpu and x.dtype == torch.float32) for x in xs) and available()
+    """The kernel takes these (CPU float32 or absent; it checks their layout itself and says what it expects)."""
+    return fused.cpu_fp32(*xs) and available()
 
 
 def norm_shift_mix(x: torch.Tensor, add: torch.Tensor | None, ln_w: torch.Tensor, ln_b: torch.Tensor, eps: float,
