@@ -68,32 +68,29 @@ def in_features(w: torch.Tensor) -> int:
 
 def scales(w: torch.Tensor) -> torch.Tensor:
     """The per-row fp32 scales [N] of a quantized matrix."""
-    _, block_scales, plain = _parts(w)
-    return torch.cat([block_scales.reshape(-1), _plain_scales(plain)])
+    _, scale_bytes, plain = _parts(w)
+    return torch.cat([_floats(scale_bytes), _plain_scales(plain)])
 
 
 def dequantize(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """int8 [N, K + 4] -> [N, K] in `dtype` (torch ops; the kernel's own `dequantize` is one parallel pass)."""
-    pairs, block_scales, plain = _parts(w)
+    pairs, scale_bytes, plain = _parts(w)
     K = in_features(w)
-    top = pairs.transpose(1, 2).reshape(-1, K).to(torch.float32) * block_scales.reshape(-1, 1)
+    top = pairs.transpose(1, 2).reshape(-1, K).to(torch.float32) * _floats(scale_bytes)[:, None]
     bottom = plain[:, :K].to(torch.float32) * _plain_scales(plain)[:, None]
     return torch.cat([top, bottom]).to(dtype)
 
 
 def embedding(ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of a quantized embedding, dequantized to fp32 (only the rows looked up)."""
-    K = in_features(w)
-    nb = n_blocks(w.shape[0], K)
-    edge = nb * BLOCK
-    blocks = w[:edge].reshape(nb, BLOCK * (K + SCALE_BYTES))
-    pairs, plain = blocks[:, : BLOCK * K].view(nb, K // 2, BLOCK, 2), w[edge:]
+    """Rows `ids` of a quantized embedding, dequantized to fp32 (only the rows looked up, and only their scales: all
+    of a 65k-row embedding's cost ~0.25 ms a token)."""
+    pairs, scale_bytes, plain = _parts(w)
+    K, edge = in_features(w), pairs.shape[0] * BLOCK
     flat = ids.reshape(-1)
 
-    def rows_of_blocks(i: torch.Tensor) -> torch.Tensor:  # only these rows' scales are read (all of a 65k-row
-        b, r = i // BLOCK, i % BLOCK  # embedding's cost ~0.25 ms a token)
-        scales = _floats(blocks[:, BLOCK * K :].view(nb, BLOCK, SCALE_BYTES)[b, r])
-        return pairs[b, :, r, :].reshape(-1, K).to(torch.float32) * scales[:, None]
+    def rows_of_blocks(i: torch.Tensor) -> torch.Tensor:
+        b, r = i // BLOCK, i % BLOCK
+        return pairs[b, :, r, :].reshape(-1, K).to(torch.float32) * _floats(scale_bytes[b, r])[:, None]
 
     if flat.numel() and int(flat.max()) < edge:  # every row in a block (any vocabulary that is a multiple of 32)
         return rows_of_blocks(flat).view(*ids.shape, K)
@@ -108,12 +105,13 @@ def embedding(ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _parts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Blocks' weights [nb, K/2, 32, 2], blocks' scales [nb, 32], plain rows [N - 32 nb, K + 4] (views of w)."""
+    """Blocks' weights [nb, K/2, 32, 2], blocks' scale bytes [nb, 32, 4] (`_floats` reads them), plain rows
+    [N - 32 nb, K + 4] (views of w)."""
     K = in_features(w)
     nb = n_blocks(w.shape[0], K)
     blocks = w[: nb * BLOCK].reshape(nb, BLOCK * (K + SCALE_BYTES))
     pairs = blocks[:, : BLOCK * K].view(nb, K // 2, BLOCK, 2)
-    return pairs, _floats(blocks[:, BLOCK * K :]).view(nb, BLOCK), w[nb * BLOCK :]
+    return pairs, blocks[:, BLOCK * K :].view(nb, BLOCK, SCALE_BYTES), w[nb * BLOCK :]
 
 
 def _plain_scales(rows: torch.Tensor) -> torch.Tensor:
