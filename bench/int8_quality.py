@@ -4,7 +4,7 @@ SmolLM2-135M (the GGUF from `make smollm2`, dequantized to fp32 as the reference
 --random-0.1b, the random RWKV-7 0.1B shape.
 
 fp32 logits come from one prefill (equal to token-by-token decode, DESIGN invariant 2). int8 and int4 are measured
-both ways: token by token (the native kernel: x rounded to int16 for int8, to int8 per group of 32 for int4) and one
+both ways: token by token (the native kernel: x rounded to int8 per group of 32) and one
 prefill. With --int4-variants also: int4 with x kept in fp32 (WKVM_INT4_KERNEL=torch: matrices dequantized, so the
 difference to the kernel row is what rounding x to int8 costs; int16 x would land between the two), Q4_0-style
 symmetric groups, and the embedding and head in int8 with the rest int4 (what llama.cpp's Q4 files do: this

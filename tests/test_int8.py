@@ -18,7 +18,8 @@ from wkvm.weights.loader import load_model
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n\nJULIET:\n"
-# plain rows only (K odd; N under a block), 32-row blocks then a plain row, blocks only with K over an int32 flush
+# plain rows only (K odd; N under a block), 32-row blocks then a plain row, blocks only, K = 2 mod 4 (a last pair
+# row without its quad partner) with a short last group of x
 SHAPES = [(37, 77), (7, 4100), (129, 1000), (64, 256), (96, 1030)]
 
 
@@ -29,6 +30,16 @@ def native_paths() -> list[str]:
 
 def reference(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return x.double() @ int8.dequantize(q).double().T
+
+
+def activation_bound(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """|kernel - reference| can reach sum_k |W[n, k]| * (half an int8 step of x's group of 32), plus float rounding."""
+    m, k = x.shape
+    groups = torch.zeros(m, -(-k // 32) * 32, dtype=torch.float64)
+    groups[:, :k] = x.double().abs()
+    step = groups.view(m, -1, 32).amax(-1, keepdim=True) / 127
+    half = (step / 2).expand(-1, -1, 32).reshape(m, -1)[:, :k]
+    return half @ int8.dequantize(q).double().abs().T + 1e-5 * reference(x, q).abs().max()
 
 
 def kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -76,13 +87,12 @@ def test_kernel_equals_the_float64_product_on_every_isa(shape, m):
     n, k = shape
     torch.manual_seed(n * k + m)
     q, x = int8.quantize(torch.randn(n, k)), torch.randn(m, k)
-    want = reference(x, q)
+    want, bound = reference(x, q), activation_bound(x, q)
     outs = {p: int8.linear(x, q, p) for p in paths}
     for p, y in outs.items():
         assert y.shape == (m, n) and y.dtype == torch.float32
-        err = (y.double() - want).abs().max() / want.abs().max()
-        assert err < 1e-4, (p, err)  # x is rounded to int16 (a step of 3e-5 of its largest value) in the kernel
-    # integer products summed exactly: the portable, AVX2, AVX-512 and VNNI paths agree to the bit
+        assert ((y.double() - want).abs() <= bound).all(), p  # x is rounded to int8 per group of 32 in the kernel
+    # integer products summed exactly, the same float steps after: the portable, AVX2, AVX-512 and VNNI paths agree
     assert all(torch.equal(outs["scalar"], y) for y in outs.values())
 
 
@@ -94,8 +104,9 @@ def test_prefill_sized_batches(path):
     torch.manual_seed(1)
     q, x = int8.quantize(torch.randn(40, 50)), torch.randn(2, 40, 50)
     y = int8.linear(x, q, None if path == "auto" else path)
-    want = reference(x.reshape(-1, 50), q).view(2, 40, 40)
-    assert y.shape == (2, 40, 40) and (y.double() - want).abs().max() < 1e-4 * want.abs().max()
+    x2 = x.reshape(-1, 50)
+    want, bound = reference(x2, q).view(2, 40, 40), activation_bound(x2, q).view(2, 40, 40)
+    assert y.shape == (2, 40, 40) and ((y.double() - want).abs() <= bound).all()
 
 
 def test_avx2_can_be_forced_on_any_avx2_cpu(fresh_choice):

@@ -26,6 +26,8 @@
 #include <cstring>
 #include <memory>
 
+#include "x_groups.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define WKVM_X86 1
@@ -78,31 +80,6 @@ inline const uint8_t* block_group(const Problem& p, int64_t b, int64_t g) {
 // multiply-adds: the same operations in the same order on every path (std::fma rounds once, like the vector FMAs)
 inline float group_term(float acc, int32_t isum, float d, float m, float dx, float xsd) {
   return std::fma(m, xsd, std::fma(static_cast<float>(isum), d * dx, acc));
-}
-
-// ---- x to int8 per group (portable; GCC vectorizes it for the baseline ISA) ----
-
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, float* sum_scaled) {
-  constexpr float ROUND = 12582912.f;  // 1.5 * 2^23: adding then subtracting it rounds to nearest, ties to even
-  const int64_t G = K / GROUP;
-  at::parallel_for(0, M * G, std::max<int64_t>(1, 512), [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* r = x + i * GROUP;
-      float amax = 0.f;
-      for (int64_t k = 0; k < GROUP; ++k) amax = std::max(amax, std::fabs(r[k]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      scale[i] = amax / 127.f;
-      int32_t s = 0;
-      for (int64_t k = 0; k < GROUP; ++k) {
-        float v = r[k] * inv;
-        v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
-        const int32_t qi = static_cast<int32_t>((v + ROUND) - ROUND);
-        q[i * GROUP + k] = static_cast<int8_t>(qi);
-        s += qi;
-      }
-      sum_scaled[i] = static_cast<float>(s) * scale[i];
-    }
-  });
 }
 
 // ---- portable C++ (the reference the vector paths equal bit for bit) ----
@@ -278,7 +255,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t isa) {
   std::unique_ptr<int8_t[]> xq(new int8_t[M * K]);  // uninitialized: every element is written
   std::unique_ptr<float[]> xs(new float[M * G]);
   std::unique_ptr<float[]> xsd(new float[M * G]);
-  quantize_rows(x.data_ptr<float>(), M, K, xq.get(), xs.get(), xsd.get());
+  std::unique_ptr<int32_t[]> xsum(new int32_t[M * G]);
+  wkvm::quantize_groups(x.data_ptr<float>(), M, K, xq.get(), xs.get(), xsum.get());
+  for (int64_t i = 0; i < M * G; ++i) xsd[i] = static_cast<float>(xsum[i]) * xs[i];
   at::Tensor y = at::empty({M, N}, x.options());
   const Problem p{xq.get(), xs.get(), xsd.get(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K, G, N / ROWS};
   void (*blocks)(const Problem&, int64_t, int64_t) = blocks_scalar;

@@ -11,9 +11,11 @@ Decode is bound by reading the weights, and torch's own weight-only CPU kernels 
 5-13x slower than wkvm's fp32 oneDNN gemv on these shapes; so decode-sized batches (up to `KERNEL_ROWS` rows of
 x) go to `int8_linear.cpp`, built on first use with the machine's C++ compiler into
 ~/.cache/wkvm/torch_extensions (a name hashed from the source, torch's version and the CPU flags; 10-25 s once).
-It rounds each row of x to int16 (a step of 3e-5 of the row's largest value, finer than bf16's rounding) and
-multiplies exactly in integers, so its result is the dequantized matrix's product to ~1e-5, and the same bits on
-every ISA. More rows (prefill) are compute-bound: the matrix is dequantized to fp32 per call and goes to oneDNN,
+It rounds x to int8 per group of 32 values (scale max|x| / 127, as llama.cpp's q8 activation blocks; shared with
+the int4 kernel in x_groups.h) and multiplies exactly in integers (AVX512-VNNI's vpdpbusd, 64 products an
+instruction; int16 vpmaddwd without VNNI), one fused multiply-add per group after, so every ISA gives the same bits.
+Rounding x moved the default model's mean KL from fp32 from 9.3e-5 (int16 x) to 1.4e-4 and made M=8-32 products
+1.5-2.4x faster (docs/performance.md). More rows (prefill) are compute-bound: the matrix is dequantized to fp32 per call and goes to oneDNN,
 whose GEMM beats the kernel there. Without a compiler every call dequantizes in torch (correct, slow) after a
 one-line warning; importing never fails.
 
@@ -42,6 +44,7 @@ SOURCE = Path(__file__).with_name("int8_linear.cpp")
 ISAS = ("scalar", "avx2", "avx512", "avx512_vnni")  # the kernel's isa argument is the index
 SCALE_BYTES = 4
 BLOCK = 32
+CFLAGS = ("-O3", "-ffp-contract=off")  # no FMA contraction: every ISA computes the same float expression
 
 
 def quantize(w: torch.Tensor) -> torch.Tensor:
@@ -186,7 +189,7 @@ def built_isa(kind: str, build: Callable[[], None], namespace: str, logger: logg
 
 def build() -> None:
     """Compile (once per source, torch and CPU) and load int8_linear.cpp as torch.ops.wkvm_int8."""
-    load_kernel(SOURCE, "wkvm_int8")
+    load_kernel(SOURCE, "wkvm_int8", CFLAGS)
 
 
 def load_kernel(source: Path, namespace: str, cflags: tuple[str, ...] = ("-O3",), op: str = "linear") -> None:

@@ -3,16 +3,19 @@
 // weights k and k + 1 at bytes 2r, 2r + 1) followed by the 32 rows' fp32 scales; the rows after the last whole
 // block (and all rows when K is odd) are plain: K weights, then the row's scale.
 //
-// Decode sizes (M up to a few dozen). Each row of x is first rounded to int16 with its own scale (max|x| / 32767: a
-// relative step of 3e-5 of the row's largest value, finer than bf16's rounding of x); the products are then exact
-// integer multiply-adds (vpmaddwd; vpdpwssd with AVX512-VNNI), 32 per instruction, with no conversion per weight.
-// A block feeds 16 (AVX-512) or 8 (AVX2) output rows per register, so x's pairs are broadcast and no horizontal sums
-// are needed, and the matrix is read as one sequential stream (2 or 4 plain rows read side by side ran at a third
-// of the read bandwidth on the development machine). Partial sums leave the int32 lanes for int64 before they can
-// overflow, so every path (portable, AVX2, AVX-512, VNNI) returns the same bits. Output rows are split across
-// torch's own thread pool (at::parallel_for), so no second OpenMP runtime spins beside oneDNN's. One build serves
-// every x86 CPU: the vector kernels carry target attributes and the caller picks one (isa: 0 portable C++, 1 AVX2,
-// 2 AVX-512BW, 3 AVX512-VNNI); best_isa() says what this CPU runs.
+// Decode sizes. Each row of x is first rounded to int8 per group of 32 values (x_groups.h: scale max|x| / 127, as
+// llama.cpp's q8 activation blocks), so a group's products are exact integer sums and
+//   y[m, n] = s_n * (sum over groups g, in order, of isum_g * dx_g)   (one fused multiply-add per group),
+// the same float operations in the same order on every path (std::fma in C++; the build turns off the compiler's
+// own contraction), so the portable, AVX2, AVX-512 and VNNI paths return the same bits. With AVX512-VNNI two pair
+// rows are interleaved into quads (row r's k..k+3 in one 32-bit lane) and multiplied by vpdpbusd, 64 products per
+// instruction: the weights are made unsigned by flipping their top bit (w + 128) and 128 * sum(xq) is subtracted
+// from the group's integer sum. Without VNNI (AVX-512BW, AVX2) the pairs are widened to int16 and multiplied by
+// vpmaddwd (32 products per AVX-512 instruction). A register holds one lane per output row, so x's values are
+// broadcast and no horizontal sums are needed, and the matrix is read as one sequential stream. Output blocks are
+// split across torch's own thread pool (at::parallel_for). One build serves every x86 CPU: the vector kernels carry
+// target attributes and the caller picks one (isa: 0 portable C++, 1 AVX2, 2 AVX-512BW, 3 AVX512-VNNI);
+// best_isa() says what this CPU runs.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -23,7 +26,8 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <vector>
+
+#include "x_groups.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -32,18 +36,18 @@
 
 namespace {
 
-constexpr int64_t BLOCK = 32;
-// plain rows: inputs per int32 flush (a lane sums at most 2048 / 16 vpmaddwd results of 2 * 127 * 32767, < 2^31)
-constexpr int64_t CHUNK = 2048;
-// blocks: pair rows per int32 flush (a lane sums one vpmaddwd result per pair row: 256 * 2 * 127 * 32767 < 2^31)
-constexpr int64_t PAIRS = 256;
+using wkvm::X_GROUP;
+
+constexpr int64_t BLOCK = 32;  // rows per block
 
 struct Problem {
-  const int16_t* x;  // [M, K] x rounded to int16
-  const float* xs;   // [M] x's row scales
-  const int8_t* w;   // [N, K + 4]
-  float* y;          // [M, N]
-  int64_t M, N, K, blocks;
+  const int8_t* xq;     // [M, K] x rounded to int8 per group
+  const int16_t* x16;   // the same values as int16 (the vpmaddwd paths); null where unused
+  const float* xs;      // [M, G] the groups' scales
+  const int32_t* xsum;  // [M, G] the groups' sums of xq
+  const int8_t* w;      // [N, K + 4]
+  float* y;             // [M, N]
+  int64_t M, N, K, G, blocks;
 };
 
 inline float load_float(const int8_t* p) {
@@ -59,151 +63,80 @@ inline float scale_of(const Problem& p, int64_t n) {
   return load_float(p.w + n * (p.K + 4) + p.K);
 }
 
-inline void store(const Problem& p, int64_t m, int64_t n, int64_t total) {
-  p.y[m * p.N + n] = static_cast<float>(static_cast<double>(total) * p.xs[m] * scale_of(p, n));
-}
-
-// a block's output rows m..m+MT from its int64 totals [MT][32]
-template <int MT>
-inline void store_block(const Problem& p, int64_t b, int64_t m, const int64_t (&tot)[MT][BLOCK]) {
-  for (int i = 0; i < MT; ++i)
-    for (int64_t r = 0; r < BLOCK; ++r) store(p, m + i, b * BLOCK + r, tot[i][r]);
-}
-
-// x's rows to int16 with their own scales. The AVX2 version (used by every vector path) gives the same bits: max is
-// exact in any order, the scale is computed alike, and cvtps rounds to nearest even as the ROUND trick does.
-constexpr float QMAX = 32767.f;
-
-inline float amax_scalar(const float* r, int64_t k0, int64_t K, float amax) {
-  for (int64_t k = k0; k < K; ++k) {
-    const float a = std::fabs(r[k]);
-    amax = a > amax ? a : amax;
-  }
-  return amax;
-}
-
-inline void round_scalar(const float* r, int64_t k0, int64_t K, float inv, int16_t* q) {
-  constexpr float ROUND = 12582912.f;  // 1.5 * 2^23: adding then subtracting it rounds to nearest, ties to even
-  for (int64_t k = k0; k < K; ++k) {
-    float v = r[k] * inv;
-    v = v > QMAX ? QMAX : (v < -QMAX ? -QMAX : v);
-    q[k] = static_cast<int16_t>(static_cast<int32_t>((v + ROUND) - ROUND));
-  }
-}
-
-inline float inverse(float amax) { return amax > 0.f ? QMAX / amax : 0.f; }
-
-void quantize_row_scalar(const float* r, int64_t K, int16_t* q, float* scale) {
-  const float amax = amax_scalar(r, 0, K, 0.f);
-  *scale = amax / QMAX;
-  round_scalar(r, 0, K, inverse(amax), q);
-}
-
-#ifdef WKVM_X86
-__attribute__((target("avx2"))) void quantize_row_avx2(const float* r, int64_t K, int16_t* q, float* scale) {
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 mx = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(r + k), abs_mask));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, mx);
-  const float amax = amax_scalar(r, k, K, amax_scalar(lanes, 0, 8, 0.f));
-  *scale = amax / QMAX;
-  const float inv = inverse(amax);
-  const __m256 vinv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(QMAX), lo = _mm256_set1_ps(-QMAX);
-  for (k = 0; k + 16 <= K; k += 16) {
-    const __m256 va = _mm256_mul_ps(_mm256_loadu_ps(r + k), vinv), vb = _mm256_mul_ps(_mm256_loadu_ps(r + k + 8), vinv);
-    const __m256i a = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, va)));
-    const __m256i b = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, vb)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
-  }
-  round_scalar(r, k, K, inv, q);
-}
-#endif
-
-void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* q, float* scale, int64_t isa) {
-  void (*row)(const float*, int64_t, int16_t*, float*) = quantize_row_scalar;
-#ifdef WKVM_X86
-  if (isa >= 1) row = quantize_row_avx2;
-#endif
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) row(x + m * K, K, q + m * K, scale + m);
-  });
-}
-
-inline int64_t dot_scalar(const int16_t* x, const int8_t* w, int64_t k0, int64_t k1) {
-  int64_t t = 0;
-  for (int64_t k = k0; k < k1; ++k) t += int32_t(x[k]) * int32_t(w[k]);
-  return t;
-}
-
 // ---- portable C++ (the reference the vector paths must equal bit for bit) ----
+
+// one output: the groups' exact integer sums, each added as one fma, times the row's scale; weight(k) reads W[n, k]
+template <class Weight>
+inline float output(const Problem& p, int64_t m, int64_t n, const Weight& weight) {
+  const int8_t* x = p.xq + m * p.K;
+  float acc = 0.f;
+  for (int64_t g = 0; g < p.G; ++g) {
+    int32_t isum = 0;
+    for (int64_t k = g * X_GROUP; k < std::min(p.K, (g + 1) * X_GROUP); ++k) isum += int32_t(x[k]) * weight(k);
+    acc = std::fma(static_cast<float>(isum), p.xs[m * p.G + g], acc);
+  }
+  return acc * scale_of(p, n);
+}
 
 void blocks_scalar(const Problem& p, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     const int8_t* w = block_at(p, b);
-    for (int64_t m = 0; m < p.M; ++m) {
-      const int16_t* x = p.x + m * p.K;
-      for (int64_t r = 0; r < BLOCK; ++r) {
-        int64_t t = 0;
-        for (int64_t k = 0; k < p.K; k += 2)
-          t += int32_t(x[k]) * w[k * BLOCK + 2 * r] + int32_t(x[k + 1]) * w[k * BLOCK + 2 * r + 1];
-        store(p, m, b * BLOCK + r, t);
-      }
-    }
+    for (int64_t m = 0; m < p.M; ++m)
+      for (int64_t r = 0; r < BLOCK; ++r)
+        p.y[m * p.N + b * BLOCK + r] =
+            output(p, m, b * BLOCK + r, [&](int64_t k) { return int32_t(w[(k & ~int64_t(1)) * BLOCK + 2 * r + (k & 1)]); });
   }
 }
 
+// plain rows (at most 31 after the blocks, or every row of an odd K) on every path
 void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m = 0; m < p.M; ++m) store(p, m, n, dot_scalar(p.x + m * p.K, p.w + n * (p.K + 4), 0, p.K));
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* w = p.w + n * (p.K + 4);
+    for (int64_t m = 0; m < p.M; ++m) p.y[m * p.N + n] = output(p, m, n, [&](int64_t k) { return int32_t(w[k]); });
+  }
 }
 
 #ifdef WKVM_X86
 
-// ---- AVX2: 8 output rows per register ----
-
-__attribute__((target("avx2"))) inline void add_epi32_to(int64_t* tot, __m256i v) {
-  __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tot));
-  __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tot + 4));
-  lo = _mm256_add_epi64(lo, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(v)));
-  hi = _mm256_add_epi64(hi, _mm256_cvtepi32_epi64(_mm256_extracti128_si256(v, 1)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(tot), lo);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(tot + 4), hi);
+inline int32_t load_pair(const int16_t* x) {  // x[k], x[k + 1] as one 32-bit value to broadcast
+  int32_t v;
+  std::memcpy(&v, x, sizeof v);
+  return v;
 }
 
-__attribute__((target("avx2"))) inline int64_t hsum_epi32(__m256i v) {
-  alignas(32) int64_t t[8] = {};
-  add_epi32_to(t, v);
-  return t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
-}
+// ---- AVX2: a block as four quarters of 8 rows, int16 pairs (vpmaddwd) ----
 
 template <int MT>
-__attribute__((target("avx2"))) void block_avx2(const Problem& p, int64_t b, int64_t m) {
+__attribute__((target("avx2,fma"))) void block_avx2(const Problem& p, int64_t b, int64_t m) {
   const int8_t* w = block_at(p, b);
-  int64_t tot[MT][BLOCK] = {};
-  for (int64_t k0 = 0; k0 < p.K; k0 += 2 * PAIRS) {
-    __m256i acc[4][MT];
+  __m256 acc[4][MT];
+  for (int q = 0; q < 4; ++q)
+    for (int i = 0; i < MT; ++i) acc[q][i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.G; ++g) {
+    __m256i isum[4][MT];
     for (int q = 0; q < 4; ++q)
-      for (int i = 0; i < MT; ++i) acc[q][i] = _mm256_setzero_si256();
-    for (int64_t k = k0; k < std::min(p.K, k0 + 2 * PAIRS); k += 2) {
+      for (int i = 0; i < MT; ++i) isum[q][i] = _mm256_setzero_si256();
+    for (int64_t k = g * X_GROUP; k < std::min(p.K, (g + 1) * X_GROUP); k += 2) {
       __m256i wv[4];
       for (int q = 0; q < 4; ++q)
         wv[q] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * BLOCK + 16 * q)));
       for (int i = 0; i < MT; ++i) {
-        int32_t pair;
-        std::memcpy(&pair, p.x + (m + i) * p.K + k, sizeof pair);
-        const __m256i xv = _mm256_set1_epi32(pair);
-        for (int q = 0; q < 4; ++q) acc[q][i] = _mm256_add_epi32(acc[q][i], _mm256_madd_epi16(wv[q], xv));
+        const __m256i xv = _mm256_set1_epi32(load_pair(p.x16 + (m + i) * p.K + k));
+        for (int q = 0; q < 4; ++q) isum[q][i] = _mm256_add_epi32(isum[q][i], _mm256_madd_epi16(wv[q], xv));
       }
     }
-    for (int q = 0; q < 4; ++q)
-      for (int i = 0; i < MT; ++i) add_epi32_to(tot[i] + 8 * q, acc[q][i]);
+    for (int i = 0; i < MT; ++i) {
+      const __m256 dx = _mm256_set1_ps(p.xs[(m + i) * p.G + g]);
+      for (int q = 0; q < 4; ++q) acc[q][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[q][i]), dx, acc[q][i]);
+    }
   }
-  store_block<MT>(p, b, m, tot);
+  const float* scales = reinterpret_cast<const float*>(w + BLOCK * p.K);
+  for (int i = 0; i < MT; ++i)
+    for (int q = 0; q < 4; ++q)
+      _mm256_storeu_ps(p.y + (m + i) * p.N + b * BLOCK + 8 * q, _mm256_mul_ps(acc[q][i], _mm256_loadu_ps(scales + 8 * q)));
 }
 
-__attribute__((target("avx2"))) void blocks_avx2(const Problem& p, int64_t b0, int64_t b1) {
+__attribute__((target("avx2,fma"))) void blocks_avx2(const Problem& p, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     int64_t m = 0;
     for (; m + 2 <= p.M; m += 2) block_avx2<2>(p, b, m);
@@ -211,125 +144,110 @@ __attribute__((target("avx2"))) void blocks_avx2(const Problem& p, int64_t b0, i
   }
 }
 
-// plain rows: one row at a time against MT rows of x (16 weights per step)
+// ---- AVX-512BW: two halves of 16 rows, int16 pairs (vpmaddwd) ----
+
+#define WKVM_AVX512 "avx2,fma,avx512f,avx512bw"
+#define WKVM_VNNI "avx2,fma,avx512f,avx512bw,avx512vnni"
+
 template <int MT>
-__attribute__((target("avx2"))) void row_avx2(const Problem& p, int64_t n, int64_t m) {
-  const int64_t K16 = p.K & ~int64_t(15);
-  const int8_t* w = p.w + n * (p.K + 4);
-  int64_t total[MT] = {};
-  for (int64_t k0 = 0; k0 < K16; k0 += CHUNK) {
-    __m256i acc[MT];
-    for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_si256();
-    for (int64_t k = k0; k < std::min(K16, k0 + CHUNK); k += 16) {
-      const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k)));
+__attribute__((target(WKVM_AVX512))) void block_avx512(const Problem& p, int64_t b, int64_t m) {
+  const int8_t* w = block_at(p, b);
+  __m512 acc[2][MT];
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < MT; ++i) acc[h][i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.G; ++g) {
+    __m512i isum[2][MT];
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < MT; ++i) isum[h][i] = _mm512_setzero_si512();
+    for (int64_t k = g * X_GROUP; k < std::min(p.K, (g + 1) * X_GROUP); k += 2) {
+      const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * BLOCK)));
+      const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * BLOCK + 32)));
       for (int i = 0; i < MT; ++i) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x + (m + i) * p.K + k));
-        acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(wv, xv));
+        const __m512i xv = _mm512_set1_epi32(load_pair(p.x16 + (m + i) * p.K + k));
+        isum[0][i] = _mm512_add_epi32(isum[0][i], _mm512_madd_epi16(w0, xv));
+        isum[1][i] = _mm512_add_epi32(isum[1][i], _mm512_madd_epi16(w1, xv));
       }
     }
-    for (int i = 0; i < MT; ++i) total[i] += hsum_epi32(acc[i]);
+    for (int i = 0; i < MT; ++i) {
+      const __m512 dx = _mm512_set1_ps(p.xs[(m + i) * p.G + g]);
+      for (int h = 0; h < 2; ++h) acc[h][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[h][i]), dx, acc[h][i]);
+    }
   }
-  for (int i = 0; i < MT; ++i) store(p, m + i, n, total[i] + dot_scalar(p.x + (m + i) * p.K, w, K16, p.K));
+  const float* scales = reinterpret_cast<const float*>(w + BLOCK * p.K);
+  for (int i = 0; i < MT; ++i)
+    for (int h = 0; h < 2; ++h)
+      _mm512_storeu_ps(p.y + (m + i) * p.N + b * BLOCK + 16 * h, _mm512_mul_ps(acc[h][i], _mm512_loadu_ps(scales + 16 * h)));
 }
 
-__attribute__((target("avx2"))) void rows_avx2(const Problem& p, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    int64_t m = 0;
-    for (; m + 4 <= p.M; m += 4) row_avx2<4>(p, n, m);
-    for (; m < p.M; ++m) row_avx2<1>(p, n, m);
+// ---- AVX512-VNNI: pair rows k and k + 2 interleaved into quads, unsigned weights times int8 x (vpdpbusd) ----
+// _mm512_unpack{lo,hi}_epi16 interleave within 128-bit lanes, so lane j of `lo` is row 8 (j / 4) + j % 4 and lane j
+// of `hi` is row 8 (j / 4) + 4 + j % 4.
+
+inline int64_t quad_row(int h, int64_t j) { return 8 * (j / 4) + 4 * h + j % 4; }
+
+// isum += quad k..k+3 of 32 rows times rows m..m+MT of x; WHOLE false: only pair row k is left (the quads' top
+// halves are zero)
+template <int MT, bool WHOLE>
+__attribute__((target(WKVM_VNNI))) inline void quad_vnni(const Problem& p, const int8_t* w, int64_t k, int64_t m,
+                                                         __m512i (&isum)[2][MT]) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i a = _mm512_loadu_si512(w + k * BLOCK);
+  const __m512i c = WHOLE ? _mm512_loadu_si512(w + (k + 2) * BLOCK) : _mm512_setzero_si512();
+  const __m512i lo = _mm512_xor_si512(_mm512_unpacklo_epi16(a, c), flip);
+  const __m512i hi = _mm512_xor_si512(_mm512_unpackhi_epi16(a, c), flip);
+  for (int i = 0; i < MT; ++i) {
+    int32_t quad = 0;
+    std::memcpy(&quad, p.xq + (m + i) * p.K + k, WHOLE ? 4 : 2);
+    const __m512i xv = _mm512_set1_epi32(quad);
+    isum[0][i] = _mm512_dpbusd_epi32(isum[0][i], lo, xv);
+    isum[1][i] = _mm512_dpbusd_epi32(isum[1][i], hi, xv);
   }
 }
 
-// ---- AVX-512BW and AVX512-VNNI: 16 output rows per register ----
-
-#define WKVM_AVX512 "avx2,avx512f,avx512bw"
-#define WKVM_VNNI "avx2,avx512f,avx512bw,avx512vnni"
-
-__attribute__((target(WKVM_AVX512))) inline void add_epi32x16_to(int64_t* tot, __m512i v) {
-  __m512i lo = _mm512_loadu_si512(tot), hi = _mm512_loadu_si512(tot + 8);
-  lo = _mm512_add_epi64(lo, _mm512_cvtepi32_epi64(_mm512_castsi512_si256(v)));
-  hi = _mm512_add_epi64(hi, _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(v, 1)));
-  _mm512_storeu_si512(tot, lo);
-  _mm512_storeu_si512(tot + 8, hi);
-}
-
-__attribute__((target(WKVM_AVX512))) inline int64_t hsum_epi32x16(__m512i v) {
-  return _mm512_reduce_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(v))) +
-         _mm512_reduce_add_epi64(_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(v, 1)));
-}
-
-// NAME_block: a block against up to 8 rows of x; NAME_blocks: whole blocks b0..b1; NAME_rows: plain rows n0..n1
-#define WKVM_KERNELS512(NAME, TARGET, MADD)                                                                   \
-  template <int MT>                                                                                           \
-  __attribute__((target(TARGET))) void NAME##_block(const Problem& p, int64_t b, int64_t m) {                 \
-    const int8_t* w = block_at(p, b);                                                                         \
-    int64_t tot[MT][BLOCK] = {};                                                                              \
-    for (int64_t k0 = 0; k0 < p.K; k0 += 2 * PAIRS) {                                                         \
-      __m512i acc[2][MT];                                                                                     \
-      for (int h = 0; h < 2; ++h)                                                                             \
-        for (int i = 0; i < MT; ++i) acc[h][i] = _mm512_setzero_si512();                                      \
-      for (int64_t k = k0; k < std::min(p.K, k0 + 2 * PAIRS); k += 2) {                                       \
-        const int8_t* pair_row = w + k * BLOCK;                                                               \
-        const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair_row))); \
-        const __m512i w1 =                                                                                    \
-            _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair_row + 32)));        \
-        for (int i = 0; i < MT; ++i) {                                                                        \
-          int32_t pair;                                                                                       \
-          std::memcpy(&pair, p.x + (m + i) * p.K + k, sizeof pair);                                           \
-          const __m512i xv = _mm512_set1_epi32(pair);                                                         \
-          acc[0][i] = MADD(acc[0][i], w0, xv);                                                                \
-          acc[1][i] = MADD(acc[1][i], w1, xv);                                                                \
-        }                                                                                                     \
-      }                                                                                                       \
-      for (int h = 0; h < 2; ++h)                                                                             \
-        for (int i = 0; i < MT; ++i) add_epi32x16_to(tot[i] + 16 * h, acc[h][i]);                             \
-    }                                                                                                         \
-    store_block<MT>(p, b, m, tot);                                                                            \
-  }                                                                                                           \
-  __attribute__((target(TARGET))) void NAME##_blocks(const Problem& p, int64_t b0, int64_t b1) {              \
-    for (int64_t b = b0; b < b1; ++b) {                                                                       \
-      int64_t m = 0;                                                                                          \
-      for (; m + 8 <= p.M; m += 8) NAME##_block<8>(p, b, m);                                                  \
-      switch (p.M - m) {                                                                                      \
-        case 7: NAME##_block<7>(p, b, m); break;                                                              \
-        case 6: NAME##_block<6>(p, b, m); break;                                                              \
-        case 5: NAME##_block<5>(p, b, m); break;                                                              \
-        case 4: NAME##_block<4>(p, b, m); break;                                                              \
-        case 3: NAME##_block<3>(p, b, m); break;                                                              \
-        case 2: NAME##_block<2>(p, b, m); break;                                                              \
-        case 1: NAME##_block<1>(p, b, m); break;                                                              \
-        default: break;                                                                                       \
-      }                                                                                                       \
-    }                                                                                                         \
-  }                                                                                                           \
-  template <int MT>                                                                                           \
-  __attribute__((target(TARGET))) void NAME##_row(const Problem& p, int64_t n, int64_t m) {                   \
-    const int64_t K32 = p.K & ~int64_t(31);                                                                   \
-    const int8_t* w = p.w + n * (p.K + 4);                                                                    \
-    int64_t total[MT] = {};                                                                                   \
-    for (int64_t k0 = 0; k0 < K32; k0 += CHUNK) {                                                             \
-      __m512i acc[MT];                                                                                        \
-      for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_si512();                                           \
-      for (int64_t k = k0; k < std::min(K32, k0 + CHUNK); k += 32) {                                          \
-        const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k))); \
-        for (int i = 0; i < MT; ++i) acc[i] = MADD(acc[i], wv, _mm512_loadu_si512(p.x + (m + i) * p.K + k));  \
-      }                                                                                                       \
-      for (int i = 0; i < MT; ++i) total[i] += hsum_epi32x16(acc[i]);                                         \
-    }                                                                                                         \
-    for (int i = 0; i < MT; ++i) store(p, m + i, n, total[i] + dot_scalar(p.x + (m + i) * p.K, w, K32, p.K)); \
-  }                                                                                                           \
-  __attribute__((target(TARGET))) void NAME##_rows(const Problem& p, int64_t n0, int64_t n1) {                \
-    for (int64_t n = n0; n < n1; ++n) {                                                                       \
-      int64_t m = 0;                                                                                          \
-      for (; m + 4 <= p.M; m += 4) NAME##_row<4>(p, n, m);                                                    \
-      for (; m < p.M; ++m) NAME##_row<1>(p, n, m);                                                            \
-    }                                                                                                         \
+template <int MT>
+__attribute__((target(WKVM_VNNI))) void block_vnni(const Problem& p, int64_t b, int64_t m) {
+  const int8_t* w = block_at(p, b);
+  __m512 acc[2][MT];
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < MT; ++i) acc[h][i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.G; ++g) {
+    const int64_t k1 = std::min(p.K, (g + 1) * X_GROUP);
+    __m512i isum[2][MT];
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < MT; ++i) isum[h][i] = _mm512_setzero_si512();
+    int64_t k = g * X_GROUP;
+    for (; k + 4 <= k1; k += 4) quad_vnni<MT, true>(p, w, k, m, isum);
+    if (k < k1) quad_vnni<MT, false>(p, w, k, m, isum);  // K = 2 mod 4: pair row k is the last
+    for (int i = 0; i < MT; ++i) {
+      const int64_t gi = (m + i) * p.G + g;
+      const __m512i bias = _mm512_set1_epi32(128 * p.xsum[gi]);  // the flipped weights' extra 128 * sum(xq)
+      const __m512 dx = _mm512_set1_ps(p.xs[gi]);
+      for (int h = 0; h < 2; ++h)
+        acc[h][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[h][i], bias)), dx, acc[h][i]);
+    }
   }
+  const int8_t* scales = w + BLOCK * p.K;
+  for (int i = 0; i < MT; ++i) {
+    alignas(64) float lanes[BLOCK];
+    _mm512_store_ps(lanes, acc[0][i]);
+    _mm512_store_ps(lanes + 16, acc[1][i]);
+    float* y = p.y + (m + i) * p.N + b * BLOCK;
+    for (int h = 0; h < 2; ++h)
+      for (int64_t j = 0; j < 16; ++j) y[quad_row(h, j)] = lanes[16 * h + j] * load_float(scales + 4 * quad_row(h, j));
+  }
+}
 
-#define WKVM_MADD_BW(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
-#define WKVM_MADD_VNNI(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
-WKVM_KERNELS512(avx512, WKVM_AVX512, WKVM_MADD_BW)
-WKVM_KERNELS512(vnni, WKVM_VNNI, WKVM_MADD_VNNI)
+#define WKVM_BLOCKS(NAME, TARGET, MAXT)                                                      \
+  __attribute__((target(TARGET))) void NAME##_blocks(const Problem& p, int64_t b0, int64_t b1) { \
+    for (int64_t b = b0; b < b1; ++b) {                                                      \
+      int64_t m = 0;                                                                         \
+      for (; m + MAXT <= p.M; m += MAXT) block_##NAME<MAXT>(p, b, m);                        \
+      for (; m + 2 <= p.M; m += 2) block_##NAME<2>(p, b, m);                                 \
+      if (m < p.M) block_##NAME<1>(p, b, m);                                                 \
+    }                                                                                        \
+  }
+WKVM_BLOCKS(avx512, WKVM_AVX512, 4)
+WKVM_BLOCKS(vnni, WKVM_VNNI, 4)
 
 #endif  // WKVM_X86
 
@@ -339,7 +257,7 @@ int64_t best_isa() {
   const bool bw = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
   if (bw && __builtin_cpu_supports("avx512vnni")) return 3;
   if (bw) return 2;
-  if (__builtin_cpu_supports("avx2")) return 1;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
 #endif
   return 0;
 }
@@ -355,23 +273,29 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t isa) {
               "x: contiguous float32 [M, K] on the CPU");
   TORCH_CHECK(w.size(1) == x.size(1) + 4, "w rows must hold K = x.size(1) weights and a float32 scale");
   TORCH_CHECK(isa >= 0 && isa <= best_isa(), "this CPU cannot run kernel isa ", isa);
-  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
-  std::unique_ptr<int16_t[]> xq(new int16_t[M * K]);  // uninitialized: every element is written
-  std::vector<float> xs(M);
-  quantize_rows(x.data_ptr<float>(), M, K, xq.get(), xs.data(), isa);
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1), G = (K + X_GROUP - 1) / X_GROUP;
+  std::unique_ptr<int8_t[]> xq(new int8_t[M * K]);  // uninitialized: every element is written
+  std::unique_ptr<float[]> xs(new float[M * G]);
+  std::unique_ptr<int32_t[]> xsum(new int32_t[M * G]);
+  wkvm::quantize_groups(x.data_ptr<float>(), M, K, xq.get(), xs.get(), xsum.get());
+  std::unique_ptr<int16_t[]> x16;
+  if (isa == 1 || isa == 2) {  // the vpmaddwd paths multiply int16 pairs
+    x16.reset(new int16_t[M * K]);
+    for (int64_t i = 0; i < M * K; ++i) x16[i] = xq[i];
+  }
   at::Tensor y = at::empty({M, N}, x.options());
-  const Problem p{xq.get(), xs.data(), w.data_ptr<int8_t>(), y.data_ptr<float>(), M, N, K, K % 2 ? 0 : N / BLOCK};
+  const Problem p{xq.get(), x16.get(), xs.get(), xsum.get(), w.data_ptr<int8_t>(), y.data_ptr<float>(),
+                  M, N, K, G, K % 2 ? 0 : N / BLOCK};
   void (*blocks)(const Problem&, int64_t, int64_t) = blocks_scalar;
-  void (*rows)(const Problem&, int64_t, int64_t) = rows_scalar;
 #ifdef WKVM_X86
-  if (isa == 1) blocks = blocks_avx2, rows = rows_avx2;
-  if (isa == 2) blocks = avx512_blocks, rows = avx512_rows;
-  if (isa == 3) blocks = vnni_blocks, rows = vnni_rows;
+  if (isa == 1) blocks = blocks_avx2;
+  if (isa == 2) blocks = avx512_blocks;
+  if (isa == 3) blocks = vnni_blocks;
 #endif
   // each thread a contiguous band, at least ~64 KiB of weights, so that its share is worth waking it for
   const int64_t grain_rows = std::max<int64_t>(1, (int64_t(1) << 16) / (K + 4));
   at::parallel_for(0, p.blocks, (grain_rows + BLOCK - 1) / BLOCK, [&](int64_t b0, int64_t b1) { blocks(p, b0, b1); });
-  at::parallel_for(p.blocks * BLOCK, N, grain_rows, [&](int64_t n0, int64_t n1) { rows(p, n0, n1); });
+  at::parallel_for(p.blocks * BLOCK, N, grain_rows, [&](int64_t n0, int64_t n1) { rows_scalar(p, n0, n1); });
   return y;
 }
 
@@ -380,7 +304,8 @@ at::Tensor dequantize(const at::Tensor& w) {
   check_weights(w);
   const int64_t N = w.size(0), K = w.size(1) - 4;
   at::Tensor out = at::empty({N, K}, w.options().dtype(at::kFloat));
-  const Problem p{nullptr, nullptr, w.data_ptr<int8_t>(), out.data_ptr<float>(), 0, N, K, K % 2 ? 0 : N / BLOCK};
+  const Problem p{nullptr, nullptr, nullptr, nullptr, w.data_ptr<int8_t>(), out.data_ptr<float>(), 0, N, K, 0,
+                  K % 2 ? 0 : N / BLOCK};
   at::parallel_for(0, N, std::max<int64_t>(BLOCK, (int64_t(1) << 16) / (K + 4)), [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const float s = scale_of(p, n);
