@@ -194,14 +194,17 @@ __attribute__((target(WKVM_AVX2))) void blocks_avx2(const Problem& p, int64_t b0
       }                                                                                                        \
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + NIBBLES)));    \
       const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + NIBBLES + 32))); \
-      for (int i = 0; i < MT; ++i) {                                                                           \
-        const int8_t* xg = p.xq + (m + i) * p.K + g * GROUP;                                                   \
-        __m512i isum = _mm512_setzero_si512();                                                                 \
-        for (int j = 0; j < 8; ++j) {                                                                          \
+      __m512i isums[MT];                                                                                       \
+      for (int i = 0; i < MT; ++i) isums[i] = _mm512_setzero_si512();                                          \
+      for (int j = 0; j < 8; ++j) {                                                                            \
+        for (int i = 0; i < MT; ++i) {                                                                         \
           int32_t quad;                                                                                        \
-          std::memcpy(&quad, xg + 4 * j, sizeof quad);                                                         \
-          isum = DOT(isum, wv[j], _mm512_set1_epi32(quad));                                                    \
+          std::memcpy(&quad, p.xq + (m + i) * p.K + g * GROUP + 4 * j, sizeof quad);                           \
+          isums[i] = DOT(isums[i], wv[j], _mm512_set1_epi32(quad));                                            \
         }                                                                                                      \
+      }                                                                                                        \
+      for (int i = 0; i < MT; ++i) {                                                                           \
+        const __m512i isum = isums[i];                                                                         \
         const int64_t gi = (m + i) * p.G + g;                                                                  \
         const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(p.xs[gi])),  \
                                          acc[i]);                                                              \
