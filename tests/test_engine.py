@@ -34,9 +34,9 @@ def greedy(n, **kw):
 
 
 def poisoned_state(model):
-    """A state with one huge but finite element: the model's logits for it come out NaN."""
+    """A state of huge but finite values: the model's logits for it come out NaN (their sums overflow to inf)."""
     state = model.spec.zeros(1)
-    state["layers.0.wkv"].view(-1)[0] = 3e38
+    state["layers.0.wkv"].fill_(3e38)
     return state
 
 

@@ -15,9 +15,9 @@ It rounds x to int8 per group of 32 values (scale max|x| / 127, as llama.cpp's q
 the int4 kernel in x_groups.h) and multiplies exactly in integers (AVX512-VNNI's vpdpbusd, 64 products an
 instruction; int16 vpmaddwd without VNNI), one fused multiply-add per group after, so every ISA gives the same bits.
 Rounding x moved the default model's mean KL from fp32 from 9.3e-5 (int16 x) to 1.4e-4 and made M=8-32 products
-1.5-2.4x faster (docs/performance.md). More rows (prefill) are compute-bound: the matrix is dequantized to fp32 per call and goes to oneDNN,
-whose GEMM beats the kernel there. Without a compiler every call dequantizes in torch (correct, slow) after a
-one-line warning; importing never fails.
+1.5-2.4x faster (docs/performance.md). More rows (prefill) without VNNI: the matrix is dequantized to fp32 per
+call and goes to oneDNN, whose GEMM beats the vpmaddwd kernel there (with VNNI the kernel takes every size).
+Without a compiler every call dequantizes in torch (correct, slow) after a one-line warning; importing never fails.
 
 WKVM_INT8_KERNEL=avx512_vnni|avx512|avx2|scalar|torch forces a path (tests run the AVX2 kernel on AVX-512 machines).
 """

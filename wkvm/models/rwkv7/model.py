@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from wkvm.models import fused
 from wkvm.models.family import ModelBase, RawTensors, compute_form, layer_count, no_attention, require, resident
 from wkvm.models.kv import KVBatch
 from wkvm.models.linear import embedding, linear, pack_linear, stored, stored_outer
@@ -205,9 +206,17 @@ class RWKV7(ModelBase):
         r = linear(xr, w["att.receptance.weight"])
         k = linear(xk, w["att.key.weight"])
         v = linear(xv, w["att.value.weight"])
-        log_w = torch.sigmoid(w["att.w0"] + lora(torch.tanh(lora(xw, "att.w1")), "att.w2")) * -DECAY_SCALE
+        decay = torch.sigmoid(w["att.w0"] + lora(torch.tanh(lora(xw, "att.w1")), "att.w2"))
         a = torch.sigmoid(w["att.a0"] + lora(lora(xa, "att.a1"), "att.a2"))
         g = lora(torch.sigmoid(lora(xg, "att.g1")), "att.g2")
+        if T > 1 and fused.cpu_fp32(x) and step.available():  # the step kernel token by token: 5x the torch chunks
+            v_mix = None if i == 0 else torch.sigmoid(w["att.v0"] + lora(lora(xv, "att.v1"), "att.v2"))
+            v_first = v if i == 0 else v_first
+            r, decay, k, v, vf, a, g = (t.reshape(B * T, C) for t in (r, decay, k, v, v_first, a, g))
+            mix = None if v_mix is None else v_mix.reshape(B * T, C)
+            o, _ = step.wkv(state[f"layers.{i}.wkv"], r, decay, k, v, vf, mix, a, g, w, self.config.gn_eps, tokens=T)
+            return linear(o.view(B, T, C), w["att.output.weight"]), v_first
+        log_w = decay * -DECAY_SCALE
 
         kk = F.normalize((k * w["att.k_k"]).view(B, T, H, N), dim=-1, p=2.0).view(B, T, C)
         k = k * (1 + (a - 1) * w["att.k_a"])

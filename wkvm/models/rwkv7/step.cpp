@@ -7,8 +7,9 @@
 //   loras(xs[], firsts[] [C, R], seconds[] [R, C], biases?[] [C], inner[], outer[]) -> ys[] [B, C]
 //     ys[j] = outer_j(bias_j + inner_j(xs[j] @ firsts[j]) @ seconds[j]); activations 0 none, 1 tanh, 2 sigmoid.
 //     Chains run in parallel (the four LoRAs of a layer read ~1.8 MB of weights at the 0.1B shape).
-//   wkv(S [B, H, N, N] (in/out), r, decay, k, v, v_first, v_mix?, a, g, k_k, k_a, r_k [H, N], ln_w, ln_b, gn_eps)
-//     -> (out [B, C], v): the time mix after its matmuls. kk = normalize(k * k_k) per head; k' = k (1 + (a - 1) k_a);
+//   wkv(S [B, H, N, N] (in/out), r, decay, k, v, v_first, v_mix?, a, g, k_k, k_a, r_k [H, N], ln_w, ln_b, gn_eps,
+//       tokens = T) -> (out [B * T, C], v): the time mix after its matmuls, for T tokens of each row of S in order
+//     (rows b * T .. b * T + T - 1 of the inputs: prefill runs the decode step's arithmetic token by token). kk = normalize(k * k_k) per head; k' = k (1 + (a - 1) k_a);
 //     v' = v + (v_first - v) v_mix (v when v_mix is absent: layer 0); w = exp(-0.606531 decay); per head
 //     S = S diag(w) + (S (-kk)) (kk a)^T + v' k'^T, o = S r; out = (group_norm(o) + (r . (k' r_k)) v') * g.
 //   relu_square(x) -> relu(x)^2
@@ -17,6 +18,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -191,37 +193,41 @@ std::tuple<at::Tensor, at::Tensor> wkv(const at::Tensor& S, const at::Tensor& r,
                                        const std::optional<at::Tensor>& v_mix, const at::Tensor& a,
                                        const at::Tensor& g, const at::Tensor& k_k, const at::Tensor& k_a,
                                        const at::Tensor& r_k, const at::Tensor& ln_w, const at::Tensor& ln_b,
-                                       double gn_eps) {
+                                       double gn_eps, int64_t tokens) {
   TORCH_CHECK(S.scalar_type() == at::kFloat && S.device().is_cpu() && S.dim() == 4 && S.size(2) == S.size(3),
               "S must be a CPU float32 [B, H, N, N]");
-  const int64_t B = S.size(0), H = S.size(1), N = S.size(2), C = H * N;
+  TORCH_CHECK(tokens >= 1, "tokens must be at least 1");
+  const int64_t B = S.size(0), H = S.size(1), N = S.size(2), C = H * N, T = tokens;
   TORCH_CHECK(S.stride(3) == 1 && S.stride(2) == N && S.stride(1) == N * N, "S must have contiguous heads");
   const at::Tensor* rows[] = {&r, &decay, &k, &v, &v_first, &a, &g};
   const char* names[] = {"r", "decay", "k", "v", "v_first", "a", "g"};
-  for (int i = 0; i < 7; ++i) check_rows(*rows[i], B, C, names[i]);
-  if (v_mix) check_rows(*v_mix, B, C, "v_mix");
+  for (int i = 0; i < 7; ++i) check_rows(*rows[i], B * T, C, names[i]);
+  if (v_mix) check_rows(*v_mix, B * T, C, "v_mix");
   check_vector(k_k, C, "k_k");
   check_vector(k_a, C, "k_a");
   check_vector(r_k, C, "r_k");
   check_vector(ln_w, C, "ln_w");
   check_vector(ln_b, C, "ln_b");
-  at::Tensor out = at::empty({B, C}, r.options()), v_out = at::empty({B, C}, r.options());
+  at::Tensor out = at::empty({B * T, C}, r.options()), v_out = at::empty({B * T, C}, r.options());
   float *pS = S.data_ptr<float>(), *po = out.data_ptr<float>(), *pvo = v_out.data_ptr<float>();
   const float* pmix = v_mix ? v_mix->data_ptr<float>() : nullptr;
   const int64_t smix = v_mix ? v_mix->stride(0) : 0, sS = S.stride(0);
   const float feps = static_cast<float>(gn_eps);
-  // a head's work is ~4 N^2 flops (16K at N = 64): only many heads pay for waking a second thread
-  at::parallel_for(0, B * H, 64, [&](int64_t i0, int64_t i1) {
+  // a head's work is ~4 N^2 flops a token (16K at N = 64): only many head-tokens pay for waking a second thread.
+  // Work items are (row of S, head), each running its tokens in order: token t of a row is input row b * T + t, the
+  // same arithmetic as T calls of one token each.
+  at::parallel_for(0, B * H, std::max<int64_t>(1, 64 / T), [&](int64_t i0, int64_t i1) {
     std::vector<float> kk(N), kn(N), bb(N), w(N), o(N);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / H, h = i % H, off = h * N;
-      auto at_row = [&](const at::Tensor& t) { return t.data_ptr<float>() + b * t.stride(0) + off; };
+    for (int64_t i = i0; i < i1; ++i)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t b = i / H, h = i % H, off = h * N, row_bt = b * T + t;
+      auto at_row = [&](const at::Tensor& x) { return x.data_ptr<float>() + row_bt * x.stride(0) + off; };
       const float *pr = at_row(r), *pd = at_row(decay), *pk = at_row(k), *pv = at_row(v), *pvf = at_row(v_first);
       const float *pa = at_row(a), *pg = at_row(g);
       const float *kkw = k_k.data_ptr<float>() + off, *kaw = k_a.data_ptr<float>() + off;
       const float *rkw = r_k.data_ptr<float>() + off, *lw = ln_w.data_ptr<float>() + off;
       const float* lb = ln_b.data_ptr<float>() + off;
-      float* vo = pvo + b * C + off;
+      float* vo = pvo + row_bt * C + off;
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
       for (int64_t j = 0; j < N; ++j) {
@@ -240,7 +246,7 @@ std::tuple<at::Tensor, at::Tensor> wkv(const at::Tensor& S, const at::Tensor& r,
         bonus += pr[j] * kn[j] * rkw[j];
       }
       if (pmix) {
-        const float* pm = pmix + b * smix + off;
+        const float* pm = pmix + row_bt * smix + off;
 #pragma omp simd
         for (int64_t j = 0; j < N; ++j) vo[j] = pv[j] + (pvf[j] - pv[j]) * pm[j];
       } else {
@@ -270,7 +276,7 @@ std::tuple<at::Tensor, at::Tensor> wkv(const at::Tensor& S, const at::Tensor& r,
 #pragma omp simd reduction(+ : var)
       for (int64_t j = 0; j < N; ++j) var += (o[j] - mean) * (o[j] - mean);
       const float inv_sd = 1.0f / std::sqrt(var / static_cast<float>(N) + feps);
-      float* out_h = po + b * C + off;
+      float* out_h = po + row_bt * C + off;
 #pragma omp simd
       for (int64_t j = 0; j < N; ++j) out_h[j] = ((o[j] - mean) * inv_sd * lw[j] + lb[j] + bonus * vo[j]) * pg[j];
     }
@@ -308,7 +314,8 @@ TORCH_LIBRARY(wkvm_rwkv7, m) {
       &loras);
   m.def(
       "wkv(Tensor(a!) S, Tensor r, Tensor decay, Tensor k, Tensor v, Tensor v_first, Tensor? v_mix, Tensor a, "
-      "Tensor g, Tensor k_k, Tensor k_a, Tensor r_k, Tensor ln_w, Tensor ln_b, float gn_eps) -> (Tensor, Tensor)",
+      "Tensor g, Tensor k_k, Tensor k_a, Tensor r_k, Tensor ln_w, Tensor ln_b, float gn_eps, int tokens=1) "
+      "-> (Tensor, Tensor)",
       &wkv);
   m.def("relu_square(Tensor x) -> Tensor", &relu_square);
 }

@@ -74,17 +74,28 @@ def loras(xs: list[torch.Tensor], firsts: list[torch.Tensor], seconds: list[torc
 
 def wkv(S: torch.Tensor, r: torch.Tensor, decay: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         v_first: torch.Tensor, v_mix: torch.Tensor | None, a: torch.Tensor, g: torch.Tensor, w: dict[str, torch.Tensor],
-        gn_eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """A time mix's work between its matmuls for one token per row (rows [B, C]; S [B, H, N, N] advances in place):
-    k, v adjusted (v toward v_first by v_mix unless v_mix is None), the wkv recurrence with decay
-    exp(-0.606531 * decay), group norm, the r.k bonus, times the gate g. `w` holds the layer's att.k_k, att.k_a,
-    att.r_k, att.ln_x.weight and att.ln_x.bias. Returns (the output projection's input, the v used)."""
+        gn_eps: float, tokens: int = 1) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A time mix's work between its matmuls for `tokens` tokens of each row of S (rows [B * tokens, C], row b's
+    tokens in order; S [B, H, N, N] advances in place): k, v adjusted (v toward v_first by v_mix unless v_mix is
+    None), the wkv recurrence with decay exp(-0.606531 * decay), group norm, the r.k bonus, times the gate g. `w`
+    holds the layer's att.k_k, att.k_a, att.r_k, att.ln_x.weight and att.ln_x.bias. Returns (the output
+    projection's input, the v used). Several tokens run the one-token arithmetic in order (the kernel's prefill)."""
     vecs = [w["att.k_k"], w["att.k_a"], w["att.r_k"], w["att.ln_x.weight"], w["att.ln_x.bias"]]
     rows = (r, decay, k, v, v_first, v_mix, a, g)
     if _runs(S, *rows, *vecs):
-        out, v_used = torch.ops.wkvm_rwkv7.wkv(S, r, decay, k, v, v_first, v_mix, a, g, *vecs, gn_eps)
+        out, v_used = torch.ops.wkvm_rwkv7.wkv(S, r, decay, k, v, v_first, v_mix, a, g, *vecs, gn_eps, tokens)
         return out, v_used
-    return _torch_wkv(S, r, decay, k, v, v_first, v_mix, a, g, vecs, gn_eps)
+    if tokens == 1:
+        return _torch_wkv(S, r, decay, k, v, v_first, v_mix, a, g, vecs, gn_eps)
+    def token(x: torch.Tensor, j: int) -> torch.Tensor:
+        return x.view(S.shape[0], tokens, -1)[:, j]
+
+    outs = [_torch_wkv(S, token(r, j), token(decay, j), token(k, j), token(v, j), token(v_first, j),
+                       None if v_mix is None else token(v_mix, j), token(a, j), token(g, j), vecs, gn_eps)
+            for j in range(tokens)]  # fmt: skip
+    B = S.shape[0]
+    out, v_used = (torch.stack([pair[n] for pair in outs], 1).view(B * tokens, -1) for n in (0, 1))
+    return out, v_used
 
 
 def _torch_wkv(S: torch.Tensor, r: torch.Tensor, decay: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
