@@ -22,6 +22,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -188,6 +189,65 @@ std::vector<at::Tensor> loras(at::TensorList xs, at::TensorList firsts, at::Tens
   return ys;
 }
 
+// One head's state update and read-out, row = value index: sa = S[row] . (-kk), S[row] = S[row] * w + sa * bb +
+// v[row] * kn, o[row] = S[row] . r. update_rows takes four rows at a time in 16-float vectors (N a multiple of 16):
+// their dot products run side by side and each is reduced once, in a fixed order (so a row's bits depend on nothing
+// but its inputs); update_row is the plain loop for other head sizes.
+typedef float v16f __attribute__((vector_size(64)));
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float hsum16(v16f v) {
+  typedef float v8f __attribute__((vector_size(32)));
+  typedef float v4f __attribute__((vector_size(16)));
+  const v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+void update_rows(float* Sh, const float* kk, const float* w, const float* bb, const float* kn, const float* r,
+                 const float* v, float* o, int64_t N) {
+  for (int64_t row = 0; row < N; row += 4) {
+    float* s[4] = {Sh + row * N, Sh + (row + 1) * N, Sh + (row + 2) * N, Sh + (row + 3) * N};
+    v16f a[4] = {};
+    for (int64_t j = 0; j < N; j += 16) {
+      const v16f kv = load16(kk + j);
+      for (int i = 0; i < 4; ++i) a[i] += load16(s[i] + j) * kv;
+    }
+    float sa[4], vr[4];
+    for (int i = 0; i < 4; ++i) sa[i] = -hsum16(a[i]), vr[i] = v[row + i];
+    v16f acc[4] = {};
+    for (int64_t j = 0; j < N; j += 16) {
+      const v16f wv = load16(w + j), bv = load16(bb + j), knv = load16(kn + j), rv = load16(r + j);
+      for (int i = 0; i < 4; ++i) {
+        const v16f sv = load16(s[i] + j) * wv + sa[i] * bv + vr[i] * knv;
+        std::memcpy(s[i] + j, &sv, sizeof sv);
+        acc[i] += sv * rv;
+      }
+    }
+    for (int i = 0; i < 4; ++i) o[row + i] = hsum16(acc[i]);
+  }
+}
+
+void update_row(float* s, const float* kk, const float* w, const float* bb, const float* kn, const float* r,
+                float vr, float* o, int64_t N) {
+  float sa = 0.f;
+#pragma omp simd reduction(+ : sa)
+  for (int64_t j = 0; j < N; ++j) sa -= s[j] * kk[j];
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < N; ++j) {
+    s[j] = s[j] * w[j] + sa * bb[j] + vr * kn[j];
+    acc += s[j] * r[j];
+  }
+  *o = acc;
+}
+
 std::tuple<at::Tensor, at::Tensor> wkv(const at::Tensor& S, const at::Tensor& r, const at::Tensor& decay,
                                        const at::Tensor& k, const at::Tensor& v, const at::Tensor& v_first,
                                        const std::optional<at::Tensor>& v_mix, const at::Tensor& a,
@@ -254,19 +314,11 @@ std::tuple<at::Tensor, at::Tensor> wkv(const at::Tensor& S, const at::Tensor& r,
         for (int64_t j = 0; j < N; ++j) vo[j] = pv[j];
       }
       float* Sh = pS + b * sS + h * N * N;
-      for (int64_t row = 0; row < N; ++row) {  // row = value index: S[row] . (-kk), then the update and S[row] . r
-        float* s = Sh + row * N;
-        float sa = 0.f;
-#pragma omp simd reduction(+ : sa)
-        for (int64_t j = 0; j < N; ++j) sa -= s[j] * kk[j];
-        const float vr = vo[row];
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t j = 0; j < N; ++j) {
-          s[j] = s[j] * w[j] + sa * bb[j] + vr * kn[j];
-          acc += s[j] * pr[j];
-        }
-        o[row] = acc;
+      if (N % 16 == 0) {
+        update_rows(Sh, kk.data(), w.data(), bb.data(), kn.data(), pr, vo, o.data(), N);
+      } else {
+        for (int64_t row = 0; row < N; ++row)
+          update_row(Sh + row * N, kk.data(), w.data(), bb.data(), kn.data(), pr, vo[row], o.data() + row, N);
       }
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
