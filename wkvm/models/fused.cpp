@@ -133,12 +133,6 @@ struct Pages {
 typedef float v8f __attribute__((vector_size(32)));  // 8 floats: one AVX2 register, half an AVX-512 one
 typedef float v4f __attribute__((vector_size(16)));
 
-inline v8f load8(const float* p) {
-  v8f v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
 // the four sums of a0..a3's lanes, without going through memory
 inline v4f hsum4(v8f a0, v8f a1, v8f a2, v8f a3) {
   const v4f b0 = __builtin_shufflevector(a0, a0, 0, 1, 2, 3) + __builtin_shufflevector(a0, a0, 4, 5, 6, 7);
@@ -174,6 +168,49 @@ struct Heads {
   int64_t Hq, Hkv, G, D, HD;  // query heads, kv heads, queries per kv head, head size, floats per token
 };
 
+typedef float v16f __attribute__((vector_size(64)));  // 16 floats: one AVX-512 register, two AVX2 ones
+
+template <class V>
+inline V load_vec(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline v8f halves(v16f a) {
+  return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+inline v8f halves(v8f a) { return a; }
+
+// The scores of a page's tokens 0..count-1 four at a time (returns how many it did), vectors of V along d: every
+// head of a token in one pass over its row of the pool, four tokens' sums reduced in registers. scores points at
+// the page's first token of head 0 (row stride m).
+template <class V>
+int64_t scores4(const float* qr, const float* kp, int64_t count, const Heads& hs, float* scores, int64_t m) {
+  constexpr int64_t L = sizeof(V) / sizeof(float);
+  int64_t i = 0;
+  for (; i + 4 <= count; i += 4) {
+    if (i + AHEAD < count) prefetch_rows(kp + (i + AHEAD) * hs.HD, std::min<int64_t>(4, count - i - AHEAD) * hs.HD);
+    for (int64_t j = 0; j < hs.Hkv; ++j) {
+      const float *k0 = kp + i * hs.HD + j * hs.D, *k1 = k0 + hs.HD, *k2 = k1 + hs.HD, *k3 = k2 + hs.HD;
+      for (int64_t h = j * hs.G; h < (j + 1) * hs.G; ++h) {
+        const float* qh = qr + h * hs.D;
+        V a0 = {}, a1 = {}, a2 = {}, a3 = {};
+        for (int64_t d = 0; d < hs.D; d += L) {
+          const V qv = load_vec<V>(qh + d);
+          a0 += qv * load_vec<V>(k0 + d);
+          a1 += qv * load_vec<V>(k1 + d);
+          a2 += qv * load_vec<V>(k2 + d);
+          a3 += qv * load_vec<V>(k3 + d);
+        }
+        const v4f s4 = hsum4(halves(a0), halves(a1), halves(a2), halves(a3));
+        std::memcpy(scores + h * m + i, &s4, sizeof s4);
+      }
+    }
+  }
+  return i;
+}
+
 // scores[h * m + (t - t0)] = q_h . k_t for tokens t0..t1-1 (m = t1 - t0; q already scaled). Every head of a token
 // is read in one pass over its row of the pool (reading one head of every token would stride through memory);
 // four tokens at a time, eight lanes of d per step, the four sums reduced in registers (a head size not a multiple
@@ -185,26 +222,10 @@ void scores_of(const float* qr, const float* kf, const Pages& pg, int64_t t0, in
     const float* kp = kf + slot * hs.HD;
     prefetch_rows(kf + next_slot * hs.HD, std::min(next_count, AHEAD) * hs.HD);
     int64_t i = 0;
-    if (hs.D % 8 == 0) {
-      for (; i + 4 <= count; i += 4) {
-        if (i + AHEAD < count) prefetch_rows(kp + (i + AHEAD) * hs.HD, std::min<int64_t>(4, count - i - AHEAD) * hs.HD);
-        for (int64_t j = 0; j < hs.Hkv; ++j) {
-          const float *k0 = kp + i * hs.HD + j * hs.D, *k1 = k0 + hs.HD, *k2 = k1 + hs.HD, *k3 = k2 + hs.HD;
-          for (int64_t h = j * hs.G; h < (j + 1) * hs.G; ++h) {
-            const float* qh = qr + h * hs.D;
-            v8f a0 = {}, a1 = {}, a2 = {}, a3 = {};
-            for (int64_t d = 0; d < hs.D; d += 8) {
-              const v8f qv = load8(qh + d);
-              a0 += qv * load8(k0 + d);
-              a1 += qv * load8(k1 + d);
-              a2 += qv * load8(k2 + d);
-              a3 += qv * load8(k3 + d);
-            }
-            const v4f s4 = hsum4(a0, a1, a2, a3);
-            std::memcpy(scores + h * m + (t - t0) + i, &s4, sizeof s4);
-          }
-        }
-      }
+    if (hs.D % 16 == 0) {
+      i = scores4<v16f>(qr, kp, count, hs, scores + (t - t0), m);
+    } else if (hs.D % 8 == 0) {
+      i = scores4<v8f>(qr, kp, count, hs, scores + (t - t0), m);
     }
     for (; i < count; ++i) {
       for (int64_t h = 0; h < hs.Hq; ++h) scores[h * m + (t - t0) + i] = dot(qr + h * hs.D, kp + i * hs.HD + (h / hs.G) * hs.D, hs.D);
