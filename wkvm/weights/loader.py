@@ -66,7 +66,7 @@ def load_model(
 ) -> LanguageModel:  # fmt: skip
     """A pack with weight_cache_layers > 0 streams its layers from disk; everything else is loaded resident.
     `dtype` stores the large matrices, embedding and head in float32, bfloat16, int8 or int4; arithmetic is fp32
-    (int8 decode rounds x to int16 inside the kernel, int4 decode to int8 per group of 32)."""
+    (int8 and int4 decode round x to int8 per group of 32 inside their kernels)."""
     from wkvm.config import weight_dtype
 
     check_model_path(path)
