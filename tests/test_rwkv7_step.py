@@ -89,10 +89,12 @@ def run_wkv(arenas: list[torch.Tensor], ins: tuple[Any, ...], w: dict[str, torch
 
 @needs_kernel
 @pytest.mark.parametrize("first_layer", [True, False])
-def test_wkv_over_several_tokens_is_the_one_token_step_in_order(monkeypatch, first_layer):
-    """Prefill's form (rows [B * T, C], row b's tokens in order) gives the bits of T one-token calls, and the torch
+@pytest.mark.parametrize("N", [16, 64])
+def test_wkv_over_several_tokens_is_the_one_token_step_in_order(monkeypatch, first_layer, N):
+    """Prefill's form (rows [B * T, C], row b's tokens in order) is T one-token calls (the same bits where the head
+    size keeps the row-wise update; N = 64 runs on the head's transpose, its sums in another order), and the torch
     fallback (what WKVM_FUSED=off runs) the same recurrence."""
-    B, T, H, N = 2, 5, 3, 16
+    B, T, H = 2, 5, 3
     g = torch.Generator().manual_seed(7)
     C = H * N
     w = {k: torch.randn(C, generator=g) for k in ("att.k_k", "att.k_a", "att.ln_x.weight", "att.ln_x.bias")}
@@ -105,9 +107,10 @@ def test_wkv_over_several_tokens_is_the_one_token_step_in_order(monkeypatch, fir
     S_all, S_one = S0.clone(), S0.clone()
     out, v_used = step.wkv(S_all, *ins, w, 64e-5, tokens=T)
     steps = [step.wkv(S_one, *(x if x is None else x.view(B, T, C)[:, t] for x in ins), w, 64e-5) for t in range(T)]
-    assert torch.equal(out.view(B, T, C), torch.stack([o for o, _ in steps], 1))
+    same = torch.equal if N == 16 else partial(torch.testing.assert_close, rtol=1e-5, atol=1e-5)
+    assert same(out.view(B, T, C), torch.stack([o for o, _ in steps], 1)) in (True, None)
     assert torch.equal(v_used.view(B, T, C), torch.stack([u for _, u in steps], 1))
-    assert torch.equal(S_all, S_one)
+    assert same(S_all, S_one) in (True, None)
     monkeypatch.setattr(step, "available", lambda: False)
     S_torch = S0.clone()
     out_torch, _ = step.wkv(S_torch, *ins, w, 64e-5, tokens=T)

@@ -234,6 +234,45 @@ void update_rows(float* Sh, const float* kk, const float* w, const float* bb, co
   }
 }
 
+constexpr int64_t AHEAD_TOKENS = 4;  // how far ahead a prefill's input rows are fetched
+
+inline void prefetch_head(const float* p, int64_t N) {
+  for (int64_t j = 0; j < N; j += 16) __builtin_prefetch(p + j);
+}
+
+// dst = src^T for one N x N head
+void transpose(const float* src, float* dst, int64_t N) {
+  for (int64_t r = 0; r < N; ++r)
+    for (int64_t c = 0; c < N; ++c) dst[c * N + r] = src[r * N + c];
+}
+
+// update_rows on the head's transpose ST[j][row] (N = 16 R): sixteen rows a vector, every sum vertical (broadcast
+// kk[j], w[j], ... down the rows), each over j in order in two interleaved halves (even and odd j) so that
+// consecutive fused multiply-adds do not wait on each other.
+template <int R>
+void update_columns(float* ST, const float* kk, const float* w, const float* bb, const float* kn, const float* r,
+                    const float* v, float* o) {
+  constexpr int64_t N = 16 * R;
+  v16f sa[2][R] = {}, acc[2][R] = {};
+  for (int64_t j = 0; j < N; ++j)
+    for (int64_t c = 0; c < R; ++c) sa[j & 1][c] += load16(ST + j * N + 16 * c) * kk[j];
+  v16f vr[R];
+  for (int64_t c = 0; c < R; ++c) sa[0][c] = -(sa[0][c] + sa[1][c]), vr[c] = load16(v + 16 * c);
+  for (int64_t j = 0; j < N; ++j) {
+    const float wj = w[j], bj = bb[j], kj = kn[j], rj = r[j];
+    for (int64_t c = 0; c < R; ++c) {
+      float* p = ST + j * N + 16 * c;
+      const v16f sv = load16(p) * wj + sa[0][c] * bj + vr[c] * kj;
+      std::memcpy(p, &sv, sizeof sv);
+      acc[j & 1][c] += sv * rj;
+    }
+  }
+  for (int64_t c = 0; c < R; ++c) {
+    const v16f out = acc[0][c] + acc[1][c];
+    std::memcpy(o + 16 * c, &out, sizeof out);
+  }
+}
+
 void update_row(float* s, const float* kk, const float* w, const float* bb, const float* kn, const float* r,
                 float vr, float* o, int64_t N) {
   float sa = 0.f;
@@ -276,12 +315,23 @@ std::tuple<at::Tensor, at::Tensor> wkv(const at::Tensor& S, const at::Tensor& r,
   // a head's work is ~4 N^2 flops a token (16K at N = 64): only many head-tokens pay for waking a second thread.
   // Work items are (row of S, head), each running its tokens in order: token t of a row is input row b * T + t, the
   // same arithmetic as T calls of one token each.
+  // Several tokens on a head of 32, 64 or 128 values run on its transpose (update_columns: no horizontal sums),
+  // copied in before the first token and back after the last.
+  const bool transposed = T > 1 && (N == 32 || N == 64 || N == 128);
   at::parallel_for(0, B * H, std::max<int64_t>(1, 64 / T), [&](int64_t i0, int64_t i1) {
-    std::vector<float> kk(N), kn(N), bb(N), w(N), o(N);
-    for (int64_t i = i0; i < i1; ++i)
+    std::vector<float> kk(N), kn(N), bb(N), w(N), o(N), ST(transposed ? N * N : 0);
+    for (int64_t i = i0; i < i1; ++i) {
+    float* Sh = pS + (i / H) * sS + (i % H) * N * N;
+    if (transposed) transpose(Sh, ST.data(), N);
     for (int64_t t = 0; t < T; ++t) {
       const int64_t b = i / H, h = i % H, off = h * N, row_bt = b * T + t;
       auto at_row = [&](const at::Tensor& x) { return x.data_ptr<float>() + row_bt * x.stride(0) + off; };
+      if (t + AHEAD_TOKENS < T) {  // a prefill's rows are a whole model width apart: fetch this head's ahead
+        for (const at::Tensor* x : {&r, &decay, &k, &v, &v_first, &a, &g}) prefetch_head(at_row(*x) + AHEAD_TOKENS * x->stride(0), N);
+        if (v_mix) prefetch_head(at_row(*v_mix) + AHEAD_TOKENS * v_mix->stride(0), N);
+        prefetch_head(po + (row_bt + AHEAD_TOKENS) * C + off, N);
+        prefetch_head(pvo + (row_bt + AHEAD_TOKENS) * C + off, N);
+      }
       const float *pr = at_row(r), *pd = at_row(decay), *pk = at_row(k), *pv = at_row(v), *pvf = at_row(v_first);
       const float *pa = at_row(a), *pg = at_row(g);
       const float *kkw = k_k.data_ptr<float>() + off, *kaw = k_a.data_ptr<float>() + off;
@@ -313,8 +363,11 @@ std::tuple<at::Tensor, at::Tensor> wkv(const at::Tensor& S, const at::Tensor& r,
 #pragma omp simd
         for (int64_t j = 0; j < N; ++j) vo[j] = pv[j];
       }
-      float* Sh = pS + b * sS + h * N * N;
-      if (N % 16 == 0) {
+      if (transposed) {
+        void (*update)(float*, const float*, const float*, const float*, const float*, const float*, const float*,
+                       float*) = N == 32 ? update_columns<2> : N == 64 ? update_columns<4> : update_columns<8>;
+        update(ST.data(), kk.data(), w.data(), bb.data(), kn.data(), pr, vo, o.data());
+      } else if (N % 16 == 0) {
         update_rows(Sh, kk.data(), w.data(), bb.data(), kn.data(), pr, vo, o.data(), N);
       } else {
         for (int64_t row = 0; row < N; ++row)
@@ -331,6 +384,8 @@ std::tuple<at::Tensor, at::Tensor> wkv(const at::Tensor& S, const at::Tensor& r,
       float* out_h = po + row_bt * C + off;
 #pragma omp simd
       for (int64_t j = 0; j < N; ++j) out_h[j] = ((o[j] - mean) * inv_sd * lw[j] + lb[j] + bonus * vo[j]) * pg[j];
+    }
+    if (transposed) transpose(ST.data(), Sh, N);
     }
   });
   return {out, v_out};
