@@ -1,5 +1,6 @@
 """Weight streaming on the 0.1B shape: decode tok/s for resident weights, a partial cache (50% of layers) and
-streaming with a 25% cache, with and without read-ahead, at B=1 and B=8, plus weight bytes read per token.
+streaming with a 25% cache, with and without read-ahead, at B=1 and B=8, plus weight bytes read per token;
+`--dtype int8|int4` streams the pack's quantized copy.
 Files are read through the OS page cache (warm after the first sweep). The "cold" cases evict each streamed
 layer's file pages from the OS cache right after reading it, as when the model does not fit in RAM, so every
 sweep reads the disk. Writes bench/out/weight_streaming.{json,png}.
@@ -63,6 +64,8 @@ def evict_after_use(weights) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16, int8 or int4 (int8/int4 stream their own "
+                    "quantized copy of the pack's layers)")  # fmt: skip
     args = ap.parse_args()
     pack = OUT / "rwkv7-0.1b-random.pack"
     if not is_pack(pack):
@@ -78,7 +81,7 @@ def main() -> None:
     }
     results: dict[str, dict[int, dict]] = {}
     for name, kw in progress(cases.items(), "cases", len(cases)):
-        model = load_model(pack, **kw)
+        model = load_model(pack, dtype=args.dtype, **kw)
         if name.startswith("cold"):
             evict_after_use(model.weights)
         batches = (8,) if name.startswith("cold") else (1, 8)
@@ -94,17 +97,18 @@ def main() -> None:
                                               "readahead_requests", "disk_reads")]  # fmt: skip
             rows.append([name, b, m["tok_s"], m["tok_s"] / results["resident"][b]["tok_s"],
                          m["bytes_per_token"] / 2**20, *counters])  # fmt: skip
-    print_table("Weight streaming, RWKV-7 0.1B shape fp32 (pack read through the page cache); counters per step",
+    print_table(f"Weight streaming, RWKV-7 0.1B shape {args.dtype} (pack read via the page cache); counters per step",
                 ["case", "batch", "tok/s", "of resident", "MiB read/token", "hits", "misses", "ra hits", "ra misses",
                  "ra asks", "disk reads"], rows)  # fmt: skip
     ratio = results["stream 25% + read-ahead"][8]["tok_s"] / results["resident"][8]["tok_s"]
     print(f"streaming (25% cache, read-ahead) at B=8: {ratio:.0%} of resident (target >= 50%)")
-    write_json("weight_streaming", {n: {str(b): m for b, m in r.items()} for n, r in results.items()})
+    suffix = "" if args.dtype == "float32" else f"_{args.dtype}"
+    write_json("weight_streaming" + suffix, {n: {str(b): m for b, m in r.items()} for n, r in results.items()})
     cold = results["cold 25% + read-ahead"][8]
     print(f"cold (every sweep from disk) at B=8: {cold['tok_s']:.1f} tok/s, "
           f"{cold['tok_s'] * cold['bytes_per_token'] / 2**20:.0f} MiB/s from disk")  # fmt: skip
     warm = {n: r for n, r in results.items() if not n.startswith("cold")}
-    plot("weight_streaming", [1, 8], {n: [r[b]["tok_s"] for b in (1, 8)] for n, r in warm.items()}, "batch",
+    plot("weight_streaming" + suffix, [1, 8], {n: [r[b]["tok_s"] for b in (1, 8)] for n, r in warm.items()}, "batch",
          "tok/s", "Weight streaming, 0.1B shape")  # fmt: skip
 
 

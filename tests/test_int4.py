@@ -180,17 +180,6 @@ def test_int4_default_model_stays_within_the_bound(ids):
         assert (logits.argmax(-1) == ref.argmax(-1)).double().mean() >= 0.85
 
 
-def test_int4_streams_from_a_plain_pack(ids, tmp_path):
-    """Packs hold fp32 layers: a streamed layer is quantized as it is read, and equals resident int4."""
-    from wkvm.weights.pack import write_pack
-
-    write_pack(EMBEDDED_MODEL, tmp_path / "pack")
-    want = load_model(EMBEDDED_MODEL, dtype="int4").prefill(ids, all_logits=True)[0]
-    streamed = load_model(tmp_path / "pack", dtype="int4", weight_cache_layers=2)
-    assert torch.equal(streamed.prefill(ids, all_logits=True)[0], want)
-    streamed.weights.close()
-
-
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.__name__.rsplit(".", 1)[-1] for f in FAMILIES])
 def test_every_family_generates_in_int4_and_batched_equals_alone(family, tmp_path):
     from conftest import write_char_tokenizer

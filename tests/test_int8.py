@@ -188,18 +188,6 @@ def test_int8_weights_take_about_a_quarter_of_the_memory():
     assert 0.25 < weight_bytes(q8) / weight_bytes(fp32) < 0.4  # the small vectors and LoRA matrices stay fp32
 
 
-def test_int8_streams_from_a_plain_pack(ids, tmp_path):
-    """Packs hold fp32 layers: a streamed layer is quantized as it is read, and equals resident int8."""
-    from wkvm.weights.pack import write_pack
-
-    write_pack(EMBEDDED_MODEL, tmp_path / "pack")
-    want = load_model(EMBEDDED_MODEL, dtype="int8").prefill(ids, all_logits=True)[0]
-    streamed = load_model(tmp_path / "pack", dtype="int8", weight_cache_layers=2)
-    assert torch.equal(streamed.prefill(ids, all_logits=True)[0], want)
-    assert not streamed.weights.blocked
-    streamed.weights.close()
-
-
 def test_int8_llama_and_its_tied_head(tmp_path):
     """Llama: q/k/v/o, gate/up/down and the head in int8; a tied head is the int8 embedding itself."""
     from families.llama import write_checkpoint

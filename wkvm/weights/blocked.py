@@ -1,16 +1,19 @@
-"""A machine-local copy of a pack's layers with the matrices in oneDNN's blocked layout.
+"""A copy of a pack's layers in compute form, beside the pack, which streaming reads instead of the plain files.
 
-Streamed layers are read straight into the form the fast matmul kernel uses: no reorder per read, and at
-batch 8 the blocked kernel runs about 2x faster than the same fp32 weights in plain row-major layout. The
-blocked layout depends on the CPU and the oneDNN build, so the pack itself stays portable (plain safetensors)
-and the copy lives beside it in `onednn-<layout>/`, keyed by a probe: the blocked bytes of fixed matrices of
-each shape. Another machine or torch build computes another key and builds its own copy on first use.
+float32 and bfloat16: the matrices in oneDNN's blocked layout. Streamed layers are read straight into the form
+the fast matmul kernel uses: no reorder per read, and at batch 8 the blocked kernel runs about 2x faster than the
+same fp32 weights in plain row-major layout. The blocked layout depends on the CPU and the oneDNN build, so the pack
+itself stays portable (plain safetensors) and the copy lives beside it in `onednn-<layout>/`, keyed by a probe: the
+blocked bytes of fixed matrices of each shape. Another machine or torch build computes another key and builds its
+own copy on first use.
 
-    onednn-<layout>/manifest.json     format, layout key, sha256 of every source layer file, and per layer the
-                                      same file entry as the pack manifest (size, sha256, tensor offsets)
-    onednn-<layout>/layer_000.safetensors   the layer in compute form (the family's `prepare_layer`), each of
-                                      its `linear_keys` matrices as `<name>.onednn`, uint8 bytes of the
-                                      blocked layout
+int8 and int4 (`--dtype`): the layers quantized once (`int8-v1/`, `int4-v1/`: the same bytes on every machine), so
+a streamed layer is a quarter (int8) or under a sixth (int4) of fp32's bytes to read and needs no work per read.
+
+    <copy>/manifest.json     format, layout key (blocked) or dtype (quantized), sha256 of every source layer
+                             file, and per layer the same file entry as the pack manifest (size, sha256, offsets)
+    <copy>/layer_000.safetensors   the layer in compute form (the family's `prepare_layer`); in a blocked copy each
+                             of its `linear_keys` matrices as `<name>.onednn`, uint8 bytes of the blocked layout
 
 A copy whose source hashes differ from the pack (the pack was rewritten) is rebuilt. Files are written
 atomically and the manifest last, so a crash mid-build leaves no copy that would be used.
@@ -23,6 +26,7 @@ import hashlib
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +40,7 @@ from wkvm.weights.loader import PACK_MANIFEST as MANIFEST
 from wkvm.weights.pack import Pack, PackError, check_entry, write_file
 
 FORMAT = "wkvm-pack-onednn-v2"
+QUANTIZED_FORMAT = "wkvm-pack-quantized-v1"
 SUFFIX = ".onednn"
 log = logging.getLogger(__name__)
 
@@ -88,6 +93,28 @@ def layout_key(shapes: dict[str, list[int]], dtype: torch.dtype = torch.float32)
     return h.hexdigest()[:16]
 
 
+def compute_copy(pack: Pack, dtype: torch.dtype = torch.float32) -> BlockedCopy | None:
+    """The copy streaming reads for `dtype` (the quantized layers for int8/int4, else the blocked copy), built if
+    missing or stale; None when there is none for this dtype here or it cannot be written (then layers stream
+    from the plain files and are converted per read)."""
+    name = quantized_name(dtype)
+    if name is None:
+        return blocked_copy(pack, dtype)
+    source = [e["sha256"] for e in pack.manifest["layers"]]
+
+    def build(d: Path) -> list[dict[str, Any]]:
+        return _build(pack, d, {"format": QUANTIZED_FORMAT, "dtype": name, "source": source}, dtype, False)
+
+    return _copy(pack, pack.path / f"{name}-v1", {"format": QUANTIZED_FORMAT, "dtype": name, "source": source}, {},
+                 build, f"{name} copy")  # fmt: skip
+
+
+def quantized_name(dtype: torch.dtype) -> str | None:
+    from wkvm.models import int4
+
+    return {torch.int8: "int8", int4.DTYPE: "int4"}.get(dtype)
+
+
 def blocked_copy(pack: Pack, dtype: torch.dtype = torch.float32) -> BlockedCopy | None:
     """The pack's blocked copy with matrices in `dtype`, built if missing or stale; None when oneDNN does not
     pack that dtype here or the copy cannot be written (then layers stream from the plain files)."""
@@ -97,39 +124,51 @@ def blocked_copy(pack: Pack, dtype: torch.dtype = torch.float32) -> BlockedCopy 
     key = layout_key(shapes, dtype)
     if key is None:
         return None
-    d = pack.path / f"onednn-{key}"
     source = [e["sha256"] for e in pack.manifest["layers"]]
+    head = {"format": FORMAT, "layout": key, "torch": torch.__version__, "source": source}
+
+    def build(d: Path) -> list[dict[str, Any]]:
+        return _build(pack, d, head, dtype, True)
+
+    return _copy(pack, pack.path / f"onednn-{key}", {"format": FORMAT, "source": source}, shapes, build,
+                 "blocked copy")
+
+
+def _copy(pack: Pack, d: Path, expect: dict[str, Any], shapes: dict[str, list[int]],
+          build: Callable[[Path], list[dict[str, Any]]], what: str) -> BlockedCopy | None:  # fmt: skip
+    """The copy in `d` when its manifest says `expect` and its files check out, else built again."""
     try:
         manifest: dict[str, Any] = json.loads((d / MANIFEST).read_text())
-        if manifest.get("format") == FORMAT and manifest.get("source") == source:
+        if all(manifest.get(k) == v for k, v in expect.items()):
             for entry in manifest["layers"]:
                 check_entry(d, entry)
             return BlockedCopy(d, manifest["layers"], shapes)
     except (OSError, ValueError, KeyError, PackError):
         pass  # absent, stale or damaged: build it again
     try:
-        return BlockedCopy(d, _build(pack, d, key, source, dtype), shapes)
+        return BlockedCopy(d, build(d), shapes)
     except OSError as e:  # read-only, or out of space: leave no half-built copy taking disk
         shutil.rmtree(d, ignore_errors=True)
-        log.warning("cannot write the blocked copy of %s (%s); streaming plain layout, about 2x slower matmuls",
+        log.warning("cannot write the %s of %s (%s); streaming the plain layers, converted per read (slower)", what,
                     pack.path, e)  # fmt: skip
         return None
 
 
-def _build(pack: Pack, d: Path, key: str, source: list[str], dtype: torch.dtype) -> list[dict[str, Any]]:
+def _build(pack: Pack, d: Path, head: dict[str, Any], dtype: torch.dtype, blocked: bool) -> list[dict[str, Any]]:
     size = sum(pack.layer_bytes(i) for i in range(pack.config.n_layer))
-    log.info("writing %s: the pack's layers laid out for this CPU (once; %.1f GB)", d, size / 1e9)
+    what = "laid out for this CPU" if blocked else f"in {dtype}"
+    log.info("writing %s: the pack's layers %s (once; %.1f GB before)", d, what, size / 1e9)
     entries = []
     family, cfg = pack.family, pack.config
-    for i in progress(range(cfg.n_layer), "blocking layers for this CPU"):
+    for i in progress(range(cfg.n_layer), "blocking layers for this CPU" if blocked else "quantizing layers"):
         layer = family.prepare_layer(pack.read(i), i, cfg, dtype, "cpu", pack=False)
-        matrices = family.linear_keys(cfg, i)
-        out = {k: v.clone() for k, v in layer.items() if k not in matrices}
+        matrices = family.linear_keys(cfg, i) if blocked else ()
+        out = {k: v.contiguous().clone() for k, v in layer.items() if k not in matrices}
         for k in matrices:
             packed = pack_linear(layer[k])  # keep a reference while its memory is copied
             out[k + SUFFIX] = torch.frombuffer(bytearray(memory(packed)), dtype=torch.uint8)
         entries.append(write_file(d, f"layer_{i:03d}.safetensors", out))
-    manifest = {"format": FORMAT, "layout": key, "torch": torch.__version__, "source": source, "layers": entries}
+    manifest = {**head, "layers": entries}
     with atomic_path(d / MANIFEST) as tmp:
         tmp.write_text(json.dumps(manifest, indent=1) + "\n")
     return entries

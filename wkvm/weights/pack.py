@@ -30,7 +30,7 @@ from wkvm.weights.loader import PACK_MANIFEST as MANIFEST
 from wkvm.weights.loader import checkpoint_fingerprint, read_checkpoint
 
 PACK_FORMAT = "wkvm-pack-v1"
-DTYPES = {"F32": torch.float32, "U8": torch.uint8}
+DTYPES = {"F32": torch.float32, "U8": torch.uint8, "I8": torch.int8}
 
 
 class PackError(CheckpointError):

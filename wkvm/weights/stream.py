@@ -10,10 +10,11 @@ turn. N = L keeps every layer.
 Reading a layer copies it into the buffer, allocated once (no allocation, mapping or page-table work per read):
 when a sample of its pages is in the OS page cache, from a read-only mapping of its file kept for the server's
 life, with all of torch's threads; otherwise with one sequential `preadv` scattered into the buffer (the disk
-path: faulting pages in through the mapping read the disk 30% slower). On CPU with oneDNN the files are the
-pack's blocked copy (`wkvm/weights/blocked.py`): the layer already in compute form, matrices in the layout of
-the fast matmul kernel, so a read is a few large copies and nothing else. Otherwise the pack's plain files are
-read and converted per read. Globals (embedding, head, norms) stay resident.
+path: faulting pages in through the mapping read the disk 30% slower). On CPU the files are the pack's
+compute-form copy (`wkvm/weights/blocked.py`): with oneDNN and float32/bfloat16, matrices in the layout of the
+fast matmul kernel; with int8/int4, the quantized layers (a quarter or less of fp32's bytes). A read is then a
+few large copies and nothing else. Otherwise the pack's plain files are read and converted per read. Globals
+(embedding, head, norms) stay resident.
 
 Read-ahead: when layer i is served, the next streamed layer is looked at: if a sample of its pages is in RAM
 (`mincore`, ~20 us) nothing more is done; otherwise a background thread asks the OS to read it into the page
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 
 from wkvm.models.provider import Tensors
-from wkvm.weights.blocked import SUFFIX, blocked_copy, memory, template
+from wkvm.weights.blocked import SUFFIX, compute_copy, memory, template
 from wkvm.weights.pack import DTYPES, Pack, PackError
 
 RESIDENCY_SAMPLES = 8
@@ -194,9 +195,9 @@ class StreamingWeights:
         self._lock = threading.Lock()
         n_pinned = self.capacity if self.capacity == self.n_layers else self.capacity - 1
         streams = n_pinned < self.n_layers
-        blocked = blocked_copy(pack, dtype) if streams and torch.device(device).type == "cpu" else None
+        blocked = compute_copy(pack, dtype) if streams and torch.device(device).type == "cpu" else None
         d, entries = (blocked.path, blocked.layers) if blocked else (pack.path, pack.manifest["layers"])
-        self.blocked = blocked is not None  # files hold the compute form with blocked matrices
+        self.blocked = blocked is not None  # files hold the compute form (blocked or quantized matrices)
         self._globals = self.family.prepare_globals(pack.read(None), self.config, dtype, device)
         self._pinned: dict[int, Tensors] = {}
         for i in range(n_pinned):

@@ -9,8 +9,9 @@
 //     Chains run in parallel (the four LoRAs of a layer read ~1.8 MB of weights at the 0.1B shape).
 //   wkv(S [B, H, N, N] (in/out), r, decay, k, v, v_first, v_mix?, a, g, k_k, k_a, r_k [H, N], ln_w, ln_b, gn_eps,
 //       tokens = T) -> (out [B * T, C], v): the time mix after its matmuls, for T tokens of each row of S in order
-//     (rows b * T .. b * T + T - 1 of the inputs: prefill runs the decode step's arithmetic token by token). kk = normalize(k * k_k) per head; k' = k (1 + (a - 1) k_a);
-//     v' = v + (v_first - v) v_mix (v when v_mix is absent: layer 0); w = exp(-0.606531 decay); per head
+//     (rows b * T .. b * T + T - 1 of the inputs: prefill runs the decode step's arithmetic token by token).
+//     kk = normalize(k * k_k) per head; k' = k (1 + (a - 1) k_a); v' = v + (v_first - v) v_mix (v when v_mix is
+//     absent: layer 0); w = exp(-0.606531 decay); per head
 //     S = S diag(w) + (S (-kk)) (kk a)^T + v' k'^T, o = S r; out = (group_norm(o) + (r . (k' r_k)) v') * g.
 //   relu_square(x) -> relu(x)^2
 #include <ATen/Parallel.h>
@@ -314,78 +315,79 @@ std::tuple<at::Tensor, at::Tensor> wkv(const at::Tensor& S, const at::Tensor& r,
   const float feps = static_cast<float>(gn_eps);
   // a head's work is ~4 N^2 flops a token (16K at N = 64): only many head-tokens pay for waking a second thread.
   // Work items are (row of S, head), each running its tokens in order: token t of a row is input row b * T + t, the
-  // same arithmetic as T calls of one token each.
-  // Several tokens on a head of 32, 64 or 128 values run on its transpose (update_columns: no horizontal sums),
-  // copied in before the first token and back after the last.
+  // arithmetic of T calls of one token each, except that several tokens on a head of 32, 64 or 128 values run on its
+  // transpose (update_columns: no horizontal sums, the state's sums in another order), copied in before the first
+  // token and back after the last.
   const bool transposed = T > 1 && (N == 32 || N == 64 || N == 128);
   at::parallel_for(0, B * H, std::max<int64_t>(1, 64 / T), [&](int64_t i0, int64_t i1) {
     std::vector<float> kk(N), kn(N), bb(N), w(N), o(N), ST(transposed ? N * N : 0);
     for (int64_t i = i0; i < i1; ++i) {
-    float* Sh = pS + (i / H) * sS + (i % H) * N * N;
-    if (transposed) transpose(Sh, ST.data(), N);
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t b = i / H, h = i % H, off = h * N, row_bt = b * T + t;
-      auto at_row = [&](const at::Tensor& x) { return x.data_ptr<float>() + row_bt * x.stride(0) + off; };
-      if (t + AHEAD_TOKENS < T) {  // a prefill's rows are a whole model width apart: fetch this head's ahead
-        for (const at::Tensor* x : {&r, &decay, &k, &v, &v_first, &a, &g}) prefetch_head(at_row(*x) + AHEAD_TOKENS * x->stride(0), N);
-        if (v_mix) prefetch_head(at_row(*v_mix) + AHEAD_TOKENS * v_mix->stride(0), N);
-        prefetch_head(po + (row_bt + AHEAD_TOKENS) * C + off, N);
-        prefetch_head(pvo + (row_bt + AHEAD_TOKENS) * C + off, N);
-      }
-      const float *pr = at_row(r), *pd = at_row(decay), *pk = at_row(k), *pv = at_row(v), *pvf = at_row(v_first);
-      const float *pa = at_row(a), *pg = at_row(g);
-      const float *kkw = k_k.data_ptr<float>() + off, *kaw = k_a.data_ptr<float>() + off;
-      const float *rkw = r_k.data_ptr<float>() + off, *lw = ln_w.data_ptr<float>() + off;
-      const float* lb = ln_b.data_ptr<float>() + off;
-      float* vo = pvo + row_bt * C + off;
-      float ss = 0.f;
+      float* Sh = pS + (i / H) * sS + (i % H) * N * N;
+      if (transposed) transpose(Sh, ST.data(), N);
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t b = i / H, h = i % H, off = h * N, row_bt = b * T + t;
+        auto at_row = [&](const at::Tensor& x) { return x.data_ptr<float>() + row_bt * x.stride(0) + off; };
+        if (t + AHEAD_TOKENS < T) {  // a prefill's rows are a whole model width apart: fetch this head's ahead
+          for (const at::Tensor* x : {&r, &decay, &k, &v, &v_first, &a, &g})
+            prefetch_head(at_row(*x) + AHEAD_TOKENS * x->stride(0), N);
+          if (v_mix) prefetch_head(at_row(*v_mix) + AHEAD_TOKENS * v_mix->stride(0), N);
+          prefetch_head(po + (row_bt + AHEAD_TOKENS) * C + off, N);
+          prefetch_head(pvo + (row_bt + AHEAD_TOKENS) * C + off, N);
+        }
+        const float *pr = at_row(r), *pd = at_row(decay), *pk = at_row(k), *pv = at_row(v), *pvf = at_row(v_first);
+        const float *pa = at_row(a), *pg = at_row(g);
+        const float *kkw = k_k.data_ptr<float>() + off, *kaw = k_a.data_ptr<float>() + off;
+        const float *rkw = r_k.data_ptr<float>() + off, *lw = ln_w.data_ptr<float>() + off;
+        const float* lb = ln_b.data_ptr<float>() + off;
+        float* vo = pvo + row_bt * C + off;
+        float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-      for (int64_t j = 0; j < N; ++j) {
-        kk[j] = pk[j] * kkw[j];
-        ss += kk[j] * kk[j];
-      }
-      const float norm = std::sqrt(ss);
-      const float inv = 1.0f / (norm > 1e-12f ? norm : 1e-12f);  // F.normalize's eps
-      float bonus = 0.f;
+        for (int64_t j = 0; j < N; ++j) {
+          kk[j] = pk[j] * kkw[j];
+          ss += kk[j] * kk[j];
+        }
+        const float norm = std::sqrt(ss);
+        const float inv = 1.0f / (norm > 1e-12f ? norm : 1e-12f);  // F.normalize's eps
+        float bonus = 0.f;
 #pragma omp simd reduction(+ : bonus)
-      for (int64_t j = 0; j < N; ++j) {
-        kk[j] *= inv;
-        kn[j] = pk[j] * (1.0f + (pa[j] - 1.0f) * kaw[j]);
-        bb[j] = kk[j] * pa[j];
-        w[j] = exp_approx(-kDecayScale * pd[j]);
-        bonus += pr[j] * kn[j] * rkw[j];
-      }
-      if (pmix) {
-        const float* pm = pmix + row_bt * smix + off;
+        for (int64_t j = 0; j < N; ++j) {
+          kk[j] *= inv;
+          kn[j] = pk[j] * (1.0f + (pa[j] - 1.0f) * kaw[j]);
+          bb[j] = kk[j] * pa[j];
+          w[j] = exp_approx(-kDecayScale * pd[j]);
+          bonus += pr[j] * kn[j] * rkw[j];
+        }
+        if (pmix) {
+          const float* pm = pmix + row_bt * smix + off;
 #pragma omp simd
-        for (int64_t j = 0; j < N; ++j) vo[j] = pv[j] + (pvf[j] - pv[j]) * pm[j];
-      } else {
+          for (int64_t j = 0; j < N; ++j) vo[j] = pv[j] + (pvf[j] - pv[j]) * pm[j];
+        } else {
 #pragma omp simd
-        for (int64_t j = 0; j < N; ++j) vo[j] = pv[j];
-      }
-      if (transposed) {
-        void (*update)(float*, const float*, const float*, const float*, const float*, const float*, const float*,
-                       float*) = N == 32 ? update_columns<2> : N == 64 ? update_columns<4> : update_columns<8>;
-        update(ST.data(), kk.data(), w.data(), bb.data(), kn.data(), pr, vo, o.data());
-      } else if (N % 16 == 0) {
-        update_rows(Sh, kk.data(), w.data(), bb.data(), kn.data(), pr, vo, o.data(), N);
-      } else {
-        for (int64_t row = 0; row < N; ++row)
-          update_row(Sh + row * N, kk.data(), w.data(), bb.data(), kn.data(), pr, vo[row], o.data() + row, N);
-      }
-      float sum = 0.f;
+          for (int64_t j = 0; j < N; ++j) vo[j] = pv[j];
+        }
+        if (transposed) {
+          void (*update)(float*, const float*, const float*, const float*, const float*, const float*, const float*,
+                         float*) = N == 32 ? update_columns<2> : N == 64 ? update_columns<4> : update_columns<8>;
+          update(ST.data(), kk.data(), w.data(), bb.data(), kn.data(), pr, vo, o.data());
+        } else if (N % 16 == 0) {
+          update_rows(Sh, kk.data(), w.data(), bb.data(), kn.data(), pr, vo, o.data(), N);
+        } else {
+          for (int64_t row = 0; row < N; ++row)
+            update_row(Sh + row * N, kk.data(), w.data(), bb.data(), kn.data(), pr, vo[row], o.data() + row, N);
+        }
+        float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < N; ++j) sum += o[j];
-      const float mean = sum / static_cast<float>(N);
-      float var = 0.f;
+        for (int64_t j = 0; j < N; ++j) sum += o[j];
+        const float mean = sum / static_cast<float>(N);
+        float var = 0.f;
 #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < N; ++j) var += (o[j] - mean) * (o[j] - mean);
-      const float inv_sd = 1.0f / std::sqrt(var / static_cast<float>(N) + feps);
-      float* out_h = po + row_bt * C + off;
+        for (int64_t j = 0; j < N; ++j) var += (o[j] - mean) * (o[j] - mean);
+        const float inv_sd = 1.0f / std::sqrt(var / static_cast<float>(N) + feps);
+        float* out_h = po + row_bt * C + off;
 #pragma omp simd
-      for (int64_t j = 0; j < N; ++j) out_h[j] = ((o[j] - mean) * inv_sd * lw[j] + lb[j] + bonus * vo[j]) * pg[j];
-    }
-    if (transposed) transpose(ST.data(), Sh, N);
+        for (int64_t j = 0; j < N; ++j) out_h[j] = ((o[j] - mean) * inv_sd * lw[j] + lb[j] + bonus * vo[j]) * pg[j];
+      }
+      if (transposed) transpose(ST.data(), Sh, N);
     }
   });
   return {out, v_out};

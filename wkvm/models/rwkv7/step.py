@@ -79,7 +79,8 @@ def wkv(S: torch.Tensor, r: torch.Tensor, decay: torch.Tensor, k: torch.Tensor, 
     tokens in order; S [B, H, N, N] advances in place): k, v adjusted (v toward v_first by v_mix unless v_mix is
     None), the wkv recurrence with decay exp(-0.606531 * decay), group norm, the r.k bonus, times the gate g. `w`
     holds the layer's att.k_k, att.k_a, att.r_k, att.ln_x.weight and att.ln_x.bias. Returns (the output
-    projection's input, the v used). Several tokens run the one-token arithmetic in order (the kernel's prefill)."""
+    projection's input, the v used). Several tokens run the one-token arithmetic in order (the kernel's prefill; for
+    head sizes 32, 64 and 128 on the head's transpose, so the state's sums are taken in another order)."""
     vecs = [w["att.k_k"], w["att.k_a"], w["att.r_k"], w["att.ln_x.weight"], w["att.ln_x.bias"]]
     rows = (r, decay, k, v, v_first, v_mix, a, g)
     if _runs(S, *rows, *vecs):
