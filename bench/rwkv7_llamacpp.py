@@ -5,7 +5,8 @@ random 0.1B-shape checkpoint goes to the HF/fla layout with `wkvm convert`, then
 `convert_hf_to_gguf.py` (plus `rwkv_vocab_v20230424.txt` from the `rwkv` package) as f32 and f16, and to q8_0,
 q4_1 and q4_0 with `llama-quantize`. llama.cpp: `llama-bench` (prefill, B=1 decode) and `llama-batched-bench` (8 and
 32 sequences); wkvm: fp32, bf16, int8 and int4 models (B=1 decode and prefill as model calls, aggregate decode
-through the engine). --kinds / --dtypes pick a subset.
+through the engine), each wkvm dtype run right after the llama.cpp type it is compared with; --rounds N repeats
+the whole and prints medians. --kinds / --dtypes pick a subset.
 Same threads on both sides. (That llama.cpp's greedy tokens on the f32 file equal wkvm fp32's, 32/32, was a hand
 run in an earlier session; this script does not repeat it.) Writes bench/out/rwkv7_llamacpp.json.
 """
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -106,6 +108,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--kinds", default=",".join(KINDS), help="llama.cpp GGUF types (comma-separated)")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="wkvm dtypes (comma-separated)")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat everything; each figure is the median of its rounds")
     args = ap.parse_args()
     bin_dir = binaries(extra=("llama-quantize",))
     if bin_dir is None:
@@ -113,12 +116,22 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     files = gguf_files(bin_dir)
     cases = ["prefill", "decode_b1", "decode_b8", "decode_b32"]
-    results: dict[str, dict[str, float]] = {}
-    for kind in args.kinds.split(","):
-        results[f"llama.cpp {kind}"] = llama_cpp(bin_dir, files[kind], args.threads, args.prefill_tokens,
-                                                 args.decode_tokens)  # fmt: skip
-    for dtype in args.dtypes.split(","):
-        results[f"wkvm {dtype}"] = wkvm_rates(dtype, args.prefill_tokens, args.decode_tokens)
+    # each wkvm dtype right after the llama.cpp type it is compared with, so that the machine's drift over the run
+    # falls on both sides of a ratio alike
+    names = [f"llama.cpp {k}" for k in args.kinds.split(",")] + [f"wkvm {d}" for d in args.dtypes.split(",")]
+    order = [n for pair in PAIRS for n in reversed(pair) if n in names]
+    order = list(dict.fromkeys(order + names))
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in order}
+    for _ in range(args.rounds):
+        for name in order:
+            side, what = name.split(" ", 1)
+            if side == "wkvm":
+                runs[name].append(wkvm_rates(what, args.prefill_tokens, args.decode_tokens))
+            else:
+                gguf = files[what]
+                runs[name].append(llama_cpp(bin_dir, gguf, args.threads, args.prefill_tokens, args.decode_tokens))
+    results = {name: {c: statistics.median([r[c] for r in rs if c in r]) for c in rs[0]} for name, rs in runs.items()}
+    results = {name: results[name] for name in names}  # the table's order
     rows = [[name, *(f"{r.get(c, float('nan')):.1f}" for c in cases)] for name, r in results.items()]
     header = ["", f"prefill {args.prefill_tokens}", "decode B=1", "decode 8 seqs", "decode 32 seqs"]
     print_table(f"RWKV-7 0.1B shape (random weights), tok/s, {args.threads} threads; {cpu_name()}", header, rows)
