@@ -72,6 +72,8 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=4096, help="cached tokens before the long-context decode row")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--kv-dtype", default="float32",
+                    help="the engine's key/value pages: float32 or float16 (llama.cpp keeps f16)")  # fmt: skip
     ap.add_argument("--dtype", default="float32",
                     help="wkvm's weights: float32, bfloat16, int8 or int4 (transformers stays fp32)")  # fmt: skip
     args = ap.parse_args()
@@ -107,10 +109,11 @@ def main() -> None:
     rates: dict[int, list[float]] = {1: [], args.batch: []}
     for _ in range(args.repeat):  # alternately, so that machine noise hits both alike (their ratio is an anchor)
         for batch, runs in rates.items():
-            runs.append(engine_decode_tok_s(model, tokenizer, batch, n, lambda i: prompt[i : i + 32].tolist()))
+            runs.append(engine_decode_tok_s(model, tokenizer, batch, n, lambda i: prompt[i : i + 32].tolist(),
+                                            args.kv_dtype))  # fmt: skip
     engine_b1, engine_bn = (statistics.median(runs) for runs in rates.values())
     deep_ids = torch.randint(0, model.vocab_size, (args.depth,), generator=torch.Generator().manual_seed(1)).tolist()
-    engine_deep = engine_decode_tok_s(model, tokenizer, 1, n, lambda i: deep_ids)
+    engine_deep = engine_decode_tok_s(model, tokenizer, 1, n, lambda i: deep_ids, args.kv_dtype)
     lc: dict[str, float] = {}
     if not args.no_llama_cpp:
         bin_dir = llamacpp.binaries(verbose=False)
@@ -134,7 +137,7 @@ def main() -> None:
     isa = torch.backends.cpu.get_cpu_capability()
     print(f"CPU: {cpu_name()}; torch ISA {isa}; {threads} threads (llama.cpp -t {threads})")
     print_table(
-        f"SmolLM2-135M-Instruct: wkvm {args.dtype} (dequantized Q4_1), transformers fp32 (same weights), "
+        f"SmolLM2-135M-Instruct: wkvm {args.dtype} (dequantized Q4_1; KV {args.kv_dtype}), transformers fp32, "
         "llama.cpp Q4_1 native",
         ["case", "wkvm tok/s", "transformers", "x transformers", "llama.cpp", "x llama.cpp"],
         rows,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import torch
 from conftest import CHAR_VOCAB, greedy_reference, write_char_tokenizer
 from families import llama
 from live_server import LiveServer
@@ -86,3 +87,41 @@ def test_max_state_tokens_bounds_saves_and_imports(model_dir, tmp_path):
         assert r.status_code == 400 and r.json()["error"]["code"] == "history_too_long", r.text
         ok = c.post("/v1/states", json={"name": "short", "prompt_ids": prompt[:9]})  # 8 cached + 1 pending
         assert ok.status_code == 200, ok.text
+
+
+def test_float16_keys_and_values(model, model_dir, monkeypatch):
+    """`--kv-dtype float16`: pages of half the bytes (twice as many for the same budget); answers within float16's
+    rounding of fp32's, a request's answer independent of its batch, decode on the fused kernel equal to the torch
+    path, and states (what files and parked copies hold) in the spec's fp32, back into pages without loss."""
+    from wkvm.engine.kv_pages import PagePool, SeqKV
+    from wkvm.models import fused
+
+    prompts = [[(7 * i + j) % len(CHAR_VOCAB) for j in range(8)] for i in range(4)]
+
+    def run(batch: list[list[int]], kv_dtype: str) -> tuple[Engine, list[tuple[list[int], list[dict[int, float]]]]]:
+        eng = engine(model, model_dir, pages=64, n_slots=4, token_budget=16, prefill_chunk=8, kv_dtype=kv_dtype)
+        params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
+        handles = [eng.submit(p, params) for p in batch]
+        eng.run_until_done()
+        return eng, [(h.output.token_ids, h.output.logprobs) for h in handles]
+
+    eng32, exact = run(prompts, "float32")
+    eng16, half = run(prompts, "float16")
+    assert eng32.arena.pool is not None and eng16.arena.pool is not None
+    assert eng16.arena.pool.n_pages == 2 * eng32.arena.pool.n_pages
+    assert all(p.dtype == torch.float16 for p in eng16.arena.pool.pages.values())
+    for (t32, l32), (t16, l16) in zip(exact, half, strict=True):
+        assert t16 == t32  # measured: logprobs within 1.6e-3 here
+        assert max(abs(a[t] - b[t]) for a, b in zip(l32, l16, strict=True) for t in a.keys() & b.keys()) < 1e-2
+    assert [run([p], "float16")[1][0] for p in prompts] == half  # alone == batched, to the bit
+    with monkeypatch.context() as m:
+        m.setattr(fused, "rope_attend_fits", lambda *a: False)
+        torch_path = run(prompts, "float16")[1]
+    for (t1, l1), (t2, l2) in zip(half, torch_path, strict=True):
+        assert t1 == t2
+        assert max(abs(a[t] - b[t]) for a, b in zip(l1, l2, strict=True) for t in a.keys() & b.keys()) < 1e-4
+    pool = PagePool(model.spec, 8, 4, dtype=torch.float16)
+    dense = {name: torch.randn(6, *pages.shape[2:]).half().float() for name, pages in pool.pages.items()}
+    seq = SeqKV.from_dense(pool, dense)
+    back = seq.to_dense(pool)
+    assert all(back[k].dtype == torch.float32 and torch.equal(back[k], dense[k]) for k in dense)

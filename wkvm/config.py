@@ -11,6 +11,9 @@ if TYPE_CHECKING:
     import torch
 
 
+KV_DTYPES = ("float32", "float16")
+
+
 @dataclass
 class EngineConfig:
     n_slots: int = 8  # state slots on the device: the most sequences running at once
@@ -21,11 +24,14 @@ class EngineConfig:
     device: str = "cpu"
     kv_cache_bytes: int = 1 << 30  # attention models: the shared pool of key/value pages (untouched until used)
     kv_page_tokens: int = 16  # tokens per KV page
+    kv_dtype: str = "float32"  # attention models: the pages' element type (float16 halves their bytes)
 
     def __post_init__(self) -> None:
         for name in ("n_slots", "max_queue", "token_budget", "prefill_chunk", "kv_cache_bytes", "kv_page_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}")
         if self.token_budget < self.n_slots:
             raise ValueError("token_budget must be at least n_slots, so every running sequence can decode each step")
         if self.request_timeout is not None and self.request_timeout <= 0:
@@ -66,6 +72,8 @@ class ServerConfig:
     kv_cache_bytes: int = opt(EngineConfig.kv_cache_bytes, "attention models: bytes of key/value pages shared by "
                               "all sequences; with the model's context it bounds one sequence's tokens", "size")
     kv_page_tokens: int = opt(EngineConfig.kv_page_tokens, "attention models: tokens per key/value page")
+    kv_dtype: str = opt(EngineConfig.kv_dtype, "attention models: keys and values stored as float32 (exact) or "
+                        "float16 (half the bytes, as llama.cpp; answers move slightly)", "choice:float32,float16")
     state_dir: str | None = opt(None, "directory of durable states (default: a temporary one)")
     state_device_bytes: int = opt(256 << 20, "bytes of states kept on the device (256MiB, 2G, ...)", "size")
     state_host_bytes: int = opt(1 << 30, "bytes of states kept in host RAM", "size")
@@ -110,7 +118,7 @@ class ServerConfig:
         return EngineConfig(
             n_slots=self.slots, max_queue=self.max_queue, token_budget=max(self.token_budget, self.slots),
             prefill_chunk=self.prefill_chunk, request_timeout=self.request_timeout, device=device,
-            kv_cache_bytes=self.kv_cache_bytes, kv_page_tokens=self.kv_page_tokens,
+            kv_cache_bytes=self.kv_cache_bytes, kv_page_tokens=self.kv_page_tokens, kv_dtype=self.kv_dtype,
         )  # fmt: skip
 
 

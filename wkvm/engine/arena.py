@@ -20,7 +20,7 @@ class SlotArena:
     """
 
     def __init__(self, spec: StateSpec, n_slots: int, device: str | torch.device = "cpu", kv_pages: int = 0,
-                 page_tokens: int = 16):  # fmt: skip
+                 page_tokens: int = 16, kv_dtype: torch.dtype = torch.float32):  # fmt: skip
         if n_slots < 1:
             raise ValueError("the arena needs at least one slot")
         if spec.has_kv and kv_pages < 1:
@@ -33,7 +33,7 @@ class SlotArena:
             for t in spec.tensors
             if not t.paged
         }
-        self.pool = PagePool(spec, kv_pages, page_tokens, self.device) if spec.has_kv else None
+        self.pool = PagePool(spec, kv_pages, page_tokens, self.device, kv_dtype) if spec.has_kv else None
         self.kv: dict[int, SeqKV] = {}  # slot -> its pages (models with kv tensors only)
         self._free = list(range(n_slots))
         heapq.heapify(self._free)

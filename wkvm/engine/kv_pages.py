@@ -37,6 +37,8 @@ class PagePool:
             for t in spec.tensors
             if t.kind == "kv"
         }
+        # what states hold (their files, parked copies, reuse checkpoints): the spec's dtype whatever the pages'
+        self.state_dtypes = {t.name: t.torch_dtype for t in spec.tensors if t.kind == "kv"}
         self.refs = [0] * n_pages
         self._free = list(range(n_pages - 1, -1, -1))  # pop() hands out the lowest page first
 
@@ -113,7 +115,7 @@ class SeqKV:
     def to_dense(self, pool: PagePool) -> dict[str, torch.Tensor]:
         """The used tokens of every kv tensor, [length, *shape] (what a state file stores)."""
         idx = self.slots(pool, 0, self.length)
-        return {name: pool.flat(name)[idx].clone() for name in pool.pages}
+        return {name: pool.flat(name)[idx].to(pool.state_dtypes[name]) for name in pool.pages}  # indexing copies
 
     @classmethod
     def from_dense(cls, pool: PagePool, dense: dict[str, torch.Tensor]) -> SeqKV:

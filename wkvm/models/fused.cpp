@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "simd_math.h"
@@ -144,10 +145,13 @@ inline v4f hsum4(v8f a0, v8f a1, v8f a2, v8f a3) {
   return __builtin_shufflevector(c0, c1, 0, 1, 4, 5) + __builtin_shufflevector(c0, c1, 2, 3, 6, 7);
 }
 
-inline float dot(const float* a, const float* b, int64_t D) {
+typedef _Float16 half;  // a KV pool's element in float16 (GCC and Clang on x86-64; F16C converts in registers)
+
+template <class T>
+inline float dot(const float* a, const T* b, int64_t D) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+  for (int64_t d = 0; d < D; ++d) s += a[d] * static_cast<float>(b[d]);
   return s;
 }
 
@@ -160,8 +164,9 @@ constexpr int64_t AHEAD = 8;
 // 4-token blocks fall the same way in a paged and in a dense cache).
 constexpr int64_t CHUNK = 128;
 
-inline void prefetch_rows(const float* p, int64_t floats) {
-  for (int64_t f = 0; f < floats; f += 16) __builtin_prefetch(p + f);
+template <class T>
+inline void prefetch_rows(const T* p, int64_t values) {
+  for (int64_t f = 0; f < values; f += 64 / sizeof(T)) __builtin_prefetch(p + f);
 }
 
 struct Heads {
@@ -177,6 +182,14 @@ inline V load_vec(const float* p) {
   return v;
 }
 
+template <class V>
+inline V load_vec(const half* p) {  // as many halves as V has floats, widened
+  typedef half H __attribute__((vector_size(sizeof(V) / 2)));
+  H h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, V);
+}
+
 inline v8f halves(v16f a) {
   return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
 }
@@ -185,14 +198,14 @@ inline v8f halves(v8f a) { return a; }
 // The scores of a page's tokens 0..count-1 four at a time (returns how many it did), vectors of V along d: every
 // head of a token in one pass over its row of the pool, four tokens' sums reduced in registers. scores points at
 // the page's first token of head 0 (row stride m).
-template <class V>
-int64_t scores4(const float* qr, const float* kp, int64_t count, const Heads& hs, float* scores, int64_t m) {
+template <class V, class T>
+int64_t scores4(const float* qr, const T* kp, int64_t count, const Heads& hs, float* scores, int64_t m) {
   constexpr int64_t L = sizeof(V) / sizeof(float);
   int64_t i = 0;
   for (; i + 4 <= count; i += 4) {
     if (i + AHEAD < count) prefetch_rows(kp + (i + AHEAD) * hs.HD, std::min<int64_t>(4, count - i - AHEAD) * hs.HD);
     for (int64_t j = 0; j < hs.Hkv; ++j) {
-      const float *k0 = kp + i * hs.HD + j * hs.D, *k1 = k0 + hs.HD, *k2 = k1 + hs.HD, *k3 = k2 + hs.HD;
+      const T *k0 = kp + i * hs.HD + j * hs.D, *k1 = k0 + hs.HD, *k2 = k1 + hs.HD, *k3 = k2 + hs.HD;
       for (int64_t h = j * hs.G; h < (j + 1) * hs.G; ++h) {
         const float* qh = qr + h * hs.D;
         V a0 = {}, a1 = {}, a2 = {}, a3 = {};
@@ -215,11 +228,12 @@ int64_t scores4(const float* qr, const float* kp, int64_t count, const Heads& hs
 // is read in one pass over its row of the pool (reading one head of every token would stride through memory);
 // four tokens at a time, eight lanes of d per step, the four sums reduced in registers (a head size not a multiple
 // of 8 takes the plain loop).
-void scores_of(const float* qr, const float* kf, const Pages& pg, int64_t t0, int64_t t1, const Heads& hs,
+template <class T>
+void scores_of(const float* qr, const T* kf, const Pages& pg, int64_t t0, int64_t t1, const Heads& hs,
                float* scores) {
   const int64_t m = t1 - t0;
   pg.each(t0, t1, [&](int64_t t, int64_t count, int64_t slot, int64_t next_count, int64_t next_slot) {
-    const float* kp = kf + slot * hs.HD;
+    const T* kp = kf + slot * hs.HD;
     prefetch_rows(kf + next_slot * hs.HD, std::min(next_count, AHEAD) * hs.HD);
     int64_t i = 0;
     if (hs.D % 16 == 0) {
@@ -235,32 +249,35 @@ void scores_of(const float* qr, const float* kf, const Pages& pg, int64_t t0, in
 
 // acc[h] = sum_t p[h * m + (t - t0)] v_t over tokens t0..t1-1, four tokens at a time (one load and store of acc per
 // four tokens), every head of a token in one pass like scores_of.
-void values_of(const float* p, const float* vf, const Pages& pg, int64_t t0, int64_t t1, const Heads& hs,
+template <class T>
+void values_of(const float* p, const T* vf, const Pages& pg, int64_t t0, int64_t t1, const Heads& hs,
                float* acc) {
   const int64_t m = t1 - t0;
   std::fill(acc, acc + hs.Hq * hs.D, 0.f);
   pg.each(t0, t1, [&](int64_t t, int64_t count, int64_t slot, int64_t next_count, int64_t next_slot) {
-    const float* vp = vf + slot * hs.HD;
+    const T* vp = vf + slot * hs.HD;
     prefetch_rows(vf + next_slot * hs.HD, std::min(next_count, AHEAD) * hs.HD);
     int64_t i = 0;
     for (; i + 4 <= count; i += 4) {
       if (i + AHEAD < count) prefetch_rows(vp + (i + AHEAD) * hs.HD, std::min<int64_t>(4, count - i - AHEAD) * hs.HD);
       for (int64_t h = 0; h < hs.Hq; ++h) {
-        const float *v0 = vp + i * hs.HD + (h / hs.G) * hs.D, *v1 = v0 + hs.HD, *v2 = v1 + hs.HD, *v3 = v2 + hs.HD;
+        const T *v0 = vp + i * hs.HD + (h / hs.G) * hs.D, *v1 = v0 + hs.HD, *v2 = v1 + hs.HD, *v3 = v2 + hs.HD;
         const float* ph = p + h * m + (t - t0) + i;
         const float p0 = ph[0], p1 = ph[1], p2 = ph[2], p3 = ph[3];
         float* __restrict a = acc + h * hs.D;
 #pragma omp simd
-        for (int64_t d = 0; d < hs.D; ++d) a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+        for (int64_t d = 0; d < hs.D; ++d)
+          a[d] += p0 * static_cast<float>(v0[d]) + p1 * static_cast<float>(v1[d]) + p2 * static_cast<float>(v2[d]) +
+                  p3 * static_cast<float>(v3[d]);
       }
     }
     for (; i < count; ++i) {
       for (int64_t h = 0; h < hs.Hq; ++h) {
-        const float* vt = vp + i * hs.HD + (h / hs.G) * hs.D;
+        const T* vt = vp + i * hs.HD + (h / hs.G) * hs.D;
         const float ph = p[h * m + (t - t0) + i];
         float* __restrict a = acc + h * hs.D;
 #pragma omp simd
-        for (int64_t d = 0; d < hs.D; ++d) a[d] += ph * vt[d];
+        for (int64_t d = 0; d < hs.D; ++d) a[d] += ph * static_cast<float>(vt[d]);
       }
     }
   });
@@ -290,52 +307,42 @@ int64_t row_stride(const at::Tensor& t, int64_t H, int64_t D, const char* name) 
   return t.stride(0);
 }
 
-at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                       const at::Tensor& sin, const at::Tensor& kflat, const at::Tensor& vflat,
-                       const at::Tensor& table, const at::Tensor& lengths, int64_t page_tokens, double scale) {
-  TORCH_CHECK(q.dim() >= 3 && k.dim() >= 3, "q and k must be [B, H, D] or [B, 1, H, D]");
-  const int64_t B = q.size(0), Hq = q.size(-2), D = q.size(-1), Hkv = k.size(-2), R = cos.size(-1);
-  const int64_t sq = row_stride(q, Hq, D, "q"), sk = row_stride(k, Hkv, D, "k"), sv = row_stride(v, Hkv, D, "v");
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B, "q, k and v must have the same rows");
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of key/value heads");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
-                  sin.scalar_type() == at::kFloat && cos.numel() == B * R && sin.numel() == B * R && R % 2 == 0 &&
-                  R <= D,
-              "cos and sin must be contiguous float32 [B, R] (or [B, 1, 1, R]) with R even and at most D");
-  for (const at::Tensor* t : {&kflat, &vflat}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(1) == Hkv &&
-                    t->size(2) == D,
-                "the KV pools must be contiguous float32 [slots, Hkv, D]");
+// A rope_attend call's operands, checked
+struct Problem {
+  const float *pq, *pk, *pv, *pc, *ps;
+  const int64_t *pt, *pl;
+  float* po;
+  int64_t B, Hq, Hkv, D, R, P, sq, sk, sv, page_tokens;
+  float fscale;
+};
+
+// the new token's key and value into their slots, as T
+template <class T>
+inline void store_token(const float* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
   }
-  TORCH_CHECK(table.scalar_type() == at::kLong && table.is_contiguous() && table.dim() == 2 && table.size(0) == B,
-              "table must be int64 [B, pages]");
-  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() && lengths.numel() == B,
-              "lengths must be int64 [B]");
-  TORCH_CHECK(page_tokens > 0, "page_tokens must be positive");
-  const int64_t P = table.size(1), S = kflat.size(0), G = Hq / Hkv;
-  const int64_t* pt = table.data_ptr<int64_t>();
-  const int64_t* pl = lengths.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = pl[b] + 1;
-    TORCH_CHECK(pl[b] >= 0 && (n + page_tokens - 1) / page_tokens <= P, "row ", b, ": ", n,
-                " tokens do not fit its page table");
-    for (int64_t p = 0; p < (n + page_tokens - 1) / page_tokens; ++p) {
-      TORCH_CHECK(pt[b * P + p] >= 0 && (pt[b * P + p] + 1) * page_tokens <= S, "row ", b, ": page ", pt[b * P + p],
-                  " is outside the pool");
-    }
-  }
-  std::vector<int64_t> shape(q.sizes().begin(), q.sizes().end());
-  at::Tensor out = at::empty(shape, q.options());
-  const float *pq = q.data_ptr<float>(), *pk = k.data_ptr<float>(), *pv = v.data_ptr<float>();
-  const float *pc = cos.data_ptr<float>(), *ps = sin.data_ptr<float>();
-  float *kf = kflat.data_ptr<float>(), *vf = vflat.data_ptr<float>(), *po = out.data_ptr<float>();
+}
+
+template <class T>
+void attend(const Problem& pr, T* kf, T* vf) {
+  const float *pq = pr.pq, *pk = pr.pk, *pv = pr.pv, *pc = pr.pc, *ps = pr.ps;
+  const int64_t *pt = pr.pt, *pl = pr.pl;
+  float* po = pr.po;
+  const int64_t B = pr.B, Hq = pr.Hq, Hkv = pr.Hkv, D = pr.D, R = pr.R, P = pr.P, sq = pr.sq, sk = pr.sk, sv = pr.sv;
+  const int64_t page_tokens = pr.page_tokens, G = Hq / Hkv;
   const int64_t HD = Hkv * D;
-  const float fscale = static_cast<float>(scale);
+  const float fscale = pr.fscale;
   // the new token's key and value first (each work item below reads every token of its row and head)
   for (int64_t b = 0; b < B; ++b) {
     const int64_t slot = Pages{pt + b * P, page_tokens}.slot(pl[b]);
-    for (int64_t j = 0; j < Hkv; ++j) rope(pk + b * sk + j * D, pc + b * R, ps + b * R, kf + slot * HD + j * D, D, R, 1.f);
-    std::memcpy(vf + slot * HD, pv + b * sv, HD * sizeof(float));
+    std::vector<float> key(HD);
+    for (int64_t j = 0; j < Hkv; ++j) rope(pk + b * sk + j * D, pc + b * R, ps + b * R, key.data() + j * D, D, R, 1.f);
+    store_token(key.data(), kf + slot * HD, HD);
+    store_token(pv + b * sv, vf + slot * HD, HD);
   }
   // Work items are (row, token chunk): a chunk's scores, softmax numerators and weighted values for every head, merged
   // per row afterwards (flash-decoding). The chunk size is fixed, so a row's result does not depend on the batch it
@@ -382,6 +389,54 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
+  }
+}
+
+at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                       const at::Tensor& sin, const at::Tensor& kflat, const at::Tensor& vflat,
+                       const at::Tensor& table, const at::Tensor& lengths, int64_t page_tokens, double scale) {
+  TORCH_CHECK(q.dim() >= 3 && k.dim() >= 3, "q and k must be [B, H, D] or [B, 1, H, D]");
+  const int64_t B = q.size(0), Hq = q.size(-2), D = q.size(-1), Hkv = k.size(-2), R = cos.size(-1);
+  const int64_t sq = row_stride(q, Hq, D, "q"), sk = row_stride(k, Hkv, D, "k"), sv = row_stride(v, Hkv, D, "v");
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B, "q, k and v must have the same rows");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of key/value heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat && cos.numel() == B * R && sin.numel() == B * R && R % 2 == 0 &&
+                  R <= D,
+              "cos and sin must be contiguous float32 [B, R] (or [B, 1, 1, R]) with R even and at most D");
+  const bool f16 = kflat.scalar_type() == at::kHalf;
+  for (const at::Tensor* t : {&kflat, &vflat}) {
+    TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) &&
+                    t->scalar_type() == kflat.scalar_type() && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(1) == Hkv && t->size(2) == D,
+                "the KV pools must be contiguous [slots, Hkv, D], both float32 or both float16");
+  }
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.is_contiguous() && table.dim() == 2 && table.size(0) == B,
+              "table must be int64 [B, pages]");
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() && lengths.numel() == B,
+              "lengths must be int64 [B]");
+  TORCH_CHECK(page_tokens > 0, "page_tokens must be positive");
+  const int64_t P = table.size(1), S = kflat.size(0);
+  const int64_t* pt = table.data_ptr<int64_t>();
+  const int64_t* pl = lengths.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = pl[b] + 1;
+    TORCH_CHECK(pl[b] >= 0 && (n + page_tokens - 1) / page_tokens <= P, "row ", b, ": ", n,
+                " tokens do not fit its page table");
+    for (int64_t p = 0; p < (n + page_tokens - 1) / page_tokens; ++p) {
+      TORCH_CHECK(pt[b * P + p] >= 0 && (pt[b * P + p] + 1) * page_tokens <= S, "row ", b, ": page ", pt[b * P + p],
+                  " is outside the pool");
+    }
+  }
+  std::vector<int64_t> shape(q.sizes().begin(), q.sizes().end());
+  at::Tensor out = at::empty(shape, q.options());
+  const Problem pr{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), cos.data_ptr<float>(),
+                   sin.data_ptr<float>(), pt, pl, out.data_ptr<float>(), B, Hq, Hkv, D, R, P, sq, sk, sv, page_tokens,
+                   static_cast<float>(scale)};
+  if (f16) {
+    attend(pr, reinterpret_cast<half*>(kflat.data_ptr<at::Half>()), reinterpret_cast<half*>(vflat.data_ptr<at::Half>()));
+  } else {
+    attend(pr, kflat.data_ptr<float>(), vflat.data_ptr<float>());
   }
   return out;
 }

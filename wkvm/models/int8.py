@@ -31,6 +31,7 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -132,6 +133,13 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: torch.Tensor, path: str | None = None) -> torch.Tensor:
     """x [..., K] fp32 @ dequantize(w)^T -> [..., N] fp32; `path` (an ISA name or "torch") overrides the choice."""
+    if path is None and w.is_cpu and x.dtype == torch.float32 and x.is_contiguous():  # decode's way, kept short:
+        op, isa = _default_kernel()  # this wrapper ran ~6 us a call
+        if op is not None:
+            n, k = x.numel(), x.shape[-1]
+            if isa == len(ISAS) - 1 or n <= KERNEL_ROWS * k or (n <= KERNEL_ROWS_LARGE * k and w.numel() >= LARGE):
+                out: torch.Tensor = op(x, w, isa)  # any leading dimensions
+                return out
     path = "torch" if w.device.type != "cpu" else path or kernel_path()
     if path != "torch" and native_isa() is None:
         raise RuntimeError(f"int8 kernel path {path!r} asked for, but the kernel could not be built")
@@ -149,6 +157,19 @@ def _kernel_takes(path: str, m: int, w: torch.Tensor) -> bool:
     if path == "torch":
         return False
     return path == "avx512_vnni" or m <= KERNEL_ROWS or (m <= KERNEL_ROWS_LARGE and w.numel() >= LARGE)
+
+
+def _default_kernel() -> tuple[Any, int]:
+    """The kernel op and its isa argument for `kernel_path()`; (None, -1) when that is torch."""
+    path = kernel_path()
+    found = _KERNELS.get(path)
+    if found is None:
+        found = _KERNELS[path] = (None, -1) if path == "torch" else (torch.ops.wkvm_int8.linear.default,
+                                                                      ISAS.index(path))  # fmt: skip
+    return found
+
+
+_KERNELS: dict[str, tuple[Any, int]] = {}  # kernel_path() -> (op, isa): looking the op up costs ~0.7 us
 
 
 @functools.cache
