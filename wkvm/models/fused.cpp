@@ -28,6 +28,10 @@
 
 #include "simd_math.h"
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using wkvm::exp_approx;
@@ -182,12 +186,27 @@ inline V load_vec(const float* p) {
   return v;
 }
 
+// as many halves as V has floats, widened (GCC 12 builds __builtin_convertvector on halves lane by lane without
+// AVX512-FP16: the F16C / AVX-512 conversions are spelled out)
 template <class V>
-inline V load_vec(const half* p) {  // as many halves as V has floats, widened
-  typedef half H __attribute__((vector_size(sizeof(V) / 2)));
-  H h;
-  std::memcpy(&h, p, sizeof h);
-  return __builtin_convertvector(h, V);
+inline V load_vec(const half* p) {
+  V v;
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64) {
+    const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    std::memcpy(&v, &f, sizeof v);
+    return v;
+  }
+#endif
+#if defined(__F16C__)
+  for (size_t i = 0; i < sizeof(V) / 32; ++i) {
+    const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * i)));
+    std::memcpy(reinterpret_cast<char*>(&v) + 32 * i, &f, sizeof f);
+  }
+#else
+  for (size_t i = 0; i < sizeof(V) / 4; ++i) v[i] = static_cast<float>(p[i]);
+#endif
+  return v;
 }
 
 inline v8f halves(v16f a) {
@@ -265,10 +284,16 @@ void values_of(const float* p, const T* vf, const Pages& pg, int64_t t0, int64_t
         const float* ph = p + h * m + (t - t0) + i;
         const float p0 = ph[0], p1 = ph[1], p2 = ph[2], p3 = ph[3];
         float* __restrict a = acc + h * hs.D;
+        if constexpr (std::is_same_v<T, half>) {  // GCC leaves a loop over halves scalar: widen 8 at a time
+          for (int64_t d = 0; d < hs.D; d += 8) {
+            const v8f sum = load_vec<v8f>(a + d) + p0 * load_vec<v8f>(v0 + d) + p1 * load_vec<v8f>(v1 + d) +
+                            p2 * load_vec<v8f>(v2 + d) + p3 * load_vec<v8f>(v3 + d);
+            std::memcpy(a + d, &sum, sizeof sum);
+          }
+        } else {
 #pragma omp simd
-        for (int64_t d = 0; d < hs.D; ++d)
-          a[d] += p0 * static_cast<float>(v0[d]) + p1 * static_cast<float>(v1[d]) + p2 * static_cast<float>(v2[d]) +
-                  p3 * static_cast<float>(v3[d]);
+          for (int64_t d = 0; d < hs.D; ++d) a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+        }
       }
     }
     for (; i < count; ++i) {
@@ -322,8 +347,12 @@ inline void store_token(const float* src, T* dst, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(dst, src, n * sizeof(float));
   } else {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)  // round to nearest even, as torch's .half()
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
   }
 }
 
@@ -411,6 +440,7 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                     t->size(1) == Hkv && t->size(2) == D,
                 "the KV pools must be contiguous [slots, Hkv, D], both float32 or both float16");
   }
+  TORCH_CHECK(!f16 || D % 8 == 0, "float16 KV pools need a head size that is a multiple of 8");
   TORCH_CHECK(table.scalar_type() == at::kLong && table.is_contiguous() && table.dim() == 2 && table.size(0) == B,
               "table must be int64 [B, pages]");
   TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() && lengths.numel() == B,
