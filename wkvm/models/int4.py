@@ -29,11 +29,10 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from wkvm.models.int8 import ISAS, built_isa, choose_path, load_kernel
+from wkvm.models.int8 import ISAS, built_isa, choose_path, default_kernel, load_kernel
 
 log = logging.getLogger("wkvm.int4")
 
@@ -129,7 +128,7 @@ def embedding(ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, w: torch.Tensor, path: str | None = None) -> torch.Tensor:
     """x [..., K] fp32 @ dequantize(w)^T -> [..., N] fp32; `path` (an ISA name or "torch") overrides the choice."""
     if path is None and w.is_cpu and x.dtype == torch.float32 and x.is_contiguous():  # decode's way, kept short:
-        op, isa = _default_kernel()  # this wrapper ran ~6 us a call, 120 calls a SmolLM2 step
+        op, isa = default_kernel("wkvm_int4", kernel_path())  # this wrapper ran ~6 us a call
         if op is not None and (isa == len(ISAS) - 1 or x.numel() <= KERNEL_ROWS * x.shape[-1]):
             out: torch.Tensor = op(x, w, isa)  # any leading dimensions
             return out
@@ -144,19 +143,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, path: str | None = None) -> torch.T
 
         y = float_linear(x2, torch.ops.wkvm_int4.dequantize(w) if path != "torch" else dequantize(w))
     return y.view(*x.shape[:-1], w.shape[0])
-
-
-def _default_kernel() -> tuple[Any, int]:
-    """The kernel op and its isa argument for `kernel_path()`; (None, -1) when that is torch."""
-    path = kernel_path()
-    found = _KERNELS.get(path)
-    if found is None:
-        found = _KERNELS[path] = (None, -1) if path == "torch" else (torch.ops.wkvm_int4.linear.default,
-                                                                      ISAS.index(path))  # fmt: skip
-    return found
-
-
-_KERNELS: dict[str, tuple[Any, int]] = {}  # kernel_path() -> (op, isa): looking the op up costs ~0.7 us
 
 
 @functools.cache

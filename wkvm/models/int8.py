@@ -134,7 +134,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, w: torch.Tensor, path: str | None = None) -> torch.Tensor:
     """x [..., K] fp32 @ dequantize(w)^T -> [..., N] fp32; `path` (an ISA name or "torch") overrides the choice."""
     if path is None and w.is_cpu and x.dtype == torch.float32 and x.is_contiguous():  # decode's way, kept short:
-        op, isa = _default_kernel()  # this wrapper ran ~6 us a call
+        op, isa = default_kernel("wkvm_int8", kernel_path())  # this wrapper ran ~6 us a call
         if op is not None:
             n, k = x.numel(), x.shape[-1]
             if isa == len(ISAS) - 1 or n <= KERNEL_ROWS * k or (n <= KERNEL_ROWS_LARGE * k and w.numel() >= LARGE):
@@ -159,17 +159,17 @@ def _kernel_takes(path: str, m: int, w: torch.Tensor) -> bool:
     return path == "avx512_vnni" or m <= KERNEL_ROWS or (m <= KERNEL_ROWS_LARGE and w.numel() >= LARGE)
 
 
-def _default_kernel() -> tuple[Any, int]:
-    """The kernel op and its isa argument for `kernel_path()`; (None, -1) when that is torch."""
-    path = kernel_path()
-    found = _KERNELS.get(path)
+def default_kernel(namespace: str, path: str) -> tuple[Any, int]:
+    """The `linear` op of kernel `namespace` (wkvm_int8, wkvm_int4) and its isa argument for `path`; (None, -1) for
+    torch. Kept: looking the op up costs ~0.7 us, and the decode wrappers run ~120 times a step."""
+    found = _KERNELS.get((namespace, path))
     if found is None:
-        found = _KERNELS[path] = (None, -1) if path == "torch" else (torch.ops.wkvm_int8.linear.default,
-                                                                      ISAS.index(path))  # fmt: skip
+        op = None if path == "torch" else getattr(torch.ops, namespace).linear.default
+        found = _KERNELS[(namespace, path)] = (op, -1 if op is None else ISAS.index(path))
     return found
 
 
-_KERNELS: dict[str, tuple[Any, int]] = {}  # kernel_path() -> (op, isa): looking the op up costs ~0.7 us
+_KERNELS: dict[tuple[str, str], tuple[Any, int]] = {}
 
 
 @functools.cache
