@@ -12,7 +12,8 @@
 //     row's slot at position lengths[b] (slot = table[b][pos / page_tokens] * page_tokens + pos % page_tokens),
 //     then grouped-query attention of q over the row's lengths[b] + 1 cached tokens, read page by page in place
 //     (query head h uses kv head h / (Hq / Hkv), HF's repeat_kv order). Work items are (row, CHUNK tokens) on
-//     torch's thread pool, merged per row afterwards (flash-decoding).
+//     torch's thread pool, merged per row afterwards (flash-decoding). The pools are float32 or float16 (`--kv-dtype`;
+//     D a multiple of 8): float16 keys and values are rounded when written and widened to fp32 when read.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
