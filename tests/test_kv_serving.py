@@ -125,3 +125,22 @@ def test_float16_keys_and_values(model, model_dir, monkeypatch):
     seq = SeqKV.from_dense(pool, dense)
     back = seq.to_dense(pool)
     assert all(back[k].dtype == torch.float32 and torch.equal(back[k], dense[k]) for k in dense)
+
+
+def test_the_torch_attention_path_is_batch_independent(model, model_dir, monkeypatch):
+    """Without the fused decode op (no compiler, WKVM_FUSED=off, an odd head size) rows attend one at a time: each
+    request's tokens and logprobs equal its run alone, to the bit (they differed at float rounding when rows were
+    padded into one masked batch)."""
+    from wkvm.models import fused
+
+    monkeypatch.setattr(fused, "rope_attend_fits", lambda *a: False)
+    prompts = [[(5 * i + 3 * j) % len(CHAR_VOCAB) for j in range(3 + 2 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+
+    def run(batch: list[list[int]]) -> list[tuple[list[int], list[dict[int, float]]]]:
+        eng = engine(model, model_dir, pages=64, n_slots=4, token_budget=16, prefill_chunk=4)
+        handles = [eng.submit(p, params) for p in batch]
+        eng.run_until_done()
+        return [(h.output.token_ids, h.output.logprobs) for h in handles]
+
+    assert run(prompts) == [run([p])[0] for p in prompts]

@@ -133,9 +133,10 @@ class PagedKV:
     """The `KVBatch` of B sequences feeding T new tokens each: appends go to their pages (reserved beforehand with
     `SeqKV.reserve`), attention reads each row's tokens. `commit()` after the forward advances the lengths.
 
-    A single row whose pages are consecutive in the pool (the common case: pages are handed out lowest first) is
-    read as a view of the pool, without a copy; otherwise the rows' tokens are gathered. Decode rows of equal
-    length need no mask."""
+    On the torch path (prefill; decode without the fused op) rows attend one at a time, each as it would alone, so a
+    row's answer does not depend on its batch. A row whose pages are consecutive in the pool (the common case:
+    pages are handed out lowest first) is read as a view of the pool, without a copy; otherwise its tokens are
+    gathered. One new token needs no mask."""
 
     def __init__(self, pool: PagePool, seqs: list[SeqKV], n_new: int):
         self.pool, self.seqs, self.n_new = pool, seqs, n_new
@@ -151,18 +152,18 @@ class PagedKV:
         return torch.stack([s.slots(self.pool, s.length, s.length + self.n_new) for s in self.seqs])
 
     @functools.cached_property
-    def _gather(self) -> tuple[tuple[int, int] | None, torch.Tensor | None, torch.Tensor | None]:
-        """(span, read, mask): span (first token slot, length) when one row's pages are consecutive, else read
-        [B, Lmax] token slots; the mask [B, 1, T, Lmax] (causal, in range), None when no row needs one."""
-        starts, n_new, pool = self._start.tolist(), self.n_new, self.pool
-        lmax = max(starts) + n_new
-        span = _consecutive(self.seqs[0], pool, lmax) if len(self.seqs) == 1 else None
-        read = None if span else torch.stack([_padded(s.slots(pool, 0, s.length + n_new), lmax) for s in self.seqs])
-        if n_new == 1 and len(set(starts)) == 1:
-            return span, read, None  # every row sees all of its keys, and no row is padded
-        t = torch.arange(n_new).view(1, n_new, 1)
-        j = torch.arange(lmax).view(1, 1, lmax)
-        return span, read, (j <= self._start.view(-1, 1, 1) + t).unsqueeze(1)
+    def _rows(self) -> list[tuple[tuple[int, int] | None, torch.Tensor | None, torch.Tensor | None]]:
+        """Per row: (span, read, mask): span (first token slot, length) when its pages are consecutive, else read
+        [L] token slots; mask [1, 1, T, L] (causal from the row's start), None for one new token. Rows attend one
+        at a time, each exactly as it would alone: a row's answer never depends on the others in its batch."""
+        rows = []
+        for seq, start in zip(self.seqs, self._start.tolist(), strict=True):
+            n = start + self.n_new
+            span = _consecutive(seq, self.pool, n)
+            read = None if span else seq.slots(self.pool, 0, n)
+            t, j = torch.arange(self.n_new).view(1, self.n_new, 1), torch.arange(n).view(1, 1, n)
+            rows.append((span, read, None if self.n_new == 1 else (j <= start + t).unsqueeze(1)))
+        return rows
 
     def positions(self) -> torch.Tensor:
         return self._start.clone()
@@ -173,8 +174,12 @@ class PagedKV:
             flat[self._write.reshape(-1)] = x.reshape(-1, *x.shape[2:]).to(flat.dtype)
 
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        k, v = (self._tokens(self.pool.flat(name)) for name in (key_name(layer), value_name(layer)))
-        return grouped_attention(q, k, v, self._gather[2], scale)
+        kf, vf = self.pool.flat(key_name(layer)), self.pool.flat(value_name(layer))
+        out = []
+        for b, (span, read, mask) in enumerate(self._rows):
+            k, v = (f[span[0] : span[0] + span[1]] if span else f[read] for f in (kf, vf))  # a view when consecutive
+            out.append(grouped_attention(q[b : b + 1], k.unsqueeze(0), v.unsqueeze(0), mask, scale))
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def rope_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
@@ -191,15 +196,6 @@ class PagedKV:
             flat = self._flat[layer] = (self.pool.flat(key_name(layer)), self.pool.flat(value_name(layer)))
         return fused.rope_attend(q, k, v, cos, sin, *flat, self._table, self._start, self.pool.page_tokens, scale)
 
-    def _tokens(self, flat: torch.Tensor) -> torch.Tensor:
-        """Each row's cached tokens, [B, Lmax, Hkv, D]: a view when they lie in one run of the pool."""
-        span, read, _ = self._gather
-        if span is not None:
-            first, n = span
-            return flat[first : first + n].unsqueeze(0)
-        assert read is not None
-        return flat[read]
-
     def commit(self) -> None:
         for s in self.seqs:
             s.length += self.n_new
@@ -211,11 +207,3 @@ def _consecutive(seq: SeqKV, pool: PagePool, n: int) -> tuple[int, int] | None:
     if used and all(b == a + 1 for a, b in zip(used, used[1:], strict=False)):
         return used[0] * pool.page_tokens, n
     return None
-
-
-def _padded(idx: torch.Tensor, n: int) -> torch.Tensor:
-    """`idx` padded to length n with its first entry (the mask hides the padding)."""
-    if idx.numel() >= n:
-        return idx[:n]
-    fill = idx[:1] if idx.numel() else torch.zeros(1, dtype=torch.long)
-    return torch.cat([idx, fill.expand(n - idx.numel())])
