@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from wkvm.models.int8 import ISAS, built_isa, choose_path, default_kernel, load_kernel
+from wkvm.models.int8 import ISAS, built_isa, choose_path, kernel_op, load_kernel, run_kernel
 
 log = logging.getLogger("wkvm.int4")
 
@@ -127,21 +127,16 @@ def embedding(ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: torch.Tensor, path: str | None = None) -> torch.Tensor:
     """x [..., K] fp32 @ dequantize(w)^T -> [..., N] fp32; `path` (an ISA name or "torch") overrides the choice."""
-    if path is None and w.is_cpu and x.dtype == torch.float32 and x.is_contiguous():  # decode's way, kept short:
-        op, isa = default_kernel("wkvm_int4", kernel_path())  # this wrapper ran ~6 us a call
-        if op is not None and (isa == len(ISAS) - 1 or x.numel() <= KERNEL_ROWS * x.shape[-1]):
-            out: torch.Tensor = op(x, w, isa)  # any leading dimensions
-            return out
-    path = "torch" if w.device.type != "cpu" else path or kernel_path()
+    path = (path or kernel_path()) if w.is_cpu else "torch"
     if path != "torch" and native_isa() is None:
         raise RuntimeError(f"int4 kernel path {path!r} asked for, but the kernel could not be built")
-    x2 = x.reshape(-1, in_features(w)).to(torch.float32)
-    if path == "avx512_vnni" or (path != "torch" and x2.shape[0] <= KERNEL_ROWS):
-        y: torch.Tensor = torch.ops.wkvm_int4.linear(x2.contiguous(), w, ISAS.index(path))
-    else:
-        from wkvm.models.linear import linear as float_linear
+    if path == ISAS[-1] or (path != "torch" and x.numel() // max(1, x.shape[-1]) <= KERNEL_ROWS):  # VNNI: every size
+        op, isa = kernel_op("wkvm_int4", path)
+        return run_kernel(op, x, w, isa)
+    from wkvm.models.linear import linear as float_linear
 
-        y = float_linear(x2, torch.ops.wkvm_int4.dequantize(w) if path != "torch" else dequantize(w))
+    x2 = x.reshape(-1, in_features(w)).to(torch.float32)
+    y = float_linear(x2, torch.ops.wkvm_int4.dequantize(w) if path != "torch" else dequantize(w))
     return y.view(*x.shape[:-1], w.shape[0])
 
 

@@ -133,23 +133,16 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: torch.Tensor, path: str | None = None) -> torch.Tensor:
     """x [..., K] fp32 @ dequantize(w)^T -> [..., N] fp32; `path` (an ISA name or "torch") overrides the choice."""
-    if path is None and w.is_cpu and x.dtype == torch.float32 and x.is_contiguous():  # decode's way, kept short:
-        op, isa = default_kernel("wkvm_int8", kernel_path())  # this wrapper ran ~6 us a call
-        if op is not None:
-            n, k = x.numel(), x.shape[-1]
-            if isa == len(ISAS) - 1 or n <= KERNEL_ROWS * k or (n <= KERNEL_ROWS_LARGE * k and w.numel() >= LARGE):
-                out: torch.Tensor = op(x, w, isa)  # any leading dimensions
-                return out
-    path = "torch" if w.device.type != "cpu" else path or kernel_path()
+    path = (path or kernel_path()) if w.is_cpu else "torch"
     if path != "torch" and native_isa() is None:
         raise RuntimeError(f"int8 kernel path {path!r} asked for, but the kernel could not be built")
-    x2 = x.reshape(-1, in_features(w)).to(torch.float32)
-    if _kernel_takes(path, x2.shape[0], w):
-        y: torch.Tensor = torch.ops.wkvm_int8.linear(x2.contiguous(), w, ISAS.index(path))
-    else:
-        from wkvm.models.linear import linear as float_linear
+    if _kernel_takes(path, x.numel() // max(1, x.shape[-1]), w):
+        op, isa = kernel_op("wkvm_int8", path)
+        return run_kernel(op, x, w, isa)
+    from wkvm.models.linear import linear as float_linear
 
-        y = float_linear(x2, torch.ops.wkvm_int8.dequantize(w) if path != "torch" else dequantize(w))
+    x2 = x.reshape(-1, in_features(w)).to(torch.float32)
+    y = float_linear(x2, torch.ops.wkvm_int8.dequantize(w) if path != "torch" else dequantize(w))
     return y.view(*x.shape[:-1], w.shape[0])
 
 
@@ -159,17 +152,20 @@ def _kernel_takes(path: str, m: int, w: torch.Tensor) -> bool:
     return path == "avx512_vnni" or m <= KERNEL_ROWS or (m <= KERNEL_ROWS_LARGE and w.numel() >= LARGE)
 
 
-def default_kernel(namespace: str, path: str) -> tuple[Any, int]:
-    """The `linear` op of kernel `namespace` (wkvm_int8, wkvm_int4) and its isa argument for `path`; (None, -1) for
-    torch. Kept: looking the op up costs ~0.7 us, and the decode wrappers run ~120 times a step."""
-    found = _KERNELS.get((namespace, path))
-    if found is None:
-        op = None if path == "torch" else getattr(torch.ops, namespace).linear.default
-        found = _KERNELS[(namespace, path)] = (op, -1 if op is None else ISAS.index(path))
-    return found
+@functools.cache
+def kernel_op(namespace: str, path: str) -> tuple[Any, int]:
+    """The `linear` op of kernel `namespace` (wkvm_int8, wkvm_int4) and its isa argument for ISA `path`. Kept:
+    looking the op up costs ~0.7 us, and the decode wrappers run ~120 times a step."""
+    return getattr(torch.ops, namespace).linear.default, ISAS.index(path)
 
 
-_KERNELS: dict[tuple[str, str], tuple[Any, int]] = {}
+def run_kernel(op: Any, x: torch.Tensor, w: torch.Tensor, isa: int) -> torch.Tensor:
+    """A kernel's `linear` on x [..., K] as it comes (the kernel flattens the leading dimensions itself: a view in
+    Python costs ~1.5 us a call)."""
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.to(torch.float32).contiguous()
+    y: torch.Tensor = op(x, w, isa)
+    return y
 
 
 @functools.cache
