@@ -26,7 +26,6 @@ import hashlib
 import json
 import logging
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,13 +99,8 @@ def compute_copy(pack: Pack, dtype: torch.dtype = torch.float32) -> BlockedCopy 
     name = quantized_name(dtype)
     if name is None:
         return blocked_copy(pack, dtype)
-    source = [e["sha256"] for e in pack.manifest["layers"]]
-
-    def build(d: Path) -> list[dict[str, Any]]:
-        return _build(pack, d, {"format": QUANTIZED_FORMAT, "dtype": name, "source": source}, dtype, False)
-
-    return _copy(pack, pack.path / f"{name}-v1", {"format": QUANTIZED_FORMAT, "dtype": name, "source": source}, {},
-                 build, f"{name} copy")  # fmt: skip
+    head = {"format": QUANTIZED_FORMAT, "dtype": name, "source": _sources(pack)}
+    return _copy(pack, pack.path / f"{name}-v1", head, tuple(head), {}, dtype)
 
 
 def quantized_name(dtype: torch.dtype) -> str | None:
@@ -124,31 +118,31 @@ def blocked_copy(pack: Pack, dtype: torch.dtype = torch.float32) -> BlockedCopy 
     key = layout_key(shapes, dtype)
     if key is None:
         return None
-    source = [e["sha256"] for e in pack.manifest["layers"]]
-    head = {"format": FORMAT, "layout": key, "torch": torch.__version__, "source": source}
-
-    def build(d: Path) -> list[dict[str, Any]]:
-        return _build(pack, d, head, dtype, True)
-
-    return _copy(pack, pack.path / f"onednn-{key}", {"format": FORMAT, "source": source}, shapes, build,
-                 "blocked copy")
+    head = {"format": FORMAT, "layout": key, "torch": torch.__version__, "source": _sources(pack)}
+    return _copy(pack, pack.path / f"onednn-{key}", head, ("format", "source"), shapes, dtype)
 
 
-def _copy(pack: Pack, d: Path, expect: dict[str, Any], shapes: dict[str, list[int]],
-          build: Callable[[Path], list[dict[str, Any]]], what: str) -> BlockedCopy | None:  # fmt: skip
-    """The copy in `d` when its manifest says `expect` and its files check out, else built again."""
+def _sources(pack: Pack) -> list[str]:
+    return [e["sha256"] for e in pack.manifest["layers"]]
+
+
+def _copy(pack: Pack, d: Path, head: dict[str, Any], checked: tuple[str, ...], shapes: dict[str, list[int]],
+          dtype: torch.dtype) -> BlockedCopy | None:  # fmt: skip
+    """The copy in `d` when its manifest agrees with `head` on the `checked` keys and its files check out, else
+    built again (a blocked copy when `shapes` names its matrices, else a quantized one)."""
     try:
         manifest: dict[str, Any] = json.loads((d / MANIFEST).read_text())
-        if all(manifest.get(k) == v for k, v in expect.items()):
+        if all(manifest.get(k) == head[k] for k in checked):
             for entry in manifest["layers"]:
                 check_entry(d, entry)
             return BlockedCopy(d, manifest["layers"], shapes)
     except (OSError, ValueError, KeyError, PackError):
         pass  # absent, stale or damaged: build it again
     try:
-        return BlockedCopy(d, build(d), shapes)
+        return BlockedCopy(d, _build(pack, d, head, dtype, bool(shapes)), shapes)
     except OSError as e:  # read-only, or out of space: leave no half-built copy taking disk
         shutil.rmtree(d, ignore_errors=True)
+        what = "blocked copy" if shapes else f"{head['dtype']} copy"
         log.warning("cannot write the %s of %s (%s); streaming the plain layers, converted per read (slower)", what,
                     pack.path, e)  # fmt: skip
         return None
