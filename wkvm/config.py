@@ -34,6 +34,12 @@ class EngineConfig:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}")
         if self.token_budget < self.n_slots:
             raise ValueError("token_budget must be at least n_slots, so every running sequence can decode each step")
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.kv_dtype)  # type: ignore[no-any-return]
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError("request_timeout must be positive")
 
@@ -73,7 +79,8 @@ class ServerConfig:
                               "all sequences; with the model's context it bounds one sequence's tokens", "size")
     kv_page_tokens: int = opt(EngineConfig.kv_page_tokens, "attention models: tokens per key/value page")
     kv_dtype: str = opt(EngineConfig.kv_dtype, "attention models: keys and values stored as float32 (exact) or "
-                        "float16 (half the bytes, as llama.cpp; answers move slightly)", "choice:float32,float16")
+                        "float16 (half the bytes, as llama.cpp; answers move slightly)",
+                        "choice:" + ",".join(KV_DTYPES))
     state_dir: str | None = opt(None, "directory of durable states (default: a temporary one)")
     state_device_bytes: int = opt(256 << 20, "bytes of states kept on the device (256MiB, 2G, ...)", "size")
     state_host_bytes: int = opt(1 << 30, "bytes of states kept in host RAM", "size")

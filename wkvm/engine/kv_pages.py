@@ -161,8 +161,11 @@ class PagedKV:
             n = start + self.n_new
             span = _consecutive(seq, self.pool, n)
             read = None if span else seq.slots(self.pool, 0, n)
-            t, j = torch.arange(self.n_new).view(1, self.n_new, 1), torch.arange(n).view(1, 1, n)
-            rows.append((span, read, None if self.n_new == 1 else (j <= start + t).unsqueeze(1)))
+            mask = None
+            if self.n_new > 1:
+                t, j = torch.arange(self.n_new).view(1, self.n_new, 1), torch.arange(n).view(1, 1, n)
+                mask = (j <= start + t).unsqueeze(1)
+            rows.append((span, read, mask))
         return rows
 
     def positions(self) -> torch.Tensor:

@@ -50,7 +50,8 @@ def kv_pages(spec: StateSpec, config: EngineConfig) -> int:
     """Pages of the KV pool `config.kv_cache_bytes` buys (0 for a model without attention layers)."""
     if not spec.has_kv:
         return 0
-    per_token = spec.token_nbytes // 2 if config.kv_dtype == "float16" else spec.token_nbytes  # the spec says fp32
+    values = sum(t.nbytes // t.torch_dtype.itemsize for t in spec.tensors if t.paged)  # a token's, all kv tensors
+    per_token = values * config.kv_torch_dtype.itemsize
     pages = config.kv_cache_bytes // (config.kv_page_tokens * per_token)
     if pages < 1:
         need = config.kv_page_tokens * per_token
@@ -62,7 +63,7 @@ class ModelRunner:
     def __init__(self, model: LanguageModel, config: EngineConfig, tokenizer: Tokenizer | None = None):
         self.model = model
         self.arena = SlotArena(model.spec, config.n_slots, config.device, kv_pages(model.spec, config),
-                               config.kv_page_tokens, getattr(torch, config.kv_dtype))  # fmt: skip
+                               config.kv_page_tokens, config.kv_torch_dtype)  # fmt: skip
         self._rows: dict[str, SamplerRow] = {}
         pool = self.arena.pool
         limits = [n for n in (model.context_length, pool.n_pages * pool.page_tokens if pool else None) if n]

@@ -367,9 +367,9 @@ void attend(const Problem& pr, T* kf, T* vf) {
   const int64_t HD = Hkv * D;
   const float fscale = pr.fscale;
   // the new token's key and value first (each work item below reads every token of its row and head)
+  std::vector<float> key(HD);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t slot = Pages{pt + b * P, page_tokens}.slot(pl[b]);
-    std::vector<float> key(HD);
     for (int64_t j = 0; j < Hkv; ++j) rope(pk + b * sk + j * D, pc + b * R, ps + b * R, key.data() + j * D, D, R, 1.f);
     store_token(key.data(), kf + slot * HD, HD);
     store_token(pv + b * sv, vf + slot * HD, HD);

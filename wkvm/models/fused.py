@@ -102,15 +102,13 @@ def greedy(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     return ids.tolist(), finite.tolist()
 
 
-KV_DTYPES = (torch.float32, torch.float16)  # the pool dtypes `rope_attend` reads and writes
-
-
 def rope_attend_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      *caches: torch.Tensor) -> bool:  # fmt: skip
     """Whether `rope_attend` runs on these tensors (else the caller rotates, appends and attends with torch): CPU
     float32 operands, and KV pools all float32 or all float16 (`--kv-dtype`)."""
-    pools = all(c.is_cpu for c in caches) and len({c.dtype for c in caches}) == 1 and caches[0].dtype in KV_DTYPES
-    pools = pools and (caches[0].dtype == torch.float32 or q.shape[-1] % 8 == 0)  # float16: whole 8-lane vectors
+    dtype = caches[0].dtype if caches else torch.float32
+    pools = all(c.is_cpu and c.dtype == dtype for c in caches) and (
+        dtype == torch.float32 or (dtype == torch.float16 and q.shape[-1] % 8 == 0))  # float16: whole 8-lane vectors
     return q.shape[1] == 1 and cos.is_contiguous() and sin.is_contiguous() and pools and _runs(q, k, v, cos, sin)
 
 
