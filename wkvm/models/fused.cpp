@@ -150,13 +150,12 @@ inline v4f hsum4(v8f a0, v8f a1, v8f a2, v8f a3) {
   return __builtin_shufflevector(c0, c1, 0, 1, 4, 5) + __builtin_shufflevector(c0, c1, 2, 3, 6, 7);
 }
 
-typedef _Float16 half;  // a KV pool's element in float16 (GCC and Clang on x86-64; F16C converts in registers)
+using half = at::Half;  // a KV pool's element in float16 (c10's type: any compiler; vectors convert with F16C)
 
-template <class T>
-inline float dot(const float* a, const T* b, int64_t D) {
+inline float dot(const float* a, const float* b, int64_t D) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t d = 0; d < D; ++d) s += a[d] * static_cast<float>(b[d]);
+  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
   return s;
 }
 
@@ -187,8 +186,7 @@ inline V load_vec(const float* p) {
   return v;
 }
 
-// as many halves as V has floats, widened (GCC 12 builds __builtin_convertvector on halves lane by lane without
-// AVX512-FP16: the F16C / AVX-512 conversions are spelled out)
+// as many halves as V has floats, widened with F16C / AVX-512 conversions (a plain loop over halves stays scalar)
 template <class V>
 inline V load_vec(const half* p) {
   V v;
@@ -208,6 +206,14 @@ inline V load_vec(const half* p) {
   for (size_t i = 0; i < sizeof(V) / 4; ++i) v[i] = static_cast<float>(p[i]);
 #endif
   return v;
+}
+
+// q . k for a float16 key (D a multiple of 8, as float16 pools require): eight lanes, then their sum
+inline float dot(const float* a, const half* b, int64_t D) {
+  v8f s = {};
+  for (int64_t d = 0; d < D; d += 8) s += load_vec<v8f>(a + d) * load_vec<v8f>(b + d);
+  const v4f h = __builtin_shufflevector(s, s, 0, 1, 2, 3) + __builtin_shufflevector(s, s, 4, 5, 6, 7);
+  return (h[0] + h[2]) + (h[1] + h[3]);
 }
 
 inline v8f halves(v16f a) {
@@ -465,7 +471,7 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                    sin.data_ptr<float>(), pt, pl, out.data_ptr<float>(), B, Hq, Hkv, D, R, P, sq, sk, sv, page_tokens,
                    static_cast<float>(scale)};
   if (f16) {
-    attend(pr, reinterpret_cast<half*>(kflat.data_ptr<at::Half>()), reinterpret_cast<half*>(vflat.data_ptr<at::Half>()));
+    attend(pr, kflat.data_ptr<half>(), vflat.data_ptr<half>());
   } else {
     attend(pr, kflat.data_ptr<float>(), vflat.data_ptr<float>());
   }
