@@ -133,8 +133,12 @@ def moved_stream(c: httpx.Client, ids: list[int], moves: int, tokens: int) -> di
         time.sleep(0.1)
     reader.join()
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
-    around = [max((b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if b > w0 and a < w1 + 0.3),
-                  default=0.0) for w0, w1 in windows]  # fmt: skip
+    # a move's gap is the longest one ending between its request and 0.3 s after its answer, or the next move's
+    # request if that comes first (so no gap counts for two moves)
+    nexts = [w0 for w0, _ in windows[1:]] + [float("inf")]
+    ends = [min(w1 + 0.3, nxt) for (_, w1), nxt in zip(windows, nexts, strict=True)]
+    around = [max((b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if w0 < b <= end), default=0.0)
+              for (w0, _), end in zip(windows, ends, strict=True)]  # fmt: skip
     return {"moves": len(windows) - 1, "exact": "".join(text) == want, "downtime_s": around[1:],
             "first_move_s": around[0] if around else None, "front_gap_s": server_side[1:],
             "token_interval_s": statistics.median(gaps) if gaps else 0.0}

@@ -9,6 +9,7 @@ import json
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from wkvm.cluster.directory import Directory
 from wkvm.cluster.forward import ForwardedRequest, Head, route_key, run_asgi, state_key
 
 
@@ -92,5 +93,25 @@ def test_a_forwarded_request_streams_through_the_app_and_sees_its_client_leave()
         assert (await anext(gen)).startswith(b"data: 0")
         await gen.aclose()  # the caller went away after one chunk
         await asyncio.wait_for(left.wait(), 5)
+
+    asyncio.run(run())
+
+
+def test_a_pushed_ticket_waits_in_the_directory_for_its_taker():
+    """A moving stream's ticket goes from its source to the destination's already open call through the directory:
+    the taker waits for it, gets it once, and a taker nobody pushes to gets None when its wait ends."""
+
+    async def run() -> None:
+        d = Directory()
+        taker = asyncio.create_task(d.take_ticket("t1", 5.0))
+        await asyncio.sleep(0.01)
+        assert not taker.done()
+        await d.put_ticket("t1", b"ticket bytes")
+        assert await taker == b"ticket bytes"
+        assert await d.take_ticket("t1", 0) is None  # read once
+        await d.put_ticket("t2", b"early")  # pushed before anyone asked
+        assert await d.take_ticket("t2", 0) == b"early"
+        assert await d.take_ticket("never-pushed", 0.01) is None
+        assert d.tickets == {}
 
     asyncio.run(run())

@@ -56,9 +56,9 @@ def events(lines) -> Iterator[str]:
         yield "\n".join(cur)
 
 
-def moved_stream(a, b, path, body, headers=None, after=1) -> tuple[list[dict], int]:
-    """Stream from `a`, move it to `b` after `after` chunks, go on there: every data chunk the client would see,
-    and how many came from `a`."""
+def moved_stream(a, b, path, body, headers=None, after=1, named=None) -> tuple[list[dict], int]:
+    """Stream from `a`, move it to `b` after `after` chunks (its ticket under the id `named` when given, as the
+    cluster front asks), go on there: every data chunk the client would see, and how many came from `a`."""
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", a.url + path, json=body, headers=headers or {}) as r:
             assert r.status_code == 200
@@ -74,9 +74,10 @@ def moved_stream(a, b, path, body, headers=None, after=1) -> tuple[list[dict], i
                 if len(seen) == after and not moving:
                     live = a.ctx.handovers.live()
                     stream = next(s for s in live if s.ticket.id == stream_id)
-                    a.ctx.handovers.move(a.ctx.client, stream.tenant, stream_id, "b").result(30)
+                    a.ctx.handovers.move(a.ctx.client, stream.tenant, stream_id, "b", named).result(30)
                     moving = True
         assert ticket is not None, "the stream finished before it could move: make it longer"
+        assert named is None or ticket == named
         assert "data: [DONE]" not in seen
         n_source = len(seen)
         b.ctx.handovers.put_in(ticket, a.ctx.handovers.take_out(ticket))
@@ -127,7 +128,7 @@ def test_a_moved_completion_stream_with_a_stop_string(pair, fresh):
     text = "".join(c["choices"][0]["text"] for c in whole if c["choices"])
     stop = text[120:123]  # ends the reply well after the move; its first characters may already be out
     body = {"prompt": "Romeo:", **LONG, "temperature": 0, "stop": [stop], "return_token_ids": True}
-    got, _ = moved_stream(a, b, "/v1/completions", body)
+    got, _ = moved_stream(a, b, "/v1/completions", body, named="ticket-named-by-the-front")
     want = whole_stream(fresh, "/v1/completions", body)
     assert "".join(c["choices"][0]["text"] for c in got if c["choices"]) == \
         "".join(c["choices"][0]["text"] for c in want if c["choices"]) == text[: text.index(stop)]

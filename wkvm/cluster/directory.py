@@ -12,12 +12,15 @@ node that has its directory): the directory knows slots, not disks.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+log = logging.getLogger("wkvm.cluster")
 PARKED_BYTES = 512 << 20  # mirrored chat sessions kept (least recently used go first): ~220 0.1B RWKV-7 states
+TICKET_SECONDS = 120.0  # a moving stream's ticket nobody took by then is dropped
 
 
 @dataclass
@@ -34,6 +37,7 @@ class Directory:
     stream_moves: int = 0  # running streams handed over, over the application's life (fronts restart too)
     parked: OrderedDict[str, tuple[str, Any, int]] = field(default_factory=OrderedDict)  # key -> slot, copy, bytes
     parked_bytes: int = 0
+    tickets: dict[str, tuple[float, asyncio.Future[Any]]] = field(default_factory=dict)  # moving streams' tickets
 
     async def claim(self, replica_id: str, actor: Any, slots: int = 0, wait: float = 0.0) -> str:
         """A starting replica's slot: the first one free or held by a dead replica. A replica that would get a slot
@@ -112,6 +116,33 @@ class Directory:
             del self.parked[key]
             self.parked_bytes -= entry[2]
 
+    async def put_ticket(self, ticket: str, data: Any) -> None:
+        """A moving stream's ticket, pushed by its source for the destination's call the front opened when the move
+        was asked for (`take_ticket`): the ticket goes replica to replica, off the front's path. `data` is what the
+        source hands over (a one-element list holding the ticket's object-store reference, which this actor owns)."""
+        now = time.monotonic()
+        for k in [k for k, (t, _) in self.tickets.items() if now - t > TICKET_SECONDS]:
+            del self.tickets[k]
+        fut = self._ticket(ticket)
+        if not fut.done():
+            fut.set_result(data)
+
+    async def take_ticket(self, ticket: str, wait: float) -> Any:
+        """The ticket `put_ticket` brings, waiting up to `wait` seconds for it; None when it did not come (or was
+        taken: a ticket is read once)."""
+        fut = self._ticket(ticket)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), wait)
+        except TimeoutError:
+            return None
+        finally:
+            self.tickets.pop(ticket, None)  # taken, or given up on (a put after that expires unread)
+
+    def _ticket(self, ticket: str) -> asyncio.Future[Any]:
+        if ticket not in self.tickets:
+            self.tickets[ticket] = (time.monotonic(), asyncio.get_running_loop().create_future())
+        return self.tickets[ticket][1]
+
     def moved_stream(self) -> None:
         self.stream_moves += 1
 
@@ -128,6 +159,21 @@ class Directory:
         for slot in self.owners.values():
             out[slot] = out.get(slot, 0) + 1
         return out
+
+
+async def pushed_ticket(directory: Any, ticket: str, wait: float) -> bytes:
+    """A moving stream's ticket its source pushed (`put_ticket`: a reference into the object store, which the source
+    owns), waiting up to `wait` seconds; empty when none came, it was taken already, or the source died before it
+    was read (the object went with its owner)."""
+    refs = await directory.take_ticket.remote(ticket, wait)
+    if isinstance(refs, bytes):
+        return refs
+    try:
+        data = bytes(await refs[0]) if refs else b""
+    except Exception as e:  # ray.exceptions.OwnerDiedError and the like
+        log.warning("a moving stream's ticket could not be read: %s: %s", type(e).__name__, e)
+        return b""
+    return data
 
 
 async def alive(actor: Any) -> bool:

@@ -91,13 +91,20 @@ async def run_asgi(app: ASGIApp, req: ForwardedRequest, replica: str) -> AsyncIt
 
 @dataclass(frozen=True)
 class Handover:
-    """A stream moving from one replica to another at a token boundary, with its ticket (server/handover.py). It
-    travels in Ray's object store as an item the source's streaming call returns and then as an argument of the
-    destination's call: both objects are owned by their caller, the front, so they outlive the source replica."""
+    """A stream moving from one replica to another at a token boundary, with its ticket (server/handover.py).
+
+    A move asked for through the front (`POST /v1/streams/{id}/migrate`) has its destination's call opened at once
+    with this as its argument, `data` empty: the source pushes the ticket to the directory actor, the destination's
+    call takes it from there, and the source's stream ends with this carrying only `pushed` (the bytes it pushed),
+    so neither the ticket nor the routing of the destination's call waits on the front. A stream the source hands
+    over on its own (it is stopping) carries its ticket in `data`: through Ray's object store as an item of the
+    source's streaming call, then as an argument of the destination's call. Every copy is owned by its caller (the
+    front) or held by the directory, so it outlives the source replica."""
 
     to: str  # the destination slot
     ticket: str
-    data: bytes
+    data: bytes = b""
+    pushed: int = 0  # bytes of a ticket pushed to the directory (then `data` is empty)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from wkvm.cluster.directory import pushed_ticket
 from wkvm.cluster.forward import (
     MISROUTED,
     MISROUTED_REPLY,
@@ -68,8 +70,14 @@ class ClusterMetrics:
 class RunningStream:
     tenant: str
     slot: str
+    req: ForwardedRequest
     moves: int = 0  # handovers done so far
     downtime: float = 0.0  # of the last one: last chunk from the source to the first from the destination
+    opened: tuple[str, Any] | None = None  # (ticket, the destination's call) opened for a move asked for
+
+    def drop_opened(self) -> tuple[str, Any] | None:
+        opened, self.opened = self.opened, None
+        return opened
 
 
 class Front:
@@ -128,8 +136,9 @@ class Front:
         """The body chunks after the head. A stream handed over goes on from its destination on this same response;
         the replica's generator is cancelled if the client goes away."""
         stream_id = dict(head.headers).get(STREAM_HEADER.encode(), b"").decode() or None
+        s = RunningStream(self.tenant_of(req), head.replica, req)
         if stream_id is not None:
-            self.streams[stream_id] = RunningStream(self.tenant_of(req), head.replica)
+            self.streams[stream_id] = s
         source = relay(gen)
         try:
             while True:
@@ -141,61 +150,87 @@ class Front:
                         break
                     yield chunk
                     last = time.perf_counter()
+                opened = s.drop_opened()
+                if opened is not None and (moved is None or opened[0] != moved.ticket):
+                    opened[1].cancel()  # the stream ended, or moved on its own, before the asked move
+                    opened = None
                 if moved is None:
                     return
-                gen, first = await self.hand_over(req, route, moved, stream_id)
+                gen, first = await self.hand_over(req, route, moved, s, opened[1] if opened else None)
                 if gen is None:  # no replica could take it: the client gets an error event and [DONE]
                     yield first
                     return
-                downtime = time.perf_counter() - last
-                self.metrics.stream_downtime.observe(downtime)
-                if stream_id is not None and stream_id in self.streams:
-                    self.streams[stream_id].downtime = downtime
-                    self.streams[stream_id].moves += 1
+                s.downtime = time.perf_counter() - last
+                s.moves += 1
+                self.metrics.stream_downtime.observe(s.downtime)
                 source = chained(first, gen)  # `first` may itself be a Handover (that replica is stopping too)
         finally:
+            if (opened := s.drop_opened()) is not None:
+                opened[1].cancel()
             if stream_id is not None:
                 self.streams.pop(stream_id, None)
 
-    async def hand_over(self, req: ForwardedRequest, route: RouteKey, moved: Handover,
-                        stream_id: str | None) -> tuple[Any, Any]:  # fmt: skip
-        """Send the moved stream's request with its ticket to its destination (or, when that one cannot take it, to
-        any other replica: the ticket goes on anywhere); returns that replica's generator and its first item (a chunk,
-        or a Handover when it is stopping too), or (None, an error event and [DONE])."""
-        resumed = dataclasses.replace(req, headers=[*req.headers, (RESUME_HEADER.encode(), moved.ticket.encode())])
+    async def hand_over(self, req: ForwardedRequest, route: RouteKey, moved: Handover, s: RunningStream,
+                        opened: Any = None) -> tuple[Any, Any]:  # fmt: skip
+        """Go on with a moved stream on its destination: `opened`, the destination's call opened when the move was
+        asked for (it takes the ticket the source pushed to the directory), else a call made now with the ticket (and
+        when that replica cannot take it, any other: the ticket goes on anywhere). Returns that replica's generator
+        and its first item (a chunk, or a Handover when it is stopping too), or (None, an error event and [DONE])."""
+        if opened is not None:
+            taken = await self.taken(opened, moved.to, moved, route, s)
+            if taken is not None:
+                return taken
+            # the destination did not take it (it is being replaced): take the ticket back and offer it around
+            moved = dataclasses.replace(moved, data=await pushed_ticket(self.directory, moved.ticket, 0))
         replicas = await self.recent_replicas()
-        order = [moved.to] + [s for s in replicas if s != moved.to]
-        for slot in order:
+        order = [moved.to] + [other for other in replicas if other != moved.to]
+        for slot in order if moved.data else []:
             if slot not in replicas:
                 continue
-            gen = self.engine.options(stream=True).http.remote(resumed, target=replicas[slot], strict=True,
-                                                               handover=moved)  # fmt: skip
-            try:
-                head = await asyncio.wait_for(anext(gen), CALL_SECONDS)
-            except (TimeoutError, StopAsyncIteration):
-                gen.cancel()
-                continue
-            if head.status == MISROUTED:
-                continue
-            if head.status != 200:  # the ticket was read: it cannot be offered again
-                detail = b"".join([c async for c in gen])
-                log.error("replica %s refused a moved stream: %s %s", slot, head.status, detail[:300])
-                break
-            self.metrics.stream_moves.labels("moved").inc()
-            self.metrics.stream_bytes.inc(len(moved.data))
-            self.directory.moved_stream.remote()
-            if stream_id is not None and stream_id in self.streams:
-                self.streams[stream_id].slot = slot
-            if route.key is not None and not route.strict:  # not awaited: the first token need not wait on it, and
-                self.directory.record.remote(route.key, slot)  # an actor runs one caller's calls in order
-            try:
-                return gen, await anext(gen)
-            except StopAsyncIteration:
-                return gen, b""
+            taken = await self.taken(self.resumed(req, replicas[slot], moved), slot, moved, route, s)
+            if taken is not None:
+                return taken
+        return None, self.move_failed()
+
+    def move_failed(self) -> bytes:
+        """What the client of a stream that could not move gets: an error event and [DONE]."""
         self.metrics.stream_moves.labels("failed").inc()
         error = error_body(503, "this stream was moving to another replica and none could take it", None,
                            "replica_unavailable")  # fmt: skip
-        return None, f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+        return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+
+    def resumed(self, req: ForwardedRequest, replica_id: str, moved: Handover) -> Any:
+        """The moved stream's request, sent to one replica with its ticket (`moved.data`, or without it: then the
+        replica waits for the ticket at the directory)."""
+        resumed = dataclasses.replace(req, headers=[*req.headers, (RESUME_HEADER.encode(), moved.ticket.encode())])
+        return self.engine.options(stream=True).http.remote(resumed, target=replica_id, strict=True, handover=moved)
+
+    async def taken(self, gen: Any, slot: str, moved: Handover, route: RouteKey,
+                    s: RunningStream) -> tuple[Any, Any] | None:  # fmt: skip
+        """(gen, its first item) when the replica `slot` took the moved stream; None when it did not answer or was
+        not that replica (try another); (None, an error event) when it refused it (the ticket was read: it cannot be
+        offered again)."""
+        try:
+            head = await asyncio.wait_for(anext(gen), CALL_SECONDS)
+        except (TimeoutError, StopAsyncIteration):
+            gen.cancel()
+            return None
+        if head.status == MISROUTED:
+            return None
+        if head.status != 200:
+            detail = b"".join([c async for c in gen])
+            log.error("replica %s refused a moved stream: %s %s", slot, head.status, detail[:300])
+            return None, self.move_failed()
+        self.metrics.stream_moves.labels("moved").inc()
+        self.metrics.stream_bytes.inc(len(moved.data) or moved.pushed)
+        self.directory.moved_stream.remote()
+        s.slot = slot
+        if route.key is not None and not route.strict:  # not awaited: the first token need not wait on it, and
+            self.directory.record.remote(route.key, slot)  # an actor runs one caller's calls in order
+        try:
+            return gen, await anext(gen)
+        except StopAsyncIteration:
+            return gen, b""
 
     async def destination(self, request: Request) -> tuple[str | None, dict[str, str]]:
         """The replica a move's body names in "to" (None when it names none of them), and the replicas."""
@@ -223,8 +258,14 @@ class Front:
         if s.slot == to:
             return JSONResponse({"object": "stream.migration", "id": stream_id, "from": s.slot, "to": to})
         t0, source, moves = time.perf_counter(), s.slot, s.moves
-        answer = await self.call(replicas[source], "move_stream", tenant, stream_id, to)
+        # the destination's call first: it is routed and waits for the ticket while the source reaches a token
+        ticket = secrets.token_hex(16)  # boundary, and the source pushes the ticket to it through the directory
+        s.opened = (ticket, self.resumed(s.req, replicas[to], Handover(to, ticket)))
+        answer = await self.call(replicas[source], "move_stream", tenant, stream_id, to, ticket)
         if answer["status"] != 200:
+            if s.opened is not None and s.opened[0] == ticket:  # still there: the stream did not move
+                s.opened[1].cancel()
+                s.opened = None
             code = "stream_not_found" if answer["status"] == 404 else "stream_cannot_move"
             return error_response(answer["status"], answer["message"], None, code)
         deadline = t0 + CALL_SECONDS  # answer once the stream runs on its new replica (or ended)

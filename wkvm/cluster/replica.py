@@ -25,7 +25,7 @@ import ray
 import torch
 from ray import serve
 
-from wkvm.cluster.directory import Directory
+from wkvm.cluster.directory import Directory, pushed_ticket
 from wkvm.cluster.forward import MISROUTED, MISROUTED_REPLY, ForwardedRequest, Handover, Head, run_asgi, state_key
 from wkvm.config import ServerConfig
 from wkvm.server.app import create_app
@@ -63,6 +63,7 @@ class EngineReplica:
         log.info("replica %s holds slot %s (%d named states)", self.replica_id, self.slot, len(set(keys)))
         self.ctx.sessions.mirror = DirectoryMirror(self.directory, self.slot)
         self._stopped = threading.Event()
+        self._pushed: set[str] = set()  # tickets of moving streams to push to the directory (move_stream)
         threading.Thread(target=self._drain_when_stopping, name="wkvm-drain", daemon=True).start()
 
     def misrouted(self, route: dict[str, object]) -> bool:
@@ -71,13 +72,18 @@ class EngineReplica:
 
     async def http(self, req: ForwardedRequest, handover: Handover | None = None,
                    **route: object) -> AsyncIterator[Head | bytes | Handover]:  # fmt: skip
-        """Answer one forwarded request (`handover`: the stream it continues). A stream this replica hands over ends
-        with its `Handover` instead of the handover event. Every method's `route` keywords are the router's."""
+        """Answer one forwarded request (`handover`: the stream it continues; without its data, the request starts at
+        once and waits in its route for the ticket the source pushes to the directory). A stream this replica hands
+        over ends with its `Handover` instead of the handover event. Every method's `route` keywords are the
+        router's."""
         if self.misrouted(route):
             yield Head(MISROUTED, [], self.slot)
             return
         if handover is not None:
-            self.ctx.handovers.put_in(handover.ticket, handover.data)
+            incoming: bytes | asyncio.Task[bytes] = handover.data
+            if not incoming:
+                incoming = asyncio.create_task(pushed_ticket(self.directory, handover.ticket, CALL_SECONDS))
+            self.ctx.handovers.put_in(handover.ticket, incoming)
         async for part in run_asgi(self.app, req, self.slot):
             mark = parse_marker(part) if isinstance(part, bytes) else None
             if mark is None:
@@ -85,24 +91,40 @@ class EngineReplica:
                 continue
             ticket, to = mark
             data = self.ctx.handovers.take_out(ticket)
-            if data is not None:
+            if data is None:
+                continue
+            if ticket in self._pushed:  # the front opened the destination's call under this ticket: push it there
+                self._pushed.discard(ticket)  # (into the object store; the directory keeps the reference)
+                await self.directory.put_ticket.remote(ticket, [ray.put(data)])
+                yield Handover(to, ticket, pushed=len(data))
+            else:
                 yield Handover(to, ticket, data)
 
-    async def move_stream(self, tenant: str, stream_id: str, to: str, **route: object) -> dict[str, Any] | str:
-        """Hand a running stream over to replica `to` at its next token boundary; {"status", ...} says how it went."""
+    async def move_stream(self, tenant: str, stream_id: str, to: str, ticket: str | None = None,
+                          **route: object) -> dict[str, Any] | str:  # fmt: skip
+        """Hand a running stream over to replica `to` at its next token boundary; {"status", ...} says how it went.
+        `ticket`: the id the front opened the destination's call under (the ticket is pushed to the directory)."""
         if self.misrouted(route):
             return MISROUTED_REPLY
+        if ticket is not None:  # before the move: the stream may end with its ticket as soon as it is asked
+            self._pushed.add(ticket)
+        moving = False
         try:
-            fut = self.ctx.handovers.move(self.ctx.client, tenant, stream_id, to)
-        except KeyError:
-            return {"status": 404, "message": f"no running stream {stream_id!r} on {self.slot}"}
-        except HandoverError as e:
-            return {"status": 409, "message": f"stream {stream_id!r} cannot move: {e}"}
-        try:
-            c = await asyncio.wait_for(asyncio.wrap_future(fut), CALL_SECONDS)
-        except (KeyError, TimeoutError):
-            return {"status": 409, "message": f"stream {stream_id!r} finished before it could move"}
-        return {"status": 200, "generated_tokens": len(c.output_ids)}
+            try:
+                fut = self.ctx.handovers.move(self.ctx.client, tenant, stream_id, to, ticket)
+            except KeyError:
+                return {"status": 404, "message": f"no running stream {stream_id!r} on {self.slot}"}
+            except HandoverError as e:
+                return {"status": 409, "message": f"stream {stream_id!r} cannot move: {e}"}
+            try:
+                c = await asyncio.wait_for(asyncio.wrap_future(fut), CALL_SECONDS)
+            except (KeyError, TimeoutError):
+                return {"status": 409, "message": f"stream {stream_id!r} finished before it could move"}
+            moving = True
+            return {"status": 200, "generated_tokens": len(c.output_ids)}
+        finally:
+            if not moving:
+                self._pushed.discard(ticket or "")
 
     def _drain_when_stopping(self) -> None:
         """When Serve starts stopping this replica (redeploy, scale-down), hand every running stream that can move

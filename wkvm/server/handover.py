@@ -18,6 +18,7 @@ import json
 import secrets
 import threading
 import time
+from collections.abc import Awaitable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -65,6 +66,7 @@ class LiveStream:
     why_not: str | None = None  # set when this stream cannot move
     scope: str = ""  # whose checkpoints it makes (openai_routes.reuse_scope)
     to: str | None = None  # where it is moving (once asked)
+    out_id: str | None = None  # its ticket's id, when the mover named it (the cluster front waits for it by that id)
 
 
 class Handovers:
@@ -74,7 +76,7 @@ class Handovers:
         self._lock = threading.Lock()
         self._live: dict[str, LiveStream] = {}
         self._out: dict[str, tuple[float, bytes]] = {}
-        self._in: dict[str, tuple[float, bytes]] = {}
+        self._in: dict[str, tuple[float, bytes | Awaitable[bytes]]] = {}
 
     def register(self, stream: LiveStream) -> None:
         """A stream about to start (its response may never run, if the client left first: those are pruned)."""
@@ -91,10 +93,10 @@ class Handovers:
         with self._lock:
             return list(self._live.values())
 
-    def move(self, client: EngineClient, tenant: str, stream_id: str,
-             to: str) -> concurrent.futures.Future[Continuation]:  # fmt: skip
-        """Suspend a stream of `tenant` at its next token boundary; its stream then ends with a ticket for `to`.
-        KeyError: no such stream (of this tenant); HandoverError: it cannot move."""
+    def move(self, client: EngineClient, tenant: str, stream_id: str, to: str,
+             ticket: str | None = None) -> concurrent.futures.Future[Continuation]:  # fmt: skip
+        """Suspend a stream of `tenant` at its next token boundary; its stream then ends with a ticket for `to` (under
+        the id `ticket` when given). KeyError: no such stream (of this tenant); HandoverError: it cannot move."""
         with self._lock:
             s = self._live.get(stream_id)
             if s is None or s.tenant != tenant:
@@ -103,16 +105,16 @@ class Handovers:
                 raise HandoverError(s.why_not)
             if s.to is not None:
                 raise HandoverError(f"this stream is already moving to {s.to}")
-            s.to = to
+            s.to, s.out_id = to, ticket
         try:
             return client.suspend(s.handle.request_id)
         except (KeyError, ValueError) as e:
             with self._lock:
-                s.to = None
+                s.to = s.out_id = None
             raise HandoverError(f"this stream cannot move now: {e}") from None
 
-    def put_out(self, data: bytes) -> str:
-        ticket = secrets.token_hex(16)
+    def put_out(self, data: bytes, ticket: str | None = None) -> str:
+        ticket = ticket or secrets.token_hex(16)
         with self._lock:
             _expire(self._out)
             self._out[ticket] = (time.monotonic(), data)
@@ -123,18 +125,21 @@ class Handovers:
             entry = self._out.pop(ticket, None)
         return entry[1] if entry else None
 
-    def put_in(self, ticket: str, data: bytes) -> None:
+    def put_in(self, ticket: str, data: bytes | Awaitable[bytes]) -> None:
+        """A ticket arriving here: its bytes, or what will bring them (the request it belongs to can start meanwhile;
+        `take_in` waits for them)."""
         with self._lock:
             _expire(self._in)
             self._in[ticket] = (time.monotonic(), data)
 
-    def take_in(self, ticket: str) -> bytes | None:
+    async def take_in(self, ticket: str) -> bytes | None:
         with self._lock:
             entry = self._in.pop(ticket, None)
-        return entry[1] if entry else None
+        data = entry[1] if entry else None
+        return data if data is None or isinstance(data, bytes) else await data
 
 
-def _expire(tickets: dict[str, tuple[float, bytes]]) -> None:
+def _expire(tickets: dict[str, tuple[float, Any]]) -> None:
     now = time.monotonic()
     for k in [k for k, (t, _) in tickets.items() if now - t > TICKET_SECONDS]:
         del tickets[k]

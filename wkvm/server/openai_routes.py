@@ -151,12 +151,12 @@ async def start_all(ctx: ServerContext, tenant: str, encoded: list[list[int]], b
 Moved = tuple[Continuation, Ticket]
 
 
-def taken_over(ctx: ServerContext, request: Request, tenant: str) -> Moved | None:
+async def taken_over(ctx: ServerContext, request: Request, tenant: str) -> Moved | None:
     """The stream this request continues (`X-WKVM-Resume`: moved here from another server), or None."""
     ticket = request.headers.get(RESUME_HEADER)
     if ticket is None:
         return None
-    data = ctx.handovers.take_in(ticket)
+    data = await ctx.handovers.take_in(ticket)
     try:
         moved = decode_ticket(data, ctx.model.spec, ctx.model.fingerprint, ctx.model.vocab_size) if data else None
     except HandoverError as e:
@@ -263,7 +263,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         sp = gen.sampling_params(ctx, body, body.max_tokens, body.logprobs, prompt_logprobs=scored)
         params = gen.per_choice(sp, body.n)
         encoded = [gen.encode_prompt(ctx, q, "prompt") for q in prompts]
-        moved = taken_over(ctx, request, tenant)
+        moved = await taken_over(ctx, request, tenant)
         if moved is not None:
             if len(encoded) != 1:
                 raise APIError(400, "only a single-choice stream of one prompt can move", "prompt", "invalid_handover")
@@ -331,7 +331,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         prompt_ids = gen.encode_prompt(ctx, text, "messages")
         system = system_prefix(ctx, messages, text, prompt_ids, mode.tools if mode else None)
         chat = ChatMeta.from_headers(request.headers, messages, system)
-        moved = taken_over(ctx, request, tenant)
+        moved = await taken_over(ctx, request, tenant)
         if moved is not None:
             plan, handles = await resume_run(ctx, tenant, prompt_ids, body, params, chat, moved)
             rid, created = moved[1].id, moved[1].created
@@ -539,7 +539,7 @@ def hand_over(ctx: ServerContext, live: LiveStream) -> str:
             ctx.sessions.keep_prompt_end(live.scope, c.base_ids + c.prompt_ids, c.prompt_state)
         c = dataclasses.replace(c, prompt_state=None, capture_prompt_state=False)
     data = encode_ticket(ctx.model.spec, ctx.model.fingerprint, c, live.ticket)
-    return marker(ctx.handovers.put_out(data), to)
+    return marker(ctx.handovers.put_out(data, live.out_id), to)
 
 
 def movable_header(live: LiveStream) -> dict[str, str]:
