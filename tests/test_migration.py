@@ -18,7 +18,7 @@ import httpx
 import pytest
 from live_server import LiveServer
 
-from wkvm.server.handover import RESUME_HEADER, STREAM_HEADER, parse_marker
+from wkvm.server.handover import RESUME_HEADER, STREAM_HEADER, encode, parse_marker, shipped
 
 MESSAGES = [{"role": "user", "content": "Speakonandtellmeallthatthouknowest."}]
 LONG = {"max_tokens": 200, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -57,8 +57,15 @@ def events(lines) -> Iterator[str]:
 
 
 def moved_stream(a, b, path, body, headers=None, after=1, named=None) -> tuple[list[dict], int]:
-    """Stream from `a`, move it to `b` after `after` chunks (its ticket under the id `named` when given, as the
-    cluster front asks), go on there: every data chunk the client would see, and how many came from `a`."""
+    """Stream from `a`, move it to `b` after `after` chunks, go on there: every data chunk the client would see, and
+    how many came from `a`. With `named`, the move goes as the cluster front asks for it: the ticket under that id,
+    pushed out the moment the request stops (the stream's end names it without carrying it)."""
+    pushed = {}
+
+    def push(live, c):
+        pushed[live.out_id] = encode(a.ctx.model.spec, a.ctx.model.fingerprint, shipped(c), live.ticket)
+        live.pushed = True
+
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", a.url + path, json=body, headers=headers or {}) as r:
             assert r.status_code == 200
@@ -74,13 +81,17 @@ def moved_stream(a, b, path, body, headers=None, after=1, named=None) -> tuple[l
                 if len(seen) == after and not moving:
                     live = a.ctx.handovers.live()
                     stream = next(s for s in live if s.ticket.id == stream_id)
-                    a.ctx.handovers.move(a.ctx.client, stream.tenant, stream_id, "b", named).result(30)
+                    a.ctx.handovers.move(a.ctx.client, stream.tenant, stream_id, "b", named,
+                                         push if named else None).result(30)  # fmt: skip
                     moving = True
         assert ticket is not None, "the stream finished before it could move: make it longer"
-        assert named is None or ticket == named
         assert "data: [DONE]" not in seen
         n_source = len(seen)
-        b.ctx.handovers.put_in(ticket, a.ctx.handovers.take_out(ticket))
+        carried = a.ctx.handovers.take_out(ticket)
+        if named is not None:
+            assert ticket == named and carried is None and list(pushed) == [named]
+            carried = pushed[named]
+        b.ctx.handovers.put_in(ticket, carried)
         with client.stream("POST", b.url + path, json=body, headers={**(headers or {}), RESUME_HEADER: ticket}) as r:
             assert r.status_code == 200, r.read()
             seen += list(events(r.iter_lines()))

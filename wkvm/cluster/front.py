@@ -151,8 +151,8 @@ class Front:
                     yield chunk
                     last = time.perf_counter()
                 opened = s.drop_opened()
-                if opened is not None and (moved is None or opened[0] != moved.ticket):
-                    opened[1].cancel()  # the stream ended, or moved on its own, before the asked move
+                if opened is not None and (moved is None or opened[0] != moved.ticket or moved.data):
+                    opened[1].cancel()  # the stream ended or moved on its own, or its ticket could not be pushed
                     opened = None
                 if moved is None:
                     return

@@ -28,9 +28,11 @@ from ray import serve
 from wkvm.cluster.directory import Directory, pushed_ticket
 from wkvm.cluster.forward import MISROUTED, MISROUTED_REPLY, ForwardedRequest, Handover, Head, run_asgi, state_key
 from wkvm.config import ServerConfig
+from wkvm.engine.request import Continuation
 from wkvm.server.app import create_app
 from wkvm.server.context import ServerContext
-from wkvm.server.handover import HandoverError, parse_marker
+from wkvm.server.handover import HandoverError, LiveStream, parse_marker, shipped
+from wkvm.server.handover import encode as encode_ticket
 from wkvm.state.quota import StoreLimits, is_internal
 from wkvm.state.sessions import ParkedCopy, SessionKey
 from wkvm.state.store import StateNotFound, StateStore
@@ -63,7 +65,7 @@ class EngineReplica:
         log.info("replica %s holds slot %s (%d named states)", self.replica_id, self.slot, len(set(keys)))
         self.ctx.sessions.mirror = DirectoryMirror(self.directory, self.slot)
         self._stopped = threading.Event()
-        self._pushed: set[str] = set()  # tickets of moving streams to push to the directory (move_stream)
+        self._pushed: dict[str, int] = {}  # tickets pushed to the directory (`_push`) -> their bytes
         threading.Thread(target=self._drain_when_stopping, name="wkvm-drain", daemon=True).start()
 
     def misrouted(self, route: dict[str, object]) -> bool:
@@ -90,14 +92,9 @@ class EngineReplica:
                 yield part
                 continue
             ticket, to = mark
-            data = self.ctx.handovers.take_out(ticket)
-            if data is None:
-                continue
-            if ticket in self._pushed:  # the front opened the destination's call under this ticket: push it there
-                self._pushed.discard(ticket)  # (into the object store; the directory keeps the reference)
-                await self.directory.put_ticket.remote(ticket, [ray.put(data)])
-                yield Handover(to, ticket, pushed=len(data))
-            else:
+            if ticket in self._pushed:  # on its way to the destination's call since the request stopped (`_push`)
+                yield Handover(to, ticket, pushed=self._pushed.pop(ticket))
+            elif (data := self.ctx.handovers.take_out(ticket)) is not None:
                 yield Handover(to, ticket, data)
 
     async def move_stream(self, tenant: str, stream_id: str, to: str, ticket: str | None = None,
@@ -106,25 +103,32 @@ class EngineReplica:
         `ticket`: the id the front opened the destination's call under (the ticket is pushed to the directory)."""
         if self.misrouted(route):
             return MISROUTED_REPLY
-        if ticket is not None:  # before the move: the stream may end with its ticket as soon as it is asked
-            self._pushed.add(ticket)
-        moving = False
         try:
-            try:
-                fut = self.ctx.handovers.move(self.ctx.client, tenant, stream_id, to, ticket)
-            except KeyError:
-                return {"status": 404, "message": f"no running stream {stream_id!r} on {self.slot}"}
-            except HandoverError as e:
-                return {"status": 409, "message": f"stream {stream_id!r} cannot move: {e}"}
-            try:
-                c = await asyncio.wait_for(asyncio.wrap_future(fut), CALL_SECONDS)
-            except (KeyError, TimeoutError):
-                return {"status": 409, "message": f"stream {stream_id!r} finished before it could move"}
-            moving = True
-            return {"status": 200, "generated_tokens": len(c.output_ids)}
-        finally:
-            if not moving:
-                self._pushed.discard(ticket or "")
+            fut = self.ctx.handovers.move(self.ctx.client, tenant, stream_id, to, ticket,
+                                          push=self._push if ticket is not None else None)  # fmt: skip
+        except KeyError:
+            return {"status": 404, "message": f"no running stream {stream_id!r} on {self.slot}"}
+        except HandoverError as e:
+            return {"status": 409, "message": f"stream {stream_id!r} cannot move: {e}"}
+        try:
+            c = await asyncio.wait_for(asyncio.wrap_future(fut), CALL_SECONDS)
+        except (KeyError, TimeoutError):
+            return {"status": 409, "message": f"stream {stream_id!r} finished before it could move"}
+        return {"status": 200, "generated_tokens": len(c.output_ids)}
+
+    def _push(self, live: LiveStream, c: Continuation) -> None:
+        """On the engine's thread, the moment a stream the front asked to move stops: its ticket into the object store,
+        the reference to the directory, where the destination's call waits for it. On any failure the stream's end
+        carries the ticket instead (the front then hands it over that way)."""
+        assert live.out_id is not None
+        try:
+            data = encode_ticket(self.ctx.model.spec, self.ctx.model.fingerprint, shipped(c), live.ticket)
+            self.directory.put_ticket.remote(live.out_id, [ray.put(data)])
+        except Exception:
+            log.exception("could not push the ticket of moving stream %s; it goes through the front", live.ticket.id)
+            return
+        self._pushed[live.out_id] = len(data)
+        live.pushed = True
 
     def _drain_when_stopping(self) -> None:
         """When Serve starts stopping this replica (redeploy, scale-down), hand every running stream that can move

@@ -206,8 +206,12 @@ class Engine:
             self._wake.notify()
         return fut
 
-    def _take_suspends(self) -> list[Event]:
-        events = []
+    def _take_suspends(self) -> tuple[list[Event], list[tuple[concurrent.futures.Future[Continuation], Continuation]]]:
+        """Stop the requests asked to move: their final events, and their futures with what to resolve them with
+        (resolved by the caller once it has let go of the lock: a future's callback may take its time, e.g. encode and
+        send the request's state, and it runs before this step's model run and events, so a move does not wait on
+        them)."""
+        events, stopped = [], []
         for rid, fut in self._suspends:
             handle = self._handles.get(rid)
             if handle is None or handle.request.status.finished:
@@ -221,10 +225,10 @@ class Engine:
             )  # fmt: skip
             self._finish(req, Status.FINISHED_ABORTED, MIGRATED_MESSAGE, ErrorCode.MIGRATED)
             handle.continuation = c
-            fut.set_result(c)
+            stopped.append((fut, c))
             events.append(Event(rid, [], "", None, Status.FINISHED_ABORTED.value, MIGRATED_MESSAGE, ErrorCode.MIGRATED))
         self._suspends.clear()
-        return events
+        return events, stopped
 
     def _take_snapshots(self) -> None:
         for rid, fut in self._snapshots:
@@ -240,8 +244,11 @@ class Engine:
         """One engine step: schedule, run the model (and sample), postprocess."""
         with self._lock:
             self._take_snapshots()
-            events = self._take_suspends() + self._reap()
+            events, stopped = self._take_suspends()
+            events += self._reap()
             batch = self.scheduler.schedule()
+        for fut, c in stopped:
+            fut.set_result(c)
         if batch.work:
             out = self.runner.run(batch.work)
             with self._lock:

@@ -14,11 +14,12 @@ pickle) checked against this model's fingerprint and state spec, token ids again
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import secrets
 import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -67,6 +68,7 @@ class LiveStream:
     scope: str = ""  # whose checkpoints it makes (openai_routes.reuse_scope)
     to: str | None = None  # where it is moving (once asked)
     out_id: str | None = None  # its ticket's id, when the mover named it (the cluster front waits for it by that id)
+    pushed: bool = False  # its ticket went out the moment it stopped (Handovers.move's `push`)
 
 
 class Handovers:
@@ -93,10 +95,14 @@ class Handovers:
         with self._lock:
             return list(self._live.values())
 
-    def move(self, client: EngineClient, tenant: str, stream_id: str, to: str,
-             ticket: str | None = None) -> concurrent.futures.Future[Continuation]:  # fmt: skip
+    def move(self, client: EngineClient, tenant: str, stream_id: str, to: str, ticket: str | None = None,
+             push: Callable[[LiveStream, Continuation], None] | None = None,
+             ) -> concurrent.futures.Future[Continuation]:  # fmt: skip
         """Suspend a stream of `tenant` at its next token boundary; its stream then ends with a ticket for `to` (under
-        the id `ticket` when given). KeyError: no such stream (of this tenant); HandoverError: it cannot move."""
+        the id `ticket` when given). `push(stream, continuation)`, when given, runs on the engine's thread the moment
+        the request stops (before the engine's next model run) and sends the ticket on itself; it sets
+        `stream.pushed`, and the stream's end then names the ticket without carrying it. KeyError: no such stream (of
+        this tenant); HandoverError: it cannot move."""
         with self._lock:
             s = self._live.get(stream_id)
             if s is None or s.tenant != tenant:
@@ -107,11 +113,14 @@ class Handovers:
                 raise HandoverError(f"this stream is already moving to {s.to}")
             s.to, s.out_id = to, ticket
         try:
-            return client.suspend(s.handle.request_id)
+            fut = client.suspend(s.handle.request_id)
         except (KeyError, ValueError) as e:
             with self._lock:
                 s.to = s.out_id = None
             raise HandoverError(f"this stream cannot move now: {e}") from None
+        if push is not None:
+            fut.add_done_callback(lambda f: None if f.exception() else push(s, f.result()))
+        return fut
 
     def put_out(self, data: bytes, ticket: str | None = None) -> str:
         ticket = ticket or secrets.token_hex(16)
@@ -157,6 +166,12 @@ def parse_marker(chunk: bytes) -> tuple[str, str] | None:
         return None
     data = json.loads(chunk[len(head) :].removeprefix(b"data: "))
     return str(data["ticket"]), str(data["to"])
+
+
+def shipped(c: Continuation) -> Continuation:
+    """What a ticket carries of a stopped request: all but the prompt-end state its turn captured for a checkpoint,
+    which the source stores itself (half the bytes, a shorter handover)."""
+    return dataclasses.replace(c, prompt_state=None, capture_prompt_state=False) if c.prompt_state is not None else c
 
 
 def encode(spec: StateSpec, fingerprint: str, c: Continuation, ticket: Ticket) -> bytes:

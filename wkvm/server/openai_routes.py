@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import time
@@ -22,7 +21,7 @@ from wkvm.sampling_params import SamplingParams
 from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError, error_body
-from wkvm.server.handover import RESUME_HEADER, STREAM_HEADER, HandoverError, LiveStream, Ticket, marker
+from wkvm.server.handover import RESUME_HEADER, STREAM_HEADER, HandoverError, LiveStream, Ticket, marker, shipped
 from wkvm.server.handover import decode as decode_ticket
 from wkvm.server.handover import encode as encode_ticket
 from wkvm.server.schemas import MAX_PROMPTS, ChatRequest, CompletionRequest, SamplingFields
@@ -534,11 +533,11 @@ def hand_over(ctx: ServerContext, live: LiveStream) -> str:
     c, to = live.handle.continuation, live.to
     assert c is not None and to is not None  # suspended through Handovers.move, which names the destination
     ctx.sessions.moved([live.handle])
-    if c.prompt_state is not None:  # checkpointed here rather than shipped: half the ticket, a shorter handover
-        if live.ticket.finish:
-            ctx.sessions.keep_prompt_end(live.scope, c.base_ids + c.prompt_ids, c.prompt_state)
-        c = dataclasses.replace(c, prompt_state=None, capture_prompt_state=False)
-    data = encode_ticket(ctx.model.spec, ctx.model.fingerprint, c, live.ticket)
+    if c.prompt_state is not None and live.ticket.finish:  # checkpointed here rather than shipped (`shipped`)
+        ctx.sessions.keep_prompt_end(live.scope, c.base_ids + c.prompt_ids, c.prompt_state)
+    if live.pushed and live.out_id is not None:  # its ticket went out when it stopped
+        return marker(live.out_id, to)
+    data = encode_ticket(ctx.model.spec, ctx.model.fingerprint, shipped(c), live.ticket)
     return marker(ctx.handovers.put_out(data, live.out_id), to)
 
 
