@@ -197,6 +197,35 @@ def test_a_stream_that_cannot_move_says_why(cluster):
         r.read()
 
 
+def test_the_front_relays_as_many_streams_as_the_replicas_run(cluster):
+    """Serve lets 5 requests at a time into a deployment unless told otherwise: the front must take every stream the
+    engines can run (2 replicas x 4 slots here), or the sixth waits for one of the first five to end."""
+    n = 7
+    started = [threading.Event() for _ in range(n)]
+    ended, leave = threading.Event(), threading.Event()
+
+    def one(i: int) -> None:
+        body = {**GREEDY, "prompt": f"Stream {i}:", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with cluster.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                started[i].set()
+                if line == "data: [DONE]":
+                    ended.set()
+                if leave.is_set():
+                    return
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        assert all(s.wait(120) for s in started)
+        assert not ended.is_set(), "a stream ended before the last one started: the front held the others back"
+    finally:
+        leave.set()
+        for t in threads:
+            t.join(120)
+
+
 def test_metrics_per_replica_and_for_the_app(cluster):
     text = cluster.get("/metrics").text
     assert 'wkvm_cluster_routed_total{outcome="hit"}' in text

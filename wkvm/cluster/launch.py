@@ -28,6 +28,7 @@ from wkvm.config import ServerConfig
 log = logging.getLogger("wkvm.cluster")
 APP = NAMESPACE
 SLOT = re.compile(r"r\d+")
+FRONT_CONTROL_REQUESTS = 64  # the front's room beyond the engines' for health, metrics, listings and moves
 FRONT_DRAIN_SECONDS = 3600.0  # how long a replaced front relays its streams without a --request-timeout
 
 
@@ -57,8 +58,11 @@ def application(config: ServerConfig, generation: int = 0) -> Any:
     # streams it holds, which the engine replicas hand over among themselves, until they end (their clients'
     # connections are its); new requests go to the new front. When the engines stop for good, its relays end with them.
     grace = (config.request_timeout or FRONT_DRAIN_SECONDS) + config.shutdown_grace
-    front = serve.deployment(FrontDeployment).options(name="wkvm-front", ray_actor_options={"num_cpus": 0},
-                                                      graceful_shutdown_timeout_s=grace)  # fmt: skip
+    # the front relays every request the engines can hold at once, and control requests beside them (Serve's
+    # default of 5 ongoing requests made the sixth stream, and a migrate call, wait for one of them to end)
+    front = serve.deployment(FrontDeployment).options(
+        name="wkvm-front", ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=grace,
+        max_ongoing_requests=config.replicas * (config.slots + config.max_queue) + FRONT_CONTROL_REQUESTS)  # fmt: skip
     return front.bind(config, engine.bind(config))
 
 

@@ -6,9 +6,16 @@ its queue is full (`max_ongoing_requests`), in which case the next rank, every o
 least loaded one that accepts answers. A `strict` request (a named state: only its owner holds it) that lands
 elsewhere is answered "misrouted" by that replica, and the front retries. Without a target every replica is one
 rank: the least loaded answers.
+
+Serve takes the first of equally loaded replicas in the order given, so every rank is shuffled (as Serve's own
+power-of-two router draws its pair at random): in a fixed order a burst of new requests, routed concurrently while
+every replica looked idle, all went to the first replica (7 streams at once: all on r0, 3 of them queued there,
+while r1 idled).
 """
 
 from __future__ import annotations
+
+import random
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
@@ -19,10 +26,11 @@ class AffinityRouter(FIFOMixin, RequestRouter):  # type: ignore[misc]  # ray's c
     ) -> list[list[RunningReplica]]:
         kwargs = pending_request.kwargs if pending_request is not None else {}
         target, strict = kwargs.get("target"), bool(kwargs.get("strict"))
+        shuffled = random.sample(candidate_replicas, len(candidate_replicas))
         if not target:
-            return [candidate_replicas]
-        owner = [r for r in candidate_replicas if r.replica_id.unique_id == target]
-        rest = [r for r in candidate_replicas if r.replica_id.unique_id != target]
+            return [shuffled]
+        owner = [r for r in shuffled if r.replica_id.unique_id == target]
+        rest = [r for r in shuffled if r.replica_id.unique_id != target]
         # A strict request that lands elsewhere (its owner is full, or died and is not yet out of Serve's list) is
         # answered "misrouted" at once and the front asks again: waiting here for an owner that may be dead would
         # hold Serve's routing tasks (and their probes of the dead actor) from every other request.
