@@ -209,8 +209,8 @@ class RWKV7(ModelBase):
         decay = torch.sigmoid(w["att.w0"] + lora(torch.tanh(lora(xw, "att.w1")), "att.w2"))
         a = torch.sigmoid(w["att.a0"] + lora(lora(xa, "att.a1"), "att.a2"))
         g = lora(torch.sigmoid(lora(xg, "att.g1")), "att.g2")
+        v_mix = None if i == 0 else torch.sigmoid(w["att.v0"] + lora(lora(xv, "att.v1"), "att.v2"))
         if T > 1 and fused.cpu_fp32(x) and step.available():  # the step kernel token by token: 5x the torch chunks
-            v_mix = None if i == 0 else torch.sigmoid(w["att.v0"] + lora(lora(xv, "att.v1"), "att.v2"))
             v_first = v if i == 0 else v_first
             r, decay, k, v, vf, a, g = (t.reshape(B * T, C) for t in (r, decay, k, v, v_first, a, g))
             mix = None if v_mix is None else v_mix.reshape(B * T, C)
@@ -220,10 +220,10 @@ class RWKV7(ModelBase):
 
         kk = F.normalize((k * w["att.k_k"]).view(B, T, H, N), dim=-1, p=2.0).view(B, T, C)
         k = k * (1 + (a - 1) * w["att.k_a"])
-        if i == 0:
+        if v_mix is None:
             v_first = v
         else:
-            v = v + (v_first - v) * torch.sigmoid(w["att.v0"] + lora(lora(xv, "att.v1"), "att.v2"))
+            v = v + (v_first - v) * v_mix
 
         o = self._wkv(state[f"layers.{i}.wkv"], r, log_w, k, v, -kk, kk * a)
         o = F.group_norm(o.reshape(B * T, C), H, w["att.ln_x.weight"], w["att.ln_x.bias"], self.config.gn_eps)
