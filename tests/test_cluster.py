@@ -197,17 +197,21 @@ def test_a_stream_that_cannot_move_says_why(cluster):
         r.read()
 
 
-def test_the_front_takes_every_stream_the_replicas_hold(cluster):
+def test_the_front_takes_every_stream_the_replicas_hold_and_spreads_them(cluster):
     """Serve lets 5 requests at a time into a deployment unless told otherwise: the front must take every stream the
-    engines can hold, or the sixth waits for one of the first five to end. A stream has its response head once its
-    replica took it (also while it waits there for a slot), so this does not depend on how the 7 spread."""
+    engines can hold, or the sixth waits for one of the first five to end (a stream has its response head once its
+    replica took it, also while it waits there for a slot). A burst of new streams spreads over the replicas (2 x 4
+    slots here: none waits for a slot while the other replica has one free), and the front's count of what it relays
+    to each (`/v1/cluster`'s `relaying`) goes back to 0 when they end."""
     n = 7
     started = [threading.Event() for _ in range(n)]
     ended, leave = threading.Event(), threading.Event()
+    where: dict[int, str] = {}
 
     def one(i: int) -> None:
         body = {**GREEDY, "prompt": f"Stream {i}:", "max_tokens": 3000, "ignore_eos": True, "stream": True}
         with cluster.stream("POST", "/v1/completions", json=body) as r:
+            where[i] = r.headers["x-wkvm-replica"]
             started[i].set()
             for line in r.iter_lines():
                 if line == "data: [DONE]":
@@ -221,10 +225,17 @@ def test_the_front_takes_every_stream_the_replicas_hold(cluster):
     try:
         assert all(s.wait(120) for s in started)
         assert not ended.is_set(), "a stream ended before the last one started: the front held the others back"
+        assert max(list(where.values()).count(slot) for slot in set(where.values())) <= 4, where
     finally:
         leave.set()
         for t in threads:
             t.join(120)
+    for _ in range(300):  # the replicas see their clients leave and end the streams
+        relaying = [r["relaying"] for r in cluster.get("/v1/cluster").json()["replicas"]]
+        if relaying == [0, 0]:
+            break
+        time.sleep(0.1)
+    assert relaying == [0, 0]
 
 
 def test_metrics_per_replica_and_for_the_app(cluster):

@@ -11,8 +11,10 @@ import asyncio
 import dataclasses
 import json
 import logging
+import random
 import secrets
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -66,11 +68,33 @@ class ClusterMetrics:
                                          buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
 
 
+class Inflight:
+    """A request the front relays, counted against the replica serving it (`Front.load`) until it ends, once."""
+
+    def __init__(self, load: dict[str, int]):
+        self.load, self.slot, self.done = load, "", False
+
+    def move(self, slot: str | None) -> None:
+        """Count it against `slot` (None: none yet) instead of where it was counted."""
+        if self.done or (slot or "") == self.slot:
+            return
+        if self.slot:
+            self.load[self.slot] -= 1
+        self.slot = slot or ""
+        if self.slot:
+            self.load[self.slot] = self.load.get(self.slot, 0) + 1
+
+    def end(self) -> None:
+        self.move(None)
+        self.done = True
+
+
 @dataclass
 class RunningStream:
     tenant: str
     slot: str
     req: ForwardedRequest
+    inflight: Inflight
     moves: int = 0  # handovers done so far
     downtime: float = 0.0  # of the last one: last chunk from the source to the first from the destination
     opened: tuple[str, Any] | None = None  # (ticket, the destination's call) opened for a move asked for
@@ -88,6 +112,7 @@ class Front:
         self.keys = KeyRing(config.api_keys)
         self.metrics = ClusterMetrics()
         self.streams: dict[str, RunningStream] = {}  # streams that can move, by response id
+        self.load: dict[str, int] = {}  # slot -> requests this front relays to it now (`Inflight`)
         self._known: tuple[float, dict[str, str]] = (0.0, {})
 
     def tenant(self, request: Request) -> str:
@@ -105,38 +130,68 @@ class Front:
         at, found = self._known
         return found if time.monotonic() - at < 1.0 else await self.replicas()
 
+    async def least_busy(self) -> tuple[str | None, str | None]:
+        """(slot, replica id) of the replica this front relays the fewest requests to (ties at random): where a request
+        bound to nothing goes first. Counted here, at once, so a burst of new requests spreads evenly (Serve's own
+        choice goes by queue lengths it probed a moment ago, which a burst outruns)."""
+        try:
+            replicas = await self.recent_replicas()
+        except Exception:  # the directory is being restarted (RayActorError): Serve's router chooses meanwhile
+            return None, None
+        if not replicas:
+            return None, None
+        low = min(self.load.get(s, 0) for s in replicas)
+        slot = random.choice([s for s in replicas if self.load.get(s, 0) == low])
+        return slot, replicas[slot]
+
     async def forward(self, request: Request) -> Response:
         req = await forwarded(request)
         route = route_key(self.tenant(request), req)
         deadline = time.monotonic() + OWNER_WAIT_SECONDS
-        while True:
-            slot, target = (await self.directory.lookup.remote(route.key)) if route.key else (None, None)
-            strict = route.strict and slot is not None
-            gen = self.engine.options(stream=True).http.remote(req, target=target, strict=strict)
-            try:
-                head = await asyncio.wait_for(anext(gen), max(0.1, deadline - time.monotonic()) if strict else None)
-            except TimeoutError:
-                gen.cancel()
-                head = Head(MISROUTED, [], "")
-            if not isinstance(head, Head):
-                raise TypeError(f"a replica answered {type(head).__name__} before its head")
-            if head.status != MISROUTED:
-                break
-            if time.monotonic() > deadline:  # its owner is being replaced: the replacement takes its slot
-                message = f"replica {slot}, which holds this state, is restarting; retry shortly"
-                return error_response(503, message, None, "replica_unavailable")
-            await asyncio.sleep(RETRY_SECONDS)
+        inflight: Inflight | None = None
+        try:
+            while True:
+                slot, target = (await self.directory.lookup.remote(route.key)) if route.key else (None, None)
+                strict = route.strict and slot is not None
+                toward = slot
+                if target is None:  # bound to no replica yet: the least busy one first (the router falls back)
+                    toward, target = await self.least_busy()
+                inflight = inflight or Inflight(self.load)
+                inflight.move(toward)
+                gen = self.engine.options(stream=True).http.remote(req, target=target, strict=strict)
+                try:
+                    wait = max(0.1, deadline - time.monotonic()) if strict else None
+                    head = await asyncio.wait_for(anext(gen), wait)
+                except TimeoutError:
+                    gen.cancel()
+                    head = Head(MISROUTED, [], "")
+                if not isinstance(head, Head):
+                    raise TypeError(f"a replica answered {type(head).__name__} before its head")
+                if head.status != MISROUTED:
+                    break
+                if time.monotonic() > deadline:  # its owner is being replaced: the replacement takes its slot
+                    message = f"replica {slot}, which holds this state, is restarting; retry shortly"
+                    inflight.end()
+                    return error_response(503, message, None, "replica_unavailable")
+                await asyncio.sleep(RETRY_SECONDS)
+            inflight.move(head.replica)
+        except BaseException:
+            if inflight is not None:
+                inflight.end()
+            raise
         self.metrics.routed.labels(outcome(route.key, slot, head.replica)).inc()
         if route.key is not None and head.replica != slot and head.status < 400:
             await self.directory.record.remote(route.key, head.replica)
-        body = self.relay(req, route, head, gen)
+        body = self.relay(req, route, head, gen, inflight)
+        weakref.finalize(body, inflight.end)  # a body never started (its client left at once) ends it too
         return StreamingResponse(body, status_code=head.status, headers=response_headers(head))
 
-    async def relay(self, req: ForwardedRequest, route: RouteKey, head: Head, gen: Any) -> AsyncIterator[bytes]:
+    async def relay(self, req: ForwardedRequest, route: RouteKey, head: Head, gen: Any,
+                    inflight: Inflight) -> AsyncIterator[bytes]:  # fmt: skip
         """The body chunks after the head. A stream handed over goes on from its destination on this same response;
         the replica's generator is cancelled if the client goes away."""
         stream_id = dict(head.headers).get(STREAM_HEADER.encode(), b"").decode() or None
-        s = RunningStream(self.tenant_of(req), head.replica, req)
+        s = RunningStream(self.tenant_of(req), head.replica, req, inflight)
         if stream_id is not None:
             self.streams[stream_id] = s
         source = relay(gen)
@@ -165,6 +220,7 @@ class Front:
                 self.metrics.stream_downtime.observe(s.downtime)
                 source = chained(first, gen)  # `first` may itself be a Handover (that replica is stopping too)
         finally:
+            s.inflight.end()
             if (opened := s.drop_opened()) is not None:
                 opened[1].cancel()
             if stream_id is not None:
@@ -225,6 +281,7 @@ class Front:
         self.metrics.stream_bytes.inc(len(moved.data) or moved.pushed)
         self.directory.moved_stream.remote()
         s.slot = slot
+        s.inflight.move(slot)
         if route.key is not None and not route.strict:  # not awaited: the first token need not wait on it, and
             self.directory.record.remote(route.key, slot)  # an actor runs one caller's calls in order
         try:
@@ -361,7 +418,8 @@ class Front:
         out = [s if isinstance(s, dict) else {"slot": slot, "replica_id": rid, "status": "unavailable",
                                               "error": f"{type(s).__name__}: {s}"[:300]}
                for (slot, rid), s in zip(replicas.items(), status, strict=True)]  # fmt: skip
-        return {"object": "cluster", "replicas": [{**s, "owned_keys": owned.get(s["slot"], 0)} for s in out],
+        return {"object": "cluster", "replicas": [{**s, "owned_keys": owned.get(s["slot"], 0),
+                                                   "relaying": self.load.get(s["slot"], 0)} for s in out],
                 "stream_moves": await self.directory.stream_moves_total.remote()}
 
     async def health(self) -> Response:

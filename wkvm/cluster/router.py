@@ -10,7 +10,8 @@ rank: the least loaded answers.
 Serve takes the first of equally loaded replicas in the order given, so every rank is shuffled (as Serve's own
 power-of-two router draws its pair at random): in a fixed order a burst of new requests, routed concurrently while
 every replica looked idle, all went to the first replica (7 streams at once: all on r0, 3 of them queued there,
-while r1 idled).
+while r1 idled). A request bound to nothing comes with the front's own least busy replica as its target (it counts
+what it relays), so a burst spreads evenly; Serve's probing still decides when that one is full.
 """
 
 from __future__ import annotations
