@@ -212,17 +212,18 @@ class EngineReplica:
         log.info("replica %s took %d named states from unheld slot %s", self.slot, len(keys), slot)
         return len(keys)
 
-    def status(self, **route: object) -> dict[str, Any] | str:
+    async def status(self, **route: object) -> dict[str, Any] | str:
+        """This replica's slot and load (async, as every method Serve calls here: it warns about plain ones)."""
         if self.misrouted(route):
             return MISROUTED_REPLY
         s = self.ctx.client.stats()
         return {"slot": self.slot, "replica_id": self.replica_id, "pid": os.getpid(), "status": "ok",
                 "running": s.running, "waiting": s.waiting, "slots_free": s.slots_free}  # fmt: skip
 
-    def metrics(self, **route: object) -> bytes | str:
+    async def metrics(self, **route: object) -> bytes | str:
         if self.misrouted(route):
             return MISROUTED_REPLY
-        return self.ctx.metrics.render(self.ctx.client.stats(), self.ctx.store)
+        return await asyncio.to_thread(self.ctx.metrics.render, self.ctx.client.stats(), self.ctx.store)
 
     def __del__(self) -> None:
         """Serve's graceful stop: running requests get `--shutdown-grace`, then parked states are written."""
