@@ -249,13 +249,15 @@ class Engine:
             batch = self.scheduler.schedule()
         for fut, c in stopped:
             fut.set_result(c)
-        if batch.work:
-            out = self.runner.run(batch.work)
-            with self._lock:
-                events += self._postprocess(out)
-            self.steps += 1
-        self._dispatch(events)
-        return events
+        self._dispatch(events)  # requests that ended before this step's run (moved, cancelled, timed out) need not wait
+        if not batch.work:
+            return events
+        out = self.runner.run(batch.work)
+        with self._lock:
+            done = self._postprocess(out)
+        self.steps += 1
+        self._dispatch(done)
+        return events + done
 
     def _postprocess(self, out: StepOutput) -> list[Event]:
         events = []
