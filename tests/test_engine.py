@@ -118,6 +118,28 @@ def test_cancel_frees_slot_within_one_step(model, tok):
     assert h.output.finish_reason == "abort" and h.output.error == "cancelled"
 
 
+def test_requests_ended_before_a_step_hear_it_before_its_model_run(model, tok):
+    """A cancelled request and one stopped to move get their final events (and a move its continuation) before the
+    step's model run for the others, not after it: a moving stream's handover does not wait a step."""
+    engine = Engine(model, tok, EngineConfig(n_slots=3))
+    hs = [engine.submit([1, 2, 3 + i], greedy(100)) for i in range(3)]
+    engine.step()
+    engine.step()
+    moving = engine.suspend(hs[1].request_id)
+    hs[2].cancel()
+    seen = []
+    run = engine.runner.run
+
+    def watched(work):
+        seen.append((hs[2].done.is_set(), hs[1].done.is_set(), moving.done()))
+        return run(work)
+
+    engine.runner.run = watched
+    engine.step()
+    assert seen == [(True, True, True)]
+    assert hs[2].output.error == "cancelled" and hs[1].continuation is not None and not hs[0].done.is_set()
+
+
 def test_preemption_round_trip_exact(model, tok):
     engine = Engine(model, tok, EngineConfig(n_slots=1))
     low = engine.submit([3, 4, 5, 6], greedy(25), priority=5)
