@@ -18,7 +18,7 @@ import httpx
 import pytest
 from live_server import LiveServer
 
-from wkvm.server.handover import RESUME_HEADER, STREAM_HEADER, encode, parse_marker, shipped
+from wkvm.server.handover import RESUME_HEADER, STREAM_HEADER, encode, parse_marker
 
 MESSAGES = [{"role": "user", "content": "Speakonandtellmeallthatthouknowest."}]
 LONG = {"max_tokens": 200, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -63,7 +63,7 @@ def moved_stream(a, b, path, body, headers=None, after=1, named=None) -> tuple[l
     pushed = {}
 
     def push(live, c):
-        pushed[live.out_id] = encode(a.ctx.model.spec, a.ctx.model.fingerprint, shipped(c), live.ticket)
+        pushed[live.out_id] = encode(a.ctx.model.spec, a.ctx.model.fingerprint, c, live.ticket)
         live.pushed = True
 
     with httpx.Client(timeout=60) as client:

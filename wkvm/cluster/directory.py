@@ -118,8 +118,9 @@ class Directory:
 
     async def put_ticket(self, ticket: str, data: Any) -> None:
         """A moving stream's ticket, pushed by its source for the destination's call the front opened when the move
-        was asked for (`take_ticket`): the ticket goes replica to replica, off the front's path. `data` is what the
-        source hands over (a one-element list holding the ticket's object-store reference, which this actor owns)."""
+        was asked for (`take_ticket`): the ticket goes replica to replica, off the front's path. `data`: a
+        one-element list holding the ticket's object-store reference (a list, so that Ray passes the reference on
+        rather than the bytes)."""
         now = time.monotonic()
         for k in [k for k, (t, _) in self.tickets.items() if now - t > TICKET_SECONDS]:
             del self.tickets[k]
@@ -166,8 +167,6 @@ async def pushed_ticket(directory: Any, ticket: str, wait: float) -> bytes:
     owns), waiting up to `wait` seconds; empty when none came, it was taken already, or the source died before it
     was read (the object went with its owner)."""
     refs = await directory.take_ticket.remote(ticket, wait)
-    if isinstance(refs, bytes):
-        return refs
     try:
         data = bytes(await refs[0]) if refs else b""
     except Exception as e:  # ray.exceptions.OwnerDiedError and the like

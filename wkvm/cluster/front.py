@@ -99,9 +99,12 @@ class RunningStream:
     downtime: float = 0.0  # of the last one: last chunk from the source to the first from the destination
     opened: tuple[str, Any] | None = None  # (ticket, the destination's call) opened for a move asked for
 
-    def drop_opened(self) -> tuple[str, Any] | None:
-        opened, self.opened = self.opened, None
-        return opened
+    def take_opened(self, ticket: str | None = None) -> Any:
+        """The destination's call opened for a move (under `ticket`, when given), no longer kept here; None if none."""
+        if self.opened is None or ticket not in (None, self.opened[0]):
+            return None
+        call, self.opened = self.opened[1], None
+        return call
 
 
 class Front:
@@ -148,7 +151,7 @@ class Front:
         req = await forwarded(request)
         route = route_key(self.tenant(request), req)
         deadline = time.monotonic() + OWNER_WAIT_SECONDS
-        inflight: Inflight | None = None
+        inflight = Inflight(self.load)
         try:
             while True:
                 slot, target = (await self.directory.lookup.remote(route.key)) if route.key else (None, None)
@@ -156,7 +159,6 @@ class Front:
                 toward = slot
                 if target is None:  # bound to no replica yet: the least busy one first (the router falls back)
                     toward, target = await self.least_busy()
-                inflight = inflight or Inflight(self.load)
                 inflight.move(toward)
                 gen = self.engine.options(stream=True).http.remote(req, target=target, strict=strict)
                 try:
@@ -176,8 +178,7 @@ class Front:
                 await asyncio.sleep(RETRY_SECONDS)
             inflight.move(head.replica)
         except BaseException:
-            if inflight is not None:
-                inflight.end()
+            inflight.end()
             raise
         self.metrics.routed.labels(outcome(route.key, slot, head.replica)).inc()
         if route.key is not None and head.replica != slot and head.status < 400:
@@ -205,13 +206,13 @@ class Front:
                         break
                     yield chunk
                     last = time.perf_counter()
-                opened = s.drop_opened()
-                if opened is not None and (moved is None or opened[0] != moved.ticket or moved.data):
-                    opened[1].cancel()  # the stream ended or moved on its own, or its ticket could not be pushed
-                    opened = None
+                # the asked move's call, when this is that move and its ticket was pushed (not carried)
+                opened = s.take_opened(moved.ticket) if moved is not None and not moved.data else None
+                if (other := s.take_opened()) is not None:
+                    other.cancel()  # the stream ended or moved on its own, or its ticket could not be pushed
                 if moved is None:
                     return
-                gen, first = await self.hand_over(req, route, moved, s, opened[1] if opened else None)
+                gen, first = await self.hand_over(req, route, moved, s, opened)
                 if gen is None:  # no replica could take it: the client gets an error event and [DONE]
                     yield first
                     return
@@ -221,8 +222,8 @@ class Front:
                 source = chained(first, gen)  # `first` may itself be a Handover (that replica is stopping too)
         finally:
             s.inflight.end()
-            if (opened := s.drop_opened()) is not None:
-                opened[1].cancel()
+            if (call := s.take_opened()) is not None:
+                call.cancel()
             if stream_id is not None:
                 self.streams.pop(stream_id, None)
 
@@ -238,9 +239,11 @@ class Front:
                 return taken
             # the destination did not take it (it is being replaced): take the ticket back and offer it around
             moved = dataclasses.replace(moved, data=await pushed_ticket(self.directory, moved.ticket, 0))
+            if not moved.data:  # the destination took it after all (and then failed), or its source died
+                return None, self.move_failed()
         replicas = await self.recent_replicas()
         order = [moved.to] + [other for other in replicas if other != moved.to]
-        for slot in order if moved.data else []:
+        for slot in order:
             if slot not in replicas:
                 continue
             taken = await self.taken(self.resumed(req, replicas[slot], moved), slot, moved, route, s)
@@ -320,9 +323,8 @@ class Front:
         s.opened = (ticket, self.resumed(s.req, replicas[to], Handover(to, ticket)))
         answer = await self.call(replicas[source], "move_stream", tenant, stream_id, to, ticket)
         if answer["status"] != 200:
-            if s.opened is not None and s.opened[0] == ticket:  # still there: the stream did not move
-                s.opened[1].cancel()
-                s.opened = None
+            if (call := s.take_opened(ticket)) is not None:  # still there: the stream did not move
+                call.cancel()
             code = "stream_not_found" if answer["status"] == 404 else "stream_cannot_move"
             return error_response(answer["status"], answer["message"], None, code)
         deadline = t0 + CALL_SECONDS  # answer once the stream runs on its new replica (or ended)

@@ -31,7 +31,7 @@ from wkvm.config import ServerConfig
 from wkvm.engine.request import Continuation
 from wkvm.server.app import create_app
 from wkvm.server.context import ServerContext
-from wkvm.server.handover import HandoverError, LiveStream, parse_marker, shipped
+from wkvm.server.handover import HandoverError, LiveStream, parse_marker
 from wkvm.server.handover import encode as encode_ticket
 from wkvm.state.quota import StoreLimits, is_internal
 from wkvm.state.sessions import ParkedCopy, SessionKey
@@ -122,7 +122,7 @@ class EngineReplica:
         carries the ticket instead (the front then hands it over that way)."""
         assert live.out_id is not None
         try:
-            data = encode_ticket(self.ctx.model.spec, self.ctx.model.fingerprint, shipped(c), live.ticket)
+            data = encode_ticket(self.ctx.model.spec, self.ctx.model.fingerprint, c, live.ticket)
             self.directory.put_ticket.remote(live.out_id, [ray.put(data)])
         except Exception:
             log.exception("could not push the ticket of moving stream %s; it goes through the front", live.ticket.id)

@@ -168,13 +168,11 @@ def parse_marker(chunk: bytes) -> tuple[str, str] | None:
     return str(data["ticket"]), str(data["to"])
 
 
-def shipped(c: Continuation) -> Continuation:
-    """What a ticket carries of a stopped request: all but the prompt-end state its turn captured for a checkpoint,
-    which the source stores itself (half the bytes, a shorter handover)."""
-    return dataclasses.replace(c, prompt_state=None, capture_prompt_state=False) if c.prompt_state is not None else c
-
-
 def encode(spec: StateSpec, fingerprint: str, c: Continuation, ticket: Ticket) -> bytes:
+    """The ticket of a stopped request: all of it but the prompt-end state its turn captured for a checkpoint, which
+    the source stores itself (half the bytes, a shorter handover)."""
+    if c.prompt_state is not None:
+        c = dataclasses.replace(c, prompt_state=None, capture_prompt_state=False)
     tensors: dict[str, torch.Tensor] = {}
     for kind in STATES:
         state: State | None = getattr(c, kind)

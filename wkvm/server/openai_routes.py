@@ -21,7 +21,7 @@ from wkvm.sampling_params import SamplingParams
 from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError, error_body
-from wkvm.server.handover import RESUME_HEADER, STREAM_HEADER, HandoverError, LiveStream, Ticket, marker, shipped
+from wkvm.server.handover import RESUME_HEADER, STREAM_HEADER, HandoverError, LiveStream, Ticket, marker
 from wkvm.server.handover import decode as decode_ticket
 from wkvm.server.handover import encode as encode_ticket
 from wkvm.server.schemas import MAX_PROMPTS, ChatRequest, CompletionRequest, SamplingFields
@@ -533,11 +533,11 @@ def hand_over(ctx: ServerContext, live: LiveStream) -> str:
     c, to = live.handle.continuation, live.to
     assert c is not None and to is not None  # suspended through Handovers.move, which names the destination
     ctx.sessions.moved([live.handle])
-    if c.prompt_state is not None and live.ticket.finish:  # checkpointed here rather than shipped (`shipped`)
+    if c.prompt_state is not None and live.ticket.finish:  # checkpointed here rather than shipped (`encode`)
         ctx.sessions.keep_prompt_end(live.scope, c.base_ids + c.prompt_ids, c.prompt_state)
     if live.pushed and live.out_id is not None:  # its ticket went out when it stopped
         return marker(live.out_id, to)
-    data = encode_ticket(ctx.model.spec, ctx.model.fingerprint, shipped(c), live.ticket)
+    data = encode_ticket(ctx.model.spec, ctx.model.fingerprint, c, live.ticket)
     return marker(ctx.handovers.put_out(data, live.out_id), to)
 
 
