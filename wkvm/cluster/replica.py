@@ -48,6 +48,8 @@ DRAIN_POLL_SECONDS = 0.05
 class EngineReplica:
     def __init__(self, config: ServerConfig):
         self.replica_id: str = serve.get_replica_context().replica_id.unique_id
+        # looked for among the collector's objects: before loading, which freezes everything alive out of its lists
+        self._serve_replica = find_serve_replica()
         self.directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
         me = ray.get_runtime_context().current_actor
         # the slot first (it names the state directory), then the keys of what that directory holds
@@ -133,7 +135,7 @@ class EngineReplica:
     def _drain_when_stopping(self) -> None:
         """When Serve starts stopping this replica (redeploy, scale-down), hand every running stream that can move
         over to the other replicas, so Serve's drain does not wait for them to finish here."""
-        serve_replica = find_serve_replica()
+        serve_replica = self._serve_replica
         if serve_replica is None:
             log.warning("replica %s: cannot see when Serve stops it; its streams finish here instead of moving",
                         self.slot)  # fmt: skip

@@ -5,6 +5,7 @@ template, metrics, auth. The loaded parts are set by `load()` (on a thread at st
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import tempfile
 import threading
@@ -32,6 +33,16 @@ from wkvm.weights.loader import load_model, load_text_tools
 
 log = logging.getLogger("wkvm.server")
 NO_MODEL = "none"  # --model none: no generative model (an embeddings-only server)
+
+
+def freeze_startup_heap() -> None:
+    """Put every object alive now out of the cyclic garbage collector's reach (`gc.freeze`, as vLLM does after
+    start-up). A loaded server holds ~230-300k long-lived Python objects (torch, FastAPI, pydantic, Ray), and each
+    full collection walked all of them: 150-165 ms on a 2-core EPYC, every stream stalled meanwhile, seen while
+    serving. Frozen, a full collection walks only what came later (~2 ms). Garbage is collected first, so only
+    live objects are frozen."""
+    gc.collect()
+    gc.freeze()
 
 
 @dataclass
@@ -87,6 +98,7 @@ class ServerContext:
                 if not cfg.embeddings:
                     raise ValueError("--model none serves embeddings only: give --embeddings DIR")
                 self.embedder = EmbeddingModel(cfg.embeddings, cfg.device)
+                freeze_startup_heap()
                 self.ready.set()
                 log.info("embedding model %s loaded (no generative model: --model none)", self.embedder.name)
                 return
@@ -108,6 +120,7 @@ class ServerContext:
             if cfg.embeddings:
                 self.embedder = EmbeddingModel(cfg.embeddings, cfg.device)
             engine.start()
+            freeze_startup_heap()
             self.ready.set()
             log.info("model %s loaded (fingerprint %s...)", self.model_name, self.model.fingerprint[:12])
         except Exception as e:  # reported by /health and every route, instead of a dead process
@@ -132,6 +145,8 @@ class ServerContext:
             self.store.close()
         if self._tmp is not None:
             self._tmp.cleanup()
+        if self.ready.is_set():
+            gc.unfreeze()  # what this server held can be collected again (a process may run another one)
 
     def require_ready(self, generative: bool = True) -> None:
         """503 while loading or after a failed load; 404 for a generative route on an embeddings-only server."""
