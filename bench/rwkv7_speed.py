@@ -15,7 +15,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import checkpoint, copy_bandwidth, matmul_rate, print_table, read_bandwidth, timeit_pair, write_json  # noqa: E402
+from common import (  # noqa: E402
+    checkpoint,
+    copy_bandwidth,
+    cpu_name,
+    matmul_rate,
+    print_table,
+    read_bandwidth,
+    rerun_with_avx2_paths,
+    timeit_pair,
+    write_json,
+)
 
 from wkvm.models.linear import weight_numel  # noqa: E402
 from wkvm.weights.loader import load_model  # noqa: E402
@@ -27,7 +37,11 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--no-int8", dest="int8", action="store_false", help="skip the int8 rows")
+    ap.add_argument("--avx2", action="store_true",
+                    help="both sides on AVX2 code paths only (common.AVX2_ENV), as on an AVX2-only CPU")  # fmt: skip
     args = ap.parse_args()
+    if args.avx2:
+        rerun_with_avx2_paths()
     torch.manual_seed(0)
     path = checkpoint()
     model = load_model(path)
@@ -78,7 +92,7 @@ def main() -> None:
     print_table(
         f"RWKV-7 {cfg.n_layer}L C{cfg.n_embd} V{cfg.vocab_size} fp32, {torch.get_num_threads()} threads "
         f"(read {bw / 1e9:.1f} GB/s, copy {copy_bw / 1e9:.1f} GB/s; matmul BLAS {rates['blas'] / 1e9:.0f}, "
-        f"packed {rates['packed'] / 1e9:.0f} GFLOP/s)",
+        f"packed {rates['packed'] / 1e9:.0f} GFLOP/s); {cpu_name()}, torch {torch.backends.cpu.get_cpu_capability()}",
         ["case", "wkvm tok/s", "rwkv tok/s", "x rwkv", "bound tok/s", "of bound", "of copy/BLAS bound"],
         rows,
     )
@@ -95,7 +109,7 @@ def main() -> None:
             "prefill_tok_s": pre, "rwkv_prefill_tok_s": ref_pre, "prefill_ceiling_tok_s": ceiling,
             "read_bandwidth_gb_s": bw / 1e9, "copy_bandwidth_gb_s": copy_bw / 1e9,
             "matmul_blas_gflop_s": rates["blas"] / 1e9, "matmul_packed_gflop_s": rates["packed"] / 1e9,
-            "threads": torch.get_num_threads(), "int8": q8,
+            "threads": torch.get_num_threads(), "int8": q8, "cpu": cpu_name(),
         },
     )  # fmt: skip
 

@@ -41,7 +41,8 @@ def checks(args: argparse.Namespace) -> list[tuple[str, bool, str, str]]:
             out.append(("kernel", True, f"--dtype {dtype}: {kernel}", ""))
         from wkvm.models import fused
 
-        ops = ("wkvm fused kernel (norms, SiLU gate, RoPE + paged attention in one op per layer)" if fused.available()
+        ops = (f"wkvm fused kernel (norms, SiLU gate, RoPE + paged attention in one op per layer; "
+               f"-march={fused.MARCH})" if fused.available()
                else "separate torch ops (WKVM_FUSED=off, or no C++ compiler): slower decode")  # fmt: skip
         out.append(("kernel", True, f"per-layer ops: {ops}", ""))
     except ImportError:

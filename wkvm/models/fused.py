@@ -22,8 +22,12 @@ from wkvm.models.int8 import load_kernel
 log = logging.getLogger("wkvm.fused")
 
 SOURCE = Path(__file__).with_name("fused.cpp")
-# -march=native is safe: the build is cached per CPU (load_kernel keys it on /proc/cpuinfo's flags)
-CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-trapping-math")  # the last lets the clamps in exp vectorize
+# -march=native is safe: the build is cached per CPU (load_kernel keys it on /proc/cpuinfo's flags).
+# WKVM_FUSED_MARCH=haswell (or x86-64-v3, any -march GCC takes) builds them for another CPU kind instead: with
+# WKVM_INT8_KERNEL=avx2, WKVM_INT4_KERNEL=avx2, ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 an AVX-512
+# machine runs what an AVX2-only one runs (tests and benchmarks of the AVX2 paths; docs/performance.md).
+MARCH = os.environ.get("WKVM_FUSED_MARCH", "native")
+CFLAGS = ("-O3", f"-march={MARCH}", "-fopenmp-simd", "-fno-trapping-math")  # the last lets exp's clamps vectorize
 
 
 @functools.cache
