@@ -85,3 +85,25 @@ def test_off_runs_every_size_on_onednn(monkeypatch):
         assert torch.equal(linear(x, packed), want)
     finally:
         fp32gemv.available.cache_clear()
+
+
+@needs_kernel
+def test_a_weight_keeps_the_layout_it_was_packed_in_whatever_the_threads_later():
+    """oneDNN's packed layout can depend on torch's thread count when it packs (limited to AVX2, as on an AVX2-only
+    CPU, [160, 64] packs in panels of 64 rows on one thread and of 16 on two), so the layout the kernel reads is the
+    packed weight's own, not its shape's: packed under one count and multiplied under another, both are right."""
+    torch.manual_seed(4)
+    threads = torch.get_num_threads()
+    w, x = torch.randn(160, 64), torch.randn(3, 64)
+    try:
+        torch.set_num_threads(1)
+        one = pack_linear(w)
+        torch.set_num_threads(max(2, threads))
+        two = pack_linear(w)
+        for t in (1, max(2, threads)):
+            torch.set_num_threads(t)
+            for packed in (one, two):
+                assert fp32gemv.takes(x, packed)
+                torch.testing.assert_close(linear(x, packed), reference(x, w), rtol=1e-4, atol=1e-4)
+    finally:
+        torch.set_num_threads(threads)

@@ -5,9 +5,12 @@ read them at 17-23 GB/s on the AMD EPYC measured, where a plain broadcast-and-FM
 them faster (docs/performance.md, issue #21). The kernel reads the packed copy `linear.pack_linear` already keeps,
 so weights are stored once and prefill (many rows, compute-bound, oneDNN's GEMM ahead) is unchanged.
 
-The packed layout is oneDNN's choice per CPU and shape. Before the kernel touches a weight of a new shape, `layout`
-packs a probe matrix of that shape (distinct values, the weight's size once more for a moment, once per shape per
-process) and checks every value's place; shapes whose layout the kernel does not know stay on oneDNN.
+The packed layout is oneDNN's choice per CPU, shape and thread count at packing time (limited to AVX2, [160, 64]
+packs in 64-row panels on one thread and 16-row ones on two). When `linear.pack_linear` packs a weight, `remember`
+finds its layout with `layout`, which packs a probe matrix of that shape under the same thread count (distinct
+values, the weight's size once more for a moment, once per shape and thread count per process) and checks every
+value's place, and keeps it on the packed tensor itself: threads changed later do not change what the kernel
+reads. Weights without a layout it knows (or packed elsewhere) stay on oneDNN.
 
 Rows of x up to `ROWS` go to the kernel; each output element is computed by the same sequence of fused
 multiply-adds whatever the number of rows, so a row's result does not depend on its batch mates. `WKVM_FUSED=off`,
@@ -27,6 +30,7 @@ SOURCE = Path(__file__).with_name("fp32_linear.cpp")
 # rows of x up to which the kernel beat oneDNN's packed matmul (bench/int8_speed.py's kernel table, AMD EPYC)
 ROWS = 16
 PROBE_BASE = 0x30000000  # probe values are these int32 bit patterns plus n * K + k: distinct, finite, normal floats
+LAYOUT = "_wkvm_gemv_layout"  # the attribute a packed weight carries its layout in (`remember`)
 
 
 @functools.cache
@@ -44,14 +48,20 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.dtype == torch.float32
         and x.numel() <= ROWS * weight.shape[1]
         and available()
-        and layout(*weight.shape) is not None
+        and getattr(weight, LAYOUT, None) is not None
     )
+
+
+def remember(packed: torch.Tensor) -> None:
+    """Keep on a weight oneDNN has just packed (fp32) the layout it was packed in, when the kernel knows it."""
+    if available():
+        setattr(packed, LAYOUT, layout(*packed.shape))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] for a weight `takes` accepts."""
     N, K = weight.shape
-    shape = layout(N, K)
+    shape: tuple[int, int] | None = getattr(weight, LAYOUT)
     assert shape is not None
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -60,9 +70,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], N)
 
 
-@functools.cache
 def layout(n: int, k: int) -> tuple[int, int] | None:
-    """(panel width, padded depth) of oneDNN's packed layout for [n, k] fp32 weights here, if the kernel knows it."""
+    """(panel width, padded depth) of oneDNN's packed layout for [n, k] fp32 weights packed here now (with torch's
+    current thread count), if the kernel knows it."""
+    return _layout(n, k, torch.get_num_threads())
+
+
+@functools.cache
+def _layout(n: int, k: int, threads: int) -> tuple[int, int] | None:
+    """`layout`, probed once per shape and thread count (`threads` is torch's, the one the probe packs under)."""
     if not available() or n * k >= 2**31 - PROBE_BASE:
         return None
     from wkvm.models.linear import PACK_BATCH_HINT

@@ -162,8 +162,8 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
         or (weight.dtype == torch.bfloat16 and onednn_bf16_available())
     ):
         packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
-        if packed.dtype == torch.float32 and fp32gemv.available():
-            fp32gemv.layout(*weight.shape)  # probe the layout now, at load, not on the first token
+        if packed.dtype == torch.float32:
+            fp32gemv.remember(packed)  # its layout, found now (at load, not on the first token) and kept with it
         return packed
     return weight
 
