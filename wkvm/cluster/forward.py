@@ -98,8 +98,9 @@ class Handover:
     call takes it from there, and the source's stream ends with this carrying only `pushed` (the bytes it pushed),
     so neither the ticket nor the routing of the destination's call waits on the front. A stream the source hands
     over on its own (it is stopping) carries its ticket in `data`: through Ray's object store as an item of the
-    source's streaming call, then as an argument of the destination's call. Every copy is owned by its caller (the
-    front) or held by the directory, so it outlives the source replica."""
+    source's streaming call, then as an argument of the destination's call, both owned by their caller (the front),
+    so it outlives the source replica. A pushed ticket is owned by its source (Ray 2.56 dropped `ray.put(_owner=)`):
+    a source that dies between the push and the read ends that stream with an error event (docs/cluster.md)."""
 
     to: str  # the destination slot
     ticket: str
