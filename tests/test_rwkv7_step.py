@@ -61,7 +61,7 @@ def test_loras_equal_torch(monkeypatch, B, C, ranks):
 
 @needs_kernel
 @pytest.mark.parametrize("B", [1, 3, 8])
-@pytest.mark.parametrize("H,N,first_layer", [(12, 64, False), (3, 32, True), (4, 16, False)])
+@pytest.mark.parametrize("H,N,first_layer", [(12, 64, False), (3, 32, True), (4, 16, False), (2, 128, False)])
 def test_wkv_equals_torch(monkeypatch, B, H, N, first_layer):
     """Several steps in a row on a state whose rows are strided (every other slot of an arena)."""
     g = torch.Generator().manual_seed(B * H + N)
@@ -89,10 +89,11 @@ def run_wkv(arenas: list[torch.Tensor], ins: tuple[Any, ...], w: dict[str, torch
 
 @needs_kernel
 @pytest.mark.parametrize("first_layer", [True, False])
-@pytest.mark.parametrize("N", [16, 64])
+@pytest.mark.parametrize("N", [16, 32, 64, 128])
 def test_wkv_over_several_tokens_is_the_one_token_step_in_order(monkeypatch, first_layer, N):
     """Prefill's form (rows [B * T, C], row b's tokens in order) is T one-token calls (the same bits where the head
-    size keeps the row-wise update; N = 64 runs on the head's transpose, its sums in another order), and the torch
+    size keeps the row-wise update; N = 32, 64, 128 run on the head's transpose, in register-sized groups of rows, their
+    sums in another order), and the torch
     fallback (what WKVM_FUSED=off runs) the same recurrence."""
     B, T, H = 2, 5, 3
     g = torch.Generator().manual_seed(7)

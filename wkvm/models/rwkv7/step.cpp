@@ -191,47 +191,57 @@ std::vector<at::Tensor> loras(at::TensorList xs, at::TensorList firsts, at::Tens
 }
 
 // One head's state update and read-out, row = value index: sa = S[row] . (-kk), S[row] = S[row] * w + sa * bb +
-// v[row] * kn, o[row] = S[row] . r. update_rows takes four rows at a time in 16-float vectors (N a multiple of 16):
-// their dot products run side by side and each is reduced once, in a fixed order (so a row's bits depend on nothing
-// but its inputs); update_row is the plain loop for other head sizes.
-typedef float v16f __attribute__((vector_size(64)));
-
-inline v16f load16(const float* p) {
-  v16f v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline float hsum16(v16f v) {
+// v[row] * kn, o[row] = S[row] . r. update_rows takes four rows at a time in vectors of the CPU's width (N a multiple
+// of 16): their dot products run side by side and each is reduced once, in a fixed order (so a row's bits depend on
+// nothing but its inputs); update_row is the plain loop for other head sizes. The width is the register's: a
+// 16-float vector is two AVX2 registers, and four rows of them spilled (a batch-32 decode step's wkv took 3-4x, a
+// 1,024-token prefill's 7x AVX-512's time).
+typedef float v4f __attribute__((vector_size(16)));
+#ifdef __AVX512F__
+typedef float vrow __attribute__((vector_size(64)));
+inline float hsum_row(vrow v) {
   typedef float v8f __attribute__((vector_size(32)));
-  typedef float v4f __attribute__((vector_size(16)));
   const v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   const v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
+#else
+typedef float vrow __attribute__((vector_size(32)));
+inline float hsum_row(vrow v) {
+  const v4f b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+#endif
+constexpr int64_t kRowWidth = sizeof(vrow) / sizeof(float);
+
+inline vrow load_row(const float* p) {
+  vrow v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
 
 void update_rows(float* Sh, const float* kk, const float* w, const float* bb, const float* kn, const float* r,
                  const float* v, float* o, int64_t N) {
   for (int64_t row = 0; row < N; row += 4) {
-    float* s[4] = {Sh + row * N, Sh + (row + 1) * N, Sh + (row + 2) * N, Sh + (row + 3) * N};
-    v16f a[4] = {};
-    for (int64_t j = 0; j < N; j += 16) {
-      const v16f kv = load16(kk + j);
-      for (int i = 0; i < 4; ++i) a[i] += load16(s[i] + j) * kv;
+    float* const s = Sh + row * N;  // rows i = 0..3 at s + i * N
+    vrow a[4] = {};
+    for (int64_t j = 0; j < N; j += kRowWidth) {
+      const vrow kv = load_row(kk + j);
+      for (int i = 0; i < 4; ++i) a[i] += load_row(s + i * N + j) * kv;
     }
     float sa[4], vr[4];
-    for (int i = 0; i < 4; ++i) sa[i] = -hsum16(a[i]), vr[i] = v[row + i];
-    v16f acc[4] = {};
-    for (int64_t j = 0; j < N; j += 16) {
-      const v16f wv = load16(w + j), bv = load16(bb + j), knv = load16(kn + j), rv = load16(r + j);
+    for (int i = 0; i < 4; ++i) sa[i] = -hsum_row(a[i]), vr[i] = v[row + i];
+    vrow acc[4] = {};
+    for (int64_t j = 0; j < N; j += kRowWidth) {
+      const vrow wv = load_row(w + j), bv = load_row(bb + j), knv = load_row(kn + j), rv = load_row(r + j);
       for (int i = 0; i < 4; ++i) {
-        const v16f sv = load16(s[i] + j) * wv + sa[i] * bv + vr[i] * knv;
-        std::memcpy(s[i] + j, &sv, sizeof sv);
+        const vrow sv = load_row(s + i * N + j) * wv + sa[i] * bv + vr[i] * knv;
+        std::memcpy(s + i * N + j, &sv, sizeof sv);
         acc[i] += sv * rv;
       }
     }
-    for (int i = 0; i < 4; ++i) o[row + i] = hsum16(acc[i]);
+    for (int i = 0; i < 4; ++i) o[row + i] = hsum_row(acc[i]);
   }
 }
 
@@ -247,30 +257,37 @@ void transpose(const float* src, float* dst, int64_t N) {
     for (int64_t c = 0; c < N; ++c) dst[c * N + r] = src[r * N + c];
 }
 
-// update_rows on the head's transpose ST[j][row] (N = 16 R): sixteen rows a vector, every sum vertical (broadcast
-// kk[j], w[j], ... down the rows), each over j in order in two interleaved halves (even and odd j) so that
-// consecutive fused multiply-adds do not wait on each other.
+// update_rows on the head's transpose ST[j][row] (N = 16 R): one vector of rows at a time, every sum vertical
+// (broadcast kk[j], w[j], ... down the rows), each over j in order in two interleaved halves (even and odd j) so that
+// consecutive fused multiply-adds do not wait on each other. Rows are independent, so they run in groups of
+// `kColumnGroup` vectors whose sums fit the registers (a whole 64-row head in AVX-512's 32; with AVX2's 16 a 64-row
+// group spilled, and a 1,024-token prefill's wkv took 7x as long); neither the group nor the width moves a sum.
+constexpr int64_t kColumnGroup = 4;
+
 template <int R>
 void update_columns(float* ST, const float* kk, const float* w, const float* bb, const float* kn, const float* r,
                     const float* v, float* o) {
-  constexpr int64_t N = 16 * R;
-  v16f sa[2][R] = {}, acc[2][R] = {};
-  for (int64_t j = 0; j < N; ++j)
-    for (int64_t c = 0; c < R; ++c) sa[j & 1][c] += load16(ST + j * N + 16 * c) * kk[j];
-  v16f vr[R];
-  for (int64_t c = 0; c < R; ++c) sa[0][c] = -(sa[0][c] + sa[1][c]), vr[c] = load16(v + 16 * c);
-  for (int64_t j = 0; j < N; ++j) {
-    const float wj = w[j], bj = bb[j], kj = kn[j], rj = r[j];
-    for (int64_t c = 0; c < R; ++c) {
-      float* p = ST + j * N + 16 * c;
-      const v16f sv = load16(p) * wj + sa[0][c] * bj + vr[c] * kj;
-      std::memcpy(p, &sv, sizeof sv);
-      acc[j & 1][c] += sv * rj;
+  constexpr int64_t N = 16 * R, W = kRowWidth, G = N / W < kColumnGroup ? N / W : kColumnGroup;
+  static_assert((N / W) % G == 0);
+  for (int64_t c0 = 0; c0 < N; c0 += G * W) {
+    vrow sa[2][G] = {}, acc[2][G] = {};
+    for (int64_t j = 0; j < N; ++j)
+      for (int64_t c = 0; c < G; ++c) sa[j & 1][c] += load_row(ST + j * N + c0 + W * c) * kk[j];
+    vrow vr[G];
+    for (int64_t c = 0; c < G; ++c) sa[0][c] = -(sa[0][c] + sa[1][c]), vr[c] = load_row(v + c0 + W * c);
+    for (int64_t j = 0; j < N; ++j) {
+      const float wj = w[j], bj = bb[j], kj = kn[j], rj = r[j];
+      for (int64_t c = 0; c < G; ++c) {
+        float* p = ST + j * N + c0 + W * c;
+        const vrow sv = load_row(p) * wj + sa[0][c] * bj + vr[c] * kj;
+        std::memcpy(p, &sv, sizeof sv);
+        acc[j & 1][c] += sv * rj;
+      }
     }
-  }
-  for (int64_t c = 0; c < R; ++c) {
-    const v16f out = acc[0][c] + acc[1][c];
-    std::memcpy(o + 16 * c, &out, sizeof out);
+    for (int64_t c = 0; c < G; ++c) {
+      const vrow out = acc[0][c] + acc[1][c];
+      std::memcpy(o + c0 + W * c, &out, sizeof out);
+    }
   }
 }
 
