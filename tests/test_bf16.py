@@ -124,3 +124,20 @@ def test_server_serves_bf16_and_answers_like_the_python_api(trained_pth, ids):
     assert r.choices[0].model_extra["token_ids"] == want.token_ids
     with pytest.raises(ValueError, match="use float32, bfloat16, int8 or int4"):
         LiveServer(model=str(trained_pth), dtype="int2")
+
+
+def test_a_plain_bf16_weight_widened_for_many_rows_gives_the_bf16_product():
+    """Where oneDNN has no bf16 kernel (AVX2) bf16 weights stay plain; from `BF16_WIDEN_ROWS` rows `linear` widens
+    them to fp32 for the call (ATen's bf16 GEMM was 2-5x slower there): the same product as row by row (x rounded to
+    bf16, fp32 accumulation, the result rounded to bf16)."""
+    from wkvm.models import linear
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 80, generator=g).bfloat16()
+    x = torch.randn(linear.BF16_WIDEN_ROWS + 3, 80, generator=g)
+    many = linear.linear(x, w)
+    one_by_one = torch.cat([linear.linear(x[i : i + 1], w) for i in range(len(x))])
+    exact = (x.bfloat16().double() @ w.double().T).float()
+    assert many.dtype == torch.float32 and torch.equal(many, many.bfloat16().float())  # rounded to bf16
+    torch.testing.assert_close(many, exact, rtol=2**-8, atol=1e-5)
+    torch.testing.assert_close(many, one_by_one, rtol=2**-7, atol=1e-5)

@@ -26,10 +26,16 @@ import torch.nn.functional as F
 from wkvm.models import fp32gemv, int4, int8
 
 PACK_BATCH_HINT = 64
-# bf16 over fp32 tok/s, bench/bf16_speed.py on AMD EPYC (2 threads): natively, and with oneDNN limited to AVX2
-# (no bf16 kernel at all) or to AVX512_CORE (bf16 emulated) via ONEDNN_MAX_CPU_ISA
+# rows of x from which a bf16 weight oneDNN cannot pack (no bf16 kernel on this CPU: AVX2) is widened to fp32 for the
+# call and multiplied by oneDNN's fp32 GEMM: ATen's own bf16 GEMM was 2-5x slower from 32 rows on AVX2 code paths
+# (AMD EPYC, 2 threads: 1,024 x 768 x 768 38 ms vs 7.5 ms), faster below (it reads half the bytes)
+BF16_WIDEN_ROWS = 32
+# bf16 over fp32 tok/s, bench/bf16_speed.py on AMD EPYC (2 threads): natively, and with oneDNN limited to
+# AVX512_CORE (bf16 emulated) via ONEDNN_MAX_CPU_ISA
 BF16_NATIVE_SPEED = "1.3-1.5x float32's tok/s in prefill and decode"
 BF16_EMULATED_SPEED = "0.2-0.5x float32's tok/s in prefill, 0.3-1.0x in batch-8 decode, 1.3-2.5x single-stream"
+# without any oneDNN bf16 kernel (AVX2 code paths on that CPU, `bench/rwkv7_llamacpp.py --avx2`, RWKV-7 0.1B shape)
+BF16_NO_KERNEL_SPEED = "0.9x float32's tok/s in prefill (widened to fp32), 0.6-0.7x at 8-32 sequences, 1.5x one stream"
 # int8 over fp32 tok/s, `bench/int8_speed.py --e2e` (SmolLM2-135M, RWKV-7 0.1B) on AMD EPYC, AVX512-VNNI kernel
 INT8_SPEED = "2.4-4.0x float32's tok/s in single-stream decode, 1.9-2.4x at batch 8, 0.9-1.4x in prefill"
 # int4 over fp32 tok/s, same command and machine (1 thread, 1,024-token prefill; two runs, load 0.8 and 3.0)
@@ -82,10 +88,14 @@ def bf16_speed() -> str:
     """What `--dtype bfloat16` does to speed on this CPU, in one line."""
     if bf16_native():
         return f"native bf16 kernel (AVX512-BF16): half the weight memory, and faster (measured {BF16_NATIVE_SPEED})"
-    kernel = "oneDNN emulates bf16 on this CPU" if onednn_bf16_available() else "oneDNN has no bf16 kernel here"
+    if onednn_bf16_available():
+        kernel, measured = "oneDNN emulates bf16 on this CPU", BF16_EMULATED_SPEED
+        slow = "prefill and batched decode run"
+    else:
+        kernel, measured, slow = "oneDNN has no bf16 kernel here", BF16_NO_KERNEL_SPEED, "batched decode runs"
     return (
-        f"no native bf16 kernel ({kernel}): half the weight memory, but prefill and batched decode run slower than "
-        f"float32 (measured {BF16_EMULATED_SPEED}); use --dtype float32 unless weight memory is the limit"
+        f"no native bf16 kernel ({kernel}): half the weight memory, but {slow} slower than "
+        f"float32 (measured {measured}); use --dtype float32 unless weight memory is the limit"
     )
 
 
@@ -122,7 +132,8 @@ def kernels() -> dict[str, str]:
     if onednn_available() and fp32gemv.available():
         fp32 = f"wkvm fp32 kernel on oneDNN's packed weights up to {fp32gemv.ROWS} rows, then {fp32}"
     bf16 = ("oneDNN native bf16" if bf16_native() else "oneDNN bf16, emulated (slower than fp32)"
-            if onednn_bf16_available() else "ATen bf16 (no oneDNN bf16 kernel: slower than fp32)")  # fmt: skip
+            if onednn_bf16_available() else f"ATen bf16 up to {BF16_WIDEN_ROWS - 1} rows (no oneDNN bf16 kernel), then "
+            f"widened to fp32 for {'oneDNN' if onednn_available() else 'F.linear'}")  # fmt: skip
     path = int8.kernel_path()
     q8 = "dequantize per call (no native kernel)" if path == "torch" else f"wkvm int8 kernel ({path})"
     prefill = "oneDNN" if onednn_available() else "F.linear"
@@ -170,12 +181,16 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight^T -> [..., out]; plain fp32 CPU weights (e.g. streamed, unpacked) also use oneDNN.
-    bf16 weights take x rounded to bf16 (accumulating in fp32) and give fp32 back; int8 and int4 ones give fp32."""
+    bf16 weights take x rounded to bf16 (accumulating in fp32) and give fp32 back, rounded to bf16 (from
+    `BF16_WIDEN_ROWS` rows a plain bf16 weight is widened to fp32 for the call); int8 and int4 ones give fp32."""
     if weight.dtype == torch.int8:
         return int8.linear(x, weight)
     if weight.dtype == torch.uint8:
         return int4.linear(x, weight)
     if weight.dtype != x.dtype:
+        if weight.dtype == torch.bfloat16 and not weight.is_mkldnn and x.numel() >= BF16_WIDEN_ROWS * weight.shape[1]:
+            # the same product (x rounded to bf16, bf16 products exact in fp32, the result rounded to bf16)
+            return linear(x.to(weight.dtype).float(), weight.float()).to(weight.dtype).float()
         return linear(x.to(weight.dtype), weight).to(x.dtype)
     if weight.is_mkldnn and fp32gemv.takes(x, weight):
         return fp32gemv.linear(x, weight)
