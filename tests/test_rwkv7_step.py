@@ -60,6 +60,24 @@ def test_loras_equal_torch(monkeypatch, B, C, ranks):
 
 
 @needs_kernel
+@pytest.mark.parametrize("C,ranks", [(768, (64, 64, 32, 128)), (200, (72, 40, 24))])
+def test_a_lora_row_has_the_same_bits_alone_and_in_a_batch(C, ranks):
+    """The chains run in register tiles of several rows (and wider ones for a single row): an element's sum is the
+    same sequence of fused multiply-adds in every tile, so batch mates change no bit of a row."""
+    g = torch.Generator().manual_seed(C)
+    B = 13  # whole tiles of rows and a remainder, on AVX2 and AVX-512
+    xs = [torch.randn(B, C, generator=g) for _ in ranks]
+    firsts = [torch.randn(C, R, generator=g) * 0.2 for R in ranks]
+    seconds = [torch.randn(R, C, generator=g) * 0.2 for R in ranks]
+    biases = [torch.randn(C, generator=g) if j % 2 == 0 else None for j in range(len(ranks))]
+    acts = [step.TANH, step.NONE, step.SIGMOID, step.NONE][: len(ranks)]
+    batch = step.loras(xs, firsts, seconds, biases, acts, acts[::-1])
+    for i in range(B):
+        alone = step.loras([x[i : i + 1] for x in xs], firsts, seconds, biases, acts, acts[::-1])
+        assert all(torch.equal(y[i : i + 1], a) for y, a in zip(batch, alone, strict=True))
+
+
+@needs_kernel
 @pytest.mark.parametrize("B", [1, 3, 8])
 @pytest.mark.parametrize("H,N,first_layer", [(12, 64, False), (3, 32, True), (4, 16, False), (2, 128, False)])
 def test_wkv_equals_torch(monkeypatch, B, H, N, first_layer):

@@ -117,42 +117,113 @@ std::tuple<at::Tensor, at::Tensor> norm_shift_mix(const at::Tensor& x, const std
   return {s, mixed};
 }
 
-// y [B, C] = outer(bias + inner(x [B, C] @ A [C, R]) @ Bm [R, C]); both products as row updates (axpy), so each
-// weight row is read once for all B rows and the inner loops run along contiguous weight rows.
+// vrow: a vector of the CPU's register width (16 floats with AVX-512, 8 with AVX2). A 16-float vector is two AVX2
+// registers, and the kernels' sums spilled with it: a batch-32 decode step's wkv took 3-4x, a 1,024-token
+// prefill's 7x AVX-512's time. hsum_row reduces one in a fixed order.
+typedef float v4f __attribute__((vector_size(16)));
+#ifdef __AVX512F__
+typedef float vrow __attribute__((vector_size(64)));
+inline float hsum_row(vrow v) {
+  typedef float v8f __attribute__((vector_size(32)));
+  const v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+#else
+typedef float vrow __attribute__((vector_size(32)));
+inline float hsum_row(vrow v) {
+  const v4f b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+#endif
+constexpr int64_t kRowWidth = sizeof(vrow) / sizeof(float);
+
+inline vrow load_row(const float* p) {
+  vrow v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// out[b, n] = init[n] (0 without init) + sum over k in order of lhs[b, k] rhs[k, n], one fused multiply-add per
+// k, for rows 0..BB-1 and columns 0..NV W-1 of the pointers given (offset to the tile): the tile's sums stay in
+// registers, each operand row is read once per tile.
+template <int BB, int NV>
+void product_tile(const float* lhs, int64_t ldl, const float* rhs, int64_t ldr, int64_t K, const float* init,
+                  float* out, int64_t ldo) {
+  constexpr int64_t W = kRowWidth;
+  vrow acc[BB][NV];
+  for (int i = 0; i < BB; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = init ? load_row(init + v * W) : vrow{};
+  for (int64_t k = 0; k < K; ++k) {
+    vrow w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = load_row(rhs + k * ldr + v * W);
+    for (int i = 0; i < BB; ++i) {
+      const float a = lhs[i * ldl + k];
+      for (int v = 0; v < NV; ++v) acc[i][v] += a * w[v];
+    }
+  }
+  for (int i = 0; i < BB; ++i)
+    for (int v = 0; v < NV; ++v) std::memcpy(out + i * ldo + v * W, &acc[i][v], sizeof(vrow));
+}
+
+// out [B, N] = init + lhs [B, K] @ rhs [K, N] (rows ldl, ldr, ldo apart) in register tiles: kLoraRows rows x 4
+// vectors, single rows (B's remainder, or B = 1) 8 vectors wide so that enough sums advance side by side; every
+// element is the same sequence of fused multiply-adds whatever its tile (a row's bits do not depend on B).
+#ifdef __AVX512F__
+constexpr int kLoraRows = 4;  // 16 sums + 4 operand vectors of 32 registers
+#else
+constexpr int kLoraRows = 2;  // 8 + 4 of 16
+#endif
+
+struct Product {
+  const float* lhs;
+  int64_t ldl;
+  const float* rhs;
+  int64_t ldr, K, N;
+  const float* init;  // [N] or nullptr (zeros)
+  float* out;
+  int64_t ldo;
+};
+
+template <int BB, int NV>
+int64_t tiles(const Product& p, int64_t b, int64_t n) {  // rows b..b+BB-1 from column n while NV vectors fit
+  constexpr int64_t W = kRowWidth;
+  for (; n + NV * W <= p.N; n += NV * W)
+    product_tile<BB, NV>(p.lhs + b * p.ldl, p.ldl, p.rhs + n, p.ldr, p.K, p.init ? p.init + n : nullptr,
+                         p.out + b * p.ldo + n, p.ldo);
+  return n;
+}
+
+template <int BB>
+void rows(const Product& p, int64_t b) {  // rows b..b+BB-1, every column
+  constexpr int WIDE = BB == 1 ? 8 : 4;
+  int64_t n = tiles<BB, WIDE>(p, b, 0);
+  if constexpr (WIDE > 4) n = tiles<BB, 4>(p, b, n);
+  n = tiles<BB, 1>(p, b, n);
+  for (; n < p.N; ++n)
+    for (int64_t i = b; i < b + BB; ++i) {
+      float acc = p.init ? p.init[n] : 0.f;
+      for (int64_t k = 0; k < p.K; ++k) acc += p.lhs[i * p.ldl + k] * p.rhs[k * p.ldr + n];
+      p.out[i * p.ldo + n] = acc;
+    }
+}
+
+void product(const Product& p, int64_t B) {
+  int64_t b = 0;
+  for (; b + kLoraRows <= B; b += kLoraRows) rows<kLoraRows>(p, b);
+  for (; b < B; ++b) rows<1>(p, b);
+}
+
+// y [B, C] = outer(bias + inner(x [B, C] @ A [C, R]) @ Bm [R, C]), both products in register tiles (`product`).
 void lora_chain(const at::Tensor& x, const at::Tensor& A, const at::Tensor& Bm, const float* bias, int64_t inner,
                 int64_t outer, float* y) {
   const int64_t B = x.size(0), C = x.size(1), R = A.size(1), sx = x.stride(0);
   const float *px = x.data_ptr<float>(), *pA = A.data_ptr<float>(), *pB = Bm.data_ptr<float>();
-  std::vector<float> h(B * R, 0.f);
-  for (int64_t c = 0; c < C; ++c) {
-    const float* arow = pA + c * R;
-    for (int64_t b = 0; b < B; ++b) {
-      const float xc = px[b * sx + c];
-      float* hb = h.data() + b * R;
-#pragma omp simd
-      for (int64_t r = 0; r < R; ++r) hb[r] += xc * arow[r];
-    }
-  }
+  std::vector<float> h(B * R);
+  product({px, sx, pA, R, C, R, nullptr, h.data(), R}, B);
   activate(h.data(), B * R, inner);
-  for (int64_t b = 0; b < B; ++b) {
-    float* yb = y + b * C;
-    if (bias) {
-#pragma omp simd
-      for (int64_t c = 0; c < C; ++c) yb[c] = bias[c];
-    } else {
-#pragma omp simd
-      for (int64_t c = 0; c < C; ++c) yb[c] = 0.f;
-    }
-  }
-  for (int64_t r = 0; r < R; ++r) {
-    const float* brow = pB + r * C;
-    for (int64_t b = 0; b < B; ++b) {
-      const float hr = h[b * R + r];
-      float* yb = y + b * C;
-#pragma omp simd
-      for (int64_t c = 0; c < C; ++c) yb[c] += hr * brow[c];
-    }
-  }
+  product({h.data(), R, pB, C, R, C, bias, y, C}, B);
   activate(y, B * C, outer);
 }
 
@@ -193,34 +264,7 @@ std::vector<at::Tensor> loras(at::TensorList xs, at::TensorList firsts, at::Tens
 // One head's state update and read-out, row = value index: sa = S[row] . (-kk), S[row] = S[row] * w + sa * bb +
 // v[row] * kn, o[row] = S[row] . r. update_rows takes four rows at a time in vectors of the CPU's width (N a multiple
 // of 16): their dot products run side by side and each is reduced once, in a fixed order (so a row's bits depend on
-// nothing but its inputs); update_row is the plain loop for other head sizes. The width is the register's: a
-// 16-float vector is two AVX2 registers, and four rows of them spilled (a batch-32 decode step's wkv took 3-4x, a
-// 1,024-token prefill's 7x AVX-512's time).
-typedef float v4f __attribute__((vector_size(16)));
-#ifdef __AVX512F__
-typedef float vrow __attribute__((vector_size(64)));
-inline float hsum_row(vrow v) {
-  typedef float v8f __attribute__((vector_size(32)));
-  const v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-#else
-typedef float vrow __attribute__((vector_size(32)));
-inline float hsum_row(vrow v) {
-  const v4f b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-#endif
-constexpr int64_t kRowWidth = sizeof(vrow) / sizeof(float);
-
-inline vrow load_row(const float* p) {
-  vrow v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
+// nothing but its inputs); update_row is the plain loop for other head sizes.
 void update_rows(float* Sh, const float* kk, const float* w, const float* bb, const float* kn, const float* r,
                  const float* v, float* o, int64_t N) {
   for (int64_t row = 0; row < N; row += 4) {
