@@ -28,11 +28,11 @@ def test_kernel_equals_f_linear_for_every_decode_size(shape):
     torch.manual_seed(0)
     w = torch.randn(shape)
     packed = pack_linear(w)
-    for m in range(1, fp32gemv.ROWS + 1):
+    for m in range(1, fp32gemv.rows() + 1):
         x = torch.randn(m, shape[1])
         assert fp32gemv.takes(x, packed)
         torch.testing.assert_close(linear(x, packed), reference(x, w), rtol=1e-4, atol=1e-4)
-    assert not fp32gemv.takes(torch.randn(fp32gemv.ROWS + 1, shape[1]), packed)  # more rows: oneDNN's GEMM
+    assert not fp32gemv.takes(torch.randn(fp32gemv.rows() + 1, shape[1]), packed)  # more rows: oneDNN's GEMM
 
 
 @needs_kernel
@@ -40,9 +40,9 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch():
     torch.manual_seed(1)
     w = torch.randn(130, 1030)
     packed = pack_linear(w)
-    x = torch.randn(fp32gemv.ROWS, 1030)
+    x = torch.randn(fp32gemv.rows(), 1030)
     alone = torch.cat([linear(x[i : i + 1], packed) for i in range(len(x))])
-    for m in range(2, fp32gemv.ROWS + 1):
+    for m in range(2, fp32gemv.rows() + 1):
         assert torch.equal(linear(x[:m], packed), alone[:m]), m
     assert torch.equal(linear(x[3:7], packed), alone[3:7])
 

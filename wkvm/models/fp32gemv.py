@@ -12,9 +12,10 @@ values, the weight's size once more for a moment, once per shape and thread coun
 value's place, and keeps it on the packed tensor itself: threads changed later do not change what the kernel
 reads. Weights without a layout it knows (or packed elsewhere) stay on oneDNN.
 
-Rows of x up to `ROWS` go to the kernel; each output element is computed by the same sequence of fused
-multiply-adds whatever the number of rows, so a row's result does not depend on its batch mates. `WKVM_FUSED=off`,
-no compiler, or a tensor the kernel does not take: oneDNN, as before.
+Rows of x up to `rows()` (32 with AVX-512, 12 with AVX2: where it beat oneDNN's GEMM) go to the kernel; each
+output element is computed by the same sequence of fused multiply-adds whatever the number of rows, so a row's
+result does not depend on its batch mates. `WKVM_FUSED=off`, no compiler, or a tensor the kernel does not take:
+oneDNN, as before.
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ import torch
 from wkvm.models.fused import kernel_available
 
 SOURCE = Path(__file__).with_name("fp32_linear.cpp")
-# rows of x up to which the kernel beat oneDNN's packed matmul (bench/int8_speed.py's kernel table, AMD EPYC)
-ROWS = 16
 PROBE_BASE = 0x30000000  # probe values are these int32 bit patterns plus n * K + k: distinct, finite, normal floats
 LAYOUT = "_wkvm_gemv_layout"  # the attribute a packed weight carries its layout in (`remember`)
 
@@ -41,15 +40,22 @@ def available() -> bool:
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear(x, weight)` runs on the kernel: a oneDNN-packed fp32 weight of a known layout, fp32 x with at
-    most `ROWS` rows."""
+    most `rows()` rows."""
     return (
         weight.is_mkldnn
         and weight.dtype == torch.float32
         and x.dtype == torch.float32
-        and x.numel() <= ROWS * weight.shape[1]
         and available()
+        and x.numel() <= rows() * weight.shape[1]
         and getattr(weight, LAYOUT, None) is not None
     )
+
+
+@functools.cache
+def rows() -> int:
+    """Rows of x up to which the kernel beat oneDNN's packed GEMM on this build's ISA, weights read from memory (32
+    with AVX-512, 12 with AVX2; fp32_linear.cpp `max_rows`); 0 without the kernel."""
+    return int(torch.ops.wkvm_fp32.max_rows()) if available() else 0
 
 
 def remember(packed: torch.Tensor) -> None:

@@ -2,7 +2,7 @@
 
 On the CPUs we measured, oneDNN's packed fp32 matmul runs 1.4x (gemv) to 2.4x (prefill) faster than the default
 BLAS path, still in IEEE fp32. Set WKVM_ONEDNN=0 to use `F.linear` everywhere. Decode-sized fp32 matmuls (up to
-`fp32gemv.ROWS` rows of x) run on wkvm's own kernel over the same packed bytes (wkvm/models/fp32gemv.py: 1.3-1.6x
+`fp32gemv.rows()` rows of x) run on wkvm's own kernel over the same packed bytes (wkvm/models/fp32gemv.py: 1.3-1.6x
 oneDNN's M=1 gemv, read-bound; `WKVM_FUSED=off` leaves every size on oneDNN).
 
 bf16 weights pay off only where the CPU multiplies bf16 natively (AVX512-BF16 or AMX). Elsewhere the bf16 matmul
@@ -130,7 +130,7 @@ def kernels() -> dict[str, str]:
     """Which linear kernel each weight dtype runs on this CPU (builds the int8 kernel on first use)."""
     fp32 = "oneDNN prepacked fp32" if onednn_available() else "F.linear (WKVM_ONEDNN=0, or no oneDNN in this torch)"
     if onednn_available() and fp32gemv.available():
-        fp32 = f"wkvm fp32 kernel on oneDNN's packed weights up to {fp32gemv.ROWS} rows, then {fp32}"
+        fp32 = f"wkvm fp32 kernel on oneDNN's packed weights up to {fp32gemv.rows()} rows, then {fp32}"
     bf16 = ("oneDNN native bf16" if bf16_native() else "oneDNN bf16, emulated (slower than fp32)"
             if onednn_bf16_available() else f"ATen bf16 up to {BF16_WIDEN_ROWS - 1} rows (no oneDNN bf16 kernel), then "
             f"widened to fp32 for {'oneDNN' if onednn_available() else 'F.linear'}")  # fmt: skip
