@@ -75,8 +75,9 @@ def huge_pages() -> str:
         return "4 KiB pages (this system has no transparent huge pages)"
     if huge_kb:
         return f"torch's large tensors on 2 MiB pages (THP {mode}, {setting})"
-    return (f"4 KiB pages for torch's tensors (THP {mode}, {setting}): fp32 decode measured 16-22% slower; set "
-            "THP to madvise or always, and THP_MEM_ALLOC_ENABLE=1 before torch allocates (import wkvm does)")
+    return (f"4 KiB pages for torch's tensors (THP {mode}, {setting}): fp32 decode measured 1.15-1.22x faster on "
+            "2 MiB ones; set THP to madvise or always, and THP_MEM_ALLOC_ENABLE=1 before torch allocates (import wkvm "
+            "does)")
 
 
 def anon_huge_kb(address: int) -> int:

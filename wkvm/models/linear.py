@@ -188,7 +188,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype == torch.uint8:
         return int4.linear(x, weight)
     if weight.dtype != x.dtype:
-        if weight.dtype == torch.bfloat16 and not weight.is_mkldnn and x.numel() >= BF16_WIDEN_ROWS * weight.shape[1]:
+        widen = weight.dtype == torch.bfloat16 and weight.is_cpu and not weight.is_mkldnn
+        if widen and x.numel() >= BF16_WIDEN_ROWS * weight.shape[1]:
             # the same product (x rounded to bf16, bf16 products exact in fp32, the result rounded to bf16)
             return linear(x.to(weight.dtype).float(), weight.float()).to(weight.dtype).float()
         return linear(x.to(weight.dtype), weight).to(x.dtype)
