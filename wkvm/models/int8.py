@@ -24,12 +24,14 @@ WKVM_INT8_KERNEL=avx512_vnni|avx512|avx2|scalar|torch forces a path (tests run t
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -223,23 +225,56 @@ def load_kernel(source: Path, namespace: str, cflags: tuple[str, ...] = ("-O3",)
         return
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "wkvm" / "torch_extensions")
     text = source.read_bytes()
-    headers = b"".join((source.parent / h.decode()).read_bytes() for h in re.findall(rb'#include "([^"]+)"', text))
+    includes = [h.decode() for h in re.findall(rb'#include "([^"]+)"', text)]
+    headers = b"".join((source.parent / h).read_bytes() for h in includes)
     for openmp in (("-fopenmp",), ()):
         flags = (*cflags, *openmp)
         key = hashlib.sha256(text + headers + torch.__version__.encode() + cpu_flags().encode()
                              + " ".join(flags).encode())  # fmt: skip
         name = f"{namespace}_{key.hexdigest()[:16]}"
-        (root / name).mkdir(parents=True, exist_ok=True)
-        log.info("building %s in %s (once)", source.name, root / name)
+        build_dir = root / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        log.info("building %s in %s (once)", source.name, build_dir)
         try:
-            cpp_extension.load(name=name, sources=[str(source)], extra_cflags=list(flags), extra_ldflags=list(openmp),
-                               build_directory=str(root / name), is_python_module=False, verbose=False)  # fmt: skip
+            with exclusive(build_dir):
+                copy = stable_copy(source, includes, build_dir)
+                cpp_extension.load(name=name, sources=[str(copy)], extra_cflags=list(flags),
+                                   extra_ldflags=list(openmp), build_directory=str(build_dir), is_python_module=False,
+                                   verbose=False)  # fmt: skip
             return
         except Exception as e:
             if not openmp:
                 raise
             log.info("%s did not build with OpenMP (%s); building it single-threaded", source.name,
                      str(e).splitlines()[0])  # fmt: skip
+
+
+@contextlib.contextmanager
+def exclusive(build_dir: Path) -> Iterator[None]:
+    """Hold `build_dir` for one process's build and load. torch's own guard there is a plain `lock` file
+    (cpp_extension's FileBaton): a process killed mid-build (Ctrl-C on the first `make serve`) leaves it behind and
+    every later load waits on it forever. An flock on a file of ours is released when its holder dies, so holding it
+    no other process is building here and a `lock` file found now is stale: removed."""
+    with open(build_dir / "wkvm-build.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        if (build_dir / "lock").exists():
+            log.warning("removing %s, left by a build that did not finish", build_dir / "lock")
+            (build_dir / "lock").unlink(missing_ok=True)
+        yield
+
+
+def stable_copy(source: Path, includes: list[str], build_dir: Path) -> Path:
+    """`source` and the headers it includes with quotes, copied under `build_dir` (where the name already pins their
+    text) at the same relative places, so that every checkout compiles the same path: with each checkout's own
+    path ninja rebuilt the kernel whenever another checkout had built it last. Files are written only when missing
+    or different (a new mtime alone makes ninja rebuild)."""
+    copy = build_dir / "src" / source.name
+    for src, dst in [(source, copy)] + [(source.parent / h, copy.parent / h) for h in includes]:
+        data = src.read_bytes()
+        if not dst.exists() or dst.read_bytes() != data:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(data)
+    return copy
 
 
 def cpu_flags() -> str:
