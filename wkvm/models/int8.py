@@ -9,8 +9,8 @@ that moves weights (compute form, prepared layers, owned storage) unchanged; a t
 
 Decode is bound by reading the weights, and torch's own weight-only CPU kernels (`_weight_int8pack_mm`) ran
 5-13x slower than wkvm's fp32 oneDNN gemv on these shapes; so decode-sized batches (up to `KERNEL_ROWS` rows of
-x) go to `int8_linear.cpp`, built on first use with the machine's C++ compiler into
-~/.cache/wkvm/torch_extensions (a name hashed from the source, torch's version and the CPU flags; 10-25 s once).
+x) go to `int8_linear.cpp`, built on first use with the machine's C++ compiler into ~/.cache/wkvm/torch_extensions
+(a name hashed from the source, torch's version and installation and the CPU flags; 10-25 s once).
 It rounds x to int8 per group of 32 values (scale max|x| / 127, as llama.cpp's q8 activation blocks; shared with
 the int4 kernel in x_groups.h) and multiplies exactly in integers (AVX512-VNNI's vpdpbusd, 64 products an
 instruction; int16 vpmaddwd without VNNI), one fused multiply-add per group after, so every ISA gives the same bits.
@@ -212,9 +212,9 @@ def build() -> None:
 
 
 def load_kernel(source: Path, namespace: str, cflags: tuple[str, ...] = ("-O3",), op: str = "linear") -> None:
-    """Compile `source` (once per its text and its quoted #includes', the flags, torch's version and the CPU) with the
-    machine's C++ compiler into ~/.cache/wkvm/torch_extensions and load it; its ops (`op` one of them) register as
-    torch.ops.<namespace>.
+    """Compile `source` (once per its text and its quoted #includes', the flags, torch's version and installation and
+    the CPU) with the machine's C++ compiler into ~/.cache/wkvm/torch_extensions and load it; its ops (`op` one of
+    them) register as torch.ops.<namespace>.
 
     Built with OpenMP: at::parallel_for runs serially in code compiled without it (ATen's ParallelOpenMP.h), and
     torch's own libgomp is the one loaded, so the kernels share torch's threads. A compiler without OpenMP builds it
@@ -229,8 +229,10 @@ def load_kernel(source: Path, namespace: str, cflags: tuple[str, ...] = ("-O3",)
     headers = b"".join((source.parent / h).read_bytes() for h in includes)
     for openmp in (("-fopenmp",), ()):
         flags = (*cflags, *openmp)
-        key = hashlib.sha256(text + headers + torch.__version__.encode() + cpu_flags().encode()
-                             + " ".join(flags).encode())  # fmt: skip
+        # the torch installation too: its include and library paths are in the build's ninja file, so two
+        # virtualenvs sharing one directory rebuilt it in turn
+        key = hashlib.sha256(text + headers + torch.__version__.encode() + torch.__file__.encode()
+                             + cpu_flags().encode() + " ".join(flags).encode())  # fmt: skip
         name = f"{namespace}_{key.hexdigest()[:16]}"
         build_dir = root / name
         build_dir.mkdir(parents=True, exist_ok=True)
