@@ -236,7 +236,7 @@ def load_kernel(source: Path, namespace: str, cflags: tuple[str, ...] = ("-O3",)
         name = f"{namespace}_{key.hexdigest()[:16]}"
         build_dir = root / name
         build_dir.mkdir(parents=True, exist_ok=True)
-        log.info("building %s in %s (once)", source.name, build_dir)
+        log.info("%s: built in %s on first use, loaded from there after", source.name, build_dir)
         try:
             with exclusive(build_dir):
                 copy = stable_copy(source, includes, build_dir)
