@@ -29,19 +29,23 @@ from wkvm.weights.loader import load_model  # noqa: E402
 
 HUGE = 2 << 20
 MADV_COLLAPSE = 25
+LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def span(t: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of a tensor's data, oneDNN-packed or plain."""
+    if t.is_mkldnn:
+        return torch.ops.mkldnn.data_ptr(t), torch.ops.mkldnn._nbytes(t)
+    return t.data_ptr(), t.untyped_storage().nbytes()
 
 
 def collapse(t: torch.Tensor) -> int:
     """Bytes of `t` moved onto 2 MiB pages (0 when it spans none, or the kernel refuses: a file-backed mapping)."""
-    if t.is_mkldnn:
-        start, size = torch.ops.mkldnn.data_ptr(t), torch.ops.mkldnn._nbytes(t)
-    else:
-        start, size = t.data_ptr(), t.untyped_storage().nbytes()
+    start, size = span(t)
     lo, hi = -(-start // HUGE) * HUGE, (start + size) // HUGE * HUGE
     if hi <= lo:
         return 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    return hi - lo if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_COLLAPSE) == 0 else 0
+    return hi - lo if LIBC.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_COLLAPSE) == 0 else 0
 
 
 def main() -> None:
@@ -56,7 +60,7 @@ def main() -> None:
     moved = sum(collapse(t) for t in tensors)
     if not moved:
         sys.exit("madvise(MADV_COLLAPSE) moved nothing: it needs Linux 6.1+ with transparent huge pages not 'never'")
-    total = sum(torch.ops.mkldnn._nbytes(t) if t.is_mkldnn else t.untyped_storage().nbytes() for t in tensors)
+    total = sum(span(t)[1] for t in tensors)
     states = {id(m): m.new_state() for m in (small, huge)}
 
     def run(model) -> float:

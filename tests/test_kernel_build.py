@@ -17,6 +17,7 @@ with open(d / "wkvm-build.flock", "w") as guard:
     print("held", flush=True)
     time.sleep(1.5)
     (d / "lock").unlink()
+    (d / "finished").touch()  # last, just before the flock goes
 """
 
 
@@ -37,6 +38,7 @@ def test_a_build_in_progress_in_another_process_is_waited_for(tmp_path, caplog):
         with exclusive(tmp_path):
             waited = time.monotonic() - t0
             assert not (tmp_path / "lock").exists()
+            assert (tmp_path / "finished").exists()  # entered only once the holder was done
     finally:
         holder.wait(timeout=30)
     assert waited > 0.5  # it waited for the holder instead of taking its live lock for a stale one

@@ -137,7 +137,7 @@ const float* packed_data(const at::Tensor& w) {
 }
 
 // Rows of x up to which this build beat oneDNN's packed GEMM, weights read from memory (AMD EPYC, 2 threads,
-// layer shapes and the head of the RWKV-7 0.1B shape): AVX-512 1.08-1.18x at 32 rows; AVX2 1.0-1.06x at 12, 0.82-0.92x
+// layer shapes and the head of the RWKV-7 0.1B shape): AVX-512 1.08-1.18x at 32 rows; AVX2 0.88-1.06x at 12, 0.82-0.92x
 // at 16 (one pass per row of x: its 12 registers hold one row's sums of a 64-wide panel). fp32gemv.rows asks.
 int64_t max_rows() { return W == 16 ? 32 : W == 8 ? 12 : 0; }
 
