@@ -94,7 +94,7 @@ print(os.environ.get("THP_MEM_ALLOC_ENABLE", "unset"), anon_huge_kb(t.data_ptr()
 
 @pytest.mark.parametrize("given", [None, "0"])
 def test_importing_wkvm_puts_large_tensors_on_huge_pages_unless_told_not_to(given):
-    """A B=1 fp32 decode streams every weight once: on 2 MiB pages it ran 1.15-1.22x faster (bench/huge_pages.py)."""
+    """A B=1 fp32 decode streams every weight once: on 2 MiB pages it ran 1.09-1.22x faster (bench/huge_pages.py)."""
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     if given is not None:
         env["THP_MEM_ALLOC_ENABLE"] = given

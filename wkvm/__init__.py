@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 # Large CPU tensors (weights, oneDNN's packed copies, state arenas, KV pools) on transparent huge pages: torch's CPU
 # allocator aligns allocations of 2 MiB and more to 2 MiB and madvises them MADV_HUGEPAGE when this is set, read at
 # its first allocation (so it is set here, before wkvm allocates anything). A decode step streams every weight
-# once; on 4 KiB pages that is a TLB miss every 4 KiB (bench/huge_pages.py: fp32 decode B=1 1.15-1.22x on 2 MiB).
+# once; on 4 KiB pages that is a TLB miss every 4 KiB (bench/huge_pages.py: fp32 decode B=1 1.09-1.22x on 2 MiB).
 # THP_MEM_ALLOC_ENABLE=0 keeps 4 KiB pages; a kernel with THP "never" ignores it.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 

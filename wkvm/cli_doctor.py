@@ -77,7 +77,7 @@ def huge_pages() -> str:
     probe[:: 1 << 19] = 1.0
     if anon_huge_kb(probe.data_ptr()):
         return f"torch's large tensors on 2 MiB pages (THP {mode}, {setting})"
-    return (f"4 KiB pages for torch's tensors (THP {mode}, {setting}): fp32 decode measured 1.15-1.22x faster on "
+    return (f"4 KiB pages for torch's tensors (THP {mode}, {setting}): fp32 decode measured 1.09-1.22x faster on "
             "2 MiB ones; set THP to madvise or always, and THP_MEM_ALLOC_ENABLE=1 before torch allocates (import wkvm "
             "does)")
 
