@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import SHAPES
 
+from wkvm.models.family import STEP_CHUNK
 from wkvm.models.rwkv7 import step
 from wkvm.models.rwkv7.random_weights import save_random_rwkv7
 from wkvm.weights.loader import load_model
@@ -201,3 +202,30 @@ def test_prefill_with_kernel_equals_without(tmp_path, monkeypatch):
     (lg1, s1), (lg2, s2) = both(monkeypatch, prefill)
     torch.testing.assert_close(lg1, lg2, rtol=0, atol=1e-4)
     torch.testing.assert_close(s1, s2, rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "int8", "int4", "bfloat16"])
+def test_a_short_chunk_has_the_bits_of_stepping_through_it(tmp_path, dtype):
+    """Up to STEP_CHUNK tokens a row run the step's own ops token by token for the token shift and wkv, the rest over
+    all rows (`_steps_layer`): logits and every state tensor equal stepping bit for bit, for 1 and 2 rows, where the
+    matmuls give each row the same bits whatever rows come with it (fp32 on wkvm's gemv kernel, int8, int4); bf16
+    (oneDNN) does not promise that, and says so. A moved stream catches up on this path (Engine.precopy)."""
+    path = tmp_path / "m.pth"
+    save_random_rwkv7(path, SHAPES["L3-C192-H3-N64-V1000"], seed=13)
+    model = load_model(path, dtype=dtype)
+    assert model.chunks_equal_steps == (dtype != "bfloat16")
+    if dtype == "bfloat16":
+        return
+    g = torch.Generator().manual_seed(4)
+    for rows in (1, 2):
+        start = model.new_state(rows)
+        model.forward(torch.randint(0, 1000, (rows, 20), generator=g), start)  # a state that is not zeros
+        ids = torch.randint(0, 1000, (rows, STEP_CHUNK), generator=g)
+        chunked = {k: v.clone() for k, v in start.items()}
+        stepped = {k: v.clone() for k, v in start.items()}
+        whole = model.forward(ids, chunked)
+        for t in range(STEP_CHUNK):
+            last = model.forward(ids[:, t : t + 1], stepped)
+        assert torch.equal(whole, last)
+        assert all(torch.equal(chunked[k], stepped[k]) for k in start)

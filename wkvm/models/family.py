@@ -54,6 +54,11 @@ class FamilyConfig(Protocol):
     vocab_size: int
 
 
+# A chunk of at most this many tokens of one sequence that a model runs with the bits of stepping through them
+# (`chunks_equal_steps`): the engine feeds a moved stream's catch-up in such chunks (`Engine.precopy`).
+STEP_CHUNK = 8
+
+
 class LanguageModel(Protocol):
     """A built model: what the engine, the runner and the state layer use."""
 
@@ -88,6 +93,12 @@ class LanguageModel(Protocol):
         """The most tokens one sequence may hold (the model's trained context), None when unbounded."""
         ...
 
+    @property
+    def chunks_equal_steps(self) -> bool:
+        """Whether a chunk of up to STEP_CHUNK tokens of one sequence gives the same bits as stepping through them
+        (else it agrees to rounding, which int8 / int4 kernels, rounding their inputs, can amplify)."""
+        ...
+
     def prefill(
         self, tokens: Sequence[int] | torch.Tensor, state: State | None = None,
         all_logits: bool = False, chunk_size: int | None = None,
@@ -119,6 +130,10 @@ class ModelBase:
 
     def new_state(self, batch: int = 1) -> State:
         return self.spec.zeros(batch, self.device)
+
+    @property
+    def chunks_equal_steps(self) -> bool:
+        return False
 
     embed_key: str = ""  # the embedding's name in `weights.globals()`, for the default `embed`
     kv_layers: tuple[int, ...] = ()  # the attention layers, whose state is keys and values (kind "kv")

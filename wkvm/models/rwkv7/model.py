@@ -5,7 +5,8 @@ State per layer i: `layers.{i}.att_shift` [C], `layers.{i}.wkv` [H, N, N] (value
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,9 +14,18 @@ import torch
 import torch.nn.functional as F
 
 from wkvm.models import fused
-from wkvm.models.family import ModelBase, RawTensors, compute_form, layer_count, no_attention, require, resident
+from wkvm.models.family import (
+    STEP_CHUNK,
+    ModelBase,
+    RawTensors,
+    compute_form,
+    layer_count,
+    no_attention,
+    require,
+    resident,
+)
 from wkvm.models.kv import KVBatch
-from wkvm.models.linear import embedding, linear, pack_linear, stored, stored_outer
+from wkvm.models.linear import embedding, linear, pack_linear, rows_independent, stored, stored_outer
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.rwkv7 import step
 from wkvm.models.rwkv7.wkv import DEFAULT_CHUNK, wkv_chunked, wkv_step
@@ -128,6 +138,12 @@ class RWKV7(ModelBase):
         super().__init__(cfg, rwkv7_state_spec(cfg), weights, model_fingerprint, device)
         self.wkv_chunk = DEFAULT_CHUNK
 
+    @functools.cached_property
+    def chunks_equal_steps(self) -> bool:
+        """`_steps_layer` runs short chunks (the step kernel) on matmuls whose rows do not mix (checked on layer 0)."""
+        w = self.weights.layer(0)
+        return step.available() and all(rows_independent(w[name]) for name in LINEAR_KEYS)
+
     @torch.inference_mode()
     def forward_groups(
         self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False,
@@ -146,10 +162,14 @@ class RWKV7(ModelBase):
             for j, (tokens, state) in enumerate(groups):
                 x = xs[j]
                 # one token per row on the step kernel; without it (WKVM_FUSED=off, no compiler) the torch path below
-                if tokens.shape[1] == 1 and tokens.shape[0] < PACKED_LORA_MIN_ROWS and x.is_cpu and step.available():
-                    y, v_firsts[j] = self._decode_layer(i, w, x.view(x.shape[0], -1), state, v_firsts[j])
-                    xs[j] = y.view(x.shape)
-                    continue
+                if tokens.numel() < PACKED_LORA_MIN_ROWS and x.is_cpu and step.available():
+                    if tokens.shape[1] == 1:
+                        y, v_firsts[j] = self._decode_layer(i, w, x.view(x.shape[0], -1), state, v_firsts[j])
+                        xs[j] = y.view(x.shape)
+                        continue
+                    if tokens.shape[1] <= STEP_CHUNK:  # a few tokens a row: exactly as many steps
+                        xs[j], v_firsts[j] = self._steps_layer(i, w, x, state, v_firsts[j])
+                        continue
                 xx = F.layer_norm(x, (cfg.n_embd,), w["ln1.weight"], w["ln1.bias"], cfg.ln_eps)
                 att, v_firsts[j] = self._time_mix(i, w, xx, state, v_firsts[j])
                 x = x + att
@@ -188,6 +208,56 @@ class RWKV7(ModelBase):
                                        cfg.ln_eps, state[f"layers.{i}.ffn_shift"], w["ffn.x_k"])  # fmt: skip
         x = x + linear(step.relu_square(linear(xk, w["ffn.key.weight"])), w["ffn.value.weight"])
         return x, v_first
+
+    def _steps_layer(
+        self, i: int, w: Tensors, x: torch.Tensor, state: State, v_first: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i for T tokens of each row (x [B, T, C]) with the same bits as T calls of `_decode_layer`: the ops
+        that carry state from token to token (token shift, wkv) run a token at a time on the step kernel, the rest
+        (matmuls, LoRA chains, relu^2: each row's arithmetic the same whatever the batch) over the B * T rows at once.
+        A short chunk then equals stepping exactly, also where a rounding in int8 / int4 kernels would amplify a
+        last-bit difference: a moved stream catching up on tokens its source generated (`Engine.precopy`) gives the
+        tokens an unmoved one does. Returns x and v_first ([B, T, C], as `_time_mix`'s)."""
+        cfg, (B, T, C) = self.config, x.shape
+        att_shift, ffn_shift = state[f"layers.{i}.att_shift"], state[f"layers.{i}.ffn_shift"]
+
+        def by_token(fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+            """fn(t) -> ([B, C], [M, B, C]) per token, stacked as ([B * T, C], [M, B * T, C])."""
+            pairs = [fn(t) for t in range(T)]
+            first, second = (torch.stack([p[n] for p in pairs], -2) for n in (0, 1))
+            return first.view(B * T, C), second.view(-1, B * T, C)
+
+        def token(rows: torch.Tensor, t: int) -> torch.Tensor:
+            return rows.view(B, T, C)[:, t]
+
+        _, mixed = by_token(lambda t: step.norm_shift_mix(x[:, t], None, w["ln1.weight"], w["ln1.bias"], cfg.ln_eps,
+                                                          att_shift, w["att.mix"]))  # fmt: skip
+        xr, xw, xk, xv, xa, xg = mixed
+        r = linear(xr, w["att.receptance.weight"])
+        k = linear(xk, w["att.key.weight"])
+        v = linear(xv, w["att.value.weight"])
+        lora = "wagv" if i > 0 else "wag"
+        decay, a, g, *v_mix = step.loras(
+            [xw, xa, xg, xv][: len(lora)], [w[f"att.{p}1"] for p in lora], [w[f"att.{p}2"] for p in lora],
+            [w["att.w0"], w["att.a0"], None, w.get("att.v0")][: len(lora)],
+            inner=[step.TANH, step.NONE, step.SIGMOID, step.NONE][: len(lora)],
+            outer=[step.SIGMOID, step.SIGMOID, step.NONE, step.SIGMOID][: len(lora)],
+        )  # fmt: skip
+        v_first = v if i == 0 else v_first.reshape(B * T, C)
+        mix = v_mix[0] if v_mix else None
+        S = state[f"layers.{i}.wkv"]
+        o, _ = by_token(lambda t: step.wkv(S, token(r, t), token(decay, t), token(k, t), token(v, t),
+                                           token(v_first, t), None if mix is None else token(mix, t), token(a, t),
+                                           token(g, t), w, cfg.gn_eps))  # fmt: skip
+        att = linear(o, w["att.output.weight"])
+        s, xk = by_token(lambda t: self._ffn_in(w, x[:, t], token(att, t), ffn_shift))
+        y = s + linear(step.relu_square(linear(xk[0], w["ffn.key.weight"])), w["ffn.value.weight"])
+        return y.view(B, T, C), v_first.view(B, T, C)
+
+    def _ffn_in(self, w: Tensors, x: torch.Tensor, add: torch.Tensor,
+                shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """A token's residual sum and its channel mix's input [1, B, C] (the start of `_decode_layer`'s channel mix)."""
+        return step.norm_shift_mix(x, add, w["ln2.weight"], w["ln2.bias"], self.config.ln_eps, shift, w["ffn.x_k"])
 
     def _time_mix(
         self, i: int, w: Tensors, x: torch.Tensor, state: State, v_first: torch.Tensor
