@@ -10,7 +10,9 @@ single-process `wkvm serve`), and aggregate decode tok/s of 8 concurrent streams
 Running streams: a greedy stream after a 1k/4k-token prompt is moved back and forth `--stream-moves` times while it
 runs (`POST /v1/streams/{id}/migrate`); the downtime a client sees is the longest gap between two chunks around each
 move (it includes one ordinary token interval, reported beside it), and the moved stream's text must equal an
-unmoved run's (0 tokens lost or repeated). Writes bench/out/migration.json.
+unmoved run's (0 tokens lost or repeated). Moves alternate between pre-copied (the state travels while the source
+goes on; the stop ships only the tokens since) and whole-ticket ones (`"precopy": false`), a paired comparison in
+one stream. Writes bench/out/migration.json.
 """
 
 from __future__ import annotations
@@ -95,8 +97,9 @@ def aggregate_decode(url: str, streams: int, tokens: int) -> float:
     return done / (time.perf_counter() - t0)
 
 
-def moved_stream(c: httpx.Client, ids: list[int], moves: int, tokens: int) -> dict[str, object]:
-    """Stream `tokens` greedy tokens after prompt `ids`, moving the stream `moves` times while it runs."""
+def moved_stream(c: httpx.Client, ids: list[int], moves: int, tokens: int, alternate: bool) -> dict[str, object]:
+    """Stream `tokens` greedy tokens after prompt `ids`, moving the stream `moves` times while it runs (`alternate`:
+    every other move without a pre-copy, `"precopy": false`; else all with one, where the model allows it)."""
     body = {"prompt": ids, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
     want = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
     arrivals: list[float] = []
@@ -122,15 +125,18 @@ def moved_stream(c: httpx.Client, ids: list[int], moves: int, tokens: int) -> di
     where = head["x-wkvm-replica"]
     windows: list[tuple[float, float]] = []
     server_side: list[float] = []
-    for _ in range(moves + 1):  # the first move (cold paths on both sides) is reported apart
+    caught_up: list[int | None] = []
+    for i in range(moves + 1):  # the first move (cold paths on both sides) is reported apart
         to = "r1" if where == "r0" else "r0"
         t0 = time.perf_counter()
-        m = c.post(f"/v1/streams/{head['x-wkvm-stream-id']}/migrate", json={"to": to})
+        precopy = i % 2 == 1 or not alternate  # alternating: the moves with and without a pre-copy interleave
+        m = c.post(f"/v1/streams/{head['x-wkvm-stream-id']}/migrate", json={"to": to, "precopy": precopy})
         if m.status_code != 200:
             print(f"move {len(windows)}: {m.status_code} {m.text[:200]}", file=sys.stderr)
             break  # the stream ended
         windows.append((t0, time.perf_counter()))
         server_side.append(m.json()["downtime_seconds"])
+        caught_up.append(m.json().get("precopy_tokens"))
         where = to
         time.sleep(0.1)
     reader.join()
@@ -143,7 +149,7 @@ def moved_stream(c: httpx.Client, ids: list[int], moves: int, tokens: int) -> di
               for (w0, _), end in zip(windows, ends, strict=True)]  # fmt: skip
     return {"moves": len(windows) - 1, "exact": "".join(text) == want, "downtime_s": around[1:],
             "first_move_s": around[0] if around else None, "front_gap_s": server_side[1:],
-            "token_interval_s": statistics.median(gaps) if gaps else 0.0}
+            "precopy_tokens": caught_up[1:], "token_interval_s": statistics.median(gaps) if gaps else 0.0}
 
 
 def main() -> None:
@@ -153,6 +159,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="1024,4096")
     ap.add_argument("--stream-moves", type=int, default=50)
     ap.add_argument("--stream-tokens", type=int, default=600)
+    ap.add_argument("--precopy-only", action="store_true", help="every move pre-copied (default: every other one "
+                    "ships the whole ticket at the stop, for a paired comparison)")  # fmt: skip
     ap.add_argument("--dtype", default="float32", help="the replicas' weights (the state stays fp32: same bytes moved)")
     args = ap.parse_args()
     model = checkpoint()
@@ -196,17 +204,20 @@ def main() -> None:
             streams = []
             for n in [int(x) for x in args.lengths.split(",")]:
                 ids = [rng.randrange(1, 65000) for _ in range(n)]
-                res = moved_stream(c, ids, args.stream_moves, args.stream_tokens)
-                down = res["downtime_s"]
-                assert isinstance(down, list) and down, res
+                res = moved_stream(c, ids, args.stream_moves, args.stream_tokens, not args.precopy_only)
                 out[f"stream_{n}"] = res
-                front = res["front_gap_s"]
-                assert isinstance(front, list)
-                streams.append([n, res["moves"], "yes" if res["exact"] else "NO",
-                                f"{pct(down, 0.5) * 1e3:.1f}", f"{pct(down, 0.99) * 1e3:.1f}",
-                                f"{pct(front, 0.5) * 1e3:.1f}", f"{pct(front, 0.99) * 1e3:.1f}",
-                                f"{float(res['token_interval_s']) * 1e3:.1f}",  # type: ignore[arg-type]
-                                f"{float(res['first_move_s']) * 1e3:.0f}"])  # type: ignore[arg-type]  # fmt: skip
+                down, front, caught = res["downtime_s"], res["front_gap_s"], res["precopy_tokens"]
+                assert isinstance(down, list) and down and isinstance(front, list) and isinstance(caught, list), res
+                for kind in ("pre-copied", "whole ticket"):
+                    pick = [i for i, k in enumerate(caught) if (k is not None) == (kind == "pre-copied")]
+                    if not pick:
+                        continue
+                    d, f = [down[i] for i in pick], [front[i] for i in pick]
+                    tokens = statistics.median(caught[i] for i in pick) if kind == "pre-copied" else "-"
+                    streams.append([n, kind, len(pick), "yes" if res["exact"] else "NO",
+                                    f"{pct(d, 0.5) * 1e3:.1f}", f"{pct(d, 0.99) * 1e3:.1f}",
+                                    f"{pct(f, 0.5) * 1e3:.1f}", f"{pct(f, 0.99) * 1e3:.1f}", tokens,
+                                    f"{float(res['token_interval_s']) * 1e3:.1f}"])  # type: ignore[arg-type]  # fmt: skip
             overhead_cluster = request_overhead(url, 30)
             agg2 = aggregate_decode(url, 8, 64)
         finally:
@@ -224,8 +235,8 @@ def main() -> None:
                                   "speed-up", "MB/s"], rows)  # fmt: skip
     print_table(f"Moving a running stream between 2 replicas (client-side gap around each move; {args.dtype} weights); "
                 f"{cpu}",
-                ["prompt tokens", "moves", "text exact", "gap p50 ms", "gap p99 ms", "front gap p50", "front gap p99",
-                 "token interval ms", "first move ms"],
+                ["prompt tokens", "move", "moves", "text exact", "gap p50 ms", "gap p99 ms", "front gap p50",
+                 "front gap p99", "catch-up tokens", "token interval ms"],
                 streams)  # fmt: skip
     print_table("Per request and aggregate", ["", "2 replicas (Ray Serve)", "1 process"],
                 [["1-token completion, median ms", f"{overhead_cluster * 1e3:.1f}", f"{overhead_single * 1e3:.1f}"],

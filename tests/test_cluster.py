@@ -156,11 +156,15 @@ def test_tenants_do_not_share_states_across_replicas(cluster):
     assert cluster.get("/v1/states/secret@1").status_code == 404
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "top_p": 0.9, "seed": 5,
-                                                          "presence_penalty": 0.5}])  # fmt: skip
-def test_a_running_stream_moves_to_another_replica_exactly(cluster, sampling):
+SEEDED = {"temperature": 1.0, "top_p": 0.9, "seed": 5, "presence_penalty": 0.5}
+
+
+@pytest.mark.parametrize(("sampling", "precopy"), [({"temperature": 0}, False), ({"temperature": 0}, True),
+                                                   (SEEDED, False), (SEEDED, True)])  # fmt: skip
+def test_a_running_stream_moves_to_another_replica_exactly(cluster, sampling, precopy):
     """POST /v1/streams/{id}/migrate mid-stream: the client's stream goes on from the other replica on the same
-    connection, with the tokens of a run that never moved (greedy, and seeded sampling)."""
+    connection, with the tokens of a run that never moved (greedy, and seeded sampling); also pre-copied (the state
+    travels while the source goes on, the destination catches up on the tokens generated meanwhile)."""
     body = {**GREEDY, **sampling, "max_tokens": 300, "ignore_eos": True, "prompt": "MENENIUS:", "user": "dan"}
     want = cluster.post("/v1/completions", json=body).json()["choices"][0]["text"]
     text, ids, moved, last = "", set(), None, ""
@@ -175,10 +179,12 @@ def test_a_running_stream_moves_to_another_replica_exactly(cluster, sampling):
                 ids.add(chunk["id"])
                 if moved is None and len(text) >= 3:
                     other = "r1" if source == "r0" else "r0"
-                    moved = cluster.post(f"/v1/streams/{stream_id}/migrate", json={"to": other})
+                    moved = cluster.post(f"/v1/streams/{stream_id}/migrate", json={"to": other, "precopy": precopy})
             last = line or last
     assert moved is not None and moved.status_code == 200, moved.text if moved else "never moved"
     assert 0 < moved.json()["generated_tokens"] < 300
+    # pre-copied (RWKV-7 on its step kernel): the source went on while the state travelled; the destination caught up
+    assert (moved.json()["precopy_tokens"] is not None) == precopy, moved.json()
     assert text == want and ids == {stream_id} and last == "data: [DONE]"
     # the session followed the stream: the next request of this user goes to the stream's new replica
     after = cluster.post("/v1/completions", json={**GREEDY, "prompt": "MENENIUS:", "user": "dan"})

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from live_server import LiveServer
 
-from wkvm.server.handover import RESUME_HEADER, STREAM_HEADER, encode, parse_marker
+from wkvm.server.handover import RESUME_HEADER, STREAM_HEADER, decode, encode, parse_marker, precopied
 
 MESSAGES = [{"role": "user", "content": "Speakonandtellmeallthatthouknowest."}]
 LONG = {"max_tokens": 200, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -56,14 +56,16 @@ def events(lines) -> Iterator[str]:
         yield "\n".join(cur)
 
 
-def moved_stream(a, b, path, body, headers=None, after=1, named=None) -> tuple[list[dict], int]:
+def moved_stream(a, b, path, body, headers=None, after=1, named=None, precopy=False) -> tuple[list[dict], int]:
     """Stream from `a`, move it to `b` after `after` chunks, go on there: every data chunk the client would see, and
     how many came from `a`. With `named`, the move goes as the cluster front asks for it: the ticket under that id,
-    pushed out the moment the request stops (the stream's end names it without carrying it)."""
-    pushed = {}
+    pushed out the moment the request stops (the stream's end names it without carrying it); with `precopy` too,
+    the state is copied at chunk `after` and the stop three chunks later pushes only what changed since."""
+    pushed, base = {}, {}
+    spec, fp = a.ctx.model.spec, a.ctx.model.fingerprint
 
     def push(live, c):
-        pushed[live.out_id] = encode(a.ctx.model.spec, a.ctx.model.fingerprint, c, live.ticket)
+        pushed[live.out_id] = encode(spec, fp, c, live.ticket, base.get("c"))
         live.pushed = True
 
     with httpx.Client(timeout=60) as client:
@@ -78,8 +80,12 @@ def moved_stream(a, b, path, body, headers=None, after=1, named=None) -> tuple[l
                     assert to == "b"
                     continue
                 seen.append(ev)
-                if len(seen) == after and not moving:
-                    live = a.ctx.handovers.live()
+                live = a.ctx.handovers.live()
+                if precopy and len(seen) == after and not base:
+                    stream = next(s for s in live if s.ticket.id == stream_id)
+                    base["c"] = a.ctx.client.precopy(stream.handle.request_id).result(30)
+                    base["bytes"] = encode(spec, fp, base["c"], stream.ticket)
+                if len(seen) == after + 3 * precopy and not moving:
                     stream = next(s for s in live if s.ticket.id == stream_id)
                     a.ctx.handovers.move(a.ctx.client, stream.tenant, stream_id, "b", named,
                                          push if named else None).result(30)  # fmt: skip
@@ -91,7 +97,13 @@ def moved_stream(a, b, path, body, headers=None, after=1, named=None) -> tuple[l
         if named is not None:
             assert ticket == named and carried is None and list(pushed) == [named]
             carried = pushed[named]
-        b.ctx.handovers.put_in(ticket, carried)
+            assert precopied(carried) == precopy
+        m = b.ctx.model
+
+        async def arrived():  # the pre-copy, as the destination reads it (cluster/replica.py's `_precopy_in`)
+            return decode(base["bytes"], m.spec, m.fingerprint, m.vocab_size) if base else None
+
+        b.ctx.handovers.put_in(ticket, carried, arrived())
         with client.stream("POST", b.url + path, json=body, headers={**(headers or {}), RESUME_HEADER: ticket}) as r:
             assert r.status_code == 200, r.read()
             seen += list(events(r.iter_lines()))
@@ -145,6 +157,22 @@ def test_a_moved_completion_stream_with_a_stop_string(pair, fresh):
         "".join(c["choices"][0]["text"] for c in want if c["choices"]) == text[: text.index(stop)]
     assert token_ids(got) == token_ids(want)
     assert got[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 3, "frequency_penalty": 0.3}])
+def test_a_precopied_move_ships_only_what_changed_and_equals_one_that_never_moved(pair, fresh, sampling):
+    """The state copied a few tokens before the stop (`Engine.precopy`), the stop's ticket without state: the
+    destination feeds the tokens generated since from the copy, and the client's stream is the unmoved one's."""
+    a, b = pair
+    body = {"prompt": "Romeo:", **LONG, **sampling, "return_token_ids": True, "logprobs": 1}
+    got, n_source = moved_stream(a, b, "/v1/completions", body, after=2, named="precopied-ticket", precopy=True)
+    want = whole_stream(fresh, "/v1/completions", body)
+    assert 5 <= n_source < len(got)
+    assert token_ids(got) == token_ids(want) and len(token_ids(got)) == 200
+    text = "".join(c["choices"][0]["text"] for c in got if c["choices"])
+    assert text == "".join(c["choices"][0]["text"] for c in want if c["choices"])
+    lps = [lp for c in got if c["choices"] for lp in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert lps == [lp for c in want if c["choices"] for lp in c["choices"][0]["logprobs"]["token_logprobs"]]
 
 
 def test_a_moved_chat_turn_parks_its_session_on_the_destination(pair, fresh):

@@ -120,7 +120,7 @@ class Directory:
         """A moving stream's ticket, pushed by its source for the destination's call the front opened when the move
         was asked for (`take_ticket`): the ticket goes replica to replica, off the front's path. `data`: a
         one-element list holding the ticket's object-store reference (a list, so that Ray passes the reference on
-        rather than the bytes)."""
+        rather than the bytes), or a small ticket's bytes (a pre-copied move's stop, its destination's "ready")."""
         now = time.monotonic()
         for k in [k for k, (t, _) in self.tickets.items() if now - t > TICKET_SECONDS]:
             del self.tickets[k]
@@ -162,11 +162,23 @@ class Directory:
         return out
 
 
+def base_ticket(ticket: str) -> str:
+    """Where a pre-copied move's source pushes the pre-copy (`Engine.precopy`) of the ticket it pushes later."""
+    return ticket + ".base"
+
+
+def ready_ticket(ticket: str) -> str:
+    """Where the destination says it holds the pre-copy (the source then stops the stream)."""
+    return ticket + ".ready"
+
+
 async def pushed_ticket(directory: Any, ticket: str, wait: float) -> bytes:
     """A moving stream's ticket its source pushed (`put_ticket`: a reference into the object store, which the source
-    owns), waiting up to `wait` seconds; empty when none came, it was taken already, or the source died before it
-    was read (the object went with its owner)."""
+    owns, or a small ticket's bytes), waiting up to `wait` seconds; empty when none came, it was taken already, or
+    the source died before it was read (the object went with its owner)."""
     refs = await directory.take_ticket.remote(ticket, wait)
+    if isinstance(refs, bytes):
+        return refs
     try:
         data = bytes(await refs[0]) if refs else b""
     except Exception as e:  # ray.exceptions.OwnerDiedError and the like

@@ -106,6 +106,7 @@ class Handover:
     ticket: str
     data: bytes = b""
     pushed: int = 0  # bytes of a ticket pushed to the directory (then `data` is empty)
+    base: bytes = b""  # the pre-copy a carried ticket goes on from (the front took both back from the directory)
 
 
 @dataclass(frozen=True)

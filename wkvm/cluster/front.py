@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from wkvm.cluster.directory import pushed_ticket
+from wkvm.cluster.directory import base_ticket, pushed_ticket
 from wkvm.cluster.forward import (
     MISROUTED,
     MISROUTED_REPLY,
@@ -237,8 +237,10 @@ class Front:
             taken = await self.taken(opened, moved.to, moved, route, s)
             if taken is not None:
                 return taken
-            # the destination did not take it (it is being replaced): take the ticket back and offer it around
-            moved = dataclasses.replace(moved, data=await pushed_ticket(self.directory, moved.ticket, 0))
+            # the destination did not take it (it is being replaced): take the ticket (and its pre-copy) back and
+            # offer them around
+            moved = dataclasses.replace(moved, data=await pushed_ticket(self.directory, moved.ticket, 0),
+                                        base=await pushed_ticket(self.directory, base_ticket(moved.ticket), 0))
             if not moved.data:  # the destination took it after all (and then failed), or its source died
                 return None, self.move_failed()
         replicas = await self.recent_replicas()
@@ -281,7 +283,7 @@ class Front:
             log.error("replica %s refused a moved stream: %s %s", slot, head.status, detail[:300])
             return None, self.move_failed()
         self.metrics.stream_moves.labels("moved").inc()
-        self.metrics.stream_bytes.inc(len(moved.data) or moved.pushed)
+        self.metrics.stream_bytes.inc(len(moved.data) + len(moved.base) or moved.pushed)
         self.directory.moved_stream.remote()
         s.slot = slot
         s.inflight.move(slot)
@@ -317,11 +319,14 @@ class Front:
             return error_response(404, f"no running stream {stream_id!r} that can move", None, "stream_not_found")
         if s.slot == to:
             return JSONResponse({"object": "stream.migration", "id": stream_id, "from": s.slot, "to": to})
+        precopy = json.loads(await request.body() or b"{}").get("precopy", False)
+        if not isinstance(precopy, bool):
+            return error_response(400, "'precopy' must be true or false", "precopy", "invalid_type")
         t0, source, moves = time.perf_counter(), s.slot, s.moves
         # the destination's call first: it is routed and waits for the ticket while the source reaches a token
         ticket = secrets.token_hex(16)  # boundary, and the source pushes the ticket to it through the directory
         s.opened = (ticket, self.resumed(s.req, replicas[to], Handover(to, ticket)))
-        answer = await self.call(replicas[source], "move_stream", tenant, stream_id, to, ticket)
+        answer = await self.call(replicas[source], "move_stream", tenant, stream_id, to, ticket, precopy)
         if answer["status"] != 200:
             if (call := s.take_opened(ticket)) is not None:  # still there: the stream did not move
                 call.cancel()
@@ -331,7 +336,8 @@ class Front:
         while stream_id in self.streams and s.moves == moves and time.perf_counter() < deadline:
             await asyncio.sleep(0.005)
         return JSONResponse({"object": "stream.migration", "id": stream_id, "from": source, "to": s.slot,
-                             "generated_tokens": answer["generated_tokens"], "downtime_seconds": round(s.downtime, 6),
+                             "generated_tokens": answer["generated_tokens"],
+                             "precopy_tokens": answer.get("precopy_tokens"), "downtime_seconds": round(s.downtime, 6),
                              "seconds": round(time.perf_counter() - t0, 6)})  # fmt: skip
 
     async def call(self, replica_id: str, method: str, *args: Any) -> Any:

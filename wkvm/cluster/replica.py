@@ -25,13 +25,14 @@ import ray
 import torch
 from ray import serve
 
-from wkvm.cluster.directory import Directory, pushed_ticket
+from wkvm.cluster.directory import Directory, base_ticket, pushed_ticket, ready_ticket
 from wkvm.cluster.forward import MISROUTED, MISROUTED_REPLY, ForwardedRequest, Handover, Head, run_asgi, state_key
 from wkvm.config import ServerConfig
 from wkvm.engine.request import Continuation
 from wkvm.server.app import create_app
 from wkvm.server.context import ServerContext
-from wkvm.server.handover import HandoverError, LiveStream, parse_marker
+from wkvm.server.handover import HandoverError, LiveStream, Moved, parse_marker
+from wkvm.server.handover import decode as decode_ticket
 from wkvm.server.handover import encode as encode_ticket
 from wkvm.state.quota import StoreLimits, is_internal
 from wkvm.state.sessions import ParkedCopy, SessionKey
@@ -42,6 +43,7 @@ DIRECTORY = "wkvm-directory"
 SLOT_WAIT_SECONDS = 60.0  # a new replica waits this long for a slot of the first N to free up (rolling restarts)
 NAMESPACE = "wkvm"  # the directory's (Serve runs replicas in its own namespace)
 CALL_SECONDS = 10.0  # a stream to move reaches its next token boundary well within this
+READY_SECONDS = 2.0  # a pre-copied move waits this long for its destination to hold the pre-copy, then stops anyway
 DRAIN_POLL_SECONDS = 0.05
 
 
@@ -87,7 +89,7 @@ class EngineReplica:
             incoming: bytes | asyncio.Task[bytes] = handover.data
             if not incoming:
                 incoming = asyncio.create_task(pushed_ticket(self.directory, handover.ticket, CALL_SECONDS))
-            self.ctx.handovers.put_in(handover.ticket, incoming)
+            self.ctx.handovers.put_in(handover.ticket, incoming, asyncio.create_task(self._precopy_in(handover)))
         async for part in run_asgi(self.app, req, self.slot):
             mark = parse_marker(part) if isinstance(part, bytes) else None
             if mark is None:
@@ -100,36 +102,83 @@ class EngineReplica:
                 yield Handover(to, ticket, data)
 
     async def move_stream(self, tenant: str, stream_id: str, to: str, ticket: str | None = None,
-                          **route: object) -> dict[str, Any] | str:  # fmt: skip
+                          precopy: bool = False, **route: object) -> dict[str, Any] | str:  # fmt: skip
         """Hand a running stream over to replica `to` at its next token boundary; {"status", ...} says how it went.
-        `ticket`: the id the front opened the destination's call under (the ticket is pushed to the directory)."""
+        `ticket`: the id the front opened the destination's call under (the ticket is pushed to the directory, and a
+        generating stream is pre-copied first with `precopy`: `_precopy_out`)."""
         if self.misrouted(route):
             return MISROUTED_REPLY
+        handovers = self.ctx.handovers
         try:
-            fut = self.ctx.handovers.move(self.ctx.client, tenant, stream_id, to, ticket,
-                                          push=self._push if ticket is not None else None)  # fmt: skip
+            live = handovers.claim(tenant, stream_id, to, ticket)
         except KeyError:
             return {"status": 404, "message": f"no running stream {stream_id!r} on {self.slot}"}
         except HandoverError as e:
             return {"status": 409, "message": f"stream {stream_id!r} cannot move: {e}"}
+        if ticket is not None and precopy:
+            await self._precopy_out(live, ticket)
         try:
+            fut = handovers.suspend(self.ctx.client, live, push=self._push if ticket is not None else None)
             c = await asyncio.wait_for(asyncio.wrap_future(fut), CALL_SECONDS)
-        except (KeyError, TimeoutError):
+        except (HandoverError, KeyError, TimeoutError):
+            if live.base is not None and ticket is not None:  # nobody will need the pre-copy
+                self.directory.take_ticket.remote(base_ticket(ticket), 0)
             return {"status": 409, "message": f"stream {stream_id!r} finished before it could move"}
-        return {"status": 200, "generated_tokens": len(c.output_ids)}
+        caught_up = None if live.base is None else len(c.output_ids) - len(live.base.output_ids)
+        return {"status": 200, "generated_tokens": len(c.output_ids), "precopy_tokens": caught_up}
+
+    async def _precopy_out(self, live: LiveStream, ticket: str) -> None:
+        """Pre-copy a generating stream: its ticket at the next token boundary into the object store (the reference
+        under `base_ticket`) while it goes on here; return once the destination holds it (it says so under
+        `ready_ticket`) or after READY_SECONDS. The stop that follows then pushes only what changed since (`_push`),
+        so the state's bytes are not on the client's wait. Only where the destination's catch-up on the tokens
+        generated meanwhile gives the bits of stepping (`chunks_equal_steps`: RWKV-7 with its step kernel), so a move
+        never changes a token; and not while the stream still reads its prompt."""
+        req = live.handle.request
+        if req.is_prefilling or not self.ctx.model.chunks_equal_steps:
+            return
+        try:
+            base = await asyncio.wait_for(asyncio.wrap_future(self.ctx.client.precopy(req.request_id)), CALL_SECONDS)
+            m = self.ctx.model
+            data = await asyncio.to_thread(encode_ticket, m.spec, m.fingerprint, base, live.ticket)
+            self.directory.put_ticket.remote(base_ticket(ticket), [ray.put(data)])
+        except (KeyError, ValueError, TimeoutError):  # it ended meanwhile: the stop says so
+            return
+        live.base, live.base_bytes = base, len(data)
+        await self.directory.take_ticket.remote(ready_ticket(ticket), READY_SECONDS)
+
+    async def _precopy_in(self, handover: Handover) -> Moved | None:
+        """The decoded pre-copy a moved stream's ticket may go on from: carried with it (`handover.base`), or pushed
+        by the source to the directory for an opened call, in which case the source hears that it is here and stops
+        the stream. None when none came (the ticket then holds the state itself) or it does not read."""
+        data = handover.base
+        if not data and not handover.data:
+            data = await pushed_ticket(self.directory, base_ticket(handover.ticket), CALL_SECONDS)
+            if data:
+                self.directory.put_ticket.remote(ready_ticket(handover.ticket), b"ready")
+        if not data:
+            return None
+        m = self.ctx.model
+        try:
+            return decode_ticket(data, m.spec, m.fingerprint, m.vocab_size)
+        except HandoverError as e:
+            log.warning("a moved stream's pre-copy does not read: %s", e)
+            return None
 
     def _push(self, live: LiveStream, c: Continuation) -> None:
-        """On the engine's thread, the moment a stream the front asked to move stops: its ticket into the object store,
-        the reference to the directory, where the destination's call waits for it. On any failure the stream's end
-        carries the ticket instead (the front then hands it over that way)."""
+        """On the engine's thread, the moment a stream the front asked to move stops: its ticket to the directory,
+        where the destination's call waits for it (only what changed since the pre-copy when there was one, as bytes;
+        else the whole ticket into the object store and its reference). On any failure the stream's end carries the
+        whole ticket instead (the front then hands it over that way)."""
         assert live.out_id is not None
         try:
-            data = encode_ticket(self.ctx.model.spec, self.ctx.model.fingerprint, c, live.ticket)
-            self.directory.put_ticket.remote(live.out_id, [ray.put(data)])
+            m = self.ctx.model
+            data = encode_ticket(m.spec, m.fingerprint, c, live.ticket, live.base)
+            self.directory.put_ticket.remote(live.out_id, data if live.base is not None else [ray.put(data)])
         except Exception:
             log.exception("could not push the ticket of moving stream %s; it goes through the front", live.ticket.id)
             return
-        self._pushed[live.out_id] = len(data)
+        self._pushed[live.out_id] = len(data) + live.base_bytes
         live.pushed = True
 
     def _drain_when_stopping(self) -> None:

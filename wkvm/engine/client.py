@@ -36,6 +36,7 @@ class ModelInfo:
     fingerprint: str
     vocab_size: int
     spec: StateSpec
+    chunks_equal_steps: bool = False  # LanguageModel's: a moved stream's catch-up gives the bits of stepping
 
 
 class EngineClient(Protocol):
@@ -63,6 +64,10 @@ class EngineClient(Protocol):
 
     def suspend(self, request_id: str) -> concurrent.futures.Future[Continuation]:
         """Stop a running request at its next token boundary so that it goes on elsewhere (`resume`)."""
+        ...
+
+    def precopy(self, request_id: str) -> concurrent.futures.Future[Continuation]:
+        """What `suspend` would give at the next token boundary, while the request goes on (a move's pre-copy)."""
         ...
 
     async def resume(self, c: Continuation, params: SamplingParams) -> RequestHandle:
@@ -100,7 +105,7 @@ class LocalEngineClient:
     def __init__(self, engine: Engine):
         self.engine = engine
         m = engine.model
-        self.model = ModelInfo(m.family, m.fingerprint, m.vocab_size, m.spec)
+        self.model = ModelInfo(m.family, m.fingerprint, m.vocab_size, m.spec, m.chunks_equal_steps)
 
     async def prefill(self, prompt_ids: list[int], base_state: State | None = None,
                       base_ids: list[int] | None = None) -> State:  # fmt: skip
@@ -147,6 +152,9 @@ class LocalEngineClient:
 
     def suspend(self, request_id: str) -> concurrent.futures.Future[Continuation]:
         return self.engine.suspend(request_id)
+
+    def precopy(self, request_id: str) -> concurrent.futures.Future[Continuation]:
+        return self.engine.precopy(request_id)
 
     async def resume(self, c: Continuation, params: SamplingParams) -> RequestHandle:
         return self.engine.resume_continuation(c, params, loop=asyncio.get_running_loop())

@@ -58,7 +58,7 @@ class Engine:
         self._detok: dict[str, Detokenizer] = {}
         self._ids = itertools.count()
         self._snapshots: list[tuple[str, concurrent.futures.Future[tuple[State, list[int]]]]] = []
-        self._suspends: list[tuple[str, concurrent.futures.Future[Continuation]]] = []
+        self._suspends: list[tuple[str, concurrent.futures.Future[Continuation], bool]] = []  # (id, future, stop)
         self._thread: threading.Thread | None = None
         self._accepting = True
         self._stopping = False
@@ -187,8 +187,9 @@ class Engine:
                            capture_prompt_state=c.capture_prompt_state, prompt_state=c.prompt_state,
                            capture_at=c.capture_at, loop=loop, resume=c)  # fmt: skip
 
-    def suspend(self, request_id: str) -> concurrent.futures.Future[Continuation]:
-        """At the next token boundary, stop a request so that it can go on in another engine (live migration).
+    def suspend(self, request_id: str, stop: bool = True) -> concurrent.futures.Future[Continuation]:
+        """At the next token boundary, stop a request so that it can go on in another engine (live migration);
+        with `stop` False only copy what it would leave (`precopy`).
 
         The future yields its `Continuation`; the request ends with finish_reason "abort" and error_code "migrated",
         and its handle's `continuation` is set before that final event. Requests that only prefill or score their
@@ -202,9 +203,15 @@ class Engine:
             req = handle.request
             if req.prefill_only or req.prompt_logprobs is not None:
                 raise ValueError("a request that only prefills or scores its prompt cannot move")
-            self._suspends.append((request_id, fut))
+            self._suspends.append((request_id, fut, stop))
             self._wake.notify()
         return fut
+
+    def precopy(self, request_id: str) -> concurrent.futures.Future[Continuation]:
+        """At the next token boundary, the `Continuation` the request would leave if it stopped there, while it goes
+        on (a move's pre-copy: the destination receives this state while the source keeps generating, and the later
+        stop's `Continuation` only adds the tokens since, which the destination feeds in one chunk)."""
+        return self.suspend(request_id, stop=False)
 
     def _take_suspends(self) -> tuple[list[Event], list[tuple[concurrent.futures.Future[Continuation], Continuation]]]:
         """Stop the requests asked to move: their final events, and their futures with what to resolve them with
@@ -212,7 +219,7 @@ class Engine:
         send the request's state, and it runs before this step's model run and events, so a move does not wait on
         them)."""
         events, stopped = [], []
-        for rid, fut in self._suspends:
+        for rid, fut, stop in self._suspends:
             handle = self._handles.get(rid)
             if handle is None or handle.request.status.finished:
                 fut.set_exception(KeyError(f"request {rid!r} finished before it could move"))
@@ -223,6 +230,9 @@ class Engine:
                 self.runner.request_state(req), self.runner.generator_state(rid), self._detok[rid].released,
                 req.capture_state, req.capture_prompt_state, req.prompt_state, req.capture_at, req.branch_state,
             )  # fmt: skip
+            if not stop:
+                stopped.append((fut, c))
+                continue
             self._finish(req, Status.FINISHED_ABORTED, MIGRATED_MESSAGE, ErrorCode.MIGRATED)
             handle.continuation = c
             stopped.append((fut, c))
@@ -354,7 +364,7 @@ class Engine:
             for req in reqs:
                 self._finish(req, status, message, error_code)
             self._take_snapshots()  # pending snapshots of these requests fail rather than wait forever
-            for rid, fut in self._suspends:
+            for rid, fut, _ in self._suspends:
                 fut.set_exception(KeyError(f"request {rid!r} ended before it could move"))
             self._suspends.clear()
         self._dispatch([Event(r.request_id, [], "", None, status.value, message, error_code) for r in reqs])

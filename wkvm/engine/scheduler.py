@@ -1,8 +1,9 @@
 """The scheduler: no phases, one token budget per step.
 
-Running requests take their gap first (1 token when decoding, a capped chunk when prefilling), then waiting
-requests are admitted while budget and slots last. When no slot is free and a waiting request outranks
-(priority, then arrival) the lowest-ranked running one, that one is parked in host memory and resumes later.
+Running requests take their gap first (1 token when decoding, a capped chunk when prefilling or when a moved request
+catches up on the tokens its source generated after the pre-copy), then waiting requests are admitted while budget
+and slots last. When no slot is free and a waiting request outranks (priority, then arrival) the lowest-ranked
+running one, that one is parked in host memory and resumes later.
 
 Models with attention layers also need KV pages for the tokens a step feeds (grow and preempt, as vLLM does):
 each request's pages are reserved when it is scheduled; when the pool is out of pages the lowest-ranked other
@@ -19,6 +20,7 @@ from wkvm.config import EngineConfig
 from wkvm.engine.arena import SlotArena
 from wkvm.engine.kv_pages import OutOfPages
 from wkvm.engine.request import Request, Status
+from wkvm.models.family import STEP_CHUNK
 
 
 @dataclass
@@ -96,8 +98,8 @@ class Scheduler:
     def _take(self, req: Request, budget: int) -> int:
         if req.gap <= 0:
             return 0
-        if not req.is_prefilling:
-            return 1 if budget >= 1 else 0
+        if not req.is_prefilling:  # 1 when decoding; more for a moved request catching up (`Engine.precopy`), in
+            return min(req.gap, STEP_CHUNK, budget)  # chunks a model can run with the bits of stepping
         left = len(req.prompt_ids) - req.num_computed_tokens
         if req.capture_prompt_state and req.prompt_state is None and left > 1:
             left -= 1  # stop one short, so the state before the last prompt token can be captured

@@ -7,14 +7,21 @@ engine's `Continuation` (state, tokens, seeded generator, captured states, text 
 Whoever carries the ticket (the cluster front, through Ray's object store) sends the same request to the other
 server with `X-WKVM-Resume: <ticket>`; that server's stream starts with the source's next chunk.
 
+A move can be pre-copied (`Engine.precopy`): the source ships the ticket of a token boundary while the stream goes on
+there, and once the destination holds it, stops the stream and ships only what changed since (the tokens generated
+meanwhile, the generator, the text sent: `encode`'s `base`). The destination feeds those tokens in one chunk from the
+pre-copied state (`decode`'s `base`), so the state's bytes are not on the path of the client's wait.
+
 Tickets travel only between a deployment's own servers, yet are read like an import: a safetensors file (never a
 pickle) checked against this model's fingerprint and state spec, token ids against the vocabulary.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
+import inspect
 import json
 import secrets
 import threading
@@ -40,6 +47,7 @@ STREAM_HEADER = "x-wkvm-stream-id"  # on a stream that can move: the id to name 
 EVENT = "wkvm-handover"
 TICKET_SECONDS = 120.0  # a ticket nobody took by then is dropped
 STATES = ("state", "prompt_state", "branch_state")
+PRECOPY = "precopy"  # metadata of a ticket that goes on from a pre-copy: its token counts (`encode`'s `base`)
 
 
 class HandoverError(ValueError):
@@ -69,6 +77,8 @@ class LiveStream:
     to: str | None = None  # where it is moving (once asked)
     out_id: str | None = None  # its ticket's id, when the mover named it (the cluster front waits for it by that id)
     pushed: bool = False  # its ticket went out the moment it stopped (Handovers.move's `push`)
+    base: Continuation | None = None  # a pre-copy the destination holds: its ticket then carries only what changed
+    base_bytes: int = 0  # that pre-copy's ticket size
 
 
 class Handovers:
@@ -78,7 +88,7 @@ class Handovers:
         self._lock = threading.Lock()
         self._live: dict[str, LiveStream] = {}
         self._out: dict[str, tuple[float, bytes]] = {}
-        self._in: dict[str, tuple[float, bytes | Awaitable[bytes]]] = {}
+        self._in: dict[str, tuple[float, bytes | Awaitable[bytes], Awaitable[Moved | None] | None]] = {}
 
     def register(self, stream: LiveStream) -> None:
         """A stream about to start (its response may never run, if the client left first: those are pruned)."""
@@ -103,6 +113,11 @@ class Handovers:
         the request stops (before the engine's next model run) and sends the ticket on itself; it sets
         `stream.pushed`, and the stream's end then names the ticket without carrying it. KeyError: no such stream (of
         this tenant); HandoverError: it cannot move."""
+        return self.suspend(client, self.claim(tenant, stream_id, to, ticket), push)
+
+    def claim(self, tenant: str, stream_id: str, to: str, ticket: str | None = None) -> LiveStream:
+        """Mark a stream of `tenant` as moving to `to` (no other move takes it meanwhile); `suspend` stops it.
+        KeyError: no such stream (of this tenant); HandoverError: it cannot move, or is moving already."""
         with self._lock:
             s = self._live.get(stream_id)
             if s is None or s.tenant != tenant:
@@ -112,6 +127,12 @@ class Handovers:
             if s.to is not None:
                 raise HandoverError(f"this stream is already moving to {s.to}")
             s.to, s.out_id = to, ticket
+        return s
+
+    def suspend(self, client: EngineClient, s: LiveStream,
+                push: Callable[[LiveStream, Continuation], None] | None = None,
+                ) -> concurrent.futures.Future[Continuation]:  # fmt: skip
+        """Stop a claimed stream at its next token boundary (`move`); HandoverError (the claim let go): it cannot."""
         try:
             fut = client.suspend(s.handle.request_id)
         except (KeyError, ValueError) as e:
@@ -134,23 +155,42 @@ class Handovers:
             entry = self._out.pop(ticket, None)
         return entry[1] if entry else None
 
-    def put_in(self, ticket: str, data: bytes | Awaitable[bytes]) -> None:
+    def put_in(self, ticket: str, data: bytes | Awaitable[bytes],
+               base: Awaitable[Moved | None] | None = None) -> None:  # fmt: skip
         """A ticket arriving here: its bytes, or what will bring them (the request it belongs to can start meanwhile;
-        `take_in` waits for them)."""
+        `take_in` waits for them); `base`: what brings the decoded pre-copy a ticket of `encode(base=...)` goes on
+        from (awaited only for such a ticket, else cancelled)."""
         with self._lock:
             _expire(self._in)
-            self._in[ticket] = (time.monotonic(), data)
+            self._in[ticket] = (time.monotonic(), data, base)
 
-    async def take_in(self, ticket: str) -> bytes | None:
+    async def take_in(self, ticket: str) -> tuple[bytes | None, Moved | None]:
+        """The ticket's bytes (None: no such ticket) and, when it goes on from a pre-copy, that pre-copy (None if it
+        did not come)."""
         with self._lock:
             entry = self._in.pop(ticket, None)
-        data = entry[1] if entry else None
-        return data if data is None or isinstance(data, bytes) else await data
+        if entry is None:
+            return None, None
+        _, data, base = entry
+        if not isinstance(data, bytes):
+            data = await data
+        if base is None:
+            return data, None
+        if data and precopied(data):
+            return data, await base
+        if isinstance(base, asyncio.Future):
+            base.cancel()
+        elif inspect.iscoroutine(base):
+            base.close()
+        return data, None
 
 
-def _expire(tickets: dict[str, tuple[float, Any]]) -> None:
+Moved = tuple[Continuation, Ticket]
+
+
+def _expire(tickets: dict[str, Any]) -> None:
     now = time.monotonic()
-    for k in [k for k, (t, _) in tickets.items() if now - t > TICKET_SECONDS]:
+    for k in [k for k, entry in tickets.items() if now - entry[0] > TICKET_SECONDS]:
         del tickets[k]
 
 
@@ -168,13 +208,19 @@ def parse_marker(chunk: bytes) -> tuple[str, str] | None:
     return str(data["ticket"]), str(data["to"])
 
 
-def encode(spec: StateSpec, fingerprint: str, c: Continuation, ticket: Ticket) -> bytes:
+def encode(spec: StateSpec, fingerprint: str, c: Continuation, ticket: Ticket,
+           base: Continuation | None = None) -> bytes:  # fmt: skip
     """The ticket of a stopped request: all of it but the prompt-end state its turn captured for a checkpoint, which
-    the source stores itself (half the bytes, a shorter handover)."""
+    the source stores itself (half the bytes, a shorter handover). With `base`, a pre-copy of the same request the
+    destination holds already (`Engine.precopy`): no state, only the tokens, generator and text, and a branch-point
+    state captured since; the destination feeds the tokens generated since `base` from `base`'s state."""
     if c.prompt_state is not None:
         c = dataclasses.replace(c, prompt_state=None, capture_prompt_state=False)
+    kinds: tuple[str, ...] = STATES
+    if base is not None:
+        kinds = () if c.branch_state is None or c.branch_state is base.branch_state else ("branch_state",)
     tensors: dict[str, torch.Tensor] = {}
-    for kind in STATES:
+    for kind in kinds:
         state: State | None = getattr(c, kind)
         for name, v in (state or {}).items():
             tensors[f"{kind}.{name}"] = v[0].detach().to("cpu").contiguous()
@@ -185,11 +231,23 @@ def encode(spec: StateSpec, fingerprint: str, c: Continuation, ticket: Ticket) -
               "capture_prompt_state": c.capture_prompt_state, "capture_at": c.capture_at}  # fmt: skip
     md = {"format": FORMAT, "fingerprint": fingerprint, "spec_hash": spec.spec_hash,
           "continuation": json.dumps(tokens), "ticket": json.dumps(asdict(ticket))}  # fmt: skip
+    if base is not None:
+        md[PRECOPY] = json.dumps({"num_computed_tokens": base.num_computed_tokens, "outputs": len(base.output_ids)})
     return st_save(tensors, metadata=md)
 
 
-def decode(data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int) -> tuple[Continuation, Ticket]:
-    """A ticket's contents, checked against this model; HandoverError names what is wrong."""
+def precopied(data: bytes) -> bool:
+    """Whether a ticket goes on from a pre-copy (`encode`'s `base`); an unreadable one is not (`decode` says why)."""
+    try:
+        return PRECOPY in metadata(data)
+    except ValueError:
+        return False
+
+
+def decode(data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int,
+           base: Moved | None = None) -> Moved:  # fmt: skip
+    """A ticket's contents, checked against this model; HandoverError names what is wrong. `base`: the decoded
+    pre-copy a ticket of `encode(base=...)` goes on from."""
     try:
         tensors, md = st_load(data), metadata(data)
     except (SafetensorError, ValueError, RuntimeError) as e:  # StateFileError is a ValueError
@@ -202,14 +260,16 @@ def decode(data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int) -> t
         tok, t = json.loads(md["continuation"]), Ticket(**json.loads(md["ticket"]))
         ids = {k: [int(i) for i in tok[k]] for k in ("prompt_ids", "base_ids", "output_ids")}
         states = {kind: _state(spec, tensors, kind) for kind in STATES}
-        main = states["state"]
-        if main is None:
+        main, pre = states["state"], md.get(PRECOPY)
+        if main is None and pre is None:
             raise HandoverError("the ticket holds no state")
         at = tok["capture_at"]
         c = Continuation(ids["prompt_ids"], ids["base_ids"], ids["output_ids"], int(tok["num_computed_tokens"]),
-                         main, tensors.get("generator"), str(tok["text"]), bool(tok["capture_state"]),
+                         main or {}, tensors.get("generator"), str(tok["text"]), bool(tok["capture_state"]),
                          bool(tok["capture_prompt_state"]), states["prompt_state"], None if at is None else int(at),
                          states["branch_state"])  # fmt: skip
+        if pre is not None:
+            c = on_base(c, t, json.loads(pre), base)
     except (KeyError, TypeError, ValueError) as e:
         raise HandoverError(f"bad handover ticket: {e}") from None
     every = c.prompt_ids + c.base_ids + c.output_ids
@@ -221,6 +281,21 @@ def decode(data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int) -> t
     ):
         raise HandoverError("handover ticket: inconsistent token counts")
     return c, t
+
+
+def on_base(c: Continuation, t: Ticket, pre: dict[str, Any], base: Moved | None) -> Continuation:
+    """A ticket of `encode(base=...)` made whole with its pre-copy's state: the tokens generated after the pre-copy
+    are pending (fed in one chunk), the rest (tokens, generator, text) is the ticket's own."""
+    if base is None:
+        raise HandoverError("handover ticket: the state it goes on from (its pre-copy) did not arrive")
+    b, bt = base
+    n = int(pre["outputs"])
+    if (bt != t or b.prompt_ids != c.prompt_ids or b.base_ids != c.base_ids or len(b.output_ids) != n
+            or c.output_ids[:n] != b.output_ids or int(pre["num_computed_tokens"]) != b.num_computed_tokens
+            or c.num_computed_tokens < b.num_computed_tokens):  # fmt: skip
+        raise HandoverError("handover ticket: it does not continue the pre-copy that came with it")
+    return dataclasses.replace(c, state=b.state, num_computed_tokens=b.num_computed_tokens,
+                               branch_state=c.branch_state if c.branch_state is not None else b.branch_state)
 
 
 def _state(spec: StateSpec, tensors: dict[str, torch.Tensor], kind: str) -> State | None:

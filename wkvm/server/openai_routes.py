@@ -14,14 +14,13 @@ from starlette.concurrency import run_in_threadpool
 
 from wkvm.chat_template import ChatTemplateError
 from wkvm.engine.engine import Event, RequestHandle
-from wkvm.engine.request import Continuation
 from wkvm.engine.scheduler import QueueFull
 from wkvm.outputs import ErrorCode
 from wkvm.sampling_params import SamplingParams
 from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError, error_body
-from wkvm.server.handover import RESUME_HEADER, STREAM_HEADER, HandoverError, LiveStream, Ticket, marker
+from wkvm.server.handover import RESUME_HEADER, STREAM_HEADER, HandoverError, LiveStream, Moved, Ticket, marker
 from wkvm.server.handover import decode as decode_ticket
 from wkvm.server.handover import encode as encode_ticket
 from wkvm.server.schemas import MAX_PROMPTS, ChatRequest, CompletionRequest, SamplingFields
@@ -147,17 +146,15 @@ async def start_all(ctx: ServerContext, tenant: str, encoded: list[list[int]], b
     return runs
 
 
-Moved = tuple[Continuation, Ticket]
-
-
 async def taken_over(ctx: ServerContext, request: Request, tenant: str) -> Moved | None:
     """The stream this request continues (`X-WKVM-Resume`: moved here from another server), or None."""
     ticket = request.headers.get(RESUME_HEADER)
     if ticket is None:
         return None
-    data = await ctx.handovers.take_in(ticket)
+    data, base = await ctx.handovers.take_in(ticket)
     try:
-        moved = decode_ticket(data, ctx.model.spec, ctx.model.fingerprint, ctx.model.vocab_size) if data else None
+        m = ctx.model
+        moved = decode_ticket(data, m.spec, m.fingerprint, m.vocab_size, base) if data else None
     except HandoverError as e:
         raise APIError(400, str(e), None, "invalid_handover") from None
     if moved is None or moved[1].tenant != tenant:
