@@ -49,6 +49,9 @@ LINEAR_KEYS = (
 )  # fmt: skip
 LORA_KEYS = tuple(f"att.{p}{j}" for p in "wavg" for j in "12")
 PACKED_LORA_MIN_ROWS = 64
+# r, k, v, decay, a, g and the value residual's mix (None in layer 0): `_projections`
+Projections = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                    torch.Tensor | None]  # fmt: skip
 GLOBAL_KEYS = ("emb.weight", "blocks.0.ln0.weight", "blocks.0.ln0.bias", "ln_out.weight", "ln_out.bias", "head.weight")
 
 
@@ -191,6 +194,18 @@ class RWKV7(ModelBase):
         cfg = self.config
         _, (xr, xw, xk, xv, xa, xg) = step.norm_shift_mix(x, None, w["ln1.weight"], w["ln1.bias"], cfg.ln_eps,
                                                           state[f"layers.{i}.att_shift"], w["att.mix"])  # fmt: skip
+        r, k, v, decay, a, g, v_mix = self._projections(i, w, xr, xw, xk, xv, xa, xg)
+        v_first = v if i == 0 else v_first
+        o, v = step.wkv(state[f"layers.{i}.wkv"], r, decay, k, v, v_first, v_mix, a, g, w, cfg.gn_eps)
+        x, (xk,) = step.norm_shift_mix(x, linear(o, w["att.output.weight"]), w["ln2.weight"], w["ln2.bias"],
+                                       cfg.ln_eps, state[f"layers.{i}.ffn_shift"], w["ffn.x_k"])  # fmt: skip
+        x = x + linear(step.relu_square(linear(xk, w["ffn.key.weight"])), w["ffn.value.weight"])
+        return x, v_first
+
+    def _projections(self, i: int, w: Tensors, xr: torch.Tensor, xw: torch.Tensor, xk: torch.Tensor,
+                     xv: torch.Tensor, xa: torch.Tensor, xg: torch.Tensor) -> Projections:  # fmt: skip
+        """A time mix's matmuls and LoRA chains on rows of mixed inputs (the step kernel's): r, k, v, the decay, the
+        in-context rate a, the gate g and the value residual's mix (None in layer 0)."""
         r = linear(xr, w["att.receptance.weight"])
         k = linear(xk, w["att.key.weight"])
         v = linear(xv, w["att.value.weight"])
@@ -201,13 +216,7 @@ class RWKV7(ModelBase):
             inner=[step.TANH, step.NONE, step.SIGMOID, step.NONE][: len(lora)],
             outer=[step.SIGMOID, step.SIGMOID, step.NONE, step.SIGMOID][: len(lora)],
         )  # fmt: skip
-        v_first = v if i == 0 else v_first
-        o, v = step.wkv(state[f"layers.{i}.wkv"], r, decay, k, v, v_first, v_mix[0] if v_mix else None, a, g, w,
-                        cfg.gn_eps)  # fmt: skip
-        x, (xk,) = step.norm_shift_mix(x, linear(o, w["att.output.weight"]), w["ln2.weight"], w["ln2.bias"],
-                                       cfg.ln_eps, state[f"layers.{i}.ffn_shift"], w["ffn.x_k"])  # fmt: skip
-        x = x + linear(step.relu_square(linear(xk, w["ffn.key.weight"])), w["ffn.value.weight"])
-        return x, v_first
+        return r, k, v, decay, a, g, v_mix[0] if v_mix else None
 
     def _steps_layer(
         self, i: int, w: Tensors, x: torch.Tensor, state: State, v_first: torch.Tensor
@@ -233,18 +242,8 @@ class RWKV7(ModelBase):
         _, mixed = by_token(lambda t: step.norm_shift_mix(x[:, t], None, w["ln1.weight"], w["ln1.bias"], cfg.ln_eps,
                                                           att_shift, w["att.mix"]))  # fmt: skip
         xr, xw, xk, xv, xa, xg = mixed
-        r = linear(xr, w["att.receptance.weight"])
-        k = linear(xk, w["att.key.weight"])
-        v = linear(xv, w["att.value.weight"])
-        lora = "wagv" if i > 0 else "wag"
-        decay, a, g, *v_mix = step.loras(
-            [xw, xa, xg, xv][: len(lora)], [w[f"att.{p}1"] for p in lora], [w[f"att.{p}2"] for p in lora],
-            [w["att.w0"], w["att.a0"], None, w.get("att.v0")][: len(lora)],
-            inner=[step.TANH, step.NONE, step.SIGMOID, step.NONE][: len(lora)],
-            outer=[step.SIGMOID, step.SIGMOID, step.NONE, step.SIGMOID][: len(lora)],
-        )  # fmt: skip
+        r, k, v, decay, a, g, mix = self._projections(i, w, xr, xw, xk, xv, xa, xg)
         v_first = v if i == 0 else v_first.reshape(B * T, C)
-        mix = v_mix[0] if v_mix else None
         S = state[f"layers.{i}.wkv"]
         o, _ = by_token(lambda t: step.wkv(S, token(r, t), token(decay, t), token(k, t), token(v, t),
                                            token(v_first, t), None if mix is None else token(mix, t), token(a, t),
