@@ -26,7 +26,7 @@ from wkvm.models.family import (
 )
 from wkvm.models.kv import KVBatch
 from wkvm.models.linear import embedding, linear, pack_linear, rows_independent, stored, stored_outer
-from wkvm.models.provider import Tensors, WeightProvider
+from wkvm.models.provider import ResidentWeights, Tensors, WeightProvider
 from wkvm.models.rwkv7 import step
 from wkvm.models.rwkv7.wkv import DEFAULT_CHUNK, wkv_chunked, wkv_step
 from wkvm.models.spec import State, StateSpec, TensorSpec
@@ -143,9 +143,12 @@ class RWKV7(ModelBase):
 
     @functools.cached_property
     def chunks_equal_steps(self) -> bool:
-        """`_steps_layer` runs short chunks (the step kernel) on matmuls whose rows do not mix (checked on layer 0)."""
+        """`_steps_layer` runs short chunks (the step kernel) on matmuls whose rows do not mix: resident weights
+        (streamed layers are kept unpacked for oneDNN), checked on layer 0."""
+        if not isinstance(self.weights, ResidentWeights) or not step.available():
+            return False
         w = self.weights.layer(0)
-        return step.available() and all(rows_independent(w[name]) for name in LINEAR_KEYS)
+        return all(rows_independent(w[name]) for name in LINEAR_KEYS)
 
     @torch.inference_mode()
     def forward_groups(
