@@ -215,10 +215,9 @@ class Engine:
 
     def _take_suspends(self) -> tuple[list[Event], list[tuple[concurrent.futures.Future[Continuation], Continuation]]]:
         """Stop the requests asked to move (and copy those asked for a pre-copy, which go on): their final events, and
-        their futures with what to resolve them with
-        (resolved by the caller once it has let go of the lock: a future's callback may take its time, e.g. encode and
-        send the request's state, and it runs before this step's model run and events, so a move does not wait on
-        them)."""
+        their futures with what to resolve them with (resolved by the caller once it has let go of the lock: a
+        future's callback may take its time, e.g. encode and send the request's state, and it runs before this step's
+        model run and events, so a move does not wait on them)."""
         events, stopped = [], []
         for rid, fut, stop in self._suspends:
             handle = self._handles.get(rid)
