@@ -52,6 +52,8 @@ def test_models_retrieve_created_and_version(world_pth):
             client.models.retrieve("gpt-9")
         v = httpx.get(f"{s.url}/version").json()
         assert v["family"] == "rwkv7" and v["fingerprint"] == s.ctx.model.fingerprint and v["version"]
+        # the World tokenizer's byte table was built at load, not on the first token (or a moved stream's resume)
+        assert "_bytes" in vars(s.ctx.tokenizer)
 
 
 def test_embedded_template_renders_system_messages():

@@ -44,6 +44,12 @@ def test_world_vocab(world):
     assert world.token_bytes(0) == b"" and world.eos_token_id == 0
 
 
+def test_world_byte_table_equals_blinkdls(world, trie):
+    """The byte table reads most lines without `ast.literal_eval` (plain quoted strings): every token's bytes are
+    BlinkDL's (its tokenizer evaluates every line)."""
+    assert world._bytes == trie.idx2token
+
+
 def test_partial_utf8_is_held_until_complete(world):
     ids = world.encode("🎉")
     assert len(ids) > 1, "emoji should span several byte tokens"
