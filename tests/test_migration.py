@@ -18,7 +18,7 @@ import httpx
 import pytest
 from live_server import LiveServer
 
-from wkvm.server.handover import RESUME_HEADER, STREAM_HEADER, decode, encode, parse_marker, precopied
+from wkvm.server.handover import RESUME_HEADER, STREAM_HEADER, HandoverError, decode, encode, parse_marker, precopied
 
 MESSAGES = [{"role": "user", "content": "Speakonandtellmeallthatthouknowest."}]
 LONG = {"max_tokens": 200, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -302,3 +302,38 @@ def test_a_chat_turn_landing_elsewhere_takes_its_parked_session_over(pair, fresh
         assert third["wkvm"]["mode"] != "parent_bound"
     finally:
         a.ctx.sessions.mirror = b.ctx.sessions.mirror = None
+
+
+def test_a_ticket_whose_precopy_did_not_arrive_is_refused_not_a_server_error(pair):
+    """`Handovers.take_in`: a stop ticket that goes on from a pre-copy gets that pre-copy, or None when fetching it
+    failed (the route then answers 400 invalid_handover); a whole ticket does not wait for one (it is closed)."""
+    import asyncio
+
+    from wkvm.engine.request import Continuation
+    from wkvm.server.handover import Handovers, Ticket
+
+    a, _ = pair
+    m = a.ctx.model
+    c0 = Continuation([1, 2, 3], [], [4], 3, m.spec.zeros(1))
+    c1 = dataclasses.replace(c0, output_ids=[4, 5])
+    t = Ticket("cmpl-x", 0, "anonymous")
+    stop, whole = encode(m.spec, m.fingerprint, c1, t, c0), encode(m.spec, m.fingerprint, c0, t)
+    assert precopied(stop) and not precopied(whole)
+
+    async def failing():
+        raise ConnectionError("the source died")
+
+    async def never():  # a whole ticket must not wait for it
+        await asyncio.sleep(3600)
+
+    async def run():
+        h = Handovers()
+        h.put_in("t1", stop, asyncio.ensure_future(failing()))
+        assert await h.take_in("t1") == (stop, None)
+        waiting = never()
+        h.put_in("t2", whole, waiting)
+        assert await h.take_in("t2") == (whole, None) and waiting.cr_frame is None  # closed, never awaited
+        with pytest.raises(HandoverError, match="did not arrive"):
+            decode(stop, m.spec, m.fingerprint, m.vocab_size, None)
+
+    asyncio.run(run())

@@ -23,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import inspect
 import json
+import logging
 import secrets
 import threading
 import time
@@ -41,6 +42,7 @@ from wkvm.engine.request import Continuation
 from wkvm.models.spec import State, StateSpec
 from wkvm.state.statefile import metadata
 
+log = logging.getLogger("wkvm.handover")
 FORMAT = "wkvm-handover-v1"
 RESUME_HEADER = "x-wkvm-resume"
 STREAM_HEADER = "x-wkvm-stream-id"  # on a stream that can move: the id to name in a move
@@ -177,7 +179,11 @@ class Handovers:
         if base is None:
             return data, None
         if data and precopied(data):
-            return data, await base
+            try:
+                return data, await base
+            except Exception:  # it did not arrive in a readable form: `decode` then refuses the ticket (a 400)
+                log.warning("the pre-copy of moved stream %s did not arrive", ticket, exc_info=True)
+                return data, None
         if isinstance(base, asyncio.Future):
             base.cancel()
         elif inspect.iscoroutine(base):
