@@ -183,8 +183,10 @@ def test_a_running_stream_moves_to_another_replica_exactly(cluster, sampling, pr
             last = line or last
     assert moved is not None and moved.status_code == 200, moved.text if moved else "never moved"
     assert 0 < moved.json()["generated_tokens"] < 300
-    # pre-copied (RWKV-7 on its step kernel): the source went on while the state travelled; the destination caught up
-    assert (moved.json()["precopy_tokens"] is not None) == precopy, moved.json()
+    # pre-copied where the model allows it (RWKV-7 on its step kernel, which a machine without a compiler lacks): the
+    # source went on while the state travelled; the destination caught up
+    exact_catch_up = load_model(default_model()).chunks_equal_steps
+    assert (moved.json()["precopy_tokens"] is not None) == (precopy and exact_catch_up), moved.json()
     assert text == want and ids == {stream_id} and last == "data: [DONE]"
     # the session followed the stream: the next request of this user goes to the stream's new replica
     after = cluster.post("/v1/completions", json={**GREEDY, "prompt": "MENENIUS:", "user": "dan"})

@@ -172,7 +172,11 @@ def test_a_precopied_move_ships_only_what_changed_and_equals_one_that_never_move
     text = "".join(c["choices"][0]["text"] for c in got if c["choices"])
     assert text == "".join(c["choices"][0]["text"] for c in want if c["choices"])
     lps = [lp for c in got if c["choices"] for lp in c["choices"][0]["logprobs"]["token_logprobs"]]
-    assert lps == [lp for c in want if c["choices"] for lp in c["choices"][0]["logprobs"]["token_logprobs"]]
+    ref = [lp for c in want if c["choices"] for lp in c["choices"][0]["logprobs"]["token_logprobs"]]
+    if a.ctx.model.chunks_equal_steps:  # the catch-up chunk has the bits of stepping (RWKV-7 on its step kernel)
+        assert lps == ref
+    else:  # the torch path (no compiler): equal to rounding
+        assert lps == pytest.approx(ref, abs=1e-4)
 
 
 def test_a_moved_chat_turn_parks_its_session_on_the_destination(pair, fresh):

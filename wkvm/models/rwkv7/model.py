@@ -148,7 +148,7 @@ class RWKV7(ModelBase):
         if not isinstance(self.weights, ResidentWeights) or not step.available():
             return False
         w = self.weights.layer(0)
-        return all(rows_independent(w[name]) for name in LINEAR_KEYS)
+        return all(rows_independent(w[name], STEP_CHUNK) for name in LINEAR_KEYS)
 
     @torch.inference_mode()
     def forward_groups(
@@ -252,14 +252,10 @@ class RWKV7(ModelBase):
                                            token(v_first, t), None if mix is None else token(mix, t), token(a, t),
                                            token(g, t), w, cfg.gn_eps))  # fmt: skip
         att = linear(o, w["att.output.weight"])
-        s, xk = by_token(lambda t: self._ffn_in(w, x[:, t], token(att, t), ffn_shift))
+        s, xk = by_token(lambda t: step.norm_shift_mix(x[:, t], token(att, t), w["ln2.weight"], w["ln2.bias"],
+                                                       cfg.ln_eps, ffn_shift, w["ffn.x_k"]))  # fmt: skip
         y = s + linear(step.relu_square(linear(xk[0], w["ffn.key.weight"])), w["ffn.value.weight"])
         return y.view(B, T, C), v_first.view(B, T, C)
-
-    def _ffn_in(self, w: Tensors, x: torch.Tensor, add: torch.Tensor,
-                shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """A token's residual sum and its channel mix's input [1, B, C] (the start of `_decode_layer`'s channel mix)."""
-        return step.norm_shift_mix(x, add, w["ln2.weight"], w["ln2.bias"], self.config.ln_eps, shift, w["ffn.x_k"])
 
     def _time_mix(
         self, i: int, w: Tensors, x: torch.Tensor, state: State, v_first: torch.Tensor
