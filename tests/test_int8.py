@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n\nJULIET:\n"
 # plain rows only (K odd; N under a block), 32-row blocks then a plain row, blocks only, K = 2 mod 4 (a last pair
 # row without its quad partner) with a short last group of x
-SHAPES = [(37, 77), (7, 4100), (129, 1000), (64, 256), (96, 1030)]
+SHAPES = [(37, 77), (7, 4100), (129, 1000), (64, 256), (96, 1030), (64, 202)]
 
 
 def native_paths() -> list[str]:
