@@ -180,13 +180,14 @@ def test_greedy_equals_argmax_and_flags_every_kind_of_non_finite_row():
 
 
 @needs_kernel
-def test_a_rows_attention_does_not_depend_on_its_batch():
+@pytest.mark.parametrize("d,dtype", [(16, torch.float32), (64, torch.float32), (64, torch.float16), (24, torch.float16)])
+def test_a_rows_attention_does_not_depend_on_its_batch(d, dtype):
     """The same row (300 cached tokens) alone and next to rows of other lengths gives the same bits: its chunks are
-    fixed, not sized by the batch or the threads."""
-    hq, hkv, d, page = 6, 2, 16, 16
+    fixed, not sized by the batch or the threads (float16 pages and head sizes that take the grouped loops too)."""
+    hq, hkv, page = 6, 2, 16
     outs = []
     for lengths in ((300,), (300, 40, 1000, 7)):
-        pool = PagePool(kv_spec(hkv, d), n_pages=200, page_tokens=page)
+        pool = PagePool(kv_spec(hkv, d), n_pages=200, page_tokens=page, dtype=dtype)
         pool.pages["layers.0.k"].normal_(generator=torch.Generator().manual_seed(1))
         pool.pages["layers.0.v"].normal_(generator=torch.Generator().manual_seed(2))
         seqs = []
@@ -205,10 +206,11 @@ def test_a_rows_attention_does_not_depend_on_its_batch():
 
 
 @needs_kernel
-def test_a_dense_cache_and_pages_give_the_same_bits():
+@pytest.mark.parametrize("d", [16, 64])
+def test_a_dense_cache_and_pages_give_the_same_bits(d):
     """`model.decode` (DenseKV, one page per row) and the engine (PagedKV, 16-token pages) run the same kernel with the
     same chunks, so their outputs are equal, not just close."""
-    hq, hkv, d, n = 6, 2, 16, 300
+    hq, hkv, n = 6, 2, 300
     g = torch.Generator().manual_seed(11)
     keys, values = torch.randn(1, n, hkv, d, generator=g), torch.randn(1, n, hkv, d, generator=g)
     q, k, v = (torch.randn(1, 1, h, d, generator=g) for h in (hq, hkv, hkv))
