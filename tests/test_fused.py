@@ -180,7 +180,8 @@ def test_greedy_equals_argmax_and_flags_every_kind_of_non_finite_row():
 
 
 @needs_kernel
-@pytest.mark.parametrize("d,dtype", [(16, torch.float32), (64, torch.float32), (64, torch.float16), (24, torch.float16)])
+@pytest.mark.parametrize("d,dtype", [(16, torch.float32), (64, torch.float32), (64, torch.float16),
+                                     (24, torch.float16)])  # fmt: skip
 def test_a_rows_attention_does_not_depend_on_its_batch(d, dtype):
     """The same row (300 cached tokens) alone and next to rows of other lengths gives the same bits: its chunks are
     fixed, not sized by the batch or the threads (float16 pages and head sizes that take the grouped loops too)."""
