@@ -223,27 +223,34 @@ inline v8f halves(v8f a) { return a; }
 
 // The scores of a page's tokens 0..count-1 four at a time (returns how many it did), vectors of V along d: every
 // head of a token in one pass over its row of the pool, four tokens' sums reduced in registers. scores points at
-// the page's first token of head 0 (row stride m).
-template <class V, class T>
+// the page's first token of head 0 (row stride m). GS query heads of a kv head at a time share each key vector
+// loaded (GS divides the group size; 1 for any group).
+template <class V, class T, int GS>
 int64_t scores4(const float* qr, const T* kp, int64_t count, const Heads& hs, float* scores, int64_t m) {
   constexpr int64_t L = sizeof(V) / sizeof(float);
   int64_t i = 0;
   for (; i + 4 <= count; i += 4) {
     if (i + AHEAD < count) prefetch_rows(kp + (i + AHEAD) * hs.HD, std::min<int64_t>(4, count - i - AHEAD) * hs.HD);
     for (int64_t j = 0; j < hs.Hkv; ++j) {
-      const T *k0 = kp + i * hs.HD + j * hs.D, *k1 = k0 + hs.HD, *k2 = k1 + hs.HD, *k3 = k2 + hs.HD;
-      for (int64_t h = j * hs.G; h < (j + 1) * hs.G; ++h) {
-        const float* qh = qr + h * hs.D;
-        V a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      const T* k0 = kp + i * hs.HD + j * hs.D;
+      for (int64_t h0 = j * hs.G; h0 < (j + 1) * hs.G; h0 += GS) {
+        V a[GS][4];
+        for (int g = 0; g < GS; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = V{};
         for (int64_t d = 0; d < hs.D; d += L) {
-          const V qv = load_vec<V>(qh + d);
-          a0 += qv * load_vec<V>(k0 + d);
-          a1 += qv * load_vec<V>(k1 + d);
-          a2 += qv * load_vec<V>(k2 + d);
-          a3 += qv * load_vec<V>(k3 + d);
+          const V x0 = load_vec<V>(k0 + d), x1 = load_vec<V>(k0 + hs.HD + d), x2 = load_vec<V>(k0 + 2 * hs.HD + d),
+                  x3 = load_vec<V>(k0 + 3 * hs.HD + d);
+          for (int g = 0; g < GS; ++g) {
+            const V qv = load_vec<V>(qr + (h0 + g) * hs.D + d);
+            a[g][0] += qv * x0;
+            a[g][1] += qv * x1;
+            a[g][2] += qv * x2;
+            a[g][3] += qv * x3;
+          }
         }
-        const v4f s4 = hsum4(halves(a0), halves(a1), halves(a2), halves(a3));
-        std::memcpy(scores + h * m + i, &s4, sizeof s4);
+        for (int g = 0; g < GS; ++g) {
+          const v4f s4 = hsum4(halves(a[g][0]), halves(a[g][1]), halves(a[g][2]), halves(a[g][3]));
+          std::memcpy(scores + (h0 + g) * m + i, &s4, sizeof s4);
+        }
       }
     }
   }
@@ -260,53 +267,20 @@ constexpr int ACC_REGS = 0;
 #endif
 constexpr int64_t LANES = sizeof(vacc) / sizeof(float);
 
-// scores4 with kv head j's G query heads sharing each key vector loaded (the same sums in the same order)
-template <class V, class T, int G>
-int64_t scores4_group(const float* qr, const T* kp, int64_t count, const Heads& hs, float* scores, int64_t m) {
-  constexpr int64_t L = sizeof(V) / sizeof(float);
-  int64_t i = 0;
-  for (; i + 4 <= count; i += 4) {
-    if (i + AHEAD < count) prefetch_rows(kp + (i + AHEAD) * hs.HD, std::min<int64_t>(4, count - i - AHEAD) * hs.HD);
-    for (int64_t j = 0; j < hs.Hkv; ++j) {
-      const T* k0 = kp + i * hs.HD + j * hs.D;
-      const float* q = qr + j * G * hs.D;
-      V a[G][4];
-      for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = V{};
-      for (int64_t d = 0; d < hs.D; d += L) {
-        const V x0 = load_vec<V>(k0 + d), x1 = load_vec<V>(k0 + hs.HD + d), x2 = load_vec<V>(k0 + 2 * hs.HD + d),
-                x3 = load_vec<V>(k0 + 3 * hs.HD + d);
-        for (int g = 0; g < G; ++g) {
-          const V qv = load_vec<V>(q + g * hs.D + d);
-          a[g][0] += qv * x0;
-          a[g][1] += qv * x1;
-          a[g][2] += qv * x2;
-          a[g][3] += qv * x3;
-        }
-      }
-      for (int g = 0; g < G; ++g) {
-        const v4f s4 = hsum4(halves(a[g][0]), halves(a[g][1]), halves(a[g][2]), halves(a[g][3]));
-        std::memcpy(scores + (j * G + g) * m + i, &s4, sizeof s4);
-      }
-    }
-  }
-  return i;
-}
-
-// scores4, or for a float16 cache scores4_group where a group's 4 G sums fit in registers (G 1-4): each key vector
-// is then widened once for the group (1.15-1.4x the attention op at 64 and 128 dims); a float32 cache's loads cost
-// little and the grouped loop ran 0.75-0.8x there (AMD EPYC AVX-512)
+// scores4 one query head at a time, or for a float16 cache a whole group (1-4 heads) per key vector where its 4 G
+// sums fit in registers: each key vector is then widened once for the group (1.15-1.4x the attention op at 64 and
+// 128 dims); a float32 cache's loads cost little and the grouped loop ran 0.75-0.8x there (AMD EPYC AVX-512)
 template <class V, class T>
 int64_t scores4_fast(const float* qr, const T* kp, int64_t count, const Heads& hs, float* scores, int64_t m) {
   if (std::is_same_v<T, half> && hs.G * 4 <= ACC_REGS) {
     switch (hs.G) {
-      case 1: return scores4_group<V, T, 1>(qr, kp, count, hs, scores, m);
-      case 2: return scores4_group<V, T, 2>(qr, kp, count, hs, scores, m);
-      case 3: return scores4_group<V, T, 3>(qr, kp, count, hs, scores, m);
-      case 4: return scores4_group<V, T, 4>(qr, kp, count, hs, scores, m);
+      case 2: return scores4<V, T, 2>(qr, kp, count, hs, scores, m);
+      case 3: return scores4<V, T, 3>(qr, kp, count, hs, scores, m);
+      case 4: return scores4<V, T, 4>(qr, kp, count, hs, scores, m);
       default: break;
     }
   }
-  return scores4<V>(qr, kp, count, hs, scores, m);
+  return scores4<V, T, 1>(qr, kp, count, hs, scores, m);
 }
 
 // scores[h * m + (t - t0)] = q_h . k_t for tokens t0..t1-1 (m = t1 - t0; q already scaled). Every head of a token
