@@ -1,6 +1,9 @@
 """Both checkpoint formats: same weights give identical logits; conversion round trips are bit-identical."""
 
+import gc
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +27,21 @@ def test_pth_and_hf_give_identical_logits(tiny_pth, tiny_hf):
     lb, _ = b.prefill(tokens, all_logits=True)
     assert torch.equal(la, lb)
     assert a.fingerprint == b.fingerprint
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_a_loaded_checkpoint_is_not_left_mapped(tmp_path, tiny_pth, dtype):
+    """torch.load maps a .pth file; a model tensor kept as it was read (fp32 norms, LoRAs, an fp32 embedding) held the
+    whole mapping, so every page of the file stayed in the server's resident memory. The loader copies those."""
+    path = tmp_path / "mapped.pth"
+    path.write_bytes(tiny_pth.read_bytes())
+    model = load_model(path, dtype=dtype)
+    gc.collect()
+    assert str(path.resolve()) not in Path("/proc/self/maps").read_text()
+    reference = load_model(tiny_pth, dtype=dtype)
+    ids = list(range(1, 9))
+    assert torch.equal(model.prefill(ids)[0], reference.prefill(ids)[0])
 
 
 def test_hf_layout_is_fla(tiny_hf):
