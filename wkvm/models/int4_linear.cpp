@@ -262,7 +262,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t isa) {
   std::unique_ptr<float[]> xs(new float[M * G]);
   std::unique_ptr<float[]> xsd(new float[M * G]);
   std::unique_ptr<int32_t[]> xsum(new int32_t[M * G]);
-  wkvm::quantize_groups(x.data_ptr<float>(), M, K, xq.get(), xs.get(), xsum.get());
+  wkvm::quantize_groups(x.data_ptr<float>(), M, K, xq.get(), xs.get(), xsum.get(), isa);
   for (int64_t i = 0; i < M * G; ++i) xsd[i] = static_cast<float>(xsum[i]) * xs[i];
   at::Tensor y = at::empty({M, N}, x.options());
   const Problem p{xq.get(), xs.get(), xsd.get(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K, G, N / ROWS};

@@ -303,7 +303,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t isa) {
   std::unique_ptr<int8_t[]> xq(new int8_t[M * K]);  // uninitialized: every element is written
   std::unique_ptr<float[]> xs(new float[M * G]);
   std::unique_ptr<int32_t[]> xsum(new int32_t[M * G]);
-  wkvm::quantize_groups(x.data_ptr<float>(), M, K, xq.get(), xs.get(), xsum.get());
+  wkvm::quantize_groups(x.data_ptr<float>(), M, K, xq.get(), xs.get(), xsum.get(), isa);
   std::unique_ptr<int16_t[]> x16;
   if (isa == 1 || isa == 2) {  // the vpmaddwd paths multiply int16 pairs
     x16.reset(new int16_t[M * K]);
