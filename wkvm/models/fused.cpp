@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -258,7 +259,8 @@ int64_t scores4(const float* qr, const T* kp, int64_t count, const Heads& hs, fl
 }
 
 // Vectors of sums the grouped loops below may keep in registers: 24 of AVX-512's 32. Built for AVX2 (16 registers)
-// they ran 0.8-0.98x the plain ones (register pairs, spills: measured on the same CPU), so there they are off.
+// they ran 0.79-0.98x the plain ones in one paired run on the AVX-512 machine restricted to AVX2 code (register
+// pairs, spills; that machine's noise was large, +-20%, but every row was below 1), so there they are off.
 typedef v16f vacc;
 #if defined(__AVX512F__)
 constexpr int ACC_REGS = 24;
@@ -406,7 +408,7 @@ template <class T>
 void values_fast(const float* p, const T* vf, const Pages& pg, int64_t t0, int64_t t1, const Heads& hs, float* acc) {
   using Fn = void (*)(const float*, const T*, const Pages&, int64_t, int64_t, const Heads&, float*);
   Fn fn = nullptr;
-  if (ACC_REGS > 0 && hs.D % LANES == 0 && hs.G >= 1 && hs.G <= 4) {
+  if (ACC_REGS > 0 && hs.D % LANES == 0 && hs.G <= 4) {
     const int64_t nv = hs.D / LANES;
     int nc = 8;  // the widest power of two dividing nv whose G x nc sums fit in registers
     while (nc > 1 && (nv % nc || hs.G * nc > ACC_REGS)) nc /= 2;
@@ -415,7 +417,7 @@ void values_fast(const float* p, const T* vf, const Pages& pg, int64_t t0, int64
         {values_heads<T, 2, 1>, values_heads<T, 2, 2>, values_heads<T, 2, 4>, values_heads<T, 2, 8>},
         {values_heads<T, 3, 1>, values_heads<T, 3, 2>, values_heads<T, 3, 4>, values_heads<T, 3, 8>},
         {values_heads<T, 4, 1>, values_heads<T, 4, 2>, values_heads<T, 4, 4>, values_heads<T, 4, 8>}};
-    fn = table[hs.G - 1][nc == 1 ? 0 : nc == 2 ? 1 : nc == 4 ? 2 : 3];
+    fn = table[hs.G - 1][std::countr_zero(static_cast<unsigned>(nc))];
   }
   if (fn) return fn(p, vf, pg, t0, t1, hs, acc);
   values_of(p, vf, pg, t0, t1, hs, acc);

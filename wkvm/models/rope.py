@@ -19,7 +19,7 @@ def angles(inv_freq: torch.Tensor, start: torch.Tensor, T: int) -> tuple[torch.T
     """cos, sin [B, T, 1, 2 * len(inv_freq)] for positions start[b] + t (start [B] long)."""
     pos = start.to(inv_freq.device)[:, None] + torch.arange(T, device=inv_freq.device)
     a = pos[..., None].float() * inv_freq
-    a = torch.cat([a, a], -1)  # not .repeat: 16 us a call here, cat 3 us
+    a = torch.cat([a, a], -1)  # not .repeat: 16 vs 3 us for [8, 1, 32] (AMD EPYC)
     return a.cos().unsqueeze(2), a.sin().unsqueeze(2)
 
 

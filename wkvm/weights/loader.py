@@ -68,15 +68,15 @@ def own_memory(raw: RawTensors, parts: list[Tensors]) -> None:
     LoRAs, an fp32 embedding): a memory-mapped checkpoint then unmaps once loading ends, instead of staying mapped
     whole (a 0.1B RWKV-7 .pth: 840 MB of its pages counted in the server's resident memory). One copy per tensor,
     so tensors that are one (a tied embedding and head) stay one."""
-    shared = {t.untyped_storage().data_ptr() for t in raw.values() if plain(t)}
+    shared = {t.untyped_storage().data_ptr() for t in raw.values() if strided_on_cpu(t)}
     copies: dict[int, torch.Tensor] = {}
     for part in parts:
         for name, t in part.items():
-            if plain(t) and t.untyped_storage().data_ptr() in shared:
+            if strided_on_cpu(t) and t.untyped_storage().data_ptr() in shared:
                 part[name] = copies.setdefault(id(t), t.clone())
 
 
-def plain(t: object) -> bool:
+def strided_on_cpu(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_mkldnn and t.device.type == "cpu"
 
 
