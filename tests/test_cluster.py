@@ -159,20 +159,14 @@ def test_tenants_do_not_share_states_across_replicas(cluster):
 SEEDED = {"temperature": 1.0, "top_p": 0.9, "seed": 5, "presence_penalty": 0.5}
 
 
-@pytest.mark.parametrize(("sampling", "precopy"), [({"temperature": 0}, False), ({"temperature": 0}, True),
-                                                   (SEEDED, False), (SEEDED, True)])  # fmt: skip
-def test_a_running_stream_moves_to_another_replica_exactly(cluster, sampling, precopy):
-    """POST /v1/streams/{id}/migrate mid-stream: the client's stream goes on from the other replica on the same
-    connection, with the tokens of a run that never moved (greedy, and seeded sampling); also pre-copied (the state
-    travels while the source goes on, the destination catches up on the tokens generated meanwhile)."""
-    body = {**GREEDY, **sampling, "max_tokens": 300, "ignore_eos": True, "prompt": "MENENIUS:", "user": "dan"}
-    want = cluster.post("/v1/completions", json=body).json()["choices"][0]["text"]
+def stream_moved_midway(cluster, body: dict, precopy: bool = False) -> tuple[str, str, httpx.Response]:
+    """Stream a completion and move it to the other replica after its first few characters: (the client's text,
+    the stream's source replica, the migrate call's answer). Checks the stream stayed one response to [DONE]."""
     text, ids, moved, last = "", set(), None, ""
     with cluster.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200
         stream_id, source = r.headers["x-wkvm-stream-id"], r.headers["x-wkvm-replica"]
-        lines = r.iter_lines()
-        for line in lines:
+        for line in r.iter_lines():
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
                 text += chunk["choices"][0]["text"] if chunk["choices"] else ""
@@ -182,12 +176,25 @@ def test_a_running_stream_moves_to_another_replica_exactly(cluster, sampling, pr
                     moved = cluster.post(f"/v1/streams/{stream_id}/migrate", json={"to": other, "precopy": precopy})
             last = line or last
     assert moved is not None and moved.status_code == 200, moved.text if moved else "never moved"
-    assert 0 < moved.json()["generated_tokens"] < 300
+    assert 0 < moved.json()["generated_tokens"] < body["max_tokens"]
+    assert ids == {stream_id} and last == "data: [DONE]"
+    return text, source, moved
+
+
+@pytest.mark.parametrize(("sampling", "precopy"), [({"temperature": 0}, False), ({"temperature": 0}, True),
+                                                   (SEEDED, False), (SEEDED, True)])  # fmt: skip
+def test_a_running_stream_moves_to_another_replica_exactly(cluster, sampling, precopy):
+    """POST /v1/streams/{id}/migrate mid-stream: the client's stream goes on from the other replica on the same
+    connection, with the tokens of a run that never moved (greedy, and seeded sampling); also pre-copied (the state
+    travels while the source goes on, the destination catches up on the tokens generated meanwhile)."""
+    body = {**GREEDY, **sampling, "max_tokens": 300, "ignore_eos": True, "prompt": "MENENIUS:", "user": "dan"}
+    want = cluster.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    text, _, moved = stream_moved_midway(cluster, body, precopy)
     # pre-copied where the model allows it (RWKV-7 on its step kernel, which a machine without a compiler lacks): the
     # source went on while the state travelled; the destination caught up
     exact_catch_up = load_model(default_model()).chunks_equal_steps
     assert (moved.json()["precopy_tokens"] is not None) == (precopy and exact_catch_up), moved.json()
-    assert text == want and ids == {stream_id} and last == "data: [DONE]"
+    assert text == want
     # the session followed the stream: the next request of this user goes to the stream's new replica
     after = cluster.post("/v1/completions", json={**GREEDY, "prompt": "MENENIUS:", "user": "dan"})
     assert after.headers["x-wkvm-replica"] == moved.json()["to"]
@@ -196,12 +203,32 @@ def test_a_running_stream_moves_to_another_replica_exactly(cluster, sampling, pr
     assert re.search(r"^wkvm_cluster_stream_moved_bytes_total [1-9]", metrics, re.MULTILINE)
 
 
+def test_a_stream_from_a_named_state_moves_and_the_state_stays(cluster):
+    """A stream that starts from a named state (`state`) moves like any other, exactly; the name stays with its
+    replica (only its versions' owner issues new ones)."""
+    r = cluster.post("/v1/states", json={"name": "embassy", "prompt": "VOLUMNIA: Thou hast never"})
+    assert r.status_code == 200, r.text
+    owner = r.headers["x-wkvm-replica"]
+    body = {**GREEDY, "max_tokens": 300, "ignore_eos": True, "prompt": " in thy life", "state": "embassy@1"}
+    want = cluster.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    text, source, moved = stream_moved_midway(cluster, body)
+    assert source == owner and moved.json()["to"] != owner
+    assert text == want
+    again = cluster.post("/v1/completions", json={**body, "max_tokens": 12})
+    assert again.status_code == 200 and again.headers["x-wkvm-replica"] == owner
+    assert cluster.get("/v1/states/embassy@1").headers["x-wkvm-replica"] == owner
+
+
 def test_a_stream_that_cannot_move_says_why(cluster):
     missing = cluster.post("/v1/streams/chatcmpl-none/migrate", json={"to": "r0"})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "stream_not_found"
     with cluster.stream("POST", "/v1/completions", json={**GREEDY, "prompt": "CORIOLANUS:", "n": 2,
                                                          "stream": True}) as r:  # fmt: skip
         assert "x-wkvm-stream-id" not in r.headers  # two choices: it finishes where it is
+        r.read()
+    saving = {**GREEDY, "prompt": "CORIOLANUS:", "save_state": "banished", "stream": True}
+    with cluster.stream("POST", "/v1/completions", json=saving) as r:
+        assert r.status_code == 200 and "x-wkvm-stream-id" not in r.headers  # its name's versions are issued here
         r.read()
 
 

@@ -186,8 +186,8 @@ def live_stream(tenant: str, body: GenBody, plan: Plan, handles: list[RequestHan
     why = None
     if len(handles) != 1 or prompts != 1:
         why = "only a single-choice stream of one prompt can move"
-    elif body.state or body.save_state:
-        why = "it is bound to a named state on this server: move the state when the stream ends"
+    elif body.save_state:  # a name's versions are issued on the server that holds the name
+        why = "it saves its final state under a name this server holds: move the state when the stream ends"
     elif handles[0].request.params.prompt_logprobs is not None:
         why = "it scores its prompt (echo with logprobs)"
     return LiveStream(tenant, handles[0], ticket, why, reuse_scope(tenant, body.user, body.cache_salt))
