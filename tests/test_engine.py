@@ -397,3 +397,38 @@ def test_runner_captures_the_prompt_state_before_the_last_prompt_token(model):
     [(r, s)] = runner.run([(req, 1)]).caught_up
     assert r is req and s.token == greedy_reference(model, [1, 2, 3, 4], 1)[0]
     assert torch.equal(runner.request_state(req)["layers.0.wkv"], runner.read_state(req.slot)["layers.0.wkv"])
+
+
+def test_a_move_asked_of_a_request_that_just_ended_is_answered_at_once(model, tok):
+    """A threaded engine with nothing to run answers a pending move (the request ended first) right away, not at its
+    next request (a move's call timed out waiting, and its caller gave up)."""
+    engine = Engine(model, tok, EngineConfig(n_slots=2))
+    engine.start()
+    try:
+        h = engine.submit([1, 2, 3], greedy(2))
+        assert h.done.wait(30)
+        engine._handles[h.request_id] = h  # the moment between a request's end and its handle's removal
+        moving = engine.suspend(h.request_id)
+        engine._handles.pop(h.request_id, None)
+        with pytest.raises(KeyError, match="finished before it could move"):
+            moving.result(timeout=10)
+    finally:
+        engine.shutdown(drain=False)
+
+
+def test_a_move_given_up_on_neither_stops_the_request_nor_the_engine(model, tok):
+    """A move whose caller gave up before the engine took it (a timed-out call cancels its future): the request goes
+    on where it is, and the engine too (resolving the cancelled future raised inside the step, which killed the
+    engine's thread: every later request hung)."""
+    engine = Engine(model, tok, EngineConfig(n_slots=2))
+    running = engine.submit([4, 5, 6], greedy(20))
+    engine.step()
+    engine.step()
+    abandoned = engine.suspend(running.request_id)
+    abandoned.cancel()
+    ended = engine.submit([7, 8], greedy(3))
+    engine.step()
+    ending = engine.suspend(ended.request_id)
+    engine.run_until_done()
+    assert running.output.token_ids == greedy_reference(model, [4, 5, 6], 20) and running.continuation is None
+    assert ended.continuation is not None and ending.result(timeout=0) is ended.continuation

@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import TypeVar
 
 from wkvm.config import EngineConfig
 from wkvm.engine.arena import SlotArena
@@ -23,7 +24,23 @@ from wkvm.outputs import ErrorCode
 from wkvm.sampling_params import SamplingParams
 from wkvm.tokenizer import Tokenizer
 
+T = TypeVar("T")
+
 log = logging.getLogger("wkvm.engine")
+
+
+def settle(fut: concurrent.futures.Future[T], result: T | None = None, error: BaseException | None = None) -> None:
+    """Resolve a caller's future (a move, a pre-copy, a snapshot) unless the caller gave up on it first: a move whose
+    call timed out cancels its future, and resolving a cancelled one raises, which must not stop the engine."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)  # type: ignore[arg-type]
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
 __all__ = ["Engine", "EngineClosed", "EngineStats", "Event", "QueueFull", "RequestHandle"]
 SHUTDOWN_MESSAGE = "the engine shut down before this request finished"
 MIGRATED_MESSAGE = "moved to another engine, where it goes on"
@@ -220,9 +237,11 @@ class Engine:
         model run and events, so a move does not wait on them)."""
         events, stopped = [], []
         for rid, fut, stop in self._suspends:
+            if fut.cancelled():  # the mover gave up (its call timed out): the request goes on here
+                continue
             handle = self._handles.get(rid)
             if handle is None or handle.request.status.finished:
-                fut.set_exception(KeyError(f"request {rid!r} finished before it could move"))
+                settle(fut, error=KeyError(f"request {rid!r} finished before it could move"))
                 continue
             req = handle.request
             c = Continuation(
@@ -244,9 +263,9 @@ class Engine:
         for rid, fut in self._snapshots:
             handle = self._handles.get(rid)
             if handle is None or handle.request.status.finished:
-                fut.set_exception(KeyError(f"request {rid!r} finished before its snapshot"))
+                settle(fut, error=KeyError(f"request {rid!r} finished before its snapshot"))
                 continue
-            fut.set_result((self.runner.request_state(handle.request), handle.request.snapshot_history()))
+            settle(fut, (self.runner.request_state(handle.request), handle.request.snapshot_history()))
         self._snapshots.clear()
 
     # --- the step ------------------------------------------------------------------------------
@@ -258,7 +277,7 @@ class Engine:
             events += self._reap()
             batch = self.scheduler.schedule()
         for fut, c in stopped:
-            fut.set_result(c)
+            settle(fut, c)
         self._dispatch(events)  # requests that ended before this step's run (moved, cancelled, timed out) need not wait
         if not batch.work:
             return events
@@ -365,7 +384,7 @@ class Engine:
                 self._finish(req, status, message, error_code)
             self._take_snapshots()  # pending snapshots of these requests fail rather than wait forever
             for rid, fut, _ in self._suspends:
-                fut.set_exception(KeyError(f"request {rid!r} ended before it could move"))
+                settle(fut, error=KeyError(f"request {rid!r} ended before it could move"))
             self._suspends.clear()
         self._dispatch([Event(r.request_id, [], "", None, status.value, message, error_code) for r in reqs])
 
@@ -396,7 +415,8 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self.scheduler.has_work and not self._stopping:
+                # a move or snapshot asked of a request that has just ended is answered now, not at the next request
+                while not (self.scheduler.has_work or self._suspends or self._snapshots) and not self._stopping:
                     self._wake.wait()
                 if self._stopping and not (self._drain and self.scheduler.has_work):
                     break

@@ -142,7 +142,7 @@ class Handovers:
                 s.to = s.out_id = None
             raise HandoverError(f"this stream cannot move now: {e}") from None
         if push is not None:
-            fut.add_done_callback(lambda f: None if f.exception() else push(s, f.result()))
+            fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() else push(s, f.result()))
         return fut
 
     def put_out(self, data: bytes, ticket: str | None = None) -> str:
