@@ -432,3 +432,24 @@ def test_a_move_given_up_on_neither_stops_the_request_nor_the_engine(model, tok)
     engine.run_until_done()
     assert running.output.token_ids == greedy_reference(model, [4, 5, 6], 20) and running.continuation is None
     assert ended.continuation is not None and ending.result(timeout=0) is ended.continuation
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop is made to die
+def test_a_step_loop_that_dies_says_so(model, tok):
+    """`loop_failed`: the step loop's thread ended without a shutdown (what /health and a replica's probe report);
+    not after an ordinary shutdown."""
+    engine = Engine(model, tok, EngineConfig(n_slots=1))
+
+    def broken() -> None:
+        raise SystemExit("a failure the loop does not catch")
+
+    engine.step = broken
+    engine.start()
+    engine.submit([1, 2], greedy(2))
+    engine._thread.join(10)
+    assert engine.loop_failed
+    fine = Engine(model, tok, EngineConfig(n_slots=1))
+    fine.start()
+    assert not fine.loop_failed
+    fine.shutdown(drain=False)
+    assert not fine.loop_failed

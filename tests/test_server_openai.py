@@ -260,3 +260,17 @@ def test_health_is_503_until_a_model_is_loaded(tmp_path):
         assert r.status_code == 503 and "failed to load" in r.json()["error"]["message"]
         r = c.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed"
+
+
+@pytest.mark.allows_5xx
+def test_health_is_503_when_the_engine_loop_has_died(server):
+    """A server whose step loop died would hang every request: /health says so (and a replica's probe fails)."""
+    engine_client = server.ctx.client
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    engine_client.loop_failed = lambda: True
+    try:
+        r = httpx.get(f"{server.url}/health")
+        assert r.status_code == 503 and "step loop has stopped" in r.json()["error"]["message"]
+    finally:
+        del engine_client.loop_failed
+    assert httpx.get(f"{server.url}/health").status_code == 200

@@ -72,6 +72,12 @@ class EngineReplica:
         self._pushed: dict[str, int] = {}  # tickets pushed to the directory (`_push`) -> their bytes
         threading.Thread(target=self._drain_when_stopping, name="wkvm-drain", daemon=True).start()
 
+    def check_health(self) -> None:
+        """Serve's periodic probe: a replica whose engine loop has died would hang every request routed to it, so it
+        fails the probe and Serve replaces it (its slot and named states go to the replacement)."""
+        if self.ctx.generative and self.ctx.client.loop_failed():
+            raise RuntimeError("the engine's step loop has stopped (a bug: see this replica's log)")
+
     def misrouted(self, route: dict[str, object]) -> bool:
         """A strict call meant for another replica (its owner was being replaced when it was routed)."""
         return bool(route.get("strict")) and route.get("target") != self.replica_id

@@ -78,6 +78,8 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    def loop_failed(self) -> bool: ...
+
     def stop_accepting(self) -> None: ...
 
     def abort_all(self, reason: str) -> None: ...
@@ -164,6 +166,9 @@ class LocalEngineClient:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def loop_failed(self) -> bool:
+        return self.engine.loop_failed
 
     def stop_accepting(self) -> None:
         self.engine.stop_accepting()

@@ -403,6 +403,12 @@ class Engine:
             self.step()
 
     @property
+    def loop_failed(self) -> bool:
+        """Whether the step loop's thread ended without being asked to stop (a bug): every request would then
+        wait forever, so the server reports itself unhealthy (/health, and Serve's probe of a replica)."""
+        return self._thread is not None and not self._thread.is_alive() and not self._stopping
+
+    @property
     def threaded(self) -> bool:
         """True when the step loop runs on its own thread (else callers step inline)."""
         return self._thread is not None
@@ -424,7 +430,10 @@ class Engine:
                 self.step()
             except Exception as e:  # a bug: fail the in-flight requests loudly rather than hang them
                 log.exception("engine step failed")
-                self._fail_all(f"internal engine error: {e}", Status.FINISHED_ERROR, ErrorCode.ENGINE_ERROR)
+                try:
+                    self._fail_all(f"internal engine error: {e}", Status.FINISHED_ERROR, ErrorCode.ENGINE_ERROR)
+                except Exception:  # the loop goes on: a dead loop would hang every later request
+                    log.exception("failing the in-flight requests failed too")
         self.abort_all(SHUTDOWN_MESSAGE)
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:

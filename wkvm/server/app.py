@@ -57,6 +57,9 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
             return JSONResponse(error_body(503, f"model failed to load: {ctx.load_error}"), status_code=503)
         if not ctx.ready.is_set():
             return JSONResponse(error_body(503, "the model is still loading"), status_code=503)
+        if ctx.generative and ctx.client.loop_failed():
+            message = "the engine's step loop has stopped (a bug: see the server log); restart the server"
+            return JSONResponse(error_body(503, message), status_code=503)
         return {"status": "ok", "model": ctx.model_name}
 
     @app.get("/version", dependencies=[auth])
