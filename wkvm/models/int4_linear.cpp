@@ -80,7 +80,8 @@ inline const uint8_t* block_group(const Problem& p, int64_t b, int64_t g) {
 // From 4 rows x, a block's first pass asks the next block's group into L2 (prefetcht1) with each of its own groups:
 // the arithmetic then overlaps the next weights' way from memory. Op from memory, paired (AMD EPYC, 2 threads,
 // SmolLM2 shapes K = 576): VNNI 8 rows 1.02-1.19x, 16 rows 1.13-1.29x, 4-6 rows 0.95-1.08x; AVX2 4 and 8 rows
-// 0.98-1.29x; at 1-3 rows the hardware's own prefetch keeps up (0.96-1.04x), so not there.
+// 0.98-1.29x. Not below 4 rows, as in the int8 kernel, where a one-row call ran 0.85-1.05x with it (not measured
+// with this kernel).
 constexpr int64_t PREFETCH_ROWS = 4;
 inline void prefetch_group(const uint8_t* g) {
   for (int64_t o = 0; o < BLOCK_BYTES; o += 64) __builtin_prefetch(g + o, 0, 2);

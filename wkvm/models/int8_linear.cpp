@@ -59,6 +59,14 @@ inline float load_float(const int8_t* p) {
 
 inline const int8_t* block_at(const Problem& p, int64_t b) { return p.w + b * BLOCK * (p.K + 4); }
 
+// Group g of block `next` (null: none; the last group with the block's scales) asked into L2 (prefetcht1) while a
+// pass over another block computes its group g: by the pass's end the whole next block is on its way
+inline void prefetch_share(const Problem& p, const int8_t* next, int64_t g) {
+  if (!next) return;
+  const int64_t lo = g * BLOCK * X_GROUP, hi = g + 1 == p.G ? BLOCK * (p.K + 4) : lo + BLOCK * X_GROUP;
+  for (int64_t o = lo; o < hi; o += 64) __builtin_prefetch(next + o, 0, 2);
+}
+
 inline float scale_of(const Problem& p, int64_t n) {
   if (n < p.blocks * BLOCK) return load_float(block_at(p, n / BLOCK) + BLOCK * p.K + 4 * (n % BLOCK));
   return load_float(p.w + n * (p.K + 4) + p.K);
@@ -107,19 +115,16 @@ inline int32_t load_pair(const int16_t* x) {  // x[k], x[k + 1] as one 32-bit va
 
 // ---- AVX2: a block as four quarters of 8 rows, int16 pairs (vpmaddwd) ----
 
-// `next` (or null): a block to ask into L2 meanwhile, a share of it per group (as block_vnni)
+// `next`: a block to ask into L2 meanwhile (prefetch_share)
 template <int MT>
 __attribute__((target("avx2,fma"))) void block_avx2(const Problem& p, int64_t b, int64_t m, const int8_t* next) {
   const int8_t* w = block_at(p, b);
-  const int64_t bytes = BLOCK * (p.K + 4), share = ((bytes + p.G - 1) / p.G + 63) / 64 * 64;
   __m256 acc[4][MT];
   for (int q = 0; q < 4; ++q)
     for (int i = 0; i < MT; ++i) acc[q][i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < p.G; ++g) {
     __m256i isum[4][MT];
-    if (next)
-      for (int64_t o = g * share; o < std::min((g + 1) * share, bytes); o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T1);
+    prefetch_share(p, next, g);
     for (int q = 0; q < 4; ++q)
       for (int i = 0; i < MT; ++i) isum[q][i] = _mm256_setzero_si256();
     for (int64_t k = g * X_GROUP; k < std::min(p.K, (g + 1) * X_GROUP); k += 2) {
@@ -144,7 +149,8 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Problem& p, int64_t b,
 
 // From 4 rows (two passes or more over a block) the first pass asks the next block into L2: 1.08-1.33x at 4 and 8
 // rows (the RWKV-7 0.1B shapes, K 768 and 3,072, from memory, AMD EPYC restricted to this path), 1.00-1.04x at
-// 32; at 1 and 2 rows 0.98-1.06x, so not there.
+// 32. Not below 4 rows (one pass per two rows is too short to hide a block; the VNNI path's one-row call ran
+// 0.85-1.05x with it).
 __attribute__((target("avx2,fma"))) void blocks_avx2(const Problem& p, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     int64_t m = 0;
@@ -215,21 +221,18 @@ __attribute__((target(WKVM_VNNI))) inline void quad_vnni(const Problem& p, const
 }
 
 // rows m .. m + MT * PASSES of x against block b; with PASSES > 1 each group's weights serve every pass of MT rows
-// while they are in L1 (each output's sums still go group by group in order: the same bits). `next` (or null): a
-// block to ask into L2 meanwhile, a share of it per group
+// while they are in L1 (each output's sums still go group by group in order: the same bits). `next`: a block to
+// ask into L2 meanwhile (prefetch_share)
 template <int MT, int PASSES>
 __attribute__((target(WKVM_VNNI))) void block_vnni(const Problem& p, int64_t b, int64_t m, const int8_t* next) {
   constexpr int R = MT * PASSES;
   const int8_t* w = block_at(p, b);
-  const int64_t bytes = BLOCK * (p.K + 4), share = ((bytes + p.G - 1) / p.G + 63) / 64 * 64;
   __m512 acc[2][R];
   for (int h = 0; h < 2; ++h)
     for (int i = 0; i < R; ++i) acc[h][i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < p.G; ++g) {
     const int64_t k1 = std::min(p.K, (g + 1) * X_GROUP);
-    if (next)
-      for (int64_t o = g * share; o < std::min((g + 1) * share, bytes); o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T1);
+    prefetch_share(p, next, g);
     for (int s = 0; s < PASSES; ++s) {
       const int64_t ms = m + s * MT;
       __m512i isum[2][MT];
@@ -263,8 +266,8 @@ __attribute__((target(WKVM_VNNI))) void block_vnni(const Problem& p, int64_t b, 
 // SmolLM2's head at M = 8 ran 1.07-1.33x faster; blocks of longer rows (768 x 3,072, 576 x 1,536) ran 0.90-0.96x,
 // so they keep one pass of four rows after another (AMD EPYC, AVX512-VNNI, 2 threads, weights from memory).
 // The first eight-row pass over a block also asks the next block into L2 (prefetcht1): at 8 and 16 rows 1.02-1.20x
-// and 1.12-1.27x (K = 576, from memory); at 1 row the hardware's own prefetch keeps up and this was 0.85-0.95x,
-// and with blocks of longer rows 0.86-0.89x, so only there.
+// and 1.12-1.27x (K = 576, from memory); at 1 row the hardware's own prefetch keeps up and this was 0.85-1.05x
+// (below 1 for four shapes of five), and with blocks of longer rows (576 x 1,536) 0.85-0.86x, so only there.
 constexpr int64_t L1_BLOCK = 32 * 1024;
 
 __attribute__((target(WKVM_VNNI))) void vnni_blocks(const Problem& p, int64_t b0, int64_t b1) {
