@@ -159,26 +159,28 @@ def test_tenants_do_not_share_states_across_replicas(cluster):
 SEEDED = {"temperature": 1.0, "top_p": 0.9, "seed": 5, "presence_penalty": 0.5}
 
 
-def stream_moved_midway(cluster, body: dict, precopy: bool = False) -> tuple[str, str, httpx.Response]:
-    """Stream a completion and move it to the other replica after its first few characters: (the client's text,
-    the stream's source replica, the migrate call's answer). Checks the stream stayed one response to [DONE]."""
-    text, ids, moved, last = "", set(), None, ""
+def stream_moved_midway(cluster, body: dict, precopy: bool = False) -> tuple[dict[int, str], str, httpx.Response]:
+    """Stream a completion and move it to the other replica after its first few characters: (the client's text per
+    choice, the stream's source replica, the migrate call's answer). Checks the stream stayed one response to
+    [DONE]."""
+    texts, ids, moved, last = {}, set(), None, ""
     with cluster.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200
         stream_id, source = r.headers["x-wkvm-stream-id"], r.headers["x-wkvm-replica"]
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
-                text += chunk["choices"][0]["text"] if chunk["choices"] else ""
+                for c in chunk["choices"]:
+                    texts[c["index"]] = texts.get(c["index"], "") + c["text"]
                 ids.add(chunk["id"])
-                if moved is None and len(text) >= 3:
+                if moved is None and sum(map(len, texts.values())) >= 3:
                     other = "r1" if source == "r0" else "r0"
                     moved = cluster.post(f"/v1/streams/{stream_id}/migrate", json={"to": other, "precopy": precopy})
             last = line or last
     assert moved is not None and moved.status_code == 200, moved.text if moved else "never moved"
-    assert 0 < moved.json()["generated_tokens"] < body["max_tokens"]
+    assert 0 < moved.json()["generated_tokens"] < body["max_tokens"] * body.get("n", 1)
     assert ids == {stream_id} and last == "data: [DONE]"
-    return text, source, moved
+    return texts, source, moved
 
 
 @pytest.mark.parametrize(("sampling", "precopy"), [({"temperature": 0}, False), ({"temperature": 0}, True),
@@ -189,12 +191,12 @@ def test_a_running_stream_moves_to_another_replica_exactly(cluster, sampling, pr
     travels while the source goes on, the destination catches up on the tokens generated meanwhile)."""
     body = {**GREEDY, **sampling, "max_tokens": 300, "ignore_eos": True, "prompt": "MENENIUS:", "user": "dan"}
     want = cluster.post("/v1/completions", json=body).json()["choices"][0]["text"]
-    text, _, moved = stream_moved_midway(cluster, body, precopy)
+    texts, _, moved = stream_moved_midway(cluster, body, precopy)
     # pre-copied where the model allows it (RWKV-7 on its step kernel, which a machine without a compiler lacks): the
     # source went on while the state travelled; the destination caught up
     exact_catch_up = load_model(default_model()).chunks_equal_steps
     assert (moved.json()["precopy_tokens"] is not None) == (precopy and exact_catch_up), moved.json()
-    assert text == want
+    assert texts == {0: want}
     # the session followed the stream: the next request of this user goes to the stream's new replica
     after = cluster.post("/v1/completions", json={**GREEDY, "prompt": "MENENIUS:", "user": "dan"})
     assert after.headers["x-wkvm-replica"] == moved.json()["to"]
@@ -211,20 +213,30 @@ def test_a_stream_from_a_named_state_moves_and_the_state_stays(cluster):
     owner = r.headers["x-wkvm-replica"]
     body = {**GREEDY, "max_tokens": 300, "ignore_eos": True, "prompt": " in thy life", "state": "embassy@1"}
     want = cluster.post("/v1/completions", json=body).json()["choices"][0]["text"]
-    text, source, moved = stream_moved_midway(cluster, body)
+    texts, source, moved = stream_moved_midway(cluster, body)
     assert source == owner and moved.json()["to"] != owner
-    assert text == want
+    assert texts == {0: want}
     again = cluster.post("/v1/completions", json={**body, "max_tokens": 12})
     assert again.status_code == 200 and again.headers["x-wkvm-replica"] == owner
     assert cluster.get("/v1/states/embassy@1").headers["x-wkvm-replica"] == owner
 
 
+def test_a_stream_of_several_choices_moves_exactly(cluster):
+    """n = 3 seeded: every choice stops at one token boundary on the source and goes on at the destination, each
+    with the tokens of the run that never moved. Asked pre-copied, it moves whole (a pre-copy goes with one choice)."""
+    body = {**GREEDY, **SEEDED, "n": 3, "max_tokens": 200, "ignore_eos": True, "prompt": "SICINIUS:"}
+    want = cluster.post("/v1/completions", json=body).json()["choices"]
+    texts, _, moved = stream_moved_midway(cluster, body, precopy=True)
+    assert texts == {c["index"]: c["text"] for c in want} and len(set(texts.values())) == 3
+    assert moved.json()["precopy_tokens"] is None
+
+
 def test_a_stream_that_cannot_move_says_why(cluster):
     missing = cluster.post("/v1/streams/chatcmpl-none/migrate", json={"to": "r0"})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "stream_not_found"
-    with cluster.stream("POST", "/v1/completions", json={**GREEDY, "prompt": "CORIOLANUS:", "n": 2,
+    with cluster.stream("POST", "/v1/completions", json={**GREEDY, "prompt": ["CORIOLANUS:", "MENENIUS:"],
                                                          "stream": True}) as r:  # fmt: skip
-        assert "x-wkvm-stream-id" not in r.headers  # two choices: it finishes where it is
+        assert "x-wkvm-stream-id" not in r.headers  # two prompts: it finishes where it is
         r.read()
     saving = {**GREEDY, "prompt": "CORIOLANUS:", "save_state": "banished", "stream": True}
     with cluster.stream("POST", "/v1/completions", json=saving) as r:

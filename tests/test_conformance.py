@@ -193,7 +193,7 @@ def test_a_precopied_move_equals_uninterrupted(model, family_dir):
     with pytest.raises(HandoverError, match="pre-copy"):
         decode(stops[0], m.spec, m.fingerprint, m.vocab_size, bases[1])
     dst = engine(model, family_dir, n_slots=2)
-    moved = [dst.resume_continuation(decode(stop, m.spec, m.fingerprint, m.vocab_size, b)[0], sp)
+    moved = [dst.resume_continuation(decode(stop, m.spec, m.fingerprint, m.vocab_size, b)[0][0], sp)
              for stop, b, (_, sp) in zip(stops, bases, jobs, strict=True)]  # fmt: skip
     dst.step()  # one step feeds the three tokens and samples the next
     assert all(len(h.output.token_ids) == len(f.result().output_ids) + 1 for h, f in zip(moved, moving, strict=True))

@@ -19,6 +19,7 @@ import pytest
 from live_server import LiveServer
 
 from wkvm.server.handover import RESUME_HEADER, STREAM_HEADER, HandoverError, decode, encode, parse_marker, precopied
+from wkvm.state.statefile import metadata
 
 MESSAGES = [{"role": "user", "content": "Speakonandtellmeallthatthouknowest."}]
 LONG = {"max_tokens": 200, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -64,8 +65,8 @@ def moved_stream(a, b, path, body, headers=None, after=1, named=None, precopy=Fa
     pushed, base = {}, {}
     spec, fp = a.ctx.model.spec, a.ctx.model.fingerprint
 
-    def push(live, c):
-        pushed[live.out_id] = encode(spec, fp, c, live.ticket, base.get("c"))
+    def push(live):
+        pushed[live.out_id] = encode(spec, fp, *live.outgoing(), base.get("c"))
         live.pushed = True
 
     with httpx.Client(timeout=60) as client:
@@ -83,7 +84,7 @@ def moved_stream(a, b, path, body, headers=None, after=1, named=None, precopy=Fa
                 live = a.ctx.handovers.live()
                 if precopy and len(seen) == after and not base:
                     stream = next(s for s in live if s.ticket.id == stream_id)
-                    base["c"] = a.ctx.client.precopy(stream.handle.request_id).result(30)
+                    base["c"] = a.ctx.client.precopy(stream.handles[0].request_id).result(30)
                     base["bytes"] = encode(spec, fp, base["c"], stream.ticket)
                 if len(seen) == after + 3 * precopy and not moving:
                     stream = next(s for s in live if s.ticket.id == stream_id)
@@ -225,10 +226,62 @@ def test_a_moved_forced_tool_call_is_the_same_call(pair, fresh):
     assert got[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+def choice_texts(chunks, key) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            part = ch["delta"].get("content", "") if key == "delta" else ch["text"]
+            out[ch["index"]] = out.get(ch["index"], "") + part
+    return out
+
+
+def choice_tokens(chunks) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            out.setdefault(ch["index"], []).extend(ch.get("token_ids", []))
+    return out
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 5, "presence_penalty": 0.3}])
+def test_a_moved_stream_of_several_choices_equals_one_that_never_moved(pair, fresh, sampling):
+    """n = 3: every choice stops at the same token boundary and goes on at the destination under its own index; the
+    role chunks are not sent again, and the usage counts every choice."""
+    a, b = pair
+    body = {"messages": MESSAGES, **LONG, **sampling, "n": 3, "return_token_ids": True}
+    got, n_source = moved_stream(a, b, "/v1/chat/completions", body, after=9, named="n3-ticket")
+    want = whole_stream(fresh, "/v1/chat/completions", body)
+    assert 9 <= n_source < len(got)
+    assert choice_tokens(got) == choice_tokens(want) and all(len(v) == 200 for v in choice_tokens(got).values())
+    assert choice_texts(got, "delta") == choice_texts(want, "delta") and len(choice_texts(got, "delta")) == 3
+    assert sum("role" in ch["delta"] for c in got for ch in c["choices"]) == 3
+    assert got[-1]["usage"] == want[-1]["usage"] and got[-1]["usage"]["completion_tokens"] == 600
+    assert sorted(ch["index"] for c in got for ch in c["choices"] if ch["finish_reason"]) == [0, 1, 2]
+    assert "wkvm" in got[-2]
+
+
+def test_a_choice_that_finished_before_the_move_stays_finished(pair, fresh):
+    """n = 2 where choice 1 meets its stop string before the move: it ends at the source, only choice 0 moves (under
+    its index), and the usage still counts choice 1's tokens."""
+    a, b = pair
+    body = {"prompt": "Romeo:", **LONG, "temperature": 1.0, "seed": 9, "n": 2, "return_token_ids": True}
+    texts = choice_texts(whole_stream(fresh, "/v1/completions", body), "text")
+    stop = next(texts[1][i : i + 3] for i in range(8, 50) if texts[1][i : i + 3] not in texts[0])
+    body["stop"] = [stop]
+    want = whole_stream(fresh, "/v1/completions", body)
+    assert len(choice_tokens(want)[1]) < 60 and len(choice_tokens(want)[0]) == 200
+    got, n_source = moved_stream(a, b, "/v1/completions", body, after=130)
+    assert 130 <= n_source < len(got)
+    assert choice_tokens(got) == choice_tokens(want) and choice_texts(got, "text") == choice_texts(want, "text")
+    moved_part = got[n_source:]
+    assert {ch["index"] for c in moved_part for ch in c["choices"]} == {0}
+    assert got[-1]["usage"] == want[-1]["usage"]
+
+
 def test_what_cannot_move_says_why(pair):
     a, _ = pair
-    with httpx.stream("POST", a.url + "/v1/chat/completions", timeout=60,
-                      json={"messages": MESSAGES, **LONG, "n": 2}) as r:  # fmt: skip
+    with httpx.stream("POST", a.url + "/v1/completions", timeout=60,
+                      json={"prompt": ["Romeo:", "Juliet:"], **LONG}) as r:  # fmt: skip
         assert STREAM_HEADER not in r.headers
         r.read()
     r = httpx.post(a.url + "/v1/chat/completions", json={"messages": MESSAGES, **LONG},
@@ -246,8 +299,18 @@ def test_a_ticket_is_checked_like_an_import(pair):
     m = pair[0].ctx.model
     c = Continuation([1, 2, 3], [], [4], 3, m.spec.zeros(1), torch.Generator().get_state(), "x")
     t = Ticket("cmpl-1", 0, "anonymous")
-    back, t2 = decode(encode(m.spec, m.fingerprint, c, t), m.spec, m.fingerprint, m.vocab_size)
+    (back,), t2 = decode(encode(m.spec, m.fingerprint, c, t), m.spec, m.fingerprint, m.vocab_size)
     assert back.output_ids == [4] and t2 == t and torch.equal(back.generator, c.generator)
+    assert "choices" not in json.loads(metadata(encode(m.spec, m.fingerprint, c, t))["ticket"])  # reads as before
+    two = dataclasses.replace(t, choices=[2, 0], done_tokens=7)
+    c2 = dataclasses.replace(c, output_ids=[5, 6], state=m.spec.zeros(1), generator=None, text="yz")
+    (x, y), t3 = decode(encode(m.spec, m.fingerprint, [c, c2], two), m.spec, m.fingerprint, m.vocab_size)
+    assert t3 == two and (x.output_ids, y.output_ids, y.text, y.generator) == ([4], [5, 6], "yz", None)
+    with pytest.raises(ValueError, match="one choice per continuation"):
+        encode(m.spec, m.fingerprint, [c, c2], t)
+    with pytest.raises(HandoverError, match="different prompts"):
+        decode(encode(m.spec, m.fingerprint, [c, dataclasses.replace(c2, prompt_ids=[1, 2])], two), m.spec,
+               m.fingerprint, m.vocab_size)  # fmt: skip
     with pytest.raises(HandoverError, match="another model"):
         decode(encode(m.spec, "other", c, t), m.spec, m.fingerprint, m.vocab_size)
     c.output_ids = [m.vocab_size]

@@ -28,7 +28,6 @@ from ray import serve
 from wkvm.cluster.directory import Directory, base_ticket, pushed_ticket, ready_ticket
 from wkvm.cluster.forward import MISROUTED, MISROUTED_REPLY, ForwardedRequest, Handover, Head, run_asgi, state_key
 from wkvm.config import ServerConfig
-from wkvm.engine.request import Continuation
 from wkvm.server.app import create_app
 from wkvm.server.context import ServerContext
 from wkvm.server.handover import HandoverError, LiveStream, Moved, parse_marker
@@ -125,13 +124,13 @@ class EngineReplica:
             await self._precopy_out(live, ticket)
         try:
             fut = handovers.suspend(self.ctx.client, live, push=self._push if ticket is not None else None)
-            c = await asyncio.wait_for(asyncio.wrap_future(fut), CALL_SECONDS)
+            cs = await asyncio.wait_for(asyncio.wrap_future(fut), CALL_SECONDS)
         except (HandoverError, KeyError, TimeoutError):
             if live.base is not None and ticket is not None:  # nobody will need the pre-copy
                 self.directory.take_ticket.remote(base_ticket(ticket), 0)
             return {"status": 409, "message": f"stream {stream_id!r} finished before it could move"}
-        caught_up = None if live.base is None else len(c.output_ids) - len(live.base.output_ids)
-        return {"status": 200, "generated_tokens": len(c.output_ids), "precopy_tokens": caught_up}
+        caught_up = None if live.base is None else len(cs[0].output_ids) - len(live.base.output_ids)
+        return {"status": 200, "generated_tokens": sum(len(c.output_ids) for c in cs), "precopy_tokens": caught_up}
 
     async def _precopy_out(self, live: LiveStream, ticket: str) -> None:
         """Pre-copy a generating stream: its ticket at the next token boundary into the object store (the reference
@@ -139,8 +138,11 @@ class EngineReplica:
         `ready_ticket`) or after READY_SECONDS. The stop that follows then pushes only what changed since (`_push`),
         so the state's bytes are not on the client's wait. Only where the destination's catch-up on the tokens
         generated meanwhile gives the bits of stepping (`chunks_equal_steps`: RWKV-7 with its step kernel), so a move
-        never changes a token; and not while the stream still reads its prompt."""
-        req = live.handle.request
+        never changes a token; not while the stream still reads its prompt, and not for n > 1 (its choices move
+        whole)."""
+        if len(live.handles) != 1:
+            return
+        req = live.handles[0].request
         if req.is_prefilling or not self.ctx.model.chunks_equal_steps:
             return
         try:
@@ -171,7 +173,7 @@ class EngineReplica:
             log.warning("a moved stream's pre-copy does not read: %s", e)
             return None
 
-    def _push(self, live: LiveStream, c: Continuation) -> None:
+    def _push(self, live: LiveStream) -> None:
         """On the engine's thread, the moment a stream the front asked to move stops: its ticket to the directory,
         where the destination's call waits for it (only what changed since the pre-copy when there was one, as bytes;
         else the whole ticket into the object store and its reference). On any failure the stream's end carries the
@@ -179,7 +181,7 @@ class EngineReplica:
         assert live.out_id is not None
         try:
             m = self.ctx.model
-            data = encode_ticket(m.spec, m.fingerprint, c, live.ticket, live.base)
+            data = encode_ticket(m.spec, m.fingerprint, *live.outgoing(), live.base)
             self.directory.put_ticket.remote(live.out_id, data if live.base is not None else [ray.put(data)])
         except Exception:
             log.exception("could not push the ticket of moving stream %s; it goes through the front", live.ticket.id)

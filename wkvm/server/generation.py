@@ -196,8 +196,9 @@ def sse(obj: dict[str, Any] | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-def usage(prompt_tokens: int, handles: list[RequestHandle]) -> dict[str, Any]:
-    completion = sum(len(h.output.token_ids) for h in handles)
+def usage(prompt_tokens: int, handles: list[RequestHandle], done_tokens: int = 0) -> dict[str, Any]:
+    """`done_tokens`: completion tokens of choices that finished on a server the stream moved from."""
+    completion = done_tokens + sum(len(h.output.token_ids) for h in handles)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 

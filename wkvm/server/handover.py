@@ -1,9 +1,11 @@
 """Running streams that move to another server at a token boundary (live migration of a generation).
 
-A single-choice SSE stream can be handed over: its engine request is suspended (`Engine.suspend`), the stream ends
-with a handover event instead of `[DONE]`, and what the other server needs to go on waits here as a ticket: the
-engine's `Continuation` (state, tokens, seeded generator, captured states, text sent) and the route's own part
-(response id and created time, the plan's reuse info, whether the turn ends with checkpoints and a parked session).
+An SSE stream of one prompt can be handed over: its engine requests (one per choice still running; n > 1 has n) are
+suspended (`Engine.suspend`), the stream ends with a handover event instead of `[DONE]`, and what the other server
+needs to go on waits here as a ticket: each suspended choice's `Continuation` (state, tokens, seeded generator,
+captured states, text sent) and the route's own part (response id and created time, the plan's reuse info, whether
+the turn ends with checkpoints and a parked session, which choice each continuation is, the tokens of the choices
+that finished before the move).
 Whoever carries the ticket (the cluster front, through Ray's object store) sends the same request to the other
 server with `X-WKVM-Resume: <ticket>`; that server's stream starts with the source's next chunk.
 
@@ -37,6 +39,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from wkvm.engine.client import EngineClient
+from wkvm.engine.engine import settle
 from wkvm.engine.handle import RequestHandle
 from wkvm.engine.request import Continuation
 from wkvm.models.spec import State, StateSpec
@@ -67,12 +70,22 @@ class Ticket:
     parent: str | None = None
     capture: bool = False
     finish: bool = False  # the turn ends with checkpoints (and a parked session): the destination does it
+    choices: list[int] = field(default_factory=lambda: [0])  # the choice index of each handle / continuation
+    done_tokens: int = 0  # completion tokens of the choices that finished before a move (for `usage`)
+
+    def wire(self) -> dict[str, Any]:
+        """As the ticket's metadata holds it: a single-choice ticket leaves out the fields it does not use, so it reads
+        the same as before they existed (a rolling upgrade's old and new replicas move such streams both ways)."""
+        d = asdict(self)
+        if d["choices"] == [0] and not d["done_tokens"]:
+            del d["choices"], d["done_tokens"]
+        return d
 
 
 @dataclass
 class LiveStream:
     tenant: str
-    handle: RequestHandle
+    handles: list[RequestHandle]  # one per choice of `ticket.choices`, in that order
     ticket: Ticket
     why_not: str | None = None  # set when this stream cannot move
     scope: str = ""  # whose checkpoints it makes (openai_routes.reuse_scope)
@@ -81,6 +94,22 @@ class LiveStream:
     pushed: bool = False  # its ticket went out the moment it stopped (Handovers.move's `push`)
     base: Continuation | None = None  # a pre-copy the destination holds: its ticket then carries only what changed
     base_bytes: int = 0  # that pre-copy's ticket size
+
+    @property
+    def done(self) -> bool:
+        return all(h.done.is_set() for h in self.handles)
+
+    def outgoing(self) -> tuple[list[Continuation], Ticket]:
+        """Once its requests stopped (`Handovers.suspend`): the continuations of the choices that moved and the
+        ticket naming them; the others finished here, and their tokens count in `done_tokens`. The turn's
+        checkpoints and parked session follow choice 0 (as without a move): if it finished here, nobody makes them
+        (a cache: the next turn recomputes, exactly)."""
+        moved = [(i, h.continuation) for i, h in zip(self.ticket.choices, self.handles, strict=True)
+                 if h.continuation is not None]  # fmt: skip
+        done = sum(len(h.output.token_ids) for h in self.handles if h.continuation is None)
+        t = dataclasses.replace(self.ticket, choices=[i for i, _ in moved], done_tokens=self.ticket.done_tokens + done,
+                                finish=self.ticket.finish and bool(moved) and moved[0][0] == 0)  # fmt: skip
+        return [c for _, c in moved], t
 
 
 class Handovers:
@@ -95,7 +124,7 @@ class Handovers:
     def register(self, stream: LiveStream) -> None:
         """A stream about to start (its response may never run, if the client left first: those are pruned)."""
         with self._lock:
-            for k in [k for k, s in self._live.items() if s.handle.done.is_set() and s.to is None]:
+            for k in [k for k, s in self._live.items() if s.done and s.to is None]:
                 del self._live[k]
             self._live[stream.ticket.id] = stream
 
@@ -108,13 +137,13 @@ class Handovers:
             return list(self._live.values())
 
     def move(self, client: EngineClient, tenant: str, stream_id: str, to: str, ticket: str | None = None,
-             push: Callable[[LiveStream, Continuation], None] | None = None,
-             ) -> concurrent.futures.Future[Continuation]:  # fmt: skip
+             push: Callable[[LiveStream], None] | None = None,
+             ) -> concurrent.futures.Future[list[Continuation]]:  # fmt: skip
         """Suspend a stream of `tenant` at its next token boundary; its stream then ends with a ticket for `to` (under
-        the id `ticket` when given). `push(stream, continuation)`, when given, runs on the engine's thread the moment
-        the request stops (before the engine's next model run) and sends the ticket on itself; it sets
-        `stream.pushed`, and the stream's end then names the ticket without carrying it. KeyError: no such stream (of
-        this tenant); HandoverError: it cannot move."""
+        the id `ticket` when given). `push(stream)`, when given, runs on the engine's thread the moment its requests
+        stop (before the engine's next model run) and sends the ticket on itself; it sets `stream.pushed`, and the
+        stream's end then names the ticket without carrying it. The future yields the moved choices' continuations.
+        KeyError: no such stream (of this tenant); HandoverError: it cannot move."""
         return self.suspend(client, self.claim(tenant, stream_id, to, ticket), push)
 
     def claim(self, tenant: str, stream_id: str, to: str, ticket: str | None = None) -> LiveStream:
@@ -132,17 +161,25 @@ class Handovers:
         return s
 
     def suspend(self, client: EngineClient, s: LiveStream,
-                push: Callable[[LiveStream, Continuation], None] | None = None,
-                ) -> concurrent.futures.Future[Continuation]:  # fmt: skip
-        """Stop a claimed stream at its next token boundary (`move`); HandoverError (the claim let go): it cannot."""
-        try:
-            fut = client.suspend(s.handle.request_id)
-        except (KeyError, ValueError) as e:
+                push: Callable[[LiveStream], None] | None = None,
+                ) -> concurrent.futures.Future[list[Continuation]]:  # fmt: skip
+        """Stop a claimed stream's running choices at their next token boundary (`move`); HandoverError (the claim let
+        go): it cannot (none is running)."""
+        futs, why = [], None
+        for h in s.handles:
+            if h.done.is_set():
+                continue
+            try:
+                futs.append(client.suspend(h.request_id))
+            except (KeyError, ValueError) as e:  # finished meanwhile, or cannot move at all
+                why = why or e
+        if not futs:
             with self._lock:
                 s.to = s.out_id = None
-            raise HandoverError(f"this stream cannot move now: {e}") from None
+            raise HandoverError(f"this stream cannot move now: {why or 'it finished'}")
+        fut = gathered(futs)
         if push is not None:
-            fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() else push(s, f.result()))
+            fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() else push(s))
         return fut
 
     def put_out(self, data: bytes, ticket: str | None = None) -> str:
@@ -191,7 +228,32 @@ class Handovers:
         return data, None
 
 
-Moved = tuple[Continuation, Ticket]
+Moved = tuple[list[Continuation], Ticket]  # a moved stream's continuations, one per choice of the ticket's `choices`
+
+
+def gathered(futs: list[concurrent.futures.Future[Continuation]]) -> concurrent.futures.Future[list[Continuation]]:
+    """One future for a stream's choices stopping: the continuations of those that stopped (a choice that finished
+    first has none), resolved with the last of them (on the engine's thread: the suspends of one call stop in one
+    step); an error only when none stopped. Cancelling it cancels them (a choice not stopped yet goes on)."""
+    out: concurrent.futures.Future[list[Continuation]] = concurrent.futures.Future()
+    lock, left = threading.Lock(), [len(futs)]
+
+    def one_done(_: concurrent.futures.Future[Continuation]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        ok = [f for f in futs if not f.cancelled() and f.exception() is None]
+        errors = [f.exception() for f in futs if not f.cancelled() and f.exception() is not None]
+        if ok:
+            settle(out, [f.result() for f in ok])
+        else:
+            settle(out, error=errors[0] if errors else KeyError("no choice of this stream stopped"))
+
+    for f in futs:
+        f.add_done_callback(one_done)
+    out.add_done_callback(lambda o: [f.cancel() for f in futs] if o.cancelled() else None)
+    return out
 
 
 def _expire(tickets: dict[str, Any]) -> None:
@@ -214,32 +276,45 @@ def parse_marker(chunk: bytes) -> tuple[str, str] | None:
     return str(data["ticket"]), str(data["to"])
 
 
-def encode(spec: StateSpec, fingerprint: str, c: Continuation, ticket: Ticket,
+def encode(spec: StateSpec, fingerprint: str, cs: Continuation | list[Continuation], ticket: Ticket,
            base: Continuation | None = None) -> bytes:  # fmt: skip
-    """The ticket of a stopped request: all of it but the prompt-end state its turn captured for a checkpoint, which
-    the source stores itself (half the bytes, a shorter handover). With `base`, a pre-copy of the same request the
-    destination holds already (`Engine.precopy`): no state, only the tokens, generator and text, and a branch-point
-    state captured since; the destination feeds the tokens generated since `base` from `base`'s state."""
+    """The ticket of a stopped request (or of a stream's stopped choices, `ticket.choices` naming each): all of it
+    but the prompt-end state its turn captured for a checkpoint, which the source stores itself (half the bytes, a
+    shorter handover). With `base` (one choice only), a pre-copy of the same request the destination holds already
+    (`Engine.precopy`): no state, only the tokens, generator and text, and a branch-point state captured since; the
+    destination feeds the tokens generated since `base` from `base`'s state. The first continuation's fields are
+    unprefixed (a single-choice ticket reads as before n > 1 could move); choice k > 0's are under `more{k}.` and in
+    the `more` metadata."""
+    cs = [cs] if isinstance(cs, Continuation) else cs
+    if len(cs) != len(ticket.choices) or not cs or (base is not None and len(cs) != 1):
+        raise ValueError("a ticket names one choice per continuation (and a pre-copy goes with one choice)")
+    tensors: dict[str, torch.Tensor] = {}
+    tokens = [_pack(c, base, tensors, "" if k == 0 else f"more{k}.") for k, c in enumerate(cs)]
+    md = {"format": FORMAT, "fingerprint": fingerprint, "spec_hash": spec.spec_hash,
+          "continuation": json.dumps(tokens[0]), "ticket": json.dumps(ticket.wire())}  # fmt: skip
+    if len(tokens) > 1:
+        md["more"] = json.dumps(tokens[1:])
+    if base is not None:
+        md[PRECOPY] = json.dumps({"num_computed_tokens": base.num_computed_tokens, "outputs": len(base.output_ids)})
+    return st_save(tensors, metadata=md)
+
+
+def _pack(c: Continuation, base: Continuation | None, tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, Any]:
+    """One continuation's tensors into `tensors` (names under `prefix`); its tokens and flags, returned."""
     if c.prompt_state is not None:
         c = dataclasses.replace(c, prompt_state=None, capture_prompt_state=False)
     kinds: tuple[str, ...] = STATES
     if base is not None:
         kinds = () if c.branch_state is None or c.branch_state is base.branch_state else ("branch_state",)
-    tensors: dict[str, torch.Tensor] = {}
     for kind in kinds:
         state: State | None = getattr(c, kind)
         for name, v in (state or {}).items():
-            tensors[f"{kind}.{name}"] = v[0].detach().to("cpu").contiguous()
+            tensors[f"{prefix}{kind}.{name}"] = v[0].detach().to("cpu").contiguous()
     if c.generator is not None:
-        tensors["generator"] = c.generator
-    tokens = {"prompt_ids": c.prompt_ids, "base_ids": c.base_ids, "output_ids": c.output_ids,
-              "num_computed_tokens": c.num_computed_tokens, "text": c.text, "capture_state": c.capture_state,
-              "capture_prompt_state": c.capture_prompt_state, "capture_at": c.capture_at}  # fmt: skip
-    md = {"format": FORMAT, "fingerprint": fingerprint, "spec_hash": spec.spec_hash,
-          "continuation": json.dumps(tokens), "ticket": json.dumps(asdict(ticket))}  # fmt: skip
-    if base is not None:
-        md[PRECOPY] = json.dumps({"num_computed_tokens": base.num_computed_tokens, "outputs": len(base.output_ids)})
-    return st_save(tensors, metadata=md)
+        tensors[f"{prefix}generator"] = c.generator
+    return {"prompt_ids": c.prompt_ids, "base_ids": c.base_ids, "output_ids": c.output_ids,
+            "num_computed_tokens": c.num_computed_tokens, "text": c.text, "capture_state": c.capture_state,
+            "capture_prompt_state": c.capture_prompt_state, "capture_at": c.capture_at}  # fmt: skip
 
 
 def precopied(data: bytes) -> bool:
@@ -263,30 +338,49 @@ def decode(data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int,
     if md.get("fingerprint") != fingerprint or md.get("spec_hash") != spec.spec_hash:
         raise HandoverError("the stream was moved from a server running another model")
     try:
-        tok, t = json.loads(md["continuation"]), Ticket(**json.loads(md["ticket"]))
-        ids = {k: [int(i) for i in tok[k]] for k in ("prompt_ids", "base_ids", "output_ids")}
-        states = {kind: _state(spec, tensors, kind) for kind in STATES}
-        main, pre = states["state"], md.get(PRECOPY)
-        if main is None and pre is None:
-            raise HandoverError("the ticket holds no state")
-        at = tok["capture_at"]
-        c = Continuation(ids["prompt_ids"], ids["base_ids"], ids["output_ids"], int(tok["num_computed_tokens"]),
-                         main or {}, tensors.get("generator"), str(tok["text"]), bool(tok["capture_state"]),
-                         bool(tok["capture_prompt_state"]), states["prompt_state"], None if at is None else int(at),
-                         states["branch_state"])  # fmt: skip
+        t = Ticket(**json.loads(md["ticket"]))
+        toks = [json.loads(md["continuation"]), *json.loads(md.get("more", "[]"))]
+        t.choices, t.done_tokens = [int(i) for i in t.choices], int(t.done_tokens)
+        if len(toks) != len(t.choices) or len(set(t.choices)) != len(t.choices) or min(t.choices) < 0 or (
+            t.done_tokens < 0
+        ):
+            raise HandoverError("handover ticket: its choices do not match its continuations")
+        pre = md.get(PRECOPY)
+        if pre is not None and len(toks) != 1:
+            raise HandoverError("handover ticket: a pre-copy goes with one choice")
+        cs = [_unpack(spec, tensors, tok, "" if k == 0 else f"more{k}.", pre is None) for k, tok in enumerate(toks)]
         if pre is not None:
-            c = on_base(c, t, json.loads(pre), base)
+            cs = [on_base(cs[0], t, json.loads(pre), base)]
+    except HandoverError:
+        raise
     except (KeyError, TypeError, ValueError) as e:
         raise HandoverError(f"bad handover ticket: {e}") from None
-    every = c.prompt_ids + c.base_ids + c.output_ids
-    if not c.prompt_ids or any(not 0 <= i < vocab_size for i in every):
-        raise HandoverError("handover ticket: token ids outside the vocabulary")
-    n_kv = len(c.base_ids) + c.num_computed_tokens
-    if not 0 <= c.num_computed_tokens < len(c.prompt_ids) + len(c.output_ids) or (
-        spec.has_kv and spec.kv_length(c.state) != n_kv
-    ):
-        raise HandoverError("handover ticket: inconsistent token counts")
-    return c, t
+    for c in cs:
+        every = c.prompt_ids + c.base_ids + c.output_ids
+        if not c.prompt_ids or any(not 0 <= i < vocab_size for i in every):
+            raise HandoverError("handover ticket: token ids outside the vocabulary")
+        n_kv = len(c.base_ids) + c.num_computed_tokens
+        if not 0 <= c.num_computed_tokens < len(c.prompt_ids) + len(c.output_ids) or (
+            spec.has_kv and spec.kv_length(c.state) != n_kv
+        ):
+            raise HandoverError("handover ticket: inconsistent token counts")
+        if (c.prompt_ids, c.base_ids) != (cs[0].prompt_ids, cs[0].base_ids):
+            raise HandoverError("handover ticket: its choices continue different prompts")
+    return cs, t
+
+
+def _unpack(spec: StateSpec, tensors: dict[str, torch.Tensor], tok: dict[str, Any], prefix: str,
+            whole: bool) -> Continuation:  # fmt: skip
+    """One continuation of a ticket (`_pack`'s); `whole`: it must hold its state (no pre-copy to go on from)."""
+    ids = {k: [int(i) for i in tok[k]] for k in ("prompt_ids", "base_ids", "output_ids")}
+    states = {kind: _state(spec, tensors, prefix + kind) for kind in STATES}
+    if states["state"] is None and whole:
+        raise HandoverError("the ticket holds no state")
+    at = tok["capture_at"]
+    return Continuation(ids["prompt_ids"], ids["base_ids"], ids["output_ids"], int(tok["num_computed_tokens"]),
+                        states["state"] or {}, tensors.get(prefix + "generator"), str(tok["text"]),
+                        bool(tok["capture_state"]), bool(tok["capture_prompt_state"]), states["prompt_state"],
+                        None if at is None else int(at), states["branch_state"])  # fmt: skip
 
 
 def on_base(c: Continuation, t: Ticket, pre: dict[str, Any], base: Moved | None) -> Continuation:
@@ -294,7 +388,7 @@ def on_base(c: Continuation, t: Ticket, pre: dict[str, Any], base: Moved | None)
     are pending (fed in one chunk), the rest (tokens, generator, text) is the ticket's own."""
     if base is None:
         raise HandoverError("handover ticket: the state it goes on from (its pre-copy) did not arrive")
-    b, bt = base
+    (b, *_), bt = base
     n = int(pre["outputs"])
     if (bt != t or b.prompt_ids != c.prompt_ids or b.base_ids != c.base_ids or len(b.output_ids) != n
             or c.output_ids[:n] != b.output_ids or int(pre["num_computed_tokens"]) != b.num_computed_tokens
@@ -305,7 +399,8 @@ def on_base(c: Continuation, t: Ticket, pre: dict[str, Any], base: Moved | None)
 
 
 def _state(spec: StateSpec, tensors: dict[str, torch.Tensor], kind: str) -> State | None:
-    found = {k.split(".", 1)[1]: v.unsqueeze(0) for k, v in tensors.items() if k.startswith(kind + ".")}
+    """The state under `kind` (`[prefix]state`, `...prompt_state`, ...), checked against `spec`."""
+    found = {k[len(kind) + 1 :]: v.unsqueeze(0) for k, v in tensors.items() if k.startswith(kind + ".")}
     if not found:
         return None
     try:

@@ -165,32 +165,42 @@ async def taken_over(ctx: ServerContext, request: Request, tenant: str) -> Moved
 
 async def resume_run(ctx: ServerContext, tenant: str, prompt_ids: list[int], body: GenBody,
                      params: list[SamplingParams], chat: ChatMeta | None, moved: Moved) -> Run:  # fmt: skip
-    """Go on with a stream moved here: the same request, its engine request resumed where the source stopped."""
-    c, t = moved
-    if not body.stream or len(params) != 1:
-        raise APIError(400, "only a single-choice stream can move", None, "invalid_handover")
+    """Go on with a stream moved here: the same request, its engine requests (one per choice that was still running)
+    resumed where the source stopped them."""
+    cs, t = moved
+    c = cs[0]
+    if not body.stream or max(t.choices) >= len(params):
+        raise APIError(400, "only a stream can move, with the choices it had", None, "invalid_handover")
     if (c.base_ids + c.prompt_ids)[-len(prompt_ids) :] != prompt_ids:
         raise APIError(400, f"{RESUME_HEADER}: this is not the request that moved", None, "invalid_handover")
     plan = Plan(list(c.prompt_ids), None, list(c.base_ids), t.parent, t.info, t.capture, capture_at=c.capture_at)
     if t.finish:
         ctx.sessions.continued(tenant, reuse_scope(tenant, body.user, body.cache_salt), plan, chat)
-    handle = await ctx.client.resume(c, params[0])
-    ctx.sessions.track(chat, tenant, [handle])
-    return plan, [handle]
+    handles: list[RequestHandle] = []
+    try:
+        for ci, i in zip(cs, t.choices, strict=True):
+            handles.append(await ctx.client.resume(ci, params[i]))
+    except BaseException:
+        for h in handles:
+            h.cancel()
+        raise
+    ctx.sessions.track(chat, tenant, handles)
+    return plan, handles
 
 
 def live_stream(tenant: str, body: GenBody, plan: Plan, handles: list[RequestHandle], rid: str,
-                created: int, prompts: int = 1) -> LiveStream:  # fmt: skip
-    """How this stream could move to another server (or why it cannot)."""
-    ticket = Ticket(rid, created, tenant, plan.info, plan.parent, plan.capture, plan.finish is not None)
+                created: int, prompts: int = 1, moved: Moved | None = None) -> LiveStream:  # fmt: skip
+    """How this stream could move to another server (or why it cannot); `moved`: it moved here, with these choices."""
+    choices, done = (moved[1].choices, moved[1].done_tokens) if moved else (list(range(len(handles))), 0)
+    ticket = Ticket(rid, created, tenant, plan.info, plan.parent, plan.capture, plan.finish is not None, choices, done)
     why = None
-    if len(handles) != 1 or prompts != 1:
-        why = "only a single-choice stream of one prompt can move"
+    if prompts != 1:
+        why = "only a stream of one prompt can move"
     elif body.save_state:  # a name's versions are issued on the server that holds the name
         why = "it saves its final state under a name this server holds: move the state when the stream ends"
     elif handles[0].request.params.prompt_logprobs is not None:
         why = "it scores its prompt (echo with logprobs)"
-    return LiveStream(tenant, handles[0], ticket, why, reuse_scope(tenant, body.user, body.cache_salt))
+    return LiveStream(tenant, handles, ticket, why, reuse_scope(tenant, body.user, body.cache_salt))
 
 
 def finish(ctx: ServerContext, tenant: str, body: GenBody, plan: Plan, handles: list[RequestHandle]) -> dict[str, Any]:
@@ -262,7 +272,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         moved = await taken_over(ctx, request, tenant)
         if moved is not None:
             if len(encoded) != 1:
-                raise APIError(400, "only a single-choice stream of one prompt can move", "prompt", "invalid_handover")
+                raise APIError(400, "only a stream of one prompt can move", "prompt", "invalid_handover")
             runs = [await resume_run(ctx, tenant, encoded[0], body, params, None, moved)]
             rid, created = moved[1].id, moved[1].created
         else:
@@ -287,11 +297,11 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
         if body.stream:
             echoes = [(gen.echo_text(ctx, q), ids) for q, ids in zip(prompts, encoded, strict=True) if body.echo]
-            live = live_stream(tenant, body, runs[0][0], handles, rid, created, len(runs))
+            live = live_stream(tenant, body, runs[0][0], handles, rid, created, len(runs), moved)
             ctx.handovers.register(live)
             return StreamingResponse(
                 stream_completion(ctx, request, body, runs, handles, base, prompt_tokens, tenant, k, echoes, live,
-                                  moved[0].text if moved else None),
+                                  [c.text for c in moved[0]] if moved else None),
                 media_type="text/event-stream", headers=movable_header(live),
             )  # fmt: skip
         await gen.wait_all(ctx, request, handles)
@@ -336,11 +346,11 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             rid, created = gen.new_id("chatcmpl"), int(time.time())
         base = {"id": rid, "created": created, "model": ctx.model_name}
         if body.stream:
-            live = live_stream(tenant, body, plan, handles, rid, created)
+            live = live_stream(tenant, body, plan, handles, rid, created, moved=moved)
             ctx.handovers.register(live)
             return StreamingResponse(
                 stream_chat(ctx, request, body, plan, handles, base, len(prompt_ids), tenant, k, mode, live,
-                            moved[0].text if moved else None),
+                            [c.text for c in moved[0]] if moved else None),
                 media_type="text/event-stream", headers=movable_header(live),
             )  # fmt: skip
         await gen.wait_all(ctx, request, handles)
@@ -408,22 +418,24 @@ def chat_messages(body: ChatRequest) -> list[dict[str, Any]]:
 async def stream_completion(ctx: ServerContext, request: Request, body: CompletionRequest, runs: list[Run],
                             handles: list[RequestHandle], base: dict[str, Any], prompt_tokens: int, tenant: str,
                             k: int, echoes: list[tuple[str, list[int]]], live: LiveStream,
-                            sent: str | None = None) -> AsyncIterator[str]:  # fmt: skip
+                            sent: list[str] | None = None) -> AsyncIterator[str]:  # fmt: skip
     """Completion chunks; with `echo` (`echoes`: each prompt's text and ids) a choice's first chunk starts with its
-    prompt, and with its prompt tokens' logprobs. `sent`: the text a server this stream moved from has sent."""
+    prompt, and with its prompt tokens' logprobs. `sent`: per handle, the text a server this stream moved from has
+    sent (the handles are then the choices `live.ticket.choices` names)."""
     offsets: list[int | None] = [None] * len(handles)  # text sent so far, per choice; None before its first chunk
-    if sent is not None:
-        offsets[0] = (len(echoes[0][0]) if echoes else 0) + len(sent)
+    for i, text in enumerate(sent or []):
+        offsets[i] = (len(echoes[0][0]) if echoes else 0) + len(text)
+    index = live.ticket.choices
 
     def chunk(i: int, ev: Event) -> dict[str, Any]:
         sent = offsets[i]
-        head, ids = echoes[i // body.n] if echoes and sent is None else ("", [])
+        head, ids = echoes[index[i] // body.n] if echoes and sent is None else ("", [])
         offset = len(head) if sent is None else sent
         text, lps = ev.text, gen.completion_logprobs(ctx, ev.token_ids, ev.logprobs, k, offset)
         if echoes and sent is None:
             text, lps = gen.echoed(ctx, head, ids, ev.prompt_logprobs, k, text, lps)
         offsets[i] = offset + len(ev.text)
-        c = {"index": i, "text": text, "finish_reason": ev.finish_reason, "logprobs": lps}
+        c = {"index": index[i], "text": text, "finish_reason": ev.finish_reason, "logprobs": lps}
         if body.return_token_ids:
             c["token_ids"] = ev.token_ids
         return {**base, "choices": [c]}
@@ -436,15 +448,17 @@ async def stream_completion(ctx: ServerContext, request: Request, body: Completi
 async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, plan: Plan,
                       handles: list[RequestHandle], base: dict[str, Any], prompt_tokens: int, tenant: str,
                       k: int | None, mode: ToolMode | None, live: LiveStream,
-                      sent: str | None = None) -> AsyncIterator[str]:  # fmt: skip
+                      sent: list[str] | None = None) -> AsyncIterator[str]:  # fmt: skip
     """Chat chunks. With tools that may be called, a choice's text is held back and its last chunk carries the
     reply as content or as `tool_calls` (one delta per call, with its index): a call is known only once its text
-    is complete. `sent`: the text a server this stream moved from has sent (or held back)."""
+    is complete. `sent`: per handle, the text a server this stream moved from has sent (or held back); the handles
+    are then the choices `live.ticket.choices` names."""
     base = {**base, "object": "chat.completion.chunk"}
-    for i in range(len(handles) if sent is None else 0):  # a moved stream's role chunk went out already
+    index = live.ticket.choices
+    for i in range(len(handles) if sent is None else 0):  # a moved stream's role chunks went out already
         delta = {"role": "assistant", "content": ""}
         yield gen.sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]})
-    held = [""] * len(handles) if sent is None else [sent]
+    held = [""] * len(handles) if sent is None else list(sent)
     hold = mode is not None and mode.choice != "none"
 
     def chunk(i: int, ev: Event) -> dict[str, Any]:
@@ -459,7 +473,7 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
                 d = {"content": message["content"]} if message["content"] else {}
                 if calls:
                     d["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
-        c = {"index": i, "delta": d, "finish_reason": finish_reason,
+        c = {"index": index[i], "delta": d, "finish_reason": finish_reason,
              "logprobs": gen.chat_logprobs(ctx, ev.token_ids, ev.logprobs, k or 0)}  # fmt: skip
         if body.return_token_ids:
             c["token_ids"] = ev.token_ids
@@ -489,21 +503,25 @@ async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFiel
 
     The stream always ends with `data: [DONE]`: after the final chunk, or after an `error` event when a
     generation failed (or, for a bug, when this code did) once the response had started. A stream moved to another
-    server (`live`, handover.py) ends instead with the handover event, after every chunk produced here."""
+    server (`live`, handover.py) ends instead with the handover event, after every chunk produced here (of every
+    choice: one that finished here before the others stopped sends its last chunk here)."""
     try:
         held: dict[str, Any] | None = None  # the stream's last chunk, which waits for the extras
-        left = len(handles)
+        left, moving = len(handles), 0
         async for i, ev in gen.merged(ctx, request, handles):
-            if ev.error_code == ErrorCode.MIGRATED and live is not None:
-                yield await run_in_threadpool(hand_over, ctx, live)
-                return
             left -= ev.finished
+            if ev.error_code == ErrorCode.MIGRATED and live is not None:
+                moving += 1
+                continue
             if not ev.token_ids and not ev.finished and not ev.text:
                 continue
-            if left:
+            if left or moving:
                 yield gen.sse(chunk(i, ev))  # at once: a chunk is never held back for the next token
             else:
                 held = chunk(i, ev)
+        if moving and live is not None:
+            yield await run_in_threadpool(hand_over, ctx, live)
+            return
         failed = next((h for h in handles if h.output.finish_reason == "error"), None)
         if held is not None:
             if failed is None:
@@ -515,7 +533,8 @@ async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFiel
             except APIError as e:
                 yield gen.sse(error_body(e.status, e.message, e.param, e.code))
         elif body.stream_options and body.stream_options.include_usage:
-            yield gen.sse({**base, "choices": [], "usage": gen.usage(prompt_tokens, handles)})
+            done = live.ticket.done_tokens if live is not None else 0  # choices that finished where it moved from
+            yield gen.sse({**base, "choices": [], "usage": gen.usage(prompt_tokens, handles, done)})
     except Exception as e:  # the response has started: the client still gets an error event and [DONE]
         log.exception("stream failed after it started (a bug)")
         yield gen.sse(error_body(500, f"internal error: {type(e).__name__}", None, "internal_error"))
@@ -526,15 +545,16 @@ async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFiel
 
 
 def hand_over(ctx: ServerContext, live: LiveStream) -> str:
-    """The handover event ending a stream whose request the engine suspended: its ticket waits here."""
-    c, to = live.handle.continuation, live.to
-    assert c is not None and to is not None  # suspended through Handovers.move, which names the destination
-    ctx.sessions.moved([live.handle])
+    """The handover event ending a stream whose requests the engine suspended: its ticket waits here."""
+    (c, *more), ticket = live.outgoing()
+    to = live.to
+    assert to is not None  # suspended through Handovers.move, which names the destination
+    ctx.sessions.moved(live.handles)
     if c.prompt_state is not None and live.ticket.finish:  # checkpointed here rather than shipped (`encode`)
         ctx.sessions.keep_prompt_end(live.scope, c.base_ids + c.prompt_ids, c.prompt_state)
     if live.pushed and live.out_id is not None:  # its ticket went out when it stopped
         return marker(live.out_id, to)
-    data = encode_ticket(ctx.model.spec, ctx.model.fingerprint, c, live.ticket)
+    data = encode_ticket(ctx.model.spec, ctx.model.fingerprint, [c, *more], ticket)
     return marker(ctx.handovers.put_out(data, live.out_id), to)
 
 
