@@ -201,8 +201,16 @@ __attribute__((target(WKVM_AVX512))) void block_avx512(const Problem& p, int64_t
 
 inline int64_t quad_row(int h, int64_t j) { return 8 * (j / 4) + 4 * h + j % 4; }
 
+// acc += u (unsigned bytes) . s (signed bytes), lane by lane. Written as asm so that GCC keeps each accumulator in one
+// register across the loop: with the intrinsic it copied every accumulator in and out of a spare register around
+// each vpdpbusd (16 zmm moves per 8 products at 4 rows)
+__attribute__((target(WKVM_VNNI))) inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+  return acc;
+}
+
 // isum += quad k..k+3 of 32 rows times rows m..m+MT of x; WHOLE false: only pair row k is left (the quads' top
-// halves are zero)
+// halves are zero). One row keeps the intrinsic (the asm measured 0.95-1.0x there)
 template <int MT, bool WHOLE>
 __attribute__((target(WKVM_VNNI))) inline void quad_vnni(const Problem& p, const int8_t* w, int64_t k, int64_t m,
                                                          __m512i (&isum)[2][MT]) {
@@ -215,70 +223,80 @@ __attribute__((target(WKVM_VNNI))) inline void quad_vnni(const Problem& p, const
     int32_t quad = 0;
     std::memcpy(&quad, p.xq + (m + i) * p.K + k, WHOLE ? 4 : 2);
     const __m512i xv = _mm512_set1_epi32(quad);
-    isum[0][i] = _mm512_dpbusd_epi32(isum[0][i], lo, xv);
-    isum[1][i] = _mm512_dpbusd_epi32(isum[1][i], hi, xv);
+    if constexpr (MT == 1) {
+      isum[0][i] = _mm512_dpbusd_epi32(isum[0][i], lo, xv);
+      isum[1][i] = _mm512_dpbusd_epi32(isum[1][i], hi, xv);
+    } else {
+      isum[0][i] = dpbusd(isum[0][i], lo, xv);
+      isum[1][i] = dpbusd(isum[1][i], hi, xv);
+    }
   }
 }
 
-// rows m .. m + MT * PASSES of x against block b; with PASSES > 1 each group's weights serve every pass of MT rows
-// while they are in L1 (each output's sums still go group by group in order: the same bits). `next`: a block to
-// ask into L2 meanwhile (prefetch_share)
-template <int MT, int PASSES>
+// rows m .. m + MT of x against block b (each output's sums go group by group in order: the same bits on every
+// path). `next`: a block to ask into L2 meanwhile (prefetch_share)
+template <int MT>
 __attribute__((target(WKVM_VNNI))) void block_vnni(const Problem& p, int64_t b, int64_t m, const int8_t* next) {
-  constexpr int R = MT * PASSES;
   const int8_t* w = block_at(p, b);
-  __m512 acc[2][R];
+  __m512 acc[2][MT];
   for (int h = 0; h < 2; ++h)
-    for (int i = 0; i < R; ++i) acc[h][i] = _mm512_setzero_ps();
+    for (int i = 0; i < MT; ++i) acc[h][i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < p.G; ++g) {
     const int64_t k1 = std::min(p.K, (g + 1) * X_GROUP);
     prefetch_share(p, next, g);
-    for (int s = 0; s < PASSES; ++s) {
-      const int64_t ms = m + s * MT;
-      __m512i isum[2][MT];
+    __m512i isum[2][MT];
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < MT; ++i) isum[h][i] = _mm512_setzero_si512();
+    int64_t k = g * X_GROUP;
+    for (; k + 4 <= k1; k += 4) quad_vnni<MT, true>(p, w, k, m, isum);
+    if (k < k1) quad_vnni<MT, false>(p, w, k, m, isum);  // K = 2 mod 4: pair row k is the last
+    for (int i = 0; i < MT; ++i) {
+      const int64_t gi = (m + i) * p.G + g;
+      const __m512i bias = _mm512_set1_epi32(128 * p.xsum[gi]);  // the flipped weights' extra 128 * sum(xq)
+      const __m512 dx = _mm512_set1_ps(p.xs[gi]);
       for (int h = 0; h < 2; ++h)
-        for (int i = 0; i < MT; ++i) isum[h][i] = _mm512_setzero_si512();
-      int64_t k = g * X_GROUP;
-      for (; k + 4 <= k1; k += 4) quad_vnni<MT, true>(p, w, k, ms, isum);
-      if (k < k1) quad_vnni<MT, false>(p, w, k, ms, isum);  // K = 2 mod 4: pair row k is the last
-      for (int i = 0; i < MT; ++i) {
-        const int64_t gi = (ms + i) * p.G + g;
-        const __m512i bias = _mm512_set1_epi32(128 * p.xsum[gi]);  // the flipped weights' extra 128 * sum(xq)
-        const __m512 dx = _mm512_set1_ps(p.xs[gi]);
-        for (int h = 0; h < 2; ++h)
-          acc[h][s * MT + i] =
-              _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[h][i], bias)), dx, acc[h][s * MT + i]);
-      }
+        acc[h][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[h][i], bias)), dx, acc[h][i]);
     }
   }
   const int8_t* scales = w + BLOCK * p.K;
-  for (int i = 0; i < R; ++i) {
-    alignas(64) float lanes[BLOCK];
-    _mm512_store_ps(lanes, acc[0][i]);
-    _mm512_store_ps(lanes + 16, acc[1][i]);
+  for (int i = 0; i < MT; ++i) {
     float* y = p.y + (m + i) * p.N + b * BLOCK;
-    for (int h = 0; h < 2; ++h)
-      for (int64_t j = 0; j < 16; ++j) y[quad_row(h, j)] = lanes[16 * h + j] * load_float(scales + 4 * quad_row(h, j));
+    if constexpr (MT == 1) {  // one row: the scalar stores measured 1.0-1.05x the permutes
+      alignas(64) float lanes[BLOCK];
+      _mm512_store_ps(lanes, acc[0][i]);
+      _mm512_store_ps(lanes + 16, acc[1][i]);
+      for (int h = 0; h < 2; ++h)
+        for (int64_t j = 0; j < 16; ++j) y[quad_row(h, j)] = lanes[16 * h + j] * load_float(scales + 4 * quad_row(h, j));
+    } else {  // rows 0-15 are lanes 0-3 of acc[0], 0-3 of acc[1], 4-7, 4-7; rows 16-31 the other lanes alike
+      const __m512i rows_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+      const __m512i rows_hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+      const float* s = reinterpret_cast<const float*>(scales);
+      _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_permutex2var_ps(acc[0][i], rows_lo, acc[1][i]), _mm512_loadu_ps(s)));
+      _mm512_storeu_ps(y + 16,
+                       _mm512_mul_ps(_mm512_permutex2var_ps(acc[0][i], rows_hi, acc[1][i]), _mm512_loadu_ps(s + 16)));
+    }
   }
 }
 
-// Eight rows at a time as two interleaved passes where a block fits in L1 (K <= 1024): gate/up 3,072 x 576 and
-// SmolLM2's head at M = 8 ran 1.07-1.33x faster; blocks of longer rows (768 x 3,072, 576 x 1,536) ran 0.90-0.96x,
-// so they keep one pass of four rows after another (AMD EPYC, AVX512-VNNI, 2 threads, weights from memory).
-// The first eight-row pass over a block also asks the next block into L2 (prefetcht1): at 8 and 16 rows 1.02-1.20x
-// and 1.12-1.27x (K = 576, from memory); at 1 row the hardware's own prefetch keeps up and this was 0.85-1.05x
-// (below 1 for four shapes of five), and with blocks of longer rows (576 x 1,536) 0.85-0.86x, so only there.
+// Eight rows at a time, one pass over each block (16 accumulators: each quad's unpacked weights serve 16 products).
+// Paired against two interleaved passes of four rows with the intrinsic and scalar stores (the kernel before, same
+// bits; AMD EPYC, AVX512-VNNI): one thread, weights in L2, 1.05-1.39x at 8-32 rows for K = 576 and 768, 1.07-1.19x
+// for K = 1,536 and 3,072, 1.06-1.10x at 4 rows; two threads from memory, 8 rows, 1.02-1.35x. The vpdpbusd loop of
+// an 8-row block in L1 or L2 alone runs at this CPU's peak (~230 GMAC/s a core); the kernel reaches ~60-75% of it, the
+// rest being each group's convert and multiply-add of 16 sums. Where a block fits in L1 (K <= 1024) the eight-row pass also asks the next block into L2 (prefetcht1): at
+// 8 and 16 rows 1.02-1.20x and 1.12-1.27x (K = 576, from memory); at 1 row the hardware's own prefetch keeps up and
+// this was 0.85-1.05x (below 1 for four shapes of five), and with blocks of longer rows (576 x 1,536) 0.85-0.86x.
 constexpr int64_t L1_BLOCK = 32 * 1024;
 
 __attribute__((target(WKVM_VNNI))) void vnni_blocks(const Problem& p, int64_t b0, int64_t b1) {
-  const bool interleave = BLOCK * p.K <= L1_BLOCK;
+  const bool fits_l1 = BLOCK * p.K <= L1_BLOCK;
   for (int64_t b = b0; b < b1; ++b) {
     int64_t m = 0;
-    if (interleave)
-      for (; m + 8 <= p.M; m += 8) block_vnni<4, 2>(p, b, m, m == 0 && b + 1 < b1 ? block_at(p, b + 1) : nullptr);
-    for (; m + 4 <= p.M; m += 4) block_vnni<4, 1>(p, b, m, nullptr);
-    for (; m + 2 <= p.M; m += 2) block_vnni<2, 1>(p, b, m, nullptr);
-    if (m < p.M) block_vnni<1, 1>(p, b, m, nullptr);
+    for (; m + 8 <= p.M; m += 8)
+      block_vnni<8>(p, b, m, fits_l1 && m == 0 && b + 1 < b1 ? block_at(p, b + 1) : nullptr);
+    for (; m + 4 <= p.M; m += 4) block_vnni<4>(p, b, m, nullptr);
+    for (; m + 2 <= p.M; m += 2) block_vnni<2>(p, b, m, nullptr);
+    if (m < p.M) block_vnni<1>(p, b, m, nullptr);
   }
 }
 
