@@ -245,17 +245,14 @@ __attribute__((target(WKVM_VNNI))) void block_vnni(const Problem& p, int64_t b, 
     const int64_t k1 = std::min(p.K, (g + 1) * X_GROUP);
     prefetch_share(p, next, g);
     __m512i isum[2][MT];
-    for (int h = 0; h < 2; ++h)
-      for (int i = 0; i < MT; ++i) isum[h][i] = _mm512_setzero_si512();
+    for (int i = 0; i < MT; ++i)  // start from minus the flipped weights' extra 128 * sum(xq): the same integers
+      isum[0][i] = isum[1][i] = _mm512_set1_epi32(-128 * p.xsum[(m + i) * p.G + g]);
     int64_t k = g * X_GROUP;
     for (; k + 4 <= k1; k += 4) quad_vnni<MT, true>(p, w, k, m, isum);
     if (k < k1) quad_vnni<MT, false>(p, w, k, m, isum);  // K = 2 mod 4: pair row k is the last
     for (int i = 0; i < MT; ++i) {
-      const int64_t gi = (m + i) * p.G + g;
-      const __m512i bias = _mm512_set1_epi32(128 * p.xsum[gi]);  // the flipped weights' extra 128 * sum(xq)
-      const __m512 dx = _mm512_set1_ps(p.xs[gi]);
-      for (int h = 0; h < 2; ++h)
-        acc[h][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[h][i], bias)), dx, acc[h][i]);
+      const __m512 dx = _mm512_set1_ps(p.xs[(m + i) * p.G + g]);
+      for (int h = 0; h < 2; ++h) acc[h][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[h][i]), dx, acc[h][i]);
     }
   }
   const int8_t* scales = w + BLOCK * p.K;
