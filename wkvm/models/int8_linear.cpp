@@ -280,17 +280,15 @@ __attribute__((target(WKVM_VNNI))) void block_vnni(const Problem& p, int64_t b, 
 // bits; AMD EPYC, AVX512-VNNI): one thread, weights in L2, 1.05-1.39x at 8-32 rows for K = 576 and 768, 1.07-1.19x
 // for K = 1,536 and 3,072, 1.06-1.10x at 4 rows; two threads from memory, 8 rows, 1.02-1.35x. The vpdpbusd loop of
 // an 8-row block in L1 or L2 alone runs at this CPU's peak (~230 GMAC/s a core); the kernel reaches ~60-75% of it, the
-// rest being each group's convert and multiply-add of 16 sums. Where a block fits in L1 (K <= 1024) the eight-row pass also asks the next block into L2 (prefetcht1): at
-// 8 and 16 rows 1.02-1.20x and 1.12-1.27x (K = 576, from memory); at 1 row the hardware's own prefetch keeps up and
-// this was 0.85-1.05x (below 1 for four shapes of five), and with blocks of longer rows (576 x 1,536) 0.85-0.86x.
-constexpr int64_t L1_BLOCK = 32 * 1024;
-
+// rest being each group's convert and multiply-add of 16 sums.
+// The eight-row pass also asks the next block into L2 (prefetcht1): at 8 and 16 rows 1.02-1.20x and 1.12-1.27x (K =
+// 576, from memory); with one pass over blocks of long rows too, two threads from memory, 0.98-1.16x at 8 rows and
+// 1.03-1.15x at 16 for 576 x 1,536, 1.10-1.15x and 1.04-1.08x for 768 x 3,072 (three runs). At 1 row the hardware's
+// own prefetch keeps up and this was 0.85-1.05x (below 1 for four shapes of five).
 __attribute__((target(WKVM_VNNI))) void vnni_blocks(const Problem& p, int64_t b0, int64_t b1) {
-  const bool fits_l1 = BLOCK * p.K <= L1_BLOCK;
   for (int64_t b = b0; b < b1; ++b) {
     int64_t m = 0;
-    for (; m + 8 <= p.M; m += 8)
-      block_vnni<8>(p, b, m, fits_l1 && m == 0 && b + 1 < b1 ? block_at(p, b + 1) : nullptr);
+    for (; m + 8 <= p.M; m += 8) block_vnni<8>(p, b, m, m == 0 && b + 1 < b1 ? block_at(p, b + 1) : nullptr);
     for (; m + 4 <= p.M; m += 4) block_vnni<4>(p, b, m, nullptr);
     for (; m + 2 <= p.M; m += 2) block_vnni<2>(p, b, m, nullptr);
     if (m < p.M) block_vnni<1>(p, b, m, nullptr);
