@@ -231,16 +231,33 @@ def test_a_stream_of_several_choices_moves_exactly(cluster):
     assert moved.json()["precopy_tokens"] is None
 
 
+def test_a_stream_saving_its_final_state_moves_with_its_name(cluster):
+    """`save_state` mid-stream: the name (every version) moves to the destination first, which then issues the
+    stream's version there; that state equals the one an unmoved run saved (greedy: the same continuation)."""
+    r = cluster.post("/v1/states", json={"name": "exile", "prompt": "CORIOLANUS: You common cry"})
+    assert r.status_code == 200, r.text
+    owner = r.headers["x-wkvm-replica"]
+    body = {**GREEDY, "max_tokens": 300, "ignore_eos": True, "prompt": " of curs", "state": "exile@1",
+            "save_state": "exile"}  # fmt: skip
+    unmoved = cluster.post("/v1/completions", json=body).json()
+    assert unmoved["state"]["handle"] == "exile@2"
+    texts, source, moved = stream_moved_midway(cluster, body)
+    to = moved.json()["to"]
+    assert source == owner and to != owner and texts == {0: unmoved["choices"][0]["text"]}
+    for v in (1, 2, 3):  # the whole name lives on the destination now
+        got = cluster.get(f"/v1/states/exile@{v}")
+        assert got.status_code == 200 and got.headers["x-wkvm-replica"] == to, (v, got.text)
+    ask = {**GREEDY, "prompt": " anon"}
+    after = [cluster.post(f"/v1/states/exile@{v}/generate", json=ask).json()["choices"][0]["text"] for v in (2, 3)]
+    assert after[0] == after[1]
+
+
 def test_a_stream_that_cannot_move_says_why(cluster):
     missing = cluster.post("/v1/streams/chatcmpl-none/migrate", json={"to": "r0"})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "stream_not_found"
     with cluster.stream("POST", "/v1/completions", json={**GREEDY, "prompt": ["CORIOLANUS:", "MENENIUS:"],
                                                          "stream": True}) as r:  # fmt: skip
         assert "x-wkvm-stream-id" not in r.headers  # two prompts: it finishes where it is
-        r.read()
-    saving = {**GREEDY, "prompt": "CORIOLANUS:", "save_state": "banished", "stream": True}
-    with cluster.stream("POST", "/v1/completions", json=saving) as r:
-        assert r.status_code == 200 and "x-wkvm-stream-id" not in r.headers  # its name's versions are issued here
         r.read()
 
 

@@ -134,7 +134,7 @@ def route_key(tenant: str, req: ForwardedRequest) -> RouteKey:
     path = req.path.rstrip("/")
     if path.startswith(STATES + "/") and path != STATES + "/import":
         return RouteKey(state_key(tenant, path.split("/")[3]), strict=True)
-    body = _json(req.body) if req.method == "POST" and (path == STATES or path in GENERATION_PATHS) else {}
+    body = json_body(req.body) if req.method == "POST" and (path == STATES or path in GENERATION_PATHS) else {}
     for field in ("state", "save_state", "name"):
         value = body.get(field)
         if isinstance(value, str) and value and (field != "name" or path == STATES):
@@ -174,7 +174,8 @@ def prefix_text(path: str, body: dict[str, Any]) -> str | None:
     return None
 
 
-def _json(body: bytes) -> dict[str, Any]:
+def json_body(body: bytes) -> dict[str, Any]:
+    """A request body's JSON object ({} when it is not one)."""
     try:
         value = json.loads(body)
     except ValueError:

@@ -33,6 +33,7 @@ from wkvm.cluster.forward import (
     Handover,
     Head,
     RouteKey,
+    json_body,
     route_key,
     state_key,
 )
@@ -95,6 +96,7 @@ class RunningStream:
     slot: str
     req: ForwardedRequest
     inflight: Inflight
+    saves: str | None = None  # the name it saves its final state under (`save_state`): the name moves with it
     moves: int = 0  # handovers done so far
     downtime: float = 0.0  # of the last one: last chunk from the source to the first from the destination
     opened: tuple[str, Any] | None = None  # (ticket, the destination's call) opened for a move asked for
@@ -192,7 +194,8 @@ class Front:
         """The body chunks after the head. A stream handed over goes on from its destination on this same response;
         the replica's generator is cancelled if the client goes away."""
         stream_id = dict(head.headers).get(STREAM_HEADER.encode(), b"").decode() or None
-        s = RunningStream(self.tenant_of(req), head.replica, req, inflight)
+        saves = json_body(req.body).get("save_state") if req.method == "POST" else None
+        s = RunningStream(self.tenant_of(req), head.replica, req, inflight, saves if isinstance(saves, str) else None)
         if stream_id is not None:
             self.streams[stream_id] = s
         source = relay(gen)
@@ -244,7 +247,8 @@ class Front:
             if not moved.data:  # the destination took it after all (and then failed), or its source died
                 return None, self.move_failed()
         replicas = await self.recent_replicas()
-        order = [moved.to] + [other for other in replicas if other != moved.to]
+        # a stream saving under a name goes only where the name went (`move_stream`): its save issues the next version
+        order = [moved.to] + [other for other in replicas if other != moved.to and s.saves is None]
         for slot in order:
             if slot not in replicas:
                 continue
@@ -323,6 +327,10 @@ class Front:
         if not isinstance(precopy, bool):
             return error_response(400, "'precopy' must be true or false", "precopy", "invalid_type")
         t0, source, moves = time.perf_counter(), s.slot, s.moves
+        if s.saves is not None:  # its final state is saved as the name's next version, issued by the name's owner:
+            moved_name = await self.move_name(tenant, s.saves, to, replicas, new_ok=True)  # the name goes first
+            if isinstance(moved_name, Response):
+                return moved_name
         # the destination's call first: it is routed and waits for the ticket while the source reaches a token
         ticket = secrets.token_hex(16)  # boundary, and the source pushes the ticket to it through the directory
         s.opened = (ticket, self.resumed(s.req, replicas[to], Handover(to, ticket)))
@@ -386,22 +394,35 @@ class Front:
         if to is None:
             return error_response(400, f"'to' must name a replica: one of {', '.join(replicas)}", "to",
                                   "unknown_replica")  # fmt: skip
-        tenant, name = self.tenant(request), handle.split("@", 1)[0]
-        key = state_key(tenant, handle)
+        t0 = time.perf_counter()
+        moved = await self.move_name(self.tenant(request), handle.split("@", 1)[0], to, replicas)
+        if isinstance(moved, Response):
+            return moved
+        return JSONResponse(migration(handle, moved.source, to, moved.nbytes, time.perf_counter() - t0, moved.handles)
+                            | ({"steps_seconds": moved.steps} if moved.steps else {}))  # fmt: skip
+
+    async def move_name(self, tenant: str, name: str, to: str, replicas: dict[str, str],
+                        new_ok: bool = False) -> NameMove | Response:  # fmt: skip
+        """Every version of `name` from its owner to replica `to` (the directory updated), or the error to answer.
+        `new_ok`: a name with no version yet (a stream about to save its first) only changes owner."""
+        key = state_key(tenant, name)
         slot, source = await self.directory.lookup.remote(key)
+        if slot is None and new_ok:
+            await self.directory.record.remote(key, to)
+            return NameMove(to, [], 0)
         if slot is None or source is None:
             if slot is None:
-                return error_response(404, f"no state {handle!r}", None, "state_not_found")
-            return error_response(503, f"replica {slot}, which holds {handle!r}, is restarting; retry shortly", None,
+                return error_response(404, f"no state {name!r}", None, "state_not_found")
+            return error_response(503, f"replica {slot}, which holds {name!r}, is restarting; retry shortly", None,
                                   "replica_unavailable")  # fmt: skip
         if slot == to:
-            return JSONResponse(migration(handle, slot, to, 0, 0.0, []))
+            return NameMove(slot, [], 0)
         t0 = time.perf_counter()
         files: list[bytes] = await self.call(source, "export_name", tenant, name)
-        if not files:
-            return error_response(404, f"no state {handle!r}", None, "state_not_found")  # deleted meanwhile
+        if not files and not new_ok:
+            return error_response(404, f"no state {name!r}", None, "state_not_found")  # deleted meanwhile
         t1 = time.perf_counter()
-        handles: list[str] = await self.call(replicas[to], "adopt", tenant, files)
+        handles: list[str] = await self.call(replicas[to], "adopt", tenant, files) if files else []
         await self.directory.record.remote(key, to)
         t2 = time.perf_counter()
         versions = [int(h.rsplit("@", 1)[1]) for h in handles]
@@ -413,11 +434,11 @@ class Front:
                                   "state_changed")  # fmt: skip
         seconds = time.perf_counter() - t0
         nbytes = sum(len(f) for f in files)
-        self.metrics.migrations.inc()
-        self.metrics.moved_bytes.inc(nbytes)
-        self.metrics.migration_seconds.observe(seconds)
-        steps = {"export": t1 - t0, "adopt": t2 - t1, "drop": time.perf_counter() - t2}
-        return JSONResponse(migration(handle, slot, to, nbytes, seconds, handles) | {"steps_seconds": steps})
+        if files:
+            self.metrics.migrations.inc()
+            self.metrics.moved_bytes.inc(nbytes)
+            self.metrics.migration_seconds.observe(seconds)
+        return NameMove(slot, handles, nbytes, {"export": t1 - t0, "adopt": t2 - t1, "drop": time.perf_counter() - t2})
 
     async def cluster(self) -> dict[str, Any]:
         replicas = await self.replicas()
@@ -449,6 +470,16 @@ def outcome(key: str | None, owner: str | None, answered: str) -> str:
     if key is None:
         return "any"
     return "new" if owner is None else "hit" if answered == owner else "fallback"
+
+
+@dataclass
+class NameMove:
+    """A name's versions moved (`Front.move_name`): from which slot, their handles, bytes and steps' seconds."""
+
+    source: str
+    handles: list[str]
+    nbytes: int
+    steps: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def migration(handle: str, source: str, to: str, nbytes: int, seconds: float, handles: list[str]) -> dict[str, Any]:

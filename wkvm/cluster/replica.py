@@ -191,7 +191,8 @@ class EngineReplica:
 
     def _drain_when_stopping(self) -> None:
         """When Serve starts stopping this replica (redeploy, scale-down), hand every running stream that can move
-        over to the other replicas, so Serve's drain does not wait for them to finish here."""
+        over to the other replicas, so Serve's drain does not wait for them to finish here. Not one that saves under a
+        name (its name would have to move too, which the front does for a move it is asked for): it finishes here."""
         serve_replica = self._serve_replica
         if serve_replica is None:
             log.warning("replica %s: cannot see when Serve stops it; its streams finish here instead of moving",
@@ -201,7 +202,7 @@ class EngineReplica:
             if self._stopped.wait(DRAIN_POLL_SECONDS):
                 return
         others = [slot for slot in ray.get(self.directory.replicas.remote()) if slot != self.slot]
-        streams = [s for s in self.ctx.handovers.live() if s.why_not is None]
+        streams = [s for s in self.ctx.handovers.live() if s.why_not is None and s.saves is None]
         log.info("replica %s is stopping: moving %d running streams to %s", self.slot, len(streams), others)
         for i, s in enumerate(streams if others else []):
             with contextlib.suppress(KeyError, HandoverError):  # finished or moving meanwhile

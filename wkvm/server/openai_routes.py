@@ -196,11 +196,11 @@ def live_stream(tenant: str, body: GenBody, plan: Plan, handles: list[RequestHan
     why = None
     if prompts != 1:
         why = "only a stream of one prompt can move"
-    elif body.save_state:  # a name's versions are issued on the server that holds the name
-        why = "it saves its final state under a name this server holds: move the state when the stream ends"
     elif handles[0].request.params.prompt_logprobs is not None:
         why = "it scores its prompt (echo with logprobs)"
-    return LiveStream(tenant, handles, ticket, why, reuse_scope(tenant, body.user, body.cache_salt))
+    live = LiveStream(tenant, handles, ticket, why, reuse_scope(tenant, body.user, body.cache_salt))
+    live.saves = body.save_state
+    return live
 
 
 def finish(ctx: ServerContext, tenant: str, body: GenBody, plan: Plan, handles: list[RequestHandle]) -> dict[str, Any]:
