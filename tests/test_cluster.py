@@ -377,12 +377,18 @@ def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
         states[i] = cluster.post(f"/v1/states/roll{i}@1/generate", json=ask).json()["choices"][0]["text"]
     long = {**GREEDY, "max_tokens": 750, "ignore_eos": True, "prompt": "GLOUCESTER:"}
     want = cluster.post("/v1/completions", json=long).json()["choices"][0]["text"]
+    # its name follows it (drain); long enough to be running when each replica stops
+    saving = {**long, "max_tokens": 2400, "prompt": "RICHMOND:", "save_state": "roll-saved"}
+    want_saved = cluster.post("/v1/completions", json=saving).json()  # saves roll-saved@1; the stream @2
+    assert want_saved["state"]["handle"] == "roll-saved@1"
     got: dict[int, str] = {}
     errors: dict[int, str] = {}  # an error event a stream ended with, to show when the assertion below fails
+    saved: dict[str, dict] = {}
 
     def stream(i: int) -> None:
         text = ""
-        with cluster.stream("POST", "/v1/completions", json={**long, "stream": True, "user": f"r{i}"}) as r:
+        body = {**(saving if i == 8 else long), "stream": True, "user": f"r{i}"}
+        with cluster.stream("POST", "/v1/completions", json=body) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     event = json.loads(line[6:])
@@ -390,6 +396,7 @@ def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
                         errors[i] = line
                         break
                     text += event["choices"][0]["text"]
+                    saved.update({k: event[k] for k in ("state", "state_error") if k in event})
         got[i] = text
 
     # a slot directory no replica holds (as a restart with fewer replicas, or new replicas in new slots, leaves):
@@ -401,7 +408,7 @@ def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
     orphan.close()
     before = pids(cluster)
     moves_before = cluster.get("/v1/cluster").json()["stream_moves"]
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(9)]
     for t in threads:
         t.start()
     time.sleep(0.5)
@@ -409,6 +416,8 @@ def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
     for t in threads:
         t.join(300)
     assert [got.get(i) == want for i in range(8)] == [True] * 8, errors
+    assert got.get(8) == want_saved["choices"][0]["text"], errors
+    assert saved.get("state", {}).get("handle") == "roll-saved@2", saved
     # each stopping replica handed its running streams over rather than waiting for them to finish there
     assert cluster.get("/v1/cluster").json()["stream_moves"] > moves_before
     deadline = time.monotonic() + 240
@@ -418,6 +427,8 @@ def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
             break
         assert time.monotonic() < deadline, f"replicas not all replaced: {before} -> {now}"
         time.sleep(2)
+    same = [cluster.post(f"/v1/states/roll-saved@{v}/generate", json=ask) for v in (1, 2)]
+    assert [r.status_code for r in same] == [200, 200] and same[0].json()["choices"] == same[1].json()["choices"]
     for i, text in states.items():
         r = cluster.post(f"/v1/states/roll{i}@1/generate", json=ask)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == text, r.text

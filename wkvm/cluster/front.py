@@ -327,10 +327,6 @@ class Front:
         if not isinstance(precopy, bool):
             return error_response(400, "'precopy' must be true or false", "precopy", "invalid_type")
         t0, source, moves = time.perf_counter(), s.slot, s.moves
-        if s.saves is not None:  # its final state is saved as the name's next version, issued by the name's owner:
-            moved_name = await self.move_name(tenant, s.saves, to, replicas, new_ok=True)  # the name goes first
-            if isinstance(moved_name, Response):
-                return moved_name
         # the destination's call first: it is routed and waits for the ticket while the source reaches a token
         ticket = secrets.token_hex(16)  # boundary, and the source pushes the ticket to it through the directory
         s.opened = (ticket, self.resumed(s.req, replicas[to], Handover(to, ticket)))
@@ -340,13 +336,22 @@ class Front:
                 call.cancel()
             code = "stream_not_found" if answer["status"] == 404 else "stream_cannot_move"
             return error_response(answer["status"], answer["message"], None, code)
+        extra: dict[str, Any] = {}
+        if s.saves is not None:  # it saves its final state as the name's next version, which only the name's owner
+            # issues: the name follows it (after the stop, so that the source never saves once the name left; the
+            # destination saves once the name is there: `ServerContext.holds_name`)
+            name_moved = await self.move_name(tenant, s.saves, to, replicas, new_ok=True)
+            if isinstance(name_moved, Response):
+                why = bytes(name_moved.body)
+                log.warning("stream %s moved, its name %r did not: %s", stream_id, s.saves, why[:300])
+                extra["state_error"] = json.loads(why)["error"]
         deadline = t0 + CALL_SECONDS  # answer once the stream runs on its new replica (or ended)
         while stream_id in self.streams and s.moves == moves and time.perf_counter() < deadline:
             await asyncio.sleep(0.005)
         return JSONResponse({"object": "stream.migration", "id": stream_id, "from": source, "to": s.slot,
                              "generated_tokens": answer["generated_tokens"],
                              "precopy_tokens": answer.get("precopy_tokens"), "downtime_seconds": round(s.downtime, 6),
-                             "seconds": round(time.perf_counter() - t0, 6)})  # fmt: skip
+                             "seconds": round(time.perf_counter() - t0, 6), **extra})  # fmt: skip
 
     async def call(self, replica_id: str, method: str, *args: Any) -> Any:
         """Call a method of one replica (by id), again while the call lands elsewhere (it answers MISROUTED_REPLY);

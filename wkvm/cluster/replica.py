@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 import warnings
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -44,6 +45,7 @@ NAMESPACE = "wkvm"  # the directory's (Serve runs replicas in its own namespace)
 CALL_SECONDS = 10.0  # a stream to move reaches its next token boundary well within this
 READY_SECONDS = 2.0  # a pre-copied move waits this long for its destination to hold the pre-copy, then stops anyway
 DRAIN_POLL_SECONDS = 0.05
+NAME_SECONDS = 10.0  # a stream that moved here waits this long at its end for its `save_state` name to follow it
 
 
 class EngineReplica:
@@ -67,9 +69,11 @@ class EngineReplica:
         ray.get(self.directory.holds.remote(self.slot, keys))
         log.info("replica %s holds slot %s (%d named states)", self.replica_id, self.slot, len(set(keys)))
         self.ctx.sessions.mirror = DirectoryMirror(self.directory, self.slot)
+        self.ctx.holds_name = self._holds_name
         self._stopped = threading.Event()
         self._pushed: dict[str, int] = {}  # tickets pushed to the directory (`_push`) -> their bytes
-        threading.Thread(target=self._drain_when_stopping, name="wkvm-drain", daemon=True).start()
+        self._drain = threading.Thread(target=self._drain_when_stopping, name="wkvm-drain", daemon=True)
+        self._drain.start()
 
     def check_health(self) -> None:
         """Serve's periodic probe: a replica whose engine loop has died would hang every request routed to it, so it
@@ -191,8 +195,9 @@ class EngineReplica:
 
     def _drain_when_stopping(self) -> None:
         """When Serve starts stopping this replica (redeploy, scale-down), hand every running stream that can move
-        over to the other replicas, so Serve's drain does not wait for them to finish here. Not one that saves under a
-        name (its name would have to move too, which the front does for a move it is asked for): it finishes here."""
+        over to the other replicas, so Serve's drain does not wait for them to finish here. A stream that saves under
+        a name takes the name along once it stopped (`_hand_name_over`), as the front does for a move it is asked
+        for."""
         serve_replica = self._serve_replica
         if serve_replica is None:
             log.warning("replica %s: cannot see when Serve stops it; its streams finish here instead of moving",
@@ -201,12 +206,56 @@ class EngineReplica:
         while not getattr(serve_replica, "_shutting_down", False):
             if self._stopped.wait(DRAIN_POLL_SECONDS):
                 return
-        others = [slot for slot in ray.get(self.directory.replicas.remote()) if slot != self.slot]
-        streams = [s for s in self.ctx.handovers.live() if s.why_not is None and s.saves is None]
+        replicas = ray.get(self.directory.replicas.remote())
+        others = [slot for slot in replicas if slot != self.slot]
+        streams = [s for s in self.ctx.handovers.live() if s.why_not is None]
         log.info("replica %s is stopping: moving %d running streams to %s", self.slot, len(streams), others)
+        saving = []
         for i, s in enumerate(streams if others else []):
+            to = others[i % len(others)]
             with contextlib.suppress(KeyError, HandoverError):  # finished or moving meanwhile
-                self.ctx.handovers.move(self.ctx.client, s.tenant, s.ticket.id, others[i % len(others)])
+                fut = self.ctx.handovers.move(self.ctx.client, s.tenant, s.ticket.id, to)
+                if s.saves is not None:
+                    saving.append((fut, s.tenant, s.saves, to))
+        for fut, tenant, name, to in saving:  # once stopped here (it never saves here then), its name follows it
+            with contextlib.suppress(Exception):
+                fut.result(CALL_SECONDS)
+                self._hand_name_over(tenant, name, to, replicas[to])
+
+    def _hand_name_over(self, tenant: str, name: str, slot: str, replica_id: str) -> None:
+        """Every version of `name` (held here) to replica `replica_id` in `slot`, for a stream saving under it that
+        moved there: adopted there, the directory updated, dropped here (as the front's `move_name`)."""
+        store = self.ctx.store
+        try:
+            files = [store.export_bytes(tenant, r.handle) for r in store.versions(tenant, name)]
+            handles = self._call(replica_id, "adopt", tenant, files) if files else []
+            ray.get(self.directory.record.remote(state_key(tenant, name), slot))
+            for handle in handles:
+                with contextlib.suppress(StateNotFound):
+                    store.delete(tenant, handle)
+        except Exception:
+            log.exception("replica %s: the name %r did not follow its stream to %s", self.slot, name, slot)
+
+    def _call(self, replica_id: str, method: str, *args: Any) -> Any:
+        """Another replica's method, from a thread of this one (the front's `call`, synchronous)."""
+        ctx = serve.get_replica_context()
+        handle = serve.get_deployment_handle(ctx.deployment, app_name=ctx.app_name)
+        deadline = time.monotonic() + CALL_SECONDS
+        while True:
+            result = getattr(handle, method).remote(*args, target=replica_id, strict=True).result(
+                timeout_s=max(0.1, deadline - time.monotonic()))  # fmt: skip
+            if result != MISROUTED_REPLY or time.monotonic() > deadline:
+                return result
+            time.sleep(0.1)
+
+    def _holds_name(self, tenant: str, name: str) -> bool:
+        """Whether this replica holds `name`, waiting up to NAME_SECONDS for it to arrive (a moved stream's)."""
+        key, deadline = state_key(tenant, name), time.monotonic() + NAME_SECONDS
+        while ray.get(self.directory.lookup.remote(key))[0] != self.slot:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     async def export_name(self, tenant: str, name: str, **route: object) -> list[bytes] | str:
         """Every version of a named state as exported files, oldest first."""
@@ -293,6 +342,7 @@ class EngineReplica:
         stopped: threading.Event | None = getattr(self, "_stopped", None)
         if stopped is not None:
             stopped.set()
+            self._drain.join(CALL_SECONDS)  # a drained stream's name may still be on its way to where it moved
         ctx.end_requests(ctx.config.shutdown_grace)
         ctx.shutdown()
         with contextlib.suppress(Exception):  # the directory went first (the whole application is stopping)

@@ -63,6 +63,9 @@ class ServerContext:
     sessions: ChatSessions = field(init=False)
     embedder: EmbeddingModel | None = None  # --embeddings
     handovers: Handovers = field(default_factory=Handovers)  # streams that could move to another server
+    # (tenant, name) -> whether this server holds the name (waiting a while for it): a stream that moved here saves its
+    # final state under a name only once the name has followed it (a cluster replica sets it; one server holds all)
+    holds_name: Callable[[str, str], bool] | None = None
     _tmp: tempfile.TemporaryDirectory[str] | None = None
 
     @functools.cached_property

@@ -203,18 +203,27 @@ def live_stream(tenant: str, body: GenBody, plan: Plan, handles: list[RequestHan
     return live
 
 
-def finish(ctx: ServerContext, tenant: str, body: GenBody, plan: Plan, handles: list[RequestHandle]) -> dict[str, Any]:
+def finish(ctx: ServerContext, tenant: str, body: GenBody, plan: Plan, handles: list[RequestHandle],
+           arrived: bool = False) -> dict[str, Any]:  # fmt: skip
+    """A finished request's extras, after its checkpoints and its `save_state`. `arrived`: the stream moved here, and
+    its name may still be on its way (`ServerContext.holds_name`)."""
     extra: dict[str, Any] = {"wkvm": plan.info}
     if plan.finish is not None:
         plan.finish(handles)
     if body.save_state:
-        extra.update(save_final(ctx, tenant, body.save_state, plan.parent, handles[0]))
+        if arrived and ctx.holds_name is not None and not ctx.holds_name(tenant, body.save_state):
+            why = (f"save_state: the name {body.save_state!r} did not follow this stream to the replica it moved to; "
+                   "its final state was not saved (the generation is complete)")  # fmt: skip
+            extra["state_error"] = error_body(503, why, "save_state", "state_unavailable")["error"]
+        else:
+            extra.update(save_final(ctx, tenant, body.save_state, plan.parent, handles[0]))
     return extra
 
 
-def finish_runs(ctx: ServerContext, tenant: str, body: CompletionRequest, runs: list[Run]) -> dict[str, Any]:
+def finish_runs(ctx: ServerContext, tenant: str, body: CompletionRequest, runs: list[Run],
+                arrived: bool = False) -> dict[str, Any]:  # fmt: skip
     """Extras of a completion: one prompt's `wkvm` object, or for a list of prompts {"prompts": [one per prompt]}."""
-    extras = [finish(ctx, tenant, body, plan, hs) for plan, hs in runs]
+    extras = [finish(ctx, tenant, body, plan, hs, arrived) for plan, hs in runs]
     return extras[0] if len(extras) == 1 else {"wkvm": {"prompts": [e["wkvm"] for e in extras]}}
 
 
@@ -441,7 +450,7 @@ async def stream_completion(ctx: ServerContext, request: Request, body: Completi
         return {**base, "choices": [c]}
 
     async for line in stream_chunks(ctx, request, body, handles, chunk, prompt_tokens, base,
-                                    lambda: finish_runs(ctx, tenant, body, runs), live):  # fmt: skip
+                                    lambda: finish_runs(ctx, tenant, body, runs, sent is not None), live):  # fmt: skip
         yield line
 
 
@@ -479,8 +488,9 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
             c["token_ids"] = ev.token_ids
         return {**base, "choices": [c]}
 
+    moved = sent is not None
     async for line in stream_chunks(ctx, request, body, handles, chunk, prompt_tokens, base,
-                                    lambda: finish(ctx, tenant, body, plan, handles), live):  # fmt: skip
+                                    lambda: finish(ctx, tenant, body, plan, handles, moved), live):  # fmt: skip
         yield line
 
 
