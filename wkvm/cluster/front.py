@@ -340,8 +340,12 @@ class Front:
         if s.saves is not None:  # it saves its final state as the name's next version, which only the name's owner
             # issues: the name follows it (after the stop, so that the source never saves once the name left; the
             # destination saves once the name is there: `ServerContext.holds_name`)
-            name_moved = await self.move_name(tenant, s.saves, to, replicas, new_ok=True)
-            if isinstance(name_moved, Response):
+            try:
+                name_moved = await self.move_name(tenant, s.saves, to, replicas, new_ok=True)
+            except TimeoutError:  # a replica did not answer (it is being replaced)
+                name_moved = error_response(503, f"the name {s.saves!r} could not move: a replica is restarting",
+                                            None, "replica_unavailable")  # fmt: skip
+            if isinstance(name_moved, Response):  # the stream moved; its final state will not be saved
                 why = bytes(name_moved.body)
                 log.warning("stream %s moved, its name %r did not: %s", stream_id, s.saves, why[:300])
                 extra["state_error"] = json.loads(why)["error"]

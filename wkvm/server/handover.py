@@ -94,8 +94,8 @@ class LiveStream:
     pushed: bool = False  # its ticket went out the moment it stopped (Handovers.move's `push`)
     base: Continuation | None = None  # a pre-copy the destination holds: its ticket then carries only what changed
     base_bytes: int = 0  # that pre-copy's ticket size
-    saves: str | None = None  # the name its final state is saved under: only a mover that moves the name with it
-    # (the cluster front: a name's versions are issued where it lives) moves it; a stopping replica's drain does not
+    saves: str | None = None  # the name its final state is saved under: whoever moves the stream moves the name after
+    # it (the cluster front, a stopping replica's drain): a name's versions are issued where it lives
 
     @property
     def done(self) -> bool:
