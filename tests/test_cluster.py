@@ -37,7 +37,8 @@ GREEDY = {"model": MODEL, "temperature": 0, "max_tokens": 12}
 def cluster(tmp_path_factory):
     port = free_port()
     state_dir = tmp_path_factory.mktemp("cluster-states")
-    log = (tmp_path_factory.mktemp("cluster-log") / "serve.log").open("w")
+    log_path = tmp_path_factory.mktemp("cluster-log") / "serve.log"
+    log = log_path.open("w")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "wkvm.cli", "serve", "--replicas", "2", "--port", str(port),
                              "--state-dir", str(state_dir), "--api-key", KEY, "--slots", "4"],
@@ -47,6 +48,7 @@ def cluster(tmp_path_factory):
         wait_healthy(url, timeout=300, alive=lambda: proc.poll() is None)
         client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
         client.server_pid, client.state_dir = proc.pid, state_dir  # for the rolling restart (SIGHUP)
+        client.log_path = log_path
         yield client
         client.close()
     finally:
@@ -418,8 +420,10 @@ def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
     assert [got.get(i) == want for i in range(8)] == [True] * 8, errors
     assert got.get(8) == want_saved["choices"][0]["text"], errors
     assert saved.get("state", {}).get("handle") == "roll-saved@2", saved
-    # each stopping replica handed its running streams over rather than waiting for them to finish there
+    # each stopping replica handed its running streams over rather than waiting for them to finish there (and says
+    # so in the log: a replica's INFO lines reach it)
     assert cluster.get("/v1/cluster").json()["stream_moves"] > moves_before
+    assert re.search(r"replica r\d is stopping: moving [1-9]\d* running streams", cluster.log_path.read_text())
     deadline = time.monotonic() + 240
     while True:  # every replica replaced, every slot held again
         now = pids(cluster)

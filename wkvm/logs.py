@@ -38,6 +38,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line)
 
 
+def wkvm_logger(level: str = "info", fmt: str = "text") -> None:
+    """wkvm's own loggers at `level` through one stderr handler in `fmt`, leaving the root logger to its owner: in a
+    process wkvm does not start (a Ray Serve replica), where Ray has set up logging and an unconfigured logger would
+    show only warnings."""
+    log_config(level, fmt)  # checks both
+    logger = logging.getLogger("wkvm")
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    logger.handlers = [handler]
+    logger.setLevel(level.upper())
+    logger.propagate = False
+
+
 def log_config(level: str = "info", fmt: str = "text") -> dict[str, Any]:
     """A `logging.config.dictConfig` dictionary: every logger through one stderr handler in `fmt`."""
     if level not in LEVELS or fmt not in FORMATS:

@@ -24,6 +24,7 @@ from wkvm.cluster.front import Front, build_front_app
 from wkvm.cluster.replica import DIRECTORY, NAMESPACE, EngineReplica, directory_actor
 from wkvm.cluster.router import AffinityRouter
 from wkvm.config import ServerConfig
+from wkvm.logs import wkvm_logger
 from wkvm.server.context import freeze_startup_heap
 
 log = logging.getLogger("wkvm.cluster")
@@ -36,6 +37,7 @@ FRONT_DRAIN_SECONDS = 3600.0  # how long a replaced front relays its streams wit
 @serve.ingress()
 class FrontDeployment:
     def __init__(self, config: ServerConfig, engine: Any):
+        wkvm_logger(config.log_level, config.log_format)
         self.front = Front(config, engine, ray.get_actor(DIRECTORY, namespace=NAMESPACE))
         freeze_startup_heap()  # the front's process holds Ray's and FastAPI's objects: keep full collections short
 

@@ -29,6 +29,7 @@ from ray import serve
 from wkvm.cluster.directory import Directory, base_ticket, pushed_ticket, ready_ticket
 from wkvm.cluster.forward import MISROUTED, MISROUTED_REPLY, ForwardedRequest, Handover, Head, run_asgi, state_key
 from wkvm.config import ServerConfig
+from wkvm.logs import wkvm_logger
 from wkvm.server.app import create_app
 from wkvm.server.context import ServerContext
 from wkvm.server.handover import HandoverError, LiveStream, Moved, parse_marker
@@ -50,6 +51,7 @@ NAME_SECONDS = 10.0  # a stream that moved here waits this long at its end for i
 
 class EngineReplica:
     def __init__(self, config: ServerConfig):
+        wkvm_logger(config.log_level, config.log_format)  # Ray's worker shows only warnings of an unset logger
         self.replica_id: str = serve.get_replica_context().replica_id.unique_id
         # looked for among the collector's objects: before loading, which freezes everything alive out of its lists
         self._serve_replica = find_serve_replica()
