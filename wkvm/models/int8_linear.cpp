@@ -210,7 +210,7 @@ __attribute__((target(WKVM_VNNI))) inline __m512i dpbusd(__m512i acc, __m512i u,
 }
 
 // isum += quad k..k+3 of 32 rows times rows m..m+MT of x; WHOLE false: only pair row k is left (the quads' top
-// halves are zero). One row keeps the intrinsic (the asm measured 0.95-1.0x there)
+// halves are zero)
 template <int MT, bool WHOLE>
 __attribute__((target(WKVM_VNNI))) inline void quad_vnni(const Problem& p, const int8_t* w, int64_t k, int64_t m,
                                                          __m512i (&isum)[2][MT]) {
@@ -223,13 +223,8 @@ __attribute__((target(WKVM_VNNI))) inline void quad_vnni(const Problem& p, const
     int32_t quad = 0;
     std::memcpy(&quad, p.xq + (m + i) * p.K + k, WHOLE ? 4 : 2);
     const __m512i xv = _mm512_set1_epi32(quad);
-    if constexpr (MT == 1) {
-      isum[0][i] = _mm512_dpbusd_epi32(isum[0][i], lo, xv);
-      isum[1][i] = _mm512_dpbusd_epi32(isum[1][i], hi, xv);
-    } else {
-      isum[0][i] = dpbusd(isum[0][i], lo, xv);
-      isum[1][i] = dpbusd(isum[1][i], hi, xv);
-    }
+    isum[0][i] = dpbusd(isum[0][i], lo, xv);
+    isum[1][i] = dpbusd(isum[1][i], hi, xv);
   }
 }
 
@@ -279,7 +274,7 @@ __attribute__((target(WKVM_VNNI))) void block_vnni(const Problem& p, int64_t b, 
 // Paired against two interleaved passes of four rows with the intrinsic and scalar stores (the kernel before, same
 // bits; AMD EPYC, AVX512-VNNI): one thread, weights in L2, 1.05-1.39x at 8-32 rows for K = 576 and 768, 1.07-1.19x
 // for K = 1,536 and 3,072, 1.06-1.10x at 4 rows; two threads from memory, 8 rows, 1.02-1.35x. The vpdpbusd loop of
-// an 8-row block in L1 or L2 alone runs at this CPU's peak (~230 GMAC/s a core); the kernel reaches ~60-75% of it, the
+// an 8-row block in L1 or L2 alone runs at this CPU's peak (~230 GMAC/s a core); the kernel reaches ~60-77% of it, the
 // rest being each group's convert and multiply-add of 16 sums.
 // The eight-row pass also asks the next block into L2 (prefetcht1): at 8 and 16 rows 1.02-1.20x and 1.12-1.27x (K =
 // 576, from memory); with one pass over blocks of long rows too, two threads from memory, 0.98-1.16x at 8 rows and
