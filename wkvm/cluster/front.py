@@ -194,7 +194,7 @@ class Front:
         """The body chunks after the head. A stream handed over goes on from its destination on this same response;
         the replica's generator is cancelled if the client goes away."""
         stream_id = dict(head.headers).get(STREAM_HEADER.encode(), b"").decode() or None
-        saves = json_body(req.body).get("save_state") if req.method == "POST" else None
+        saves = json_body(req.body).get("save_state") if stream_id is not None else None  # only a stream that can move
         s = RunningStream(self.tenant_of(req), head.replica, req, inflight, saves if isinstance(saves, str) else None)
         if stream_id is not None:
             self.streams[stream_id] = s

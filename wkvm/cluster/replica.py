@@ -226,15 +226,13 @@ class EngineReplica:
 
     def _hand_name_over(self, tenant: str, name: str, slot: str, replica_id: str) -> None:
         """Every version of `name` (held here) to replica `replica_id` in `slot`, for a stream saving under it that
-        moved there: adopted there, the directory updated, dropped here (as the front's `move_name`)."""
-        store = self.ctx.store
+        moved there: adopted there, the directory updated, dropped here (as the front's `move_name`; this replica is
+        stopping, so no new version appears here meanwhile)."""
         try:
-            files = [store.export_bytes(tenant, r.handle) for r in store.versions(tenant, name)]
+            files = self._export(tenant, name)
             handles = self._call(replica_id, "adopt", tenant, files) if files else []
             ray.get(self.directory.record.remote(state_key(tenant, name), slot))
-            for handle in handles:
-                with contextlib.suppress(StateNotFound):
-                    store.delete(tenant, handle)
+            self._drop(tenant, name, [int(h.rsplit("@", 1)[1]) for h in handles])
         except Exception:
             log.exception("replica %s: the name %r did not follow its stream to %s", self.slot, name, slot)
 
@@ -263,12 +261,11 @@ class EngineReplica:
         """Every version of a named state as exported files, oldest first."""
         if self.misrouted(route):
             return MISROUTED_REPLY
+        return await asyncio.to_thread(self._export, tenant, name)
+
+    def _export(self, tenant: str, name: str) -> list[bytes]:
         store = self.ctx.store
-
-        def export() -> list[bytes]:
-            return [store.export_bytes(tenant, r.handle) for r in store.versions(tenant, name)]
-
-        return await asyncio.to_thread(export)
+        return [store.export_bytes(tenant, r.handle) for r in store.versions(tenant, name)]
 
     async def adopt(self, tenant: str, files: list[bytes], **route: object) -> list[str] | str:
         """Store moved states under their own handles (validated as an import)."""
@@ -281,18 +278,16 @@ class EngineReplica:
         """Delete a moved name here, unless a version other than `versions` appeared meanwhile (then keep all)."""
         if self.misrouted(route):
             return MISROUTED_REPLY
+        return await asyncio.to_thread(self._drop, tenant, name, versions)
+
+    def _drop(self, tenant: str, name: str, versions: list[int]) -> bool:
         store = self.ctx.store
-
-        def drop() -> bool:
-            have = [r.version for r in store.versions(tenant, name)]
-            if have != versions:
-                return False
-            for v in versions:
-                with contextlib.suppress(StateNotFound):
-                    store.delete(tenant, f"{name}@{v}")
-            return True
-
-        return await asyncio.to_thread(drop)
+        if [r.version for r in store.versions(tenant, name)] != versions:
+            return False
+        for v in versions:
+            with contextlib.suppress(StateNotFound):
+                store.delete(tenant, f"{name}@{v}")
+        return True
 
     async def absorb(self, slot: str, **route: object) -> int | str:
         """Take every named state of a slot no replica holds (left behind by a rolling restart that gave the new

@@ -198,9 +198,8 @@ def live_stream(tenant: str, body: GenBody, plan: Plan, handles: list[RequestHan
         why = "only a stream of one prompt can move"
     elif handles[0].request.params.prompt_logprobs is not None:
         why = "it scores its prompt (echo with logprobs)"
-    live = LiveStream(tenant, handles, ticket, why, reuse_scope(tenant, body.user, body.cache_salt))
-    live.saves = body.save_state
-    return live
+    return LiveStream(tenant, handles, ticket, why, reuse_scope(tenant, body.user, body.cache_salt),
+                      saves=body.save_state)
 
 
 def finish(ctx: ServerContext, tenant: str, body: GenBody, plan: Plan, handles: list[RequestHandle],
