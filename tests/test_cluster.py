@@ -142,6 +142,34 @@ def test_state_moves_between_replicas_exactly(cluster):
     assert fork.status_code == 200 and fork.json()["handle"] == "voyage@2", fork.text
 
 
+def test_names_a_request_creates_beside_its_state_stay_reachable(cluster):
+    """A request that reads one named state and saves another (save_state next to state, a fork's new name, an
+    import) leaves every version of each name on one replica, found from any request."""
+    a = cluster.post("/v1/states", json={"name": "inn", "prompt": "HOST: Welcome"})
+    b = cluster.post("/v1/states", json={"name": "ledger", "prompt": "CLERK: Sign here"})
+    assert a.status_code == b.status_code == 200, a.text + b.text
+    owner = a.headers["x-wkvm-replica"]
+    if b.headers["x-wkvm-replica"] == owner:  # the saved-into name starts on the other replica
+        moved = cluster.post("/v1/states/ledger/migrate", json={"to": "r1" if owner == "r0" else "r0"})
+        assert moved.status_code == 200, moved.text
+    saved = cluster.post("/v1/completions", json={**GREEDY, "prompt": " friend", "state": "inn@1",
+                                                  "save_state": "ledger"})  # fmt: skip
+    assert saved.status_code == 200 and saved.headers["x-wkvm-replica"] == owner, saved.text
+    assert saved.json()["state"]["handle"] == "ledger@2", saved.text
+    forked = cluster.post("/v1/states/inn@1/fork", json={"name": "tavern"})
+    assert forked.status_code == 200 and forked.json()["handle"] == "tavern@1", forked.text
+    exported = cluster.get("/v1/states/inn@1/export").content
+    imported = [cluster.post("/v1/states/import?name=hostel", content=exported) for _ in range(2)]
+    assert [r.json().get("handle") for r in imported] == ["hostel@1", "hostel@2"], [r.text for r in imported]
+    for _ in range(3):  # wherever a lookup would otherwise land
+        for handle, where in (("ledger", owner), ("tavern", owner), ("hostel", imported[0].headers["x-wkvm-replica"])):
+            got = cluster.get(f"/v1/states/{handle}")
+            assert got.status_code == 200 and got.headers["x-wkvm-replica"] == where, (handle, got.text)
+    handles = [s["handle"] for s in cluster.get("/v1/states").json()["data"]]
+    for h in ("ledger@1", "ledger@2", "tavern@1", "hostel@1", "hostel@2"):
+        assert handles.count(h) == 1, (h, handles)
+
+
 def test_migrate_refuses_clearly(cluster):
     bad = cluster.post("/v1/states/voyage/migrate", json={"to": "r9"})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "unknown_replica"

@@ -28,6 +28,36 @@ def test_named_states_route_by_tenant_and_name():
         assert route_key("t", r).key == k and route_key("t", r).strict, r.path
 
 
+def test_names_a_request_writes_or_reads_besides_its_state_go_along():
+    """A name's versions are issued where it lives: a request that reads one named state and writes (or reads) another
+    runs where the first lives, and the front brings the other there first (`Front.bring_along`)."""
+    k = state_key("t", "chat")
+    cases = {("POST", "/v1/chat/completions", json.dumps({"state": "chat@1", "save_state": "branch"})): ("branch",),
+             ("POST", "/v1/completions", json.dumps({"state": "chat", "save_state": "chat"})): (),
+             ("POST", "/v1/states/chat@2/fork", json.dumps({"name": "branch"})): ("branch",),
+             ("POST", "/v1/states/chat@2/fork", json.dumps({"name": "chat"})): (),
+             ("POST", "/v1/states/chat/generate", json.dumps({"prompt": "x", "save_as": "branch"})): ("branch",),
+             ("POST", "/v1/states/chat/mutate", json.dumps({"rule": "interpolate",
+                                                           "params": {"other": "mix@3", "t": 0.5}})): ("mix",),
+             ("POST", "/v1/states/chat/mutate", json.dumps({"rule": "decay", "params": {"rate": 0.5}})): (),
+             ("POST", "/v1/states/chat/generate", "not json"): ()}  # fmt: skip
+    for (method, path, body), along in cases.items():
+        r = route_key("t", req(method, path, body.encode()))
+        assert (r.key, r.strict, r.along) == (k, True, along), (path, body)
+
+
+def test_an_import_routes_by_the_name_it_stores_under():
+    from wkvm.state import statefile
+
+    header = json.dumps({"__metadata__": {"name": "chat", "version": "4"}}).encode()
+    exported = len(header).to_bytes(8, "little") + header
+    assert statefile.metadata(exported)["name"] == "chat"
+    named = ForwardedRequest("POST", "/v1/states/import", b"name=other", [], exported)
+    for r, name in ((req("POST", "/v1/states/import", exported), "chat"), (named, "other")):
+        assert route_key("t", r) == route_key("t", req("GET", f"/v1/states/{name}")), name
+    assert route_key("t", req("POST", "/v1/states/import", b"not a state file")).key is None
+
+
 def test_sessions_route_by_chat_header_or_user_and_the_rest_anywhere():
     a = route_key("t", req("POST", "/v1/chat/completions", {"messages": []}, [("x-openwebui-chat-id", "c1")]))
     b = route_key("u", req("POST", "/v1/chat/completions", {"messages": []}, [("x-openwebui-chat-id", "c1")]))

@@ -16,8 +16,11 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Message
+
+from wkvm.state.statefile import metadata
 
 STATES = "/v1/states"
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -112,10 +115,14 @@ class Handover:
 @dataclass(frozen=True)
 class RouteKey:
     """Which replica should answer: `key` names what the request is bound to (a named state, a chat session), or
-    None for any replica. `strict`: only the owner can answer (it alone holds the state)."""
+    None for any replica. `strict`: only the owner can answer (it alone holds the state). `along`: other names the
+    request writes or reads besides the key's (`save_state` next to `state`, a fork's or `save_as`'s new name, an
+    interpolation's other state): they must live on the key's owner when the request runs there, since a name's
+    versions are issued where it lives (the front moves them there first)."""
 
     key: str | None
     strict: bool = False
+    along: tuple[str, ...] = ()
 
 
 def _digest(*parts: str) -> str:
@@ -132,10 +139,21 @@ def route_key(tenant: str, req: ForwardedRequest) -> RouteKey:
     session's owner for Open WebUI's chat id (per user) or the OpenAI `user` field; else the replica that answered
     the same prompt start before (`prefix_text`: its checkpoints are there); any replica otherwise."""
     path = req.path.rstrip("/")
-    if path.startswith(STATES + "/") and path != STATES + "/import":
-        return RouteKey(state_key(tenant, path.split("/")[3]), strict=True)
+    if path == STATES + "/import":  # under `?name=`, else the name the file carries
+        name = imported_name(req)
+        return RouteKey(state_key(tenant, name), strict=True) if name else RouteKey(None)
+    if path.startswith(STATES + "/"):
+        parts = path.split("/")
+        handle, action = parts[3], parts[4] if len(parts) > 4 else None
+        body = json_body(req.body) if req.method == "POST" and action in (*ALONG_FIELDS, "mutate") else {}
+        params = body.get("params") if action == "mutate" else None  # an interpolation reads `params.other`
+        values = [params.get("other")] if isinstance(params, dict) else [body.get(ALONG_FIELDS.get(action or "", ""))]
+        return RouteKey(state_key(tenant, handle), strict=True, along=names_along(handle, values))
     body = json_body(req.body) if req.method == "POST" and (path == STATES or path in GENERATION_PATHS) else {}
-    for field in ("state", "save_state", "name"):
+    state, saves = body.get("state"), body.get("save_state")
+    if isinstance(state, str) and state:
+        return RouteKey(state_key(tenant, state), strict=True, along=names_along(state, [saves]))
+    for field in ("save_state", "name"):
         value = body.get(field)
         if isinstance(value, str) and value and (field != "name" or path == STATES):
             return RouteKey(state_key(tenant, value), strict=True)
@@ -150,6 +168,29 @@ def route_key(tenant: str, req: ForwardedRequest) -> RouteKey:
         if prefix is not None:
             return RouteKey("prefix:" + _digest(tenant, str(body.get("cache_salt") or ""), prefix))
     return RouteKey(None)
+
+
+ALONG_FIELDS = {"fork": "name", "generate": "save_as"}  # /v1/states/{h}/<action>: the body field naming a new state
+
+
+def names_along(handle: str, values: list[Any]) -> tuple[str, ...]:
+    """The names among `values` (handles or names) other than `handle`'s, once each."""
+    own = handle.split("@", 1)[0]
+    names = [v.split("@", 1)[0] for v in values if isinstance(v, str) and v]
+    return tuple(dict.fromkeys(n for n in names if n and n != own))
+
+
+def imported_name(req: ForwardedRequest) -> str | None:
+    """The name an import stores under: `?name=`, else the name in the file's metadata (None when unreadable: the
+    replica answers the 400)."""
+    name = parse_qs(req.query_string.decode("latin-1")).get("name", [None])[-1]
+    if name:
+        return name
+    try:
+        value = metadata(req.body).get("name")
+    except ValueError:
+        return None
+    return value if isinstance(value, str) and value else None
 
 
 PREFIX_CHARS = 256  # a completion prompt's leading characters (or PREFIX_TOKENS token ids) that name its prefix

@@ -152,6 +152,8 @@ class Front:
     async def forward(self, request: Request) -> Response:
         req = await forwarded(request)
         route = route_key(self.tenant(request), req)
+        if route.along and (refused := await self.bring_along(self.tenant(request), route)) is not None:
+            return refused
         deadline = time.monotonic() + OWNER_WAIT_SECONDS
         inflight = Inflight(self.load)
         try:
@@ -188,6 +190,25 @@ class Front:
         body = self.relay(req, route, head, gen, inflight)
         weakref.finalize(body, inflight.end)  # a body never started (its client left at once) ends it too
         return StreamingResponse(body, status_code=head.status, headers=response_headers(head))
+
+    async def bring_along(self, tenant: str, route: RouteKey) -> Response | None:
+        """Move the other names a request writes or reads (`RouteKey.along`) to the replica that holds its state, so
+        that a new version is issued where the name's others are (a name without one only changes owner); the error
+        to answer when one cannot move now. Nothing to do while the state has no owner (the request fails there)."""
+        assert route.key is not None
+        slot, _ = await self.directory.lookup.remote(route.key)
+        if slot is None:
+            return None
+        replicas = await self.replicas()
+        for name in route.along:
+            try:
+                moved = await self.move_name(tenant, name, slot, replicas, new_ok=True)
+            except TimeoutError:  # a replica did not answer (it is being replaced)
+                moved = error_response(503, f"{name!r} could not join the state it goes with: a replica is restarting; "
+                                       "retry shortly", None, "replica_unavailable")  # fmt: skip
+            if isinstance(moved, Response):
+                return moved
+        return None
 
     async def relay(self, req: ForwardedRequest, route: RouteKey, head: Head, gen: Any,
                     inflight: Inflight) -> AsyncIterator[bytes]:  # fmt: skip
