@@ -393,7 +393,8 @@ def pids(cluster):
 
 
 def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
-    """SIGHUP to `wkvm serve --replicas` replaces every replica; Serve lets each finish its running requests first."""
+    """SIGHUP to `wkvm serve --replicas` replaces every replica; each hands its running requests (streams and one
+    answered whole) to the others first."""
     chats = {}
     for c in range(8):
         messages = [{"role": "user", "content": f"Speak of crowns, {c}."}]
@@ -416,6 +417,11 @@ def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
     saved: dict[str, dict] = {}
 
     def stream(i: int) -> None:
+        if i == 9:  # answered whole: the drain moves it too, and the answer comes from where it ended
+            r = cluster.post("/v1/completions", json={**saving, "save_state": None, "user": "r9"})
+            got[i] = r.json()["choices"][0]["text"] if r.status_code == 200 else ""
+            errors[i] = r.text[:300]
+            return
         text = ""
         body = {**(saving if i == 8 else long), "stream": True, "user": f"r{i}"}
         with cluster.stream("POST", "/v1/completions", json=body) as r:
@@ -438,7 +444,7 @@ def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
     orphan.close()
     before = pids(cluster)
     moves_before = cluster.get("/v1/cluster").json()["stream_moves"]
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(9)]
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(10)]
     for t in threads:
         t.start()
     time.sleep(0.5)
@@ -447,11 +453,14 @@ def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
         t.join(300)
     assert [got.get(i) == want for i in range(8)] == [True] * 8, errors
     assert got.get(8) == want_saved["choices"][0]["text"], errors
+    assert got.get(9) == want_saved["choices"][0]["text"], errors  # the same prompt, not saved
     assert saved.get("state", {}).get("handle") == "roll-saved@2", saved
     # each stopping replica handed its running streams over rather than waiting for them to finish there (and says
     # so in the log: a replica's INFO lines reach it)
     assert cluster.get("/v1/cluster").json()["stream_moves"] > moves_before
-    assert re.search(r"replica r\d is stopping: moving [1-9]\d* running streams", cluster.log_path.read_text())
+    log = cluster.log_path.read_text()
+    assert re.search(r"replica r\d is stopping: moving [1-9]\d* running streams", log)
+    assert re.search(r"a request answered whole moved from r\d to r\d", log)
     deadline = time.monotonic() + 240
     while True:  # every replica replaced, every slot held again
         now = pids(cluster)

@@ -8,6 +8,7 @@ repeated; a moved chat turn leaves its session on the destination, whose next tu
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import time
@@ -18,7 +19,16 @@ import httpx
 import pytest
 from live_server import LiveServer
 
-from wkvm.server.handover import RESUME_HEADER, STREAM_HEADER, HandoverError, decode, encode, parse_marker, precopied
+from wkvm.server.handover import (
+    HANDOVER_HEADER,
+    RESUME_HEADER,
+    STREAM_HEADER,
+    HandoverError,
+    decode,
+    encode,
+    parse_marker,
+    precopied,
+)
 from wkvm.state.statefile import metadata
 
 MESSAGES = [{"role": "user", "content": "Speakonandtellmeallthatthouknowest."}]
@@ -278,8 +288,51 @@ def test_a_choice_that_finished_before_the_move_stays_finished(pair, fresh):
     assert got[-1]["usage"] == want[-1]["usage"]
 
 
+def moved_whole(a, b, path, body, after=5) -> tuple[httpx.Response, int]:
+    """A request answered whole, started on `a` and moved to `b` (as a stopping cluster replica's drain moves it)
+    once it generated `after` tokens: b's answer, and how many tokens `a` had generated."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        source = pool.submit(httpx.post, a.url + path, json=body, timeout=60)
+        deadline = time.monotonic() + 30
+        while not (live := [s for s in a.ctx.handovers.live() if len(s.handles[0].output.token_ids) >= after]):
+            assert time.monotonic() < deadline and not source.done(), "the request never ran"
+            time.sleep(0.002)
+        (stream,) = live
+        assert stream.why_not is None, stream.why_not
+        (c,) = a.ctx.handovers.move(a.ctx.client, stream.tenant, stream.ticket.id, "b").result(30)
+        r = source.result()
+    assert r.status_code == 200 and r.headers[HANDOVER_HEADER] == "b", r.text
+    ticket, to = parse_marker(r.content)
+    assert to == "b" and a.ctx.handovers.live() == []
+    b.ctx.handovers.put_in(ticket, a.ctx.handovers.take_out(ticket))
+    answer = httpx.post(b.url + path, json=body, headers={RESUME_HEADER: ticket}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    return answer, len(c.output_ids)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 5, "presence_penalty": 0.3}])
+def test_a_request_answered_whole_moves_and_answers_as_one_that_never_moved(pair, fresh, sampling):
+    a, b = pair
+    for path, body in (("/v1/completions", {"prompt": "Romeo:", "return_token_ids": True}),
+                       ("/v1/chat/completions", {"messages": MESSAGES, "return_token_ids": True})):  # fmt: skip
+        body = {**body, **sampling, "max_tokens": 200, "ignore_eos": True}
+        got, n_source = moved_whole(a, b, path, body)
+        want = httpx.post(fresh.url + path, json=body, timeout=60).json()
+        assert 5 <= n_source < 200
+        assert got.json()["choices"] == want["choices"] and got.json()["usage"] == want["usage"]
+        assert len(got.json()["choices"][0]["token_ids"]) == 200
+
+
 def test_what_cannot_move_says_why(pair):
     a, _ = pair
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # answered whole: one choice, no logprobs
+        body = {"prompt": "Romeo:", "max_tokens": 100, "ignore_eos": True, "logprobs": 1}
+        source = pool.submit(httpx.post, a.url + "/v1/completions", json=body, timeout=60)
+        deadline = time.monotonic() + 30
+        while not (live := a.ctx.handovers.live()) and not source.done() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert [s.why_not for s in live] == ["a request answered whole moves only with one choice and without logprobs"]
+        assert source.result().status_code == 200
     with httpx.stream("POST", a.url + "/v1/completions", timeout=60,
                       json={"prompt": ["Romeo:", "Juliet:"], **LONG}) as r:  # fmt: skip
         assert STREAM_HEADER not in r.headers

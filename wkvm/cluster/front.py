@@ -40,7 +40,7 @@ from wkvm.cluster.forward import (
 from wkvm.config import ServerConfig
 from wkvm.server.asgi import ApiKeyGate, BodyLimit, KeyRing, tenant_of
 from wkvm.server.errors import error_body, error_response
-from wkvm.server.handover import RESUME_HEADER, STREAM_HEADER
+from wkvm.server.handover import HANDOVER_HEADER, RESUME_HEADER, STREAM_HEADER
 from wkvm.server.metrics import LATENCY_BUCKETS
 
 REPLICA_HEADER = b"x-wkvm-replica"
@@ -90,6 +90,12 @@ class Inflight:
         self.done = True
 
 
+def moved_to(head: Head) -> str | None:
+    """Where a request answered whole went, when its answer's head says it moved (`HANDOVER_HEADER`)."""
+    value = dict(head.headers).get(HANDOVER_HEADER.encode())
+    return value.decode() if value is not None else None
+
+
 @dataclass
 class RunningStream:
     tenant: str
@@ -100,6 +106,7 @@ class RunningStream:
     moves: int = 0  # handovers done so far
     downtime: float = 0.0  # of the last one: last chunk from the source to the first from the destination
     opened: tuple[str, Any] | None = None  # (ticket, the destination's call) opened for a move asked for
+    head: Head | None = None  # the head of the replica it went on from last
 
     def take_opened(self, ticket: str | None = None) -> Any:
         """The destination's call opened for a move (under `ticket`, when given), no longer kept here; None if none."""
@@ -187,9 +194,37 @@ class Front:
         self.metrics.routed.labels(outcome(route.key, slot, head.replica)).inc()
         if route.key is not None and head.replica != slot and head.status < 400:
             await self.directory.record.remote(route.key, head.replica)
+        if moved_to(head) is not None:  # a request answered whole that its replica moved (it is stopping)
+            try:
+                head, gen = await self.answer_moved(req, route, head, gen, inflight)
+            except BaseException:
+                inflight.end()
+                raise
+            if gen is None:
+                inflight.end()
+                return error_response(503, "this request was moving to another replica and none could take it",
+                                      None, "replica_unavailable")  # fmt: skip
         body = self.relay(req, route, head, gen, inflight)
         weakref.finalize(body, inflight.end)  # a body never started (its client left at once) ends it too
         return StreamingResponse(body, status_code=head.status, headers=response_headers(head))
+
+    async def answer_moved(self, req: ForwardedRequest, route: RouteKey, head: Head, gen: Any,
+                           inflight: Inflight) -> tuple[Head, Any]:  # fmt: skip
+        """A request answered whole that its replica handed over when Serve stopped it: the head and body of the
+        replica it went to (which may hand it over again), or (head, None) when none took it."""
+        saves = json_body(req.body).get("save_state")
+        s = RunningStream(self.tenant_of(req), head.replica, req, inflight, saves if isinstance(saves, str) else None)
+        while moved_to(head) is not None:
+            moved = await anext(gen, None)
+            if not isinstance(moved, Handover):
+                raise TypeError(f"a replica answered {type(moved).__name__} after a handover's head")
+            gen = await self.hand_over(req, route, moved, s, whole=True)
+            if gen is None:
+                return head, None
+            assert s.head is not None  # `taken` keeps the head of a whole answer
+            log.info("a request answered whole moved from %s to %s", head.replica, s.head.replica)
+            head = s.head
+        return head, gen
 
     async def bring_along(self, tenant: str, route: RouteKey) -> Response | None:
         """Move the other names a request writes or reads (`RouteKey.along`) to the replica that holds its state, so
@@ -236,10 +271,11 @@ class Front:
                     other.cancel()  # the stream ended or moved on its own, or its ticket could not be pushed
                 if moved is None:
                     return
-                gen, first = await self.hand_over(req, route, moved, s, opened)
+                gen = await self.hand_over(req, route, moved, s, opened)
                 if gen is None:  # no replica could take it: the client gets an error event and [DONE]
-                    yield first
+                    yield self.move_failed()
                     return
+                first = await anext(gen, b"")
                 s.downtime = time.perf_counter() - last
                 s.moves += 1
                 self.metrics.stream_downtime.observe(s.downtime)
@@ -252,35 +288,40 @@ class Front:
                 self.streams.pop(stream_id, None)
 
     async def hand_over(self, req: ForwardedRequest, route: RouteKey, moved: Handover, s: RunningStream,
-                        opened: Any = None) -> tuple[Any, Any]:  # fmt: skip
+                        opened: Any = None, whole: bool = False) -> Any:  # fmt: skip
         """Go on with a moved stream on its destination: `opened`, the destination's call opened when the move was
         asked for (it takes the ticket the source pushed to the directory), else a call made now with the ticket (and
-        when that replica cannot take it, any other: the ticket goes on anywhere). Returns that replica's generator
-        and its first item (a chunk, or a Handover when it is stopping too), or (None, an error event and [DONE])."""
+        when that replica cannot take it, any other: the ticket goes on anywhere). Returns that replica's generator,
+        past its head (a stream's; with `whole`, a request answered whole: then its head, which comes with the
+        answer, is `s.head`), or None when none took it (counted as a failed move)."""
         if opened is not None:
             taken = await self.taken(opened, moved.to, moved, route, s)
             if taken is not None:
-                return taken
+                return taken or self.count_failed()  # False: refused
             # the destination did not take it (it is being replaced): take the ticket (and its pre-copy) back and
             # offer them around
             moved = dataclasses.replace(moved, data=await pushed_ticket(self.directory, moved.ticket, 0),
                                         base=await pushed_ticket(self.directory, base_ticket(moved.ticket), 0))
             if not moved.data:  # the destination took it after all (and then failed), or its source died
-                return None, self.move_failed()
+                return self.count_failed()
         replicas = await self.recent_replicas()
         # a stream saving under a name goes only where the name went (`move_stream`): its save issues the next version
         order = [moved.to] + [other for other in replicas if other != moved.to and s.saves is None]
         for slot in order:
             if slot not in replicas:
                 continue
-            taken = await self.taken(self.resumed(req, replicas[slot], moved), slot, moved, route, s)
+            taken = await self.taken(self.resumed(req, replicas[slot], moved), slot, moved, route, s, whole)
             if taken is not None:
-                return taken
-        return None, self.move_failed()
+                return taken or self.count_failed()
+        return self.count_failed()
+
+    def count_failed(self) -> Any:
+        """None, counting a move no replica took."""
+        self.metrics.stream_moves.labels("failed").inc()
+        return None
 
     def move_failed(self) -> bytes:
         """What the client of a stream that could not move gets: an error event and [DONE]."""
-        self.metrics.stream_moves.labels("failed").inc()
         error = error_body(503, "this stream was moving to another replica and none could take it", None,
                            "replica_unavailable")  # fmt: skip
         return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
@@ -291,22 +332,23 @@ class Front:
         resumed = dataclasses.replace(req, headers=[*req.headers, (RESUME_HEADER.encode(), moved.ticket.encode())])
         return self.engine.options(stream=True).http.remote(resumed, target=replica_id, strict=True, handover=moved)
 
-    async def taken(self, gen: Any, slot: str, moved: Handover, route: RouteKey,
-                    s: RunningStream) -> tuple[Any, Any] | None:  # fmt: skip
-        """(gen, its first item) when the replica `slot` took the moved stream; None when it did not answer or was
-        not that replica (try another); (None, an error event) when it refused it (the ticket was read: it cannot be
-        offered again)."""
+    async def taken(self, gen: Any, slot: str, moved: Handover, route: RouteKey, s: RunningStream,
+                    whole: bool = False) -> Any:  # fmt: skip
+        """`gen` past its head when the replica `slot` took the moved stream (`whole`: a request answered whole,
+        whose head comes with its answer: kept in `s.head`); None when it did not answer or was not that replica (try
+        another); False when it refused it (the ticket was read: it cannot be offered again)."""
         try:
-            head = await asyncio.wait_for(anext(gen), CALL_SECONDS)
+            head = await asyncio.wait_for(anext(gen), None if whole else CALL_SECONDS)
         except (TimeoutError, StopAsyncIteration):
             gen.cancel()
             return None
         if head.status == MISROUTED:
             return None
-        if head.status != 200:
+        if head.status != 200 and not whole:  # a whole answer's head comes with it: an error there is the answer
             detail = b"".join([c async for c in gen])
             log.error("replica %s refused a moved stream: %s %s", slot, head.status, detail[:300])
-            return None, self.move_failed()
+            return False
+        s.head = head
         self.metrics.stream_moves.labels("moved").inc()
         self.metrics.stream_bytes.inc(len(moved.data) + len(moved.base) or moved.pushed)
         self.directory.moved_stream.remote()
@@ -314,10 +356,7 @@ class Front:
         s.inflight.move(slot)
         if route.key is not None and not route.strict:  # not awaited: the first token need not wait on it, and
             self.directory.record.remote(route.key, slot)  # an actor runs one caller's calls in order
-        try:
-            return gen, await anext(gen)
-        except StopAsyncIteration:
-            return gen, b""
+        return gen
 
     async def destination(self, request: Request) -> tuple[str | None, dict[str, str]]:
         """The replica a move's body names in "to" (None when it names none of them), and the replicas."""

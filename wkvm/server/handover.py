@@ -49,6 +49,7 @@ log = logging.getLogger("wkvm.handover")
 FORMAT = "wkvm-handover-v1"
 RESUME_HEADER = "x-wkvm-resume"
 STREAM_HEADER = "x-wkvm-stream-id"  # on a stream that can move: the id to name in a move
+HANDOVER_HEADER = "x-wkvm-handover"  # on the answer of a request answered whole that moved: its destination
 EVENT = "wkvm-handover"
 TICKET_SECONDS = 120.0  # a ticket nobody took by then is dropped
 STATES = ("state", "prompt_state", "branch_state")

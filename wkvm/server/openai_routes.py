@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
 from fastapi import APIRouter, Request, params
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from wkvm.chat_template import ChatTemplateError
@@ -20,7 +20,16 @@ from wkvm.sampling_params import SamplingParams
 from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError, error_body
-from wkvm.server.handover import RESUME_HEADER, STREAM_HEADER, HandoverError, LiveStream, Moved, Ticket, marker
+from wkvm.server.handover import (
+    HANDOVER_HEADER,
+    RESUME_HEADER,
+    STREAM_HEADER,
+    HandoverError,
+    LiveStream,
+    Moved,
+    Ticket,
+    marker,
+)
 from wkvm.server.handover import decode as decode_ticket
 from wkvm.server.handover import encode as encode_ticket
 from wkvm.server.schemas import MAX_PROMPTS, ChatRequest, CompletionRequest, SamplingFields
@@ -169,8 +178,8 @@ async def resume_run(ctx: ServerContext, tenant: str, prompt_ids: list[int], bod
     resumed where the source stopped them."""
     cs, t = moved
     c = cs[0]
-    if not body.stream or max(t.choices) >= len(params):
-        raise APIError(400, "only a stream can move, with the choices it had", None, "invalid_handover")
+    if max(t.choices) >= len(params) or (not body.stream and t.choices != [0]):
+        raise APIError(400, "a request moves with the choices it had", None, "invalid_handover")
     if (c.base_ids + c.prompt_ids)[-len(prompt_ids) :] != prompt_ids:
         raise APIError(400, f"{RESUME_HEADER}: this is not the request that moved", None, "invalid_handover")
     plan = Plan(list(c.prompt_ids), None, list(c.base_ids), t.parent, t.info, t.capture, capture_at=c.capture_at)
@@ -195,9 +204,11 @@ def live_stream(tenant: str, body: GenBody, plan: Plan, handles: list[RequestHan
     ticket = Ticket(rid, created, tenant, plan.info, plan.parent, plan.capture, plan.finish is not None, choices, done)
     why = None
     if prompts != 1:
-        why = "only a stream of one prompt can move"
+        why = "only a request of one prompt can move"
     elif handles[0].request.params.prompt_logprobs is not None:
         why = "it scores its prompt (echo with logprobs)"
+    elif not body.stream and (len(handles) != 1 or handles[0].request.params.logprobs is not None):
+        why = "a request answered whole moves only with one choice and without logprobs"
     return LiveStream(tenant, handles, ticket, why, reuse_scope(tenant, body.user, body.cache_salt),
                       saves=body.save_state)
 
@@ -254,7 +265,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         return model_card()
 
     @r.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request) -> dict[str, Any] | StreamingResponse:
+    async def completions(body: CompletionRequest, request: Request) -> dict[str, Any] | Response:
         ctx.require_ready()
         tenant = ctx.tenant(request)
         check_model(ctx, body.model)
@@ -303,17 +314,18 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             return c
 
         base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
+        live = live_stream(tenant, body, runs[0][0], handles, rid, created, len(runs), moved)
+        ctx.handovers.register(live)
         if body.stream:
             echoes = [(gen.echo_text(ctx, q), ids) for q, ids in zip(prompts, encoded, strict=True) if body.echo]
-            live = live_stream(tenant, body, runs[0][0], handles, rid, created, len(runs), moved)
-            ctx.handovers.register(live)
             return StreamingResponse(
                 stream_completion(ctx, request, body, runs, handles, base, prompt_tokens, tenant, k, echoes, live,
                                   [c.text for c in moved[0]] if moved else None),
                 media_type="text/event-stream", headers=movable_header(live),
             )  # fmt: skip
-        await gen.wait_all(ctx, request, handles)
-        extra = await run_in_threadpool(finish_runs, ctx, tenant, body, runs)
+        if await wait_or_move(ctx, request, live):
+            return await handed_over(ctx, live)
+        extra = await run_in_threadpool(finish_runs, ctx, tenant, body, runs, moved is not None)
         out = {**base, "choices": [choice(i, h) for i, h in enumerate(handles)],
                "usage": gen.usage(prompt_tokens, handles), **extra}  # fmt: skip
         if body.return_token_ids:
@@ -321,7 +333,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         return out
 
     @r.post("/v1/chat/completions", response_model=None)
-    async def chat(body: ChatRequest, request: Request) -> dict[str, Any] | StreamingResponse:
+    async def chat(body: ChatRequest, request: Request) -> dict[str, Any] | Response:
         ctx.require_ready()
         tenant = ctx.tenant(request)
         check_model(ctx, body.model)
@@ -353,16 +365,17 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             ((plan, handles),) = await start_all(ctx, tenant, [prompt_ids], body, params, chat)
             rid, created = gen.new_id("chatcmpl"), int(time.time())
         base = {"id": rid, "created": created, "model": ctx.model_name}
+        live = live_stream(tenant, body, plan, handles, rid, created, moved=moved)
+        ctx.handovers.register(live)
         if body.stream:
-            live = live_stream(tenant, body, plan, handles, rid, created, moved=moved)
-            ctx.handovers.register(live)
             return StreamingResponse(
                 stream_chat(ctx, request, body, plan, handles, base, len(prompt_ids), tenant, k, mode, live,
                             [c.text for c in moved[0]] if moved else None),
                 media_type="text/event-stream", headers=movable_header(live),
             )  # fmt: skip
-        await gen.wait_all(ctx, request, handles)
-        extra = await run_in_threadpool(finish, ctx, tenant, body, plan, handles)
+        if await wait_or_move(ctx, request, live):
+            return await handed_over(ctx, live)
+        extra = await run_in_threadpool(finish, ctx, tenant, body, plan, handles, moved is not None)
         choices = []
         for i, h in enumerate(handles):
             message, finish_reason = reply(h.output.text, h.output.finish_reason, mode)
@@ -565,6 +578,23 @@ def hand_over(ctx: ServerContext, live: LiveStream) -> str:
         return marker(live.out_id, to)
     data = encode_ticket(ctx.model.spec, ctx.model.fingerprint, [c, *more], ticket)
     return marker(ctx.handovers.put_out(data, live.out_id), to)
+
+
+async def wait_or_move(ctx: ServerContext, request: Request, live: LiveStream) -> bool:
+    """Wait for a request answered whole; True when it stopped to move instead (a stopping cluster replica's drain
+    moves it: `Handovers.move`), and its answer is then the destination's."""
+    try:
+        await gen.wait_all(ctx, request, live.handles)
+    finally:
+        ctx.handovers.unregister(live.ticket.id)
+    return live.to is not None and any(h.continuation is not None for h in live.handles)
+
+
+async def handed_over(ctx: ServerContext, live: LiveStream) -> Response:
+    """What a request answered whole says when it moved: its handover event (the cluster front takes it out and asks
+    the destination, whose answer the client gets; a client never sees this)."""
+    return Response(await run_in_threadpool(hand_over, ctx, live), media_type="text/event-stream",
+                    headers={HANDOVER_HEADER: live.to or ""})  # fmt: skip
 
 
 def movable_header(live: LiveStream) -> dict[str, str]:
