@@ -223,3 +223,46 @@ def test_a_dense_cache_and_pages_give_the_same_bits(d):
     seq.reserve(pool, 1)
     paged = PagedKV(pool, [seq], 1).rope_attend(0, q, k, v, cos, sin, 0.25)
     assert torch.equal(dense, paged)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_a_llama_decode_layer_in_one_call_gives_the_bits_of_its_ops(tmp_path, monkeypatch, dtype, kv_dtype):
+    """`fused.llama_layer` (a decode step's Llama layer on int8 / int4 weights in one call) against the same layer as
+    separate ops: every token and logprob of a batch of rows equal, to the bit."""
+    from conftest import CHAR_VOCAB, write_char_tokenizer
+    from families.llama import write_checkpoint
+
+    from wkvm.config import EngineConfig
+    from wkvm.engine.engine import Engine
+    from wkvm.models.linear import native_kernel
+    from wkvm.models.llama.model import LINEAR, Llama
+    from wkvm.sampling_params import SamplingParams
+    from wkvm.weights.loader import load_model, load_text_tools
+
+    # int4 groups are 32 wide: every matrix's input width a multiple of 32
+    path = write_checkpoint(tmp_path / "llama", len(CHAR_VOCAB), hidden_size=64, intermediate_size=96,
+                            num_attention_heads=8, num_key_value_heads=2, head_dim=8)  # fmt: skip
+    write_char_tokenizer(path)
+    model = load_model(path, dtype=dtype)
+    layer = model.weights.layer(0)
+    if not fused.available() or native_kernel([layer[k] for k in LINEAR], 3) is None:
+        pytest.skip(f"no native {dtype} kernel or fused ops here (no compiler)")
+    calls = []
+    one_call = fused.llama_layer
+    monkeypatch.setattr(fused, "llama_layer", lambda *a: calls.append(1) or one_call(*a))
+    monkeypatch.setattr("wkvm.models.llama.model.llama_layer", fused.llama_layer)
+    prompts = [[(7 * i + 3 * j) % len(CHAR_VOCAB) for j in range(4 + 5 * i)] for i in range(3)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+
+    def run() -> list[tuple[list[int], object]]:
+        engine = Engine(model, load_text_tools(path, model.family)[0], EngineConfig(n_slots=3, kv_dtype=kv_dtype))
+        handles = [engine.submit(p, params) for p in prompts]
+        engine.run_until_done()
+        return [(h.output.token_ids, h.output.logprobs) for h in handles]
+
+    together = run()
+    assert len(calls) >= 11 * model.config.n_layer  # every decode step of every layer
+    with monkeypatch.context() as m:
+        m.setattr(Llama, "_fused_block", lambda *a: None)
+        assert run() == together

@@ -115,7 +115,7 @@ def test_float16_keys_and_values(model, model_dir, monkeypatch):
         assert max(abs(a[t] - b[t]) for a, b in zip(l32, l16, strict=True) for t in a.keys() & b.keys()) < 1e-2
     assert [run([p], "float16")[1][0] for p in prompts] == half  # alone == batched, to the bit
     with monkeypatch.context() as m:
-        m.setattr(fused, "rope_attend_fits", lambda *a: False)
+        m.setattr(fused, "pages_fit", lambda *a: False)
         torch_path = run(prompts, "float16")[1]
     for (t1, l1), (t2, l2) in zip(half, torch_path, strict=True):
         assert t1 == t2
@@ -133,7 +133,7 @@ def test_the_torch_attention_path_is_batch_independent(model, model_dir, monkeyp
     padded into one masked batch)."""
     from wkvm.models import fused
 
-    monkeypatch.setattr(fused, "rope_attend_fits", lambda *a: False)
+    monkeypatch.setattr(fused, "pages_fit", lambda *a: False)
     prompts = [[(5 * i + 3 * j) % len(CHAR_VOCAB) for j in range(3 + 2 * i)] for i in range(4)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
 

@@ -15,12 +15,13 @@ TINY = {"hidden_size": 48, "intermediate_size": 64, "num_attention_heads": 6, "n
                             "high_freq_factor": 2.0, "original_max_position_embeddings": 16}}  # fmt: skip
 
 
-def write_checkpoint(path: Path, vocab_size: int, seed: int = 0) -> Path:
+def write_checkpoint(path: Path, vocab_size: int, seed: int = 0, **shape: object) -> Path:
+    """`shape`: config fields other than TINY's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab_size, rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None,
-                      pad_token_id=None, **TINY)  # fmt: skip
+                      pad_token_id=None, **{**TINY, **shape})  # fmt: skip
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # wider than the init, so that attention is far from uniform and every token shows
         for p in model.parameters():

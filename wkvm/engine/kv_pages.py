@@ -188,16 +188,25 @@ class PagedKV:
                     sin: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
         """A decode step (one new token per row) on fp32 CPU pages: the fused kernel reads and writes the pages in
         place; else `rope_append_attend`. (Per layer of a small model this is hot: what it needs is made once.)"""
+        pages = self.fused_pages(layer, q.shape[1], q.shape[-1], cos, sin) if fused.cpu_fp32(q, k, v) else None
+        if pages is None:
+            return rope_append_attend(self, layer, q, k, v, cos, sin, scale)
+        return fused.rope_attend(q, k, v, cos, sin, *pages, scale)
+
+    def fused_pages(self, layer: int, tokens: int, head_dim: int, cos: torch.Tensor,
+                    sin: torch.Tensor) -> fused.Pages | None:  # fmt: skip
+        """`layer`'s pools as the fused decode ops take them, with the page table, the rows' lengths and the page
+        size; None where they do not run (`fused.pages_fit`, decided once a step)."""
         if self._table is None:
-            self._fused = fused.rope_attend_fits(q, k, v, cos, sin, *self.pool.pages.values())
+            self._fused = fused.pages_fit(tokens, head_dim, cos, sin, *self.pool.pages.values())
             width = max(len(s.pages) for s in self.seqs)
             self._table = torch.tensor([s.pages + [0] * (width - len(s.pages)) for s in self.seqs], dtype=torch.long)
         if not self._fused:
-            return rope_append_attend(self, layer, q, k, v, cos, sin, scale)
+            return None
         flat = self._flat.get(layer)
         if flat is None:
             flat = self._flat[layer] = (self.pool.flat(key_name(layer)), self.pool.flat(value_name(layer)))
-        return fused.rope_attend(q, k, v, cos, sin, *flat, self._table, self._start, self.pool.page_tokens, scale)
+        return (*flat, self._table, self._start, self.pool.page_tokens)
 
     def commit(self) -> None:
         for s in self.seqs:

@@ -106,14 +106,34 @@ def greedy(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     return ids.tolist(), finite.tolist()
 
 
-def rope_attend_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     *caches: torch.Tensor) -> bool:  # fmt: skip
-    """Whether `rope_attend` runs on these tensors (else the caller rotates, appends and attends with torch): CPU
-    float32 operands, and KV pools all float32 or all float16 (`--kv-dtype`)."""
+def pages_fit(tokens: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor, *caches: torch.Tensor) -> bool:
+    """Whether `rope_attend` runs a step of `tokens` new tokens a row with heads of `head_dim` on these angles and KV
+    pools (else the caller rotates, appends and attends with torch): one token, CPU float32 angles, and pools all
+    float32 or all float16 (`--kv-dtype`); q, k and v must be CPU float32 too (`cpu_fp32`)."""
     dtype = caches[0].dtype if caches else torch.float32
     pools = all(c.is_cpu and c.dtype == dtype for c in caches) and (
-        dtype == torch.float32 or (dtype == torch.float16 and q.shape[-1] % 8 == 0))  # float16: whole 8-lane vectors
-    return q.shape[1] == 1 and cos.is_contiguous() and sin.is_contiguous() and pools and _runs(q, k, v, cos, sin)
+        dtype == torch.float32 or (dtype == torch.float16 and head_dim % 8 == 0))  # float16: whole 8-lane vectors
+    return tokens == 1 and cos.is_contiguous() and sin.is_contiguous() and pools and _runs(cos, sin)
+
+
+def rope_attend_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     *caches: torch.Tensor) -> bool:  # fmt: skip
+    """Whether `rope_attend` runs on these tensors (`pages_fit`, q, k and v CPU float32)."""
+    return cpu_fp32(q, k, v) and pages_fit(q.shape[1], q.shape[-1], cos, sin, *caches)
+
+
+def llama_layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], mats: list[torch.Tensor],
+                kernel: tuple[str, int], eps: float, cos: torch.Tensor, sin: torch.Tensor, pages: Pages, scale: float,
+                heads: tuple[int, int]) -> torch.Tensor:  # fmt: skip
+    """One decode step (x [B, 1, C] CPU float32) of a pre-norm attention + SiLU-MLP layer in one call: `norms` (input,
+    post-attention), `mats` (qkv, o, gate_up, down) all on the native `kernel` (`linear.native_kernel`), the pages
+    where `pages_fit` (`PagedKV.fused_pages`), `heads` (query, key/value). The same ops in the same order as the
+    layer's torch path, so the same bits."""
+    y: torch.Tensor = torch.ops.wkvm_fused.llama_layer(x, *norms, *mats, *kernel, eps, cos, sin, *pages, scale, *heads)
+    return y
+
+
+Pages = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]  # kflat, vflat, table, lengths, page_tokens
 
 
 def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -125,12 +125,24 @@ def embedding(ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _values(w, ids.reshape(-1)).view(*ids.shape, in_features(w))
 
 
+def kernel_for(w: torch.Tensor, rows: int) -> tuple[str, int] | None:
+    """(namespace, isa) of the native kernel `linear` runs for `rows` rows of x on `w`; None where it would not."""
+    path = kernel_path() if w.is_cpu else "torch"
+    if native_isa() is None or not _kernel_takes(path, rows):
+        return None
+    return "wkvm_int4", ISAS.index(path)
+
+
+def _kernel_takes(path: str, rows: int) -> bool:
+    return path == ISAS[-1] or (path != "torch" and rows <= KERNEL_ROWS)  # VNNI: every size
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, path: str | None = None) -> torch.Tensor:
     """x [..., K] fp32 @ dequantize(w)^T -> [..., N] fp32; `path` (an ISA name or "torch") overrides the choice."""
     path = (path or kernel_path()) if w.is_cpu else "torch"
     if path != "torch" and native_isa() is None:
         raise RuntimeError(f"int4 kernel path {path!r} asked for, but the kernel could not be built")
-    if path == ISAS[-1] or (path != "torch" and x.numel() // max(1, x.shape[-1]) <= KERNEL_ROWS):  # VNNI: every size
+    if _kernel_takes(path, x.numel() // max(1, x.shape[-1])):
         op, isa = kernel_op("wkvm_int4", path)
         return run_kernel(op, x, w, isa)
     from wkvm.models.linear import linear as float_linear

@@ -148,6 +148,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, path: str | None = None) -> torch.T
     return y.view(*x.shape[:-1], w.shape[0])
 
 
+def kernel_for(w: torch.Tensor, rows: int) -> tuple[str, int] | None:
+    """(namespace, isa) of the native kernel `linear` runs for `rows` rows of x on `w`; None where it would not."""
+    path = kernel_path() if w.is_cpu else "torch"
+    if path == "torch" or native_isa() is None or not _kernel_takes(path, rows, w):
+        return None
+    return "wkvm_int8", ISAS.index(path)
+
+
 def _kernel_takes(path: str, m: int, w: torch.Tensor) -> bool:
     if path == "torch":
         return False

@@ -42,6 +42,12 @@ class KVBatch(Protocol):
         k and v, attend with q; the same as `rope_append_attend`, which a one-token step may run as one kernel."""
         ...
 
+    def fused_pages(self, layer: int, tokens: int, head_dim: int, cos: torch.Tensor,
+                    sin: torch.Tensor) -> fused.Pages | None:  # fmt: skip
+        """Where a one-token step's attention runs on the fused kernel (`fused.rope_attend`, and layers that call it
+        themselves: `fused.llama_layer`): `layer`'s caches as its pages; None where it does not."""
+        ...
+
 
 @dataclass
 class Attn:
@@ -101,6 +107,10 @@ class DenseKV:
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         k, v = self.state[key_name(layer)], self.state[value_name(layer)]
         return attention(q, k, v, self.length, scale)
+
+    def fused_pages(self, layer: int, tokens: int, head_dim: int, cos: torch.Tensor,
+                    sin: torch.Tensor) -> fused.Pages | None:  # fmt: skip
+        return None  # its caches grow by a copy each step (`rope_attend`), not in pages
 
     def rope_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip

@@ -179,6 +179,17 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
+def native_kernel(weights: list[torch.Tensor], rows: int) -> tuple[str, int] | None:
+    """(namespace, isa) when `linear` runs every one of `weights` (int8 all, or int4 all) on that native kernel for
+    `rows` rows of x; None otherwise (a fused layer then leaves its matmuls to `linear`)."""
+    kinds = {w.dtype for w in weights}
+    if kinds not in ({torch.int8}, {torch.uint8}):
+        return None
+    choose = int8.kernel_for if torch.int8 in kinds else int4.kernel_for
+    found = {choose(w, rows) for w in weights}
+    return found.pop() if len(found) == 1 else None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight^T -> [..., out]; plain fp32 CPU weights (e.g. streamed, unpacked) also use oneDNN.
     bf16 weights take x rounded to bf16 (accumulating in fp32) and give fp32 back, rounded to bf16 (from

@@ -22,9 +22,9 @@ from wkvm.models.family import (
     require,
     resident,
 )
-from wkvm.models.fused import add_rms_norm, rms_norm, silu_mul
+from wkvm.models.fused import add_rms_norm, cpu_fp32, llama_layer, rms_norm, silu_mul
 from wkvm.models.kv import Attn, kv_tensors
-from wkvm.models.linear import linear, stored
+from wkvm.models.linear import linear, native_kernel, stored
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.rope import frequencies
 from wkvm.models.spec import State, StateSpec
@@ -189,8 +189,24 @@ class Llama(ModelBase):
     def block(self, i: int, w: Tensors, x: torch.Tensor, state: State, attn: Attn | None) -> torch.Tensor:
         assert attn is not None  # every Llama layer is attention
         eps = self.config.rms_eps
+        if x.shape[1] == 1 and (y := self._fused_block(i, w, x, attn)) is not None:
+            return y
         x, h = add_rms_norm(x, self._attention(i, w, rms_norm(x, w["input_norm"], eps), attn), w["post_norm"], eps)
         return x + self._mlp(w, h)
+
+    def _fused_block(self, i: int, w: Tensors, x: torch.Tensor, attn: Attn) -> torch.Tensor | None:
+        """A decode step's layer in one call (`fused.llama_layer`: the same bits) where its matmuls all run on one
+        native int8 / int4 kernel and its attention on the fused pages; else None."""
+        cfg = self.config
+        mats = [w[k] for k in LINEAR]
+        kernel = native_kernel(mats, x.shape[0])
+        if kernel is None or not cpu_fp32(x):
+            return None
+        pages = attn.kv.fused_pages(i, 1, cfg.head_dim, attn.cos, attn.sin)
+        if pages is None:
+            return None
+        return llama_layer(x.contiguous(), (w["input_norm"], w["post_norm"]), mats, kernel, cfg.rms_eps, attn.cos,
+                           attn.sin, pages, cfg.head_dim**-0.5, (cfg.n_heads, cfg.n_kv_heads))  # fmt: skip
 
     def _attention(self, i: int, w: Tensors, x: torch.Tensor, attn: Attn) -> torch.Tensor:
         cfg = self.config
