@@ -225,11 +225,11 @@ def test_a_dense_cache_and_pages_give_the_same_bits(d):
     assert torch.equal(dense, paged)
 
 
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "int8", "int4"])
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
 def test_a_llama_decode_layer_in_one_call_gives_the_bits_of_its_ops(tmp_path, monkeypatch, dtype, kv_dtype):
-    """`fused.llama_layer` (a decode step's Llama layer on int8 / int4 weights in one call) against the same layer as
-    separate ops: every token and logprob of a batch of rows equal, to the bit."""
+    """`fused.llama_layer` (a decode step's Llama layer on fp32, int8 or int4 weights in one call) against the same
+    layer as separate ops: every token and logprob of a batch of rows equal, to the bit."""
     from conftest import CHAR_VOCAB, write_char_tokenizer
     from families.llama import write_checkpoint
 
@@ -247,7 +247,7 @@ def test_a_llama_decode_layer_in_one_call_gives_the_bits_of_its_ops(tmp_path, mo
     model = load_model(path, dtype=dtype)
     layer = model.weights.layer(0)
     if not fused.available() or native_kernel([layer[k] for k in LINEAR], 3) is None:
-        pytest.skip(f"no native {dtype} kernel or fused ops here (no compiler)")
+        pytest.skip(f"no native {dtype} kernel or fused ops here (no compiler, WKVM_FUSED=off)")
     calls = []
     one_call = fused.llama_layer
     monkeypatch.setattr(fused, "llama_layer", lambda *a: calls.append(1) or one_call(*a))

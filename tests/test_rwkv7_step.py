@@ -229,3 +229,40 @@ def test_a_short_chunk_has_the_bits_of_stepping_through_it(tmp_path, dtype):
             last = model.forward(ids[:, t : t + 1], stepped)
         assert torch.equal(whole, last)
         assert all(torch.equal(chunked[k], stepped[k]) for k in start)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "int8", "int4"])
+def test_a_decode_layer_in_one_call_has_the_bits_of_its_ops(tmp_path, monkeypatch, dtype):
+    """`step.layer` (a decode step's whole layer in one call, where its six matrices run on one native kernel) against
+    the same layer as separate ops (`_decode_layer`'s Python): logits and every state tensor equal, bit for bit, over
+    several steps of 1 and 3 rows."""
+    from wkvm.models.linear import native_kernel
+    from wkvm.models.rwkv7 import model as rwkv7_model
+
+    path = tmp_path / "m.pth"
+    save_random_rwkv7(path, SHAPES["L3-C192-H3-N64-V1000"], seed=14)
+    model = load_model(path, dtype=dtype)
+    w = model.weights.layer(1)
+    if native_kernel([w[k] for k in rwkv7_model.LINEAR_KEYS], 3) is None:
+        pytest.skip(f"no native {dtype} kernel here")
+    calls = []
+    one_call = step.layer
+    monkeypatch.setattr(step, "layer", lambda *a: calls.append(1) or one_call(*a))
+    g = torch.Generator().manual_seed(5)
+    for rows in (1, 3):
+        start = model.new_state(rows)
+        model.forward(torch.randint(0, 1000, (rows, 12), generator=g), start)
+        ids = torch.randint(0, 1000, (rows, 5), generator=g)
+        runs = []
+        for fused_layer in (True, False):
+            if not fused_layer:
+                monkeypatch.setattr(rwkv7_model, "native_kernel", lambda *a: None)
+            state = {k: v.clone() for k, v in start.items()}
+            logits = [model.forward(ids[:, t : t + 1], state) for t in range(ids.shape[1])]
+            runs.append((torch.stack(logits), state))
+        monkeypatch.undo()
+        monkeypatch.setattr(step, "layer", lambda *a: calls.append(1) or one_call(*a))
+        (lg1, s1), (lg2, s2) = runs
+        assert torch.equal(lg1, lg2) and all(torch.equal(s1[k], s2[k]) for k in s1)
+    assert len(calls) == 2 * 5 * model.config.n_layer  # every step of every layer, with rows 1 and 3

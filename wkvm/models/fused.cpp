@@ -16,7 +16,6 @@
 //     D a multiple of 8): float16 keys and values are rounded when written and widened to fp32 when read.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -31,6 +30,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "linear_call.h"
 #include "simd_math.h"
 
 #if defined(__x86_64__)
@@ -629,39 +629,27 @@ std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& logits) {
   return {ids, finite};
 }
 
-// The `linear` op (x [..., K] float32, w, isa) -> [..., N] of a weight kernel library (wkvm_int8, wkvm_int4), looked
-// up once per namespace: the same op the Python path calls, through the dispatcher (~0.3 us, not ~10 us of Python).
-using LinearOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>;
-
-const LinearOp& linear_op(const std::string& ns) {
-  static const LinearOp int8 = c10::Dispatcher::singleton().findSchemaOrThrow("wkvm_int8::linear", "")
-                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
-  if (ns == "wkvm_int8") return int8;
-  TORCH_CHECK(ns == "wkvm_int4", "linear_ns must be wkvm_int8 or wkvm_int4");
-  static const LinearOp int4 = c10::Dispatcher::singleton().findSchemaOrThrow("wkvm_int4::linear", "")
-                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
-  return int4;
-}
-
 // One decode step (T = 1) of a pre-norm attention + SiLU-MLP layer (Llama): the ops the Python path runs, in its
-// order and on the same kernels, so the same bits, without ~50-70 us of Python and tensor views a layer.
+// order and on the same kernels (linear_call.h), so the same bits, without ~50-70 us of Python and views a layer.
+// `kernel` and `args` (two a matrix): linear_call.h's.
 at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& in_norm, const at::Tensor& post_norm,
                        const at::Tensor& wqkv, const at::Tensor& wo, const at::Tensor& wgu, const at::Tensor& wdown,
-                       const std::string& linear_ns, int64_t isa, double eps, const at::Tensor& cos,
+                       const std::string& kernel, at::IntArrayRef args, double eps, const at::Tensor& cos,
                        const at::Tensor& sin, const at::Tensor& kflat, const at::Tensor& vflat, const at::Tensor& table,
                        const at::Tensor& lengths, int64_t page_tokens, double scale, int64_t Hq, int64_t Hkv) {
   TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.is_contiguous(), "x must be contiguous [B, 1, C]");
-  const LinearOp& linear = linear_op(linear_ns);
+  TORCH_CHECK(args.size() == 8, "args: two a matrix");
+  const wkvm::LinearCall& linear = wkvm::linear_call(kernel);
   const int64_t B = x.size(0), C = x.size(2), D = kflat.size(2);
   const at::Tensor x2 = x.view({B, C});
-  const at::Tensor qkv = linear.call(rms_norm(x2, in_norm, eps), wqkv, isa);
+  const at::Tensor qkv = linear(rms_norm(x2, in_norm, eps), wqkv, args[0], args[1]);
   TORCH_CHECK(qkv.size(1) == (Hq + 2 * Hkv) * D, "wqkv must give Hq + 2 Hkv heads of D");
   const at::Tensor q = qkv.narrow(1, 0, Hq * D).view({B, 1, Hq, D});
   const at::Tensor k = qkv.narrow(1, Hq * D, Hkv * D).view({B, 1, Hkv, D});
   const at::Tensor v = qkv.narrow(1, (Hq + Hkv) * D, Hkv * D).view({B, 1, Hkv, D});
   const at::Tensor o = rope_attend(q, k, v, cos, sin, kflat, vflat, table, lengths, page_tokens, scale);
-  auto [s, h] = add_rms_norm(x2, linear.call(o.view({B, Hq * D}), wo, isa), post_norm, eps);
-  const at::Tensor y = linear.call(silu_mul(linear.call(h, wgu, isa)), wdown, isa);
+  auto [s, h] = add_rms_norm(x2, linear(o.view({B, Hq * D}), wo, args[2], args[3]), post_norm, eps);
+  const at::Tensor y = linear(silu_mul(linear(h, wgu, args[4], args[5])), wdown, args[6], args[7]);
   return at::add(s, y).view({B, 1, C});
 }
 
@@ -678,7 +666,7 @@ TORCH_LIBRARY(wkvm_fused, m) {
       &rope_attend);
   m.def(
       "llama_layer(Tensor x, Tensor in_norm, Tensor post_norm, Tensor wqkv, Tensor wo, Tensor wgu, Tensor wdown, "
-      "str linear_ns, int isa, float eps, Tensor cos, Tensor sin, Tensor(a!) kflat, Tensor(b!) vflat, Tensor table, "
+      "str kernel, int[] args, float eps, Tensor cos, Tensor sin, Tensor(a!) kflat, Tensor(b!) vflat, Tensor table, "
       "Tensor lengths, int page_tokens, float scale, int Hq, int Hkv) -> Tensor",
       &llama_layer);
 }

@@ -123,8 +123,8 @@ def rope_attend_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
 
 
 def llama_layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], mats: list[torch.Tensor],
-                kernel: tuple[str, int], eps: float, cos: torch.Tensor, sin: torch.Tensor, pages: Pages, scale: float,
-                heads: tuple[int, int]) -> torch.Tensor:  # fmt: skip
+                kernel: tuple[str, list[int]], eps: float, cos: torch.Tensor, sin: torch.Tensor, pages: Pages,
+                scale: float, heads: tuple[int, int]) -> torch.Tensor:  # fmt: skip
     """One decode step (x [B, 1, C] CPU float32) of a pre-norm attention + SiLU-MLP layer in one call: `norms` (input,
     post-attention), `mats` (qkv, o, gate_up, down) all on the native `kernel` (`linear.native_kernel`), the pages
     where `pages_fit` (`PagedKV.fused_pages`), `heads` (query, key/value). The same ops in the same order as the

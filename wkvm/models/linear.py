@@ -179,15 +179,25 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-def native_kernel(weights: list[torch.Tensor], rows: int) -> tuple[str, int] | None:
-    """(namespace, isa) when `linear` runs every one of `weights` (int8 all, or int4 all) on that native kernel for
-    `rows` rows of x; None otherwise (a fused layer then leaves its matmuls to `linear`)."""
-    kinds = {w.dtype for w in weights}
-    if kinds not in ({torch.int8}, {torch.uint8}):
+def native_kernel(weights: list[torch.Tensor], rows: int) -> tuple[str, list[int]] | None:
+    """(kernel, its two arguments a matrix) when `linear` runs every one of `weights` for `rows` rows of x on the same
+    native kernel: int8, int4, or fp32 on the gemv kernel (linear_call.h says how a fused layer calls it); None
+    otherwise (the layer then leaves its matmuls to `linear`)."""
+    dtypes = {w.dtype for w in weights}
+    if dtypes in ({torch.int8}, {torch.uint8}):
+        choose = int8.kernel_for if torch.int8 in dtypes else int4.kernel_for
+        found = {choose(w, rows) for w in weights}
+        kernel = found.pop() if len(found) == 1 else None
+        return None if kernel is None else (kernel[0], [kernel[1], 0] * len(weights))
+    if dtypes != {torch.float32} or not fp32gemv.available() or rows > fp32gemv.rows():
         return None
-    choose = int8.kernel_for if torch.int8 in kinds else int4.kernel_for
-    found = {choose(w, rows) for w in weights}
-    return found.pop() if len(found) == 1 else None
+    args: list[int] = []
+    for w in weights:
+        layout: tuple[int, int] | None = getattr(w, fp32gemv.LAYOUT, None) if w.is_mkldnn else None
+        if layout is None:
+            return None
+        args += layout
+    return "wkvm_fp32", args
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

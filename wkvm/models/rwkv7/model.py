@@ -25,7 +25,7 @@ from wkvm.models.family import (
     resident,
 )
 from wkvm.models.kv import KVBatch
-from wkvm.models.linear import embedding, linear, pack_linear, rows_independent, stored, stored_outer
+from wkvm.models.linear import embedding, linear, native_kernel, pack_linear, rows_independent, stored, stored_outer
 from wkvm.models.provider import ResidentWeights, Tensors, WeightProvider
 from wkvm.models.rwkv7 import step
 from wkvm.models.rwkv7.wkv import DEFAULT_CHUNK, wkv_chunked, wkv_step
@@ -48,6 +48,12 @@ LINEAR_KEYS = (
     "ffn.key.weight", "ffn.value.weight",
 )  # fmt: skip
 LORA_KEYS = tuple(f"att.{p}{j}" for p in "wavg" for j in "12")
+STEP_LAYER_KEYS = (  # step.cpp's `layer` takes a layer's tensors in this order (the att.v LoRA's are None in layer 0)
+    "ln1.weight", "ln1.bias", "att.mix", "att.receptance.weight", "att.key.weight", "att.value.weight",
+    *(f"att.{p}{j}" for p in "wagv" for j in "120" if p + j != "g0"), "att.k_k", "att.k_a", "att.r_k",
+    "att.ln_x.weight", "att.ln_x.bias", "att.output.weight", "ln2.weight", "ln2.bias", "ffn.x_k", "ffn.key.weight",
+    "ffn.value.weight",
+)  # fmt: skip
 PACKED_LORA_MIN_ROWS = 64
 # r, k, v, decay, a, g and the value residual's mix (None in layer 0): `_projections`
 Projections = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -195,6 +201,11 @@ class RWKV7(ModelBase):
         """Layer i for one token per row (x [B, C]): `_time_mix` and `_channel_mix` in step.py's fused ops, so that
         little but the matmuls is left outside them (issue #21). Returns x and v_first."""
         cfg = self.config
+        mats = [w[k] for k in LINEAR_KEYS]
+        if (kernel := native_kernel(mats, x.shape[0])) is not None and w["att.w1"].dtype == torch.float32:
+            shifts = state[f"layers.{i}.att_shift"], state[f"layers.{i}.wkv"], state[f"layers.{i}.ffn_shift"]
+            return step.layer(x, v_first, *shifts, [w.get(k) for k in STEP_LAYER_KEYS], kernel, cfg.ln_eps,
+                              cfg.gn_eps)  # fmt: skip
         _, (xr, xw, xk, xv, xa, xg) = step.norm_shift_mix(x, None, w["ln1.weight"], w["ln1.bias"], cfg.ln_eps,
                                                           state[f"layers.{i}.att_shift"], w["att.mix"])  # fmt: skip
         r, k, v, decay, a, g, v_mix = self._projections(i, w, xr, xw, xk, xv, xa, xg)

@@ -16,6 +16,7 @@
 //   relu_square(x) -> relu(x)^2
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -25,9 +26,11 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
+#include "../linear_call.h"
 #include "../simd_math.h"
 
 namespace {
@@ -477,6 +480,54 @@ at::Tensor relu_square(const at::Tensor& x) {
   return y;
 }
 
+// The tensors of a layer `layer` takes, in this order (`w`; the v LoRA's three are None in layer 0, which has none).
+enum LayerTensor {
+  LN1_W, LN1_B, ATT_MIX, W_R, W_K, W_V, W1, W2, W0, A1, A2, A0, G1, G2, V1, V2, V0, K_K, K_A, R_K, LNX_W, LNX_B, W_O,
+  LN2_W, LN2_B, FFN_X_K, W_KEY, W_VALUE, LAYER_TENSORS
+};
+
+// One decode step (one token a row: x [B, C]) of a whole layer, as model.py's `_decode_layer` runs it: the same ops
+// in the same order on the same kernels (matmuls through linear_call.h: `kernel`, `args` two a matrix in the order
+// r, k, v, output, ffn key, ffn value), so the same bits, without ~70-90 us of Python and views a layer. The
+// states (att_shift, S, ffn_shift) advance in place. Returns (x, v_first: layer 0's v, or the one given).
+std::tuple<at::Tensor, at::Tensor> layer(const at::Tensor& x, const at::Tensor& v_first, const at::Tensor& att_shift,
+                                         const at::Tensor& S, const at::Tensor& ffn_shift,
+                                         const c10::List<std::optional<at::Tensor>>& w, const std::string& kernel,
+                                         at::IntArrayRef args, double ln_eps, double gn_eps) {
+  TORCH_CHECK(static_cast<int64_t>(w.size()) == LAYER_TENSORS, "w: ", static_cast<int64_t>(LAYER_TENSORS),
+              " tensors (model.py's order)");
+  TORCH_CHECK(args.size() == 12, "args: two a matrix");
+  auto t = [&](int i) {
+    const std::optional<at::Tensor> v = w.get(i);
+    TORCH_CHECK(v.has_value(), "w[", i, "] is missing");
+    return *v;
+  };
+  const bool first = !w.get(V1).has_value();
+  const wkvm::LinearCall& linear = wkvm::linear_call(kernel);
+  const int64_t C = x.size(-1);
+  const at::Tensor mixed = std::get<1>(norm_shift_mix(x, std::nullopt, t(LN1_W), t(LN1_B), ln_eps, att_shift,
+                                                t(ATT_MIX).reshape({-1, C})));
+  const at::Tensor xr = mixed[0], xw = mixed[1], xk = mixed[2], xv = mixed[3], xa = mixed[4], xg = mixed[5];
+  const at::Tensor r = linear(xr, t(W_R), args[0], args[1]);
+  const at::Tensor k = linear(xk, t(W_K), args[2], args[3]);
+  const at::Tensor v = linear(xv, t(W_V), args[4], args[5]);
+  std::vector<at::Tensor> xs{xw, xa, xg}, firsts{t(W1), t(A1), t(G1)}, seconds{t(W2), t(A2), t(G2)};
+  c10::List<std::optional<at::Tensor>> biases({t(W0), t(A0), std::nullopt});
+  std::vector<int64_t> inner{1, 0, 2}, outer{2, 2, 0};  // tanh, none, sigmoid; sigmoid, sigmoid, none (step.py)
+  if (!first) {
+    xs.push_back(xv), firsts.push_back(t(V1)), seconds.push_back(t(V2)), biases.push_back(t(V0));
+    inner.push_back(0), outer.push_back(2);
+  }
+  const std::vector<at::Tensor> l = loras(xs, firsts, seconds, biases, inner, outer);
+  const at::Tensor vf = first ? v : v_first;
+  const at::Tensor o = std::get<0>(wkv(S, r, l[0], k, v, vf, first ? std::nullopt : std::optional<at::Tensor>(l[3]), l[1], l[2],
+                                       t(K_K), t(K_A), t(R_K), t(LNX_W), t(LNX_B), gn_eps, 1));
+  auto [x2, ffn] = norm_shift_mix(x, linear(o, t(W_O), args[6], args[7]), t(LN2_W), t(LN2_B), ln_eps, ffn_shift,
+                                  t(FFN_X_K).reshape({-1, C}));
+  const at::Tensor y = linear(relu_square(linear(ffn[0], t(W_KEY), args[8], args[9])), t(W_VALUE), args[10], args[11]);
+  return {at::add(x2, y), vf};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(wkvm_rwkv7, m) {
@@ -494,4 +545,8 @@ TORCH_LIBRARY(wkvm_rwkv7, m) {
       "-> (Tensor, Tensor)",
       &wkv);
   m.def("relu_square(Tensor x) -> Tensor", &relu_square);
+  m.def(
+      "layer(Tensor x, Tensor v_first, Tensor(a!) att_shift, Tensor(b!) S, Tensor(c!) ffn_shift, Tensor?[] w, "
+      "str kernel, int[] args, float ln_eps, float gn_eps) -> (Tensor, Tensor)",
+      &layer);
 }
