@@ -41,6 +41,7 @@ class PagePool:
         self.state_dtypes = {t.name: t.torch_dtype for t in spec.tensors if t.kind == "kv"}
         self.refs = [0] * n_pages
         self._free = list(range(n_pages - 1, -1, -1))  # pop() hands out the lowest page first
+        self._flat: dict[str, torch.Tensor] = {}
 
     @property
     def num_free(self) -> int:
@@ -69,9 +70,13 @@ class PagePool:
         return dst
 
     def flat(self, name: str) -> torch.Tensor:
-        """Tensor `name`'s pages as one row per token slot: [n_pages * page_tokens, *shape]."""
-        pages = self.pages[name]
-        return pages.view(pages.shape[0] * pages.shape[1], *pages.shape[2:])
+        """Tensor `name`'s pages as one row per token slot: [n_pages * page_tokens, *shape] (a view made once: a decode
+        step asks for two a layer)."""
+        flat = self._flat.get(name)
+        if flat is None:
+            pages = self.pages[name]
+            flat = self._flat[name] = pages.view(pages.shape[0] * pages.shape[1], *pages.shape[2:])
+        return flat
 
 
 @dataclass
