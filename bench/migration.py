@@ -206,6 +206,9 @@ def main() -> None:
                 ids = [rng.randrange(1, 65000) for _ in range(n)]
                 res = moved_stream(c, ids, args.stream_moves, args.stream_tokens, not args.precopy_only)
                 out[f"stream_{n}"] = res
+                if res["moves"] < args.stream_moves:
+                    print(f"the {n}-token stream ended after {res['moves']} of {args.stream_moves} moves: give "
+                          "--stream-tokens more for a p99 over as many", file=sys.stderr)  # fmt: skip
                 down, front, caught = res["downtime_s"], res["front_gap_s"], res["precopy_tokens"]
                 assert isinstance(down, list) and down and isinstance(front, list) and isinstance(caught, list), res
                 for kind in ("pre-copied", "whole ticket"):
