@@ -41,8 +41,8 @@ def checks(args: argparse.Namespace) -> list[tuple[str, bool, str, str]]:
             out.append(("kernel", True, f"--dtype {dtype}: {kernel}", ""))
         from wkvm.models import fused
 
-        ops = (f"wkvm fused kernel (norms, SiLU gate, RoPE + paged attention in one op per layer; "
-               f"-march={fused.MARCH})" if fused.available()
+        ops = (f"wkvm fused kernel (norms, SiLU gate, RoPE + paged attention; a decode step's whole layer in one "
+               f"call on fp32, int8 or int4 weights; -march={fused.MARCH})" if fused.available()
                else "separate torch ops (WKVM_FUSED=off, or no C++ compiler): slower decode")  # fmt: skip
         out.append(("kernel", True, f"per-layer ops: {ops}", ""))
         out.append(("pages", True, huge_pages(), ""))  # information: 4 KiB pages are slower, not wrong
