@@ -313,25 +313,34 @@ def moved_whole(a, b, path, body, after=5) -> tuple[httpx.Response, int]:
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 5, "presence_penalty": 0.3}])
 def test_a_request_answered_whole_moves_and_answers_as_one_that_never_moved(pair, fresh, sampling):
     a, b = pair
-    for path, body in (("/v1/completions", {"prompt": "Romeo:", "return_token_ids": True}),
-                       ("/v1/chat/completions", {"messages": MESSAGES, "return_token_ids": True})):  # fmt: skip
+    for path, body in (("/v1/completions", {"prompt": "Romeo:", "return_token_ids": True, "logprobs": 2}),
+                       ("/v1/chat/completions", {"messages": MESSAGES, "return_token_ids": True, "logprobs": True,
+                                                 "top_logprobs": 2})):  # fmt: skip
         body = {**body, **sampling, "max_tokens": 200, "ignore_eos": True}
         got, n_source = moved_whole(a, b, path, body)
         want = httpx.post(fresh.url + path, json=body, timeout=60).json()
         assert 5 <= n_source < 200
-        assert got.json()["choices"] == want["choices"] and got.json()["usage"] == want["usage"]
-        assert len(got.json()["choices"][0]["token_ids"]) == 200
+        (g,), (w,) = got.json()["choices"], want["choices"]
+        g_lp, w_lp = g.pop("logprobs"), w.pop("logprobs")
+        assert g == w and got.json()["usage"] == want["usage"] and len(g["token_ids"]) == 200
+        # every token's logprobs, the source's included (a chat prompt may reuse a checkpoint on `a`, which `fresh`
+        # computes in one piece: the same tokens, logprobs equal to float rounding)
+        g_lp, w_lp = ([(e["token"], e["logprob"]) for e in lp["content"]] if "content" in lp
+                      else list(zip(lp["tokens"], lp["token_logprobs"], strict=True)) for lp in (g_lp, w_lp))  # fmt: skip
+        assert len(g_lp) == len(w_lp) == 200
+        for (tx, x), (ty, y) in zip(g_lp, w_lp, strict=True):
+            assert tx == ty and abs(x - y) < 1e-4
 
 
 def test_what_cannot_move_says_why(pair):
     a, _ = pair
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # answered whole: one choice, no logprobs
-        body = {"prompt": "Romeo:", "max_tokens": 100, "ignore_eos": True, "logprobs": 1}
+        body = {"prompt": "Romeo:", "max_tokens": 100, "ignore_eos": True, "n": 2}
         source = pool.submit(httpx.post, a.url + "/v1/completions", json=body, timeout=60)
         deadline = time.monotonic() + 30
         while not (live := a.ctx.handovers.live()) and not source.done() and time.monotonic() < deadline:
             time.sleep(0.002)
-        assert [s.why_not for s in live] == ["a request answered whole moves only with one choice and without logprobs"]
+        assert [s.why_not for s in live] == ["a request answered whole moves only with one choice"]
         assert source.result().status_code == 200
     with httpx.stream("POST", a.url + "/v1/completions", timeout=60,
                       json={"prompt": ["Romeo:", "Juliet:"], **LONG}) as r:  # fmt: skip
@@ -361,6 +370,13 @@ def test_a_ticket_is_checked_like_an_import(pair):
     assert t3 == two and (x.output_ids, y.output_ids, y.text, y.generator) == ([4], [5, 6], "yz", None)
     with pytest.raises(ValueError, match="one choice per continuation"):
         encode(m.spec, m.fingerprint, [c, c2], t)
+    lp = dataclasses.replace(t, logprobs=[[[[4, -0.5], [7, float("-inf")]]]])  # a whole answer's, one token
+    assert decode(encode(m.spec, m.fingerprint, c, lp), m.spec, m.fingerprint, m.vocab_size)[1] == lp
+    for bad in ([[[[4, float("nan")]]]], [[[[4, 0.5]]]], [[[[m.vocab_size, -1.0]]]], [[[[True, -1.0]]]], [[]],
+                [[[[4, -1.0]], [[4, -1.0]]]], [[["x"]]], "no"):  # fmt: skip
+        with pytest.raises(HandoverError, match="logprobs"):
+            decode(encode(m.spec, m.fingerprint, c, dataclasses.replace(t, logprobs=bad)), m.spec, m.fingerprint,
+                   m.vocab_size)  # fmt: skip
     with pytest.raises(HandoverError, match="different prompts"):
         decode(encode(m.spec, m.fingerprint, [c, dataclasses.replace(c2, prompt_ids=[1, 2])], two), m.spec,
                m.fingerprint, m.vocab_size)  # fmt: skip

@@ -73,6 +73,9 @@ class Ticket:
     finish: bool = False  # the turn ends with checkpoints (and a parked session): the destination does it
     choices: list[int] = field(default_factory=lambda: [0])  # the choice index of each handle / continuation
     done_tokens: int = 0  # completion tokens of the choices that finished before a move (for `usage`)
+    # a request answered whole that asked for logprobs: each moved choice's so far, a token's as [[id, logprob], ...]
+    # (its answer carries them all; a stream sent them already)
+    logprobs: list[list[list[list[float]]]] | None = None
 
     def wire(self) -> dict[str, Any]:
         """As the ticket's metadata holds it: a single-choice ticket leaves out the fields it does not use, so it reads
@@ -80,6 +83,8 @@ class Ticket:
         d = asdict(self)
         if d["choices"] == [0] and not d["done_tokens"]:
             del d["choices"], d["done_tokens"]
+        if d["logprobs"] is None:
+            del d["logprobs"]
         return d
 
 
@@ -97,6 +102,7 @@ class LiveStream:
     base_bytes: int = 0  # that pre-copy's ticket size
     saves: str | None = None  # the name its final state is saved under: whoever moves the stream moves the name after
     # it (the cluster front, a stopping replica's drain): a name's versions are issued where it lives
+    whole: bool = False  # a request answered whole (not streamed): its ticket carries the logprobs so far
 
     @property
     def done(self) -> bool:
@@ -112,6 +118,9 @@ class LiveStream:
         done = sum(len(h.output.token_ids) for h in self.handles if h.continuation is None)
         t = dataclasses.replace(self.ticket, choices=[i for i, _ in moved], done_tokens=self.ticket.done_tokens + done,
                                 finish=self.ticket.finish and bool(moved) and moved[0][0] == 0)  # fmt: skip
+        if self.whole and all(h.output.logprobs is not None for h in self.handles):
+            t.logprobs = [[[[i, lp] for i, lp in token.items()] for token in h.output.logprobs or []]
+                          for h in self.handles if h.continuation is not None]  # fmt: skip
         return [c for _, c in moved], t
 
 
@@ -351,6 +360,8 @@ def decode(data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int,
         pre = md.get(PRECOPY)
         if pre is not None and len(toks) != 1:
             raise HandoverError("handover ticket: a pre-copy goes with one choice")
+        if t.logprobs is not None:
+            t.logprobs = _logprobs(t.logprobs, [len(tok["output_ids"]) for tok in toks], vocab_size)
         cs = [_unpack(spec, tensors, tok, "" if k == 0 else f"more{k}.", pre is None) for k, tok in enumerate(toks)]
         if pre is not None:
             cs = [on_base(cs[0], t, json.loads(pre), base)]
@@ -370,6 +381,32 @@ def decode(data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int,
         if (c.prompt_ids, c.base_ids) != (cs[0].prompt_ids, cs[0].base_ids):
             raise HandoverError("handover ticket: its choices continue different prompts")
     return cs, t
+
+
+MAX_TOP_LOGPROBS = 64  # entries a token's logprobs may hold in a ticket (the API allows at most 20, plus the chosen)
+
+
+def _logprobs(value: Any, lengths: list[int], vocab_size: int) -> list[list[list[list[float]]]]:
+    """A ticket's `logprobs`, checked value by value: one list per choice, one entry per output token, each a list of
+    [token id in the vocabulary, a logprob <= 0 (or -inf)]."""
+
+    def pair_ok(p: Any) -> bool:
+        return (isinstance(p, list) and len(p) == 2 and type(p[0]) is int and 0 <= p[0] < vocab_size
+                and type(p[1]) in (int, float) and p[1] <= 0)  # fmt: skip  # NaN compares false
+
+    def token_ok(t: Any) -> bool:
+        return isinstance(t, list) and 0 < len(t) <= MAX_TOP_LOGPROBS and all(pair_ok(p) for p in t)
+
+    if not (isinstance(value, list) and len(value) == len(lengths) and all(
+            isinstance(c, list) and len(c) == n and all(token_ok(t) for t in c)
+            for c, n in zip(value, lengths, strict=False))):  # fmt: skip
+        raise HandoverError("handover ticket: its logprobs do not match its tokens")
+    return [[[[p[0], float(p[1])] for p in t] for t in c] for c in value]
+
+
+def carried_logprobs(choice: list[list[list[float]]]) -> list[dict[int, float]]:
+    """One choice's logprobs from a ticket (`Ticket.logprobs`), as a handle's output holds them."""
+    return [{int(i): float(lp) for i, lp in token} for token in choice]
 
 
 def _unpack(spec: StateSpec, tensors: dict[str, torch.Tensor], tok: dict[str, Any], prefix: str,

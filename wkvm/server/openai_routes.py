@@ -28,6 +28,7 @@ from wkvm.server.handover import (
     LiveStream,
     Moved,
     Ticket,
+    carried_logprobs,
     marker,
 )
 from wkvm.server.handover import decode as decode_ticket
@@ -193,6 +194,9 @@ async def resume_run(ctx: ServerContext, tenant: str, prompt_ids: list[int], bod
         for h in handles:
             h.cancel()
         raise
+    for h, carried in zip(handles, t.logprobs or [], strict=False):  # a whole answer's logprobs from the source
+        if h.output.logprobs is not None:
+            h.output.logprobs[:0] = carried_logprobs(carried)
     ctx.sessions.track(chat, tenant, handles)
     return plan, handles
 
@@ -207,10 +211,10 @@ def live_stream(tenant: str, body: GenBody, plan: Plan, handles: list[RequestHan
         why = "only a request of one prompt can move"
     elif handles[0].request.params.prompt_logprobs is not None:
         why = "it scores its prompt (echo with logprobs)"
-    elif not body.stream and (len(handles) != 1 or handles[0].request.params.logprobs is not None):
-        why = "a request answered whole moves only with one choice and without logprobs"
+    elif not body.stream and len(handles) != 1:
+        why = "a request answered whole moves only with one choice"
     return LiveStream(tenant, handles, ticket, why, reuse_scope(tenant, body.user, body.cache_salt),
-                      saves=body.save_state)
+                      saves=body.save_state, whole=not body.stream)
 
 
 def finish(ctx: ServerContext, tenant: str, body: GenBody, plan: Plan, handles: list[RequestHandle],
