@@ -299,7 +299,7 @@ def moved_whole(a, b, path, body, after=5) -> tuple[httpx.Response, int]:
             time.sleep(0.002)
         (stream,) = live
         assert stream.why_not is None, stream.why_not
-        (c,) = a.ctx.handovers.move(a.ctx.client, stream.tenant, stream.ticket.id, "b").result(30)
+        c, *_ = a.ctx.handovers.move(a.ctx.client, stream.tenant, stream.ticket.id, "b").result(30)
         r = source.result()
     assert r.status_code == 200 and r.headers[HANDOVER_HEADER] == "b", r.text
     ticket, to = parse_marker(r.content)
@@ -326,21 +326,44 @@ def test_a_request_answered_whole_moves_and_answers_as_one_that_never_moved(pair
         # every token's logprobs, the source's included (a chat prompt may reuse a checkpoint on `a`, which `fresh`
         # computes in one piece: the same tokens, logprobs equal to float rounding)
         g_lp, w_lp = ([(e["token"], e["logprob"]) for e in lp["content"]] if "content" in lp
-                      else list(zip(lp["tokens"], lp["token_logprobs"], strict=True)) for lp in (g_lp, w_lp))  # fmt: skip
+                      else list(zip(lp["tokens"], lp["token_logprobs"], strict=True))
+                      for lp in (g_lp, w_lp))  # fmt: skip
         assert len(g_lp) == len(w_lp) == 200
         for (tx, x), (ty, y) in zip(g_lp, w_lp, strict=True):
             assert tx == ty and abs(x - y) < 1e-4
 
 
+def test_a_request_answered_whole_with_several_choices_moves_with_those_that_finished(pair, fresh):
+    """n = 3 answered whole, seeded, where choice 1 meets its stop string before the move: it finished at the source
+    and travels in the ticket whole; the answer (every choice's text, tokens, finish reason and logprobs, and usage)
+    is one that never moved."""
+    a, b = pair
+    body = {"prompt": "Romeo:", "max_tokens": 200, "ignore_eos": True, "temperature": 1.0, "seed": 9, "n": 3,
+            "return_token_ids": True, "logprobs": 1}  # fmt: skip
+    texts = [c["text"] for c in httpx.post(fresh.url + "/v1/completions", json=body, timeout=60).json()["choices"]]
+    body["stop"] = [next(texts[1][i : i + 3] for i in range(8, 50) if all(texts[1][i : i + 3] not in t
+                                                                           for t in (texts[0], texts[2])))]  # fmt: skip
+    want = httpx.post(fresh.url + "/v1/completions", json=body, timeout=60).json()
+    assert want["choices"][1]["finish_reason"] == "stop" and len(want["choices"][1]["token_ids"]) < 60
+    got, n_source = moved_whole(a, b, "/v1/completions", body, after=80)
+    assert 80 <= n_source < 200
+    for g, w in zip(got.json()["choices"], want["choices"], strict=True):
+        g_lp, w_lp = g.pop("logprobs"), w.pop("logprobs")
+        assert g == w
+        assert g_lp["tokens"] == w_lp["tokens"] and len(g_lp["token_logprobs"]) == len(g["token_ids"])
+        assert max(abs(x - y) for x, y in zip(g_lp["token_logprobs"], w_lp["token_logprobs"], strict=True)) < 1e-4
+    assert got.json()["usage"] == want["usage"]
+
+
 def test_what_cannot_move_says_why(pair):
     a, _ = pair
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # answered whole: one choice, no logprobs
-        body = {"prompt": "Romeo:", "max_tokens": 100, "ignore_eos": True, "n": 2}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # answered whole, several prompts
+        body = {"prompt": ["Romeo:", "Juliet:"], "max_tokens": 100, "ignore_eos": True}
         source = pool.submit(httpx.post, a.url + "/v1/completions", json=body, timeout=60)
         deadline = time.monotonic() + 30
         while not (live := a.ctx.handovers.live()) and not source.done() and time.monotonic() < deadline:
             time.sleep(0.002)
-        assert [s.why_not for s in live] == ["a request answered whole moves only with one choice"]
+        assert [s.why_not for s in live] == ["only a request of one prompt can move"]
         assert source.result().status_code == 200
     with httpx.stream("POST", a.url + "/v1/completions", timeout=60,
                       json={"prompt": ["Romeo:", "Juliet:"], **LONG}) as r:  # fmt: skip
@@ -376,6 +399,14 @@ def test_a_ticket_is_checked_like_an_import(pair):
                 [[[[4, -1.0]], [[4, -1.0]]]], [[["x"]]], "no"):  # fmt: skip
         with pytest.raises(HandoverError, match="logprobs"):
             decode(encode(m.spec, m.fingerprint, c, dataclasses.replace(t, logprobs=bad)), m.spec, m.fingerprint,
+                   m.vocab_size)  # fmt: skip
+    done = {"index": 1, "token_ids": [5, 6], "text": "yz", "finish_reason": "stop", "logprobs": None}
+    ok = dataclasses.replace(t, finished=[done])
+    assert decode(encode(m.spec, m.fingerprint, c, ok), m.spec, m.fingerprint, m.vocab_size)[1] == ok
+    for bad in ({**done, "index": 0}, {**done, "token_ids": [m.vocab_size]}, {**done, "finish_reason": "abort"},
+                {**done, "logprobs": [[[5, -1.0]]]}, {**done, "text": 3}, {**done, "extra": 1}, [done]):  # fmt: skip
+        with pytest.raises(HandoverError, match="finished|logprobs"):
+            decode(encode(m.spec, m.fingerprint, c, dataclasses.replace(t, finished=[bad])), m.spec, m.fingerprint,
                    m.vocab_size)  # fmt: skip
     with pytest.raises(HandoverError, match="different prompts"):
         decode(encode(m.spec, m.fingerprint, [c, dataclasses.replace(c2, prompt_ids=[1, 2])], two), m.spec,

@@ -8,12 +8,12 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request
 
 from wkvm.engine.engine import Event, RequestHandle
-from wkvm.outputs import ErrorCode
+from wkvm.outputs import ErrorCode, GenerationOutput
 from wkvm.sampling_params import MAX_STOP_STRINGS, InvalidParam, SamplingParams
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError
@@ -196,7 +196,14 @@ def sse(obj: dict[str, Any] | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-def usage(prompt_tokens: int, handles: list[RequestHandle], done_tokens: int = 0) -> dict[str, Any]:
+class Answer(Protocol):
+    """What an answer is built from: a request's handle, or a choice that finished on a server it moved from."""
+
+    @property
+    def output(self) -> GenerationOutput: ...
+
+
+def usage(prompt_tokens: int, handles: Sequence[Answer], done_tokens: int = 0) -> dict[str, Any]:
     """`done_tokens`: completion tokens of choices that finished on a server the stream moved from."""
     completion = done_tokens + sum(len(h.output.token_ids) for h in handles)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}

@@ -43,6 +43,7 @@ from wkvm.engine.engine import settle
 from wkvm.engine.handle import RequestHandle
 from wkvm.engine.request import Continuation
 from wkvm.models.spec import State, StateSpec
+from wkvm.outputs import GenerationOutput
 from wkvm.state.statefile import metadata
 
 log = logging.getLogger("wkvm.handover")
@@ -76,6 +77,8 @@ class Ticket:
     # a request answered whole that asked for logprobs: each moved choice's so far, a token's as [[id, logprob], ...]
     # (its answer carries them all; a stream sent them already)
     logprobs: list[list[list[list[float]]]] | None = None
+    # a request answered whole: its choices that finished before a move, whole (`Finished.wire`), for its answer
+    finished: list[dict[str, Any]] | None = None
 
     def wire(self) -> dict[str, Any]:
         """As the ticket's metadata holds it: a single-choice ticket leaves out the fields it does not use, so it reads
@@ -83,9 +86,25 @@ class Ticket:
         d = asdict(self)
         if d["choices"] == [0] and not d["done_tokens"]:
             del d["choices"], d["done_tokens"]
-        if d["logprobs"] is None:
-            del d["logprobs"]
+        for optional in ("logprobs", "finished"):
+            if d[optional] is None:
+                del d[optional]
         return d
+
+
+@dataclass
+class Finished:
+    """A choice of a request answered whole that finished before the request moved: its output, for the answer the
+    destination gives."""
+
+    index: int
+    output: GenerationOutput
+
+    def wire(self) -> dict[str, Any]:
+        out = self.output
+        lps = None if out.logprobs is None else [[[i, lp] for i, lp in t.items()] for t in out.logprobs]
+        return {"index": self.index, "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
+                "logprobs": lps}  # fmt: skip
 
 
 @dataclass
@@ -121,6 +140,10 @@ class LiveStream:
         if self.whole and all(h.output.logprobs is not None for h in self.handles):
             t.logprobs = [[[[i, lp] for i, lp in token.items()] for token in h.output.logprobs or []]
                           for h in self.handles if h.continuation is not None]  # fmt: skip
+        if self.whole:
+            t.finished = [*(self.ticket.finished or []), *(Finished(i, h.output).wire() for i, h in
+                                                          zip(self.ticket.choices, self.handles, strict=True)
+                                                          if h.continuation is None)]  # fmt: skip
         return [c for _, c in moved], t
 
 
@@ -362,6 +385,11 @@ def decode(data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int,
             raise HandoverError("handover ticket: a pre-copy goes with one choice")
         if t.logprobs is not None:
             t.logprobs = _logprobs(t.logprobs, [len(tok["output_ids"]) for tok in toks], vocab_size)
+        if t.finished is not None:
+            t.finished = [_finished(f, vocab_size) for f in t.finished]
+            indices = [f["index"] for f in t.finished] + t.choices
+            if len(set(indices)) != len(indices):
+                raise HandoverError("handover ticket: a choice both finished and moved")
         cs = [_unpack(spec, tensors, tok, "" if k == 0 else f"more{k}.", pre is None) for k, tok in enumerate(toks)]
         if pre is not None:
             cs = [on_base(cs[0], t, json.loads(pre), base)]
@@ -402,6 +430,24 @@ def _logprobs(value: Any, lengths: list[int], vocab_size: int) -> list[list[list
             for c, n in zip(value, lengths, strict=False))):  # fmt: skip
         raise HandoverError("handover ticket: its logprobs do not match its tokens")
     return [[[[p[0], float(p[1])] for p in t] for t in c] for c in value]
+
+
+def _finished(f: Any, vocab_size: int) -> dict[str, Any]:
+    """A finished choice of a ticket (`Finished.wire`), checked value by value."""
+    keys = {"index", "token_ids", "text", "finish_reason", "logprobs"}
+    ok = isinstance(f, dict) and set(f) == keys and type(f["index"]) is int and f["index"] >= 0
+    ok = ok and isinstance(f["token_ids"], list) and all(type(i) is int and 0 <= i < vocab_size for i in f["token_ids"])
+    if not (ok and isinstance(f["text"], str) and f["finish_reason"] in ("stop", "length")):
+        raise HandoverError("handover ticket: a finished choice does not read")
+    lps = None if f["logprobs"] is None else _logprobs([f["logprobs"]], [len(f["token_ids"])], vocab_size)[0]
+    return {**f, "logprobs": lps}
+
+
+def finished_output(f: dict[str, Any]) -> Finished:
+    """A checked finished choice (`_finished`) as the destination's answer uses it."""
+    lps = None if f["logprobs"] is None else carried_logprobs(f["logprobs"])
+    out = GenerationOutput([], list(f["token_ids"]), f["text"], f["finish_reason"], lps)
+    return Finished(f["index"], out)
 
 
 def carried_logprobs(choice: list[list[list[float]]]) -> list[dict[int, float]]:

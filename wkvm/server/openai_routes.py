@@ -29,6 +29,7 @@ from wkvm.server.handover import (
     Moved,
     Ticket,
     carried_logprobs,
+    finished_output,
     marker,
 )
 from wkvm.server.handover import decode as decode_ticket
@@ -179,7 +180,8 @@ async def resume_run(ctx: ServerContext, tenant: str, prompt_ids: list[int], bod
     resumed where the source stopped them."""
     cs, t = moved
     c = cs[0]
-    if max(t.choices) >= len(params) or (not body.stream and t.choices != [0]):
+    whole = [*t.choices, *(f["index"] for f in t.finished or [])]
+    if max(t.choices) >= len(params) or (not body.stream and sorted(whole) != list(range(len(params)))):
         raise APIError(400, "a request moves with the choices it had", None, "invalid_handover")
     if (c.base_ids + c.prompt_ids)[-len(prompt_ids) :] != prompt_ids:
         raise APIError(400, f"{RESUME_HEADER}: this is not the request that moved", None, "invalid_handover")
@@ -205,14 +207,13 @@ def live_stream(tenant: str, body: GenBody, plan: Plan, handles: list[RequestHan
                 created: int, prompts: int = 1, moved: Moved | None = None) -> LiveStream:  # fmt: skip
     """How this stream could move to another server (or why it cannot); `moved`: it moved here, with these choices."""
     choices, done = (moved[1].choices, moved[1].done_tokens) if moved else (list(range(len(handles))), 0)
-    ticket = Ticket(rid, created, tenant, plan.info, plan.parent, plan.capture, plan.finish is not None, choices, done)
+    ticket = Ticket(rid, created, tenant, plan.info, plan.parent, plan.capture, plan.finish is not None, choices, done,
+                    finished=moved[1].finished if moved else None)  # fmt: skip
     why = None
     if prompts != 1:
         why = "only a request of one prompt can move"
     elif handles[0].request.params.prompt_logprobs is not None:
         why = "it scores its prompt (echo with logprobs)"
-    elif not body.stream and len(handles) != 1:
-        why = "a request answered whole moves only with one choice"
     return LiveStream(tenant, handles, ticket, why, reuse_scope(tenant, body.user, body.cache_salt),
                       saves=body.save_state, whole=not body.stream)
 
@@ -305,7 +306,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         prompt_tokens = sum(len(ids) for ids in encoded)
         k = body.logprobs or 0
 
-        def choice(i: int, h: RequestHandle) -> dict[str, Any]:
+        def choice(i: int, h: gen.Answer) -> dict[str, Any]:
             out, j = h.output, i // body.n
             head = gen.echo_text(ctx, prompts[j]) if body.echo else ""
             text, lps = out.text, gen.completion_logprobs(ctx, out.token_ids, out.logprobs, k, len(head))
@@ -330,8 +331,9 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         if await wait_or_move(ctx, request, live):
             return await handed_over(ctx, live)
         extra = await run_in_threadpool(finish_runs, ctx, tenant, body, runs, moved is not None)
-        out = {**base, "choices": [choice(i, h) for i, h in enumerate(handles)],
-               "usage": gen.usage(prompt_tokens, handles), **extra}  # fmt: skip
+        answers = answered(handles, moved)
+        out = {**base, "choices": [choice(i, h) for i, h in enumerate(answers)],
+               "usage": gen.usage(prompt_tokens, answers), **extra}  # fmt: skip
         if body.return_token_ids:
             out["prompt_token_ids"] = encoded if batch else encoded[0]
         return out
@@ -381,7 +383,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             return await handed_over(ctx, live)
         extra = await run_in_threadpool(finish, ctx, tenant, body, plan, handles, moved is not None)
         choices = []
-        for i, h in enumerate(handles):
+        answers = answered(handles, moved)
+        for i, h in enumerate(answers):
             message, finish_reason = reply(h.output.text, h.output.finish_reason, mode)
             c = {"index": i, "message": message, "finish_reason": finish_reason,
                  "logprobs": gen.chat_logprobs(ctx, h.output.token_ids, h.output.logprobs, k or 0)}  # fmt: skip
@@ -389,7 +392,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
                 c["token_ids"] = h.output.token_ids
             choices.append(c)
         out = {**base, "object": "chat.completion", "choices": choices,
-               "usage": gen.usage(len(prompt_ids), handles), **extra}  # fmt: skip
+               "usage": gen.usage(len(prompt_ids), answers), **extra}  # fmt: skip
         if body.return_token_ids:
             out["prompt_token_ids"] = prompt_ids
         return out
@@ -582,6 +585,17 @@ def hand_over(ctx: ServerContext, live: LiveStream) -> str:
         return marker(live.out_id, to)
     data = encode_ticket(ctx.model.spec, ctx.model.fingerprint, [c, *more], ticket)
     return marker(ctx.handovers.put_out(data, live.out_id), to)
+
+
+def answered(handles: list[RequestHandle], moved: Moved | None) -> list[gen.Answer]:
+    """A request answered whole: every choice in index order, those that finished on the server it moved from
+    (`Ticket.finished`) with the ones that ran here."""
+    if moved is None:
+        return list(handles)
+    t = moved[1]
+    by_index: dict[int, gen.Answer] = dict(zip(t.choices, handles, strict=True))
+    by_index.update((f["index"], finished_output(f)) for f in t.finished or [])
+    return [by_index[i] for i in sorted(by_index)]
 
 
 async def wait_or_move(ctx: ServerContext, request: Request, live: LiveStream) -> bool:
