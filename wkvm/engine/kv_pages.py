@@ -148,7 +148,6 @@ class PagedKV:
         self._start = torch.tensor([s.length for s in seqs], dtype=torch.long)
         self._table: torch.Tensor | None = None  # [B, pages] for the fused decode kernel, made on first use
         self._fused = False
-        self._flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # what the torch path needs, made on first use (a decode step on the fused kernel needs none of it)
     @functools.cached_property
@@ -208,10 +207,8 @@ class PagedKV:
             self._table = torch.tensor([s.pages + [0] * (width - len(s.pages)) for s in self.seqs], dtype=torch.long)
         if not self._fused:
             return None
-        flat = self._flat.get(layer)
-        if flat is None:
-            flat = self._flat[layer] = (self.pool.flat(key_name(layer)), self.pool.flat(value_name(layer)))
-        return (*flat, self._table, self._start, self.pool.page_tokens)
+        pool = self.pool
+        return pool.flat(key_name(layer)), pool.flat(value_name(layer)), self._table, self._start, pool.page_tokens
 
     def commit(self) -> None:
         for s in self.seqs:

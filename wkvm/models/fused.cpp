@@ -630,7 +630,8 @@ std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& logits) {
 }
 
 // One decode step (T = 1) of a pre-norm attention + SiLU-MLP layer (Llama): the ops the Python path runs, in its
-// order and on the same kernels (linear_call.h), so the same bits, without ~50-70 us of Python and views a layer.
+// order and on the same kernels (linear_call.h), so the same bits, without the ~50 us of Python and views a layer
+// measured on SmolLM2 (int8, one row, AMD EPYC).
 // `kernel` and `args` (two a matrix): linear_call.h's.
 at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& in_norm, const at::Tensor& post_norm,
                        const at::Tensor& wqkv, const at::Tensor& wo, const at::Tensor& wgu, const at::Tensor& wdown,

@@ -1,5 +1,5 @@
 // A decode-sized matmul on one of wkvm's own kernels (the `linear` op of wkvm_int8, wkvm_int4 or wkvm_fp32), called
-// from a fused layer's op through the dispatcher (~0.3 us, where the Python path costs ~10 us): the op, and the
+// from a fused layer's op through the dispatcher rather than through linear.py's Python wrappers: the op, and the
 // arguments, that models/linear.py's `linear` calls for the same weights, so a fused layer gives the same bits.
 // int8.load_kernel hashes the headers a source includes with quotes: editing this file rebuilds its users.
 #pragma once
@@ -18,7 +18,6 @@ namespace wkvm {
 class LinearCall {
  public:
   explicit LinearCall(const std::string& ns) : fp32_(ns == "wkvm_fp32") {
-    TORCH_CHECK(fp32_ || ns == "wkvm_int8" || ns == "wkvm_int4", "linear kernel must be wkvm_int8, wkvm_int4 or wkvm_fp32");
     auto op = c10::Dispatcher::singleton().findSchemaOrThrow((ns + "::linear").c_str(), "");
     if (fp32_) {
       fp32_op_.emplace(op.typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>());
@@ -39,6 +38,8 @@ class LinearCall {
 
 // One LinearCall per kernel, found on first use (the kernel's library must be loaded by then: linear.py does).
 inline const LinearCall& linear_call(const std::string& ns) {
+  TORCH_CHECK(ns == "wkvm_int8" || ns == "wkvm_int4" || ns == "wkvm_fp32",
+              "linear kernel must be wkvm_int8, wkvm_int4 or wkvm_fp32, not ", ns);
   if (ns == "wkvm_int8") {
     static const LinearCall int8(ns);
     return int8;
@@ -47,8 +48,7 @@ inline const LinearCall& linear_call(const std::string& ns) {
     static const LinearCall int4(ns);
     return int4;
   }
-  static const LinearCall fp32("wkvm_fp32");
-  TORCH_CHECK(ns == "wkvm_fp32", "linear kernel must be wkvm_int8, wkvm_int4 or wkvm_fp32, not ", ns);
+  static const LinearCall fp32(ns);
   return fp32;
 }
 

@@ -102,9 +102,14 @@ class Finished:
 
     def wire(self) -> dict[str, Any]:
         out = self.output
-        lps = None if out.logprobs is None else [[[i, lp] for i, lp in t.items()] for t in out.logprobs]
+        lps = None if out.logprobs is None else wire_logprobs(out.logprobs)
         return {"index": self.index, "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
                 "logprobs": lps}  # fmt: skip
+
+
+def wire_logprobs(logprobs: list[dict[int, float]]) -> list[list[list[float]]]:
+    """A choice's logprobs as a ticket holds them: a token's as [[id, logprob], ...] (`carried_logprobs` reads it)."""
+    return [[[i, lp] for i, lp in token.items()] for token in logprobs]
 
 
 @dataclass
@@ -121,7 +126,7 @@ class LiveStream:
     base_bytes: int = 0  # that pre-copy's ticket size
     saves: str | None = None  # the name its final state is saved under: whoever moves the stream moves the name after
     # it (the cluster front, a stopping replica's drain): a name's versions are issued where it lives
-    whole: bool = False  # a request answered whole (not streamed): its ticket carries the logprobs so far
+    whole: bool = False  # a request answered whole (not streamed): its ticket carries its logprobs and finished choices
 
     @property
     def done(self) -> bool:
@@ -137,13 +142,12 @@ class LiveStream:
         done = sum(len(h.output.token_ids) for h in self.handles if h.continuation is None)
         t = dataclasses.replace(self.ticket, choices=[i for i, _ in moved], done_tokens=self.ticket.done_tokens + done,
                                 finish=self.ticket.finish and bool(moved) and moved[0][0] == 0)  # fmt: skip
-        if self.whole and all(h.output.logprobs is not None for h in self.handles):
-            t.logprobs = [[[[i, lp] for i, lp in token.items()] for token in h.output.logprobs or []]
-                          for h in self.handles if h.continuation is not None]  # fmt: skip
-        if self.whole:
-            t.finished = [*(self.ticket.finished or []), *(Finished(i, h.output).wire() for i, h in
-                                                          zip(self.ticket.choices, self.handles, strict=True)
-                                                          if h.continuation is None)]  # fmt: skip
+        if self.whole:  # its answer needs every token's logprobs and the choices that finished here
+            pairs = list(zip(self.ticket.choices, self.handles, strict=True))
+            if all(h.output.logprobs is not None for h in self.handles):
+                t.logprobs = [wire_logprobs(h.output.logprobs or []) for _, h in pairs if h.continuation is not None]
+            t.finished = [*(self.ticket.finished or []),
+                          *(Finished(i, h.output).wire() for i, h in pairs if h.continuation is None)]  # fmt: skip
         return [c for _, c in moved], t
 
 
@@ -451,7 +455,7 @@ def finished_output(f: dict[str, Any]) -> Finished:
 
 
 def carried_logprobs(choice: list[list[list[float]]]) -> list[dict[int, float]]:
-    """One choice's logprobs from a ticket (`Ticket.logprobs`), as a handle's output holds them."""
+    """One choice's logprobs from a ticket (`wire_logprobs`'), as a handle's output holds them."""
     return [{int(i): float(lp) for i, lp in token} for token in choice]
 
 

@@ -180,8 +180,8 @@ async def resume_run(ctx: ServerContext, tenant: str, prompt_ids: list[int], bod
     resumed where the source stopped them."""
     cs, t = moved
     c = cs[0]
-    whole = [*t.choices, *(f["index"] for f in t.finished or [])]
-    if max(t.choices) >= len(params) or (not body.stream and sorted(whole) != list(range(len(params)))):
+    every = [*t.choices, *(f["index"] for f in t.finished or [])]  # a whole answer needs all its choices
+    if max(t.choices) >= len(params) or (not body.stream and sorted(every) != list(range(len(params)))):
         raise APIError(400, "a request moves with the choices it had", None, "invalid_handover")
     if (c.base_ids + c.prompt_ids)[-len(prompt_ids) :] != prompt_ids:
         raise APIError(400, f"{RESUME_HEADER}: this is not the request that moved", None, "invalid_handover")
