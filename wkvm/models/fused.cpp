@@ -266,6 +266,51 @@ int64_t scores4(const float* qr, const T* kp, int64_t count, const Heads& hs, fl
   return i;
 }
 
+// The sums of a[0..15]'s lanes as one vector (lane p: a[p]'s sum), each added in hsum4's order (lanes i + i+8, then
+// i + i+4, i + i+2, i + i+1): the same bits as the four-token path gives the same token. 31 shuffles and 15 adds
+// for 16 sums, where four hsum4 calls take 16 shuffles and adds more.
+inline v16f hsum16(const v16f (&a)[16]) {
+  v16f c[8], e[4], g[2];
+  for (int k = 0; k < 8; ++k)  // c[k]: halves of a[2k] (lanes 0-7), of a[2k+1] (8-15)
+    c[k] = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * k], a[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int k = 0; k < 4; ++k)  // e[k]: four lanes each of a[4k..4k+3]
+    e[k] = __builtin_shufflevector(c[2 * k], c[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(c[2 * k], c[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int k = 0; k < 2; ++k)  // g[k], block b: two lanes of a[8k + b], two of a[8k + 4 + b]
+    g[k] = __builtin_shufflevector(e[2 * k], e[2 * k + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(e[2 * k], e[2 * k + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  // r, block b: the sums of a[b], a[4 + b], a[8 + b], a[12 + b]; then into token order
+  const v16f r = __builtin_shufflevector(g[0], g[1], 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30) +
+                 __builtin_shufflevector(g[0], g[1], 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
+  return __builtin_shufflevector(r, r, 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+}
+
+// scores4 sixteen tokens at a time, one query head at a time, for a float32 cache where 16 sums fit in registers:
+// one reduction for 16 sums (hsum16), the head's ND query vectors held in registers over the 16 tokens, and one
+// moving pointer for the key rows (sixteen row pointers spilled). The same bits as scores4<.., 1> (each sum takes d
+// in the same order and is reduced in the same order). Returns how many tokens it did.
+template <int ND>
+int64_t scores16(const float* qr, const float* kp, int64_t count, const Heads& hs, float* scores, int64_t m) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    if (i + AHEAD < count) prefetch_rows(kp + (i + AHEAD) * hs.HD, std::min<int64_t>(16, count - i - AHEAD) * hs.HD);
+    for (int64_t h = 0; h < hs.Hq; ++h) {
+      v16f q[ND];
+      for (int d = 0; d < ND; ++d) q[d] = load_vec<v16f>(qr + h * hs.D + 16 * d);
+      const float* k = kp + i * hs.HD + (h / hs.G) * hs.D;
+      v16f a[16];
+      for (int t = 0; t < 16; ++t, k += hs.HD) {
+        a[t] = v16f{};  // not q[0] * k: GCC may then contract that product, not the next, into the first FMA
+        for (int d = 0; d < ND; ++d) a[t] += q[d] * load_vec<v16f>(k + 16 * d);
+      }
+      const v16f s16 = hsum16(a);
+      std::memcpy(scores + h * m + i, &s16, sizeof s16);
+    }
+  }
+  return i;
+}
+
 // Vectors of sums the grouped loops below may keep in registers: 24 of AVX-512's 32. Built for AVX2 (16 registers)
 // they ran 0.79-0.98x the plain ones in one paired run on the AVX-512 machine restricted to AVX2 code (register
 // pairs, spills; that machine's noise was large, +-20%, but every row was below 1), so there they are off.
@@ -282,6 +327,15 @@ constexpr int64_t LANES = sizeof(vacc) / sizeof(float);
 // 128 dims); a float32 cache's loads cost little and the grouped loop ran 0.75-0.8x there (AMD EPYC AVX-512)
 template <class V, class T>
 int64_t scores4_fast(const float* qr, const T* kp, int64_t count, const Heads& hs, float* scores, int64_t m) {
+  if constexpr (std::is_same_v<T, float> && sizeof(V) == 64) {
+    int64_t i = -1;
+    switch (ACC_REGS >= 16 ? hs.D / 16 : 0) {  // q's vectors and 16 sums in registers: 64 or 128 dims
+      case 4: i = scores16<4>(qr, kp, count, hs, scores, m); break;
+      case 8: i = scores16<8>(qr, kp, count, hs, scores, m); break;
+      default: break;
+    }
+    if (i >= 0) return i + scores4<V, T, 1>(qr, kp + i * hs.HD, count - i, hs, scores + i, m);
+  }
   if (std::is_same_v<T, half> && hs.G * 4 <= ACC_REGS) {
     switch (hs.G) {
       case 2: return scores4<V, T, 2>(qr, kp, count, hs, scores, m);
@@ -370,12 +424,13 @@ void values_group(const float* p, const T* vf, const Pages& pg, int64_t t0, int6
     for (int c = 0; c < NC; ++c) a[g][c] = vacc{};
   pg.each(t0, t1, [&](int64_t t, int64_t count, int64_t slot, int64_t next_count, int64_t next_slot) {
     const T* vp = vf + slot * hs.HD + j * hs.D + c0;
-    if (c0 == 0) prefetch_rows(vf + next_slot * hs.HD, std::min(next_count, AHEAD) * hs.HD);
+    const bool first = j == 0 && c0 == 0;  // the first pass over the tokens brings every head's rows in for the others
+    if (first) prefetch_rows(vf + next_slot * hs.HD, std::min(next_count, AHEAD) * hs.HD);
     const float* pt = p + j * G * m + (t - t0);
     int64_t i = 0;
     if constexpr (std::is_same_v<T, float>) {  // values_of's float32 order: four tokens' products summed, then added
       for (; i + 4 <= count; i += 4) {
-        if (c0 == 0 && i + AHEAD < count)
+        if (first && i + AHEAD < count)
           prefetch_rows(vp - j * hs.D + (i + AHEAD) * hs.HD, std::min<int64_t>(4, count - i - AHEAD) * hs.HD);
         for (int c = 0; c < NC; ++c) {
           const float* v0 = vp + i * hs.HD + c * LANES;
@@ -389,7 +444,7 @@ void values_group(const float* p, const T* vf, const Pages& pg, int64_t t0, int6
       }
     }
     for (; i < count; ++i) {
-      if (c0 == 0 && i % 4 == 0 && i + AHEAD < count)
+      if (first && i % 4 == 0 && i + AHEAD < count)
         prefetch_rows(vp - j * hs.D + (i + AHEAD) * hs.HD, std::min<int64_t>(4, count - i - AHEAD) * hs.HD);
       vacc v[NC];
       for (int c = 0; c < NC; ++c) v[c] = load_vec<vacc>(vp + i * hs.HD + c * LANES);
@@ -431,18 +486,31 @@ void values_fast(const float* p, const T* vf, const Pages& pg, int64_t t0, int64
   values_of(p, vf, pg, t0, t1, hs, acc);
 }
 
-// per head h: max[h] = max_t s, s = exp(s - max[h]) in place, sum[h] = sum_t s (unnormalized: chunks merge later)
+// per head h: max[h] = max_t s, s = exp(s - max[h]) in place, sum[h] = sum_t s (unnormalized: chunks merge later).
+// The max and the sum in 16 lanes by hand: GCC's own reductions over a few dozen scores went through the stack
+// (a store-to-load stall per head: ~11% of a batch-8 short-context call).
 void exp_rows(float* scores, int64_t H, int64_t m, float* max, float* sum) {
   for (int64_t h = 0; h < H; ++h) {
     float* sh = scores + h * m;
+    const int64_t m16 = m / 16 * 16;
     float mx = sh[0];
-#pragma omp simd reduction(max : mx)
-    for (int64_t t = 1; t < m; ++t) mx = sh[t] > mx ? sh[t] : mx;
+    if (m16 > 0) {
+      v16f vm = load_vec<v16f>(sh);
+      for (int64_t t = 16; t < m16; t += 16) {
+        const v16f x = load_vec<v16f>(sh + t);
+        vm = x > vm ? x : vm;
+      }
+      for (int i = 0; i < 16; ++i) mx = vm[i] > mx ? vm[i] : mx;
+    }
+    for (int64_t t = m16; t < m; ++t) mx = sh[t] > mx ? sh[t] : mx;
 #pragma omp simd
     for (int64_t t = 0; t < m; ++t) sh[t] = exp_approx(sh[t] - mx);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < m; ++t) total += sh[t];
+    v16f vs = {};
+    for (int64_t t = 0; t < m16; t += 16) vs += load_vec<v16f>(sh + t);
+    const v8f s8 = halves(vs);
+    const v4f s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+    float total = (s4[0] + s4[2]) + (s4[1] + s4[3]);
+    for (int64_t t = m16; t < m; ++t) total += sh[t];
     max[h] = mx, sum[h] = total;
   }
 }
