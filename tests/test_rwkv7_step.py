@@ -257,7 +257,7 @@ def test_a_decode_layer_in_one_call_has_the_bits_of_its_ops(tmp_path, monkeypatc
         runs = []
         for fused_layer in (True, False):
             if not fused_layer:
-                monkeypatch.setattr(rwkv7_model, "native_kernel", lambda *a: None)
+                monkeypatch.setattr(model, "layer_kernel", lambda *a: None)
             state = {k: v.clone() for k, v in start.items()}
             logits = [model.forward(ids[:, t : t + 1], state) for t in range(ids.shape[1])]
             runs.append((torch.stack(logits), state))

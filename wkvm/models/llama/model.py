@@ -22,9 +22,9 @@ from wkvm.models.family import (
     require,
     resident,
 )
-from wkvm.models.fused import add_rms_norm, cpu_fp32, llama_layer, rms_norm, silu_mul
+from wkvm.models.fused import add_rms_norm, llama_layer, rms_norm, silu_mul
 from wkvm.models.kv import Attn, kv_tensors
-from wkvm.models.linear import linear, native_kernel, stored
+from wkvm.models.linear import linear, stored
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.rope import frequencies
 from wkvm.models.spec import State, StateSpec
@@ -182,10 +182,6 @@ class Llama(ModelBase):
         super().__init__(cfg, state_spec(cfg), weights, model_fingerprint, device)
         self.inv_freq = inv_freq(cfg).to(self.device)
         self.kv_layers = tuple(range(cfg.n_layer))
-        # (layer, rows) -> `native_kernel`'s answer, or False for none: it depends only on the layer's weights'
-        # formats (fixed for a model) and the row count; asked afresh it cost ~8 us a layer inside a step (its Python
-        # runs cache-cold after the layer's weights streamed through), ~0.25 ms of a ~6 ms one-row step
-        self._kernels: dict[tuple[int, int], tuple[str, list[int]] | bool] = {}
 
     def logits(self, x: torch.Tensor, g: Tensors) -> torch.Tensor:
         return linear(rms_norm(x, g["final_norm"], self.config.rms_eps), g[HEAD])
@@ -202,12 +198,9 @@ class Llama(ModelBase):
         """A decode step's layer in one call (`fused.llama_layer`: the same bits) where its matmuls all run on one
         native int8 / int4 kernel and its attention on the fused pages; else None."""
         cfg = self.config
-        rows = x.shape[0]
-        kernel = self._kernels.get((i, rows))
         mats = [w[k] for k in LINEAR]
-        if kernel is None:
-            kernel = self._kernels[(i, rows)] = native_kernel(mats, rows) or False
-        if kernel is False or not (x.is_cpu and x.dtype == torch.float32):
+        kernel = self.layer_kernel(i, mats, x.shape[0])
+        if kernel is None or not (x.is_cpu and x.dtype == torch.float32):
             return None
         pages = attn.kv.fused_pages(i, 1, cfg.head_dim, attn.cos, attn.sin)
         if pages is None:

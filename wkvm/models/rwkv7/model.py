@@ -25,7 +25,7 @@ from wkvm.models.family import (
     resident,
 )
 from wkvm.models.kv import KVBatch
-from wkvm.models.linear import embedding, linear, native_kernel, pack_linear, rows_independent, stored, stored_outer
+from wkvm.models.linear import embedding, linear, pack_linear, rows_independent, stored, stored_outer
 from wkvm.models.provider import ResidentWeights, Tensors, WeightProvider
 from wkvm.models.rwkv7 import step
 from wkvm.models.rwkv7.wkv import DEFAULT_CHUNK, wkv_chunked, wkv_step
@@ -202,7 +202,7 @@ class RWKV7(ModelBase):
         little but the matmuls is left outside them (issue #21). Returns x and v_first."""
         cfg = self.config
         mats = [w[k] for k in LINEAR_KEYS]
-        if (kernel := native_kernel(mats, x.shape[0])) is not None and w["att.w1"].dtype == torch.float32:
+        if (kernel := self.layer_kernel(i, mats, x.shape[0])) is not None and w["att.w1"].dtype == torch.float32:
             shifts = state[f"layers.{i}.att_shift"], state[f"layers.{i}.wkv"], state[f"layers.{i}.ffn_shift"]
             return step.layer(x, v_first, *shifts, [w.get(k) for k in STEP_LAYER_KEYS], kernel, cfg.ln_eps,
                               cfg.gn_eps)  # fmt: skip
