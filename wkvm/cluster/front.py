@@ -60,8 +60,9 @@ class ClusterMetrics:
         self.moved_bytes = Counter("wkvm_cluster_migrated_bytes", "Bytes of state files moved", registry=r)
         self.migration_seconds = Histogram("wkvm_cluster_migration_seconds", "Time to move a state (export, adopt, "
                                            "drop)", buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.stream_moves = Counter("wkvm_cluster_stream_moves", "Running streams handed over to another replica, by "
-                                    "outcome (moved, failed)", ["outcome"], registry=r)  # fmt: skip
+        self.stream_moves = Counter("wkvm_cluster_stream_moves", "Running requests handed over to another replica "
+                                    "(streams, and requests answered whole in a drain), by outcome (moved, failed)",
+                                    ["outcome"], registry=r)  # fmt: skip
         self.stream_bytes = Counter("wkvm_cluster_stream_moved_bytes", "Bytes of handover tickets (state, tokens, "
                                     "sampler) moved with running streams", registry=r)  # fmt: skip
         self.stream_downtime = Histogram("wkvm_cluster_stream_move_downtime_seconds", "Gap a moved stream's client "
