@@ -252,13 +252,15 @@ def test_a_stream_from_a_named_state_moves_and_the_state_stays(cluster):
 
 
 def test_a_stream_of_several_choices_moves_exactly(cluster):
-    """n = 3 seeded: every choice stops at one token boundary on the source and goes on at the destination, each
-    with the tokens of the run that never moved. Asked pre-copied, it moves whole (a pre-copy goes with one choice)."""
-    body = {**GREEDY, **SEEDED, "n": 3, "max_tokens": 200, "ignore_eos": True, "prompt": "SICINIUS:"}
-    want = cluster.post("/v1/completions", json=body).json()["choices"]
-    texts, _, moved = stream_moved_midway(cluster, body, precopy=True)
-    assert texts == {c["index"]: c["text"] for c in want} and len(set(texts.values())) == 3
-    assert moved.json()["precopy_tokens"] is None
+    """n = 3 seeded, and two prompts with n = 2: every choice stops at one token boundary on the source and goes on
+    at the destination, each with the tokens of the run that never moved. Asked pre-copied, it moves whole (a
+    pre-copy goes with one choice)."""
+    for extra in ({"n": 3, "prompt": "SICINIUS:"}, {"n": 2, "prompt": ["SICINIUS:", "BRUTUS:"]}):
+        body = {**GREEDY, **SEEDED, **extra, "max_tokens": 200, "ignore_eos": True}
+        want = cluster.post("/v1/completions", json=body).json()["choices"]
+        texts, _, moved = stream_moved_midway(cluster, body, precopy=True)
+        assert texts == {c["index"]: c["text"] for c in want} and len(set(texts.values())) == len(want)
+        assert moved.json()["precopy_tokens"] is None
 
 
 def test_a_stream_saving_its_final_state_moves_with_its_name(cluster):
@@ -285,9 +287,9 @@ def test_a_stream_saving_its_final_state_moves_with_its_name(cluster):
 def test_a_stream_that_cannot_move_says_why(cluster):
     missing = cluster.post("/v1/streams/chatcmpl-none/migrate", json={"to": "r0"})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "stream_not_found"
-    with cluster.stream("POST", "/v1/completions", json={**GREEDY, "prompt": ["CORIOLANUS:", "MENENIUS:"],
-                                                         "stream": True}) as r:  # fmt: skip
-        assert "x-wkvm-stream-id" not in r.headers  # two prompts: it finishes where it is
+    with cluster.stream("POST", "/v1/completions", json={**GREEDY, "prompt": "CORIOLANUS:", "echo": True,
+                                                         "logprobs": 1, "stream": True}) as r:  # fmt: skip
+        assert "x-wkvm-stream-id" not in r.headers  # it scores its prompt: it finishes where it is
         r.read()
 
 

@@ -355,18 +355,49 @@ def test_a_request_answered_whole_with_several_choices_moves_with_those_that_fin
     assert got.json()["usage"] == want["usage"]
 
 
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 5, "presence_penalty": 0.3}])
+def test_a_request_of_several_prompts_moves_and_equals_one_that_never_moved(pair, fresh, sampling):
+    """Two prompts, n = 2: the four choices stop at one token boundary and go on at the destination under their own
+    indices (choice i is prompt i // 2's), streamed and answered whole; texts, tokens, logprobs, usage and each
+    prompt's `wkvm` info are those of a request that never moved."""
+    a, b = pair
+    body = {"prompt": ["Romeo:", "Juliet:"], **LONG, **sampling, "n": 2, "return_token_ids": True}
+    got, n_source = moved_stream(a, b, "/v1/completions", body, after=12)
+    want = whole_stream(fresh, "/v1/completions", body)
+    assert 12 <= n_source < len(got)
+    assert choice_tokens(got) == choice_tokens(want) and all(len(v) == 200 for v in choice_tokens(got).values())
+    assert choice_texts(got, "text") == choice_texts(want, "text") and len(choice_texts(got, "text")) == 4
+    assert {ch["index"] for c in got[n_source:] for ch in c["choices"]} == {0, 1, 2, 3}
+    assert got[-1]["usage"] == want[-1]["usage"] and got[-1]["usage"]["completion_tokens"] == 800
+    assert len(got[-2]["wkvm"]["prompts"]) == 2 and all("reused_tokens" in p for p in got[-2]["wkvm"]["prompts"])
+
+    body = {"prompt": ["Romeo:", "Juliet:"], "max_tokens": 200, "ignore_eos": True, **sampling, "n": 2,
+            "return_token_ids": True, "logprobs": 1}  # fmt: skip
+    answer, n_source = moved_whole(a, b, "/v1/completions", body, after=20)
+    want = httpx.post(fresh.url + "/v1/completions", json=body, timeout=60).json()
+    assert 20 <= n_source < 200
+    assert len(answer.json()["choices"]) == 4
+    for g, w in zip(answer.json()["choices"], want["choices"], strict=True):
+        g_lp, w_lp = g.pop("logprobs"), w.pop("logprobs")
+        assert g == w and len(g["token_ids"]) == 200
+        assert g_lp["tokens"] == w_lp["tokens"]
+        assert max(abs(x - y) for x, y in zip(g_lp["token_logprobs"], w_lp["token_logprobs"], strict=True)) < 1e-4
+    assert answer.json()["usage"] == want["usage"]
+    assert len(answer.json()["wkvm"]["prompts"]) == 2  # each prompt's reuse, as planned at the source
+
+
 def test_what_cannot_move_says_why(pair):
     a, _ = pair
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # answered whole, several prompts
-        body = {"prompt": ["Romeo:", "Juliet:"], "max_tokens": 100, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # answered whole, scoring its prompt
+        body = {"prompt": "Romeo:", "max_tokens": 100, "ignore_eos": True, "echo": True, "logprobs": 1}
         source = pool.submit(httpx.post, a.url + "/v1/completions", json=body, timeout=60)
         deadline = time.monotonic() + 30
         while not (live := a.ctx.handovers.live()) and not source.done() and time.monotonic() < deadline:
             time.sleep(0.002)
-        assert [s.why_not for s in live] == ["only a request of one prompt can move"]
+        assert [s.why_not for s in live] == ["it scores its prompt (echo with logprobs)"]
         assert source.result().status_code == 200
     with httpx.stream("POST", a.url + "/v1/completions", timeout=60,
-                      json={"prompt": ["Romeo:", "Juliet:"], **LONG}) as r:  # fmt: skip
+                      json={"prompt": "Romeo:", "echo": True, "logprobs": 1, **LONG}) as r:  # fmt: skip
         assert STREAM_HEADER not in r.headers
         r.read()
     r = httpx.post(a.url + "/v1/chat/completions", json={"messages": MESSAGES, **LONG},
@@ -411,6 +442,16 @@ def test_a_ticket_is_checked_like_an_import(pair):
     with pytest.raises(HandoverError, match="different prompts"):
         decode(encode(m.spec, m.fingerprint, [c, dataclasses.replace(c2, prompt_ids=[1, 2])], two), m.spec,
                m.fingerprint, m.vocab_size)  # fmt: skip
+    # a request of several prompts: its continuations continue different prompts, and each prompt's info travels
+    info = {"mode": "fresh", "reused_tokens": 0, "restart_reason": None}
+    several = dataclasses.replace(two, prompts=[info, info])
+    other = dataclasses.replace(c2, prompt_ids=[1, 2])
+    assert decode(encode(m.spec, m.fingerprint, [c, other], several), m.spec, m.fingerprint, m.vocab_size)[1] == several
+    for bad in ({"prompts": [info]}, {"prompts": [info, "x"]}, {"prompts": "no"},
+                {"prompts": [info, info], "finish": True}, {"prompts": [info, info], "parent": "h"}):  # fmt: skip
+        with pytest.raises(HandoverError, match="prompts"):
+            decode(encode(m.spec, m.fingerprint, [c, other], dataclasses.replace(two, **bad)), m.spec, m.fingerprint,
+                   m.vocab_size)  # fmt: skip
     with pytest.raises(HandoverError, match="another model"):
         decode(encode(m.spec, "other", c, t), m.spec, m.fingerprint, m.vocab_size)
     c.output_ids = [m.vocab_size]

@@ -1,11 +1,11 @@
 """Running streams that move to another server at a token boundary (live migration of a generation).
 
-An SSE stream of one prompt can be handed over: its engine requests (one per choice still running; n > 1 has n) are
-suspended (`Engine.suspend`), the stream ends with a handover event instead of `[DONE]`, and what the other server
-needs to go on waits here as a ticket: each suspended choice's `Continuation` (state, tokens, seeded generator,
-captured states, text sent) and the route's own part (response id and created time, the plan's reuse info, whether
-the turn ends with checkpoints and a parked session, which choice each continuation is, the tokens of the choices
-that finished before the move).
+A stream can be handed over: its engine requests (one per choice still running; n > 1 has n, and a request of
+several prompts n a prompt) are suspended (`Engine.suspend`), the stream ends with a handover event instead of
+`[DONE]`, and what the other server needs to go on waits here as a ticket: each suspended choice's `Continuation`
+(state, tokens, seeded generator, captured states, text sent) and the route's own part (response id and created time,
+the plan's reuse info, whether the turn ends with checkpoints and a parked session, which choice each continuation
+is, the tokens of the choices that finished before the move).
 Whoever carries the ticket (the cluster front, through Ray's object store) sends the same request to the other
 server with `X-WKVM-Resume: <ticket>`; that server's stream starts with the source's next chunk.
 
@@ -79,6 +79,9 @@ class Ticket:
     logprobs: list[list[list[list[float]]]] | None = None
     # a request answered whole: its choices that finished before a move, whole (`Finished.wire`), for its answer
     finished: list[dict[str, Any]] | None = None
+    # a request of several prompts: each prompt's `wkvm` info, in order (`choices` then count across the prompts,
+    # n to a prompt; such a request has no session, state or checkpoints to carry)
+    prompts: list[dict[str, Any]] | None = None
 
     def wire(self) -> dict[str, Any]:
         """As the ticket's metadata holds it: a single-choice ticket leaves out the fields it does not use, so it reads
@@ -86,7 +89,7 @@ class Ticket:
         d = asdict(self)
         if d["choices"] == [0] and not d["done_tokens"]:
             del d["choices"], d["done_tokens"]
-        for optional in ("logprobs", "finished"):
+        for optional in ("logprobs", "finished", "prompts"):
             if d[optional] is None:
                 del d[optional]
         return d
@@ -389,6 +392,10 @@ def decode(data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int,
             raise HandoverError("handover ticket: a pre-copy goes with one choice")
         if t.logprobs is not None:
             t.logprobs = _logprobs(t.logprobs, [len(tok["output_ids"]) for tok in toks], vocab_size)
+        if t.prompts is not None and not (isinstance(t.prompts, list) and len(t.prompts) > 1
+                                          and all(isinstance(p, dict) for p in t.prompts)
+                                          and t.parent is None and not t.finish):  # fmt: skip
+            raise HandoverError("handover ticket: its prompts do not read")
         if t.finished is not None:
             t.finished = [_finished(f, vocab_size) for f in t.finished]
             indices = [f["index"] for f in t.finished] + t.choices
@@ -410,7 +417,7 @@ def decode(data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int,
             spec.has_kv and spec.kv_length(c.state) != n_kv
         ):
             raise HandoverError("handover ticket: inconsistent token counts")
-        if (c.prompt_ids, c.base_ids) != (cs[0].prompt_ids, cs[0].base_ids):
+        if t.prompts is None and (c.prompt_ids, c.base_ids) != (cs[0].prompt_ids, cs[0].base_ids):
             raise HandoverError("handover ticket: its choices continue different prompts")
     return cs, t
 

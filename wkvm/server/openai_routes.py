@@ -174,24 +174,38 @@ async def taken_over(ctx: ServerContext, request: Request, tenant: str) -> Moved
     return moved
 
 
-async def resume_run(ctx: ServerContext, tenant: str, prompt_ids: list[int], body: GenBody,
-                     params: list[SamplingParams], chat: ChatMeta | None, moved: Moved) -> Run:  # fmt: skip
-    """Go on with a stream moved here: the same request, its engine requests (one per choice that was still running)
-    resumed where the source stopped them."""
+async def resume_runs(ctx: ServerContext, tenant: str, encoded: list[list[int]], body: GenBody,
+                      params: list[SamplingParams], chat: ChatMeta | None, moved: Moved) -> list[Run]:  # fmt: skip
+    """Go on with a request moved here: the same request, its engine requests (one per choice that was still running)
+    resumed where the source stopped them. A run per prompt, in order (a prompt whose choices all finished at the
+    source has none left to run: its run has no handles); choice i is prompt i // n's choice i % n."""
     cs, t = moved
-    c = cs[0]
+    n = len(params)
     every = [*t.choices, *(f["index"] for f in t.finished or [])]  # a whole answer needs all its choices
-    if max(t.choices) >= len(params) or (not body.stream and sorted(every) != list(range(len(params)))):
-        raise APIError(400, "a request moves with the choices it had", None, "invalid_handover")
-    if (c.base_ids + c.prompt_ids)[-len(prompt_ids) :] != prompt_ids:
-        raise APIError(400, f"{RESUME_HEADER}: this is not the request that moved", None, "invalid_handover")
-    plan = Plan(list(c.prompt_ids), None, list(c.base_ids), t.parent, t.info, t.capture, capture_at=c.capture_at)
-    if t.finish:
-        ctx.sessions.continued(tenant, reuse_scope(tenant, body.user, body.cache_salt), plan, chat)
+    prompts = len(t.prompts) if t.prompts is not None else 1
+    if (prompts != len(encoded) or t.choices != sorted(t.choices) or max(t.choices) >= len(encoded) * n
+            or (not body.stream and sorted(every) != list(range(len(encoded) * n)))):  # fmt: skip
+        raise APIError(400, "a request moves with the prompts and choices it had", None, "invalid_handover")
+    runs: list[Run] = []
     handles: list[RequestHandle] = []
     try:
-        for ci, i in zip(cs, t.choices, strict=True):
-            handles.append(await ctx.client.resume(ci, params[i]))
+        for j, prompt_ids in enumerate(encoded):
+            mine = [k for k, i in enumerate(t.choices) if i // n == j]
+            info = t.info if t.prompts is None else t.prompts[j]
+            if not mine:
+                runs.append((Plan(list(prompt_ids), info=info), []))
+                continue
+            c = cs[mine[0]]
+            if (c.base_ids + c.prompt_ids)[-len(prompt_ids) :] != prompt_ids:
+                raise APIError(400, f"{RESUME_HEADER}: this is not the request that moved", None, "invalid_handover")
+            plan = Plan(list(c.prompt_ids), None, list(c.base_ids), t.parent, info, t.capture, capture_at=c.capture_at)
+            if t.finish:
+                ctx.sessions.continued(tenant, reuse_scope(tenant, body.user, body.cache_salt), plan, chat)
+            hs: list[RequestHandle] = []
+            for k in mine:
+                hs.append(await ctx.client.resume(cs[k], params[t.choices[k] % n]))
+                handles.append(hs[-1])
+            runs.append((plan, hs))
     except BaseException:
         for h in handles:
             h.cancel()
@@ -200,19 +214,23 @@ async def resume_run(ctx: ServerContext, tenant: str, prompt_ids: list[int], bod
         if h.output.logprobs is not None:
             h.output.logprobs[:0] = carried_logprobs(carried)
     ctx.sessions.track(chat, tenant, handles)
-    return plan, handles
+    return runs
 
 
-def live_stream(tenant: str, body: GenBody, plan: Plan, handles: list[RequestHandle], rid: str,
-                created: int, prompts: int = 1, moved: Moved | None = None) -> LiveStream:  # fmt: skip
-    """How this stream could move to another server (or why it cannot); `moved`: it moved here, with these choices."""
+def live_stream(tenant: str, body: GenBody, runs: list[Run], rid: str, created: int,
+                moved: Moved | None = None) -> LiveStream:  # fmt: skip
+    """How this request could move to another server (or why it cannot); `moved`: it moved here, with these choices.
+    A request of several prompts carries each prompt's info, and no checkpoints (a cache: a later request recomputes)
+    and no parent (the state a run started from only names a saved state's origin, and such a request saves none)."""
+    plan, several = runs[0][0], len(runs) > 1
+    handles = [h for _, hs in runs for h in hs]
     choices, done = (moved[1].choices, moved[1].done_tokens) if moved else (list(range(len(handles))), 0)
-    ticket = Ticket(rid, created, tenant, plan.info, plan.parent, plan.capture, plan.finish is not None, choices, done,
-                    finished=moved[1].finished if moved else None)  # fmt: skip
+    ticket = Ticket(rid, created, tenant, plan.info, None if several else plan.parent, plan.capture and not several,
+                    plan.finish is not None and not several, choices, done,
+                    finished=moved[1].finished if moved else None,
+                    prompts=[p.info for p, _ in runs] if several else None)  # fmt: skip
     why = None
-    if prompts != 1:
-        why = "only a request of one prompt can move"
-    elif handles[0].request.params.prompt_logprobs is not None:
+    if handles and handles[0].request.params.prompt_logprobs is not None:
         why = "it scores its prompt (echo with logprobs)"
     return LiveStream(tenant, handles, ticket, why, reuse_scope(tenant, body.user, body.cache_salt),
                       saves=body.save_state, whole=not body.stream)
@@ -295,9 +313,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         encoded = [gen.encode_prompt(ctx, q, "prompt") for q in prompts]
         moved = await taken_over(ctx, request, tenant)
         if moved is not None:
-            if len(encoded) != 1:
-                raise APIError(400, "only a stream of one prompt can move", "prompt", "invalid_handover")
-            runs = [await resume_run(ctx, tenant, encoded[0], body, params, None, moved)]
+            runs = await resume_runs(ctx, tenant, encoded, body, params, None, moved)
             rid, created = moved[1].id, moved[1].created
         else:
             runs = await start_all(ctx, tenant, encoded, body, params)
@@ -319,7 +335,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             return c
 
         base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
-        live = live_stream(tenant, body, runs[0][0], handles, rid, created, len(runs), moved)
+        live = live_stream(tenant, body, runs, rid, created, moved)
         ctx.handovers.register(live)
         if body.stream:
             echoes = [(gen.echo_text(ctx, q), ids) for q, ids in zip(prompts, encoded, strict=True) if body.echo]
@@ -365,13 +381,13 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         chat = ChatMeta.from_headers(request.headers, messages, system)
         moved = await taken_over(ctx, request, tenant)
         if moved is not None:
-            plan, handles = await resume_run(ctx, tenant, prompt_ids, body, params, chat, moved)
+            ((plan, handles),) = await resume_runs(ctx, tenant, [prompt_ids], body, params, chat, moved)
             rid, created = moved[1].id, moved[1].created
         else:
             ((plan, handles),) = await start_all(ctx, tenant, [prompt_ids], body, params, chat)
             rid, created = gen.new_id("chatcmpl"), int(time.time())
         base = {"id": rid, "created": created, "model": ctx.model_name}
-        live = live_stream(tenant, body, plan, handles, rid, created, moved=moved)
+        live = live_stream(tenant, body, [(plan, handles)], rid, created, moved)
         ctx.handovers.register(live)
         if body.stream:
             return StreamingResponse(
@@ -451,9 +467,9 @@ async def stream_completion(ctx: ServerContext, request: Request, body: Completi
     prompt, and with its prompt tokens' logprobs. `sent`: per handle, the text a server this stream moved from has
     sent (the handles are then the choices `live.ticket.choices` names)."""
     offsets: list[int | None] = [None] * len(handles)  # text sent so far, per choice; None before its first chunk
-    for i, text in enumerate(sent or []):
-        offsets[i] = (len(echoes[0][0]) if echoes else 0) + len(text)
     index = live.ticket.choices
+    for i, text in enumerate(sent or []):
+        offsets[i] = (len(echoes[index[i] // body.n][0]) if echoes else 0) + len(text)
 
     def chunk(i: int, ev: Event) -> dict[str, Any]:
         sent = offsets[i]
