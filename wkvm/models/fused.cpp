@@ -352,12 +352,13 @@ int64_t scores4_fast(const float* qr, const T* kp, int64_t count, const Heads& h
 // four tokens at a time, eight lanes of d per step, the four sums reduced in registers (a head size not a multiple
 // of 8 takes the plain loop).
 template <class T>
-void scores_of(const float* qr, const T* kf, const Pages& pg, int64_t t0, int64_t t1, const Heads& hs,
+void scores_of(const float* qr, const T* kf, const T* vf, const Pages& pg, int64_t t0, int64_t t1, const Heads& hs,
                float* scores) {
   const int64_t m = t1 - t0;
   pg.each(t0, t1, [&](int64_t t, int64_t count, int64_t slot, int64_t next_count, int64_t next_slot) {
     const T* kp = kf + slot * hs.HD;
     prefetch_rows(kf + next_slot * hs.HD, std::min(next_count, AHEAD) * hs.HD);
+    prefetch_rows(vf + slot * hs.HD, count * hs.HD);  // the values pass's rows, on their way meanwhile
     int64_t i = 0;
     if (hs.D % 16 == 0) {
       i = scores4_fast<v16f>(qr, kp, count, hs, scores + (t - t0), m);
@@ -586,7 +587,7 @@ void attend(const Problem& pr, T* kf, T* vf) {
       const int64_t t0 = (i - first[b]) * CHUNK, t1 = std::min(pl[b] + 1, t0 + CHUNK);
       const Pages pg{pt + b * P, page_tokens};
       scores.resize(Hq * (t1 - t0));
-      scores_of(qr.data() + b * Hq * D, kf, pg, t0, t1, hs, scores.data());
+      scores_of(qr.data() + b * Hq * D, kf, vf, pg, t0, t1, hs, scores.data());
       exp_rows(scores.data(), Hq, t1 - t0, max.data() + i * Hq, sum.data() + i * Hq);
       values_fast(scores.data(), vf, pg, t0, t1, hs, acc.data() + i * Hq * D);
     }
