@@ -386,19 +386,44 @@ def test_a_request_of_several_prompts_moves_and_equals_one_that_never_moved(pair
     assert len(answer.json()["wkvm"]["prompts"]) == 2  # each prompt's reuse, as planned at the source
 
 
+def echo_logprobs(chunks) -> list[tuple[str, float | None]]:
+    return [(t, lp) for c in chunks for ch in c["choices"] if ch["logprobs"]
+            for t, lp in zip(ch["logprobs"]["tokens"], ch["logprobs"]["token_logprobs"], strict=True)]  # fmt: skip
+
+
+def test_a_request_scoring_its_prompt_moves_once_its_first_token_is_out(pair, fresh):
+    """echo with logprobs: the prompt's logprobs are complete with the first token, so the request can move after it;
+    streamed (they went out with the first chunk) and answered whole (they travel in the ticket), the text, every
+    prompt and completion token's logprob and the usage are those of a request that never moved."""
+    a, b = pair
+    body = {"prompt": "Romeo: speak", "echo": True, "logprobs": 1, "temperature": 0, **LONG}
+    got, n_source = moved_stream(a, b, "/v1/completions", body, after=6)
+    want = whole_stream(fresh, "/v1/completions", body)
+    assert 6 <= n_source < len(got)
+    assert choice_texts(got, "text") == choice_texts(want, "text")
+    g, w = echo_logprobs(got), echo_logprobs(want)
+    assert len(g) == len(w) > 200 and g[0] == w[0] == ("R", None)
+    assert all(tg == tw and abs(x - y) < 1e-4 for (tg, x), (tw, y) in zip(g[1:], w[1:], strict=True))
+    assert got[-1]["usage"] == want[-1]["usage"]
+
+    body = {**body, "stream": False, "stream_options": None, "n": 2, "temperature": 1.0, "seed": 3}
+    answer, n_source = moved_whole(a, b, "/v1/completions", body, after=10)
+    want = httpx.post(fresh.url + "/v1/completions", json=body, timeout=60).json()
+    assert 10 <= n_source < 200
+    for g, w in zip(answer.json()["choices"], want["choices"], strict=True):
+        g_lp, w_lp = g.pop("logprobs"), w.pop("logprobs")
+        assert g == w and g["text"].startswith("Romeo: speak")
+        assert g_lp["tokens"] == w_lp["tokens"] and g_lp["token_logprobs"][0] is None
+        assert max(abs(x - y) for x, y in zip(g_lp["token_logprobs"][1:], w_lp["token_logprobs"][1:],
+                                              strict=True)) < 1e-4  # fmt: skip
+    assert answer.json()["usage"] == want["usage"]
+
+
 def test_what_cannot_move_says_why(pair):
     a, _ = pair
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # answered whole, scoring its prompt
-        body = {"prompt": "Romeo:", "max_tokens": 100, "ignore_eos": True, "echo": True, "logprobs": 1}
-        source = pool.submit(httpx.post, a.url + "/v1/completions", json=body, timeout=60)
-        deadline = time.monotonic() + 30
-        while not (live := a.ctx.handovers.live()) and not source.done() and time.monotonic() < deadline:
-            time.sleep(0.002)
-        assert [s.why_not for s in live] == ["it scores its prompt (echo with logprobs)"]
-        assert source.result().status_code == 200
-    with httpx.stream("POST", a.url + "/v1/completions", timeout=60,
-                      json={"prompt": "Romeo:", "echo": True, "logprobs": 1, **LONG}) as r:  # fmt: skip
-        assert STREAM_HEADER not in r.headers
+    body = {"prompt": "Romeo:", "echo": True, "logprobs": 1, **LONG, "max_tokens": 0}
+    with httpx.stream("POST", a.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and STREAM_HEADER not in r.headers  # generates nothing: nothing to go on with
         r.read()
     r = httpx.post(a.url + "/v1/chat/completions", json={"messages": MESSAGES, **LONG},
                    headers={RESUME_HEADER: "0" * 32}, timeout=60)  # fmt: skip
@@ -452,6 +477,17 @@ def test_a_ticket_is_checked_like_an_import(pair):
         with pytest.raises(HandoverError, match="prompts"):
             decode(encode(m.spec, m.fingerprint, [c, other], dataclasses.replace(two, **bad)), m.spec, m.fingerprint,
                    m.vocab_size)  # fmt: skip
+    scored = dataclasses.replace(t, prompt_logprobs=[[None, [[2, -0.5]], [[3, -1.0], [5, -2.0]]]])
+    assert decode(encode(m.spec, m.fingerprint, c, scored), m.spec, m.fingerprint, m.vocab_size)[1] == scored
+    for bad in ([[[[2, -0.5]], [[2, -0.5]], [[3, -1.0]]]], [[None, [[2, -0.5]]]], [[None, None, [[3, -1.0]]]],
+                [[None, [[2, 0.5]], [[3, -1.0]]]], "no"):  # fmt: skip
+        with pytest.raises(HandoverError, match="prompt logprobs|logprobs"):
+            decode(encode(m.spec, m.fingerprint, c, dataclasses.replace(t, prompt_logprobs=bad)), m.spec,
+                   m.fingerprint, m.vocab_size)  # fmt: skip
+    with pytest.raises(HandoverError, match="prompt logprobs"):
+        bad_done = {**done, "prompt_logprobs": [[[5, -1.0]]]}
+        decode(encode(m.spec, m.fingerprint, c, dataclasses.replace(t, finished=[bad_done])), m.spec, m.fingerprint,
+               m.vocab_size)  # fmt: skip
     with pytest.raises(HandoverError, match="another model"):
         decode(encode(m.spec, "other", c, t), m.spec, m.fingerprint, m.vocab_size)
     c.output_ids = [m.vocab_size]

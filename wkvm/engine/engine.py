@@ -209,8 +209,9 @@ class Engine:
         with `stop` False only copy what it would leave (`precopy`).
 
         The future yields its `Continuation`; the request ends with finish_reason "abort" and error_code "migrated",
-        and its handle's `continuation` is set before that final event. Requests that only prefill or score their
-        prompt are refused (ValueError): their results do not survive a move.
+        and its handle's `continuation` is set before that final event. Refused (ValueError): requests that only
+        prefill (nothing to go on with), and requests scoring their prompt before their first token (their prompt
+        logprobs are complete only then; after it the destination has nothing left to score).
         """
         fut: concurrent.futures.Future[Continuation] = concurrent.futures.Future()
         with self._lock:
@@ -218,8 +219,10 @@ class Engine:
             if handle is None:
                 raise KeyError(f"no request {request_id!r} in flight")
             req = handle.request
-            if req.prefill_only or req.prompt_logprobs is not None:
-                raise ValueError("a request that only prefills or scores its prompt cannot move")
+            if req.prefill_only:
+                raise ValueError("a request that only prefills its prompt cannot move")
+            if req.prompt_logprobs is not None and not req.output_ids:
+                raise ValueError("a request scoring its prompt moves only once its first token is out")
             self._suspends.append((request_id, fut, stop))
             self._wake.notify()
         return fut

@@ -82,6 +82,9 @@ class Ticket:
     # a request of several prompts: each prompt's `wkvm` info, in order (`choices` then count across the prompts,
     # n to a prompt; such a request has no session, state or checkpoints to carry)
     prompts: list[dict[str, Any]] | None = None
+    # a request answered whole that scores its prompt (echo with logprobs): each moved choice's prompt logprobs, a
+    # token's as in `logprobs`, the first token's None (a stream sent them with its first chunk)
+    prompt_logprobs: list[list[list[list[float]] | None]] | None = None
 
     def wire(self) -> dict[str, Any]:
         """As the ticket's metadata holds it: a single-choice ticket leaves out the fields it does not use, so it reads
@@ -89,7 +92,7 @@ class Ticket:
         d = asdict(self)
         if d["choices"] == [0] and not d["done_tokens"]:
             del d["choices"], d["done_tokens"]
-        for optional in ("logprobs", "finished", "prompts"):
+        for optional in ("logprobs", "finished", "prompts", "prompt_logprobs"):
             if d[optional] is None:
                 del d[optional]
         return d
@@ -106,13 +109,21 @@ class Finished:
     def wire(self) -> dict[str, Any]:
         out = self.output
         lps = None if out.logprobs is None else wire_logprobs(out.logprobs)
-        return {"index": self.index, "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
-                "logprobs": lps}  # fmt: skip
+        d = {"index": self.index, "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
+             "logprobs": lps}  # fmt: skip
+        if out.prompt_logprobs is not None:
+            d["prompt_logprobs"] = wire_prompt_logprobs(out.prompt_logprobs)
+        return d
 
 
 def wire_logprobs(logprobs: list[dict[int, float]]) -> list[list[list[float]]]:
     """A choice's logprobs as a ticket holds them: a token's as [[id, logprob], ...] (`carried_logprobs` reads it)."""
     return [[[i, lp] for i, lp in token.items()] for token in logprobs]
+
+
+def wire_prompt_logprobs(logprobs: list[dict[int, float] | None]) -> list[list[list[float]] | None]:
+    """A choice's prompt logprobs as a ticket holds them: `wire_logprobs`' form, the first token's None."""
+    return [None if token is None else [[i, lp] for i, lp in token.items()] for token in logprobs]
 
 
 @dataclass
@@ -149,6 +160,9 @@ class LiveStream:
             pairs = list(zip(self.ticket.choices, self.handles, strict=True))
             if all(h.output.logprobs is not None for h in self.handles):
                 t.logprobs = [wire_logprobs(h.output.logprobs or []) for _, h in pairs if h.continuation is not None]
+            if all(h.output.prompt_logprobs is not None for h in self.handles):
+                t.prompt_logprobs = [wire_prompt_logprobs(h.output.prompt_logprobs or []) for _, h in pairs
+                                     if h.continuation is not None]  # fmt: skip
             t.finished = [*(self.ticket.finished or []),
                           *(Finished(i, h.output).wire() for i, h in pairs if h.continuation is None)]  # fmt: skip
         return [c for _, c in moved], t
@@ -392,6 +406,9 @@ def decode(data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int,
             raise HandoverError("handover ticket: a pre-copy goes with one choice")
         if t.logprobs is not None:
             t.logprobs = _logprobs(t.logprobs, [len(tok["output_ids"]) for tok in toks], vocab_size)
+        if t.prompt_logprobs is not None:
+            t.prompt_logprobs = _prompt_logprobs(t.prompt_logprobs, [len(tok["prompt_ids"]) for tok in toks],
+                                                 vocab_size)  # fmt: skip
         if t.prompts is not None and not (isinstance(t.prompts, list) and len(t.prompts) > 1
                                           and all(isinstance(p, dict) for p in t.prompts)
                                           and t.parent is None and not t.finish):  # fmt: skip
@@ -443,27 +460,51 @@ def _logprobs(value: Any, lengths: list[int], vocab_size: int) -> list[list[list
     return [[[[p[0], float(p[1])] for p in t] for t in c] for c in value]
 
 
+def _prompt_logprobs(value: Any, lengths: list[int], vocab_size: int) -> list[list[list[list[float]] | None]]:
+    """A ticket's `prompt_logprobs`, checked value by value: one list per choice, one entry per prompt token, the
+    first None and each other as `_logprobs` checks a token's."""
+    if not (isinstance(value, list) and len(value) == len(lengths) and all(
+            isinstance(c, list) and len(c) == n and n > 0 and c[0] is None and None not in c[1:]
+            for c, n in zip(value, lengths, strict=False))):  # fmt: skip
+        raise HandoverError("handover ticket: its prompt logprobs do not match its prompts")
+    rest = _logprobs([c[1:] for c in value], [n - 1 for n in lengths], vocab_size)
+    return [[None, *c] for c in rest]
+
+
 def _finished(f: Any, vocab_size: int) -> dict[str, Any]:
     """A finished choice of a ticket (`Finished.wire`), checked value by value."""
     keys = {"index", "token_ids", "text", "finish_reason", "logprobs"}
-    ok = isinstance(f, dict) and set(f) == keys and type(f["index"]) is int and f["index"] >= 0
+    ok = isinstance(f, dict) and set(f) in (keys, keys | {"prompt_logprobs"}) and type(f["index"]) is int
+    ok = ok and f["index"] >= 0
     ok = ok and isinstance(f["token_ids"], list) and all(type(i) is int and 0 <= i < vocab_size for i in f["token_ids"])
     if not (ok and isinstance(f["text"], str) and f["finish_reason"] in ("stop", "length")):
         raise HandoverError("handover ticket: a finished choice does not read")
     lps = None if f["logprobs"] is None else _logprobs([f["logprobs"]], [len(f["token_ids"])], vocab_size)[0]
-    return {**f, "logprobs": lps}
+    out = {**f, "logprobs": lps}
+    scored = f.get("prompt_logprobs")
+    if scored is not None:  # its prompt's length is the request's (checked where the answer is built)
+        out["prompt_logprobs"] = _prompt_logprobs([scored], [len(scored) if isinstance(scored, list) else -1],
+                                                  vocab_size)[0]  # fmt: skip
+    return out
 
 
 def finished_output(f: dict[str, Any]) -> Finished:
     """A checked finished choice (`_finished`) as the destination's answer uses it."""
     lps = None if f["logprobs"] is None else carried_logprobs(f["logprobs"])
     out = GenerationOutput([], list(f["token_ids"]), f["text"], f["finish_reason"], lps)
+    if f.get("prompt_logprobs") is not None:
+        out.prompt_logprobs = carried_prompt_logprobs(f["prompt_logprobs"])
     return Finished(f["index"], out)
 
 
 def carried_logprobs(choice: list[list[list[float]]]) -> list[dict[int, float]]:
     """One choice's logprobs from a ticket (`wire_logprobs`'), as a handle's output holds them."""
     return [{int(i): float(lp) for i, lp in token} for token in choice]
+
+
+def carried_prompt_logprobs(choice: list[list[list[float]] | None]) -> list[dict[int, float] | None]:
+    """One choice's prompt logprobs from a ticket (`wire_prompt_logprobs`'), as a handle's output holds them."""
+    return [None if token is None else {int(i): float(lp) for i, lp in token} for token in choice]
 
 
 def _unpack(spec: StateSpec, tensors: dict[str, torch.Tensor], tok: dict[str, Any], prefix: str,

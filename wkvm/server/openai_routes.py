@@ -29,6 +29,7 @@ from wkvm.server.handover import (
     Moved,
     Ticket,
     carried_logprobs,
+    carried_prompt_logprobs,
     finished_output,
     marker,
 )
@@ -210,11 +211,29 @@ async def resume_runs(ctx: ServerContext, tenant: str, encoded: list[list[int]],
         for h in handles:
             h.cancel()
         raise
-    for h, carried in zip(handles, t.logprobs or [], strict=False):  # a whole answer's logprobs from the source
+    carried = [c.output_ids for c in cs], [c.prompt_ids for c in cs]
+    if not (carried_match(t.logprobs, carried[0]) and carried_match(t.prompt_logprobs, carried[1], first=1)
+            and all(carried_match([f["prompt_logprobs"]], [encoded[f["index"] // n]], first=1)
+                    for f in t.finished or [] if f.get("prompt_logprobs") is not None)):  # fmt: skip
+        for h in handles:
+            h.cancel()
+        raise APIError(400, "the moved request's logprobs do not match its tokens", None, "invalid_handover")
+    for h, lps in zip(handles, t.logprobs or [], strict=False):  # a whole answer's logprobs from the source
         if h.output.logprobs is not None:
-            h.output.logprobs[:0] = carried_logprobs(carried)
+            h.output.logprobs[:0] = carried_logprobs(lps)
+    for h, scored in zip(handles, t.prompt_logprobs or [], strict=False):  # and its prompt's, scored there
+        h.output.prompt_logprobs = carried_prompt_logprobs(scored)
     ctx.sessions.track(chat, tenant, handles)
     return runs
+
+
+def carried_match(per_choice: list[list[Any]] | None, ids: list[list[int]], first: int = 0) -> bool:
+    """Whether a ticket's logprobs (None: none carried) hold, per choice, an entry for each of its tokens that
+    includes the token itself (from `first` on: a prompt's first token has none), as the answer's shapes read them."""
+    return per_choice is None or all(
+        len(lps) == len(tokens) and all(t in dict((int(i), v) for i, v in lp) for t, lp in zip(tokens[first:],
+                                                                                              lps[first:], strict=True))
+        for lps, tokens in zip(per_choice, ids, strict=False))  # fmt: skip
 
 
 def live_stream(tenant: str, body: GenBody, runs: list[Run], rid: str, created: int,
@@ -230,8 +249,8 @@ def live_stream(tenant: str, body: GenBody, runs: list[Run], rid: str, created: 
                     finished=moved[1].finished if moved else None,
                     prompts=[p.info for p, _ in runs] if several else None)  # fmt: skip
     why = None
-    if handles and handles[0].request.params.prompt_logprobs is not None:
-        why = "it scores its prompt (echo with logprobs)"
+    if handles and handles[0].request.prefill_only:
+        why = "it generates nothing (max_tokens 0): there is nothing to go on with elsewhere"
     return LiveStream(tenant, handles, ticket, why, reuse_scope(tenant, body.user, body.cache_salt),
                       saves=body.save_state, whole=not body.stream)
 
