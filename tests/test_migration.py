@@ -452,7 +452,7 @@ def test_a_ticket_is_checked_like_an_import(pair):
     lp = dataclasses.replace(t, logprobs=[[[[4, -0.5], [7, float("-inf")]]]])  # a whole answer's, one token
     assert decode(encode(m.spec, m.fingerprint, c, lp), m.spec, m.fingerprint, m.vocab_size)[1] == lp
     for bad in ([[[[4, float("nan")]]]], [[[[4, 0.5]]]], [[[[m.vocab_size, -1.0]]]], [[[[True, -1.0]]]], [[]],
-                [[[[4, -1.0]], [[4, -1.0]]]], [[["x"]]], "no"):  # fmt: skip
+                [[[[4, -1.0]], [[4, -1.0]]]], [[["x"]]], "no", [[[[7, -0.5]]]]):  # fmt: skip  # the last lacks token 4
         with pytest.raises(HandoverError, match="logprobs"):
             decode(encode(m.spec, m.fingerprint, c, dataclasses.replace(t, logprobs=bad)), m.spec, m.fingerprint,
                    m.vocab_size)  # fmt: skip
@@ -484,10 +484,16 @@ def test_a_ticket_is_checked_like_an_import(pair):
         with pytest.raises(HandoverError, match="prompt logprobs|logprobs"):
             decode(encode(m.spec, m.fingerprint, c, dataclasses.replace(t, prompt_logprobs=bad)), m.spec,
                    m.fingerprint, m.vocab_size)  # fmt: skip
-    with pytest.raises(HandoverError, match="prompt logprobs"):
-        bad_done = {**done, "prompt_logprobs": [[[5, -1.0]]]}
-        decode(encode(m.spec, m.fingerprint, c, dataclasses.replace(t, finished=[bad_done])), m.spec, m.fingerprint,
-               m.vocab_size)  # fmt: skip
+    scoring_done = {**done, "prompt_ids": [1, 2], "prompt_logprobs": [None, [[2, -0.5]]]}
+    ok = dataclasses.replace(t, finished=[scoring_done])
+    assert decode(encode(m.spec, m.fingerprint, c, ok), m.spec, m.fingerprint, m.vocab_size)[1] == ok
+    for bad_done, why in (({**scoring_done, "prompt_logprobs": [[[5, -1.0]]]}, "prompt logprobs"),
+                          ({**scoring_done, "prompt_logprobs": [None, [[3, -0.5]]]}, "prompt logprobs"),
+                          ({**done, "prompt_logprobs": [None, [[2, -0.5]]]}, "finished"),
+                          ({**scoring_done, "prompt_ids": [1, m.vocab_size]}, "finished")):  # fmt: skip
+        with pytest.raises(HandoverError, match=why):
+            decode(encode(m.spec, m.fingerprint, c, dataclasses.replace(t, finished=[bad_done])), m.spec,
+                   m.fingerprint, m.vocab_size)  # fmt: skip
     with pytest.raises(HandoverError, match="another model"):
         decode(encode(m.spec, "other", c, t), m.spec, m.fingerprint, m.vocab_size)
     c.output_ids = [m.vocab_size]

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import SafetensorError
@@ -111,8 +111,8 @@ class Finished:
         lps = None if out.logprobs is None else wire_logprobs(out.logprobs)
         d = {"index": self.index, "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
              "logprobs": lps}  # fmt: skip
-        if out.prompt_logprobs is not None:
-            d["prompt_logprobs"] = wire_prompt_logprobs(out.prompt_logprobs)
+        if out.prompt_logprobs is not None:  # with the prompt they score (checked against the request's)
+            d["prompt_ids"], d["prompt_logprobs"] = out.prompt_token_ids, wire_prompt_logprobs(out.prompt_logprobs)
         return d
 
 
@@ -122,8 +122,8 @@ def wire_logprobs(logprobs: list[dict[int, float]]) -> list[list[list[float]]]:
 
 
 def wire_prompt_logprobs(logprobs: list[dict[int, float] | None]) -> list[list[list[float]] | None]:
-    """A choice's prompt logprobs as a ticket holds them: `wire_logprobs`' form, the first token's None."""
-    return [None if token is None else [[i, lp] for i, lp in token.items()] for token in logprobs]
+    """A choice's prompt logprobs as a ticket holds them: `wire_logprobs`' form after the first token's None."""
+    return [None, *wire_logprobs(cast(list[dict[int, float]], logprobs[1:]))]
 
 
 @dataclass
@@ -405,10 +405,9 @@ def decode(data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int,
         if pre is not None and len(toks) != 1:
             raise HandoverError("handover ticket: a pre-copy goes with one choice")
         if t.logprobs is not None:
-            t.logprobs = _logprobs(t.logprobs, [len(tok["output_ids"]) for tok in toks], vocab_size)
+            t.logprobs = _logprobs(t.logprobs, [tok["output_ids"] for tok in toks], vocab_size)
         if t.prompt_logprobs is not None:
-            t.prompt_logprobs = _prompt_logprobs(t.prompt_logprobs, [len(tok["prompt_ids"]) for tok in toks],
-                                                 vocab_size)  # fmt: skip
+            t.prompt_logprobs = _prompt_logprobs(t.prompt_logprobs, [tok["prompt_ids"] for tok in toks], vocab_size)
         if t.prompts is not None and not (isinstance(t.prompts, list) and len(t.prompts) > 1
                                           and all(isinstance(p, dict) for p in t.prompts)
                                           and t.parent is None and not t.finish):  # fmt: skip
@@ -442,49 +441,55 @@ def decode(data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int,
 MAX_TOP_LOGPROBS = 64  # entries a token's logprobs may hold in a ticket (the API allows at most 20, plus the chosen)
 
 
-def _logprobs(value: Any, lengths: list[int], vocab_size: int) -> list[list[list[list[float]]]]:
-    """A ticket's `logprobs`, checked value by value: one list per choice, one entry per output token, each a list of
-    [token id in the vocabulary, a logprob <= 0 (or -inf)]."""
+def _logprobs(value: Any, ids: list[list[int]], vocab_size: int) -> list[list[list[list[float]]]]:
+    """A ticket's `logprobs`, checked value by value: one list per choice, one entry per token of `ids` (the choice's
+    outputs), each a list of [token id in the vocabulary, a logprob <= 0 (or -inf)] that includes that token (the
+    answer reads its logprob)."""
 
     def pair_ok(p: Any) -> bool:
         return (isinstance(p, list) and len(p) == 2 and type(p[0]) is int and 0 <= p[0] < vocab_size
                 and type(p[1]) in (int, float) and p[1] <= 0)  # fmt: skip  # NaN compares false
 
-    def token_ok(t: Any) -> bool:
-        return isinstance(t, list) and 0 < len(t) <= MAX_TOP_LOGPROBS and all(pair_ok(p) for p in t)
+    def token_ok(t: Any, i: Any) -> bool:
+        return (isinstance(t, list) and 0 < len(t) <= MAX_TOP_LOGPROBS and all(pair_ok(p) for p in t)
+                and any(p[0] == i for p in t))  # fmt: skip
 
-    if not (isinstance(value, list) and len(value) == len(lengths) and all(
-            isinstance(c, list) and len(c) == n and all(token_ok(t) for t in c)
-            for c, n in zip(value, lengths, strict=False))):  # fmt: skip
+    if not (isinstance(value, list) and len(value) == len(ids) and all(
+            isinstance(c, list) and isinstance(tokens, list) and len(c) == len(tokens)
+            and all(token_ok(t, i) for t, i in zip(c, tokens, strict=True))
+            for c, tokens in zip(value, ids, strict=False))):  # fmt: skip
         raise HandoverError("handover ticket: its logprobs do not match its tokens")
     return [[[[p[0], float(p[1])] for p in t] for t in c] for c in value]
 
 
-def _prompt_logprobs(value: Any, lengths: list[int], vocab_size: int) -> list[list[list[list[float]] | None]]:
-    """A ticket's `prompt_logprobs`, checked value by value: one list per choice, one entry per prompt token, the
-    first None and each other as `_logprobs` checks a token's."""
-    if not (isinstance(value, list) and len(value) == len(lengths) and all(
-            isinstance(c, list) and len(c) == n and n > 0 and c[0] is None and None not in c[1:]
-            for c, n in zip(value, lengths, strict=False))):  # fmt: skip
+def _prompt_logprobs(value: Any, ids: list[list[int]], vocab_size: int) -> list[list[list[list[float]] | None]]:
+    """A ticket's `prompt_logprobs`, checked value by value: one list per choice, one entry per token of its prompt
+    `ids`, the first None and each other as `_logprobs` checks a token's."""
+    if not (isinstance(value, list) and len(value) == len(ids) and all(
+            isinstance(c, list) and c and c[0] is None for c in value)):  # fmt: skip
         raise HandoverError("handover ticket: its prompt logprobs do not match its prompts")
-    rest = _logprobs([c[1:] for c in value], [n - 1 for n in lengths], vocab_size)
+    try:
+        rest = _logprobs([c[1:] for c in value], [i[1:] for i in ids], vocab_size)
+    except HandoverError:
+        raise HandoverError("handover ticket: its prompt logprobs do not match its prompts") from None
     return [[None, *c] for c in rest]
 
 
 def _finished(f: Any, vocab_size: int) -> dict[str, Any]:
     """A finished choice of a ticket (`Finished.wire`), checked value by value."""
+
+    def ids_ok(ids: Any) -> bool:
+        return isinstance(ids, list) and all(type(i) is int and 0 <= i < vocab_size for i in ids)
+
     keys = {"index", "token_ids", "text", "finish_reason", "logprobs"}
-    ok = isinstance(f, dict) and set(f) in (keys, keys | {"prompt_logprobs"}) and type(f["index"]) is int
-    ok = ok and f["index"] >= 0
-    ok = ok and isinstance(f["token_ids"], list) and all(type(i) is int and 0 <= i < vocab_size for i in f["token_ids"])
+    ok = isinstance(f, dict) and set(f) in (keys, keys | {"prompt_ids", "prompt_logprobs"}) and type(f["index"]) is int
+    ok = ok and f["index"] >= 0 and ids_ok(f["token_ids"]) and ids_ok(f.get("prompt_ids", []))
     if not (ok and isinstance(f["text"], str) and f["finish_reason"] in ("stop", "length")):
         raise HandoverError("handover ticket: a finished choice does not read")
-    lps = None if f["logprobs"] is None else _logprobs([f["logprobs"]], [len(f["token_ids"])], vocab_size)[0]
-    out = {**f, "logprobs": lps}
-    scored = f.get("prompt_logprobs")
-    if scored is not None:  # its prompt's length is the request's (checked where the answer is built)
-        out["prompt_logprobs"] = _prompt_logprobs([scored], [len(scored) if isinstance(scored, list) else -1],
-                                                  vocab_size)[0]  # fmt: skip
+    out = {**f, "logprobs": None if f["logprobs"] is None else _logprobs([f["logprobs"]], [f["token_ids"]],
+                                                                          vocab_size)[0]}  # fmt: skip
+    if "prompt_ids" in f:  # the prompt it scored (the destination checks it is the request's)
+        out["prompt_logprobs"] = _prompt_logprobs([f["prompt_logprobs"]], [f["prompt_ids"]], vocab_size)[0]
     return out
 
 
@@ -492,7 +497,7 @@ def finished_output(f: dict[str, Any]) -> Finished:
     """A checked finished choice (`_finished`) as the destination's answer uses it."""
     lps = None if f["logprobs"] is None else carried_logprobs(f["logprobs"])
     out = GenerationOutput([], list(f["token_ids"]), f["text"], f["finish_reason"], lps)
-    if f.get("prompt_logprobs") is not None:
+    if "prompt_logprobs" in f:
         out.prompt_logprobs = carried_prompt_logprobs(f["prompt_logprobs"])
     return Finished(f["index"], out)
 
@@ -504,7 +509,7 @@ def carried_logprobs(choice: list[list[list[float]]]) -> list[dict[int, float]]:
 
 def carried_prompt_logprobs(choice: list[list[list[float]] | None]) -> list[dict[int, float] | None]:
     """One choice's prompt logprobs from a ticket (`wire_prompt_logprobs`'), as a handle's output holds them."""
-    return [None if token is None else {int(i): float(lp) for i, lp in token} for token in choice]
+    return [None, *carried_logprobs(cast(list[list[list[float]]], choice[1:]))]
 
 
 def _unpack(spec: StateSpec, tensors: dict[str, torch.Tensor], tok: dict[str, Any], prefix: str,

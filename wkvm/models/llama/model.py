@@ -22,7 +22,7 @@ from wkvm.models.family import (
     require,
     resident,
 )
-from wkvm.models.fused import add_rms_norm, llama_layer, rms_norm, silu_mul
+from wkvm.models.fused import add_rms_norm, cpu_fp32, llama_layer, rms_norm, silu_mul
 from wkvm.models.kv import Attn, kv_tensors
 from wkvm.models.linear import linear, stored
 from wkvm.models.provider import Tensors, WeightProvider
@@ -200,7 +200,7 @@ class Llama(ModelBase):
         cfg = self.config
         mats = [w[k] for k in LINEAR]
         kernel = self.layer_kernel(i, mats, x.shape[0])
-        if kernel is None or not (x.is_cpu and x.dtype == torch.float32):
+        if kernel is None or not cpu_fp32(x):
             return None
         pages = attn.kv.fused_pages(i, 1, cfg.head_dim, attn.cos, attn.sin)
         if pages is None:
