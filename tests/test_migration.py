@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -417,6 +418,51 @@ def test_a_request_scoring_its_prompt_moves_once_its_first_token_is_out(pair, fr
         assert max(abs(x - y) for x, y in zip(g_lp["token_logprobs"][1:], w_lp["token_logprobs"][1:],
                                               strict=True)) < 1e-4  # fmt: skip
     assert answer.json()["usage"] == want["usage"]
+
+
+def test_a_drain_moves_a_scoring_request_once_it_can(pair, fresh):
+    """A stopping server's drain (`Handovers.move_all`) finds a request scoring its prompt still prefilling: it cannot
+    move yet, so the drain tries again and moves it once its first token is out; its answer is a never-moved one's."""
+    a, b = pair
+    body = {"prompt": "Romeo: speak", "echo": True, "logprobs": 1, "temperature": 0, "max_tokens": 60,
+            "ignore_eos": True}  # fmt: skip
+    runner = a.ctx.client.engine.runner
+    run, gate, held = runner.run, threading.Event(), threading.Event()
+
+    def gated(work):  # the prompt's run waits for the gate: the request is held before its first token
+        held.set()
+        gate.wait(30)
+        return run(work)
+
+    runner.run = gated
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            source = pool.submit(httpx.post, a.url + "/v1/completions", json=body, timeout=60)
+            assert held.wait(30)
+            tries = []
+            moves = a.ctx.handovers.move_all(a.ctx.client, ["b"], time.monotonic() + 30, threading.Event(), 0.01)
+            drain = pool.submit(list, moves)
+            while not drain.done() and len(tries) < 20:  # the drain keeps asking while the request is held
+                tries += [len(s.handles[0].output.token_ids) for s in a.ctx.handovers.live() if not s.done]
+                time.sleep(0.01)
+            assert not drain.done() and set(tries) == {0}
+            runner.run = run
+            gate.set()
+            ((stream, to, fut),) = drain.result(30)
+            (c,) = fut.result(30)
+            r = source.result(30)
+    finally:
+        runner.run, _ = run, gate.set()
+    assert to == "b" and stream.why_not is None and 1 <= len(c.output_ids) < 60
+    ticket, _ = parse_marker(r.content)
+    b.ctx.handovers.put_in(ticket, a.ctx.handovers.take_out(ticket))
+    answer = httpx.post(b.url + "/v1/completions", json=body, headers={RESUME_HEADER: ticket}, timeout=60)
+    want = httpx.post(fresh.url + "/v1/completions", json=body, timeout=60).json()
+    assert answer.status_code == 200, answer.text
+    (g,), (w,) = answer.json()["choices"], want["choices"]
+    assert g["text"] == w["text"] and g["logprobs"]["tokens"] == w["logprobs"]["tokens"]
+    assert max(abs(x - y) for x, y in zip(g["logprobs"]["token_logprobs"][1:], w["logprobs"]["token_logprobs"][1:],
+                                          strict=True)) < 1e-4  # fmt: skip
 
 
 def test_what_cannot_move_says_why(pair):

@@ -9,6 +9,7 @@ between replicas as its exported file (`export_name` -> `adopt` -> `drop_name`),
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import gc
 import hashlib
@@ -210,19 +211,20 @@ class EngineReplica:
                 return
         replicas = ray.get(self.directory.replicas.remote())
         others = [slot for slot in replicas if slot != self.slot]
-        streams = [s for s in self.ctx.handovers.live() if s.why_not is None]
-        log.info("replica %s is stopping: moving %d running streams to %s", self.slot, len(streams), others)
-        saving = []
-        for i, s in enumerate(streams if others else []):
-            to = others[i % len(others)]
-            with contextlib.suppress(KeyError, HandoverError):  # finished or moving meanwhile
-                fut = self.ctx.handovers.move(self.ctx.client, s.tenant, s.ticket.id, to)
-                if s.saves is not None:
-                    saving.append((fut, s.tenant, s.saves, to))
-        for fut, tenant, name, to in saving:  # once stopped here (it never saves here then), its name follows it
-            with contextlib.suppress(Exception):
-                fut.result(CALL_SECONDS)
-                self._hand_name_over(tenant, name, to, replicas[to])
+        log.info("replica %s is stopping: moving %d running streams to %s", self.slot,
+                 sum(s.why_not is None and not s.done for s in self.ctx.handovers.live()), others)  # fmt: skip
+        until = time.monotonic() + self.ctx.config.shutdown_grace  # then what still runs here is ended (`__del__`)
+        with concurrent.futures.ThreadPoolExecutor(1, "wkvm-drain-names") as names:
+            for s, to, fut in self.ctx.handovers.move_all(self.ctx.client, others, until, self._stopped,
+                                                          DRAIN_POLL_SECONDS):  # fmt: skip
+                if s.saves is not None:  # once stopped here (it never saves here then), its name follows it
+                    names.submit(self._name_follows, fut, s.tenant, s.saves, to, replicas[to])
+
+    def _name_follows(self, fut: concurrent.futures.Future[Any], tenant: str, name: str, slot: str,
+                      replica_id: str) -> None:  # fmt: skip
+        with contextlib.suppress(Exception):  # it did not stop here (finished first): its name stays
+            fut.result(CALL_SECONDS)
+            self._hand_name_over(tenant, name, slot, replica_id)
 
     def _hand_name_over(self, tenant: str, name: str, slot: str, replica_id: str) -> None:
         """Every version of `name` (held here) to replica `replica_id` in `slot`, for a stream saving under it that

@@ -29,7 +29,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
@@ -168,6 +168,9 @@ class LiveStream:
         return [c for _, c in moved], t
 
 
+MoveFuture = concurrent.futures.Future[list[Continuation]]  # a move's: the continuations of the choices that stopped
+
+
 class Handovers:
     """Streams that could move, and tickets on their way out or in."""
 
@@ -201,6 +204,31 @@ class Handovers:
         stream's end then names the ticket without carrying it. The future yields the moved choices' continuations.
         KeyError: no such stream (of this tenant); HandoverError: it cannot move."""
         return self.suspend(client, self.claim(tenant, stream_id, to, ticket), push)
+
+    def move_all(self, client: EngineClient, targets: list[str], until: float, stop: threading.Event,
+                 poll: float = 0.05) -> Iterator[tuple[LiveStream, str, MoveFuture]]:  # fmt: skip
+        """Move every stream that can move, to `targets` in turn (a stopping server's drain), yielding each move as
+        it starts: the stream, its destination and `move`'s future. A stream that cannot move yet (a request scoring
+        its prompt moves only once its first token is out) and one that starts meanwhile are tried again every `poll`
+        seconds until `until` (time.monotonic()) or `stop` is set; one that finishes first is left alone."""
+        n = 0
+        while targets:
+            waiting = False
+            for s in self.live():
+                if s.why_not is not None or s.to is not None or s.done:
+                    continue
+                to = targets[n % len(targets)]
+                try:
+                    fut = self.move(client, s.tenant, s.ticket.id, to)
+                except KeyError:  # finished meanwhile
+                    continue
+                except HandoverError:  # not yet (or it finished as we asked): the next pass tells which
+                    waiting = True
+                    continue
+                n += 1
+                yield s, to, fut
+            if not waiting or time.monotonic() >= until or stop.wait(poll):
+                return
 
     def claim(self, tenant: str, stream_id: str, to: str, ticket: str | None = None) -> LiveStream:
         """Mark a stream of `tenant` as moving to `to` (no other move takes it meanwhile); `suspend` stops it.
