@@ -422,12 +422,13 @@ def test_a_request_scoring_its_prompt_moves_once_its_first_token_is_out(pair, fr
 
 def test_a_drain_moves_a_scoring_request_once_it_can(pair, fresh):
     """A stopping server's drain (`Handovers.move_all`) finds a request scoring its prompt still prefilling: it cannot
-    move yet, so the drain tries again and moves it once its first token is out; its answer is a never-moved one's."""
+    move yet, so the drain tries again and moves it once its first token is out (and stops when told to); its answer
+    is a never-moved one's."""
     a, b = pair
     body = {"prompt": "Romeo: speak", "echo": True, "logprobs": 1, "temperature": 0, "max_tokens": 60,
             "ignore_eos": True}  # fmt: skip
     runner = a.ctx.client.engine.runner
-    run, gate, held = runner.run, threading.Event(), threading.Event()
+    run, gate, held, stop = runner.run, threading.Event(), threading.Event(), threading.Event()
 
     def gated(work):  # the prompt's run waits for the gate: the request is held before its first token
         held.set()
@@ -439,20 +440,29 @@ def test_a_drain_moves_a_scoring_request_once_it_can(pair, fresh):
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             source = pool.submit(httpx.post, a.url + "/v1/completions", json=body, timeout=60)
             assert held.wait(30)
-            tries = []
-            moves = a.ctx.handovers.move_all(a.ctx.client, ["b"], time.monotonic() + 30, threading.Event(), 0.01)
-            drain = pool.submit(list, moves)
-            while not drain.done() and len(tries) < 20:  # the drain keeps asking while the request is held
+            tries, moves = [], []
+
+            def drain():
+                for move in a.ctx.handovers.move_all(a.ctx.client, ["b"], time.monotonic() + 30, stop, 0.01):
+                    moves.append(move)
+
+            draining = pool.submit(drain)
+            while not moves and len(tries) < 20:  # the drain keeps asking while the request is held
                 tries += [len(s.handles[0].output.token_ids) for s in a.ctx.handovers.live() if not s.done]
                 time.sleep(0.01)
-            assert not drain.done() and set(tries) == {0}
+            assert not moves and set(tries) == {0}
             runner.run = run
             gate.set()
-            ((stream, to, fut),) = drain.result(30)
+            deadline = time.monotonic() + 30
+            while not moves and time.monotonic() < deadline:
+                time.sleep(0.01)
+            stop.set()
+            draining.result(30)
+            ((stream, to, fut),) = moves
             (c,) = fut.result(30)
             r = source.result(30)
     finally:
-        runner.run, _ = run, gate.set()
+        runner.run, _, _ = run, gate.set(), stop.set()
     assert to == "b" and stream.why_not is None and 1 <= len(c.output_ids) < 60
     ticket, _ = parse_marker(r.content)
     b.ctx.handovers.put_in(ticket, a.ctx.handovers.take_out(ticket))

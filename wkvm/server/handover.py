@@ -208,26 +208,23 @@ class Handovers:
     def move_all(self, client: EngineClient, targets: list[str], until: float, stop: threading.Event,
                  poll: float = 0.05) -> Iterator[tuple[LiveStream, str, MoveFuture]]:  # fmt: skip
         """Move every stream that can move, to `targets` in turn (a stopping server's drain), yielding each move as
-        it starts: the stream, its destination and `move`'s future. A stream that cannot move yet (a request scoring
-        its prompt moves only once its first token is out) and one that starts meanwhile are tried again every `poll`
-        seconds until `until` (time.monotonic()) or `stop` is set; one that finishes first is left alone."""
+        it starts: the stream, its destination and `move`'s future. Every `poll` seconds until `until`
+        (time.monotonic()) or until `stop` is set it looks again: a stream that could not move yet (a request scoring
+        its prompt moves only once its first token is out) is tried again, and one that arrived meanwhile (a stream
+        moved here before its sender knew this server was stopping) moves on; one that finishes first is left alone."""
         n = 0
         while targets:
-            waiting = False
             for s in self.live():
                 if s.why_not is not None or s.to is not None or s.done:
                     continue
                 to = targets[n % len(targets)]
                 try:
                     fut = self.move(client, s.tenant, s.ticket.id, to)
-                except KeyError:  # finished meanwhile
-                    continue
-                except HandoverError:  # not yet (or it finished as we asked): the next pass tells which
-                    waiting = True
+                except (KeyError, HandoverError):  # finished meanwhile, or not yet: the next pass tells which
                     continue
                 n += 1
                 yield s, to, fut
-            if not waiting or time.monotonic() >= until or stop.wait(poll):
+            if time.monotonic() >= until or stop.wait(poll):
                 return
 
     def claim(self, tenant: str, stream_id: str, to: str, ticket: str | None = None) -> LiveStream:
