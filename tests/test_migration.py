@@ -446,11 +446,11 @@ def test_a_drain_moves_a_scoring_request_once_it_can(pair, fresh):
                 for move in a.ctx.handovers.move_all(a.ctx.client, ["b"], time.monotonic() + 30, stop, 0.01):
                     moves.append(move)
 
-            draining = pool.submit(drain)
-            while not moves and len(tries) < 20:  # the drain keeps asking while the request is held
+            draining, deadline = pool.submit(drain), time.monotonic() + 30
+            while not moves and len(tries) < 20 and time.monotonic() < deadline:  # the drain asks while it is held
                 tries += [len(s.handles[0].output.token_ids) for s in a.ctx.handovers.live() if not s.done]
                 time.sleep(0.01)
-            assert not moves and set(tries) == {0}
+            assert not moves and len(tries) >= 20 and set(tries) == {0}
             runner.run = run
             gate.set()
             deadline = time.monotonic() + 30

@@ -33,7 +33,7 @@ from wkvm.config import ServerConfig
 from wkvm.logs import wkvm_logger
 from wkvm.server.app import create_app
 from wkvm.server.context import ServerContext
-from wkvm.server.handover import HandoverError, LiveStream, Moved, parse_marker
+from wkvm.server.handover import HandoverError, LiveStream, Moved, MoveFuture, parse_marker
 from wkvm.server.handover import decode as decode_ticket
 from wkvm.server.handover import encode as encode_ticket
 from wkvm.state.quota import StoreLimits, is_internal
@@ -220,8 +220,7 @@ class EngineReplica:
                 if s.saves is not None:  # once stopped here (it never saves here then), its name follows it
                     names.submit(self._name_follows, fut, s.tenant, s.saves, to, replicas[to])
 
-    def _name_follows(self, fut: concurrent.futures.Future[Any], tenant: str, name: str, slot: str,
-                      replica_id: str) -> None:  # fmt: skip
+    def _name_follows(self, fut: MoveFuture, tenant: str, name: str, slot: str, replica_id: str) -> None:
         with contextlib.suppress(Exception):  # it did not stop here (finished first): its name stays
             fut.result(CALL_SECONDS)
             self._hand_name_over(tenant, name, slot, replica_id)

@@ -197,7 +197,7 @@ class Handovers:
 
     def move(self, client: EngineClient, tenant: str, stream_id: str, to: str, ticket: str | None = None,
              push: Callable[[LiveStream], None] | None = None,
-             ) -> concurrent.futures.Future[list[Continuation]]:  # fmt: skip
+             ) -> MoveFuture:  # fmt: skip
         """Suspend a stream of `tenant` at its next token boundary; its stream then ends with a ticket for `to` (under
         the id `ticket` when given). `push(stream)`, when given, runs on the engine's thread the moment its requests
         stop (before the engine's next model run) and sends the ticket on itself; it sets `stream.pushed`, and the
@@ -243,7 +243,7 @@ class Handovers:
 
     def suspend(self, client: EngineClient, s: LiveStream,
                 push: Callable[[LiveStream], None] | None = None,
-                ) -> concurrent.futures.Future[list[Continuation]]:  # fmt: skip
+                ) -> MoveFuture:  # fmt: skip
         """Stop a claimed stream's running choices at their next token boundary (`move`); HandoverError (the claim let
         go): it cannot (none is running)."""
         futs, why = [], None
@@ -312,11 +312,11 @@ class Handovers:
 Moved = tuple[list[Continuation], Ticket]  # a moved stream's continuations, one per choice of the ticket's `choices`
 
 
-def gathered(futs: list[concurrent.futures.Future[Continuation]]) -> concurrent.futures.Future[list[Continuation]]:
+def gathered(futs: list[concurrent.futures.Future[Continuation]]) -> MoveFuture:
     """One future for a stream's choices stopping: the continuations of those that stopped (a choice that finished
     first has none), resolved with the last of them (on the engine's thread: the suspends of one call stop in one
     step); an error only when none stopped. Cancelling it cancels them (a choice not stopped yet goes on)."""
-    out: concurrent.futures.Future[list[Continuation]] = concurrent.futures.Future()
+    out: MoveFuture = concurrent.futures.Future()
     lock, left = threading.Lock(), [len(futs)]
 
     def one_done(_: concurrent.futures.Future[Continuation]) -> None:
