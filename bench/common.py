@@ -118,9 +118,25 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 
 
 def read_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes per second of streaming a large tensor from memory (a sum reads every byte once)."""
+    """Bytes per second of streaming a large tensor from memory once (a sum reads every byte once)."""
     src = torch.ones(nbytes // 4)
     return nbytes / timeit(src.sum, repeat=5)
+
+
+def decode_and_read(decode: Callable[[], object], tokens: int, nbytes: int, repeat: int = 5) -> tuple[float, float]:
+    """Median seconds of `decode` (`tokens` decode steps) and of reading `nbytes` from memory `tokens` times (a sum
+    over a buffer of that size, too large for any cache), run alternately.
+
+    The decode floor is weight bytes per token over the read rate. This machine's read rate moves between ~25 and
+    ~58 GB/s from one second to the next (other tenants), so a rate measured once, apart from the decode, can land
+    in a burst or a trough; read in alternation with the decode, both see the same minutes."""
+    buf = torch.ones(nbytes // 4)
+
+    def read() -> None:
+        for _ in range(tokens):
+            buf.sum()
+
+    return timeit_pair(decode, read, repeat)
 
 
 def matmul_rate(m: int = 1024, k: int = 768, n: int = 3072) -> dict[str, float]:

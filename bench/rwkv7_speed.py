@@ -1,7 +1,8 @@
 """RWKV-7 0.1B shape, fp32 CPU: decode (B=1) and 1,024-token prefill, wkvm vs BlinkDL's `rwkv` package.
 
-Prints tok/s for both, the ratios, the decode floor (weight bytes per token over measured read bandwidth)
-and the prefill ceiling (2 x layer parameters FLOPs per token over the fastest fp32 matmul rate measured).
+Prints tok/s for both, the ratios, the decode floor (weight bytes per token over the read rate, measured in
+alternation with wkvm's decode: `common.decode_and_read`) and the prefill ceiling (2 x layer parameters FLOPs per
+token over the fastest fp32 matmul rate measured).
 With --int8 (the default) also wkvm with `--dtype int8` weights, timed alternately with fp32 in the same run; its
 decode floor counts int8 bytes.
 """
@@ -19,6 +20,7 @@ from common import (  # noqa: E402
     checkpoint,
     copy_bandwidth,
     cpu_name,
+    decode_and_read,
     matmul_rate,
     print_table,
     read_bandwidth,
@@ -67,10 +69,12 @@ def main() -> None:
 
     layer_params = sum(weight_numel(t) for i in range(cfg.n_layer) for t in model.weights.layer(i).values())
     head_params = model.weights.globals()["head.weight"].shape.numel()
-    copy_bw, bw, rates = copy_bandwidth(), read_bandwidth(), matmul_rate()
-    flops = max(rates.values())  # the ceiling uses the fastest fp32 matmul this process can run
     decode_bytes = 4 * (layer_params + head_params + cfg.n_embd)
-    floor = bw / decode_bytes
+    t_dec_paired, t_read = decode_and_read(wkvm_decode, n, decode_bytes, args.repeat)
+    copy_bw, once_bw, rates = copy_bandwidth(), read_bandwidth(), matmul_rate()
+    bw = decode_bytes * n / t_read
+    flops = max(rates.values())  # the ceiling uses the fastest fp32 matmul this process can run
+    floor = n / t_read
     ceiling = flops / (2 * layer_params)
     dec, ref_dec = n / t_dec, n / r_dec
     pre, ref_pre = len(prompt) / t_pre, len(prompt) / r_pre
@@ -78,25 +82,27 @@ def main() -> None:
     issue_floor = (copy_bw / 2) / decode_bytes
     issue_ceiling = rates["blas"] / (2 * layer_params)
     rows = [
-        ["decode B=1", dec, ref_dec, dec / ref_dec, floor, dec / floor, dec / issue_floor],
+        ["decode B=1", dec, ref_dec, dec / ref_dec, floor, t_read / t_dec_paired, dec / issue_floor],
         [f"prefill {len(prompt)}", pre, ref_pre, pre / ref_pre, ceiling, pre / ceiling, pre / issue_ceiling],
     ]
     q8: dict[str, float] = {}
     if args.int8:
-        q8 = int8_rows(path, model, prompt, n, args.repeat, bw)
+        q8 = int8_rows(path, model, prompt, n, args.repeat)
         floor8 = q8["decode_floor_tok_s"]
         rows += [["decode B=1 int8", q8["decode_tok_s"], ref_dec, q8["decode_tok_s"] / ref_dec, floor8,
-                  q8["decode_tok_s"] / floor8, float("nan")],
+                  q8["decode_of_floor"], float("nan")],
                  [f"prefill {len(prompt)} int8", q8["prefill_tok_s"], ref_pre, q8["prefill_tok_s"] / ref_pre,
                   float("nan"), float("nan"), float("nan")]]  # fmt: skip
     print_table(
         f"RWKV-7 {cfg.n_layer}L C{cfg.n_embd} V{cfg.vocab_size} fp32, {torch.get_num_threads()} threads "
-        f"(read {bw / 1e9:.1f} GB/s, copy {copy_bw / 1e9:.1f} GB/s; matmul BLAS {rates['blas'] / 1e9:.0f}, "
-        f"packed {rates['packed'] / 1e9:.0f} GFLOP/s); {cpu_name()}, torch {torch.backends.cpu.get_cpu_capability()}",
+        f"(read {bw / 1e9:.1f} GB/s beside the decode, {once_bw / 1e9:.1f} once; copy {copy_bw / 1e9:.1f} GB/s; "
+        f"matmul BLAS {rates['blas'] / 1e9:.0f}, packed {rates['packed'] / 1e9:.0f} GFLOP/s); {cpu_name()}, "
+        f"torch {torch.backends.cpu.get_cpu_capability()}",
         ["case", "wkvm tok/s", "rwkv tok/s", "x rwkv", "bound tok/s", "of bound", "of copy/BLAS bound"],
         rows,
     )
-    print("bound: decode = read bandwidth / weight bytes per token; prefill = best matmul rate / (2 x layer params)")
+    print("bound: decode = read rate / weight bytes per token, the read timed in alternation with the decode\n"
+          "  (of bound: the paired times' ratio); prefill = best matmul rate / (2 x layer params)")
     print("copy/BLAS bound (the issue's definition): copy bandwidth (bytes copied per second) and BLAS matmul rate")
     if q8:
         print(f"int8 x fp32 (alternating in this run): decode {q8['decode_x_fp32']:.2f}x, "
@@ -107,15 +113,17 @@ def main() -> None:
             "decode_tok_s": dec, "rwkv_decode_tok_s": ref_dec, "decode_floor_tok_s": floor,
             "decode_of_copy_floor": dec / issue_floor, "prefill_of_blas_ceiling": pre / issue_ceiling,
             "prefill_tok_s": pre, "rwkv_prefill_tok_s": ref_pre, "prefill_ceiling_tok_s": ceiling,
-            "read_bandwidth_gb_s": bw / 1e9, "copy_bandwidth_gb_s": copy_bw / 1e9,
+            "read_bandwidth_gb_s": bw / 1e9, "decode_of_floor": t_read / t_dec_paired,
+            "read_bandwidth_once_gb_s": once_bw / 1e9, "copy_bandwidth_gb_s": copy_bw / 1e9,
             "matmul_blas_gflop_s": rates["blas"] / 1e9, "matmul_packed_gflop_s": rates["packed"] / 1e9,
             "threads": torch.get_num_threads(), "int8": q8, "cpu": cpu_name(),
         },
     )  # fmt: skip
 
 
-def int8_rows(path: Path, fp32, prompt: list[int], n: int, repeat: int, bw: float) -> dict:
-    """`--dtype int8` against fp32, alternating: tok/s, ratios, and the decode floor for int8 weight bytes."""
+def int8_rows(path: Path, fp32, prompt: list[int], n: int, repeat: int) -> dict:
+    """`--dtype int8` against fp32, alternating: tok/s, ratios, and the decode floor for int8 weight bytes (its read
+    timed in alternation with the int8 decode)."""
     from wkvm.models import int8
 
     q8 = load_model(path, dtype="int8")
@@ -133,8 +141,9 @@ def int8_rows(path: Path, fp32, prompt: list[int], n: int, repeat: int, bw: floa
     w = q8.weights
     tensors = [t for i in range(q8.config.n_layer) for t in w.layer(i).values()] + [w.globals()["head.weight"]]
     nbytes = sum(torch.ops.mkldnn._nbytes(t) if t.is_mkldnn else t.numel() * t.element_size() for t in tensors)
+    t8_paired, t_read = decode_and_read(decode(q8), n, nbytes + 4 * q8.config.n_embd, repeat)
     return {"decode_tok_s": n / t8, "prefill_tok_s": len(prompt) / p8, "decode_x_fp32": t32 / t8,
-            "prefill_x_fp32": p32 / p8, "decode_floor_tok_s": bw / (nbytes + 4 * q8.config.n_embd),
+            "prefill_x_fp32": p32 / p8, "decode_floor_tok_s": n / t_read, "decode_of_floor": t_read / t8_paired,
             "kernel": int8.kernel_path()}  # fmt: skip
 
 
