@@ -5,10 +5,11 @@ random 0.1B-shape checkpoint goes to the HF/fla layout with `wkvm convert`, then
 `convert_hf_to_gguf.py` (plus `rwkv_vocab_v20230424.txt` from the `rwkv` package) as f32 and f16, and to q8_0,
 q4_1 and q4_0 with `llama-quantize`. llama.cpp: `llama-bench` (prefill, B=1 decode) and `llama-batched-bench` (8 and
 32 sequences); wkvm: fp32, bf16, int8 and int4 models (B=1 decode and prefill as model calls, aggregate decode
-through the engine), each wkvm dtype run right after the llama.cpp type it is compared with; --rounds N repeats
-the whole and prints medians. --kinds / --dtypes pick a subset.
-Same threads on both sides. (That llama.cpp's greedy tokens on the f32 file equal wkvm fp32's, 32/32, was a hand
-run in an earlier session; this script does not repeat it.) Writes bench/out/rwkv7_llamacpp.json.
+through the engine), each wkvm dtype run next to the llama.cpp type it is compared with, in the other order every
+other round; --rounds N (3) repeats the whole: medians of the tok/s, and of each round's own ratios. --kinds /
+--dtypes pick a subset.
+Same threads on both sides. With f32 among the kinds it also checks that llama.cpp's greedy tokens on the f32 file
+(`llama-simple`) equal wkvm fp32's (`greedy_check`). Writes bench/out/rwkv7_llamacpp.json.
 """
 
 from __future__ import annotations
@@ -71,6 +72,43 @@ def gguf_files(bin_dir: Path) -> dict[str, Path]:
     return files
 
 
+GREEDY_PROMPT = "The quick brown fox jumps over the lazy dog. In the beginning"
+
+
+def greedy_check(bin_dir: Path, gguf: Path, n: int) -> tuple[int, int]:
+    """llama.cpp's greedy continuation of GREEDY_PROMPT on the f32 file (`llama-simple`, which prints each token's
+    bytes) against wkvm fp32's on the same weights: (tokens that agree before the first difference, tokens compared).
+    Both stop at token 0, the end of text. Compared as bytes: a token is counted equal when wkvm's bytes so far are a
+    prefix of llama.cpp's output (an ambiguous split of the same bytes would count as equal; a different token
+    almost never has the same bytes)."""
+    run = subprocess.run([str(bin_dir / "llama-simple"), "-m", str(gguf), "-n", str(n), GREEDY_PROMPT],
+                         check=True, capture_output=True)  # fmt: skip
+    path = checkpoint()
+    model = load_model(path)
+    tokenizer = load_text_tools(path, model.family)[0]
+    prompt_bytes = GREEDY_PROMPT.encode()
+    theirs = run.stdout.removesuffix(b"\n")
+    if not theirs.startswith(prompt_bytes):
+        raise RuntimeError(f"llama-simple printed {theirs[:200]!r}, not the prompt first")
+    theirs = theirs[len(prompt_bytes) :]
+    logits, state = model.prefill(tokenizer.encode(GREEDY_PROMPT))
+    ours: list[int] = []
+    while len(ours) < n:
+        token = int(logits.reshape(-1, logits.shape[-1])[-1].argmax())
+        if token == 0:
+            break
+        ours.append(token)
+        logits = model.decode([token], state)
+    agree = 0
+    for i in range(len(ours)):
+        if not theirs.startswith(tokenizer.decode_bytes(ours[: i + 1])):
+            break
+        agree += 1
+    if agree == len(ours) and len(theirs) != len(tokenizer.decode_bytes(ours)):
+        agree = min(agree, len(ours) - 1)  # llama.cpp went on (or stopped) where wkvm did not
+    return agree, len(ours)
+
+
 def llama_cpp(bin_dir: Path, gguf: Path, threads: int, prefill: int, decode: int) -> dict[str, float]:
     out: dict[str, float] = {}
     for key, flags in (("prefill", ["-p", str(prefill), "-n", "0"]), ("decode_b1", ["-p", "0", "-n", str(decode)])):
@@ -116,14 +154,16 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--kinds", default=",".join(KINDS), help="llama.cpp GGUF types (comma-separated)")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="wkvm dtypes (comma-separated)")
-    ap.add_argument("--rounds", type=int, default=1, help="repeat everything; each figure is the median of its rounds")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="repeat everything, each pair in the other order every other round; tok/s are the medians of "
+                         "the rounds, ratios the median (and range) of each round's own ratio")  # fmt: skip
     ap.add_argument("--avx2", action="store_true",
                     help="both sides on AVX2 code paths only: llama.cpp built without -march=native (a second, "
                          "cached build), wkvm under common.AVX2_ENV, as on an AVX2-only CPU (with this CPU's memory)")
     args = ap.parse_args()
     if args.avx2:
         rerun_with_avx2_paths()
-    bin_dir = binaries(extra=("llama-quantize",), isa="avx2" if avx2_paths() else "native")
+    bin_dir = binaries(extra=("llama-quantize", "llama-simple"), isa="avx2" if avx2_paths() else "native")
     if bin_dir is None:
         return
     torch.set_num_threads(args.threads)
@@ -135,8 +175,10 @@ def main() -> None:
     order = [n for pair in PAIRS for n in reversed(pair) if n in names]
     order = list(dict.fromkeys(order + names))
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in order}
-    for _ in range(args.rounds):
-        for name in order:
+    for r in range(args.rounds):
+        # this machine's read rate jumps between ~30 and ~55 GB/s every few seconds: each pair runs in the other order
+        # every other round, and each round's ratio is taken on its own
+        for name in order if r % 2 == 0 else swapped(order):
             side, what = name.split(" ", 1)
             if side == "wkvm":
                 runs[name].append(wkvm_rates(what, args.prefill_tokens, args.decode_tokens))
@@ -149,11 +191,36 @@ def main() -> None:
     header = ["", f"prefill {args.prefill_tokens}", "decode B=1", "decode 8 seqs", "decode 32 seqs"]
     print_table(f"RWKV-7 0.1B shape (random weights), tok/s, {args.threads} threads; {cpu_name()}", header, rows)
     pairs = [(a, b) for a, b in PAIRS if a in results and b in results]
-    ratio_rows = [[f"{a} / {b}", *(f"{results[a][c] / results[b][c]:.2f}x" for c in cases)] for a, b in pairs]
-    print_table("Ratios (wkvm / llama.cpp at the nearest precision)",
+    ratios = {(a, b): {c: sorted(x[c] / y[c] for x, y in zip(runs[a], runs[b], strict=True)) for c in cases}
+              for a, b in pairs}  # fmt: skip
+    ratio_rows = [[f"{a} / {b}", *(ratio_cell(ratios[a, b][c]) for c in cases)] for a, b in pairs]
+    print_table(f"Ratios (wkvm / llama.cpp at the nearest precision; median of {args.rounds} rounds' own ratios"
+                f"{' and their range' if args.rounds > 1 else ''})",
                 ["", "prefill", "decode B=1", "decode 8", "decode 32"], ratio_rows)  # fmt: skip
+    greedy = None
+    if "f32" in files and "f32" in args.kinds.split(","):
+        greedy = greedy_check(bin_dir, files["f32"], args.decode_tokens)
+        print(f"greedy tokens after a {len(GREEDY_PROMPT)}-character prompt, llama.cpp f32 (llama-simple) vs wkvm fp32 "
+              f"on the same weights: {greedy[0]} of {greedy[1]} equal before the first difference")  # fmt: skip
     print(f"load average after: {os.getloadavg()[0]:.2f}")
-    print("wrote", write_json("rwkv7_llamacpp", {"cpu": cpu_name(), "threads": args.threads, "results": results}))
+    round_ratios = {f"{a} / {b}": v for (a, b), v in ratios.items()}
+    print("wrote", write_json("rwkv7_llamacpp", {"cpu": cpu_name(), "threads": args.threads, "results": results,
+                                                 "round_ratios": round_ratios, "greedy_equal": greedy}))  # fmt: skip
+
+
+def swapped(order: list[str]) -> list[str]:
+    """`order` with each compared pair's two runs the other way round (runs outside a pair stay where they are)."""
+    out = list(order)
+    for a, b in PAIRS:
+        if a in out and b in out:
+            i, j = out.index(a), out.index(b)
+            out[i], out[j] = out[j], out[i]
+    return out
+
+
+def ratio_cell(values: list[float]) -> str:
+    med = statistics.median(values)
+    return f"{med:.2f}x" if len(values) == 1 else f"{med:.2f}x ({values[0]:.2f}-{values[-1]:.2f})"
 
 
 if __name__ == "__main__":
