@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -25,7 +26,17 @@ def server_error(path: str, status: int) -> None:
     log.error("server error: %s answered %d", path, status)
 
 
+def preload_async_backend() -> None:
+    """Import anyio's asyncio backend now, on the thread that builds the app, before the model's loader thread or any
+    request thread exists. Since 4.15 anyio resolves the names of `anyio.abc` lazily on first use, and the backend's
+    first import, made by the first request that needs it, failed once in a server of a fresh-clone test run
+    (ModuleNotFoundError: anyio.abc._sockets, on a module that is there) while the loader thread was importing; an
+    import made here is never first made on another thread."""
+    importlib.import_module("anyio._backends._asyncio")
+
+
 def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
+    preload_async_backend()
     ctx = ServerContext(config)
 
     @asynccontextmanager
