@@ -176,9 +176,9 @@ def main() -> None:
     order = list(dict.fromkeys(order + names))
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in order}
     for r in range(args.rounds):
-        # this machine's read rate jumps between ~30 and ~55 GB/s every few seconds: each pair runs in the other order
-        # every other round, and each round's ratio is taken on its own
-        for name in order if r % 2 == 0 else swapped(order):
+        # this machine's read rate jumps between ~30 and ~55 GB/s every few seconds: every other round runs the whole
+        # order backwards (each pair stays side by side, the other way round), and each round's ratio is taken alone
+        for name in order if r % 2 == 0 else order[::-1]:
             side, what = name.split(" ", 1)
             if side == "wkvm":
                 runs[name].append(wkvm_rates(what, args.prefill_tokens, args.decode_tokens))
@@ -206,16 +206,6 @@ def main() -> None:
     round_ratios = {f"{a} / {b}": v for (a, b), v in ratios.items()}
     print("wrote", write_json("rwkv7_llamacpp", {"cpu": cpu_name(), "threads": args.threads, "results": results,
                                                  "round_ratios": round_ratios, "greedy_equal": greedy}))  # fmt: skip
-
-
-def swapped(order: list[str]) -> list[str]:
-    """`order` with each compared pair's two runs the other way round (runs outside a pair stay where they are)."""
-    out = list(order)
-    for a, b in PAIRS:
-        if a in out and b in out:
-            i, j = out.index(a), out.index(b)
-            out[i], out[j] = out[j], out[i]
-    return out
 
 
 def ratio_cell(values: list[float]) -> str:
