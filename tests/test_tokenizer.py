@@ -95,3 +95,42 @@ def test_hf_tokenizer_json(tmp_path):
         if d.add(t):
             break
     assert d.text == "to be or "
+
+
+def _trained(kind: str):
+    """A small HF tokenizer trained in the test: byte-level BPE (GPT-2, Llama 3, SmolLM2, Qwen) or Metaspace BPE (the
+    SentencePiece way: a space marker, a prefix space stripped at the start of the decoded text)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>" if kind == "metaspace" else None))
+    if kind == "bytelevel":
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    else:
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+        alphabet = []
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<unk>"], initial_alphabet=alphabet)
+    tok.train_from_iterator(TEXTS * 10, trainer)
+    return HFTokenizer.__new__(HFTokenizer), tok
+
+
+@pytest.mark.parametrize("kind", ["bytelevel", "metaspace"])
+def test_windowed_detokenizer_gives_the_whole_decode(kind):
+    """A tokenizer without exact token bytes is detokenized over a short window of tokens (not the whole output each
+    token): the text it releases, token by token and then at the end, is the whole output's decode, for real text
+    and for random token ids (partial UTF-8 in the middle and at the end included)."""
+    import random
+
+    hf, tok = _trained(kind)
+    hf._tok, hf.vocab_size, hf.eos_token_id = tok, tok.get_vocab_size(), 0
+    rng = random.Random(0)
+    cases = [hf.encode(t) for t in TEXTS] + [[rng.randrange(hf.vocab_size) for _ in range(rng.randrange(1, 60))]
+                                             for _ in range(300)]  # fmt: skip
+    for ids in cases:
+        d, released = Detokenizer(hf), ""
+        for t in ids:
+            d.add(t)
+            released += d.delta()
+        d.flush()
+        released += d.delta(final=True)
+        assert released == d.text == hf.decode(ids), ids

@@ -1,6 +1,11 @@
 """Incremental detokenization with stop strings that may span tokens.
 
-Text is released only when it is complete UTF-8 and cannot be the start of a stop string.
+Text is released only when it is complete UTF-8 and cannot be the start of a stop string. A byte-level tokenizer
+(`exact_bytes`) is decoded token by token; any other decodes a short window of the last tokens (vLLM's incremental
+detokenization): the tokens since the last text came out, after the tokens that gave that text as context, so that
+a decoder which treats the start of its input specially (a SentencePiece prefix space) only does so in the context
+part. Decoding the whole output every token instead cost O(n) a token (SmolLM2's tokenizer, AMD EPYC: 40 us a token
+at 512 tokens, 470 us at 8,192).
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ class Detokenizer:
         self.text = ""
         self.stopped = False
         self._released = 0
-        self._ids: list[int] = []
+        self._ids: list[int] = []  # the window: context tokens, then tokens whose text is not out yet
+        self._context = 0  # _ids[:_context] are the context, whose text (_context_text) is already in text
+        self._context_text = ""
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._bytewise = tokenizer.exact_bytes
 
@@ -30,8 +37,12 @@ class Detokenizer:
             self.text += self._utf8.decode(self.tokenizer.token_bytes(token_id))
         else:
             self._ids.append(token_id)
-            full = self.tokenizer.decode(self._ids)
-            self.text = full[: len(full) - 1] if full.endswith("\ufffd") else full
+            window = self.tokenizer.decode(self._ids)
+            if len(window) > len(self._context_text) and not window.endswith("\ufffd"):
+                self.text += window[len(self._context_text) :]
+                self._ids = self._ids[self._context :]  # the new tokens are the next window's context
+                self._context = len(self._ids)
+                self._context_text = self.tokenizer.decode(self._ids)
         if self.stop:
             start = max(0, before - max(len(s) for s in self.stop))
             hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
@@ -44,8 +55,9 @@ class Detokenizer:
         """At the end of generation: release any bytes held back as incomplete."""
         if self._bytewise and not self.stopped:
             self.text += self._utf8.decode(b"", final=True)
-        elif self._ids and not self.stopped:
-            self.text = self.tokenizer.decode(self._ids)
+        elif len(self._ids) > self._context and not self.stopped:  # held back: incomplete UTF-8 (as U+FFFD)
+            self.text += self.tokenizer.decode(self._ids)[len(self._context_text) :]
+            self._ids, self._context, self._context_text = [], 0, ""
 
     @property
     def released(self) -> str:
