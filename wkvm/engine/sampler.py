@@ -2,13 +2,21 @@
 
 Logprobs are those of the model's raw distribution (before grammar mask, penalties and temperature), as in vLLM.
 Rows are independent: a row whose logits or distribution are not finite gets an error instead of a token, and
-every other row samples exactly as it would have without it (multinomial never sees an invalid distribution).
+every other row samples exactly as it would have without it (`draw` never sees an invalid distribution).
 A constrained row (one with a `GrammarState`) masks its own logits to the tokens its grammar allows; the batch's
 logits are never changed in place, so free rows in the same batch sample exactly as without it.
+
+Cost per row and token is O(vocabulary) with small constants, whatever the output's length: top-p sorts only the
+top tokens that reach p (`torch.topk` of a growing size, not a sort of the vocabulary), a token is drawn by one
+uniform number against the distribution's cumulative sum (not `torch.multinomial`, which draws an exponential per
+vocabulary entry), and penalties keep their counts as the output grows. Measured before (SmolLM2's 49,152 tokens, AMD
+EPYC avx512, 2 threads): a row at temperature 0.7 took 1.4 ms, with top_p 0.9 5.5 ms (the sort 3.5 ms, multinomial
+1.0 ms); penalties 0.3 ms at 32 output tokens, 1.6 ms at 2,000 (a bincount and set union of all tokens each step).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -36,13 +44,36 @@ class SamplerRow:
     output_ids: list[int] = field(default_factory=list)
     base_ids: list[int] = field(default_factory=list)  # tokens already inside a resumed state: context too
     grammar: GrammarState | None = None  # the response_format's parse so far (None: free text)
-    _context: set[int] | None = field(default=None, init=False, repr=False)
+    _counts: torch.Tensor | None = field(default=None, init=False, repr=False)  # [V] output_ids[:_counted]
+    _seen: torch.Tensor | None = field(default=None, init=False, repr=False)  # [V] state, prompt, output[:_seen_upto]
+    _counted: int = field(default=0, init=False, repr=False)
+    _seen_upto: int = field(default=0, init=False, repr=False)
 
-    def context_seen(self) -> set[int]:
-        """Distinct tokens before the output (state and prompt), for the repetition penalty; built on first use."""
-        if self._context is None:
-            self._context = set(self.base_ids).union(self.prompt_ids)
-        return self._context
+    def output_counts(self, vocab: int) -> torch.Tensor:
+        """How often each token came out so far [vocab] (float; ids >= vocab are not counted), for the frequency and
+        presence penalties; kept up to date a token at a time."""
+        if self._counts is None or self._counted > len(self.output_ids):
+            self._counts, self._counted = torch.zeros(vocab), 0
+        new = [t for t in self.output_ids[self._counted :] if t < vocab]
+        if new:
+            self._counts.index_put_((torch.tensor(new),), torch.ones(len(new)), accumulate=True)
+        self._counted = len(self.output_ids)
+        return self._counts
+
+    def seen(self, vocab: int) -> torch.Tensor:
+        """Whether each token is in the state, the prompt or the output so far [vocab] (bool), for the repetition
+        penalty; the state and prompt part built on first use, the output added a token at a time."""
+        if self._seen is None or self._seen_upto > len(self.output_ids):
+            self._seen, self._seen_upto = torch.zeros(vocab, dtype=torch.bool), 0
+            self._mark([*self.base_ids, *self.prompt_ids], vocab)
+        self._mark(self.output_ids[self._seen_upto :], vocab)
+        self._seen_upto = len(self.output_ids)
+        return self._seen
+
+    def _mark(self, ids: list[int], vocab: int) -> None:
+        assert self._seen is not None
+        if ids := [t for t in ids if t < vocab]:
+            self._seen[torch.tensor(ids)] = True
 
 
 @dataclass
@@ -61,17 +92,13 @@ def make_generator(seed: int | None) -> torch.Generator | None:
 
 
 def apply_penalties(logits: torch.Tensor, row: SamplerRow) -> torch.Tensor:
-    p = row.params
+    p, vocab = row.params, logits.shape[-1]
     if p.frequency_penalty or p.presence_penalty:
-        out = torch.as_tensor(row.output_ids, dtype=torch.long)
-        counts = torch.bincount(out, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
+        counts = row.output_counts(vocab).to(logits.dtype)
         logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
     if p.repetition_penalty != 1.0:
-        seen = torch.as_tensor(sorted(row.context_seen().union(row.output_ids)), dtype=torch.long)
-        seen = seen[seen < logits.shape[-1]]
-        vals = logits[seen]
-        logits = logits.clone()
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        rp = p.repetition_penalty
+        logits = torch.where(row.seen(vocab), torch.where(logits > 0, logits / rp, logits * rp), logits)
     return logits
 
 
@@ -83,12 +110,41 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, -1)
     if p.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        drop = (sorted_p.cumsum(-1) - sorted_p) > p.top_p  # keep the smallest set reaching top_p
-        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        probs = top_p_filter(probs, p.top_p)
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     return probs / probs.sum()
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probabilities reach top_p (a token is kept when the tokens
+    before it, most likely first, sum to at most top_p). Sorts only the top k tokens, k growing 4x from 64 until they
+    sum past top_p (the tokens after them are all dropped then), not the whole vocabulary."""
+    V, k = probs.shape[-1], 64
+    while True:
+        k = min(k, V)
+        top, order = torch.topk(probs, k)
+        if k == V or float(top.sum()) > top_p:
+            break
+        k *= 4
+    keep = (top.cumsum(-1) - top) <= top_p
+    return torch.zeros_like(probs).scatter(-1, order, top.masked_fill(~keep, 0.0))
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int | None:
+    """One token from a distribution [V] (not necessarily normalized): one uniform number from the row's generator
+    against the cumulative sum (float64), the first token whose cumulative sum passes it; a token of probability 0 is
+    never drawn. None when the distribution is not valid (its total NaN, infinite or 0: the sampler's own filters
+    never make a probability negative)."""
+    cdf = probs.double().cumsum(-1)
+    total = float(cdf[-1])
+    if not math.isfinite(total) or total <= 0:
+        return None
+    u = float(torch.rand((), dtype=torch.float64, generator=generator)) * total
+    i = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True))
+    if i >= cdf.shape[-1]:  # u rounded up to the total: the last token that has any probability
+        i = int(torch.nonzero(probs)[-1])
+    return i
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: int, k: int) -> dict[int, float]:
@@ -112,12 +168,6 @@ def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> l
     return out
 
 
-def valid_distribution(probs: torch.Tensor) -> bool:
-    """Finite, non-negative and not all zero: what torch.multinomial needs."""
-    total = probs.sum()
-    return bool(torch.isfinite(total) & (total > 0) & (probs >= 0).all())  # one device sync, not three
-
-
 def choose(logits: torch.Tensor, row: SamplerRow, greedy_id: int) -> int | None:
     """One row's token from its finite logits [V]; None when penalties or temperature push them out of range."""
     p = row.params
@@ -126,10 +176,7 @@ def choose(logits: torch.Tensor, row: SamplerRow, greedy_id: int) -> int | None:
     x = apply_penalties(logits, row) if p.uses_penalties else logits
     if p.greedy:  # a NaN or infinite maximum means no usable logit (grammar-masked ones are -inf)
         return int(torch.argmax(x)) if bool(torch.isfinite(x.max())) else None
-    probs = filtered_probs(x, p)
-    if not valid_distribution(probs):
-        return None
-    return int(torch.multinomial(probs, 1, generator=row.generator))
+    return draw(filtered_probs(x, p), row.generator)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
