@@ -266,3 +266,41 @@ def test_a_llama_decode_layer_in_one_call_gives_the_bits_of_its_ops(tmp_path, mo
     with monkeypatch.context() as m:
         m.setattr(Llama, "_fused_block", lambda *a: None)
         assert run() == together
+
+
+def sample_cases():
+    """(logits [V], SamplingParams) pairs: the filter cases of test_units on 4 tokens, and 5,000-token rows from flat to
+    peaked under each filter and their mix, some with tokens masked to -inf (a grammar's way)."""
+    from wkvm.sampling_params import SamplingParams
+
+    small = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4]))
+    cases = [(small, SamplingParams(**kw)) for kw in (
+        {}, dict(temperature=0.5), dict(top_k=2), dict(top_p=0.5), dict(top_p=0.8), dict(min_p=0.6),
+        dict(temperature=0.5, top_k=3))]  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    for scale in (0.3, 3.0, 30.0):
+        x = torch.randn(5000, generator=gen) * scale
+        masked = x.masked_fill(torch.rand(5000, generator=gen) < 0.5, float("-inf"))
+        for kw in (dict(temperature=0.7), dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_k=40),
+                   dict(temperature=0.8, top_p=0.95, min_p=0.05), dict(temperature=0.6, top_k=300, top_p=0.5)):
+            cases += [(x, SamplingParams(**kw)), (masked, SamplingParams(**kw))]  # fmt: skip
+    return cases
+
+
+@needs_kernel
+def test_sample_draws_what_the_torch_path_draws():
+    """The kernel's `sample` against the sampler's torch path (filtered_probs, then the cumulative sum): for 199 evenly
+    spaced uniforms, its token has probability > 0 there and u falls within that token's step of the torch path's
+    cumulative distribution (to 1e-5: exp and sums round differently); a row with NaN or nothing finite gives -1."""
+    from wkvm.engine.sampler import filtered_probs
+
+    for x, p in sample_cases():
+        probs = filtered_probs(x, p).double()
+        probs = probs / probs.sum()
+        cdf = probs.cumsum(-1)
+        for u in torch.linspace(0.005, 0.995, 199).tolist():
+            t = fused.sample(x, p.temperature, p.top_k, p.top_p, p.min_p, u)
+            assert t is not None and 0 <= t < len(x) and probs[t] > 0, (p, u, t)
+            assert float(cdf[t] - probs[t]) - 1e-5 <= u <= float(cdf[t]) + 1e-5, (p, u, t)
+    assert fused.sample(torch.tensor([0.0, float("nan")]), 1.0, 0, 1.0, 0.0, 0.5) == -1
+    assert fused.sample(torch.full((3,), float("-inf")), 1.0, 0, 1.0, 0.0, 0.5) == -1

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from wkvm.engine.sampler import SamplerRow, apply_penalties, draw, filtered_probs, top_p_filter
+from wkvm.engine.sampler import SamplerRow, apply_penalties, draw, filtered_probs, top_p_filter, uniform
 from wkvm.models.spec import StateSpec, TensorSpec
 from wkvm.sampling_params import SamplingParams
 from wkvm.state.prefix import PrefixTrie
@@ -206,14 +206,14 @@ def test_draw_follows_the_distribution_and_never_draws_a_zero():
     (NaN, all zero) gives None."""
     probs = torch.tensor([0.0, 0.1, 0.0, 0.2, 0.3, 0.4]) * 3
     gen = torch.Generator().manual_seed(7)
-    draws = [draw(probs, gen) for _ in range(20000)]
+    draws = [draw(probs, uniform(gen)) for _ in range(20000)]
     shares = torch.bincount(torch.tensor(draws), minlength=6).double() / len(draws)
     assert shares[0] == 0 and shares[2] == 0
     assert_close(shares, probs.double() / 3, atol=0.012, rtol=0)
     again = torch.Generator().manual_seed(7)
-    assert [draw(probs, again) for _ in range(100)] == draws[:100]
-    assert draw(torch.zeros(6), gen) is None and draw(torch.tensor([0.5, float("nan")]), gen) is None
-    assert draw(torch.tensor([0.0, 0.0, 1e-30, 0.0]), gen) == 2
+    assert [draw(probs, uniform(again)) for _ in range(100)] == draws[:100]
+    assert draw(torch.zeros(6), 0.5) is None and draw(torch.tensor([0.5, float("nan")]), 0.5) is None
+    assert draw(torch.tensor([0.0, 0.0, 1e-30, 0.0]), 0.999) == 2
 
 
 HISTORY = [("user", "Hail!"), ("assistant", "Who?")]

@@ -131,17 +131,21 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(-1, order, top.masked_fill(~keep, 0.0))
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int | None:
-    """One token from a distribution [V] (not necessarily normalized): one uniform number from the row's generator
-    against the cumulative sum (float64), the first token whose cumulative sum passes it; a token of probability 0 is
-    never drawn. None when the distribution is not valid (its total NaN, infinite or 0: the sampler's own filters
-    never make a probability negative)."""
+def uniform(generator: torch.Generator | None) -> float:
+    """The one number in [0, 1) a sampled token takes from its row's generator."""
+    return float(torch.rand((), dtype=torch.float64, generator=generator))
+
+
+def draw(probs: torch.Tensor, u: float) -> int | None:
+    """One token from a distribution [V] (not necessarily normalized) and a uniform u in [0, 1): the first token whose
+    cumulative sum (float64) passes u times the total; a token of probability 0 is never drawn. None when the
+    distribution is not valid (its total NaN, infinite or 0: the sampler's own filters never make a probability
+    negative)."""
     cdf = probs.double().cumsum(-1)
     total = float(cdf[-1])
     if not math.isfinite(total) or total <= 0:
         return None
-    u = float(torch.rand((), dtype=torch.float64, generator=generator)) * total
-    i = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True))
+    i = int(torch.searchsorted(cdf, torch.tensor([u * total], dtype=torch.float64), right=True))
     if i >= cdf.shape[-1]:  # u rounded up to the total: the last token that has any probability
         i = int(torch.nonzero(probs)[-1])
     return i
@@ -176,7 +180,11 @@ def choose(logits: torch.Tensor, row: SamplerRow, greedy_id: int) -> int | None:
     x = apply_penalties(logits, row) if p.uses_penalties else logits
     if p.greedy:  # a NaN or infinite maximum means no usable logit (grammar-masked ones are -inf)
         return int(torch.argmax(x)) if bool(torch.isfinite(x.max())) else None
-    return draw(filtered_probs(x, p), row.generator)
+    u = uniform(row.generator)
+    tok = fused.sample(x, p.temperature, p.top_k, p.top_p, p.min_p, u)  # None: no kernel here
+    if tok is None:
+        return draw(filtered_probs(x, p), u)
+    return tok if tok >= 0 else None
 
 
 def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:

@@ -6,6 +6,8 @@
 //   add_rms_norm(x [N, C], a [N, C], w, eps)  -> (x + a, rms_norm(x + a))
 //   silu_mul(gu [N, 2F])                      -> silu(gu[:, :F]) * gu[:, F:]
 //   greedy(logits [B, V])                     -> (first index of each row's max, whether the row is all finite)
+//   sample(logits [V], temperature, top_k, top_p, min_p, u) -> a token drawn with uniform u, or -1 (no valid
+//     distribution): the sampler's filtered_probs + draw (wkvm/engine/sampler.py) in a few passes over the row
 //   rope_attend(q [B, (1,) Hq, D], k, v [B, (1,) Hkv, D], cos, sin [B, R], kflat, vflat [S, Hkv, D],
 //               table [B, P] int64, lengths [B] int64, page_tokens, scale) -> q's shape
 //     One new token per row: RoPE (HF half-split pairs over the first R dims) on q and k, k and v written to the
@@ -21,12 +23,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <functional>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -664,6 +668,117 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return out;
 }
 
+// One row's token, as the sampler's torch path picks it (filtered_probs, then draw), to rounding: logits / temperature;
+// with 0 < top_k < V, values below the k-th largest dropped (ties with it kept); the softmax's numerators
+// exp(y - max) (0 below max - 87, whose probability is under 2e-38, and for -inf); with top_p < 1, the smallest set of
+// most likely tokens whose probabilities reach top_p (a token is kept when the ones before it sum to at most top_p);
+// with min_p > 0, tokens under min_p times the most likely one's probability dropped; then the first token whose
+// running sum (in index order, double) passes u times the total. Only top_p sorts, and only the tokens that can be
+// kept: a token of probability p with p * V < 1 - top_p never is (the tokens from it on, each at most p, would have to
+// hold 1 - top_p), so those under half that bound are dropped unsorted. -1 when the total is not finite and positive.
+// One thread: ~V floats three or four times (the torch path took 0.2-0.5 ms a row of 49k in ~15 ops).
+int64_t sample(const at::Tensor& logits, double temperature, int64_t top_k, double top_p, double min_p, double u) {
+  TORCH_CHECK(logits.dim() == 1 && logits.is_contiguous() && logits.scalar_type() == at::kFloat && logits.is_cpu(),
+              "logits must be a contiguous CPU float32 [V]");
+  TORCH_CHECK(temperature > 0, "temperature must be > 0");
+  const int64_t V = logits.size(0);
+  TORCH_CHECK(V > 0, "logits must have at least one value");
+  const float* x = logits.data_ptr<float>();
+  const float t = static_cast<float>(temperature);
+  std::vector<float> e(V);
+  float mx = -INFINITY, bad = 0.f;
+#pragma omp simd reduction(max : mx) reduction(+ : bad)
+  for (int64_t v = 0; v < V; ++v) {
+    const float y = x[v] / t;
+    e[v] = y;
+    mx = y > mx ? y : mx;
+    bad += (y != y || y == INFINITY) ? 1.f : 0.f;
+  }
+  if (bad > 0.f || !(mx > -INFINITY)) return -1;
+  float kth = -INFINITY;
+  if (top_k > 0 && top_k < V) {  // a min-heap of the k largest: after the first k, most values lose one comparison
+    std::vector<float> heap(e.begin(), e.begin() + top_k);
+    std::make_heap(heap.begin(), heap.end(), std::greater<float>());
+    for (int64_t v = top_k; v < V; ++v) {
+      if (e[v] > heap.front()) {
+        std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
+        heap.back() = e[v];
+        std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+      }
+    }
+    kth = heap.front();
+  }
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t v = 0; v < V; ++v) {
+    const float d = e[v] - mx;
+    e[v] = (e[v] < kth || d < -87.f) ? 0.f : wkvm::exp_approx(d);
+    sum += e[v];
+  }
+  if (!(sum > 0.f) || !std::isfinite(sum)) return -1;
+  if (top_p < 1.0) {
+    const float floor_p = static_cast<float>(0.5 * (1.0 - top_p) / static_cast<double>(V)) * sum;
+    std::vector<std::pair<float, int64_t>> kept;
+    for (int64_t v = 0; v < V; ++v) {
+      if (e[v] >= floor_p && e[v] > 0.f) {
+        kept.emplace_back(e[v], v);
+      } else {
+        e[v] = 0.f;
+      }
+    }
+    std::sort(kept.begin(), kept.end(), [](const auto& a, const auto& b) {
+      return a.first != b.first ? a.first > b.first : a.second < b.second;
+    });
+    const double limit = top_p * static_cast<double>(sum);
+    double before = 0.0;
+    for (const auto& [p, v] : kept) {
+      if (before > limit) e[v] = 0.f;
+      before += p;
+    }
+  }
+  if (min_p > 0.0) {  // the most likely token's numerator is exp(0)
+    const float cut = static_cast<float>(min_p) * wkvm::exp_approx(0.f);
+#pragma omp simd
+    for (int64_t v = 0; v < V; ++v) e[v] = e[v] < cut ? 0.f : e[v];
+  }
+  constexpr int64_t BLOCK = 256;  // block sums first, then the walk inside one block
+  const int64_t nb = (V + BLOCK - 1) / BLOCK;
+  std::vector<double> blocks(nb);
+  double total = 0.0;
+  for (int64_t b = 0; b < nb; ++b) {
+    float part = 0.f;
+    const int64_t v1 = std::min(V, (b + 1) * BLOCK);
+#pragma omp simd reduction(+ : part)
+    for (int64_t v = b * BLOCK; v < v1; ++v) part += e[v];
+    blocks[b] = part;
+    total += part;
+  }
+  if (!(total > 0.0) || !std::isfinite(total)) return -1;
+  const double target = u * total;
+  double run = 0.0;
+  int64_t last = -1;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (blocks[b] > 0.0) {
+      if (run + blocks[b] > target) {
+        for (int64_t v = b * BLOCK; v < std::min(V, (b + 1) * BLOCK); ++v) {
+          if (e[v] > 0.f) last = v;
+          run += e[v];
+          if (run > target && e[v] > 0.f) return v;
+        }
+        continue;  // the block's own float sum rounded over the target: on to the next block
+      }
+      for (int64_t v = std::min(V, (b + 1) * BLOCK) - 1; v >= b * BLOCK; --v) {
+        if (e[v] > 0.f) {
+          last = v;
+          break;
+        }
+      }
+      run += blocks[b];
+    }
+  }
+  return last;  // u * total rounded up to the total: the last token with any probability
+}
+
 // Per row of logits [B, V]: whether every value is finite, and the index of the first maximum (torch.argmax's
 // answer; only meaningful for a finite row). One pass for the check and the max, one for the index: torch's
 // isfinite(...).all() and argmax took ~0.6 ms for 8 rows of a 49k vocabulary, ~4% of a decode step.
@@ -728,6 +843,7 @@ at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& in_norm, const at:
 
 TORCH_LIBRARY(wkvm_fused, m) {
   m.def("greedy(Tensor logits) -> (Tensor, Tensor)", &greedy);
+  m.def("sample(Tensor logits, float temperature, int top_k, float top_p, float min_p, float u) -> int", &sample);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor a, Tensor w, float eps) -> (Tensor, Tensor)", &add_rms_norm);
   m.def("silu_mul(Tensor gu) -> Tensor", &silu_mul);

@@ -106,6 +106,15 @@ def greedy(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     return ids.tolist(), finite.tolist()
 
 
+def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> int | None:
+    """One row's token from logits [V] with uniform u in [0, 1) (-1: no valid distribution), as the sampler's torch
+    path (`filtered_probs`, then `draw`) picks it, to rounding; None where the kernel does not run (the sampler then
+    takes that path)."""
+    if _runs(logits):
+        return int(torch.ops.wkvm_fused.sample(logits.contiguous(), temperature, top_k, top_p, min_p, u))
+    return None
+
+
 def pages_fit(tokens: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor, *caches: torch.Tensor) -> bool:
     """Whether `rope_attend` runs a step of `tokens` new tokens a row with heads of `head_dim` on these angles and KV
     pools (else the caller rotates, appends and attends with torch): one token, CPU float32 angles, and pools all
