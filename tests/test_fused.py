@@ -282,24 +282,33 @@ def sample_cases():
         x = torch.randn(5000, generator=gen) * scale
         masked = x.masked_fill(torch.rand(5000, generator=gen) < 0.5, float("-inf"))
         for kw in (dict(temperature=0.7), dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_k=40),
-                   dict(temperature=0.8, top_p=0.95, min_p=0.05), dict(temperature=0.6, top_k=300, top_p=0.5)):
+                   dict(temperature=0.8, top_p=0.95, min_p=0.05), dict(temperature=0.6, top_k=300, top_p=0.5),
+                   dict(temperature=0.9, top_p=0.9, frequency_penalty=0.8, presence_penalty=-0.4),
+                   dict(temperature=0.5, repetition_penalty=1.7, frequency_penalty=0.3)):
             cases += [(x, SamplingParams(**kw)), (masked, SamplingParams(**kw))]  # fmt: skip
     return cases
 
 
 @needs_kernel
 def test_sample_draws_what_the_torch_path_draws():
-    """The kernel's `sample` against the sampler's torch path (filtered_probs, then the cumulative sum): for 199 evenly
-    spaced uniforms, its token has probability > 0 there and u falls within that token's step of the torch path's
-    cumulative distribution (to 1e-5: exp and sums round differently); a row with NaN or nothing finite gives -1."""
-    from wkvm.engine.sampler import filtered_probs
+    """The kernel's `sample` against the sampler's torch path (apply_penalties, filtered_probs, then the cumulative
+    sum): for 199 evenly spaced uniforms, its token has probability > 0 there and u falls within that token's step of
+    the torch path's cumulative distribution (to 1e-5: exp and sums round differently); a row with NaN or nothing
+    finite gives -1. Penalized rows have an output of 400 tokens and a prompt of 300 drawn from the first 1,000."""
+    from wkvm.engine.sampler import SamplerRow, apply_penalties, filtered_probs
 
+    gen = torch.Generator().manual_seed(4)
     for x, p in sample_cases():
-        probs = filtered_probs(x, p).double()
+        ids = torch.randint(0, min(1000, len(x)), (700,), generator=gen).tolist()
+        row = SamplerRow(p, prompt_ids=ids[:300], output_ids=ids[300:])
+        counts = row.output_counts(len(x)) if p.frequency_penalty or p.presence_penalty else None
+        seen = row.seen(len(x)) if p.repetition_penalty != 1.0 else None
+        probs = filtered_probs(apply_penalties(x, row), p).double()
         probs = probs / probs.sum()
         cdf = probs.cumsum(-1)
         for u in torch.linspace(0.005, 0.995, 199).tolist():
-            t = fused.sample(x, p.temperature, p.top_k, p.top_p, p.min_p, u)
+            t = fused.sample(x, p.temperature, p.top_k, p.top_p, p.min_p, u, counts, seen, p.frequency_penalty,
+                             p.presence_penalty, p.repetition_penalty)  # fmt: skip
             assert t is not None and 0 <= t < len(x) and probs[t] > 0, (p, u, t)
             assert float(cdf[t] - probs[t]) - 1e-5 <= u <= float(cdf[t]) + 1e-5, (p, u, t)
     assert fused.sample(torch.tensor([0.0, float("nan")]), 1.0, 0, 1.0, 0.0, 0.5) == -1

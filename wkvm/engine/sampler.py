@@ -174,15 +174,19 @@ def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> l
 
 def choose(logits: torch.Tensor, row: SamplerRow, greedy_id: int) -> int | None:
     """One row's token from its finite logits [V]; None when penalties or temperature push them out of range."""
-    p = row.params
+    p, vocab = row.params, logits.shape[-1]
     if p.greedy and not p.uses_penalties:
         return greedy_id
-    x = apply_penalties(logits, row) if p.uses_penalties else logits
     if p.greedy:  # a NaN or infinite maximum means no usable logit (grammar-masked ones are -inf)
+        x = apply_penalties(logits, row)
         return int(torch.argmax(x)) if bool(torch.isfinite(x.max())) else None
     u = uniform(row.generator)
-    tok = fused.sample(x, p.temperature, p.top_k, p.top_p, p.min_p, u)  # None: no kernel here
-    if tok is None:
+    counts = row.output_counts(vocab) if p.frequency_penalty or p.presence_penalty else None
+    seen = row.seen(vocab) if p.repetition_penalty != 1.0 else None
+    tok = fused.sample(logits, p.temperature, p.top_k, p.top_p, p.min_p, u, counts, seen, p.frequency_penalty,
+                       p.presence_penalty, p.repetition_penalty)  # fmt: skip
+    if tok is None:  # no kernel here
+        x = apply_penalties(logits, row) if p.uses_penalties else logits
         return draw(filtered_probs(x, p), u)
     return tok if tok >= 0 else None
 

@@ -6,8 +6,9 @@
 //   add_rms_norm(x [N, C], a [N, C], w, eps)  -> (x + a, rms_norm(x + a))
 //   silu_mul(gu [N, 2F])                      -> silu(gu[:, :F]) * gu[:, F:]
 //   greedy(logits [B, V])                     -> (first index of each row's max, whether the row is all finite)
-//   sample(logits [V], temperature, top_k, top_p, min_p, u) -> a token drawn with uniform u, or -1 (no valid
-//     distribution): the sampler's filtered_probs + draw (wkvm/engine/sampler.py) in a few passes over the row
+//   sample(logits [V], temperature, top_k, top_p, min_p, u, counts?, seen?, frequency, presence, repetition)
+//     -> a token drawn with uniform u, or -1 (no valid distribution): the sampler's apply_penalties, filtered_probs
+//     and draw (wkvm/engine/sampler.py) in a few passes over the row
 //   rope_attend(q [B, (1,) Hq, D], k, v [B, (1,) Hkv, D], cos, sin [B, R], kflat, vflat [S, Hkv, D],
 //               table [B, P] int64, lengths [B] int64, page_tokens, scale) -> q's shape
 //     One new token per row: RoPE (HF half-split pairs over the first R dims) on q and k, k and v written to the
@@ -24,6 +25,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <optional>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -668,7 +670,10 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return out;
 }
 
-// One row's token, as the sampler's torch path picks it (filtered_probs, then draw), to rounding: logits / temperature;
+// One row's token, as the sampler's torch path picks it (apply_penalties, filtered_probs, then draw), to rounding:
+// with `counts` (the output's token counts [V] float), logits - frequency * count - presence * (count > 0); with
+// `seen` (tokens of the state, prompt or output [V] bool), a seen logit divided by `repetition` when positive, else
+// multiplied by it; then / temperature;
 // with 0 < top_k < V, values below the k-th largest dropped (ties with it kept); the softmax's numerators
 // exp(y - max) (0 below max - 87, whose probability is under 2e-38, and for -inf); with top_p < 1, the smallest set of
 // most likely tokens whose probabilities reach top_p (a token is kept when the ones before it sum to at most top_p);
@@ -677,7 +682,9 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 // kept: a token of probability p with p * V < 1 - top_p never is (the tokens from it on, each at most p, would have to
 // hold 1 - top_p), so those under half that bound are dropped unsorted. -1 when the total is not finite and positive.
 // One thread: ~V floats three or four times (the torch path took 0.2-0.5 ms a row of 49k in ~15 ops).
-int64_t sample(const at::Tensor& logits, double temperature, int64_t top_k, double top_p, double min_p, double u) {
+int64_t sample(const at::Tensor& logits, double temperature, int64_t top_k, double top_p, double min_p, double u,
+               const std::optional<at::Tensor>& counts, const std::optional<at::Tensor>& seen, double frequency,
+               double presence, double repetition) {
   TORCH_CHECK(logits.dim() == 1 && logits.is_contiguous() && logits.scalar_type() == at::kFloat && logits.is_cpu(),
               "logits must be a contiguous CPU float32 [V]");
   TORCH_CHECK(temperature > 0, "temperature must be > 0");
@@ -685,11 +692,26 @@ int64_t sample(const at::Tensor& logits, double temperature, int64_t top_k, doub
   TORCH_CHECK(V > 0, "logits must have at least one value");
   const float* x = logits.data_ptr<float>();
   const float t = static_cast<float>(temperature);
-  std::vector<float> e(V);
+  std::vector<float> e(x, x + V);
+  if (counts) {
+    TORCH_CHECK(counts->sizes() == logits.sizes() && counts->is_contiguous() && counts->scalar_type() == at::kFloat,
+                "counts must be a contiguous float32 [V]");
+    const float* c = counts->data_ptr<float>();
+    const float f = static_cast<float>(frequency), pr = static_cast<float>(presence);
+#pragma omp simd
+    for (int64_t v = 0; v < V; ++v) e[v] = (e[v] - f * c[v]) - pr * (c[v] > 0.f ? 1.f : 0.f);
+  }
+  if (seen) {
+    TORCH_CHECK(seen->sizes() == logits.sizes() && seen->is_contiguous() && seen->scalar_type() == at::kBool,
+                "seen must be a contiguous bool [V]");
+    const bool* m = seen->data_ptr<bool>();
+    const float r = static_cast<float>(repetition);
+    for (int64_t v = 0; v < V; ++v) e[v] = m[v] ? (e[v] > 0.f ? e[v] / r : e[v] * r) : e[v];
+  }
   float mx = -INFINITY, bad = 0.f;
 #pragma omp simd reduction(max : mx) reduction(+ : bad)
   for (int64_t v = 0; v < V; ++v) {
-    const float y = x[v] / t;
+    const float y = e[v] / t;
     e[v] = y;
     mx = y > mx ? y : mx;
     bad += (y != y || y == INFINITY) ? 1.f : 0.f;
@@ -843,7 +865,10 @@ at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& in_norm, const at:
 
 TORCH_LIBRARY(wkvm_fused, m) {
   m.def("greedy(Tensor logits) -> (Tensor, Tensor)", &greedy);
-  m.def("sample(Tensor logits, float temperature, int top_k, float top_p, float min_p, float u) -> int", &sample);
+  m.def(
+      "sample(Tensor logits, float temperature, int top_k, float top_p, float min_p, float u, Tensor? counts, "
+      "Tensor? seen, float frequency, float presence, float repetition) -> int",
+      &sample);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor a, Tensor w, float eps) -> (Tensor, Tensor)", &add_rms_norm);
   m.def("silu_mul(Tensor gu) -> Tensor", &silu_mul);

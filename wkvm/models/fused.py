@@ -106,12 +106,15 @@ def greedy(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     return ids.tolist(), finite.tolist()
 
 
-def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> int | None:
+def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float, u: float,
+           counts: torch.Tensor | None = None, seen: torch.Tensor | None = None, frequency: float = 0.0,
+           presence: float = 0.0, repetition: float = 1.0) -> int | None:  # fmt: skip
     """One row's token from logits [V] with uniform u in [0, 1) (-1: no valid distribution), as the sampler's torch
-    path (`filtered_probs`, then `draw`) picks it, to rounding; None where the kernel does not run (the sampler then
-    takes that path)."""
+    path (`apply_penalties` with the output's token `counts` and the `seen` tokens when given, `filtered_probs`, then
+    `draw`) picks it, to rounding; None where the kernel does not run (the sampler then takes that path)."""
     if _runs(logits):
-        return int(torch.ops.wkvm_fused.sample(logits.contiguous(), temperature, top_k, top_p, min_p, u))
+        return int(torch.ops.wkvm_fused.sample(logits.contiguous(), temperature, top_k, top_p, min_p, u, counts, seen,
+                                               frequency, presence, repetition))  # fmt: skip
     return None
 
 
