@@ -62,17 +62,19 @@ def cpu_name() -> str:
 
 
 def engine_decode_tok_s(model, tokenizer, batch: int, steps: int, prompt: Callable[[int], list[int]],
-                        kv_dtype: str = "float32") -> float:  # fmt: skip
-    """Aggregate decode tok/s of the engine running `batch` requests (request i starts from `prompt(i)`), timed
-    over `steps` steps after every request has its first token (each step then decodes one token per request)."""
+                        kv_dtype: str = "float32", sampling: dict | None = None) -> float:  # fmt: skip
+    """Aggregate decode tok/s of the engine running `batch` requests (request i starts from `prompt(i)`; greedy, or
+    `sampling`'s SamplingParams fields with seed i), timed over `steps` steps after every request has its first
+    token (each step then decodes one token per request)."""
     from wkvm.config import EngineConfig
     from wkvm.engine.engine import Engine
     from wkvm.sampling_params import SamplingParams
 
     config = EngineConfig(n_slots=batch, token_budget=max(batch, 512), prefill_chunk=512, kv_dtype=kv_dtype)
     engine = Engine(model, tokenizer, config)
-    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
-    handles = [engine.submit(prompt(i), params) for i in range(batch)]
+    fields = {"temperature": 0, **(sampling or {})}
+    handles = [engine.submit(prompt(i), SamplingParams(max_tokens=steps + 2, ignore_eos=True, seed=i, **fields))
+               for i in range(batch)]  # fmt: skip
     while not all(h.output.token_ids for h in handles):  # prefill (several steps for a long prompt)
         engine.step()
     engine.step()
