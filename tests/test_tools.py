@@ -13,7 +13,7 @@ import pytest
 from live_server import LiveServer
 
 from wkvm.server.errors import APIError
-from wkvm.server.tools import parse_reply, tool_mode
+from wkvm.server.tools import content_ready, final_delta, parse_reply, tool_mode
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -122,6 +122,52 @@ def test_auto_recognises_hermes_mistral_and_plain_json_calls():
     assert none is not None and parse_reply(hermes, none) == (hermes, [])
     with pytest.raises(APIError):
         tool_mode([{"type": "function"}], None, None)
+
+
+def test_auto_streams_the_words_before_a_call_and_holds_the_call():
+    """With `auto`, a reply streamed in pieces of any size sends as content what can no longer be a call's start,
+    never a marker's first characters, and its last delta the rest: the same calls as the blocking reply, the same
+    content (whole, when there is no call; to its stripped ends, when there is)."""
+    import random
+
+    mode = tool_mode(TOOLS, None, None)
+    assert mode is not None
+    call = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+    replies = [f"Let me check <the> weather.\n<tool_call>\n{call}\n</tool_call>", f"\n<tool_call>{call}</tool_call>",
+               f"One.<tool_call>{call}</tool_call> Two.<tool_call>{call}</tool_call>", f"Sure: [TOOL_CALLS] [{call}]",
+               f"[TOOL_CALLS] [{call}]", call, "Just words, a < b and [x] {y}.", "Ends in a half marker <tool_c",
+               "<tool_call>{broken</tool_call> and after", "  [1, 2] is a list", "<b>bold</b> text"]  # fmt: skip
+    rng = random.Random(0)
+    for text in replies:
+        want_content, want_calls = parse_reply(text, mode)
+        for _ in range(5):
+            sent, released, at = "", 0, 0
+            while at < len(text):
+                at = min(len(text), at + rng.randint(1, 6))
+                ready = content_ready(text[:at], mode)
+                assert ready >= released and not any(m in text[:ready] for m in ("<tool_call>", "[TOOL_CALLS]"))
+                sent, released = sent + text[released:ready], max(ready, released)
+            tail, calls, finish = final_delta(text, released, "stop", mode)
+            sent += tail or ""
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+                (c["function"]["name"], c["function"]["arguments"]) for c in want_calls], text
+            if calls:
+                assert finish == "tool_calls" and sent.strip() == (want_content or "").strip(), text
+            else:
+                assert finish == "stop" and sent == text, text
+    assert content_ready("Hi there", tool_mode(TOOLS, "required", None)) == 0  # a forced reply is the call
+    assert content_ready("<tool_call>", tool_mode(TOOLS, "none", None)) == 11  # "none": all of it
+
+
+def test_auto_streams_a_plain_answer_as_it_comes(client):
+    """Offered tools it does not call, a model's answer streams chunk by chunk (before, it all came in the last
+    chunk), and the streamed content equals the blocking reply's."""
+    kw = dict(model="char-model", messages=ASK, tools=TOOLS, temperature=0, max_tokens=40)
+    want = client.chat.completions.create(**kw).choices[0].message
+    assert not want.tool_calls and want.content and want.content.lstrip()[0] not in "{["
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    parts = [d.content for d in deltas if d.content]
+    assert len(parts) > 5 and "".join(parts) == want.content
 
 
 def test_a_tool_round_trip_keeps_reuse_exact(client, server):

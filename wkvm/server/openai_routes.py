@@ -36,7 +36,7 @@ from wkvm.server.handover import (
 from wkvm.server.handover import decode as decode_ticket
 from wkvm.server.handover import encode as encode_ticket
 from wkvm.server.schemas import MAX_PROMPTS, ChatRequest, CompletionRequest, SamplingFields
-from wkvm.server.tools import ToolMode, parse_reply, template_messages, tool_mode
+from wkvm.server.tools import ToolMode, content_ready, final_delta, parse_reply, template_messages, tool_mode
 from wkvm.state.sessions import ChatMeta, Plan
 from wkvm.state.statefile import valid_name
 from wkvm.state.store import QuotaExceeded
@@ -498,10 +498,11 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
                       handles: list[RequestHandle], base: dict[str, Any], prompt_tokens: int, tenant: str,
                       k: int | None, mode: ToolMode | None, live: LiveStream,
                       sent: list[str] | None = None) -> AsyncIterator[str]:  # fmt: skip
-    """Chat chunks. With tools that may be called, a choice's text is held back and its last chunk carries the
-    reply as content or as `tool_calls` (one delta per call, with its index): a call is known only once its text
-    is complete. `sent`: per handle, the text a server this stream moved from has sent (or held back); the handles
-    are then the choices `live.ticket.choices` names."""
+    """Chat chunks. With tools that may be called, a choice's text streams as content only up to where a call could
+    begin (`tools.content_ready`: with `auto`, words before a `<tool_call>`; nothing of a forced call), and its last
+    chunk carries the rest: content, and `tool_calls` (one delta per call, with its index) when its text holds calls
+    (a call is known only once its text is complete). `sent`: per handle, the text a server this stream moved from
+    has sent (or held back); the handles are then the choices `live.ticket.choices` names."""
     base = {**base, "object": "chat.completion.chunk"}
     index = live.ticket.choices
     for i in range(len(handles) if sent is None else 0):  # a moved stream's role chunks went out already
@@ -509,17 +510,21 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
         yield gen.sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]})
     held = [""] * len(handles) if sent is None else list(sent)
     hold = mode is not None and mode.choice != "none"
+    released = [content_ready(text, mode) if mode is not None else 0 for text in held]  # what went out as content
 
     def chunk(i: int, ev: Event) -> dict[str, Any]:
         finish_reason = ev.finish_reason
         d: dict[str, Any] = {"content": ev.text} if ev.text else {}
         if hold:
+            assert mode is not None
             held[i] += ev.text
-            d = {}
-            if ev.finish_reason is not None:
-                message, finish_reason = reply(held[i], ev.finish_reason, mode)
-                calls = message.get("tool_calls") or []
-                d = {"content": message["content"]} if message["content"] else {}
+            if ev.finish_reason is None:
+                ready = content_ready(held[i], mode)
+                d = {"content": held[i][released[i] : ready]} if ready > released[i] else {}
+                released[i] = max(ready, released[i])
+            else:
+                content, calls, finish_reason = final_delta(held[i], released[i], ev.finish_reason, mode)
+                d = {"content": content} if content else {}
                 if calls:
                     d["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
         c = {"index": index[i], "delta": d, "finish_reason": finish_reason,

@@ -20,6 +20,7 @@ from wkvm.server.errors import APIError
 
 HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 MISTRAL = "[TOOL_CALLS]"
+MARKERS = ("<tool_call>", MISTRAL)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,15 @@ def tool_mode(tools: list[Any] | None, choice: Any, parallel: bool | None) -> To
 def parse_reply(text: str, mode: ToolMode) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls) for a finished reply: calls in OpenAI's shape, content the text around them (None
     when nothing else was said). A reply whose calls do not parse, or name tools not offered, is plain content."""
+    rest, calls = split_reply(text, mode)
+    if not calls:
+        return text, []
+    return rest.strip() or None, calls
+
+
+def split_reply(text: str, mode: ToolMode) -> tuple[str, list[dict[str, Any]]]:
+    """(the text around the calls as written, the calls) for a finished reply; ([text], []) when it holds no call
+    that parses (see parse_reply)."""
     if mode.choice == "none":
         return text, []
     found: list[Any] = []
@@ -110,8 +120,41 @@ def parse_reply(text: str, mode: ToolMode) -> tuple[str | None, list[dict[str, A
     calls = [c for c in (_call(x, mode) for x in found) if c is not None]
     if not calls or len(calls) != len(found):
         return text, []
-    content = rest.strip() or None
-    return content, calls
+    return rest, calls
+
+
+def content_ready(text: str, mode: ToolMode) -> int:
+    """How much of an unfinished reply (a prefix length) can stream as content now, when tools may be called: with
+    `auto`, everything before where a call could begin: nothing while the reply is only whitespace or starts with `{`
+    or `[` (it may be a whole JSON call, or Mistral's `[TOOL_CALLS]`), else the text up to the first `<tool_call>` /
+    `[TOOL_CALLS]`, holding back an end that may be the start of one (as vLLM's Hermes parser streams the words
+    before a call). Nothing with a forced call (the reply is the call), everything with "none". Depends only on the
+    text, so a stream that moves to another server goes on from the same point."""
+    if mode.choice == "none":
+        return len(text)
+    stripped = text.lstrip()
+    if mode.forced or not stripped or stripped[0] in "{[":
+        return 0
+    starts = [i for m in MARKERS if (i := text.find(m)) >= 0]
+    if starts:
+        return min(starts)
+    for k in range(min(len(text), max(len(m) for m in MARKERS) - 1), 0, -1):
+        if any(m.startswith(text[-k:]) for m in MARKERS):
+            return len(text) - k
+    return len(text)
+
+
+def final_delta(text: str, released: int, finish_reason: str | None,
+                mode: ToolMode) -> tuple[str | None, list[dict[str, Any]], str | None]:  # fmt: skip
+    """A streamed reply's last delta: (the content not yet sent, or None; its tool calls; the finish reason), given
+    the `released` characters of `text` already sent as content (content_ready). With calls, the content sent in all
+    is the text around them with its end stripped (the blocking reply strips both ends: a reply that begins with
+    whitespace then words then a call keeps that whitespace when streamed); without, the whole text."""
+    rest, calls = split_reply(text, mode) if finish_reason == "stop" else (text, [])
+    if not calls:
+        return text[released:] or None, [], finish_reason
+    tail = rest[released:].rstrip() if released else rest.strip()
+    return tail or None, calls, "tool_calls"
 
 
 def _json(text: str) -> Any:
