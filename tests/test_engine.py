@@ -218,6 +218,7 @@ OUT_OF_RANGE = [
     ("min_p", [NAN, 1.5]),
     ("max_tokens", [-1, 2.5, True]),  # 0 is valid: score the prompt, generate nothing
     ("stop_token_ids", [[-1], [True], ["7"]]),
+    ("logit_bias", [{1: 101.0}, {1: NAN}, {1: -INF}, {-1: 1.0}, {"7": 1.0}, {True: 1.0}, {1: True}]),
 ]
 
 

@@ -53,6 +53,22 @@ def test_stop_token_ids_and_eos(llm):
     assert out.token_ids == first[:3] and out.finish_reason == "stop"
 
 
+def test_logit_bias_bans_and_forces_tokens_and_leaves_logprobs_raw(llm):
+    plain = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    first = llm.generate([[1, 2]], plain)[0]
+    banned = first.token_ids[0]
+    out = llm.generate([[1, 2]], SamplingParams(**{**plain.__dict__, "logit_bias": {banned: -100.0}}))[0]
+    assert banned not in out.token_ids  # banned at every position, not only the first
+    assert first.logprobs is not None and out.logprobs is not None
+    runner_up = next(t for t in sorted(first.logprobs[0], key=first.logprobs[0].get, reverse=True) if t != banned)
+    assert out.token_ids[0] == runner_up  # the greedy choice among the rest
+    # logprobs are the model's own, before the bias: the first position's equal the unbiased run's
+    assert out.logprobs[0][runner_up] == pytest.approx(first.logprobs[0][runner_up], abs=1e-6)
+    assert out.logprobs[0][banned] == pytest.approx(first.logprobs[0][banned], abs=1e-6)
+    forced = SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True, logit_bias={7: 100.0})
+    assert llm.generate([[1, 2]], forced)[0].token_ids == [7] * 6  # sampled: all the mass on token 7
+
+
 def test_seeded_sampling_is_reproducible(llm):
     p = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     a = llm.generate([[1, 2, 3]], p)[0].token_ids

@@ -75,6 +75,8 @@ def poisons(server) -> list[tuple[str, str, dict]]:
         ("POST", "/v1/completions", {"json": {"prompt": "x", "max_tokens": 2.0}}),
         ("POST", "/v1/completions", {"json": {"prompt": "x", "stop_token_ids": [10**30]}}),
         ("POST", "/v1/completions", {"json": {"prompt": "x", "stop_token_ids": [70000]}}),
+        ("POST", "/v1/completions", {"json": {"prompt": "x", "logit_bias": {"9" * 5000: 1}}}),
+        ("POST", "/v1/completions", {"content": b'{"prompt": "x", "logit_bias": {"5": Infinity}}'}),
         ("GET", "/v1/states/x@9223372036854775808", {}),
         ("GET", "/v1/states/poison-src@\u0661", {}),
         ("POST", "/v1/completions", {"json": {"prompt": "x", "state": "poison-src@99999999999999999999"}}),

@@ -84,6 +84,30 @@ def test_prompt_list_reports_each_prompt(client):
     assert mixed.model_extra["wkvm"]["prompts"] == [resumed[0], fresh]
 
 
+def test_logit_bias_through_the_sdk(client, server):
+    """OpenAI's logit_bias (token ids as string keys): -100 bans a token in completions and chat alike; a key that is
+    not a token id of the model, or a value out of [-100, 100], is a 400 naming logit_bias."""
+    kw = dict(model="world", prompt=[101, 202, 303], max_tokens=8, temperature=0,
+              extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    ids = client.completions.create(**kw).choices[0].model_extra["token_ids"]
+    one = client.completions.create(**kw, logit_bias={str(ids[0]): -100}).choices[0].model_extra["token_ids"]
+    assert one[0] != ids[0] and ids[0] not in one
+    banned = client.completions.create(**kw, logit_bias={str(t): -100 for t in set(ids)})
+    assert not set(banned.choices[0].model_extra["token_ids"]) & set(ids)
+    msgs = [{"role": "user", "content": "Hello"}]
+    chat = client.chat.completions.create(model="world", messages=msgs, max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    chat_ids = chat.choices[0].model_extra["token_ids"]
+    again = client.chat.completions.create(model="world", messages=msgs, max_tokens=6, temperature=0,
+                                           logit_bias={str(chat_ids[0]): -100},
+                                           extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    assert again.choices[0].model_extra["token_ids"][0] != chat_ids[0]
+    vocab = server.ctx.model.vocab_size
+    for bad in ({str(vocab): 1}, {"x": 1}, {"-1": 1}, {"5": 101}, {"5": "1"}):
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "logit_bias": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("logit_bias"), (bad, r.text)
+
+
 def test_streaming_completion_matches_blocking(client):
     kw = dict(model="world", prompt="The king", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
     blocking = client.completions.create(**kw).choices[0].text

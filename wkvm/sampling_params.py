@@ -25,6 +25,7 @@ TOP_P_RANGE = (0.0, 1.0)  # open at 0: top_p must be > 0
 MIN_P_RANGE = (0.0, 1.0)
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty
 REPETITION_PENALTY_RANGE = (0.01, 10.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token, 100 all but forces it
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # compact JSON: no whitespace between tokens, so a reply cannot drift into endless blank space
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
@@ -51,6 +52,9 @@ class SamplingParams:
     # OpenAI's: None or {"type": "text"}; {"type": "json_object"}; {"type": "json_schema", "json_schema":
     # {"name": ..., "schema": {...}, "strict": ...}}. A JSON reply ends (finish_reason "stop") when the value closes.
     response_format: dict[str, Any] | None = None
+    # OpenAI's logit_bias: token id -> a number added to its logit before penalties and sampling (logprobs stay the
+    # model's own, as the other processing leaves them)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +79,10 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             _check(k is None or (_is_int(k) and 0 <= k <= MAX_LOGPROBS), name, f"an integer in 0..{MAX_LOGPROBS}")
+        lo, hi = LOGIT_BIAS_RANGE
+        for tok, bias in (self.logit_bias or {}).items():
+            ok = _is_int(tok) and tok >= 0 and _in_range(bias, LOGIT_BIAS_RANGE)
+            _check(ok, "logit_bias", f"a map from token ids to numbers in [{lo:g}, {hi:g}] (got {tok!r}: {bias!r})")
         if 0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
         self.grammar()  # raises InvalidParam("response_format", ...) for a format or schema it cannot enforce
@@ -134,13 +142,17 @@ def _check(ok: bool, name: str, allowed: str) -> None:
 
 
 def _check_number(name: str, x: object, bounds: tuple[float, float], open_lo: bool = False) -> None:
+    lo, hi = bounds
+    _check(_in_range(x, bounds, open_lo), name, f"a finite number in {'(' if open_lo else '['}{lo:g}, {hi:g}]")
+
+
+def _in_range(x: object, bounds: tuple[float, float], open_lo: bool = False) -> bool:
     """A finite real number within bounds; each comparison is written so that NaN fails it."""
     lo, hi = bounds
     ok = isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
     # read only when `ok`: then a numbers.Real, which compares with floats (typeshed's float admits only float)
     v = cast(float, x)
-    ok = ok and (lo < v if open_lo else lo <= v) and v <= hi
-    _check(ok, name, f"a finite number in {'(' if open_lo else '['}{lo:g}, {hi:g}]")
+    return ok and (lo < v if open_lo else lo <= v) and v <= hi
 
 
 def _is_int(x: object) -> bool:

@@ -1,6 +1,8 @@
-"""The sampler: grammar masks, penalties, greedy/temperature/top-k/top-p/min-p, per-request seeds, top-k logprobs.
+"""The sampler: logit bias, grammar masks, penalties, greedy/temperature/top-k/top-p/min-p, per-request seeds, top-k
+logprobs.
 
-Logprobs are those of the model's raw distribution (before grammar mask, penalties and temperature), as in vLLM.
+Logprobs are those of the model's raw distribution (before logit bias, grammar mask, penalties and temperature), as
+vLLM's default (`raw_logprobs`).
 Rows are independent: a row whose logits or distribution are not finite gets an error instead of a token, and
 every other row samples exactly as it would have without it (`draw` never sees an invalid distribution).
 A constrained row (one with a `GrammarState`) masks its own logits to the tokens its grammar allows; the batch's
@@ -48,6 +50,16 @@ class SamplerRow:
     _seen: torch.Tensor | None = field(default=None, init=False, repr=False)  # [V] state, prompt, output[:_seen_upto]
     _counted: int = field(default=0, init=False, repr=False)
     _seen_upto: int = field(default=0, init=False, repr=False)
+    _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)  # ids, values
+
+    def biased(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] plus the request's logit_bias, as a new tensor (ids >= V do not exist in this model: skipped;
+        the server answers 400 for them)."""
+        if self._bias is None:
+            pairs = [(t, b) for t, b in (self.params.logit_bias or {}).items() if t < logits.shape[-1]]
+            ids = torch.tensor([t for t, _ in pairs], dtype=torch.long)
+            self._bias = ids, torch.tensor([b for _, b in pairs], dtype=logits.dtype)
+        return logits.index_add(0, *self._bias)
 
     def output_counts(self, vocab: int) -> torch.Tensor:
         """How often each token came out so far [vocab] (float; ids >= vocab are not counted), for the frequency and
@@ -203,6 +215,9 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
             out.append(Sampled(None, error=NON_FINITE_LOGITS))
             continue
         x, greedy_id = logits[i], greedy_ids[i]
+        if row.params.logit_bias:
+            x = row.biased(x)
+            greedy_id = int(torch.argmax(x))
         if row.grammar is not None:
             allowed = row.grammar.allowed(x.shape[-1])
             if row.grammar.error is not None or not bool(allowed.any()):

@@ -77,6 +77,7 @@ def sampling_params(
     if bad is not None:
         raise APIError(400, f"stop_token_ids: {bad} is outside the vocabulary 0..{vocab - 1}", "stop_token_ids",
                        "invalid_token")
+    logit_bias = token_biases(body.logit_bias, vocab)
     n = max_tokens if max_tokens is not None else default_max
     if n > ctx.config.max_tokens_limit:
         raise APIError(400, f"max_tokens {n} exceeds this server's limit {ctx.config.max_tokens_limit} "
@@ -88,10 +89,25 @@ def sampling_params(
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty, stop=stop,
             stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            response_format=body.response_format.as_dict() if body.response_format else None,
+            response_format=body.response_format.as_dict() if body.response_format else None, logit_bias=logit_bias,
         )  # fmt: skip
     except InvalidParam as e:
         raise APIError(400, str(e), e.param, "invalid_value") from None
+
+
+def token_biases(logit_bias: dict[str, float] | None, vocab: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias (JSON keys are token ids written as decimal strings) as {token id: bias}; 400 for a key
+    that is not a token id of this model (the values' range is SamplingParams' check)."""
+    if not logit_bias:
+        return None
+    out: dict[int, float] = {}
+    for key, bias in logit_bias.items():
+        tok = int(key) if key.isascii() and key.isdigit() and len(key) <= 12 else -1
+        if not 0 <= tok < vocab:
+            raise APIError(400, f"logit_bias: the key {key[:32]!r} is not a token id of this model (0..{vocab - 1}, "
+                           'written as a string: {"50256": -100})', "logit_bias", "invalid_token")  # fmt: skip
+        out[tok] = bias
+    return out
 
 
 def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:

@@ -71,6 +71,7 @@ class SamplingFields(Body):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_TEXT_FIELD)  # as in vLLM
     return_token_ids: bool = False
     response_format: ResponseFormat | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a JSON key) -> bias in [-100, 100]
 
 
 class CompletionRequest(SamplingFields):
