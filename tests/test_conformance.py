@@ -292,6 +292,30 @@ def test_export_import_and_restart(server, family_dir, tmp_path):
         assert_same(from_state(a, "moving", [6])["choices"][0], want)
 
 
+def test_tokenize_gives_the_ids_a_request_feeds(server, model):
+    """/tokenize (vLLM's shape) returns exactly the prompt ids a chat or a completion feeds the model; /detokenize
+    gives the text back; max_model_len is the one-sequence limit of attention models, null without a window."""
+    c = httpx.Client(base_url=server.url, timeout=60)
+    messages = [{"role": "user", "content": "Goodmorrow,friend."}]
+    chat = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, "return_token_ids": True})
+    t = c.post("/tokenize", json={"messages": messages}).json()
+    assert t["tokens"] == chat.json()["prompt_token_ids"] and t["count"] == chat.json()["usage"]["prompt_tokens"]
+    done = c.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    assert len(done) < len(t["tokens"])
+    completion = c.post("/v1/completions", json={"prompt": "Whatnews?", "max_tokens": 1, "return_token_ids": True})
+    p = c.post("/tokenize", json={"prompt": "Whatnews?", "return_token_strs": True}).json()
+    assert p["tokens"] == completion.json()["prompt_token_ids"] and "".join(p["token_strs"]) == "Whatnews?"
+    assert c.post("/detokenize", json={"tokens": p["tokens"]}).json() == {"prompt": "Whatnews?"}
+    limit = c.get("/v1/models").json()["data"][0]["max_model_len"]
+    assert p["max_model_len"] == limit
+    assert limit is None if model.context_length is None else 0 < limit <= model.context_length
+    for bad in ({}, {"prompt": "a", "messages": messages}):
+        r = c.post("/tokenize", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = c.post("/detokenize", json={"tokens": [model.vocab_size]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_token"
+
+
 def test_chat_reuse_equals_fresh(server, family_dir):
     """A 4-turn chat: each turn reuses every token of the turn before (all but its pending last one) and answers
     exactly as a server without reuse."""

@@ -37,6 +37,7 @@ class ModelInfo:
     vocab_size: int
     spec: StateSpec
     chunks_equal_steps: bool = False  # LanguageModel's: a moved stream's catch-up gives the bits of stepping
+    context_limit: int | None = None  # tokens one sequence may hold (attention layers); None: no window
 
 
 class EngineClient(Protocol):
@@ -107,7 +108,8 @@ class LocalEngineClient:
     def __init__(self, engine: Engine):
         self.engine = engine
         m = engine.model
-        self.model = ModelInfo(m.family, m.fingerprint, m.vocab_size, m.spec, m.chunks_equal_steps)
+        self.model = ModelInfo(m.family, m.fingerprint, m.vocab_size, m.spec, m.chunks_equal_steps,
+                               engine.runner.context_limit)
 
     async def prefill(self, prompt_ids: list[int], base_state: State | None = None,
                       base_ids: list[int] | None = None) -> State:  # fmt: skip

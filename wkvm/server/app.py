@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from wkvm import __version__
 from wkvm.config import ServerConfig
-from wkvm.server import embeddings_routes, openai_routes, states_routes
+from wkvm.server import embeddings_routes, openai_routes, states_routes, tokenize_routes
 from wkvm.server.asgi import ApiKeyGate, BodyLimit, RequestMetrics
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import error_body, install_error_handlers
@@ -94,4 +94,5 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
     app.include_router(openai_routes.router(ctx, auth))
     app.include_router(states_routes.router(ctx, auth))
     app.include_router(embeddings_routes.router(ctx, auth))
+    app.include_router(tokenize_routes.router(ctx, auth))
     return app

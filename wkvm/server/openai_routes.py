@@ -35,7 +35,7 @@ from wkvm.server.handover import (
 )
 from wkvm.server.handover import decode as decode_ticket
 from wkvm.server.handover import encode as encode_ticket
-from wkvm.server.schemas import MAX_PROMPTS, ChatRequest, CompletionRequest, SamplingFields
+from wkvm.server.schemas import MAX_PROMPTS, ChatMessage, ChatRequest, CompletionRequest, SamplingFields
 from wkvm.server.tools import ToolMode, content_ready, final_delta, parse_reply, template_messages, tool_mode
 from wkvm.state.sessions import ChatMeta, Plan
 from wkvm.state.statefile import valid_name
@@ -270,7 +270,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
 
     def model_card() -> dict[str, Any]:
         return {"id": ctx.model_name, "object": "model", "created": ctx.model_created, "owned_by": "wkvm",
-                "root": ctx.config.model, "family": ctx.model.spec.family}  # fmt: skip
+                "root": ctx.config.model, "family": ctx.model.spec.family,
+                "max_model_len": ctx.model.context_limit}  # fmt: skip
 
     def embedding_card() -> list[dict[str, Any]]:
         e = ctx.embedder
@@ -364,7 +365,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         ctx.require_ready()
         tenant = ctx.tenant(request)
         check_model(ctx, body.model)
-        messages = chat_messages(body)
+        messages = chat_messages(body.messages, body.functions)
         mode = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
         try:
             text = ctx.template.render(template_messages(messages), tools=mode.tools if mode else None)
@@ -436,11 +437,11 @@ def check_echo(body: CompletionRequest) -> None:
                        "invalid_value")  # fmt: skip
 
 
-def chat_messages(body: ChatRequest) -> list[dict[str, Any]]:
-    if body.functions:
+def chat_messages(messages: list[ChatMessage], functions: list[Any] | None = None) -> list[dict[str, Any]]:
+    if functions:
         raise APIError(400, "functions (the deprecated form) is not supported: use tools", "functions", "unsupported")
     out: list[dict[str, Any]] = []
-    for i, m in enumerate(body.messages):
+    for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
             raise APIError(400, f"messages[{i}].role {m.role!r} is not supported; use one of {list(CHAT_ROLES)}",
                            f"messages[{i}].role", "invalid_value")  # fmt: skip

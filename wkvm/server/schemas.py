@@ -114,6 +114,23 @@ class ChatRequest(SamplingFields):
     save_state: str | None = None
 
 
+class TokenizeRequest(Body):
+    """vLLM's /tokenize: a completion prompt, or chat messages (with the tools they offer) as the template renders
+    them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Any] | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Body):
+    model: str | None = None
+    tokens: list[int]
+
+
 class CreateStateRequest(Body):
     name: str
     prompt: str | None = None
