@@ -69,6 +69,29 @@ def test_logit_bias_bans_and_forces_tokens_and_leaves_logprobs_raw(llm):
     assert llm.generate([[1, 2]], forced)[0].token_ids == [7] * 6  # sampled: all the mass on token 7
 
 
+def test_min_tokens_holds_back_stop_tokens_and_strings(llm):
+    """vLLM's min_tokens: until that many tokens are out, stop_token_ids (and EOS) cannot be sampled and stop strings
+    do not stop; after that they do."""
+    first = llm.generate([[1, 2]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    stop_id = first.token_ids[1]
+    short = llm.generate([[1, 2]], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop_id]))[0]
+    assert short.token_ids == first.token_ids[:2] and short.finish_reason == "stop"
+    held = llm.generate([[1, 2]], SamplingParams(max_tokens=8, min_tokens=5, temperature=0,
+                                                 stop_token_ids=[stop_id]))[0]  # fmt: skip
+    assert held.token_ids[0] == first.token_ids[0] and stop_id not in held.token_ids[:5]
+    assert len(held.token_ids) == 8 if stop_id not in held.token_ids else held.token_ids[-1] == stop_id
+    stop = first.text[:1]
+    assert stop, "the model's first 8 greedy tokens give no text"
+    cut = llm.generate([[1, 2]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.text == "" and len(cut.token_ids) < 8
+    m = len(cut.token_ids) + 1  # the stop string came out before this many tokens: it no longer stops
+    kept = llm.generate([[1, 2]], SamplingParams(max_tokens=8, min_tokens=m, temperature=0, ignore_eos=True,
+                                                 stop=[stop]))[0]  # fmt: skip
+    assert kept.token_ids[:m] == first.token_ids[:m] and kept.text.startswith(stop)
+    with pytest.raises(InvalidParam, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
 def test_seeded_sampling_is_reproducible(llm):
     p = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     a = llm.generate([[1, 2, 3]], p)[0].token_ids

@@ -173,6 +173,11 @@ def test_errors_are_openai_shaped(client, server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "stop": ["a", "b", "c", "d", "e"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "min_tokens": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 3, "min_tokens": 3,
+                                                         "temperature": 0})  # fmt: skip
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     r = httpx.get(f"{server.url}/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x" * (2 << 20)})

@@ -34,6 +34,8 @@ JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 @dataclass
 class SamplingParams:
     max_tokens: int = 16  # 0: the prompt is fed (and scored, with prompt_logprobs) and nothing is generated
+    # vLLM's: until this many tokens are out, EOS and stop_token_ids cannot be sampled and stop strings do not stop
+    min_tokens: int = 0
     temperature: float = 1.0  # 0: greedy; a positive value below MIN_TEMPERATURE is raised to it
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -65,6 +67,8 @@ class SamplingParams:
             self.top_k = 0
         ok = _is_int(self.max_tokens) and self.max_tokens >= 0
         _check(ok, "max_tokens", "an integer >= 0 (0: feed the prompt and generate nothing, e.g. to score it)")
+        ok = _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens
+        _check(ok, "min_tokens", f"an integer in 0..max_tokens ({self.max_tokens})")
         _check_number("temperature", self.temperature, TEMPERATURE_RANGE)
         _check_number("top_p", self.top_p, TOP_P_RANGE, open_lo=True)
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 or -1 disables it)")

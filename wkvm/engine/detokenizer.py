@@ -16,9 +16,11 @@ from wkvm.tokenizer import Tokenizer
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None):
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = list(stop or [])
+        self.min_tokens = min_tokens  # stop strings count from the token after this many (vLLM's min_tokens)
+        self._added = 0
         self.text = ""
         self.stopped = False
         self._released = 0
@@ -33,6 +35,7 @@ class Detokenizer:
         if self.stopped:
             return True
         before = len(self.text)
+        self._added += 1
         if self._bytewise:
             self.text += self._utf8.decode(self.tokenizer.token_bytes(token_id))
         else:
@@ -43,9 +46,8 @@ class Detokenizer:
                 self._ids = self._ids[self._context :]  # the new tokens are the next window's context
                 self._context = len(self._ids)
                 self._context_text = self.tokenizer.decode(self._ids)
-        if self.stop:
-            start = max(0, before - max(len(s) for s in self.stop))
-            hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        if self.stop and self._added > self.min_tokens:  # a stop string that ends in the new text
+            hits = [i for s in self.stop if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0]
             if hits:
                 self.text = self.text[: min(hits)]
                 self.stopped = True

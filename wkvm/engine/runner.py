@@ -69,6 +69,7 @@ class ModelRunner:
         limits = [n for n in (model.context_length, pool.n_pages * pool.page_tokens if pool else None) if n]
         self.context_limit: int | None = min(limits) if limits else None  # tokens one sequence may hold
         self.grammars = GrammarCompiler(tokenizer) if tokenizer is not None else None
+        self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None
 
     def add(self, req: Request) -> None:
         """Give a new request its sampler row (seeded generator, token context for penalties, grammar state).
@@ -77,6 +78,9 @@ class ModelRunner:
         """
         p = req.params
         row = SamplerRow(p, make_generator(p.seed), req.prompt_ids, req.output_ids, req.base_ids)
+        if p.min_tokens:
+            eos = [self.eos_token_id] if self.eos_token_id is not None and not p.ignore_eos else []
+            row.stop_ids = [*eos, *p.stop_token_ids]
         grammar = None if req.prefill_only else p.grammar()
         if grammar is not None:
             if self.grammars is None:

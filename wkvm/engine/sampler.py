@@ -1,5 +1,5 @@
-"""The sampler: logit bias, grammar masks, penalties, greedy/temperature/top-k/top-p/min-p, per-request seeds, top-k
-logprobs.
+"""The sampler: logit bias, min_tokens, grammar masks, penalties, greedy/temperature/top-k/top-p/min-p, per-request
+seeds, top-k logprobs.
 
 Logprobs are those of the model's raw distribution (before logit bias, grammar mask, penalties and temperature), as
 vLLM's default (`raw_logprobs`).
@@ -46,6 +46,7 @@ class SamplerRow:
     output_ids: list[int] = field(default_factory=list)
     base_ids: list[int] = field(default_factory=list)  # tokens already inside a resumed state: context too
     grammar: GrammarState | None = None  # the response_format's parse so far (None: free text)
+    stop_ids: list[int] = field(default_factory=list)  # tokens that end the output: masked until min_tokens are out
     _counts: torch.Tensor | None = field(default=None, init=False, repr=False)  # [V] output_ids[:_counted]
     _seen: torch.Tensor | None = field(default=None, init=False, repr=False)  # [V] state, prompt, output[:_seen_upto]
     _counted: int = field(default=0, init=False, repr=False)
@@ -217,6 +218,10 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
         x, greedy_id = logits[i], greedy_ids[i]
         if row.params.logit_bias:
             x = row.biased(x)
+            greedy_id = int(torch.argmax(x))
+        if row.stop_ids and len(row.output_ids) < row.params.min_tokens:
+            x = x.index_fill(0, torch.tensor([t for t in row.stop_ids if t < x.shape[-1]], dtype=torch.long),
+                             float("-inf"))  # fmt: skip
             greedy_id = int(torch.argmax(x))
         if row.grammar is not None:
             allowed = row.grammar.allowed(x.shape[-1])

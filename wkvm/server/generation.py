@@ -84,8 +84,8 @@ def sampling_params(
                        "(--max-tokens-limit)", "max_tokens", "invalid_value")  # fmt: skip
     try:
         return SamplingParams(
-            max_tokens=n, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-            min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
+            max_tokens=n, min_tokens=body.min_tokens, temperature=body.temperature, top_p=body.top_p,
+            top_k=max(body.top_k, 0), min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty, stop=stop,
             stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
