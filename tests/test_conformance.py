@@ -297,12 +297,14 @@ def test_tokenize_gives_the_ids_a_request_feeds(server, model):
     gives the text back; max_model_len is the one-sequence limit of attention models, null without a window."""
     c = httpx.Client(base_url=server.url, timeout=60)
     messages = [{"role": "user", "content": "Goodmorrow,friend."}]
-    chat = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, "return_token_ids": True})
+    chat = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, "return_token_ids": True,
+                                                "user": "tokenize"})  # its own reuse scope: other tests' stays empty
     t = c.post("/tokenize", json={"messages": messages}).json()
     assert t["tokens"] == chat.json()["prompt_token_ids"] and t["count"] == chat.json()["usage"]["prompt_tokens"]
     done = c.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()["tokens"]
     assert len(done) < len(t["tokens"])
-    completion = c.post("/v1/completions", json={"prompt": "Whatnews?", "max_tokens": 1, "return_token_ids": True})
+    completion = c.post("/v1/completions", json={"prompt": "Whatnews?", "max_tokens": 1, "return_token_ids": True,
+                                                 "user": "tokenize"})  # fmt: skip
     p = c.post("/tokenize", json={"prompt": "Whatnews?", "return_token_strs": True}).json()
     assert p["tokens"] == completion.json()["prompt_token_ids"] and "".join(p["token_strs"]) == "Whatnews?"
     assert c.post("/detokenize", json={"tokens": p["tokens"]}).json() == {"prompt": "Whatnews?"}
