@@ -2,6 +2,7 @@
 
 import json
 import uuid
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -10,6 +11,8 @@ from live_server import LiveServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from wkvm import LLM, SamplingParams
+from wkvm.chat_template import ChatTemplate
+from wkvm.server.openai_routes import render_chat
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +109,40 @@ def test_logit_bias_through_the_sdk(client, server):
     for bad in ({str(vocab): 1}, {"x": 1}, {"-1": 1}, {"5": 101}, {"5": "1"}):
         r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "logit_bias": bad})
         assert r.status_code == 400 and r.json()["error"]["param"].startswith("logit_bias"), (bad, r.text)
+
+
+def test_continue_final_message_prefills_the_reply(client, server):
+    """vLLM's continue_final_message: the prompt ends with the last (assistant) message's own text, so the reply
+    continues it, exactly as a completion of that text; /tokenize gives the same ids."""
+    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Once upon"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "return_token_ids": True,
+             "ignore_eos": True, "user": fresh_scope()}  # fmt: skip
+    chat = client.chat.completions.create(model="world", messages=messages, max_tokens=8, temperature=0,
+                                          extra_body=extra)  # fmt: skip
+    ids = chat.model_extra["prompt_token_ids"]
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text == "User: Hello\n\nAssistant: Once upon"
+    done = client.completions.create(model="world", prompt=text, max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True, "user": fresh_scope()})
+    assert chat.choices[0].model_extra["token_ids"] == done.choices[0].model_extra["token_ids"]
+    t = httpx.post(f"{server.url}/tokenize", json={"messages": messages, "continue_final_message": True,
+                                                   "add_generation_prompt": False}).json()  # fmt: skip
+    assert t["tokens"] == ids
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": messages, "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    empty = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": ""}]
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": empty, "continue_final_message": True,
+                                                              "add_generation_prompt": False})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_continue_final_message_cuts_the_template_after_the_last_text():
+    """With a template that closes each message, the prompt still ends right after the last message's text."""
+    ctx = SimpleNamespace(template=ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>"
+                                                "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"))
+    messages = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi, I"}]
+    assert render_chat(ctx, messages, None, False, True) == "<user>Say hi</user><assistant>Hi, I"
+    assert render_chat(ctx, messages, None) == "<user>Say hi</user><assistant>Hi, I</assistant><assistant>"
 
 
 def test_streaming_completion_matches_blocking(client):

@@ -367,10 +367,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         check_model(ctx, body.model)
         messages = chat_messages(body.messages, body.functions)
         mode = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
-        try:
-            text = ctx.template.render(template_messages(messages), tools=mode.tools if mode else None)
-        except ChatTemplateError as e:
-            raise APIError(400, str(e), "messages", "template_error") from None
+        text = render_chat(ctx, messages, mode.tools if mode else None, body.add_generation_prompt,
+                           body.continue_final_message)  # fmt: skip
         if body.save_state and body.n > 1:
             raise APIError(400, "save_state needs n = 1", "save_state", "invalid_value")
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -435,6 +433,27 @@ def check_echo(body: CompletionRequest) -> None:
         raise APIError(400, "echo with logprobs scores the prompt from its first token, so it cannot start from a "
                        "state: leave out state (send the whole text as prompt), echo or logprobs", "state",
                        "invalid_value")  # fmt: skip
+
+
+def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:  # fmt: skip
+    """The chat's prompt text through the model's template. `continue_final_message` (vLLM's): the prompt ends with
+    the last message's own text, open, so the model continues it (a prefilled reply) instead of starting a new one."""
+    if continue_final_message and add_generation_prompt:
+        raise APIError(400, "continue_final_message continues the last message: set add_generation_prompt to false",
+                       "continue_final_message", "invalid_value")  # fmt: skip
+    try:
+        text = ctx.template.render(template_messages(messages), add_generation_prompt, tools=tools)
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), "messages", "template_error") from None
+    if not continue_final_message:
+        return text
+    final = messages[-1]["content"]
+    at = text.rfind(final) if final else -1
+    if at < 0:
+        raise APIError(400, "continue_final_message: the last message needs text that the chat template shows as it "
+                       "is (it has none, or the template changes it)", "messages", "invalid_value")  # fmt: skip
+    return text[: at + len(final)]
 
 
 def chat_messages(messages: list[ChatMessage], functions: list[Any] | None = None) -> list[dict[str, Any]]:

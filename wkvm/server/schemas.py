@@ -111,6 +111,8 @@ class ChatRequest(SamplingFields):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
+    add_generation_prompt: bool = True  # vLLM's: false with continue_final_message prefills the reply
+    continue_final_message: bool = False
     state: str | None = None
     save_state: str | None = None
 
@@ -124,6 +126,7 @@ class TokenizeRequest(Body):
     messages: list[ChatMessage] | None = None
     tools: list[Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 

@@ -7,13 +7,12 @@ from typing import Any
 
 from fastapi import APIRouter, params
 
-from wkvm.chat_template import ChatTemplateError
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError
 from wkvm.server.generation import check_text
-from wkvm.server.openai_routes import chat_messages, check_model
+from wkvm.server.openai_routes import chat_messages, check_model, render_chat
 from wkvm.server.schemas import DetokenizeRequest, TokenizeRequest
-from wkvm.server.tools import template_messages, tool_mode
+from wkvm.server.tools import tool_mode
 
 
 def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
@@ -28,11 +27,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
                            "invalid_value")  # fmt: skip
         if body.messages is not None:
             mode = tool_mode(body.tools, None, None)
-            try:
-                text = ctx.template.render(template_messages(chat_messages(body.messages)), body.add_generation_prompt,
-                                           tools=mode.tools if mode else None)  # fmt: skip
-            except ChatTemplateError as e:
-                raise APIError(400, str(e), "messages", "template_error") from None
+            text = render_chat(ctx, chat_messages(body.messages), mode.tools if mode else None,
+                               body.add_generation_prompt, body.continue_final_message)  # fmt: skip
         else:
             assert body.prompt is not None
             text = body.prompt
