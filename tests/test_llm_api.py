@@ -92,6 +92,18 @@ def test_min_tokens_holds_back_stop_tokens_and_strings(llm):
         SamplingParams(max_tokens=4, min_tokens=5)
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(llm):
+    full = llm.generate([[1, 2]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].text
+    assert len(full) >= 3, full
+    stop = full[1:3]
+    at = full.find(stop)
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop, "\x00never"])
+    assert llm.generate([[1, 2]], p)[0].text == full[:at]
+    p.include_stop_str_in_output = True
+    kept = llm.generate([[1, 2]], p)[0]
+    assert kept.text == full[: at + 2] and kept.finish_reason == "stop"
+
+
 def test_seeded_sampling_is_reproducible(llm):
     p = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     a = llm.generate([[1, 2, 3]], p)[0].token_ids

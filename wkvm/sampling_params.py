@@ -45,6 +45,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends with the stop string that ended it
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token (the chosen token is always included)

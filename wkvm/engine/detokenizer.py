@@ -16,9 +16,11 @@ from wkvm.tokenizer import Tokenizer
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, min_tokens: int = 0):
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, min_tokens: int = 0,
+                 include_stop: bool = False):  # fmt: skip
         self.tokenizer = tokenizer
         self.stop = list(stop or [])
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output: the text ends with the stop string
         self.min_tokens = min_tokens  # stop strings count from the token after this many (vLLM's min_tokens)
         self._added = 0
         self.text = ""
@@ -47,9 +49,10 @@ class Detokenizer:
                 self._context = len(self._ids)
                 self._context_text = self.tokenizer.decode(self._ids)
         if self.stop and self._added > self.min_tokens:  # a stop string that ends in the new text
-            hits = [i for s in self.stop if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0]
+            hits = [(i, -len(s)) for s in self.stop if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                at, minus_len = min(hits)  # the first stop string to begin (the longest of those beginning there)
+                self.text = self.text[: at - minus_len if self.include_stop else at]
                 self.stopped = True
         return self.stopped
 

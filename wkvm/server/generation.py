@@ -87,8 +87,8 @@ def sampling_params(
             max_tokens=n, min_tokens=body.min_tokens, temperature=body.temperature, top_p=body.top_p,
             top_k=max(body.top_k, 0), min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty, stop=stop,
-            stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            stop_token_ids=body.stop_token_ids or [], include_stop_str_in_output=body.include_stop_str_in_output,
+            ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             response_format=body.response_format.as_dict() if body.response_format else None, logit_bias=logit_bias,
         )  # fmt: skip
     except InvalidParam as e:

@@ -73,6 +73,7 @@ class SamplingFields(Body):
     response_format: ResponseFormat | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a JSON key) -> bias in [-100, 100]
     min_tokens: int = Field(default=0, ge=0)  # vLLM's
+    include_stop_str_in_output: bool = False  # vLLM's
 
 
 class CompletionRequest(SamplingFields):
