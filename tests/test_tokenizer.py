@@ -73,6 +73,18 @@ def test_stop_string_spanning_tokens(world):
     assert d.stopped and d.text == "alpha bet" and released == "alpha bet"
 
 
+def test_only_a_possible_stop_string_start_is_held_back(world):
+    """Text streams as it comes; only an end that could begin a stop string waits for the next tokens."""
+    d = Detokenizer(world, stop=["<|im_end|>", "\n\nUser:"])
+    out = []
+    for piece in ["The capital", " is Paris", ".<|im", "_", "x", "\n", "\nUs", "ed"]:
+        for t in world.encode(piece):
+            d.add(t)
+        out.append(d.delta())
+    assert out == ["The capital", " is Paris", ".", "", "<|im_x", "", "", "\n\nUsed"]
+    assert d.delta(final=True) == ""
+
+
 def test_hf_tokenizer_json(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 

@@ -78,11 +78,20 @@ class Detokenizer:
         self._released = len(released)
 
     def delta(self, final: bool = False) -> str:
-        """Text not yet released; holds back a possible stop-string prefix unless final."""
+        """Text not yet released; unless final, holds back the end of it that begins a stop string (it may become
+        one with the next tokens). Only that end: holding the longest stop string's length whatever the text (vLLM's
+        way) kept a chat's text ~9 characters behind the model (`<|im_end|>`)."""
         end = len(self.text)
         if not final and not self.stopped and self.stop:
-            hold = max(len(s) for s in self.stop) - 1
-            end = max(self._released, end - hold)
+            end -= self._stop_start()
         out = self.text[self._released : end]
         self._released = end
         return out
+
+    def _stop_start(self) -> int:
+        """The length of the longest end of the unreleased text that is the start of some stop string (0: none)."""
+        tail = self.text[self._released :]
+        for k in range(min(len(tail), max(len(s) for s in self.stop) - 1), 0, -1):
+            if any(s.startswith(tail[-k:]) for s in self.stop):
+                return k
+        return 0
