@@ -71,6 +71,12 @@ def test_key_checked_by_the_front(cluster):
     r = httpx.post(f"{cluster.base_url}/v1/completions", json={**GREEDY, "prompt": "ROMEO:"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert cluster.get("/health").json() == {"status": "ok", "replicas": ["r0", "r1"]}
+    # CORS as a single server: a local page's preflight needs no key, another site's is refused
+    ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    local = httpx.options(f"{cluster.base_url}/v1/completions", headers={"Origin": "http://localhost:3000", **ask})
+    assert local.status_code == 200 and local.headers["access-control-allow-origin"] == "http://localhost:3000"
+    evil = httpx.options(f"{cluster.base_url}/v1/completions", headers={"Origin": "https://evil.example", **ask})
+    assert evil.status_code == 400 and evil.json()["error"]["code"] == "cors_refused"
 
 
 def test_chat_session_stays_on_its_replica_and_reuses_its_state(cluster):

@@ -153,6 +153,37 @@ def test_non_ascii_key_is_401(server):
         assert_4xx(r, 401)
 
 
+def preflight(url: str, origin: str, path: str = "/v1/chat/completions") -> httpx.Response:
+    return httpx.options(f"{url}{path}", headers={"Origin": origin, "Access-Control-Request-Method": "POST",
+                                                   "Access-Control-Request-Headers": "authorization,content-type"})
+
+
+def test_browsers_on_this_machine_may_call_the_api_and_other_sites_may_not(server, world_pth):
+    """CORS: a page served from localhost gets its preflight answered without a key (browsers send none) and can
+    read every answer, a 401 included; a page from elsewhere is refused (JSON 400) and its answers carry no
+    permission, unless --allowed-origins names it or is '*'."""
+    local = "http://localhost:3000"
+    r = preflight(server.url, local)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == local
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    r = httpx.get(f"{server.url}/v1/models", headers={"Origin": local})
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == local
+    r = httpx.get(f"{server.url}/v1/models", headers={"Origin": "http://127.0.0.1:8080", **A})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://127.0.0.1:8080"
+    for evil in ("https://evil.example", "http://localhost.evil.example", "http://127.0.0.1.nip.io"):
+        r = preflight(server.url, evil)
+        assert_4xx(r, 400)
+        assert r.json()["error"]["code"] == "cors_refused" and "access-control-allow-origin" not in r.headers
+        answer = httpx.get(f"{server.url}/v1/models", headers={"Origin": evil, **A})
+        assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
+    with LiveServer(model=str(world_pth), allowed_origins="https://chat.example.com") as named:
+        ok = preflight(named.url, "https://chat.example.com")
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://chat.example.com"
+        assert preflight(named.url, local).status_code == 400  # naming origins replaces the local default
+    with LiveServer(model=str(world_pth), allowed_origins="*") as anyone:
+        assert preflight(anyone.url, "https://evil.example").status_code == 200
+
+
 def test_every_configured_key_works_and_keys_keep_their_hash(server):
     for headers in (A, B):
         assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == 200

@@ -64,6 +64,8 @@ class ServerConfig:
     weight_cache_layers: int = opt(0, "stream a weight pack from disk, at most N layers in memory (0: resident)")
     read_ahead: bool = opt(True, "with --weight-cache-layers: do not ask the OS for the next layer while one computes")
     host: str = opt("127.0.0.1", "address to bind; anything but loopback is reachable from other machines")
+    allowed_origins: str | None = opt(None, "web pages (origins, comma-separated, or *) whose scripts may call the API "
+                                      "from a browser (CORS); default: pages served from localhost / 127.0.0.1")
     port: int = opt(8000, "TCP port")
     api_keys: list[str] = field(default_factory=list)  # flags: --api-key, --api-key-file
     served_model_name: str | None = opt(None, "model id reported by /v1/models (default: the model's file name)")

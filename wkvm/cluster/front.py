@@ -38,7 +38,7 @@ from wkvm.cluster.forward import (
     state_key,
 )
 from wkvm.config import ServerConfig
-from wkvm.server.asgi import ApiKeyGate, BodyLimit, KeyRing, tenant_of
+from wkvm.server.asgi import ApiKeyGate, BodyLimit, KeyRing, add_cors, tenant_of
 from wkvm.server.errors import error_body, error_response
 from wkvm.server.handover import HANDOVER_HEADER, RESUME_HEADER, STREAM_HEADER
 from wkvm.server.metrics import LATENCY_BUCKETS
@@ -628,6 +628,7 @@ def build_front_app(front: Front) -> FastAPI:
     app = FastAPI(title="wkvm", openapi_url=None, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=front.config.max_body_bytes)
     app.add_middleware(ApiKeyGate, keys=front.keys)
+    add_cors(app, front.config.allowed_origins)
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
     app.add_exception_handler(Exception, replica_failed)
     app.add_api_route("/health", front.health, methods=["GET"])

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from wkvm import __version__
 from wkvm.config import ServerConfig
 from wkvm.server import embeddings_routes, openai_routes, states_routes, tokenize_routes
-from wkvm.server.asgi import ApiKeyGate, BodyLimit, RequestMetrics
+from wkvm.server.asgi import ApiKeyGate, BodyLimit, RequestMetrics, add_cors
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import error_body, install_error_handlers
 
@@ -55,6 +55,7 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
     # the last added runs first: metrics see every response, the key is checked before the body is read
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     app.add_middleware(ApiKeyGate, keys=ctx.keys)
+    add_cors(app, config.allowed_origins)
     app.add_middleware(RequestMetrics, count=ctx.metrics.count_request, on_server_error=server_error)
 
     def authenticated(request: Request) -> str:

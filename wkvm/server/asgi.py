@@ -1,4 +1,4 @@
-"""ASGI layers that run before any route: API-key check, body limit, request metrics.
+"""ASGI layers that run before any route: CORS, API-key check, body limit, request metrics.
 
 They are plain ASGI (not `@app.middleware("http")`): Starlette's BaseHTTPMiddleware wraps `receive`, and a
 route behind it could not see its client disconnect, so an abandoned request kept its slot until the end.
@@ -12,12 +12,42 @@ import hmac
 from collections.abc import Callable
 from typing import cast
 
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from wkvm.server.errors import error_body
 
 OPEN_PATHS = ("/health",)  # reachable without a key (load balancers' health checks)
+LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]+)?"  # pages a browser loaded from this machine
+
+
+class Cors(CORSMiddleware):
+    """Starlette's CORS layer, with a refused preflight answered as every other error is: OpenAI-shaped JSON."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        r = super().preflight_response(request_headers)
+        if r.status_code != 400:
+            return r
+        what = bytes(r.body).decode()  # "Disallowed CORS origin, headers"
+        origin = request_headers.get("origin", "")[:200]
+        message = (f"{what} for the page {origin!r}: start the server with --allowed-origins naming that origin "
+                   "(or '*') to let its scripts call this API")  # fmt: skip
+        headers = {k: v for k, v in r.headers.items() if k not in ("content-length", "content-type")}
+        return JSONResponse(error_body(400, message, None, "cors_refused"), status_code=400, headers=headers)
+
+
+def add_cors(app: FastAPI, allowed_origins: str | None) -> None:
+    """Let scripts of the allowed web pages call the API from a browser: preflights answered before the key check
+    (browsers send no key with them), and every answer, a 401 included, readable by such a page. By default only
+    pages served from this machine (as Ollama; vLLM and llama.cpp's server allow any page, which lets every site a
+    user visits call a server on their laptop); `--allowed-origins '*'` allows any. Added after the key gate, so it
+    runs before it."""
+    origins = [o.strip() for o in (allowed_origins or "").split(",") if o.strip()]
+    app.add_middleware(Cors, allow_origins=origins, allow_origin_regex=None if origins else LOCAL_ORIGINS,
+                       allow_methods=["*"], allow_headers=["*"], expose_headers=["*"])  # fmt: skip
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
