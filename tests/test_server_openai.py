@@ -155,6 +155,19 @@ def test_streaming_completion_matches_blocking(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_stop_strings_stream_as_they_block_with_and_without_the_stop_string(client):
+    kw = dict(model="world", prompt="The king", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    stop = full[6:8]
+    at = full.find(stop)
+    for include in (False, True):
+        body = {"ignore_eos": True, "include_stop_str_in_output": include}
+        blocking = client.completions.create(**{**kw, "extra_body": body}, stop=[stop]).choices[0]
+        assert blocking.text == full[: at + (len(stop) if include else 0)] and blocking.finish_reason == "stop"
+        chunks = list(client.completions.create(**{**kw, "extra_body": body}, stop=[stop], stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == blocking.text
+
+
 def test_chat_blocking_and_streaming(client):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
     r = client.chat.completions.create(model="world", messages=msgs, max_tokens=8, temperature=0,
