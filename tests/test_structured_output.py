@@ -5,6 +5,7 @@ temperature 1 with different seeds, many at once through one engine.
 """
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -331,3 +332,50 @@ def test_a_constrained_request_moved_to_another_engine_resumes_its_parse(char):
     dst.run_until_done()
     check_valid([moved.output], schema)
     assert moved.output.token_ids == want.output.token_ids and moved.output.text == want.output.text
+
+
+def valid_json(text, schema):
+    jsonschema.validate(json.loads(text), schema)
+    return True
+
+
+STRUCTURED = [
+    ({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
+    ({"regex": r"[a-c]{2}-[0-9]{3}"}, lambda t: re.fullmatch(r"[a-c]{2}-[0-9]{3}", t) is not None),
+    ({"json": SCHEMAS["enums"]}, lambda t: valid_json(t, SCHEMAS["enums"])),
+    ({"json": json.dumps(SCHEMAS["numbers"])}, lambda t: valid_json(t, SCHEMAS["numbers"])),
+    ({"grammar": 'start: "id" NUM ("," "id" NUM)?\nNUM: /[0-9]{2}/'},
+     lambda t: re.fullmatch(r"id[0-9]{2}(,id[0-9]{2})?", t) is not None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("structured", "valid"), STRUCTURED, ids=["choice", "regex", "json", "json_text", "lark"])
+def test_structured_outputs_every_sampled_reply_matches(char, structured, valid):
+    """vLLM's structured_outputs (choice, regex, JSON schema as an object or text, Lark grammar) through the same
+    grammar mask as response_format: every sampled reply of a random model matches and ends when it is complete."""
+    model, tok = char
+    engine = Engine(model, tok, EngineConfig(n_slots=20, token_budget=512))
+    handles = [engine.submit(tok.encode("Say:"), sampled(seed=i, structured_outputs=structured)) for i in range(20)]
+    engine.run_until_done()
+    texts = [h.output.text for h in handles]
+    assert all(h.output.finish_reason == "stop" for h in handles), texts
+    assert all(valid(t) for t in texts), texts
+    assert len(set(texts)) >= 2  # the seeds sample different replies
+
+
+def test_structured_outputs_over_http_and_its_old_names(server):
+    url = f"{server.url}/v1/completions"
+    base = {"prompt": "Pick", "max_tokens": 50, "seed": 3}
+    for extra in ({"structured_outputs": {"choice": ["yes", "no"]}}, {"guided_choice": ["yes", "no"]}):
+        r = httpx.post(url, json={**base, **extra}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text
+    chat = {"messages": [{"role": "user", "content": "Code?"}], "max_tokens": 50, "seed": 5, "guided_regex": "[0-9]{4}"}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60)
+    assert re.fullmatch("[0-9]{4}", r.json()["choices"][0]["message"]["content"]), r.text
+    for bad in ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, {"structured_outputs": {}},
+                {"structured_outputs": {"regex": "(unclosed"}}, {"structured_outputs": {"choice": []}},
+                {"structured_outputs": {"json": "{not json"}},
+                {"structured_outputs": {"choice": ["a"]}, "guided_regex": "b"},
+                {"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}):  # fmt: skip
+        r = httpx.post(url, json={**base, **bad}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", (bad, r.text)

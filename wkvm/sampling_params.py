@@ -27,6 +27,7 @@ PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty
 REPETITION_PENALTY_RANGE = (0.01, 10.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token, 100 all but forces it
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")  # vLLM's structured_outputs (grammar: llguidance's Lark)
 # compact JSON: no whitespace between tokens, so a reply cannot drift into endless blank space
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
@@ -55,6 +56,8 @@ class SamplingParams:
     # OpenAI's: None or {"type": "text"}; {"type": "json_object"}; {"type": "json_schema", "json_schema":
     # {"name": ..., "schema": {...}, "strict": ...}}. A JSON reply ends (finish_reason "stop") when the value closes.
     response_format: dict[str, Any] | None = None
+    # vLLM's: exactly one of {"json": schema, "regex": str, "choice": [str, ...], "grammar": Lark text}
+    structured_outputs: dict[str, Any] | None = None
     # OpenAI's logit_bias: token id -> a number added to its logit before penalties and sampling (logprobs stay the
     # model's own, as the other processing leaves them)
     logit_bias: dict[int, float] | None = None
@@ -110,18 +113,39 @@ class SamplingParams:
         return cast(dict[str, Any], spec["schema"])
 
     def grammar(self) -> str | None:
-        """llguidance grammar text for the response format (None: free text); sub-millisecond to build and check."""
+        """llguidance grammar text for the response format or structured_outputs (None: free text); sub-millisecond
+        to build and check."""
+        if self.structured_outputs is not None:
+            if self.response_format is not None and self.response_format.get("type") != "text":
+                raise InvalidParam("structured_outputs", "give response_format or structured_outputs, not both")
+            return self._structured_grammar()
         schema = self.json_schema()
-        if schema is None:
-            return None
+        return None if schema is None else _schema_grammar(schema, "response_format")
+
+    def _structured_grammar(self) -> str:
+        name, so = "structured_outputs", self.structured_outputs
+        given = [k for k in STRUCTURED_KINDS if isinstance(so, dict) and so.get(k) is not None]
+        _check(len(given) == 1, name, f"an object with exactly one of {', '.join(STRUCTURED_KINDS)}")
+        assert isinstance(so, dict)
+        kind, value = given[0], so[given[0]]
+        M = llguidance.LLMatcher
         try:
-            canonical = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(canonical, defaults=JSON_OPTIONS)
+            if kind == "json":
+                schema = json.loads(value) if isinstance(value, str) else value
+                _check(isinstance(schema, dict), name, "json: a JSON schema (an object, or a string holding one)")
+                return _schema_grammar(schema, name)
+            if kind == "choice":
+                ok = isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)
+                _check(bool(ok), name, "choice: a list of non-empty strings")
+                grammar = M.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
+            else:
+                _check(isinstance(value, str) and bool(value), name, f"{kind}: a non-empty string")
+                grammar = M.grammar_from_regex(value) if kind == "regex" else M.grammar_from_lark(value)
         except (TypeError, ValueError) as e:
-            raise InvalidParam("response_format", f"response_format: the schema is not plain JSON: {e}") from None
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+            raise InvalidParam(name, f"{name}: the {kind} does not read: {e}") from None
+        is_error, messages = M.validate_grammar_with_warnings(grammar)
         if is_error:
-            raise InvalidParam("response_format", f"response_format: the schema cannot be enforced: {messages[0]}")
+            raise InvalidParam(name, f"{name}: the {kind} cannot be enforced: {messages[0]}")
         return grammar
 
     @property
@@ -131,6 +155,18 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+def _schema_grammar(schema: dict[str, Any], param: str) -> str:
+    try:
+        canonical = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(canonical, defaults=JSON_OPTIONS)
+    except (TypeError, ValueError) as e:
+        raise InvalidParam(param, f"{param}: the schema is not plain JSON: {e}") from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise InvalidParam(param, f"{param}: the schema cannot be enforced: {messages[0]}")
+    return grammar
 
 
 class InvalidParam(ValueError):

@@ -78,6 +78,7 @@ def sampling_params(
         raise APIError(400, f"stop_token_ids: {bad} is outside the vocabulary 0..{vocab - 1}", "stop_token_ids",
                        "invalid_token")
     logit_bias = token_biases(body.logit_bias, vocab)
+    structured = structured_outputs(body)
     n = max_tokens if max_tokens is not None else default_max
     if n > ctx.config.max_tokens_limit:
         raise APIError(400, f"max_tokens {n} exceeds this server's limit {ctx.config.max_tokens_limit} "
@@ -90,9 +91,20 @@ def sampling_params(
             stop_token_ids=body.stop_token_ids or [], include_stop_str_in_output=body.include_stop_str_in_output,
             ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             response_format=body.response_format.as_dict() if body.response_format else None, logit_bias=logit_bias,
+            structured_outputs=structured,
         )  # fmt: skip
     except InvalidParam as e:
         raise APIError(400, str(e), e.param, "invalid_value") from None
+
+
+def structured_outputs(body: SamplingFields) -> dict[str, Any] | None:
+    """vLLM's structured_outputs, or its older guided_json / guided_regex / guided_choice / guided_grammar."""
+    legacy = {kind: v for kind in ("json", "regex", "choice", "grammar")
+              if (v := getattr(body, f"guided_{kind}")) is not None}  # fmt: skip
+    if legacy and body.structured_outputs is not None:
+        raise APIError(400, "give structured_outputs or the guided_* fields, not both", "structured_outputs",
+                       "invalid_value")  # fmt: skip
+    return body.structured_outputs.as_dict() if body.structured_outputs is not None else legacy or None
 
 
 def token_biases(logit_bias: dict[str, float] | None, vocab: int) -> dict[int, float] | None:

@@ -375,9 +375,10 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         k = (body.top_logprobs or 0) if body.logprobs else None
         sp = gen.sampling_params(ctx, body, max_tokens, k, gen.DEFAULT_CHAT_MAX_TOKENS, ctx.template.stop)
         if mode is not None and mode.forced:  # the reply can only be a valid call: the grammar enforces it
-            if body.response_format is not None:
-                raise APIError(400, "tool_choice required / named already fixes the reply's form: leave out "
-                               "response_format", "response_format", "invalid_value")  # fmt: skip
+            if body.response_format is not None or sp.structured_outputs is not None:
+                which = "response_format" if body.response_format is not None else "structured_outputs"
+                raise APIError(400, f"tool_choice required / named already fixes the reply's form: leave out {which}",
+                               which, "invalid_value")  # fmt: skip
             sp = gen.with_response_format(sp, mode.response_format(), "tools")
         params = gen.per_choice(sp, body.n)
         prompt_ids = gen.encode_prompt(ctx, text, "messages")

@@ -50,6 +50,18 @@ class ResponseFormat(Body):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
+class StructuredOutputs(Body):
+    """vLLM's `structured_outputs`: exactly one kind (SamplingParams checks that)."""
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")  # `json` would shadow BaseModel's
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark, as llguidance reads it (vLLM's guidance backend)
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
 class SamplingFields(Body):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -73,6 +85,12 @@ class SamplingFields(Body):
     response_format: ResponseFormat | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a JSON key) -> bias in [-100, 100]
     min_tokens: int = Field(default=0, ge=0)  # vLLM's
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+    # vLLM's names before 0.12, still sent by many clients: each is one kind of structured_outputs
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     include_stop_str_in_output: bool = False  # vLLM's
 
 
