@@ -76,6 +76,8 @@ def test_streamed_calls_equal_the_blocking_ones(client):
         (c.function.name, json.loads(c.function.arguments)) for c in want]
     assert [c.index for c in calls] == list(range(len(calls)))
     assert not any(d.content for d in deltas)  # a forced reply is calls only
+    # the held tokens send no empty chunks (OpenAI sends none mid-stream): the role chunk, then the calls
+    assert len(deltas) == 2 and deltas[0].role == "assistant" and deltas[1].tool_calls
 
 
 def test_a_tool_result_goes_back_through_the_template(client):

@@ -533,7 +533,7 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
     hold = mode is not None and mode.choice != "none"
     released = [content_ready(text, mode) if mode is not None else 0 for text in held]  # what went out as content
 
-    def chunk(i: int, ev: Event) -> dict[str, Any]:
+    def chunk(i: int, ev: Event) -> dict[str, Any] | None:
         finish_reason = ev.finish_reason
         d: dict[str, Any] = {"content": ev.text} if ev.text else {}
         if hold:
@@ -548,8 +548,10 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
                 d = {"content": content} if content else {}
                 if calls:
                     d["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
-        c = {"index": index[i], "delta": d, "finish_reason": finish_reason,
-             "logprobs": gen.chat_logprobs(ctx, ev.token_ids, ev.logprobs, k or 0)}  # fmt: skip
+        lps = gen.chat_logprobs(ctx, ev.token_ids, ev.logprobs, k or 0)
+        if not d and finish_reason is None and lps is None and not body.return_token_ids:
+            return None  # nothing to say yet (text held back): OpenAI sends no empty chunk mid-stream
+        c = {"index": index[i], "delta": d, "finish_reason": finish_reason, "logprobs": lps}
         if body.return_token_ids:
             c["token_ids"] = ev.token_ids
         return {**base, "choices": [c]}
@@ -571,7 +573,8 @@ def reply(text: str, finish_reason: str | None, mode: ToolMode | None) -> tuple[
 
 
 async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFields, handles: list[RequestHandle],
-                        chunk: Callable[[int, Event], dict[str, Any]], prompt_tokens: int, base: dict[str, Any],
+                        chunk: Callable[[int, Event], dict[str, Any] | None], prompt_tokens: int,
+                        base: dict[str, Any],
                         on_done: Callable[[], dict[str, Any]], live: LiveStream | None = None,
                         ) -> AsyncIterator[str]:  # fmt: skip
     """SSE lines: a chunk per event, sent as it comes; the very last choice chunk carries the `wkvm` (and `state`)
@@ -592,7 +595,8 @@ async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFiel
             if not ev.token_ids and not ev.finished and not ev.text:
                 continue
             if left or moving:
-                yield gen.sse(chunk(i, ev))  # at once: a chunk is never held back for the next token
+                if (c := chunk(i, ev)) is not None:
+                    yield gen.sse(c)  # at once: a chunk is never held back for the next token
             else:
                 held = chunk(i, ev)
         if moving and live is not None:
