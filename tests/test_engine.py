@@ -208,6 +208,26 @@ def test_shutdown_without_drain_aborts(model, tok):
     assert h.result(timeout=5).finish_reason == "abort"
 
 
+class VisibleEos(WorldTokenizer):
+    eos_token_id = 65  # "@" in the World vocabulary: an end token whose text is not empty (as ChatML's <|im_end|>)
+
+
+def test_eos_ends_the_text_without_its_own(model):
+    """A reply that ends with EOS does not carry EOS's text (SmolLM2's completions ended with '<|im_end|>')."""
+    tok = VisibleEos()
+    assert tok.decode([tok.eos_token_id]) != ""
+    engine = Engine(model, tok)
+    free = engine.submit([1, 2], greedy(3))
+    ends = engine.submit([1, 2], SamplingParams(max_tokens=8, temperature=0, logit_bias={tok.eos_token_id: 100.0}))
+    shown = engine.submit([1, 2], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
+                                                 logit_bias={tok.eos_token_id: 100.0}))  # fmt: skip
+    engine.run_until_done()
+    assert ends.output.token_ids == [tok.eos_token_id] and ends.output.finish_reason == "stop"
+    assert ends.output.text == ""
+    assert shown.output.text == tok.decode([tok.eos_token_id] * 3)  # ignore_eos: an ordinary token
+    assert free.output.text == tok.decode(free.output.token_ids)
+
+
 NAN, INF = float("nan"), float("inf")
 OUT_OF_RANGE = [
     ("temperature", [NAN, INF, -0.5, 2.5]),

@@ -311,7 +311,9 @@ class Engine:
         req.output_ids.append(tok)
         status = None
         eos = tok == self.tokenizer.eos_token_id and not p.ignore_eos
-        if detok.add(tok) or tok in p.stop_token_ids or eos or grammar_done:
+        # EOS ends the text without adding its own (`<|im_end|>` is no part of a completion's answer, as in vLLM and
+        # llama.cpp); a stop_token_ids token's text stays, as in vLLM for a token that is not special
+        if (not eos and detok.add(tok)) or tok in p.stop_token_ids or eos or grammar_done:
             status = Status.FINISHED_STOPPED
         elif len(req.output_ids) >= p.max_tokens or self._at_context_limit(req):
             status = Status.FINISHED_LENGTH
