@@ -353,3 +353,14 @@ def test_health_is_503_when_the_engine_loop_has_died(server):
     finally:
         del engine_client.loop_failed
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_fields_the_server_does_not_read_are_logged_once(caplog):
+    from wkvm.server.schemas import CompletionRequest
+
+    name = f"field_{uuid.uuid4().hex[:8]}"
+    with caplog.at_level("WARNING", logger="wkvm.server"):
+        for _ in range(3):
+            CompletionRequest.model_validate({"prompt": "x", name: 1, "temperature": 0})
+    noted = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert noted == [f"CompletionRequest: fields this server does not read, ignored: {name}"]

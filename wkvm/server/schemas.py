@@ -6,9 +6,10 @@ Numbers must be finite (JSON's non-standard NaN/Infinity literals are refused). 
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from wkvm.sampling_params import (
     MAX_LOGPROBS,
@@ -25,8 +26,29 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_TEXT_FIELD = 256  # user, cache_salt
 
 
+log = logging.getLogger("wkvm.server")
+MAX_NOTED = 256  # distinct sets of ignored fields logged (a client inventing names cannot grow the set further)
+_noted: set[tuple[str, ...]] = set()
+
+
 class Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class RequestBody(Body):
+    """A request's top level: fields this server does not read are ignored (OpenAI's SDK and clients send new ones),
+    and logged once per kind of request and set of names, as vLLM does, so a user learns what had no effect."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def note_ignored(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            ignored = tuple(sorted(str(k)[:40] for k in data if k not in known)[:10])
+            if ignored and (cls.__name__, *ignored) not in _noted and len(_noted) < MAX_NOTED:
+                _noted.add((cls.__name__, *ignored))
+                log.warning("%s: fields this server does not read, ignored: %s", cls.__name__, ", ".join(ignored))
+        return data
 
 
 class StreamOptions(Body):
@@ -62,7 +84,7 @@ class StructuredOutputs(Body):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
-class SamplingFields(Body):
+class SamplingFields(RequestBody):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     # ranges from SamplingParams (one source); a temperature in (0, 0.01) runs as 0.01, as in vLLM
@@ -136,7 +158,7 @@ class ChatRequest(SamplingFields):
     save_state: str | None = None
 
 
-class TokenizeRequest(Body):
+class TokenizeRequest(RequestBody):
     """vLLM's /tokenize: a completion prompt, or chat messages (with the tools they offer) as the template renders
     them."""
 
@@ -149,18 +171,18 @@ class TokenizeRequest(Body):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 
 
-class CreateStateRequest(Body):
+class CreateStateRequest(RequestBody):
     name: str
     prompt: str | None = None
     prompt_ids: list[int] | None = None
 
 
-class ForkRequest(Body):
+class ForkRequest(RequestBody):
     name: str
 
 
@@ -174,17 +196,17 @@ class StateGenerateRequest(SamplingFields):
 ParamValue = Annotated[str, Field(max_length=MAX_TEXT_FIELD)] | int | float | bool | None
 
 
-class MutateRequest(Body):
+class MutateRequest(RequestBody):
     rule: str = Field(max_length=64)
     # scalars only: the params are recorded in the new state's provenance (op_params)
     params: dict[Annotated[str, Field(max_length=64)], ParamValue] = Field(default_factory=dict, max_length=16)
 
 
-class HibernateRequest(Body):
+class HibernateRequest(RequestBody):
     tier: Literal["host", "disk"] = "disk"
 
 
-class EmbeddingRequest(Body):
+class EmbeddingRequest(RequestBody):
     input: str | list[str] | list[int] | list[list[int]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
