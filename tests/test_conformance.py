@@ -264,6 +264,18 @@ def test_resume_from_every_tier_equals_uninterrupted(server, tier):
     assert_same(from_state(c, f"t-{tier}", [4, 5])["choices"][0], want)
 
 
+def test_a_states_bytes_count_its_keys_and_values(server, model):
+    """A stored state reports its own tensors' bytes: the fixed part, and for attention layers keys and values that
+    grow with its tokens (an attention state used to report 0: only the fixed part was counted)."""
+    c = httpx.Client(base_url=server.url, timeout=60)
+    short = c.post("/v1/states", json={"name": "b-short", "prompt_ids": PROMPT}).json()
+    long = c.post("/v1/states", json={"name": "b-long", "prompt_ids": PROMPT * 3}).json()
+    spec = model.spec
+    assert short["bytes"] > 0 and short["bytes"] >= spec.nbytes
+    assert long["bytes"] - short["bytes"] == 2 * len(PROMPT) * spec.token_nbytes  # 0 per token without attention
+    assert c.get("/v1/states/b-long").json()["bytes"] == long["bytes"]
+
+
 def test_fork_branches_are_independent(server):
     c = httpx.Client(base_url=server.url, timeout=60)
     assert c.post("/v1/states", json={"name": "root", "prompt_ids": PROMPT}).status_code == 200

@@ -177,7 +177,10 @@ class StateStore:
             if version is not None and self.index.get(owner, name, version, with_ids=False) is not None:
                 raise ValueError(f"state {name}@{version} exists already")
             version = self.index.next_version(owner, name) if version is None else version
-            rec = StateRecord.new(owner, version, meta, blob, self.spec.nbytes)
+            # the tensors' own bytes: an attention state's keys and values grow with its tokens (spec.nbytes is only
+            # the fixed part, 0 for a pure transformer)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            rec = StateRecord.new(owner, version, meta, blob, nbytes)
             self.index.insert(rec, durable)
             self._cache(blob, tensors, "device")
             if not self.usage.known(blob):  # an internal state evicted while the tiers made room
