@@ -155,6 +155,10 @@ def test_interpolate_refuses_kv_states(tmp_path):
     decayed = apply_mutation("decay", HYBRID, state, {"alpha": 0.5}, lambda h: state)
     assert torch.equal(decayed[key_name(0)], state[key_name(0)])  # keys and values are kept
     assert torch.equal(decayed["layers.0.h"], state["layers.0.h"] * 0.5)
+    attention_only = kv_state(3)
+    attention_only.pop("layers.0.h")
+    with pytest.raises(MutationError, match="nothing to decay"):  # it used to return an unchanged copy as a new version
+        apply_mutation("decay", SPEC, attention_only, {"alpha": 0.5}, lambda h: attention_only)
 
 
 # --- the slot arena with kv tensors: fixed parts in slots, kv in pages --------------------------------------------

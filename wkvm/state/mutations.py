@@ -45,6 +45,9 @@ def decay(spec: StateSpec, state: State, params: dict[str, Any], load: Loader) -
     """Scale the recurrent (matrix) memory by alpha: 1 keeps it, 0 forgets it; token shifts are kept."""
     alpha = _fraction(params, "alpha")
     kinds = {t.name: t.kind for t in spec.tensors}
+    if "recurrent" not in kinds.values():
+        raise MutationError("decay scales a recurrent memory, and this model's state has none (its attention keys "
+                            "and values are the context itself): nothing to decay")  # fmt: skip
     return {k: v * alpha if kinds[k] == "recurrent" else v.clone() for k, v in state.items()}
 
 
