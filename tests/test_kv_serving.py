@@ -62,13 +62,30 @@ def test_a_short_pool_preempts_and_every_answer_is_exact(model, model_dir):
 def test_context_limit_refuses_long_prompts_and_ends_with_length(model, model_dir):
     eng = engine(model, model_dir, pages=4, n_slots=2)  # 16 tokens in all: the context limit
     assert eng.runner.context_limit == 16
-    with pytest.raises(ValueError, match="limit of 16 tokens.*--kv-cache-bytes"):
+    with pytest.raises(ValueError, match="at most 16 .*--kv-cache-bytes"):
         eng.submit(list(range(16)), greedy(4))
     prompt = list(range(1, 13))
     h = eng.submit(prompt, greedy(50))
     eng.run_until_done()
     assert h.output.finish_reason == "length" and len(h.output.token_ids) == 4  # 12 + 4 = 16
     assert h.output.token_ids == greedy_reference(model, prompt, 4)
+
+
+def test_a_prompt_over_the_context_limit_is_a_400_also_after_a_reused_prefix(model, model_dir):
+    """OpenAI's context_length_exceeded 400, whether the prompt is long by itself or resumes a checkpoint (the engine's
+    refusal was a 500 over HTTP, found by hand on SmolLM2 with an 8,301-token prompt after an 8,181-token one)."""
+    with LiveServer(model=str(model_dir), kv_page_tokens=4, kv_cache_bytes=16 * model.spec.token_nbytes) as s:
+        c = httpx.Client(base_url=s.url, timeout=60)
+        assert c.get("/v1/models").json()["data"][0]["max_model_len"] == 16
+        for prompt in (list(range(1, 21)), list(range(1, 17))):
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert c.post("/v1/completions", json={"prompt": list(range(1, 13)), "max_tokens": 2}).status_code == 200
+        r = c.post("/v1/completions", json={"prompt": list(range(1, 13)) + [5, 6, 7, 8], "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert "context is 16 tokens" in r.json()["error"]["message"], r.text
+        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 40}]})
+        assert chat.status_code == 400 and chat.json()["error"]["code"] == "context_length_exceeded", chat.text
 
 
 def test_max_state_tokens_bounds_saves_and_imports(model_dir, tmp_path):

@@ -50,6 +50,10 @@ class EngineClosed(RuntimeError):
     pass
 
 
+class ContextTooLong(ValueError):
+    """A request whose earlier tokens and prompt leave no room to generate within the model's context limit."""
+
+
 @dataclass(frozen=True)
 class EngineStats:
     waiting: int
@@ -121,9 +125,10 @@ class Engine:
             raise ValueError("a request needs at least one prompt token")
         limit = self.runner.context_limit
         if limit is not None and len(base_ids or []) + len(prompt_ids) >= limit:
-            raise ValueError(
-                f"the context ({len(base_ids or [])} earlier tokens and a prompt of {len(prompt_ids)}) leaves no room "
-                f"to generate within this model's limit of {limit} tokens ({self._limit_reason()}); shorten it"
+            n = len(base_ids or []) + len(prompt_ids)
+            raise ContextTooLong(
+                f"the request's context is {n} tokens and this model holds at most {limit} ({self._limit_reason()}), "
+                "with room for at least one generated token: shorten the prompt or the conversation"
             )
         timeout = timeout if timeout is not None else self.config.request_timeout
         now = time.monotonic()

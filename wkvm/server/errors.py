@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from wkvm.engine.client import PrefillFailed
-from wkvm.engine.engine import EngineClosed
+from wkvm.engine.engine import ContextTooLong, EngineClosed
 from wkvm.engine.scheduler import QueueFull
 from wkvm.outputs import ErrorCode
 from wkvm.sampling_params import InvalidParam
@@ -85,6 +85,7 @@ def install_error_handlers(app: FastAPI) -> None:
         QuotaExceeded: lambda e: error_response(413, str(e), None, "state_quota_exceeded"),
         QueueFull: lambda e: error_response(429, str(e), None, "queue_full"),
         EngineClosed: lambda e: error_response(503, str(e), None, "shutting_down"),
+        ContextTooLong: lambda e: error_response(400, str(e), None, "context_length_exceeded"),  # OpenAI's code
         SessionBusy: lambda e: error_response(409, str(e), None, "session_busy"),
         PrefillFailed: prefill_failed,
     }
