@@ -341,6 +341,28 @@ def test_health_is_503_until_a_model_is_loaded(tmp_path):
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed"
 
 
+def test_a_loading_server_says_when_to_retry_and_logs_no_error(world_pth, monkeypatch, caplog):
+    """While the model loads, a route answers 503 not_ready with Retry-After (the openai SDK waits that long before
+    its retry), and the server does not log it as a server error (a client polling /v1/models at start-up filled the
+    log with ERROR lines)."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from wkvm.config import ServerConfig
+    from wkvm.server.app import create_app
+    from wkvm.server.context import ServerContext
+
+    gate, real_load = threading.Event(), ServerContext.load
+    monkeypatch.setattr(ServerContext, "load", lambda self: (gate.wait(30), real_load(self)))
+    app = create_app(ServerConfig(model=str(world_pth)))
+    with caplog.at_level("ERROR", logger="wkvm.server"), TestClient(app) as c:
+        r = c.get("/v1/models")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready" and r.headers["retry-after"] == "1"
+        gate.set()
+    assert not [rec for rec in caplog.records if "server error" in rec.getMessage()]
+
+
 @pytest.mark.allows_5xx
 def test_health_is_503_when_the_engine_loop_has_died(server):
     """A server whose step loop died would hang every request: /health says so (and a replica's probe fails)."""

@@ -181,12 +181,13 @@ class RequestMetrics:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = 500
+        status, announced = 500, False  # announced: a 503 with Retry-After (loading), an answer and no fault
 
         async def send_status(message: Message) -> None:
-            nonlocal status
+            nonlocal status, announced
             if message["type"] == "http.response.start":
                 status = message["status"]
+                announced = status == 503 and any(k.lower() == b"retry-after" for k, _ in message.get("headers", []))
             await send(message)
 
         try:
@@ -194,5 +195,5 @@ class RequestMetrics:
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
             self.count(route, status)
-            if status >= 500 and scope.get("path") not in OPEN_PATHS:  # /health's 503 (loading) is its answer
+            if status >= 500 and not announced and scope.get("path") not in OPEN_PATHS:  # /health's 503 is its answer
                 self.on_server_error(scope.get("path", ""), status)

@@ -158,7 +158,8 @@ class ServerContext:
         if self.load_error:
             raise APIError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
         if not self.ready.is_set():
-            raise APIError(503, "the model is still loading; retry shortly", code="not_ready")
+            raise APIError(503, "the model is still loading; retry shortly", code="not_ready",
+                           headers={"Retry-After": "1"})  # fmt: skip
         if generative and not self.generative:
             raise APIError(404, "this server serves embeddings only (--model none): /v1/embeddings and /v1/models",
                            "model", "model_not_found")  # fmt: skip
