@@ -52,6 +52,7 @@ class SamplerRow:
     _counted: int = field(default=0, init=False, repr=False)
     _seen_upto: int = field(default=0, init=False, repr=False)
     _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)  # ids, values
+    _stops: torch.Tensor | None = field(default=None, init=False, repr=False)  # stop_ids < V, as a tensor
 
     def biased(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] plus the request's logit_bias, as a new tensor (ids >= V do not exist in this model: skipped;
@@ -61,6 +62,12 @@ class SamplerRow:
             ids = torch.tensor([t for t, _ in pairs], dtype=torch.long)
             self._bias = ids, torch.tensor([b for _, b in pairs], dtype=logits.dtype)
         return logits.index_add(0, *self._bias)
+
+    def without_stops(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] with the tokens that would end the output masked (-inf), as a new tensor: before min_tokens."""
+        if self._stops is None:
+            self._stops = torch.tensor([t for t in self.stop_ids if t < logits.shape[-1]], dtype=torch.long)
+        return logits.index_fill(0, self._stops, float("-inf"))
 
     def output_counts(self, vocab: int) -> torch.Tensor:
         """How often each token came out so far [vocab] (float; ids >= vocab are not counted), for the frequency and
@@ -220,8 +227,7 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
             x = row.biased(x)
             greedy_id = int(torch.argmax(x))
         if row.stop_ids and len(row.output_ids) < row.params.min_tokens:
-            x = x.index_fill(0, torch.tensor([t for t in row.stop_ids if t < x.shape[-1]], dtype=torch.long),
-                             float("-inf"))  # fmt: skip
+            x = row.without_stops(x)
             greedy_id = int(torch.argmax(x))
         if row.grammar is not None:
             allowed = row.grammar.allowed(x.shape[-1])

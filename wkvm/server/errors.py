@@ -37,8 +37,9 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": TYPES.get(status, "api_error"), "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 def _param(loc: tuple[Any, ...]) -> str:
@@ -62,7 +63,7 @@ def prefill_failed(e: PrefillFailed) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(error_body(e.status, e.message, e.param, e.code), status_code=e.status, headers=e.headers)
+        return error_response(e.status, e.message, e.param, e.code, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
