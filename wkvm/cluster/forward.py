@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Message
 from wkvm.state.statefile import metadata
 
 STATES = "/v1/states"
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MISROUTED = 0  # the status of a Head that says "not the replica you asked for": ask the directory again
 MISROUTED_REPLY = "wkvm:misrouted"  # what a replica method returns for the same (an answer, not an error to log)
 

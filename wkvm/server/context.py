@@ -25,6 +25,7 @@ from wkvm.server.asgi import KeyRing, tenant_of
 from wkvm.server.errors import APIError
 from wkvm.server.handover import Handovers
 from wkvm.server.metrics import Metrics
+from wkvm.state.responses import ResponseStore
 from wkvm.state.service import StateService
 from wkvm.state.sessions import ChatSessions
 from wkvm.state.store import StateStore, StoreLimits
@@ -61,6 +62,7 @@ class ServerContext:
     store: StateStore = field(init=False)
     service: StateService = field(init=False)
     sessions: ChatSessions = field(init=False)
+    responses: ResponseStore = field(init=False)  # the Responses API's stored responses
     embedder: EmbeddingModel | None = None  # --embeddings
     handovers: Handovers = field(default_factory=Handovers)  # streams that could move to another server
     # (tenant, name) -> whether this server holds the name (waiting a while for it): a stream that moved here saves its
@@ -121,6 +123,7 @@ class ServerContext:
             self.store = StateStore(root, m.spec, m.fingerprint, m.vocab_size, device=cfg.device, limits=limits,
                                     verify_on_load=cfg.verify_state_loads)  # fmt: skip
             self.service = StateService(self.store)
+            self.responses = ResponseStore(Path(root) / "responses.sqlite")
             self.sessions = ChatSessions(self.service, m.fingerprint, cfg, self.metrics)
             if cfg.embeddings:
                 self.embedder = EmbeddingModel(cfg.embeddings, cfg.device)
@@ -148,6 +151,7 @@ class ServerContext:
         if self.ready.is_set() and self.generative:
             self.client.shutdown(drain=True, timeout=30)
             self.store.close()
+            self.responses.close()
         if self._tmp is not None:
             self._tmp.cleanup()
         if self.ready.is_set():

@@ -362,63 +362,72 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
 
     @r.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> dict[str, Any] | Response:
-        ctx.require_ready()
-        tenant = ctx.tenant(request)
-        check_model(ctx, body.model)
-        messages = chat_messages(body.messages, body.functions)
-        mode = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
-        text = render_chat(ctx, messages, mode.tools if mode else None, body.add_generation_prompt,
-                           body.continue_final_message)  # fmt: skip
-        if body.save_state and body.n > 1:
-            raise APIError(400, "save_state needs n = 1", "save_state", "invalid_value")
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        k = (body.top_logprobs or 0) if body.logprobs else None
-        sp = gen.sampling_params(ctx, body, max_tokens, k, gen.DEFAULT_CHAT_MAX_TOKENS, ctx.template.stop)
-        if mode is not None and mode.forced:  # the reply can only be a valid call: the grammar enforces it
-            if body.response_format is not None or sp.structured_outputs is not None:
-                which = "response_format" if body.response_format is not None else "structured_outputs"
-                raise APIError(400, f"tool_choice required / named already fixes the reply's form: leave out {which}",
-                               which, "invalid_value")  # fmt: skip
-            sp = gen.with_response_format(sp, mode.response_format(), "tools")
-        params = gen.per_choice(sp, body.n)
-        prompt_ids = gen.encode_prompt(ctx, text, "messages")
-        system = system_prefix(ctx, messages, text, prompt_ids, mode.tools if mode else None)
-        chat = ChatMeta.from_headers(request.headers, messages, system)
-        moved = await taken_over(ctx, request, tenant)
-        if moved is not None:
-            ((plan, handles),) = await resume_runs(ctx, tenant, [prompt_ids], body, params, chat, moved)
-            rid, created = moved[1].id, moved[1].created
-        else:
-            ((plan, handles),) = await start_all(ctx, tenant, [prompt_ids], body, params, chat)
-            rid, created = gen.new_id("chatcmpl"), int(time.time())
-        base = {"id": rid, "created": created, "model": ctx.model_name}
-        live = live_stream(tenant, body, [(plan, handles)], rid, created, moved)
-        ctx.handovers.register(live)
-        if body.stream:
-            return StreamingResponse(
-                stream_chat(ctx, request, body, plan, handles, base, len(prompt_ids), tenant, k, mode, live,
-                            [c.text for c in moved[0]] if moved else None),
-                media_type="text/event-stream", headers=movable_header(live),
-            )  # fmt: skip
-        if await wait_or_move(ctx, request, live):
-            return await handed_over(ctx, live)
-        extra = await run_in_threadpool(finish, ctx, tenant, body, plan, handles, moved is not None)
-        choices = []
-        answers = answered(handles, moved)
-        for i, h in enumerate(answers):
-            message, finish_reason = reply(h.output.text, h.output.finish_reason, mode)
-            c = {"index": i, "message": message, "finish_reason": finish_reason,
-                 "logprobs": gen.chat_logprobs(ctx, h.output.token_ids, h.output.logprobs, k or 0)}  # fmt: skip
-            if body.return_token_ids:
-                c["token_ids"] = h.output.token_ids
-            choices.append(c)
-        out = {**base, "object": "chat.completion", "choices": choices,
-               "usage": gen.usage(len(prompt_ids), answers), **extra}  # fmt: skip
-        if body.return_token_ids:
-            out["prompt_token_ids"] = prompt_ids
-        return out
+        return await chat_completion(ctx, body, request)
 
     return r
+
+
+async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Request,
+                          movable: bool = True) -> dict[str, Any] | Response:  # fmt: skip
+    """A chat completion: the answer, or its SSE stream. `movable`: a stream that may move to another server (the
+    Responses API, which re-shapes this stream, passes False: its events cannot be handed over yet)."""
+    ctx.require_ready()
+    tenant = ctx.tenant(request)
+    check_model(ctx, body.model)
+    messages = chat_messages(body.messages, body.functions)
+    mode = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
+    text = render_chat(ctx, messages, mode.tools if mode else None, body.add_generation_prompt,
+                       body.continue_final_message)  # fmt: skip
+    if body.save_state and body.n > 1:
+        raise APIError(400, "save_state needs n = 1", "save_state", "invalid_value")
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    k = (body.top_logprobs or 0) if body.logprobs else None
+    sp = gen.sampling_params(ctx, body, max_tokens, k, gen.DEFAULT_CHAT_MAX_TOKENS, ctx.template.stop)
+    if mode is not None and mode.forced:  # the reply can only be a valid call: the grammar enforces it
+        if body.response_format is not None or sp.structured_outputs is not None:
+            which = "response_format" if body.response_format is not None else "structured_outputs"
+            raise APIError(400, f"tool_choice required / named already fixes the reply's form: leave out {which}",
+                           which, "invalid_value")  # fmt: skip
+        sp = gen.with_response_format(sp, mode.response_format(), "tools")
+    params = gen.per_choice(sp, body.n)
+    prompt_ids = gen.encode_prompt(ctx, text, "messages")
+    system = system_prefix(ctx, messages, text, prompt_ids, mode.tools if mode else None)
+    chat = ChatMeta.from_headers(request.headers, messages, system)
+    moved = await taken_over(ctx, request, tenant)
+    if moved is not None:
+        ((plan, handles),) = await resume_runs(ctx, tenant, [prompt_ids], body, params, chat, moved)
+        rid, created = moved[1].id, moved[1].created
+    else:
+        ((plan, handles),) = await start_all(ctx, tenant, [prompt_ids], body, params, chat)
+        rid, created = gen.new_id("chatcmpl"), int(time.time())
+    base = {"id": rid, "created": created, "model": ctx.model_name}
+    live = live_stream(tenant, body, [(plan, handles)], rid, created, moved)
+    if not movable:
+        live.why_not = "a Responses API stream cannot move to another server yet"
+    ctx.handovers.register(live)
+    if body.stream:
+        return StreamingResponse(
+            stream_chat(ctx, request, body, plan, handles, base, len(prompt_ids), tenant, k, mode, live,
+                        [c.text for c in moved[0]] if moved else None),
+            media_type="text/event-stream", headers=movable_header(live),
+        )  # fmt: skip
+    if await wait_or_move(ctx, request, live):
+        return await handed_over(ctx, live)
+    extra = await run_in_threadpool(finish, ctx, tenant, body, plan, handles, moved is not None)
+    choices = []
+    answers = answered(handles, moved)
+    for i, h in enumerate(answers):
+        message, finish_reason = reply(h.output.text, h.output.finish_reason, mode)
+        c = {"index": i, "message": message, "finish_reason": finish_reason,
+             "logprobs": gen.chat_logprobs(ctx, h.output.token_ids, h.output.logprobs, k or 0)}  # fmt: skip
+        if body.return_token_ids:
+            c["token_ids"] = h.output.token_ids
+        choices.append(c)
+    out = {**base, "object": "chat.completion", "choices": choices,
+           "usage": gen.usage(len(prompt_ids), answers), **extra}  # fmt: skip
+    if body.return_token_ids:
+        out["prompt_token_ids"] = prompt_ids
+    return out
 
 
 def check_echo(body: CompletionRequest) -> None:

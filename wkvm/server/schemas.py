@@ -212,3 +212,46 @@ class EmbeddingRequest(RequestBody):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
+
+
+class TextFormat(Body):
+    """The Responses API's `text.format`: plain text, any JSON object, or JSON matching `schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    definition: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(Body):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(RequestBody):
+    """POST /v1/responses (OpenAI's Responses API; docs/http-api.md). `input`'s items are checked one by one by the
+    route, which names the item and field that is wrong."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = Field(default=None, max_length=128)
+    store: bool = True
+    stream: bool = False
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=TEMPERATURE_RANGE[0], le=TEMPERATURE_RANGE[1])
+    top_p: float | None = Field(default=None, gt=TOP_P_RANGE[0], le=TOP_P_RANGE[1])
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    seed: int | None = Seed  # not OpenAI's; as in /v1/chat/completions
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    user: str | None = Field(default=None, max_length=MAX_TEXT_FIELD)
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        default=None, max_length=16)
+    include: list[str] | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    background: bool | None = None
+    reasoning: dict[str, Any] | None = None  # accepted: this model does not reason apart from its answer
+    conversation: Any = None

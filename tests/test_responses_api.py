@@ -1,0 +1,199 @@
+"""The Responses API (POST/GET/DELETE /v1/responses) through the `openai` SDK on a random tiny model: each answer
+equals the chat completion of the same conversation; previous_response_id continues a stored conversation, reusing
+its parked state without changing the answer; the stream's events build the same response; function tools, text
+formats, tenancy, a restart keeps stored responses; bad requests are 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from live_server import LiveServer
+
+KEYS = ["key-a", "key-b"]
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                          "required": ["city"], "additionalProperties": False}}  # fmt: skip
+GREEDY = {"temperature": 0, "max_output_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def server(char_model):
+    with LiveServer(model=str(char_model), api_keys=KEYS, slots=4) as s:
+        yield s
+
+
+def sdk(server, key="key-a") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+
+
+def chat_text(client: openai.OpenAI, messages: list[dict], user: str, **kw) -> tuple[str, int]:
+    r = client.chat.completions.create(model="char-model", messages=messages, temperature=0, max_tokens=12,
+                                       user=user, **kw)  # fmt: skip
+    return r.choices[0].message.content or "", r.usage.prompt_tokens
+
+
+def test_answer_equals_the_chat_completion_of_the_same_messages(server):
+    client = sdk(server)
+    r = client.responses.create(model="char-model", input="Hello there", instructions="Be brief.", user="u1", **GREEDY)
+    text, prompt_tokens = chat_text(client, [{"role": "system", "content": "Be brief."},
+                                             {"role": "user", "content": "Hello there"}], "other-1")  # fmt: skip
+    assert r.object == "response" and r.id.startswith("resp_") and r.status in ("completed", "incomplete")
+    assert r.output_text == text and r.usage.input_tokens == prompt_tokens
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    assert r.instructions == "Be brief." and r.store is True and r.usage.output_tokens >= 1
+    if r.status == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens" and r.usage.output_tokens == 12
+
+
+def test_previous_response_id_continues_exactly_and_reuses_the_state(server):
+    client = sdk(server)
+    first = client.responses.create(model="char-model", input="Name a colour.", user="u2", **GREEDY)
+    second = client.responses.create(model="char-model", input=[{"role": "user", "content": "And another?"}],
+                                     previous_response_id=first.id, user="u2", **GREEDY)  # fmt: skip
+    history = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": first.output_text},
+               {"role": "user", "content": "And another?"}]  # fmt: skip
+    text, prompt_tokens = chat_text(client, history, "fresh-u2")  # another scope: computed from scratch
+    assert second.output_text == text and second.usage.input_tokens == prompt_tokens
+    assert second.previous_response_id == first.id
+    # the first turn's prompt and answer came from its parked state, not recomputed
+    assert second.usage.input_tokens_details.cached_tokens > first.usage.input_tokens
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    third = client.responses.create(model="char-model", input="Thanks.", previous_response_id=second.id, user="u2",
+                                    **GREEDY)  # fmt: skip
+    assert third.usage.input_tokens_details.cached_tokens > second.usage.input_tokens
+
+
+def test_stream_events_build_the_stored_response(server):
+    client = sdk(server)
+    events = list(client.responses.create(model="char-model", input="Stream it", stream=True, user="u3", **GREEDY))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert deltas == final.output_text == events[-2].item.content[0].text
+    assert final.output[0].id == events[2].item.id
+    text, _ = chat_text(client, [{"role": "user", "content": "Stream it"}], "fresh-u3")
+    assert deltas == text
+    stored = client.responses.retrieve(final.id)
+    assert stored.model_dump() == final.model_dump()
+
+
+def test_stream_with_logprobs_and_usage(server):
+    client = sdk(server)
+    events = list(client.responses.create(model="char-model", input="Odds?", include=["message.output_text.logprobs"],
+                                          top_logprobs=2, user="u4", stream=True, **GREEDY))  # fmt: skip
+    final = events[-1].response  # completed, or incomplete at max_output_tokens (the SDK's stream() wants completed)
+    deltas = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.model_dump() for lp in deltas] == [lp.model_dump() for lp in final.output[0].content[0].logprobs]
+    lps = final.output[0].content[0].logprobs
+    assert len(lps) == final.usage.output_tokens and all(len(lp.top_logprobs) == 2 for lp in lps)
+    assert "".join(lp.token for lp in lps) == final.output_text
+    r = client.responses.create(model="char-model", input="Odds?", user="u4b", **GREEDY)
+    assert r.output[0].content[0].logprobs == [] and r.output_text == final.output_text
+
+
+def test_store_false_delete_and_tenancy(server):
+    a, b = sdk(server), sdk(server, "key-b")
+    kept = a.responses.create(model="char-model", input="keep", **GREEDY)
+    gone = a.responses.create(model="char-model", input="forget", store=False, **GREEDY)
+    assert a.responses.retrieve(kept.id).id == kept.id
+    for client, rid in ((a, gone.id), (b, kept.id)):  # not stored; another key's
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(rid)
+        with pytest.raises(openai.NotFoundError) as e:
+            client.responses.create(model="char-model", input="more", previous_response_id=rid, **GREEDY)
+        assert e.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.NotFoundError):
+        b.responses.delete(kept.id)
+    a.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        a.responses.retrieve(kept.id)
+
+
+def test_required_function_call_and_its_output_continue(server):
+    client = sdk(server)
+    r = client.responses.create(model="char-model", input="Weather in Paris?", tools=[WEATHER], tool_choice="required",
+                                temperature=1.0, extra_body={"seed": 3}, max_output_tokens=200)  # fmt: skip
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert calls and r.status == "completed"
+    for call in calls:
+        assert call.name == "get_weather" and call.call_id
+        jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": "sunny, 21 C"} for c in calls]
+    after = client.responses.create(model="char-model", input=outputs, previous_response_id=r.id, tools=[WEATHER],
+                                    tool_choice="none", **GREEDY)  # fmt: skip
+    assert [item.type for item in after.output] == ["message"]
+    # the same turn sent whole, as items, is the same conversation
+    whole = client.responses.create(model="char-model", input=[{"role": "user", "content": "Weather in Paris?"},
+                                    *[c.model_dump(exclude={"id", "status"}) for c in calls], *outputs],
+                                    tools=[WEATHER], tool_choice="none", user="whole", **GREEDY)  # fmt: skip
+    assert whole.output_text == after.output_text and whole.usage.input_tokens == after.usage.input_tokens
+
+
+def test_streamed_function_call_events(server):
+    client = sdk(server)
+    events = list(client.responses.create(model="char-model", input="Weather?", tools=[WEATHER],
+                                          tool_choice={"type": "function", "name": "get_weather"}, stream=True,
+                                          temperature=1.0, extra_body={"seed": 5}, max_output_tokens=200))  # fmt: skip
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    final = events[-1].response
+    assert [c.arguments for c in final.output if c.type == "function_call"] == [e.arguments for e in done]
+    jsonschema.validate(json.loads(done[0].arguments), WEATHER["parameters"])
+
+
+def test_json_schema_format(server):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}  # fmt: skip
+    client = sdk(server)
+    for seed in range(3):
+        r = client.responses.create(model="char-model", input="A number", temperature=1.0, extra_body={"seed": seed},
+                                    max_output_tokens=60,
+                                    text={"format": {"type": "json_schema", "name": "num", "schema": schema}})
+        jsonschema.validate(json.loads(r.output_text), schema)
+        assert r.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name"),
+    ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "truncation": "auto"}, "truncation"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"input": "hi", "tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"input": []}, "input"),
+    ({"input": "hi", "model": "other"}, "model"),
+])  # fmt: skip
+def test_bad_requests_are_400s_naming_the_field(server, body, param):
+    r = httpx.post(f"{server.url}/v1/responses", json=body, headers={"Authorization": "Bearer key-a"}, timeout=60)
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+def test_stored_responses_survive_a_restart(char_model, tmp_path):
+    with LiveServer(model=str(char_model), api_keys=KEYS, state_dir=str(tmp_path), slots=2) as first:
+        r = sdk(first).responses.create(model="char-model", input="Remember me", user="u9", **GREEDY)
+    with LiveServer(model=str(char_model), api_keys=KEYS, state_dir=str(tmp_path), slots=2) as again:
+        client = sdk(again)
+        assert client.responses.retrieve(r.id).output_text == r.output_text
+        more = client.responses.create(model="char-model", input="Again", previous_response_id=r.id, user="u9",
+                                       **GREEDY)  # fmt: skip
+        history = [{"role": "user", "content": "Remember me"}, {"role": "assistant", "content": r.output_text},
+                   {"role": "user", "content": "Again"}]  # fmt: skip
+        assert more.output_text == chat_text(client, history, "fresh-u9")[0]

@@ -1,0 +1,410 @@
+"""OpenAI's Responses API: POST /v1/responses (blocking and SSE events), GET and DELETE /v1/responses/{id}.
+
+A request runs as a chat completion (`openai_routes.chat_completion`): `instructions` is a leading system message,
+then the conversation stored with `previous_response_id`, then `input`'s items as chat messages (function calls as
+an assistant's `tool_calls`, their outputs as `tool` messages); Responses' flat function tools become chat tools and
+`text.format` the response_format. The chat's answer (or its chunks) is re-shaped into output items (or the
+Responses stream's events). A stored response keeps the conversation it ends (`ResponseStore`), so the next request
+that names it re-renders the same messages: its prompt then starts with the tokens of this one's prompt and answer,
+and the chat sessions resume the parked state only when those tokens match exactly (an answer never changes).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request, params
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from wkvm.server.context import ServerContext
+from wkvm.server.errors import APIError
+from wkvm.server.openai_routes import chat_completion, check_model
+from wkvm.server.schemas import ChatRequest, ResponsesRequest
+
+log = logging.getLogger("wkvm.server")
+ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text", "text")
+LOGPROBS = "message.output_text.logprobs"
+FINISHED = {"stop": "completed", "tool_calls": "completed", "length": "incomplete"}
+
+
+def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
+    r = APIRouter(dependencies=[auth])
+
+    @r.post("/v1/responses", response_model=None)
+    async def create(body: ResponsesRequest, request: Request) -> dict[str, Any] | StreamingResponse:
+        ctx.require_ready()
+        tenant = ctx.tenant(request)
+        check_model(ctx, body.model)
+        refuse_unsupported(body)
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id:
+            found = await run_in_threadpool(ctx.responses.get, tenant, body.previous_response_id)
+            if found is None:
+                raise APIError(404, f"previous_response_id: no stored response {body.previous_response_id!r} (it "
+                               "was made with store: false, deleted, or by another API key)", "previous_response_id",
+                               "previous_response_not_found")  # fmt: skip
+            history = found[1]
+        conversation = history + input_messages(body.input)
+        if not conversation:
+            raise APIError(400, "input: give the text or items to answer", "input", "invalid_value")
+        system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        shell = response_shell(ctx, body)
+        try:
+            out = await chat_completion(ctx, chat_request(body, system + conversation), request, movable=False)
+        except APIError as e:
+            raise APIError(e.status, e.message, responses_param(e.param), e.code, e.headers) from None
+        if isinstance(out, StreamingResponse):
+            events = stream_events(ctx, tenant, body, shell, conversation, out.body_iterator)  # type: ignore[arg-type]
+            return StreamingResponse(events, media_type="text/event-stream")
+        assert isinstance(out, dict), "a Responses request cannot move to another server, so it is answered here"
+        (choice,) = out["choices"]
+        items = output_items(choice["message"], (choice.get("logprobs") or {}).get("content"), logprobs(body))
+        resp = finished(shell, items, choice["finish_reason"], out["usage"], out.get("wkvm"))
+        if body.store:
+            await run_in_threadpool(ctx.responses.put, tenant, resp, conversation + input_messages(items))
+        return resp
+
+    @r.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str, request: Request) -> dict[str, Any]:
+        ctx.require_ready()
+        found = await run_in_threadpool(ctx.responses.get, ctx.tenant(request), response_id)
+        if found is None:
+            raise not_found(response_id)
+        return found[0]
+
+    @r.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str, request: Request) -> dict[str, Any]:
+        ctx.require_ready()
+        if not await run_in_threadpool(ctx.responses.delete, ctx.tenant(request), response_id):
+            raise not_found(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    return r
+
+
+def new_id(kind: str) -> str:
+    """OpenAI's shape for Responses objects: resp_..., msg_..., fc_..."""
+    return f"{kind}_{uuid.uuid4().hex}"
+
+
+def not_found(response_id: str) -> APIError:
+    return APIError(404, f"no stored response {response_id!r}", "response_id", "response_not_found")
+
+
+def refuse_unsupported(body: ResponsesRequest) -> None:
+    """What a user would otherwise get silently wrong: a 400 naming the field."""
+    if body.background:
+        raise APIError(400, "background: responses run in the request (send stream: true to see them as they come)",
+                       "background", "unsupported")  # fmt: skip
+    if body.conversation is not None:
+        raise APIError(400, "conversation: the Conversations API is not served here; continue a conversation with "
+                       "previous_response_id", "conversation", "unsupported")  # fmt: skip
+    if body.truncation == "auto":
+        raise APIError(400, "truncation: 'auto' (dropping the oldest items to fit) is not supported; a conversation "
+                       "too long for the model is refused with context_length_exceeded", "truncation",
+                       "unsupported")  # fmt: skip
+
+
+def logprobs(body: ResponsesRequest) -> bool:
+    return LOGPROBS in (body.include or ())
+
+
+def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatRequest:
+    fmt = body.text.format if body.text is not None else None
+    d: dict[str, Any] = {
+        "messages": messages, "stream": body.stream, "stream_options": {"include_usage": True} if body.stream else None,
+        "max_completion_tokens": body.max_output_tokens, "seed": body.seed, "user": body.user,
+        "tools": chat_tools(body.tools), "tool_choice": chat_tool_choice(body.tool_choice),
+        "parallel_tool_calls": body.parallel_tool_calls, "logprobs": logprobs(body),
+        "top_logprobs": body.top_logprobs if logprobs(body) else None,
+    }  # fmt: skip
+    if body.temperature is not None:
+        d["temperature"] = body.temperature
+    if body.top_p is not None:
+        d["top_p"] = body.top_p
+    if fmt is not None and fmt.type == "json_object":
+        d["response_format"] = {"type": "json_object"}
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.definition is None:
+            raise APIError(400, "text.format: a json_schema format needs its schema", "text.format.schema",
+                           "invalid_value")  # fmt: skip
+        spec = {"name": fmt.name, "schema": fmt.definition, "strict": fmt.strict, "description": fmt.description}
+        d["response_format"] = {"type": "json_schema", "json_schema": {k: v for k, v in spec.items() if v is not None}}
+    try:
+        return ChatRequest.model_validate(d)
+    except ValidationError as e:  # the items were checked one by one above: what is left is a value out of range
+        err = e.errors()[0]
+        raise APIError(400, f"input: {err['msg']}", "input", "invalid_value") from None
+
+
+def responses_param(param: str | None) -> str | None:
+    """A chat completion's field, as the Responses request names it."""
+    if param is None:
+        return None
+    for chat, ours in (("messages", "input"), ("max_completion_tokens", "max_output_tokens"),
+                       ("max_tokens", "max_output_tokens"), ("response_format", "text.format")):  # fmt: skip
+        if param == chat or param.startswith(chat + "[") or param.startswith(chat + "."):
+            return ours + param[len(chat) :] if chat != "messages" else "input"
+    return param.replace(".function.", ".") if param.startswith("tools[") else param
+
+
+def text_of(content: Any, where: str) -> str:
+    """A message's content as text: a string, or a list of text parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise APIError(400, f"{where} must be a string or a list of content parts", where, "invalid_value")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            why = f"{where}[{j}]: only text parts ({', '.join(TEXT_PARTS)}) are supported (got {kind!r})"
+            raise APIError(400, why, f"{where}[{j}].type", "unsupported")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def field(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise APIError(400, f"{where}.{key} must be a non-empty string", f"{where}.{key}", "invalid_value")
+    return value
+
+
+def input_messages(value: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """`input` (or output items, which are valid input) as chat messages. A function call joins the assistant
+    message before it (a reply that spoke and then called), as the chat's `tool_calls`."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ROLES:
+                raise APIError(400, f"{where}.role {role!r} is not supported; use one of {list(ROLES)}",
+                               f"{where}.role", "invalid_value")  # fmt: skip
+            out.append({"role": role, "content": text_of(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            arguments = item.get("arguments")
+            if not isinstance(arguments, str):
+                raise APIError(400, f"{where}.arguments must be a string (JSON text)", f"{where}.arguments",
+                               "invalid_value")  # fmt: skip
+            call = {"id": field(item, "call_id", where), "type": "function",
+                    "function": {"name": field(item, "name", where), "arguments": arguments}}  # fmt: skip
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = text_of(item.get("output"), f"{where}.output")
+            out.append({"role": "tool", "tool_call_id": field(item, "call_id", where), "content": output})
+        elif kind == "reasoning":
+            continue  # another model's reasoning, sent back by a client: this model reads only the answers
+        else:
+            raise APIError(400, f"{where}.type {kind!r} is not supported; use message, function_call or "
+                           "function_call_output", f"{where}.type", "unsupported")  # fmt: skip
+    return out
+
+
+def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+    """Responses' function tools ({"type": "function", "name", "parameters", ...}) in the chat's shape."""
+    if not tools:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind != "function":
+            raise APIError(400, f"tools[{i}]: only function tools are supported (got {kind!r})", f"tools[{i}].type",
+                           "unsupported")  # fmt: skip
+        assert isinstance(t, dict)
+        if isinstance(t.get("function"), dict):  # the chat's shape, as some clients send it
+            out.append(t)
+            continue
+        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise APIError(400, 'tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
+                   "tool_choice", "invalid_value")  # fmt: skip
+
+
+def response_shell(ctx: ServerContext, body: ResponsesRequest) -> dict[str, Any]:
+    """The response object before its output: what the request asked for, status in_progress."""
+    fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format else None
+    return {
+        "id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
+        "model": ctx.model_name, "output": [], "error": None, "incomplete_details": None,
+        "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+        "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
+        "store": body.store, "temperature": 1.0 if body.temperature is None else body.temperature,
+        "text": {"format": fmt or {"type": "text"}}, "tool_choice": body.tool_choice or "auto",
+        "tools": body.tools or [], "top_p": 1.0 if body.top_p is None else body.top_p,
+        "truncation": body.truncation or "disabled", "usage": None, "user": body.user,
+    }  # fmt: skip
+
+
+def message_item(text: str, lps: list[dict[str, Any]] | None, status: str = "completed") -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": lps or []}
+    return {"type": "message", "id": new_id("msg"), "status": status, "role": "assistant",
+            "content": [part] if status == "completed" else []}  # fmt: skip
+
+
+def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+    fn = call["function"]
+    return {"type": "function_call", "id": new_id("fc"), "call_id": call["id"], "name": fn["name"],
+            "arguments": fn["arguments"] if status == "completed" else "", "status": status}  # fmt: skip
+
+
+def output_items(message: dict[str, Any], lps: list[dict[str, Any]] | None, with_logprobs: bool) -> list[Any]:
+    """A chat answer's message as output items: its text (when it has some or calls nothing), then its calls."""
+    calls = message.get("tool_calls") or []
+    text = message.get("content") or ""
+    items = [message_item(text, lps if with_logprobs else None)] if text or not calls else []
+    return items + [call_item(c) for c in calls]
+
+
+def finished(shell: dict[str, Any], items: list[Any], finish_reason: str | None, usage: dict[str, Any],
+             extra: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+    status = FINISHED.get(finish_reason or "", "failed")
+    resp = {**shell, "status": status, "output": items, "usage": responses_usage(usage, extra)}
+    if status == "incomplete":
+        resp["incomplete_details"] = {"reason": "max_output_tokens"}
+    if status == "failed":
+        resp["error"] = {"code": "server_error", "message": f"the generation ended: {finish_reason}"}
+    if extra is not None:
+        resp["wkvm"] = extra
+    return resp
+
+
+def responses_usage(usage: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
+    """The chat's usage in Responses' names; cached_tokens: the prompt tokens a parked state saved recomputing."""
+    cached = int((extra or {}).get("reused_tokens") or 0)
+    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage["total_tokens"]}  # fmt: skip
+
+
+class EventStream:
+    """The Responses stream's events, numbered, built from the chat stream's chunks."""
+
+    def __init__(self, shell: dict[str, Any]):
+        self.shell, self.seq, self.items = shell, 0, list[dict[str, Any]]()
+        self.text, self.lps = "", list[dict[str, Any]]()
+        self.message: dict[str, Any] | None = None  # the open message item
+
+    def event(self, kind: str, **fields: Any) -> str:
+        line = f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq, **fields})}\n\n"
+        self.seq += 1
+        return line
+
+    def text_delta(self, delta: str, lps: list[dict[str, Any]] | None) -> list[str]:
+        out = []
+        if self.message is None:
+            self.message = message_item("", None, "in_progress")
+            out.append(self.event("response.output_item.added", output_index=len(self.items), item=self.message))
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            out.append(self.event("response.content_part.added", item_id=self.message["id"],
+                                  output_index=len(self.items), content_index=0, part=part))  # fmt: skip
+        self.text += delta
+        self.lps += lps or []
+        if delta or lps:
+            out.append(self.event("response.output_text.delta", item_id=self.message["id"],
+                                  output_index=len(self.items), content_index=0, delta=delta, logprobs=lps or []))
+        return out
+
+    def close_message(self) -> list[str]:
+        if self.message is None:
+            return []
+        done = {**message_item(self.text, self.lps), "id": self.message["id"]}
+        part, where = done["content"][0], {"item_id": done["id"], "output_index": len(self.items), "content_index": 0}
+        out = [self.event("response.output_text.done", **where, text=self.text, logprobs=self.lps),
+               self.event("response.content_part.done", **where, part=part),
+               self.event("response.output_item.done", output_index=len(self.items), item=done)]  # fmt: skip
+        self.items.append(done)
+        self.message = None
+        return out
+
+    def call(self, call: dict[str, Any]) -> list[str]:
+        item, index = call_item(call), len(self.items)
+        self.items.append(item)
+        return [self.event("response.output_item.added", output_index=index, item={**item, "arguments": "",
+                                                                                      "status": "in_progress"}),
+                self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                           delta=item["arguments"]),
+                self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                           name=item["name"], arguments=item["arguments"]),
+                self.event("response.output_item.done", output_index=index, item=item)]  # fmt: skip
+
+
+async def stream_events(ctx: ServerContext, tenant: str, body: ResponsesRequest, shell: dict[str, Any],
+                        conversation: list[dict[str, Any]], chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The Responses stream: created, in_progress, each output item's events as the chat's chunks come, then
+    completed / incomplete / failed with the whole response (stored first, so a client that reads `completed` can
+    continue from it at once). A failure after the start is an `error` event, then `response.failed`."""
+    s = EventStream(shell)
+    yield s.event("response.created", response=shell)
+    yield s.event("response.in_progress", response=shell)
+    finish_reason, usage, extra, error = None, None, None, None
+    try:
+        async for line in chunks:
+            data = line.removeprefix("data: ").strip()
+            if data == "[DONE]":
+                break
+            obj = json.loads(data)
+            if "error" in obj:
+                error = obj["error"]
+                break
+            usage = obj.get("usage") or usage
+            extra = obj.get("wkvm", extra)
+            for c in obj.get("choices", []):
+                delta = c.get("delta") or {}
+                lps = (c.get("logprobs") or {}).get("content") if logprobs(body) else None
+                if delta.get("content") or lps:
+                    for ev in s.text_delta(delta.get("content") or "", lps):
+                        yield ev
+                if delta.get("tool_calls"):
+                    for ev in s.close_message():
+                        yield ev
+                    for call in delta["tool_calls"]:
+                        for ev in s.call(call):
+                            yield ev
+                finish_reason = c.get("finish_reason") or finish_reason
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]  # a client gone: the chat stream ends its request
+    if error is None and not s.items and s.message is None:
+        for ev in s.text_delta("", None):  # an empty answer is still one (empty) message
+            yield ev
+    for ev in s.close_message():
+        yield ev
+    if error is not None or usage is None:
+        error = error or {"code": "server_error", "message": "the stream ended without its usage (a bug)"}
+        yield s.event("error", code=error.get("code"), message=error.get("message"), param=error.get("param"))
+        failed = {**shell, "status": "failed", "output": s.items,
+                  "error": {"code": error.get("code") or "server_error", "message": error.get("message")}}  # fmt: skip
+        yield s.event("response.failed", response=failed)
+        return
+    resp = finished(shell, s.items, finish_reason, usage, extra)
+    if body.store:
+        await run_in_threadpool(ctx.responses.put, tenant, resp, conversation + input_messages(s.items))
+    kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(resp["status"],
+                                                                                      "response.failed")
+    yield s.event(kind, response=resp)

@@ -1,0 +1,69 @@
+"""Stored Responses API responses (`store: true`), per owner: the response object a client reads back, and the
+conversation it ends (chat messages) that a later request's `previous_response_id` continues.
+
+SQLite (WAL, synchronous=FULL) in the state directory, beside the state index: a response acknowledged to its client
+is on disk, and survives a restart (vLLM keeps them in memory only). Each owner keeps its newest `MAX_PER_OWNER`;
+storing one more drops the oldest. The conversation's parked state is not here: the chat sessions keep it, and a
+continuation reuses it only when its tokens match exactly (docs/http-api.md, "Responses").
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+MAX_PER_OWNER = 1000
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    owner TEXT NOT NULL,
+    id TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    response TEXT NOT NULL,
+    messages TEXT NOT NULL,
+    PRIMARY KEY (owner, id)
+);
+CREATE INDEX IF NOT EXISTS responses_age ON responses (owner, created_at);
+"""
+
+
+class ResponseStore:
+    def __init__(self, path: Path, max_per_owner: int = MAX_PER_OWNER):
+        self.path, self.max_per_owner = path, max_per_owner
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            for statement in SCHEMA.split(";"):
+                if statement.strip():
+                    self._db.execute(statement)
+
+    def put(self, owner: str, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+        """Store (or replace) a response and its conversation; past `max_per_owner`, the owner's oldest go."""
+        row = (owner, response["id"], time.time(), json.dumps(response), json.dumps(messages))
+        with self._lock, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)", row)
+            self._db.execute(
+                "DELETE FROM responses WHERE owner = ? AND id IN (SELECT id FROM responses WHERE owner = ? "
+                "ORDER BY created_at DESC, rowid DESC LIMIT -1 OFFSET ?)", (owner, owner, self.max_per_owner))
+
+    def get(self, owner: str, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        """(response, conversation), or None: no such response of this owner's."""
+        with self._lock:
+            row = self._db.execute("SELECT response, messages FROM responses WHERE owner = ? AND id = ?",
+                                   (owner, response_id)).fetchone()  # fmt: skip
+        return None if row is None else (json.loads(row[0]), json.loads(row[1]))
+
+    def delete(self, owner: str, response_id: str) -> bool:
+        with self._lock:
+            cur = self._db.execute("DELETE FROM responses WHERE owner = ? AND id = ?", (owner, response_id))
+        return cur.rowcount > 0
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
