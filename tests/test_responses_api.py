@@ -13,6 +13,8 @@ import openai
 import pytest
 from live_server import LiveServer
 
+from wkvm.state.responses import ResponseStore
+
 KEYS = ["key-a", "key-b"]
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
@@ -197,3 +199,16 @@ def test_stored_responses_survive_a_restart(char_model, tmp_path):
         history = [{"role": "user", "content": "Remember me"}, {"role": "assistant", "content": r.output_text},
                    {"role": "user", "content": "Again"}]  # fmt: skip
         assert more.output_text == chat_text(client, history, "fresh-u9")[0]
+
+
+def test_the_store_keeps_each_owners_newest_within_its_bounds(tmp_path):
+    store = ResponseStore(tmp_path / "r.sqlite", max_per_owner=3, max_bytes=2000)
+    for i in range(5):
+        store.put("a", {"id": f"r{i}"}, [{"role": "user", "content": "x"}])
+    store.put("b", {"id": "r0"}, [])
+    assert [rid for rid in ("r0", "r1", "r2", "r3", "r4") if store.get("a", rid)] == ["r2", "r3", "r4"]
+    assert store.get("b", "r0") == ({"id": "r0"}, []) and store.get("b", "r4") is None
+    store.put("a", {"id": "big"}, [{"role": "user", "content": "y" * 2100}])  # alone past the byte bound: kept
+    assert store.get("a", "big") is not None and store.get("a", "r4") is None
+    assert store.delete("a", "big") and not store.delete("a", "big") and not store.delete("b", "r4")
+    store.close()

@@ -2,9 +2,10 @@
 conversation it ends (chat messages) that a later request's `previous_response_id` continues.
 
 SQLite (WAL, synchronous=FULL) in the state directory, beside the state index: a response acknowledged to its client
-is on disk, and survives a restart (vLLM keeps them in memory only). Each owner keeps its newest `MAX_PER_OWNER`;
-storing one more drops the oldest. The conversation's parked state is not here: the chat sessions keep it, and a
-continuation reuses it only when its tokens match exactly (docs/http-api.md, "Responses").
+is on disk, and survives a restart (vLLM keeps them in memory only). Each owner keeps its newest `MAX_PER_OWNER`
+responses within `MAX_BYTES_PER_OWNER` of JSON; storing one more drops the oldest beyond either (never the new
+one). The conversation's parked state is not here: the chat sessions keep it, and a continuation reuses it only
+when its tokens match exactly (docs/http-api.md, "The Responses API").
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 MAX_PER_OWNER = 1000
+MAX_BYTES_PER_OWNER = 64 << 20
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     owner TEXT NOT NULL,
@@ -24,6 +26,7 @@ CREATE TABLE IF NOT EXISTS responses (
     created_at REAL NOT NULL,
     response TEXT NOT NULL,
     messages TEXT NOT NULL,
+    bytes INTEGER NOT NULL,
     PRIMARY KEY (owner, id)
 );
 CREATE INDEX IF NOT EXISTS responses_age ON responses (owner, created_at);
@@ -31,8 +34,8 @@ CREATE INDEX IF NOT EXISTS responses_age ON responses (owner, created_at);
 
 
 class ResponseStore:
-    def __init__(self, path: Path, max_per_owner: int = MAX_PER_OWNER):
-        self.path, self.max_per_owner = path, max_per_owner
+    def __init__(self, path: Path, max_per_owner: int = MAX_PER_OWNER, max_bytes: int = MAX_BYTES_PER_OWNER):
+        self.path, self.max_per_owner, self.max_bytes = path, max_per_owner, max_bytes
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
         with self._lock:
@@ -43,14 +46,17 @@ class ResponseStore:
                     self._db.execute(statement)
 
     def put(self, owner: str, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
-        """Store (or replace) a response and its conversation; past `max_per_owner`, the owner's oldest go."""
-        row = (owner, response["id"], time.time(), json.dumps(response), json.dumps(messages))
+        """Store (or replace) a response and its conversation; the owner's oldest beyond the bounds go."""
+        body, history = json.dumps(response), json.dumps(messages)
+        row = (owner, response["id"], time.time(), body, history, len(body) + len(history))
         with self._lock, self._db:
             self._db.execute("BEGIN IMMEDIATE")
-            self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)", row)
+            self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)", row)
             self._db.execute(
-                "DELETE FROM responses WHERE owner = ? AND id IN (SELECT id FROM responses WHERE owner = ? "
-                "ORDER BY created_at DESC, rowid DESC LIMIT -1 OFFSET ?)", (owner, owner, self.max_per_owner))
+                "DELETE FROM responses WHERE owner = ? AND id IN (SELECT id FROM (SELECT id, ROW_NUMBER() OVER w AS n, "
+                "SUM(bytes) OVER w AS total FROM responses WHERE owner = ? WINDOW w AS (ORDER BY created_at DESC, "
+                "rowid DESC)) WHERE n > 1 AND (n > ? OR total > ?))",
+                (owner, owner, self.max_per_owner, self.max_bytes))  # fmt: skip
 
     def get(self, owner: str, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
         """(response, conversation), or None: no such response of this owner's."""
