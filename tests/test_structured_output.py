@@ -6,6 +6,7 @@ temperature 1 with different seeds, many at once through one engine.
 
 import json
 import re
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -13,6 +14,7 @@ import openai
 import pytest
 from live_server import LiveServer
 
+import wkvm
 from wkvm.config import EngineConfig
 from wkvm.engine.engine import Engine
 from wkvm.engine.grammar import GrammarCompiler
@@ -379,3 +381,30 @@ def test_structured_outputs_over_http_and_its_old_names(server):
                 {"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}):  # fmt: skip
         r = httpx.post(url, json={**base, **bad}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", (bad, r.text)
+
+
+def test_characters_split_over_byte_level_tokens():
+    """A byte-level BPE vocabulary (the embedded model's, as GPT-2, SmolLM2, Qwen) splits a character over tokens
+    that hold part of its bytes: the grammar sees each token's own bytes, so such characters can be produced (before,
+    those tokens read as U+FFFD and every request whose answer needed one was a 400)."""
+    path = Path(wkvm.__file__).parent / "assets" / "wkvm-tiny-shakespeare"
+    tok, _ = load_text_tools(path, "rwkv7")
+    text = "日本 naïve é"
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert any(b"\xef\xbf\xbd" not in tok.token_bytes(i) and not is_utf8(tok.token_bytes(i)) for i in ids)
+    choices = ["日本", "中国", "naïve"]
+    engine = Engine(load_model(path), tok, EngineConfig(n_slots=12, token_budget=512))
+    handles = [engine.submit(tok.encode("Say:"), sampled(seed=i, structured_outputs={"choice": choices}))
+               for i in range(12)]  # fmt: skip
+    engine.run_until_done()
+    texts = [h.output.text for h in handles]
+    assert all(h.output.finish_reason == "stop" for h in handles) and set(texts) <= set(choices), texts
+
+
+def is_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True

@@ -1,6 +1,7 @@
 """World tokenizer: ids identical to BlinkDL's TRIE_TOKENIZER; lossless round trip; HF tokenizer.json."""
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -146,3 +147,24 @@ def test_windowed_detokenizer_gives_the_whole_decode(kind):
         d.flush()
         released += d.delta(final=True)
         assert released == d.text == hf.decode(ids), ids
+
+
+def test_offsets_of_tokens_holding_part_of_a_character():
+    """Legacy completion logprobs: each token's text_offset is where its text starts in the output; a token holding
+    part of a character (byte-level BPE splits 日 and 本 over two tokens each) points where that character starts
+    (before, each such token counted as one character, U+FFFD, and the offsets after it ran ahead)."""
+    from types import SimpleNamespace
+
+    import wkvm
+    from wkvm.server.generation import completion_logprobs
+
+    tok = HFTokenizer(Path(wkvm.__file__).parent / "assets" / "wkvm-tiny-shakespeare" / "tokenizer.json")
+    text = "a日本b c"
+    ids = tok.encode(text)
+    assert len(ids) > len(text)  # some characters take several tokens
+    lps = completion_logprobs(SimpleNamespace(tokenizer=tok), ids, [{t: 0.0} for t in ids], 0, offset=5)
+    expected, at = [], 0
+    for t in ids:  # the character holding the token's first byte
+        expected.append(5 + len(text.encode()[:at].decode("utf-8", errors="ignore")))
+        at += len(tok.token_bytes(t))
+    assert lps["text_offset"] == expected and at == len(text.encode())

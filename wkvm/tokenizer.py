@@ -4,7 +4,10 @@ A model family may give a default tokenizer for checkpoints that ship none (`Mod
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -55,7 +58,57 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:
-        return self.decode([token_id]).encode("utf-8")
+        return self._token_bytes[token_id] if 0 <= token_id < len(self._token_bytes) else b""
+
+    @functools.cached_property
+    def _token_bytes(self) -> list[bytes]:
+        """Every token's own bytes, as the model's vocabulary holds them: a byte-level BPE token (GPT-2, Llama 3,
+        SmolLM2, Qwen) maps its characters back to bytes, so a token holding part of a character has those bytes
+        rather than the U+FFFD that decoding it alone gives; a SentencePiece byte token `<0xE6>` is that byte and
+        `▁` a space. Added tokens and other vocabularies: the token decoded alone. (The grammar engine and
+        logprobs' `bytes` read these; before, any character split over tokens could not be produced under a
+        grammar.)"""
+        spec = json.loads(self._tok.to_str())
+        kinds = decoder_kinds(spec.get("decoder"))
+        added = {t["id"] for t in spec.get("added_tokens") or []}
+        out = []
+        for i in range(self.vocab_size):
+            piece = self._tok.id_to_token(i)
+            if piece is None or i in added:
+                out.append(self.decode([i]).encode("utf-8"))
+            elif "ByteLevel" in kinds and all(c in BYTE_DECODER for c in piece):
+                out.append(bytes(BYTE_DECODER[c] for c in piece))
+            elif "ByteFallback" in kinds and BYTE_PIECE.fullmatch(piece):
+                out.append(bytes([int(piece[3:5], 16)]))
+            elif kinds & {"Metaspace", "Replace"}:
+                out.append(piece.replace("▁", " ").encode("utf-8"))
+            else:
+                out.append(self.decode([i]).encode("utf-8"))
+        return out
+
+
+BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves, the others for
+    characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
+
+
+BYTE_DECODER = gpt2_byte_decoder()
+
+
+def decoder_kinds(decoder: dict[str, object] | None) -> set[str]:
+    """The types in a tokenizer.json decoder (a Sequence's too)."""
+    if not isinstance(decoder, dict):
+        return set()
+    kinds = {str(decoder.get("type"))}
+    for d in decoder.get("decoders") or []:  # type: ignore[attr-defined]
+        kinds |= decoder_kinds(d)
+    return kinds
 
 
 def load_tokenizer(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
 import dataclasses
 import json
 import time
@@ -256,9 +257,10 @@ def completion_logprobs(ctx: ServerContext, token_ids: list[int], lps: Sequence[
         return None
     tokens = [token_str(ctx, t) for t in token_ids]
     offsets, pos = [], offset
-    for s in tokens:
+    utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # a token holding part of a character points where it
+    for t in token_ids:  # starts; the characters it completes count from the next token on
         offsets.append(pos)
-        pos += len(s)
+        pos += len(utf8.decode(ctx.tokenizer.token_bytes(t)))
 
     def top(lp: dict[int, float]) -> dict[str, float]:
         ranked = sorted(((token_str(ctx, i), json_logprob(v)) for i, v in lp.items()), key=lambda kv: -kv[1])
