@@ -146,6 +146,58 @@ def test_poison_status_codes(server):
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
 
 
+def test_null_means_the_default_and_a_required_null_is_a_400(server):
+    """OpenAI's schema types sampling fields `number | null` (vLLM: Optional): null is the default, so a client that
+    serialises unset fields as null gets the same answer as one that leaves them out."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    nulls = dict.fromkeys(["top_p", "n", "presence_penalty", "frequency_penalty", "logprobs", "stream", "top_k",
+                           "min_tokens", "add_generation_prompt"])  # fmt: skip
+    plain, nulled = post(server, "/v1/chat/completions", chat), post(server, "/v1/chat/completions", {**chat, **nulls})
+    assert plain.status_code == nulled.status_code == 200, nulled.text
+    assert nulled.json()["choices"] == plain.json()["choices"]
+    r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": None, "temperature": None})
+    assert r.status_code == 200, r.text
+    err = assert_4xx(post(server, "/v1/chat/completions", {**chat, "messages": None}), 400)
+    assert err["param"] == "messages"
+
+
+U = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize(("path", "body", "headers", "param", "code"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, {}, "messages[0].content", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [U, {"role": "tool", "content": "x"}]}, {}, "messages[1].tool_call_id",
+     "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, {},
+     "messages[0].content[0].text", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, {}, "messages[0].content",
+     "invalid_value"),
+    ("/v1/chat/completions", {"messages": [U], "stop": 5}, {}, "stop", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [U], "state": ""}, {}, "state", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "state": "no-such-state"}, {}, "state", "state_not_found"),
+    ("/tokenize", {"messages": []}, {}, "messages", "invalid_value"),
+    ("/v1/completions", b'{"prompt": "x"}', {"content-type": "text/plain"}, "body", "invalid_content_type"),
+    ("/v1/completions", b"prompt=x", {"content-type": "application/x-www-form-urlencoded"}, "body",
+     "invalid_content_type"),
+    ("/v1/completions", b'{"prompt": "\xff"}', {"content-type": "application/json"}, "body", "invalid_json"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", {"content-type": "application/json"},
+     "body", "invalid_json"),
+])  # fmt: skip
+def test_bad_requests_name_the_field_a_client_sent(server, path, body, headers, param, code):
+    """Each refusal names the field as the client wrote it (not pydantic's union branch `content.str`), and the
+    content type or encoding when that is what is wrong."""
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{server.url}{path}", headers={**B, **headers}, timeout=60, **kw)
+    err = assert_4xx(r)
+    assert (err["param"], err["code"]) == (param, code), r.text
+
+
+def test_hibernate_without_a_body_takes_the_default_tier(server):
+    exported_state(server, "hib")
+    r = httpx.post(f"{server.url}/v1/states/hib/hibernate", headers=B, timeout=60)
+    assert r.status_code == 200 and r.json()["tier"] == "disk", r.text
+
+
 def test_non_ascii_key_is_401(server):
     for headers in ({"X-Api-Key": "é"}, {"Authorization": "Bearer é"}, {"Authorization": "Bearer \u2603"}):
         raw = {k: v.encode("utf-8") for k, v in headers.items()}

@@ -260,6 +260,15 @@ def test_http_state_generate(server):
     assert streamed_text(url, body, lambda ch: ch["text"]) == c["text"]
 
 
+def test_llama_cpp_json_object_with_its_schema(server):
+    """llama.cpp's server reads `{"type": "json_object", "schema": ...}` as that schema (it was ignored: any object)."""
+    for seed in range(3):
+        body = {**CHAT, "seed": seed, "response_format": {"type": "json_object", "schema": SCHEMAS["enums"]}}
+        c = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+        assert c["finish_reason"] == "stop"
+        check_valid_text(c["message"]["content"], SCHEMAS["enums"])
+
+
 def check_valid_text(text, schema):
     jsonschema.validate(json.loads(text), schema)
 
@@ -271,6 +280,7 @@ def check_valid_text(text, schema):
         (fmt({"type": "array", "uniqueItems": True}), "response_format", "uniqueItems"),
         ({"type": "yaml"}, "response_format.type", "json_schema"),
         ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema", "required"),
+        ({"type": "json_schema", "schema": {"type": "object"}}, "response_format.schema", "json_object"),
     ],
 )
 def test_http_invalid_schema_is_400(server, response_format, param, problem):

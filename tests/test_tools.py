@@ -52,6 +52,19 @@ def check_calls(choice, names: set[str], most: int | None = None) -> list[tuple[
     return out
 
 
+def test_a_tool_without_parameters_is_called_with_none(client):
+    """OpenAI: omitting `parameters` defines a function with an empty parameter list (forced calls had invented
+    arguments, or run to max_tokens without closing the call)."""
+    tools = [{"type": "function", "function": {"name": "get_time"}},
+             {"type": "function", "function": {"name": "now", "parameters": None}}]  # fmt: skip
+    for seed in range(4):
+        r = client.chat.completions.create(model="char-model", messages=ASK, tools=tools, tool_choice="required",
+                                           temperature=1.0, seed=seed, max_tokens=200)  # fmt: skip
+        calls = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and calls, r.choices[0]
+        assert all(json.loads(c.function.arguments) == {} for c in calls), calls
+
+
 def test_required_and_named_replies_are_always_valid_calls(client):
     for seed in range(12):
         r = client.chat.completions.create(model="char-model", messages=ASK, tools=TOOLS, tool_choice="required",

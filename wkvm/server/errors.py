@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,8 +22,9 @@ from wkvm.state.statefile import StateFileError
 from wkvm.state.store import QuotaExceeded, StateNotFound
 
 log = logging.getLogger("wkvm.server")
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 409: "conflict_error",
-         413: "request_too_large", 429: "rate_limit_error", 503: "service_unavailable"}  # fmt: skip
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         405: "invalid_request_error", 409: "conflict_error", 413: "request_too_large", 429: "rate_limit_error",
+         503: "service_unavailable"}  # fmt: skip
 
 
 class APIError(Exception):
@@ -42,8 +44,13 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
+UNION_TAG = re.compile(r"(str|int|float|bool|bytes|none|[a-z][a-z0-9_-]*\[.*\])")  # pydantic's union branches
+
+
 def _param(loc: tuple[Any, ...]) -> str:
+    """The field an error is about, as a client names it: `messages[0].content`, not `body.messages.0.content.str`."""
     parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    parts = [p for p in parts if not UNION_TAG.fullmatch(p)]
     out = ""
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
@@ -66,17 +73,26 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(e.status, e.message, e.param, e.code, e.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {"loc": ("body",), "msg": "invalid request"}
         param = _param(tuple(first.get("loc", ())))
         msg = first.get("msg", "invalid value")
         if first.get("type") == "json_invalid":
             return error_response(400, "the request body is not valid JSON", "body", "invalid_json")
+        kind = request.headers.get("content-type", "")
+        if tuple(first.get("loc", ())) == ("body",) and "json" not in kind.lower():
+            # FastAPI reads JSON only under a JSON content type; parsing any other (curl -d sends a form's) would let
+            # any web page post here without the browser's CORS preflight
+            return error_response(400, f"send the body as JSON with Content-Type: application/json (got "
+                                  f"{kind or 'none'!r})", "body", "invalid_content_type")  # fmt: skip
         return error_response(400, f"{param}: {msg}", param, "invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         status = e.status_code if 400 <= e.status_code < 500 else 400
+        if e.detail == "There was an error parsing the body":  # FastAPI's, for bytes json.loads cannot read
+            return error_response(400, "the request body is not valid JSON (bad UTF-8, nested too deep, or a number "
+                                  "with too many digits)", "body", "invalid_json")  # fmt: skip
         message = "no such route" if e.status_code == 404 else str(e.detail)
         return error_response(status, message)
 

@@ -39,7 +39,7 @@ from wkvm.server.schemas import MAX_PROMPTS, ChatMessage, ChatRequest, Completio
 from wkvm.server.tools import ToolMode, content_ready, final_delta, parse_reply, template_messages, tool_mode
 from wkvm.state.sessions import ChatMeta, Plan
 from wkvm.state.statefile import valid_name
-from wkvm.state.store import QuotaExceeded
+from wkvm.state.store import QuotaExceeded, StateNotFound
 
 log = logging.getLogger("wkvm.server")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -119,6 +119,8 @@ async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body: Ge
                 plan = ctx.sessions.plan(tenant, prompt_ids, body.state, chat, scope=scope)
         except ValueError as e:
             raise APIError(400, str(e), "state", "invalid_state") from None
+        except StateNotFound as e:
+            raise APIError(404, str(e), "state", "state_not_found") from None
         if body.save_state is not None:
             n_tokens = len(plan.base_ids) + len(plan.feed_ids) + params[0].max_tokens
             check_save_room(ctx, tenant, n_tokens, "save_state")
@@ -476,10 +478,16 @@ def chat_messages(messages: list[ChatMessage], functions: list[Any] | None = Non
                            f"messages[{i}].role", "invalid_value")  # fmt: skip
         if isinstance(m.content, list):
             for j, part in enumerate(m.content):
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     why = f"messages[{i}].content[{j}]: only text parts are supported yet (got {part.type!r})"
                     raise APIError(400, why, f"messages[{i}].content[{j}].type", "unsupported")
-            content = "".join(part.text or "" for part in m.content)  # None was refused just above
+                if part.text is None:
+                    raise APIError(400, f"messages[{i}].content[{j}]: a text part needs its text",
+                                   f"messages[{i}].content[{j}].text", "invalid_value")  # fmt: skip
+            content = "\n".join(part.text or "" for part in m.content)  # as vLLM joins them; None was refused above
+        elif m.content is None and m.role != "assistant":  # an assistant's may be only its tool_calls
+            raise APIError(400, f"messages[{i}]: a {m.role} message needs content", f"messages[{i}].content",
+                           "invalid_value")  # fmt: skip
         else:
             content = m.content or ""
         msg: dict[str, Any] = {"role": m.role, "content": content}
@@ -489,7 +497,10 @@ def chat_messages(messages: list[ChatMessage], functions: list[Any] | None = Non
                                f"messages[{i}].tool_calls", "invalid_value")  # fmt: skip
             msg["tool_calls"] = m.tool_calls
         if m.role == "tool":
-            msg["tool_call_id"] = m.tool_call_id or ""
+            if not m.tool_call_id:
+                raise APIError(400, f"messages[{i}]: a tool message needs the tool_call_id of the call it answers",
+                               f"messages[{i}].tool_call_id", "invalid_value")  # fmt: skip
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
 

@@ -169,7 +169,7 @@ def text_of(content: Any, where: str) -> str:
             why = f"{where}[{j}]: only text parts ({', '.join(TEXT_PARTS)}) are supported (got {kind!r})"
             raise APIError(400, why, f"{where}[{j}].type", "unsupported")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)  # as the chat's text parts
 
 
 def field(item: dict[str, Any], key: str, where: str) -> str:

@@ -19,6 +19,7 @@ from wkvm.sampling_params import (
     TEMPERATURE_RANGE,
     TOP_P_RANGE,
 )
+from wkvm.server.errors import APIError
 
 Seed = Field(default=None, ge=-(2**63), le=2**64 - 1)
 MAX_PROMPTS = 128  # prompts in one /v1/completions list (each is a request in the queue)
@@ -38,6 +39,17 @@ class Body(BaseModel):
 class RequestBody(Body):
     """A request's top level: fields this server does not read are ignored (OpenAI's SDK and clients send new ones),
     and logged once per kind of request and set of names, as vLLM does, so a user learns what had no effect."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_default(cls, data: Any) -> Any:
+        """`null` for a field with a default means that default, as OpenAI's schema (`number | null`) and vLLM
+        read it: clients that serialise unset fields as null send `"temperature": null`, `"stream": null`."""
+        if isinstance(data, dict) and None in data.values():
+            fields = cls.model_fields
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -66,9 +78,17 @@ class JsonSchemaFormat(Body):
 class ResponseFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    definition: dict[str, Any] | None = Field(default=None, alias="schema")  # llama.cpp's json_object + schema
 
     def as_dict(self) -> dict[str, Any]:
-        """The OpenAI shape SamplingParams takes (it checks that json_schema comes with its type)."""
+        """The OpenAI shape SamplingParams takes (it checks that json_schema comes with its type). llama.cpp's server
+        also reads `{"type": "json_object", "schema": {...}}` as that schema: so does this one."""
+        if self.type == "json_object" and self.definition is not None:
+            return {"type": "json_schema", "json_schema": {"name": "response", "schema": self.definition}}
+        if self.definition is not None:
+            raise APIError(400, f"response_format.schema goes with type json_object (llama.cpp's form); with type "
+                           f"{self.type!r} use OpenAI's json_schema: {{\"schema\": ...}}", "response_format.schema",
+                           "invalid_value")  # fmt: skip
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
@@ -124,7 +144,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1, le=16)
-    state: str | None = None  # start from this state handle; the prompt is the continuation
+    state: str | None = Field(default=None, min_length=1)  # start from this state handle; the prompt continues it
     save_state: str | None = None  # save the final state under this name
 
 
@@ -154,7 +174,7 @@ class ChatRequest(SamplingFields):
     functions: list[Any] | None = None
     add_generation_prompt: bool = True  # vLLM's: false with continue_final_message prefills the reply
     continue_final_message: bool = False
-    state: str | None = None
+    state: str | None = Field(default=None, min_length=1)
     save_state: str | None = None
 
 
@@ -164,7 +184,7 @@ class TokenizeRequest(RequestBody):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     tools: list[Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

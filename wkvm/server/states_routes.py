@@ -106,9 +106,9 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             raise bad_request(e, "params") from None
 
     @r.post("/{handle}/hibernate")
-    def hibernate(handle: str, body: HibernateRequest, request: Request) -> dict[str, Any]:
-        tenant = who(request)
-        return info(ctx.store.hibernate(tenant, lookup(ctx, tenant, handle).handle, body.tier))
+    def hibernate(handle: str, request: Request, body: HibernateRequest | None = None) -> dict[str, Any]:
+        tenant = who(request)  # no body: the default tier
+        return info(ctx.store.hibernate(tenant, lookup(ctx, tenant, handle).handle, (body or HibernateRequest()).tier))
 
     @r.post("/{handle}/pin")
     def pin(handle: str, request: Request) -> dict[str, Any]:

@@ -43,7 +43,9 @@ class ToolMode:
         names = [self.name] if self.name else list(self.functions)
         calls = []
         for n in names:
-            args = self.functions[n].get("parameters") or {"type": "object"}
+            # OpenAI: "omitting parameters defines a function with an empty parameter list"
+            args = self.functions[n].get("parameters") or {"type": "object", "properties": {},
+                                                           "additionalProperties": False}  # fmt: skip
             calls.append({"type": "object", "properties": {"name": {"const": n}, "arguments": args},
                           "required": ["name", "arguments"], "additionalProperties": False})
         item = calls[0] if len(calls) == 1 else {"anyOf": calls}
