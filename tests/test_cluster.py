@@ -110,6 +110,30 @@ def test_user_field_binds_a_session(cluster):
     assert len(seen) == 1
 
 
+def test_a_responses_conversation_finds_its_stored_turns(cluster):
+    """The front chooses each response's id and records its replica: a continuation (previous_response_id), a
+    retrieve and a delete go there, with no `user` to bind them (any replica would answer 404 for a response another
+    one stored), and the continuation resumes the parked state."""
+    body = {"model": MODEL, "temperature": 0, "max_output_tokens": 8}
+    r = cluster.post("/v1/responses", json={**body, "input": "ROMEO:"})
+    assert r.status_code == 200, r.text
+    ids, replicas = [r.json()["id"]], [r.headers["x-wkvm-replica"]]
+    for turn in range(3):
+        r = cluster.post("/v1/responses", json={**body, "input": f"JULIET {turn}:", "previous_response_id": ids[-1]})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+        ids.append(r.json()["id"])
+        replicas.append(r.headers["x-wkvm-replica"])
+    assert len(set(replicas)) == 1, replicas
+    for rid in ids:
+        got = cluster.get(f"/v1/responses/{rid}")
+        assert got.status_code == 200 and got.json()["id"] == rid, got.text
+    assert cluster.delete(f"/v1/responses/{ids[-1]}").status_code == 200
+    assert cluster.get(f"/v1/responses/{ids[-1]}").status_code == 404
+    forged = cluster.post("/v1/responses", json={**body, "input": "x"}, headers={"x-wkvm-response-id": ids[0]})
+    assert forged.status_code == 200 and forged.json()["id"] != ids[0]  # only the front chooses ids
+
+
 def test_a_shared_system_prompt_goes_where_its_checkpoint_is(cluster):
     """Routing by prefix: conversations that share a system prompt (and nothing binds) go to one replica, where the
     first one left a checkpoint of it: the others reuse it."""

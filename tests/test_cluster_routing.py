@@ -64,9 +64,13 @@ def test_sessions_route_by_chat_header_or_user_and_the_rest_anywhere():
     assert a.key and a.key.startswith("session:") and not a.strict and a.key != b.key  # per tenant
     by_user = route_key("t", req("POST", "/v1/completions", {"prompt": "x", "user": "bob"}))
     assert by_user.key and by_user.key.startswith("session:")
-    # a Responses conversation's turns with one `user` go where its stored responses and parked state are
+    # a Responses API turn goes where the response it continues is stored (and its state parked)
     turn = route_key("t", req("POST", "/v1/responses", {"input": "x", "user": "bob", "previous_response_id": "r"}))
-    assert turn.key == by_user.key
+    assert turn.key != by_user.key and turn.strict  # the turn it continues is stored on one replica
+    assert turn == route_key("t", req("GET", "/v1/responses/r")) == route_key("t", req("DELETE", "/v1/responses/r"))
+    assert route_key("u", req("GET", "/v1/responses/r")) != turn  # per tenant
+    first = route_key("t", req("POST", "/v1/responses", {"input": "x", "user": "bob"}))
+    assert first.key == by_user.key
     for r in (req("POST", "/v1/completions", {"prompt": "x"}), req("GET", "/v1/models"),
               req("POST", "/v1/chat/completions", {"messages": []}),
               req("POST", "/v1/states/import"), req("POST", "/v1/completions", b"not json"),

@@ -23,7 +23,8 @@ from starlette.types import ASGIApp, Message
 from wkvm.state.statefile import metadata
 
 STATES = "/v1/states"
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+RESPONSES = "/v1/responses"
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", RESPONSES)
 MISROUTED = 0  # the status of a Head that says "not the replica you asked for": ask the directory again
 MISROUTED_REPLY = "wkvm:misrouted"  # what a replica method returns for the same (an answer, not an error to log)
 
@@ -129,6 +130,10 @@ def _digest(*parts: str) -> str:
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:24]
 
 
+def response_key(tenant: str, response_id: str) -> str:
+    return "response:" + _digest(tenant, response_id)
+
+
 def state_key(tenant: str, handle: str) -> str:
     """All versions of a name live on one replica: versions are issued there."""
     return "state:" + _digest(tenant, handle.split("@", 1)[0])
@@ -136,7 +141,8 @@ def state_key(tenant: str, handle: str) -> str:
 
 def route_key(tenant: str, req: ForwardedRequest) -> RouteKey:
     """A named state's owner for the Durable State API and for generation from or into a named state; the chat
-    session's owner for Open WebUI's chat id (per user) or the OpenAI `user` field; else the replica that answered
+    session's owner for Open WebUI's chat id (per user) or the OpenAI `user` field; a stored Responses API response's
+    replica for a request that reads it or continues it (`previous_response_id`); else the replica that answered
     the same prompt start before (`prefix_text`: its checkpoints are there); any replica otherwise."""
     path = req.path.rstrip("/")
     if path == STATES + "/import":  # under `?name=`, else the name the file carries
@@ -149,6 +155,8 @@ def route_key(tenant: str, req: ForwardedRequest) -> RouteKey:
         params = body.get("params") if action == "mutate" else None  # an interpolation reads `params.other`
         values = [params.get("other")] if isinstance(params, dict) else [body.get(ALONG_FIELDS.get(action or "", ""))]
         return RouteKey(state_key(tenant, handle), strict=True, along=names_along(handle, values))
+    if path.startswith(RESPONSES + "/"):  # a stored response is on the replica that answered it (the front records it)
+        return RouteKey(response_key(tenant, path.split("/")[3]), strict=True)
     body = json_body(req.body) if req.method == "POST" and (path == STATES or path in GENERATION_PATHS) else {}
     state, saves = body.get("state"), body.get("save_state")
     if isinstance(state, str) and state:
@@ -158,6 +166,9 @@ def route_key(tenant: str, req: ForwardedRequest) -> RouteKey:
         if isinstance(value, str) and value and (field != "name" or path == STATES):
             return RouteKey(state_key(tenant, value), strict=True)
     if path in GENERATION_PATHS:
+        previous = body.get("previous_response_id") if path == RESPONSES else None
+        if isinstance(previous, str) and previous:  # the conversation it continues is stored there, its state parked
+            return RouteKey(response_key(tenant, previous), strict=True)
         chat = dict(req.headers).get(b"x-openwebui-chat-id")
         if chat:
             return RouteKey("session:" + _digest(tenant, chat.decode("latin-1")))

@@ -28,12 +28,14 @@ from wkvm.cluster.directory import base_ticket, pushed_ticket
 from wkvm.cluster.forward import (
     MISROUTED,
     MISROUTED_REPLY,
+    RESPONSES,
     STATES,
     ForwardedRequest,
     Handover,
     Head,
     RouteKey,
     json_body,
+    response_key,
     route_key,
     state_key,
 )
@@ -42,6 +44,7 @@ from wkvm.server.asgi import ApiKeyGate, BodyLimit, KeyRing, add_cors, tenant_of
 from wkvm.server.errors import error_body, error_response
 from wkvm.server.handover import HANDOVER_HEADER, RESUME_HEADER, STREAM_HEADER
 from wkvm.server.metrics import LATENCY_BUCKETS
+from wkvm.server.responses_routes import RESPONSE_ID_HEADER, new_id
 
 REPLICA_HEADER = b"x-wkvm-replica"
 OWNER_WAIT_SECONDS = 30.0  # a request only its state's owner can answer waits this long for it (a restart)
@@ -160,6 +163,10 @@ class Front:
     async def forward(self, request: Request) -> Response:
         req = await forwarded(request)
         route = route_key(self.tenant(request), req)
+        response_id = None  # a Responses API answer's id, chosen here so that later requests find its replica
+        if req.method == "POST" and req.path.rstrip("/") == RESPONSES:
+            response_id = new_id("resp")
+            req = dataclasses.replace(req, headers=[*req.headers, (RESPONSE_ID_HEADER.encode(), response_id.encode())])
         if route.along and (refused := await self.bring_along(self.tenant(request), route)) is not None:
             return refused
         deadline = time.monotonic() + OWNER_WAIT_SECONDS
@@ -195,6 +202,8 @@ class Front:
         self.metrics.routed.labels(outcome(route.key, slot, head.replica)).inc()
         if route.key is not None and head.replica != slot and head.status < 400:
             await self.directory.record.remote(route.key, head.replica)
+        if response_id is not None and head.status < 400:  # not awaited: an actor runs one caller's calls in order
+            self.directory.record.remote(response_key(self.tenant(request), response_id), head.replica)
         if moved_to(head) is not None:  # a request answered whole that its replica moved (it is stopping)
             try:
                 head, gen = await self.answer_moved(req, route, head, gen, inflight)
@@ -560,7 +569,8 @@ def migration(handle: str, source: str, to: str, nbytes: int, seconds: float, ha
 async def forwarded(request: Request) -> ForwardedRequest:
     scope = request.scope
     client = scope.get("client")
-    headers = [(k, v) for k, v in scope["headers"] if k != RESUME_HEADER.encode()]  # only the front sets it
+    own = (RESUME_HEADER.encode(), RESPONSE_ID_HEADER.encode())
+    headers = [(k, v) for k, v in scope["headers"] if k not in own]  # only the front sets them
     return ForwardedRequest(request.method, scope["path"], scope.get("query_string", b""), headers,
                             await request.body(), tuple(client) if client else None)  # fmt: skip
 

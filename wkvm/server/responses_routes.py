@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -32,6 +33,8 @@ log = logging.getLogger("wkvm.server")
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
 LOGPROBS = "message.output_text.logprobs"
+RESPONSE_ID_HEADER = "x-wkvm-response-id"  # the id a cluster front chose, so that it knows where the response is
+RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
 FINISHED = {"stop": "completed", "tool_calls": "completed", "length": "incomplete"}
 
 
@@ -56,7 +59,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         if not conversation:
             raise APIError(400, "input: give the text or items to answer", "input", "invalid_value")
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        shell = response_shell(ctx, body)
+        given = request.headers.get(RESPONSE_ID_HEADER, "")
+        shell = response_shell(ctx, body, given if RESPONSE_ID.fullmatch(given) else new_id("resp"))
         try:
             out = await chat_completion(ctx, chat_request(body, system + conversation), request, movable=False)
         except APIError as e:
@@ -246,11 +250,11 @@ def chat_tool_choice(choice: Any) -> Any:
                    "tool_choice", "invalid_value")  # fmt: skip
 
 
-def response_shell(ctx: ServerContext, body: ResponsesRequest) -> dict[str, Any]:
+def response_shell(ctx: ServerContext, body: ResponsesRequest, response_id: str) -> dict[str, Any]:
     """The response object before its output: what the request asked for, status in_progress."""
     fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format else None
     return {
-        "id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
+        "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "model": ctx.model_name, "output": [], "error": None, "incomplete_details": None,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
         "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls is not False,
