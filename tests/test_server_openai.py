@@ -155,6 +155,18 @@ def test_streaming_completion_matches_blocking(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_include_usage_puts_usage_null_on_every_other_chunk(server):
+    """OpenAI: with stream_options.include_usage, every chunk carries `usage` (null) and a last one, with no choices,
+    its value; clients read `chunk.usage` on each."""
+    hi = {"messages": [{"role": "user", "content": "Hi"}]}
+    for path, body in (("completions", {"prompt": "The king"}), ("chat/completions", hi)):
+        r = httpx.post(f"{server.url}/v1/{path}", json={**body, "max_tokens": 4, "temperature": 0, "stream": True,
+                                                        "stream_options": {"include_usage": True}}, timeout=60)
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert all("usage" in c and c["usage"] is None for c in chunks[:-1]), chunks
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+
+
 def test_stop_strings_stream_as_they_block_with_and_without_the_stop_string(client):
     kw = dict(model="world", prompt="The king", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
     full = client.completions.create(**kw).choices[0].text

@@ -546,9 +546,11 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
     has sent (or held back); the handles are then the choices `live.ticket.choices` names."""
     base = {**base, "object": "chat.completion.chunk"}
     index = live.ticket.choices
+    nulls = {"usage": None} if body.stream_options and body.stream_options.include_usage else {}
     for i in range(len(handles) if sent is None else 0):  # a moved stream's role chunks went out already
         delta = {"role": "assistant", "content": ""}
-        yield gen.sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]})
+        yield gen.sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}],
+                       **nulls})  # fmt: skip
     held = [""] * len(handles) if sent is None else list(sent)
     hold = mode is not None and mode.choice != "none"
     released = [content_ready(text, mode) if mode is not None else 0 for text in held]  # what went out as content
@@ -604,6 +606,7 @@ async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFiel
     generation failed (or, for a bug, when this code did) once the response had started. A stream moved to another
     server (`live`, handover.py) ends instead with the handover event, after every chunk produced here (of every
     choice: one that finished here before the others stopped sends its last chunk here)."""
+    usage = body.stream_options is not None and body.stream_options.include_usage
     try:
         held: dict[str, Any] | None = None  # the stream's last chunk, which waits for the extras
         left, moving = len(handles), 0
@@ -614,11 +617,14 @@ async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFiel
                 continue
             if not ev.token_ids and not ev.finished and not ev.text:
                 continue
+            c = chunk(i, ev)
+            if c is not None and usage:  # OpenAI: with include_usage, every chunk but the last has usage null
+                c["usage"] = None
             if left or moving:
-                if (c := chunk(i, ev)) is not None:
+                if c is not None:
                     yield gen.sse(c)  # at once: a chunk is never held back for the next token
             else:
-                held = chunk(i, ev)
+                held = c
         if moving and live is not None:
             yield await run_in_threadpool(hand_over, ctx, live)
             return
