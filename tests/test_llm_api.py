@@ -5,6 +5,7 @@ import torch
 from conftest import greedy_reference
 
 from wkvm import LLM, SamplingParams
+from wkvm.engine.runner import bad_word_ids
 from wkvm.sampling_params import InvalidParam
 
 
@@ -67,6 +68,28 @@ def test_logit_bias_bans_and_forces_tokens_and_leaves_logprobs_raw(llm):
     assert out.logprobs[0][banned] == pytest.approx(first.logprobs[0][banned], abs=1e-6)
     forced = SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True, logit_bias={7: 100.0})
     assert llm.generate([[1, 2]], forced)[0].token_ids == [7] * 6  # sampled: all the mass on token 7
+
+
+def test_allowed_token_ids_and_bad_words(llm):
+    """vLLM's allowed_token_ids (only those are sampled) and bad_words (a word's tokens never come out in a row, in
+    either of its forms: after a space or not)."""
+    allowed = [5, 9, 11, 40]
+    for seed in range(3):
+        p = SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True, allowed_token_ids=allowed)
+        assert set(llm.generate([[1, 2]], p)[0].token_ids) <= set(allowed)
+    first = llm.generate([[1, 2]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    # a word the greedy output has (a random model: any of its tokens whose text is a word in either form)
+    words = [llm.tokenizer.decode([t]).strip() for t in first.token_ids]
+    word = next(w for w in words if w and any(contains(first.token_ids, f) for f in bad_word_ids(llm.tokenizer, [w])))
+    forms = bad_word_ids(llm.tokenizer, [word])
+    out = llm.generate([[1, 2]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, bad_words=[word]))[0]
+    assert not any(contains(out.token_ids, f) for f in forms), (word, out.text)
+    with pytest.raises(InvalidParam):
+        SamplingParams(bad_words=["  "])
+
+
+def contains(ids: list[int], seq: list[int]) -> bool:
+    return any(ids[i : i + len(seq)] == seq for i in range(len(ids) - len(seq) + 1))
 
 
 def test_min_tokens_holds_back_stop_tokens_and_strings(llm):

@@ -167,6 +167,14 @@ def test_include_usage_puts_usage_null_on_every_other_chunk(server):
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
 
 
+def test_allowed_token_ids_over_http(client):
+    allowed = [40, 41, 42]
+    r = client.completions.create(model="world", prompt="The king", max_tokens=8, temperature=1.0, seed=1,
+                                  extra_body={"allowed_token_ids": allowed, "ignore_eos": True,
+                                              "return_token_ids": True})  # fmt: skip
+    assert len(r.choices[0].token_ids) == 8 and set(r.choices[0].token_ids) <= set(allowed)
+
+
 def test_stop_strings_stream_as_they_block_with_and_without_the_stop_string(client):
     kw = dict(model="world", prompt="The king", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
     full = client.completions.create(**kw).choices[0].text

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # declared in the stub only
 
 MAX_STOP_STRINGS = 4
+MAX_BAD_WORDS = 64
 MAX_LOGPROBS = 20
 TEMPERATURE_RANGE = (0.0, 2.0)
 MIN_TEMPERATURE = 0.01  # a positive temperature below this is raised to it, as in vLLM
@@ -61,6 +62,11 @@ class SamplingParams:
     # OpenAI's logit_bias: token id -> a number added to its logit before penalties and sampling (logprobs stay the
     # model's own, as the other processing leaves them)
     logit_bias: dict[int, float] | None = None
+    # vLLM's: only these tokens may be sampled (None: any)
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words the output never contains, each as its tokens with and without a leading space (the last token of
+    # one is banned while the output ends with the ones before it)
+    bad_words: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +97,12 @@ class SamplingParams:
         for tok, bias in (self.logit_bias or {}).items():
             ok = _is_int(tok) and tok >= 0 and _in_range(bias, LOGIT_BIAS_RANGE)
             _check(ok, "logit_bias", f"a map from token ids to numbers in [{lo:g}, {hi:g}] (got {tok!r}: {bias!r})")
+        allowed = self.allowed_token_ids
+        ok = allowed is None or (len(allowed) > 0 and all(_is_int(t) and t >= 0 for t in allowed))
+        _check(ok, "allowed_token_ids", "a non-empty list of non-negative integer token ids")
+        self.bad_words = list(self.bad_words or [])
+        ok = len(self.bad_words) <= MAX_BAD_WORDS and all(isinstance(w, str) and w.strip() for w in self.bad_words)
+        _check(ok, "bad_words", f"at most {MAX_BAD_WORDS} words, each with a character other than whitespace")
         if 0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
         self.grammar()  # raises InvalidParam("response_format", ...) for a format or schema it cannot enforce

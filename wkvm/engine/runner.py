@@ -70,6 +70,7 @@ class ModelRunner:
         self.context_limit: int | None = min(limits) if limits else None  # tokens one sequence may hold
         self.grammars = GrammarCompiler(tokenizer) if tokenizer is not None else None
         self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None
+        self.tokenizer = tokenizer
 
     def add(self, req: Request) -> None:
         """Give a new request its sampler row (seeded generator, token context for penalties, grammar state).
@@ -81,6 +82,10 @@ class ModelRunner:
         if p.min_tokens:
             eos = [self.eos_token_id] if self.eos_token_id is not None and not p.ignore_eos else []
             row.stop_ids = [*eos, *p.stop_token_ids]
+        if p.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words needs the engine's tokenizer (ModelRunner was given none)")
+            row.bad_words = bad_word_ids(self.tokenizer, p.bad_words)
         grammar = None if req.prefill_only else p.grammar()
         if grammar is not None:
             if self.grammars is None:
@@ -197,3 +202,14 @@ class ModelRunner:
         if req.initial_state is not None:
             return {k: v.clone() for k, v in req.initial_state.items()}
         return self.model.spec.zeros(1)
+
+
+def bad_word_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
+    """Each word's tokens as it would come after a space and at the start of a text (vLLM's two forms), distinct."""
+    out: list[list[int]] = []
+    for word in words:
+        for form in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(form)
+            if ids and ids not in out:
+                out.append(ids)
+    return out

@@ -1,5 +1,5 @@
-"""The sampler: logit bias, min_tokens, grammar masks, penalties, greedy/temperature/top-k/top-p/min-p, per-request
-seeds, top-k logprobs.
+"""The sampler: logit bias, allowed tokens and bad words, min_tokens, grammar masks, penalties,
+greedy/temperature/top-k/top-p/min-p, per-request seeds, top-k logprobs.
 
 Logprobs are those of the model's raw distribution (before logit bias, grammar mask, penalties and temperature), as
 vLLM's default (`raw_logprobs`).
@@ -53,6 +53,8 @@ class SamplerRow:
     _seen_upto: int = field(default=0, init=False, repr=False)
     _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)  # ids, values
     _stops: torch.Tensor | None = field(default=None, init=False, repr=False)  # stop_ids < V, as a tensor
+    bad_words: list[list[int]] = field(default_factory=list)  # token sequences the output must not end with
+    _allowed: torch.Tensor | None = field(default=None, init=False, repr=False)  # [V] bool: allowed_token_ids
 
     def biased(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] plus the request's logit_bias, as a new tensor (ids >= V do not exist in this model: skipped;
@@ -68,6 +70,19 @@ class SamplerRow:
         if self._stops is None:
             self._stops = torch.tensor([t for t in self.stop_ids if t < logits.shape[-1]], dtype=torch.long)
         return logits.index_fill(0, self._stops, float("-inf"))
+
+    def restricted(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] with what `allowed_token_ids` and `bad_words` rule out masked (-inf), as a new tensor: tokens
+        not allowed, and each bad word's last token where the output ends with the tokens before it."""
+        vocab = logits.shape[-1]
+        if self.params.allowed_token_ids is not None:
+            if self._allowed is None:
+                self._allowed = torch.zeros(vocab, dtype=torch.bool)
+                self._allowed[torch.tensor([t for t in self.params.allowed_token_ids if t < vocab])] = True
+            logits = logits.masked_fill(~self._allowed, float("-inf"))
+        out, n = self.output_ids, len(self.output_ids)
+        banned = [w[-1] for w in self.bad_words if w[-1] < vocab and (len(w) == 1 or out[n - len(w) + 1 :] == w[:-1])]
+        return logits.index_fill(0, torch.tensor(banned, dtype=torch.long), float("-inf")) if banned else logits
 
     def output_counts(self, vocab: int) -> torch.Tensor:
         """How often each token came out so far [vocab] (float; ids >= vocab are not counted), for the frequency and
@@ -225,6 +240,9 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
         x, greedy_id = logits[i], greedy_ids[i]
         if row.params.logit_bias:
             x = row.biased(x)
+            greedy_id = int(torch.argmax(x))
+        if row.params.allowed_token_ids is not None or row.bad_words:
+            x = row.restricted(x)
             greedy_id = int(torch.argmax(x))
         if row.stop_ids and len(row.output_ids) < row.params.min_tokens:
             x = row.without_stops(x)

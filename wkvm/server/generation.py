@@ -78,6 +78,12 @@ def sampling_params(
     if bad is not None:
         raise APIError(400, f"stop_token_ids: {bad} is outside the vocabulary 0..{vocab - 1}", "stop_token_ids",
                        "invalid_token")
+    bad = next((t for t in body.allowed_token_ids or [] if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"allowed_token_ids: {bad} is outside the vocabulary 0..{vocab - 1}", "allowed_token_ids",
+                       "invalid_token")  # fmt: skip
+    for word in body.bad_words or []:
+        check_text(word, "bad_words")
     logit_bias = token_biases(body.logit_bias, vocab)
     structured = structured_outputs(body)
     n = max_tokens if max_tokens is not None else default_max
@@ -92,7 +98,7 @@ def sampling_params(
             stop_token_ids=body.stop_token_ids or [], include_stop_str_in_output=body.include_stop_str_in_output,
             ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             response_format=body.response_format.as_dict() if body.response_format else None, logit_bias=logit_bias,
-            structured_outputs=structured,
+            structured_outputs=structured, allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words or [],
         )  # fmt: skip
     except InvalidParam as e:
         raise APIError(400, str(e), e.param, "invalid_value") from None

@@ -134,6 +134,8 @@ class SamplingFields(RequestBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     include_stop_str_in_output: bool = False  # vLLM's
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=1 << 20)  # vLLM's
+    bad_words: list[Annotated[str, Field(max_length=MAX_TEXT_FIELD)]] | None = None  # vLLM's
 
 
 class CompletionRequest(SamplingFields):
