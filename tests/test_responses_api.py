@@ -111,9 +111,9 @@ def test_store_false_delete_and_tenancy(server):
     for client, rid in ((a, gone.id), (b, kept.id)):  # not stored; another key's
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(rid)
-        with pytest.raises(openai.NotFoundError) as e:
+        with pytest.raises(openai.BadRequestError) as e:  # a 400, as OpenAI's
             client.responses.create(model="char-model", input="more", previous_response_id=rid, **GREEDY)
-        assert e.value.body["param"] == "previous_response_id"
+        assert e.value.body["param"] == "previous_response_id" and e.value.code == "previous_response_not_found"
     with pytest.raises(openai.NotFoundError):
         b.responses.delete(kept.id)
     a.responses.delete(kept.id)
@@ -141,6 +141,23 @@ def test_required_function_call_and_its_output_continue(server):
     assert whole.output_text == after.output_text and whole.usage.input_tokens == after.usage.input_tokens
 
 
+def test_a_forced_call_streamed_with_logprobs_is_the_blocking_answer(server):
+    """A reply that can only be a call has no message item, streamed or not, with logprobs asked for (the stream had
+    opened an empty message for the call's logprobs), and not when max_output_tokens cuts the call (its JSON is
+    not the assistant's words)."""
+    client = sdk(server)
+    kw = dict(model="char-model", input="Weather?", tools=[WEATHER], tool_choice="required", temperature=1.0,
+              include=["message.output_text.logprobs"], extra_body={"seed": 2})  # fmt: skip
+    blocking = client.responses.create(**kw, max_output_tokens=200)
+    events = list(client.responses.create(**kw, max_output_tokens=200, stream=True))
+    assert [i.type for i in blocking.output] == [i.type for i in events[-1].response.output] == ["function_call"]
+    assert not [e for e in events if e.type == "response.output_text.delta"]
+    cut = client.responses.create(**kw, max_output_tokens=4)
+    events = list(client.responses.create(**kw, max_output_tokens=4, stream=True))
+    assert cut.status == events[-1].response.status == "incomplete"
+    assert cut.output == events[-1].response.output == []
+
+
 def test_streamed_function_call_events(server):
     client = sdk(server)
     events = list(client.responses.create(model="char-model", input="Weather?", tools=[WEATHER],
@@ -164,6 +181,9 @@ def test_json_schema_format(server):
                                     text={"format": {"type": "json_schema", "name": "num", "schema": schema}})
         jsonschema.validate(json.loads(r.output_text), schema)
         assert r.text.format.type == "json_schema"
+    r = client.responses.create(model="char-model", input="An object", max_output_tokens=60,
+                                text={"format": {"type": "json_object"}})
+    assert r.model_dump()["text"]["format"] == {"type": "json_object"}
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -180,6 +200,11 @@ def test_json_schema_format(server):
     ({"input": "hi", "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"input": []}, "input"),
+    ({"input": "hi", "previous_response_id": ""}, "previous_response_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "c1", "output": None}]}, "input[0].output"),
+    ({"input": [{"type": "function_call_output", "call_id": "c1", "output": "x"}]}, "input"),
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                {"role": "user", "content": "and?"}], "tools": [WEATHER]}, "input"),
     ({"input": "hi", "model": "other"}, "model"),
 ])  # fmt: skip
 def test_bad_requests_are_400s_naming_the_field(server, body, param):

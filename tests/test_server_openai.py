@@ -145,6 +145,18 @@ def test_continue_final_message_cuts_the_template_after_the_last_text():
     assert render_chat(ctx, messages, None) == "<user>Say hi</user><assistant>Hi, I</assistant><assistant>"
 
 
+def test_developer_messages_are_system_messages_to_a_template_without_that_role():
+    """OpenAI's developer role is the system role: a template that knows no developer role (most HF templates) gets
+    it as system (SmolLM2 had rendered an untrained `<|im_start|>developer` and added its default system prompt);
+    one that names it gets it as it is."""
+    plain = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    knows = ChatTemplate("{% for m in messages %}{% if m.role == 'developer' %}<dev>{% endif %}{{ m.content }}"
+                         "{% endfor %}")  # fmt: skip
+    msgs = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert plain.render(msgs, False) == "<system>Be brief.<user>Hi"
+    assert knows.render(msgs, False) == "<dev>Be brief.Hi"
+
+
 def test_streaming_completion_matches_blocking(client):
     kw = dict(model="world", prompt="The king", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
     blocking = client.completions.create(**kw).choices[0].text
@@ -173,6 +185,22 @@ def test_allowed_token_ids_over_http(client):
                                   extra_body={"allowed_token_ids": allowed, "ignore_eos": True,
                                               "return_token_ids": True})  # fmt: skip
     assert len(r.choices[0].token_ids) == 8 and set(r.choices[0].token_ids) <= set(allowed)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server, client):
+    """vLLM's truncate_prompt_tokens: only the prompt's last N tokens are read (the answer is that prompt's)."""
+    ids = list(range(40, 52))
+    kw = dict(model="world", max_tokens=4, temperature=0)
+    r = client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": 3, "return_token_ids": True}, **kw)
+    short = client.completions.create(prompt=ids[-3:], **kw)
+    assert r.model_extra["prompt_token_ids"] == ids[-3:] and r.choices[0].text == short.choices[0].text
+    assert r.usage.prompt_tokens == 3
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hi there"}], **kw,
+                                          extra_body={"truncate_prompt_tokens": 2, "return_token_ids": True})
+    assert len(chat.model_extra["prompt_token_ids"]) == 2
+    for bad in (0, -2):
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "truncate_prompt_tokens": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
 
 
 def test_stop_strings_stream_as_they_block_with_and_without_the_stop_string(client):

@@ -30,6 +30,8 @@ class ChatTemplate:
         if self.source is None:
             raise ChatTemplateError("this model has no chat template (none shipped with it, and its family has no "
                                     "default): use /v1/completions, or add chat_template.jinja beside the model")
+        if "developer" not in self.source:  # OpenAI's developer role is the system role, for a template that
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]  # knows none
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         try:
             return env.from_string(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt,

@@ -27,7 +27,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def encode_prompt(ctx: ServerContext, prompt: str | list[int], param: str = "prompt") -> list[int]:
+def encode_prompt(ctx: ServerContext, prompt: str | list[int], param: str = "prompt",
+                  keep: int | None = None) -> list[int]:  # fmt: skip
+    """The prompt's token ids, checked. `keep` (vLLM's truncate_prompt_tokens): only its last `keep` tokens (-1: as
+    many as the model's context holds)."""
     if isinstance(prompt, str):
         check_text(prompt, param)
     ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -37,6 +40,12 @@ def encode_prompt(ctx: ServerContext, prompt: str | list[int], param: str = "pro
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise APIError(400, f"{param}: token id {bad} is outside the vocabulary 0..{vocab - 1}", param, "invalid_token")
+    if keep == 0 or (keep == -1 and not ctx.model.context_limit):
+        why = "0 keeps nothing" if keep == 0 else "-1 needs a model with a context limit; this one has none"
+        raise APIError(400, f"truncate_prompt_tokens: {why} (give a count >= 1)", "truncate_prompt_tokens",
+                       "invalid_value")  # fmt: skip
+    if keep is not None:
+        ids = ids[-(ctx.model.context_limit or 0 if keep == -1 else keep) :]
     if len(ids) > ctx.config.max_prompt_tokens:
         raise APIError(413, f"{param} has {len(ids)} tokens; the limit is {ctx.config.max_prompt_tokens} "
                        "(--max-prompt-tokens)", param, "prompt_too_large")  # fmt: skip

@@ -50,14 +50,15 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         history: list[dict[str, Any]] = []
         if body.previous_response_id:
             found = await run_in_threadpool(ctx.responses.get, tenant, body.previous_response_id)
-            if found is None:
-                raise APIError(404, f"previous_response_id: no stored response {body.previous_response_id!r} (it "
+            if found is None:  # a 400, as OpenAI answers it
+                raise APIError(400, f"previous_response_id: no stored response {body.previous_response_id!r} (it "
                                "was made with store: false, deleted, or by another API key)", "previous_response_id",
                                "previous_response_not_found")  # fmt: skip
             history = found[1]
         conversation = history + input_messages(body.input)
         if not conversation:
             raise APIError(400, "input: give the text or items to answer", "input", "invalid_value")
+        check_calls_answered(conversation)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         given = request.headers.get(RESPONSE_ID_HEADER, "")
         shell = response_shell(ctx, body, given if RESPONSE_ID.fullmatch(given) else new_id("resp"))
@@ -70,9 +71,10 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             return StreamingResponse(events, media_type="text/event-stream")
         assert isinstance(out, dict), "a Responses request cannot move to another server, so it is answered here"
         (choice,) = out["choices"]
-        items = output_items(choice["message"], (choice.get("logprobs") or {}).get("content"), logprobs(body))
+        lps = (choice.get("logprobs") or {}).get("content") if logprobs(body) else None
+        items = output_items(choice["message"], lps, forced(body))
         resp = finished(shell, items, choice["finish_reason"], out["usage"], out.get("wkvm"))
-        if body.store:
+        if body.store and resp["status"] != "failed":
             await run_in_threadpool(ctx.responses.put, tenant, resp, conversation + input_messages(items))
         return resp
 
@@ -119,6 +121,27 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
 
 def logprobs(body: ResponsesRequest) -> bool:
     return LOGPROBS in (body.include or ())
+
+
+def forced(body: ResponsesRequest) -> bool:
+    """The reply can only be a call (tool_choice required or named): it has no text. Cut by max_output_tokens, its
+    unfinished call is not shown as the assistant's words."""
+    return bool(body.tools) and (body.tool_choice == "required" or isinstance(body.tool_choice, dict))
+
+
+def check_calls_answered(conversation: list[dict[str, Any]]) -> None:
+    """As OpenAI checks a conversation: every function call has an output, and every output answers a call before
+    it."""
+    calls: set[str] = set()
+    for m in conversation:
+        calls.update(c["id"] for c in m.get("tool_calls") or [])
+        if m["role"] == "tool" and m["tool_call_id"] not in calls:
+            raise APIError(400, f"input: no function_call with call_id {m['tool_call_id']!r} comes before its "
+                           "function_call_output", "input", "invalid_value")  # fmt: skip
+    answered = {m["tool_call_id"] for m in conversation if m["role"] == "tool"}
+    if missing := sorted(calls - answered):
+        raise APIError(400, f"input: no function_call_output for the function call {missing[0]!r}: send one (an "
+                       "item with its call_id and output) before going on", "input", "invalid_value")  # fmt: skip
 
 
 def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatRequest:
@@ -212,6 +235,9 @@ def input_messages(value: str | list[dict[str, Any]] | None) -> list[dict[str, A
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
+            if item.get("output") is None:
+                raise APIError(400, f"{where}.output: give the function's output (a string)", f"{where}.output",
+                               "invalid_value")  # fmt: skip
             output = text_of(item.get("output"), f"{where}.output")
             out.append({"role": "tool", "tool_call_id": field(item, "call_id", where), "content": output})
         elif kind == "reasoning":
@@ -242,8 +268,8 @@ def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
 
 
 def chat_tool_choice(choice: Any) -> Any:
-    if choice is None or isinstance(choice, str):
-        return choice
+    if choice is None or isinstance(choice, str) or (isinstance(choice, dict) and "function" in choice):
+        return choice  # a string, or the chat's shape (tool_mode checks both)
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
     raise APIError(400, 'tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
@@ -252,7 +278,9 @@ def chat_tool_choice(choice: Any) -> Any:
 
 def response_shell(ctx: ServerContext, body: ResponsesRequest, response_id: str) -> dict[str, Any]:
     """The response object before its output: what the request asked for, status in_progress."""
-    fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format else None
+    given = body.text.format if body.text else None
+    fmt = given.model_dump(by_alias=True, exclude_none=True) if given and given.type == "json_schema" else None
+    fmt = fmt or {"type": given.type if given else "text"}
     return {
         "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "model": ctx.model_name, "output": [], "error": None, "incomplete_details": None,
@@ -260,7 +288,7 @@ def response_shell(ctx: ServerContext, body: ResponsesRequest, response_id: str)
         "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
         "store": body.store, "temperature": 1.0 if body.temperature is None else body.temperature,
-        "text": {"format": fmt or {"type": "text"}}, "tool_choice": body.tool_choice or "auto",
+        "text": {"format": fmt}, "tool_choice": body.tool_choice or "auto",
         "tools": body.tools or [], "top_p": 1.0 if body.top_p is None else body.top_p,
         "truncation": body.truncation or "disabled", "usage": None, "user": body.user,
     }  # fmt: skip
@@ -278,11 +306,13 @@ def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]
             "arguments": fn["arguments"] if status == "completed" else "", "status": status}  # fmt: skip
 
 
-def output_items(message: dict[str, Any], lps: list[dict[str, Any]] | None, with_logprobs: bool) -> list[Any]:
-    """A chat answer's message as output items: its text (when it has some or calls nothing), then its calls."""
+def output_items(message: dict[str, Any], lps: list[dict[str, Any]] | None, only_calls: bool) -> list[Any]:
+    """A chat answer's message as output items: its text (when it has some or calls nothing; never for a reply that
+    can only be a call), then its calls. The text's logprobs are the reply's when it calls nothing (with calls they
+    are the calls' tokens too, which a message cannot carry)."""
     calls = message.get("tool_calls") or []
-    text = message.get("content") or ""
-    items = [message_item(text, lps if with_logprobs else None)] if text or not calls else []
+    text = "" if only_calls else message.get("content") or ""
+    items = [message_item(text, None if calls else lps)] if text or not (calls or only_calls) else []
     return items + [call_item(c) for c in calls]
 
 
@@ -293,7 +323,9 @@ def finished(shell: dict[str, Any], items: list[Any], finish_reason: str | None,
     if status == "incomplete":
         resp["incomplete_details"] = {"reason": "max_output_tokens"}
     if status == "failed":
-        resp["error"] = {"code": "server_error", "message": f"the generation ended: {finish_reason}"}
+        why = {"abort": "the request was ended before it finished (it timed out, was cancelled, or the server is "
+                        "stopping)"}.get(finish_reason or "", f"the generation ended: {finish_reason}")  # fmt: skip
+        resp["error"] = {"code": "server_error", "message": why}
     if extra is not None:
         resp["wkvm"] = extra
     return resp
@@ -368,6 +400,8 @@ async def stream_events(ctx: ServerContext, tenant: str, body: ResponsesRequest,
     yield s.event("response.created", response=shell)
     yield s.event("response.in_progress", response=shell)
     finish_reason, usage, extra, error = None, None, None, None
+    pending: list[dict[str, Any]] = []  # logprobs of tokens whose text is held back (or that are a call's)
+    only_calls = forced(body)
     try:
         async for line in chunks:
             data = line.removeprefix("data: ").strip()
@@ -381,11 +415,13 @@ async def stream_events(ctx: ServerContext, tenant: str, body: ResponsesRequest,
             extra = obj.get("wkvm", extra)
             for c in obj.get("choices", []):
                 delta = c.get("delta") or {}
-                lps = (c.get("logprobs") or {}).get("content") if logprobs(body) else None
-                if delta.get("content") or lps:
-                    for ev in s.text_delta(delta.get("content") or "", lps):
+                pending += ((c.get("logprobs") or {}).get("content") or []) if logprobs(body) else []
+                if (content := "" if only_calls else delta.get("content")):
+                    for ev in s.text_delta(content, pending):
                         yield ev
+                    pending = []
                 if delta.get("tool_calls"):
+                    pending = []
                     for ev in s.close_message():
                         yield ev
                     for call in delta["tool_calls"]:
@@ -394,9 +430,11 @@ async def stream_events(ctx: ServerContext, tenant: str, body: ResponsesRequest,
                 finish_reason = c.get("finish_reason") or finish_reason
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]  # a client gone: the chat stream ends its request
-    if error is None and not s.items and s.message is None:
-        for ev in s.text_delta("", None):  # an empty answer is still one (empty) message
+    if error is None and not s.items and s.message is None and not only_calls:
+        for ev in s.text_delta("", pending):  # an empty answer is still one (empty) message
             yield ev
+    elif s.message is not None:
+        s.lps += pending  # tokens that added no text (the end of a character that never came)
     for ev in s.close_message():
         yield ev
     if error is not None or usage is None:
@@ -407,7 +445,7 @@ async def stream_events(ctx: ServerContext, tenant: str, body: ResponsesRequest,
         yield s.event("response.failed", response=failed)
         return
     resp = finished(shell, s.items, finish_reason, usage, extra)
-    if body.store:
+    if body.store and resp["status"] != "failed":
         await run_in_threadpool(ctx.responses.put, tenant, resp, conversation + input_messages(s.items))
     kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(resp["status"],
                                                                                       "response.failed")

@@ -136,6 +136,7 @@ class SamplingFields(RequestBody):
     include_stop_str_in_output: bool = False  # vLLM's
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=1 << 20)  # vLLM's
     bad_words: list[Annotated[str, Field(max_length=MAX_TEXT_FIELD)]] | None = None  # vLLM's
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # vLLM's: keep the prompt's last N tokens
 
 
 class CompletionRequest(SamplingFields):
@@ -257,7 +258,7 @@ class ResponsesRequest(RequestBody):
     model: str | None = None
     input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
-    previous_response_id: str | None = Field(default=None, max_length=128)
+    previous_response_id: str | None = Field(default=None, min_length=1, max_length=128)
     store: bool = True
     stream: bool = False
     max_output_tokens: int | None = Field(default=None, ge=1)

@@ -122,7 +122,7 @@ def split_reply(text: str, mode: ToolMode) -> tuple[str, list[dict[str, Any]]]:
     calls = [c for c in (_call(x, mode) for x in found) if c is not None]
     if not calls or len(calls) != len(found):
         return text, []
-    return rest, calls
+    return rest, calls if mode.parallel else calls[:1]  # parallel_tool_calls false: the first call only
 
 
 def content_ready(text: str, mode: ToolMode) -> int:
@@ -130,20 +130,24 @@ def content_ready(text: str, mode: ToolMode) -> int:
     `auto`, everything before where a call could begin: nothing while the reply is only whitespace or starts with `{`
     or `[` (it may be a whole JSON call, or Mistral's `[TOOL_CALLS]`), else the text up to the first `<tool_call>` /
     `[TOOL_CALLS]`, holding back an end that may be the start of one (as vLLM's Hermes parser streams the words
-    before a call). Nothing with a forced call (the reply is the call), everything with "none". Depends only on the
+    before a call) and trailing whitespace (a blocking reply strips it before a call: so does the stream).
+    Nothing with a forced call (the reply is the call), everything with "none". Depends only on the
     text, so a stream that moves to another server goes on from the same point."""
     if mode.choice == "none":
         return len(text)
     stripped = text.lstrip()
     if mode.forced or not stripped or stripped[0] in "{[":
         return 0
+    end = len(text)
     starts = [i for m in MARKERS if (i := text.find(m)) >= 0]
     if starts:
-        return min(starts)
-    for k in range(min(len(text), max(len(m) for m in MARKERS) - 1), 0, -1):
-        if any(m.startswith(text[-k:]) for m in MARKERS):
-            return len(text) - k
-    return len(text)
+        end = min(starts)
+    else:
+        for k in range(min(len(text), max(len(m) for m in MARKERS) - 1), 0, -1):
+            if any(m.startswith(text[-k:]) for m in MARKERS):
+                end = len(text) - k
+                break
+    return len(text[:end].rstrip())  # whitespace waits for what follows it: before a call, the reply drops it
 
 
 def final_delta(text: str, released: int, finish_reason: str | None,
