@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -59,6 +60,9 @@ def cluster(tmp_path_factory):
             proc.kill()
             proc.wait()
         log.close()
+    # SIGTERM stopped it gracefully (Ray's own handler had ended it at once), and no replica handed its streams to
+    # another one that was stopping too
+    assert "shutting down the replicas" in log_path.read_text()
 
 
 def chat(client, messages, **headers):
@@ -200,6 +204,22 @@ def test_names_a_request_creates_beside_its_state_stay_reachable(cluster):
         assert handles.count(h) == 1, (h, handles)
 
 
+def test_concurrent_requests_creating_one_new_name_issue_its_versions_in_one_place(cluster):
+    """Two requests creating the same new name at once: the first to reach the front makes its replica the owner, the
+    other goes there too: `@1` and `@2`, both reachable (each got `@1`, on another replica, and one was lost)."""
+    for kind in ("create", "save_state"):
+        name = f"race-{kind}"
+        path, body = (("/v1/states", {"name": name, "prompt": "KING:"}) if kind == "create" else
+                      ("/v1/completions", {**GREEDY, "prompt": "QUEEN:", "save_state": name}))  # fmt: skip
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _, p=path, b=body: cluster.post(p, json=b), range(4)))
+        assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+        for v in range(1, 5):
+            assert cluster.get(f"/v1/states/{name}@{v}").status_code == 200, (name, v)
+        handles = [st["handle"] for st in cluster.get("/v1/states").json()["data"] if st["name"] == name]
+        assert sorted(handles) == [f"{name}@{v}" for v in range(1, 5)], handles
+
+
 def test_migrate_refuses_clearly(cluster):
     bad = cluster.post("/v1/states/voyage/migrate", json={"to": "r9"})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "unknown_replica"
@@ -314,6 +334,42 @@ def test_a_stream_saving_its_final_state_moves_with_its_name(cluster):
     assert after[0] == after[1]
 
 
+def test_a_stream_moves_once_when_two_moves_are_asked_at_once(cluster):
+    """Two migrate calls for one stream at once: one moves it, the other is a 409; the stream ends whole (the second
+    call had opened a second destination and the stream died between them)."""
+    body = {**GREEDY, "max_tokens": 150, "ignore_eos": True, "prompt": "ESCALUS:", "stream": True}
+    want = cluster.post("/v1/completions", json={**body, "stream": False}).json()["choices"][0]["text"]
+    text, answers = "", []
+    with cluster.stream("POST", "/v1/completions", json=body) as r:
+        stream_id, source = r.headers["x-wkvm-stream-id"], r.headers["x-wkvm-replica"]
+        other = "r1" if source == "r0" else "r0"
+        with ThreadPoolExecutor(2) as pool:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+                    if len(text) >= 3 and not answers:
+                        answers = [pool.submit(cluster.post, f"/v1/streams/{stream_id}/migrate", json={"to": other})
+                                   for _ in range(2)]  # fmt: skip
+            codes = sorted(f.result().status_code for f in answers)
+    assert codes == [200, 409] and text == want, (codes, [f.result().text for f in answers])
+
+
+def test_a_name_a_running_stream_will_save_does_not_move_under_it(cluster):
+    """Migrating a name while a request running on its owner will save the name's next version is a 409 (that
+    version was saved where the directory no longer pointed, and its handle issued again there)."""
+    assert cluster.post("/v1/states", json={"name": "saga", "prompt": "KING:"}).status_code == 200
+    body = {**GREEDY, "max_tokens": 300, "ignore_eos": True, "prompt": " more", "state": "saga", "save_state": "saga",
+            "stream": True}  # fmt: skip
+    with cluster.stream("POST", "/v1/completions", json=body) as r:
+        owner = r.headers["x-wkvm-replica"]
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        busy = cluster.post("/v1/states/saga/migrate", json={"to": "r1" if owner == "r0" else "r0"})
+        rest = list(lines)
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == "state_busy", busy.text
+    assert '"saga@2"' in "".join(rest) and cluster.get("/v1/states/saga@2").status_code == 200
+
+
 def test_a_stream_that_cannot_move_says_why(cluster):
     missing = cluster.post("/v1/streams/chatcmpl-none/migrate", json={"to": "r0"})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "stream_not_found"
@@ -369,6 +425,7 @@ def test_metrics_per_replica_and_for_the_app(cluster):
     assert 'wkvm_cluster_routed_total{outcome="hit"}' in text
     assert re.search(r"^wkvm_cluster_migrations_total \d", text, re.MULTILINE)  # a sample, not only its HELP line
     assert 'replica="r0"' in text and 'replica="r1"' in text
+    assert "# TYPE wkvm_requests_total counter" in text  # replicas' counters keep their type (parsers read them)
     listing = cluster.get("/v1/cluster").json()["replicas"]
     assert [r["slot"] for r in listing] == ["r0", "r1"]
 

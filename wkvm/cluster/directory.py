@@ -38,6 +38,7 @@ class Directory:
     parked: OrderedDict[str, tuple[str, Any, int]] = field(default_factory=OrderedDict)  # key -> slot, copy, bytes
     parked_bytes: int = 0
     tickets: dict[str, tuple[float, asyncio.Future[Any]]] = field(default_factory=dict)  # moving streams' tickets
+    stopping: bool = False  # the whole application is stopping: no replica to move streams to
 
     async def claim(self, replica_id: str, actor: Any, slots: int = 0, wait: float = 0.0) -> str:
         """A starting replica's slot: the first one free or held by a dead replica. A replica that would get a slot
@@ -89,6 +90,19 @@ class Directory:
 
     def record(self, key: str, slot: str) -> None:
         self.owners[key] = slot
+
+    def claim_owner(self, key: str, slot: str) -> tuple[str | None, str | None]:
+        """`key`'s owner, made `slot` when it has none: concurrent first requests of a key (two creating one new
+        name) all go where the first went, so its versions are issued in one place (each got `name@1` on another
+        replica before, and one of them could not be reached)."""
+        self.owners.setdefault(key, slot)
+        return self.lookup(key)
+
+    def stop_app(self) -> None:
+        self.stopping = True
+
+    def app_stopping(self) -> bool:
+        return self.stopping
 
     def forget(self, key: str) -> None:
         self.owners.pop(key, None)

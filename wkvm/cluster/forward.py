@@ -27,6 +27,8 @@ RESPONSES = "/v1/responses"
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", RESPONSES)
 MISROUTED = 0  # the status of a Head that says "not the replica you asked for": ask the directory again
 MISROUTED_REPLY = "wkvm:misrouted"  # what a replica method returns for the same (an answer, not an error to log)
+SAVING_REPLY = "wkvm:saving"  # export_name: a running request will save the name's next version here
+EXISTS_REPLY = "wkvm:exists"  # adopt: a version of the name is here already (another move got here first)
 
 
 @dataclass(frozen=True)

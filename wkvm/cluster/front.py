@@ -26,9 +26,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from wkvm.cluster.directory import base_ticket, pushed_ticket
 from wkvm.cluster.forward import (
+    EXISTS_REPLY,
     MISROUTED,
     MISROUTED_REPLY,
     RESPONSES,
+    SAVING_REPLY,
     STATES,
     ForwardedRequest,
     Handover,
@@ -110,6 +112,7 @@ class RunningStream:
     moves: int = 0  # handovers done so far
     downtime: float = 0.0  # of the last one: last chunk from the source to the first from the destination
     opened: tuple[str, Any] | None = None  # (ticket, the destination's call) opened for a move asked for
+    moving: bool = False  # a move asked for is under way
     head: Head | None = None  # the head of the replica it went on from last
 
     def take_opened(self, ticket: str | None = None) -> Any:
@@ -174,6 +177,10 @@ class Front:
         try:
             while True:
                 slot, target = (await self.directory.lookup.remote(route.key)) if route.key else (None, None)
+                if route.key and slot is None:  # a key's first request: the least busy replica becomes its owner
+                    toward, target = await self.least_busy()  # (unless another request claimed it meanwhile)
+                    if toward is not None:
+                        slot, target = await self.directory.claim_owner.remote(route.key, toward)
                 strict = route.strict and slot is not None
                 toward = slot
                 if target is None:  # bound to no replica yet: the least busy one first (the router falls back)
@@ -393,9 +400,20 @@ class Front:
             return error_response(404, f"no running stream {stream_id!r} that can move", None, "stream_not_found")
         if s.slot == to:
             return JSONResponse({"object": "stream.migration", "id": stream_id, "from": s.slot, "to": to})
+        if s.moving:  # a second call would open a second destination and lose the stream between the two
+            return error_response(409, f"stream {stream_id!r} is moving already; ask again once it has moved", None,
+                                  "stream_cannot_move")  # fmt: skip
         precopy = json.loads(await request.body() or b"{}").get("precopy", False)
         if not isinstance(precopy, bool):
             return error_response(400, "'precopy' must be true or false", "precopy", "invalid_type")
+        s.moving = True
+        try:
+            return await self.moved_stream(s, stream_id, tenant, to, replicas, precopy)
+        finally:
+            s.moving = False
+
+    async def moved_stream(self, s: RunningStream, stream_id: str, tenant: str, to: str, replicas: dict[str, str],
+                           precopy: bool) -> Response:  # fmt: skip
         t0, source, moves = time.perf_counter(), s.slot, s.moves
         # the destination's call first: it is routed and waits for the ticket while the source reaches a token
         ticket = secrets.token_hex(16)  # boundary, and the source pushes the ticket to it through the directory
@@ -447,7 +465,12 @@ class Front:
     async def list_states(self, request: Request) -> Response:
         """`GET /v1/states` from every replica, merged."""
         req = await forwarded(request)
-        answers = await asyncio.gather(*(self.collect(req, rid) for rid in (await self.replicas()).values()))
+        deadline = time.monotonic() + CALL_SECONDS
+        while True:  # a replica's answer may land on another for a moment (it says so): ask again, as `call` does
+            answers = await asyncio.gather(*(self.collect(req, rid) for rid in (await self.replicas()).values()))
+            if all(status != MISROUTED for status, _ in answers) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(RETRY_SECONDS)
         for status, body in answers:
             if status == MISROUTED:
                 return error_response(503, "a replica is restarting: the list is incomplete; retry shortly", None,
@@ -474,16 +497,18 @@ class Front:
             return error_response(400, f"'to' must name a replica: one of {', '.join(replicas)}", "to",
                                   "unknown_replica")  # fmt: skip
         t0 = time.perf_counter()
-        moved = await self.move_name(self.tenant(request), handle.split("@", 1)[0], to, replicas)
+        moved = await self.move_name(self.tenant(request), handle.split("@", 1)[0], to, replicas, refuse_saving=True)
         if isinstance(moved, Response):
             return moved
         return JSONResponse(migration(handle, moved.source, to, moved.nbytes, time.perf_counter() - t0, moved.handles)
                             | ({"steps_seconds": moved.steps} if moved.steps else {}))  # fmt: skip
 
-    async def move_name(self, tenant: str, name: str, to: str, replicas: dict[str, str],
-                        new_ok: bool = False) -> NameMove | Response:  # fmt: skip
+    async def move_name(self, tenant: str, name: str, to: str, replicas: dict[str, str], new_ok: bool = False,
+                        refuse_saving: bool = False) -> NameMove | Response:  # fmt: skip
         """Every version of `name` from its owner to replica `to` (the directory updated), or the error to answer.
-        `new_ok`: a name with no version yet (a stream about to save its first) only changes owner."""
+        `new_ok`: a name with no version yet (a stream about to save its first) only changes owner. `refuse_saving`:
+        a 409 while a request running on the owner will save the name's next version (it would be issued there,
+        where the directory no longer points)."""
         key = state_key(tenant, name)
         slot, source = await self.directory.lookup.remote(key)
         if slot is None and new_ok:
@@ -497,11 +522,19 @@ class Front:
         if slot == to:
             return NameMove(slot, [], 0)
         t0 = time.perf_counter()
-        files: list[bytes] = await self.call(source, "export_name", tenant, name)
+        files: list[bytes] | str = await self.call(source, "export_name", tenant, name, refuse_saving)
+        if files == SAVING_REPLY:
+            return error_response(409, f"a request running on {slot} will save {name!r}'s next version: migrate the "
+                                  "name once it ends, or move that stream (POST /v1/streams/{id}/migrate: its name "
+                                  "goes with it)", None, "state_busy")  # fmt: skip
+        assert isinstance(files, list)
         if not files and not new_ok:
             return error_response(404, f"no state {name!r}", None, "state_not_found")  # deleted meanwhile
         t1 = time.perf_counter()
-        handles: list[str] = await self.call(replicas[to], "adopt", tenant, files) if files else []
+        handles: list[str] | str = await self.call(replicas[to], "adopt", tenant, files) if files else []
+        if handles == EXISTS_REPLY:  # another move of this name got there first
+            return error_response(409, f"{name!r} is moving to {to} already", None, "state_changed")
+        assert isinstance(handles, list)
         await self.directory.record.remote(key, to)
         t2 = time.perf_counter()
         versions = [int(h.rsplit("@", 1)[1]) for h in handles]
@@ -618,6 +651,7 @@ def labelled(texts: dict[str, bytes]) -> bytes:
                 lines.append(f"{s.name}{{{inner}}} {s.value!r}")
     out = []
     for name, (kind, doc, lines) in families.items():
+        name = name + "_total" if kind == "counter" else name  # as one server writes it (parsers then read counters)
         out += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", *lines]
     return ("\n".join(out) + "\n").encode() if out else b""
 

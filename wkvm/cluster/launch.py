@@ -5,6 +5,7 @@ Ray is imported only here (and by the modules this one deploys), so single-proce
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -21,7 +22,7 @@ from ray.serve.config import RequestRouterConfig
 
 from wkvm.cluster.forward import MISROUTED_REPLY
 from wkvm.cluster.front import Front, build_front_app
-from wkvm.cluster.replica import DIRECTORY, NAMESPACE, EngineReplica, directory_actor
+from wkvm.cluster.replica import CALL_SECONDS, DIRECTORY, NAMESPACE, EngineReplica, directory_actor
 from wkvm.cluster.router import AffinityRouter
 from wkvm.config import ServerConfig
 from wkvm.logs import wkvm_logger
@@ -121,9 +122,14 @@ def absorb_unheld_slots(config: ServerConfig, directory: Any) -> None:
                         slot, config.replicas)  # fmt: skip
 
 
-def stop() -> None:
-    """Delete the application (each replica drains: `EngineReplica.__del__`), then leave Ray."""
+def stop(directory: Any = None) -> None:
+    """Delete the application (each replica drains: `EngineReplica.__del__`), then leave Ray. The directory first
+    hears that the whole application stops, so no replica hands its streams to another that is stopping too: they
+    finish where they run, within --shutdown-grace."""
     try:
+        if directory is not None:
+            with contextlib.suppress(Exception):
+                ray.get(directory.stop_app.remote(), timeout=CALL_SECONDS)
         serve.delete(APP)
         serve.shutdown()
     finally:
@@ -142,15 +148,19 @@ def run(config: ServerConfig) -> int:
         restart.set()
         done.set()
 
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, on_signal)
-    signal.signal(signal.SIGHUP, on_hangup)
+    def install() -> None:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, on_signal)
+        signal.signal(signal.SIGHUP, on_hangup)
+
+    install()
     try:
         directory = start(config)
     except RuntimeError as e:  # a replica failed to start (its traceback is in the log above)
         log.error("the replicas did not start: %s", e)
         stop()
         return 1
+    install()  # again: ray.init installs its own SIGTERM handler, which ended the process without a graceful stop
     absorb_unheld_slots(config, directory)  # a restart with fewer replicas than before
     log.info("wkvm serving on http://%s:%d with %d replicas", config.host, config.port, config.replicas)
     generation = 0
@@ -164,6 +174,6 @@ def run(config: ServerConfig) -> int:
         log.info("rolling restart %d: replacing the replicas one by one", generation)
         serve.run(application(config, generation), name=APP, route_prefix="/")
         absorb_unheld_slots(config, directory)
-    stop()
+    stop(directory)
     del directory
     return 0

@@ -28,7 +28,17 @@ import torch
 from ray import serve
 
 from wkvm.cluster.directory import Directory, base_ticket, pushed_ticket, ready_ticket
-from wkvm.cluster.forward import MISROUTED, MISROUTED_REPLY, ForwardedRequest, Handover, Head, run_asgi, state_key
+from wkvm.cluster.forward import (
+    EXISTS_REPLY,
+    MISROUTED,
+    MISROUTED_REPLY,
+    SAVING_REPLY,
+    ForwardedRequest,
+    Handover,
+    Head,
+    run_asgi,
+    state_key,
+)
 from wkvm.config import ServerConfig
 from wkvm.logs import wkvm_logger
 from wkvm.server.app import create_app
@@ -209,6 +219,10 @@ class EngineReplica:
         while not getattr(serve_replica, "_shutting_down", False):
             if self._stopped.wait(DRAIN_POLL_SECONDS):
                 return
+        if ray.get(self.directory.app_stopping.remote()):  # every replica is stopping: nowhere to move to
+            log.info("replica %s is stopping with the application: its streams finish here (--shutdown-grace)",
+                     self.slot)  # fmt: skip
+            return
         replicas = ray.get(self.directory.replicas.remote())
         others = [slot for slot in replicas if slot != self.slot]
         log.info("replica %s is stopping: moving %d running streams to %s", self.slot,
@@ -232,6 +246,8 @@ class EngineReplica:
         try:
             files = self._export(tenant, name)
             handles = self._call(replica_id, "adopt", tenant, files) if files else []
+            if handles == EXISTS_REPLY:
+                raise ValueError(f"{name!r} is on {slot} already (another move took it there)")
             ray.get(self.directory.record.remote(state_key(tenant, name), slot))
             self._drop(tenant, name, [int(h.rsplit("@", 1)[1]) for h in handles])
         except Exception:
@@ -258,10 +274,15 @@ class EngineReplica:
             time.sleep(0.02)
         return True
 
-    async def export_name(self, tenant: str, name: str, **route: object) -> list[bytes] | str:
-        """Every version of a named state as exported files, oldest first."""
+    async def export_name(self, tenant: str, name: str, refuse_saving: bool = False,
+                          **route: object) -> list[bytes] | str:  # fmt: skip
+        """Every version of a named state as exported files, oldest first. `refuse_saving`: SAVING_REPLY instead
+        while a request running here will save the name's next version (`save_state`)."""
         if self.misrouted(route):
             return MISROUTED_REPLY
+        if refuse_saving and any(s.tenant == tenant and s.saves == name and not s.done
+                                 for s in self.ctx.handovers.live()):  # fmt: skip
+            return SAVING_REPLY
         return await asyncio.to_thread(self._export, tenant, name)
 
     def _export(self, tenant: str, name: str) -> list[bytes]:
@@ -273,7 +294,12 @@ class EngineReplica:
         if self.misrouted(route):
             return MISROUTED_REPLY
         store = self.ctx.store
-        return await asyncio.to_thread(lambda: [store.adopt_bytes(tenant, f).handle for f in files])
+        try:
+            return await asyncio.to_thread(lambda: [store.adopt_bytes(tenant, f).handle for f in files])
+        except ValueError as e:
+            if "exists already" in str(e):  # another move of the name got here first
+                return EXISTS_REPLY
+            raise
 
     async def drop_name(self, tenant: str, name: str, versions: list[int], **route: object) -> bool | str:
         """Delete a moved name here, unless a version other than `versions` appeared meanwhile (then keep all)."""
