@@ -430,6 +430,29 @@ def test_metrics_per_replica_and_for_the_app(cluster):
     assert [r["slot"] for r in listing] == ["r0", "r1"]
 
 
+def test_a_killed_directory_comes_back_and_the_replicas_join_it_again(cluster):
+    """kill -9 of the directory actor: Ray restarts it (empty), each replica joins it again with its slot and named
+    states at its next health probe, and named states, chats and listings work again (they had answered 503 until
+    `wkvm serve` restarted)."""
+    r = cluster.post("/v1/states", json={"name": "atlas", "prompt": "KING LEAR:"})
+    assert r.status_code == 200, r.text
+    owner = r.headers["x-wkvm-replica"]
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    pids = [int(line.split()[0]) for line in ps.splitlines() if "ray::Directory" in line]
+    assert len(pids) == 1, ps
+    os.kill(pids[0], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while True:
+        got = cluster.get("/v1/states/atlas@1")
+        if got.status_code == 200 and cluster.get("/health").json().get("replicas") == ["r0", "r1"]:
+            break
+        assert time.monotonic() < deadline, got.text
+        time.sleep(1)
+    assert got.headers["x-wkvm-replica"] == owner
+    assert chat(cluster, [{"role": "user", "content": "Again?"}]).status_code == 200
+    assert "atlas@1" in [st["handle"] for st in cluster.get("/v1/states").json()["data"]]
+
+
 def test_a_killed_replica_loses_no_acknowledged_state(cluster):
     r = cluster.post("/v1/states", json={"name": "durable", "prompt": "KING RICHARD:"})
     assert r.status_code == 200, r.text

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,8 @@ class Directory:
     parked_bytes: int = 0
     tickets: dict[str, tuple[float, asyncio.Future[Any]]] = field(default_factory=dict)  # moving streams' tickets
     stopping: bool = False  # the whole application is stopping: no replica to move streams to
+    # this incarnation: Ray restarts a dead directory empty, and each replica, seeing a new one, joins it again
+    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     async def claim(self, replica_id: str, actor: Any, slots: int = 0, wait: float = 0.0) -> str:
         """A starting replica's slot: the first one free or held by a dead replica. A replica that would get a slot
@@ -64,6 +67,15 @@ class Directory:
             if held is None or not await alive(held.actor):
                 return f"r{n}"
             n += 1
+
+    def epoch(self) -> str:
+        return self.incarnation
+
+    def rejoin(self, slot: str, replica_id: str, actor: Any, keys: list[str]) -> str:
+        """A running replica telling a restarted directory (which lost every map) its slot and named states."""
+        self.slots[slot] = Slot(slot, replica_id, actor)
+        self.holds(slot, keys)
+        return self.incarnation
 
     def holds(self, slot: str, keys: list[str]) -> None:
         """The named states a slot's directory holds (reported by its replica once it has opened them)."""

@@ -78,8 +78,9 @@ class EngineReplica:
         self.ctx.load()
         if self.ctx.load_error:
             raise RuntimeError(self.ctx.load_error)
-        keys = [state_key(r.owner, r.name) for r in self.ctx.store.index.list() if not is_internal(r.owner)]
+        keys = self._named_keys()
         ray.get(self.directory.holds.remote(self.slot, keys))
+        self._epoch: str = ray.get(self.directory.epoch.remote())
         log.info("replica %s holds slot %s (%d named states)", self.replica_id, self.slot, len(set(keys)))
         self.ctx.sessions.mirror = DirectoryMirror(self.directory, self.slot)
         self.ctx.holds_name = self._holds_name
@@ -90,9 +91,21 @@ class EngineReplica:
 
     def check_health(self) -> None:
         """Serve's periodic probe: a replica whose engine loop has died would hang every request routed to it, so it
-        fails the probe and Serve replaces it (its slot and named states go to the replacement)."""
+        fails the probe and Serve replaces it (its slot and named states go to the replacement). Also, every 2 s:
+        a directory Ray restarted (empty) gets this replica's slot and named states again."""
         if self.ctx.generative and self.ctx.client.loop_failed():
             raise RuntimeError("the engine's step loop has stopped (a bug: see this replica's log)")
+        try:
+            if ray.get(self.directory.epoch.remote(), timeout=1.0) != self._epoch:
+                me = ray.get_runtime_context().current_actor
+                self._epoch = ray.get(self.directory.rejoin.remote(self.slot, self.replica_id, me, self._named_keys()),
+                                      timeout=5.0)  # fmt: skip
+                log.warning("replica %s joined the restarted directory again (slot %s)", self.replica_id, self.slot)
+        except Exception as e:  # the directory is restarting: next probe (never fail the probe for it)
+            log.info("replica %s: the directory did not answer (%s); asking again", self.slot, type(e).__name__)
+
+    def _named_keys(self) -> list[str]:
+        return [state_key(r.owner, r.name) for r in self.ctx.store.index.list() if not is_internal(r.owner)]
 
     def misrouted(self, route: dict[str, object]) -> bool:
         """A strict call meant for another replica (its owner was being replaced when it was routed)."""
@@ -411,4 +424,6 @@ def find_serve_replica() -> Any:
 
 def directory_actor() -> Any:
     """The directory as a named Ray actor (async methods: pings never block lookups)."""
-    return ray.remote(num_cpus=0)(Directory).options(name=DIRECTORY, namespace=NAMESPACE, get_if_exists=True).remote()
+    # restarted when it dies (empty: the replicas join it again, `check_health`); a call made meanwhile waits for it
+    return ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(Directory).options(
+        name=DIRECTORY, namespace=NAMESPACE, get_if_exists=True).remote()  # fmt: skip
