@@ -220,6 +220,21 @@ def test_concurrent_requests_creating_one_new_name_issue_its_versions_in_one_pla
         assert sorted(handles) == [f"{name}@{v}" for v in range(1, 5)], handles
 
 
+def test_a_moved_name_keeps_its_issued_versions_and_pins(cluster):
+    """A migrated name never issues a deleted version's number again (a handle names one state), and its pinned
+    versions stay pinned."""
+    r = cluster.post("/v1/states", json={"name": "relic", "prompt": "FRIAR:"})
+    owner = r.headers["x-wkvm-replica"]
+    for v in (2, 3):
+        assert cluster.post("/v1/states/relic@1/fork", json={"name": "relic"}).json()["handle"] == f"relic@{v}"
+    assert cluster.delete("/v1/states/relic@3").status_code == 200
+    assert cluster.post("/v1/states/relic@1/pin").status_code == 200
+    moved = cluster.post("/v1/states/relic/migrate", json={"to": "r1" if owner == "r0" else "r0"})
+    assert moved.status_code == 200, moved.text
+    assert cluster.post("/v1/states/relic@1/fork", json={"name": "relic"}).json()["handle"] == "relic@4"
+    assert cluster.get("/v1/states/relic@1").json()["pinned"] is True
+
+
 def test_migrate_refuses_clearly(cluster):
     bad = cluster.post("/v1/states/voyage/migrate", json={"to": "r9"})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "unknown_replica"

@@ -531,7 +531,8 @@ class Front:
         if not files and not new_ok:
             return error_response(404, f"no state {name!r}", None, "state_not_found")  # deleted meanwhile
         t1 = time.perf_counter()
-        handles: list[str] | str = await self.call(replicas[to], "adopt", tenant, files) if files else []
+        card = await self.call(source, "name_card", tenant, name) if files else None  # last version issued, pins
+        handles: list[str] | str = await self.call(replicas[to], "adopt", tenant, files, card) if files else []
         if handles == EXISTS_REPLY:  # another move of this name got there first
             return error_response(409, f"{name!r} is moving to {to} already", None, "state_changed")
         assert isinstance(handles, list)

@@ -258,7 +258,7 @@ class EngineReplica:
         stopping, so no new version appears here meanwhile)."""
         try:
             files = self._export(tenant, name)
-            handles = self._call(replica_id, "adopt", tenant, files) if files else []
+            handles = self._call(replica_id, "adopt", tenant, files, self._name_card(tenant, name)) if files else []
             if handles == EXISTS_REPLY:
                 raise ValueError(f"{name!r} is on {slot} already (another move took it there)")
             ray.get(self.directory.record.remote(state_key(tenant, name), slot))
@@ -302,13 +302,35 @@ class EngineReplica:
         store = self.ctx.store
         return [store.export_bytes(tenant, r.handle) for r in store.versions(tenant, name)]
 
-    async def adopt(self, tenant: str, files: list[bytes], **route: object) -> list[str] | str:
-        """Store moved states under their own handles (validated as an import)."""
+    def _name_card(self, tenant: str, name: str) -> tuple[int, list[int]]:
+        """What a name's moved files do not carry: its last version ever issued, and its pinned versions."""
+        store = self.ctx.store
+        return store.index.next_version(tenant, name) - 1, [r.version for r in store.versions(tenant, name) if r.pinned]
+
+    async def name_card(self, tenant: str, name: str, **route: object) -> tuple[int, list[int]] | str:
+        if self.misrouted(route):
+            return MISROUTED_REPLY
+        return await asyncio.to_thread(self._name_card, tenant, name)
+
+    async def adopt(self, tenant: str, files: list[bytes], card: tuple[int, list[int]] | None = None,
+                    **route: object) -> list[str] | str:  # fmt: skip
+        """Store moved states under their own handles (validated as an import); `card` (`name_card`): no version
+        up to the name's last issued one is issued here again, and its pinned versions stay pinned."""
         if self.misrouted(route):
             return MISROUTED_REPLY
         store = self.ctx.store
+
+        def adopt_all() -> list[str]:
+            handles = [store.adopt_bytes(tenant, f).handle for f in files]
+            if card is not None and handles:
+                name = handles[0].rsplit("@", 1)[0]
+                store.index.reserve_versions(tenant, name, card[0])
+                for v in card[1]:
+                    store.set_pinned(tenant, f"{name}@{v}", True)
+            return handles
+
         try:
-            return await asyncio.to_thread(lambda: [store.adopt_bytes(tenant, f).handle for f in files])
+            return await asyncio.to_thread(adopt_all)
         except ValueError as e:
             if "exists already" in str(e):  # another move of the name got here first
                 return EXISTS_REPLY

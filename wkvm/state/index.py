@@ -242,6 +242,13 @@ class StateIndex:
                     )
             self._sync(True)
 
+    def reserve_versions(self, owner: str, name: str, last: int) -> None:
+        """Never issue `last` or a version below it for this name (a name moved here with its history of issues)."""
+        with self._lock, self._db:
+            self._db.execute("INSERT INTO names VALUES (?, ?, ?) ON CONFLICT (owner, name) "
+                             "DO UPDATE SET last_version = MAX(last_version, excluded.last_version)",
+                             (owner, name, last))  # fmt: skip
+
     def next_version(self, owner: str, name: str) -> int:
         """One more than the last version ever issued for this name (kept after deletes: a handle names one state)."""
         with self._lock:
