@@ -202,7 +202,12 @@ async def pushed_ticket(directory: Any, ticket: str, wait: float) -> bytes:
     """A moving stream's ticket its source pushed (`put_ticket`: a reference into the object store, which the source
     owns, or a small ticket's bytes), waiting up to `wait` seconds; empty when none came, it was taken already, or
     the source died before it was read (the object went with its owner)."""
-    refs = await directory.take_ticket.remote(ticket, wait)
+    import ray
+
+    try:
+        refs = await directory.take_ticket.remote(ticket, wait)
+    except ray.exceptions.TaskCancelledError:  # the front cancelled the call waiting for it (the move did not
+        raise asyncio.CancelledError() from None  # happen): end as cancelled, not as a server error with a traceback
     if isinstance(refs, bytes):
         return refs
     try:
