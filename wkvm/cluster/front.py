@@ -522,7 +522,8 @@ class Front:
         if slot == to:
             return NameMove(slot, [], 0)
         t0 = time.perf_counter()
-        files: list[bytes] | str = await self.call(source, "export_name", tenant, name, refuse_saving)
+        files, card = await asyncio.gather(self.call(source, "export_name", tenant, name, refuse_saving),
+                                           self.call(source, "name_card", tenant, name))  # last version issued, pins
         if files == SAVING_REPLY:
             return error_response(409, f"a request running on {slot} will save {name!r}'s next version: migrate the "
                                   "name once it ends, or move that stream (POST /v1/streams/{id}/migrate: its name "
@@ -531,7 +532,6 @@ class Front:
         if not files and not new_ok:
             return error_response(404, f"no state {name!r}", None, "state_not_found")  # deleted meanwhile
         t1 = time.perf_counter()
-        card = await self.call(source, "name_card", tenant, name) if files else None  # last version issued, pins
         handles: list[str] | str = await self.call(replicas[to], "adopt", tenant, files, card) if files else []
         if handles == EXISTS_REPLY:  # another move of this name got there first
             return error_response(409, f"{name!r} is moving to {to} already", None, "state_changed")

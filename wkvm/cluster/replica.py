@@ -54,6 +54,7 @@ log = logging.getLogger("wkvm.cluster")
 DIRECTORY = "wkvm-directory"
 SLOT_WAIT_SECONDS = 60.0  # a new replica waits this long for a slot of the first N to free up (rolling restarts)
 NAMESPACE = "wkvm"  # the directory's (Serve runs replicas in its own namespace)
+DIRECTORY_POLL_SECONDS = 2.0  # how soon a replica notices a restarted directory and joins it again
 CALL_SECONDS = 10.0  # a stream to move reaches its next token boundary well within this
 READY_SECONDS = 2.0  # a pre-copied move waits this long for its destination to hold the pre-copy, then stops anyway
 DRAIN_POLL_SECONDS = 0.05
@@ -88,21 +89,30 @@ class EngineReplica:
         self._pushed: dict[str, int] = {}  # tickets pushed to the directory (`_push`) -> their bytes
         self._drain = threading.Thread(target=self._drain_when_stopping, name="wkvm-drain", daemon=True)
         self._drain.start()
+        self._watch = threading.Thread(target=self._watch_directory, name="wkvm-directory-watch", daemon=True)
+        self._watch.start()
 
     def check_health(self) -> None:
         """Serve's periodic probe: a replica whose engine loop has died would hang every request routed to it, so it
-        fails the probe and Serve replaces it (its slot and named states go to the replacement). Also, every 2 s:
-        a directory Ray restarted (empty) gets this replica's slot and named states again."""
+        fails the probe and Serve replaces it (its slot and named states go to the replacement)."""
         if self.ctx.generative and self.ctx.client.loop_failed():
             raise RuntimeError("the engine's step loop has stopped (a bug: see this replica's log)")
-        try:
-            if ray.get(self.directory.epoch.remote(), timeout=1.0) != self._epoch:
-                me = ray.get_runtime_context().current_actor
-                self._epoch = ray.get(self.directory.rejoin.remote(self.slot, self.replica_id, me, self._named_keys()),
-                                      timeout=5.0)  # fmt: skip
-                log.warning("replica %s joined the restarted directory again (slot %s)", self.replica_id, self.slot)
-        except Exception as e:  # the directory is restarting: next probe (never fail the probe for it)
-            log.info("replica %s: the directory did not answer (%s); asking again", self.slot, type(e).__name__)
+
+    def _watch_directory(self) -> None:
+        """Every DIRECTORY_POLL_SECONDS, on its own thread (a blocking call on the replica's event loop, as in its
+        health probe, held every request behind it: 1-token completions took 2x as long): a directory Ray restarted
+        (empty) gets this replica's slot and named states again."""
+        while not self._stopped.wait(DIRECTORY_POLL_SECONDS):
+            try:
+                if ray.get(self.directory.epoch.remote(), timeout=5.0) != self._epoch:
+                    me = ray.get_runtime_context().current_actor
+                    keys = self._named_keys()
+                    self._epoch = ray.get(self.directory.rejoin.remote(self.slot, self.replica_id, me, keys),
+                                          timeout=5.0)  # fmt: skip
+                    log.warning("replica %s joined the restarted directory again (slot %s)", self.replica_id,
+                                self.slot)  # fmt: skip
+            except Exception as e:  # the directory is restarting: ask again
+                log.info("replica %s: the directory did not answer (%s); asking again", self.slot, type(e).__name__)
 
     def _named_keys(self) -> list[str]:
         return [state_key(r.owner, r.name) for r in self.ctx.store.index.list() if not is_internal(r.owner)]
@@ -323,8 +333,9 @@ class EngineReplica:
         def adopt_all() -> list[str]:
             handles = [store.adopt_bytes(tenant, f).handle for f in files]
             if card is not None and handles:
-                name = handles[0].rsplit("@", 1)[0]
-                store.index.reserve_versions(tenant, name, card[0])
+                name, top = handles[0].rsplit("@", 1)[0], max(int(h.rsplit("@", 1)[1]) for h in handles)
+                if card[0] > top:  # its newest versions were deleted (else adopting them recorded it)
+                    store.index.reserve_versions(tenant, name, card[0])
                 for v in card[1]:
                     store.set_pinned(tenant, f"{name}@{v}", True)
             return handles
