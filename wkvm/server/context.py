@@ -110,7 +110,8 @@ class ServerContext:
             model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype,
                                weight_cache_layers=cfg.weight_cache_layers, read_ahead=cfg.read_ahead)  # fmt: skip
             self.tokenizer, self.template = load_text_tools(cfg.model, model.family)
-            self.tokenizer.decode([0])  # a table built on first use (World: its byte table) is built now, not on a
+            self.tokenizer.decode([0])  # tables built on first use (World: its byte table; HF: each token's bytes, for
+            self.tokenizer.token_bytes(0)  # logprobs and the grammar) are built now, not on a
             # stream's first token or a moved stream's resume (it had added ~400 ms to a replica's first move)
             engine = Engine(model, self.tokenizer, cfg.engine_config())
             self.client = LocalEngineClient(engine)
