@@ -206,29 +206,45 @@ def test_prefill_with_kernel_equals_without(tmp_path, monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", ["float32", "int8", "int4", "bfloat16"])
-def test_a_short_chunk_has_the_bits_of_stepping_through_it(tmp_path, dtype):
+def test_a_short_chunk_has_the_bits_of_stepping_through_it(tmp_path, monkeypatch, dtype):
     """Up to STEP_CHUNK tokens a row run the step's own ops token by token for the token shift and wkv, the rest over
-    all rows (`_steps_layer`): logits and every state tensor equal stepping bit for bit, for 1 and 2 rows, where the
-    matmuls give each row the same bits whatever rows come with it (fp32 on wkvm's gemv kernel, int8, int4); bf16
-    (oneDNN) does not promise that, and says so. A moved stream catches up on this path (Engine.precopy)."""
+    all rows (`_steps_layer`: one `step.layer` call for the T tokens where the layer's matrices are on one native
+    kernel, else op by op): logits and every state tensor equal stepping bit for bit, for 1 and 2 rows, both ways,
+    where the matmuls give each row the same bits whatever rows come with it (fp32 on wkvm's gemv kernel, int8,
+    int4); bf16 (oneDNN) does not promise that, and says so. A moved stream catches up on this path
+    (Engine.precopy)."""
     path = tmp_path / "m.pth"
     save_random_rwkv7(path, SHAPES["L3-C192-H3-N64-V1000"], seed=13)
     model = load_model(path, dtype=dtype)
     assert model.chunks_equal_steps == (dtype != "bfloat16")
     if dtype == "bfloat16":
         return
+    from wkvm.models.linear import native_kernel
+    from wkvm.models.rwkv7 import model as rwkv7_model
+
+    one_call, tokens = step.layer, []
+    monkeypatch.setattr(step, "layer", lambda *a: tokens.append(a[-1]) or one_call(*a))
     g = torch.Generator().manual_seed(4)
+    mats = [model.weights.layer(1)[k] for k in rwkv7_model.LINEAR_KEYS]
+    assert native_kernel(mats, STEP_CHUNK) is not None  # so the one-call path runs (for 2 rows, where it reaches)
     for rows in (1, 2):
+        one_call_reaches = native_kernel(mats, rows * STEP_CHUNK) is not None  # fp32 on AVX2: 12 rows
         start = model.new_state(rows)
         model.forward(torch.randint(0, 1000, (rows, 20), generator=g), start)  # a state that is not zeros
         ids = torch.randint(0, 1000, (rows, STEP_CHUNK), generator=g)
-        chunked = {k: v.clone() for k, v in start.items()}
         stepped = {k: v.clone() for k, v in start.items()}
-        whole = model.forward(ids, chunked)
         for t in range(STEP_CHUNK):
             last = model.forward(ids[:, t : t + 1], stepped)
-        assert torch.equal(whole, last)
-        assert all(torch.equal(chunked[k], stepped[k]) for k in start)
+        for fused_layer in (True, False):
+            tokens.clear()
+            chunked = {k: v.clone() for k, v in start.items()}
+            with monkeypatch.context() as m:
+                if not fused_layer:
+                    m.setattr(model, "layer_kernel", lambda *a: None)
+                whole = model.forward(ids, chunked)
+            assert tokens == ([STEP_CHUNK] * model.config.n_layer if fused_layer and one_call_reaches else [])
+            assert torch.equal(whole, last)
+            assert all(torch.equal(chunked[k], stepped[k]) for k in start)
 
 
 @needs_kernel

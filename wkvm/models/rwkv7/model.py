@@ -243,6 +243,12 @@ class RWKV7(ModelBase):
         tokens an unmoved one does. Returns x and v_first ([B, T, C], as `_time_mix`'s)."""
         cfg, (B, T, C) = self.config, x.shape
         att_shift, ffn_shift = state[f"layers.{i}.att_shift"], state[f"layers.{i}.ffn_shift"]
+        mats = [w[k] for k in LINEAR_KEYS]
+        if (kernel := self.layer_kernel(i, mats, B * T)) is not None and w["att.w1"].dtype == torch.float32:
+            # the same ops in one call (step.cpp's `layer` for T tokens a row)
+            y, v = step.layer(x.reshape(B * T, C), v_first.reshape(B * T, C), att_shift, state[f"layers.{i}.wkv"],
+                              ffn_shift, [w.get(k) for k in STEP_LAYER_KEYS], kernel, cfg.ln_eps, cfg.gn_eps, T)
+            return y.view(B, T, C), v.view(B, T, C)
 
         def by_token(fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
             """fn(t) -> ([B, C], [M, B, C]) per token, stacked as ([B * T, C], [M, B * T, C])."""

@@ -2,8 +2,9 @@
 // dispatch, not arithmetic, was most of a layer's time. wkvm/models/rwkv7/step.py builds this file on first use and
 // keeps a torch fallback for each op; everything is fp32. Rows are [B, C] with contiguous rows (any row stride).
 //
-//   norm_shift_mix(x, add?, ln_w, ln_b, eps, shift (in/out), mix [M, C]) -> (s = x + add, mixed [M, B, C])
-//     xx = layer_norm(s); mixed[m] = xx + (shift - xx) * mix[m]; then shift = xx (token shift of one step).
+//   norm_shift_mix(x, add?, ln_w, ln_b, eps, shift (in/out), mix [M, C], tokens = T) -> (s = x + add,
+//       mixed [M, B * T, C]): xx = layer_norm(s); mixed[m] = xx + (shift - xx) * mix[m]; then shift = xx (token
+//     shift of one step), token by token for T tokens of each row of shift (rows b * T .. b * T + T - 1 of x).
 //   loras(xs[], firsts[] [C, R], seconds[] [R, C], biases?[] [C], inner[], outer[]) -> ys[] [B, C]
 //     ys[j] = outer_j(bias_j + inner_j(xs[j] @ firsts[j]) @ seconds[j]); activations 0 none, 1 tanh, 2 sigmoid.
 //     Chains run in parallel (the four LoRAs of a layer read ~1.8 MB of weights at the 0.1B shape).
@@ -14,6 +15,8 @@
 //     absent: layer 0); w = exp(-0.606531 decay); per head
 //     S = S diag(w) + (S (-kk)) (kk a)^T + v' k'^T, o = S r; out = (group_norm(o) + (r . (k' r_k)) v') * g.
 //   relu_square(x) -> relu(x)^2
+//   layer(x, v_first, att_shift, S, ffn_shift, w[], kernel, args, ln_eps, gn_eps, tokens = T) -> (x, v_first): a
+//     whole layer for T tokens of each row of the states, with the bits of T one-token calls.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
@@ -69,17 +72,20 @@ void check_vector(const at::Tensor& x, int64_t C, const char* name) {
               " must be a contiguous CPU float32 tensor of ", C, " values");
 }
 
+// `tokens` tokens of each row of shift (x, add [B * tokens, C], row b's tokens in order): each token's shift is the
+// one before it, as `tokens` calls of one token each.
 std::tuple<at::Tensor, at::Tensor> norm_shift_mix(const at::Tensor& x, const std::optional<at::Tensor>& add,
                                                   const at::Tensor& ln_w, const at::Tensor& ln_b, double eps,
-                                                  const at::Tensor& shift, const at::Tensor& mix) {
-  const int64_t B = x.size(0), C = x.size(-1), M = mix.size(0);
-  check_rows(x, B, C, "x");
+                                                  const at::Tensor& shift, const at::Tensor& mix, int64_t tokens) {
+  TORCH_CHECK(tokens >= 1, "tokens must be at least 1");
+  const int64_t T = tokens, B = shift.size(0), C = x.size(-1), M = mix.size(0);
+  check_rows(x, B * T, C, "x");
   check_rows(shift, B, C, "shift");
-  if (add) check_rows(*add, B, C, "add");
+  if (add) check_rows(*add, B * T, C, "add");
   check_vector(ln_w, C, "ln_w");
   check_vector(ln_b, C, "ln_b");
   check_vector(mix, M * C, "mix");
-  at::Tensor s = at::empty({B, C}, x.options()), mixed = at::empty({M, B, C}, x.options());
+  at::Tensor s = at::empty({B * T, C}, x.options()), mixed = at::empty({M, B * T, C}, x.options());
   const float *px = x.data_ptr<float>(), *pa = add ? add->data_ptr<float>() : nullptr;
   const float *pw = ln_w.data_ptr<float>(), *pb = ln_b.data_ptr<float>(), *pm = mix.data_ptr<float>();
   float *ps = s.data_ptr<float>(), *pmixed = mixed.data_ptr<float>(), *pshift = shift.data_ptr<float>();
@@ -87,9 +93,10 @@ std::tuple<at::Tensor, at::Tensor> norm_shift_mix(const at::Tensor& x, const std
   const float feps = static_cast<float>(eps);
   at::parallel_for(0, B, 16, [&](int64_t b0, int64_t b1) {
     std::vector<float> xx(C);
-    for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t bt = b0 * T; bt < b1 * T; ++bt) {
+      const int64_t b = bt;  // the input row (token bt % T of shift row bt / T)
       float* row = ps + b * C;
-      float* sh = pshift + b * ssh;
+      float* sh = pshift + (bt / T) * ssh;
       if (pa) {
 #pragma omp simd
         for (int64_t c = 0; c < C; ++c) row[c] = px[b * sx + c] + pa[b * sa + c];
@@ -108,7 +115,7 @@ std::tuple<at::Tensor, at::Tensor> norm_shift_mix(const at::Tensor& x, const std
 #pragma omp simd
       for (int64_t c = 0; c < C; ++c) xx[c] = (row[c] - mean) * inv * pw[c] + pb[c];
       for (int64_t m = 0; m < M; ++m) {
-        float* out = pmixed + (m * B + b) * C;
+        float* out = pmixed + (m * B * T + b) * C;
         const float* mm = pm + m * C;
 #pragma omp simd
         for (int64_t c = 0; c < C; ++c) out[c] = xx[c] + (sh[c] - xx[c]) * mm[c];
@@ -357,7 +364,7 @@ std::tuple<at::Tensor, at::Tensor> wkv(const at::Tensor& S, const at::Tensor& r,
                                        const std::optional<at::Tensor>& v_mix, const at::Tensor& a,
                                        const at::Tensor& g, const at::Tensor& k_k, const at::Tensor& k_a,
                                        const at::Tensor& r_k, const at::Tensor& ln_w, const at::Tensor& ln_b,
-                                       double gn_eps, int64_t tokens) {
+                                       double gn_eps, int64_t tokens, bool steps) {
   TORCH_CHECK(S.scalar_type() == at::kFloat && S.device().is_cpu() && S.dim() == 4 && S.size(2) == S.size(3),
               "S must be a CPU float32 [B, H, N, N]");
   TORCH_CHECK(tokens >= 1, "tokens must be at least 1");
@@ -381,8 +388,8 @@ std::tuple<at::Tensor, at::Tensor> wkv(const at::Tensor& S, const at::Tensor& r,
   // Work items are (row of S, head), each running its tokens in order: token t of a row is input row b * T + t, the
   // arithmetic of T calls of one token each, except that several tokens on a head of 32, 64 or 128 values run on its
   // transpose (update_columns: no horizontal sums, the state's sums in another order), copied in before the first
-  // token and back after the last.
-  const bool transposed = T > 1 && (N == 32 || N == 64 || N == 128);
+  // token and back after the last; with `steps`, not: the bits of T calls of one token (a layer's few tokens).
+  const bool transposed = T > 1 && !steps && (N == 32 || N == 64 || N == 128);
   at::parallel_for(0, B * H, std::max<int64_t>(1, 64 / T), [&](int64_t i0, int64_t i1) {
     std::vector<float> kk(N), kn(N), bb(N), w(N), o(N), ST(transposed ? N * N : 0);
     for (int64_t i = i0; i < i1; ++i) {
@@ -490,11 +497,14 @@ enum LayerTensor {
 // in the same order on the same kernels (matmuls through linear_call.h: `kernel`, `args` two a matrix in the order r,
 // k, v, output, ffn key, ffn value), so the same bits, without the ~90 us of Python and views a layer measured on the
 // 0.1B shape (int8, one row, AMD EPYC). The states (att_shift, S, ffn_shift) advance in place. Returns (x, v_first:
-// layer 0's v, or the one given).
+// layer 0's v, or the one given). With `tokens` T > 1, x and v_first are [B * T, C] (row b's tokens in order): the
+// token shifts and the wkv run token by token, the matmuls and LoRAs over the B * T rows at once (each row's bits the
+// same whatever rows come with it: the caller checks the matrices' kernel, `rows_independent`), so the bits of T
+// one-token calls at about one call's cost (a moved stream's catch-up, a chat turn's few new tokens).
 std::tuple<at::Tensor, at::Tensor> layer(const at::Tensor& x, const at::Tensor& v_first, const at::Tensor& att_shift,
                                          const at::Tensor& S, const at::Tensor& ffn_shift,
                                          const c10::List<std::optional<at::Tensor>>& w, const std::string& kernel,
-                                         at::IntArrayRef args, double ln_eps, double gn_eps) {
+                                         at::IntArrayRef args, double ln_eps, double gn_eps, int64_t tokens) {
   TORCH_CHECK(static_cast<int64_t>(w.size()) == LAYER_TENSORS, "w: ", static_cast<int64_t>(LAYER_TENSORS),
               " tensors (model.py's order)");
   TORCH_CHECK(args.size() == 12, "args: two a matrix");
@@ -507,7 +517,7 @@ std::tuple<at::Tensor, at::Tensor> layer(const at::Tensor& x, const at::Tensor& 
   const wkvm::LinearCall& linear = wkvm::linear_call(kernel);
   const int64_t C = x.size(-1);
   const at::Tensor mixed = std::get<1>(norm_shift_mix(x, std::nullopt, t(LN1_W), t(LN1_B), ln_eps, att_shift,
-                                                t(ATT_MIX).reshape({-1, C})));
+                                                      t(ATT_MIX).reshape({-1, C}), tokens));
   const at::Tensor xr = mixed[0], xw = mixed[1], xk = mixed[2], xv = mixed[3], xa = mixed[4], xg = mixed[5];
   const at::Tensor r = linear(xr, t(W_R), args[0], args[1]);
   const at::Tensor k = linear(xk, t(W_K), args[2], args[3]);
@@ -522,9 +532,9 @@ std::tuple<at::Tensor, at::Tensor> layer(const at::Tensor& x, const at::Tensor& 
   const std::vector<at::Tensor> l = loras(xs, firsts, seconds, biases, inner, outer);
   const at::Tensor vf = first ? v : v_first;
   const at::Tensor o = std::get<0>(wkv(S, r, l[0], k, v, vf, first ? std::nullopt : std::optional<at::Tensor>(l[3]), l[1], l[2],
-                                       t(K_K), t(K_A), t(R_K), t(LNX_W), t(LNX_B), gn_eps, 1));
+                                       t(K_K), t(K_A), t(R_K), t(LNX_W), t(LNX_B), gn_eps, tokens, true));
   auto [x2, ffn] = norm_shift_mix(x, linear(o, t(W_O), args[6], args[7]), t(LN2_W), t(LN2_B), ln_eps, ffn_shift,
-                                  t(FFN_X_K).reshape({-1, C}));
+                                  t(FFN_X_K).reshape({-1, C}), tokens);
   const at::Tensor y = linear(relu_square(linear(ffn[0], t(W_KEY), args[8], args[9])), t(W_VALUE), args[10], args[11]);
   return {at::add(x2, y), vf};
 }
@@ -533,8 +543,8 @@ std::tuple<at::Tensor, at::Tensor> layer(const at::Tensor& x, const at::Tensor& 
 
 TORCH_LIBRARY(wkvm_rwkv7, m) {
   m.def(
-      "norm_shift_mix(Tensor x, Tensor? add, Tensor ln_w, Tensor ln_b, float eps, Tensor(a!) shift, Tensor mix) "
-      "-> (Tensor, Tensor)",
+      "norm_shift_mix(Tensor x, Tensor? add, Tensor ln_w, Tensor ln_b, float eps, Tensor(a!) shift, Tensor mix, "
+      "int tokens=1) -> (Tensor, Tensor)",
       &norm_shift_mix);
   m.def(
       "loras(Tensor[] xs, Tensor[] firsts, Tensor[] seconds, Tensor?[] biases, int[] inner, int[] outer) "
@@ -542,12 +552,12 @@ TORCH_LIBRARY(wkvm_rwkv7, m) {
       &loras);
   m.def(
       "wkv(Tensor(a!) S, Tensor r, Tensor decay, Tensor k, Tensor v, Tensor v_first, Tensor? v_mix, Tensor a, "
-      "Tensor g, Tensor k_k, Tensor k_a, Tensor r_k, Tensor ln_w, Tensor ln_b, float gn_eps, int tokens=1) "
-      "-> (Tensor, Tensor)",
+      "Tensor g, Tensor k_k, Tensor k_a, Tensor r_k, Tensor ln_w, Tensor ln_b, float gn_eps, int tokens=1, "
+      "bool steps=False) -> (Tensor, Tensor)",
       &wkv);
   m.def("relu_square(Tensor x) -> Tensor", &relu_square);
   m.def(
       "layer(Tensor x, Tensor v_first, Tensor(a!) att_shift, Tensor(b!) S, Tensor(c!) ffn_shift, Tensor?[] w, "
-      "str kernel, int[] args, float ln_eps, float gn_eps) -> (Tensor, Tensor)",
+      "str kernel, int[] args, float ln_eps, float gn_eps, int tokens=1) -> (Tensor, Tensor)",
       &layer);
 }

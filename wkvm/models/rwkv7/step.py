@@ -122,12 +122,14 @@ def _torch_wkv(S: torch.Tensor, r: torch.Tensor, decay: torch.Tensor, k: torch.T
 
 
 def layer(x: torch.Tensor, v_first: torch.Tensor, att_shift: torch.Tensor, S: torch.Tensor, ffn_shift: torch.Tensor,
-          w: list[torch.Tensor | None], kernel: tuple[str, list[int]], ln_eps: float,
-          gn_eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+          w: list[torch.Tensor | None], kernel: tuple[str, list[int]], ln_eps: float, gn_eps: float,
+          tokens: int = 1) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """A whole layer for one token a row (x [B, C]) in one call: model.py's `_decode_layer`, the same ops in the same
     order (its six matrices on the native `kernel`, `linear.native_kernel`), so the same bits. `w`: the layer's
-    tensors in `model.STEP_LAYER_KEYS` order. Only where `available()`."""
-    y, v = torch.ops.wkvm_rwkv7.layer(x, v_first, att_shift, S, ffn_shift, w, *kernel, ln_eps, gn_eps)
+    tensors in `model.STEP_LAYER_KEYS` order. With `tokens` T, x and v_first are [B * T, C] (row b's tokens in
+    order) and the bits are those of T one-token calls where the kernel's rows do not mix (`_steps_layer`). Only
+    where `available()`."""
+    y, v = torch.ops.wkvm_rwkv7.layer(x, v_first, att_shift, S, ffn_shift, w, *kernel, ln_eps, gn_eps, tokens)
     return y, v
 
 
