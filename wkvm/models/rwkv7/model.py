@@ -179,7 +179,9 @@ class RWKV7(ModelBase):
                         y, v_firsts[j] = self._decode_layer(i, w, x.view(x.shape[0], -1), state, v_firsts[j])
                         xs[j] = y.view(x.shape)
                         continue
-                    if tokens.shape[1] <= STEP_CHUNK:  # a few tokens a row: exactly as many steps
+                    # a few tokens a row: exactly as many steps (op by op up to STEP_CHUNK; in one call up to 63 rows
+                    # where the layer's matrices are on one native kernel, faster than the chunked path below there)
+                    if tokens.shape[1] <= STEP_CHUNK or self._layer_in_one_call(i, w, tokens.numel()) is not None:
                         xs[j], v_firsts[j] = self._steps_layer(i, w, x, state, v_firsts[j])
                         continue
                 xx = F.layer_norm(x, (cfg.n_embd,), w["ln1.weight"], w["ln1.bias"], cfg.ln_eps)
@@ -201,8 +203,7 @@ class RWKV7(ModelBase):
         """Layer i for one token per row (x [B, C]): `_time_mix` and `_channel_mix` in step.py's fused ops, so that
         little but the matmuls is left outside them (issue #21). Returns x and v_first."""
         cfg = self.config
-        mats = [w[k] for k in LINEAR_KEYS]
-        if (kernel := self.layer_kernel(i, mats, x.shape[0])) is not None and w["att.w1"].dtype == torch.float32:
+        if (kernel := self._layer_in_one_call(i, w, x.shape[0])) is not None:
             shifts = state[f"layers.{i}.att_shift"], state[f"layers.{i}.wkv"], state[f"layers.{i}.ffn_shift"]
             return step.layer(x, v_first, *shifts, [w.get(k) for k in STEP_LAYER_KEYS], kernel, cfg.ln_eps,
                               cfg.gn_eps)  # fmt: skip
@@ -232,6 +233,13 @@ class RWKV7(ModelBase):
         )  # fmt: skip
         return r, k, v, decay, a, g, v_mix[0] if v_mix else None
 
+    def _layer_in_one_call(self, i: int, w: Tensors, rows: int) -> tuple[str, list[int]] | None:
+        """The native kernel step.cpp's `layer` runs layer i's six matrices on for `rows` rows, or None where it cannot
+        (the matrices on different kernels or on none, the LoRAs not fp32)."""
+        if w["att.w1"].dtype != torch.float32:
+            return None
+        return self.layer_kernel(i, [w[k] for k in LINEAR_KEYS], rows)
+
     def _steps_layer(
         self, i: int, w: Tensors, x: torch.Tensor, state: State, v_first: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,9 +251,7 @@ class RWKV7(ModelBase):
         tokens an unmoved one does. Returns x and v_first ([B, T, C], as `_time_mix`'s)."""
         cfg, (B, T, C) = self.config, x.shape
         att_shift, ffn_shift = state[f"layers.{i}.att_shift"], state[f"layers.{i}.ffn_shift"]
-        mats = [w[k] for k in LINEAR_KEYS]
-        if (kernel := self.layer_kernel(i, mats, B * T)) is not None and w["att.w1"].dtype == torch.float32:
-            # the same ops in one call (step.cpp's `layer` for T tokens a row)
+        if (kernel := self._layer_in_one_call(i, w, B * T)) is not None:  # the same ops in one call
             y, v = step.layer(x.reshape(B * T, C), v_first.reshape(B * T, C), att_shift, state[f"layers.{i}.wkv"],
                               ffn_shift, [w.get(k) for k in STEP_LAYER_KEYS], kernel, cfg.ln_eps, cfg.gn_eps, T)
             return y.view(B, T, C), v.view(B, T, C)
