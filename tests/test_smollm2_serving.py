@@ -104,3 +104,23 @@ def test_weather_tool_call(client):
     jsonschema.validate(args, params)
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     print(f"\nSmolLM2 tool call: {call.function.name}({args})")
+
+
+def test_special_tokens_are_left_out_of_the_text_unless_asked_for(server):
+    """vLLM's skip_special_tokens (default true): a special token the model emits is in token_ids but not in the
+    text; with false its text shows. A chat's end of turn (<|im_end|>, the template's stop string) still ends the
+    reply when EOS is ignored, by its token."""
+    tok = server.ctx.tokenizer
+    (start,) = tok.encode("<|im_start|>")
+    assert start in tok.special_ids
+    c = httpx.Client(base_url=server.url, timeout=120)
+    body = {"model": "smollm2", "prompt": "Hello", "max_tokens": 3, "temperature": 0, "logit_bias": {str(start): 100},
+            "return_token_ids": True, "user": scope()}  # fmt: skip
+    default = c.post("/v1/completions", json=body).json()["choices"][0]
+    kept = c.post("/v1/completions", json={**body, "skip_special_tokens": False}).json()["choices"][0]
+    assert default["token_ids"] == kept["token_ids"] == [start] * 3
+    assert default["text"] == "" and kept["text"] == "<|im_start|>" * 3
+    turn = {"model": "smollm2", "messages": FRANCE, "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+            "user": scope()}  # fmt: skip
+    chat = c.post("/v1/chat/completions", json=turn).json()
+    assert chat["choices"][0]["finish_reason"] == "stop" and "Paris" in chat["choices"][0]["message"]["content"]

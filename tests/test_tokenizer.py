@@ -168,3 +168,31 @@ def test_offsets_of_tokens_holding_part_of_a_character():
         expected.append(5 + len(text.encode()[:at].decode("utf-8", errors="ignore")))
         at += len(tok.token_bytes(t))
     assert lps["text_offset"] == expected and at == len(text.encode())
+
+
+@pytest.mark.parametrize("kind", ["bytelevel", "metaspace"])
+def test_special_tokens_are_left_out_of_the_text_unless_asked_for(kind):
+    """vLLM's skip_special_tokens: a special token the model emits adds no text (the default), or its own text
+    (false); stop strings then see the text without it; the legacy logprobs' text_offset skips it too."""
+    from types import SimpleNamespace
+
+    from wkvm.server.generation import completion_logprobs
+
+    hf, tok = _trained(kind)
+    hf._tok, hf.vocab_size, hf.eos_token_id = tok, tok.get_vocab_size(), None
+    special = tok.token_to_id("<|endoftext|>")
+    assert hf.special_ids == frozenset({special, tok.token_to_id("<unk>")})
+    ids = [*hf.encode("to be or"), special, *hf.encode(" not to be")]
+    kept, skipped = Detokenizer(hf), Detokenizer(hf, skip=hf.special_ids)
+    for t in ids:
+        kept.add(t)
+        skipped.add(t)
+    kept.flush()
+    skipped.flush()
+    assert "<|endoftext|>" in kept.text and skipped.text == kept.text.replace("<|endoftext|>", "")
+    stop = Detokenizer(hf, stop=["or not"], skip=hf.special_ids)  # spans the special token, as text without it
+    assert any(stop.add(t) for t in ids) and stop.text == "to be "
+    ctx = SimpleNamespace(tokenizer=hf)
+    offsets = completion_logprobs(ctx, ids, [{t: 0.0} for t in ids], 0, skip=hf.special_ids)["text_offset"]
+    at = ids.index(special)
+    assert offsets[at - 1] < offsets[at] == offsets[at + 1]  # it takes no room in the text

@@ -67,6 +67,9 @@ class SamplingParams:
     # vLLM's: words the output never contains, each as its tokens with and without a leading space (the last token of
     # one is banned while the output ends with the ones before it)
     bad_words: list[str] = field(default_factory=list)
+    # vLLM's: the text leaves out the tokenizer's special tokens (`Tokenizer.special_ids`); token ids, logprobs and
+    # stop_token_ids still see them
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -28,6 +28,12 @@ class Tokenizer(Protocol):
         """token_bytes(i) is exactly token i's bytes (byte-level vocab): detokenize byte by byte."""
         ...
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """The special (control) tokens: generated text leaves them out unless a request asks for them (vLLM's
+        `skip_special_tokens`, default true)."""
+        ...
+
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
@@ -56,6 +62,10 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     def token_bytes(self, token_id: int) -> bytes:
         return self._token_bytes[token_id] if 0 <= token_id < len(self._token_bytes) else b""

@@ -17,8 +17,9 @@ from wkvm.tokenizer import Tokenizer
 
 class Detokenizer:
     def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, min_tokens: int = 0,
-                 include_stop: bool = False):  # fmt: skip
+                 include_stop: bool = False, skip: frozenset[int] = frozenset()):  # fmt: skip
         self.tokenizer = tokenizer
+        self.skip = skip  # tokens that add no text (the special ones, under skip_special_tokens)
         self.stop = list(stop or [])
         self.include_stop = include_stop  # vLLM's include_stop_str_in_output: the text ends with the stop string
         self.min_tokens = min_tokens  # stop strings count from the token after this many (vLLM's min_tokens)
@@ -38,7 +39,9 @@ class Detokenizer:
             return True
         before = len(self.text)
         self._added += 1
-        if self._bytewise:
+        if token_id in self.skip:
+            pass
+        elif self._bytewise:
             self.text += self._utf8.decode(self.tokenizer.token_bytes(token_id))
         else:
             self._ids.append(token_id)

@@ -141,7 +141,8 @@ class Engine:
             capture_at=capture_at if capture_at is not None and 0 < capture_at < len(prompt_ids) else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )  # fmt: skip
-        detok = Detokenizer(self.tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output)
+        detok = Detokenizer(self.tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output,
+                            self.tokenizer.special_ids if params.skip_special_tokens else frozenset())
         if resume is not None:
             req.output_ids, req.num_computed_tokens = list(resume.output_ids), resume.num_computed_tokens
             req.branch_state = resume.branch_state

@@ -82,6 +82,12 @@ def sampling_params(
             stop.append(s)
     for s in stop:
         check_text(s, "stop")
+    stop_ids = list(body.stop_token_ids or [])
+    if body.skip_special_tokens:  # a stop string that is one special token (a template's end of turn) never shows in
+        for s in stop:  # the text then: its token stops instead
+            ids = ctx.tokenizer.encode(s)
+            if len(ids) == 1 and ids[0] in ctx.tokenizer.special_ids and ids[0] not in stop_ids:
+                stop_ids.append(ids[0])
     vocab = ctx.model.vocab_size
     bad = next((t for t in body.stop_token_ids or [] if not 0 <= t < vocab), None)
     if bad is not None:
@@ -104,10 +110,11 @@ def sampling_params(
             max_tokens=n, min_tokens=body.min_tokens, temperature=body.temperature, top_p=body.top_p,
             top_k=max(body.top_k, 0), min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty, stop=stop,
-            stop_token_ids=body.stop_token_ids or [], include_stop_str_in_output=body.include_stop_str_in_output,
+            stop_token_ids=stop_ids, include_stop_str_in_output=body.include_stop_str_in_output,
             ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             response_format=body.response_format.as_dict() if body.response_format else None, logit_bias=logit_bias,
             structured_outputs=structured, allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words or [],
+            skip_special_tokens=body.skip_special_tokens,
         )  # fmt: skip
     except InvalidParam as e:
         raise APIError(400, str(e), e.param, "invalid_value") from None
@@ -260,14 +267,20 @@ def json_logprob(v: float) -> float:
     return v if v > MIN_LOGPROB else MIN_LOGPROB  # also maps NaN, which compares False
 
 
+def skipped(ctx: ServerContext, body: SamplingFields) -> frozenset[int]:
+    """The tokens a request's generated text leaves out (its `skip_special_tokens`)."""
+    return ctx.tokenizer.special_ids if body.skip_special_tokens else frozenset()
+
+
 def token_str(ctx: ServerContext, token_id: int) -> str:
     return ctx.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
 def completion_logprobs(ctx: ServerContext, token_ids: list[int], lps: Sequence[dict[int, float] | None] | None,
-                        k: int, offset: int = 0) -> dict[str, Any] | None:  # fmt: skip
+                        k: int, offset: int = 0,
+                        skip: frozenset[int] = frozenset()) -> dict[str, Any] | None:  # fmt: skip
     """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset (a None entry, an echoed
-    prompt's first token, is null in both lists)."""
+    prompt's first token, is null in both lists). `skip`: tokens that add nothing to the text (`skipped`)."""
     if lps is None:
         return None
     tokens = [token_str(ctx, t) for t in token_ids]
@@ -275,7 +288,8 @@ def completion_logprobs(ctx: ServerContext, token_ids: list[int], lps: Sequence[
     utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # a token holding part of a character points where it
     for t in token_ids:  # starts; the characters it completes count from the next token on
         offsets.append(pos)
-        pos += len(utf8.decode(ctx.tokenizer.token_bytes(t)))
+        if t not in skip:
+            pos += len(utf8.decode(ctx.tokenizer.token_bytes(t)))
 
     def top(lp: dict[int, float]) -> dict[str, float]:
         ranked = sorted(((token_str(ctx, i), json_logprob(v)) for i, v in lp.items()), key=lambda kv: -kv[1])

@@ -333,7 +333,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         def choice(i: int, h: gen.Answer) -> dict[str, Any]:
             out, j = h.output, i // body.n
             head = gen.echo_text(ctx, prompts[j]) if body.echo else ""
-            text, lps = out.text, gen.completion_logprobs(ctx, out.token_ids, out.logprobs, k, len(head))
+            text, lps = out.text, gen.completion_logprobs(ctx, out.token_ids, out.logprobs, k, len(head),
+                                                          gen.skipped(ctx, body))  # fmt: skip
             if body.echo:
                 text, lps = gen.echoed(ctx, head, encoded[j], out.prompt_logprobs, k, text, lps)
             c = {"index": i, "text": text, "finish_reason": out.finish_reason, "logprobs": lps}
@@ -521,7 +522,7 @@ async def stream_completion(ctx: ServerContext, request: Request, body: Completi
         sent = offsets[i]
         head, ids = echoes[index[i] // body.n] if echoes and sent is None else ("", [])
         offset = len(head) if sent is None else sent
-        text, lps = ev.text, gen.completion_logprobs(ctx, ev.token_ids, ev.logprobs, k, offset)
+        text, lps = ev.text, gen.completion_logprobs(ctx, ev.token_ids, ev.logprobs, k, offset, gen.skipped(ctx, body))
         if echoes and sent is None:
             text, lps = gen.echoed(ctx, head, ids, ev.prompt_logprobs, k, text, lps)
         offsets[i] = offset + len(ev.text)

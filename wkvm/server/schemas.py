@@ -137,6 +137,7 @@ class SamplingFields(RequestBody):
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=1 << 20)  # vLLM's
     bad_words: list[Annotated[str, Field(max_length=MAX_TEXT_FIELD)]] | None = None  # vLLM's
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # vLLM's: keep the prompt's last N tokens
+    skip_special_tokens: bool = True  # vLLM's: the text leaves out special tokens the model emits
 
 
 class CompletionRequest(SamplingFields):

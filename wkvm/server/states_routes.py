@@ -164,7 +164,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
 
             def chunk(i: int, ev: Event) -> dict[str, Any]:
                 c = {"index": 0, "text": ev.text, "finish_reason": ev.finish_reason,
-                     "logprobs": gen.completion_logprobs(ctx, ev.token_ids, ev.logprobs, k)}  # fmt: skip
+                     "logprobs": gen.completion_logprobs(ctx, ev.token_ids, ev.logprobs, k,
+                                                         skip=gen.skipped(ctx, body))}  # fmt: skip
                 if body.return_token_ids:
                     c["token_ids"] = ev.token_ids
                 return {**base, "choices": [c]}
@@ -173,7 +174,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             return StreamingResponse(lines, media_type="text/event-stream")
         await gen.wait_all(ctx, request, handles)
         c = {"index": 0, "text": h.output.text, "finish_reason": h.output.finish_reason,
-             "logprobs": gen.completion_logprobs(ctx, h.output.token_ids, h.output.logprobs, k)}  # fmt: skip
+             "logprobs": gen.completion_logprobs(ctx, h.output.token_ids, h.output.logprobs, k,
+                                                 skip=gen.skipped(ctx, body))}  # fmt: skip
         if body.return_token_ids:
             c["token_ids"] = h.output.token_ids
             c["prompt_token_ids"] = suffix

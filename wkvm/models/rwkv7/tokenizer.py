@@ -15,6 +15,7 @@ class WorldTokenizer:
 
     eos_token_id = 0
     exact_bytes = True
+    special_ids: frozenset[int] = frozenset()  # token 0 (end of text) has no bytes
 
     def __init__(self, vocab_file: str | os.PathLike[str] | None = None):
         default = Path(pyrwkv_tokenizer.__file__).with_name("rwkv_vocab_v20230424.txt")
