@@ -8,6 +8,7 @@ replicas: `/health`, `/metrics` (its routing counters and every replica's metric
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -114,6 +115,7 @@ class RunningStream:
     opened: tuple[str, Any] | None = None  # (ticket, the destination's call) opened for a move asked for
     moving: bool = False  # a move asked for is under way
     head: Head | None = None  # the head of the replica it went on from last
+    changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set when it moved or ended
 
     def take_opened(self, ticket: str | None = None) -> Any:
         """The destination's call opened for a move (under `ticket`, when given), no longer kept here; None if none."""
@@ -295,10 +297,12 @@ class Front:
                 first = await anext(gen, b"")
                 s.downtime = time.perf_counter() - last
                 s.moves += 1
+                s.changed.set()
                 self.metrics.stream_downtime.observe(s.downtime)
                 source = chained(first, gen)  # `first` may itself be a Handover (that replica is stopping too)
         finally:
             s.inflight.end()
+            s.changed.set()
             if (call := s.take_opened()) is not None:
                 call.cancel()
             if stream_id is not None:
@@ -414,7 +418,8 @@ class Front:
 
     async def moved_stream(self, s: RunningStream, stream_id: str, tenant: str, to: str, replicas: dict[str, str],
                            precopy: bool) -> Response:  # fmt: skip
-        t0, source, moves = time.perf_counter(), s.slot, s.moves
+        t0, source = time.perf_counter(), s.slot
+        s.changed.clear()
         # the destination's call first: it is routed and waits for the ticket while the source reaches a token
         ticket = secrets.token_hex(16)  # boundary, and the source pushes the ticket to it through the directory
         s.opened = (ticket, self.resumed(s.req, replicas[to], Handover(to, ticket)))
@@ -437,9 +442,9 @@ class Front:
                 why = bytes(name_moved.body)
                 log.warning("stream %s moved, its name %r did not: %s", stream_id, s.saves, why[:300])
                 extra["state_error"] = json.loads(why)["error"]
-        deadline = t0 + CALL_SECONDS  # answer once the stream runs on its new replica (or ended)
-        while stream_id in self.streams and s.moves == moves and time.perf_counter() < deadline:
-            await asyncio.sleep(0.005)
+        if stream_id in self.streams:  # answer once the stream runs on its new replica (or ended)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(s.changed.wait(), max(0.0, t0 + CALL_SECONDS - time.perf_counter()))
         return JSONResponse({"object": "stream.migration", "id": stream_id, "from": source, "to": s.slot,
                              "generated_tokens": answer["generated_tokens"],
                              "precopy_tokens": answer.get("precopy_tokens"), "downtime_seconds": round(s.downtime, 6),
