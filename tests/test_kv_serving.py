@@ -96,8 +96,9 @@ def test_max_state_tokens_bounds_saves_and_imports(model_dir, tmp_path):
         data = c.get("/v1/states/long/export").content
     with LiveServer(model=str(model_dir), state_dir=str(tmp_path / "b"), max_state_tokens=8) as small:
         c = httpx.Client(base_url=small.url, timeout=60)
-        r = c.post("/v1/states", json={"name": "long", "prompt_ids": prompt})
+        r = c.post("/v1/states", json={"name": "long", "prompt_ids": prompt})  # refused before its prefill
         assert r.status_code == 400 and "--max-state-tokens" in r.json()["error"]["message"], r.text
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("prompt_ids", "history_too_long"), r.text
         r = c.post("/v1/states/import", content=data, headers={"Content-Type": "application/octet-stream"})
         assert r.status_code == 400 and "at most 8" in r.json()["error"]["message"], r.text
         r = c.post("/v1/completions", json={"prompt": prompt[:5], "max_tokens": 10, "save_state": "s"})

@@ -2,6 +2,7 @@
 poisoned request fails alone with an OpenAI-shaped 4xx while another tenant's stream runs unchanged."""
 
 import json
+import math
 import signal
 import socket
 import threading
@@ -60,6 +61,18 @@ def doctored(data: bytes, server, values=None, **meta) -> bytes:
     return st_save(tensors, metadata=md)
 
 
+def with_dtype(data: bytes, dtype: str, per_float: int) -> bytes:
+    """A valid export whose first tensor is declared `dtype` (`per_float` values of it in each float32's bytes, so the
+    file's sizes still add up): safetensors reads such a file, torch has no type for F4 or F8_E8M0."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["dtype"], header[name]["shape"] = dtype, [math.prod(header[name]["shape"]) * per_float]
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + data[8 + n :]
+
+
 def poisons(server) -> list[tuple[str, str, dict]]:
     """(method, path, httpx kwargs) for every poison of the review; each must fail alone with a 4xx."""
     data = exported_state(server, "poison-src")
@@ -79,9 +92,18 @@ def poisons(server) -> list[tuple[str, str, dict]]:
         ("POST", "/v1/completions", {"content": b'{"prompt": "x", "logit_bias": {"5": Infinity}}'}),
         ("GET", "/v1/states/x@9223372036854775808", {}),
         ("GET", "/v1/states/poison-src@\u0661", {}),
+        ("GET", "/v1/states/poison-src@0009223372036854775808", {}),  # leading zeros (a 500 before session 24)
+        ("POST", "/v1/completions", {"json": {"prompt": "x", "state": "poison-src@0001000000000000000000000"}}),
         ("POST", "/v1/completions", {"json": {"prompt": "x", "state": "poison-src@99999999999999999999"}}),
         ("POST", "/v1/states", {"json": {"name": "bad\n", "prompt": "x"}}),
         ("POST", "/v1/states/poison-src/mutate", {"json": {"rule": "decay", "params": {"alpha": True}}}),
+        ("POST", "/v1/states/poison-src/mutate", {"json": {"rule": "decay", "params": {"alpha": 1, "rule": "x"}}}),
+        ("POST", "/v1/states/import", {"content": with_dtype(data, "F4", 8)}),  # KeyError, a 500, before session 24
+        ("POST", "/v1/states/import", {"content": with_dtype(data, "F8_E8M0", 4)}),
+        ("POST", "/v1/states/import?name=lin", {"content": doctored(data, server, name="x" * 300)}),
+        ("POST", "/v1/states/import?name=lin", {"content": doctored(data, server, version="-5")}),
+        ("POST", "/v1/states/import?name=lin", {"content": doctored(data, server, parent="../../etc\n")}),
+        ("POST", "/v1/states/import?name=lin", {"content": doctored(data, server, op="x" * 100)}),
         ("POST", "/v1/states/import", {"content": doctored(data, server, values=3e38)}),
         ("POST", "/v1/states/import", {"content": doctored(data, server, token_ids=nested)}),
         ("POST", "/v1/states/import", {"content": doctored(data, server, op_params=nested)}),
@@ -201,6 +223,29 @@ def test_hibernate_without_a_body_takes_the_default_tier(server):
     assert r.status_code == 200 and r.json()["tier"] == "disk", r.text
 
 
+def test_a_pinned_state_is_not_hibernated_and_mutations_record_what_ran(server):
+    """Pinning keeps a state resident: a hibernate of it (or of a state with the same tensors) is a 409 until it is
+    unpinned. A mutation's recorded params are the rule's own: one it does not take is a 400, so `rule` cannot be
+    overwritten in the provenance; a union-typed param's error names the field and every type it may be."""
+    exported_state(server, "pinned")
+    assert post(server, "/v1/states/pinned/pin").status_code == 200
+    assert post(server, "/v1/states/pinned/fork", {"name": "twin"}).status_code == 200  # the same tensors
+    for handle in ("pinned", "twin"):
+        err = assert_4xx(post(server, f"/v1/states/{handle}/hibernate", {"tier": "disk"}), 409)
+        assert err["code"] == "state_pinned" and "unpin" in err["message"]
+    assert httpx.get(f"{server.url}/v1/states/pinned", headers=B).json()["tier"] == "device"
+    assert post(server, "/v1/states/pinned/unpin").status_code == 200
+    r = post(server, "/v1/states/pinned/hibernate", {"tier": "disk"})
+    assert r.status_code == 200 and r.json()["tier"] == "disk", r.text
+    err = assert_4xx(post(server, "/v1/states/pinned/mutate", {"rule": "decay", "params": {"alpha": 0.5,
+                                                                                          "rule": "interpolate"}}))
+    assert err["code"] == "invalid_mutation" and "params.rule" in err["message"], err
+    ok = post(server, "/v1/states/pinned/mutate", {"rule": "decay", "params": {"alpha": 0.5}})
+    assert ok.status_code == 200 and ok.json()["op_params"] == {"rule": "decay", "alpha": 0.5}, ok.text
+    err = assert_4xx(post(server, "/v1/states/pinned/mutate", {"rule": "decay", "params": {"alpha": [0.5]}}))
+    assert err["param"] == "params.alpha" and "valid number" in err["message"], err
+
+
 def test_non_ascii_key_is_401(server):
     for headers in ({"X-Api-Key": "é"}, {"Authorization": "Bearer é"}, {"Authorization": "Bearer \u2603"}):
         raw = {k: v.encode("utf-8") for k, v in headers.items()}
@@ -231,10 +276,23 @@ def test_browsers_on_this_machine_may_call_the_api_and_other_sites_may_not(serve
         assert r.json()["error"]["code"] == "cors_refused" and "access-control-allow-origin" not in r.headers
         answer = httpx.get(f"{server.url}/v1/models", headers={"Origin": evil, **A})
         assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
-    with LiveServer(model=str(world_pth), allowed_origins="https://chat.example.com") as named:
+        write = httpx.post(f"{server.url}/v1/states/nope/pin", headers={"Origin": evil, **A})
+        assert_4xx(write, 403)  # refused before it runs (no preflight guards a bodiless POST), the key notwithstanding
+        assert write.json()["error"]["code"] == "cors_refused"
+    form = {"Content-Type": "text/plain"}  # what a page's form-like POST sends, without a preflight
+    with LiveServer(model=str(world_pth), allowed_origins="https://chat.example.com") as named:  # no key
         ok = preflight(named.url, "https://chat.example.com")
         assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://chat.example.com"
         assert preflight(named.url, local).status_code == 400  # naming origins replaces the local default
+        data = exported_state(server, "cors-src")
+        planted = httpx.post(f"{named.url}/v1/states/import?name=planted", content=data,
+                             headers={"Origin": "https://evil.example", **form})  # fmt: skip
+        assert_4xx(planted, 403)
+        assert httpx.get(f"{named.url}/v1/states").json()["data"] == []
+        allowed = httpx.post(f"{named.url}/v1/states/import?name=kept", content=data,
+                             headers={"Origin": "https://chat.example.com", **form})  # fmt: skip
+        assert allowed.status_code == 200, allowed.text
+        assert httpx.post(f"{named.url}/v1/states/import?name=curl", content=data).status_code == 200  # no Origin
     with LiveServer(model=str(world_pth), allowed_origins="*") as anyone:
         assert preflight(anyone.url, "https://evil.example").status_code == 200
 

@@ -20,10 +20,16 @@ from wkvm.engine.engine import Engine
 from wkvm.models.rwkv7.tokenizer import WorldTokenizer
 from wkvm.sampling_params import SamplingParams
 from wkvm.state import statefile
-from wkvm.state.index import parse_handle
 from wkvm.state.mutations import RULES, register_mutation
 from wkvm.state.quota import state_file_bytes
-from wkvm.state.statefile import MAX_HISTORY_TOKENS, MAX_OP_PARAMS_BYTES, HistoryTooLong, StateFileError, valid_name
+from wkvm.state.statefile import (
+    MAX_HISTORY_TOKENS,
+    MAX_OP_PARAMS_BYTES,
+    HistoryTooLong,
+    StateFileError,
+    parse_handle,
+    valid_name,
+)
 from wkvm.state.store import QuotaExceeded, StateNotFound, StateStore, StoreLimits
 from wkvm.weights.loader import load_model
 

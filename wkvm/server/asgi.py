@@ -25,7 +25,21 @@ LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]+)?"  # pages 
 
 
 class Cors(CORSMiddleware):
-    """Starlette's CORS layer, with a refused preflight answered as every other error is: OpenAI-shaped JSON."""
+    """Starlette's CORS layer, with a refused preflight answered as every other error is: OpenAI-shaped JSON; and
+    a write from a page it does not allow refused before it runs. A browser sends a cross-origin POST without a
+    preflight when it looks like a form's (a text/plain or absent body: a state import, a pin, a hibernate), and
+    Starlette's layer only keeps the page from reading the answer; on a server without a key the write had happened.
+    Requests without an Origin header (curl, the SDKs) are not affected."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") not in ("GET", "HEAD", "OPTIONS"):
+            origin = header(scope, b"origin")
+            if origin is not None and not self.is_allowed_origin(origin.decode("latin-1")):
+                shown = origin.decode("latin-1")[:200]
+                message = (f"a request from the web page {shown!r}, which may not call this API: start the server "
+                           "with --allowed-origins naming that origin (or '*') to let its scripts call it")  # fmt: skip
+                return await send_error(scope, receive, send, 403, message, None, "cors_refused")
+        await super().__call__(scope, receive, send)
 
     def preflight_response(self, request_headers: Headers) -> Response:
         r = super().preflight_response(request_headers)

@@ -19,7 +19,7 @@ from wkvm.sampling_params import InvalidParam
 from wkvm.state.mutations import MutationError
 from wkvm.state.sessions import SessionBusy
 from wkvm.state.statefile import StateFileError
-from wkvm.state.store import QuotaExceeded, StateNotFound
+from wkvm.state.store import QuotaExceeded, StateNotFound, StatePinned
 
 log = logging.getLogger("wkvm.server")
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -44,7 +44,8 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
-UNION_TAG = re.compile(r"(str|int|float|bool|bytes|none|[a-z][a-z0-9_-]*\[.*\])")  # pydantic's union branches
+# pydantic's union branches (a constrained type's is `constrained-str`, ...)
+UNION_TAG = re.compile(r"(str|int|float|bool|bytes|none|constrained-[a-z]+|[a-z][a-z0-9_-]*\[.*\])")
 
 
 def _param(loc: tuple[Any, ...]) -> str:
@@ -76,7 +77,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {"loc": ("body",), "msg": "invalid request"}
         param = _param(tuple(first.get("loc", ())))
-        msg = first.get("msg", "invalid value")
+        # a union's value fails each branch, with one error each: say them all ("a valid string" alone misleads)
+        same = [str(err.get("msg")) for err in e.errors() if _param(tuple(err.get("loc", ()))) == param]
+        msg = "; or ".join(dict.fromkeys(same)) or first.get("msg", "invalid value")
         if first.get("type") == "json_invalid":
             return error_response(400, "the request body is not valid JSON", "body", "invalid_json")
         kind = request.headers.get("content-type", "")
@@ -99,6 +102,7 @@ def install_error_handlers(app: FastAPI) -> None:
     handlers = {
         InvalidParam: lambda e: error_response(400, str(e), e.param, "invalid_value"),
         StateNotFound: lambda e: error_response(404, str(e), "handle", "state_not_found"),
+        StatePinned: lambda e: error_response(409, str(e), "handle", "state_pinned"),
         StateFileError: lambda e: error_response(400, str(e), "body", "invalid_state"),
         MutationError: lambda e: error_response(400, str(e), "params", "invalid_mutation"),
         QuotaExceeded: lambda e: error_response(413, str(e), None, "state_quota_exceeded"),

@@ -34,8 +34,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from wkvm.engine.client import EngineClient
@@ -44,7 +42,7 @@ from wkvm.engine.handle import RequestHandle
 from wkvm.engine.request import Continuation
 from wkvm.models.spec import State, StateSpec
 from wkvm.outputs import GenerationOutput
-from wkvm.state.statefile import metadata
+from wkvm.state.statefile import load_tensors, metadata
 
 log = logging.getLogger("wkvm.handover")
 FORMAT = "wkvm-handover-v1"
@@ -411,8 +409,8 @@ def decode(data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int,
     """A ticket's contents, checked against this model; HandoverError names what is wrong. `base`: the decoded
     pre-copy a ticket of `encode(base=...)` goes on from."""
     try:
-        tensors, md = st_load(data), metadata(data)
-    except (SafetensorError, ValueError, RuntimeError) as e:  # StateFileError is a ValueError
+        tensors, md = load_tensors(data), metadata(data)
+    except ValueError as e:  # StateFileError is a ValueError
         raise HandoverError(f"unreadable handover ticket: {e}") from None
     if md.get("format") != FORMAT:
         raise HandoverError(f"handover format {md.get('format')!r}, expected {FORMAT!r}")

@@ -81,12 +81,14 @@ def check_name(name: str, param: str) -> None:
         raise APIError(400, str(e), param, "invalid_value") from None
 
 
-def check_save_room(ctx: ServerContext, tenant: str, n_tokens: int, param: str) -> None:
+def check_save_room(ctx: ServerContext, tenant: str, n_tokens: int, param: str,
+                    advice: str = "lower max_tokens or start a new state") -> None:  # fmt: skip
     """Refuse before generating when a state of up to `n_tokens` tokens could not be saved: a clear 400 / 413
     up front instead of a generation whose state is then lost."""
     if n_tokens > ctx.store.max_tokens:
+        flag = " (--max-state-tokens)" if ctx.model.spec.has_kv else ""
         raise APIError(400, f"{param}: the saved state would hold up to {n_tokens} tokens; a state holds at most "
-                       f"{ctx.store.max_tokens}: lower max_tokens or start a new state", param, "history_too_long")
+                       f"{ctx.store.max_tokens}{flag}: {advice}", param, "history_too_long")  # fmt: skip
     ctx.store.check_room(tenant, n_tokens)
 
 

@@ -58,6 +58,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         tenant = who(request)
         check_name(body.name, "name")
         ids = prompt_of(body)
+        param = "prompt" if body.prompt is not None else "prompt_ids"
+        check_save_room(ctx, tenant, len(ids), param, "use a shorter prompt")  # before the prefill (lost work)
         state = await ctx.client.prefill(ids[:-1]) if len(ids) > 1 else ctx.model.spec.zeros(1)
         try:
             return info(await run_in_threadpool(ctx.service.save_created, tenant, body.name, ids, state))

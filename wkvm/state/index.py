@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from wkvm.state.quota import is_internal
-from wkvm.state.statefile import StateMeta, token_digest
+from wkvm.state.statefile import MAX_VERSION, StateMeta, token_digest
 
 log = logging.getLogger("wkvm.state")
 STATES = """
@@ -64,7 +64,6 @@ COLUMNS = (
     "owner", "name", "version", "parent", "op", "op_params", "fingerprint", "spec_hash",
     "token_digest", "n_tokens", "pinned", "blob", "bytes", "created_at",
 )  # fmt: skip
-MAX_VERSION = (1 << 63) - 1  # SQLite INTEGER
 WAL_PAGES = 64  # checkpoint the write-ahead log past this many pages; one small commit adds at most ~16 more
 
 
@@ -120,17 +119,6 @@ class StateRecord:
             "model": model_name, "fingerprint": self.fingerprint, "tier": self.tier, "pinned": self.pinned,
             "bytes": self.bytes, "created_at": self.created_at,
         }  # fmt: skip
-
-
-def parse_handle(handle: str) -> tuple[str, int | None]:
-    """'name@3' -> ('name', 3); 'name' -> ('name', None) meaning the latest version."""
-    name, sep, version = handle.partition("@")
-    if not sep:
-        return name, None
-    # ASCII digits only: str.isdigit also accepts e.g. Arabic-Indic digits, which int() reads as numbers
-    if not (version.isascii() and version.isdigit()) or not 1 <= int(version[:20]) <= MAX_VERSION:
-        raise ValueError(f"invalid handle {handle[:160]!r}: the version after '@' must be an integer 1..{MAX_VERSION}")
-    return name, int(version)
 
 
 def _size(path: Path) -> int:

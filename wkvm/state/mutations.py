@@ -1,7 +1,8 @@
 """State mutation rules: registered functions that derive a new state, recorded with their parameters.
 
 A rule gets the spec, the source tensors ([1, ...]), the request's params and a loader for other handles,
-and returns new tensors. Register your own with `@register_mutation("name")`.
+and returns new tensors. Register your own with `@register_mutation("name")` (with `params=(...)`, the names it
+takes: any other is refused, so the recorded params are the ones that ran).
 """
 
 from __future__ import annotations
@@ -16,15 +17,20 @@ from wkvm.models.spec import State, StateSpec
 Loader = Callable[[str], State]
 MutationRule = Callable[[StateSpec, State, dict[str, Any], Loader], State]
 RULES: dict[str, MutationRule] = {}
+PARAMS: dict[str, tuple[str, ...]] = {}  # a rule's params, where it declared them
 
 
 class MutationError(ValueError):
     pass
 
 
-def register_mutation(name: str) -> Callable[[MutationRule], MutationRule]:
+def register_mutation(name: str, params: tuple[str, ...] | None = None) -> Callable[[MutationRule], MutationRule]:
     def deco(fn: MutationRule) -> MutationRule:
         RULES[name] = fn
+        if params is not None:
+            PARAMS[name] = params
+        else:
+            PARAMS.pop(name, None)
         return fn
 
     return deco
@@ -40,7 +46,7 @@ def _fraction(params: dict[str, Any], key: str) -> float:
     return value
 
 
-@register_mutation("decay")
+@register_mutation("decay", params=("alpha",))
 def decay(spec: StateSpec, state: State, params: dict[str, Any], load: Loader) -> State:
     """Scale the recurrent (matrix) memory by alpha: 1 keeps it, 0 forgets it; token shifts are kept."""
     alpha = _fraction(params, "alpha")
@@ -51,7 +57,7 @@ def decay(spec: StateSpec, state: State, params: dict[str, Any], load: Loader) -
     return {k: v * alpha if kinds[k] == "recurrent" else v.clone() for k, v in state.items()}
 
 
-@register_mutation("interpolate")
+@register_mutation("interpolate", params=("other", "t"))
 def interpolate(spec: StateSpec, state: State, params: dict[str, Any], load: Loader) -> State:
     """(1 - t) * this + t * other, tensor by tensor; both states come from the same model."""
     t = _fraction(params, "t")
@@ -68,4 +74,9 @@ def interpolate(spec: StateSpec, state: State, params: dict[str, Any], load: Loa
 def apply_mutation(rule: str, spec: StateSpec, state: State, params: dict[str, Any], load: Loader) -> State:
     if rule not in RULES:
         raise MutationError(f"unknown mutation rule {rule!r}; known: {sorted(RULES)}")
+    takes = PARAMS.get(rule)
+    unknown = sorted(k for k in params if k == "rule" or (takes is not None and k not in takes))
+    if unknown:  # the params are recorded as the new state's provenance: only those the rule reads
+        said = f"it takes {', '.join(takes)}" if takes else "the rule is the request's `rule`"
+        raise MutationError(f"params.{unknown[0]} is not a parameter of rule {rule!r} ({said})")
     return RULES[rule](spec, state, params, load)

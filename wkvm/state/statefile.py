@@ -36,6 +36,8 @@ MAX_STATE_ABS = 1e6  # ~100x the largest value the trained model reaches; far fr
 MAX_OP_PARAMS_BYTES = 16 << 20  # `wkvm chat` keeps its transcript here; the depth limit guards the parser
 MAX_OP_PARAMS_DEPTH = 4
 MAX_OP_PARAMS_KEYS = 64
+MAX_VERSION = (1 << 63) - 1  # SQLite INTEGER
+OP_RE = re.compile(r"[a-z][a-z_]{0,31}")
 
 
 class StateFileError(ValueError):
@@ -114,6 +116,19 @@ def valid_name(name: str) -> str:
     return name
 
 
+def parse_handle(handle: str) -> tuple[str, int | None]:
+    """'name@3' -> ('name', 3); 'name' -> ('name', None) meaning the latest version."""
+    name, sep, version = handle.partition("@")
+    if not sep:
+        return name, None
+    # ASCII digits only: str.isdigit also accepts e.g. Arabic-Indic digits, which int() reads as numbers; leading
+    # zeros read as the number (only its digits are range-checked: '0009223372036854775808' had passed as 922...)
+    digits = version.lstrip("0")
+    if not (version.isascii() and version.isdigit()) or len(digits) > 19 or not 1 <= int(digits or 0) <= MAX_VERSION:
+        raise ValueError(f"invalid handle {handle[:160]!r}: the version after '@' must be an integer 1..{MAX_VERSION}")
+    return name, int(version)
+
+
 def unbatch(state: State) -> State:
     """[1, ...] batch tensors -> contiguous CPU tensors without the batch dim."""
     return {k: v[0].detach().to("cpu").contiguous() for k, v in state.items()}
@@ -148,10 +163,7 @@ def decode(
     imported=False is for the store's own files (recovery): it skips the import bounds (history cap, value bound,
     op_params size), which protect the server from files it did not write and could refuse a state it made.
     """
-    try:
-        tensors = st_load(data)
-    except (SafetensorError, ValueError, RuntimeError) as e:
-        raise StateFileError(f"not a readable safetensors file (truncated or corrupt?): {e}") from None
+    tensors = load_tensors(data)
     md = metadata(data)
     if md.get("format") != FORMAT:
         raise StateFileError(f"format is {md.get('format')!r}, expected {FORMAT!r}")
@@ -184,7 +196,25 @@ def decode(
         raise StateFileError(f"bad metadata field: {e}") from None
     if not math.isfinite(meta.created_at):
         raise StateFileError("bad metadata: created_at must be a finite number")
+    if imported:  # the lineage an import records (and a later export carries): checked as the store's own
+        _check_lineage(meta)
     return tensors, meta
+
+
+def _check_lineage(meta: StateMeta) -> None:
+    """A file's name, version, parent and op, as the store would have written them (a 17 MB name had been recorded as
+    the import's origin, and the re-export of that state did not import)."""
+    if meta.name:
+        valid_name(meta.name)
+    if not 0 <= meta.version <= MAX_VERSION:
+        raise StateFileError(f"bad metadata: version must be an integer 0..{MAX_VERSION}")
+    if meta.parent is not None:
+        try:
+            valid_name(parse_handle(meta.parent)[0])
+        except ValueError as e:
+            raise StateFileError(f"bad metadata: parent: {e}") from None
+    if not OP_RE.fullmatch(meta.op):
+        raise StateFileError(f"bad metadata: op {meta.op[:40]!r} is not an operation's name")
 
 
 def _check_tensors(spec: StateSpec, tensors: State) -> int:
@@ -231,6 +261,16 @@ def read_tensors(path: str | os.PathLike[str], spec: StateSpec) -> State:
         start, end = entry["data_offsets"]
         out[t.name] = raw[8 + n + start : 8 + n + end].view(t.torch_dtype).view(shape)
     return out
+
+
+def load_tensors(data: bytes) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; StateFileError when they do not read (truncated, corrupt, or a dtype torch has
+    no type for: safetensors' F4 and F8_E8M0 raised a KeyError, a 500 on import)."""
+    try:
+        tensors: dict[str, torch.Tensor] = st_load(data)
+    except (SafetensorError, ValueError, RuntimeError, KeyError) as e:
+        raise StateFileError(f"not a readable safetensors file (truncated or corrupt?): {e!r}") from None
+    return tensors
 
 
 def metadata(data: bytes) -> dict[str, str]:

@@ -25,7 +25,7 @@ import torch
 from wkvm.models.spec import State, StateSpec
 from wkvm.state import statefile
 from wkvm.state.blobs import BlobFiles
-from wkvm.state.index import StateIndex, StateRecord, parse_handle
+from wkvm.state.index import StateIndex, StateRecord
 from wkvm.state.quota import INDEX_COMMIT_BYTES, DiskUsage, QuotaExceeded, StoreLimits, is_internal, state_file_bytes
 from wkvm.state.statefile import (
     MAX_HISTORY_TOKENS,
@@ -33,12 +33,13 @@ from wkvm.state.statefile import (
     StateFileError,
     StateMeta,
     check_history,
+    parse_handle,
     token_digest,
     valid_name,
 )
 from wkvm.state.tiers import TierCache
 
-__all__ = ["QuotaExceeded", "StateNotFound", "StateStore", "StoreLimits", "is_internal"]
+__all__ = ["QuotaExceeded", "StateNotFound", "StatePinned", "StateStore", "StoreLimits", "is_internal"]
 log = logging.getLogger("wkvm.state")
 TIERS = ("device", "host", "disk")
 
@@ -46,6 +47,10 @@ TIERS = ("device", "host", "disk")
 class StateNotFound(KeyError):
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class StatePinned(RuntimeError):
+    """A move down a tier of a state that a pin keeps resident."""
 
 
 class StateStore:
@@ -341,6 +346,10 @@ class StateStore:
             raise ValueError("tier must be 'host' or 'disk'")
         with self._lock:
             rec = self._record(owner, handle, with_ids=False)
+            if rec.blob in self._pinned:  # pinning keeps it resident (docs/state-file.md); it (or a state with the
+                # same tensors) would have gone to disk while still listed as pinned
+                what = handle if rec.pinned else f"{handle} (the same tensors as a pinned state)"
+                raise StatePinned(f"state {what} is pinned, which keeps it resident: unpin it first")
             tensors = self.device_cache.pop(rec.blob)
             if tier == "host" and tensors is not None:
                 self._cache(rec.blob, tensors, "host")
