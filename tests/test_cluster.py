@@ -169,6 +169,9 @@ def test_state_moves_between_replicas_exactly(cluster):
     assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
     handles = [s["handle"] for s in cluster.get("/v1/states").json()["data"]]
     assert handles.count("voyage@1") == 1
+    pages = [cluster.get("/v1/states", params={"limit": 1, **({"after": h} if h else {})}).json()
+             for h in [None, *handles[:-1]]]  # every replica's list merged, then paged: one state a page
+    assert [p["data"][0]["handle"] for p in pages] == handles and [p["has_more"] for p in pages][-1] is False
     exported = cluster.get("/v1/states/voyage@1/export")
     assert exported.status_code == 200 and exported.headers["x-wkvm-replica"] == other
     # a new version of the name is issued where the name lives now

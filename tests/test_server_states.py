@@ -136,3 +136,28 @@ def test_bad_names_and_handles_are_400_not_500(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == "save_state"
     r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "state": "base@0"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "state"
+
+
+def test_the_list_pages_in_handle_order(server):
+    """`GET /v1/states?limit=&after=`: OpenAI's list shape (`has_more`, `first_id`, `last_id`), in handle order (name,
+    then version as a number); without `limit`, every state."""
+    dave = client(server, "key-alice", **{"X-OpenWebUI-User-Id": "dave"})  # a tenant of its own: only these states
+    for name in ("b", "a", "b", "a", "a"):
+        assert dave.post("/v1/states", json={"name": name, "prompt_ids": [1, 2]}).status_code == 200
+    for _ in range(11):
+        dave.post("/v1/states", json={"name": "c", "prompt_ids": [3]})
+    whole = dave.get("/v1/states").json()
+    handles = [s["handle"] for s in whole["data"]]
+    assert handles == ["a@1", "a@2", "a@3", "b@1", "b@2", *[f"c@{v}" for v in range(1, 12)]]
+    assert not whole["has_more"] and (whole["first_id"], whole["last_id"]) == ("a@1", "c@11")
+    seen, after = [], None
+    while True:
+        page = dave.get("/v1/states", params={"limit": 4, **({"after": after} if after else {})}).json()
+        seen += [s["handle"] for s in page["data"]]
+        after = page["last_id"]
+        if not page["has_more"]:
+            break
+    assert seen == handles  # c@10 after c@9: versions compare as numbers
+    for bad in ({"limit": 0}, {"limit": "x"}, {"after": "a@0"}):
+        r = dave.get("/v1/states", params=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("limit", "after"), r.text

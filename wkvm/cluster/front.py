@@ -44,10 +44,11 @@ from wkvm.cluster.forward import (
 )
 from wkvm.config import ServerConfig
 from wkvm.server.asgi import ApiKeyGate, BodyLimit, KeyRing, add_cors, tenant_of
-from wkvm.server.errors import error_body, error_response
+from wkvm.server.errors import APIError, error_body, error_response
 from wkvm.server.handover import HANDOVER_HEADER, RESUME_HEADER, STREAM_HEADER
 from wkvm.server.metrics import LATENCY_BUCKETS
 from wkvm.server.responses_routes import RESPONSE_ID_HEADER, new_id
+from wkvm.server.states_routes import state_page
 
 REPLICA_HEADER = b"x-wkvm-replica"
 OWNER_WAIT_SECONDS = 30.0  # a request only its state's owner can answer waits this long for it (a restart)
@@ -468,8 +469,8 @@ class Front:
             await asyncio.sleep(RETRY_SECONDS)
 
     async def list_states(self, request: Request) -> Response:
-        """`GET /v1/states` from every replica, merged."""
-        req = await forwarded(request)
+        """`GET /v1/states` from every replica, merged, then paged (`state_page`)."""
+        req = dataclasses.replace(await forwarded(request), query_string=b"")  # each replica's whole list
         deadline = time.monotonic() + CALL_SECONDS
         while True:  # a replica's answer may land on another for a moment (it says so): ask again, as `call` does
             answers = await asyncio.gather(*(self.collect(req, rid) for rid in (await self.replicas()).values()))
@@ -483,8 +484,14 @@ class Front:
             if status != 200:
                 return Response(body, status_code=status, media_type="application/json")
         data = [s for _, body in answers for s in json.loads(body)["data"]]
-        data.sort(key=lambda s: (s["created_at"], s["handle"]))
-        return JSONResponse({"object": "list", "data": data})
+        try:
+            limit = int(request.query_params["limit"]) if "limit" in request.query_params else None
+        except ValueError:
+            return error_response(400, "limit must be an integer", "limit", "invalid_value")
+        try:
+            return JSONResponse(state_page(data, limit, request.query_params.get("after")))
+        except APIError as e:
+            return error_response(e.status, e.message, e.param, e.code)
 
     async def collect(self, req: ForwardedRequest, replica_id: str) -> tuple[int, bytes]:
         """One replica's whole answer to `req` (MISROUTED when it is being replaced or does not answer in time)."""

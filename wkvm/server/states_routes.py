@@ -19,6 +19,7 @@ from wkvm.server.schemas import CreateStateRequest, ForkRequest, HibernateReques
 from wkvm.state.index import StateRecord
 from wkvm.state.mutations import MutationError
 from wkvm.state.sessions import Plan
+from wkvm.state.statefile import parse_handle
 
 IMPORT_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {
     "type": "string", "format": "binary"}}}}}  # fmt: skip
@@ -67,8 +68,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             raise bad_request(e, "name") from None
 
     @r.get("")
-    def list_states(request: Request) -> dict[str, Any]:
-        return {"object": "list", "data": [info(rec) for rec in ctx.store.list(who(request))]}
+    def list_states(request: Request, limit: int | None = None, after: str | None = None) -> dict[str, Any]:
+        return state_page([info(rec) for rec in ctx.store.list(who(request))], limit, after)
 
     @r.post("/import", openapi_extra=IMPORT_BODY)
     async def import_state(request: Request, name: str | None = None) -> dict[str, Any]:
@@ -191,3 +192,23 @@ def lookup(ctx: ServerContext, tenant: str, handle: str) -> StateRecord:
         return ctx.store.get(tenant, handle)
     except ValueError as e:
         raise bad_request(e, "handle") from None
+
+
+MAX_PAGE = 10_000
+
+
+def state_page(data: list[dict[str, Any]], limit: int | None, after: str | None) -> dict[str, Any]:
+    """`GET /v1/states`: the states in handle order (name, then version), the ones after the handle `after`, at most
+    `limit` of them (all without it), as OpenAI's list endpoints give them (`has_more`, `first_id`, `last_id`)."""
+    if limit is not None and not 1 <= limit <= MAX_PAGE:
+        raise APIError(400, f"limit must be an integer 1..{MAX_PAGE}", "limit", "invalid_value")
+    data = sorted(data, key=lambda s: (s["name"], s["version"]))
+    if after is not None:
+        try:
+            name, version = parse_handle(after)
+        except ValueError as e:
+            raise APIError(400, f"after: {e}", "after", "invalid_value") from None
+        data = [s for s in data if (s["name"], s["version"]) > (name, version or 0)]
+    page = data if limit is None else data[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["handle"] if page else None,
+            "last_id": page[-1]["handle"] if page else None, "has_more": len(page) < len(data)}  # fmt: skip
