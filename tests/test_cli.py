@@ -68,6 +68,30 @@ def test_states_through_the_cli_on_a_server(tmp_path, tiny_pth, capsys):
         capsys.readouterr()
         with pytest.raises(SystemExit, match="404"):
             main(["states", "show", "nope", *url])
+        for handle in ("../../v1/models", "../responses/resp_1", ".."):  # a path, not a handle: refused here
+            assert main(["states", "show", handle, *url]) == 2 and "invalid" in capsys.readouterr().err
+    assert main(["states", "ls", "--url", s.url]) == 2  # the server is gone: one line, no traceback
+    assert "ConnectError" in capsys.readouterr().err
+
+
+def test_errors_a_user_makes_are_one_line_not_a_traceback(tmp_path, tiny_pth, capsys):
+    """A port in use (the server's loading thread had aborted the process, exit 134), a state missing from a
+    directory, a key file that is a directory, a port out of range for doctor, a convert onto a file."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(tiny_pth), "--port", str(port)]) == 2
+        assert "cannot listen on" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tiny_pth), "--embeddings", str(tmp_path / "none")]) == 2
+    assert "--embeddings" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tiny_pth), "--api-key-file", str(tmp_path)]) == 2
+    assert main(["states", "show", "nope", "--state-dir", str(tmp_path / "sd"), "--model", str(tiny_pth)]) == 2
+    assert "nope" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert main(["convert", str(tiny_pth), str(tmp_path / "file")]) == 2
 
 
 def test_doctor_passes_here(tiny_pth, tmp_path, capsys, monkeypatch):

@@ -5,6 +5,7 @@ sentence, token-id inputs, base64, and clear 4xx for what the model cannot do. S
 from __future__ import annotations
 
 import base64
+import json
 from pathlib import Path
 
 import httpx
@@ -72,6 +73,23 @@ def test_models_lists_it_and_bad_requests_are_clear(client, server):
         client.embeddings.create(model="other", input="hi")
     r = httpx.post(f"{server.url}/v1/embeddings", json={"input": [[1, 2, 10**9]]})
     assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+    for bad in ("\ud800", ["ok", "\udc00 x"]):  # a lone surrogate was a 500 in the tokenizer
+        r = httpx.post(f"{server.url}/v1/embeddings", content=json.dumps({"input": bad}),
+                       headers={"Content-Type": "application/json"})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_text", r.text
+    for empty in ("", ["a", ""]):  # OpenAI refuses an empty string
+        r = httpx.post(f"{server.url}/v1/embeddings", json={"input": empty})
+        assert r.status_code == 400 and "empty" in r.json()["error"]["message"], r.text
+
+
+def test_many_inputs_run_in_batches_with_sentence_transformers_vectors(client):
+    """More inputs than a forward pass takes (32): the same vectors as sentence-transformers' own batched encode."""
+    from sentence_transformers import SentenceTransformer
+
+    texts = [f"{SENTENCES[i % 3]} ({i} {'and more ' * (i % 5)})" for i in range(70)]
+    got = torch.tensor([d.embedding for d in client.embeddings.create(model="all-MiniLM-L6-v2", input=texts).data])
+    st = SentenceTransformer(str(MINILM), device="cpu", local_files_only=True)
+    torch.testing.assert_close(got, st.encode(texts, convert_to_tensor=True).float(), atol=1e-5, rtol=0)
 
 
 def test_a_server_without_embeddings_answers_404(tiny_pth):
@@ -89,5 +107,6 @@ def test_embeddings_alone(tmp_path):
         with pytest.raises(openai.NotFoundError, match="embeddings only"):
             c.chat.completions.create(model="all-MiniLM-L6-v2", messages=[{"role": "user", "content": "hi"}])
         assert httpx.get(f"{s.url}/health").status_code == 200
-        assert httpx.get(f"{s.url}/metrics").status_code == 200
+        metrics = httpx.get(f"{s.url}/metrics")
+        assert metrics.status_code == 200 and "wkvm_requests_total" in metrics.text  # it was an empty body
         assert httpx.get(f"{s.url}/v1/states").status_code == 404

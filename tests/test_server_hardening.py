@@ -246,6 +246,12 @@ def test_a_pinned_state_is_not_hibernated_and_mutations_record_what_ran(server):
     assert err["param"] == "params.alpha" and "valid number" in err["message"], err
 
 
+def test_a_wrong_method_is_a_405_naming_the_right_one(server):
+    r = httpx.get(f"{server.url}/v1/completions", headers=B)
+    assert_4xx(r, 405)
+    assert r.headers["allow"] == "POST"
+
+
 def test_non_ascii_key_is_401(server):
     for headers in ({"X-Api-Key": "é"}, {"Authorization": "Bearer é"}, {"Authorization": "Bearer \u2603"}):
         raw = {k: v.encode("utf-8") for k, v in headers.items()}
@@ -280,7 +286,8 @@ def test_browsers_on_this_machine_may_call_the_api_and_other_sites_may_not(serve
         assert_4xx(write, 403)  # refused before it runs (no preflight guards a bodiless POST), the key notwithstanding
         assert write.json()["error"]["code"] == "cors_refused"
     form = {"Content-Type": "text/plain"}  # what a page's form-like POST sends, without a preflight
-    with LiveServer(model=str(world_pth), allowed_origins="https://chat.example.com") as named:  # no key
+    # no key; written with a trailing '/', which a browser's Origin never has (it had matched nothing)
+    with LiveServer(model=str(world_pth), allowed_origins="https://chat.example.com/") as named:
         ok = preflight(named.url, "https://chat.example.com")
         assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://chat.example.com"
         assert preflight(named.url, local).status_code == 400  # naming origins replaces the local default

@@ -103,6 +103,24 @@ def read_api_keys(args: argparse.Namespace) -> list[str]:
     return keys
 
 
+def check_port(host: str, port: int) -> None:
+    """That the server can listen on host:port, as uvicorn will (SO_REUSEADDR): a port in use had let the model's
+    loading thread start and the process then abort in native code (exit 134) after uvicorn's error."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from wkvm.config import ServerConfig
     from wkvm.server.app import create_app
@@ -118,6 +136,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError("--model none serves embeddings only: give --embeddings DIR")
     else:
         check_model_path(model)  # before binding the port: a wrong path is one line and exit 2, not a 503 server
+    if args.embeddings and not Path(args.embeddings).is_dir():
+        raise ValueError(f"--embeddings {args.embeddings}: not a directory (a sentence-transformers model's)")
+    check_port(args.host, args.port)
     keys = read_api_keys(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         log.warning("binding %s without an API key: anyone who can reach this port can use the server", args.host)
@@ -333,9 +354,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc: int = args.func(args)
         return rc
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError, OverflowError) as e:  # bad input, a path that is not what it should be, a bad port
         print(f"wkvm {args.command}: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        import httpx
+
+        from wkvm.state.store import StateNotFound
+
+        if isinstance(e, httpx.HTTPError):  # `wkvm states --url`: no server there, or not a URL
+            print(f"wkvm {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        if isinstance(e, StateNotFound):
+            print(f"wkvm {args.command}: {e}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

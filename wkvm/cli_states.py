@@ -42,11 +42,11 @@ class ServerStates:
         return rows
 
     def show(self, handle: str) -> dict[str, Any]:
-        info: dict[str, Any] = self._ok(self.http.get(f"/v1/states/{handle}")).json()
+        info: dict[str, Any] = self._ok(self.http.get(state_path(handle))).json()
         return info
 
     def export(self, handle: str) -> bytes:
-        return self._ok(self.http.get(f"/v1/states/{handle}/export")).content
+        return self._ok(self.http.get(state_path(handle) + "/export")).content
 
     def import_(self, data: bytes, name: str | None) -> dict[str, Any]:
         params = {"name": name} if name else {}
@@ -54,7 +54,7 @@ class ServerStates:
         return info
 
     def rm(self, handle: str) -> dict[str, Any]:
-        info: dict[str, Any] = self._ok(self.http.delete(f"/v1/states/{handle}")).json()
+        info: dict[str, Any] = self._ok(self.http.delete(state_path(handle))).json()
         return info
 
 
@@ -113,7 +113,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--api-key", help="API key for --url (env WKVM_API_KEY)")
     p.add_argument("--state-dir", help="a state directory instead of a server")
     p.add_argument("--model", help="with --state-dir: the model the states belong to")
-    p.add_argument("--owner", default=OWNER, help="with --state-dir: whose states (default: local)")
+    p.add_argument("--owner", default=OWNER, help="with --state-dir: whose states (default: local, `wkvm chat`'s; a "
+                   "server keeps a keyless client's as anonymous, a keyed one's as key-<hash>)")
     p.add_argument("--name", help="import: store under this name instead of the file's")
     p.add_argument("--json", action="store_true", help="print JSON (default: readable text)")
     p.set_defaults(func=run)
@@ -178,3 +179,12 @@ def key_values(info: dict[str, Any]) -> str:
         text = json.dumps(value) if isinstance(value, dict | list) else "-" if value is None else str(value)
         lines.append(f"{key + ':':{width + 1}} {text}")
     return "\n".join(lines)
+
+
+def state_path(handle: str) -> str:
+    """`/v1/states/{handle}` for a handle that is one (ValueError otherwise): `show ../../v1/models` had printed the
+    model list, and `rm ../responses/ID` deleted a stored response."""
+    from wkvm.state.statefile import parse_handle, valid_name
+
+    valid_name(parse_handle(handle)[0])
+    return f"/v1/states/{handle}"

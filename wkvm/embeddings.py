@@ -17,6 +17,9 @@ class EmbeddingInputError(ValueError):
     """An input this model cannot embed (too long, token ids outside its vocabulary); the message says why."""
 
 
+BATCH = 32  # inputs a forward pass (sentence-transformers' default): 2,048 of 256 tokens at once needed ~8 GiB
+
+
 class EmbeddingModel:
     def __init__(self, path: str | os.PathLike[str], device: str = "cpu"):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub: the directory is the model
@@ -51,6 +54,9 @@ class EmbeddingModel:
             if bad is not None:
                 raise EmbeddingInputError(f"input {i}: token id {bad} is outside the vocabulary "
                                           f"0..{self.vocab_size - 1}")  # fmt: skip
+        return torch.cat([self._forward(inputs[i : i + BATCH]) for i in range(0, len(inputs), BATCH)])
+
+    def _forward(self, inputs: list[list[int]]) -> torch.Tensor:
         n = max(len(ids) for ids in inputs)
         input_ids = torch.zeros(len(inputs), n, dtype=torch.long)
         mask = torch.zeros(len(inputs), n, dtype=torch.long)

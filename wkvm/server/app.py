@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import generate_latest
 
 from wkvm import __version__
 from wkvm.config import ServerConfig
@@ -66,9 +67,11 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
     @app.get("/health", response_model=None)
     def health() -> dict[str, Any] | JSONResponse:
         if ctx.load_error:
-            return JSONResponse(error_body(503, f"model failed to load: {ctx.load_error}"), status_code=503)
-        if not ctx.ready.is_set():
-            return JSONResponse(error_body(503, "the model is still loading"), status_code=503)
+            return JSONResponse(error_body(503, f"model failed to load: {ctx.load_error}", None, "model_load_failed"),
+                                status_code=503)  # fmt: skip
+        if not ctx.ready.is_set():  # as every route answers then (`require_ready`)
+            return JSONResponse(error_body(503, "the model is still loading; retry shortly", None, "not_ready"),
+                                status_code=503, headers={"Retry-After": "1"})  # fmt: skip
         if ctx.generative and ctx.client.loop_failed():
             message = "the engine's step loop has stopped (a bug: see the server log); restart the server"
             return JSONResponse(error_body(503, message), status_code=503)
@@ -85,7 +88,10 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
 
     @app.get("/metrics", dependencies=[auth], response_class=Response)
     def metrics() -> Response:
-        body = ctx.metrics.render(ctx.client.stats(), ctx.store) if ctx.ready.is_set() and ctx.generative else b""
+        if ctx.ready.is_set() and ctx.generative:
+            body = ctx.metrics.render(ctx.client.stats(), ctx.store)
+        else:  # loading, or embeddings only: the request counters (the engine's gauges have nothing to say)
+            body = generate_latest(ctx.metrics.registry)
         return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/openapi.json", dependencies=[auth], include_in_schema=False)

@@ -59,7 +59,8 @@ def add_cors(app: FastAPI, allowed_origins: str | None) -> None:
     pages served from this machine (as Ollama; vLLM and llama.cpp's server allow any page, which lets every site a
     user visits call a server on their laptop); `--allowed-origins '*'` allows any. Added after the key gate, so it
     runs before it."""
-    origins = [o.strip() for o in (allowed_origins or "").split(",") if o.strip()]
+    # a browser's Origin never ends with '/': one written with it ('https://chat.example.com/') could match nothing
+    origins = [o.strip().rstrip("/") or o.strip() for o in (allowed_origins or "").split(",") if o.strip()]
     app.add_middleware(Cors, allow_origins=origins, allow_origin_regex=None if origins else LOCAL_ORIGINS,
                        allow_methods=["*"], allow_headers=["*"], expose_headers=["*"])  # fmt: skip
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+import torch
 from fastapi import APIRouter, params
 from starlette.concurrency import run_in_threadpool
 
 from wkvm.embeddings import EmbeddingInputError
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError
+from wkvm.server.generation import check_text
 from wkvm.server.schemas import EmbeddingRequest
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
@@ -36,9 +38,20 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         texts = inputs(body.input)
         if len(texts) > MAX_INPUTS:
             raise APIError(400, f"{len(texts)} inputs; at most {MAX_INPUTS} per request", "input", "invalid_value")
-        try:
+        for i, t in enumerate(texts):
+            if isinstance(t, str):
+                check_text(t, "input")  # a lone surrogate was a 500 in the tokenizer
+                if not t:
+                    raise APIError(400, f"input {i} is an empty string (as OpenAI, nothing to embed)", "input",
+                                   "invalid_value")  # fmt: skip
+
+        def tokenized_and_embedded() -> tuple[list[list[int]], torch.Tensor]:
+            # off the event loop: one long text took seconds to tokenize, and every other request waited
             ids = [model.token_ids(t) if isinstance(t, str) else t for t in texts]
-            vectors = await run_in_threadpool(model.embed, ids)
+            return ids, model.embed(ids)
+
+        try:
+            ids, vectors = await run_in_threadpool(tokenized_and_embedded)
         except EmbeddingInputError as e:
             raise APIError(400, str(e), "input", "invalid_value") from None
         data = [{"object": "embedding", "index": i, "embedding": encode(v.tolist(), body.encoding_format)}

@@ -97,7 +97,7 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_response(400, "the request body is not valid JSON (bad UTF-8, nested too deep, or a number "
                                   "with too many digits)", "body", "invalid_json")  # fmt: skip
         message = "no such route" if e.status_code == 404 else str(e.detail)
-        return error_response(status, message)
+        return error_response(status, message, headers=dict(e.headers or {}))  # a 405's Allow
 
     handlers = {
         InvalidParam: lambda e: error_response(400, str(e), e.param, "invalid_value"),

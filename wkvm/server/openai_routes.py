@@ -320,7 +320,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         scored = body.logprobs if body.echo else None  # echo with logprobs: the prompt tokens' logprobs too
         sp = gen.sampling_params(ctx, body, body.max_tokens, body.logprobs, prompt_logprobs=scored)
         params = gen.per_choice(sp, body.n)
-        encoded = [gen.encode_prompt(ctx, q, "prompt", body.truncate_prompt_tokens) for q in prompts]
+        encoded = [await gen.encode_prompt_off_loop(ctx, q, "prompt", body.truncate_prompt_tokens) for q in prompts]
         moved = await taken_over(ctx, request, tenant)
         if moved is not None:
             runs = await resume_runs(ctx, tenant, encoded, body, params, None, moved)
@@ -395,7 +395,7 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
                            which, "invalid_value")  # fmt: skip
         sp = gen.with_response_format(sp, mode.response_format(), "tools")
     params = gen.per_choice(sp, body.n)
-    prompt_ids = gen.encode_prompt(ctx, text, "messages", body.truncate_prompt_tokens)
+    prompt_ids = await gen.encode_prompt_off_loop(ctx, text, "messages", body.truncate_prompt_tokens)
     system = system_prefix(ctx, messages, text, prompt_ids, mode.tools if mode else None)
     chat = ChatMeta.from_headers(request.headers, messages, system)
     moved = await taken_over(ctx, request, tenant)
