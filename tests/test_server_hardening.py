@@ -459,3 +459,13 @@ def test_full_quota_never_breaks_completions_or_streams(world_pth, tmp_path):
         assert_4xx(r, 413)
         assert s.ctx.metrics.generated_tokens._value.get() == generated  # refused before generating
     assert sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) <= 600_000
+
+
+def test_the_server_hands_the_gil_over_often(server):
+    """The engine thread takes the GIL back after each kernel call; at Python's default 5 ms switch interval it could
+    wait that long each time the event loop held it (8 streams: ~15% fewer tokens a second, docs/performance.md)."""
+    import sys
+
+    from wkvm.server.context import GIL_SWITCH_SECONDS
+
+    assert server.ctx.ready.is_set() and sys.getswitchinterval() == GIL_SWITCH_SECONDS < 0.005

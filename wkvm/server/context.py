@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import sys
 import tempfile
 import threading
 import time
@@ -44,6 +45,14 @@ def freeze_startup_heap() -> None:
     10 ms there). Garbage is collected first, so only live objects are frozen."""
     gc.collect()
     gc.freeze()
+
+
+# How long a thread that wants the GIL waits before the one holding it must let go (Python's default is 5 ms). The
+# engine thread gives the GIL up around each kernel call and takes it back after; while the event loop runs Python
+# (request parsing, a stream's chunks), each of those returns could wait up to the interval. 8 streamed completions
+# of 128 tokens on the 0.1B int4 model, one process, AMD EPYC avx512, 2 cores, 2 x 3 rounds alternating: 0.5 ms gave
+# 664-723 tok/s (inter-token p99 15-29 ms) against 557-667 (20-46 ms) at 5 ms.
+GIL_SWITCH_SECONDS = 0.0005
 
 
 @dataclass
@@ -128,6 +137,7 @@ class ServerContext:
             self.sessions = ChatSessions(self.service, m.fingerprint, cfg, self.metrics)
             if cfg.embeddings:
                 self.embedder = EmbeddingModel(cfg.embeddings, cfg.device)
+            sys.setswitchinterval(GIL_SWITCH_SECONDS)
             engine.start()
             freeze_startup_heap()
             self.ready.set()
