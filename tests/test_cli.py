@@ -92,6 +92,11 @@ def test_errors_a_user_makes_are_one_line_not_a_traceback(tmp_path, tiny_pth, ca
     assert "nope" in capsys.readouterr().err
     (tmp_path / "file").write_text("x")
     assert main(["convert", str(tiny_pth), str(tmp_path / "file")]) == 2
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tiny_pth), "--prompt-ids", ",1"]) == 2
+    assert "--prompt-ids" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tiny_pth), "--prompt-ids", "1", "--seed", str(10**23)]) == 2
+    assert "seed" in capsys.readouterr().err
 
 
 def test_doctor_passes_here(tiny_pth, tmp_path, capsys, monkeypatch):

@@ -223,12 +223,16 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from wkvm.llm import LLM
 
-    llm = LLM(model=args.model or default_model(), dtype=args.dtype)
-    prompt = [int(t) for t in args.prompt_ids.split(",")] if args.prompt_ids else args.prompt
+    try:
+        prompt = [int(t) for t in args.prompt_ids.split(",")] if args.prompt_ids else args.prompt
+    except ValueError:
+        raise ValueError(f"--prompt-ids {args.prompt_ids[:80]!r}: give integer token ids, comma-separated") from None
     if prompt is None:
         print("wkvm generate: give a prompt or --prompt-ids", file=sys.stderr)
         return 2
-    out = llm.generate([prompt], sampling_params(args))[0]
+    params = sampling_params(args)  # checked before the model loads
+    llm = LLM(model=args.model or default_model(), dtype=args.dtype)
+    out = llm.generate([prompt], params)[0]
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}))
     else:

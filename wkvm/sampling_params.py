@@ -85,6 +85,8 @@ class SamplingParams:
         _check_number("temperature", self.temperature, TEMPERATURE_RANGE)
         _check_number("top_p", self.top_p, TOP_P_RANGE, open_lo=True)
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 or -1 disables it)")
+        ok = self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed <= 2**64 - 1)
+        _check(ok, "seed", "an integer in -2^63..2^64-1 (the HTTP API's range)")
         _check_number("min_p", self.min_p, MIN_P_RANGE)
         _check_number("presence_penalty", self.presence_penalty, PENALTY_RANGE)
         _check_number("frequency_penalty", self.frequency_penalty, PENALTY_RANGE)
