@@ -366,13 +366,11 @@ def main(argv: list[str] | None = None) -> int:
 
         from wkvm.state.store import StateNotFound
 
-        if isinstance(e, httpx.HTTPError):  # `wkvm states --url`: no server there, or not a URL
-            print(f"wkvm {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
-            return 2
-        if isinstance(e, StateNotFound):
-            print(f"wkvm {args.command}: {e}", file=sys.stderr)
-            return 2
-        raise
+        # `wkvm states --url` with no server there (or not a URL); a handle a state directory does not hold
+        if not isinstance(e, httpx.HTTPError | StateNotFound):
+            raise
+        print(f"wkvm {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -184,7 +184,6 @@ def key_values(info: dict[str, Any]) -> str:
 def state_path(handle: str) -> str:
     """`/v1/states/{handle}` for a handle that is one (ValueError otherwise): `show ../../v1/models` had printed the
     model list, and `rm ../responses/ID` deleted a stored response."""
-    from wkvm.state.statefile import parse_handle, valid_name
+    from wkvm.state.statefile import valid_handle
 
-    valid_name(parse_handle(handle)[0])
-    return f"/v1/states/{handle}"
+    return f"/v1/states/{valid_handle(handle)}"

@@ -129,6 +129,12 @@ def parse_handle(handle: str) -> tuple[str, int | None]:
     return name, int(version)
 
 
+def valid_handle(handle: str) -> str:
+    """A handle whose name and version are both valid (ValueError naming what is not)."""
+    valid_name(parse_handle(handle)[0])
+    return handle
+
+
 def unbatch(state: State) -> State:
     """[1, ...] batch tensors -> contiguous CPU tensors without the batch dim."""
     return {k: v[0].detach().to("cpu").contiguous() for k, v in state.items()}
@@ -210,7 +216,7 @@ def _check_lineage(meta: StateMeta) -> None:
         raise StateFileError(f"bad metadata: version must be an integer 0..{MAX_VERSION}")
     if meta.parent is not None:
         try:
-            valid_name(parse_handle(meta.parent)[0])
+            valid_handle(meta.parent)
         except ValueError as e:
             raise StateFileError(f"bad metadata: parent: {e}") from None
     if not OP_RE.fullmatch(meta.op):
