@@ -96,6 +96,27 @@ def test_kernel_equals_the_float64_product_on_every_isa(shape, m):
     assert all(torch.equal(outs["scalar"], y) for y in outs.values())
 
 
+def test_x_groups_of_zeros_nans_and_extremes_round_alike_on_every_isa():
+    """x's groups of 32 are rounded 16 at a time with AVX-512 (K a multiple of 32), one at a time elsewhere: a group of
+    zeros (scale 0), one with NaNs (skipped by the maximum, then 0), one of denormals, one of huge values, and rows
+    whose groups do not fill the last 16 give the same bits on every path."""
+    paths = native_paths()
+    if not paths:
+        pytest.skip("no C++ compiler: the native kernel cannot be built here")
+    torch.manual_seed(3)
+    q = int8.quantize(torch.randn(64, 160))
+    for m in (1, 3, 7):  # 5, 15, 35 groups: chunks of 16 that end short
+        x = torch.randn(m, 160)
+        x[0, :32] = 0
+        x[0, 32:64:5] = float("nan")
+        x[-1, 64:96] = 1e-42
+        x[-1, 96:128] *= 1e30
+        outs = {p: int8.linear(x, q, p) for p in paths}
+        for p, y in outs.items():
+            torch.testing.assert_close(y, outs["scalar"], rtol=0, atol=0, equal_nan=True, msg=p)
+        assert outs["scalar"].isfinite().all()  # a NaN of x rounds to 0
+
+
 @pytest.mark.parametrize("path", ["auto", "avx2", "torch"])
 def test_prefill_sized_batches(path):
     """Past KERNEL_ROWS rows a path without VNNI dequantizes for oneDNN; VNNI keeps the kernel (measured faster)."""
