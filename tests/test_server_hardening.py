@@ -195,6 +195,8 @@ U = {"role": "user", "content": "hi"}
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, {}, "messages[0].content",
      "invalid_value"),
     ("/v1/chat/completions", {"messages": [U], "stop": 5}, {}, "stop", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [U], "stop": ["a", 3]}, {}, "stop[1]", "invalid_value"),
+    ("/v1/completions", {"prompt": [1, 2.5]}, {}, "prompt[1]", "invalid_value"),
     ("/v1/chat/completions", {"messages": [U], "state": ""}, {}, "state", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "state": "no-such-state"}, {}, "state", "state_not_found"),
     ("/tokenize", {"messages": []}, {}, "messages", "invalid_value"),

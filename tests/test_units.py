@@ -255,3 +255,29 @@ def test_a_valid_continuation_has_no_reason():
 )
 def test_each_session_rejection_reason(sess, kwargs, expected):
     assert reason(sess, **kwargs) == expected
+
+
+def test_a_union_fields_wrong_element_is_named_with_the_forms_it_takes():
+    """A list that one branch of a union accepts but for one element names that element (the branch it came closest
+    to) and every form the field takes; a value no branch's container takes lists each branch's complaint."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from wkvm.server.errors import install_error_handlers
+    from wkvm.server.schemas import EmbeddingRequest
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/e")
+    def embed(body: EmbeddingRequest) -> dict:
+        return {}
+
+    client = TestClient(app)
+    forms = "a string, a list of strings, a list of integers (token ids) or a list of lists of integers"
+    for value, param, says in [([101, 2.5, 102], "input[1]", "valid integer"), (["a", 5], "input[1]", "valid string"),
+                               ([[101, -0.5]], "input[0][1]", "valid integer")]:  # fmt: skip
+        err = client.post("/e", json={"model": "m", "input": value}).json()["error"]
+        assert err["param"] == param and says in err["message"] and f"(input takes {forms})" in err["message"], err
+    err = client.post("/e", json={"model": "m", "input": {"text": "x"}}).json()["error"]
+    assert err["param"] == "input" and "valid string; or" in err["message"] and "valid list" in err["message"], err

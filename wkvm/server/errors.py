@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -58,6 +59,36 @@ def _param(loc: tuple[Any, ...]) -> str:
     return out or "body"
 
 
+# how the union branches a message names read to a client; others are named as pydantic tags them
+FORMS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean", "none": "null",
+         "list[str]": "a list of strings", "list[int]": "a list of integers (token ids)",
+         "list[list[int]]": "a list of lists of integers", "list[ContentPart]": "a list of content parts"}  # fmt: skip
+
+
+def _union_error(errors: Sequence[Any]) -> tuple[str, str] | None:
+    """(param, message) for a value that failed every branch of a union but matched some branch's container (a list
+    with one wrong element): the wrong part of the branch it came closest to, and the forms the field takes.
+    None when the first error is not inside a union, or no branch got past the value's own type."""
+    loc = tuple(errors[0].get("loc", ()))
+    at = next((i for i, p in enumerate(loc) if isinstance(p, str) and UNION_TAG.fullmatch(p)), None)
+    if at is None:
+        return None
+    branches: dict[str, list[dict[str, Any]]] = {}
+    for err in errors:
+        where = tuple(err.get("loc", ()))
+        if where[:at] == loc[:at] and len(where) > at and isinstance(where[at], str):
+            branches.setdefault(where[at], []).append(err)
+    inner = [errs for errs in branches.values() if all(len(tuple(e.get("loc", ()))) > at + 1 for e in errs)]
+    if not inner:
+        return None
+    # the branch with the fewest wrong parts, then the one whose wrong part lies deepest (it got furthest)
+    best = min(inner, key=lambda errs: (len(errs), -max(len(tuple(e.get("loc", ()))) for e in errs)))[0]
+    forms = [FORMS.get(tag, tag) for tag in branches]
+    takes = ", ".join(forms[:-1]) + f" or {forms[-1]}" if len(forms) > 1 else forms[0]
+    param = _param(tuple(best.get("loc", ())))
+    return param, f"{param}: {best.get('msg', 'invalid value')} ({_param(loc[:at])} takes {takes})"
+
+
 def prefill_failed(e: PrefillFailed) -> JSONResponse:
     """A shared prefill (n > 1, state creation) that ended without a state: non-finite numbers come from the
     request's own input (400); an engine failure is the server's (500); cancelled or timed out, 503."""
@@ -88,6 +119,8 @@ def install_error_handlers(app: FastAPI) -> None:
             # any web page post here without the browser's CORS preflight
             return error_response(400, f"send the body as JSON with Content-Type: application/json (got "
                                   f"{kind or 'none'!r})", "body", "invalid_content_type")  # fmt: skip
+        if (union := _union_error(e.errors())) is not None:  # a list with one wrong element: say which
+            return error_response(400, union[1], union[0], "invalid_value")
         return error_response(400, f"{param}: {msg}", param, "invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
