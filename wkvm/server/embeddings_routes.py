@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import base64
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from fastapi import APIRouter, params
 from starlette.concurrency import run_in_threadpool
 
@@ -14,6 +13,9 @@ from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError
 from wkvm.server.generation import check_text
 from wkvm.server.schemas import EmbeddingRequest
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 
