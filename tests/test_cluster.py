@@ -449,12 +449,21 @@ def test_metrics_per_replica_and_for_the_app(cluster):
 
 
 def test_a_killed_directory_comes_back_and_the_replicas_join_it_again(cluster):
-    """kill -9 of the directory actor: Ray restarts it (empty), each replica joins it again with its slot and named
-    states at its next health probe, and named states, chats and listings work again (they had answered 503 until
-    `wkvm serve` restarted)."""
+    """kill -9 of the directory actor: Ray restarts it (empty), each replica joins it again with its slot, named
+    states and stored responses at its next health probe, and named states, chats, listings and stored responses
+    work again (they had answered 503 until `wkvm serve` restarted; a stored response then 404 from the other
+    replica until session 25)."""
     r = cluster.post("/v1/states", json={"name": "atlas", "prompt": "KING LEAR:"})
     assert r.status_code == 200, r.text
     owner = r.headers["x-wkvm-replica"]
+    stored: dict[str, str] = {}  # stored Responses API responses -> the replica holding each, on both if it comes
+    for i in range(12):
+        body = {"model": MODEL, "temperature": 0, "max_output_tokens": 2, "input": f"GONERIL {i}:", "user": f"u{i}"}
+        r = cluster.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        stored[r.json()["id"]] = r.headers["x-wkvm-replica"]
+        if len(set(stored.values())) == 2 and len(stored) >= 4:
+            break
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     pids = [int(line.split()[0]) for line in ps.splitlines() if "ray::Directory" in line]
     assert len(pids) == 1, ps
@@ -469,6 +478,9 @@ def test_a_killed_directory_comes_back_and_the_replicas_join_it_again(cluster):
     assert got.headers["x-wkvm-replica"] == owner
     assert chat(cluster, [{"role": "user", "content": "Again?"}]).status_code == 200
     assert "atlas@1" in [st["handle"] for st in cluster.get("/v1/states").json()["data"]]
+    for rid, holder in stored.items():  # the replicas told the new directory their stored responses too
+        got = cluster.get(f"/v1/responses/{rid}")
+        assert got.status_code == 200 and got.headers["x-wkvm-replica"] == holder, (rid, holder, got.text)
 
 
 def test_a_killed_replica_loses_no_acknowledged_state(cluster):

@@ -36,6 +36,7 @@ from wkvm.cluster.forward import (
     ForwardedRequest,
     Handover,
     Head,
+    response_key,
     run_asgi,
     state_key,
 )
@@ -82,7 +83,8 @@ class EngineReplica:
         keys = self._named_keys()
         ray.get(self.directory.holds.remote(self.slot, keys))
         self._epoch: str = ray.get(self.directory.epoch.remote())
-        log.info("replica %s holds slot %s (%d named states)", self.replica_id, self.slot, len(set(keys)))
+        log.info("replica %s holds slot %s (%d named states and stored responses)", self.replica_id, self.slot,
+                 len(set(keys)))  # fmt: skip
         self.ctx.sessions.mirror = DirectoryMirror(self.directory, self.slot)
         self.ctx.holds_name = self._holds_name
         self._stopped = threading.Event()
@@ -115,7 +117,10 @@ class EngineReplica:
                 log.info("replica %s: the directory did not answer (%s); asking again", self.slot, type(e).__name__)
 
     def _named_keys(self) -> list[str]:
-        return [state_key(r.owner, r.name) for r in self.ctx.store.index.list() if not is_internal(r.owner)]
+        """The route keys this replica's slot directory answers for: its named states and its stored Responses API
+        responses (a restarted directory relearns both; a response's reads had answered 404 from other replicas)."""
+        states = [state_key(r.owner, r.name) for r in self.ctx.store.index.list() if not is_internal(r.owner)]
+        return states + [response_key(owner, rid) for owner, rid in self.ctx.responses.ids()]
 
     def misrouted(self, route: dict[str, object]) -> bool:
         """A strict call meant for another replica (its owner was being replaced when it was routed)."""

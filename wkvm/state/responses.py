@@ -65,6 +65,11 @@ class ResponseStore:
                                    (owner, response_id)).fetchone()  # fmt: skip
         return None if row is None else (json.loads(row[0]), json.loads(row[1]))
 
+    def ids(self) -> list[tuple[str, str]]:
+        """(owner, id) of every stored response (a cluster replica reports them to a restarted directory)."""
+        with self._lock:
+            return [(str(o), str(i)) for o, i in self._db.execute("SELECT owner, id FROM responses").fetchall()]
+
     def delete(self, owner: str, response_id: str) -> bool:
         with self._lock:
             cur = self._db.execute("DELETE FROM responses WHERE owner = ? AND id = ?", (owner, response_id))
