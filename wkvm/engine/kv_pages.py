@@ -147,6 +147,8 @@ class PagedKV:
         self.pool, self.seqs, self.n_new = pool, seqs, n_new
         self._start = torch.tensor([s.length for s in seqs], dtype=torch.long)
         self._table: torch.Tensor | None = None  # [B, pages] for the fused decode kernel, made on first use
+        self._token_table: torch.Tensor | None = None  # [B * T, pages]: several new tokens a row (`token_pages`)
+        self._token_start = self._start
         self._fused = False
 
     # what the torch path needs, made on first use (a decode step on the fused kernel needs none of it)
@@ -189,13 +191,42 @@ class PagedKV:
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def rope_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+                    sin: torch.Tensor, scale: float, token_rows: bool = False) -> torch.Tensor:  # fmt: skip
         """A decode step (one new token per row) on fp32 CPU pages: the fused kernel reads and writes the pages in
         place; else `rope_append_attend`. (Per layer of a small model this is hot: what it needs is made once.)"""
-        pages = self.fused_pages(layer, q.shape[1], q.shape[-1], cos, sin) if fused.cpu_fp32(q, k, v) else None
+        if not fused.cpu_fp32(q, k, v) or (self.n_new > 1 and not token_rows):
+            return rope_append_attend(self, layer, q, k, v, cos, sin, scale)
+        if self.n_new == 1:
+            pages = self.fused_pages(layer, 1, q.shape[-1], cos, sin)
+            return rope_append_attend(self, layer, q, k, v, cos, sin, scale) if pages is None else \
+                fused.rope_attend(q, k, v, cos, sin, *pages, scale)
+        # several new tokens a row (`token_rows`: the model's layers are row-independent): each token as a row of its
+        # own on the same kernel, with its own length (every key and value is written before any row attends, and a
+        # row reads only up to its own token), so every token gets a one-token step's arithmetic and a chunked
+        # prefill, a resumed prefix and stepping give the same bits (int8 / int4 kernels round their inputs to int8,
+        # which turned the torch path's rounding differences into other tokens: a resumed chat answered otherwise)
+        B, T = q.shape[:2]
+        fq, fk, fv, fcos, fsin = (x.reshape(B * T, 1, *x.shape[2:]) for x in (q, k, v, cos, sin))
+        pages = self.token_pages(layer, q.shape[-1], fcos, fsin)
         if pages is None:
             return rope_append_attend(self, layer, q, k, v, cos, sin, scale)
-        return fused.rope_attend(q, k, v, cos, sin, *pages, scale)
+        return fused.rope_attend(fq, fk, fv, fcos, fsin, *pages, scale).view(B, T, *q.shape[2:])
+
+    def token_pages(self, layer: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> fused.Pages | None:
+        """`fused_pages` for this step's B x T new tokens as B * T one-token rows (row b * T + t: row b's pages, its
+        length before token t); None where the fused kernel does not run."""
+        if self._token_table is None:
+            T = self.n_new
+            self._fused = fused.pages_fit(1, head_dim, cos, sin, *self.pool.pages.values())
+            width = max(len(s.pages) for s in self.seqs)
+            table = torch.tensor([s.pages + [0] * (width - len(s.pages)) for s in self.seqs], dtype=torch.long)
+            self._token_table = table.repeat_interleave(T, 0)
+            self._token_start = (self._start[:, None] + torch.arange(T)).reshape(-1)
+        if not self._fused:
+            return None
+        pool = self.pool
+        return (pool.flat(key_name(layer)), pool.flat(value_name(layer)), self._token_table, self._token_start,
+                pool.page_tokens)  # fmt: skip
 
     def fused_pages(self, layer: int, tokens: int, head_dim: int, cos: torch.Tensor,
                     sin: torch.Tensor) -> fused.Pages | None:  # fmt: skip

@@ -203,7 +203,15 @@ class ModelBase:
         if len(caches) != len(groups):
             raise ValueError(f"{len(groups)} groups but {len(caches)} caches")
         pairs = zip(groups, caches, strict=True)
-        return [Attn(kv, *self.rope(kv.positions(), tokens.shape[1])) for (tokens, _), kv in pairs]
+        # by the chunk's length alone (not the group's rows): a row's attention must not depend on its batch
+        return [Attn(kv, *self.rope(kv.positions(), tokens.shape[1]), tokens.shape[1] > 1 and
+                     self.rows_alone(tokens.shape[1])) for (tokens, _), kv in pairs]  # fmt: skip
+
+    def rows_alone(self, rows: int) -> bool:
+        """Whether every layer computes each of `rows` rows (a chunk's tokens) with the bits it gives that row alone,
+        so that attention takes a chunk's tokens one at a time (`Attn.token_rows`) and the chunk has stepping's
+        bits. False here; a family whose layers are otherwise row-independent says when its matmuls are."""
+        return False
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, state: State, all_logits: bool = False) -> torch.Tensor:

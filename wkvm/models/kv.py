@@ -37,9 +37,11 @@ class KVBatch(Protocol):
         ...
 
     def rope_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+                    sin: torch.Tensor, scale: float, token_rows: bool = False) -> torch.Tensor:  # fmt: skip
         """What every attention layer does with its new tokens: RoPE (`rope.rotate` with cos, sin) on q and k, append
-        k and v, attend with q; the same as `rope_append_attend`, which a one-token step may run as one kernel."""
+        k and v, attend with q; the same as `rope_append_attend`, which a one-token step may run as one kernel.
+        `token_rows`: several new tokens a row each get a one-token step's arithmetic where the kernel runs (the
+        model's layers are row-independent, so a chunk then has stepping's bits)."""
         ...
 
     def fused_pages(self, layer: int, tokens: int, head_dim: int, cos: torch.Tensor,
@@ -57,10 +59,11 @@ class Attn:
     kv: KVBatch
     cos: torch.Tensor
     sin: torch.Tensor
+    token_rows: bool = False  # `KVBatch.rope_attend`'s: the model's layers compute each token's row alone
 
     def rope_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, T, Hq, D], k, v [B, T, Hkv, D] of the new tokens, before RoPE -> attention output [B, T, Hq, D]."""
-        return self.kv.rope_attend(layer, q, k, v, self.cos, self.sin, scale)
+        return self.kv.rope_attend(layer, q, k, v, self.cos, self.sin, scale, self.token_rows)
 
 
 def rope_append_attend(kv: KVBatch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -113,9 +116,10 @@ class DenseKV:
         return None  # its caches grow by a copy each step (`rope_attend`), not in pages
 
     def rope_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+                    sin: torch.Tensor, scale: float, token_rows: bool = False) -> torch.Tensor:  # fmt: skip
         """One new token on fp32 CPU caches: the fused kernel, each row's grown cache as one page (the engine's paged
-        caches run the same kernel, so both give the same bits); else `rope_append_attend`."""
+        caches run the same kernel, so both give the same bits); else `rope_append_attend` (`token_rows` is the
+        engine's: this reference keeps several new tokens on the torch path)."""
         kn, vn = key_name(layer), value_name(layer)
         if not fused.rope_attend_fits(q, k, v, cos, sin, self.state[kn], self.state[vn]):
             return rope_append_attend(self, layer, q, k, v, cos, sin, scale)

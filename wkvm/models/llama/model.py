@@ -186,6 +186,14 @@ class Llama(ModelBase):
     def logits(self, x: torch.Tensor, g: Tensors) -> torch.Tensor:
         return linear(rms_norm(x, g["final_norm"], self.config.rms_eps), g[HEAD])
 
+    def rows_alone(self, rows: int) -> bool:
+        """Norms, RoPE, SiLU and residuals work row by row; the matmuls do where `rows` rows run on the native kernel
+        one row does (int8 / int4; fp32 up to the gemv kernel's rows), so attention is all that decides."""
+        if (0, rows) not in self._kernels:  # asked once a step: the weights (perhaps streamed) only the first time
+            w = self.weights.layer(0)
+            self.layer_kernel(0, [w[k] for k in LINEAR], rows)
+        return self._kernels[0, rows] is not None
+
     def block(self, i: int, w: Tensors, x: torch.Tensor, state: State, attn: Attn | None) -> torch.Tensor:
         assert attn is not None  # every Llama layer is attention
         eps = self.config.rms_eps
