@@ -212,7 +212,8 @@ def test_a_short_chunk_has_the_bits_of_stepping_through_it(tmp_path, monkeypatch
     kernel, else op by op): logits and every state tensor equal stepping bit for bit, for 1 and 2 rows, both ways,
     where the matmuls give each row the same bits whatever rows come with it (fp32 on wkvm's gemv kernel, int8,
     int4); bf16 (oneDNN) does not promise that, and says so. A moved stream catches up on this path
-    (Engine.precopy). Longer chunks of under 64 rows take the one call where it reaches (20 tokens here): the same."""
+    (Engine.precopy). Longer chunks take the one call where it reaches (20-96 tokens here; int8 / int4 with
+    AVX512-VNNI any length): the same, so a prompt resumed from a stored prefix answers as an uninterrupted one."""
     path = tmp_path / "m.pth"
     save_random_rwkv7(path, SHAPES["L3-C192-H3-N64-V1000"], seed=13)
     model = load_model(path, dtype=dtype)
@@ -227,7 +228,7 @@ def test_a_short_chunk_has_the_bits_of_stepping_through_it(tmp_path, monkeypatch
     g = torch.Generator().manual_seed(4)
     mats = [model.weights.layer(1)[k] for k in rwkv7_model.LINEAR_KEYS]
     assert native_kernel(mats, STEP_CHUNK) is not None  # so the one-call path runs (for more rows, where it reaches)
-    for rows, T in ((1, STEP_CHUNK), (2, STEP_CHUNK), (1, 20), (3, 20)):
+    for rows, T in ((1, STEP_CHUNK), (2, STEP_CHUNK), (1, 20), (3, 20), (1, 96), (2, 40)):
         one_call_reaches = native_kernel(mats, rows * T) is not None  # fp32 on AVX2: 12 rows
         if T > STEP_CHUNK and not one_call_reaches:
             continue  # the chunked path (`_time_mix`): no promise of stepping's bits

@@ -174,7 +174,8 @@ class RWKV7(ModelBase):
             for j, (tokens, state) in enumerate(groups):
                 x = xs[j]
                 # one token per row on the step kernel; without it (WKVM_FUSED=off, no compiler) the torch path below
-                if tokens.numel() < PACKED_LORA_MIN_ROWS and x.is_cpu and step.available():
+                if x.is_cpu and step.available() and (tokens.numel() < PACKED_LORA_MIN_ROWS or (
+                        tokens.shape[1] > 1 and self._layer_in_one_call(i, w, tokens.numel()) is not None)):
                     if tokens.shape[1] == 1:
                         y, v_firsts[j] = self._decode_layer(i, w, x.view(x.shape[0], -1), state, v_firsts[j])
                         xs[j] = y.view(x.shape)
