@@ -72,8 +72,9 @@ def test_context_limit_refuses_long_prompts_and_ends_with_length(model, model_di
 
 
 def test_a_prompt_over_the_context_limit_is_a_400_also_after_a_reused_prefix(model, model_dir):
-    """OpenAI's context_length_exceeded 400, whether the prompt is long by itself or resumes a checkpoint (the engine's
-    refusal was a 500 over HTTP, found by hand on SmolLM2 with an 8,301-token prompt after an 8,181-token one)."""
+    """OpenAI's context_length_exceeded 400 naming the field, whether the prompt is long by itself or resumes a
+    checkpoint (the engine's refusal was a 500 over HTTP, found by hand on SmolLM2 with an 8,301-token prompt after an
+    8,181-token one); a state is not created at the limit either."""
     with LiveServer(model=str(model_dir), kv_page_tokens=4, kv_cache_bytes=16 * model.spec.token_nbytes) as s:
         c = httpx.Client(base_url=s.url, timeout=60)
         assert c.get("/v1/models").json()["data"][0]["max_model_len"] == 16
@@ -84,8 +85,19 @@ def test_a_prompt_over_the_context_limit_is_a_400_also_after_a_reused_prefix(mod
         r = c.post("/v1/completions", json={"prompt": list(range(1, 13)) + [5, 6, 7, 8], "max_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
         assert "context is 16 tokens" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "prompt"
         chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 40}]})
         assert chat.status_code == 400 and chat.json()["error"]["code"] == "context_length_exceeded", chat.text
+        assert chat.json()["error"]["param"] == "messages"  # OpenAI's
+        # a state with no room left to generate from is refused as its completion would be (it was stored, unusable)
+        r = c.post("/v1/states", json={"name": "full", "prompt_ids": list(range(1, 17))})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert r.json()["error"]["param"] == "prompt_ids"
+        ok = c.post("/v1/states", json={"name": "room", "prompt_ids": list(range(1, 16))})
+        assert ok.status_code == 200 and ok.json()["n_tokens"] == 15, ok.text
+        assert c.post("/v1/states/room/generate", json={"max_tokens": 1}).status_code == 200
+        metrics = c.get("/metrics").text  # the pool's 4 pages of 4 tokens, none held once every request is done
+        assert "wkvm_kv_cache_pages 4.0" in metrics and "wkvm_kv_cache_usage_ratio 0.0" in metrics, metrics
 
 
 def test_max_state_tokens_bounds_saves_and_imports(model_dir, tmp_path):

@@ -61,6 +61,8 @@ class EngineStats:
     slots_free: int
     slots_total: int
     weight_stream: object | None  # the streaming weight provider's counters (StreamStats), None when resident
+    kv_pages_used: int = 0  # attention models: pages of the key/value pool held by sequences (0 / 0 without one)
+    kv_pages_total: int = 0
 
     @property
     def busy(self) -> bool:
@@ -97,9 +99,11 @@ class Engine:
     def stats(self) -> EngineStats:
         """What the server reports (metrics, shutdown): read under the lock, no internals handed out."""
         with self._lock:
-            sched = self.scheduler
+            sched, pool = self.scheduler, self.arena.pool
+            total = pool.n_pages if pool is not None else 0
             return EngineStats(len(sched.waiting), len(sched.running), self.arena.num_free, self.arena.n_slots,
-                               getattr(self.model.weights, "stats", None))  # fmt: skip
+                               getattr(self.model.weights, "stats", None), total - (pool.num_free if pool else 0),
+                               total)  # fmt: skip
 
     # --- submission ----------------------------------------------------------------------------
     def submit(

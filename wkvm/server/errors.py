@@ -89,6 +89,12 @@ def _union_error(errors: Sequence[Any]) -> tuple[str, str] | None:
     return param, f"{param}: {best.get('msg', 'invalid value')} ({_param(loc[:at])} takes {takes})"
 
 
+def prompt_field(path: str) -> str:
+    """The request field whose tokens a route feeds: `messages` (chat), `input` (Responses), else `prompt`."""
+    path = path.rstrip("/")
+    return "messages" if path.endswith("/chat/completions") else "input" if path.endswith("/responses") else "prompt"
+
+
 def prefill_failed(e: PrefillFailed) -> JSONResponse:
     """A shared prefill (n > 1, state creation) that ended without a state: non-finite numbers come from the
     request's own input (400); an engine failure is the server's (500); cancelled or timed out, 503."""
@@ -141,12 +147,16 @@ def install_error_handlers(app: FastAPI) -> None:
         QuotaExceeded: lambda e: error_response(413, str(e), None, "state_quota_exceeded"),
         QueueFull: lambda e: error_response(429, str(e), None, "queue_full"),
         EngineClosed: lambda e: error_response(503, str(e), None, "shutting_down"),
-        ContextTooLong: lambda e: error_response(400, str(e), None, "context_length_exceeded"),  # OpenAI's code
         SessionBusy: lambda e: error_response(409, str(e), None, "session_busy"),
         PrefillFailed: prefill_failed,
     }
     for exc, make in handlers.items():
         app.add_exception_handler(exc, lambda _r, e, make=make: make(e))
+
+    @app.exception_handler(ContextTooLong)
+    async def context_too_long(request: Request, e: ContextTooLong) -> JSONResponse:
+        # OpenAI's code, and the field that holds the tokens (its chat API names `messages`)
+        return error_response(400, str(e), prompt_field(request.url.path), "context_length_exceeded")
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, e: Exception) -> JSONResponse:

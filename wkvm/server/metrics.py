@@ -54,6 +54,10 @@ class Metrics:
         self.running = Gauge("wkvm_running_requests", "Requests holding a slot", registry=r)
         self.slots_free = Gauge("wkvm_slots_free", "Free state slots", registry=r)
         self.slots_total = Gauge("wkvm_slots_total", "State slots", registry=r)
+        # attention models (llama.cpp's kv_cache_usage_ratio, vLLM's kv_cache_usage_perc): 0 without a KV pool
+        self.kv_usage = Gauge("wkvm_kv_cache_usage_ratio", "Share of the key/value page pool held by sequences",
+                              registry=r)  # fmt: skip
+        self.kv_pages = Gauge("wkvm_kv_cache_pages", "Pages of the key/value pool", registry=r)
         self.states = Gauge("wkvm_states", "Stored state blobs by tier", ["tier"], registry=r)
         self.state_bytes = Gauge("wkvm_state_bytes", "Bytes of stored states by tier", ["tier"], registry=r)
         self.reuse_hits = Counter("wkvm_prefix_reuse_hits", "Requests that resumed from a stored state", registry=r)
@@ -83,6 +87,8 @@ class Metrics:
         self.running.set(e.running)
         self.slots_free.set(e.slots_free)
         self.slots_total.set(e.slots_total)
+        self.kv_pages.set(e.kv_pages_total)
+        self.kv_usage.set(e.kv_pages_used / e.kv_pages_total if e.kv_pages_total else 0.0)
         if store is not None:
             for tier, (count, nbytes) in store.tier_stats().items():
                 if count is not None:
