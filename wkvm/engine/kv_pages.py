@@ -192,8 +192,9 @@ class PagedKV:
 
     def rope_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, scale: float, token_rows: bool = False) -> torch.Tensor:  # fmt: skip
-        """A decode step (one new token per row) on fp32 CPU pages: the fused kernel reads and writes the pages in
-        place; else `rope_append_attend`. (Per layer of a small model this is hot: what it needs is made once.)"""
+        """New tokens on fp32 CPU pages: a decode step (one new token per row) on the fused kernel, which reads and
+        writes the pages in place; several new tokens a row, with `token_rows`, each token as a row of its own on it;
+        else `rope_append_attend`. (Per layer of a small model this is hot: what it needs is made once.)"""
         if not fused.cpu_fp32(q, k, v) or (self.n_new > 1 and not token_rows):
             return rope_append_attend(self, layer, q, k, v, cos, sin, scale)
         if self.n_new == 1:
