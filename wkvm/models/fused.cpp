@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <memory>
 #include <functional>
 #include <optional>
 #include <bit>
@@ -581,7 +582,22 @@ void attend(const Problem& pr, T* kf, T* vf) {
   for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + (pl[b] + CHUNK) / CHUNK;
   const int64_t items = first[B];
   const Heads hs{Hq, Hkv, G, D, HD};
-  std::vector<float> qr(B * Hq * D), acc(items * Hq * D), max(items * Hq), sum(items * Hq);
+  // every item writes its own acc, max and sum in full, so they need no zeroing: a buffer kept for the calling thread
+  // (up to 32 MB; beyond, one of the call's own). A prefill chunk's tokens as rows needed ~28 MB of it a layer at 4k
+  // tokens, zeroed (and faulted in) afresh per call before.
+  thread_local std::vector<float> scratch;
+  const size_t need = static_cast<size_t>(items) * Hq * (D + 2);
+  std::unique_ptr<float[]> own;
+  float* acc;
+  if (need <= (size_t(32) << 20) / sizeof(float)) {
+    if (scratch.size() < need) scratch.resize(need);
+    acc = scratch.data();
+  } else {
+    own.reset(new float[need]);
+    acc = own.get();
+  }
+  float *max = acc + items * Hq * D, *sum = max + items * Hq;
+  std::vector<float> qr(B * Hq * D);
   for (int64_t b = 0; b < B; ++b) {  // RoPE'd, scaled queries
     for (int64_t h = 0; h < Hq; ++h) rope(pq + b * sq + h * D, pc + b * R, ps + b * R, qr.data() + (b * Hq + h) * D, D, R, fscale);
   }
@@ -595,11 +611,13 @@ void attend(const Problem& pr, T* kf, T* vf) {
       const Pages pg{pt + b * P, page_tokens};
       scores.resize(Hq * (t1 - t0));
       scores_of(qr.data() + b * Hq * D, kf, vf, pg, t0, t1, hs, scores.data());
-      exp_rows(scores.data(), Hq, t1 - t0, max.data() + i * Hq, sum.data() + i * Hq);
-      values_fast(scores.data(), vf, pg, t0, t1, hs, acc.data() + i * Hq * D);
+      exp_rows(scores.data(), Hq, t1 - t0, max + i * Hq, sum + i * Hq);
+      values_fast(scores.data(), vf, pg, t0, t1, hs, acc + i * Hq * D);
     }
   });
-  for (int64_t b = 0; b < B; ++b) {  // merge each row's chunks: rescale to the largest max, divide by the total
+  // merge each row's chunks: rescale to the largest max, divide by the total (rows apart: a prefill chunk's tokens)
+  at::parallel_for(0, B, B * Hq * D * (items / B + 1) < (1 << 16) ? B : 1, [&](int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
     for (int64_t h = 0; h < Hq; ++h) {
       float mx = max[first[b] * Hq + h];
       for (int64_t i = first[b] + 1; i < first[b + 1]; ++i) mx = max[i * Hq + h] > mx ? max[i * Hq + h] : mx;
@@ -609,7 +627,7 @@ void attend(const Problem& pr, T* kf, T* vf) {
       for (int64_t i = first[b]; i < first[b + 1]; ++i) {
         const float w = std::exp(max[i * Hq + h] - mx);
         total += w * sum[i * Hq + h];
-        const float* a = acc.data() + (i * Hq + h) * D;
+        const float* a = acc + (i * Hq + h) * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
       }
@@ -618,6 +636,7 @@ void attend(const Problem& pr, T* kf, T* vf) {
       for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
   }
+  });
 }
 
 at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
