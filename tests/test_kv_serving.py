@@ -207,4 +207,4 @@ def test_a_prompt_has_the_bits_of_stepping_however_it_is_chunked_or_resumed(mode
             assert got[1] == want[1]  # every logprob, to the bit
         else:
             for a, b in zip(got[1], want[1], strict=True):
-                assert max(abs(a[t] - b[t]) for t in a) < 1e-3
+                assert max(abs(a[t] - b[t]) for t in a.keys() & b.keys()) < 1e-3

@@ -146,9 +146,8 @@ class PagedKV:
     def __init__(self, pool: PagePool, seqs: list[SeqKV], n_new: int):
         self.pool, self.seqs, self.n_new = pool, seqs, n_new
         self._start = torch.tensor([s.length for s in seqs], dtype=torch.long)
-        self._table: torch.Tensor | None = None  # [B, pages] for the fused decode kernel, made on first use
-        self._token_table: torch.Tensor | None = None  # [B * T, pages]: several new tokens a row (`token_pages`)
-        self._token_start = self._start
+        self._table: torch.Tensor | None = None  # [B * T, pages] for the fused kernel, made on first use
+        self._lengths = self._start  # [B * T]: each fused row's cached tokens
         self._fused = False
 
     # what the torch path needs, made on first use (a decode step on the fused kernel needs none of it)
@@ -194,53 +193,34 @@ class PagedKV:
                     sin: torch.Tensor, scale: float, token_rows: bool = False) -> torch.Tensor:  # fmt: skip
         """New tokens on fp32 CPU pages: a decode step (one new token per row) on the fused kernel, which reads and
         writes the pages in place; several new tokens a row, with `token_rows`, each token as a row of its own on it;
-        else `rope_append_attend`. (Per layer of a small model this is hot: what it needs is made once.)"""
-        if not fused.cpu_fp32(q, k, v) or (self.n_new > 1 and not token_rows):
-            return rope_append_attend(self, layer, q, k, v, cos, sin, scale)
-        if self.n_new == 1:
-            pages = self.fused_pages(layer, 1, q.shape[-1], cos, sin)
-            return rope_append_attend(self, layer, q, k, v, cos, sin, scale) if pages is None else \
-                fused.rope_attend(q, k, v, cos, sin, *pages, scale)
-        # several new tokens a row (`token_rows`: the model's layers are row-independent): each token as a row of its
-        # own on the same kernel, with its own length (every key and value is written before any row attends, and a
-        # row reads only up to its own token), so every token gets a one-token step's arithmetic and a chunked
-        # prefill, a resumed prefix and stepping give the same bits (int8 / int4 kernels round their inputs to int8,
-        # which turned the torch path's rounding differences into other tokens: a resumed chat answered otherwise)
-        B, T = q.shape[:2]
-        fq, fk, fv, fcos, fsin = (x.reshape(B * T, 1, *x.shape[2:]) for x in (q, k, v, cos, sin))
-        pages = self.token_pages(layer, q.shape[-1], fcos, fsin)
-        if pages is None:
-            return rope_append_attend(self, layer, q, k, v, cos, sin, scale)
-        return fused.rope_attend(fq, fk, fv, fcos, fsin, *pages, scale).view(B, T, *q.shape[2:])
+        else `rope_append_attend`. (Per layer of a small model this is hot: what it needs is made once.)
 
-    def token_pages(self, layer: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> fused.Pages | None:
-        """`fused_pages` for this step's B x T new tokens as B * T one-token rows (row b * T + t: row b's pages, its
-        length before token t); None where the fused kernel does not run."""
-        if self._token_table is None:
-            T = self.n_new
-            self._fused = fused.pages_fit(1, head_dim, cos, sin, *self.pool.pages.values())
-            width = max(len(s.pages) for s in self.seqs)
-            table = torch.tensor([s.pages + [0] * (width - len(s.pages)) for s in self.seqs], dtype=torch.long)
-            self._token_table = table.repeat_interleave(T, 0)
-            self._token_start = (self._start[:, None] + torch.arange(T)).reshape(-1)
-        if not self._fused:
-            return None
-        pool = self.pool
-        return (pool.flat(key_name(layer)), pool.flat(value_name(layer)), self._token_table, self._token_start,
-                pool.page_tokens)  # fmt: skip
+        Several new tokens a row go there only when the model's layers are row-independent (`token_rows`): every key
+        and value is written before any row attends and a row reads only up to its own token, so each token gets a
+        one-token step's arithmetic, and a chunked prefill, a resumed prefix and stepping give the same bits (int8 /
+        int4 kernels round their inputs to int8, which turned the torch path's rounding differences into other
+        tokens: a resumed chat answered otherwise)."""
+        if fused.cpu_fp32(q, k, v) and (self.n_new == 1 or token_rows):
+            B, T = q.shape[:2]
+            fq, fk, fv, fcos, fsin = (x if T == 1 else x.reshape(B * T, 1, *x.shape[2:]) for x in (q, k, v, cos, sin))
+            if (pages := self.fused_pages(layer, q.shape[-1], fcos, fsin)) is not None:
+                return fused.rope_attend(fq, fk, fv, fcos, fsin, *pages, scale).view(q.shape)
+        return rope_append_attend(self, layer, q, k, v, cos, sin, scale)
 
-    def fused_pages(self, layer: int, tokens: int, head_dim: int, cos: torch.Tensor,
-                    sin: torch.Tensor) -> fused.Pages | None:  # fmt: skip
-        """`layer`'s pools as the fused decode ops take them, with the page table, the rows' lengths and the page
-        size; None where they do not run (`fused.pages_fit`, decided once a step)."""
+    def fused_pages(self, layer: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> fused.Pages | None:
+        """`layer`'s pools as the fused decode ops take them, with the page table and lengths of their rows (each new
+        token a row: row b * T + t has row b's pages and its length before token t) and the page size; None where
+        they do not run (`fused.pages_fit`, decided once a step)."""
         if self._table is None:
-            self._fused = fused.pages_fit(tokens, head_dim, cos, sin, *self.pool.pages.values())
-            width = max(len(s.pages) for s in self.seqs)
-            self._table = torch.tensor([s.pages + [0] * (width - len(s.pages)) for s in self.seqs], dtype=torch.long)
+            self._fused = fused.pages_fit(1, head_dim, cos, sin, *self.pool.pages.values())
+            width, T = max(len(s.pages) for s in self.seqs), self.n_new
+            table = torch.tensor([s.pages + [0] * (width - len(s.pages)) for s in self.seqs], dtype=torch.long)
+            self._table = table if T == 1 else table.repeat_interleave(T, 0)
+            self._lengths = self._start if T == 1 else (self._start[:, None] + torch.arange(T)).reshape(-1)
         if not self._fused:
             return None
         pool = self.pool
-        return pool.flat(key_name(layer)), pool.flat(value_name(layer)), self._table, self._start, pool.page_tokens
+        return pool.flat(key_name(layer)), pool.flat(value_name(layer)), self._table, self._lengths, pool.page_tokens
 
     def commit(self) -> None:
         for s in self.seqs:

@@ -44,10 +44,10 @@ class KVBatch(Protocol):
         model's layers are row-independent, so a chunk then has stepping's bits)."""
         ...
 
-    def fused_pages(self, layer: int, tokens: int, head_dim: int, cos: torch.Tensor,
-                    sin: torch.Tensor) -> fused.Pages | None:  # fmt: skip
-        """Where a one-token step's attention runs on the fused kernel (`fused.rope_attend`, and layers that call it
-        themselves: `fused.llama_layer`): `layer`'s caches as its pages; None where it does not."""
+    def fused_pages(self, layer: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> fused.Pages | None:
+        """Where attention runs on the fused kernel, each new token a row (`fused.rope_attend`, and layers that call
+        it themselves on a one-token step: `fused.llama_layer`): `layer`'s caches as its pages; None where it does
+        not."""
         ...
 
 
@@ -111,8 +111,7 @@ class DenseKV:
         k, v = self.state[key_name(layer)], self.state[value_name(layer)]
         return attention(q, k, v, self.length, scale)
 
-    def fused_pages(self, layer: int, tokens: int, head_dim: int, cos: torch.Tensor,
-                    sin: torch.Tensor) -> fused.Pages | None:  # fmt: skip
+    def fused_pages(self, layer: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> fused.Pages | None:
         return None  # its caches grow by a copy each step (`rope_attend`), not in pages
 
     def rope_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,

@@ -210,7 +210,7 @@ class Llama(ModelBase):
         kernel = self.layer_kernel(i, mats, x.shape[0])
         if kernel is None or not cpu_fp32(x):
             return None
-        pages = attn.kv.fused_pages(i, 1, cfg.head_dim, attn.cos, attn.sin)
+        pages = attn.kv.fused_pages(i, cfg.head_dim, attn.cos, attn.sin)
         if pages is None:
             return None
         return llama_layer(x.contiguous(), (w["input_norm"], w["post_norm"]), mats, kernel, cfg.rms_eps, attn.cos,

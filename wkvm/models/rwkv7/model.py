@@ -174,15 +174,18 @@ class RWKV7(ModelBase):
             for j, (tokens, state) in enumerate(groups):
                 x = xs[j]
                 # one token per row on the step kernel; without it (WKVM_FUSED=off, no compiler) the torch path below
-                if x.is_cpu and step.available() and (tokens.numel() < PACKED_LORA_MIN_ROWS or (
-                        tokens.shape[1] > 1 and self._layer_in_one_call(i, w, tokens.numel()) is not None)):
-                    if tokens.shape[1] == 1:
+                if x.is_cpu and step.available():
+                    few, T = tokens.numel() < PACKED_LORA_MIN_ROWS, tokens.shape[1]
+                    if T == 1 and few:
                         y, v_firsts[j] = self._decode_layer(i, w, x.view(x.shape[0], -1), state, v_firsts[j])
                         xs[j] = y.view(x.shape)
                         continue
-                    # a few tokens a row: exactly as many steps (op by op up to STEP_CHUNK; in one call up to 63 rows
-                    # where the layer's matrices are on one native kernel, faster than the chunked path below there)
-                    if tokens.shape[1] <= STEP_CHUNK or self._layer_in_one_call(i, w, tokens.numel()) is not None:
+                    # several tokens a row: exactly as many steps, op by op for a few (up to STEP_CHUNK in under 64
+                    # rows), in one call for any number where the layer's matrices are on one native kernel at that
+                    # many rows (stepping's bits, so a resumed prompt answers as an uninterrupted one; faster than
+                    # the chunked path below too)
+                    one_call = T > 1 and self._layer_in_one_call(i, w, tokens.numel()) is not None
+                    if T > 1 and (few and T <= STEP_CHUNK or one_call):
                         xs[j], v_firsts[j] = self._steps_layer(i, w, x, state, v_firsts[j])
                         continue
                 xx = F.layer_norm(x, (cfg.n_embd,), w["ln1.weight"], w["ln1.bias"], cfg.ln_eps)
