@@ -225,11 +225,19 @@ def test_a_dense_cache_and_pages_give_the_same_bits(d):
     assert torch.equal(dense, paged)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "int8", "int4"])
+# int4 groups are 32 wide: every matrix's input width a multiple of 32. The odd shape (int8, fp32) has matrices with
+# rows past the last 32-row block, inputs ending in a short group and five rows (uneven over two threads).
+EVEN = dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2, head_dim=8)
+ODD = dict(hidden_size=40, intermediate_size=72, num_attention_heads=5, num_key_value_heads=1, head_dim=8)
+
+
+@pytest.mark.parametrize(("dtype", "shape"), [("float32", EVEN), ("int8", EVEN), ("int4", EVEN), ("float32", ODD),
+                                              ("int8", ODD)])  # fmt: skip
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
-def test_a_llama_decode_layer_in_one_call_gives_the_bits_of_its_ops(tmp_path, monkeypatch, dtype, kv_dtype):
-    """`fused.llama_layer` (a decode step's Llama layer on fp32, int8 or int4 weights in one call) against the same
-    layer as separate ops: every token and logprob of a batch of rows equal, to the bit."""
+def test_a_llama_decode_layer_in_one_call_gives_the_bits_of_its_ops(tmp_path, monkeypatch, dtype, shape, kv_dtype):
+    """`fused.llama_layer` (a decode step's Llama layer on fp32, int8 or int4 weights in one call; on int8 in one
+    parallel region) against the same layer as separate ops: every token and logprob of a batch of rows equal, to the
+    bit."""
     from conftest import CHAR_VOCAB, write_char_tokenizer
     from families.llama import write_checkpoint
 
@@ -240,9 +248,7 @@ def test_a_llama_decode_layer_in_one_call_gives_the_bits_of_its_ops(tmp_path, mo
     from wkvm.sampling_params import SamplingParams
     from wkvm.weights.loader import load_model, load_text_tools
 
-    # int4 groups are 32 wide: every matrix's input width a multiple of 32
-    path = write_checkpoint(tmp_path / "llama", len(CHAR_VOCAB), hidden_size=64, intermediate_size=96,
-                            num_attention_heads=8, num_key_value_heads=2, head_dim=8)  # fmt: skip
+    path = write_checkpoint(tmp_path / "llama", len(CHAR_VOCAB), **shape)
     write_char_tokenizer(path)
     model = load_model(path, dtype=dtype)
     layer = model.weights.layer(0)
@@ -252,11 +258,12 @@ def test_a_llama_decode_layer_in_one_call_gives_the_bits_of_its_ops(tmp_path, mo
     one_call = fused.llama_layer
     monkeypatch.setattr(fused, "llama_layer", lambda *a: calls.append(1) or one_call(*a))
     monkeypatch.setattr("wkvm.models.llama.model.llama_layer", fused.llama_layer)
-    prompts = [[(7 * i + 3 * j) % len(CHAR_VOCAB) for j in range(4 + 5 * i)] for i in range(3)]
+    rows = 3 if shape is EVEN else 5
+    prompts = [[(7 * i + 3 * j) % len(CHAR_VOCAB) for j in range(4 + 5 * i)] for i in range(rows)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
 
     def run() -> list[tuple[list[int], object]]:
-        engine = Engine(model, load_text_tools(path, model.family)[0], EngineConfig(n_slots=3, kv_dtype=kv_dtype))
+        engine = Engine(model, load_text_tools(path, model.family)[0], EngineConfig(n_slots=rows, kv_dtype=kv_dtype))
         handles = [engine.submit(p, params) for p in prompts]
         engine.run_until_done()
         return [(h.output.token_ids, h.output.logprobs) for h in handles]

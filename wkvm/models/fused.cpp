@@ -39,6 +39,16 @@
 
 #include "linear_call.h"
 #include "simd_math.h"
+#include "x_groups.h"
+// the int8 kernel's blocks, compiled here as int8_linear.cpp compiles them (no contraction): the same bits
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#include "int8_blocks.h"
+#pragma GCC pop_options
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -53,7 +63,9 @@ void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be [N, C] with contiguous rows");
 }
 
-inline void norm_row(const float* x, const float* w, float* y, int64_t C, float eps) {
+// The row helpers are not inlined: the ops below and the one-region Llama layer call the same compiled code, so a
+// row's reduction order (and its bits) cannot depend on the caller it was inlined into.
+__attribute__((noinline)) void norm_row(const float* x, const float* w, float* y, int64_t C, float eps) {
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
   for (int64_t c = 0; c < C; ++c) ss += x[c] * x[c];
@@ -75,6 +87,14 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
+// s = x + a, y = rms_norm(s)
+__attribute__((noinline)) void add_norm_row(const float* x, const float* a, const float* w, float* s, float* y,
+                                            int64_t C, float eps) {
+#pragma omp simd
+  for (int64_t c = 0; c < C; ++c) s[c] = x[c] + a[c];
+  norm_row(s, w, y, C, eps);
+}
+
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& a, const at::Tensor& w,
                                                 double eps) {
   check_rows(x, "x");
@@ -86,14 +106,16 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   const float *px = x.data_ptr<float>(), *pa = a.data_ptr<float>(), *pw = w.data_ptr<float>();
   float *ps = s.data_ptr<float>(), *py = y.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      float* row = ps + r * C;
-#pragma omp simd
-      for (int64_t c = 0; c < C; ++c) row[c] = px[r * sx + c] + pa[r * sa + c];
-      norm_row(row, pw, py + r * C, C, static_cast<float>(eps));
-    }
+    for (int64_t r = r0; r < r1; ++r) add_norm_row(px + r * sx, pa + r * sa, pw, ps + r * C, py + r * C, C, eps);
   });
   return {s, y};
+}
+
+// out[c] = silu(gu[c]) * gu[F + c] for c in c0 .. c1 of one row
+__attribute__((noinline)) void silu_span(const float* gu, float* out, int64_t F, int64_t c0, int64_t c1) {
+  const float *g = gu, *u = gu + F;
+#pragma omp simd
+  for (int64_t c = c0; c < c1; ++c) out[c] = g[c] / (1.0f + exp_approx(-g[c])) * u[c];
 }
 
 at::Tensor silu_mul(const at::Tensor& gu) {
@@ -106,10 +128,7 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   at::parallel_for(0, N * F, 16384, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1;) {
       const int64_t r = i / F, c0 = i % F, c1 = std::min(F, c0 + (i1 - i));
-      const float *g = pg + r * sg, *u = g + F;
-      float* out = py + r * F;
-#pragma omp simd
-      for (int64_t c = c0; c < c1; ++c) out[c] = g[c] / (1.0f + exp_approx(-g[c])) * u[c];
+      silu_span(pg + r * sg, py + r * F, F, c0, c1);
       i += c1 - c0;
     }
   });
@@ -556,92 +575,113 @@ inline void store_token(const float* src, T* dst, int64_t n) {
   }
 }
 
+// A rope_attend call's work in three phases over rows and items, so that both torch's pool (attend) and the
+// one-region Llama layer's threads (llama_layer_int8) can run them: the same functions, so the same bits.
+// Work items are (row, token chunk): a chunk's scores, softmax numerators and weighted values for every head, merged
+// per row afterwards (flash-decoding). The chunk size is fixed, so a row's result does not depend on the batch it
+// is in or on the thread count (and the dense cache, one page per row, splits it the same way).
 template <class T>
-void attend(const Problem& pr, T* kf, T* vf) {
-  const float *pq = pr.pq, *pk = pr.pk, *pv = pr.pv, *pc = pr.pc, *ps = pr.ps;
-  const int64_t *pt = pr.pt, *pl = pr.pl;
-  float* po = pr.po;
-  const int64_t B = pr.B, Hq = pr.Hq, Hkv = pr.Hkv, D = pr.D, R = pr.R, P = pr.P, sq = pr.sq, sk = pr.sk, sv = pr.sv;
-  const int64_t page_tokens = pr.page_tokens, G = Hq / Hkv;
-  const int64_t HD = Hkv * D;
-  const float fscale = pr.fscale;
-  // the new token's key and value first (each work item below reads every token of its row and head)
-  std::vector<float> key(HD);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t slot = Pages{pt + b * P, page_tokens}.slot(pl[b]);
-    for (int64_t j = 0; j < Hkv; ++j) rope(pk + b * sk + j * D, pc + b * R, ps + b * R, key.data() + j * D, D, R, 1.f);
-    store_token(key.data(), kf + slot * HD, HD);
-    store_token(pv + b * sv, vf + slot * HD, HD);
-  }
-  // Work items are (row, token chunk): a chunk's scores, softmax numerators and weighted values for every head, merged
-  // per row afterwards (flash-decoding). The chunk size is fixed, so a row's result does not depend on the batch it
-  // is in or on the thread count (and the dense cache, one page per row, splits it the same way).
-  int64_t tokens = 0;
-  for (int64_t b = 0; b < B; ++b) tokens += pl[b] + 1;
-  std::vector<int64_t> first(B + 1, 0);  // row b's items are first[b] .. first[b + 1] - 1
-  for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + (pl[b] + CHUNK) / CHUNK;
-  const int64_t items = first[B];
-  const Heads hs{Hq, Hkv, G, D, HD};
-  // every item writes its own acc, max and sum in full, so they need no zeroing: a buffer kept for the calling thread
-  // (up to 32 MB; beyond, one of the call's own). A prefill chunk's tokens as rows needed ~28 MB of it a layer at 4k
-  // tokens, zeroed (and faulted in) afresh per call before.
-  thread_local std::vector<float> scratch;
-  const size_t need = static_cast<size_t>(items) * Hq * (D + 2);
+struct Attention {
+  const Problem& pr;
+  T *kf, *vf;
+  Heads hs;
+  std::vector<int64_t> first;  // row b's items are first[b] .. first[b + 1] - 1
+  int64_t items = 0, tokens = 0;
   std::unique_ptr<float[]> own;
-  float* acc;
-  if (need <= (size_t(32) << 20) / sizeof(float)) {
-    if (scratch.size() < need) scratch.resize(need);
-    acc = scratch.data();
-  } else {
-    own.reset(new float[need]);
-    acc = own.get();
+  float *acc, *max, *sum;
+  std::vector<float> qr;  // RoPE'd, scaled queries [B, Hq, D]
+
+  Attention(const Problem& p, T* k, T* v)
+      : pr(p), kf(k), vf(v), hs{p.Hq, p.Hkv, p.Hq / p.Hkv, p.D, p.Hkv * p.D}, first(p.B + 1, 0), qr(p.B * p.Hq * p.D) {
+    for (int64_t b = 0; b < pr.B; ++b) {
+      tokens += pr.pl[b] + 1;
+      first[b + 1] = first[b] + (pr.pl[b] + CHUNK) / CHUNK;
+    }
+    items = first[pr.B];
+    // every item writes its own acc, max and sum in full, so they need no zeroing: a buffer kept for the calling
+    // thread (up to 32 MB; beyond, one of the call's own). A prefill chunk's tokens as rows needed ~28 MB of it a
+    // layer at 4k tokens, zeroed (and faulted in) afresh per call before.
+    thread_local std::vector<float> scratch;
+    const size_t need = static_cast<size_t>(items) * pr.Hq * (pr.D + 2);
+    if (need <= (size_t(32) << 20) / sizeof(float)) {
+      if (scratch.size() < need) scratch.resize(need);
+      acc = scratch.data();
+    } else {
+      own.reset(new float[need]);
+      acc = own.get();
+    }
+    max = acc + items * pr.Hq * pr.D, sum = max + items * pr.Hq;
   }
-  float *max = acc + items * Hq * D, *sum = max + items * Hq;
-  std::vector<float> qr(B * Hq * D);
-  for (int64_t b = 0; b < B; ++b) {  // RoPE'd, scaled queries
-    for (int64_t h = 0; h < Hq; ++h) rope(pq + b * sq + h * D, pc + b * R, ps + b * R, qr.data() + (b * Hq + h) * D, D, R, fscale);
+
+  // rows b0..b1-1: the new token's key and value into their slots (each item reads every token of its row and head,
+  // so this phase ends before the next begins), the queries RoPE'd and scaled
+  __attribute__((noinline)) void rows(int64_t b0, int64_t b1) {
+    const int64_t D = pr.D, R = pr.R;
+    std::vector<float> key(hs.HD);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t slot = Pages{pr.pt + b * pr.P, pr.page_tokens}.slot(pr.pl[b]);
+      for (int64_t j = 0; j < pr.Hkv; ++j) rope(pr.pk + b * pr.sk + j * D, pr.pc + b * R, pr.ps + b * R, key.data() + j * D, D, R, 1.f);
+      store_token(key.data(), kf + slot * hs.HD, hs.HD);
+      store_token(pr.pv + b * pr.sv, vf + slot * hs.HD, hs.HD);
+      for (int64_t h = 0; h < pr.Hq; ++h) rope(pr.pq + b * pr.sq + h * D, pr.pc + b * R, pr.ps + b * R, qr.data() + (b * pr.Hq + h) * D, D, R, pr.fscale);
+    }
   }
-  // threads only for enough work: waking them costs more than a short cache's attention
-  const int64_t grain = tokens * Hq * D < (1 << 16) ? items : 1;
-  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+
+  __attribute__((noinline)) void work(int64_t i0, int64_t i1) {
     std::vector<float> scores;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
-      const int64_t t0 = (i - first[b]) * CHUNK, t1 = std::min(pl[b] + 1, t0 + CHUNK);
-      const Pages pg{pt + b * P, page_tokens};
-      scores.resize(Hq * (t1 - t0));
-      scores_of(qr.data() + b * Hq * D, kf, vf, pg, t0, t1, hs, scores.data());
-      exp_rows(scores.data(), Hq, t1 - t0, max + i * Hq, sum + i * Hq);
-      values_fast(scores.data(), vf, pg, t0, t1, hs, acc + i * Hq * D);
-    }
-  });
-  // merge each row's chunks: rescale to the largest max, divide by the total (rows apart: a prefill chunk's tokens)
-  at::parallel_for(0, B, B * Hq * D * (items / B + 1) < (1 << 16) ? B : 1, [&](int64_t b0, int64_t b1) {
-  for (int64_t b = b0; b < b1; ++b) {
-    for (int64_t h = 0; h < Hq; ++h) {
-      float mx = max[first[b] * Hq + h];
-      for (int64_t i = first[b] + 1; i < first[b + 1]; ++i) mx = max[i * Hq + h] > mx ? max[i * Hq + h] : mx;
-      float total = 0.f;
-      float* o = po + (b * Hq + h) * D;
-      std::fill(o, o + D, 0.f);
-      for (int64_t i = first[b]; i < first[b + 1]; ++i) {
-        const float w = std::exp(max[i * Hq + h] - mx);
-        total += w * sum[i * Hq + h];
-        const float* a = acc + (i * Hq + h) * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
-      }
-      const float inv = 1.0f / total;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      const int64_t t0 = (i - first[b]) * CHUNK, t1 = std::min(pr.pl[b] + 1, t0 + CHUNK);
+      const Pages pg{pr.pt + b * pr.P, pr.page_tokens};
+      scores.resize(pr.Hq * (t1 - t0));
+      scores_of(qr.data() + b * pr.Hq * pr.D, kf, vf, pg, t0, t1, hs, scores.data());
+      exp_rows(scores.data(), pr.Hq, t1 - t0, max + i * pr.Hq, sum + i * pr.Hq);
+      values_fast(scores.data(), vf, pg, t0, t1, hs, acc + i * pr.Hq * pr.D);
     }
   }
-  });
+
+  // each row's chunks merged: rescaled to the largest max, divided by the total
+  __attribute__((noinline)) void merge(int64_t b0, int64_t b1) {
+    const int64_t Hq = pr.Hq, D = pr.D;
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t h = 0; h < Hq; ++h) {
+        float mx = max[first[b] * Hq + h];
+        for (int64_t i = first[b] + 1; i < first[b + 1]; ++i) mx = max[i * Hq + h] > mx ? max[i * Hq + h] : mx;
+        float total = 0.f;
+        float* o = pr.po + (b * Hq + h) * D;
+        std::fill(o, o + D, 0.f);
+        for (int64_t i = first[b]; i < first[b + 1]; ++i) {
+          const float w = std::exp(max[i * Hq + h] - mx);
+          total += w * sum[i * Hq + h];
+          const float* a = acc + (i * Hq + h) * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+        }
+        const float inv = 1.0f / total;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      }
+    }
+  }
+};
+
+template <class T>
+void attend(const Problem& pr, T* kf, T* vf) {
+  Attention<T> a(pr, kf, vf);
+  a.rows(0, pr.B);
+  // threads only for enough work: waking them costs more than a short cache's attention
+  const int64_t grain = a.tokens * pr.Hq * pr.D < (1 << 16) ? a.items : 1;
+  at::parallel_for(0, a.items, grain, [&](int64_t i0, int64_t i1) { a.work(i0, i1); });
+  // rows apart (a prefill chunk's tokens are rows)
+  const int64_t B = pr.B;
+  at::parallel_for(0, B, B * pr.Hq * pr.D * (a.items / B + 1) < (1 << 16) ? B : 1,
+                   [&](int64_t b0, int64_t b1) { a.merge(b0, b1); });
 }
 
-at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                       const at::Tensor& sin, const at::Tensor& kflat, const at::Tensor& vflat,
-                       const at::Tensor& table, const at::Tensor& lengths, int64_t page_tokens, double scale) {
+// rope_attend's operands, checked, with `out` (q's shape) as the output
+Problem problem_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                   const at::Tensor& sin, const at::Tensor& kflat, const at::Tensor& vflat, const at::Tensor& table,
+                   const at::Tensor& lengths, int64_t page_tokens, double scale, const at::Tensor& out) {
   TORCH_CHECK(q.dim() >= 3 && k.dim() >= 3, "q and k must be [B, H, D] or [B, 1, H, D]");
   const int64_t B = q.size(0), Hq = q.size(-2), D = q.size(-1), Hkv = k.size(-2), R = cos.size(-1);
   const int64_t sq = row_stride(q, Hq, D, "q"), sk = row_stride(k, Hkv, D, "k"), sv = row_stride(v, Hkv, D, "v");
@@ -676,12 +716,19 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                   " is outside the pool");
     }
   }
-  std::vector<int64_t> shape(q.sizes().begin(), q.sizes().end());
-  at::Tensor out = at::empty(shape, q.options());
-  const Problem pr{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), cos.data_ptr<float>(),
-                   sin.data_ptr<float>(), pt, pl, out.data_ptr<float>(), B, Hq, Hkv, D, R, P, sq, sk, sv, page_tokens,
-                   static_cast<float>(scale)};
-  if (f16) {
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.numel() == B * Hq * D, "out must be [B, Hq, D]");
+  return Problem{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), cos.data_ptr<float>(),
+                 sin.data_ptr<float>(), pt, pl, out.data_ptr<float>(), B, Hq, Hkv, D, R, P, sq, sk, sv, page_tokens,
+                 static_cast<float>(scale)};
+}
+
+at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                       const at::Tensor& sin, const at::Tensor& kflat, const at::Tensor& vflat,
+                       const at::Tensor& table, const at::Tensor& lengths, int64_t page_tokens, double scale) {
+  TORCH_CHECK(q.dim() >= 3, "q must be [B, H, D] or [B, 1, H, D]");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  const Problem pr = problem_of(q, k, v, cos, sin, kflat, vflat, table, lengths, page_tokens, scale, out);
+  if (kflat.scalar_type() == at::kHalf) {
     attend(pr, kflat.data_ptr<half>(), vflat.data_ptr<half>());
   } else {
     attend(pr, kflat.data_ptr<float>(), vflat.data_ptr<float>());
@@ -885,9 +932,155 @@ std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& logits) {
   return {ids, finite};
 }
 
+// ---- A decode step's Llama layer on int8 weights in one parallel region ----
+// The layer as separate ops (llama_layer below) wakes torch's threads for each matmul and for attention and leaves
+// the norms, the rounding of x to int8, RoPE and the merge on one thread: at 8 rows the second thread waited ~40% of
+// a step (perf, SmolLM2 int8, AMD EPYC, 2 threads). Here one region runs the whole layer, each phase split over the
+// team (rows, output blocks, attention items) and closed by a barrier. Each phase calls the functions the ops call
+// on the same values, so the layer gives the same bits.
+
+#ifndef _OPENMP
+inline int omp_get_thread_num() { return 0; }
+inline int omp_get_num_threads() { return 1; }
+#endif
+
+// member `rank` of a team of `size`'s share [first, last) of n things
+inline std::pair<int64_t, int64_t> share(int64_t n, int rank, int size) {
+  return {n * rank / size, n * (rank + 1) / size};
+}
+
+// x rounded to int8 groups for the layer's matmuls, row by row (a row's groups do not depend on the rows beside it)
+// (uninitialized: a phase writes each row before the next phase reads it)
+struct RoundedX {
+  std::unique_ptr<int8_t[]> q;
+  std::unique_ptr<int16_t[]> q16;  // the vpmaddwd paths' copy (isa 1, 2)
+  std::unique_ptr<float[]> s;
+  std::unique_ptr<int32_t[]> sum;
+  RoundedX(int64_t M, int64_t K)  // K: the widest input
+      : q(new int8_t[M * K]), q16(new int16_t[M * K]), s(new float[M * groups(K)]), sum(new int32_t[M * groups(K)]) {}
+
+  static int64_t groups(int64_t K) { return (K + wkvm::X_GROUP - 1) / wkvm::X_GROUP; }
+
+  void rows(const float* x, int64_t K, int64_t r0, int64_t r1, int64_t isa) {
+    wkvm::quantize_group_range(x, K, r0 * groups(K), r1 * groups(K), q.get(), s.get(), sum.get(), isa);
+    if (isa == 1 || isa == 2)
+      for (int64_t i = r0 * K; i < r1 * K; ++i) q16[i] = q[i];
+  }
+
+  // this member's share of y [M, N] = x [M, K] @ w^T (w int8 [N, K + 4], int8_linear.cpp's format)
+  void matmul(const at::Tensor& w, float* y, int64_t M, int64_t K, int64_t isa, int rank, int size) const {
+    namespace i8 = wkvm::int8;
+    const int64_t N = w.size(0);
+    const i8::Problem p{q.get(), q16.get(), s.get(), sum.get(), w.data_ptr<int8_t>(), y, M, N, K, groups(K),
+                        K % 2 ? 0 : N / i8::BLOCK};
+    const auto [b0, b1] = share(p.blocks, rank, size);
+    if (b0 < b1) i8::blocks_of(isa)(p, b0, b1);
+    const auto [n0, n1] = share(N - p.blocks * i8::BLOCK, rank, size);
+    if (n0 < n1) i8::rows_scalar(p, p.blocks * i8::BLOCK + n0, p.blocks * i8::BLOCK + n1);
+  }
+};
+
+struct LayerInt8 {
+  const float *x, *in_norm, *post_norm;
+  const at::Tensor *wqkv, *wo, *wgu, *wdown;
+  const int64_t* isa;  // per matrix
+  float *qkv, *att, *proj, *s, *h, *gu, *act, *dn, *out;
+  int64_t B, C, HD, F;  // rows, width, attention output width (Hq D), MLP width
+  float eps;
+};
+
+template <class T>
+void layer_int8(const LayerInt8& L, Attention<T>& att, RoundedX& xq) {
+  const int64_t B = L.B, C = L.C, F = L.F;
+  at::internal::lazy_init_num_threads();
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int rank = omp_get_thread_num(), size = omp_get_num_threads();
+    const auto [r0, r1] = share(B, rank, size);
+    for (int64_t r = r0; r < r1; ++r) norm_row(L.x + r * C, L.in_norm, L.h + r * C, C, L.eps);
+    xq.rows(L.h, C, r0, r1, L.isa[0]);
+#pragma omp barrier
+    xq.matmul(*L.wqkv, L.qkv, B, C, L.isa[0], rank, size);
+#pragma omp barrier
+    att.rows(r0, r1);
+#pragma omp barrier
+    const auto [i0, i1] = share(att.items, rank, size);
+    att.work(i0, i1);
+#pragma omp barrier
+    att.merge(r0, r1);
+    xq.rows(L.att, L.HD, r0, r1, L.isa[1]);
+#pragma omp barrier
+    xq.matmul(*L.wo, L.proj, B, L.HD, L.isa[1], rank, size);
+#pragma omp barrier
+    for (int64_t r = r0; r < r1; ++r)
+      add_norm_row(L.x + r * C, L.proj + r * C, L.post_norm, L.s + r * C, L.h + r * C, C, L.eps);
+    xq.rows(L.h, C, r0, r1, L.isa[2]);
+#pragma omp barrier
+    xq.matmul(*L.wgu, L.gu, B, C, L.isa[2], rank, size);
+#pragma omp barrier
+    for (int64_t r = r0; r < r1; ++r) silu_span(L.gu + r * 2 * F, L.act + r * F, F, 0, F);
+    xq.rows(L.act, F, r0, r1, L.isa[3]);
+#pragma omp barrier
+    xq.matmul(*L.wdown, L.dn, B, F, L.isa[3], rank, size);
+#pragma omp barrier
+    for (int64_t r = r0; r < r1; ++r) {
+      const float *a = L.s + r * C, *b = L.dn + r * C;
+      float* o = L.out + r * C;
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) o[c] = a[c] + b[c];
+    }
+  }
+}
+
+// llama_layer's int8 case in one region (its arguments checked here; args[2 j]: matrix j's kernel path)
+at::Tensor llama_layer_int8(const at::Tensor& x2, const at::Tensor& in_norm, const at::Tensor& post_norm,
+                            const at::Tensor& wqkv, const at::Tensor& wo, const at::Tensor& wgu,
+                            const at::Tensor& wdown, at::IntArrayRef args, double eps, const at::Tensor& cos,
+                            const at::Tensor& sin, const at::Tensor& kflat, const at::Tensor& vflat,
+                            const at::Tensor& table, const at::Tensor& lengths, int64_t page_tokens, double scale,
+                            int64_t Hq, int64_t Hkv) {
+  const int64_t B = x2.size(0), C = x2.size(1), D = kflat.size(2), HD = Hq * D;
+  for (const at::Tensor* w : {&wqkv, &wo, &wgu, &wdown})
+    TORCH_CHECK(w->dim() == 2 && w->scalar_type() == at::kChar && w->is_contiguous() && w->device().is_cpu(),
+                "int8 weights must be contiguous int8 [N, K + 4] on the CPU");
+  const int64_t F = wgu.size(0) / 2;
+  TORCH_CHECK(wqkv.size(0) == (Hq + 2 * Hkv) * D && wqkv.size(1) == C + 4 && wo.size(0) == C &&
+                  wo.size(1) == HD + 4 && wgu.size(0) == 2 * F && wgu.size(1) == C + 4 && wdown.size(0) == C &&
+                  wdown.size(1) == F + 4,
+              "int8 weights must be qkv [(Hq + 2 Hkv) D, C + 4], o [C, Hq D + 4], gate_up [2 F, C + 4], "
+              "down [C, F + 4]");
+  const int64_t best = wkvm::int8::best_isa();
+  for (int j = 0; j < 4; ++j) TORCH_CHECK(args[2 * j] >= 0 && args[2 * j] <= best, "this CPU cannot run kernel isa ", args[2 * j]);
+  for (const at::Tensor* n : {&in_norm, &post_norm})
+    TORCH_CHECK(n->is_contiguous() && n->scalar_type() == at::kFloat && n->numel() == C, "norms must be float32 [C]");
+  const auto opts = x2.options();
+  at::Tensor qkv = at::empty({B, wqkv.size(0)}, opts), att = at::empty({B, 1, Hq, D}, opts);
+  at::Tensor work = at::empty({B, 5 * C + 3 * F}, opts), out = at::empty({B, 1, C}, opts);
+  const at::Tensor q = qkv.narrow(1, 0, HD).view({B, 1, Hq, D});
+  const at::Tensor k = qkv.narrow(1, HD, Hkv * D).view({B, 1, Hkv, D});
+  const at::Tensor v = qkv.narrow(1, HD + Hkv * D, Hkv * D).view({B, 1, Hkv, D});
+  const Problem pr = problem_of(q, k, v, cos, sin, kflat, vflat, table, lengths, page_tokens, scale, att);
+  float* w0 = work.data_ptr<float>();
+  const int64_t isa[4] = {args[0], args[2], args[4], args[6]};
+  const LayerInt8 L{x2.data_ptr<float>(), in_norm.data_ptr<float>(), post_norm.data_ptr<float>(), &wqkv, &wo, &wgu,
+                    &wdown, isa, qkv.data_ptr<float>(), att.data_ptr<float>(), w0, w0 + B * C, w0 + 2 * B * C,
+                    w0 + 3 * B * C, w0 + 3 * B * C + 2 * B * F, w0 + 4 * B * C + 2 * B * F, out.data_ptr<float>(),
+                    B, C, HD, F, static_cast<float>(eps)};
+  RoundedX xq(B, std::max({C, HD, F}));
+  if (kflat.scalar_type() == at::kHalf) {
+    Attention<half> a(pr, kflat.data_ptr<half>(), vflat.data_ptr<half>());
+    layer_int8(L, a, xq);
+  } else {
+    Attention<float> a(pr, kflat.data_ptr<float>(), vflat.data_ptr<float>());
+    layer_int8(L, a, xq);
+  }
+  return out;
+}
+
 // One decode step (T = 1) of a pre-norm attention + SiLU-MLP layer (Llama): the ops the Python path runs, in its
 // order and on the same kernels (linear_call.h), so the same bits, without the ~50 us of Python and views a layer
-// measured on SmolLM2 (int8, one row, AMD EPYC).
+// measured on SmolLM2 (int8, one row, AMD EPYC). On int8 weights the whole layer runs in one parallel region
+// (llama_layer_int8: the same functions on the same values).
 // `kernel` and `args` (two a matrix): linear_call.h's.
 at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& in_norm, const at::Tensor& post_norm,
                        const at::Tensor& wqkv, const at::Tensor& wo, const at::Tensor& wgu, const at::Tensor& wdown,
@@ -896,9 +1089,12 @@ at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& in_norm, const at:
                        const at::Tensor& lengths, int64_t page_tokens, double scale, int64_t Hq, int64_t Hkv) {
   TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.is_contiguous(), "x must be contiguous [B, 1, C]");
   TORCH_CHECK(args.size() == 8, "args: two a matrix");
-  const wkvm::LinearCall& linear = wkvm::linear_call(kernel);
   const int64_t B = x.size(0), C = x.size(2), D = kflat.size(2);
   const at::Tensor x2 = x.view({B, C});
+  if (kernel == "wkvm_int8")
+    return llama_layer_int8(x2, in_norm, post_norm, wqkv, wo, wgu, wdown, args, eps, cos, sin, kflat, vflat, table,
+                            lengths, page_tokens, scale, Hq, Hkv);
+  const wkvm::LinearCall& linear = wkvm::linear_call(kernel);
   const at::Tensor qkv = linear(rms_norm(x2, in_norm, eps), wqkv, args[0], args[1]);
   TORCH_CHECK(qkv.size(1) == (Hq + 2 * Hkv) * D, "wqkv must give Hq + 2 Hkv heads of D");
   const at::Tensor q = qkv.narrow(1, 0, Hq * D).view({B, 1, Hq, D});

@@ -123,29 +123,36 @@ __attribute__((target("avx2,fma"))) inline void quantize_group_avx2(const float*
 }
 #endif
 
-// isa as the kernels number them: 0 portable, 1 AVX2, 2-3 AVX-512 (BW)
+// groups i0 .. i1 of x [M, K] (group i is row i / G's group i % G); isa as the kernels number them: 0 portable, 1
+// AVX2, 2-3 AVX-512 (BW). The result of a group does not depend on the range it is rounded in.
+inline void quantize_group_range(const float* x, int64_t K, int64_t i0, int64_t i1, int8_t* q, float* scale,
+                                 int32_t* sum, int64_t isa) {
+  const int64_t G = (K + X_GROUP - 1) / X_GROUP;
+#if defined(__x86_64__) || defined(_M_X64)
+  if (K % X_GROUP == 0 && isa >= 2) {
+    quantize_whole_groups_avx512(x, i0, i1, q, scale, sum);
+    return;
+  }
+#endif
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t m = i / G, k0 = (i % G) * X_GROUP, n = std::min(X_GROUP, K - k0);
+    const float* r = x + m * K + k0;
+#if defined(__x86_64__) || defined(_M_X64)
+    if (n == X_GROUP && isa >= 1) {  // AVX-512 machines too, where K is not a multiple of 32
+      quantize_group_avx2(r, q + m * K + k0, scale + i, sum + i);
+      continue;
+    }
+#endif
+    quantize_group(r, n, q + m * K + k0, scale + i, sum + i);
+  }
+}
+
+// every group of x [M, K], split over torch's threads
 inline void quantize_groups(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, int32_t* sum,
                             int64_t isa) {
   const int64_t G = (K + X_GROUP - 1) / X_GROUP;
-  at::parallel_for(0, M * G, 512, [&](int64_t i0, int64_t i1) {
-#if defined(__x86_64__) || defined(_M_X64)
-    if (K % X_GROUP == 0 && isa >= 2) {
-      quantize_whole_groups_avx512(x, i0, i1, q, scale, sum);
-      return;
-    }
-#endif
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t m = i / G, k0 = (i % G) * X_GROUP, n = std::min(X_GROUP, K - k0);
-      const float* r = x + m * K + k0;
-#if defined(__x86_64__) || defined(_M_X64)
-      if (n == X_GROUP && isa >= 1) {  // AVX-512 machines too, where K is not a multiple of 32
-        quantize_group_avx2(r, q + m * K + k0, scale + i, sum + i);
-        continue;
-      }
-#endif
-      quantize_group(r, n, q + m * K + k0, scale + i, sum + i);
-    }
-  });
+  at::parallel_for(0, M * G, 512,
+                   [&](int64_t i0, int64_t i1) { quantize_group_range(x, K, i0, i1, q, scale, sum, isa); });
 }
 
 }  // namespace wkvm
