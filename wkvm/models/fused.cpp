@@ -40,9 +40,10 @@
 #include "linear_call.h"
 #include "simd_math.h"
 #include "x_groups.h"
-// the int8 kernel's blocks, compiled here as int8_linear.cpp compiles them (no contraction): the same bits
+// the int8 and int4 kernels' blocks, compiled here as their own libraries compile them (no contraction): the same bits
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
+#include "int4_blocks.h"
 #include "int8_blocks.h"
 #pragma GCC pop_options
 
@@ -576,7 +577,7 @@ inline void store_token(const float* src, T* dst, int64_t n) {
 }
 
 // A rope_attend call's work in three phases over rows and items, so that both torch's pool (attend) and the
-// one-region Llama layer's threads (llama_layer_int8) can run them: the same functions, so the same bits.
+// one-region Llama layer's threads (quant_layer) can run them: the same functions, so the same bits.
 // Work items are (row, token chunk): a chunk's scores, softmax numerators and weighted values for every head, merged
 // per row afterwards (flash-decoding). The chunk size is fixed, so a row's result does not depend on the batch it
 // is in or on the thread count (and the dense cache, one page per row, splits it the same way).
@@ -932,7 +933,7 @@ std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& logits) {
   return {ids, finite};
 }
 
-// ---- A decode step's Llama layer on int8 weights in one parallel region ----
+// ---- A decode step's Llama layer on int8 or int4 weights in one parallel region ----
 // The layer as separate ops (llama_layer below) wakes torch's threads for each matmul and for attention and leaves
 // the norms, the rounding of x to int8, RoPE and the merge on one thread: at 8 rows the second thread waited ~40% of
 // a step (perf, SmolLM2 int8, AMD EPYC, 2 threads). Here one region runs the whole layer, each phase split over the
@@ -949,38 +950,56 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int rank, int size) {
   return {n * rank / size, n * (rank + 1) / size};
 }
 
-// x rounded to int8 groups for the layer's matmuls, row by row (a row's groups do not depend on the rows beside it)
-// (uninitialized: a phase writes each row before the next phase reads it)
+// x rounded to int8 groups for the layer's matmuls, row by row (a row's groups do not depend on the rows beside it),
+// and those matmuls (uninitialized: a phase writes each row before the next phase reads it)
 struct RoundedX {
+  bool int4;
   std::unique_ptr<int8_t[]> q;
-  std::unique_ptr<int16_t[]> q16;  // the vpmaddwd paths' copy (isa 1, 2)
-  std::unique_ptr<float[]> s;
+  std::unique_ptr<int16_t[]> q16;  // int8's vpmaddwd paths' copy (isa 1, 2)
+  std::unique_ptr<float[]> s, sd;  // scales; int4's sums times scales
   std::unique_ptr<int32_t[]> sum;
-  RoundedX(int64_t M, int64_t K)  // K: the widest input
-      : q(new int8_t[M * K]), q16(new int16_t[M * K]), s(new float[M * groups(K)]), sum(new int32_t[M * groups(K)]) {}
+  RoundedX(bool int4_weights, int64_t M, int64_t K)  // K: the widest input
+      : int4(int4_weights), q(new int8_t[M * K]), q16(new int16_t[M * K]), s(new float[M * groups(K)]),
+        sd(new float[M * groups(K)]), sum(new int32_t[M * groups(K)]) {}
 
   static int64_t groups(int64_t K) { return (K + wkvm::X_GROUP - 1) / wkvm::X_GROUP; }
 
   void rows(const float* x, int64_t K, int64_t r0, int64_t r1, int64_t isa) {
-    wkvm::quantize_group_range(x, K, r0 * groups(K), r1 * groups(K), q.get(), s.get(), sum.get(), isa);
-    if (isa == 1 || isa == 2)
+    const int64_t G = groups(K);
+    wkvm::quantize_group_range(x, K, r0 * G, r1 * G, q.get(), s.get(), sum.get(), isa);
+    if (int4) {
+      for (int64_t i = r0 * G; i < r1 * G; ++i) sd[i] = static_cast<float>(sum[i]) * s[i];
+    } else if (isa == 1 || isa == 2) {
       for (int64_t i = r0 * K; i < r1 * K; ++i) q16[i] = q[i];
+    }
   }
 
-  // this member's share of y [M, N] = x [M, K] @ w^T (w int8 [N, K + 4], int8_linear.cpp's format)
+  // this member's share of y [M, N] = x [M, K] @ w^T (w in int8_linear.cpp's or int4_linear.cpp's format)
   void matmul(const at::Tensor& w, float* y, int64_t M, int64_t K, int64_t isa, int rank, int size) const {
-    namespace i8 = wkvm::int8;
     const int64_t N = w.size(0);
-    const i8::Problem p{q.get(), q16.get(), s.get(), sum.get(), w.data_ptr<int8_t>(), y, M, N, K, groups(K),
-                        K % 2 ? 0 : N / i8::BLOCK};
+    if (int4) {
+      namespace i4 = wkvm::int4;
+      const i4::Problem p{q.get(), s.get(), sd.get(), w.data_ptr<uint8_t>(), y, M, N, K, groups(K), N / i4::ROWS};
+      split(p, i4::blocks_of(isa), i4::rows_scalar, i4::ROWS, rank, size);
+    } else {
+      namespace i8 = wkvm::int8;
+      const i8::Problem p{q.get(), q16.get(), s.get(), sum.get(), w.data_ptr<int8_t>(), y, M, N, K, groups(K),
+                          K % 2 ? 0 : N / i8::BLOCK};
+      split(p, i8::blocks_of(isa), i8::rows_scalar, i8::BLOCK, rank, size);
+    }
+  }
+
+  // this member's blocks, then its rows of those after the last block
+  template <class P, class Blocks, class Rows>
+  static void split(const P& p, Blocks blocks, Rows rows, int64_t block_rows, int rank, int size) {
     const auto [b0, b1] = share(p.blocks, rank, size);
-    if (b0 < b1) i8::blocks_of(isa)(p, b0, b1);
-    const auto [n0, n1] = share(N - p.blocks * i8::BLOCK, rank, size);
-    if (n0 < n1) i8::rows_scalar(p, p.blocks * i8::BLOCK + n0, p.blocks * i8::BLOCK + n1);
+    if (b0 < b1) blocks(p, b0, b1);
+    const auto [n0, n1] = share(p.N - p.blocks * block_rows, rank, size);
+    if (n0 < n1) rows(p, p.blocks * block_rows + n0, p.blocks * block_rows + n1);
   }
 };
 
-struct LayerInt8 {
+struct QuantLayer {
   const float *x, *in_norm, *post_norm;
   const at::Tensor *wqkv, *wo, *wgu, *wdown;
   const int64_t* isa;  // per matrix
@@ -990,7 +1009,7 @@ struct LayerInt8 {
 };
 
 template <class T>
-void layer_int8(const LayerInt8& L, Attention<T>& att, RoundedX& xq) {
+void quant_layer(const QuantLayer& L, Attention<T>& att, RoundedX& xq) {
   const int64_t B = L.B, C = L.C, F = L.F;
   at::internal::lazy_init_num_threads();
 #pragma omp parallel num_threads(at::get_num_threads())
@@ -1032,24 +1051,30 @@ void layer_int8(const LayerInt8& L, Attention<T>& att, RoundedX& xq) {
   }
 }
 
-// llama_layer's int8 case in one region (its arguments checked here; args[2 j]: matrix j's kernel path)
-at::Tensor llama_layer_int8(const at::Tensor& x2, const at::Tensor& in_norm, const at::Tensor& post_norm,
-                            const at::Tensor& wqkv, const at::Tensor& wo, const at::Tensor& wgu,
-                            const at::Tensor& wdown, at::IntArrayRef args, double eps, const at::Tensor& cos,
-                            const at::Tensor& sin, const at::Tensor& kflat, const at::Tensor& vflat,
-                            const at::Tensor& table, const at::Tensor& lengths, int64_t page_tokens, double scale,
-                            int64_t Hq, int64_t Hkv) {
-  const int64_t B = x2.size(0), C = x2.size(1), D = kflat.size(2), HD = Hq * D;
-  for (const at::Tensor* w : {&wqkv, &wo, &wgu, &wdown})
-    TORCH_CHECK(w->dim() == 2 && w->scalar_type() == at::kChar && w->is_contiguous() && w->device().is_cpu(),
-                "int8 weights must be contiguous int8 [N, K + 4] on the CPU");
-  const int64_t F = wgu.size(0) / 2;
-  TORCH_CHECK(wqkv.size(0) == (Hq + 2 * Hkv) * D && wqkv.size(1) == C + 4 && wo.size(0) == C &&
-                  wo.size(1) == HD + 4 && wgu.size(0) == 2 * F && wgu.size(1) == C + 4 && wdown.size(0) == C &&
-                  wdown.size(1) == F + 4,
-              "int8 weights must be qkv [(Hq + 2 Hkv) D, C + 4], o [C, Hq D + 4], gate_up [2 F, C + 4], "
-              "down [C, F + 4]");
-  const int64_t best = wkvm::int8::best_isa();
+// The input width of an int8 [N, K + 4] or int4 [N, K / 32 * 20] matrix (checked)
+int64_t in_width(const at::Tensor& w, bool int4) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == (int4 ? at::kByte : at::kChar) && w.is_contiguous() &&
+                  w.device().is_cpu(),
+              int4 ? "int4 weights must be contiguous uint8 [N, K / 32 * 20]" : "int8 weights must be contiguous int8 [N, K + 4]",
+              " on the CPU");
+  if (!int4) return w.size(1) - 4;
+  TORCH_CHECK(w.size(1) % wkvm::int4::ROW_BYTES == 0, "int4 weight rows must hold whole groups of 20 bytes");
+  return w.size(1) / wkvm::int4::ROW_BYTES * wkvm::int4::GROUP;
+}
+
+// llama_layer's int8 / int4 case in one region (its arguments checked here; args[2 j]: matrix j's kernel path)
+at::Tensor llama_layer_quant(bool int4, const at::Tensor& x2, const at::Tensor& in_norm, const at::Tensor& post_norm,
+                             const at::Tensor& wqkv, const at::Tensor& wo, const at::Tensor& wgu,
+                             const at::Tensor& wdown, at::IntArrayRef args, double eps, const at::Tensor& cos,
+                             const at::Tensor& sin, const at::Tensor& kflat, const at::Tensor& vflat,
+                             const at::Tensor& table, const at::Tensor& lengths, int64_t page_tokens, double scale,
+                             int64_t Hq, int64_t Hkv) {
+  const int64_t B = x2.size(0), C = x2.size(1), D = kflat.size(2), HD = Hq * D, F = wgu.size(0) / 2;
+  TORCH_CHECK(wqkv.size(0) == (Hq + 2 * Hkv) * D && in_width(wqkv, int4) == C && wo.size(0) == C &&
+                  in_width(wo, int4) == HD && wgu.size(0) == 2 * F && in_width(wgu, int4) == C &&
+                  wdown.size(0) == C && in_width(wdown, int4) == F,
+              "the weights must be qkv [(Hq + 2 Hkv) D, C], o [C, Hq D], gate_up [2 F, C], down [C, F] (out, in)");
+  const int64_t best = int4 ? wkvm::int4::best_isa() : wkvm::int8::best_isa();
   for (int j = 0; j < 4; ++j) TORCH_CHECK(args[2 * j] >= 0 && args[2 * j] <= best, "this CPU cannot run kernel isa ", args[2 * j]);
   for (const at::Tensor* n : {&in_norm, &post_norm})
     TORCH_CHECK(n->is_contiguous() && n->scalar_type() == at::kFloat && n->numel() == C, "norms must be float32 [C]");
@@ -1062,25 +1087,25 @@ at::Tensor llama_layer_int8(const at::Tensor& x2, const at::Tensor& in_norm, con
   const Problem pr = problem_of(q, k, v, cos, sin, kflat, vflat, table, lengths, page_tokens, scale, att);
   float* w0 = work.data_ptr<float>();
   const int64_t isa[4] = {args[0], args[2], args[4], args[6]};
-  const LayerInt8 L{x2.data_ptr<float>(), in_norm.data_ptr<float>(), post_norm.data_ptr<float>(), &wqkv, &wo, &wgu,
-                    &wdown, isa, qkv.data_ptr<float>(), att.data_ptr<float>(), w0, w0 + B * C, w0 + 2 * B * C,
-                    w0 + 3 * B * C, w0 + 3 * B * C + 2 * B * F, w0 + 4 * B * C + 2 * B * F, out.data_ptr<float>(),
-                    B, C, HD, F, static_cast<float>(eps)};
-  RoundedX xq(B, std::max({C, HD, F}));
+  const QuantLayer L{x2.data_ptr<float>(), in_norm.data_ptr<float>(), post_norm.data_ptr<float>(), &wqkv, &wo, &wgu,
+                     &wdown, isa, qkv.data_ptr<float>(), att.data_ptr<float>(), w0, w0 + B * C, w0 + 2 * B * C,
+                     w0 + 3 * B * C, w0 + 3 * B * C + 2 * B * F, w0 + 4 * B * C + 2 * B * F, out.data_ptr<float>(),
+                     B, C, HD, F, static_cast<float>(eps)};
+  RoundedX xq(int4, B, std::max({C, HD, F}));
   if (kflat.scalar_type() == at::kHalf) {
     Attention<half> a(pr, kflat.data_ptr<half>(), vflat.data_ptr<half>());
-    layer_int8(L, a, xq);
+    quant_layer(L, a, xq);
   } else {
     Attention<float> a(pr, kflat.data_ptr<float>(), vflat.data_ptr<float>());
-    layer_int8(L, a, xq);
+    quant_layer(L, a, xq);
   }
   return out;
 }
 
 // One decode step (T = 1) of a pre-norm attention + SiLU-MLP layer (Llama): the ops the Python path runs, in its
 // order and on the same kernels (linear_call.h), so the same bits, without the ~50 us of Python and views a layer
-// measured on SmolLM2 (int8, one row, AMD EPYC). On int8 weights the whole layer runs in one parallel region
-// (llama_layer_int8: the same functions on the same values).
+// measured on SmolLM2 (int8, one row, AMD EPYC). On int8 or int4 weights the whole layer runs in one parallel
+// region (llama_layer_quant: the same functions on the same values).
 // `kernel` and `args` (two a matrix): linear_call.h's.
 at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& in_norm, const at::Tensor& post_norm,
                        const at::Tensor& wqkv, const at::Tensor& wo, const at::Tensor& wgu, const at::Tensor& wdown,
@@ -1091,9 +1116,9 @@ at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& in_norm, const at:
   TORCH_CHECK(args.size() == 8, "args: two a matrix");
   const int64_t B = x.size(0), C = x.size(2), D = kflat.size(2);
   const at::Tensor x2 = x.view({B, C});
-  if (kernel == "wkvm_int8")
-    return llama_layer_int8(x2, in_norm, post_norm, wqkv, wo, wgu, wdown, args, eps, cos, sin, kflat, vflat, table,
-                            lengths, page_tokens, scale, Hq, Hkv);
+  if (kernel == "wkvm_int8" || kernel == "wkvm_int4")
+    return llama_layer_quant(kernel == "wkvm_int4", x2, in_norm, post_norm, wqkv, wo, wgu, wdown, args, eps, cos, sin,
+                             kflat, vflat, table, lengths, page_tokens, scale, Hq, Hkv);
   const wkvm::LinearCall& linear = wkvm::linear_call(kernel);
   const at::Tensor qkv = linear(rms_norm(x2, in_norm, eps), wqkv, args[0], args[1]);
   TORCH_CHECK(qkv.size(1) == (Hq + 2 * Hkv) * D, "wqkv must give Hq + 2 Hkv heads of D");

@@ -12,7 +12,7 @@
 
 #include "x_groups.h"
 
-#if defined(__x86_64__) || defined(_M_X64)
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(WKVM_X86)
 #include <immintrin.h>
 #define WKVM_X86 1
 #endif
@@ -146,11 +146,11 @@ __attribute__((target("avx2,fma"))) void blocks_avx2(const Problem& p, int64_t b
 
 // ---- AVX-512BW: two halves of 16 rows, int16 pairs (vpmaddwd) ----
 
-#define WKVM_AVX512 "avx2,fma,avx512f,avx512bw"
-#define WKVM_VNNI "avx2,fma,avx512f,avx512bw,avx512vnni"
+#define WKVM_I8_AVX512 "avx2,fma,avx512f,avx512bw"
+#define WKVM_I8_VNNI "avx2,fma,avx512f,avx512bw,avx512vnni"
 
 template <int MT>
-__attribute__((target(WKVM_AVX512))) void block_avx512(const Problem& p, int64_t b, int64_t m) {
+__attribute__((target(WKVM_I8_AVX512))) void block_avx512(const Problem& p, int64_t b, int64_t m) {
   const int8_t* w = block_at(p, b);
   __m512 acc[2][MT];
   for (int h = 0; h < 2; ++h)
@@ -188,7 +188,7 @@ inline int64_t quad_row(int h, int64_t j) { return 8 * (j / 4) + 4 * h + j % 4; 
 // acc += u (unsigned bytes) . s (signed bytes), lane by lane. Written as asm so that GCC keeps each accumulator in one
 // register across the loop: with the intrinsic it copied every accumulator in and out of a spare register around
 // each vpdpbusd (16 zmm moves per 8 products at 4 rows)
-__attribute__((target(WKVM_VNNI))) inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
+__attribute__((target(WKVM_I8_VNNI))) inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
   return acc;
 }
@@ -196,7 +196,7 @@ __attribute__((target(WKVM_VNNI))) inline __m512i dpbusd(__m512i acc, __m512i u,
 // isum += quad k..k+3 of 32 rows times rows m..m+MT of x; WHOLE false: only pair row k is left (the quads' top
 // halves are zero)
 template <int MT, bool WHOLE>
-__attribute__((target(WKVM_VNNI))) inline void quad_vnni(const Problem& p, const int8_t* w, int64_t k, int64_t m,
+__attribute__((target(WKVM_I8_VNNI))) inline void quad_vnni(const Problem& p, const int8_t* w, int64_t k, int64_t m,
                                                          __m512i (&isum)[2][MT]) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i a = _mm512_loadu_si512(w + k * BLOCK);
@@ -215,7 +215,7 @@ __attribute__((target(WKVM_VNNI))) inline void quad_vnni(const Problem& p, const
 // rows m .. m + MT of x against block b (each output's sums go group by group in order: the same bits on every
 // path). `next`: a block to ask into L2 meanwhile (prefetch_share)
 template <int MT>
-__attribute__((target(WKVM_VNNI))) void block_vnni(const Problem& p, int64_t b, int64_t m, const int8_t* next) {
+__attribute__((target(WKVM_I8_VNNI))) void block_vnni(const Problem& p, int64_t b, int64_t m, const int8_t* next) {
   const int8_t* w = block_at(p, b);
   __m512 acc[2][MT];
   for (int h = 0; h < 2; ++h)
@@ -264,7 +264,7 @@ __attribute__((target(WKVM_VNNI))) void block_vnni(const Problem& p, int64_t b, 
 // 576, from memory); with one pass over blocks of long rows too, two threads from memory, 0.98-1.16x at 8 rows and
 // 1.03-1.15x at 16 for 576 x 1,536, 1.10-1.15x and 1.04-1.08x for 768 x 3,072 (three runs). At 1 row the hardware's
 // own prefetch keeps up and this was 0.85-1.05x (below 1 for four shapes of five).
-__attribute__((target(WKVM_VNNI))) void vnni_blocks(const Problem& p, int64_t b0, int64_t b1) {
+__attribute__((target(WKVM_I8_VNNI))) void vnni_blocks(const Problem& p, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     int64_t m = 0;
     for (; m + 8 <= p.M; m += 8) block_vnni<8>(p, b, m, m == 0 && b + 1 < b1 ? block_at(p, b + 1) : nullptr);
@@ -283,7 +283,7 @@ __attribute__((target(WKVM_VNNI))) void vnni_blocks(const Problem& p, int64_t b0
       if (m < p.M) block_##NAME<1>(p, b, m);                                                 \
     }                                                                                        \
   }
-WKVM_BLOCKS(avx512, WKVM_AVX512, 4)
+WKVM_BLOCKS(avx512, WKVM_I8_AVX512, 4)
 
 #endif  // WKVM_X86
 
@@ -312,3 +312,7 @@ inline Blocks blocks_of(int64_t isa) {
 
 }  // namespace
 }  // namespace wkvm::int8
+
+#undef WKVM_I8_AVX512
+#undef WKVM_I8_VNNI
+#undef WKVM_BLOCKS

@@ -1,0 +1,263 @@
+// The int4 kernel's block code (int4_linear.cpp describes the format and the paths), shared by the `wkvm_int4`
+// ops and the fused Llama layer (fused.cpp), which runs a decode step's matmuls on its own threads' shares: the
+// same code, so the same bits. Its users build it without floating-point contraction (int4_linear.cpp with
+// -ffp-contract=off, fused.cpp around its #include).
+// int8.load_kernel hashes the headers a source includes with quotes: editing this file rebuilds its users.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "x_groups.h"
+
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(WKVM_X86)
+#include <immintrin.h>
+#define WKVM_X86 1
+#endif
+
+namespace wkvm::int4 {
+namespace {  // internal linkage: each library that includes this keeps its own copy
+
+
+constexpr int64_t GROUP = 32;       // weights per scale, along K
+constexpr int64_t ROWS = 16;        // rows per block
+constexpr int64_t ROW_BYTES = 20;   // per row and group: 16 nibble bytes, fp16 d, fp16 m
+constexpr int64_t BLOCK_BYTES = ROWS * ROW_BYTES;  // per block and group
+constexpr int64_t NIBBLES = 256;    // a block group's nibble bytes, before its 16 d and 16 m
+
+struct Problem {
+  const int8_t* xq;   // [M, K] x rounded to int8 per group
+  const float* xs;    // [M, G] the groups' scales
+  const float* xsd;   // [M, G] the groups' sums of xq times their scales
+  const uint8_t* w;   // [N, G * 20]
+  float* y;           // [M, N]
+  int64_t M, N, K, G, blocks;
+};
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  float v;
+  if (exp == 0) {
+    v = static_cast<float>(man) * 5.9604644775390625e-8f;  // subnormal: man * 2^-24, exact
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    bits |= sign;
+    std::memcpy(&v, &bits, sizeof v);
+    return v;
+  }
+  const uint32_t bits = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline const uint8_t* block_group(const Problem& p, int64_t b, int64_t g) {
+  return p.w + b * ROWS * p.G * ROW_BYTES + g * BLOCK_BYTES;
+}
+
+// From 4 rows x, a block's first pass asks the next block's group into L2 (prefetcht1) with each of its own groups:
+// the arithmetic then overlaps the next weights' way from memory. Op from memory, paired (AMD EPYC, 2 threads,
+// SmolLM2 shapes K = 576): VNNI 8 rows 1.02-1.19x, 16 rows 1.13-1.29x, 4-6 rows 0.95-1.08x; AVX2 4 and 8 rows
+// 0.98-1.29x. Not below 4 rows, as in the int8 kernel, where a one-row call ran 0.85-1.05x with it (not measured
+// with this kernel).
+constexpr int64_t PREFETCH_ROWS = 4;
+inline void prefetch_group(const uint8_t* g) {
+  for (int64_t o = 0; o < BLOCK_BYTES; o += 64) __builtin_prefetch(g + o, 0, 2);
+}
+
+// acc plus one group's contribution dx * (d * isum + m * sum(xq)) = isum * (d * dx) + m * xsd, as two fused
+// multiply-adds: the same operations in the same order on every path (std::fma rounds once, like the vector FMAs)
+inline float group_term(float acc, int32_t isum, float d, float m, float dx, float xsd) {
+  return std::fma(m, xsd, std::fma(static_cast<float>(isum), d * dx, acc));
+}
+
+// ---- portable C++ (the reference the vector paths equal bit for bit) ----
+
+// weight k of row r in a block group, and of a plain row's group
+inline int32_t block_q(const uint8_t* bg, int64_t r, int64_t k) {
+  const uint8_t byte = bg[64 * (k / 8) + 4 * r + (k % 4)];
+  return (k % 8) < 4 ? byte & 15 : byte >> 4;
+}
+
+inline int32_t plain_q(const uint8_t* pg, int64_t k) { return k < 16 ? pg[k] & 15 : pg[k - 16] >> 4; }
+
+void blocks_scalar(const Problem& p, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b)
+    for (int64_t m = 0; m < p.M; ++m)
+      for (int64_t r = 0; r < ROWS; ++r) {
+        float acc = 0.f;
+        for (int64_t g = 0; g < p.G; ++g) {
+          const uint8_t* bg = block_group(p, b, g);
+          const int8_t* xg = p.xq + m * p.K + g * GROUP;
+          int32_t isum = 0;
+          for (int64_t k = 0; k < GROUP; ++k) isum += block_q(bg, r, k) * xg[k];
+          const float d = half_to_float(load_u16(bg + NIBBLES + 2 * r));
+          const float mn = half_to_float(load_u16(bg + NIBBLES + 32 + 2 * r));
+          acc = group_term(acc, isum, d, mn, p.xs[m * p.G + g], p.xsd[m * p.G + g]);
+        }
+        p.y[m * p.N + b * ROWS + r] = acc;
+      }
+}
+
+void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < p.M; ++m) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < p.G; ++g) {
+        const uint8_t* pg = p.w + n * p.G * ROW_BYTES + g * ROW_BYTES;
+        const int8_t* xg = p.xq + m * p.K + g * GROUP;
+        int32_t isum = 0;
+        for (int64_t k = 0; k < GROUP; ++k) isum += plain_q(pg, k) * xg[k];
+        const float d = half_to_float(load_u16(pg + 16)), mn = half_to_float(load_u16(pg + 18));
+        acc = group_term(acc, isum, d, mn, p.xs[m * p.G + g], p.xsd[m * p.G + g]);
+      }
+      p.y[m * p.N + n] = acc;
+    }
+}
+
+#ifdef WKVM_X86
+
+// ---- AVX2: a block as two halves of 8 rows, 8 rows per register ----
+
+#define WKVM_I4_AVX2 "avx2,f16c,fma"
+
+template <int MT>
+__attribute__((target(WKVM_I4_AVX2))) void half_avx2(const Problem& p, int64_t b, int64_t h, int64_t m, bool next) {
+  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.G; ++g) {
+    const uint8_t* bg = block_group(p, b, g);
+    if (next) prefetch_group(block_group(p, b + 1, g));
+    __m256i wv[8];
+    for (int c = 0; c < 4; ++c) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + 64 * c + 32 * h));
+      wv[2 * c] = _mm256_and_si256(raw, low);
+      wv[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bg + NIBBLES + 16 * h)));
+    const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bg + NIBBLES + 32 + 16 * h)));
+    for (int i = 0; i < MT; ++i) {
+      const int8_t* xg = p.xq + (m + i) * p.K + g * GROUP;
+      __m256i isum = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        int32_t quad;
+        std::memcpy(&quad, xg + 4 * j, sizeof quad);
+        const __m256i pairs = _mm256_maddubs_epi16(wv[j], _mm256_set1_epi32(quad));  // <= 2 * 15 * 127: no saturation
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
+      }
+      const int64_t gi = (m + i) * p.G + g;
+      const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(p.xs[gi])), acc[i]);
+      acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(p.xsd[gi]), t);
+    }
+  }
+  for (int i = 0; i < MT; ++i) _mm256_storeu_ps(p.y + (m + i) * p.N + b * ROWS + 8 * h, acc[i]);
+}
+
+__attribute__((target(WKVM_I4_AVX2))) void blocks_avx2(const Problem& p, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b)
+    for (int64_t h = 0; h < 2; ++h) {
+      int64_t m = 0;
+      for (; m + 4 <= p.M; m += 4) half_avx2<4>(p, b, h, m, h == 0 && m == 0 && p.M >= PREFETCH_ROWS && b + 1 < b1);
+      for (; m < p.M; ++m) half_avx2<1>(p, b, h, m, false);
+    }
+}
+
+// ---- AVX-512BW and AVX512-VNNI: 16 rows per register ----
+
+#define WKVM_I4_AVX512 "avx2,f16c,avx512f,avx512bw"
+#define WKVM_I4_VNNI "avx2,f16c,avx512f,avx512bw,avx512vnni"
+
+#define WKVM_KERNELS512(NAME, TARGET, DOT)                                                                     \
+  template <int MT>                                                                                            \
+  __attribute__((target(TARGET))) void NAME##_block(const Problem& p, int64_t b, int64_t m, bool next) {       \
+    const __m512i low = _mm512_set1_epi8(15);                                                                  \
+    __m512 acc[MT];                                                                                            \
+    for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();                                                 \
+    for (int64_t g = 0; g < p.G; ++g) {                                                                        \
+      const uint8_t* bg = block_group(p, b, g);                                                                \
+      if (next) prefetch_group(block_group(p, b + 1, g));                                                      \
+      __m512i wv[8];                                                                                           \
+      for (int c = 0; c < 4; ++c) {                                                                            \
+        const __m512i raw = _mm512_loadu_si512(bg + 64 * c);                                                   \
+        wv[2 * c] = _mm512_and_si512(raw, low);                                                                \
+        wv[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);                                      \
+      }                                                                                                        \
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + NIBBLES)));    \
+      const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + NIBBLES + 32))); \
+      __m512i isums[MT];                                                                                       \
+      for (int i = 0; i < MT; ++i) isums[i] = _mm512_setzero_si512();                                          \
+      for (int j = 0; j < 8; ++j) {                                                                            \
+        for (int i = 0; i < MT; ++i) {                                                                         \
+          int32_t quad;                                                                                        \
+          std::memcpy(&quad, p.xq + (m + i) * p.K + g * GROUP + 4 * j, sizeof quad);                           \
+          isums[i] = DOT(isums[i], wv[j], _mm512_set1_epi32(quad));                                            \
+        }                                                                                                      \
+      }                                                                                                        \
+      for (int i = 0; i < MT; ++i) {                                                                           \
+        const __m512i isum = isums[i];                                                                         \
+        const int64_t gi = (m + i) * p.G + g;                                                                  \
+        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(p.xs[gi])),  \
+                                         acc[i]);                                                              \
+        acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(p.xsd[gi]), t);                                            \
+      }                                                                                                        \
+    }                                                                                                          \
+    for (int i = 0; i < MT; ++i) _mm512_storeu_ps(p.y + (m + i) * p.N + b * ROWS, acc[i]);                     \
+  }                                                                                                            \
+  __attribute__((target(TARGET))) void NAME##_blocks(const Problem& p, int64_t b0, int64_t b1) {               \
+    for (int64_t b = b0; b < b1; ++b) {                                                                        \
+      int64_t m = 0;                                                                                           \
+      const bool next = p.M >= PREFETCH_ROWS && b + 1 < b1;                                                    \
+      for (; m + 8 <= p.M; m += 8) NAME##_block<8>(p, b, m, next && m == 0);                                   \
+      for (; m + 4 <= p.M; m += 4) NAME##_block<4>(p, b, m, next && m == 0);                                   \
+      for (; m + 2 <= p.M; m += 2) NAME##_block<2>(p, b, m, false);                                            \
+      for (; m < p.M; ++m) NAME##_block<1>(p, b, m, false);                                                    \
+    }                                                                                                          \
+  }
+
+#define WKVM_DOT_BW(acc, w, x) _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)))
+#define WKVM_DOT_VNNI(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
+WKVM_KERNELS512(avx512, WKVM_I4_AVX512, WKVM_DOT_BW)
+WKVM_KERNELS512(vnni, WKVM_I4_VNNI, WKVM_DOT_VNNI)
+
+#endif  // WKVM_X86
+
+int64_t best_isa() {
+#ifdef WKVM_X86
+  __builtin_cpu_init();
+  const bool bw = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  if (bw && __builtin_cpu_supports("avx512vnni")) return 3;
+  if (bw) return 2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma")) return 1;
+#endif
+  return 0;
+}
+
+using Blocks = void (*)(const Problem&, int64_t, int64_t);
+
+// the block loop of kernel path `isa` (0 portable, 1 AVX2, 2 AVX-512BW, 3 AVX512-VNNI)
+inline Blocks blocks_of(int64_t isa) {
+#ifdef WKVM_X86
+  if (isa == 1) return blocks_avx2;
+  if (isa == 2) return avx512_blocks;
+  if (isa == 3) return vnni_blocks;
+#endif
+  return blocks_scalar;
+}
+
+}  // namespace
+}  // namespace wkvm::int4
+
+#undef WKVM_I4_AVX2
+#undef WKVM_I4_AVX512
+#undef WKVM_I4_VNNI
+#undef WKVM_KERNELS512
+#undef WKVM_DOT_BW
+#undef WKVM_DOT_VNNI
