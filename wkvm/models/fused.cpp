@@ -950,6 +950,13 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int rank, int size) {
   return {n * rank / size, n * (rank + 1) / size};
 }
 
+// a quantized matrix's bytes and output rows (taken before the region: nothing in it may throw)
+struct Matrix {
+  const void* data;
+  int64_t rows;
+  explicit Matrix(const at::Tensor& w) : data(w.data_ptr()), rows(w.size(0)) {}
+};
+
 // x rounded to int8 groups for the layer's matmuls, row by row (a row's groups do not depend on the rows beside it),
 // and those matmuls (uninitialized: a phase writes each row before the next phase reads it)
 struct RoundedX {
@@ -975,16 +982,17 @@ struct RoundedX {
   }
 
   // this member's share of y [M, N] = x [M, K] @ w^T (w in int8_linear.cpp's or int4_linear.cpp's format)
-  void matmul(const at::Tensor& w, float* y, int64_t M, int64_t K, int64_t isa, int rank, int size) const {
-    const int64_t N = w.size(0);
+  void matmul(const Matrix& w, float* y, int64_t M, int64_t K, int64_t isa, int rank, int size) const {
+    const int64_t N = w.rows;
     if (int4) {
       namespace i4 = wkvm::int4;
-      const i4::Problem p{q.get(), s.get(), sd.get(), w.data_ptr<uint8_t>(), y, M, N, K, groups(K), N / i4::ROWS};
+      const i4::Problem p{q.get(), s.get(), sd.get(), static_cast<const uint8_t*>(w.data), y, M, N, K, groups(K),
+                          N / i4::ROWS};
       split(p, i4::blocks_of(isa), i4::rows_scalar, i4::ROWS, rank, size);
     } else {
       namespace i8 = wkvm::int8;
-      const i8::Problem p{q.get(), q16.get(), s.get(), sum.get(), w.data_ptr<int8_t>(), y, M, N, K, groups(K),
-                          K % 2 ? 0 : N / i8::BLOCK};
+      const i8::Problem p{q.get(), q16.get(), s.get(), sum.get(), static_cast<const int8_t*>(w.data), y, M, N, K,
+                          groups(K), K % 2 ? 0 : N / i8::BLOCK};
       split(p, i8::blocks_of(isa), i8::rows_scalar, i8::BLOCK, rank, size);
     }
   }
@@ -1001,7 +1009,7 @@ struct RoundedX {
 
 struct QuantLayer {
   const float *x, *in_norm, *post_norm;
-  const at::Tensor *wqkv, *wo, *wgu, *wdown;
+  Matrix wqkv, wo, wgu, wdown;
   const int64_t* isa;  // per matrix
   float *qkv, *att, *proj, *s, *h, *gu, *act, *dn, *out;
   int64_t B, C, HD, F;  // rows, width, attention output width (Hq D), MLP width
@@ -1019,7 +1027,7 @@ void quant_layer(const QuantLayer& L, Attention<T>& att, RoundedX& xq) {
     for (int64_t r = r0; r < r1; ++r) norm_row(L.x + r * C, L.in_norm, L.h + r * C, C, L.eps);
     xq.rows(L.h, C, r0, r1, L.isa[0]);
 #pragma omp barrier
-    xq.matmul(*L.wqkv, L.qkv, B, C, L.isa[0], rank, size);
+    xq.matmul(L.wqkv, L.qkv, B, C, L.isa[0], rank, size);
 #pragma omp barrier
     att.rows(r0, r1);
 #pragma omp barrier
@@ -1029,18 +1037,18 @@ void quant_layer(const QuantLayer& L, Attention<T>& att, RoundedX& xq) {
     att.merge(r0, r1);
     xq.rows(L.att, L.HD, r0, r1, L.isa[1]);
 #pragma omp barrier
-    xq.matmul(*L.wo, L.proj, B, L.HD, L.isa[1], rank, size);
+    xq.matmul(L.wo, L.proj, B, L.HD, L.isa[1], rank, size);
 #pragma omp barrier
     for (int64_t r = r0; r < r1; ++r)
       add_norm_row(L.x + r * C, L.proj + r * C, L.post_norm, L.s + r * C, L.h + r * C, C, L.eps);
     xq.rows(L.h, C, r0, r1, L.isa[2]);
 #pragma omp barrier
-    xq.matmul(*L.wgu, L.gu, B, C, L.isa[2], rank, size);
+    xq.matmul(L.wgu, L.gu, B, C, L.isa[2], rank, size);
 #pragma omp barrier
     for (int64_t r = r0; r < r1; ++r) silu_span(L.gu + r * 2 * F, L.act + r * F, F, 0, F);
     xq.rows(L.act, F, r0, r1, L.isa[3]);
 #pragma omp barrier
-    xq.matmul(*L.wdown, L.dn, B, F, L.isa[3], rank, size);
+    xq.matmul(L.wdown, L.dn, B, F, L.isa[3], rank, size);
 #pragma omp barrier
     for (int64_t r = r0; r < r1; ++r) {
       const float *a = L.s + r * C, *b = L.dn + r * C;
@@ -1087,8 +1095,8 @@ at::Tensor llama_layer_quant(bool int4, const at::Tensor& x2, const at::Tensor& 
   const Problem pr = problem_of(q, k, v, cos, sin, kflat, vflat, table, lengths, page_tokens, scale, att);
   float* w0 = work.data_ptr<float>();
   const int64_t isa[4] = {args[0], args[2], args[4], args[6]};
-  const QuantLayer L{x2.data_ptr<float>(), in_norm.data_ptr<float>(), post_norm.data_ptr<float>(), &wqkv, &wo, &wgu,
-                     &wdown, isa, qkv.data_ptr<float>(), att.data_ptr<float>(), w0, w0 + B * C, w0 + 2 * B * C,
+  const QuantLayer L{x2.data_ptr<float>(), in_norm.data_ptr<float>(), post_norm.data_ptr<float>(), Matrix(wqkv),
+                     Matrix(wo), Matrix(wgu), Matrix(wdown), isa, qkv.data_ptr<float>(), att.data_ptr<float>(), w0, w0 + B * C, w0 + 2 * B * C,
                      w0 + 3 * B * C, w0 + 3 * B * C + 2 * B * F, w0 + 4 * B * C + 2 * B * F, out.data_ptr<float>(),
                      B, C, HD, F, static_cast<float>(eps)};
   RoundedX xq(int4, B, std::max({C, HD, F}));
