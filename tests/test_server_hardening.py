@@ -334,6 +334,26 @@ def test_key_is_checked_before_the_body_is_read(server):
     assert head.startswith(b"HTTP/1.1 401"), head[:200]
 
 
+def test_a_client_leaving_mid_upload_is_no_server_error(server):
+    """An import whose client closes the connection after 1,000 of 100,000 announced bytes: counted as 499 (client
+    closed request), not as a 500 with tracebacks (hunt 7), and the server goes on answering."""
+    def count(status):
+        text = httpx.get(f"{server.url}/metrics", headers=B).text
+        line = next((x for x in text.splitlines() if x.startswith("wkvm_requests_total{") and
+                     'route="/v1/states/import"' in x and f'status="{status}"' in x), None)  # fmt: skip
+        return 0.0 if line is None else float(line.rsplit(" ", 1)[1])
+
+    before = count(499)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/states/import?name=cut HTTP/1.1\r\nHost: x\r\nX-Api-Key: " + B["X-Api-Key"].encode()
+                     + b"\r\nContent-Length: 100000\r\n\r\n" + b"x" * 1000)  # fmt: skip
+    deadline = time.monotonic() + 10
+    while count(499) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert count(499) == before + 1 and count(500) == 0
+    assert post(server, "/v1/states", {"name": "after-cut", "prompt_ids": [1, 2]}).status_code == 200
+
+
 def test_versions_are_never_reused(server):
     for _ in range(2):
         assert post(server, "/v1/states", {"name": "vr", "prompt_ids": [1, 2]}).status_code == 200

@@ -131,6 +131,9 @@ def test_bad_names_and_handles_are_400_not_500(server):
     c.post("/v1/states", json={"name": "base", "prompt_ids": [1, 2, 3]})
     r = c.post("/v1/states/base/mutate", json={"rule": "interpolate", "params": {"other": "bad@x", "t": 0.5}})
     assert r.status_code == 400 and "handle" in r.json()["error"]["message"]
+    for other in ("missing", ""):  # a 404 that names the field holding the handle, not the URL's (hunt 7)
+        r = c.post("/v1/states/base/mutate", json={"rule": "interpolate", "params": {"other": other, "t": 0.5}})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "params.other", r.text
     for stream in (False, True):
         r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "save_state": "../x", "stream": stream})
         assert r.status_code == 400 and r.json()["error"]["param"] == "save_state"

@@ -139,6 +139,23 @@ def test_tenants_and_handles(svc):
         svc.create("alice", "../etc", PROMPT)
 
 
+def test_tenants_with_the_same_state_share_nothing_a_pin_or_a_tier_would_show(svc):
+    """Two tenants' states of the same tokens are two blobs (one tenant's forks still share one): a pin of alice's does
+    not refuse bob's hibernate, and bob loading his does not move alice's up a tier (hunt 7: a shared blob had told
+    bob that someone pinned exactly his guess, and alice that someone used her prompt)."""
+    a, b = svc.create("alice", "secret", PROMPT), svc.create("bob", "guess", PROMPT)
+    assert a.blob != b.blob and a.blob.endswith(b.blob.rpartition("-")[2])
+    assert svc.store.fork("alice", "secret@1", "copy").blob == a.blob
+    svc.store.set_pinned("alice", "secret@1", True)
+    assert svc.store.hibernate("bob", "guess@1", "disk").tier == "disk"
+    svc.store.set_pinned("alice", "secret@1", False)
+    assert svc.store.hibernate("alice", "secret@1", "disk").tier == "disk"
+    svc.store.load("bob", "guess@1")
+    assert svc.store.get("alice", "secret@1").tier == "disk" and svc.store.get("bob", "guess@1").tier == "device"
+    svc.store.delete("bob", "guess@1")  # alice's file is her own
+    assert svc.store.export_bytes("alice", "secret@1")
+
+
 EXPORT_CHILD = textwrap.dedent(
     """
     import json, sys
@@ -230,6 +247,40 @@ def test_import_refuses_crafted_metadata_and_values(svc, model):
     tensors["layers.1.wkv"].view(-1)[7] = 3e38  # finite, and the checksum below is recomputed: only the bound sees it
     with pytest.raises(StateFileError, match=r"tensor layers\.1\.wkv holds a value of magnitude 3e\+38"):
         svc.store.import_bytes("b", statefile.encode(model.spec, tensors, meta))
+
+
+def with_raw_header(data: bytes, edit) -> bytes:
+    """The same state file with its header's JSON text passed through `edit`."""
+    n = int.from_bytes(data[:8], "little")
+    raw = edit(data[8 : 8 + n].decode().rstrip()).encode()
+    raw = raw.ljust(-(-len(raw) // 8) * 8)
+    return len(raw).to_bytes(8, "little") + raw + data[8 + n :]
+
+
+def test_import_takes_metadata_only_as_export_writes_it(svc, model):
+    """A header naming a tensor or a field twice (a reader may take either copy), numbers in other digits or with
+    spaces, another family's name, NaN in op_params, a created_at int() / float() would bend to: refused (hunt 7)."""
+    good = svc.store.export_bytes("a", svc.create("a", "x", PROMPT).handle)
+    first = next(k for k in json.loads(good[8 : 8 + int.from_bytes(good[:8], "little")]) if k != "__metadata__")
+    cases = {
+        "appears twice": with_raw_header(good, lambda h: h.replace('"__metadata__":{', '"__metadata__":{"fingerprint":'
+                                                                   f'"{"0" * 64}",', 1)),
+        "appears twice in": with_raw_header(good, lambda h: h[:-1] + "," +
+                                            json.dumps({first: json.loads(h)[first]})[1:]),  # fmt: skip
+        "n_tokens must be a non-negative integer": with_metadata(good, n_tokens="\u0661" + str(len(PROMPT))[1:]),
+        "n_tokens must be": with_metadata(good, n_tokens=f" {len(PROMPT)} "),
+        "version must be": with_metadata(good, version="\u0661"),
+        "model family 'mamba2'": with_metadata(good, family="mamba2"),
+        "op_params: .*NaN or Infinity": with_metadata(good, op_params='{"x": NaN, "y": Infinity}'),
+        "created_at must be": with_metadata(good, created_at="1_700_000_000"),
+    }
+    for reason, data in cases.items():
+        with pytest.raises(StateFileError, match=reason):
+            svc.store.import_bytes("b", data)
+    svc.store.import_bytes("b", with_metadata(good, created_at="1764790000.25", version="0012"))
+    with pytest.raises(StateFileError, match=f"holds {len(PROMPT)} tokens, which leaves no room"):
+        svc.store.import_bytes("b", good, context=len(PROMPT))  # a server whose context it fills: unusable there
+    svc.store.import_bytes("b", good, context=len(PROMPT) + 1)
 
 
 def test_handles_and_names_are_strict(svc):
@@ -533,14 +584,14 @@ def test_internal_budget_and_blobs_shared_with_users(model, tmp_path):
     store = StateStore(tmp_path / "b", model.spec, model.fingerprint, limits=StoreLimits(internal_bytes=budget))
     shared = random_state(model.spec, 0)
     ckpt = store.put("t#ckpt", "shared", shared, [1, 2, 0], durable=False)
-    saved = store.put("u", "saved", shared, [1, 2, 0])  # a save_state final state == the turn-end checkpoint
+    saved = store.put("t", "saved", shared, [1, 2, 0])  # a save_state final state == the tenant's turn-end checkpoint
     assert saved.blob == ckpt.blob
     for i in range(1, 6):
         assert store.put("t#ckpt", f"c{i}", random_state(model.spec, i), [1, 2, i], durable=False) is not None
     assert [r.name for r in store.list("t#ckpt")] == ["c3", "c4", "c5", "shared"]  # the user's blob costs nothing
     assert store.put("t#ckpt", "big", random_state(model.spec, 9), [1] * 40_000, durable=False) is None
     assert [r.name for r in store.list("t#ckpt")] == ["c3", "c4", "c5", "shared"]
-    store.delete("u", "saved")
+    store.delete("t", "saved")
     assert [r.name for r in store.list("t#ckpt")] == ["c4", "c5", "shared"]  # it joined the budget: c3 made room
     assert store.load("t#ckpt", "shared")[0].blob == ckpt.blob and store._blob_path(ckpt.blob).exists()
     with pytest.raises(StateNotFound):

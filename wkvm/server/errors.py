@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from wkvm.engine.client import PrefillFailed
 from wkvm.engine.engine import ContextTooLong, EngineClosed
@@ -25,7 +26,7 @@ from wkvm.state.store import QuotaExceeded, StateNotFound, StatePinned
 log = logging.getLogger("wkvm.server")
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          405: "invalid_request_error", 409: "conflict_error", 413: "request_too_large", 429: "rate_limit_error",
-         503: "service_unavailable"}  # fmt: skip
+         499: "client_closed_request", 503: "service_unavailable"}  # fmt: skip
 
 
 class APIError(Exception):
@@ -140,7 +141,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     handlers = {
         InvalidParam: lambda e: error_response(400, str(e), e.param, "invalid_value"),
-        StateNotFound: lambda e: error_response(404, str(e), "handle", "state_not_found"),
+        StateNotFound: lambda e: error_response(404, str(e), e.param, "state_not_found"),
         StatePinned: lambda e: error_response(409, str(e), "handle", "state_pinned"),
         StateFileError: lambda e: error_response(400, str(e), "body", "invalid_state"),
         MutationError: lambda e: error_response(400, str(e), "params", "invalid_mutation"),
@@ -149,6 +150,10 @@ def install_error_handlers(app: FastAPI) -> None:
         EngineClosed: lambda e: error_response(503, str(e), None, "shutting_down"),
         SessionBusy: lambda e: error_response(409, str(e), None, "session_busy"),
         PrefillFailed: prefill_failed,
+        # the client left while sending its body (a state import cut off): nobody reads the answer, and it is no
+        # server error (nginx's 499, "client closed request"); it was a 500 with two tracebacks in the log
+        ClientDisconnect: lambda e: error_response(499, "the client closed the connection before sending the whole "
+                                                   "request body", "body", "client_closed_request"),
     }
     for exc, make in handlers.items():
         app.add_exception_handler(exc, lambda _r, e, make=make: make(e))

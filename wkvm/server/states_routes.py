@@ -81,7 +81,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         if name is not None:
             check_name(name, "name")
         data = await request.body()
-        return info(await run_in_threadpool(ctx.store.import_bytes, tenant, data, name))
+        return info(await run_in_threadpool(ctx.store.import_bytes, tenant, data, name, ctx.model.context_limit))
 
     @r.get("/{handle}")
     def get(handle: str, request: Request) -> dict[str, Any]:

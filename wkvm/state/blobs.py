@@ -1,4 +1,5 @@
-"""BlobFiles: the store's content-addressed state files, `blobs/<sha256 of the tensors>.state` (wkvm-state-v1).
+"""BlobFiles: the store's content-addressed state files, `blobs/<blob>.state` (wkvm-state-v1), where a blob is the
+sha256 of the tensors, prefixed by its tenant's scope for every tenant but the default one (`blob_name`).
 
 Writes are atomic (temp, rename; fsynced when durable). A file's stat key (size, mtime, inode, model) recorded
 when it was written durably or last verified lets a restart skip re-reading unchanged files.
@@ -6,6 +7,7 @@ when it was written durably or last verified lets a restart skip re-reading unch
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -17,6 +19,21 @@ from wkvm.state.index import StateIndex, StateRecord
 from wkvm.state.statefile import StateFileError
 
 log = logging.getLogger("wkvm.state")
+
+
+def blob_name(owner: str, digest: str) -> str:
+    """Where `owner`'s tensors of this `digest` (statefile.tensor_digest) are kept: states of one tenant with the same
+    tensors share a blob (a fork is a record, copy-on-write), two tenants never do. The digest itself for the default
+    tenant (owner "" or "#..."), else `<16 hex digits of the owner's scope's hash>-<digest>` (the scope: the owner
+    before '#', so a tenant's internal states share with its own). A blob shared across tenants showed one tenant
+    another's: its residency tier moved when the other used it, and a pin of the other's refused a hibernate."""
+    scope = owner.partition("#")[0]
+    return digest if not scope else f"{hashlib.sha256(scope.encode()).hexdigest()[:16]}-{digest}"
+
+
+def blob_digest(blob: str) -> str:
+    """The tensor digest a blob name carries (its file's tensor_sha256)."""
+    return blob.rpartition("-")[2]
 
 
 class BlobFiles:
@@ -66,7 +83,7 @@ class BlobFiles:
             return statefile.read_tensors(self.path(blob), self.spec)
         data = self.path(blob).read_bytes()
         tensors, _ = statefile.decode(data, self.spec, self.fingerprint, self.vocab_size, imported=False)
-        if statefile.tensor_digest(self.spec, tensors) != blob:
+        if statefile.tensor_digest(self.spec, tensors) != blob_digest(blob):
             raise StateFileError("blob content does not match its name")
         return tensors
 

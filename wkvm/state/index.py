@@ -81,7 +81,7 @@ class StateRecord:
     token_digest: str
     n_tokens: int
     pinned: bool
-    blob: str  # sha256 of the tensor bytes; the file blobs/<blob>.state holds them
+    blob: str  # blobs.blob_name: the sha256 of the tensor bytes (per tenant); the file blobs/<blob>.state holds them
     bytes: int
     created_at: float
     tier: str = field(default="disk", compare=False)

@@ -14,7 +14,7 @@ from wkvm.models.spec import State
 from wkvm.state.index import StateRecord
 from wkvm.state.mutations import apply_mutation
 from wkvm.state.statefile import resume_inputs, valid_name
-from wkvm.state.store import StateStore
+from wkvm.state.store import StateNotFound, StateStore
 
 
 @dataclass
@@ -67,6 +67,14 @@ class StateService:
 
     def mutate(self, owner: str, handle: str, rule: str, params: dict[str, Any]) -> StateRecord:
         rec, state = self.store.load(owner, handle)
-        new = apply_mutation(rule, self.store.spec, state, params, lambda h: self.store.load(owner, h)[1])
+        new = apply_mutation(rule, self.store.spec, state, params, lambda h: self._other(owner, h))
         return self.store.put_user(owner, rec.name, new, self.store.token_ids(rec), parent=rec.handle, op="mutate",
                                    op_params={"rule": rule, **params})  # fmt: skip
+
+    def _other(self, owner: str, handle: str) -> State:
+        """A state a mutation's params name (interpolate's other): a 404 names params.other, not the URL's handle."""
+        try:
+            return self.store.load(owner, handle)[1]
+        except StateNotFound as e:
+            e.param = "params.other"
+            raise

@@ -38,6 +38,8 @@ MAX_OP_PARAMS_DEPTH = 4
 MAX_OP_PARAMS_KEYS = 64
 MAX_VERSION = (1 << 63) - 1  # SQLite INTEGER
 OP_RE = re.compile(r"[a-z][a-z_]{0,31}")
+UINT_RE = re.compile(r"[0-9]{1,19}")  # as encode writes n_tokens and version (int() also read " 7 " and "٧")
+FLOAT_RE = re.compile(r"[0-9]+(\.[0-9]+)?(e[-+][0-9]+)?")  # repr() of a non-negative finite float, as created_at
 
 
 class StateFileError(ValueError):
@@ -173,6 +175,9 @@ def decode(
     md = metadata(data)
     if md.get("format") != FORMAT:
         raise StateFileError(f"format is {md.get('format')!r}, expected {FORMAT!r}")
+    if md.get("family") != spec.family:
+        raise StateFileError(f"the state is of model family {str(md.get('family'))[:40]!r}; this server's model is "
+                             f"{spec.family!r}")  # fmt: skip
     if md.get("fingerprint") != fingerprint:
         raise StateFileError(
             f"the state was made by another model (fingerprint {str(md.get('fingerprint'))[:12]}..., "
@@ -192,16 +197,17 @@ def decode(
         raise StateFileError(f"the kv tensors hold {n_kv} tokens; a state of {len(token_ids)} tokens (the last one "
                              f"pending) holds {len(token_ids) - 1}")  # fmt: skip
     op_params = _op_params(md.get("op_params", "{}"), imported)
+    created_at = md.get("created_at", "0")
+    if not isinstance(created_at, str) or not FLOAT_RE.fullmatch(created_at) or not math.isfinite(float(created_at)):
+        raise StateFileError("bad metadata: created_at must be a finite non-negative number (seconds since the epoch)")
     try:
         meta = StateMeta(
             fingerprint=fingerprint, spec_hash=spec.spec_hash, token_ids=token_ids,
-            name=md.get("name", ""), version=int(md.get("version", "0")), parent=md.get("parent") or None,
-            op=md.get("op", "import"), op_params=op_params, created_at=float(md.get("created_at", "0")),
+            name=md.get("name", ""), version=_uint(md, "version", "0"), parent=md.get("parent") or None,
+            op=md.get("op", "import"), op_params=op_params, created_at=float(created_at),
         )  # fmt: skip
     except (ValueError, TypeError) as e:
         raise StateFileError(f"bad metadata field: {e}") from None
-    if not math.isfinite(meta.created_at):
-        raise StateFileError("bad metadata: created_at must be a finite number")
     if imported:  # the lineage an import records (and a later export carries): checked as the store's own
         _check_lineage(meta)
     return tensors, meta
@@ -279,12 +285,33 @@ def load_tensors(data: bytes) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        twice = next(k for k in keys if keys.count(k) > 1)
+        raise StateFileError(f"key {twice[:80]!r} appears twice in one JSON object: an ambiguous file (readers differ "
+                             "on which copy counts)")  # fmt: skip
+    return dict(pairs)
+
+
+def _no_constant(name: str) -> Any:
+    raise StateFileError(f"{name} is not JSON (JSON has no NaN or Infinity)")
+
+
+def strict_json(text: str | bytes) -> Any:
+    """json.loads that refuses a key repeated in one object and NaN / Infinity (both of which Python's reader takes)."""
+    return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+
+
 def metadata(data: bytes) -> dict[str, str]:
-    """The safetensors file's metadata (strings); StateFileError when its header is not readable."""
+    """The safetensors file's metadata (strings); StateFileError when its header is not readable, or names a tensor or
+    a metadata field twice."""
     n = int.from_bytes(data[:8], "little")
     try:
-        header = json.loads(data[8 : 8 + n])
-    except (ValueError, UnicodeDecodeError, RecursionError):
+        header = strict_json(data[8 : 8 + n])
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        if isinstance(e, StateFileError):
+            raise
         raise StateFileError("unreadable safetensors header") from None
     md = (header.get("__metadata__") or {}) if isinstance(header, dict) else None
     if not isinstance(md, dict):
@@ -294,16 +321,24 @@ def metadata(data: bytes) -> dict[str, str]:
 
 def _json(text: str, field: str) -> Any:
     try:
-        return json.loads(text)
+        return strict_json(text)
+    except StateFileError as e:
+        raise StateFileError(f"{field}: {e}") from None
     except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python's stack
         raise StateFileError(f"{field} is not valid JSON (or is nested too deeply)") from None
 
 
+def _uint(md: dict[str, str], field: str, default: str) -> int:
+    """A metadata integer as encode writes it (ASCII digits only)."""
+    text = md.get(field, default)
+    if not isinstance(text, str) or not UINT_RE.fullmatch(text):
+        raise StateFileError(f"bad metadata: {field} must be a non-negative integer in ASCII digits, "
+                             f"not {str(text)[:40]!r}")  # fmt: skip
+    return int(text)
+
+
 def _token_ids(md: dict[str, str], vocab_size: int | None, imported: bool) -> list[int]:
-    try:
-        n = int(md.get("n_tokens", "-1"))
-    except ValueError:
-        raise StateFileError("n_tokens is not an integer") from None
+    n = _uint(md, "n_tokens", "")
     raw = md.get("token_ids", "null")
     if imported and (n > MAX_HISTORY_TOKENS or len(raw) > 24 * MAX_HISTORY_TOKENS):
         raise HistoryTooLong(f"the file's token history ({n} tokens) exceeds the cap of {MAX_HISTORY_TOKENS} tokens")

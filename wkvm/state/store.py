@@ -3,7 +3,8 @@
 Disk is the source of truth: a user's state is acknowledged only after its file is fsynced and its index row is
 committed. The device and host tiers are byte-bounded LRU caches above it; using a state moves it up, and a
 full tier pushes its least recently used unpinned state one tier down. Tensors are stored content-addressed
-(`blobs/<sha256>.state`), so a fork is a new record sharing the same immutable blob: copy-on-write.
+(`blobs/<sha256>.state`, per tenant: `blobs.blob_name`), so a fork is a new record sharing the same immutable blob:
+copy-on-write.
 
 Internal states (owners with '#': prefix checkpoints, parked chat sessions) are a write-back cache kept within
 the room users leave (see wkvm/state/quota.py): `put` returns None for one it cannot keep, and one may be evicted
@@ -24,7 +25,7 @@ import torch
 
 from wkvm.models.spec import State, StateSpec
 from wkvm.state import statefile
-from wkvm.state.blobs import BlobFiles
+from wkvm.state.blobs import BlobFiles, blob_digest, blob_name
 from wkvm.state.index import StateIndex, StateRecord
 from wkvm.state.quota import INDEX_COMMIT_BYTES, DiskUsage, QuotaExceeded, StoreLimits, is_internal, state_file_bytes
 from wkvm.state.statefile import (
@@ -45,6 +46,8 @@ TIERS = ("device", "host", "disk")
 
 
 class StateNotFound(KeyError):
+    param = "handle"  # the request field that named the state (an interpolation's other: params.other)
+
     def __str__(self) -> str:
         return str(self.args[0])
 
@@ -167,7 +170,7 @@ class StateStore:
                 return None  # a cache entry the store cannot take is simply not kept
             raise
         tensors = statefile.unbatch(state)
-        blob = statefile.tensor_digest(self.spec, tensors)
+        blob = blob_name(owner, statefile.tensor_digest(self.spec, tensors))
         with self._lock:
             ids: builtins.list[int] = list(token_ids)
             meta = StateMeta(
@@ -238,7 +241,7 @@ class StateStore:
         elif blob in self.usage.internal_files:
             size = new = self.usage.internal[blob]
         else:
-            data = statefile.encode(self.spec, tensors, meta, digest=blob)
+            data = statefile.encode(self.spec, tensors, meta, digest=blob_digest(blob))
             size = new = len(data)
         for b in self.usage.user_room(blob, new + index_growth, self._index_bytes()):
             self._evict(b)
@@ -380,7 +383,7 @@ class StateStore:
         pending = self._unwritten.pop(blob, None)
         if pending is None:
             return
-        data = statefile.encode(self.spec, *pending, digest=blob)
+        data = statefile.encode(self.spec, *pending, digest=blob_digest(blob))
         victims = self.usage.internal_room(blob, len(data), len(data), self._index_bytes())
         if victims is None or (victims and not make_room):
             self._evict(blob)
@@ -401,9 +404,14 @@ class StateStore:
         meta.op_params, meta.created_at = rec.op_params, rec.created_at
         return statefile.encode(self.spec, statefile.unbatch(state), meta)
 
-    def import_bytes(self, owner: str, data: bytes, name: str | None = None) -> StateRecord:
-        """Validate every field of an exported file, then store it as a new version."""
+    def import_bytes(self, owner: str, data: bytes, name: str | None = None,
+                     context: int | None = None) -> StateRecord:  # fmt: skip
+        """Validate every field of an exported file, then store it as a new version. `context`: the model's context
+        (tokens), which a state must leave room in to generate (as a created one must)."""
         tensors, meta = statefile.decode(data, self.spec, self.fingerprint, self.vocab_size)
+        if context is not None and meta.n_tokens >= context:
+            raise StateFileError(f"the state holds {meta.n_tokens} tokens, which leaves no room to generate within "
+                                 f"this model's context of {context} tokens")  # fmt: skip
         lineage = {"from": f"{meta.name}@{meta.version}", "parent": meta.parent, "op": meta.op}
         state = {k: v.unsqueeze(0) for k, v in tensors.items()}
         return self.put_user(owner, name or meta.name, state, meta.token_ids, op="import", op_params=lineage)
