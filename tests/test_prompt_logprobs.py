@@ -107,6 +107,30 @@ def test_streamed_echo_equals_the_blocking_one(server):
     assert got[0] is None and got[1:] == pytest.approx(want["logprobs"]["token_logprobs"][1:], abs=1e-5)
 
 
+def test_streamed_offsets_equal_the_blocking_ones_when_a_stop_spans_tokens(server):
+    """A stop string that starts in one token and ends in the next holds text back: the stream's text_offset had
+    counted the text sent (the tokens after the held text pointed at its start), the blocking answer the tokens' own
+    text (hunt 8). Both now give each token's offset in the tokens' text."""
+    body = dict(prompt=PROMPT, max_tokens=10, temperature=0, logprobs=0, ignore_eos=True)
+    tokens = complete(server, **body)["choices"][0]["logprobs"]["tokens"]
+    text = "".join(tokens)
+    for j in range(1, len(tokens) - 2):  # the first boundary where a 2-character stop first appears across it
+        at = len("".join(tokens[: j + 1]))
+        stop = text[at - 1 : at + 1]
+        if tokens[j] and tokens[j + 1] and text.find(stop) == at - 1:
+            break
+    else:
+        pytest.fail(f"no token boundary to put a stop across in {tokens!r}")
+    want = complete(server, **body, stop=[stop])["choices"][0]
+    assert want["finish_reason"] == "stop" and want["text"] == text[: at - 1]
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stop": [stop], "stream": True},
+                      timeout=60) as r:  # fmt: skip
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    assert [x for lp in lps for x in lp["text_offset"]] == want["logprobs"]["text_offset"]
+    assert want["logprobs"]["text_offset"][-1] == at  # the token that completes the stop starts after its first part
+
+
 def test_lm_eval_batch_of_token_prompts(server):
     """lm-eval's loglikelihood request: token-id prompts in one list, echo, logprobs 1, max_tokens 1, and n = 2."""
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [40, 41, 42], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 99]]

@@ -206,6 +206,8 @@ def test_json_schema_format(server):
     ({"input": [{"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
                 {"role": "user", "content": "and?"}], "tools": [WEATHER]}, "input"),
     ({"input": "hi", "model": "other"}, "model"),
+    ({"input": [{"role": "user", "content": None}]}, "input[0].content"),  # hunt 8: both had passed
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input[0].content[0].text"),
 ])  # fmt: skip
 def test_bad_requests_are_400s_naming_the_field(server, body, param):
     r = httpx.post(f"{server.url}/v1/responses", json=body, headers={"Authorization": "Bearer key-a"}, timeout=60)
@@ -237,3 +239,23 @@ def test_the_store_keeps_each_owners_newest_within_its_bounds(tmp_path):
     assert store.get("a", "big") is not None and store.get("a", "r4") is None
     assert store.delete("a", "big") and not store.delete("a", "big") and not store.delete("b", "r4")
     store.close()
+
+
+def test_a_cut_or_failed_answer_says_so_in_its_items_and_events(char_model):
+    """max_output_tokens cuts the message: it is `incomplete` (OpenAI's item status), blocking and streamed. A request
+    that times out mid-stream sends an `error` event before `response.failed`, as every failure does (hunt 8: only
+    `response.failed` came)."""
+    with LiveServer(model=str(char_model), slots=2, request_timeout=1) as s:
+        client = sdk(s)
+        cut = client.responses.create(model="char-model", input="Hello", temperature=0, max_output_tokens=3)
+        events = list(client.responses.create(model="char-model", input="Hello", temperature=0, max_output_tokens=3,
+                                              stream=True))  # fmt: skip
+        for r in (cut, events[-1].response):
+            assert r.status == "incomplete" and [i.status for i in r.output] == ["incomplete"]
+            assert r.output[0].content[0].text
+        # greedy on this random model runs on without an end token (the tests' char model: checked)
+        events = list(client.responses.create(model="char-model", input="Tell a long story", temperature=0,
+                                              max_output_tokens=16_000, stream=True))  # fmt: skip
+        kinds = [e.type for e in events]
+        assert kinds[-2:] == ["error", "response.failed"], kinds[-4:]
+        assert events[-1].response.output[-1].status == "incomplete"

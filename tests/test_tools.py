@@ -116,6 +116,20 @@ def test_bad_tool_requests_are_clear(client):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="char-model", messages=ASK, max_tokens=4, **kw)
         assert e.value.body["param"] == param, (kw, e.value.body)
+    # an earlier call in the history without a usable function (hunt 8: a 500, the template read call["function"])
+    where = "messages[1].tool_calls[0]"
+    for call, param in (({"id": "c1", "type": "function"}, ".function"), ({"id": "c1", "function": "f"}, ".function"),
+                        ({"id": "c1", "function": {"arguments": "{}"}}, ".function.name"),
+                        ({"id": "c1", "function": {"name": "f", "arguments": 5}}, ".function.arguments"),
+                        ({"id": "c1", "type": "custom", "function": {"name": "f"}}, ".type"), ({"id": 7}, ".id")):
+        history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="char-model", messages=history, max_tokens=2)
+        assert e.value.body["param"] == where + param, (call, e.value.body)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="char-model", messages=[{"role": "user", "content": []}], max_tokens=2)
+    assert e.value.body["param"] == "messages[0].content"
 
 
 def test_auto_recognises_hermes_mistral_and_plain_json_calls():

@@ -87,6 +87,8 @@ def sampling_params(
     ctx: ServerContext, body: SamplingFields, max_tokens: int | None, logprobs: int | None,
     default_max: int = 16, extra_stop: list[str] | None = None, prompt_logprobs: int | None = None,
 ) -> SamplingParams:  # fmt: skip
+    if body.stream_options is not None and not body.stream:  # OpenAI's and vLLM's 400 (it would be ignored)
+        raise APIError(400, "stream_options is only allowed with stream: true", "stream_options", "invalid_value")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", "stop", "invalid_value")
@@ -289,20 +291,36 @@ def token_str(ctx: ServerContext, token_id: int) -> str:
     return ctx.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
+class TokenOffsets:
+    """Where each token of a completion starts in its text (the legacy `text_offset`), token by token over the
+    tokens' own bytes, not the text sent: a stop string that spans tokens holds text back, and a stream counting what
+    it had sent gave the tokens after the held text other offsets than the whole answer did (hunt 8). A stream keeps
+    one per choice across its chunks. `skip`: tokens that add nothing to the text (`skipped`)."""
+
+    def __init__(self, start: int = 0, skip: frozenset[int] = frozenset()):
+        self.pos, self.skip = start, skip
+        # a token holding part of a character points where it starts; the characters it completes count from the next
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def of(self, ctx: ServerContext, token_ids: list[int]) -> list[int]:
+        out = []
+        for t in token_ids:
+            out.append(self.pos)
+            if t not in self.skip:
+                self.pos += len(self.utf8.decode(ctx.tokenizer.token_bytes(t)))
+        return out
+
+
 def completion_logprobs(ctx: ServerContext, token_ids: list[int], lps: Sequence[dict[int, float] | None] | None,
-                        k: int, offset: int = 0,
+                        k: int, offset: int | TokenOffsets = 0,
                         skip: frozenset[int] = frozenset()) -> dict[str, Any] | None:  # fmt: skip
     """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset (a None entry, an echoed
-    prompt's first token, is null in both lists). `skip`: tokens that add nothing to the text (`skipped`)."""
+    prompt's first token, is null in both lists). `offset`: the first token's, or a stream's TokenOffsets to go on
+    with; `skip`: tokens that add nothing to the text (`skipped`)."""
     if lps is None:
         return None
     tokens = [token_str(ctx, t) for t in token_ids]
-    offsets, pos = [], offset
-    utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # a token holding part of a character points where it
-    for t in token_ids:  # starts; the characters it completes count from the next token on
-        offsets.append(pos)
-        if t not in skip:
-            pos += len(utf8.decode(ctx.tokenizer.token_bytes(t)))
+    offsets = (offset if isinstance(offset, TokenOffsets) else TokenOffsets(offset, skip)).of(ctx, token_ids)
 
     def top(lp: dict[int, float]) -> dict[str, float]:
         ranked = sorted(((token_str(ctx, i), json_logprob(v)) for i, v in lp.items()), key=lambda kv: -kv[1])

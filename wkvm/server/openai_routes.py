@@ -147,6 +147,12 @@ async def start_all(ctx: ServerContext, tenant: str, encoded: list[list[int]], b
     start, cancel the ones already started."""
     per_prompt = len(params) + (1 if len(params) > 1 else 0)  # n > 1 adds one shared prefill
     need = len(encoded) * per_prompt
+    if need > 1 and need > ctx.config.max_queue:  # never admissible: a 429 would have the SDK retry it in vain
+        many = len(encoded) > 1
+        raise APIError(400, f"the request needs {need} places in the queue ({len(encoded)} prompt(s), n = {len(params)}"
+                       f"{', plus a shared prefill each' if len(params) > 1 else ''}), more than the whole queue holds "
+                       f"(--max-queue {ctx.config.max_queue}): send fewer prompts or a smaller n", "prompt" if many
+                       else "n", "too_many_prompts" if many else "invalid_value")  # fmt: skip
     if need > 1 and need > ctx.client.queue_room():
         raise QueueFull(f"the request needs {need} places in the queue and fewer are free; retry later or send "
                         "fewer prompts")
@@ -386,6 +392,8 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
     if body.save_state and body.n > 1:
         raise APIError(400, "save_state needs n = 1", "save_state", "invalid_value")
     max_tokens = body.max_completion_tokens or body.max_tokens
+    if body.top_logprobs is not None and not body.logprobs:  # OpenAI's and vLLM's 400: it would be silently ignored
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     k = (body.top_logprobs or 0) if body.logprobs else None
     sp = gen.sampling_params(ctx, body, max_tokens, k, gen.DEFAULT_CHAT_MAX_TOKENS, ctx.template.stop)
     if mode is not None and mode.forced:  # the reply can only be a valid call: the grammar enforces it
@@ -471,6 +479,28 @@ def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], tools: list[
     return text[: at + len(final)]
 
 
+def check_tool_call(call: dict[str, Any], where: str) -> None:
+    """An assistant message's earlier tool call as OpenAI shapes it: type "function" (the default), a string id if any,
+    and a function object with a name and its arguments (a JSON string, or an object); a 400 naming the field (a
+    missing or non-object function had been a 500: the chat template reads it)."""
+    if call.get("type", "function") != "function":
+        kind = str(call.get("type"))[:40]
+        raise APIError(400, f"{where}: only function tool calls are supported (got type {kind!r})", f"{where}.type",
+                       "unsupported")  # fmt: skip
+    if "id" in call and not isinstance(call["id"], str):
+        raise APIError(400, f"{where}.id must be a string", f"{where}.id", "invalid_value")
+    fn = call.get("function")
+    if not isinstance(fn, dict):
+        raise APIError(400, f"{where}: a tool call needs its function, an object with a name and arguments",
+                       f"{where}.function", "invalid_value")  # fmt: skip
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise APIError(400, f"{where}.function.name must be the called function's name (a non-empty string)",
+                       f"{where}.function.name", "invalid_value")  # fmt: skip
+    if not isinstance(fn.get("arguments", "{}"), str | dict):
+        raise APIError(400, f"{where}.function.arguments must be a JSON string (or an object) of the call's arguments",
+                       f"{where}.function.arguments", "invalid_value")  # fmt: skip
+
+
 def chat_messages(messages: list[ChatMessage], functions: list[Any] | None = None) -> list[dict[str, Any]]:
     if functions:
         raise APIError(400, "functions (the deprecated form) is not supported: use tools", "functions", "unsupported")
@@ -480,6 +510,9 @@ def chat_messages(messages: list[ChatMessage], functions: list[Any] | None = Non
             raise APIError(400, f"messages[{i}].role {m.role!r} is not supported; use one of {list(CHAT_ROLES)}",
                            f"messages[{i}].role", "invalid_value")  # fmt: skip
         if isinstance(m.content, list):
+            if not m.content and m.role != "assistant":  # OpenAI refuses an empty array too
+                raise APIError(400, f"messages[{i}]: a {m.role} message needs content (an empty list of parts has "
+                               "none)", f"messages[{i}].content", "invalid_value")  # fmt: skip
             for j, part in enumerate(m.content):
                 if part.type != "text":
                     why = f"messages[{i}].content[{j}]: only text parts are supported yet (got {part.type!r})"
@@ -498,6 +531,8 @@ def chat_messages(messages: list[ChatMessage], functions: list[Any] | None = Non
             if m.role != "assistant":
                 raise APIError(400, f"messages[{i}]: only assistant messages carry tool_calls",
                                f"messages[{i}].tool_calls", "invalid_value")  # fmt: skip
+            for j, call in enumerate(m.tool_calls):
+                check_tool_call(call, f"messages[{i}].tool_calls[{j}]")
             msg["tool_calls"] = m.tool_calls
         if m.role == "tool":
             if not m.tool_call_id:
@@ -515,19 +550,20 @@ async def stream_completion(ctx: ServerContext, request: Request, body: Completi
     """Completion chunks; with `echo` (`echoes`: each prompt's text and ids) a choice's first chunk starts with its
     prompt, and with its prompt tokens' logprobs. `sent`: per handle, the text a server this stream moved from has
     sent (the handles are then the choices `live.ticket.choices` names)."""
-    offsets: list[int | None] = [None] * len(handles)  # text sent so far, per choice; None before its first chunk
+    # per choice, its tokens' text offsets so far; None before its first chunk
+    offsets: list[gen.TokenOffsets | None] = [None] * len(handles)
     index = live.ticket.choices
-    for i, text in enumerate(sent or []):
-        offsets[i] = (len(echoes[index[i] // body.n][0]) if echoes else 0) + len(text)
+    skip = gen.skipped(ctx, body)
+    for i, text in enumerate(sent or []):  # moved here mid-stream: the text sent stands in for its tokens
+        offsets[i] = gen.TokenOffsets((len(echoes[index[i] // body.n][0]) if echoes else 0) + len(text), skip)
 
     def chunk(i: int, ev: Event) -> dict[str, Any]:
-        sent = offsets[i]
-        head, ids = echoes[index[i] // body.n] if echoes and sent is None else ("", [])
-        offset = len(head) if sent is None else sent
-        text, lps = ev.text, gen.completion_logprobs(ctx, ev.token_ids, ev.logprobs, k, offset, gen.skipped(ctx, body))
-        if echoes and sent is None:
+        first = offsets[i] is None
+        head, ids = echoes[index[i] // body.n] if echoes and first else ("", [])
+        at = offsets[i] = offsets[i] or gen.TokenOffsets(len(head), skip)
+        text, lps = ev.text, gen.completion_logprobs(ctx, ev.token_ids, ev.logprobs, k, at)
+        if echoes and first:
             text, lps = gen.echoed(ctx, head, ids, ev.prompt_logprobs, k, text, lps)
-        offsets[i] = offset + len(ev.text)
         c = {"index": index[i], "text": text, "finish_reason": ev.finish_reason, "logprobs": lps}
         if body.return_token_ids:
             c["token_ids"] = ev.token_ids

@@ -192,9 +192,12 @@ def text_of(content: Any, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+        if kind not in TEXT_PARTS:
             why = f"{where}[{j}]: only text parts ({', '.join(TEXT_PARTS)}) are supported (got {kind!r})"
             raise APIError(400, why, f"{where}[{j}].type", "unsupported")
+        if not isinstance(part.get("text"), str):  # the part's kind is fine: its text is what is wrong
+            raise APIError(400, f"{where}[{j}]: an {kind} part needs its text (a string)", f"{where}[{j}].text",
+                           "invalid_value")  # fmt: skip
         texts.append(part["text"])
     return "\n".join(texts)  # as the chat's text parts
 
@@ -222,7 +225,10 @@ def input_messages(value: str | list[dict[str, Any]] | None) -> list[dict[str, A
             if role not in ROLES:
                 raise APIError(400, f"{where}.role {role!r} is not supported; use one of {list(ROLES)}",
                                f"{where}.role", "invalid_value")  # fmt: skip
-            out.append({"role": role, "content": text_of(item.get("content"), f"{where}.content")})
+            content = item.get("content")
+            if role != "assistant" and (content is None or content == []):  # as the chat refuses it
+                raise APIError(400, f"{where}: a {role} message needs content", f"{where}.content", "invalid_value")
+            out.append({"role": role, "content": text_of(content, f"{where}.content")})
         elif kind == "function_call":
             arguments = item.get("arguments")
             if not isinstance(arguments, str):
@@ -319,6 +325,8 @@ def output_items(message: dict[str, Any], lps: list[dict[str, Any]] | None, only
 def finished(shell: dict[str, Any], items: list[Any], finish_reason: str | None, usage: dict[str, Any],
              extra: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
     status = FINISHED.get(finish_reason or "", "failed")
+    if status != "completed" and items and items[-1]["type"] == "message":  # the message cut off is, as OpenAI marks it
+        items = [*items[:-1], {**items[-1], "status": "incomplete"}]
     resp = {**shell, "status": status, "output": items, "usage": responses_usage(usage, extra)}
     if status == "incomplete":
         resp["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -449,4 +457,6 @@ async def stream_events(ctx: ServerContext, tenant: str, body: ResponsesRequest,
         await run_in_threadpool(ctx.responses.put, tenant, resp, conversation + input_messages(s.items))
     kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(resp["status"],
                                                                                       "response.failed")
+    if kind == "response.failed":  # ended before it finished (a timeout): an `error` event first, as for any failure
+        yield s.event("error", code=resp["error"]["code"], message=resp["error"]["message"], param=None)
     yield s.event(kind, response=resp)

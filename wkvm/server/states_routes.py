@@ -168,11 +168,11 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             return out
 
         if body.stream:
+            at = gen.TokenOffsets(0, gen.skipped(ctx, body))  # across the chunks (each chunk had started at 0)
 
             def chunk(i: int, ev: Event) -> dict[str, Any]:
                 c = {"index": 0, "text": ev.text, "finish_reason": ev.finish_reason,
-                     "logprobs": gen.completion_logprobs(ctx, ev.token_ids, ev.logprobs, k,
-                                                         skip=gen.skipped(ctx, body))}  # fmt: skip
+                     "logprobs": gen.completion_logprobs(ctx, ev.token_ids, ev.logprobs, k, at)}
                 if body.return_token_ids:
                     c["token_ids"] = ev.token_ids
                 return {**base, "choices": [c]}
