@@ -250,6 +250,7 @@ def test_a_cut_or_failed_answer_says_so_in_its_items_and_events(char_model):
         cut = client.responses.create(model="char-model", input="Hello", temperature=0, max_output_tokens=3)
         events = list(client.responses.create(model="char-model", input="Hello", temperature=0, max_output_tokens=3,
                                               stream=True))  # fmt: skip
+        assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["incomplete"]
         for r in (cut, events[-1].response):
             assert r.status == "incomplete" and [i.status for i in r.output] == ["incomplete"]
             assert r.output[0].content[0].text

@@ -375,10 +375,11 @@ class EventStream:
                                   output_index=len(self.items), content_index=0, delta=delta, logprobs=lps or []))
         return out
 
-    def close_message(self) -> list[str]:
+    def close_message(self, status: str = "completed") -> list[str]:
+        """The open message's done events (`status` incomplete: the answer's last message, cut off)."""
         if self.message is None:
             return []
-        done = {**message_item(self.text, self.lps), "id": self.message["id"]}
+        done = {**message_item(self.text, self.lps), "id": self.message["id"], "status": status}
         part, where = done["content"][0], {"item_id": done["id"], "output_index": len(self.items), "content_index": 0}
         out = [self.event("response.output_text.done", **where, text=self.text, logprobs=self.lps),
                self.event("response.content_part.done", **where, part=part),
@@ -443,7 +444,8 @@ async def stream_events(ctx: ServerContext, tenant: str, body: ResponsesRequest,
             yield ev
     elif s.message is not None:
         s.lps += pending  # tokens that added no text (the end of a character that never came)
-    for ev in s.close_message():
+    whole = error is None and usage is not None and FINISHED.get(finish_reason or "") == "completed"
+    for ev in s.close_message("completed" if whole else "incomplete"):
         yield ev
     if error is not None or usage is None:
         error = error or {"code": "server_error", "message": "the stream ended without its usage (a bug)"}
