@@ -206,7 +206,8 @@ def test_a_moved_chat_turn_parks_its_session_on_the_destination(pair, fresh):
     assert reply == chat_text(whole_stream(fresh, "/v1/chat/completions", body))
     assert not [k for k in a.ctx.sessions.sessions if k[2] == chat_id]  # the source let go of it
     # the turn's prompt-end checkpoint stayed at the source (not shipped): the same prompt there reuses it
-    again = httpx.post(a.url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 4},
+    again = httpx.post(a.url + "/v1/chat/completions", json={**body, "stream": False, "stream_options": None,
+                                                              "max_tokens": 4},
                        headers={"X-OpenWebUI-User-Id": user}, timeout=60).json()["wkvm"]  # same tenant, no session
     assert again["mode"] in ("checkpoint", "exact_prefix") and again["reused_tokens"] > 0, again
     messages = MESSAGES + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Andthen?"}]
