@@ -726,8 +726,7 @@ Problem problem_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                        const at::Tensor& sin, const at::Tensor& kflat, const at::Tensor& vflat,
                        const at::Tensor& table, const at::Tensor& lengths, int64_t page_tokens, double scale) {
-  TORCH_CHECK(q.dim() >= 3, "q must be [B, H, D] or [B, 1, H, D]");
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor out = at::empty(q.sizes(), q.options());  // problem_of checks q's shape (and this) before any read
   const Problem pr = problem_of(q, k, v, cos, sin, kflat, vflat, table, lengths, page_tokens, scale, out);
   if (kflat.scalar_type() == at::kHalf) {
     attend(pr, kflat.data_ptr<half>(), vflat.data_ptr<half>());
@@ -1088,17 +1087,19 @@ at::Tensor llama_layer_quant(bool int4, const at::Tensor& x2, const at::Tensor& 
     TORCH_CHECK(n->is_contiguous() && n->scalar_type() == at::kFloat && n->numel() == C, "norms must be float32 [C]");
   const auto opts = x2.options();
   at::Tensor qkv = at::empty({B, wqkv.size(0)}, opts), att = at::empty({B, 1, Hq, D}, opts);
-  at::Tensor work = at::empty({B, 5 * C + 3 * F}, opts), out = at::empty({B, 1, C}, opts);
+  // the layer's intermediates, one after another: proj, s, h [B, C], gu [B, 2 F], act [B, F], dn [B, C]
+  at::Tensor work = at::empty({B, 4 * C + 3 * F}, opts), out = at::empty({B, 1, C}, opts);
   const at::Tensor q = qkv.narrow(1, 0, HD).view({B, 1, Hq, D});
   const at::Tensor k = qkv.narrow(1, HD, Hkv * D).view({B, 1, Hkv, D});
   const at::Tensor v = qkv.narrow(1, HD + Hkv * D, Hkv * D).view({B, 1, Hkv, D});
   const Problem pr = problem_of(q, k, v, cos, sin, kflat, vflat, table, lengths, page_tokens, scale, att);
-  float* w0 = work.data_ptr<float>();
+  float* next = work.data_ptr<float>();
+  const auto take = [&](int64_t width) { return std::exchange(next, next + B * width); };
+  float *proj = take(C), *s = take(C), *h = take(C), *gu = take(2 * F), *act = take(F), *dn = take(C);
   const int64_t isa[4] = {args[0], args[2], args[4], args[6]};
   const QuantLayer L{x2.data_ptr<float>(), in_norm.data_ptr<float>(), post_norm.data_ptr<float>(), Matrix(wqkv),
-                     Matrix(wo), Matrix(wgu), Matrix(wdown), isa, qkv.data_ptr<float>(), att.data_ptr<float>(), w0, w0 + B * C, w0 + 2 * B * C,
-                     w0 + 3 * B * C, w0 + 3 * B * C + 2 * B * F, w0 + 4 * B * C + 2 * B * F, out.data_ptr<float>(),
-                     B, C, HD, F, static_cast<float>(eps)};
+                     Matrix(wo), Matrix(wgu), Matrix(wdown), isa, qkv.data_ptr<float>(), att.data_ptr<float>(), proj,
+                     s, h, gu, act, dn, out.data_ptr<float>(), B, C, HD, F, static_cast<float>(eps)};
   RoundedX xq(int4, B, std::max({C, HD, F}));
   if (kflat.scalar_type() == at::kHalf) {
     Attention<half> a(pr, kflat.data_ptr<half>(), vflat.data_ptr<half>());
