@@ -442,7 +442,7 @@ def test_sigterm_ends_streams_cleanly_and_keeps_states(tiny_pth, tmp_path, sig):
     with ServerProcess(*args) as s:
         r = httpx.post(f"{s.url}/v1/states", json={"name": "kept", "prompt_ids": [1, 2, 3]})
         assert r.status_code == 200
-        body = {"prompt": [1, 2], "max_tokens": 16000, "ignore_eos": True, "stream": True}
+        body = {"prompt": [1, 2], "max_tokens": 16000, "ignore_eos": True, "stream": True, "save_state": "cut"}
         started = threading.Event()
 
         def read():
@@ -462,8 +462,12 @@ def test_sigterm_ends_streams_cleanly_and_keeps_states(tiny_pth, tmp_path, sig):
     events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
     assert lines[-1] == "data: [DONE]"
     assert events[-1]["choices"][0]["finish_reason"] == "abort"
+    # the save it asked for cannot be made (shutdown drops the final state): the stream says so, as for a full quota
+    error = next(e["state_error"] for e in events if "state_error" in e)
+    assert error["code"] == "state_unavailable" and "abort, shutdown" in error["message"]
     with ServerProcess(*args) as s:
         assert httpx.get(f"{s.url}/v1/states/kept").json()["handle"] == "kept@1"
+        assert httpx.get(f"{s.url}/v1/states/cut").status_code == 404
 
 
 def test_logprobs_are_always_json_numbers():

@@ -2,6 +2,7 @@
 quota and internal-state budget, bounded metadata, strict handles and names."""
 
 import json
+import logging
 import os
 import signal
 import sqlite3
@@ -440,6 +441,26 @@ def test_lru_tiers_stay_within_limits_and_pins_stay(model, tmp_path):
     assert svc.store.get("a", "s0").tier in ("device", "host")
 
 
+
+def test_a_pin_that_cannot_be_held_in_ram_is_refused_and_not_recorded(model, tmp_path):
+    """Pins fill both tiers: pinning one more state would leave it on disk, so the pin is a clear error (it had
+    answered pinned while the state stayed on disk, where a later hibernate then said it was pinned resident)."""
+    from wkvm.state.store import PinNoRoom
+
+    one = model.spec.nbytes
+    svc = make_service(model, tmp_path / "pins", StoreLimits(device_bytes=one, host_bytes=one))
+    for i in range(3):
+        svc.create("a", f"s{i}", PROMPT[: i + 2])
+    svc.store.set_pinned("a", "s0", True)
+    svc.store.set_pinned("a", "s1", True)
+    with pytest.raises(PinNoRoom, match="unpin another state"):
+        svc.store.set_pinned("a", "s2", True)
+    rec = svc.store.get("a", "s2")
+    assert not rec.pinned and rec.tier == "disk"
+    assert {r.name: r.tier for r in svc.store.list("a") if r.pinned} == {"s0": "device", "s1": "host"}
+    svc.store.set_pinned("a", "s1", False)
+    assert svc.store.set_pinned("a", "s2", True).tier in ("device", "host")
+
 STORM_CHILD = textwrap.dedent(
     """
     import sys, torch
@@ -494,6 +515,22 @@ def test_write_back_states_spill_when_they_leave_ram(model, tmp_path):
     reopened = StateStore(tmp_path / "wb", model.spec, model.fingerprint, model.vocab_size)
     assert sorted(r.handle for r in reopened.list("t#ckpt")) == ["c0@1", "c1@1", "c2@1"]
 
+
+
+def test_a_crash_losing_write_back_files_is_no_error_but_a_lost_user_file_is(model, tmp_path, caplog):
+    """Write-back checkpoints whose files were never written (a crash: no close) are dropped at restart as
+    documented, logged at info; a user state whose file went missing is still an error in the log."""
+    store = StateStore(tmp_path / "c", model.spec, model.fingerprint, model.vocab_size)
+    for i in range(3):
+        store.put("t#ckpt", f"c{i}", model.prefill([i + 1, i + 2])[1], [i + 1, i + 2, 9], durable=False)
+    user = store.put("t", "u", model.prefill(PROMPT)[1], PROMPT)
+    store._blob_path(user.blob).unlink()
+    with caplog.at_level(logging.INFO, logger="wkvm.state"):
+        reopened = StateStore(tmp_path / "c", model.spec, model.fingerprint, model.vocab_size)
+    assert reopened.list("t#ckpt") == [] and reopened.list("t") == []
+    dropped = [r for r in caplog.records if "unusable" in r.getMessage()]
+    assert sorted(r.levelno for r in dropped) == [logging.INFO] * 3 + [logging.ERROR]
+    assert all(r.getMessage().startswith("internal state") for r in dropped if r.levelno == logging.INFO)
 
 def test_restart_reads_back_only_changed_files(model, tmp_path, monkeypatch):
     """A restart checks a state file's checksum only if its size/mtime/inode changed since it was written."""

@@ -281,3 +281,33 @@ def test_a_union_fields_wrong_element_is_named_with_the_forms_it_takes():
         assert err["param"] == param and says in err["message"] and f"(input takes {forms})" in err["message"], err
     err = client.post("/e", json={"model": "m", "input": {"text": "x"}}).json()["error"]
     assert err["param"] == "input" and "valid string; or" in err["message"] and "valid list" in err["message"], err
+
+
+def test_shutdown_answers_one_code_with_retry_after_whichever_way_a_request_meets_it():
+    """A request arriving during shutdown (EngineClosed) and a state creation whose prefill shutdown cut off
+    (PrefillFailed "shutdown") answer the same 503 `shutting_down` with Retry-After: an announced outage that the
+    5xx log leaves alone (the cut-off prefill had answered code `shutdown`, logged as a server error)."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from wkvm.engine.client import PrefillFailed
+    from wkvm.engine.engine import EngineClosed
+    from wkvm.outputs import ErrorCode
+    from wkvm.server.errors import install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/closed")
+    def closed() -> dict:
+        raise EngineClosed("the server is shutting down")
+
+    @app.post("/cut")
+    def cut() -> dict:
+        raise PrefillFailed("the server is shutting down", ErrorCode.SHUTDOWN)
+
+    client = TestClient(app)
+    for path in ("/closed", "/cut"):
+        r = client.post(path)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", path
+        assert r.json()["error"]["code"] == "shutting_down", path

@@ -21,7 +21,7 @@ from wkvm.sampling_params import InvalidParam
 from wkvm.state.mutations import MutationError
 from wkvm.state.sessions import SessionBusy
 from wkvm.state.statefile import StateFileError
-from wkvm.state.store import QuotaExceeded, StateNotFound, StatePinned
+from wkvm.state.store import PinNoRoom, QuotaExceeded, StateNotFound, StatePinned
 
 log = logging.getLogger("wkvm.server")
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -103,7 +103,15 @@ def prefill_failed(e: PrefillFailed) -> JSONResponse:
         return error_response(400, str(e), None, e.error_code)
     if e.error_code == ErrorCode.ENGINE_ERROR:
         return error_response(500, str(e), None, e.error_code)
+    if e.error_code == ErrorCode.SHUTDOWN:  # the same answer as a request that arrives during shutdown
+        return shutting_down(str(e))
     return error_response(503, str(e), None, e.error_code or "aborted")
+
+
+def shutting_down(message: str) -> JSONResponse:
+    """503 `shutting_down`, with Retry-After: an announced outage (a restart, or another replica, serves a retry), not
+    a server error."""
+    return error_response(503, message, None, "shutting_down", {"Retry-After": "1"})
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -143,11 +151,12 @@ def install_error_handlers(app: FastAPI) -> None:
         InvalidParam: lambda e: error_response(400, str(e), e.param, "invalid_value"),
         StateNotFound: lambda e: error_response(404, str(e), e.param, "state_not_found"),
         StatePinned: lambda e: error_response(409, str(e), "handle", "state_pinned"),
+        PinNoRoom: lambda e: error_response(409, str(e), "handle", "pinned_tiers_full"),
         StateFileError: lambda e: error_response(400, str(e), "body", "invalid_state"),
         MutationError: lambda e: error_response(400, str(e), "params", "invalid_mutation"),
         QuotaExceeded: lambda e: error_response(413, str(e), None, "state_quota_exceeded"),
         QueueFull: lambda e: error_response(429, str(e), None, "queue_full"),
-        EngineClosed: lambda e: error_response(503, str(e), None, "shutting_down"),
+        EngineClosed: lambda e: shutting_down(str(e)),
         SessionBusy: lambda e: error_response(409, str(e), None, "session_busy"),
         PrefillFailed: prefill_failed,
         # the client left while sending its body (a state import cut off): nobody reads the answer, and it is no

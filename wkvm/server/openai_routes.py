@@ -63,14 +63,22 @@ def reuse_scope(tenant: str, user: str | None, cache_salt: str | None) -> str:
     return scope
 
 
-def save_final(ctx: ServerContext, tenant: str, name: str, parent: str | None, h: RequestHandle) -> dict[str, Any]:
+def save_final(ctx: ServerContext, tenant: str, name: str, parent: str | None, h: RequestHandle,
+               param: str = "save_state") -> dict[str, Any]:  # fmt: skip
     """Save a finished generation's state: {"state": StateInfo}, or {"state_error": ...} when it cannot be
-    saved (quota full, history too long). The generation itself is never lost to a failed save."""
+    saved (quota full, history too long, or no final state: a generation ended by shutdown or an error). The
+    generation itself is never lost to a failed save. `param`: the request field that asked for the save."""
+    result, out = h.run_result(), h.output
+    if result.final_state is None:
+        ended = out.finish_reason + (f", {out.error_code}" if out.error_code else "") if out.finish_reason else "early"
+        why = f"{param}: the generation ended ({ended}) before its final state was captured; nothing was saved " \
+              f"under {name!r}"  # fmt: skip
+        return {"state_error": error_body(503, why, param, "state_unavailable")["error"]}
     try:
-        rec = ctx.service.save_run(tenant, name, h.run_result(), parent, {"completion_tokens": len(h.output.token_ids)})
+        rec = ctx.service.save_run(tenant, name, result, parent, {"completion_tokens": len(out.token_ids)})
     except (QuotaExceeded, ValueError) as e:
         status, code = (413, "state_quota_exceeded") if isinstance(e, QuotaExceeded) else (400, "invalid_state")
-        return {"state_error": error_body(status, str(e), "save_state", code)["error"]}
+        return {"state_error": error_body(status, str(e), param, code)["error"]}
     return {"state": {"object": "state", **rec.info(ctx.model_name)}} if rec is not None else {}
 
 

@@ -164,7 +164,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         def extras() -> dict[str, Any]:
             out: dict[str, Any] = {"wkvm": plan.info}
             if body.save_as:
-                out.update(save_final(ctx, tenant, body.save_as, rec.handle, h))
+                out.update(save_final(ctx, tenant, body.save_as, rec.handle, h, "save_as"))
             return out
 
         if body.stream:

@@ -16,6 +16,7 @@ from wkvm.atomic import TMP_SUFFIX, atomic_write_bytes, fsync_dir
 from wkvm.models.spec import State, StateSpec
 from wkvm.state import statefile
 from wkvm.state.index import StateIndex, StateRecord
+from wkvm.state.quota import is_internal
 from wkvm.state.statefile import StateFileError
 
 log = logging.getLogger("wkvm.state")
@@ -107,5 +108,8 @@ class BlobFiles:
                 sizes[blob] = self.size(blob)
             except (FileNotFoundError, StateFileError) as e:
                 dropped = index.delete_blob_records(blob)
-                log.error("state blob %s unusable (%s): dropped %d record(s)", blob[:12], e, dropped)
+                # a write-back checkpoint's file may never have been written before a crash (state-file.md): expected
+                internal = all(is_internal(r.owner) for r in records if r.blob == blob)
+                log.log(logging.INFO if internal else logging.ERROR, "%s blob %s unusable (%s): dropped %d record(s)",
+                        "internal state" if internal else "state", blob[:12], e, dropped)  # fmt: skip
         return [r for r in records if r.blob in sizes], sizes

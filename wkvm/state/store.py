@@ -56,6 +56,10 @@ class StatePinned(RuntimeError):
     """A move down a tier of a state that a pin keeps resident."""
 
 
+class PinNoRoom(RuntimeError):
+    """A pin of a state that cannot be held in RAM: the device and host tiers are full of pinned states."""
+
+
 class StateStore:
     def __init__(
         self,
@@ -307,6 +311,13 @@ class StateStore:
             self._pinned = self.index.pinned_blobs()
             if pinned:  # a pinned state is kept resident: bring it up, then LRU never evicts it
                 self.load(owner, rec.handle)
+                if self.tier_of(rec.blob) == "disk":  # no room beside other pins: the pin would be a false promise
+                    self.index.set_pinned(owner, rec.name, rec.version, False)
+                    self._pinned = self.index.pinned_blobs()
+                    raise PinNoRoom(f"state {rec.handle!r} cannot be pinned: pinned states fill the device tier "
+                                    f"({self.device_cache.limit} bytes) and the host tier ({self.host_cache.limit} "
+                                    "bytes); unpin another state, or start the server with larger "
+                                    "--state-device-bytes / --state-host-bytes")  # fmt: skip
             return self.get(owner, rec.handle)
 
     # --- internal states: eviction -------------------------------------------------------------
