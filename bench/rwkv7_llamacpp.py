@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import llamacpp  # noqa: E402
 from common import (  # noqa: E402
     avx2_paths,
     checkpoint,
@@ -113,11 +114,11 @@ def llama_cpp(bin_dir: Path, gguf: Path, threads: int, prefill: int, decode: int
     out: dict[str, float] = {}
     for key, flags in (("prefill", ["-p", str(prefill), "-n", "0"]), ("decode_b1", ["-p", "0", "-n", str(decode)])):
         cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-r", "3", "-o", "json", *flags]
-        res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        res = json.loads(llamacpp.run_tool(cmd).stdout)
         out[key] = float(res[0]["avg_ts"])
     cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-c", "8192", "-b", "2048",
            "-ub", "512", "-npp", "32", "-ntg", str(decode), "-npl", "8,32", "--output-format", "jsonl"]  # fmt: skip
-    run = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    run = llamacpp.run_tool(cmd)
     rows = [json.loads(x) for x in (run.stdout + run.stderr).splitlines() if x.startswith('{"n_kv_max"')]
     for r in rows:
         out[f"decode_b{int(r['pl'])}"] = float(r["speed_tg"])

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,12 +41,12 @@ def llama_cpp(bin_dir: Path, threads: int, prefill: int, decode: int, batch: int
              ("decode_b1_deep", ["-p", "0", "-n", str(decode), "-d", str(depth)]))  # fmt: skip
     for key, flags in cases:
         cmd = [str(bin_dir / "llama-bench"), "-m", str(GGUF), "-t", str(threads), "-r", "3", "-o", "json", *flags]
-        res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        res = json.loads(llamacpp.run_tool(cmd).stdout)
         out[key] = float(res[0]["avg_ts"])
     cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(GGUF), "-t", str(threads), "-c", "4096", "-b", "2048",
            "-ub", "512", "-npp", "32", "-ntg", str(decode), "-npl", f"1,{batch}",
            "--output-format", "jsonl"]  # fmt: skip
-    run = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    run = llamacpp.run_tool(cmd)
     rows = [json.loads(x) for x in (run.stdout + run.stderr).splitlines() if x.startswith('{"n_kv_max"')]
     by_pl = {int(r["pl"]): r for r in rows}
     out["decode_b1_batched_bench"] = float(by_pl[1]["speed_tg"])
@@ -140,9 +139,10 @@ def main() -> None:
     ]  # fmt: skip
     isa = torch.backends.cpu.get_cpu_capability()
     print(f"CPU: {cpu_name()}; torch ISA {isa}; {threads} threads (llama.cpp -t {threads})")
+    no_repack = " (weights not repacked: its AMX path crashed here)" if llamacpp.repack_crashed else ""
     print_table(
         f"SmolLM2-135M-Instruct: wkvm {args.dtype} (dequantized Q4_1; KV {args.kv_dtype}), transformers fp32, "
-        "llama.cpp Q4_1 native",
+        f"llama.cpp Q4_1 native{no_repack}",
         ["case", "wkvm tok/s", "transformers", "x transformers", "llama.cpp", "x llama.cpp"],
         rows,
     )
@@ -154,7 +154,8 @@ def main() -> None:
     write_json(
         f"smollm2_speed_{args.dtype}",
         {"cpu": cpu_name(), "isa": isa, "threads": threads, "wkvm_dtype": f"{args.dtype} (dequantized Q4_1)",
-         "llama_cpp_dtype": "Q4_1", "decode_b1_tok_s": dec, "engine_decode_b1_tok_s": engine_b1,
+         "llama_cpp_dtype": "Q4_1", "llama_cpp_repacked": not llamacpp.repack_crashed, "decode_b1_tok_s": dec,
+         "engine_decode_b1_tok_s": engine_b1,
          f"engine_decode_b{b}_tok_s": engine_bn, "anchor_round_ratios": round_ratios,
          f"engine_decode_b1_after_{args.depth}_tok_s": engine_deep, "prefill_tok_s": pre,
          "transformers_decode_b1_tok_s": ref_dec,

@@ -134,7 +134,7 @@ def kernel_for(w: torch.Tensor, rows: int) -> tuple[str, int] | None:
 
 
 def _kernel_takes(path: str, rows: int) -> bool:
-    return path == ISAS[-1] or (path != "torch" and rows <= KERNEL_ROWS)  # VNNI: every size
+    return path == "avx512_vnni" or (path != "torch" and rows <= KERNEL_ROWS)  # VNNI: every size
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, path: str | None = None) -> torch.Tensor:

@@ -13,13 +13,14 @@ x) go to `int8_linear.cpp`, built on first use with the machine's C++ compiler i
 (a name hashed from the source, torch's version and installation and the CPU flags; 10-25 s once).
 It rounds x to int8 per group of 32 values (scale max|x| / 127, as llama.cpp's q8 activation blocks; shared with
 the int4 kernel in x_groups.h) and multiplies exactly in integers (AVX512-VNNI's vpdpbusd, 64 products an
-instruction; int16 vpmaddwd without VNNI), one fused multiply-add per group after, so every ISA gives the same bits.
+instruction; int16 vpmaddwd without VNNI; with AMX-INT8, from 32 rows of x, tdpbssd on tiles, 1.3-1.7x VNNI's
+products there), one fused multiply-add per group after, so every ISA gives the same bits.
 Rounding x moved the default model's mean KL from fp32 from 9.3e-5 (int16 x) to 1.4e-4 and made M=8-32 products
 1.5-2.4x faster (docs/performance.md). More rows (prefill) without VNNI: the matrix is dequantized to fp32 per
 call and goes to oneDNN, whose GEMM beats the vpmaddwd kernel there (with VNNI the kernel takes every size).
 Without a compiler every call dequantizes in torch (correct, slow) after a one-line warning; importing never fails.
 
-WKVM_INT8_KERNEL=avx512_vnni|avx512|avx2|scalar|torch forces a path (tests run the AVX2 kernel on AVX-512 machines).
+WKVM_INT8_KERNEL=amx|avx512_vnni|avx512|avx2|scalar|torch forces a path (tests run the AVX2 kernel on AVX-512 machines).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ log = logging.getLogger("wkvm.int8")
 # ran at or above fp32 oneDNN at every size measured (up to 256 rows), so it takes all sizes
 KERNEL_ROWS, KERNEL_ROWS_LARGE, LARGE = 32, 128, 8 << 20
 SOURCE = Path(__file__).with_name("int8_linear.cpp")
-ISAS = ("scalar", "avx2", "avx512", "avx512_vnni")  # the kernel's isa argument is the index
+ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "amx")  # the kernel's isa argument is the index (amx: int8 only)
+ALL_SIZES = ("avx512_vnni", "amx")  # the paths that take every size of x
 SCALE_BYTES = 4
 BLOCK = 32
 CFLAGS = ("-O3", "-ffp-contract=off")  # no FMA contraction: every ISA computes the same float expression
@@ -159,7 +161,7 @@ def kernel_for(w: torch.Tensor, rows: int) -> tuple[str, int] | None:
 def _kernel_takes(path: str, m: int, w: torch.Tensor) -> bool:
     if path == "torch":
         return False
-    return path == "avx512_vnni" or m <= KERNEL_ROWS or (m <= KERNEL_ROWS_LARGE and w.numel() >= LARGE)
+    return path in ALL_SIZES or m <= KERNEL_ROWS or (m <= KERNEL_ROWS_LARGE and w.numel() >= LARGE)
 
 
 @functools.cache

@@ -14,8 +14,8 @@
 // vpmaddwd (32 products per AVX-512 instruction). A register holds one lane per output row, so x's values are
 // broadcast and no horizontal sums are needed, and the matrix is read as one sequential stream. Output blocks are
 // split across torch's own thread pool (at::parallel_for). One build serves every x86 CPU: the vector kernels carry
-// target attributes and the caller picks one (isa: 0 portable C++, 1 AVX2, 2 AVX-512BW, 3 AVX512-VNNI);
-// best_isa() says what this CPU runs.
+// target attributes and the caller picks one (isa: 0 portable C++, 1 AVX2, 2 AVX-512BW, 3 AVX512-VNNI, 4 AMX-INT8:
+// tdpbssd on tiles from 32 rows of x, the VNNI path below; int8_blocks.h); best_isa() says what this CPU runs.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

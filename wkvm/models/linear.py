@@ -140,7 +140,8 @@ def kernels() -> dict[str, str]:
     q4_path = int4.kernel_path()
     q4 = "dequantize per call (no native kernel)" if q4_path == "torch" else f"wkvm int4 kernel ({q4_path})"
     def sizes(kernel: str, isa: str, rows: int) -> str:  # with VNNI both kernels take every size (int8/int4.linear)
-        return f"{kernel} at every size" if isa == "avx512_vnni" else f"{kernel} up to {rows} rows, then fp32 {prefill}"
+        every = isa in int8.ALL_SIZES
+        return f"{kernel} at every size" if every else f"{kernel} up to {rows} rows, then fp32 {prefill}"
 
     return {"float32": fp32, "bfloat16": bf16, "int8": sizes(q8, path, int8.KERNEL_ROWS),
             "int4": sizes(q4, q4_path, int4.KERNEL_ROWS)}
@@ -160,7 +161,7 @@ def quantized_speed(kind: str, path: str, size: str, measured: str) -> str:
     if path == "torch":
         return f"no native {kind} kernel (no C++ compiler, or its build failed): {size}, but every matmul " \
                "dequantizes first, slower than float32; install g++ or use --dtype float32"  # fmt: skip
-    note = "" if path == "avx512_vnni" else " (with AVX512-VNNI; without it batched decode and prefill gain less)"
+    note = "" if path in int8.ALL_SIZES else " (with AVX512-VNNI; without it batched decode and prefill gain less)"
     return f"native {kind} kernel ({path}): {size}; measured {measured}{note}"
 
 
