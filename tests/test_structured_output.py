@@ -384,10 +384,17 @@ def test_structured_outputs_over_http_and_its_old_names(server):
     chat = {"messages": [{"role": "user", "content": "Code?"}], "max_tokens": 50, "seed": 5, "guided_regex": "[0-9]{4}"}
     r = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60)
     assert re.fullmatch("[0-9]{4}", r.json()["choices"][0]["message"]["content"]), r.text
+    # vLLM's json_object kind, and its old guided_json_object (hunt 10: ignored with a warning, the reply free text)
+    for extra in ({"structured_outputs": {"json_object": True}}, {"guided_json_object": True}):
+        r = httpx.post(url, json={**base, "max_tokens": 200, "temperature": 0, **extra}, timeout=60)
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "length" or isinstance(json.loads(choice["text"]), dict), r.text
+        assert choice["text"].startswith("{"), r.text
     for bad in ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, {"structured_outputs": {}},
                 {"structured_outputs": {"regex": "(unclosed"}}, {"structured_outputs": {"choice": []}},
                 {"structured_outputs": {"json": "{not json"}},
                 {"structured_outputs": {"choice": ["a"]}, "guided_regex": "b"},
+                {"structured_outputs": {"json_object": False}}, {"guided_json_object": True, "guided_regex": "b"},
                 {"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}):  # fmt: skip
         r = httpx.post(url, json={**base, **bad}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", (bad, r.text)

@@ -221,3 +221,88 @@ def test_a_tool_round_trip_keeps_reuse_exact(client, server):
     assert again["wkvm"]["reused_tokens"] >= first.usage.prompt_tokens - 1, again["wkvm"]
     assert fresh["wkvm"]["reused_tokens"] == 0
     assert again["choices"][0]["message"] == fresh["choices"][0]["message"]
+
+
+def test_tool_parameters_with_their_own_refs_are_enforced_where_they_point():
+    """pydantic's and the openai SDK's tools refer to their own `$defs` ("#/$defs/Unit"), or to themselves ("#"):
+    inside the calls' schema those pointers are moved along (hunt 10: a 400 "Pointer '/$defs/Unit' does not exist",
+    and a recursive tool whose "#" meant the list of calls)."""
+    import llguidance
+
+    unit = {"type": "function", "function": {"name": "temp", "parameters": {
+        "type": "object", "$defs": {"Unit": {"enum": ["c", "f"], "type": "string"}},
+        "properties": {"city": {"type": "string"}, "unit": {"$ref": "#/$defs/Unit"}},
+        "required": ["city", "unit"], "additionalProperties": False}}}  # fmt: skip
+    tree = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
+                                         "kid": {"anyOf": [{"type": "null"}, {"$ref": "#"}]},
+                                         "same": {"$ref": "#/properties/v"}, "data": {"const": {"$ref": "#"}}},
+        "required": ["v", "kid"], "additionalProperties": False}}}  # fmt: skip
+    for tools in ([unit], [unit, tree], [tree, ADD]):
+        mode = tool_mode(tools, "required", None)
+        assert mode is not None
+        schema = mode.response_format()["json_schema"]["schema"]
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+        assert not llguidance.LLMatcher.validate_grammar_with_warnings(grammar)[0], tools
+        for t in tools:  # a call with valid arguments is in the calls' schema; one the tool's schema refuses is not
+            name, params = t["function"]["name"], t["function"]["parameters"]
+            good = {"temp": {"city": "Oslo", "unit": "c"}, "tree": {"v": 1, "kid": {"v": 2, "kid": None}},
+                    "add": {"a": 1, "b": 2}}[name]  # fmt: skip
+            bad = {"temp": {"city": "Oslo", "unit": "kelvin"}, "tree": {"v": 1, "kid": [{"name": "tree"}]},
+                   "add": {"a": "x", "b": 2}}[name]  # fmt: skip
+            jsonschema.validate(good, params)
+            jsonschema.validate([{"name": name, "arguments": good}], schema)
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate([{"name": name, "arguments": bad}], schema)
+    data = tool_mode([tree], "required", None).response_format()["json_schema"]["schema"]["$defs"]
+    assert data["wkvm_tool_0"]["properties"]["data"] == {"const": {"$ref": "#"}}  # a value, not a pointer
+
+
+def test_a_forced_call_with_refs_comes_back_valid(client):
+    unit = {"type": "function", "function": {"name": "temp", "parameters": {
+        "type": "object", "$defs": {"Unit": {"enum": ["c", "f"], "type": "string"}},
+        "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"$ref": "#/$defs/Unit"}},
+        "required": ["city", "unit"], "additionalProperties": False}}}  # fmt: skip
+    for seed in range(3):
+        r = client.chat.completions.create(model="char-model", messages=ASK, tools=[unit], tool_choice="required",
+                                           temperature=1.0, seed=seed, max_tokens=300)  # fmt: skip
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), unit["function"]["parameters"])
+
+
+def test_tool_fixes_from_hunt_10(client):
+    """Parameters that are not an object schema are a 400 (as OpenAI's); a named tool_choice gives one call; a
+    forced call cut off by max_tokens is no content in words; a tool message must answer an earlier call; with
+    response_format under `auto`, a reply that reads as a call stays the content asked for."""
+    for params in ({"type": "string"}, {"type": "array", "items": {"type": "integer"}}, {"properties": {}}):
+        tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="char-model", messages=ASK, max_tokens=2, tool_choice="required",
+                                           tools=[tool])  # fmt: skip
+        assert e.value.body["param"] == "tools[0].function.parameters", e.value.body
+    for seed in range(4):
+        r = client.chat.completions.create(model="char-model", messages=ASK, tools=TOOLS, seed=seed, temperature=1.0,
+                                           tool_choice={"type": "function", "function": {"name": "add"}},
+                                           max_tokens=400)  # fmt: skip
+        check_calls(r.choices[0], {"add"}, most=1)
+    kw = dict(model="char-model", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=5, temperature=0)
+    cut = client.chat.completions.create(**kw).choices[0]
+    assert cut.finish_reason == "length" and cut.message.content is None and not cut.message.tool_calls
+    chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    assert chunks[-1].finish_reason == "length" and not any(c.delta.content for c in chunks)
+    history = ASK + [{"role": "tool", "tool_call_id": "call_nowhere", "content": "Sunny"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="char-model", messages=history, max_tokens=2)
+    assert e.value.body["param"] == "messages[1].tool_call_id"
+    mode = tool_mode(TOOLS, "auto", None, shaped=True)
+    call = '{"name": "add", "arguments": {"zzz": 1}}'
+    assert mode is not None and parse_reply(call, mode) == (call, []) and content_ready(call, mode) == len(call)
+    assert final_delta(call, len(call), "stop", mode) == (None, [], "stop")
+    const = {"type": "json_schema", "json_schema": {"name": "c", "schema": {"const": {"name": "add",
+                                                                                  "arguments": {"a": 1, "b": 2}}}}}
+    r = client.chat.completions.create(model="char-model", messages=ASK, tools=TOOLS, response_format=const,
+                                       max_tokens=40, temperature=0)  # fmt: skip
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    assert json.loads(r.choices[0].message.content) == {"name": "add", "arguments": {"a": 1, "b": 2}}

@@ -28,7 +28,8 @@ PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty
 REPETITION_PENALTY_RANGE = (0.01, 10.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token, 100 all but forces it
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")  # vLLM's structured_outputs (grammar: llguidance's Lark)
+# vLLM's structured_outputs kinds (grammar: llguidance's Lark), and its older guided_<kind> fields
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # compact JSON: no whitespace between tokens, so a reply cannot drift into endless blank space
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
@@ -151,6 +152,9 @@ class SamplingParams:
                 schema = json.loads(value) if isinstance(value, str) else value
                 _check(isinstance(schema, dict), name, "json: a JSON schema (an object, or a string holding one)")
                 return _schema_grammar(schema, name)
+            if kind == "json_object":
+                _check(value is True, name, "json_object: true (any JSON object), or left out")
+                return _schema_grammar({"type": "object"}, name)
             if kind == "choice":
                 ok = isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)
                 _check(bool(ok), name, "choice: a list of non-empty strings")

@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from wkvm.engine.engine import Event, RequestHandle
 from wkvm.outputs import ErrorCode, GenerationOutput
-from wkvm.sampling_params import MAX_STOP_STRINGS, InvalidParam, SamplingParams
+from wkvm.sampling_params import MAX_STOP_STRINGS, STRUCTURED_KINDS, InvalidParam, SamplingParams
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError
 from wkvm.server.schemas import SamplingFields
@@ -136,9 +136,9 @@ def sampling_params(
 
 
 def structured_outputs(body: SamplingFields) -> dict[str, Any] | None:
-    """vLLM's structured_outputs, or its older guided_json / guided_regex / guided_choice / guided_grammar."""
-    legacy = {kind: v for kind in ("json", "regex", "choice", "grammar")
-              if (v := getattr(body, f"guided_{kind}")) is not None}  # fmt: skip
+    """vLLM's structured_outputs, or its older guided_json / guided_regex / guided_choice / guided_grammar /
+    guided_json_object."""
+    legacy = {kind: v for kind in STRUCTURED_KINDS if (v := getattr(body, f"guided_{kind}")) is not None}
     if legacy and body.structured_outputs is not None:
         raise APIError(400, "give structured_outputs or the guided_* fields, not both", "structured_outputs",
                        "invalid_value")  # fmt: skip

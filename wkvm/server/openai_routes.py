@@ -394,9 +394,6 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
     tenant = ctx.tenant(request)
     check_model(ctx, body.model)
     messages = chat_messages(body.messages, body.functions)
-    mode = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
-    text = render_chat(ctx, messages, mode.tools if mode else None, body.add_generation_prompt,
-                       body.continue_final_message)  # fmt: skip
     if body.save_state and body.n > 1:
         raise APIError(400, "save_state needs n = 1", "save_state", "invalid_value")
     max_tokens = body.max_completion_tokens or body.max_tokens
@@ -404,6 +401,10 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     k = (body.top_logprobs or 0) if body.logprobs else None
     sp = gen.sampling_params(ctx, body, max_tokens, k, gen.DEFAULT_CHAT_MAX_TOKENS, ctx.template.stop)
+    shaped = (sp.response_format or {}).get("type", "text") != "text" or sp.structured_outputs is not None
+    mode = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls, shaped)
+    text = render_chat(ctx, messages, mode.tools if mode else None, body.add_generation_prompt,
+                       body.continue_final_message)  # fmt: skip
     if mode is not None and mode.forced:  # the reply can only be a valid call: the grammar enforces it
         if body.response_format is not None or sp.structured_outputs is not None:
             which = "response_format" if body.response_format is not None else "structured_outputs"
@@ -513,6 +514,8 @@ def chat_messages(messages: list[ChatMessage], functions: list[Any] | None = Non
     if functions:
         raise APIError(400, "functions (the deprecated form) is not supported: use tools", "functions", "unsupported")
     out: list[dict[str, Any]] = []
+    call_ids: set[str] = set()  # earlier assistant messages' tool call ids
+    unnamed = False  # a call without an id was seen: tool messages cannot be matched, so they are not checked
     for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
             raise APIError(400, f"messages[{i}].role {m.role!r} is not supported; use one of {list(CHAT_ROLES)}",
@@ -541,11 +544,18 @@ def chat_messages(messages: list[ChatMessage], functions: list[Any] | None = Non
                                f"messages[{i}].tool_calls", "invalid_value")  # fmt: skip
             for j, call in enumerate(m.tool_calls):
                 check_tool_call(call, f"messages[{i}].tool_calls[{j}]")
+                if "id" in call:
+                    call_ids.add(call["id"])
+                else:
+                    unnamed = True
             msg["tool_calls"] = m.tool_calls
         if m.role == "tool":
             if not m.tool_call_id:
                 raise APIError(400, f"messages[{i}]: a tool message needs the tool_call_id of the call it answers",
                                f"messages[{i}].tool_call_id", "invalid_value")  # fmt: skip
+            if m.tool_call_id not in call_ids and not unnamed:  # OpenAI's 400 too (and the Responses API's here)
+                raise APIError(400, f"messages[{i}].tool_call_id {m.tool_call_id[:64]!r} answers no tool call of an "
+                               "earlier assistant message", f"messages[{i}].tool_call_id", "invalid_value")  # fmt: skip
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
@@ -633,8 +643,8 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
 
 def reply(text: str, finish_reason: str | None, mode: ToolMode | None) -> tuple[dict[str, Any], str | None]:
     """The assistant message (and finish reason) for a finished choice: tool calls when its text is one."""
-    if mode is None or finish_reason != "stop":
-        return {"role": "assistant", "content": text}, finish_reason
+    if mode is None or finish_reason != "stop":  # a forced call cut off: its unfinished JSON is no answer in words
+        return {"role": "assistant", "content": None if mode is not None and mode.forced else text}, finish_reason
     content, calls = parse_reply(text, mode)
     if not calls:
         return {"role": "assistant", "content": text}, finish_reason

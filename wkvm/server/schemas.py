@@ -99,6 +99,7 @@ class StructuredOutputs(Body):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None  # Lark, as llguidance reads it (vLLM's guidance backend)
+    json_object: bool | None = None  # true: any JSON object (response_format json_object)
 
     def as_dict(self) -> dict[str, Any]:
         return self.model_dump(by_alias=True, exclude_none=True)
@@ -133,6 +134,7 @@ class SamplingFields(RequestBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_json_object: bool | None = None
     include_stop_str_in_output: bool = False  # vLLM's
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=1 << 20)  # vLLM's
     bad_words: list[Annotated[str, Field(max_length=MAX_TEXT_FIELD)]] | None = None  # vLLM's

@@ -29,6 +29,9 @@ class ToolMode:
     choice: str  # "none", "auto", "required" or "named"
     name: str | None = None  # the named function
     parallel: bool = True
+    # "auto" only: False when response_format / structured_outputs shapes the reply: it is then the content asked
+    # for, never read as calls (a JSON reply that looked like a call had become one, its arguments unchecked)
+    calls_in_text: bool = True
 
     @property
     def functions(self) -> dict[str, dict[str, Any]]:
@@ -41,21 +44,52 @@ class ToolMode:
     def response_format(self) -> dict[str, Any]:
         """The JSON schema a forced reply must match: a list of calls to offered tools (to the named one only)."""
         names = [self.name] if self.name else list(self.functions)
-        calls = []
-        for n in names:
+        calls, defs = [], {}
+        for i, n in enumerate(names):
             # OpenAI: "omitting parameters defines a function with an empty parameter list"
             args = self.functions[n].get("parameters") or {"type": "object", "properties": {},
                                                            "additionalProperties": False}  # fmt: skip
+            if _has_local_ref(args):  # its "#..." pointers name places in its own schema: move it to one
+                key = f"wkvm_tool_{i}"
+                defs[key] = _rebased(args, f"#/$defs/{key}")
+                args = {"$ref": f"#/$defs/{key}"}
             calls.append({"type": "object", "properties": {"name": {"const": n}, "arguments": args},
                           "required": ["name", "arguments"], "additionalProperties": False})
         item = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        schema = {"type": "array", "items": item, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
+        schema = {"type": "array", "items": item, "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
+                  **({"$defs": defs} if defs else {})}  # fmt: skip
         return {"type": "json_schema", "json_schema": {"name": "tool_calls", "schema": schema, "strict": True}}
 
 
-def tool_mode(tools: list[Any] | None, choice: Any, parallel: bool | None) -> ToolMode | None:
+# schema keywords whose values are data, not schemas: a "$ref" key inside them is a value, left as it is
+DATA_KEYWORDS = ("const", "enum", "default", "examples")
+
+
+def _has_local_ref(x: Any) -> bool:
+    if isinstance(x, dict):
+        if isinstance(x.get("$ref"), str) and x["$ref"].startswith("#"):
+            return True
+        return any(_has_local_ref(v) for k, v in x.items() if k not in DATA_KEYWORDS)
+    return isinstance(x, list) and any(_has_local_ref(v) for v in x)
+
+
+def _rebased(x: Any, base: str) -> Any:
+    """A tool's parameters schema moved to `base` inside the calls' schema: each local "$ref" ("#", "#/$defs/X",
+    "#/properties/a") now points into it there (pydantic's and the openai SDK's tools refer to their own $defs)."""
+    if isinstance(x, list):
+        return [_rebased(v, base) for v in x]
+    if not isinstance(x, dict):
+        return x
+    out = {k: v if k in DATA_KEYWORDS else _rebased(v, base) for k, v in x.items()}
+    ref = x.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = base + ref[1:]
+    return out
+
+
+def tool_mode(tools: list[Any] | None, choice: Any, parallel: bool | None, shaped: bool = False) -> ToolMode | None:
     """Validate the request's tools and tool_choice; None when the request offers no tools (or chooses none and
-    offers none)."""
+    offers none). `shaped`: response_format or structured_outputs fixes the reply's form (see calls_in_text)."""
     if not tools:
         if choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice needs tools: offer at least one tool", "tool_choice", "invalid_value")
@@ -74,19 +108,23 @@ def tool_mode(tools: list[Any] | None, choice: Any, parallel: bool | None) -> To
         if params is not None and not isinstance(params, dict):
             raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object",
                            f"tools[{i}].function.parameters", "invalid_value")  # fmt: skip
+        if params and params.get("type") != "object":  # OpenAI's 400 too: a call's arguments are an object
+            raise APIError(400, f'tools[{i}].function.parameters must be a JSON schema of "type": "object" (the '
+                           f"call's arguments are an object); got type {str(params.get('type'))[:40]!r}",
+                           f"tools[{i}].function.parameters", "invalid_value")  # fmt: skip
         checked.append(t)
     names = [t["function"]["name"] for t in checked]
     if len(set(names)) != len(names):
         raise APIError(400, "tools: function names must be distinct", "tools", "invalid_value")
     if choice is None or choice in ("auto", "none", "required"):
-        return ToolMode(checked, choice or "auto", None, parallel is not False)
+        return ToolMode(checked, choice or "auto", None, parallel is not False, calls_in_text=not shaped)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
         raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                        '{"name": ...}}', "tool_choice", "invalid_value")  # fmt: skip
     if name not in names:
         raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", "tool_choice", "invalid_value")
-    return ToolMode(checked, "named", name, parallel is not False)
+    return ToolMode(checked, "named", name, False)  # one call of the named function (as vLLM answers)
 
 
 def parse_reply(text: str, mode: ToolMode) -> tuple[str | None, list[dict[str, Any]]]:
@@ -101,7 +139,7 @@ def parse_reply(text: str, mode: ToolMode) -> tuple[str | None, list[dict[str, A
 def split_reply(text: str, mode: ToolMode) -> tuple[str, list[dict[str, Any]]]:
     """(the text around the calls as written, the calls) for a finished reply; ([text], []) when it holds no call
     that parses (see parse_reply)."""
-    if mode.choice == "none":
+    if mode.choice == "none" or not mode.calls_in_text:
         return text, []
     found: list[Any] = []
     rest = text
@@ -133,7 +171,7 @@ def content_ready(text: str, mode: ToolMode) -> int:
     before a call) and trailing whitespace (a blocking reply strips it before a call: so does the stream).
     Nothing with a forced call (the reply is the call), everything with "none". Depends only on the
     text, so a stream that moves to another server goes on from the same point."""
-    if mode.choice == "none":
+    if mode.choice == "none" or not mode.calls_in_text:
         return len(text)
     stripped = text.lstrip()
     if mode.forced or not stripped or stripped[0] in "{[":
@@ -158,6 +196,8 @@ def final_delta(text: str, released: int, finish_reason: str | None,
     whitespace then words then a call keeps that whitespace when streamed); without, the whole text."""
     rest, calls = split_reply(text, mode) if finish_reason == "stop" else (text, [])
     if not calls:
+        if mode.forced:  # cut off (length, abort): the call's unfinished JSON is no answer in words (as Responses)
+            return None, [], finish_reason
         return text[released:] or None, [], finish_reason
     tail = rest[released:].rstrip() if released else rest.strip()
     return tail or None, calls, "tool_calls"
