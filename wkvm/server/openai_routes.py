@@ -394,6 +394,11 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
     tenant = ctx.tenant(request)
     check_model(ctx, body.model)
     messages = chat_messages(body.messages, body.functions)
+    shaped = body.response_format is not None and body.response_format.type != "text"
+    mode = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls,
+                     shaped or gen.structured_outputs(body) is not None)  # fmt: skip
+    text = render_chat(ctx, messages, mode.tools if mode else None, body.add_generation_prompt,
+                       body.continue_final_message)  # fmt: skip
     if body.save_state and body.n > 1:
         raise APIError(400, "save_state needs n = 1", "save_state", "invalid_value")
     max_tokens = body.max_completion_tokens or body.max_tokens
@@ -401,10 +406,6 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     k = (body.top_logprobs or 0) if body.logprobs else None
     sp = gen.sampling_params(ctx, body, max_tokens, k, gen.DEFAULT_CHAT_MAX_TOKENS, ctx.template.stop)
-    shaped = (sp.response_format or {}).get("type", "text") != "text" or sp.structured_outputs is not None
-    mode = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls, shaped)
-    text = render_chat(ctx, messages, mode.tools if mode else None, body.add_generation_prompt,
-                       body.continue_final_message)  # fmt: skip
     if mode is not None and mode.forced:  # the reply can only be a valid call: the grammar enforces it
         if body.response_format is not None or sp.structured_outputs is not None:
             which = "response_format" if body.response_format is not None else "structured_outputs"
