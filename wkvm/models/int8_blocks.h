@@ -349,30 +349,28 @@ __attribute__((target(WKVM_I8_AMX))) inline void tile_rows_amx(const Problem& p,
   __m512 acc[2][TILE_ROWS];
   for (int h = 0; h < 2; ++h)
     for (int64_t i = 0; i < rows; ++i) acc[h][i] = _mm512_setzero_ps();
-  const auto multiply = [&](int64_t g) {  // tile numbers are immediates: one branch per set
+// one group's products on tile set (LO, HI sums; X x), their sums stored to OUT[2][TILE_ROWS][16]; tile numbers are
+// immediates, so a macro, not a function
+#define WKVM_I8_TILE_GROUP(LO, HI, X, xg, stride, bg, out) \
+  do {                                                     \
+    _tile_zero(LO);                                        \
+    _tile_zero(HI);                                        \
+    _tile_loadd(X, xg, stride);                            \
+    _tile_loadd(3, bg, 64);                                \
+    _tile_loadd(4, (bg) + 512, 64);                        \
+    _tile_dpbssd(LO, X, 3);                                \
+    _tile_dpbssd(HI, X, 4);                                \
+    _tile_stored(LO, (out)[0], 64);                        \
+    _tile_stored(HI, (out)[1], 64);                        \
+  } while (0)
+  const auto multiply = [&](int64_t g) {
     const int8_t* bg = packed + 1024 * g;
-    if (g % 2 == 0) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_loadd(2, x + g * X_GROUP, stride);
-      _tile_loadd(3, bg, 64);
-      _tile_loadd(4, bg + 512, 64);
-      _tile_dpbssd(0, 2, 3);
-      _tile_dpbssd(1, 2, 4);
-      _tile_stored(0, sums[0][0], 64);
-      _tile_stored(1, sums[0][1], 64);
-    } else {
-      _tile_zero(5);
-      _tile_zero(6);
-      _tile_loadd(7, x + g * X_GROUP, stride);
-      _tile_loadd(3, bg, 64);
-      _tile_loadd(4, bg + 512, 64);
-      _tile_dpbssd(5, 7, 3);
-      _tile_dpbssd(6, 7, 4);
-      _tile_stored(5, sums[1][0], 64);
-      _tile_stored(6, sums[1][1], 64);
-    }
+    if (g % 2 == 0)
+      WKVM_I8_TILE_GROUP(0, 1, 2, x + g * X_GROUP, stride, bg, sums[0]);
+    else
+      WKVM_I8_TILE_GROUP(5, 6, 7, x + g * X_GROUP, stride, bg, sums[1]);
   };
+#undef WKVM_I8_TILE_GROUP
   multiply(0);
   for (int64_t g = 0; g < p.G; ++g) {
     if (g + 1 < p.G) multiply(g + 1);
