@@ -99,7 +99,7 @@ def test_k_not_a_multiple_of_32_is_stored_as_int8():
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 8, 33])
+@pytest.mark.parametrize("m", [1, 3, 8, 32, 33])  # AMX from 32 rows
 def test_kernel_equals_the_dequantized_product_on_every_isa(shape, m):
     paths = native_paths()
     if not paths:

@@ -21,7 +21,7 @@ dot products (vpdpbusd with AVX512-VNNI), the same bits on every ISA. Rounding x
 instructions) was not built. With VNNI the kernel takes every size (it beat dequantize + oneDNN from 1 to 1,024
 rows); without it, prefill (more than `KERNEL_ROWS` rows) dequantizes to fp32 per call for oneDNN's GEMM. Without a
 compiler every call dequantizes in torch after a one-line warning; importing never fails.
-WKVM_INT4_KERNEL=avx512_vnni|avx512|avx2|scalar|torch forces a path.
+WKVM_INT4_KERNEL=amx|avx512_vnni|avx512|avx2|scalar|torch forces a path.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from wkvm.models.int8 import ISAS, built_isa, choose_path, kernel_op, load_kernel, run_kernel
+from wkvm.models.int8 import ALL_SIZES, ISAS, built_isa, choose_path, kernel_op, load_kernel, run_kernel
 
 log = logging.getLogger("wkvm.int4")
 
@@ -134,7 +134,7 @@ def kernel_for(w: torch.Tensor, rows: int) -> tuple[str, int] | None:
 
 
 def _kernel_takes(path: str, rows: int) -> bool:
-    return path == "avx512_vnni" or (path != "torch" and rows <= KERNEL_ROWS)  # VNNI: every size
+    return path in ALL_SIZES or (path != "torch" and rows <= KERNEL_ROWS)  # VNNI, AMX: every size
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, path: str | None = None) -> torch.Tensor:

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "amx.h"
 #include "x_groups.h"
 
 #if (defined(__x86_64__) || defined(_M_X64)) && !defined(WKVM_X86)
@@ -227,13 +228,114 @@ __attribute__((target(WKVM_I4_AVX2))) void blocks_avx2(const Problem& p, int64_t
 WKVM_KERNELS512(avx512, WKVM_I4_AVX512, WKVM_DOT_BW)
 WKVM_KERNELS512(vnni, WKVM_I4_VNNI, WKVM_DOT_VNNI)
 
+#ifdef WKVM_AMX
+
+// ---- AMX-INT8: a group of 32 k as tiles, 16 rows of x by a block's 16 rows per tdpbsud ----
+// A block group's nibbles, masked and shifted as on the VNNI path, are already quads (row r's k..k+3 in lane r): eight
+// of them are a B tile. x's rows are the A tile; tdpbsud multiplies signed x by unsigned weights exactly, so each
+// group's int32 sums are VNNI's, and they are added in by the same two fused multiply-adds: the same bits. As in
+// int8_blocks.h, fewer than 32 rows of x go to the VNNI loop (each group's sums leave the tiles through memory).
+
+#define WKVM_I4_AMX "avx2,f16c,avx512f,avx512bw,avx512vnni,amx-tile,amx-int8"
+
+constexpr int64_t TILE_ROWS = 16;  // rows of x per tile
+constexpr int64_t AMX_ROWS = 32;   // fewer rows of x go to the VNNI loop
+
+// two sets, one multiplying while the other's sums are added in: tiles 0 (5) a group's sums, 2 (7) its x, 3 (4) its
+// weights
+inline amx::TileConfig amx_config(int64_t rows) {
+  amx::TileConfig c;
+  for (int t : {0, 5}) c.set(t, rows, 64);
+  for (int t : {2, 7}) c.set(t, rows, GROUP);
+  for (int t : {3, 4}) c.set(t, GROUP / 4, 64);
+  return c;
+}
+
+// block b's groups as B tiles, group g's at out + 512 g: a 64-byte chunk c's low nibbles are the quads of k 8c..8c+3,
+// its high ones those of 8c+4..8c+7
+__attribute__((target(WKVM_I4_AMX))) inline void unpack_amx(const Problem& p, int64_t b, bool next, uint8_t* out) {
+  const __m512i low = _mm512_set1_epi8(15);
+  for (int64_t g = 0; g < p.G; ++g) {
+    const uint8_t* bg = block_group(p, b, g);
+    if (next) prefetch_group(block_group(p, b + 1, g));
+    for (int c = 0; c < 4; ++c) {
+      const __m512i raw = _mm512_loadu_si512(bg + 64 * c);
+      _mm512_store_si512(out + 512 * g + 128 * c, _mm512_and_si512(raw, low));
+      _mm512_store_si512(out + 512 * g + 128 * c + 64, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+    }
+  }
+}
+
+// one group's product on tile set (S sums, X x, W weights), its sums stored to out; a macro: tile numbers are
+// immediates
+#define WKVM_I4_TILE_GROUP(S, X, W, xg, stride, wg, out) \
+  do {                                                   \
+    _tile_zero(S);                                       \
+    _tile_loadd(X, xg, stride);                          \
+    _tile_loadd(W, wg, 64);                              \
+    _tile_dpbsud(S, X, W);                               \
+    _tile_stored(S, out, 64);                            \
+  } while (0)
+
+// rows m .. m + rows of x (at x, K bytes apart, the tile's rows readable) against block b unpacked at `packed`
+__attribute__((target(WKVM_I4_AMX))) inline void tile_rows_amx(const Problem& p, int64_t b, int64_t m, int64_t rows,
+                                                            const int8_t* x, const uint8_t* packed) {
+  alignas(64) int32_t sums[2][TILE_ROWS][16];
+  __m512 acc[TILE_ROWS];
+  for (int64_t i = 0; i < rows; ++i) acc[i] = _mm512_setzero_ps();
+  const auto multiply = [&](int64_t g) {
+    if (g % 2 == 0)
+      WKVM_I4_TILE_GROUP(0, 2, 3, x + g * GROUP, p.K, packed + 512 * g, sums[0]);
+    else
+      WKVM_I4_TILE_GROUP(5, 7, 4, x + g * GROUP, p.K, packed + 512 * g, sums[1]);
+  };
+  multiply(0);
+  for (int64_t g = 0; g < p.G; ++g) {
+    if (g + 1 < p.G) multiply(g + 1);
+    const uint8_t* bg = block_group(p, b, g);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + NIBBLES)));
+    const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + NIBBLES + 32)));
+    for (int64_t i = 0; i < rows; ++i) {  // the VNNI loop's two multiply-adds
+      const int64_t gi = (m + i) * p.G + g;
+      const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(sums[g % 2][i]));
+      const __m512 t = _mm512_fmadd_ps(isum, _mm512_mul_ps(d, _mm512_set1_ps(p.xs[gi])), acc[i]);
+      acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(p.xsd[gi]), t);
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i) _mm512_storeu_ps(p.y + (m + i) * p.N + b * ROWS, acc[i]);
+}
+
+#undef WKVM_I4_TILE_GROUP
+
+__attribute__((target(WKVM_I4_AMX))) void amx_blocks(const Problem& p, int64_t b0, int64_t b1) {
+  if (p.M < AMX_ROWS) return vnni_blocks(p, b0, b1);
+  if (b0 >= b1) return;
+  const int64_t whole = p.M / TILE_ROWS * TILE_ROWS, tail = p.M - whole;  // K is 32 groups' multiple: only rows pad
+  uint8_t* packed = reinterpret_cast<uint8_t*>(amx::scratch(size_t(512 * p.G + TILE_ROWS * p.K)));
+  int8_t* last = reinterpret_cast<int8_t*>(packed + 512 * p.G);  // the short last tile's rows, zeros after them
+  if (tail) {
+    std::memset(last, 0, size_t(TILE_ROWS * p.K));
+    std::memcpy(last, p.xq + whole * p.K, size_t(tail * p.K));
+  }
+  const amx::TileConfig config = amx_config(TILE_ROWS);
+  _tile_loadconfig(&config);
+  for (int64_t b = b0; b < b1; ++b) {
+    unpack_amx(p, b, b + 1 < b1, packed);
+    for (int64_t m = 0; m < p.M; m += TILE_ROWS)
+      tile_rows_amx(p, b, m, std::min(TILE_ROWS, p.M - m), m < whole ? p.xq + m * p.K : last, packed);
+  }
+  _tile_release();
+}
+
+#endif  // WKVM_AMX
+
 #endif  // WKVM_X86
 
 int64_t best_isa() {
 #ifdef WKVM_X86
   __builtin_cpu_init();
   const bool bw = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  if (bw && __builtin_cpu_supports("avx512vnni")) return 3;
+  if (bw && __builtin_cpu_supports("avx512vnni")) return amx::usable() ? 4 : 3;
   if (bw) return 2;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma")) return 1;
 #endif
@@ -242,12 +344,15 @@ int64_t best_isa() {
 
 using Blocks = void (*)(const Problem&, int64_t, int64_t);
 
-// the block loop of kernel path `isa` (0 portable, 1 AVX2, 2 AVX-512BW, 3 AVX512-VNNI)
+// the block loop of kernel path `isa` (0 portable, 1 AVX2, 2 AVX-512BW, 3 AVX512-VNNI, 4 AMX-INT8)
 inline Blocks blocks_of(int64_t isa) {
 #ifdef WKVM_X86
   if (isa == 1) return blocks_avx2;
   if (isa == 2) return avx512_blocks;
   if (isa == 3) return vnni_blocks;
+#endif
+#ifdef WKVM_AMX
+  if (isa == 4) return amx_blocks;
 #endif
   return blocks_scalar;
 }
@@ -258,6 +363,7 @@ inline Blocks blocks_of(int64_t isa) {
 #undef WKVM_I4_AVX2
 #undef WKVM_I4_AVX512
 #undef WKVM_I4_VNNI
+#undef WKVM_I4_AMX
 #undef WKVM_KERNELS512
 #undef WKVM_DOT_BW
 #undef WKVM_DOT_VNNI

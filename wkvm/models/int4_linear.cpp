@@ -14,7 +14,8 @@
 // (std::fma in C++), and the build turns off the compiler's own contraction, so the portable, AVX2, AVX-512 and VNNI
 // paths return the same bits. Output
 // blocks are split across torch's own thread pool (at::parallel_for). isa: 0 portable C++, 1 AVX2 (+F16C),
-// 2 AVX-512BW, 3 AVX512-VNNI; best_isa() says what this CPU runs.
+// 2 AVX-512BW, 3 AVX512-VNNI, 4 AMX-INT8 (tdpbsud from 32 rows of x, the VNNI path below; int4_blocks.h);
+// best_isa() says what this CPU runs.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

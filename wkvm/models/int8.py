@@ -45,7 +45,7 @@ log = logging.getLogger("wkvm.int8")
 # ran at or above fp32 oneDNN at every size measured (up to 256 rows), so it takes all sizes
 KERNEL_ROWS, KERNEL_ROWS_LARGE, LARGE = 32, 128, 8 << 20
 SOURCE = Path(__file__).with_name("int8_linear.cpp")
-ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "amx")  # the kernel's isa argument is the index (amx: int8 only)
+ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "amx")  # the kernels' isa argument is the index
 ALL_SIZES = ("avx512_vnni", "amx")  # the paths that take every size of x
 SCALE_BYTES = 4
 BLOCK = 32
@@ -222,9 +222,9 @@ def build() -> None:
 
 
 def load_kernel(source: Path, namespace: str, cflags: tuple[str, ...] = ("-O3",), op: str = "linear") -> None:
-    """Compile `source` (once per its text and its quoted #includes', the flags, torch's version and installation and
-    the CPU) with the machine's C++ compiler into ~/.cache/wkvm/torch_extensions and load it; its ops (`op` one of
-    them) register as torch.ops.<namespace>.
+    """Compile `source` (once per its text and its quoted #includes', theirs too, the flags, torch's version and
+    installation and the CPU) with the machine's C++ compiler into ~/.cache/wkvm/torch_extensions and load it; its
+    ops (`op` one of them) register as torch.ops.<namespace>.
 
     Built with OpenMP: at::parallel_for runs serially in code compiled without it (ATen's ParallelOpenMP.h), and
     torch's own libgomp is the one loaded, so the kernels share torch's threads. A compiler without OpenMP builds it
@@ -235,7 +235,7 @@ def load_kernel(source: Path, namespace: str, cflags: tuple[str, ...] = ("-O3",)
         return
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "wkvm" / "torch_extensions")
     text = source.read_bytes()
-    includes = [h.decode() for h in re.findall(rb'#include "([^"]+)"', text)]
+    includes = quoted_includes(source)
     headers = b"".join((source.parent / h).read_bytes() for h in includes)
     for openmp in (("-fopenmp",), ()):
         flags = (*cflags, *openmp)
@@ -273,6 +273,19 @@ def exclusive(build_dir: Path) -> Iterator[None]:
             log.warning("removing %s, left by a build that did not finish", build_dir / "lock")
             (build_dir / "lock").unlink(missing_ok=True)
         yield
+
+
+def quoted_includes(source: Path) -> list[str]:
+    """The headers `source` includes with quotes, and the ones those include, each once (names relative to its
+    folder, where they all live)."""
+    found: list[str] = []
+    todo = [source]
+    while todo:
+        for h in re.findall(rb'#include "([^"]+)"', todo.pop().read_bytes()):
+            if (name := h.decode()) not in found:
+                found.append(name)
+                todo.append(source.parent / name)
+    return found
 
 
 def stable_copy(source: Path, includes: list[str], build_dir: Path) -> Path:

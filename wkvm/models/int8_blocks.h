@@ -11,22 +11,13 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "x_groups.h"
 
 #if (defined(__x86_64__) || defined(_M_X64)) && !defined(WKVM_X86)
 #include <immintrin.h>
 #define WKVM_X86 1
 #endif
-// AMX: Linux (the kernel must grant the tiles' state) and a compiler that knows the instructions (GCC 11, Clang 12)
-#if defined(WKVM_X86) && defined(__linux__) && defined(__has_include)
-#if __has_include(<amxtileintrin.h>)
-#define WKVM_AMX 1
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-#endif
-
 namespace wkvm::int8 {
 namespace {  // internal linkage: each library that includes this keeps its own copy
 
@@ -310,19 +301,13 @@ constexpr int64_t TILE_ROWS = 16;  // rows of x per tile, at most
 // 1,193 -> 1,432 tok/s (2 threads).
 constexpr int64_t AMX_ROWS = 32;
 
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // `rows` rows of x a tile. Two sets, so that one group's tiles are multiplied while the group before is added up:
 // tiles 0, 1 (5, 6): a group's int32 sums of the two halves; 2 (7): its x; 3, 4: its weights' two halves
-inline TileConfig amx_config(int64_t rows) {
-  TileConfig c;
-  for (int t : {0, 1, 5, 6}) c.rows[t] = uint8_t(rows), c.colsb[t] = 64;
-  for (int t : {2, 7}) c.rows[t] = uint8_t(rows), c.colsb[t] = X_GROUP;
-  for (int t : {3, 4}) c.rows[t] = X_GROUP / 4, c.colsb[t] = 64;
+inline amx::TileConfig amx_config(int64_t rows) {
+  amx::TileConfig c;
+  for (int t : {0, 1, 5, 6}) c.set(t, rows, 64);
+  for (int t : {2, 7}) c.set(t, rows, X_GROUP);
+  for (int t : {3, 4}) c.set(t, X_GROUP / 4, 64);
   return c;
 }
 
@@ -384,24 +369,14 @@ __attribute__((target(WKVM_I8_AMX))) inline void tile_rows_amx(const Problem& p,
   for (int64_t i = 0; i < rows; ++i) store_quads(p, b, m + i, acc[0][i], acc[1][i]);
 }
 
-// this thread's scratch: the repacked block and x's padded rows (kept: a decode step calls this ~200 times)
-struct AmxScratch {
-  std::vector<int8_t> bytes;
-  int8_t* at(size_t n) {
-    if (bytes.size() < n + 64) bytes.resize(n + 64);
-    return reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(bytes.data()) + 63) & ~uintptr_t(63));
-  }
-};
-
 __attribute__((target(WKVM_I8_AMX))) void amx_blocks(const Problem& p, int64_t b0, int64_t b1) {
   if (p.M < AMX_ROWS) return vnni_blocks(p, b0, b1);
   if (b0 >= b1) return;
-  static thread_local AmxScratch scratch;
   // tiles of R rows of x; where K is not a multiple of 32 or the last tile is short, x's rows go to a copy padded with
   // zeros (zero x makes the weights' padding irrelevant)
   const int64_t R = std::min(TILE_ROWS, p.M), Kp = p.G * X_GROUP, tiles = (p.M + R - 1) / R;
   const bool direct = Kp == p.K && p.M % R == 0;
-  int8_t* packed = scratch.at(size_t(1024 * p.G + (direct ? 0 : tiles * R * Kp)));
+  int8_t* packed = amx::scratch(size_t(1024 * p.G + (direct ? 0 : tiles * R * Kp)));
   const int8_t* x = p.xq;
   if (!direct) {
     int8_t* xp = packed + 1024 * p.G;
@@ -409,7 +384,7 @@ __attribute__((target(WKVM_I8_AMX))) void amx_blocks(const Problem& p, int64_t b
     for (int64_t m = 0; m < p.M; ++m) std::memcpy(xp + m * Kp, p.xq + m * p.K, size_t(p.K));
     x = xp;
   }
-  const TileConfig config = amx_config(R);
+  const amx::TileConfig config = amx_config(R);
   _tile_loadconfig(&config);
   for (int64_t b = b0; b < b1; ++b) {
     repack_amx(p, b, b + 1 < b1 ? block_at(p, b + 1) : nullptr, packed);
@@ -419,21 +394,6 @@ __attribute__((target(WKVM_I8_AMX))) void amx_blocks(const Problem& p, int64_t b
 }
 
 #endif  // WKVM_AMX
-
-// whether this CPU has AMX-INT8 and Linux lets this process use its tiles (asked once: ARCH_REQ_XCOMP_PERM for
-// XTILEDATA, which every thread of the process then has)
-inline bool amx_usable() {
-#ifdef WKVM_AMX
-  static const bool usable = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  }();
-  return usable;
-#else
-  return false;
-#endif
-}
 
 #define WKVM_BLOCKS(NAME, TARGET, MAXT)                                                      \
   __attribute__((target(TARGET))) void NAME##_blocks(const Problem& p, int64_t b0, int64_t b1) { \
@@ -452,7 +412,7 @@ int64_t best_isa() {
 #ifdef WKVM_X86
   __builtin_cpu_init();
   const bool bw = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  if (bw && __builtin_cpu_supports("avx512vnni")) return amx_usable() ? 4 : 3;
+  if (bw && __builtin_cpu_supports("avx512vnni")) return amx::usable() ? 4 : 3;
   if (bw) return 2;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
 #endif
