@@ -135,16 +135,21 @@ def kernels() -> dict[str, str]:
             if onednn_bf16_available() else f"ATen bf16 up to {BF16_WIDEN_ROWS - 1} rows (no oneDNN bf16 kernel), then "
             f"widened to fp32 for {'oneDNN' if onednn_available() else 'F.linear'}")  # fmt: skip
     path = int8.kernel_path()
-    q8 = "dequantize per call (no native kernel)" if path == "torch" else f"wkvm int8 kernel ({path})"
+    q8 = "dequantize per call (no native kernel)" if path == "torch" else f"wkvm int8 kernel ({described(path)})"
     prefill = "oneDNN" if onednn_available() else "F.linear"
     q4_path = int4.kernel_path()
-    q4 = "dequantize per call (no native kernel)" if q4_path == "torch" else f"wkvm int4 kernel ({q4_path})"
+    q4 = "dequantize per call (no native kernel)" if q4_path == "torch" else f"wkvm int4 kernel ({described(q4_path)})"
     def sizes(kernel: str, isa: str, rows: int) -> str:  # with VNNI both kernels take every size (int8/int4.linear)
         every = isa in int8.ALL_SIZES
         return f"{kernel} at every size" if every else f"{kernel} up to {rows} rows, then fp32 {prefill}"
 
     return {"float32": fp32, "bfloat16": bf16, "int8": sizes(q8, path, int8.KERNEL_ROWS),
             "int4": sizes(q4, q4_path, int4.KERNEL_ROWS)}
+
+
+def described(path: str) -> str:
+    """A quantized kernel's path as `wkvm doctor` says it (AMX takes only prefill-sized products)."""
+    return "amx from 32 rows of x, avx512_vnni below" if path == "amx" else path
 
 
 def int8_speed() -> str:
