@@ -109,7 +109,8 @@ def test_max_state_tokens_bounds_saves_and_imports(model_dir, tmp_path):
     with LiveServer(model=str(model_dir), state_dir=str(tmp_path / "b"), max_state_tokens=8) as small:
         c = httpx.Client(base_url=small.url, timeout=60)
         r = c.post("/v1/states", json={"name": "long", "prompt_ids": prompt})  # refused before its prefill
-        assert r.status_code == 400 and "--max-state-tokens" in r.json()["error"]["message"], r.text
+        says = r.json()["error"]["message"]
+        assert r.status_code == 400 and "at most 9 tokens (8 cached, --max-state-tokens)" in says, r.text
         assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("prompt_ids", "history_too_long"), r.text
         r = c.post("/v1/states/import", content=data, headers={"Content-Type": "application/octet-stream"})
         assert r.status_code == 400 and "at most 8" in r.json()["error"]["message"], r.text
@@ -117,6 +118,13 @@ def test_max_state_tokens_bounds_saves_and_imports(model_dir, tmp_path):
         assert r.status_code == 400 and r.json()["error"]["code"] == "history_too_long", r.text
         ok = c.post("/v1/states", json={"name": "short", "prompt_ids": prompt[:9]})  # 8 cached + 1 pending
         assert ok.status_code == 200, ok.text
+    # a state stored under a larger limit stays usable after a restart with a smaller one: nothing is stranded
+    with LiveServer(model=str(model_dir), state_dir=str(tmp_path / "a"), max_state_tokens=8) as restarted:
+        c = httpx.Client(base_url=restarted.url, timeout=60)
+        assert c.post("/v1/states/long/generate", json={"max_tokens": 2}).status_code == 200
+        assert c.post("/v1/states/long/hibernate", json={"tier": "disk"}).status_code == 200
+        exported = c.get("/v1/states/long/export")
+        assert exported.status_code == 200 and abs(len(exported.content) - len(data)) < 256  # the header may differ
 
 
 def test_float16_keys_and_values(model, model_dir, monkeypatch):

@@ -94,9 +94,11 @@ def check_save_room(ctx: ServerContext, tenant: str, n_tokens: int, param: str,
     """Refuse before generating when a state of up to `n_tokens` tokens could not be saved: a clear 400 / 413
     up front instead of a generation whose state is then lost."""
     if n_tokens > ctx.store.max_tokens:
-        flag = " (--max-state-tokens)" if ctx.model.spec.has_kv else ""
-        raise APIError(400, f"{param}: the saved state would hold up to {n_tokens} tokens; a state holds at most "
-                       f"{ctx.store.max_tokens}{flag}: {advice}", param, "history_too_long")  # fmt: skip
+        # an attention state caches keys and values for all its history but the pending token (--max-state-tokens)
+        flag = f" ({ctx.store.max_tokens - 1} cached, --max-state-tokens)" if ctx.model.spec.has_kv else ""
+        raise APIError(400, f"{param}: the saved state would have a history of up to {n_tokens} tokens; a state's "
+                       f"history is at most {ctx.store.max_tokens} tokens{flag}: {advice}", param,
+                       "history_too_long")  # fmt: skip
     ctx.store.check_room(tenant, n_tokens)
 
 

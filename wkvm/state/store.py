@@ -208,8 +208,9 @@ class StateStore:
 
     def check_kv_tokens(self, n_kv: int) -> None:
         if n_kv > self.limits.kv_tokens:
-            raise HistoryTooLong(f"the state holds keys and values of {n_kv} tokens; a stored state holds at most "
-                                 f"{self.limits.kv_tokens} (--max-state-tokens): start a shorter one")  # fmt: skip
+            raise HistoryTooLong(f"the state caches keys and values of {n_kv} tokens; a stored state caches at most "
+                                 f"{self.limits.kv_tokens} (--max-state-tokens; a history of "
+                                 f"{self.limits.kv_tokens + 1}): start a shorter one")  # fmt: skip
 
     def put_user(self, owner: str, name: str, state: State, token_ids: builtins.list[int], parent: str | None = None,
                  op: str = "create", op_params: dict[str, Any] | None = None) -> StateRecord:  # fmt: skip
