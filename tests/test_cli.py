@@ -53,6 +53,29 @@ def test_states_through_the_cli_on_a_directory(tmp_path, tiny_pth, capsys):
     assert [s["handle"] for s in json.loads(capsys.readouterr().out)] == ["copy@1"]
 
 
+def test_a_state_directory_of_another_model_is_refused_not_emptied(tmp_path, tiny_pth, capsys):
+    """Opening a directory whose states another model made (another family, or a fine-tune: another fingerprint)
+    changes nothing in it (hunt 12: a `states ls` with another --model, a chat or a serve had dropped them all as
+    unusable and deleted their files); `--model` defaults to the embedded model, as in every other command."""
+    from wkvm.cli import default_model
+    from wkvm.state.store import ForeignStateDir, StateStore
+    from wkvm.weights.loader import load_model
+
+    m = load_model(default_model())
+    store = StateStore(tmp_path / "sd", m.spec, m.fingerprint, m.vocab_size)
+    store.put("local", "mine", m.prefill([1, 2, 3])[1], [1, 2, 3, 4])
+    store.close()
+    files = sorted(p.name for p in (tmp_path / "sd").rglob("*"))
+    assert main(["states", "ls", "--state-dir", str(tmp_path / "sd")]) == 0  # the embedded model's: no --model
+    assert "mine@1" in capsys.readouterr().out
+    assert main(["states", "ls", "--state-dir", str(tmp_path / "sd"), "--model", str(tiny_pth)]) == 2
+    assert "another model" in capsys.readouterr().err
+    other = load_model(tiny_pth)
+    with pytest.raises(ForeignStateDir, match="nothing in it was changed"):
+        StateStore(tmp_path / "sd", other.spec, other.fingerprint, other.vocab_size)
+    assert sorted(p.name for p in (tmp_path / "sd").rglob("*")) == files
+    assert main(["states", "ls", "--state-dir", str(tmp_path / "sd")]) == 0 and "mine@1" in capsys.readouterr().out
+
 def test_states_through_the_cli_on_a_server(tmp_path, tiny_pth, capsys):
     from live_server import LiveServer
 
@@ -89,7 +112,7 @@ def test_errors_a_user_makes_are_one_line_not_a_traceback(tmp_path, tiny_pth, ca
     assert "--embeddings" in capsys.readouterr().err
     assert main(["serve", "--model", str(tiny_pth), "--api-key-file", str(tmp_path)]) == 2
     assert main(["states", "show", "nope", "--state-dir", str(tmp_path / "sd"), "--model", str(tiny_pth)]) == 2
-    assert "nope" in capsys.readouterr().err
+    assert "not a state directory" in capsys.readouterr().err and not (tmp_path / "sd").exists()  # not created
     (tmp_path / "file").write_text("x")
     assert main(["convert", str(tiny_pth), str(tmp_path / "file")]) == 2
     capsys.readouterr()

@@ -243,7 +243,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from wkvm.cli_chat import ChatREPL
 
-    state_dir = Path(args.state_dir or Path.home() / ".cache" / "wkvm" / "chat-states")
+    state_dir = Path(args.state_dir) if args.state_dir else None  # None: the model's own folder
     ChatREPL(args.model or str(default_model()), state_dir, sampling_params(args), args.dtype).run()
     return 0
 
@@ -330,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ch = sub.add_parser("chat", help="chat in the terminal; the state is kept across turns")
     add_model_flags(ch)
-    state_help = "where /save and /fork keep states (default: ~/.cache/wkvm/chat-states) [env WKVM_STATE_DIR]"
+    state_help = ("where /save and /fork keep states, one model's (default: ~/.cache/wkvm/chat-states/<the model's "
+                  "fingerprint>, printed at start) [env WKVM_STATE_DIR]")  # fmt: skip
     ch.add_argument("--state-dir", default=env_default("state_dir"), help=state_help)
     add_sampling_flags(ch)
     ch.set_defaults(func=cmd_chat)

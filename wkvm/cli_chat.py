@@ -50,11 +50,14 @@ def ctrl_c_sets(flag: threading.Event) -> Iterator[None]:
 
 
 class ChatREPL:
-    def __init__(self, model_path: str, state_dir: Path, params: SamplingParams, dtype: str = "float32"):
+    def __init__(self, model_path: str, state_dir: Path | None, params: SamplingParams, dtype: str = "float32"):
+        """`state_dir` None: this model's own folder under ~/.cache/wkvm/chat-states (a state directory holds one
+        model's states)."""
         self.model = load_model(model_path, dtype=dtype)
         self.tokenizer, self.template = load_text_tools(model_path, self.model.family)
         self.engine = Engine(self.model, self.tokenizer, EngineConfig(n_slots=1))
-        self.store = StateStore(state_dir, self.model.spec, self.model.fingerprint, self.model.vocab_size)
+        self.state_dir = state_dir or Path.home() / ".cache" / "wkvm" / "chat-states" / self.model.fingerprint[:16]
+        self.store = StateStore(self.state_dir, self.model.spec, self.model.fingerprint, self.model.vocab_size)
         self.params = replace(params, stop=[*params.stop, *self.template.stop])
         self.reset()
 
@@ -175,7 +178,7 @@ class ChatREPL:
 
     def run(self, lines: Iterable[str] | None = None) -> None:
         """Chat over `lines`, or what is typed at the prompt, until a leave command or the end of input."""
-        print(f"wkvm chat on {self.model.family}. {HELP}")
+        print(f"wkvm chat on {self.model.family}; states in {self.state_dir}. {HELP}")
         try:
             for line in lines if lines is not None else self._typed():
                 line = line.strip()

@@ -68,12 +68,13 @@ class DirStates:
     @property
     def store(self) -> StateStore:
         if self._store is None:
-            if not self.model_path:
-                raise SystemExit("wkvm states: --model is needed with --state-dir (to check fingerprints)")
+            from wkvm.cli import default_model
             from wkvm.state.store import StateStore
             from wkvm.weights.loader import load_model
 
-            m = load_model(self.model_path)
+            if not (self.state_dir / "index.sqlite").is_file():  # opening would create an empty directory
+                raise FileNotFoundError(f"{self.state_dir} is not a state directory (no index.sqlite in it)")
+            m = load_model(self.model_path or default_model())  # the embedded model by default, as everywhere
             self._store = StateStore(self.state_dir, m.spec, m.fingerprint, m.vocab_size)
         return self._store
 
@@ -112,7 +113,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000 (env WKVM_URL)")
     p.add_argument("--api-key", help="API key for --url (env WKVM_API_KEY)")
     p.add_argument("--state-dir", help="a state directory instead of a server")
-    p.add_argument("--model", help="with --state-dir: the model the states belong to")
+    p.add_argument("--model", help="with --state-dir: the model the states belong to (default: the embedded model)")
     p.add_argument("--owner", default=OWNER, help="with --state-dir: whose states (default: local, `wkvm chat`'s; a "
                    "server keeps a keyless client's as anonymous, a keyed one's as key-<hash>)")
     p.add_argument("--name", help="import: store under this name instead of the file's")

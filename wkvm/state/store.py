@@ -56,6 +56,10 @@ class StatePinned(RuntimeError):
     """A move down a tier of a state that a pin keeps resident."""
 
 
+class ForeignStateDir(ValueError):
+    """A state directory that holds another model's states: opening it for this model changes nothing there."""
+
+
 class PinNoRoom(RuntimeError):
     """A pin of a state that cannot be held in RAM: the device and host tiers are full of pinned states."""
 
@@ -99,6 +103,14 @@ class StateStore:
         """Check the files against the index (BlobFiles.recover), then evict internal states beyond their budget or
         the quota (an older server wrote them all back)."""
         with self._lock:
+            # another model's states (another family, or a fine-tune) would read as unusable and be dropped: refuse
+            # the directory instead, before anything in it changes
+            others = {r.fingerprint for r in self.index.list()} - {self.fingerprint}
+            if others:
+                self.index.close()  # SQLite then removes its -wal and -shm files: the directory is as it was
+                raise ForeignStateDir(f"the state directory {self.root} holds states of another model (fingerprint "
+                                      f"{sorted(others)[0][:16]}), not this one ({self.fingerprint[:16]}); nothing in "
+                                      "it was changed: give each model its own state directory")  # fmt: skip
             records, sizes = self.files.recover(self.index)
             self.usage.add_records(records, sizes)
             self._settle()
