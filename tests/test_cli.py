@@ -111,6 +111,17 @@ def test_errors_a_user_makes_are_one_line_not_a_traceback(tmp_path, tiny_pth, ca
     assert main(["serve", "--model", str(tiny_pth), "--embeddings", str(tmp_path / "none")]) == 2
     assert "--embeddings" in capsys.readouterr().err
     assert main(["serve", "--model", str(tiny_pth), "--api-key-file", str(tmp_path)]) == 2
+    # hunt 12: a blank key had switched authentication off (and the container's entry point then listens on every
+    # interface); a negative --request-timeout had aborted every request; these are refused before binding
+    (tmp_path / "keys").write_text("# only a comment\n\n")
+    for flags, says in ((["--api-key", " "], "holds no key"), (["--api-key", ","], "holds no key"),
+                        (["--api-key-file", str(tmp_path / "keys")], "holds no key"),
+                        (["--request-timeout", "-5"], "request_timeout"),
+                        (["--request-timeout", "0"], "request_timeout"),
+                        (["--prefill-chunk", "0"], "prefill_chunk"), (["--kv-page-tokens", "0"], "kv_page_tokens")):
+        capsys.readouterr()
+        assert main(["serve", "--model", str(tiny_pth), *flags]) == 2, flags
+        assert says in capsys.readouterr().err, flags
     assert main(["states", "show", "nope", "--state-dir", str(tmp_path / "sd"), "--model", str(tiny_pth)]) == 2
     assert "not a state directory" in capsys.readouterr().err and not (tmp_path / "sd").exists()  # not created
     (tmp_path / "file").write_text("x")
@@ -118,6 +129,15 @@ def test_errors_a_user_makes_are_one_line_not_a_traceback(tmp_path, tiny_pth, ca
     capsys.readouterr()
     assert main(["generate", "--model", str(tiny_pth), "--prompt-ids", ",1"]) == 2
     assert "--prompt-ids" in capsys.readouterr().err
+    assert main(["generate", "text", "--model", str(tiny_pth), "--prompt-ids", "1,2"]) == 2  # TEXT had been dropped
+    assert "not both" in capsys.readouterr().err
+    (tmp_path / "garbage.pth").write_text("garbage")  # hunt 12: torch's traceback
+    for argv in (["generate", "hi", "--model", str(tmp_path / "garbage.pth")],
+                 ["convert", str(tmp_path / "garbage.pth"), str(tmp_path / "out")]):
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        assert "does not read as a rwkv7 checkpoint" in capsys.readouterr().err, argv
+    assert main(["convert", str(tiny_pth), str(tiny_pth)]) == 2 and "is the source" in capsys.readouterr().err
     assert main(["generate", "--model", str(tiny_pth), "--prompt-ids", "1", "--seed", str(10**23)]) == 2
     assert "seed" in capsys.readouterr().err
 

@@ -104,6 +104,9 @@ def test_embeddings_alone(tmp_path):
         c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
         assert [m.id for m in c.models.list().data] == ["all-MiniLM-L6-v2"]
         assert len(c.embeddings.create(model="all-MiniLM-L6-v2", input="hi").data[0].embedding) == 384
+        with pytest.raises(openai.BadRequestError) as e:  # `user` is bounded here as on the other routes
+            c.embeddings.create(model="all-MiniLM-L6-v2", input="hi", user="u" * 300)
+        assert e.value.body["param"] == "user"
         with pytest.raises(openai.NotFoundError, match="embeddings only"):
             c.chat.completions.create(model="all-MiniLM-L6-v2", messages=[{"role": "user", "content": "hi"}])
         assert httpx.get(f"{s.url}/health").status_code == 200

@@ -94,12 +94,18 @@ def flag_type(f: Field[Any]) -> Callable[[str], Any]:
 
 
 def read_api_keys(args: argparse.Namespace) -> list[str]:
+    """The keys --api-key / --api-key-file (or their environment variables) give; a ValueError when they were given
+    but hold none (blank, or a file of comments): keyless would leave the server open, and the container's entry
+    point listens on every interface once a key is configured."""
     keys = [k.strip() for k in (args.api_key or "").split(",") if k.strip()]
     if args.api_key_file:
         for line in Path(args.api_key_file).read_text().splitlines():
             line = line.strip()
             if line and not line.startswith("#"):  # '#' inside a key is part of the key
                 keys.append(line)
+    if not keys and (args.api_key is not None or args.api_key_file):
+        raise ValueError("--api-key / --api-key-file (or WKVM_API_KEY / WKVM_API_KEY_FILE) holds no key, only blanks "
+                         "or comments: give a key, or leave the option out to serve without one")  # fmt: skip
     return keys
 
 
@@ -223,6 +229,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from wkvm.llm import LLM
 
+    if args.prompt is not None and args.prompt_ids:  # one would be silently dropped
+        print("wkvm generate: give a prompt or --prompt-ids, not both", file=sys.stderr)
+        return 2
     try:
         prompt = [int(t) for t in args.prompt_ids.split(",")] if args.prompt_ids else args.prompt
     except ValueError:
@@ -287,17 +296,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from wkvm.models import registry
     from wkvm.tokenizer import copy_companions
-    from wkvm.weights.loader import check_model_path
+    from wkvm.weights.loader import check_model_path, unreadable
 
     check_model_path(args.src)
+    if Path(args.src).resolve() == Path(args.dst).resolve():
+        raise ValueError("the destination is the source: write the converted checkpoint somewhere else")
     if args.pack:
         from wkvm.weights.pack import write_pack
 
-        write_pack(args.src, args.dst)
+        with unreadable(args.src, "a checkpoint"):
+            write_pack(args.src, args.dst)
         what = "weight pack: manifest.json, globals and one file per layer"
     else:
         family, _ = registry.detect(args.src)
-        what = f"{family.name}, format {family.convert(Path(args.src), Path(args.dst))}"
+        with unreadable(args.src, f"a {family.name} checkpoint"):
+            what = f"{family.name}, format {family.convert(Path(args.src), Path(args.dst))}"
     copied = copy_companions(args.src, args.dst)
     print(f"wrote {args.dst} ({what}{'; with ' + ', '.join(copied) if copied else ''})")
     return 0

@@ -95,8 +95,9 @@ class DirStates:
         return self._info(self.store.import_bytes(self.owner, data, name))
 
     def rm(self, handle: str) -> dict[str, Any]:
-        self.store.delete(self.owner, handle)
-        return {"id": handle, "deleted": True}
+        rec = self.store.get(self.owner, handle)  # the version a bare name means, as the server's answer says it
+        self.store.delete(self.owner, rec.handle)
+        return {"id": rec.handle, "deleted": True}
 
 
 IMPORT_NOTE = (

@@ -34,14 +34,14 @@ class EngineConfig:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}")
         if self.token_budget < self.n_slots:
             raise ValueError("token_budget must be at least n_slots, so every running sequence can decode each step")
+        if self.request_timeout is not None and not self.request_timeout > 0:  # NaN too
+            raise ValueError("request_timeout must be positive")
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
         import torch
 
         return getattr(torch, self.kv_dtype)  # type: ignore[no-any-return]
-        if self.request_timeout is not None and self.request_timeout <= 0:
-            raise ValueError("request_timeout must be positive")
 
 
 def opt(default: Any, help: str, kind: str = "", **kw: Any) -> Any:
@@ -118,9 +118,11 @@ class ServerConfig:
             raise ValueError("replicas must be >= 0")
         if self.ray_address and not self.replicas:
             raise ValueError("--ray-address needs --replicas N")
-        for name in ("slots", "max_queue", *limits):
+        for name in ("slots", "max_queue", "prefill_chunk", "kv_cache_bytes", "kv_page_tokens", *limits):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.request_timeout is not None and not self.request_timeout > 0:  # before binding, not at the model's load
+            raise ValueError("request_timeout must be positive (seconds)")
 
     def engine_config(self) -> EngineConfig:
         device = self.device

@@ -237,7 +237,7 @@ class EmbeddingRequest(RequestBody):
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=MAX_TEXT_FIELD)  # as the other routes (hunt 12)
 
 
 class TextFormat(Body):

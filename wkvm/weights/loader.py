@@ -7,6 +7,7 @@ import ctypes
 import logging
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,25 @@ def check_model_path(path: str | os.PathLike[str]) -> None:
 
 def read_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelFamily, Checkpoint]:
     family, fmt = registry.detect(path)
-    return family, family.read_checkpoint(Path(path), fmt)
+    with unreadable(path, f"a {family.name} checkpoint ({fmt})"):
+        return family, family.read_checkpoint(Path(path), fmt)
+
+
+@contextlib.contextmanager
+def unreadable(path: str | os.PathLike[str], what: str) -> Iterator[None]:
+    """A file that looks like `what` but whose bytes do not read as it (garbage named .pth, a cut safetensors file,
+    a zip that is no torch archive) raises a CheckpointError naming it: one line a user can act on, not torch's or
+    safetensors' traceback."""
+    import pickle
+    import zipfile
+
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (RuntimeError, SafetensorError, pickle.UnpicklingError, EOFError, zipfile.BadZipFile) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise CheckpointError(f"{path} does not read as {what}: {reason}") from None
 
 
 def checkpoint_fingerprint(family: ModelFamily, cfg: Any, raw: RawTensors) -> str:
