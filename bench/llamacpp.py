@@ -105,20 +105,21 @@ repack_crashed = False  # set once a tool crashed in its repacked (AMX) matmul: 
 
 def run_tool(cmd: list[str]) -> subprocess.CompletedProcess[str]:
     """Run llama.cpp tool `cmd` and return its output. On some AMX CPUs (Intel Xeon, seen 2026-12-03) llama.cpp's AMX
-    matmul on its repacked weights segfaults (ggml_backend_amx_mul_mat; ggml-org/llama.cpp#20824, closed without a
-    fix): then this and every later run go without repacking (weights as stored, the plain CPU kernels: what a user
-    there has to run), said once here and in the benchmark's output (`repack_crashed`)."""
+    matmul on its repacked weights segfaults or hits an illegal instruction (ggml_backend_amx_mul_mat;
+    ggml-org/llama.cpp#20824, closed without a fix): then this and every later run go without repacking (weights
+    as stored, the plain CPU kernels: what a user there has to run), said once here and in the benchmark's output
+    (`repack_crashed`)."""
     global repack_crashed
     tool = Path(cmd[0]).name
     if not repack_crashed:
         run = subprocess.run(cmd, capture_output=True, text=True)
-        if run.returncode != -signal.SIGSEGV:
+        if run.returncode not in (-signal.SIGSEGV, -signal.SIGILL):
             run.check_returncode()
             return run
         repack_crashed = True
-        print(f"llama.cpp: {tool} crashed (SIGSEGV) with repacked weights, as its AMX path does on some CPUs "
-              "(ggml-org/llama.cpp#20824); every llama.cpp run from here on is without repacking",
-              flush=True)  # fmt: skip
+        print(f"llama.cpp: {tool} crashed ({signal.Signals(-run.returncode).name}) with repacked weights, as its AMX "
+              "path does on some CPUs (ggml-org/llama.cpp#20824); every llama.cpp run from here on is without "
+              "repacking", flush=True)  # fmt: skip
     return subprocess.run([*cmd, *NO_REPACK[tool]], check=True, capture_output=True, text=True)
 
 
