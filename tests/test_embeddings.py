@@ -112,4 +112,6 @@ def test_embeddings_alone(tmp_path):
         assert httpx.get(f"{s.url}/health").status_code == 200
         metrics = httpx.get(f"{s.url}/metrics")
         assert metrics.status_code == 200 and "wkvm_requests_total" in metrics.text  # it was an empty body
+        counted = next(line for line in metrics.text.splitlines() if line.startswith("wkvm_prompt_tokens_total"))
+        assert float(counted.split()[-1]) > 0, counted  # embedded tokens are prompt tokens received (hunt 12)
         assert httpx.get(f"{s.url}/v1/states").status_code == 404

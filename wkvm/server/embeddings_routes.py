@@ -59,6 +59,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         data = [{"object": "embedding", "index": i, "embedding": encode(v.tolist(), body.encoding_format)}
                 for i, v in enumerate(vectors)]  # fmt: skip
         used = sum(len(x) for x in ids)
+        ctx.metrics.prompt_tokens.inc(used)  # as vLLM counts a pooling model's prompts
         return {"object": "list", "data": data, "model": model.name,
                 "usage": {"prompt_tokens": used, "total_tokens": used}}  # fmt: skip
 

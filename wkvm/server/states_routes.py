@@ -66,6 +66,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             raise APIError(400, f"{param}: a state of {len(ids)} tokens leaves no room to generate within this "
                            f"model's context of {limit} tokens: use a shorter prompt", param, "context_length_exceeded")
         state = await ctx.client.prefill(ids[:-1]) if len(ids) > 1 else ctx.model.spec.zeros(1)
+        ctx.metrics.prompt_tokens.inc(len(ids))  # prompt tokens received, as a completion's are counted
         try:
             return info(await run_in_threadpool(ctx.service.save_created, tenant, body.name, ids, state))
         except ValueError as e:
