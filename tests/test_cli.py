@@ -185,6 +185,8 @@ def test_importing_wkvm_puts_large_tensors_on_huge_pages_unless_told_not_to(give
 def test_doctor_reports_a_problem_with_its_fix(tmp_path, capsys, monkeypatch):
     assert main(["doctor", "--model", str(tmp_path / "missing.pth")]) == 1
     assert "fix: point --model" in capsys.readouterr().out
+    assert main(["doctor", "--host", "no-such-host.invalid"]) == 1  # nothing to stop: the host does not resolve
+    assert "fix: pass a host this machine has" in capsys.readouterr().out
     monkeypatch.setattr(cli_doctor, "MIN_MEMORY", 1 << 60)
     monkeypatch.setattr(cli_doctor, "MIN_FREE_DISK", 1 << 60)
     assert main(["doctor", "--state-dir", str(tmp_path)]) == 1

@@ -43,7 +43,7 @@ def test_fork_switches_the_conversation_to_the_branch(tmp_path, capsys):
     repl = chat(tmp_path)
     repl.run(["Good morrow.", "/save scene", "/fork alt", "How now?", "Speak again.", "/quit"])
     out = capsys.readouterr().out
-    assert "(forked alt@1 from the unsaved conversation" in out
+    assert "(forked alt@1 from scene@1" in out  # just saved (it had said "the unsaved conversation")
     assert repl.branch == "alt" and repl.handle == "alt@3" and repl.prompt() == "[alt@3] you> "
     assert stored(repl, tmp_path) == {"scene": [1], "alt": [1, 2, 3]}  # the original stays as it was
     assert [m["role"] for m in repl.messages] == ["user", "assistant"] * 3

@@ -68,6 +68,7 @@ class ChatREPL:
         self.consumed = ""  # text of token_ids
         self.branch: str | None = None  # the name every answer is saved under; None: answers are not saved
         self.handle: str | None = None  # the stored version this conversation is at
+        self.saved: str | None = None  # the version a /save stored of exactly where the conversation is
 
     def prompt(self) -> str:
         return f"[{self.handle or self.branch}] you> " if self.branch else "you> "
@@ -91,7 +92,7 @@ class ChatREPL:
             print(f"({why}: this turn is dropped)")
             return ""
         # with an answer begun the whole prompt was fed: the state holds the history but its last token
-        self.state, self.token_ids = run.final_state, run.history
+        self.state, self.token_ids, self.saved = run.final_state, run.history, None
         self.consumed = self.tokenizer.decode(self.token_ids)
         self.messages.append({"role": "assistant", "content": h.output.text.strip()})
         if stopped:
@@ -154,11 +155,12 @@ class ChatREPL:
         if rec is None:
             return
         if fork:
-            origin = self.handle or "the unsaved conversation"
+            origin = self.handle or self.saved or "the unsaved conversation"
             print(f"(forked {rec.handle} from {origin}, which stays as it was; the next turns continue on {name})")
             self.branch = name
         else:
             print(f"(saved {rec.handle}, {rec.n_tokens} tokens)")
+            self.saved = rec.handle
         if self.branch == name:
             self.handle = rec.handle
 

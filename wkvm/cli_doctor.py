@@ -134,6 +134,8 @@ def _port_check(host: str, port: int) -> tuple[str, bool, str, str]:
         try:
             s.bind((host, port))
             return ("port", True, f"{host}:{port} is free", "")
+        except socket.gaierror as e:  # a host name that does not resolve: nothing to stop
+            return ("port", False, f"{host}:{port}: {e.strerror}", "pass a host this machine has (--host / WKVM_HOST)")
         except OSError as e:
             return ("port", False, f"{host}:{port}: {e.strerror}", "stop what uses it or pass --port / WKVM_PORT")
 
