@@ -301,10 +301,14 @@ def test_disconnect_mid_stream_frees_slot(world_pth):
     with LiveServer(model=str(world_pth), slots=2) as server:
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
             assert r.status_code == 200
+            seen = []
             for line in r.iter_lines():
-                if line.startswith("data: ") and json.loads(line[6:])["choices"]:
+                seen.append(line)
+                if line.startswith("data: ") and json.loads(line[6:]).get("choices"):
                     break
-            assert server.ctx.client.engine.arena.num_free == 1
+            # once seen free while streaming (fresh-clone CI under load, session 27; not reproduced): say what came
+            engine = server.ctx.client.engine
+            assert engine.arena.num_free == 1, (seen, engine.scheduler.running, engine.scheduler.waiting)
         deadline = time.monotonic() + 10
         while server.ctx.client.engine.arena.num_free != 2 and time.monotonic() < deadline:
             time.sleep(0.05)
