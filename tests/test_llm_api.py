@@ -52,6 +52,12 @@ def test_stop_token_ids_and_eos(llm):
     first = llm.generate([[1, 2]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
     out = llm.generate([[1, 2]], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[first[2]]))[0]
     assert out.token_ids == first[:3] and out.finish_reason == "stop"
+    # the stop token's text is left out, as vLLM's detokenizer does, and kept with include_stop_str_in_output (hunt 13:
+    # it always stayed, and the flag did nothing)
+    assert out.text == llm.tokenizer.decode(first[:2])
+    kept = llm.generate([[1, 2]], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[first[2]],
+                                                 include_stop_str_in_output=True))[0]  # fmt: skip
+    assert kept.token_ids == first[:3] and kept.text == llm.tokenizer.decode(first[:3]) != out.text
 
 
 def test_logit_bias_bans_and_forces_tokens_and_leaves_logprobs_raw(llm):
@@ -141,3 +147,14 @@ def test_bad_input_is_refused(llm):
         llm.generate([[]])
     with pytest.raises(InvalidParam, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+def test_a_request_that_masks_every_token_fails_greedy_or_sampled(llm):
+    """allowed_token_ids whose only token min_tokens holds back leaves no token: greedy decoding fails as sampling
+    does (hunt 13: greedy's argmax over -inf answered token 0, which the request did not allow)."""
+    stop_id = llm.generate([[1, 2]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))[0].token_ids[0]
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_tokens=3, min_tokens=3, temperature=temperature, seed=1,
+                                allowed_token_ids=[stop_id], stop_token_ids=[stop_id])  # fmt: skip
+        out = llm.generate([[1, 2]], params)[0]
+        assert out.finish_reason == "error" and out.token_ids == [], (temperature, out)

@@ -108,8 +108,9 @@ def test_weather_tool_call(client):
 
 def test_special_tokens_are_left_out_of_the_text_unless_asked_for(server):
     """vLLM's skip_special_tokens (default true): a special token the model emits is in token_ids but not in the
-    text; with false its text shows. A chat's end of turn (<|im_end|>, the template's stop string) still ends the
-    reply when EOS is ignored, by its token."""
+    text; with false its text shows. A chat's end of turn (<|im_end|>, the template's stop string) ends the reply by
+    its token, and takes none of the request's 4 stop strings' places; with ignore_eos the reply goes on past it, as
+    vLLM's (it is the generation config's EOS there; until session 27 it ended the reply here)."""
     tok = server.ctx.tokenizer
     (start,) = tok.encode("<|im_start|>")
     assert start in tok.special_ids
@@ -123,4 +124,6 @@ def test_special_tokens_are_left_out_of_the_text_unless_asked_for(server):
     turn = {"model": "smollm2", "messages": FRANCE, "max_tokens": 60, "temperature": 0, "ignore_eos": True,
             "user": scope()}  # fmt: skip
     chat = c.post("/v1/chat/completions", json=turn).json()
-    assert chat["choices"][0]["finish_reason"] == "stop" and "Paris" in chat["choices"][0]["message"]["content"]
+    assert chat["choices"][0]["finish_reason"] == "length" and "Paris" in chat["choices"][0]["message"]["content"]
+    four = c.post("/v1/chat/completions", json={**turn, "ignore_eos": False, "stop": ["QQ1", "QQ2", "QQ3", "QQ4"]})
+    assert four.json()["choices"][0]["finish_reason"] == "stop", four.text  # the end of turn still stops it

@@ -321,9 +321,14 @@ class Engine:
         req.output_ids.append(tok)
         status = None
         eos = tok == self.tokenizer.eos_token_id and not p.ignore_eos
-        # EOS ends the text without adding its own (`<|im_end|>` is no part of a completion's answer, as in vLLM and
-        # llama.cpp); a stop_token_ids token's text stays, as in vLLM for a token that is not special
-        if (not eos and detok.add(tok)) or tok in p.stop_token_ids or eos or grammar_done:
+        # a stop token (EOS, stop_token_ids) ends the text without adding its own, unless include_stop_str_in_output
+        # asks for it (vLLM's detokenizer does the same: `<|im_end|>` is no part of an answer; until session 27 a
+        # stop_token_ids token's text stayed and the flag did nothing for it)
+        if eos or tok in p.stop_token_ids:
+            if p.include_stop_str_in_output:
+                detok.add(tok)
+            status = Status.FINISHED_STOPPED
+        elif detok.add(tok) or grammar_done:
             status = Status.FINISHED_STOPPED
         elif len(req.output_ids) >= p.max_tokens or self._at_context_limit(req):
             status = Status.FINISHED_LENGTH

@@ -238,6 +238,8 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
             out.append(Sampled(None, error=NON_FINITE_LOGITS))
             continue
         x, greedy_id = logits[i], greedy_ids[i]
+        masked = bool(row.params.logit_bias or row.params.allowed_token_ids is not None or row.bad_words
+                      or row.grammar is not None or (row.stop_ids and len(row.output_ids) < row.params.min_tokens))
         if row.params.logit_bias:
             x = row.biased(x)
             greedy_id = int(torch.argmax(x))
@@ -255,7 +257,9 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
                 continue
             x = x.masked_fill(~allowed, float("-inf"))  # a new tensor: the batch's logits stay as they were
             greedy_id = int(torch.argmax(x))
-        tok = choose(x, row, greedy_id)
+        # every token masked (allowed_token_ids that min_tokens bans, say): greedy's argmax of -inf would be token 0,
+        # a token the request did not allow; sampled, the same request fails as an invalid distribution
+        tok = choose(x, row, greedy_id) if not masked or bool(torch.isfinite(x[greedy_id])) else None
         if tok is None:
             out.append(Sampled(None, error=INVALID_DISTRIBUTION))
             continue

@@ -92,17 +92,28 @@ def sampling_params(
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", "stop", "invalid_value")
-    for s in extra_stop or []:
-        if len(stop) < MAX_STOP_STRINGS and s not in stop:
-            stop.append(s)
     for s in stop:
         check_text(s, "stop")
     stop_ids = list(body.stop_token_ids or [])
-    if body.skip_special_tokens:  # a stop string that is one special token (a template's end of turn) never shows in
-        for s in stop:  # the text then: its token stops instead
-            ids = ctx.tokenizer.encode(s)
-            if len(ids) == 1 and ids[0] in ctx.tokenizer.special_ids and ids[0] not in stop_ids:
-                stop_ids.append(ids[0])
+
+    def special(s: str) -> int | None:
+        """The token of a stop string that is one special token (a template's end of turn), where it never shows in
+        the text (skip_special_tokens): that token stops instead."""
+        ids = ctx.tokenizer.encode(s) if body.skip_special_tokens else []
+        return ids[0] if len(ids) == 1 and ids[0] in ctx.tokenizer.special_ids else None
+
+    for s in stop:
+        if (t := special(s)) is not None and t not in stop_ids:
+            stop_ids.append(t)
+    # the template's end of turn is the model's end of sequence (vLLM stops on the generation config's EOS ids):
+    # ignore_eos ignores it too, and as a token it takes none of the request's stop strings' places (it had been
+    # dropped when the request gave 4, and kept under ignore_eos)
+    for s in [] if body.ignore_eos else extra_stop or []:
+        if (t := special(s)) is not None:
+            if t not in stop_ids:
+                stop_ids.append(t)
+        elif len(stop) < MAX_STOP_STRINGS and s not in stop:
+            stop.append(s)
     vocab = ctx.model.vocab_size
     bad = next((t for t in body.stop_token_ids or [] if not 0 <= t < vocab), None)
     if bad is not None:
