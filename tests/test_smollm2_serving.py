@@ -126,4 +126,14 @@ def test_special_tokens_are_left_out_of_the_text_unless_asked_for(server):
     chat = c.post("/v1/chat/completions", json=turn).json()
     assert chat["choices"][0]["finish_reason"] == "length" and "Paris" in chat["choices"][0]["message"]["content"]
     four = c.post("/v1/chat/completions", json={**turn, "ignore_eos": False, "stop": ["QQ1", "QQ2", "QQ3", "QQ4"]})
-    assert four.json()["choices"][0]["finish_reason"] == "stop", four.text  # the end of turn still stops it
+    # the end of turn still stops a reply with 4 stop strings of its own (here it is also EOS, which stops it anyway:
+    # the place the template's stop no longer takes is seen only in the stop_ids, not in this answer)
+    assert four.json()["choices"][0]["finish_reason"] == "stop", four.text
+    from wkvm.server import generation as gen
+    from wkvm.server.schemas import ChatRequest
+
+    (end,) = tok.encode("<|im_end|>")
+    for ignore in (False, True):  # the end of turn stops by its token beside 4 stop strings; ignore_eos drops it
+        body = ChatRequest(messages=FRANCE, stop=["QQ1", "QQ2", "QQ3", "QQ4"], ignore_eos=ignore)
+        sp = gen.sampling_params(server.ctx, body, 8, None, 16, server.ctx.template.stop)
+        assert (end in sp.stop_token_ids) is not ignore and sp.stop == ["QQ1", "QQ2", "QQ3", "QQ4"], (ignore, sp)

@@ -118,11 +118,10 @@ class ServerConfig:
             raise ValueError("replicas must be >= 0")
         if self.ray_address and not self.replicas:
             raise ValueError("--ray-address needs --replicas N")
-        for name in ("slots", "max_queue", "prefill_chunk", "kv_cache_bytes", "kv_page_tokens", *limits):
+        for name in ("slots", "max_queue", *limits):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        if self.request_timeout is not None and not self.request_timeout > 0:  # before binding, not at the model's load
-            raise ValueError("request_timeout must be positive (seconds)")
+        self.engine_config()  # its own checks (prefill_chunk, KV pages, request_timeout) before binding, not at load
 
     def engine_config(self) -> EngineConfig:
         device = self.device

@@ -237,17 +237,15 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
         if not finite[i]:
             out.append(Sampled(None, error=NON_FINITE_LOGITS))
             continue
-        x, greedy_id = logits[i], greedy_ids[i]
-        masked = bool(row.params.logit_bias or row.params.allowed_token_ids is not None or row.bad_words
-                      or row.grammar is not None or (row.stop_ids and len(row.output_ids) < row.params.min_tokens))
+        x, greedy_id, masked = logits[i], greedy_ids[i], False  # masked: x is no longer the batch's (finite) row
         if row.params.logit_bias:
-            x = row.biased(x)
+            x, masked = row.biased(x), True
             greedy_id = int(torch.argmax(x))
         if row.params.allowed_token_ids is not None or row.bad_words:
-            x = row.restricted(x)
+            x, masked = row.restricted(x), True
             greedy_id = int(torch.argmax(x))
         if row.stop_ids and len(row.output_ids) < row.params.min_tokens:
-            x = row.without_stops(x)
+            x, masked = row.without_stops(x), True
             greedy_id = int(torch.argmax(x))
         if row.grammar is not None:
             allowed = row.grammar.allowed(x.shape[-1])
@@ -255,7 +253,7 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
                 why = f"{NO_ALLOWED_TOKEN}: {row.grammar.error or 'no token fits'}"
                 out.append(Sampled(None, error=why, error_code=ErrorCode.GRAMMAR_DEAD_END))
                 continue
-            x = x.masked_fill(~allowed, float("-inf"))  # a new tensor: the batch's logits stay as they were
+            x, masked = x.masked_fill(~allowed, float("-inf")), True  # a new tensor: the batch's logits stay
             greedy_id = int(torch.argmax(x))
         # every token masked (allowed_token_ids that min_tokens bans, say): greedy's argmax of -inf would be token 0,
         # a token the request did not allow; sampled, the same request fails as an invalid distribution

@@ -238,15 +238,15 @@ WKVM_KERNELS512(vnni, WKVM_I4_VNNI, WKVM_DOT_VNNI)
 
 #define WKVM_I4_AMX "avx2,f16c,avx512f,avx512bw,avx512vnni,amx-tile,amx-int8"
 
-constexpr int64_t TILE_ROWS = 16;  // rows of x per tile
-constexpr int64_t AMX_ROWS = 32;   // fewer rows of x go to the VNNI loop
+using amx::AMX_ROWS;
+using amx::TILE_ROWS;
 
 // two sets, one multiplying while the other's sums are added in: tiles 0 (5) a group's sums, 2 (7) its x, 3 (4) its
 // weights
-inline amx::TileConfig amx_config(int64_t rows) {
+inline amx::TileConfig amx_config() {
   amx::TileConfig c;
-  for (int t : {0, 5}) c.set(t, rows, 64);
-  for (int t : {2, 7}) c.set(t, rows, GROUP);
+  for (int t : {0, 5}) c.set(t, TILE_ROWS, 64);
+  for (int t : {2, 7}) c.set(t, TILE_ROWS, GROUP);
   for (int t : {3, 4}) c.set(t, GROUP / 4, 64);
   return c;
 }
@@ -317,7 +317,7 @@ __attribute__((target(WKVM_I4_AMX))) void amx_blocks(const Problem& p, int64_t b
     std::memset(last, 0, size_t(TILE_ROWS * p.K));
     std::memcpy(last, p.xq + whole * p.K, size_t(tail * p.K));
   }
-  const amx::TileConfig config = amx_config(TILE_ROWS);
+  const amx::TileConfig config = amx_config();
   _tile_loadconfig(&config);
   for (int64_t b = b0; b < b1; ++b) {
     unpack_amx(p, b, b + 1 < b1, packed);

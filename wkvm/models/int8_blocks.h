@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "amx.h"
 #include "x_groups.h"
@@ -293,20 +292,15 @@ __attribute__((target(WKVM_I8_VNNI))) void vnni_blocks(const Problem& p, int64_t
 
 #define WKVM_I8_AMX "avx2,fma,avx512f,avx512bw,avx512vnni,amx-tile,amx-int8"
 
-constexpr int64_t TILE_ROWS = 16;  // rows of x per tile, at most
-// Fewer rows of x go to the VNNI path: each group's sums leave the tiles through memory, and the tile loads, products
-// and stores of a group cost about what VNNI's products of 8 rows do. Against the VNNI path (one thread, Intel Xeon
-// with AMX, best of 7): 0.99-1.18x at 16 and 24 rows, 1.27-1.29x at 32, 1.36-1.47x at 48, 1.38-1.51x at 64 and
-// 1.54-1.74x at 512 (576 x 1,536 and 1,536 x 576 in L2, 3,072 x 576 from memory); 1,024-token SmolLM2 int8 prefill
-// 1,193 -> 1,432 tok/s (2 threads).
-constexpr int64_t AMX_ROWS = 32;
+using amx::AMX_ROWS;
+using amx::TILE_ROWS;
 
-// `rows` rows of x a tile. Two sets, so that one group's tiles are multiplied while the group before is added up:
+// 16 rows of x a tile. Two sets, so that one group's tiles are multiplied while the group before is added up:
 // tiles 0, 1 (5, 6): a group's int32 sums of the two halves; 2 (7): its x; 3, 4: its weights' two halves
-inline amx::TileConfig amx_config(int64_t rows) {
+inline amx::TileConfig amx_config() {
   amx::TileConfig c;
-  for (int t : {0, 1, 5, 6}) c.set(t, rows, 64);
-  for (int t : {2, 7}) c.set(t, rows, X_GROUP);
+  for (int t : {0, 1, 5, 6}) c.set(t, TILE_ROWS, 64);
+  for (int t : {2, 7}) c.set(t, TILE_ROWS, X_GROUP);
   for (int t : {3, 4}) c.set(t, X_GROUP / 4, 64);
   return c;
 }
@@ -372,9 +366,9 @@ __attribute__((target(WKVM_I8_AMX))) inline void tile_rows_amx(const Problem& p,
 __attribute__((target(WKVM_I8_AMX))) void amx_blocks(const Problem& p, int64_t b0, int64_t b1) {
   if (p.M < AMX_ROWS) return vnni_blocks(p, b0, b1);
   if (b0 >= b1) return;
-  // tiles of R rows of x; where K is not a multiple of 32 or the last tile is short, x's rows go to a copy padded with
-  // zeros (zero x makes the weights' padding irrelevant)
-  const int64_t R = std::min(TILE_ROWS, p.M), Kp = p.G * X_GROUP, tiles = (p.M + R - 1) / R;
+  // tiles of 16 rows of x; where K is not a multiple of 32 or the last tile is short, x's rows go to a copy padded
+  // with zeros (zero x makes the weights' padding irrelevant)
+  const int64_t R = TILE_ROWS, Kp = p.G * X_GROUP, tiles = (p.M + R - 1) / R;
   const bool direct = Kp == p.K && p.M % R == 0;
   int8_t* packed = amx::scratch(size_t(1024 * p.G + (direct ? 0 : tiles * R * Kp)));
   const int8_t* x = p.xq;
@@ -384,7 +378,7 @@ __attribute__((target(WKVM_I8_AMX))) void amx_blocks(const Problem& p, int64_t b
     for (int64_t m = 0; m < p.M; ++m) std::memcpy(xp + m * Kp, p.xq + m * p.K, size_t(p.K));
     x = xp;
   }
-  const amx::TileConfig config = amx_config(R);
+  const amx::TileConfig config = amx_config();
   _tile_loadconfig(&config);
   for (int64_t b = b0; b < b1; ++b) {
     repack_amx(p, b, b + 1 < b1 ? block_at(p, b + 1) : nullptr, packed);

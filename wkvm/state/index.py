@@ -308,6 +308,11 @@ class StateIndex:
         with self._lock:
             return {r[0] for r in self._db.execute("SELECT DISTINCT owner FROM states WHERE blob = ?", (blob,))}
 
+    def fingerprints(self) -> set[str]:
+        """The models whose states the index holds."""
+        with self._lock:
+            return {r[0] for r in self._db.execute("SELECT DISTINCT fingerprint FROM states")}
+
     def pinned_blobs(self) -> set[str]:
         with self._lock:
             return {r[0] for r in self._db.execute("SELECT DISTINCT blob FROM states WHERE pinned = 1")}

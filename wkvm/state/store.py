@@ -105,7 +105,7 @@ class StateStore:
         with self._lock:
             # another model's states (another family, or a fine-tune) would read as unusable and be dropped: refuse
             # the directory instead, before anything in it changes
-            others = {r.fingerprint for r in self.index.list()} - {self.fingerprint}
+            others = self.index.fingerprints() - {self.fingerprint}
             if others:
                 self.index.close()  # SQLite then removes its -wal and -shm files: the directory is as it was
                 raise ForeignStateDir(f"the state directory {self.root} holds states of another model (fingerprint "
@@ -320,17 +320,15 @@ class StateStore:
     def set_pinned(self, owner: str, handle: str, pinned: bool) -> StateRecord:
         with self._lock:
             rec = self._record(owner, handle, with_ids=False)
-            self.index.set_pinned(owner, rec.name, rec.version, pinned)
-            self._pinned = self.index.pinned_blobs()
-            if pinned:  # a pinned state is kept resident: bring it up, then LRU never evicts it
+            if pinned:  # a pinned state is kept resident: bring it up first, then LRU never evicts it
                 self.load(owner, rec.handle)
                 if self.tier_of(rec.blob) == "disk":  # no room beside other pins: the pin would be a false promise
-                    self.index.set_pinned(owner, rec.name, rec.version, False)
-                    self._pinned = self.index.pinned_blobs()
                     raise PinNoRoom(f"state {rec.handle!r} cannot be pinned: pinned states fill the device tier "
                                     f"({self.device_cache.limit} bytes) and the host tier ({self.host_cache.limit} "
                                     "bytes); unpin another state, or start the server with larger "
                                     "--state-device-bytes / --state-host-bytes")  # fmt: skip
+            self.index.set_pinned(owner, rec.name, rec.version, pinned)
+            self._pinned = self.index.pinned_blobs()
             return self.get(owner, rec.handle)
 
     # --- internal states: eviction -------------------------------------------------------------
