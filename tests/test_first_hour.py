@@ -39,7 +39,21 @@ def test_model_that_fails_to_load_later_exits(tmp_path, world_pth):
     (broken / "config.json").write_text(json.dumps({"model_type": "rwkv7"}))  # looks like a model, has no weights
     cmd = [sys.executable, "-m", "wkvm.cli", "serve", "--model", str(broken), "--port", str(free_port())]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "the model failed to load" in r.stderr, r.stderr[-2000:]
+    # a checkpoint that is not what it claims is the user's input, as for every other command: exit 2, one line
+    assert r.returncode == 2 and "model load failed: " in r.stderr and "the model did not load" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("device", "says"), [("cuda", "use --device cpu"), ("mps", "runs on cpu or cuda"),
+                                              ("gpu0", "not a device name")])  # fmt: skip
+def test_a_device_this_machine_lacks_fails_before_binding(device, says):
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    r = serve("--device", device)
+    assert r.returncode == 2 and says in r.stderr, r.stderr
+    assert "Uvicorn running" not in r.stderr and "Traceback" not in r.stderr
 
 
 def test_models_retrieve_created_and_version(world_pth):

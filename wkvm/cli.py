@@ -160,7 +160,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = GracefulServer(app, config.host, config.port, config.shutdown_grace, config.log_level, logs,
                             config.access_log)  # fmt: skip
     server.run()
-    return 1 if app.state.ctx.load_error else 0
+    ctx = app.state.ctx
+    if ctx.load_error:  # as every other command: 2 for input that is not what it should be, 1 for a bug
+        return 2 if ctx.load_error_is_input else 1
+    return 0
 
 
 def add_serve_flags(s: argparse.ArgumentParser) -> None:

@@ -36,12 +36,34 @@ class EngineConfig:
             raise ValueError("token_budget must be at least n_slots, so every running sequence can decode each step")
         if self.request_timeout is not None and not self.request_timeout > 0:  # NaN too
             raise ValueError("request_timeout must be positive")
+        check_device(self.device)
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
         import torch
 
         return getattr(torch, self.kv_dtype)  # type: ignore[no-any-return]
+
+
+def check_device(device: str) -> None:
+    """A device wkvm can run on here: cpu, or cuda[:N] where this torch build has CUDA and sees that GPU. Checked when
+    a config is made, so `wkvm serve --device cuda` on a CPU-only build is one line before the port is bound, not a
+    failed load after it."""
+    import torch
+
+    try:
+        kind = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a device name: use cpu or cuda (cuda:1 for the second GPU)") from None
+    if kind.type == "cpu":
+        return
+    if kind.type != "cuda":
+        raise ValueError(f"device {device!r}: wkvm runs on cpu or cuda")
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise ValueError(f"device {device!r}: {why} (torch {torch.__version__}); use --device cpu")
+    if kind.index is not None and kind.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA GPU(s) are visible")
 
 
 def opt(default: Any, help: str, kind: str = "", **kw: Any) -> Any:

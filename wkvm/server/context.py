@@ -61,6 +61,7 @@ class ServerContext:
     metrics: Metrics = field(default_factory=Metrics)
     ready: threading.Event = field(default_factory=threading.Event)
     load_error: str | None = None
+    load_error_is_input: bool = False  # the load failed on its input (ValueError, OSError), not on a bug
     started_at: float = field(default_factory=time.time)
     on_load_failure: Callable[[], None] | None = None  # `wkvm serve` exits instead of serving 503s forever
     # set by load(), read only after require_ready():
@@ -144,7 +145,11 @@ class ServerContext:
             log.info("model %s loaded (fingerprint %s...)", self.model_name, self.model.fingerprint[:12])
         except Exception as e:  # reported by /health and every route, instead of a dead process
             self.load_error = f"{type(e).__name__}: {e}"
-            log.exception("model load failed")
+            self.load_error_is_input = isinstance(e, ValueError | OSError)
+            if self.load_error_is_input:  # a checkpoint that is not what it claims, a missing file: one line
+                log.error("model load failed: %s", e)
+            else:  # a bug: its traceback
+                log.exception("model load failed")
             if self.on_load_failure is not None:
                 self.on_load_failure()
 

@@ -54,7 +54,7 @@ class GracefulServer(uvicorn.Server):
         self.ctx.on_load_failure = self._load_failed
 
     def _load_failed(self) -> None:
-        log.error("exiting: the model failed to load (%s)", self.ctx.load_error)
+        log.error("exiting: the model did not load (the line above says why)")
         self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
