@@ -14,7 +14,7 @@ from live_server import LiveServer, ServerProcess
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from wkvm.state.statefile import tensor_digest, token_digest
+from wkvm.state.statefile import lineage_digest, tensor_digest, token_digest
 
 KEYS = ["key-a", "Zx9#kP2-long-secret"]
 A = {"Authorization": "Bearer key-a"}
@@ -58,6 +58,7 @@ def doctored(data: bytes, server, values=None, **meta) -> bytes:
         tensors[name].view(-1)[0] = values
     md.update(meta)
     md["tensor_sha256"] = tensor_digest(server.ctx.model.spec, tensors)
+    md["lineage_sha256"] = lineage_digest(md)
     return st_save(tensors, metadata=md)
 
 

@@ -28,6 +28,7 @@ from wkvm.state.statefile import (
     MAX_OP_PARAMS_BYTES,
     HistoryTooLong,
     StateFileError,
+    lineage_digest,
     parse_handle,
     valid_name,
 )
@@ -216,10 +217,13 @@ def test_import_refuses_bad_files(svc, model, tmp_path):
 
 
 def with_metadata(data: bytes, **fields: str) -> bytes:
-    """The same state file with some `__metadata__` strings replaced."""
+    """The same state file with some `__metadata__` strings replaced, its lineage digest recomputed (as a crafted file
+    would have it: each case then meets the check it is about), unless `lineage_sha256` is one of them."""
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8 : 8 + n])
     header["__metadata__"].update(fields)
+    if "lineage_sha256" not in fields:
+        header["__metadata__"]["lineage_sha256"] = lineage_digest(header["__metadata__"])
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw = raw.ljust(-(-len(raw) // 8) * 8)
     return len(raw).to_bytes(8, "little") + raw + data[8 + n :]
@@ -248,6 +252,24 @@ def test_import_refuses_crafted_metadata_and_values(svc, model):
     tensors["layers.1.wkv"].view(-1)[7] = 3e38  # finite, and the checksum below is recomputed: only the bound sees it
     with pytest.raises(StateFileError, match=r"tensor layers\.1\.wkv holds a value of magnitude 3e\+38"):
         svc.store.import_bytes("b", statefile.encode(model.spec, tensors, meta))
+
+
+def test_lineage_is_checksummed_and_older_files_without_the_digest_import(svc, model):
+    """A changed byte in name, version, parent, op, op_params or created_at is refused as corruption (hunt 11: a bit
+    flip in op_params, where `wkvm chat` keeps its transcript, imported as another history); an export written before
+    the lineage digest existed has none and still imports, its lineage as written."""
+    good = svc.store.export_bytes("a", svc.create("a", "x", PROMPT).handle)
+    md = statefile.metadata(good)
+    assert md["lineage_sha256"] == lineage_digest(md)
+    flips = {"op_params": md["op_params"].replace("{", "{ ", 1), "created_at": md["created_at"] + "1",
+             "op": "fork", "name": "b", "version": "2", "parent": "a@1"}  # fmt: skip
+    for key, value in flips.items():
+        with pytest.raises(StateFileError, match="lineage checksum mismatch"):
+            svc.store.import_bytes("b", with_metadata(good, lineage_sha256=md["lineage_sha256"], **{key: value}))
+    older = with_raw_header(good, lambda h: h.replace(f',"lineage_sha256":"{md["lineage_sha256"]}"', ""))
+    assert "lineage_sha256" not in statefile.metadata(older)
+    imported = svc.store.import_bytes("b", older)
+    assert imported.op_params["from"] == "x@1" and imported.op == "import"
 
 
 def with_raw_header(data: bytes, edit) -> bytes:
@@ -583,7 +605,9 @@ def fill_users(store, quota: int, start: int = 0) -> int:
 def test_checkpoints_give_way_to_users_and_never_exceed_the_quota(model, tmp_path):
     one, quota = model.spec.nbytes, 1_200_000
     limits = StoreLimits(device_bytes=one, host_bytes=one, disk_bytes=quota)
-    alone = fill_users(StateStore(tmp_path / "alone", model.spec, model.fingerprint, limits=limits), quota)
+    first = StateStore(tmp_path / "alone", model.spec, model.fingerprint, limits=limits)
+    alone, alone_index = fill_users(first, quota), first.index.file_bytes(reserve_wal=True)
+    file_bytes = max(p.stat().st_size for p in (tmp_path / "alone").rglob("*.state"))
     root = tmp_path / "shared"
     store = StateStore(root, model.spec, model.fingerprint, limits=limits)
     for i in range(alone // 3):
@@ -593,7 +617,10 @@ def test_checkpoints_give_way_to_users_and_never_exceed_the_quota(model, tmp_pat
         assert dir_bytes(root) <= quota
     on_disk = [r for r in store.list("t#ckpt") if store._blob_path(r.blob).exists()]
     assert len(on_disk) > 10 and len(store.list("t#ckpt")) < 150  # those the room left could not hold were dropped
-    assert fill_users(store, quota, start=alone // 3) + alone // 3 >= alone - 1  # users got the room back
+    users = fill_users(store, quota, start=alone // 3) + alone // 3
+    # users got the room back, all but what the index keeps of the checkpoints' records (SQLite keeps its pages)
+    index_growth = max(0, store.index.file_bytes(reserve_wal=True) - alone_index)
+    assert users >= alone - 1 - -(-index_growth // file_bytes), (users, alone, index_growth, file_bytes)
     assert len([r for r in store.list("t#ckpt") if store._blob_path(r.blob).exists()]) < len(on_disk)
     for r in store.list("t#ckpt"):  # what is left is whole
         assert store.load("t#ckpt", r.handle)[0].token_ids[:2] == [1, 2]

@@ -54,7 +54,7 @@ def check_device(device: str) -> None:
     try:
         kind = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"device {device!r} is not a device name: use cpu or cuda (cuda:1 for the second GPU)") from None
+        raise ValueError(f"device {device!r} is not a device name: use cpu or cuda (cuda:1: the second GPU)") from None
     if kind.type == "cpu":
         return
     if kind.type != "cuda":

@@ -90,6 +90,16 @@ def tensor_digest(spec: StateSpec, tensors: State) -> str:
     return h.hexdigest()
 
 
+LINEAGE_FIELDS = ("name", "version", "parent", "op", "op_params", "created_at")  # what the other digests leave out
+
+
+def lineage_digest(md: dict[str, str]) -> str:
+    """sha256 over the lineage metadata as written (fields in LINEAGE_FIELDS order, each absent one as null): with the
+    tensor and token digests, and the fields checked against the model, every byte of metadata is covered, so a flipped
+    bit in `op_params` (where `wkvm chat` keeps its transcript) is refused instead of imported as another history."""
+    return hashlib.sha256(json.dumps([md.get(k) for k in LINEAGE_FIELDS]).encode()).hexdigest()
+
+
 @dataclass
 class StateMeta:
     fingerprint: str
@@ -160,6 +170,7 @@ def encode(spec: StateSpec, tensors: State, meta: StateMeta, digest: str | None 
         "created_at": repr(meta.created_at),
         "tensor_sha256": digest or tensor_digest(spec, tensors),
     }
+    md["lineage_sha256"] = lineage_digest(md)
     return st_save({t.name: tensors[t.name] for t in spec.tensors}, metadata=md)
 
 
@@ -196,6 +207,10 @@ def decode(
     if spec.has_kv and n_kv != len(token_ids) - 1:
         raise StateFileError(f"the kv tensors hold {n_kv} tokens; a state of {len(token_ids)} tokens (the last one "
                              f"pending) holds {len(token_ids) - 1}")  # fmt: skip
+    # files written before the lineage digest existed have none, and import as before
+    if "lineage_sha256" in md and md["lineage_sha256"] != lineage_digest(md):
+        raise StateFileError("lineage checksum mismatch (name, version, parent, op, op_params or created_at): the file "
+                             "was modified or corrupted")  # fmt: skip
     op_params = _op_params(md.get("op_params", "{}"), imported)
     created_at = md.get("created_at", "0")
     if not isinstance(created_at, str) or not FLOAT_RE.fullmatch(created_at) or not math.isfinite(float(created_at)):
