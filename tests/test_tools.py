@@ -91,6 +91,7 @@ def test_streamed_calls_equal_the_blocking_ones(client):
     assert not any(d.content for d in deltas)  # a forced reply is calls only
     # the held tokens send no empty chunks (OpenAI sends none mid-stream): the role chunk, then the calls
     assert len(deltas) == 2 and deltas[0].role == "assistant" and deltas[1].tool_calls
+    assert deltas[0].content is None  # OpenAI's role chunk of a reply that is calls (hunt 10: it said "")
 
 
 def test_a_tool_result_goes_back_through_the_template(client):

@@ -607,8 +607,11 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
     base = {**base, "object": "chat.completion.chunk"}
     index = live.ticket.choices
     nulls = {"usage": None} if body.stream_options and body.stream_options.include_usage else {}
+    # a forced call's reply has no words: its role chunk says content null, as OpenAI's; any other says "" (the reply
+    # may still turn out to be a call under `auto`, but OpenAI starts an answer in words with "")
+    opening = None if mode is not None and mode.forced else ""
     for i in range(len(handles) if sent is None else 0):  # a moved stream's role chunks went out already
-        delta = {"role": "assistant", "content": ""}
+        delta = {"role": "assistant", "content": opening}
         yield gen.sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}],
                        **nulls})  # fmt: skip
     held = [""] * len(handles) if sent is None else list(sent)
