@@ -37,7 +37,15 @@ def test_openai_sdk_multiturn_identical_to_fresh(reuse, fresh):
         assert ra.choices[0].message.content == rb.choices[0].message.content
         assert rb.model_extra["wkvm"]["mode"] == "fresh"
         reused.append(ra.model_extra["wkvm"]["reused_tokens"])
+        # OpenAI's field for it too (hunt 14: only the Responses API had it)
+        assert ra.usage.prompt_tokens_details.cached_tokens == reused[-1]
+        assert rb.usage.prompt_tokens_details.cached_tokens == 0
         messages.append({"role": "assistant", "content": ra.choices[0].message.content})
+    stream = a.chat.completions.create(model="char-model", messages=messages, max_tokens=3, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(stream)
+    info = next(c.model_extra["wkvm"] for c in chunks if c.model_extra.get("wkvm"))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == info["reused_tokens"] > reused[-1]
     assert reused[0] == 0 and all(n > 0 for n in reused[1:])
     assert reused == sorted(reused)
 

@@ -109,6 +109,44 @@ def test_unreadable_inputs_are_refused_with_reason(tmp_path):
         load_model(tmp_path / "y.pth")
 
 
+def test_tensors_that_do_not_fit_or_hold_nan_are_refused_at_load(tmp_path, tiny_pth):
+    """A matrix a few columns short loaded silently and failed every request (Mamba2, Bamba) or gave a traceback while
+    the layers were prepared (Qwen3.5); NaN weights loaded and answered every request with an error. Each is now one
+    CheckpointError at load naming the file (hunt 14)."""
+    from families.mamba2 import write_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    good = write_checkpoint(tmp_path / "m", vocab_size=64)
+    weights = good / "model.safetensors"
+    raw = load_file(weights)
+    in_proj = "backbone.layers.0.mixer.in_proj.weight"  # its columns: the width (what a cut one leaves short)
+    for edit, says in [(lambda t: t[:, :-3].contiguous(), "do not fit its config as a mamba2 model"),  # 3 short
+                       (lambda t: t.index_fill(1, torch.tensor([0]), float("nan")), "not finite")]:
+        save_file({**raw, in_proj: edit(raw[in_proj])}, weights, metadata={"format": "pt"})
+        with pytest.raises(CheckpointError, match=says) as e:
+            load_model(good)
+        assert str(good) in str(e.value)
+    save_file(raw, weights, metadata={"format": "pt"})
+    load_model(good)  # as written: loads
+    ckpt = torch.load(tiny_pth)
+    ckpt["blocks.0.ffn.value.weight"][0, 0] = float("inf")
+    torch.save(ckpt, tmp_path / "inf.pth")
+    with pytest.raises(CheckpointError, match="not finite"):
+        load_model(tmp_path / "inf.pth")
+
+
+def test_generate_says_when_the_generation_failed_and_exits_1(monkeypatch, capsys, tiny_pth):
+    """`wkvm generate` printed an empty line and exited 0 when the engine failed the request (hunt 14)."""
+    from wkvm import cli, llm
+    from wkvm.outputs import GenerationOutput
+
+    failed = GenerationOutput(prompt_token_ids=[1, 2], finish_reason="error", error="non-finite logits",
+                              error_code="non_finite")  # fmt: skip
+    monkeypatch.setattr(llm.LLM, "generate", lambda self, prompts, params: [failed])
+    assert cli.main(["generate", "--model", str(tiny_pth), "--prompt-ids", "1,2"]) == 1
+    assert "the generation failed: non-finite logits" in capsys.readouterr().err
+
+
 def test_fingerprint_covers_layer0_value_weights(tmp_path):
     raw = save_random_rwkv7(tmp_path / "a.pth", RWKV7Shape(), seed=1)
     raw["blocks.0.att.value.weight"][0, 0] += 1.0

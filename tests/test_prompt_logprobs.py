@@ -56,7 +56,8 @@ def test_echo_scores_the_prompt_like_the_rwkv_package(server, rwkv_logprobs):
     (c,) = r["choices"]
     ids = r["prompt_token_ids"]
     assert c["text"] == PROMPT and c["finish_reason"] == "length" and c["token_ids"] == []
-    assert r["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert r["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids),
+                          "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
     lp = c["logprobs"]
     assert "".join(lp["tokens"]) == PROMPT and len(lp["tokens"]) == len(ids) > 2 * 8
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # nothing precedes the first token

@@ -1,5 +1,6 @@
 """World tokenizer: ids identical to BlinkDL's TRIE_TOKENIZER; lossless round trip; HF tokenizer.json."""
 
+import json
 import os
 from pathlib import Path
 
@@ -108,6 +109,56 @@ def test_hf_tokenizer_json(tmp_path):
         if d.add(t):
             break
     assert d.text == "to be or "
+
+
+def test_a_models_own_end_tokens_end_generation(tmp_path, tiny_pth):
+    """tokenizer_config.json's eos_token is the EOS and generation_config.json's eos_token_id list ends generation too,
+    as transformers and vLLM stop (hunt 14: a Qwen3.5-style instruct checkpoint, EOS `<|im_end|>` there but only
+    `<|endoftext|>` found by name in tokenizer.json, ran every chat answer on to max_tokens); ignore_eos ignores them
+    all; a file that is not JSON, or a tokenizer.json that does not read, is one error naming the file."""
+    import shutil
+
+    from tokenizers import AddedToken, Tokenizer, models
+
+    from wkvm.config import EngineConfig
+    from wkvm.engine.engine import Engine
+    from wkvm.sampling_params import SamplingParams
+    from wkvm.weights.loader import load_model
+
+    vocab = {chr(97 + i): i for i in range(26)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+    end, start, turn = (tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"))
+    m = tmp_path / "m"
+    m.mkdir()
+    tok.save(str(m / "tokenizer.json"))
+    assert load_tokenizer(m).eos_token_ids == {end}  # by name, as before: no config says otherwise
+    (m / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>", "special": True}}))
+    (m / "generation_config.json").write_text(json.dumps({"eos_token_id": [turn, end, 10_000]}))
+    (m / "config.json").write_text(json.dumps({"eos_token_id": start}))  # the generation config's list comes first
+    loaded = load_tokenizer(m)
+    assert loaded.eos_token_id == turn and loaded.eos_token_ids == {turn, end}  # an id beyond the vocabulary: dropped
+    (m / "generation_config.json").unlink()
+    assert load_tokenizer(m).eos_token_ids == {turn, start}
+
+    # the engine stops at any of them, and ignore_eos ignores them all (the RWKV test model reads any token id)
+    pth = tmp_path / "w.pth"
+    shutil.copy(tiny_pth, pth)
+    engine = Engine(load_model(pth), loaded, EngineConfig(n_slots=2))
+    for forced in (turn, end):
+        bias = {forced: 100.0}
+        stops = engine.submit([1, 2], SamplingParams(max_tokens=5, temperature=0, logit_bias=bias))
+        goes_on = engine.submit([1, 2], SamplingParams(max_tokens=3, temperature=0, logit_bias=bias, ignore_eos=True))
+        engine.run_until_done()
+        assert stops.output.token_ids == [forced] and stops.output.finish_reason == "stop"
+        assert goes_on.output.token_ids == [forced] * 3 and goes_on.output.finish_reason == "length"
+    (m / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer_config.json: not JSON"):
+        load_tokenizer(m)
+    (m / "tokenizer_config.json").unlink()
+    (m / "tokenizer.json").write_text("not json")
+    with pytest.raises(ValueError, match="tokenizer.json: not a tokenizer.json"):
+        load_tokenizer(m)
 
 
 def _trained(kind: str):

@@ -249,6 +249,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}))
     else:
         print(out.text)
+    if out.finish_reason == "error":  # what the engine said, and a failed exit (it had printed nothing and exited 0)
+        print(f"wkvm generate: the generation failed: {out.error or out.error_code}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -8,9 +8,10 @@ import functools
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from wkvm.atomic import atomic_write_bytes
 
@@ -22,6 +23,12 @@ class Tokenizer(Protocol):
 
     @property
     def eos_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every token that ends generation as EOS (`ignore_eos` ignores them all): eos_token_id and the model's other
+        end tokens (HF generation_config's eos_token_id list, GGUF's end-of-turn), as transformers and vLLM stop."""
+        ...
 
     @property
     def exact_bytes(self) -> bool:
@@ -45,17 +52,31 @@ class HFTokenizer:
     """A `tokenizer.json` read by HF `tokenizers`."""
 
     exact_bytes = False
+    more_eos: frozenset[int] = frozenset()  # the model's other end tokens (ModelEos.ids)
 
-    def __init__(self, path: str | os.PathLike[str], eos_token: str | None = None):
+    def __init__(self, path: str | os.PathLike[str], eos_token: str | None = None, more_eos: Iterable[int] = ()):
+        """`eos_token`: the EOS token's text (tokenizer_config.json's); without it, the first of the usual names the
+        vocabulary has. `more_eos`: ids that also end generation (generation_config.json's eos_token_id)."""
         from tokenizers import Tokenizer as _Tok
 
-        self._tok = _Tok.from_file(str(path))
+        try:
+            self._tok = _Tok.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception naming no file
+            raise ValueError(f"{path}: not a tokenizer.json that HF tokenizers reads ({e})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        eos = eos_token or next(
+        named = eos_token if eos_token is not None and self._tok.token_to_id(eos_token) is not None else None
+        eos = named or next(
             (t for t in ("<|endoftext|>", "</s>", "<eos>", "<|eos|>") if self._tok.token_to_id(t) is not None),
             None,
         )
         self.eos_token_id = self._tok.token_to_id(eos) if eos else None
+        self.more_eos = frozenset(i for i in more_eos if 0 <= i < self.vocab_size)
+        if self.eos_token_id is None and self.more_eos:
+            self.eos_token_id = min(self.more_eos)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.more_eos | ({self.eos_token_id} if self.eos_token_id is not None else set())
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -132,12 +153,54 @@ def load_tokenizer(
     p = Path(model_path)
     candidate = p / "tokenizer.json" if p.is_dir() else p.with_suffix(".tokenizer.json")
     if candidate.is_file():
-        return HFTokenizer(candidate)
+        eos = model_eos(model_path)
+        return HFTokenizer(candidate, eos.token, eos.ids)
     tokenizer = default() if default else None
     if tokenizer is None:
         raise ValueError(f"{model_path}: no {candidate.name} beside the model, and its family has no default "
                          "tokenizer: put the model's tokenizer.json there")  # fmt: skip
     return tokenizer
+
+
+@dataclass(frozen=True)
+class ModelEos:
+    token: str | None  # tokenizer_config.json's eos_token: the tokenizer's EOS
+    ids: tuple[int, ...]  # generation_config.json's (else config.json's) eos_token_id: an id or a list
+
+
+def model_eos(model_path: str | os.PathLike[str]) -> ModelEos:
+    """A model's end tokens as transformers and vLLM read them: the tokenizer's EOS from tokenizer_config.json, and the
+    generation config's eos_token_id (generation stops at any of them). Instruct checkpoints need both: Qwen3.5's EOS is
+    `<|im_end|>` there while its tokenizer.json's usual name is `<|endoftext|>`, so chats ran on past the turn's end."""
+    p = Path(model_path)
+    token = None
+    tok_cfg = read_json(companion_path(p, "tokenizer_config.json"))
+    eos = tok_cfg.get("eos_token")
+    if isinstance(eos, dict):  # {"content": "<|im_end|>", ...} (an AddedToken as transformers saves it)
+        eos = eos.get("content")
+    if isinstance(eos, str):
+        token = eos
+    ids: list[int] = []
+    if p.is_dir():
+        for name in ("generation_config.json", "config.json"):
+            cfg = read_json(p / name)
+            value = cfg.get("eos_token_id", (cfg.get("text_config") or {}).get("eos_token_id"))
+            found = [value] if isinstance(value, int) else value if isinstance(value, list) else []
+            ids = [i for i in found if isinstance(i, int) and not isinstance(i, bool)]
+            if ids:
+                break  # the generation config's list is the one generate() uses
+    return ModelEos(token, tuple(ids))
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A companion JSON file's object ({} when there is none); ValueError naming the file when it is not JSON."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    return data if isinstance(data, dict) else {}
 
 
 COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")

@@ -320,7 +320,7 @@ class Engine:
         p, detok = req.params, self._detok[req.request_id]
         req.output_ids.append(tok)
         status = None
-        eos = tok == self.tokenizer.eos_token_id and not p.ignore_eos
+        eos = tok in self.tokenizer.eos_token_ids and not p.ignore_eos
         # a stop token (EOS, stop_token_ids) ends the text without adding its own, unless include_stop_str_in_output
         # asks for it (vLLM's detokenizer does the same: `<|im_end|>` is no part of an answer; until session 27 a
         # stop_token_ids token's text stayed and the flag did nothing for it)

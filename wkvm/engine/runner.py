@@ -69,7 +69,7 @@ class ModelRunner:
         limits = [n for n in (model.context_length, pool.n_pages * pool.page_tokens if pool else None) if n]
         self.context_limit: int | None = min(limits) if limits else None  # tokens one sequence may hold
         self.grammars = GrammarCompiler(tokenizer) if tokenizer is not None else None
-        self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None
+        self.eos_token_ids = sorted(tokenizer.eos_token_ids) if tokenizer is not None else []
         self.tokenizer = tokenizer
 
     def add(self, req: Request) -> None:
@@ -80,7 +80,7 @@ class ModelRunner:
         p = req.params
         row = SamplerRow(p, make_generator(p.seed), req.prompt_ids, req.output_ids, req.base_ids)
         if p.min_tokens:
-            eos = [self.eos_token_id] if self.eos_token_id is not None and not p.ignore_eos else []
+            eos = [] if p.ignore_eos else self.eos_token_ids
             row.stop_ids = [*eos, *p.stop_token_ids]
         if p.bad_words:
             if self.tokenizer is None:

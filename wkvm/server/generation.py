@@ -280,10 +280,21 @@ class Answer(Protocol):
     def output(self) -> GenerationOutput: ...
 
 
-def usage(prompt_tokens: int, handles: Sequence[Answer], done_tokens: int = 0) -> dict[str, Any]:
-    """`done_tokens`: completion tokens of choices that finished on a server the stream moved from."""
+def usage(prompt_tokens: int, handles: Sequence[Answer], done_tokens: int = 0,
+          extra: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """`done_tokens`: completion tokens of choices that finished on a server the stream moved from. `extra`: the
+    request's extras, whose `wkvm` reuse info gives `prompt_tokens_details.cached_tokens` (OpenAI's field; vLLM's with
+    --enable-prompt-tokens-details): the prompt tokens a stored state saved computing."""
     completion = done_tokens + sum(len(h.output.token_ids) for h in handles)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens(extra)}}  # fmt: skip
+
+
+def cached_tokens(extra: dict[str, Any] | None) -> int:
+    """The prompt tokens reused from stored states: a request's `wkvm.reused_tokens`, summed over a completion's
+    prompts (`wkvm.prompts`)."""
+    info = (extra or {}).get("wkvm") or {}
+    return sum(int(p.get("reused_tokens") or 0) for p in info.get("prompts", [info]))
 
 
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity; vLLM reports impossible tokens with this value too

@@ -376,7 +376,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         extra = await run_in_threadpool(finish_runs, ctx, tenant, body, runs, moved is not None)
         answers = answered(handles, moved)
         out = {**base, "choices": [choice(i, h) for i, h in enumerate(answers)],
-               "usage": gen.usage(prompt_tokens, answers), **extra}  # fmt: skip
+               "usage": gen.usage(prompt_tokens, answers, extra=extra), **extra}  # fmt: skip
         if body.return_token_ids:
             out["prompt_token_ids"] = encoded if batch else encoded[0]
         return out
@@ -449,7 +449,7 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
             c["token_ids"] = h.output.token_ids
         choices.append(c)
     out = {**base, "object": "chat.completion", "choices": choices,
-           "usage": gen.usage(len(prompt_ids), answers), **extra}  # fmt: skip
+           "usage": gen.usage(len(prompt_ids), answers, extra=extra), **extra}  # fmt: skip
     if body.return_token_ids:
         out["prompt_token_ids"] = prompt_ids
     return out
@@ -672,6 +672,7 @@ async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFiel
     usage = body.stream_options is not None and body.stream_options.include_usage
     try:
         held: dict[str, Any] | None = None  # the stream's last chunk, which waits for the extras
+        extra: dict[str, Any] = {}
         left, moving = len(handles), 0
         async for i, ev in gen.merged(ctx, request, handles):
             left -= ev.finished
@@ -694,7 +695,8 @@ async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFiel
         failed = next((h for h in handles if h.output.finish_reason == "error"), None)
         if held is not None:
             if failed is None:
-                held.update(await run_in_threadpool(on_done))  # saves states: disk I/O off the event loop
+                extra = await run_in_threadpool(on_done)  # saves states: disk I/O off the event loop
+                held.update(extra)
             yield gen.sse(held)
         if failed is not None:
             try:
@@ -703,7 +705,7 @@ async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFiel
                 yield gen.sse(error_body(e.status, e.message, e.param, e.code))
         elif body.stream_options and body.stream_options.include_usage:
             done = live.ticket.done_tokens if live is not None else 0  # choices that finished where it moved from
-            yield gen.sse({**base, "choices": [], "usage": gen.usage(prompt_tokens, handles, done)})
+            yield gen.sse({**base, "choices": [], "usage": gen.usage(prompt_tokens, handles, done, extra)})
     except Exception as e:  # the response has started: the client still gets an error event and [DONE]
         log.exception("stream failed after it started (a bug)")
         yield gen.sse(error_body(500, f"internal error: {type(e).__name__}", None, "internal_error"))

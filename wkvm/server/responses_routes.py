@@ -327,7 +327,7 @@ def finished(shell: dict[str, Any], items: list[Any], finish_reason: str | None,
     status = FINISHED.get(finish_reason or "", "failed")
     if status != "completed" and items and items[-1]["type"] == "message":  # the message cut off is, as OpenAI marks it
         items = [*items[:-1], {**items[-1], "status": "incomplete"}]
-    resp = {**shell, "status": status, "output": items, "usage": responses_usage(usage, extra)}
+    resp = {**shell, "status": status, "output": items, "usage": responses_usage(usage)}
     if status == "incomplete":
         resp["incomplete_details"] = {"reason": "max_output_tokens"}
     if status == "failed":
@@ -339,9 +339,9 @@ def finished(shell: dict[str, Any], items: list[Any], finish_reason: str | None,
     return resp
 
 
-def responses_usage(usage: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
+def responses_usage(usage: dict[str, Any]) -> dict[str, Any]:
     """The chat's usage in Responses' names; cached_tokens: the prompt tokens a parked state saved recomputing."""
-    cached = int((extra or {}).get("reused_tokens") or 0)
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
     return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"]}  # fmt: skip

@@ -82,6 +82,31 @@ def build_resident(
     return family.build(cfg, ResidentWeights(layers, global_tensors), fp, device)
 
 
+@contextlib.contextmanager
+def misfit(path: str | os.PathLike[str], family: str) -> Iterator[None]:
+    """Tensors that read but do not fit the config (a matrix a few columns short, a wrong head count) fail inside
+    torch while the layers are prepared or on the first forward pass: one CheckpointError naming the file instead of a
+    traceback at load, or a server that loaded and then answered 500 to every request (hunt 14)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (RuntimeError, IndexError, ValueError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise CheckpointError(f"{path}: its tensors do not fit its config as a {family} model ({reason})") from None
+
+
+def first_forward(model: LanguageModel, path: str | os.PathLike[str]) -> None:
+    """Two tokens prefilled and one decoded from a new state, as the engine will: shapes that do not fit fail here,
+    at load, and weights holding NaN or infinities (logits that are not finite) are refused instead of answering every
+    request with an error (or `wkvm generate` with nothing)."""
+    logits, state = model.prefill([0, 0])
+    step = model.decode([0], state)
+    if not (bool(torch.isfinite(logits).all()) and bool(torch.isfinite(step).all())):
+        raise CheckpointError(f"{path}: its weights give logits that are not finite: the checkpoint holds NaN or "
+                              "infinite values")  # fmt: skip
+
+
 def own_memory(raw: RawTensors, parts: list[Tensors]) -> None:
     """Copy every tensor of `parts` that still shares memory with a checkpoint tensor (kept as it was: fp32 norms,
     LoRAs, an fp32 embedding): a memory-mapped checkpoint then unmaps once loading ends, instead of staying mapped
@@ -137,7 +162,9 @@ def load_model(
         raw = pack.read(None)
         for i in range(pack.config.n_layer):
             raw.update(pack.read(i))
-        model = build_resident(pack.family, pack.config, raw, pack.fingerprint, device, dtype)
+        with misfit(path, pack.family.name):
+            model = build_resident(pack.family, pack.config, raw, pack.fingerprint, device, dtype)
+            first_forward(model, path)
         del raw
         release_free_memory()
         return model
@@ -147,7 +174,9 @@ def load_model(
         )
     family, ckpt = read_checkpoint(path)
     cfg = family.config_from_checkpoint(ckpt)
-    model = build_resident(family, cfg, ckpt.raw, checkpoint_fingerprint(family, cfg, ckpt.raw), device, dtype)
+    with misfit(path, family.name):
+        model = build_resident(family, cfg, ckpt.raw, checkpoint_fingerprint(family, cfg, ckpt.raw), device, dtype)
+        first_forward(model, path)
     del ckpt  # the checkpoint's tensors (dequantized, converted, or a file mapping) go before the trim
     release_free_memory()
     return model

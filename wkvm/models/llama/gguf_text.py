@@ -47,10 +47,11 @@ def pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
 class GGUFTokenizer(HFTokenizer):
     """An HFTokenizer over a `tokenizers` object built in memory rather than read from tokenizer.json."""
 
-    def __init__(self, tok: HFTokenizers, eos_token_id: int | None):  # no file to read: super's __init__ is not run
-        self._tok = tok
+    def __init__(self, tok: HFTokenizers, eos_token_id: int | None, more_eos: frozenset[int] = frozenset()):
+        self._tok = tok  # no file to read: super's __init__ is not run
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = eos_token_id
+        self.more_eos = frozenset(i for i in more_eos if 0 <= i < self.vocab_size)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """As tokenizer.json (HF `tokenizers`' file)."""
@@ -73,7 +74,9 @@ def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in kinds if k == TokenType.CONTROL])
     tok.add_tokens([AddedToken(t, normalized=False) for t, k in kinds if k == TokenType.USER_DEFINED])
     eos = field(reader, "tokenizer.ggml.eos_token_id")
-    return GGUFTokenizer(tok, None if eos is None else int(eos))
+    # llama.cpp also ends generation at the end-of-turn and end-of-message tokens (Llama 3's <|eot_id|>, <|eom_id|>)
+    ends = (field(reader, f"tokenizer.ggml.{kind}_token_id") for kind in ("eot", "eom"))
+    return GGUFTokenizer(tok, None if eos is None else int(eos), frozenset(int(i) for i in ends if i is not None))
 
 
 def gguf_chat_template(path: str | os.PathLike[str]) -> ChatTemplate | None:

@@ -15,6 +15,10 @@ class WorldTokenizer:
 
     eos_token_id = 0
     exact_bytes = True
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset({self.eos_token_id})
     special_ids: frozenset[int] = frozenset()  # token 0 (end of text) has no bytes
 
     def __init__(self, vocab_file: str | os.PathLike[str] | None = None):
