@@ -390,9 +390,28 @@ def test_list_of_prompts_is_capped_and_admitted_whole(world_pth, monkeypatch):
             m.setattr(s.ctx.client, "queue_room", lambda: 3)
             r = httpx.post(f"{s.url}/v1/completions", json={"prompt": ["ROMEO:"] * 5, "max_tokens": 4}, timeout=60)
             assert_4xx(r, 429)
+            assert r.headers["Retry-After"] == "1"  # as OpenAI's 429s (hunt 15): the SDK waits that long
         assert not s.ctx.client.engine.scheduler.has_work  # nothing of the refused requests was queued
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": ["ROMEO:"] * 4, "max_tokens": 2}, timeout=60)
         assert r.status_code == 200 and len(r.json()["choices"]) == 4
+
+
+def test_concurrent_requests_of_many_prompts_are_admitted_one_after_another(world_pth):
+    """Three requests of 4 prompts each at once, room for 8: two are admitted whole and the third is refused whole. Each
+    had passed the room check, then all three filled the queue between their submissions and were refused part-way:
+    three 429s and nothing run (hunt 15)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with LiveServer(model=str(world_pth), slots=1, max_queue=8, shutdown_grace=0) as s:
+        def send(_: int) -> int:
+            body = {"prompt": ["ROMEO:"] * 4, "max_tokens": 8, "ignore_eos": True}
+            return httpx.post(f"{s.url}/v1/completions", json=body, timeout=120).status_code
+
+        for _ in range(3):
+            with ThreadPoolExecutor(3) as pool:
+                codes = sorted(pool.map(send, range(3)))
+            assert codes in ([200, 200, 200], [200, 200, 429]), codes  # the third only if the first two finished
+            assert wait_until(lambda: not s.ctx.client.engine.scheduler.has_work)
 
 
 def wait_until(cond, timeout=5.0) -> bool:

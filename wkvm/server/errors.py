@@ -155,7 +155,9 @@ def install_error_handlers(app: FastAPI) -> None:
         StateFileError: lambda e: error_response(400, str(e), "body", "invalid_state"),
         MutationError: lambda e: error_response(400, str(e), "params", "invalid_mutation"),
         QuotaExceeded: lambda e: error_response(413, str(e), None, "state_quota_exceeded"),
-        QueueFull: lambda e: error_response(429, str(e), None, "queue_full"),
+        # Retry-After as OpenAI's 429s carry it (the openai SDK waits that long before its retry; without it, its own
+        # backoff), and as this server's 503s do
+        QueueFull: lambda e: error_response(429, str(e), None, "queue_full", headers={"Retry-After": "1"}),
         EngineClosed: lambda e: shutting_down(str(e)),
         SessionBusy: lambda e: error_response(409, str(e), None, "session_busy"),
         PrefillFailed: prefill_failed,

@@ -163,19 +163,24 @@ async def start_all(ctx: ServerContext, tenant: str, encoded: list[list[int]], b
                        f"{', plus a shared prefill each' if len(params) > 1 else ''}), more than the whole queue holds "
                        f"(--max-queue {ctx.config.max_queue}): send fewer prompts or a smaller n", "prompt" if many
                        else "n", "too_many_prompts" if many else "invalid_value")  # fmt: skip
-    if need > 1 and need > ctx.client.queue_room():
-        raise QueueFull(f"the request needs {need} places in the queue and fewer are free; retry later or send "
-                        "fewer prompts")
-    runs: list[Run] = []
-    try:
-        for ids in encoded:
-            runs.append(await start(ctx, tenant, ids, body, params, chat))
-    except BaseException:
-        for _, handles in runs:
-            for h in handles:
-                h.cancel()
-        raise
-    return runs
+    if need == 1:
+        return [await start(ctx, tenant, encoded[0], body, params, chat)]
+    # one multi-place request at a time checks the room and takes it: concurrent ones each passed the check, then
+    # filled the queue between their submissions, and each was refused part-way (3 x 128 prompts: all three 429s)
+    async with ctx.admission:
+        if need > ctx.client.queue_room():
+            raise QueueFull(f"the request needs {need} places in the queue and fewer are free; retry later or send "
+                            "fewer prompts")  # fmt: skip
+        runs: list[Run] = []
+        try:
+            for ids in encoded:
+                runs.append(await start(ctx, tenant, ids, body, params, chat))
+        except BaseException:
+            for _, handles in runs:
+                for h in handles:
+                    h.cancel()
+            raise
+        return runs
 
 
 async def taken_over(ctx: ServerContext, request: Request, tenant: str) -> Moved | None:
