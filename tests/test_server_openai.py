@@ -293,6 +293,24 @@ def test_errors_are_openai_shaped(client, server):
     assert r.status_code == 413 and r.json()["error"]["code"] == "prompt_too_large"
 
 
+def test_a_text_surely_over_the_prompt_limit_is_refused_before_tokenizing(server, monkeypatch):
+    """No token covers more bytes than the vocabulary's longest, so a text with more than twice that many bytes per
+    allowed token is a 413 without tokenizing it (a 20 MB prompt took 19 s of tokenizing before its 413, and the GIL
+    with it: hunt 15); a stop string is at most 1,024 characters (each is tokenized at admission)."""
+    assert server.ctx.longest_token_bytes == 128  # the World vocabulary's longest token
+    # a bound of 16 bytes a token keeps the text under this server's 1 MiB body limit (128 would need 1.28 MB)
+    monkeypatch.setattr(server.ctx, "longest_token_bytes", 16)
+    encode = server.ctx.tokenizer.encode  # stop strings are still tokenized; the long text must not be
+    monkeypatch.setattr(server.ctx.tokenizer, "encode", lambda text: encode(text) if len(text) < 1000 else 1 / 0)
+    text = "a" * (2 * 16 * 5000 + 1)  # --max-prompt-tokens 5000
+    for path, body in [("/v1/completions", {"prompt": text}), ("/v1/chat/completions", {"messages": [
+            {"role": "user", "content": text}]}), ("/tokenize", {"prompt": text})]:  # fmt: skip
+        r = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 1})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "prompt_too_large", (path, r.text)
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "stop": ["y" * 1025]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop" and "1024 characters" in r.text
+
+
 def test_disconnect_mid_stream_frees_slot(world_pth):
     import time
 

@@ -111,6 +111,18 @@ def test_hf_tokenizer_json(tmp_path):
     assert d.text == "to be or "
 
 
+def test_a_long_text_is_tokenized_by_encode_batch_to_the_same_ids():
+    """Over LONG_TEXT characters HF tokenizers' encode_batch encodes (it lets other threads run meanwhile; encode held
+    the GIL: a 10 MB prompt stopped every other request for 7 s, hunt 15): the ids are encode's."""
+    from wkvm.tokenizer import LONG_TEXT
+
+    for kind in ("bytelevel", "metaspace"):
+        hf, tok = _trained(kind)
+        hf._tok, hf.vocab_size, hf.eos_token_id = tok, tok.get_vocab_size(), 0
+        text = "\n".join(TEXTS) * (4 * LONG_TEXT // len("\n".join(TEXTS)))
+        assert len(text) > LONG_TEXT and hf.encode(text) == tok.encode(text, add_special_tokens=False).ids
+
+
 def test_a_models_own_end_tokens_end_generation(tmp_path, tiny_pth):
     """tokenizer_config.json's eos_token is the EOS and generation_config.json's eos_token_id list ends generation too,
     as transformers and vLLM stop (hunt 14: a Qwen3.5-style instruct checkpoint, EOS `<|im_end|>` there but only

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 
 MAX_STOP_STRINGS = 4
 MAX_BAD_WORDS = 64
+# characters in one stop string or bad word: each is tokenized when the request is made (an 8 MB stop string held
+# the interpreter for 7 s, hunt 15), and the detokenizer holds back as much text as the longest stop string
+MAX_WORD_CHARS = 1024
 MAX_LOGPROBS = 20
 TEMPERATURE_RANGE = (0.0, 2.0)
 MIN_TEMPERATURE = 0.01  # a positive temperature below this is raised to it, as in vLLM
@@ -96,6 +99,8 @@ class SamplingParams:
         _check(ids_ok, "stop_token_ids", "a list of non-negative integer token ids")
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings")
         _check(all(self.stop), "stop", "non-empty strings")
+        _check(all(len(s) <= MAX_WORD_CHARS for s in self.stop), "stop",
+               f"strings of at most {MAX_WORD_CHARS} characters")  # fmt: skip
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             _check(k is None or (_is_int(k) and 0 <= k <= MAX_LOGPROBS), name, f"an integer in 0..{MAX_LOGPROBS}")
@@ -107,8 +112,10 @@ class SamplingParams:
         ok = allowed is None or (len(allowed) > 0 and all(_is_int(t) and t >= 0 for t in allowed))
         _check(ok, "allowed_token_ids", "a non-empty list of non-negative integer token ids")
         self.bad_words = list(self.bad_words or [])
-        ok = len(self.bad_words) <= MAX_BAD_WORDS and all(isinstance(w, str) and w.strip() for w in self.bad_words)
-        _check(ok, "bad_words", f"at most {MAX_BAD_WORDS} words, each with a character other than whitespace")
+        ok = len(self.bad_words) <= MAX_BAD_WORDS and all(isinstance(w, str) and w.strip() and len(w) <= MAX_WORD_CHARS
+                                                          for w in self.bad_words)  # fmt: skip
+        _check(ok, "bad_words", f"at most {MAX_BAD_WORDS} words, each with a character other than whitespace and at "
+                                f"most {MAX_WORD_CHARS} characters")  # fmt: skip
         if 0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
         self.grammar()  # raises InvalidParam("response_format", ...) for a format or schema it cannot enforce

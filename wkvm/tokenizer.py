@@ -48,6 +48,9 @@ class Tokenizer(Protocol):
     def token_bytes(self, token_id: int) -> bytes: ...
 
 
+LONG_TEXT = 4096  # characters: a text this long is tokenized without holding the GIL
+
+
 class HFTokenizer:
     """A `tokenizer.json` read by HF `tokenizers`."""
 
@@ -79,6 +82,8 @@ class HFTokenizer:
         return self.more_eos | ({self.eos_token_id} if self.eos_token_id is not None else set())
 
     def encode(self, text: str) -> list[int]:
+        if len(text) > LONG_TEXT:  # encode_batch lets other threads run meanwhile (encode holds the GIL: a 10 MB
+            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids  # prompt stopped the server 7 s)
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:

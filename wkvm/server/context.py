@@ -69,6 +69,7 @@ class ServerContext:
     client: EngineClient = field(init=False)
     model: ModelInfo = field(init=False)  # the client's: routes never see the model's tensors
     tokenizer: Tokenizer = field(init=False)
+    longest_token_bytes: int = 1  # the vocabulary's longest token: a text's bytes bound its tokens from below
     template: ChatTemplate = field(init=False)
     store: StateStore = field(init=False)
     service: StateService = field(init=False)
@@ -124,6 +125,7 @@ class ServerContext:
             self.tokenizer, self.template = load_text_tools(cfg.model, model.family)
             self.tokenizer.decode([0])  # tables built on first use (World: its byte table; HF: each token's bytes, for
             self.tokenizer.token_bytes(0)  # logprobs and the grammar) are built now, not on a
+            self.longest_token_bytes = max(len(self.tokenizer.token_bytes(i)) for i in range(self.tokenizer.vocab_size))
             # stream's first token or a moved stream's resume (it had added ~400 ms to a replica's first move)
             engine = Engine(model, self.tokenizer, cfg.engine_config())
             self.client = LocalEngineClient(engine)

@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from wkvm.engine.engine import Event, RequestHandle
 from wkvm.outputs import ErrorCode, GenerationOutput
-from wkvm.sampling_params import MAX_STOP_STRINGS, STRUCTURED_KINDS, InvalidParam, SamplingParams
+from wkvm.sampling_params import MAX_STOP_STRINGS, MAX_WORD_CHARS, STRUCTURED_KINDS, InvalidParam, SamplingParams
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError
 from wkvm.server.schemas import SamplingFields
@@ -34,6 +34,8 @@ def encode_prompt(ctx: ServerContext, prompt: str | list[int], param: str = "pro
     many as the model's context holds)."""
     if isinstance(prompt, str):
         check_text(prompt, param)
+        if keep is None:
+            check_text_size(ctx, prompt, param)
     ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise APIError(400, f"{param} is empty: give at least one token", param, "empty_prompt")
@@ -51,6 +53,16 @@ def encode_prompt(ctx: ServerContext, prompt: str | list[int], param: str = "pro
         raise APIError(413, f"{param} has {len(ids)} tokens; the limit is {ctx.config.max_prompt_tokens} "
                        "(--max-prompt-tokens)", param, "prompt_too_large")  # fmt: skip
     return ids
+
+
+def check_text_size(ctx: ServerContext, text: str, param: str) -> None:
+    """Refuse, before tokenizing it, a text that surely has more tokens than --max-prompt-tokens allows: no token
+    covers more than the vocabulary's longest token in bytes (twice that, for normalizers that shorten text). A 20 MB
+    prompt took 19 s of a core to tokenize before its 413 (hunt 15)."""
+    limit = ctx.config.max_prompt_tokens
+    if len(text) > limit and len(text.encode("utf-8")) > 2 * ctx.longest_token_bytes * limit:
+        raise APIError(413, f"{param} has more than {limit} tokens ({len(text)} characters); the limit is {limit} "
+                       "(--max-prompt-tokens)", param, "prompt_too_large")  # fmt: skip
 
 
 LONG_TEXT = 16_384  # characters: a prompt longer than this is tokenized off the event loop
@@ -92,6 +104,8 @@ def sampling_params(
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", "stop", "invalid_value")
+    if any(len(s) > MAX_WORD_CHARS for s in stop):  # before `special` below tokenizes them
+        raise APIError(400, f"stop: strings of at most {MAX_WORD_CHARS} characters", "stop", "invalid_value")
     for s in stop:
         check_text(s, "stop")
     stop_ids = list(body.stop_token_ids or [])

@@ -9,7 +9,7 @@ from fastapi import APIRouter, params
 
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError
-from wkvm.server.generation import check_text
+from wkvm.server.generation import check_text, check_text_size
 from wkvm.server.openai_routes import chat_messages, check_model, render_chat
 from wkvm.server.schemas import DetokenizeRequest, TokenizeRequest
 from wkvm.server.tools import tool_mode
@@ -32,7 +32,9 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         else:
             assert body.prompt is not None
             text = body.prompt
-        check_text(text, "prompt" if body.messages is None else "messages")
+        param = "prompt" if body.messages is None else "messages"
+        check_text(text, param)
+        check_text_size(ctx, text, param)
         ids = ctx.tokenizer.encode(text) if text else []
         strs = [ctx.tokenizer.decode([t]) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": ctx.model.context_limit, "tokens": ids, "token_strs": strs}
