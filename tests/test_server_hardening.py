@@ -313,6 +313,31 @@ def test_browsers_on_this_machine_may_call_the_api_and_other_sites_may_not(serve
         assert preflight(anyone.url, "https://evil.example").status_code == 200
 
 
+def test_a_page_that_rebinds_its_name_to_this_machine_is_refused(server, world_pth):
+    """DNS rebinding (hunt 15): a page on attacker.example whose name its DNS re-points to 127.0.0.1 makes same-origin
+    GETs, which carry no Origin, and read every state of a server on loopback without a key. Such a server answers
+    only localhost names in Host; --allowed-hosts adds names ('*': any); a server with a key answers any Host."""
+    def get(url: str, host: str, headers: dict | None = None) -> httpx.Response:
+        return httpx.get(f"{url}/v1/states", headers={"Host": host, **(headers or {})})
+
+    port = lambda url: url.rsplit(":", 1)[1]  # noqa: E731
+    with LiveServer(model=str(world_pth)) as open_server:
+        p = port(open_server.url)
+        refused = get(open_server.url, f"attacker.example:{p}")
+        assert_4xx(refused, 403)
+        assert refused.json()["error"]["code"] == "host_refused" and "--allowed-hosts" in refused.text
+        assert_4xx(httpx.get(f"{open_server.url}/health", headers={"Host": "attacker.example."}), 403)
+        for local in (f"localhost:{p}", f"127.0.0.1:{p}", "127.0.0.2", f"[::1]:{p}", "app.localhost", "LOCALHOST."):
+            assert get(open_server.url, local).status_code == 200, local
+    with LiveServer(model=str(world_pth), allowed_hosts="chat.example.com") as named:
+        assert get(named.url, "chat.example.com").status_code == 200
+        assert get(named.url, f"localhost:{port(named.url)}").status_code == 200
+        assert_4xx(get(named.url, "attacker.example"), 403)
+    with LiveServer(model=str(world_pth), allowed_hosts="*") as anyone:
+        assert get(anyone.url, "attacker.example").status_code == 200
+    assert get(server.url, "attacker.example", B).status_code == 200  # a key: the page has none to send
+
+
 def test_every_configured_key_works_and_keys_keep_their_hash(server):
     for headers in (A, B):
         assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == 200

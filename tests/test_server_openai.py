@@ -380,7 +380,7 @@ def test_a_loaded_server_freezes_its_startup_heap_and_thaws_it_when_it_stops(wor
     from wkvm.server.app import create_app
 
     gc.unfreeze()
-    with TestClient(create_app(ServerConfig(model=str(world_pth), slots=1))) as c:
+    with TestClient(create_app(ServerConfig(model=str(world_pth), slots=1)), base_url="http://localhost") as c:
         deadline = time.monotonic() + 30
         while not c.app.state.ctx.ready.is_set() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -401,7 +401,7 @@ def test_health_is_503_until_a_model_is_loaded(tmp_path):
     from wkvm.config import ServerConfig
     from wkvm.server.app import create_app
 
-    with TestClient(create_app(ServerConfig(model=str(tmp_path / "missing.pth")))) as c:
+    with TestClient(create_app(ServerConfig(model=str(tmp_path / "missing.pth"))), base_url="http://localhost") as c:
         deadline = time.monotonic() + 10
         while c.app.state.ctx.load_error is None and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -426,7 +426,7 @@ def test_a_loading_server_says_when_to_retry_and_logs_no_error(world_pth, monkey
     gate, real_load = threading.Event(), ServerContext.load
     monkeypatch.setattr(ServerContext, "load", lambda self: (gate.wait(30), real_load(self)))
     app = create_app(ServerConfig(model=str(world_pth)))
-    with caplog.at_level("ERROR", logger="wkvm.server"), TestClient(app) as c:
+    with caplog.at_level("ERROR", logger="wkvm.server"), TestClient(app, base_url="http://localhost") as c:
         r = c.get("/v1/models")
         assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready" and r.headers["retry-after"] == "1"
         gate.set()

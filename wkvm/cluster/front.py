@@ -43,7 +43,7 @@ from wkvm.cluster.forward import (
     state_key,
 )
 from wkvm.config import ServerConfig
-from wkvm.server.asgi import ApiKeyGate, BodyLimit, KeyRing, add_cors, tenant_of
+from wkvm.server.asgi import ApiKeyGate, BodyLimit, KeyRing, add_cors, add_host_check, tenant_of
 from wkvm.server.errors import APIError, error_body, error_response
 from wkvm.server.handover import HANDOVER_HEADER, RESUME_HEADER, STREAM_HEADER
 from wkvm.server.metrics import LATENCY_BUCKETS
@@ -686,6 +686,7 @@ def build_front_app(front: Front) -> FastAPI:
     app.add_middleware(BodyLimit, limit=front.config.max_body_bytes)
     app.add_middleware(ApiKeyGate, keys=front.keys)
     add_cors(app, front.config.allowed_origins)
+    add_host_check(app, front.config.host, front.keys, front.config.allowed_hosts)
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
     app.add_exception_handler(Exception, replica_failed)
     app.add_api_route("/health", front.health, methods=["GET"])

@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 from wkvm import __version__
 from wkvm.config import ServerConfig
 from wkvm.server import embeddings_routes, openai_routes, responses_routes, states_routes, tokenize_routes
-from wkvm.server.asgi import ApiKeyGate, BodyLimit, RequestMetrics, add_cors
+from wkvm.server.asgi import ApiKeyGate, BodyLimit, RequestMetrics, add_cors, add_host_check
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import error_body, install_error_handlers
 
@@ -57,6 +57,7 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     app.add_middleware(ApiKeyGate, keys=ctx.keys)
     add_cors(app, config.allowed_origins)
+    add_host_check(app, config.host, ctx.keys, config.allowed_hosts)  # runs first: before CORS and the key
     app.add_middleware(RequestMetrics, count=ctx.metrics.count_request, on_server_error=server_error)
 
     def authenticated(request: Request) -> str:
