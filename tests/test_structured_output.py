@@ -12,6 +12,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import torch
 from live_server import LiveServer
 
 import wkvm
@@ -138,6 +139,23 @@ def test_mask_and_eos(world):
     allowed = state.allowed(width)
     assert allowed[tok.eos_token_id] and allowed[tok.encode("3")[0]] and not state.done
     assert not allowed[tok.encode("a")[0]]
+
+
+def test_a_grammar_is_checked_against_the_vocabulary_at_admission(world, monkeypatch):
+    """`GrammarCompiler.problem` (the server's 400 on the request's field before admission, hunt 15): a grammar that
+    does not compile, or whose first mask is empty, is named; the compiled grammar stays cached for the engine."""
+    import llguidance
+
+    from wkvm.engine.grammar import GrammarState
+
+    compiler = GrammarCompiler(world[1])
+    digits = llguidance.LLMatcher.grammar_from_regex("[0-9]{4}")
+    assert compiler.problem(digits) is None and compiler.compilations == 1
+    compiler.state(digits)
+    assert compiler.compilations == 1  # the engine's request reuses the compiled grammar
+    assert "did not compile" in compiler.problem('{"grammars": [{"lark_grammar": "start: undefined_rule"}]}')
+    monkeypatch.setattr(GrammarState, "allowed", lambda self, width: torch.zeros(width, dtype=torch.bool))
+    assert compiler.problem(digits) == "it allows no first token"
 
 
 def test_grammar_cache_is_lru(world):
@@ -398,6 +416,18 @@ def test_structured_outputs_over_http_and_its_old_names(server):
                 {"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}):  # fmt: skip
         r = httpx.post(url, json={**base, **bad}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", (bad, r.text)
+    with pytest.MonkeyPatch.context() as m:  # what the vocabulary check at admission says becomes the field's 400
+        m.setattr(server.ctx.client, "grammar_problem", lambda grammar: "it allows no first token")
+        for stream in (False, True):
+            r = httpx.post(url, json={**base, "guided_regex": "[0-9]", "stream": stream}, timeout=60)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "structured_outputs" and "no first token" in err["message"]
+    # one llguidance gives up on while it runs (its lexer's budget is shared by the copies of a compiled grammar, so
+    # no check at admission sees it): the request's 400 with llguidance's reason, not its parser's state
+    r = httpx.post(url, json={**base, "structured_outputs": {"regex": "(a|aa){99999}"}}, timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "grammar_dead_end" and len(err["message"]) < 400, r.text
+
 
 
 def test_characters_split_over_byte_level_tokens():

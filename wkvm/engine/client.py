@@ -77,6 +77,10 @@ class EngineClient(Protocol):
 
     def queue_room(self) -> int: ...
 
+    def grammar_problem(self, grammar: str) -> str | None:
+        """Why a reply's grammar cannot start with this model's vocabulary (GrammarCompiler.problem), or None."""
+        ...
+
     def stats(self) -> EngineStats: ...
 
     def loop_failed(self) -> bool: ...
@@ -165,6 +169,10 @@ class LocalEngineClient:
 
     def queue_room(self) -> int:
         return self.engine.queue_room()
+
+    def grammar_problem(self, grammar: str) -> str | None:
+        grammars = self.engine.runner.grammars
+        return grammars.problem(grammar) if grammars is not None else None
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -13,6 +13,7 @@ say `<|endoftext|>`, is never taken for JSON). Logits wider than the tokenizer (
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -54,6 +55,11 @@ def llg_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab), n_vocab=len(tokens))
 
 
+def first_line(error: str) -> str:
+    """llguidance's reason without the parser state it dumps after it (~800 characters a user cannot act on)."""
+    return error.split("\n", 1)[0][:300]
+
+
 class GrammarState:
     """One request's position in its grammar: the tokens allowed next, and whether the value is complete."""
 
@@ -91,20 +97,36 @@ class GrammarCompiler:
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self.cache_size = cache_size
         self.compilations = 0
+        self._lock = threading.Lock()
 
     def state(self, grammar: str) -> GrammarState:
         """A fresh parse of `grammar` (llguidance grammar text, see `SamplingParams.grammar`)."""
-        compiled = self._compiled.get(grammar)
-        if compiled is None:
-            if self._llg is None:
-                self._llg = llg_tokenizer(self._tokenizer)
-            compiled = llguidance.LLMatcher(self._llg, grammar, log_level=0)
-            if compiled.is_error():
-                raise ValueError(f"response_format: the grammar did not compile: {compiled.get_error()}")
-            self.compilations += 1
-            self._compiled[grammar] = compiled
-            if len(self._compiled) > self.cache_size:
-                self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(grammar)
-        return GrammarState(compiled.deep_copy(), self._tokenizer.vocab_size)
+        with self._lock:  # the engine's thread, and request threads checking a grammar at admission
+            compiled = self._compiled.get(grammar)
+            if compiled is None:
+                if self._llg is None:
+                    self._llg = llg_tokenizer(self._tokenizer)
+                compiled = llguidance.LLMatcher(self._llg, grammar, log_level=0)
+                if compiled.is_error():
+                    raise ValueError(f"the grammar did not compile: {compiled.get_error()[:300]}")
+                self.compilations += 1
+                self._compiled[grammar] = compiled
+                if len(self._compiled) > self.cache_size:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(grammar)
+            return GrammarState(compiled.deep_copy(), self._tokenizer.vocab_size)
+
+    def problem(self, grammar: str) -> str | None:
+        """Why `grammar` cannot start a reply with this vocabulary (it does not compile, or llguidance gives up on it
+        and allows no first token: `(a|aa){99999}`), or None. Checked at admission, so such a request is a 400 on
+        its field rather than a failure at its first token (a 200 and an error event when streamed: hunt 15); the
+        compiled grammar stays cached for the engine."""
+        try:
+            first = self.state(grammar)
+        except ValueError as e:
+            return str(e)
+        allowed = first.allowed(self._tokenizer.vocab_size)  # computing the mask is where llguidance may give up
+        if first.error is not None:
+            return first_line(first.error)
+        return None if bool(allowed.any()) else "it allows no first token"

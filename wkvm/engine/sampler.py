@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from wkvm.engine.grammar import GrammarState
+from wkvm.engine.grammar import GrammarState, first_line
 from wkvm.models import fused
 from wkvm.outputs import ErrorCode
 from wkvm.sampling_params import SamplingParams
@@ -35,7 +35,7 @@ INVALID_DISTRIBUTION = (
     "sampling this request produced an invalid distribution (NaN, infinity or all zero); "
     "its logits or sampling parameters are out of range"
 )
-NO_ALLOWED_TOKEN = "the response_format grammar allows no token here"
+NO_ALLOWED_TOKEN = "the reply's grammar (response_format, structured_outputs, a forced tool call) allows no token here"
 
 
 @dataclass
@@ -250,7 +250,7 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
         if row.grammar is not None:
             allowed = row.grammar.allowed(x.shape[-1])
             if row.grammar.error is not None or not bool(allowed.any()):
-                why = f"{NO_ALLOWED_TOKEN}: {row.grammar.error or 'no token fits'}"
+                why = f"{NO_ALLOWED_TOKEN}: {first_line(row.grammar.error or 'no token fits')}"
                 out.append(Sampled(None, error=why, error_code=ErrorCode.GRAMMAR_DEAD_END))
                 continue
             x, masked = x.masked_fill(~allowed, float("-inf")), True  # a new tensor: the batch's logits stay
@@ -265,7 +265,7 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
         if row.grammar is not None:
             row.grammar.accept(tok)
             if row.grammar.error is not None:  # the grammar has no way on from here: fail, never a "stop"
-                why = f"{NO_ALLOWED_TOKEN}: {row.grammar.error}"
+                why = f"{NO_ALLOWED_TOKEN}: {first_line(row.grammar.error)}"
                 out.append(Sampled(None, error=why, error_code=ErrorCode.GRAMMAR_DEAD_END))
                 continue
             done = row.grammar.done

@@ -146,7 +146,7 @@ def sampling_params(
         raise APIError(400, f"max_tokens {n} exceeds this server's limit {ctx.config.max_tokens_limit} "
                        "(--max-tokens-limit)", "max_tokens", "invalid_value")  # fmt: skip
     try:
-        return SamplingParams(
+        sp = SamplingParams(
             max_tokens=n, min_tokens=body.min_tokens, temperature=body.temperature, top_p=body.top_p,
             top_k=max(body.top_k, 0), min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty, stop=stop,
@@ -158,6 +158,12 @@ def sampling_params(
         )  # fmt: skip
     except InvalidParam as e:
         raise APIError(400, str(e), e.param, "invalid_value") from None
+    grammar = sp.grammar()
+    if grammar is not None and (problem := ctx.client.grammar_problem(grammar)) is not None:
+        param = "structured_outputs" if structured is not None else "response_format"
+        raise APIError(400, f"{param}: it cannot be enforced with this model's vocabulary: {problem}", param,
+                       "invalid_value")  # fmt: skip
+    return sp
 
 
 def structured_outputs(body: SamplingFields) -> dict[str, Any] | None:
