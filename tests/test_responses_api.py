@@ -238,6 +238,13 @@ def test_the_store_keeps_each_owners_newest_within_its_bounds(tmp_path):
     store.put("a", {"id": "big"}, [{"role": "user", "content": "y" * 2100}])  # alone past the byte bound: kept
     assert store.get("a", "big") is not None and store.get("a", "r4") is None
     assert store.delete("a", "big") and not store.delete("a", "big") and not store.delete("b", "r4")
+    # an account (a key) with many users (Open WebUI's header, which a client sets itself) keeps 10x an owner's
+    # bounds in all, its newest; it had a fresh allowance for each made-up user (hunt 15). Other accounts keep theirs.
+    for i in range(40):
+        store.put(f"key-k/user-{i}", {"id": f"u{i}"}, [])
+    kept = [i for i in range(40) if store.get(f"key-k/user-{i}", f"u{i}")]
+    assert kept == list(range(10, 40))
+    assert store.get("b", "r0") is not None
     store.close()
 
 

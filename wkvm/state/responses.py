@@ -3,8 +3,8 @@ conversation it ends (chat messages) that a later request's `previous_response_i
 
 SQLite (WAL, synchronous=FULL) in the state directory, beside the state index: a response acknowledged to its client
 is on disk, and survives a restart (vLLM keeps them in memory only). Each owner keeps its newest `MAX_PER_OWNER`
-responses within `MAX_BYTES_PER_OWNER` of JSON; storing one more drops the oldest beyond either (never the new
-one). The conversation's parked state is not here: the chat sessions keep it, and a continuation reuses it only
+responses within `MAX_BYTES_PER_OWNER` of JSON, and each account (an API key, all its users together) ten times
+that; storing one more drops the oldest beyond either (never the new one). The conversation's parked state is not here: the chat sessions keep it, and a continuation reuses it only
 when its tokens match exactly (docs/http-api.md, "The Responses API").
 """
 
@@ -19,6 +19,14 @@ from typing import Any
 
 MAX_PER_OWNER = 1000
 MAX_BYTES_PER_OWNER = 64 << 20
+# per account: an API key (or, without keys, the server) with all the users Open WebUI's header names under it. A
+# client sets that header itself, so a bound per owner alone let one key store without end (hunt 15)
+ACCOUNT_BOUND = 10  # an account keeps 10x an owner's bounds
+
+
+def account_of(owner: str) -> str:
+    """A tenant's account: 'key-<hash>/user-<hash>' -> 'key-<hash>' (tenants are `asgi.tenant_of`'s)."""
+    return owner.split("/", 1)[0]
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     owner TEXT NOT NULL,
@@ -57,6 +65,12 @@ class ResponseStore:
                 "SUM(bytes) OVER w AS total FROM responses WHERE owner = ? WINDOW w AS (ORDER BY created_at DESC, "
                 "rowid DESC)) WHERE n > 1 AND (n > ? OR total > ?))",
                 (owner, owner, self.max_per_owner, self.max_bytes))  # fmt: skip
+            account = account_of(owner)
+            self._db.execute(
+                "DELETE FROM responses WHERE rowid IN (SELECT r FROM (SELECT rowid AS r, ROW_NUMBER() OVER w AS n, "
+                "SUM(bytes) OVER w AS total FROM responses WHERE owner = ? OR owner LIKE ? WINDOW w AS (ORDER BY "
+                "created_at DESC, rowid DESC)) WHERE n > 1 AND (n > ? OR total > ?))",
+                (account, account + "/%", self.max_per_owner * ACCOUNT_BOUND, self.max_bytes * ACCOUNT_BOUND))  # fmt: skip
 
     def get(self, owner: str, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
         """(response, conversation), or None: no such response of this owner's."""
