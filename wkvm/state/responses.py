@@ -4,8 +4,9 @@ conversation it ends (chat messages) that a later request's `previous_response_i
 SQLite (WAL, synchronous=FULL) in the state directory, beside the state index: a response acknowledged to its client
 is on disk, and survives a restart (vLLM keeps them in memory only). Each owner keeps its newest `MAX_PER_OWNER`
 responses within `MAX_BYTES_PER_OWNER` of JSON, and each account (an API key, all its users together) ten times
-that; storing one more drops the oldest beyond either (never the new one). The conversation's parked state is not here: the chat sessions keep it, and a continuation reuses it only
-when its tokens match exactly (docs/http-api.md, "The Responses API").
+that; storing one more drops the oldest beyond either (never the new one). The conversation's parked state is not
+here: the chat sessions keep it, and a continuation reuses it only when its tokens match exactly (docs/http-api.md,
+"The Responses API").
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class ResponseStore:
                 "DELETE FROM responses WHERE rowid IN (SELECT r FROM (SELECT rowid AS r, ROW_NUMBER() OVER w AS n, "
                 "SUM(bytes) OVER w AS total FROM responses WHERE owner = ? OR owner LIKE ? WINDOW w AS (ORDER BY "
                 "created_at DESC, rowid DESC)) WHERE n > 1 AND (n > ? OR total > ?))",
-                (account, account + "/%", self.max_per_owner * ACCOUNT_BOUND, self.max_bytes * ACCOUNT_BOUND))  # fmt: skip
+                (account, account + "/%", ACCOUNT_BOUND * self.max_per_owner,
+                 ACCOUNT_BOUND * self.max_bytes))  # fmt: skip
 
     def get(self, owner: str, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
         """(response, conversation), or None: no such response of this owner's."""
