@@ -278,6 +278,37 @@ def test_gguf_tied_head_and_other_architectures(tmp_path):
     assert FAMILY.detect(tmp_path / "other.gguf") is None and FAMILY.detect(tmp_path / "tied.gguf") == "gguf"
 
 
+def test_a_gguf_that_does_not_read_or_disagrees_with_itself_is_one_error(gguf_ref, tmp_path):
+    """A cut or corrupt GGUF gave a traceback or a numpy message naming no file; a block_count below the file's
+    layers loaded them with Q and K left permuted, wrong answers (hunt 16); llama.cpp refuses both. A GGUF is known
+    by its magic bytes, whatever its name (llama.cpp reads any)."""
+    good = tmp_path / "good.gguf"
+    write_gguf(good, gguf_ref, "F32")
+    data = good.read_bytes()
+    for name, cut in (("head", 30), ("tensors", len(data) // 2), ("tail", len(data) - 16)):
+        (tmp_path / f"{name}.gguf").write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match=f"{name}.gguf: .*(truncated or corrupt)"):
+            load_model(tmp_path / f"{name}.gguf")
+    fewer = tmp_path / "fewer.gguf"
+    w = gguf.GGUFWriter(str(fewer), "llama")  # the same tensors, one layer fewer declared
+    for key, field in gguf.GGUFReader(good).fields.items():
+        if key.startswith("llama.") and key != "llama.block_count":
+            w.add_key_value(key, field.contents(), field.types[0])
+    w.add_block_count(GGUF_SHAPE["num_hidden_layers"] - 1)
+    for t in gguf.GGUFReader(good).tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="block_count is 1 but the file holds tensors of 2 layers"):
+        load_model(fewer)
+    unnamed = tmp_path / "model.bin"
+    unnamed.write_bytes(data)
+    ids = prompt(GGUF_SHAPE["vocab_size"], 6, seed=2)
+    assert torch.equal(load_model(unnamed).prefill(ids)[0], load_model(good).prefill(ids)[0])
+
+
 def test_gguf_converts_to_an_hf_directory(gguf_ref, tmp_path):
     write_gguf(tmp_path / "tiny.gguf", gguf_ref, "Q8_0")
     assert FAMILY.convert(tmp_path / "tiny.gguf", tmp_path / "hf") == "hf"
@@ -322,6 +353,26 @@ def test_gguf_tokenizer_and_template_equal_the_source(tmp_path):
     template = gguf_chat_template(tmp_path / "tok.gguf")
     assert template is not None and template.stop == ["<|im_end|>"]
     assert template.render([{"role": "user", "content": "hi"}]).endswith("<|im_start|>assistant\n")
+
+
+def test_a_llama3_gguf_vocabulary_takes_a_whole_word_token_before_merges(tmp_path):
+    """llama-bpe (Llama 3): a piece that is itself a token is taken whole, as llama.cpp's ignore_merges and HF's
+    "ignore_merges": true do; other vocabularies merge as BPE does (hunt 16)."""
+    alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)]  # printable ASCII: its own byte-level characters
+    tokens = [*alphabet, "ab", "abc"]
+    for pre, want in (("llama-bpe", ["abc"]), ("gpt-2", ["ab", "c"])):
+        path = tmp_path / f"{pre}.gguf"
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+        w.add_token_merges(["a b"])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        assert [tokens[i] for i in gguf_tokenizer(path).encode("abc")] == want, pre
 
 
 # --- the real model -----------------------------------------------------------------------------------------------

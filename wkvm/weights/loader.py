@@ -25,6 +25,7 @@ from wkvm.tokenizer import Tokenizer, load_tokenizer
 log = logging.getLogger(__name__)
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+FILE_SUFFIXES = (".gguf", ".pth", ".pt", ".bin", ".safetensors", ".json")  # a path with one names a file, not a repo
 PACK_MANIFEST = "manifest.json"  # a weight pack (wkvm.weights.pack) is a directory with this file
 
 
@@ -37,7 +38,7 @@ def check_model_path(path: str | os.PathLike[str]) -> None:
     or directory that is no model wkvm reads. Raises CheckpointError (a ValueError)."""
     p = Path(path)
     if not p.exists() and not Path(f"{p}.pth").is_file():
-        if HUB_ID.fullmatch(str(path)):
+        if HUB_ID.fullmatch(str(path)) and not str(path).lower().endswith(FILE_SUFFIXES):
             raise CheckpointError(f"model {str(path)!r} does not exist here; it looks like a Hugging Face hub id, and "
                                   "wkvm never downloads: download the checkpoint first and pass its local path")
         raise CheckpointError(f"model path {str(path)!r} does not exist")

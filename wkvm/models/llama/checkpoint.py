@@ -22,11 +22,14 @@ HF_MODEL_TYPES: tuple[str, ...] = ("llama",)
 
 
 def detect(path: Path) -> str | None:
-    """"gguf" for a `*.gguf` file of architecture llama; a GGUF of another architecture is left to its family."""
-    if not (path.is_file() and path.suffix == ".gguf"):
+    """"gguf" for a GGUF file (by its magic bytes, whatever its name) of architecture llama, or one whose header does
+    not parse (reading it then says why); a GGUF of another architecture is left to its family."""
+    if not (path.is_file() and gguf_file.is_gguf(path)):
         return None
     try:
         return GGUF_FORMAT if gguf_file.architecture(path) == gguf_file.ARCHITECTURE else None
+    except CheckpointError:
+        return GGUF_FORMAT  # truncated or corrupt: read_gguf names the file and the reason
     except (OSError, ValueError):
         return None
 

@@ -33,26 +33,47 @@ LAYER_NAMES = {
 STRING = 8  # GGUFValueType.STRING
 
 
+MAGIC = b"GGUF"
+
+
+def is_gguf(path: Path) -> bool:
+    """A file that starts as a GGUF file does (whatever its name: llama.cpp reads any)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == MAGIC
+    except OSError:
+        return False
+
+
 def architecture(path: Path) -> str | None:
     """`general.architecture`, read from the header without parsing the file (the writer puts it first)."""
     with open(path, "rb") as f:
         head = f.read(4096)
-    if head[:4] != b"GGUF" or len(head) < 24:
+    if head[:4] != MAGIC:
         return None
-    n_key = struct.unpack_from("<Q", head, 24)[0]
-    key = head[32 : 32 + n_key]
-    if key != b"general.architecture" or struct.unpack_from("<I", head, 32 + n_key)[0] != STRING:
-        return str(field(open_reader(path), "general.architecture"))
-    n_value = struct.unpack_from("<Q", head, 36 + n_key)[0]
-    return head[44 + n_key : 44 + n_key + n_value].decode("utf-8", "replace")
+    try:
+        n_key = struct.unpack_from("<Q", head, 24)[0]
+        key = head[32 : 32 + n_key]
+        if key == b"general.architecture" and struct.unpack_from("<I", head, 32 + n_key)[0] == STRING:
+            n_value = struct.unpack_from("<Q", head, 36 + n_key)[0]
+            if 44 + n_key + n_value <= len(head):
+                return head[44 + n_key : 44 + n_key + n_value].decode("utf-8", "replace")
+    except struct.error:  # a header cut short: the reader below says what is wrong with the file
+        pass
+    return str(field(open_reader(path), "general.architecture"))
 
 
 def open_reader(path: str | os.PathLike[str]) -> GGUFReader:
     """A reader of the file (memory-mapped). Parsing the metadata takes seconds for a 49k-token vocabulary, so the
-    last file opened is kept: loading a model and then its tokenizer and chat template parse it once."""
+    last file opened is kept: loading a model and then its tokenizer and chat template parse it once. A file that
+    does not parse (truncated, corrupt counts, another version) is a CheckpointError naming it."""
     p = Path(path).resolve()
     st = p.stat()
-    return _reader(p, st.st_mtime_ns, st.st_size)
+    try:
+        return _reader(p, st.st_mtime_ns, st.st_size)
+    except (ValueError, IndexError, KeyError, struct.error, OverflowError, MemoryError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise CheckpointError(f"{path}: not a readable GGUF file (truncated or corrupt?): {reason}") from None
 
 
 @functools.lru_cache(maxsize=1)
@@ -134,13 +155,20 @@ def read_gguf(path: Path) -> tuple[RawTensors, dict[str, Any]]:
         name = hf_name(t.name)
         try:
             arr = dequantize(t.data, t.tensor_type)
+            raw[name] = torch.from_numpy(np.array(arr, copy=True)).reshape([int(d) for d in reversed(t.shape)])
         except NotImplementedError:
             raise CheckpointError(f"{path}: tensor {t.name} has GGML type {t.tensor_type.name}, which the gguf "
                                   "package cannot dequantize") from None  # fmt: skip
-        raw[name] = torch.from_numpy(np.array(arr, copy=True)).reshape([int(d) for d in reversed(t.shape)])
+        except (ValueError, RuntimeError) as e:  # its data cut short: numpy cannot shape what is there
+            raise CheckpointError(f"{path}: tensor {t.name} does not read (the file is truncated or corrupt: "
+                                  f"{str(e)[:120]})") from None  # fmt: skip
     tokens = field(reader, "tokenizer.ggml.tokens")
     vocab = len(tokens) if tokens else raw[EMBED].shape[0] if EMBED in raw else 0
     config = hf_config(meta, vocab, tied=HEAD not in raw)
+    layers = 1 + max((int(t.name.split(".")[1]) for t in reader.tensors if t.name.startswith("blk.")), default=-1)
+    if layers != config["num_hidden_layers"]:  # llama.cpp refuses too (a missing tensor, or too many)
+        raise CheckpointError(f"{path}: {ARCHITECTURE}.block_count is {config['num_hidden_layers']} but the file "
+                              f"holds tensors of {layers} layers")  # fmt: skip
     for i in range(config["num_hidden_layers"]):
         for proj, heads in (("q_proj", config["num_attention_heads"]), ("k_proj", config["num_key_value_heads"])):
             name = f"model.layers.{i}.self_attn.{proj}.weight"

@@ -67,8 +67,15 @@ def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
     merges: list[str] = field(reader, "tokenizer.ggml.merges") or []
     types: list[int] = field(reader, "tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
     pairs = [(a, b) for a, b in (m.split(" ", 1) for m in merges)]
-    tok = HFTokenizers(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs, fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizer(field(reader, "tokenizer.ggml.pre") or "default")
+    pre = field(reader, "tokenizer.ggml.pre") or "default"
+    # Llama 3's vocabulary takes a piece that is itself a token whole, before any merge (llama.cpp's ignore_merges for
+    # llama-bpe; HF's tokenizer.json says "ignore_merges": true)
+    tok = HFTokenizers(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs, fuse_unk=False,
+                                  ignore_merges=pre in LLAMA3))  # fmt: skip
+    try:
+        tok.pre_tokenizer = pre_tokenizer(pre)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
     tok.decoder = decoders.ByteLevel()
     kinds = list(zip(tokens, types, strict=True))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in kinds if k == TokenType.CONTROL])
