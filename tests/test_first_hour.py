@@ -44,6 +44,16 @@ def test_model_that_fails_to_load_later_exits(tmp_path, world_pth):
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
+def test_a_negative_weight_cache_is_refused(tiny_pth):
+    """--weight-cache-layers -1 had loaded resident, as 0 does (hunt 16)."""
+    r = serve("--weight-cache-layers", "-1")
+    assert r.returncode == 2 and "weight_cache_layers must be >= 0" in r.stderr, r.stderr
+    from wkvm.weights.loader import load_model
+
+    with pytest.raises(ValueError, match="weight_cache_layers must be >= 0"):
+        load_model(tiny_pth, weight_cache_layers=-1)
+
+
 @pytest.mark.parametrize(("device", "says"), [("cuda", "use --device cpu"), ("mps", "runs on cpu or cuda"),
                                               ("gpu0", "not a device name")])  # fmt: skip
 def test_a_device_this_machine_lacks_fails_before_binding(device, says):

@@ -191,10 +191,13 @@ def gguf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(path: Path, model: LlamaForCausalLM, qtype: str) -> dict[str, np.ndarray]:
-    """A GGUF of `model` with every matrix in `qtype` (norms F32); returns the arrays as a reader dequantizes them."""
+def write_gguf(path: Path, model: LlamaForCausalLM, qtype: str, extra=None) -> dict[str, np.ndarray]:
+    """A GGUF of `model` with every matrix in `qtype` (norms F32); returns the arrays as a reader dequantizes them.
+    `extra(writer)` adds more metadata."""
     c = model.config
     w = gguf.GGUFWriter(str(path), "llama")
+    if extra is not None:
+        extra(w)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(256)
     w.add_embedding_length(c.hidden_size)
@@ -307,6 +310,46 @@ def test_a_gguf_that_does_not_read_or_disagrees_with_itself_is_one_error(gguf_re
     unnamed.write_bytes(data)
     ids = prompt(GGUF_SHAPE["vocab_size"], 6, seed=2)
     assert torch.equal(load_model(unnamed).prefill(ids)[0], load_model(good).prefill(ids)[0])
+
+
+def test_a_pack_made_from_a_gguf_carries_its_tokenizer_end_tokens_and_template(gguf_ref, tmp_path, monkeypatch):
+    """`convert X.gguf DST --pack` wrote only weights: no tokenizer (the pack could not be used at all) and so no EOS
+    (hunt 16). It now writes the GGUF's tokenizer, end tokens and template as the HF files. A re-pack cut off over an
+    older pack removes the old manifest first: no silent mix of two models under the old fingerprint."""
+    from wkvm import cli
+    from wkvm.tokenizer import load_tokenizer
+    from wkvm.weights import pack as pack_module
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|x|>", "<|y|>"]
+    vocab = [chr(c) for c in range(ord("!"), ord("~") + 1)] + specials  # 99 tokens, as GGUF_SHAPE's vocabulary
+    template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+
+    def tokenizer(w: gguf.GGUFWriter) -> None:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-2")
+        w.add_token_list(vocab)
+        w.add_token_types([gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in vocab])
+        w.add_token_merges([])
+        w.add_eos_token_id(vocab.index("<|im_end|>"))
+        w.add_chat_template(template)
+
+    src = tmp_path / "m.gguf"
+    write_gguf(src, gguf_ref, "Q8_0", tokenizer)
+    assert cli.main(["convert", str(src), str(tmp_path / "pack"), "--pack"]) == 0
+    tok = load_tokenizer(tmp_path / "pack")
+    assert tok.eos_token_ids == {vocab.index("<|im_end|>")} and tok.encode("abc") == gguf_tokenizer(src).encode("abc")
+    assert load_chat_template(tmp_path / "pack").source == template
+    ids = prompt(GGUF_SHAPE["vocab_size"], 6, seed=5)
+    assert torch.equal(load_model(tmp_path / "pack").prefill(ids)[0], load_model(src).prefill(ids)[0])
+
+    def cut_off(d, name, tensors):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pack_module, "write_file", cut_off)
+    with pytest.raises(OSError, match="disk full"):
+        write_pack(src, tmp_path / "pack")
+    with pytest.raises(CheckpointError):  # no manifest: not a pack any more, never the old one's name on new files
+        load_model(tmp_path / "pack")
 
 
 def test_gguf_converts_to_an_hf_directory(gguf_ref, tmp_path):

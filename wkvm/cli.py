@@ -301,8 +301,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from wkvm.models import registry
-    from wkvm.tokenizer import copy_companions
-    from wkvm.weights.loader import check_model_path, unreadable
+    from wkvm.tokenizer import HFTokenizer, copy_companions, save_text_tools
+    from wkvm.weights.loader import check_model_path, load_text_tools, unreadable
 
     check_model_path(args.src)
     if Path(args.src).resolve() == Path(args.dst).resolve():
@@ -318,6 +318,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
         with unreadable(args.src, f"a {family.name} checkpoint"):
             what = f"{family.name}, format {family.convert(Path(args.src), Path(args.dst))}"
     copied = copy_companions(args.src, args.dst)
+    if args.pack and "tokenizer.json" not in copied:  # a tokenizer the checkpoint carries itself (GGUF metadata)
+        tokenizer, template = load_text_tools(args.src, registry.detect(args.src)[0].name)
+        if isinstance(tokenizer, HFTokenizer):
+            copied += save_text_tools(tokenizer, None if "chat_template.jinja" in copied else template, Path(args.dst))
     print(f"wrote {args.dst} ({what}{'; with ' + ', '.join(copied) if copied else ''})")
     return 0
 

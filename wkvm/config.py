@@ -139,8 +139,8 @@ class ServerConfig:
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
         limits = ("max_body_bytes", "max_prompt_tokens", "max_tokens_limit", "max_state_tokens")
-        if self.replicas < 0:
-            raise ValueError("replicas must be >= 0")
+        if self.replicas < 0 or self.weight_cache_layers < 0:
+            raise ValueError("replicas and weight_cache_layers must be >= 0")
         if self.ray_address and not self.replicas:
             raise ValueError("--ray-address needs --replicas N")
         for name in ("slots", "max_queue", *limits):

@@ -11,9 +11,12 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from wkvm.atomic import atomic_write_bytes
+from wkvm.atomic import atomic_path, atomic_write_bytes
+
+if TYPE_CHECKING:
+    from wkvm.chat_template import ChatTemplate
 
 
 class Tokenizer(Protocol):
@@ -80,6 +83,10 @@ class HFTokenizer:
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return self.more_eos | ({self.eos_token_id} if self.eos_token_id is not None else set())
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """As tokenizer.json (HF `tokenizers`' file)."""
+        self._tok.save(str(path))
 
     def encode(self, text: str) -> list[int]:
         if len(text) > LONG_TEXT:  # encode_batch lets other threads run meanwhile (encode holds the GIL: a 10 MB
@@ -208,7 +215,8 @@ def read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
+COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
+              "chat_template.json")  # fmt: skip
 
 
 def companion_path(model_path: str | os.PathLike[str], name: str) -> Path:
@@ -224,9 +232,33 @@ def copy_companions(src: str | os.PathLike[str], dst: str | os.PathLike[str]) ->
     copied = []
     for name in COMPANIONS:
         source, target = companion_path(src, name), companion_path(dst, name)
-        if name == "tokenizer_config.json" and Path(dst).suffix == ".pth":
-            continue  # a .pth has no place for it (its chat template would need NAME.chat_template.jinja)
+        if name in ("tokenizer_config.json", "generation_config.json") and Path(dst).suffix == ".pth":
+            continue  # a .pth has no place for them (its chat template would need NAME.chat_template.jinja)
         if source.is_file():
             atomic_write_bytes(target, source.read_bytes())
             copied.append(name)
     return copied
+
+
+def save_text_tools(tokenizer: HFTokenizer | None, template: ChatTemplate | None, out: Path) -> list[str]:
+    """A tokenizer and chat template built in memory (from a GGUF file's metadata) as an HF directory's files:
+    tokenizer.json, tokenizer_config.json (the EOS, as transformers reads it), generation_config.json (every end
+    token), chat_template.jinja and .json (its stop strings). A converted directory or a weight pack then tokenizes,
+    stops and formats chats as its source did (a pack made from a GGUF had none of them: no tokenizer at all).
+    Returns the names written."""
+    written = []
+    if tokenizer is not None:
+        with atomic_path(out / "tokenizer.json") as tmp:
+            tokenizer.save(tmp)
+        eos = tokenizer._tok.id_to_token(tokenizer.eos_token_id) if tokenizer.eos_token_id is not None else None
+        files = {"tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos},
+                 "generation_config.json": {"eos_token_id": sorted(tokenizer.eos_token_ids)}}  # fmt: skip
+        for name, content in files.items():
+            atomic_write_bytes(out / name, json.dumps(content, indent=2).encode())
+        written += ["tokenizer.json", *files]
+    if template is not None and template.source is not None:
+        atomic_write_bytes(out / "chat_template.jinja", template.source.encode())
+        atomic_write_bytes(out / "chat_template.json", json.dumps({"stop": template.stop,
+                                                                   "name": "chat_template.jinja"}).encode())
+        written += ["chat_template.jinja", "chat_template.json"]
+    return written

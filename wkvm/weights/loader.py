@@ -143,6 +143,8 @@ def load_model(
     from wkvm.config import weight_dtype
 
     check_model_path(path)
+    if weight_cache_layers < 0:  # it had loaded resident, as 0 does
+        raise ValueError(f"weight_cache_layers must be >= 0 (0: resident), not {weight_cache_layers}")
     dtype = dtype if isinstance(dtype, torch.dtype) else weight_dtype(dtype)
     if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not linear.bf16_native():
         log.warning("--dtype bfloat16: %s", linear.bf16_speed())

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from wkvm.atomic import atomic_path
+from wkvm.atomic import atomic_path, fsync_dir
 from wkvm.models import registry
 from wkvm.models.family import CheckpointError, RawTensors
 from wkvm.progress import progress
@@ -72,6 +72,10 @@ def write_pack(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path
     used = family.used_tensors(ckpt.raw)
     d = Path(dst)
     d.mkdir(parents=True, exist_ok=True)
+    # the old manifest goes first: a re-pack cut off over an older pack of the same shapes left that manifest naming
+    # the new files, a silent mix of two models served under the old fingerprint (hunt 16); now it is no pack
+    (d / MANIFEST).unlink(missing_ok=True)
+    fsync_dir(d)
     f32 = {k: v.to(torch.float32).contiguous() for k, v in used.items()}
     global_keys = family.global_keys(cfg)
     manifest: dict[str, Any] = {

@@ -70,14 +70,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> str:
 
 def write_text_tools(src: Path, out: Path) -> None:
     from wkvm.models.llama.gguf_text import gguf_chat_template, gguf_tokenizer
+    from wkvm.tokenizer import save_text_tools
 
-    if gguf_file.field(gguf_file.open_reader(src), "tokenizer.ggml.tokens") is not None:
-        tokenizer = gguf_tokenizer(src)
-        with atomic_path(out / "tokenizer.json") as tmp:
-            tokenizer.save(tmp)
-    template = gguf_chat_template(src)
-    if template is not None and template.source is not None:
-        with atomic_path(out / "chat_template.jinja") as tmp:
-            Path(tmp).write_text(template.source)
-        with atomic_path(out / "chat_template.json") as tmp:
-            Path(tmp).write_text(json.dumps({"stop": template.stop, "name": "chat_template.jinja"}))
+    has_vocab = gguf_file.field(gguf_file.open_reader(src), "tokenizer.ggml.tokens") is not None
+    save_text_tools(gguf_tokenizer(src) if has_vocab else None, gguf_chat_template(src), out)

@@ -53,10 +53,6 @@ class GGUFTokenizer(HFTokenizer):
         self.eos_token_id = eos_token_id
         self.more_eos = frozenset(i for i in more_eos if 0 <= i < self.vocab_size)
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """As tokenizer.json (HF `tokenizers`' file)."""
-        self._tok.save(str(path))
-
 
 def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
     reader = open_reader(path)
