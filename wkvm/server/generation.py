@@ -29,14 +29,17 @@ def new_id(prefix: str) -> str:
 
 
 def encode_prompt(ctx: ServerContext, prompt: str | list[int], param: str = "prompt",
-                  keep: int | None = None) -> list[int]:  # fmt: skip
+                  keep: int | None = None, starts: bool = True) -> list[int]:  # fmt: skip
     """The prompt's token ids, checked. `keep` (vLLM's truncate_prompt_tokens): only its last `keep` tokens (-1: as
-    many as the model's context holds)."""
+    many as the model's context holds). A text that `starts` a sequence begins with BOS where the tokenizer adds one
+    (vLLM's completions); a chat's rendered messages (their template writes BOS) and a text that continues a stored
+    state do not."""
     if isinstance(prompt, str):
         check_text(prompt, param)
         if keep is None:
             check_text_size(ctx, prompt, param)
-    ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    tok = ctx.tokenizer
+    ids = (tok.encode_prompt(prompt) if starts else tok.encode(prompt)) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise APIError(400, f"{param} is empty: give at least one token", param, "empty_prompt")
     vocab = ctx.model.vocab_size
@@ -69,12 +72,12 @@ LONG_TEXT = 16_384  # characters: a prompt longer than this is tokenized off the
 
 
 async def encode_prompt_off_loop(ctx: ServerContext, prompt: str | list[int], param: str = "prompt",
-                                 keep: int | None = None) -> list[int]:  # fmt: skip
+                                 keep: int | None = None, starts: bool = True) -> list[int]:  # fmt: skip
     """`encode_prompt`, on a worker thread for a long text: a 5 MB prompt took ~5 s to tokenize, and every other
     request (and /health) waited for it."""
     if isinstance(prompt, str) and len(prompt) > LONG_TEXT:
-        return await run_in_threadpool(encode_prompt, ctx, prompt, param, keep)
-    return encode_prompt(ctx, prompt, param, keep)
+        return await run_in_threadpool(encode_prompt, ctx, prompt, param, keep, starts)
+    return encode_prompt(ctx, prompt, param, keep, starts)
 
 
 def check_text(text: str, param: str) -> None:

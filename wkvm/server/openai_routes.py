@@ -420,7 +420,7 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
                            which, "invalid_value")  # fmt: skip
         sp = gen.with_response_format(sp, mode.response_format(), "tools")
     params = gen.per_choice(sp, body.n)
-    prompt_ids = await gen.encode_prompt_off_loop(ctx, text, "messages", body.truncate_prompt_tokens)
+    prompt_ids = await gen.encode_prompt_off_loop(ctx, text, "messages", body.truncate_prompt_tokens, starts=False)
     system = system_prefix(ctx, messages, text, prompt_ids, mode.tools if mode else None)
     chat = ChatMeta.from_headers(request.headers, messages, system)
     moved = await taken_over(ctx, request, tenant)

@@ -188,5 +188,8 @@ def load_model(
 def load_text_tools(path: str | os.PathLike[str], family: str) -> tuple[Tokenizer, ChatTemplate]:
     """The tokenizer and chat template for the model at `path`: its own files, else its family's defaults."""
     f = registry.family(family)
-    return (load_tokenizer(path, lambda: f.default_tokenizer(Path(path))),
-            load_chat_template(path, f.default_chat_template(Path(path))))  # fmt: skip
+    tokenizer = load_tokenizer(path, lambda: f.default_tokenizer(Path(path)))
+    template = load_chat_template(path, f.default_chat_template(Path(path)))
+    specials = {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
+    template.special_tokens = {k: v for k, v in specials.items() if v is not None}
+    return tokenizer, template

@@ -47,11 +47,14 @@ def pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
 class GGUFTokenizer(HFTokenizer):
     """An HFTokenizer over a `tokenizers` object built in memory rather than read from tokenizer.json."""
 
-    def __init__(self, tok: HFTokenizers, eos_token_id: int | None, more_eos: frozenset[int] = frozenset()):
+    def __init__(self, tok: HFTokenizers, eos_token_id: int | None, more_eos: frozenset[int] = frozenset(),
+                 bos_token_id: int | None = None, add_bos: bool = False):  # fmt: skip
         self._tok = tok  # no file to read: super's __init__ is not run
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = eos_token_id
         self.more_eos = frozenset(i for i in more_eos if 0 <= i < self.vocab_size)
+        self.bos_token_id = bos_token_id if bos_token_id is not None and 0 <= bos_token_id < self.vocab_size else None
+        self.add_bos = add_bos and self.bos_token_id is not None
 
 
 def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
@@ -79,7 +82,10 @@ def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
     eos = field(reader, "tokenizer.ggml.eos_token_id")
     # llama.cpp also ends generation at the end-of-turn and end-of-message tokens (Llama 3's <|eot_id|>, <|eom_id|>)
     ends = (field(reader, f"tokenizer.ggml.{kind}_token_id") for kind in ("eot", "eom"))
-    return GGUFTokenizer(tok, None if eos is None else int(eos), frozenset(int(i) for i in ends if i is not None))
+    # BOS first in a prompt: as the file says, else llama.cpp's default for the vocabulary (Llama 3's adds it)
+    bos, add_bos = field(reader, "tokenizer.ggml.bos_token_id"), field(reader, "tokenizer.ggml.add_bos_token")
+    return GGUFTokenizer(tok, None if eos is None else int(eos), frozenset(int(i) for i in ends if i is not None),
+                         None if bos is None else int(bos), bool(add_bos) if add_bos is not None else pre in LLAMA3)
 
 
 def gguf_chat_template(path: str | os.PathLike[str]) -> ChatTemplate | None:

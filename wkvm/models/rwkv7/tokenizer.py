@@ -16,9 +16,15 @@ class WorldTokenizer:
     eos_token_id = 0
     exact_bytes = True
 
+    bos_token = None
+    eos_token = None  # token 0 has no text
+
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return frozenset({self.eos_token_id})
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text)  # RWKV has no BOS
     special_ids: frozenset[int] = frozenset()  # token 0 (end of text) has no bytes
 
     def __init__(self, vocab_file: str | os.PathLike[str] | None = None):
