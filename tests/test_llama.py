@@ -342,6 +342,11 @@ def test_a_pack_made_from_a_gguf_carries_its_tokenizer_end_tokens_and_template(g
     ids = prompt(GGUF_SHAPE["vocab_size"], 6, seed=5)
     assert torch.equal(load_model(tmp_path / "pack").prefill(ids)[0], load_model(src).prefill(ids)[0])
 
+    from families.llama import write_checkpoint  # an HF directory without a tokenizer still packs, weights only
+    bare = write_checkpoint(tmp_path / "bare", vocab_size=20)
+    assert cli.main(["convert", str(bare), str(tmp_path / "bare-pack"), "--pack"]) == 0
+    assert not (tmp_path / "bare-pack" / "tokenizer.json").exists()
+
     def cut_off(d, name, tensors):
         raise OSError("disk full")
 
@@ -465,6 +470,46 @@ def test_a_prompt_starts_with_bos_where_the_tokenizer_adds_one(tmp_path):
     tok, template = load_text_tools(d, "llama")
     text = template.render([{"role": "user", "content": "ab"}])
     assert text == "<|begin_of_text|>ab" and tok.encode(text) == [bos, *plain]  # BOS once, from the template
+
+
+def test_bos_over_http_starts_a_prompt_once_and_never_a_continuation(tmp_path):
+    """A served Llama whose tokenizer adds BOS: a completion's prompt starts with it (usage and prompt_token_ids count
+    it), a chat's text has it once (from the template), a prompt continuing a state (`state`, or a state's generate)
+    gets none, and echo's text offsets give BOS no width (it is not in the echoed text). Review of session 28."""
+    import httpx
+    from live_server import LiveServer
+    from tokenizers import processors
+
+    from families.llama import write_checkpoint
+
+    vocab = ["<s>", *[chr(c) for c in range(ord("!"), ord("~") + 1)], "</s>"]
+    d = write_checkpoint(tmp_path / "m", vocab_size=len(vocab), seed=2)
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocab)}, merges=[]))
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "chat_template.jinja").write_text("{{ bos_token }}{% for m in messages %}{{ m['content'] }}|{% endfor %}")
+    ab = [vocab.index("a"), vocab.index("b")]
+    with LiveServer(model=str(d)) as s:
+        def post(path: str, body: dict) -> dict:
+            r = httpx.post(f"{s.url}{path}", json={"max_tokens": 3, "temperature": 0, "return_token_ids": True,
+                                                   "ignore_eos": True, **body}, timeout=60)  # fmt: skip
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        r = post("/v1/completions", {"prompt": "ab", "echo": True, "logprobs": 1})
+        assert r["prompt_token_ids"] == [0, *ab] and r["usage"]["prompt_tokens"] == 3
+        lps = r["choices"][0]["logprobs"]
+        assert lps["text_offset"][:4] == [0, 0, 1, 2] and r["choices"][0]["text"].startswith("ab")
+        chat = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}]})
+        assert chat["prompt_token_ids"] == [0, *ab, vocab.index("|")]  # one BOS, the template's
+        state = httpx.post(f"{s.url}/v1/states", json={"name": "s", "prompt": "ab"}).json()
+        assert state["n_tokens"] == 3  # a new state's text starts a sequence: BOS
+        more = post("/v1/completions", {"prompt": "ab", "state": "s"})
+        assert more["prompt_token_ids"] == ab  # the continuation only: no BOS in the middle
+        gen = httpx.post(f"{s.url}/v1/states/s/generate", json={"prompt": "ab", "max_tokens": 2,
+                                                               "return_token_ids": True}).json()  # fmt: skip
+        assert gen["choices"][0]["token_ids"] and "error" not in gen
 
 
 # --- the real model -----------------------------------------------------------------------------------------------

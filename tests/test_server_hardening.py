@@ -327,10 +327,14 @@ def test_a_page_that_rebinds_its_name_to_this_machine_is_refused(server, world_p
         assert_4xx(refused, 403)
         assert refused.json()["error"]["code"] == "host_refused" and "--allowed-hosts" in refused.text
         assert_4xx(httpx.get(f"{open_server.url}/health", headers={"Host": "attacker.example."}), 403)
-        for local in (f"localhost:{p}", f"127.0.0.1:{p}", "127.0.0.2", f"[::1]:{p}", "app.localhost", "LOCALHOST."):
+        # local names, as Ollama's check takes them: Open WebUI in Docker reaches the host as host.docker.internal
+        for local in (f"localhost:{p}", f"127.0.0.1:{p}", "127.0.0.2", f"[::1]:{p}", "app.localhost", "LOCALHOST.",
+                      f"host.docker.internal:{p}", "printer.local", "192.168.1.5"):  # fmt: skip
             assert get(open_server.url, local).status_code == 200, local
-    with LiveServer(model=str(world_pth), allowed_hosts="chat.example.com") as named:
-        assert get(named.url, "chat.example.com").status_code == 200
+        assert_4xx(get(open_server.url, "localhost.attacker.example"), 403)
+    with LiveServer(model=str(world_pth), allowed_hosts="chat.example.com:443, Proxy.Example.") as named:
+        assert get(named.url, "chat.example.com").status_code == 200  # a port, case, a final dot: as Host reads
+        assert get(named.url, "proxy.example:8080").status_code == 200
         assert get(named.url, f"localhost:{port(named.url)}").status_code == 200
         assert_4xx(get(named.url, "attacker.example"), 403)
     with LiveServer(model=str(world_pth), allowed_hosts="*") as anyone:

@@ -130,6 +130,7 @@ def check_port(host: str, port: int) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from wkvm.config import ServerConfig
     from wkvm.server.app import create_app
+    from wkvm.server.asgi import is_loopback
     from wkvm.server.serving import GracefulServer
     from wkvm.weights.loader import check_model_path
 
@@ -146,7 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--embeddings {args.embeddings}: not a directory (a sentence-transformers model's)")
     check_port(args.host, args.port)
     keys = read_api_keys(args)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
+    if not is_loopback(args.host) and not keys:
         log.warning("binding %s without an API key: anyone who can reach this port can use the server", args.host)
     from dataclasses import fields
 
@@ -302,7 +303,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from wkvm.models import registry
     from wkvm.tokenizer import HFTokenizer, copy_companions, save_text_tools
-    from wkvm.weights.loader import check_model_path, load_text_tools, unreadable
+    from wkvm.weights.loader import check_model_path, unreadable
 
     check_model_path(args.src)
     if Path(args.src).resolve() == Path(args.dst).resolve():
@@ -319,9 +320,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
             what = f"{family.name}, format {family.convert(Path(args.src), Path(args.dst))}"
     copied = copy_companions(args.src, args.dst)
     if args.pack and "tokenizer.json" not in copied:  # a tokenizer the checkpoint carries itself (GGUF metadata)
-        tokenizer, template = load_text_tools(args.src, registry.detect(args.src)[0].name)
-        if isinstance(tokenizer, HFTokenizer):
-            copied += save_text_tools(tokenizer, None if "chat_template.jinja" in copied else template, Path(args.dst))
+        family = registry.detect(args.src)[0]
+        tokenizer = family.default_tokenizer(Path(args.src))  # None: the family has none (a weights-only pack)
+        if isinstance(tokenizer, HFTokenizer):  # RWKV's World tokenizer is the family's own: a pack gets it anyway
+            template = None if "chat_template.jinja" in copied else family.default_chat_template(Path(args.src))
+            copied += save_text_tools(tokenizer, template, Path(args.dst))
     print(f"wrote {args.dst} ({what}{'; with ' + ', '.join(copied) if copied else ''})")
     return 0
 

@@ -57,6 +57,14 @@ class Tokenizer(Protocol):
         ...
 
     @property
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    def add_bos(self) -> bool:
+        """encode_prompt puts BOS first."""
+        ...
+
+    @property
     def eos_token(self) -> str | None:
         """EOS's text (a chat template's `eos_token`), or None."""
         ...
@@ -66,7 +74,7 @@ class Tokenizer(Protocol):
     def token_bytes(self, token_id: int) -> bytes: ...
 
 
-LONG_TEXT = 4096  # characters: a text this long is tokenized without holding the GIL
+BATCH_ENCODE_CHARS = 4096  # characters: a text this long is tokenized by encode_batch, which releases the GIL
 
 
 class HFTokenizer:
@@ -125,8 +133,9 @@ class HFTokenizer:
         self._tok.save(str(path))
 
     def encode(self, text: str) -> list[int]:
-        if len(text) > LONG_TEXT:  # encode_batch lets other threads run meanwhile (encode holds the GIL: a 10 MB
-            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids  # prompt stopped the server 7 s)
+        # encode_batch lets other threads run meanwhile (encode holds the GIL: a 10 MB prompt stopped the server 7 s)
+        if len(text) > BATCH_ENCODE_CHARS:
+            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:

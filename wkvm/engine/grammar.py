@@ -21,6 +21,7 @@ import llguidance
 import numpy as np
 import torch
 
+from wkvm.models.family import first_line  # llguidance dumps its parser state (~800 characters) after its reason
 from wkvm.tokenizer import Tokenizer
 
 SPECIAL_PREFIX = b"\xff"  # llguidance's mark for a special token: never matched as text
@@ -53,11 +54,6 @@ def llg_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
     bootstrap = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_VocabForLLG(tokens, eos)), n_vocab=len(tokens))
     vocab = _VocabForLLG(tokens, eos, bootstrap.greedy_tokenize)
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab), n_vocab=len(tokens))
-
-
-def first_line(error: str) -> str:
-    """llguidance's reason without the parser state it dumps after it (~800 characters a user cannot act on)."""
-    return error.split("\n", 1)[0][:300]
 
 
 class GrammarState:
@@ -118,10 +114,11 @@ class GrammarCompiler:
             return GrammarState(compiled.deep_copy(), self._tokenizer.vocab_size)
 
     def problem(self, grammar: str) -> str | None:
-        """Why `grammar` cannot start a reply with this vocabulary (it does not compile, or llguidance gives up on it
-        and allows no first token: `(a|aa){99999}`), or None. Checked at admission, so such a request is a 400 on
-        its field rather than a failure at its first token (a 200 and an error event when streamed: hunt 15); the
-        compiled grammar stays cached for the engine."""
+        """Why `grammar` cannot start a reply with this vocabulary (it does not compile, llguidance gives up computing
+        its first mask, or the mask is empty), or None. Checked at admission, so such a request is a 400 on its field
+        rather than a failure at its first token (a 200 and an error event when streamed: hunt 15); the compiled
+        grammar stays cached for the engine. A grammar llguidance gives up on later (`(a|aa){99999}` after one token
+        with a small vocabulary: the copies of a compiled grammar share its lexer's budget) still fails in the step."""
         try:
             first = self.state(grammar)
         except ValueError as e:

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from wkvm.engine.grammar import GrammarState, first_line
+from wkvm.engine.grammar import GrammarState
 from wkvm.models import fused
+from wkvm.models.family import first_line
 from wkvm.outputs import ErrorCode
 from wkvm.sampling_params import SamplingParams
 

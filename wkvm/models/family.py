@@ -37,6 +37,12 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read; the message says why."""
 
 
+def first_line(text: str, limit: int = 300) -> str:
+    """A library's message as one line a user reads: its first line (torch, numpy and llguidance add dumps after it),
+    at most `limit` characters."""
+    return (text.strip().splitlines() or [""])[0][:limit]
+
+
 @dataclass
 class Checkpoint:
     """A checkpoint read from disk: raw tensors, the HF-style config dict (empty when the format has none) and

@@ -65,7 +65,7 @@ def add_cors(app: FastAPI, allowed_origins: str | None) -> None:
                        allow_methods=["*"], allow_headers=["*"], expose_headers=["*"])  # fmt: skip
 
 
-LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")  # and *.localhost, and any 127.x.y.z
+LOCAL_SUFFIXES = (".localhost", ".local", ".internal")  # names no public DNS serves (host.docker.internal: Docker's)
 
 
 def is_loopback(host: str) -> bool:
@@ -89,11 +89,26 @@ def host_name(value: bytes) -> str:
     return text.rsplit(":", 1)[0].rstrip(".") if text.count(":") == 1 else text.rstrip(".")
 
 
+def local_name(name: str) -> bool:
+    """A Host name a rebinding page cannot have, as Ollama's check takes them: an IP address (the page's own would be
+    its server's, not this one), localhost, a name under .localhost / .local / .internal, or this machine's name."""
+    import ipaddress
+    import socket
+
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        pass
+    return name in ("", "localhost", socket.gethostname().lower()) or name.endswith(LOCAL_SUFFIXES)
+
+
 class HostCheck:
     """403 for a request whose Host header names no host this server answers to. A server bound to loopback without
     an API key is meant for this machine's users; a web page whose own name its DNS re-points to 127.0.0.1 (DNS
     rebinding) reaches it as a same-origin page, which no Origin check sees, and could read every state (hunt 15;
-    Ollama's CVE-2024-28224, fixed the same way). Localhost names are always answered; `allowed` adds others."""
+    Ollama's CVE-2024-28224, fixed the same way). Local names (`local_name`) are always answered; `allowed` adds
+    others."""
 
     def __init__(self, app: ASGIApp, allowed: list[str]):
         self.app, self.allowed = app, allowed
@@ -102,16 +117,16 @@ class HostCheck:
         if value is None:  # HTTP/1.0 without Host: no browser sends that
             return True
         name = host_name(value)
-        return name in self.allowed or name in LOCAL_HOSTS or is_loopback(name)
+        return name in self.allowed or local_name(name)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self.allows(header(scope, b"host")):
             return await self.app(scope, receive, send)
         shown = (header(scope, b"host") or b"").decode("latin-1")[:200]
         message = (f"the Host header {shown!r} names no host this server answers to: it listens on loopback without "
-                   "an API key, so it answers localhost names only (a web page that re-points its own name to this "
-                   "machine could otherwise read every state); start it with --allowed-hosts naming that host (or "
-                   "'*'), or with --api-key")  # fmt: skip
+                   "an API key, so it answers local names only (IP addresses, localhost, *.local, *.internal, this "
+                   "machine's name: a web page that re-points its own name to this machine could otherwise read "
+                   "every state); start it with --allowed-hosts naming that host (or '*'), or with --api-key")
         return await send_error(scope, receive, send, 403, message, None, "host_refused")
 
 
@@ -119,7 +134,7 @@ def add_host_check(app: FastAPI, host: str, keys: KeyRing, allowed_hosts: str | 
     """Check the Host header: with --allowed-hosts (unless '*'), against localhost names and those; without it, on a
     server bound to loopback without an API key, against localhost names. Other servers answer any Host (as vLLM and
     llama.cpp's do)."""
-    names = [h.strip().lower() for h in (allowed_hosts or "").split(",") if h.strip()]
+    names = [host_name(h.encode("latin-1")) for h in (allowed_hosts or "").split(",") if h.strip()]  # as Host reads
     if "*" in names or (not names and (keys or not is_loopback(host))):
         return
     app.add_middleware(HostCheck, allowed=names)

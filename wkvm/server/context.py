@@ -4,7 +4,6 @@ template, metrics, auth. The loaded parts are set by `load()` (on a thread at st
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import gc
 import logging
@@ -77,7 +76,7 @@ class ServerContext:
     responses: ResponseStore = field(init=False)  # the Responses API's stored responses
     embedder: EmbeddingModel | None = None  # --embeddings
     handovers: Handovers = field(default_factory=Handovers)  # streams that could move to another server
-    admission: asyncio.Lock = field(default_factory=asyncio.Lock)  # requests needing several queue places, one by one
+    reserved_places: int = 0  # queue places admitted requests hold until their prompts are queued (event loop only)
     # (tenant, name) -> whether this server holds the name (waiting a while for it): a stream that moved here saves its
     # final state under a name only once the name has followed it (a cluster replica sets it; one server holds all)
     holds_name: Callable[[str, str], bool] | None = None

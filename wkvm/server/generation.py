@@ -161,12 +161,22 @@ def sampling_params(
         )  # fmt: skip
     except InvalidParam as e:
         raise APIError(400, str(e), e.param, "invalid_value") from None
+    return sp
+
+
+async def check_grammar(ctx: ServerContext, sp: SamplingParams, param: str | None = None) -> None:
+    """A 400 on `param` when the reply's grammar cannot start with this model's vocabulary (GrammarCompiler.problem),
+    found before admission rather than at the first token (a 200 and an error event when streamed: hunt 15). The
+    grammar is compiled here, on a worker thread (the first one also describes the vocabulary to llguidance: 0.1-0.3
+    s), and stays cached for the engine's step."""
     grammar = sp.grammar()
-    if grammar is not None and (problem := ctx.client.grammar_problem(grammar)) is not None:
-        param = "structured_outputs" if structured is not None else "response_format"
+    if grammar is None:
+        return
+    problem = await run_in_threadpool(ctx.client.grammar_problem, grammar)
+    if problem is not None:
+        param = param or ("structured_outputs" if sp.structured_outputs is not None else "response_format")
         raise APIError(400, f"{param}: it cannot be enforced with this model's vocabulary: {problem}", param,
                        "invalid_value")  # fmt: skip
-    return sp
 
 
 def structured_outputs(body: SamplingFields) -> dict[str, Any] | None:
@@ -389,7 +399,11 @@ def echoed(ctx: ServerContext, head: str, prompt_ids: list[int], prompt_lps: lis
            k: int, text: str, lps: dict[str, Any] | None) -> tuple[str, dict[str, Any] | None]:  # fmt: skip
     """`echo`: the prompt's text `head` before a completion's `text`, and its tokens' logprobs (the first null: nothing
     precedes it) before the completion's `lps` (whose text offsets start after `head`)."""
-    head_lps = completion_logprobs(ctx, prompt_ids, prompt_lps, k)
+    tok = ctx.tokenizer  # a BOS the tokenizer put before a text prompt has no text in `head`: no width at offset 0
+    bos = tok.bos_token_id
+    added = bos is not None and tok.add_bos and prompt_ids[:1] == [bos] and not head.startswith(tok.bos_token or "")
+    head_lps = completion_logprobs(ctx, prompt_ids, prompt_lps, k,
+                                   skip=frozenset({bos}) if added and bos is not None else frozenset())  # fmt: skip
     if head_lps is None or lps is None:
         return head + text, head_lps or lps
     return head + text, {key: head_lps[key] + lps[key] for key in head_lps}

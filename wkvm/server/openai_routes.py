@@ -163,24 +163,28 @@ async def start_all(ctx: ServerContext, tenant: str, encoded: list[list[int]], b
                        f"{', plus a shared prefill each' if len(params) > 1 else ''}), more than the whole queue holds "
                        f"(--max-queue {ctx.config.max_queue}): send fewer prompts or a smaller n", "prompt" if many
                        else "n", "too_many_prompts" if many else "invalid_value")  # fmt: skip
-    if need == 1:
-        return [await start(ctx, tenant, encoded[0], body, params, chat)]
-    # one multi-place request at a time checks the room and takes it: concurrent ones each passed the check, then
-    # filled the queue between their submissions, and each was refused part-way (3 x 128 prompts: all three 429s)
-    async with ctx.admission:
-        if need > ctx.client.queue_room():
-            raise QueueFull(f"the request needs {need} places in the queue and fewer are free; retry later or send "
-                            "fewer prompts")  # fmt: skip
-        runs: list[Run] = []
-        try:
-            for ids in encoded:
-                runs.append(await start(ctx, tenant, ids, body, params, chat))
-        except BaseException:
-            for _, handles in runs:
-                for h in handles:
-                    h.cancel()
-            raise
-        return runs
+    # places are reserved when the room is checked (on the event loop: nothing runs between the check and the
+    # reservation) and given back as the request's prompts are queued: concurrent requests of many places each passed
+    # the check, then filled the queue between their submissions, and each was refused part-way (3 x 128 prompts: all
+    # three 429s). Every request sees the places others reserved, so a single one cannot take them either.
+    if need > ctx.client.queue_room() - ctx.reserved_places:
+        raise QueueFull(f"the request needs {need} place(s) in the queue and fewer are free; retry later"
+                        + (" or send fewer prompts" if need > 1 else ""))  # fmt: skip
+    ctx.reserved_places += need
+    runs: list[Run] = []
+    try:
+        for ids in encoded:
+            runs.append(await start(ctx, tenant, ids, body, params, chat))
+            ctx.reserved_places -= per_prompt
+            need -= per_prompt
+    except BaseException:
+        for _, handles in runs:
+            for h in handles:
+                h.cancel()
+        raise
+    finally:
+        ctx.reserved_places -= need  # what was not queued (a failure part-way)
+    return runs
 
 
 async def taken_over(ctx: ServerContext, request: Request, tenant: str) -> Moved | None:
@@ -340,8 +344,11 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             raise APIError(400, "save_state needs n = 1", "save_state", "invalid_value")
         scored = body.logprobs if body.echo else None  # echo with logprobs: the prompt tokens' logprobs too
         sp = gen.sampling_params(ctx, body, body.max_tokens, body.logprobs, prompt_logprobs=scored)
+        await gen.check_grammar(ctx, sp)
         params = gen.per_choice(sp, body.n)
-        encoded = [await gen.encode_prompt_off_loop(ctx, q, "prompt", body.truncate_prompt_tokens) for q in prompts]
+        # a prompt after `state` continues it: no BOS (its history has one where the tokenizer adds it)
+        encoded = [await gen.encode_prompt_off_loop(ctx, q, "prompt", body.truncate_prompt_tokens, not body.state)
+                   for q in prompts]  # fmt: skip
         moved = await taken_over(ctx, request, tenant)
         if moved is not None:
             runs = await resume_runs(ctx, tenant, encoded, body, params, None, moved)
@@ -419,6 +426,7 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
             raise APIError(400, f"tool_choice required / named already fixes the reply's form: leave out {which}",
                            which, "invalid_value")  # fmt: skip
         sp = gen.with_response_format(sp, mode.response_format(), "tools")
+    await gen.check_grammar(ctx, sp, "tools" if mode is not None and mode.forced else None)
     params = gen.per_choice(sp, body.n)
     prompt_ids = await gen.encode_prompt_off_loop(ctx, text, "messages", body.truncate_prompt_tokens, starts=False)
     system = system_prefix(ctx, messages, text, prompt_ids, mode.tools if mode else None)

@@ -141,6 +141,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         tenant = who(request)
         suffix = prompt_of(body, required=False)
         params = gen.sampling_params(ctx, body, body.max_tokens, body.logprobs)
+        await gen.check_grammar(ctx, params)
         if body.save_as is not None:
             check_name(body.save_as, "save_as")
 

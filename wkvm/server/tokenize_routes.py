@@ -36,7 +36,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         check_text(text, param)
         check_text_size(ctx, text, param)
         tok = ctx.tokenizer  # as a completion's prompt or a chat's messages are encoded (BOS: see encode_prompt)
-        ids = (tok.encode(text) if body.messages is not None else tok.encode_prompt(text)) if text else []
+        ids = tok.encode(text) if body.messages is not None else tok.encode_prompt(text)
         strs = [ctx.tokenizer.decode([t]) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": ctx.model.context_limit, "tokens": ids, "token_strs": strs}
 

@@ -69,9 +69,10 @@ class ResponseStore:
             account = account_of(owner)
             self._db.execute(
                 "DELETE FROM responses WHERE rowid IN (SELECT r FROM (SELECT rowid AS r, ROW_NUMBER() OVER w AS n, "
-                "SUM(bytes) OVER w AS total FROM responses WHERE owner = ? OR owner LIKE ? WINDOW w AS (ORDER BY "
-                "created_at DESC, rowid DESC)) WHERE n > 1 AND (n > ? OR total > ?))",
-                (account, account + "/%", ACCOUNT_BOUND * self.max_per_owner,
+                "SUM(bytes) OVER w AS total FROM responses WHERE owner = ? OR (owner > ? AND owner < ?) WINDOW w AS "
+                "(ORDER BY created_at DESC, rowid DESC)) WHERE n > 1 AND (n > ? OR total > ?))",
+                # 'key/' < its users' owners < 'key0' ('0' follows '/'): a range the primary key's index reads
+                (account, account + "/", account + "0", ACCOUNT_BOUND * self.max_per_owner,
                  ACCOUNT_BOUND * self.max_bytes))  # fmt: skip
 
     def get(self, owner: str, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:

@@ -16,7 +16,7 @@ import torch
 
 from wkvm.chat_template import ChatTemplate, load_chat_template
 from wkvm.models import int4, linear, registry
-from wkvm.models.family import Checkpoint, CheckpointError, LanguageModel, ModelFamily, RawTensors
+from wkvm.models.family import Checkpoint, CheckpointError, LanguageModel, ModelFamily, RawTensors, first_line
 from wkvm.models.fingerprint import fingerprint
 from wkvm.models.provider import ResidentWeights, Tensors
 from wkvm.progress import progress
@@ -65,7 +65,7 @@ def unreadable(path: str | os.PathLike[str], what: str) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, SafetensorError, pickle.UnpicklingError, EOFError, zipfile.BadZipFile) as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        reason = first_line(str(e) or type(e).__name__, 200)
         raise CheckpointError(f"{path} does not read as {what}: {reason}") from None
 
 
@@ -90,11 +90,11 @@ def misfit(path: str | os.PathLike[str], family: str) -> Iterator[None]:
     traceback at load, or a server that loaded and then answered 500 to every request (hunt 14)."""
     try:
         yield
-    except CheckpointError:
-        raise
-    except (RuntimeError, IndexError, ValueError) as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise CheckpointError(f"{path}: its tensors do not fit its config as a {family} model ({reason})") from None
+    except torch.OutOfMemoryError:
+        raise  # the machine's, not the file's
+    except (RuntimeError, IndexError) as e:  # torch's shape errors; a ValueError already says what is wrong itself
+        raise CheckpointError(f"{path}: its tensors do not fit its config as a {family} model "
+                              f"({first_line(str(e) or type(e).__name__)})") from None  # fmt: skip
 
 
 def first_forward(model: LanguageModel, path: str | os.PathLike[str]) -> None:

@@ -20,7 +20,7 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from wkvm.models.family import CheckpointError, RawTensors
+from wkvm.models.family import CheckpointError, RawTensors, first_line
 from wkvm.models.llama.model import EMBED, FINAL_NORM, HEAD
 
 ARCHITECTURE = "llama"
@@ -72,7 +72,7 @@ def open_reader(path: str | os.PathLike[str]) -> GGUFReader:
     try:
         return _reader(p, st.st_mtime_ns, st.st_size)
     except (ValueError, IndexError, KeyError, struct.error, OverflowError, MemoryError) as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        reason = first_line(str(e) or type(e).__name__, 200)
         raise CheckpointError(f"{path}: not a readable GGUF file (truncated or corrupt?): {reason}") from None
 
 

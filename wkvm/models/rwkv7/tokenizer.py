@@ -17,6 +17,8 @@ class WorldTokenizer:
     exact_bytes = True
 
     bos_token = None
+    bos_token_id = None
+    add_bos = False
     eos_token = None  # token 0 has no text
 
     @property
