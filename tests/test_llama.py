@@ -477,10 +477,9 @@ def test_bos_over_http_starts_a_prompt_once_and_never_a_continuation(tmp_path):
     it), a chat's text has it once (from the template), a prompt continuing a state (`state`, or a state's generate)
     gets none, and echo's text offsets give BOS no width (it is not in the echoed text). Review of session 28."""
     import httpx
+    from families.llama import write_checkpoint
     from live_server import LiveServer
     from tokenizers import processors
-
-    from families.llama import write_checkpoint
 
     vocab = ["<s>", *[chr(c) for c in range(ord("!"), ord("~") + 1)], "</s>"]
     d = write_checkpoint(tmp_path / "m", vocab_size=len(vocab), seed=2)
