@@ -125,6 +125,7 @@ def stream_events(server, headers=A) -> list[dict]:
                 ev = json.loads(line[6:])
                 ev.pop("id"), ev.pop("created")
                 ev.pop("wkvm", None)  # reuse mode depends on earlier requests, not on the answer
+                (ev.get("usage") or {}).pop("prompt_tokens_details", None)  # so does the count of reused tokens
                 out.append(ev)
             elif line:
                 out.append(line)
