@@ -311,3 +311,57 @@ def test_shutdown_answers_one_code_with_retry_after_whichever_way_a_request_meet
         r = client.post(path)
         assert r.status_code == 503 and r.headers["retry-after"] == "1", path
         assert r.json()["error"]["code"] == "shutting_down", path
+
+
+def test_every_choice_is_timed_as_its_tokens_come_and_from_the_requests_arrival():
+    """wait_all read the choices one after another, so a later choice's tokens waited in its queue and were timed in a
+    burst (its first token at the first choice's whole run); the clock started after an n > 1 request's shared prefill,
+    so its time to first token read ~0 (hunt 19). Here choice 0 cannot go on until choice 1's first token has been
+    timed (reading in turn deadlocks: the wait_for fails), and t0 is the arrival the ASGI layer recorded."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from wkvm.outputs import GenerationOutput
+    from wkvm.server.asgi import ARRIVED
+    from wkvm.server.generation import Watch, wait_all
+
+    seen: list[tuple[float, int]] = []
+    metrics = SimpleNamespace(ttft=SimpleNamespace(observe=lambda v: seen.append(("ttft", v))),
+                              itl=SimpleNamespace(observe=lambda v: None),
+                              generated_tokens=SimpleNamespace(inc=lambda n: None))  # fmt: skip
+    ctx = SimpleNamespace(metrics=metrics)
+
+    class Request:
+        scope = {ARRIVED: 12.5}
+
+        async def is_disconnected(self) -> bool:
+            return False
+
+    async def run() -> None:
+        second_timed = asyncio.Event()
+
+        class Handle:
+            def __init__(self, i: int):
+                self.i, self.done = i, asyncio.Event()
+                self.output = GenerationOutput(prompt_token_ids=[1], finish_reason="length")
+
+            def cancel(self) -> None:
+                pass
+
+            async def __aiter__(self):
+                if self.i == 0:
+                    yield SimpleNamespace(token_ids=[1], finished=False)
+                    await second_timed.wait()  # choice 1's first token must be timed while choice 0 runs
+                else:
+                    yield SimpleNamespace(token_ids=[2], finished=False)
+                    while len(seen) < 2:
+                        await asyncio.sleep(0)
+                    second_timed.set()
+                self.done.set()
+                yield SimpleNamespace(token_ids=[], finished=True)
+
+        await asyncio.wait_for(wait_all(ctx, Request(), [Handle(0), Handle(1)]), timeout=10)
+        assert Watch(ctx, Request(), []).t0 == 12.5
+
+    asyncio.run(run())
+    assert [kind for kind, _ in seen] == ["ttft", "ttft"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import time
 from collections.abc import Callable
 from typing import cast
 
@@ -20,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from wkvm.server.errors import error_body
 
+ARRIVED = "wkvm.arrived"  # the scope key of a request's arrival time (time.monotonic)
 OPEN_PATHS = ("/health",)  # reachable without a key (load balancers' health checks)
 LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]+)?"  # pages a browser loaded from this machine
 
@@ -271,6 +273,7 @@ class RequestMetrics:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope[ARRIVED] = time.monotonic()  # time to first token counts from here, as vLLM's does from arrival
         status, announced = 500, False  # announced: a 503 with Retry-After (loading), an answer and no fault
 
         async def send_status(message: Message) -> None:
