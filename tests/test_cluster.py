@@ -243,6 +243,11 @@ def test_migrate_refuses_clearly(cluster):
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "unknown_replica"
     missing = cluster.post("/v1/states/never-made/migrate", json={"to": "r0"})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "state_not_found"
+    # a body that is no JSON, and a version that is no number (hunt 18: both had been read as other things)
+    garbled = cluster.post("/v1/states/voyage/migrate", content=b"{bad", headers={"content-type": "application/json"})
+    assert garbled.status_code == 400 and garbled.json()["error"]["code"] == "invalid_json"
+    worded = cluster.post("/v1/states/voyage@latest/migrate", json={"to": "r0"})
+    assert worded.status_code == 400 and worded.json()["error"]["param"] == "handle"
 
 
 def test_tenants_do_not_share_states_across_replicas(cluster):
@@ -441,6 +446,8 @@ def test_the_front_takes_every_stream_the_replicas_hold_and_spreads_them(cluster
 def test_metrics_per_replica_and_for_the_app(cluster):
     text = cluster.get("/metrics").text
     assert 'wkvm_cluster_routed_total{outcome="hit"}' in text
+    # a key's first request is "new" (the front claims its owner before the answer: hunt 18 saw it counted as a hit)
+    assert re.search(r'^wkvm_cluster_routed_total\{outcome="new"\} [1-9]', text, re.MULTILINE)
     assert re.search(r"^wkvm_cluster_migrations_total \d", text, re.MULTILINE)  # a sample, not only its HELP line
     assert 'replica="r0"' in text and 'replica="r1"' in text
     assert "# TYPE wkvm_requests_total counter" in text  # replicas' counters keep their type (parsers read them)

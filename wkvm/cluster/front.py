@@ -49,6 +49,7 @@ from wkvm.server.handover import HANDOVER_HEADER, RESUME_HEADER, STREAM_HEADER
 from wkvm.server.metrics import LATENCY_BUCKETS
 from wkvm.server.responses_routes import RESPONSE_ID_HEADER, new_id
 from wkvm.server.states_routes import state_page
+from wkvm.state.statefile import parse_handle, valid_handle
 
 REPLICA_HEADER = b"x-wkvm-replica"
 OWNER_WAIT_SECONDS = 30.0  # a request only its state's owner can answer waits this long for it (a restart)
@@ -177,12 +178,14 @@ class Front:
             return refused
         deadline = time.monotonic() + OWNER_WAIT_SECONDS
         inflight = Inflight(self.load)
+        claimed = False
         try:
             while True:
                 slot, target = (await self.directory.lookup.remote(route.key)) if route.key else (None, None)
                 if route.key and slot is None:  # a key's first request: the least busy replica becomes its owner
                     toward, target = await self.least_busy()  # (unless another request claimed it meanwhile)
                     if toward is not None:
+                        claimed = True  # counted as "new" (the claim gives it an owner before it is answered)
                         slot, target = await self.directory.claim_owner.remote(route.key, toward)
                 strict = route.strict and slot is not None
                 toward = slot
@@ -209,7 +212,7 @@ class Front:
         except BaseException:
             inflight.end()
             raise
-        self.metrics.routed.labels(outcome(route.key, slot, head.replica)).inc()
+        self.metrics.routed.labels(outcome(route.key, None if claimed else slot, head.replica)).inc()
         if route.key is not None and head.replica != slot and head.status < 400:
             await self.directory.record.remote(route.key, head.replica)
         if response_id is not None and head.status < 400:  # not awaited: an actor runs one caller's calls in order
@@ -380,13 +383,15 @@ class Front:
             self.directory.record.remote(route.key, slot)  # an actor runs one caller's calls in order
         return gen
 
-    async def destination(self, request: Request) -> tuple[str | None, dict[str, str]]:
-        """The replica a move's body names in "to" (None when it names none of them), and the replicas."""
-        try:
-            to = json.loads(await request.body() or b"{}").get("to")
-        except (ValueError, AttributeError):
-            to = None
+    async def destination(self, request: Request) -> tuple[str | Response | None, dict[str, str]]:
+        """The replica a move's body names in "to" (None when it names none of them), or the 400 for a body that is
+        not a JSON object (it had been answered as naming no replica), and the replicas."""
         replicas = await self.replicas()
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except (ValueError, UnicodeDecodeError):
+            return error_response(400, "the request body is not valid JSON", "body", "invalid_json"), replicas
+        to = body.get("to") if isinstance(body, dict) else None
         return (to if isinstance(to, str) and to in replicas else None), replicas
 
     def tenant_of(self, req: ForwardedRequest) -> str:
@@ -396,6 +401,8 @@ class Front:
         """`POST /v1/streams/{id}/migrate {"to": slot}`: hand a running stream over to another replica at its next
         token boundary; its client's stream goes on from there on the same connection."""
         to, replicas = await self.destination(request)
+        if isinstance(to, Response):
+            return to
         if to is None:
             return error_response(400, f"'to' must name a replica: one of {', '.join(replicas)}", "to",
                                   "unknown_replica")  # fmt: skip
@@ -504,12 +511,18 @@ class Front:
 
     async def migrate(self, handle: str, request: Request) -> Response:
         """Move a named state (every version of its name) to another replica; its handles stay the same."""
+        try:
+            name, _ = parse_handle(valid_handle(handle))  # a version that is no number: 400, as every state route
+        except ValueError as e:
+            return error_response(400, str(e), "handle", "invalid_value")
         to, replicas = await self.destination(request)
+        if isinstance(to, Response):
+            return to
         if to is None:
             return error_response(400, f"'to' must name a replica: one of {', '.join(replicas)}", "to",
                                   "unknown_replica")  # fmt: skip
         t0 = time.perf_counter()
-        moved = await self.move_name(self.tenant(request), handle.split("@", 1)[0], to, replicas, refuse_saving=True)
+        moved = await self.move_name(self.tenant(request), name, to, replicas, refuse_saving=True)
         if isinstance(moved, Response):
             return moved
         return JSONResponse(migration(handle, moved.source, to, moved.nbytes, time.perf_counter() - t0, moved.handles)
