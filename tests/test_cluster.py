@@ -248,6 +248,11 @@ def test_migrate_refuses_clearly(cluster):
     assert garbled.status_code == 400 and garbled.json()["error"]["code"] == "invalid_json"
     worded = cluster.post("/v1/states/voyage@latest/migrate", json={"to": "r0"})
     assert worded.status_code == 400 and worded.json()["error"]["param"] == "handle"
+    holder = cluster.get("/v1/states/voyage@1").headers["x-wkvm-replica"]
+    other = "r1" if holder == "r0" else "r0"  # a version the name lacks: 404, and the name stays where it was
+    absent = cluster.post("/v1/states/voyage@99/migrate", json={"to": other})
+    assert absent.status_code == 404 and absent.json()["error"]["code"] == "state_not_found"
+    assert cluster.get("/v1/states/voyage@1").headers["x-wkvm-replica"] == holder
 
 
 def test_tenants_do_not_share_states_across_replicas(cluster):

@@ -512,7 +512,7 @@ class Front:
     async def migrate(self, handle: str, request: Request) -> Response:
         """Move a named state (every version of its name) to another replica; its handles stay the same."""
         try:
-            name, _ = parse_handle(valid_handle(handle))  # a version that is no number: 400, as every state route
+            name, version = parse_handle(valid_handle(handle))  # a version that is no number: 400, as elsewhere
         except ValueError as e:
             return error_response(400, str(e), "handle", "invalid_value")
         to, replicas = await self.destination(request)
@@ -521,8 +521,13 @@ class Front:
         if to is None:
             return error_response(400, f"'to' must name a replica: one of {', '.join(replicas)}", "to",
                                   "unknown_replica")  # fmt: skip
+        tenant = self.tenant(request)
+        if version is not None:  # a version the name does not have is a 404 (it had moved the name and answered 200)
+            _, source = await self.directory.lookup.remote(state_key(tenant, name))
+            if source is not None and not await self.call(source, "has_state", tenant, handle):
+                return error_response(404, f"no state {handle!r}", "handle", "state_not_found")
         t0 = time.perf_counter()
-        moved = await self.move_name(self.tenant(request), name, to, replicas, refuse_saving=True)
+        moved = await self.move_name(tenant, name, to, replicas, refuse_saving=True)
         if isinstance(moved, Response):
             return moved
         return JSONResponse(migration(handle, moved.source, to, moved.nbytes, time.perf_counter() - t0, moved.handles)

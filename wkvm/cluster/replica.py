@@ -322,6 +322,20 @@ class EngineReplica:
         store = self.ctx.store
         return store.index.next_version(tenant, name) - 1, [r.version for r in store.versions(tenant, name) if r.pinned]
 
+    async def has_state(self, tenant: str, handle: str, **route: object) -> bool | str:
+        """Whether this replica stores `handle` of `tenant` (a migrate that names a version checks it first)."""
+        if self.misrouted(route):
+            return MISROUTED_REPLY
+
+        def find() -> bool:
+            try:
+                self.ctx.store.get(tenant, handle)
+            except StateNotFound:
+                return False
+            return True
+
+        return await asyncio.to_thread(find)
+
     async def name_card(self, tenant: str, name: str, **route: object) -> tuple[int, list[int]] | str:
         if self.misrouted(route):
             return MISROUTED_REPLY
