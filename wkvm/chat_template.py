@@ -11,6 +11,8 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from wkvm.tokenizer import read_json
+
 
 class ChatTemplateError(ValueError):
     pass
@@ -54,9 +56,8 @@ def load_chat_template(model_path: str | os.PathLike[str], default: ChatTemplate
         extra = base / f"{prefix}chat_template.json"
         opts = json.loads(extra.read_text()) if extra.is_file() else {}
         return ChatTemplate(jinja.read_text(), list(opts.get("stop", [])), opts.get("name", jinja.name))
-    tok_cfg = base / "tokenizer_config.json"
-    if p.is_dir() and tok_cfg.is_file():
-        tpl = json.loads(tok_cfg.read_text()).get("chat_template")
+    if p.is_dir():
+        tpl = read_json(base / "tokenizer_config.json").get("chat_template")  # a file that is no JSON is named
         if isinstance(tpl, str):
             return ChatTemplate(tpl, [], "tokenizer_config.json")
     return default or ChatTemplate()

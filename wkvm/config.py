@@ -88,9 +88,9 @@ class ServerConfig:
     host: str = opt("127.0.0.1", "address to bind; anything but loopback is reachable from other machines")
     allowed_origins: str | None = opt(None, "web pages (origins, comma-separated, or *) whose scripts may call the API "
                                       "from a browser (CORS); default: pages served from localhost / 127.0.0.1")
-    allowed_hosts: str | None = opt(None, "Host header names answered besides localhost (comma-separated, or *: any); "
-                                    "default: any, but only localhost when bound to loopback without an API key "
-                                    "(DNS rebinding)")  # fmt: skip
+    allowed_hosts: str | None = opt(None, "Host header names answered besides local ones (comma-separated, or *: any); "
+                                    "default: any, but only local names (IP addresses, localhost, *.local, "
+                                    "*.internal) on loopback without an API key (DNS rebinding)")  # fmt: skip
     port: int = opt(8000, "TCP port")
     api_keys: list[str] = field(default_factory=list)  # flags: --api-key, --api-key-file
     served_model_name: str | None = opt(None, "model id reported by /v1/models (default: the model's file name)")

@@ -81,7 +81,7 @@ class HFTokenizer:
     """A `tokenizer.json` read by HF `tokenizers`."""
 
     exact_bytes = False
-    more_eos: frozenset[int] = frozenset()  # the model's other end tokens (ModelEos.ids)
+    more_eos: frozenset[int] = frozenset()  # the model's other end tokens (ModelSpecials.eos_ids)
     bos_token_id: int | None = None
     add_bos = False  # a prompt text starts with BOS (encode_prompt)
 
@@ -103,15 +103,21 @@ class HFTokenizer:
             (t for t in ("<|endoftext|>", "</s>", "<eos>", "<|eos|>") if self._tok.token_to_id(t) is not None),
             None,
         )
-        self.eos_token_id = self._tok.token_to_id(eos) if eos else None
-        self.more_eos = frozenset(i for i in more_eos if 0 <= i < self.vocab_size)
-        if self.eos_token_id is None and self.more_eos:
-            self.eos_token_id = min(self.more_eos)
         bos_text, add_bos = bos
         plain, special = (self._tok.encode("a", add_special_tokens=flag).ids for flag in (False, True))
         adds = special[1:] == plain and len(special) == len(plain) + 1  # the post-processor puts one token first
-        self.bos_token_id = self._tok.token_to_id(bos_text) if bos_text else special[0] if adds else None
-        self.add_bos = self.bos_token_id is not None and (add_bos if add_bos is not None else adds)
+        bos_id = self._tok.token_to_id(bos_text) if bos_text else special[0] if adds else None
+        self.set_specials(self._tok.token_to_id(eos) if eos else None, more_eos, bos_id,
+                          add_bos if add_bos is not None else adds)  # fmt: skip
+
+    def set_specials(self, eos_token_id: int | None, more_eos: Iterable[int], bos_token_id: int | None,
+                     add_bos: bool) -> None:  # fmt: skip
+        """EOS, the other end tokens and BOS, ids outside the vocabulary dropped (without EOS, the first other end
+        token is EOS); `add_bos`: encode_prompt puts BOS first, where there is one."""
+        self.more_eos = frozenset(i for i in more_eos if 0 <= i < self.vocab_size)
+        self.eos_token_id = eos_token_id if eos_token_id is not None else min(self.more_eos, default=None)
+        self.bos_token_id = bos_token_id if bos_token_id is not None and 0 <= bos_token_id < self.vocab_size else None
+        self.add_bos = add_bos and self.bos_token_id is not None
 
     def encode_prompt(self, text: str) -> list[int]:
         return ([self.bos_token_id] if self.add_bos and self.bos_token_id is not None else []) + self.encode(text)
@@ -210,8 +216,8 @@ def load_tokenizer(
     p = Path(model_path)
     candidate = p / "tokenizer.json" if p.is_dir() else p.with_suffix(".tokenizer.json")
     if candidate.is_file():
-        eos = model_eos(model_path)
-        return HFTokenizer(candidate, eos.token, eos.ids, eos.bos)
+        specials = model_specials(model_path)
+        return HFTokenizer(candidate, specials.eos_token, specials.eos_ids, specials.bos)
     tokenizer = default() if default else None
     if tokenizer is None:
         raise ValueError(f"{model_path}: no {candidate.name} beside the model, and its family has no default "
@@ -220,9 +226,9 @@ def load_tokenizer(
 
 
 @dataclass(frozen=True)
-class ModelEos:
-    token: str | None  # tokenizer_config.json's eos_token: the tokenizer's EOS
-    ids: tuple[int, ...]  # generation_config.json's (else config.json's) eos_token_id: an id or a list
+class ModelSpecials:
+    eos_token: str | None  # tokenizer_config.json's eos_token: the tokenizer's EOS
+    eos_ids: tuple[int, ...]  # generation_config.json's (else config.json's) eos_token_id: an id or a list
     bos: tuple[str | None, bool | None] = (None, None)  # tokenizer_config.json's bos_token and add_bos_token
 
 
@@ -233,10 +239,11 @@ def token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def model_eos(model_path: str | os.PathLike[str]) -> ModelEos:
-    """A model's end tokens as transformers and vLLM read them: the tokenizer's EOS from tokenizer_config.json, and the
-    generation config's eos_token_id (generation stops at any of them). Instruct checkpoints need both: Qwen3.5's EOS is
-    `<|im_end|>` there while its tokenizer.json's usual name is `<|endoftext|>`, so chats ran on past the turn's end."""
+def model_specials(model_path: str | os.PathLike[str]) -> ModelSpecials:
+    """A model's end tokens and BOS as transformers and vLLM read them: the tokenizer's EOS and BOS from
+    tokenizer_config.json, and the generation config's eos_token_id (generation stops at any of them). Instruct
+    checkpoints need both: Qwen3.5's EOS is `<|im_end|>` there while its tokenizer.json's usual name is
+    `<|endoftext|>`, so chats ran on past the turn's end."""
     p = Path(model_path)
     tok_cfg = read_json(companion_path(p, "tokenizer_config.json"))
     add_bos = tok_cfg.get("add_bos_token")
@@ -250,7 +257,7 @@ def model_eos(model_path: str | os.PathLike[str]) -> ModelEos:
             ids = [i for i in found if isinstance(i, int) and not isinstance(i, bool)]
             if ids:
                 break  # the generation config's list is the one generate() uses
-    return ModelEos(token_text(tok_cfg.get("eos_token")), tuple(ids), bos)
+    return ModelSpecials(token_text(tok_cfg.get("eos_token")), tuple(ids), bos)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -299,9 +306,9 @@ def save_text_tools(tokenizer: HFTokenizer | None, template: ChatTemplate | None
     if tokenizer is not None:
         with atomic_path(out / "tokenizer.json") as tmp:
             tokenizer.save(tmp)
-        eos = tokenizer._tok.id_to_token(tokenizer.eos_token_id) if tokenizer.eos_token_id is not None else None
-        files = {"tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
-                                           "bos_token": tokenizer.bos_token, "add_bos_token": tokenizer.add_bos},
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.eos_token,
+                  "bos_token": tokenizer.bos_token, "add_bos_token": tokenizer.add_bos}
+        files = {"tokenizer_config.json": config,
                  "generation_config.json": {"eos_token_id": sorted(tokenizer.eos_token_ids)}}  # fmt: skip
         for name, content in files.items():
             atomic_write_bytes(out / name, json.dumps(content, indent=2).encode())

@@ -104,7 +104,7 @@ class GrammarCompiler:
                     self._llg = llg_tokenizer(self._tokenizer)
                 compiled = llguidance.LLMatcher(self._llg, grammar, log_level=0)
                 if compiled.is_error():
-                    raise ValueError(f"the grammar did not compile: {compiled.get_error()[:300]}")
+                    raise ValueError(f"the grammar did not compile: {first_line(compiled.get_error())}")
                 self.compilations += 1
                 self._compiled[grammar] = compiled
                 if len(self._compiled) > self.cache_size:

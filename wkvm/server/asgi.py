@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
+import socket
 import time
 from collections.abc import Callable
 from typing import cast
@@ -72,8 +74,6 @@ LOCAL_SUFFIXES = (".localhost", ".local", ".internal")  # names no public DNS se
 
 def is_loopback(host: str) -> bool:
     """Whether `--host` is a loopback address or name (only this machine can connect)."""
-    import ipaddress
-
     name = host.strip("[]").lower()
     if name == "localhost" or name.endswith(".localhost"):
         return True
@@ -91,18 +91,15 @@ def host_name(value: bytes) -> str:
     return text.rsplit(":", 1)[0].rstrip(".") if text.count(":") == 1 else text.rstrip(".")
 
 
-def local_name(name: str) -> bool:
+def local_name(name: str, this_machine: str) -> bool:
     """A Host name a rebinding page cannot have, as Ollama's check takes them: an IP address (the page's own would be
-    its server's, not this one), localhost, a name under .localhost / .local / .internal, or this machine's name."""
-    import ipaddress
-    import socket
-
+    its server's, not this one), localhost, a name under .localhost / .local / .internal, or `this_machine`'s name."""
     try:
         ipaddress.ip_address(name)
         return True
     except ValueError:
         pass
-    return name in ("", "localhost", socket.gethostname().lower()) or name.endswith(LOCAL_SUFFIXES)
+    return name in ("", "localhost", this_machine) or name.endswith(LOCAL_SUFFIXES)
 
 
 class HostCheck:
@@ -114,12 +111,13 @@ class HostCheck:
 
     def __init__(self, app: ASGIApp, allowed: list[str]):
         self.app, self.allowed = app, allowed
+        self.this_machine = socket.gethostname().lower()  # once, not a system call per request
 
     def allows(self, value: bytes | None) -> bool:
         if value is None:  # HTTP/1.0 without Host: no browser sends that
             return True
         name = host_name(value)
-        return name in self.allowed or local_name(name)
+        return name in self.allowed or local_name(name, self.this_machine)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self.allows(header(scope, b"host")):
@@ -133,9 +131,9 @@ class HostCheck:
 
 
 def add_host_check(app: FastAPI, host: str, keys: KeyRing, allowed_hosts: str | None) -> None:
-    """Check the Host header: with --allowed-hosts (unless '*'), against localhost names and those; without it, on a
-    server bound to loopback without an API key, against localhost names. Other servers answer any Host (as vLLM and
-    llama.cpp's do)."""
+    """Check the Host header: with --allowed-hosts (unless '*'), against local names (`local_name`) and those; without
+    it, on a server bound to loopback without an API key, against local names. Other servers answer any Host (as vLLM
+    and llama.cpp's do)."""
     names = [host_name(h.encode("latin-1")) for h in (allowed_hosts or "").split(",") if h.strip()]  # as Host reads
     if "*" in names or (not names and (keys or not is_loopback(host))):
         return

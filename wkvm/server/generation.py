@@ -150,7 +150,7 @@ def sampling_params(
         raise APIError(400, f"max_tokens {n} exceeds this server's limit {ctx.config.max_tokens_limit} "
                        "(--max-tokens-limit)", "max_tokens", "invalid_value")  # fmt: skip
     try:
-        sp = SamplingParams(
+        return SamplingParams(
             max_tokens=n, min_tokens=body.min_tokens, temperature=body.temperature, top_p=body.top_p,
             top_k=max(body.top_k, 0), min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty, stop=stop,
@@ -162,7 +162,6 @@ def sampling_params(
         )  # fmt: skip
     except InvalidParam as e:
         raise APIError(400, str(e), e.param, "invalid_value") from None
-    return sp
 
 
 async def check_grammar(ctx: ServerContext, sp: SamplingParams, param: str | None = None) -> None:

@@ -28,6 +28,8 @@ ACCOUNT_BOUND = 10  # an account keeps 10x an owner's bounds
 def account_of(owner: str) -> str:
     """A tenant's account: 'key-<hash>/user-<hash>' -> 'key-<hash>' (tenants are `asgi.tenant_of`'s)."""
     return owner.split("/", 1)[0]
+
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     owner TEXT NOT NULL,
@@ -61,19 +63,17 @@ class ResponseStore:
         with self._lock, self._db:
             self._db.execute("BEGIN IMMEDIATE")
             self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)", row)
-            self._db.execute(
-                "DELETE FROM responses WHERE owner = ? AND id IN (SELECT id FROM (SELECT id, ROW_NUMBER() OVER w AS n, "
-                "SUM(bytes) OVER w AS total FROM responses WHERE owner = ? WINDOW w AS (ORDER BY created_at DESC, "
-                "rowid DESC)) WHERE n > 1 AND (n > ? OR total > ?))",
-                (owner, owner, self.max_per_owner, self.max_bytes))  # fmt: skip
-            account = account_of(owner)
-            self._db.execute(
-                "DELETE FROM responses WHERE rowid IN (SELECT r FROM (SELECT rowid AS r, ROW_NUMBER() OVER w AS n, "
-                "SUM(bytes) OVER w AS total FROM responses WHERE owner = ? OR (owner > ? AND owner < ?) WINDOW w AS "
-                "(ORDER BY created_at DESC, rowid DESC)) WHERE n > 1 AND (n > ? OR total > ?))",
-                # 'key/' < its users' owners < 'key0' ('0' follows '/'): a range the primary key's index reads
-                (account, account + "/", account + "0", ACCOUNT_BOUND * self.max_per_owner,
-                 ACCOUNT_BOUND * self.max_bytes))  # fmt: skip
+            self._keep_newest("owner = ?", (owner,), self.max_per_owner, self.max_bytes)
+            account = account_of(owner)  # 'key/' < its users' owners < 'key0' ('0' follows '/'): an index range
+            self._keep_newest("owner = ? OR (owner > ? AND owner < ?)", (account, account + "/", account + "0"),
+                              ACCOUNT_BOUND * self.max_per_owner, ACCOUNT_BOUND * self.max_bytes)  # fmt: skip
+
+    def _keep_newest(self, where: str, args: tuple[str, ...], count: int, nbytes: int) -> None:
+        """Delete the responses `where` selects beyond the newest `count` or `nbytes` (the newest is always kept)."""
+        self._db.execute(
+            "DELETE FROM responses WHERE rowid IN (SELECT r FROM (SELECT rowid AS r, ROW_NUMBER() OVER w AS n, "
+            f"SUM(bytes) OVER w AS total FROM responses WHERE {where} WINDOW w AS (ORDER BY created_at DESC, "
+            "rowid DESC)) WHERE n > 1 AND (n > ? OR total > ?))", (*args, count, nbytes))  # fmt: skip
 
     def get(self, owner: str, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
         """(response, conversation), or None: no such response of this owner's."""

@@ -8,7 +8,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -191,5 +191,5 @@ def load_text_tools(path: str | os.PathLike[str], family: str) -> tuple[Tokenize
     tokenizer = load_tokenizer(path, lambda: f.default_tokenizer(Path(path)))
     template = load_chat_template(path, f.default_chat_template(Path(path)))
     specials = {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
-    template.special_tokens = {k: v for k, v in specials.items() if v is not None}
-    return tokenizer, template
+    # a copy: a family's default template is one object for every model of it
+    return tokenizer, replace(template, special_tokens={k: v for k, v in specials.items() if v is not None})

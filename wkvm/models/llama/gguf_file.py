@@ -161,7 +161,7 @@ def read_gguf(path: Path) -> tuple[RawTensors, dict[str, Any]]:
                                   "package cannot dequantize") from None  # fmt: skip
         except (ValueError, RuntimeError) as e:  # its data cut short: numpy cannot shape what is there
             raise CheckpointError(f"{path}: tensor {t.name} does not read (the file is truncated or corrupt: "
-                                  f"{str(e)[:120]})") from None  # fmt: skip
+                                  f"{first_line(str(e), 120)})") from None  # fmt: skip
     tokens = field(reader, "tokenizer.ggml.tokens")
     vocab = len(tokens) if tokens else raw[EMBED].shape[0] if EMBED in raw else 0
     config = hf_config(meta, vocab, tied=HEAD not in raw)

@@ -51,10 +51,7 @@ class GGUFTokenizer(HFTokenizer):
                  bos_token_id: int | None = None, add_bos: bool = False):  # fmt: skip
         self._tok = tok  # no file to read: super's __init__ is not run
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
-        self.eos_token_id = eos_token_id
-        self.more_eos = frozenset(i for i in more_eos if 0 <= i < self.vocab_size)
-        self.bos_token_id = bos_token_id if bos_token_id is not None and 0 <= bos_token_id < self.vocab_size else None
-        self.add_bos = add_bos and self.bos_token_id is not None
+        self.set_specials(eos_token_id, more_eos, bos_token_id, add_bos)
 
 
 def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
