@@ -313,6 +313,53 @@ def test_shutdown_answers_one_code_with_retry_after_whichever_way_a_request_meet
         assert r.json()["error"]["code"] == "shutting_down", path
 
 
+@pytest.mark.allows_5xx
+def test_an_unhandled_error_is_logged_once_with_the_id_its_500_names(caplog):
+    """A route's bug answers an OpenAI-shaped 500 naming an error id, and the log holds one record with that id and
+    the traceback (Starlette's handler for Exception re-raised after answering: uvicorn logged the traceback again,
+    and nothing tied the client's 500 to it). A stream a bug cuts off after its first bytes is ended, not hung."""
+    import logging
+    import re
+
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+    from fastapi.testclient import TestClient
+
+    from wkvm.server.asgi import RequestMetrics
+    from wkvm.server.errors import install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+    counted: list[tuple[str, int]] = []
+    told: list[str] = []
+    app.add_middleware(RequestMetrics, count=lambda route, status: counted.append((route, status)),
+                       on_server_error=lambda path, status: told.append(path))  # fmt: skip
+
+    @app.post("/boom")
+    def boom() -> dict:
+        raise KeyError("x")
+
+    @app.post("/cut")
+    def cut() -> StreamingResponse:
+        def chunks():
+            yield "data: 1\n\n"
+            raise ValueError("mid-stream")
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    client = TestClient(app, raise_server_exceptions=True)  # an exception reaching the client would fail here
+    with caplog.at_level(logging.ERROR, logger="wkvm.server"):
+        r = client.post("/boom")
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error", r.text
+        ref = re.search(r"error id ([0-9a-f]{12})", r.json()["error"]["message"]).group(1)
+        records = [rec for rec in caplog.records if ref in rec.getMessage()]
+        assert len(records) == 1 and records[0].exc_info and "KeyError" in records[0].getMessage(), caplog.text
+        r = client.post("/cut")
+        assert r.status_code == 200 and r.text == "data: 1\n\n", r.text
+    assert "ValueError" in caplog.text and len(caplog.records) == 2, caplog.text
+    assert counted == [("/boom", 500), ("/cut", 200)] and told == [], (counted, told)
+
+
 def test_every_choice_is_timed_as_its_tokens_come_and_from_the_requests_arrival():
     """wait_all read the choices one after another, so a later choice's tokens waited in its queue and were timed in a
     burst (its first token at the first choice's whole run); the clock started after an n > 1 request's shared prefill,
@@ -321,6 +368,7 @@ def test_every_choice_is_timed_as_its_tokens_come_and_from_the_requests_arrival(
     import asyncio
     from types import SimpleNamespace
 
+    from wkvm.engine.handle import Event
     from wkvm.outputs import GenerationOutput
     from wkvm.server.asgi import ARRIVED
     from wkvm.server.generation import Watch, wait_all
@@ -328,7 +376,8 @@ def test_every_choice_is_timed_as_its_tokens_come_and_from_the_requests_arrival(
     seen: list[tuple[float, int]] = []
     metrics = SimpleNamespace(ttft=SimpleNamespace(observe=lambda v: seen.append(("ttft", v))),
                               itl=SimpleNamespace(observe=lambda v: None),
-                              generated_tokens=SimpleNamespace(inc=lambda n: None))  # fmt: skip
+                              generated_tokens=SimpleNamespace(inc=lambda n: None),
+                              finished=lambda reason, seconds: seen.append((reason, seconds)))  # fmt: skip
     ctx = SimpleNamespace(metrics=metrics)
 
     class Request:
@@ -350,18 +399,18 @@ def test_every_choice_is_timed_as_its_tokens_come_and_from_the_requests_arrival(
 
             async def __aiter__(self):
                 if self.i == 0:
-                    yield SimpleNamespace(token_ids=[1], finished=False)
+                    yield Event("a", [1], "")
                     await second_timed.wait()  # choice 1's first token must be timed while choice 0 runs
                 else:
-                    yield SimpleNamespace(token_ids=[2], finished=False)
+                    yield Event("b", [2], "")
                     while len(seen) < 2:
                         await asyncio.sleep(0)
                     second_timed.set()
                 self.done.set()
-                yield SimpleNamespace(token_ids=[], finished=True)
+                yield Event("ab"[self.i], [], "", finish_reason="length")
 
         await asyncio.wait_for(wait_all(ctx, Request(), [Handle(0), Handle(1)]), timeout=10)
         assert Watch(ctx, Request(), []).t0 == 12.5
 
     asyncio.run(run())
-    assert [kind for kind, _ in seen] == ["ttft", "ttft"]
+    assert [kind for kind, _ in seen] == ["ttft", "ttft", "length", "length"]  # each choice's end counted, once

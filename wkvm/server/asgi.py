@@ -10,8 +10,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import logging
 import socket
 import time
+import uuid
 from collections.abc import Callable
 from typing import cast
 
@@ -23,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from wkvm.server.errors import error_body
 
+log = logging.getLogger("wkvm.server")
 ARRIVED = "wkvm.arrived"  # the scope key of a request's arrival time (time.monotonic)
 OPEN_PATHS = ("/health",)  # reachable without a key (load balancers' health checks)
 LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]+)?"  # pages a browser loaded from this machine
@@ -262,8 +265,10 @@ class BodyLimit:
 
 
 class RequestMetrics:
-    """Counts responses by route and status; `on_server_error(path, status)` hears of every 5xx (a bug or an
-    outage: the test suite asserts it never happens unexpectedly)."""
+    """Counts responses by route and status; `on_server_error(path, status)` hears of every other 5xx (a bug or an
+    outage: the test suite asserts it never happens unexpectedly). An exception no route handled is logged here,
+    once, with its traceback and an error id its 500 answer names (Starlette's handler for `Exception` re-raised it
+    after answering, so uvicorn logged it again: three records, none tying the client's 500 to its traceback)."""
 
     def __init__(self, app: ASGIApp, count: Callable[[str, int], None], on_server_error: Callable[[str, int], None]):
         self.app, self.count, self.on_server_error = app, count, on_server_error
@@ -272,19 +277,31 @@ class RequestMetrics:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         scope[ARRIVED] = time.monotonic()  # time to first token counts from here, as vLLM's does from arrival
-        status, announced = 500, False  # announced: a 503 with Retry-After (loading), an answer and no fault
+        status, announced, logged = 500, False, False  # announced: a 503 with Retry-After (loading), no fault
+        started = ended = False
 
         async def send_status(message: Message) -> None:
-            nonlocal status, announced
+            nonlocal status, announced, started, ended
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
                 announced = status == 503 and any(k.lower() == b"retry-after" for k, _ in message.get("headers", []))
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended = True
             await send(message)
 
         try:
             await self.app(scope, receive, send_status)
+        except Exception as e:
+            ref, logged = uuid.uuid4().hex[:12], True
+            log.exception("server error: %s %s raised %s (error id %s)", scope.get("method"), scope.get("path"),
+                          type(e).__name__, ref)  # fmt: skip
+            if started and not ended:  # a stream cut off by a bug: end it (the client sees it stop short)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            elif not started:
+                message = f"internal error: {type(e).__name__} (a bug; error id {ref} in the server's log)"
+                await send_error(scope, receive, send, 500, message, None, "internal_error")
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
             self.count(route, status)
-            if status >= 500 and not announced and scope.get("path") not in OPEN_PATHS:  # /health's 503 is its answer
-                self.on_server_error(scope.get("path", ""), status)
+            if status >= 500 and not (announced or logged) and scope.get("path") not in OPEN_PATHS:
+                self.on_server_error(scope.get("path", ""), status)  # /health's 503 is its answer

@@ -173,8 +173,3 @@ def install_error_handlers(app: FastAPI) -> None:
     async def context_too_long(request: Request, e: ContextTooLong) -> JSONResponse:
         # OpenAI's code, and the field that holds the tokens (its chat API names `messages`)
         return error_response(400, str(e), prompt_field(request.url.path), "context_length_exceeded")
-
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error (a bug)")
-        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), status_code=500)

@@ -228,16 +228,17 @@ class Watch:
         self._task: asyncio.Task[None] | None = None
 
     def saw(self, i: int, ev: Event) -> None:
-        if not ev.token_ids:
-            return
         now = time.monotonic()
         m = self.ctx.metrics
-        if i in self.last:
-            m.itl.observe((now - self.last[i]) / len(ev.token_ids))
-        else:
-            m.ttft.observe(now - self.t0)
-        self.last[i] = now
-        m.generated_tokens.inc(len(ev.token_ids))
+        if ev.token_ids:
+            if i in self.last:
+                m.itl.observe((now - self.last[i]) / len(ev.token_ids))
+            else:
+                m.ttft.observe(now - self.t0)
+            self.last[i] = now
+            m.generated_tokens.inc(len(ev.token_ids))
+        if ev.finish_reason is not None and ev.error_code != ErrorCode.MIGRATED:  # a moved choice ends elsewhere
+            m.finished(ev.finish_reason, now - self.t0)
 
     async def __aenter__(self) -> Watch:
         self._task = asyncio.create_task(self._watch())

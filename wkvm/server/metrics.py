@@ -50,6 +50,11 @@ class Metrics:
                               registry=r)  # fmt: skip
         self.itl = Histogram("wkvm_inter_token_latency_seconds", "Time between tokens", buckets=LATENCY_BUCKETS,
                              registry=r)  # fmt: skip
+        # as vLLM's request_success_total{finished_reason} and e2e_request_latency_seconds, one per choice
+        self.finish_reasons = Counter("wkvm_choices_finished", "Choices finished, by reason (stop, length, abort, "
+                                      "error)", ["finished_reason"], registry=r)  # fmt: skip
+        self.e2e = Histogram("wkvm_e2e_request_latency_seconds", "Time from a request's arrival to a choice's end",
+                             buckets=LATENCY_BUCKETS + (60, 120, 300), registry=r)  # fmt: skip
         self.queue_depth = Gauge("wkvm_queue_depth", "Requests waiting for a slot", registry=r)
         self.running = Gauge("wkvm_running_requests", "Requests holding a slot", registry=r)
         self.slots_free = Gauge("wkvm_slots_free", "Free state slots", registry=r)
@@ -70,6 +75,10 @@ class Metrics:
 
     def count_request(self, route: str, status: int) -> None:
         self.requests.labels(route, str(status)).inc()
+
+    def finished(self, reason: str, seconds: float) -> None:
+        self.finish_reasons.labels(reason).inc()
+        self.e2e.observe(seconds)
 
     def reuse_hit(self, tokens: int) -> None:
         self.reuse_hits.inc()
