@@ -226,6 +226,27 @@ def test_a_moved_chat_turn_parks_its_session_on_the_destination(pair, fresh):
     assert r["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
 
 
+def test_a_moved_streams_checkpoints_stay_scoped_to_its_user(pair):
+    """Prefix reuse is scoped to the key plus `user` (and `cache_salt`), also for what a moved request leaves behind:
+    its prompt-end checkpoint at the source and its answer's end at the destination. Another user of the same key
+    reuses neither (it would learn the prompt from the timing); the same user reuses both."""
+    a, b = pair
+    user, other = f"alice-{uuid.uuid4().hex[:8]}", f"bob-{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "user", "content": f"Tellme{uuid.uuid4().hex[:12]}ofthyhouse."}]
+    got, _ = moved_stream(a, b, "/v1/chat/completions", {"messages": messages, **LONG, "temperature": 0, "user": user},
+                          after=2)  # fmt: skip
+    nxt = messages + [{"role": "assistant", "content": chat_text(got)}, {"role": "user", "content": "Andthen?"}]
+
+    def reused(server, msgs, who) -> int:
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "user": who},
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+        return r.json()["wkvm"]["reused_tokens"]
+
+    assert reused(b, nxt, other) == 0 and reused(a, messages, other) == 0
+    assert reused(b, nxt, user) > 200 and reused(a, messages, user) > 0
+
+
 def test_a_moved_forced_tool_call_is_the_same_call(pair, fresh):
     """A forced tool call (grammar-constrained, its text held back until it is complete) moved mid-way: the
     destination replays the grammar over the tokens so far and holds the text the source held."""

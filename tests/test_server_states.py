@@ -102,7 +102,8 @@ def test_every_states_route(server):
 
 def test_tenants_never_see_each_other(server):
     alice, bob = client(server), client(server, "key-bob")
-    alice.post("/v1/states", json={"name": "secret", "prompt_ids": [1, 2, 3]})
+    r = alice.post("/v1/states", json={"name": "secret", "prompt_ids": [1, 2, 3]})
+    assert r.status_code == 200 and alice.get("/v1/states/secret").status_code == 200, r.text  # it exists for alice
     assert bob.get("/v1/states/secret").status_code == 404
     assert bob.post("/v1/states/secret/generate", json={"prompt_ids": [1]}).status_code == 404
     assert bob.get("/v1/states/secret/export").status_code == 404
@@ -111,6 +112,7 @@ def test_tenants_never_see_each_other(server):
     # the same key with a different Open WebUI user is another tenant too
     carol = client(server, "key-alice", **{"X-OpenWebUI-User-Id": "carol"})
     assert carol.get("/v1/states/secret").status_code == 404
+    assert "secret@1" in [s["handle"] for s in alice.get("/v1/states").json()["data"]]
 
 
 def test_export_one_process_import_another(server, tiny_pth, tmp_path):

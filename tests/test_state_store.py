@@ -522,6 +522,76 @@ def test_sigkill_during_write_storm_loses_no_acknowledged_state(svc, model, tiny
         assert h.output.token_ids == fresh(svc, toks + [3], 5).token_ids
 
 
+def file_ops(monkeypatch) -> list[tuple]:
+    """Record every fsync (by the path its descriptor names) and rename, in order (Linux's /proc/self/fd)."""
+    ops: list[tuple] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        ops.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        ops.append(("replace", Path(src), Path(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return ops
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names a descriptor's file through Linux's /proc")
+def test_atomic_write_fsyncs_a_temp_file_renames_it_then_fsyncs_the_folder(tmp_path, monkeypatch):
+    """A kill at any moment leaves the old file or the new one, whole: the bytes go to a temp file beside the target,
+    which is fsynced before it is renamed over the target, and the folder is fsynced after (else a power cut could
+    keep the rename without the bytes). A SIGKILL test cannot show this (the OS keeps what a killed process wrote),
+    so the calls are recorded; a failure before the rename leaves the old file and no temp file."""
+    from wkvm.atomic import atomic_path, atomic_write_bytes
+
+    target = tmp_path / "d" / "f.state"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    ops = file_ops(monkeypatch)
+    atomic_write_bytes(target, b"new")
+    assert target.read_bytes() == b"new" and len(ops) == 3, ops
+    (_, written), (_, src, dst), (_, folder) = ops
+    assert written == src and src.parent == target.parent and src != target and dst == target, ops
+    assert folder == target.parent and not src.exists(), ops
+    ops.clear()
+    atomic_write_bytes(target, b"cache", durable=False)  # write-back files: renamed, not fsynced
+    assert [op[0] for op in ops] == ["replace"] and target.read_bytes() == b"cache"
+    for crash in ("write", "rename"):
+        if crash == "rename":
+            monkeypatch.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError("crash")))
+        with pytest.raises((OSError, RuntimeError)), atomic_path(target) as tmp:
+            tmp.write_bytes(b"half")
+            if crash == "write":
+                raise RuntimeError("killed while writing")
+        assert target.read_bytes() == b"cache" and os.listdir(target.parent) == ["f.state"], crash
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names a descriptor's file through Linux's /proc")
+def test_a_users_state_is_fsynced_before_its_record_and_both_before_it_is_acknowledged(model, tmp_path, monkeypatch):
+    """store.put returns (the server answers 200) only after the state's file is fsynced and renamed into place and
+    its folder fsynced, and then its index row committed with synchronous=FULL; a checkpoint (durable=False) is
+    neither. The order matters: a row whose file could be lost would name a state that is not there."""
+    store = StateStore(tmp_path / "s", model.spec, model.fingerprint, model.vocab_size)
+    ops = file_ops(monkeypatch)
+    store.index._db.set_trace_callback(lambda sql: ops.append(("sql", sql.strip().split("\n")[0][:40])))
+    rec = store.put("t", "u", model.prefill(PROMPT)[1], PROMPT)
+    blob = store._blob_path(rec.blob)
+    renamed = ops.index(next(op for op in ops if op[0] == "replace" and op[2] == blob))
+    row = ops.index(next(op for op in ops if op[0] == "sql" and op[1].startswith("INSERT INTO states")))
+    assert ops[renamed - 1] == ("fsync", ops[renamed][1]) and ops[renamed + 1] == ("fsync", blob.parent), ops
+    begin = max(i for i in range(row) if ops[i] == ("sql", "BEGIN IMMEDIATE"))  # the row's transaction
+    assert renamed < begin and ops[begin - 1] == ("sql", "PRAGMA synchronous=FULL"), ops
+    assert ("sql", "COMMIT") in ops[row:], ops[row:]
+    ops.clear()
+    store.put("t#ckpt", "c", model.prefill([1, 2])[1], [1, 2, 3], durable=False)
+    assert not [op for op in ops if op[0] == "fsync"], ops
+    assert ("sql", "PRAGMA synchronous=OFF") in ops, ops
+
+
 def test_write_back_states_spill_when_they_leave_ram(model, tmp_path):
     one = model.spec.nbytes
     store = StateStore(tmp_path / "wb", model.spec, model.fingerprint, model.vocab_size,

@@ -404,10 +404,9 @@ def test_structured_outputs_over_http_and_its_old_names(server):
     assert re.fullmatch("[0-9]{4}", r.json()["choices"][0]["message"]["content"]), r.text
     # vLLM's json_object kind, and its old guided_json_object (hunt 10: ignored with a warning, the reply free text)
     for extra in ({"structured_outputs": {"json_object": True}}, {"guided_json_object": True}):
-        r = httpx.post(url, json={**base, "max_tokens": 200, "temperature": 0, **extra}, timeout=60)
+        r = httpx.post(url, json={**base, "max_tokens": 300, "temperature": 1.0, **extra}, timeout=60)  # greedy loops
         choice = r.json()["choices"][0]
-        assert choice["finish_reason"] == "length" or isinstance(json.loads(choice["text"]), dict), r.text
-        assert choice["text"].startswith("{"), r.text
+        assert choice["finish_reason"] == "stop" and isinstance(json.loads(choice["text"]), dict), r.text
     for bad in ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, {"structured_outputs": {}},
                 {"structured_outputs": {"regex": "(unclosed"}}, {"structured_outputs": {"choice": []}},
                 {"structured_outputs": {"json": "{not json"}},
