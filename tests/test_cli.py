@@ -89,8 +89,7 @@ def test_states_through_the_cli_on_a_server(tmp_path, tiny_pth, capsys):
         assert main(["states", "import", str(tmp_path / "srv.state"), "--name", "back", *url]) == 0
         assert main(["states", "show", "back", *url]) == 0
         capsys.readouterr()
-        with pytest.raises(SystemExit, match="404"):
-            main(["states", "show", "nope", *url])
+        assert main(["states", "show", "nope", *url]) == 2 and "404" in capsys.readouterr().err  # bad input: 2
         for handle in ("../../v1/models", "../responses/resp_1", ".."):  # a path, not a handle: refused here
             assert main(["states", "show", handle, *url]) == 2 and "invalid" in capsys.readouterr().err
     assert main(["states", "ls", "--url", s.url]) == 2  # the server is gone: one line, no traceback
@@ -127,6 +126,13 @@ def test_errors_a_user_makes_are_one_line_not_a_traceback(tmp_path, tiny_pth, ca
     (tmp_path / "file").write_text("x")
     assert main(["convert", str(tiny_pth), str(tmp_path / "file")]) == 2
     capsys.readouterr()
+    # hunt 20: an HF directory converts to a .pth; any other name had got a .pth's bytes, then failed on its files
+    from wkvm.cli import default_model
+
+    assert main(["convert", str(default_model()), str(tmp_path / "tiny-hf")]) == 2
+    assert "NAME.pth" in capsys.readouterr().err and not (tmp_path / "tiny-hf").exists()
+    assert main(["convert", str(tiny_pth), str(tmp_path / "back.pth")]) == 2  # a .pth converts to a directory
+    assert "without .pth" in capsys.readouterr().err and not (tmp_path / "back.pth").exists()
     assert main(["generate", "--model", str(tiny_pth), "--prompt-ids", ",1"]) == 2
     assert "--prompt-ids" in capsys.readouterr().err
     assert main(["generate", "text", "--model", str(tiny_pth), "--prompt-ids", "1,2"]) == 2  # TEXT had been dropped

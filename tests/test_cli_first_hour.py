@@ -46,6 +46,11 @@ def test_fork_switches_the_conversation_to_the_branch(tmp_path, capsys):
     assert "(forked alt@1 from scene@1" in out  # just saved (it had said "the unsaved conversation")
     assert repl.branch == "alt" and repl.handle == "alt@3" and repl.prompt() == "[alt@3] you> "
     assert stored(repl, tmp_path) == {"scene": [1], "alt": [1, 2, 3]}  # the original stays as it was
+    store = StateStore(tmp_path / "states", repl.model.spec, repl.model.fingerprint, repl.model.vocab_size)
+    try:  # the fork's lineage names the save it came from (hunt 20: its parent was null)
+        assert [store.get("local", f"alt@{v}").parent for v in (1, 2, 3)] == ["scene@1", "alt@1", "alt@2"]
+    finally:
+        store.close()
     assert [m["role"] for m in repl.messages] == ["user", "assistant"] * 3
 
 

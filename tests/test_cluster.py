@@ -74,7 +74,7 @@ def chat(client, messages, **headers):
 def test_key_checked_by_the_front(cluster):
     r = httpx.post(f"{cluster.base_url}/v1/completions", json={**GREEDY, "prompt": "ROMEO:"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    assert cluster.get("/health").json() == {"status": "ok", "replicas": ["r0", "r1"]}
+    assert cluster.get("/health").json() == {"status": "ok", "model": "wkvm-tiny-shakespeare", "replicas": ["r0", "r1"]}
     # CORS as a single server: a local page's preflight needs no key, another site's is refused
     ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
     local = httpx.options(f"{cluster.base_url}/v1/completions", headers={"Origin": "http://localhost:3000", **ask})

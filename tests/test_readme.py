@@ -42,22 +42,23 @@ def test_readme_block_runs(server, tmp_path, i):
     if lang == "sh":
         code = "set -e\n" + code.replace("curl -s", "curl -sf")  # -f: an HTTP error fails the block
         run = subprocess.run(["bash", "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    else:
-        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    else:  # "Python snippets below run with .venv/bin/python from any directory"
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert '"error"' not in run.stdout
 
 
-def test_readme_python_api_block_runs(monkeypatch, capsys):
+def test_readme_python_api_block_runs(monkeypatch, capsys, tmp_path):
+    """From any directory, as the README says (hunt 20: it named the model by a path relative to the checkout)."""
     code = next(code for lang, code in BLOCKS if lang == "python" and "from wkvm import LLM" in code)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stderr
     # it prints the text, the token ids and the finish reason
     printed = re.fullmatch(r"(.+) \[([0-9, ]+)\] (stop|length)\n", run.stdout, re.S)
     assert printed, run.stdout
     text, ids, finish = printed[1], [int(t) for t in printed[2].split(", ")], printed[3]
     assert text.strip() and finish == "length" and len(ids) == 40  # this prompt runs to max_tokens=40
-    monkeypatch.chdir(ROOT)
+    monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     exec(code, namespace)  # the same block in this process: its objects, and the same output
     capsys.readouterr()

@@ -592,6 +592,46 @@ def test_a_users_state_is_fsynced_before_its_record_and_both_before_it_is_acknow
     assert ("sql", "PRAGMA synchronous=OFF") in ops, ops
 
 
+HOLDER_CHILD = textwrap.dedent(
+    """
+    import sys
+    from wkvm.weights.loader import load_model
+    from wkvm.state.store import StateStore
+    m = load_model(sys.argv[1])
+    store = StateStore(sys.argv[2], m.spec, m.fingerprint, m.vocab_size)
+    store.put("t#ckpt", "c", m.prefill([1, 2])[1], [1, 2, 3], durable=False)  # in its RAM only, as a server's
+    print("READY", flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+def test_a_state_directory_is_used_by_one_process_at_a_time(model, tiny_pth, tmp_path):
+    """A second process opening a directory a server holds would drop the server's write-back records (its reuse
+    cache, in its RAM: hunt 20's `wkvm states --state-dir` on a live server's directory). It is refused, naming the
+    holder's pid, and changes nothing; once the holder is gone the directory opens. One process may open it again."""
+    from wkvm.state.store import StateDirInUse
+
+    root = tmp_path / "held"
+    child = subprocess.Popen([sys.executable, "-c", HOLDER_CHILD, str(tiny_pth), str(root)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert child.stdout.readline().strip() == "READY"
+        index_before = (root / "index.sqlite").read_bytes()
+        with pytest.raises(StateDirInUse, match=f"pid {child.pid}"):
+            StateStore(root, model.spec, model.fingerprint, model.vocab_size)
+        with pytest.raises(StateDirInUse):  # a server waits a while (a replica's predecessor closing), then says so
+            StateStore(root, model.spec, model.fingerprint, model.vocab_size, lock_wait=0.3)
+        assert (root / "index.sqlite").read_bytes() == index_before
+    finally:
+        child.communicate("\n", timeout=60)
+    store = StateStore(root, model.spec, model.fingerprint, model.vocab_size)
+    again = StateStore(root, model.spec, model.fingerprint, model.vocab_size)  # the same process: allowed
+    again.close()
+    store.put("t", "u", model.prefill([4, 5])[1], [4, 5, 6])
+    store.close()
+
+
 def test_write_back_states_spill_when_they_leave_ram(model, tmp_path):
     one = model.spec.nbytes
     store = StateStore(tmp_path / "wb", model.spec, model.fingerprint, model.vocab_size,

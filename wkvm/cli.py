@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from wkvm import __version__
+from wkvm.config import EMBEDDED_MODEL as EMBEDDED_MODEL  # noqa: F401  (tests and scripts name it here)
+from wkvm.config import default_model
 from wkvm.logs import QUIET_LOGGERS, TEXT_FORMAT, log_config
 
 if TYPE_CHECKING:
@@ -59,15 +61,6 @@ def choice(*names: str) -> Callable[[str], str]:
     return pick
 
 
-EMBEDDED_MODEL = Path(__file__).parent / "assets" / "wkvm-tiny-shakespeare"
-
-
-def default_model() -> Path:
-    """The embedded model (a small model trained on Shakespeare, shipped in the package's assets)."""
-    if not (EMBEDDED_MODEL / "config.json").exists():
-        raise FileNotFoundError(f"the embedded model is missing at {EMBEDDED_MODEL} (a damaged install: reinstall "
-                                "wkvm), or pass --model PATH")  # fmt: skip
-    return EMBEDDED_MODEL
 
 
 KEY_FLAGS = [

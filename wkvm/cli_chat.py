@@ -121,7 +121,8 @@ class ChatREPL:
         transcript = {"messages": self.messages}  # /load brings the chat back, not just the state
         assert self.state is not None, "nothing to save"  # save() checks; turn() saves the state its run left
         try:
-            return self.store.put(OWNER, name, self.state, self.token_ids, self.handle, op, transcript)
+            parent = self.handle or self.saved  # the stored version this state is (a /fork after a /save: the save)
+            return self.store.put(OWNER, name, self.state, self.token_ids, parent, op, transcript)
         except (ValueError, QuotaExceeded) as e:
             print(f"(not saved: {e})")
             return None

@@ -114,7 +114,7 @@ def _memory_bytes() -> int | None:
 
 
 def _model_check(model: str | None) -> tuple[str, bool, str, str]:
-    from wkvm.cli import default_model
+    from wkvm.config import default_model
 
     path = model or str(default_model())
     try:

@@ -34,7 +34,9 @@ class ServerStates:
                 msg = r.json()["error"]["message"]
             except (ValueError, KeyError):
                 msg = r.text
-            raise SystemExit(f"wkvm states: {r.status_code}: {msg}")
+            if r.status_code < 500:  # bad input: one line, exit 2, as every command's (it had exited 1)
+                raise ValueError(f"{r.status_code}: {msg}")
+            raise SystemExit(f"wkvm states: the server failed: {r.status_code}: {msg}")  # its bug: exit 1
         return r
 
     def ls(self) -> list[dict[str, Any]]:
@@ -68,7 +70,7 @@ class DirStates:
     @property
     def store(self) -> StateStore:
         if self._store is None:
-            from wkvm.cli import default_model
+            from wkvm.config import default_model
             from wkvm.state.store import StateStore
             from wkvm.weights.loader import load_model
 

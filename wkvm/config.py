@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from wkvm.logs import FORMATS, LEVELS
+
+EMBEDDED_MODEL = Path(__file__).parent / "assets" / "wkvm-tiny-shakespeare"
+NO_MODEL = "none"  # --model none: no generative model (an embeddings-only server)
+
+
+def default_model() -> Path:
+    """The embedded model (a small model trained on Shakespeare, shipped in the package's assets)."""
+    if not (EMBEDDED_MODEL / "config.json").exists():
+        raise FileNotFoundError(f"the embedded model is missing at {EMBEDDED_MODEL} (a damaged install: reinstall "
+                                "wkvm), or pass --model PATH")  # fmt: skip
+    return EMBEDDED_MODEL
+
 
 if TYPE_CHECKING:
     import torch
@@ -89,8 +102,9 @@ class ServerConfig:
     allowed_origins: str | None = opt(None, "web pages (origins, comma-separated, or *) whose scripts may call the API "
                                       "from a browser (CORS); default: pages served from localhost / 127.0.0.1")
     allowed_hosts: str | None = opt(None, "Host header names answered besides local ones (comma-separated, or *: any); "
-                                    "default: any, but only local names (IP addresses, localhost, *.local, "
-                                    "*.internal) on loopback without an API key (DNS rebinding)")  # fmt: skip
+                                    "default: any, but only local names (IP addresses, localhost, *.localhost, "
+                                    "*.local, *.internal, this machine's name) on loopback without an API key (DNS "
+                                    "rebinding)")  # fmt: skip
     port: int = opt(8000, "TCP port")
     api_keys: list[str] = field(default_factory=list)  # flags: --api-key, --api-key-file
     served_model_name: str | None = opt(None, "model id reported by /v1/models (default: the model's file name)")
@@ -147,6 +161,14 @@ class ServerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         self.engine_config()  # its own checks (prefill_chunk, KV pages, request_timeout) before binding, not at load
+
+    def served_name(self) -> str:
+        """The model id in /v1/models and /health: --served-model-name, else the model's directory or file name."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model == NO_MODEL and self.embeddings:  # an embeddings-only server
+            return Path(self.embeddings).name
+        return Path(self.model).stem if self.model else "wkvm"
 
     def engine_config(self) -> EngineConfig:
         device = self.device

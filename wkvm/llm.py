@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, cast
 
-from wkvm.config import EngineConfig
+from wkvm.config import EngineConfig, default_model
 from wkvm.engine.engine import Engine
 from wkvm.outputs import GenerationOutput
 from wkvm.sampling_params import SamplingParams
@@ -20,7 +20,7 @@ Prompt = str | Sequence[int]
 class LLM:
     def __init__(
         self,
-        model: str | os.PathLike[str],
+        model: str | os.PathLike[str] | None = None,
         tokenizer: str | os.PathLike[str] | None = None,
         config: EngineConfig | None = None,
         weight_cache_layers: int = 0,
@@ -28,9 +28,11 @@ class LLM:
         dtype: str = "float32",
         **config_kwargs: Any,
     ):
-        """`weight_cache_layers` > 0 streams a weight pack's layers from disk through a cache of that many;
+        """`model`: a path (a BlinkDL .pth, an HF/fla directory, a GGUF file, a weight pack), by default the embedded
+        model. `weight_cache_layers` > 0 streams a weight pack's layers from disk through a cache of that many;
         `dtype` "bfloat16" stores the large matrices in bf16 (half the memory; arithmetic stays fp32)."""
         config = replace(config or EngineConfig(), **config_kwargs)
+        model = default_model() if model is None else model
         self.model = load_model(model, device=config.device, dtype=dtype, weight_cache_layers=weight_cache_layers,
                                 read_ahead=read_ahead)  # fmt: skip
         self.tokenizer: Tokenizer = load_text_tools(tokenizer or model, self.model.family)[0]

@@ -598,7 +598,7 @@ class Front:
         replicas = await self.replicas()
         if not replicas:
             return JSONResponse(error_body(503, "no engine replica is ready yet"), status_code=503)
-        return JSONResponse({"status": "ok", "replicas": sorted(replicas)})
+        return JSONResponse({"status": "ok", "model": self.config.served_name(), "replicas": sorted(replicas)})
 
     async def render_metrics(self) -> Response:
         replicas = await self.replicas()

@@ -49,7 +49,7 @@ from wkvm.server.handover import decode as decode_ticket
 from wkvm.server.handover import encode as encode_ticket
 from wkvm.state.quota import StoreLimits, is_internal
 from wkvm.state.sessions import ParkedCopy, SessionKey
-from wkvm.state.store import StateNotFound, StateStore
+from wkvm.state.store import StateDirInUse, StateNotFound, StateStore
 
 log = logging.getLogger("wkvm.cluster")
 DIRECTORY = "wkvm-directory"
@@ -392,8 +392,12 @@ class EngineReplica:
             return 0
 
         def move() -> list[str]:
-            other = StateStore(root, m.spec, m.fingerprint, m.vocab_size, device=cfg.device,
-                               limits=StoreLimits.from_config(cfg))  # fmt: skip
+            try:
+                other = StateStore(root, m.spec, m.fingerprint, m.vocab_size, device=cfg.device,
+                                   limits=StoreLimits.from_config(cfg))  # fmt: skip
+            except StateDirInUse as e:  # its replica is still there (stopping): nothing is left behind yet
+                log.info("replica %s: slot %s is not free to take: %s", self.slot, slot, e)
+                return []
             try:
                 recs = sorted((r for r in other.index.list() if not is_internal(r.owner)),
                               key=lambda r: (r.owner, r.name, r.version))  # fmt: skip

@@ -18,7 +18,7 @@ from pathlib import Path
 from fastapi import Request
 
 from wkvm.chat_template import ChatTemplate
-from wkvm.config import ServerConfig
+from wkvm.config import NO_MODEL, ServerConfig
 from wkvm.embeddings import EmbeddingModel
 from wkvm.engine.client import EngineClient, LocalEngineClient, ModelInfo
 from wkvm.engine.engine import Engine
@@ -34,7 +34,6 @@ from wkvm.tokenizer import Tokenizer
 from wkvm.weights.loader import load_model, load_text_tools
 
 log = logging.getLogger("wkvm.server")
-NO_MODEL = "none"  # --model none: no generative model (an embeddings-only server)
 
 
 def freeze_startup_heap() -> None:
@@ -53,6 +52,8 @@ def freeze_startup_heap() -> None:
 # of 128 tokens on the 0.1B int4 model, one process, AMD EPYC avx512, 2 cores, 2 x 3 rounds alternating: 0.5 ms gave
 # 664-723 tok/s (inter-token p99 15-29 ms) against 557-667 (20-46 ms) at 5 ms.
 GIL_SWITCH_SECONDS = 0.0005
+STATE_DIR_WAIT = 30.0  # seconds a server waits for another process to let go of its state directory (a replica's
+# predecessor in its slot still closing), then refuses to start, naming the holder
 
 
 @dataclass
@@ -99,11 +100,7 @@ class ServerContext:
 
     @property
     def model_name(self) -> str:
-        if self.config.served_model_name:
-            return self.config.served_model_name
-        if not self.generative and self.config.embeddings:
-            return Path(self.config.embeddings).name
-        return Path(self.config.model).stem if self.config.model else "wkvm"
+        return self.config.served_name()
 
     def load(self) -> None:
         """Load the model and build the engine and store (called on a background thread at startup)."""
@@ -135,7 +132,7 @@ class ServerContext:
                 root = self._tmp.name
             limits = StoreLimits.from_config(cfg)
             self.store = StateStore(root, m.spec, m.fingerprint, m.vocab_size, device=cfg.device, limits=limits,
-                                    verify_on_load=cfg.verify_state_loads)  # fmt: skip
+                                    verify_on_load=cfg.verify_state_loads, lock_wait=STATE_DIR_WAIT)  # fmt: skip
             self.service = StateService(self.store)
             self.responses = ResponseStore(Path(root) / "responses.sqlite")
             self.sessions = ChatSessions(self.service, m.fingerprint, cfg, self.metrics)

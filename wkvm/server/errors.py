@@ -24,7 +24,7 @@ from wkvm.state.statefile import StateFileError
 from wkvm.state.store import PinNoRoom, QuotaExceeded, StateNotFound, StatePinned
 
 log = logging.getLogger("wkvm.server")
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
          405: "invalid_request_error", 409: "conflict_error", 413: "request_too_large", 429: "rate_limit_error",
          499: "client_closed_request", 503: "service_unavailable"}  # fmt: skip
 
@@ -38,7 +38,8 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": TYPES.get(status, "api_error"), "param": param, "code": code}}
+    kind = TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")  # api_error: OpenAI's 5xx
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -153,7 +154,7 @@ def install_error_handlers(app: FastAPI) -> None:
         StatePinned: lambda e: error_response(409, str(e), "handle", "state_pinned"),
         PinNoRoom: lambda e: error_response(409, str(e), "handle", "pinned_tiers_full"),
         StateFileError: lambda e: error_response(400, str(e), "body", "invalid_state"),
-        MutationError: lambda e: error_response(400, str(e), "params", "invalid_mutation"),
+        MutationError: lambda e: error_response(400, str(e), e.param, "invalid_mutation"),
         QuotaExceeded: lambda e: error_response(413, str(e), None, "state_quota_exceeded"),
         # Retry-After as OpenAI's 429s carry it (the openai SDK waits that long before its retry; without it, its own
         # backoff), and as this server's 503s do

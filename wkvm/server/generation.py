@@ -326,9 +326,10 @@ def usage(prompt_tokens: int, handles: Sequence[Answer], done_tokens: int = 0,
 
 def cached_tokens(extra: dict[str, Any] | None) -> int:
     """The prompt tokens reused from stored states: a request's `wkvm.reused_tokens`, summed over a completion's
-    prompts (`wkvm.prompts`)."""
+    prompts (`wkvm.prompts`). A request that goes on from a named state (mode "state") reused that state's tokens,
+    none of its prompt's: 0, so that cached_tokens stays a part of prompt_tokens, as OpenAI's is."""
     info = (extra or {}).get("wkvm") or {}
-    return sum(int(p.get("reused_tokens") or 0) for p in info.get("prompts", [info]))
+    return sum(int(p.get("reused_tokens") or 0) for p in info.get("prompts", [info]) if p.get("mode") != "state")
 
 
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity; vLLM reports impossible tokens with this value too

@@ -188,7 +188,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         if body.return_token_ids:
             c["token_ids"] = h.output.token_ids
             c["prompt_token_ids"] = suffix
-        return {**base, "choices": [c], "usage": gen.usage(len(suffix), handles), **await run_in_threadpool(extras)}
+        extra = await run_in_threadpool(extras)
+        return {**base, "choices": [c], "usage": gen.usage(len(suffix), handles, extra=extra), **extra}
 
     return r
 

@@ -21,7 +21,9 @@ PARAMS: dict[str, tuple[str, ...]] = {}  # a rule's params, where it declared th
 
 
 class MutationError(ValueError):
-    pass
+    def __init__(self, message: str, param: str = "params"):
+        super().__init__(message)
+        self.param = param  # the request's field at fault
 
 
 def register_mutation(name: str, params: tuple[str, ...] | None = None) -> Callable[[MutationRule], MutationRule]:
@@ -73,7 +75,7 @@ def interpolate(spec: StateSpec, state: State, params: dict[str, Any], load: Loa
 
 def apply_mutation(rule: str, spec: StateSpec, state: State, params: dict[str, Any], load: Loader) -> State:
     if rule not in RULES:
-        raise MutationError(f"unknown mutation rule {rule!r}; known: {sorted(RULES)}")
+        raise MutationError(f"unknown mutation rule {rule!r}; known: {sorted(RULES)}", "rule")
     takes = PARAMS.get(rule)
     unknown = sorted(k for k in params if k == "rule" or (takes is not None and k not in takes))
     if unknown:  # the params are recorded as the new state's provenance: only those the rule reads

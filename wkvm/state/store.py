@@ -26,6 +26,7 @@ import torch
 from wkvm.models.spec import State, StateSpec
 from wkvm.state import statefile
 from wkvm.state.blobs import BlobFiles, blob_digest, blob_name
+from wkvm.state.dir_lock import StateDirInUse, lock_dir, unlock_dir
 from wkvm.state.index import StateIndex, StateRecord
 from wkvm.state.quota import INDEX_COMMIT_BYTES, DiskUsage, QuotaExceeded, StoreLimits, is_internal, state_file_bytes
 from wkvm.state.statefile import (
@@ -40,7 +41,7 @@ from wkvm.state.statefile import (
 )
 from wkvm.state.tiers import TierCache
 
-__all__ = ["QuotaExceeded", "StateNotFound", "StatePinned", "StateStore", "StoreLimits", "is_internal"]
+__all__ = ["QuotaExceeded", "StateDirInUse", "StateNotFound", "StatePinned", "StateStore", "StoreLimits", "is_internal"]
 log = logging.getLogger("wkvm.state")
 TIERS = ("device", "host", "disk")
 
@@ -74,8 +75,21 @@ class StateStore:
         device: str | torch.device = "cpu",
         limits: StoreLimits | None = None,
         verify_on_load: bool = False,
+        lock_wait: float = 0.0,
     ):
+        """`lock_wait`: seconds to wait for another process to let go of the directory (`dir_lock`), then
+        StateDirInUse."""
         self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._dir_key = lock_dir(self.root, lock_wait)
+        try:
+            self._open(spec, fingerprint, vocab_size, device, limits, verify_on_load)
+        except BaseException:
+            unlock_dir(self._dir_key)
+            raise
+
+    def _open(self, spec: StateSpec, fingerprint: str, vocab_size: int | None, device: str | torch.device,
+              limits: StoreLimits | None, verify_on_load: bool) -> None:  # fmt: skip
         self.files = BlobFiles(self.root, spec, fingerprint, vocab_size)
         self.spec = spec
         self.fingerprint = fingerprint
@@ -459,3 +473,4 @@ class StateStore:
             for blob in reversed(list(self.usage.internal)):
                 self._spill(blob, make_room=False)
         self.index.close()
+        unlock_dir(self._dir_key)

@@ -184,6 +184,10 @@ def write_pth(raw: RawTensors, dst: str | os.PathLike[str]) -> None:
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> str:
     """Convert between .pth and HF/fla directory (direction from the source); returns the target format."""
+    to_pth = Path(src).is_dir()  # a .pth converts to a directory, a directory to a .pth (companions: NAME.*.json)
+    if to_pth != (Path(dst).suffix == ".pth"):  # checked before writing: a directory's .pth had been written under
+        raise ValueError(f"{src} converts to {'a .pth file' if to_pth else 'an HF directory'}: name the destination "
+                         f"{'NAME.pth' if to_pth else 'without .pth'} (got {dst})")  # any name, then its files failed
     raw, _, fmt = read_checkpoint(src)
     if fmt == PTH_FORMAT:
         write_hf(raw, dst)
