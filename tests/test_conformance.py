@@ -24,6 +24,7 @@ from wkvm.engine.engine import Engine
 from wkvm.models import registry
 from wkvm.sampling_params import SamplingParams
 from wkvm.server.handover import STATES, HandoverError, Ticket, decode, encode
+from wkvm.server.openai_routes import reuse_scope
 from wkvm.weights.loader import load_model, load_text_tools
 
 FAMILIES = all_families()
@@ -395,3 +396,16 @@ def test_a_shared_system_prompt_is_reused_from_the_second_request(server, model)
         assert r["choices"][0]["token_ids"] == greedy_reference(model, r["prompt_token_ids"], 6)
         reused.append(r["wkvm"]["reused_tokens"])
     assert reused[0] == 0 and all(n >= len(head) for n in reused[1:]), (reused, len(head))
+    # every checkpoint these requests left (the system prompt's branch point, each prompt's end, each answer's end)
+    # holds the state of exactly the tokens it records, all but the last (pending): answer equality alone misses an
+    # off-by-one on tiny random models, which often answer the same after a token more or less (hunt 21)
+    store = server.ctx.store
+    mine = [r for r in store.index.list() if r.owner.startswith(reuse_scope("anonymous", user, None) + "#")]
+    assert len(mine) >= 5, [r.handle for r in mine]
+    for rec in mine:
+        full, state = store.load(rec.owner, rec.handle)
+        want = model.prefill(full.token_ids[:-1])[1]
+        assert sorted(state) == sorted(want), rec.handle
+        for k in want:
+            assert state[k].shape == want[k].shape, (rec.handle, k)
+            assert torch.allclose(state[k].float(), want[k].float(), rtol=1e-4, atol=1e-4), (rec.handle, k)
