@@ -5,6 +5,7 @@ os.environ["RWKV_V7_ON"] = "1"  # BlinkDL's `rwkv` package reads this at import
 os.environ.setdefault("RWKV_CUDA_ON", "0")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from wkvm.models.rwkv7.random_weights import RWKV7Shape, save_random_rwkv7  # noqa: E402
 
@@ -158,3 +159,18 @@ def no_server_errors(request):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "allows_5xx: the test expects the server to answer a 5xx (e.g. 503 loading)")
+
+
+def x_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 / int4 kernels see it, written from x_groups.h's contract in torch: per group of 32 along K,
+    scale = max|x| / 127 and q = x * (127 / max|x|) rounded to nearest, ties to even (float32 operations, so the same
+    integers)."""
+    m, k = x.shape
+    g = -(-k // 32) * 32
+    padded = torch.zeros(m, g)
+    padded[:, :k] = x
+    groups = padded.view(m, -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    q = torch.round((groups * inv).clamp(-127, 127))
+    return (q.double() * (amax / 127).double()).view(m, g)[:, :k]

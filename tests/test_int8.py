@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from conftest import greedy_reference
+from conftest import greedy_reference, x_rounded
 
 from wkvm import LLM, SamplingParams
 from wkvm.cli import EMBEDDED_MODEL, main
@@ -96,6 +96,26 @@ def test_kernel_equals_the_float64_product_on_every_isa(shape, m):
     # agree (past KERNEL_ROWS rows only VNNI and AMX keep the kernel: the others dequantize for oneDNN)
     kernel = [y for p, y in outs.items() if m <= int8.KERNEL_ROWS or p in int8.ALL_SIZES]
     assert all(torch.equal(kernel[0], y) for y in kernel)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("m", [1, 8, 33])
+def test_x_is_rounded_to_nearest_per_group_as_documented(shape, m):
+    """The kernels' product equals the product of x rounded as documented (to nearest), to float rounding: the bound
+    above allows any rounding of x within a step, and the paths are compared with one another, so a change to
+    x_groups.h's rounding that every path shares (truncation) had passed every kernel test (hunt 21)."""
+    paths = native_paths()
+    if not paths:
+        pytest.skip("no C++ compiler: the native kernel cannot be built here")
+    n, k = shape
+    torch.manual_seed(7 * n + k + m)
+    q, x = int8.quantize(torch.randn(n, k)), torch.randn(m, k)
+    w = int8.dequantize(q).double()
+    want, tol = x_rounded(x) @ w.T, 1e-5 * (x.double().abs() @ w.abs().T) + 1e-30
+    for p in paths:
+        if m > int8.KERNEL_ROWS and p not in int8.ALL_SIZES:
+            continue  # dequantizes for oneDNN there: x is not rounded
+        assert ((int8.linear(x, q, p).double() - want).abs() <= tol).all(), p
 
 
 def test_x_groups_of_zeros_nans_and_extremes_round_alike_on_every_isa():
