@@ -12,6 +12,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -78,15 +79,17 @@ SERVE_ENV = {"RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "1.0",
 RUNTIME_ENV = {"env_vars": SERVE_ENV}
 
 
-def start(config: ServerConfig) -> Any:
+def start(config: ServerConfig, after_init: Callable[[], None] = lambda: None) -> Any:
     """Join or start Ray, start Serve on --host/--port and deploy (returns once every replica is ready) and the
-    directory's handle: the caller keeps it (an actor lives while a handle to it does)."""
+    directory's handle: the caller keeps it (an actor lives while a handle to it does). `after_init` runs right after
+    ray.init, which installs its own SIGTERM handler (the caller's signal handlers go back there)."""
     for k, v in SERVE_ENV.items():  # a local Ray's processes (Serve's proxy and controller too) inherit these
         os.environ.setdefault(k, v)
     if config.ray_address:
         ray.init(address=config.ray_address, namespace=APP, include_dashboard=False, runtime_env=RUNTIME_ENV)
     else:
         ray.init(namespace=APP, include_dashboard=False, runtime_env=RUNTIME_ENV)
+    after_init()
     serve.start(http_options={"host": config.host, "port": config.port})
     directory = directory_actor()
     serve.run(application(config), name=APP, route_prefix="/")
@@ -155,12 +158,13 @@ def run(config: ServerConfig) -> int:
 
     install()
     try:
-        directory = start(config)
+        # again after ray.init, whose own SIGTERM handler ended the process without a graceful stop: a SIGTERM while
+        # the replicas still loaded (the front's /health already answering) killed it with a stack dump (session 29)
+        directory = start(config, after_init=install)
     except RuntimeError as e:  # a replica failed to start (its traceback is in the log above)
         log.error("the replicas did not start: %s", e)
         stop()
         return 1
-    install()  # again: ray.init installs its own SIGTERM handler, which ended the process without a graceful stop
     absorb_unheld_slots(config, directory)  # a restart with fewer replicas than before
     log.info("wkvm serving on http://%s:%d with %d replicas", config.host, config.port, config.replicas)
     generation = 0
