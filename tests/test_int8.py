@@ -10,7 +10,7 @@ from conftest import greedy_reference, x_rounded
 
 from wkvm import LLM, SamplingParams
 from wkvm.cli import EMBEDDED_MODEL, main
-from wkvm.models import int8
+from wkvm.models import int4, int8
 from wkvm.models.linear import embedding, linear, stored
 from wkvm.tokenizer import load_tokenizer
 from wkvm.weights.loader import load_model
@@ -98,24 +98,26 @@ def test_kernel_equals_the_float64_product_on_every_isa(shape, m):
     assert all(torch.equal(kernel[0], y) for y in kernel)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("shape", [(37, 64), (7, 4128), (129, 96), (50, 1056)])  # K a multiple of 32 for int4
 @pytest.mark.parametrize("m", [1, 8, 33])
-def test_x_is_rounded_to_nearest_per_group_as_documented(shape, m):
-    """The kernels' product equals the product of x rounded as documented (to nearest), to float rounding: the bound
-    above allows any rounding of x within a step, and the paths are compared with one another, so a change to
-    x_groups.h's rounding that every path shares (truncation) had passed every kernel test (hunt 21)."""
-    paths = native_paths()
-    if not paths:
+def test_x_is_rounded_to_nearest_per_group_as_documented(kind, shape, m):
+    """The int8 and int4 kernels' product equals the product of x rounded as x_groups.h documents (to nearest), to
+    float rounding: their tests' bound allows any rounding of x within a step, and the paths are compared with one
+    another, so a rounding change every path shares (truncation) had passed every kernel test (hunt 21)."""
+    module = {"int8": int8, "int4": int4}[kind]
+    best = module.native_isa()
+    if best is None:
         pytest.skip("no C++ compiler: the native kernel cannot be built here")
     n, k = shape
     torch.manual_seed(7 * n + k + m)
-    q, x = int8.quantize(torch.randn(n, k)), torch.randn(m, k)
-    w = int8.dequantize(q).double()
+    q, x = module.quantize(torch.randn(n, k)), torch.randn(m, k)
+    w = module.dequantize(q).double()
     want, tol = x_rounded(x) @ w.T, 1e-5 * (x.double().abs() @ w.abs().T) + 1e-30
-    for p in paths:
-        if m > int8.KERNEL_ROWS and p not in int8.ALL_SIZES:
+    for p in module.ISAS[: module.ISAS.index(best) + 1]:
+        if m > module.KERNEL_ROWS and p not in module.ALL_SIZES:
             continue  # dequantizes for oneDNN there: x is not rounded
-        assert ((int8.linear(x, q, p).double() - want).abs() <= tol).all(), p
+        assert ((module.linear(x, q, p).double() - want).abs() <= tol).all(), p
 
 
 def test_x_groups_of_zeros_nans_and_extremes_round_alike_on_every_isa():
