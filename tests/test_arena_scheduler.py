@@ -127,6 +127,8 @@ def test_preemption_parks_lowest_rank_and_resumes():
         fake_step(sched, batch, fake)
         batch = sched.schedule()
     assert low.status == Status.RUNNING and arena.tensors["a"][low.slot, 0] == 7.0
+    # the queue time (/metrics) ends at the first slot: a preempted request's return does not move it
+    assert low.arrival <= low.admitted < high.arrival <= high.admitted, (low.admitted, high.arrival)
 
 
 @pytest.mark.parametrize("seed", range(5))

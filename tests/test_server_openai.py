@@ -357,7 +357,7 @@ def test_metrics(server, client):
     assert moved("wkvm_time_to_first_token_seconds_count") == 1
     assert moved("wkvm_inter_token_latency_seconds_count") == 1  # one gap between two tokens
     assert moved("wkvm_choices_finished_total", (("finished_reason", "length"),)) == 1
-    assert moved("wkvm_e2e_request_latency_seconds_count") == 1
+    assert moved("wkvm_e2e_request_latency_seconds_count") == 1 == moved("wkvm_request_queue_time_seconds_count")
     assert moved("wkvm_e2e_request_latency_seconds_sum") >= moved("wkvm_time_to_first_token_seconds_sum") > 0
     assert moved("wkvm_prefix_reuse_misses_total") == 1 and moved("wkvm_prefix_reuse_hits_total") == 0
     assert moved("wkvm_prefix_reuse_tokens_total") == 0

@@ -377,7 +377,7 @@ def test_every_choice_is_timed_as_its_tokens_come_and_from_the_requests_arrival(
     metrics = SimpleNamespace(ttft=SimpleNamespace(observe=lambda v: seen.append(("ttft", v))),
                               itl=SimpleNamespace(observe=lambda v: None),
                               generated_tokens=SimpleNamespace(inc=lambda n: None),
-                              finished=lambda reason, seconds: seen.append((reason, seconds)))  # fmt: skip
+                              finished=lambda reason, seconds, queued: seen.append((reason, seconds)))  # fmt: skip
     ctx = SimpleNamespace(metrics=metrics)
 
     class Request:

@@ -57,6 +57,7 @@ class Request:
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower runs first; ties go to the earlier arrival
+    admitted: float | None = None  # when it first got a slot (monotonic seconds): its time in the queue ends
     deadline: float | None = None  # monotonic seconds
     initial_state: State | None = None  # start from this state instead of zeros (host copy, batch 1)
     base_ids: list[int] = field(default_factory=list)  # tokens already inside initial_state

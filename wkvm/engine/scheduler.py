@@ -13,6 +13,7 @@ request waits itself.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -152,6 +153,8 @@ class Scheduler:
             req.slot = None
             return False
         req.status = Status.RUNNING
+        if req.admitted is None:
+            req.admitted = time.monotonic()
         self.running.append(req)
         return True
 

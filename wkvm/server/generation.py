@@ -238,7 +238,9 @@ class Watch:
             self.last[i] = now
             m.generated_tokens.inc(len(ev.token_ids))
         if ev.finish_reason is not None and ev.error_code != ErrorCode.MIGRATED:  # a moved choice ends elsewhere
-            m.finished(ev.finish_reason, now - self.t0)
+            req = getattr(self.handles[i], "request", None)  # the engine's: when it was queued and got a slot
+            queued = req.admitted - req.arrival if req is not None and req.admitted is not None else None
+            m.finished(ev.finish_reason, now - self.t0, queued)
 
     async def __aenter__(self) -> Watch:
         self._task = asyncio.create_task(self._watch())

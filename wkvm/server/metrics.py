@@ -55,6 +55,9 @@ class Metrics:
                                       "error)", ["finished_reason"], registry=r)  # fmt: skip
         self.e2e = Histogram("wkvm_e2e_request_latency_seconds", "Time from a request's arrival to a choice's end",
                              buckets=LATENCY_BUCKETS + (60, 120, 300), registry=r)  # fmt: skip
+        self.queue_time = Histogram("wkvm_request_queue_time_seconds", "Time a choice waited in the engine's queue "
+                                    "for a slot (vLLM's request_queue_time_seconds)",
+                                    buckets=LATENCY_BUCKETS + (60, 120), registry=r)  # fmt: skip
         self.queue_depth = Gauge("wkvm_queue_depth", "Requests waiting for a slot", registry=r)
         self.running = Gauge("wkvm_running_requests", "Requests holding a slot", registry=r)
         self.slots_free = Gauge("wkvm_slots_free", "Free state slots", registry=r)
@@ -76,9 +79,13 @@ class Metrics:
     def count_request(self, route: str, status: int) -> None:
         self.requests.labels(route, str(status)).inc()
 
-    def finished(self, reason: str, seconds: float) -> None:
+    def finished(self, reason: str, seconds: float, queued: float | None) -> None:
+        """A choice's end: its reason, its time since the request arrived and (if it got a slot) its time waiting
+        for one in the engine's queue."""
         self.finish_reasons.labels(reason).inc()
         self.e2e.observe(seconds)
+        if queued is not None:
+            self.queue_time.observe(queued)
 
     def reuse_hit(self, tokens: int) -> None:
         self.reuse_hits.inc()
