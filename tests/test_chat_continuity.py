@@ -1,6 +1,7 @@
 """Chat continuity: parent-token-v1 sessions and automatic prefix reuse never change an answer."""
 
 import threading
+import time
 import uuid
 
 import httpx
@@ -9,6 +10,7 @@ import pytest
 from live_server import LiveServer
 
 from wkvm.sampling_params import SamplingParams
+from wkvm.state.quota import state_file_bytes
 
 GREEDY = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
 USER_TURNS = ["Goodmorrow,friend.", "Whatnewsfromthecourt?", "Speakplainly.", "Andthen?", "Farewell."]
@@ -201,6 +203,36 @@ def test_tight_caps_evict_and_stay_correct(char_model, fresh):
                 assert r["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
         assert len(tight.ctx.sessions.sessions) == 1
         assert all(len(t) <= 1 for t in tight.ctx.sessions.tries.values())
+
+
+def test_checkpoints_the_store_evicts_leave_their_trie_and_a_scope_without_any_goes(char_model, reuse):
+    """Hunt 22: each reuse scope (a `user`, say) kept a trie of every checkpoint it was told of after the store had
+    evicted them, and the scope's trie stayed: ~115 MB per 1,000 users. Now the tries hold just what the store holds."""
+    ckpt = state_file_bytes(reuse.ctx.model.spec, 24)  # the same model's
+    with LiveServer(model=str(char_model), slots=2, checkpoint_bytes=4 * ckpt) as server:
+        ctx = server.ctx
+        OpenWebUI(server).turn(USER_TURNS[0])  # a parked session: its state is evicted as well
+        assert all(s.handle for s in ctx.sessions.sessions.values())
+        for i in range(12):
+            run_plan(ctx, "t", ctx.tokenizer.encode(f"[user]Scope{i}.[assistant]"), scope=f"t/u{i}")
+        records = ctx.store.index.list()
+        stored = {(r.owner.removesuffix("#ckpt"), r.handle) for r in records if r.owner.endswith("#ckpt")}
+        known = {(scope, key) for scope, trie in ctx.sessions.tries.items() for key in trie.fed_of}
+        assert known == stored and 0 < len(stored) <= 4
+        assert all(len(trie) > 0 for trie in ctx.sessions.tries.values()) and len(ctx.sessions.tries) <= 4
+        assert [(s.handle, s.token_ids) for s in ctx.sessions.sessions.values()] == [(None, [])]
+        info, _ = run_plan(ctx, "t", ctx.tokenizer.encode("[user]Scope11.[assistant]Again"), scope="t/u11")
+        assert info["reused_tokens"] > 0  # the newest are still reused
+
+
+def test_expired_chat_sessions_go_even_if_their_chat_never_returns(char_model):
+    with LiveServer(model=str(char_model), slots=2, chat_session_ttl=0.5) as server:
+        a, b = OpenWebUI(server), OpenWebUI(server)
+        a.turn(USER_TURNS[0])
+        assert len(server.ctx.sessions.sessions) == 1
+        time.sleep(0.6)
+        b.turn(USER_TURNS[0])  # parking b's session sweeps a's, expired
+        assert [k[2] for k in server.ctx.sessions.sessions] == [b.chat_id]
 
 
 def test_no_prefix_reuse_switch(fresh):

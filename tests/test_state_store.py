@@ -692,6 +692,29 @@ def test_restart_reads_back_only_changed_files(model, tmp_path, monkeypatch):
     assert len(decoded) == 2
 
 
+def test_a_deleted_or_evicted_files_check_is_forgotten_with_it(model, tmp_path):
+    """The index keeps a row per checked file; a file's row goes with its last record (it had stayed until the next
+    restart: one row per checkpoint ever evicted)."""
+    budget = 2 * state_file_bytes(model.spec, 3)
+    store = StateStore(tmp_path / "k", model.spec, model.fingerprint, limits=StoreLimits(internal_bytes=budget))
+    user = store.put("u", "a", random_state(model.spec, 0), [1, 2, 3])
+    store.fork("u", user.handle, "b")  # the same file: its check stays while a record uses it
+    for i in range(5):  # two fit the budget: three evicted
+        store.put("t#ckpt", f"c{i}", random_state(model.spec, 10 + i), [1, 2, i], durable=False)
+    store.close()  # writes the kept checkpoints back, checking them
+    store = StateStore(tmp_path / "k", model.spec, model.fingerprint, limits=StoreLimits(internal_bytes=budget))
+    kept = {r.blob for r in store.list("t#ckpt")}
+    assert set(store.index.checked_files()) == kept | {user.blob} and len(kept) == 2
+    store.delete("u", user.handle)
+    assert user.blob in store.index.checked_files()
+    store.delete("u", "b@1")
+    for i in range(5, 8):
+        store.put("t#ckpt", f"c{i}", random_state(model.spec, 10 + i), [1, 2, i], durable=False)
+    checked = set(store.index.checked_files())
+    assert user.blob not in checked and not kept & checked  # the user's file deleted, both checkpoints evicted
+    store.close()
+
+
 def random_state(spec, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {t.name: torch.randn((1, *t.shape), generator=g) for t in spec.tensors}

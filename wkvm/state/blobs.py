@@ -107,7 +107,7 @@ class BlobFiles:
                     index.set_checked(blob, stat)
                 sizes[blob] = self.size(blob)
             except (FileNotFoundError, StateFileError) as e:
-                dropped = index.delete_blob_records(blob)
+                dropped = len(index.delete_blob_records(blob))
                 # a write-back checkpoint's file may never have been written before a crash (state-file.md): expected
                 internal = all(is_internal(r.owner) for r in records if r.blob == blob)
                 log.log(logging.INFO if internal else logging.ERROR, "%s blob %s unusable (%s): dropped %d record(s)",

@@ -280,16 +280,24 @@ class StateIndex:
             [(d, d) for d in digests],
         )
 
+    def _forget_checks(self, blobs: set[str]) -> None:
+        """Forget the checks of files no record uses any more (inside the caller's transaction): their files go."""
+        self._db.executemany(
+            "DELETE FROM checked_files WHERE blob = ? AND NOT EXISTS (SELECT 1 FROM states WHERE blob = ?)",
+            [(b, b) for b in blobs],
+        )
+
     def delete(self, owner: str, name: str, version: int, durable: bool = True) -> None:
         with self._lock:
             self._sync(durable)
             with self._db:
                 self._db.execute("BEGIN IMMEDIATE")
                 rows = self._db.execute(
-                    "DELETE FROM states WHERE owner = ? AND name = ? AND version = ? RETURNING token_digest",
+                    "DELETE FROM states WHERE owner = ? AND name = ? AND version = ? RETURNING token_digest, blob",
                     (owner, name, version),
                 ).fetchall()
                 self._forget_histories({r[0] for r in rows})
+                self._forget_checks({r[1] for r in rows})
             self._sync(True)
 
     def set_pinned(self, owner: str, name: str, version: int, pinned: bool) -> None:
@@ -334,12 +342,16 @@ class StateIndex:
         with self._lock, self._db:
             self._db.executemany("DELETE FROM checked_files WHERE blob = ?", [(b,) for b in blobs])
 
-    def delete_blob_records(self, blob: str, durable: bool = True) -> int:
+    def delete_blob_records(self, blob: str, durable: bool = True) -> builtins.list[tuple[str, str]]:
+        """Delete every record of `blob`; their (owner, handle)s."""
         with self._lock:
             self._sync(durable)
             with self._db:
                 self._db.execute("BEGIN IMMEDIATE")
-                rows = self._db.execute("DELETE FROM states WHERE blob = ? RETURNING token_digest", (blob,)).fetchall()
+                rows = self._db.execute(
+                    "DELETE FROM states WHERE blob = ? RETURNING token_digest, owner, name, version", (blob,)
+                ).fetchall()
                 self._forget_histories({r[0] for r in rows})
+                self._forget_checks({blob})
             self._sync(True)
-            return len(rows)
+            return [(r[1], f"{r[2]}@{r[3]}") for r in rows]

@@ -32,6 +32,7 @@ class PrefixTrie:
         self.capacity = capacity
         self.root = _Node()
         self.lru: OrderedDict[tuple[int, ...], Checkpoint] = OrderedDict()
+        self.fed_of: dict[str, tuple[int, ...]] = {}  # a checkpoint's key -> its fed tokens
 
     def __len__(self) -> int:
         return len(self.lru)
@@ -43,9 +44,12 @@ class PrefixTrie:
         for t in fed:
             node = node.children.setdefault(t, _Node())
         replaced = [node.checkpoint] if node.checkpoint is not None and node.checkpoint.key != key else []
+        for cp in replaced:
+            self.fed_of.pop(cp.key, None)
         node.checkpoint = Checkpoint(key, len(fed), kind, tuple(token_ids))
         self.lru.pop(fed, None)
         self.lru[fed] = node.checkpoint
+        self.fed_of[key] = fed
         evicted = replaced
         while len(self.lru) > self.capacity:
             old_fed, _ = next(iter(self.lru.items()))
@@ -110,6 +114,8 @@ class PrefixTrie:
             path.append(nxt)
         cp, path[-1].checkpoint = path[-1].checkpoint, None
         self.lru.pop(tuple(fed), None)
+        if cp is not None:
+            self.fed_of.pop(cp.key, None)
         for depth in range(len(fed), 0, -1):  # prune branches that hold nothing now
             node = path[depth]
             if node.checkpoint is None and not node.children:
@@ -117,3 +123,8 @@ class PrefixTrie:
             else:
                 break
         return cp
+
+    def remove_key(self, key: str) -> Checkpoint | None:
+        """Remove the checkpoint stored under `key` (the caller's store let it go), if it is here."""
+        fed = self.fed_of.get(key)
+        return None if fed is None else self.remove(list(fed))

@@ -11,7 +11,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -150,8 +150,11 @@ class ChatSessions:
         self.service, self.store = service, service.store
         self.fingerprint, self.config, self.metrics = fingerprint, config, metrics
         self.enabled = config.prefix_reuse
-        self.capacity = max(1, config.checkpoint_bytes // max(self.store.spec.nbytes, 1))
-        self.tries: dict[str, PrefixTrie] = {}
+        spec = self.store.spec  # a checkpoint holds at least one token: the most the budget can hold
+        self.capacity = max(1, config.checkpoint_bytes // max(spec.nbytes + spec.token_nbytes, 1))
+        self.tries: dict[str, PrefixTrie] = {}  # per reuse scope; a scope's goes when its last checkpoint does
+        self.evicted: deque[tuple[str, str]] = deque()  # (owner, handle) the store evicted, not yet forgotten here
+        self.store.on_evict = lambda owner, handle: self.evicted.append((owner, handle))
         self.sessions: OrderedDict[SessionKey, Session] = OrderedDict()
         self.lock = threading.RLock()
         self.mirror: SessionMirror | None = None  # set by a cluster replica
@@ -170,6 +173,29 @@ class ChatSessions:
 
     def _trie(self, scope: str) -> PrefixTrie:
         return self.tries.setdefault(scope, PrefixTrie(self.capacity))
+
+    def _forget_evicted(self) -> None:
+        """Forget what the store evicted to keep within its budget (under self.lock): checkpoints leave their trie,
+        an empty trie its scope, and an evicted parked session its state (its next turn restarts: no_session). The
+        store only queues them, as it evicts under its own lock."""
+        sessions: set[tuple[str, str]] = set()
+        while self.evicted:
+            owner, handle = self.evicted.popleft()
+            if owner.endswith(CKPT):
+                self._untrie(owner.removesuffix(CKPT), handle)
+            elif owner.endswith(SESS):
+                sessions.add((owner.removesuffix(SESS), handle))
+        if sessions:
+            for key, sess in self.sessions.items():
+                if (key[0], sess.handle) in sessions:
+                    sess.handle, sess.token_ids = None, []
+
+    def _untrie(self, scope: str, key: str) -> None:
+        trie = self.tries.get(scope)
+        if trie is not None:
+            trie.remove_key(key)
+            if not trie:
+                del self.tries[scope]
 
     # --- planning ------------------------------------------------------------------------------
     def from_handle(self, tenant: str, handle: str, new_ids: list[int]) -> Plan:
@@ -206,20 +232,22 @@ class ChatSessions:
         """The longest stored checkpoint that starts this prompt; for attention-only models (a state cut to any
         shorter history is exact) the checkpoint sharing the most leading tokens, cut to them."""
         spec = self.store.spec
+        found = None
         with self.lock:
-            trie = self._trie(scope)
-            if spec.cuttable:
+            self._forget_evicted()
+            trie = self.tries.get(scope)
+            if trie is not None and spec.cuttable:
                 found = trie.longest_shared(prompt_ids)
-            else:
+            elif trie is not None:
                 cp = trie.longest(prompt_ids)
                 found = (cp, cp.n_fed) if cp is not None else None
         state = None
         if found is not None:
             try:
                 _, state = self.store.load(scope + CKPT, found[0].key)
-            except StateNotFound:  # evicted by the store (its budget, or room for users' states)
+            except StateNotFound:  # evicted by the store since (its budget, or room for users' states)
                 with self.lock:
-                    self._trie(scope).remove(list(found[0].full_ids[:-1]))
+                    self._untrie(scope, found[0].key)
         if found is None or state is None:
             self.metrics.reuse_miss()
             return Plan(list(prompt_ids), info={"mode": "fresh", "reused_tokens": 0, "restart_reason": reason})
@@ -239,7 +267,8 @@ class ChatSessions:
         tokens it feeds): where it parts from a stored history, else the end of its system messages (shared by
         many conversations from their first). The run keeps the state there."""
         with self.lock:
-            point = self._trie(scope).branch_point(prompt_ids) or system_tokens
+            trie = self.tries.get(scope)
+            point = (trie.branch_point(prompt_ids) if trie is not None else 0) or system_tokens
         return point - reused if reused < point < len(prompt_ids) - 1 else None
 
     def _parent_bound(self, tenant: str, scope: str, prompt_ids: list[int],
@@ -357,6 +386,7 @@ class ChatSessions:
         if rec is None:  # the store had no room within its checkpoint budget: this prefix is not reusable
             return
         with self.lock:
+            self._forget_evicted()
             evicted = self._trie(scope).insert(token_ids, rec.handle, kind)
         for cp in evicted:
             store.discard(scope + CKPT, cp.key, durable=False)
@@ -427,6 +457,9 @@ class ChatSessions:
         old = self.sessions.get(key)
         if old is not None and old.handle:
             self._drop(key)
+        now, ttl = time.monotonic(), self.config.chat_session_ttl  # expired chats that never came back go too
+        for k in [k for k, s in self.sessions.items() if now - s.last_used > ttl and not s.busy]:
+            self._drop(k)
         self.sessions[key] = sess
         while len(self.sessions) > self.config.max_chat_sessions:
             victim = next(iter(self.sessions))

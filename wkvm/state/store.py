@@ -17,6 +17,7 @@ import builtins
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,8 @@ class StateStore:
         self.host_cache = TierCache(self.limits.host_bytes, lambda b: b in self._pinned)
         self.usage = DiskUsage(self.limits.disk_bytes, self.limits.internal_bytes)
         self._unwritten: dict[str, tuple[State, StateMeta]] = {}  # write-back states not on disk yet
+        # told (owner, handle) of each internal record the store evicts, under the store's lock: it must not block
+        self.on_evict: Callable[[str, str], None] | None = None
         self.recover()
 
     @property
@@ -349,8 +352,11 @@ class StateStore:
     def _evict(self, blob: str) -> None:
         """Drop an internal-only blob: its records, its tensors in RAM, its file."""
         dropped = self.index.delete_blob_records(blob, durable=False)
-        log.debug("internal state %s evicted (%d record(s))", blob[:12], dropped)
+        log.debug("internal state %s evicted (%d record(s))", blob[:12], len(dropped))
         self._remove_blob(blob)
+        if self.on_evict is not None:
+            for owner, handle in dropped:
+                self.on_evict(owner, handle)
 
     def _remove_blob(self, blob: str) -> None:
         self.device_cache.pop(blob)
