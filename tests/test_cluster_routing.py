@@ -78,6 +78,25 @@ def test_sessions_route_by_chat_header_or_user_and_the_rest_anywhere():
         assert route_key("t", r).key is None, r.path
 
 
+def test_the_user_field_routes_per_api_key():
+    """Two API keys (tenants, as the front derives them) sending the same `user` get different session keys: one
+    tenant's `user` never draws another's requests to its replica; the same key and user keep one key."""
+    from wkvm.server.asgi import KeyRing, tenant_of
+
+    keys = KeyRing(["key-a", "key-b"])
+    for path, body in (("/v1/chat/completions", {"messages": [], "user": "bob"}),
+                       ("/v1/completions", {"prompt": "x", "user": "bob"}),
+                       ("/v1/responses", {"input": "x", "user": "bob"})):  # fmt: skip
+        routes = {}
+        for key in ("key-a", "key-b"):
+            r = req("POST", path, body, [("authorization", f"Bearer {key}")])
+            tenant = tenant_of(r.scope(), keys)
+            assert tenant is not None
+            routes[key] = route_key(tenant, r)
+            assert routes[key] == route_key(tenant, r) and routes[key].key.startswith("session:"), path
+        assert routes["key-a"].key != routes["key-b"].key, path
+
+
 def test_prompts_route_by_how_they_start():
     def key(body, path="/v1/chat/completions", tenant="t"):
         r = route_key(tenant, req("POST", path, body))

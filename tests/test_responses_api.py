@@ -89,6 +89,35 @@ def test_stream_events_build_the_stored_response(server):
     assert stored.model_dump() == final.model_dump()
 
 
+def test_a_streamed_response_stores_its_answer_for_the_next_turn(server):
+    """A streamed response (stored by default) keeps its conversation with its answer: the next turn that names it
+    is the chat completion of the whole history, prompt tokens and all."""
+    client = sdk(server)
+    events = list(client.responses.create(model="char-model", input="Say something.", stream=True, user="u11",
+                                          **GREEDY))  # fmt: skip
+    first = events[-1].response
+    assert first.output_text
+    second = client.responses.create(model="char-model", input="More?", previous_response_id=first.id, user="u11",
+                                     **GREEDY)  # fmt: skip
+    history = [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": first.output_text},
+               {"role": "user", "content": "More?"}]  # fmt: skip
+    text, prompt_tokens = chat_text(client, history, "fresh-u11")
+    assert second.usage.input_tokens == prompt_tokens and second.output_text == text
+
+
+def test_a_streamed_response_with_store_false_is_not_stored(server):
+    client = sdk(server)
+    events = list(client.responses.create(model="char-model", input="Not kept", stream=True, store=False,
+                                          **GREEDY))  # fmt: skip
+    final = events[-1].response
+    assert final.store is False and final.output_text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(final.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="char-model", input="more", previous_response_id=final.id, **GREEDY)
+    assert e.value.body["param"] == "previous_response_id" and e.value.code == "previous_response_not_found"
+
+
 def test_stream_with_logprobs_and_usage(server):
     client = sdk(server)
     events = list(client.responses.create(model="char-model", input="Odds?", include=["message.output_text.logprobs"],
@@ -169,6 +198,53 @@ def test_streamed_function_call_events(server):
     final = events[-1].response
     assert [c.arguments for c in final.output if c.type == "function_call"] == [e.arguments for e in done]
     jsonschema.validate(json.loads(done[0].arguments), WEATHER["parameters"])
+
+
+def test_a_call_after_words_streams_at_its_own_output_index(tmp_path):
+    """Words, then a call (`auto`): the message is output 0 and the call output 1, in every event of each and in the
+    final response's order. Fed the chat stream's chunks as they come for such a reply (the tests' random model
+    never writes a call under `auto`)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from wkvm.server.responses_routes import response_shell, stream_events
+    from wkvm.server.schemas import ResponsesRequest
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    usage = {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14,
+             "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"content": "Let me check."}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, **call}]},
+                            "finish_reason": "tool_calls"}]},
+              {"choices": [], "usage": usage}, "[DONE]"]  # fmt: skip
+
+    async def lines():
+        for c in chunks:
+            yield f"data: {c if isinstance(c, str) else json.dumps(c)}\n\n"
+
+    body = ResponsesRequest(input="Weather?", tools=[WEATHER], stream=True)
+    ctx = SimpleNamespace(model_name="char-model", responses=ResponseStore(tmp_path / "r.sqlite"))
+    shell = response_shell(ctx, body, "resp_" + "0" * 32)
+
+    async def run():
+        return [e async for e in stream_events(ctx, "t", body, shell, [{"role": "user", "content": "Weather?"}],
+                                               lines())]  # fmt: skip
+
+    events = [json.loads(e.split("data: ", 1)[1]) for e in asyncio.run(run())]
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed"
+    assert [i["type"] for i in final["output"]] == ["message", "function_call"]
+    index = {}
+    for e in events:
+        if "output_index" in e:
+            item_id = e["item"]["id"] if "item" in e else e["item_id"]
+            index.setdefault(item_id, set()).add(e["output_index"])
+    assert index == {item["id"]: {i} for i, item in enumerate(final["output"])}
+    call_events = [e["type"] for e in events if e.get("output_index") == 1]
+    assert call_events == ["response.output_item.added", "response.function_call_arguments.delta",
+                           "response.function_call_arguments.done", "response.output_item.done"]  # fmt: skip
+    ctx.responses.close()
 
 
 def test_json_schema_format(server):
