@@ -149,3 +149,88 @@ def test_invariant_randomized(seed):
         fake_step(sched, batch, rng)
         finished += before - len(sched.running)
     assert finished > 10
+
+
+@pytest.mark.parametrize(
+    ("running", "victim"),
+    [
+        ({"p5-first": (5, 1.0), "p3-second": (3, 2.0)}, "p5-first"),  # the lowest priority, though it came first
+        ({"p4-first": (4, 1.0), "p4-second": (4, 2.0)}, "p4-second"),  # a tie: the later arrival
+    ],
+    ids=["lower-priority", "tie-later-arrival"],
+)
+def test_preemption_parks_the_lowest_ranked_of_several_running(running, victim):
+    """Both slots busy: a waiting request that outranks them displaces the lowest-ranked running one (highest
+    priority number, then latest arrival), not any other; one that ties on priority and came later displaces none."""
+    sched = Scheduler(EngineConfig(n_slots=2, token_budget=16), SlotArena(SPEC, 2))
+    reqs = {rid: make_req(rid, 2, max_tokens=50, priority=p, arrival=t) for rid, (p, t) in running.items()}
+    for r in reqs.values():
+        sched.add(r)
+    fake_step(sched, sched.schedule(), random.Random(0), stop_prob=0)
+    assert all(r.status == Status.RUNNING for r in reqs.values())
+    urgent = make_req("urgent", 2, max_tokens=5, priority=0, arrival=3.0)
+    sched.add(urgent)
+    batch = sched.schedule()
+    assert [r.request_id for r in batch.parked] == [victim] and reqs[victim].status == Status.PARKED
+    kept = next(r for rid, r in reqs.items() if rid != victim)
+    assert kept.status == Status.RUNNING and urgent.status == Status.RUNNING
+    assert {r for r, _ in batch.work} == {kept, urgent}
+    tied = make_req("tied", 2, max_tokens=5, priority=kept.priority, arrival=kept.arrival + 0.5)
+    sched.add(tied)
+    assert sched.schedule().parked == [] and tied.status == Status.WAITING
+
+
+KV_SPEC = StateSpec("toy-kv", (TensorSpec("a", (3,)), TensorSpec("layers.0.k", (1, 2), kind="kv"),
+                               TensorSpec("layers.0.v", (1, 2), kind="kv")))  # fmt: skip
+
+
+def feed(arena, batch):
+    """The runner's part for a paged model: each scheduled request's tokens enter its pages, then it advances (a
+    sampled token whenever it has caught up)."""
+    for req, n in batch.work:
+        kv = arena.kv_batch([req.slot], n)
+        kv.commit()
+        req.num_computed_tokens += n
+        if req.gap == 0:
+            req.output_ids.append(7)
+
+
+def test_out_of_kv_pages_parks_the_lowest_ranked_other_running_request():
+    """Three sequences fill a 3-page pool (pages of 4 tokens). The top-ranked one then needs a page: of the two others
+    not yet given work this step, the lowest-ranked (priority, then arrival) is parked, here the earlier arrival,
+    and the other keeps its pages and its token."""
+    arena = SlotArena(KV_SPEC, 3, kv_pages=3, page_tokens=4)
+    sched = Scheduler(EngineConfig(n_slots=3, token_budget=64, prefill_chunk=64), arena)
+    top = Request("top", [1, 2, 3, 4], SamplingParams(max_tokens=20), priority=0)
+    top.arrival = 3.0
+    low = Request("low", [1, 2, 3], SamplingParams(max_tokens=20), priority=2)
+    low.arrival = 1.0
+    mid = Request("mid", [1, 2, 3], SamplingParams(max_tokens=20), priority=1)
+    mid.arrival = 2.0
+    for r in (low, mid, top):
+        sched.add(r)
+    batch = sched.schedule()
+    assert [r for r, _ in batch.work] == [top, mid, low] and batch.parked == []
+    feed(arena, batch)
+    assert arena.pool.num_free == 0  # 4 + 3 + 3 tokens, one page each
+    batch = sched.schedule()  # top's 5th token needs a second page; mid's and low's 4th fit theirs
+    assert batch.parked == [low] and low.status == Status.PARKED and low.slot is None
+    assert [r for r, _ in batch.work] == [top, mid] and mid.status == Status.RUNNING
+    assert len(arena.kv[top.slot].pages) == 2 and len(arena.kv[mid.slot].pages) == 1
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival():
+    """One slot, four requests queued out of order: each is admitted in turn by (priority, arrival), whatever the
+    order they were added in."""
+    sched = Scheduler(EngineConfig(n_slots=1, token_budget=16), SlotArena(SPEC, 1))
+    specs = [("a", 1, 1.0), ("b", 0, 3.0), ("c", 0, 2.0), ("d", 2, 0.0)]  # (id, priority, arrival)
+    for rid, priority, arrival in specs:
+        sched.add(make_req(rid, 2, max_tokens=2, priority=priority, arrival=arrival))
+    admitted = []
+    rng = random.Random(0)
+    while sched.has_work:
+        batch = sched.schedule()
+        assert batch.parked == []
+        admitted += [r.request_id for r, _ in batch.work if r.request_id not in admitted]
+        fake_step(sched, batch, rng, stop_prob=0)
+    assert admitted == ["c", "b", "a", "d"]

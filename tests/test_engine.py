@@ -4,6 +4,7 @@ import asyncio
 import math
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -474,3 +475,52 @@ def test_a_step_loop_that_dies_says_so(model, tok):
     assert not fine.loop_failed
     fine.shutdown(drain=False)
     assert not fine.loop_failed
+
+
+def test_queued_and_parked_requests_time_out_without_a_slot(model, tok):
+    """Every slot is busy with a long request. A request queued behind them and one parked (preempted) past their
+    deadlines end at the next step, as timeouts, while still waiting: neither waits for a slot first; the long
+    requests go on exactly as before."""
+    engine = Engine(model, tok, EngineConfig(n_slots=2))
+    long = engine.submit([1, 2, 3], greedy(30), priority=0)
+    parked = engine.submit([4, 5], greedy(30), priority=5)
+    engine.step()
+    engine.step()
+    high = engine.submit([6, 7], greedy(30), priority=1)
+    engine.step()  # high outranks parked: parked goes to host memory and waits to resume
+    assert parked.request.status.value == "parked" and parked.request.admitted is not None
+    queued = engine.submit([8, 9], greedy(5), priority=9, timeout=0.05)  # ranks below all: never gets a slot
+    engine.step()
+    parked.request.deadline = time.monotonic() - 1.0  # its deadline passes while it is parked
+    time.sleep(0.1)  # past queued's deadline (an input, not a bound on anything)
+    engine.step()
+    for h in (queued, parked):
+        assert h.done.is_set(), h.request_id
+        assert (h.output.finish_reason, h.output.error_code) == ("abort", "timeout"), h.request_id
+        assert h.request.slot is None and h.request.parked_state is None
+    assert queued.request.admitted is None and queued.output.token_ids == []
+    assert parked.output.token_ids == greedy_reference(model, [4, 5], len(parked.output.token_ids))
+    assert not long.done.is_set() and not high.done.is_set()
+    engine.run_until_done()
+    assert long.output.token_ids == greedy_reference(model, [1, 2, 3], 30) and long.output.finish_reason == "length"
+    assert high.output.token_ids == greedy_reference(model, [6, 7], 30) and high.output.finish_reason == "length"
+    assert engine.arena.num_free == 2 and not engine.scheduler.has_work
+
+
+def test_seed_zero_is_a_seed(model, tok):
+    """seed=0 samples from the request's own generator (0 is no 'unset'): the same tokens whatever the process's
+    global random state, in a fresh engine or beside another request, and a generator state to move with."""
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=0, ignore_eos=True)
+    outputs = []
+    with torch.random.fork_rng():
+        for global_seed, n_slots in ((1, 1), (2, 4)):
+            torch.manual_seed(global_seed)
+            engine = Engine(model, tok, EngineConfig(n_slots=n_slots))
+            if n_slots > 1:
+                engine.submit([9, 8], SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True))
+            h = engine.submit([1, 2, 3], params)
+            engine.step()
+            assert engine.runner.generator_state(h.request_id) is not None
+            engine.run_until_done()
+            outputs.append(h.output.token_ids)
+    assert len(outputs[0]) == 12 and outputs[0] == outputs[1]
