@@ -88,6 +88,26 @@ def test_embedded_template_renders_system_messages():
     assert tpl.render(user) == "ROMEO:\nWhat news?\n\nJULIET:\n"
 
 
+def test_the_embedded_models_answer_ends_at_its_templates_stop():
+    """The embedded model's chat_template.json declares the stop "\\n\\n" (the end of a speech): the loaded model's
+    template carries it, and a chat answer ends there (finish_reason stop, the stop cut off), where a completion of
+    the same prompt, which no template stop applies to, runs on into the next speaker."""
+    from wkvm.weights.loader import load_text_tools
+
+    _, tpl = load_text_tools(EMBEDDED_MODEL, "rwkv7")
+    assert tpl.stop == ["\n\n"] and tpl.name == "shakespeare-dialogue", tpl
+    messages = [{"role": "user", "content": "What news?"}]
+    with LiveServer(model=str(EMBEDDED_MODEL), shutdown_grace=0) as s:
+        assert s.ctx.template.stop == ["\n\n"]
+        body = {"max_tokens": 60, "temperature": 0}
+        chat = httpx.post(f"{s.url}/v1/chat/completions", json={**body, "messages": messages}, timeout=60).json()
+        prompt = s.ctx.template.render(messages)
+        done = httpx.post(f"{s.url}/v1/completions", json={**body, "prompt": prompt}, timeout=60).json()
+    answer, text = chat["choices"][0]["message"]["content"], done["choices"][0]["text"]
+    assert chat["choices"][0]["finish_reason"] == "stop" and chat["usage"]["completion_tokens"] < 60, chat
+    assert answer and "\n\n" not in answer and text.startswith(answer + "\n\n") and len(text) > len(answer) + 2
+
+
 def test_pack_files_have_the_usual_mode(tmp_path):
     """Pack files get the mode open() gives under this process's umask (safetensors alone creates them 0600)."""
     from wkvm.atomic import FILE_MODE

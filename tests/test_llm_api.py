@@ -158,3 +158,50 @@ def test_a_request_that_masks_every_token_fails_greedy_or_sampled(llm):
                                 allowed_token_ids=[stop_id], stop_token_ids=[stop_id])  # fmt: skip
         out = llm.generate([[1, 2]], params)[0]
         assert out.finish_reason == "error" and out.token_ids == [], (temperature, out)
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_min_tokens_lets_a_stop_end_the_output_exactly_at_min_tokens(llm, k):
+    """vLLM's min_tokens boundary: the first k tokens cannot end the output, token k + 1 can. With a stop token id,
+    EOS or a stop string forced to come at every position, the output is exactly k other tokens then the stop (not
+    k + 1 of them: an off-by-one held the stop back one token too long)."""
+    eos = sorted(llm.tokenizer.eos_token_ids)[0]
+    stop_id = 9 if eos != 9 else 10
+    for forced, extra in ((stop_id, {"stop_token_ids": [stop_id]}), (eos, {})):
+        p = SamplingParams(max_tokens=8, min_tokens=k, temperature=0, logit_bias={forced: 100.0}, **extra)
+        out = llm.generate([[1, 2]], p)[0]
+        assert out.finish_reason == "stop" and len(out.token_ids) == k + 1, (forced, k, out.token_ids)
+        assert out.token_ids[-1] == forced and forced not in out.token_ids[:k]
+    (a,) = llm.tokenizer.encode("a")  # a stop string in every token's text: it stops from token k + 1 on
+    p = SamplingParams(max_tokens=8, min_tokens=k, temperature=0, ignore_eos=True, logit_bias={a: 100.0}, stop=["a"])
+    out = llm.generate([[1, 2]], p)[0]
+    assert out.finish_reason == "stop" and out.token_ids == [a] * (k + 1) and out.text == "a" * k
+
+
+class _BytesTokenizer:
+    """A byte-level tokenizer stub for the Detokenizer: token i is the bytes given for it."""
+
+    exact_bytes = True
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = [p.encode() for p in pieces]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.pieces[token_id]
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_that_begin_at_the_same_place_cut_at_the_longest(include):
+    """Two stop strings that both end in the new text: the one that begins first wins (OpenAI's and vLLM's earliest
+    match), and of two that begin at the same place, the longest: the text is cut before it, or ends with all of it
+    under include_stop_str_in_output (never with the shorter one's part of it)."""
+    from wkvm.engine.detokenizer import Detokenizer
+
+    tok = _BytesTokenizer(["xabcd", "x", "abcd"])
+    for stop in (["ab", "abc"], ["abc", "ab"], ["abc", "bc", "ab"]):
+        for ids in ([0], [1, 2]):  # all in one token, or the stop strings all in the last one
+            d = Detokenizer(tok, stop, include_stop=include)  # type: ignore[arg-type]
+            assert [d.add(t) for t in ids][-1] and d.stopped, (stop, ids)
+            assert d.text == ("xabc" if include else "x"), (stop, ids, d.text)
+    d = Detokenizer(tok, ["bcd", "abc"], include_stop=include)  # type: ignore[arg-type]
+    assert d.add(0) and d.text == ("xabc" if include else "x")  # "abc" begins first, though "bcd" is longer

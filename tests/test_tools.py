@@ -307,3 +307,36 @@ def test_tool_fixes_from_hunt_10(client):
                                        max_tokens=40, temperature=0)  # fmt: skip
     assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
     assert json.loads(r.choices[0].message.content) == {"name": "add", "arguments": {"a": 1, "b": 2}}
+
+
+def test_a_reply_with_one_good_and_one_broken_call_is_all_content():
+    """`auto`: when any call in a reply fails to parse (broken JSON, a tool not offered, arguments not an object),
+    none of them is returned: the whole reply is the content (split_reply's rule), blocking and streamed alike; the
+    good call alone is no answer to what the model wrote."""
+    mode = tool_mode(TOOLS, None, None)
+    assert mode is not None
+    good = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+    replies = [f"Sure.<tool_call>{good}</tool_call><tool_call>{{broken</tool_call>",
+               f"<tool_call>{{broken</tool_call>\n<tool_call>{good}</tool_call>",
+               f'<tool_call>{good}</tool_call><tool_call>{{"name": "nope", "arguments": {{}}}}</tool_call>',
+               f'[TOOL_CALLS] [{good}, {{"name": "add", "arguments": 5}}]',
+               f'[{good}, {{"name": "delete_everything", "arguments": {{}}}}]']  # fmt: skip
+    for text in replies:
+        assert parse_reply(text, mode) == (text, []), text
+        assert final_delta(text, 0, "stop", mode) == (text, [], "stop"), text
+    assert parse_reply(f"<tool_call>{good}</tool_call>", mode)[1]  # the good call alone is a call
+
+
+def test_a_named_tool_choice_constrains_the_calls_to_that_tool():
+    """tool_choice {"type": "function", "function": {"name": X}} with two tools offered: the grammar's schema
+    allows one call, of X only (the schema had been built over every offered tool: a forced call could name any)."""
+    for name, other in (("add", "get_weather"), ("get_weather", "add")):
+        mode = tool_mode(TOOLS, {"type": "function", "function": {"name": name}}, None)
+        assert mode is not None and mode.choice == "named" and mode.name == name
+        schema = mode.response_format()["json_schema"]["schema"]
+        assert schema["maxItems"] == 1 and schema["items"]["properties"]["name"] == {"const": name}, schema
+        assert f'"{other}"' not in json.dumps(schema)
+        args = {"add": {"a": 1, "b": 2}, "get_weather": {"city": "Oslo", "unit": "celsius"}}
+        jsonschema.validate([{"name": name, "arguments": args[name]}], schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": other, "arguments": args[other]}], schema)
