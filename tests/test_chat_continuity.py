@@ -7,10 +7,13 @@ import uuid
 import httpx
 import openai
 import pytest
+import torch
 from live_server import LiveServer
 
+from wkvm.engine.handle import RunResult
 from wkvm.sampling_params import SamplingParams
 from wkvm.state.quota import state_file_bytes
+from wkvm.state.sessions import ChatMeta
 
 GREEDY = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
 USER_TURNS = ["Goodmorrow,friend.", "Whatnewsfromthecourt?", "Speakplainly.", "Andthen?", "Farewell."]
@@ -223,6 +226,26 @@ def test_checkpoints_the_store_evicts_leave_their_trie_and_a_scope_without_any_g
         assert [(s.handle, s.token_ids) for s in ctx.sessions.sessions.values()] == [(None, [])]
         info, _ = run_plan(ctx, "t", ctx.tokenizer.encode("[user]Scope11.[assistant]Again"), scope="t/u11")
         assert info["reused_tokens"] > 0  # the newest are still reused
+
+
+def test_a_parked_chat_that_evicts_its_own_older_state_keeps_the_new_one(char_model, reuse):
+    """Review of 73edb59: with room for one session state, a chat's next save evicts its own older state, and the
+    store gives the new one the same handle (no version of the name is left): the session had then discarded its new
+    state as the old one, and the queued eviction notice had cleared it too. The next turn restarted (no_session)."""
+    spec = reuse.ctx.model.spec
+    with LiveServer(model=str(char_model), slots=2, checkpoint_bytes=int(1.5 * state_file_bytes(spec, 200))) as server:
+        ctx = server.ctx
+        ui = OpenWebUI(server)
+        ui.turn(USER_TURNS[0])
+        ((key, sess),) = ctx.sessions.sessions.items()
+        old = sess.handle
+        state = {t.name: torch.randn((1, *t.shape), generator=torch.Generator().manual_seed(3)) for t in spec.tensors}
+        chat = ChatMeta([{"role": "user", "content": "x"}], True, key[1], key[2], "a2", "u2", ui.last_assistant)
+        ctx.sessions._update_session(key[0], key, chat, RunResult(sess.token_ids + [5, 6], state, [], None), "reply")
+        assert sess.handle == old and (key[0] + "#sessions", old) in ctx.sessions.evicted  # given again
+        with ctx.sessions.lock:
+            ctx.sessions._forget_evicted()
+        assert sess.handle == old and ctx.store.load(key[0] + "#sessions", old)[0].token_ids == sess.token_ids
 
 
 def test_expired_chat_sessions_go_even_if_their_chat_never_returns(char_model):

@@ -177,10 +177,13 @@ class ChatSessions:
     def _forget_evicted(self) -> None:
         """Forget what the store evicted to keep within its budget (under self.lock): checkpoints leave their trie,
         an empty trie its scope, and an evicted parked session its state (its next turn restarts: no_session). The
-        store only queues them, as it evicts under its own lock."""
+        store only queues them, as it evicts under its own lock. An internal name's version can be given again once
+        all its versions are gone, so a notice whose handle the store holds again is about an older state: skipped."""
         sessions: set[tuple[str, str]] = set()
         while self.evicted:
             owner, handle = self.evicted.popleft()
+            if self.store.has(owner, handle):
+                continue
             if owner.endswith(CKPT):
                 self._untrie(owner.removesuffix(CKPT), handle)
             elif owner.endswith(SESS):
@@ -413,7 +416,7 @@ class ChatSessions:
                 sess.last_used = time.monotonic()
                 if new is not None and self.mirror is not None and run.final_state is not None:
                     copy = (list(sess.history), sess.last_assistant_id, sorted(sess.message_ids))
-        if old is not None:
+        if old is not None and old != new:  # the same handle: the old state was evicted and its version given again
             store.discard(tenant + SESS, old, durable=False)
         if copy is not None and self.mirror is not None and run.final_state is not None:
             meta = StateMeta(self.fingerprint, store.spec.spec_hash, run.history, op="session")

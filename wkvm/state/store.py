@@ -82,7 +82,7 @@ class StateStore:
         StateDirInUse."""
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._dir_key = lock_dir(self.root, lock_wait)
+        self._dir_key: Path | None = lock_dir(self.root, lock_wait)
         try:
             self._open(spec, fingerprint, vocab_size, device, limits, verify_on_load)
         except BaseException:
@@ -137,6 +137,10 @@ class StateStore:
     def get(self, owner: str, handle: str) -> StateRecord:
         """The record with its token history."""
         return self._record(owner, handle, with_ids=True)
+
+    def has(self, owner: str, handle: str) -> bool:
+        name, version = parse_handle(handle)
+        return self.index.get(owner, name, version, False) is not None
 
     def _record(self, owner: str, handle: str, with_ids: bool) -> StateRecord:
         name, version = parse_handle(handle)
@@ -479,4 +483,6 @@ class StateStore:
             for blob in reversed(list(self.usage.internal)):
                 self._spill(blob, make_room=False)
         self.index.close()
-        unlock_dir(self._dir_key)
+        key, self._dir_key = self._dir_key, None  # a second close must not let go of another opener's hold
+        if key is not None:
+            unlock_dir(key)
