@@ -331,6 +331,9 @@ def test_disconnect_mid_stream_frees_slot(world_pth):
         while server.ctx.client.engine.arena.num_free != 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert server.ctx.client.engine.arena.num_free == 2
+        metrics = scrape(server)  # the cancelled choice ended as `abort` (review: a cut-off stream was never counted)
+        assert metrics[("wkvm_choices_finished_total", (("finished_reason", "abort"),))] == 1
+        assert metrics[("wkvm_e2e_request_latency_seconds_count", ())] == 1
 
 
 def scrape(server) -> dict[tuple[str, tuple], float]:

@@ -225,6 +225,7 @@ class Watch:
         # wait (the clock had started after the shared prefill, so n > 1 recorded ~0 s)
         self.t0 = request.scope.get(ARRIVED, time.monotonic())
         self.last: dict[int, float] = {}
+        self.counted: set[int] = set()  # choices whose end the metrics have
         self._task: asyncio.Task[None] | None = None
 
     def saw(self, i: int, ev: Event) -> None:
@@ -237,10 +238,16 @@ class Watch:
                 m.ttft.observe(now - self.t0)
             self.last[i] = now
             m.generated_tokens.inc(len(ev.token_ids))
-        if ev.finish_reason is not None and ev.error_code != ErrorCode.MIGRATED:  # a moved choice ends elsewhere
-            req = getattr(self.handles[i], "request", None)  # the engine's: when it was queued and got a slot
-            queued = req.admitted - req.arrival if req is not None and req.admitted is not None else None
-            m.finished(ev.finish_reason, now - self.t0, queued)
+        if ev.finish_reason is not None:
+            self._count(i, ev.finish_reason, ev.error_code)
+
+    def _count(self, i: int, finish_reason: str, error_code: str | None) -> None:
+        if i in self.counted or error_code == ErrorCode.MIGRATED:  # a moved choice ends elsewhere
+            return
+        self.counted.add(i)
+        req = getattr(self.handles[i], "request", None)  # the engine's: when it was queued and got a slot
+        queued = req.admitted - req.arrival if req is not None and req.admitted is not None else None
+        self.ctx.metrics.finished(finish_reason, time.monotonic() - self.t0, queued)
 
     async def __aenter__(self) -> Watch:
         self._task = asyncio.create_task(self._watch())
@@ -250,6 +257,8 @@ class Watch:
         if self._task:
             self._task.cancel()
         self.cancel_unfinished()
+        for i, h in enumerate(self.handles):  # choices whose last event nobody read (the client went away): as ended
+            self._count(i, h.output.finish_reason or "abort", h.output.error_code)
 
     def cancel_unfinished(self) -> None:
         for h in self.handles:
