@@ -1,6 +1,8 @@
 """Unit tests on hand-built inputs: the prefix trie, the RAM tier cache, the sampler's filters and penalties,
 and every reason a parked chat session is refused."""
 
+import asyncio
+import json
 import math
 
 import pytest
@@ -317,7 +319,9 @@ def test_shutdown_answers_one_code_with_retry_after_whichever_way_a_request_meet
 def test_an_unhandled_error_is_logged_once_with_the_id_its_500_names(caplog):
     """A route's bug answers an OpenAI-shaped 500 naming an error id, and the log holds one record with that id and
     the traceback (Starlette's handler for Exception re-raised after answering: uvicorn logged the traceback again,
-    and nothing tied the client's 500 to it). A stream a bug cuts off after its first bytes is ended, not hung."""
+    and nothing tied the client's 500 to it). An event stream a bug cuts off after its first bytes ends with an error
+    event naming the id (as vLLM's; it had ended cleanly, so a client could not tell it from a whole answer); any other
+    body cut off is left unended (uvicorn closes the connection: the client sees it incomplete)."""
     import logging
     import re
 
@@ -347,6 +351,14 @@ def test_an_unhandled_error_is_logged_once_with_the_id_its_500_names(caplog):
 
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
+    @app.post("/cut-bytes")
+    def cut_bytes() -> StreamingResponse:
+        def chunks():
+            yield b"\x00\x01"
+            raise ValueError("mid-file")
+
+        return StreamingResponse(chunks(), media_type="application/octet-stream")
+
     client = TestClient(app, raise_server_exceptions=True)  # an exception reaching the client would fail here
     with caplog.at_level(logging.ERROR, logger="wkvm.server"):
         r = client.post("/boom")
@@ -355,9 +367,31 @@ def test_an_unhandled_error_is_logged_once_with_the_id_its_500_names(caplog):
         records = [rec for rec in caplog.records if ref in rec.getMessage()]
         assert len(records) == 1 and records[0].exc_info and "KeyError" in records[0].getMessage(), caplog.text
         r = client.post("/cut")
-        assert r.status_code == 200 and r.text == "data: 1\n\n", r.text
-    assert "ValueError" in caplog.text and len(caplog.records) == 2, caplog.text
-    assert counted == [("/boom", 500), ("/cut", 200)] and told == [], (counted, told)
+        first, last = r.text.removesuffix("\n\n").split("\n\n")
+        assert r.status_code == 200 and first == "data: 1", r.text
+        error = json.loads(last.removeprefix("data: "))["error"]
+        ref = re.search(r"error id ([0-9a-f]{12})", error["message"]).group(1)
+        assert error["code"] == "internal_error" and ref in caplog.records[-1].getMessage()
+        sent: list[dict] = []
+        asyncio.run(cut_off(app, sent))
+        assert [m.get("more_body") for m in sent if m["type"] == "http.response.body"][-1] is True  # left unended
+    assert "ValueError" in caplog.text and len(caplog.records) == 3, caplog.text
+    assert counted == [("/boom", 500), ("/cut", 200), ("/cut-bytes", 200)] and told == [], (counted, told)
+
+
+async def cut_off(app, sent: list[dict]) -> None:
+    """POST /cut-bytes straight through the ASGI app, keeping every message it sends."""
+    scope = {"type": "http", "method": "POST", "path": "/cut-bytes", "raw_path": b"/cut-bytes", "query_string": b"",
+             "headers": [(b"host", b"testserver")], "http_version": "1.1", "scheme": "http", "root_path": "",
+             "client": ("127.0.0.1", 1), "server": ("testserver", 80)}  # fmt: skip
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
 
 
 def test_every_choice_is_timed_as_its_tokens_come_and_from_the_requests_arrival():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import json
 import logging
 import socket
 import time
@@ -278,13 +279,15 @@ class RequestMetrics:
             return await self.app(scope, receive, send)
         scope[ARRIVED] = time.monotonic()  # time to first token counts from here, as vLLM's does from arrival
         status, announced, logged = 500, False, False  # announced: a 503 with Retry-After (loading), no fault
-        started = ended = False
+        started = ended = events = False
 
         async def send_status(message: Message) -> None:
-            nonlocal status, announced, started, ended
+            nonlocal status, announced, started, ended, events
             if message["type"] == "http.response.start":
                 status, started = message["status"], True
-                announced = status == 503 and any(k.lower() == b"retry-after" for k, _ in message.get("headers", []))
+                headers = [(k.lower(), v) for k, v in message.get("headers", [])]
+                announced = status == 503 and any(k == b"retry-after" for k, _ in headers)
+                events = any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 ended = True
             await send(message)
@@ -295,11 +298,14 @@ class RequestMetrics:
             ref, logged = uuid.uuid4().hex[:12], True
             log.exception("server error: %s %s raised %s (error id %s)", scope.get("method"), scope.get("path"),
                           type(e).__name__, ref)  # fmt: skip
-            if started and not ended:  # a stream cut off by a bug: end it (the client sees it stop short)
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            message = f"internal error: {type(e).__name__} (a bug; error id {ref} in the server's log)"
+            if started and not ended and events:  # an event stream cut off by a bug: its last event says so, as
+                error = {"error": {"message": message, "type": "server_error", "param": None, "code": "internal_error"}}
+                body = f"data: {json.dumps(error)}\n\n".encode()  # vLLM's do (the openai SDK raises on it)
+                await send({"type": "http.response.body", "body": body, "more_body": False})
             elif not started:
-                message = f"internal error: {type(e).__name__} (a bug; error id {ref} in the server's log)"
                 await send_error(scope, receive, send, 500, message, None, "internal_error")
+            # any other body cut off stays unended: uvicorn closes the connection, so the client sees it incomplete
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
             self.count(route, status)
