@@ -9,6 +9,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from wkvm.config import EngineConfig
 from wkvm.engine.engine import Engine
 from wkvm.models.rwkv7.tokenizer import WorldTokenizer
 from wkvm.sampling_params import SamplingParams
-from wkvm.state import statefile
+from wkvm.state import dir_lock, statefile
 from wkvm.state.mutations import RULES, register_mutation
 from wkvm.state.quota import state_file_bytes
 from wkvm.state.statefile import (
@@ -624,11 +625,20 @@ def test_a_state_directory_is_used_by_one_process_at_a_time(model, tiny_pth, tmp
         with pytest.raises(StateDirInUse):  # a server waits a while (a replica's predecessor closing), then says so
             StateStore(root, model.spec, model.fingerprint, model.vocab_size, lock_wait=0.3)
         assert (root / "index.sqlite").read_bytes() == index_before
+        waited: list = []  # a server waiting for the directory keeps no lock on this process's other directories
+        waiter = threading.Thread(target=lambda: waited.append(StateStore(root, model.spec, model.fingerprint,
+                                                                          model.vocab_size, lock_wait=60)))  # fmt: skip
+        waiter.start()
+        StateStore(tmp_path / "other", model.spec, model.fingerprint, model.vocab_size).close()
+        assert waiter.is_alive() and not waited
     finally:
         child.communicate("\n", timeout=60)
-    store = StateStore(root, model.spec, model.fingerprint, model.vocab_size)
+    waiter.join(60)
+    store = waited[0]  # it had the directory once the holder let go
     again = StateStore(root, model.spec, model.fingerprint, model.vocab_size)  # the same process: allowed
     again.close()
+    again.close()  # twice: still one hold left, the first store's
+    assert dir_lock._held[root.resolve()][1] == 1
     store.put("t", "u", model.prefill([4, 5])[1], [4, 5, 6])
     store.close()
 

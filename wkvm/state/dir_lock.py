@@ -29,33 +29,31 @@ def lock_dir(root: Path, wait: float = 0.0) -> Path:
     """Hold `root` for this process (waiting up to `wait` seconds for another to let go); returns the key to pass
     to `unlock_dir`."""
     key = root.resolve()
-    with _guard:
-        if key in _held:
-            fd, n = _held[key]
-            _held[key] = (fd, n + 1)
-            return key
-        fd = os.open(key / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline, said = time.monotonic() + wait, False
-        while True:
+    deadline, said = time.monotonic() + wait, False
+    while True:
+        with _guard:  # not held while waiting: other directories open and close meanwhile
+            if key in _held:
+                fd, n = _held[key]
+                _held[key] = (fd, n + 1)
+                return key
+            fd = os.open(key / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-                if time.monotonic() >= deadline:
-                    os.close(fd)
-                    raise StateDirInUse(f"the state directory {root} is in use by another wkvm process (pid {holder}): "
-                                        "ask that server (`wkvm states --url ...`), stop it, or use another "
-                                        "directory") from None  # fmt: skip
-                if not said:
-                    log.info("waiting up to %.0f s for wkvm process %s to let go of the state directory %s", wait,
-                             holder, root)  # fmt: skip
-                    said = True
-                time.sleep(0.1)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        _held[key] = (fd, 1)
-        return key
+                os.close(fd)
+            else:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                _held[key] = (fd, 1)
+                return key
+        if time.monotonic() >= deadline:
+            raise StateDirInUse(f"the state directory {root} is in use by another wkvm process (pid {holder}): ask "
+                                "that server (`wkvm states --url ...`), stop it, or use another directory")  # fmt: skip
+        if not said:
+            log.info("waiting up to %.0f s for wkvm process %s to let go of the state directory %s", wait, holder, root)
+            said = True
+        time.sleep(0.1)
 
 
 def unlock_dir(key: Path) -> None:
