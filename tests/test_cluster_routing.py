@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
@@ -171,3 +172,34 @@ def test_a_pushed_ticket_waits_in_the_directory_for_its_taker():
         assert d.tickets == {}
 
     asyncio.run(run())
+
+
+def test_a_sigterm_while_the_replicas_start_stops_at_once(monkeypatch):
+    """serve.run waits until every replica has loaded; a SIGTERM meanwhile had only been noted, so the process went on
+    loading (an orchestrator's kill timeout ends it hard). Now it stops the start and leaves Ray (session 30)."""
+    import os
+    import signal
+    import time
+
+    pytest.importorskip("ray.serve", reason="Ray Serve is the optional extra wkvm[cluster]")
+    from wkvm.cluster import launch
+    from wkvm.config import ServerConfig
+
+    stopped: list = []
+
+    def loading(config, after_init):
+        after_init()
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(300):  # as serve.run polls for its replicas
+            time.sleep(0.1)
+        raise AssertionError("the SIGTERM did not stop the start")
+
+    monkeypatch.setattr(launch, "start", loading)
+    monkeypatch.setattr(launch, "stop", lambda directory=None: stopped.append(directory))
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        assert launch.run(ServerConfig()) == 0
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    assert stopped == [None]

@@ -139,13 +139,20 @@ def stop(directory: Any = None) -> None:
         ray.shutdown()
 
 
+class StopStarting(Exception):
+    """SIGTERM or Ctrl-C while the replicas were starting."""
+
+
 def run(config: ServerConfig) -> int:
     """Serve until SIGTERM or Ctrl-C; SIGHUP restarts the replicas one by one (Serve drains each first)."""
     done, restart = threading.Event(), threading.Event()
+    starting = True
 
     def on_signal(sig: int, frame: FrameType | None) -> None:
         log.info("shutting down the replicas (running requests have %.0f s: --shutdown-grace)", config.shutdown_grace)
         done.set()
+        if starting:  # serve.run waits for every replica to load: stop now, not once they all have
+            raise StopStarting
 
     def on_hangup(sig: int, frame: FrameType | None) -> None:
         restart.set()
@@ -161,7 +168,13 @@ def run(config: ServerConfig) -> int:
         # again after ray.init, whose own SIGTERM handler ended the process without a graceful stop: a SIGTERM while
         # the replicas still loaded (the front's /health already answering) killed it with a stack dump (session 29)
         directory = start(config, after_init=install)
+        starting = False
+    except StopStarting:
+        starting = False
+        stop()
+        return 0
     except RuntimeError as e:  # a replica failed to start (its traceback is in the log above)
+        starting = False
         log.error("the replicas did not start: %s", e)
         stop()
         return 1
