@@ -451,6 +451,37 @@ def wait_until(cond, timeout=5.0) -> bool:
     return cond()
 
 
+def test_requests_during_the_shutdown_grace_get_503_and_change_nothing(world_pth):
+    """While running requests have their grace, a new one is refused 503 `shutting_down` as docs/http-api.md says.
+    A chat had got 429 `queue_full` (the closed engine's queue reads no room: a retry then met a closed port), and a
+    fork, a delete or a hibernate had still been made (crash hunt, session 30)."""
+    long = {"prompt": "Long", "max_tokens": 16000, "temperature": 0, "ignore_eos": True, "stream": True}
+    with LiveServer(model=str(world_pth), slots=1, shutdown_grace=0) as s:
+        assert httpx.post(f"{s.url}/v1/states", json={"name": "kept", "prompt": "Kept"}).status_code == 200
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=long, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            drain = threading.Thread(target=s.ctx.end_requests, args=(60,))
+            drain.start()
+            assert wait_until(lambda: s.ctx.closing)
+            hi = [{"role": "user", "content": "Hi"}]
+            for method, path, body in [("POST", "/v1/chat/completions", {"messages": hi}),
+                                       ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+                                       ("POST", "/v1/states/kept@1/fork", {"name": "copy"}),
+                                       ("POST", "/v1/states/kept@1/hibernate", {"tier": "disk"}),
+                                       ("DELETE", "/v1/states/kept@1", None)]:  # fmt: skip
+                answer = httpx.request(method, f"{s.url}{path}", json=body, timeout=30)
+                assert answer.status_code == 503 and answer.json()["error"]["code"] == "shutting_down", answer.text
+                assert answer.headers["Retry-After"] == "1"
+            health = httpx.get(f"{s.url}/health")  # a load balancer stops sending here
+            assert health.status_code == 503 and health.json()["error"]["code"] == "shutting_down"
+            users = [rec for rec in s.ctx.store.index.list() if "#" not in rec.owner]
+            assert [rec.handle for rec in users] == ["kept@1"] and s.ctx.store.tier_of(users[0].blob) != "disk"
+            s.ctx.end_requests(0)  # a second signal: the stream ends now, cleanly
+            assert "data: [DONE]" in list(lines)
+        drain.join(60)
+
+
 def test_blocking_request_whose_client_left_frees_its_slot(world_pth):
     long = {"prompt": "Long", "max_tokens": 16000, "temperature": 0, "ignore_eos": True}
     with LiveServer(model=str(world_pth), slots=1, shutdown_grace=0) as s:

@@ -73,6 +73,9 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
         if not ctx.ready.is_set():  # as every route answers then (`require_ready`)
             return JSONResponse(error_body(503, "the model is still loading; retry shortly", None, "not_ready"),
                                 status_code=503, headers={"Retry-After": "1"})  # fmt: skip
+        if ctx.closing:  # a load balancer stops sending here while the running requests finish
+            return JSONResponse(error_body(503, "the server is shutting down", None, "shutting_down"),
+                                status_code=503, headers={"Retry-After": "1"})  # fmt: skip
         if ctx.generative and ctx.client.loop_failed():
             message = "the engine's step loop has stopped (a bug: see the server log); restart the server"
             return JSONResponse(error_body(503, message), status_code=503)

@@ -63,6 +63,7 @@ class ServerContext:
     ready: threading.Event = field(default_factory=threading.Event)
     load_error: str | None = None
     load_error_is_input: bool = False  # the load failed on its input (ValueError, OSError), not on a bug
+    closing: bool = False  # a shutdown began: new requests get 503 shutting_down (running ones have the grace)
     started_at: float = field(default_factory=time.time)
     on_load_failure: Callable[[], None] | None = None  # `wkvm serve` exits instead of serving 503s forever
     # set by load(), read only after require_ready():
@@ -155,6 +156,7 @@ class ServerContext:
 
     def end_requests(self, grace: float) -> None:
         """Refuse new requests; give running ones `grace` seconds, then end them (streams still close cleanly)."""
+        self.closing = True
         if not self.ready.is_set() or not self.generative:
             return
         self.client.stop_accepting()
@@ -183,6 +185,14 @@ class ServerContext:
         if generative and not self.generative:
             raise APIError(404, "this server serves embeddings only (--model none): /v1/embeddings and /v1/models",
                            "model", "model_not_found")  # fmt: skip
+        self.refuse_if_closing()
+
+    def refuse_if_closing(self) -> None:
+        """503 `shutting_down` once a shutdown began (the queue's room reads 0 then: it had been a 429 `queue_full`,
+        and state writes that need no engine had still been made)."""
+        if self.closing:
+            message = "the server is shutting down and accepts no new requests; retry shortly (a restarted or another "
+            raise APIError(503, message + "server answers)", code="shutting_down", headers={"Retry-After": "1"})
 
     def tenant(self, request: Request) -> str:
         """Name the tenant that owns states (`asgi.tenant_of`; keys are checked by ApiKeyGate before any route

@@ -168,6 +168,7 @@ async def start_all(ctx: ServerContext, tenant: str, encoded: list[list[int]], b
     # the check, then filled the queue between their submissions, and each was refused part-way (3 x 128 prompts: all
     # three 429s). Every request sees the places others reserved, so a single one cannot take them either.
     if need > ctx.client.queue_room() - ctx.reserved_places:
+        ctx.refuse_if_closing()  # no room because the engine stopped taking requests: not a full queue
         raise QueueFull(f"the request needs {need} place(s) in the queue and fewer are free; retry later"
                         + (" or send fewer prompts" if need > 1 else ""))  # fmt: skip
     ctx.reserved_places += need
