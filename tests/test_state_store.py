@@ -196,6 +196,19 @@ def test_export_import_in_another_process(svc, tiny_pth, tmp_path):
     assert got["handle"] == "moving@1" and got["op"] == "import"
 
 
+def test_a_state_exports_as_the_same_bytes_every_time(svc):
+    """safetensors writes its metadata in no fixed order: four exports of one state were four files (crash hunt,
+    session 30), so a client could not compare or cache exports by hash."""
+    handle = svc.create("a", "same", PROMPT).handle
+    svc.store.hibernate("a", handle, "host")  # exported from RAM: encoded anew each time
+    exports = {svc.store.export_bytes("a", handle) for _ in range(6)}
+    assert len(exports) == 1
+    data = exports.pop()
+    n = int.from_bytes(data[:8], "little")
+    keys = list(json.loads(data[8 : 8 + n])["__metadata__"])
+    assert keys == sorted(keys) and statefile.metadata(data)["name"] == "same"
+
+
 def test_import_refuses_bad_files(svc, model, tmp_path):
     svc.create("a", "x", PROMPT)
     good = svc.store.export_bytes("a", "x")

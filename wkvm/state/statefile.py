@@ -171,7 +171,17 @@ def encode(spec: StateSpec, tensors: State, meta: StateMeta, digest: str | None 
         "tensor_sha256": digest or tensor_digest(spec, tensors),
     }
     md["lineage_sha256"] = lineage_digest(md)
-    return st_save({t.name: tensors[t.name] for t in spec.tensors}, metadata=md)
+    return metadata_in_order(st_save({t.name: tensors[t.name] for t in spec.tensors}, metadata=md))
+
+
+def metadata_in_order(data: bytes) -> bytes:
+    """safetensors writes `__metadata__` in no fixed order (a Rust HashMap): sorted here, so one state exports as the
+    same bytes every time (a client may compare or cache exports by their hash)."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    return data[:8] + raw.ljust(n) + data[8 + n :] if len(raw) <= n else data  # padded as safetensors pads
 
 
 def decode(
