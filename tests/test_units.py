@@ -385,8 +385,14 @@ async def cut_off(app, sent: list[dict]) -> None:
              "headers": [(b"host", b"testserver")], "http_version": "1.1", "scheme": "http", "root_path": "",
              "client": ("127.0.0.1", 1), "server": ("testserver", 80)}  # fmt: skip
 
+    asked: list[int] = []
+
     async def receive() -> dict:
-        return {"type": "http.request", "body": b"", "more_body": False}
+        if not asked:
+            asked.append(1)
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asyncio.Event().wait()  # the client stays: only the body's end or error ends the response
+        return {"type": "http.disconnect"}
 
     async def send(message: dict) -> None:
         sent.append(message)
