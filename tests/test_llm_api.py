@@ -149,6 +149,68 @@ def test_bad_input_is_refused(llm):
         SamplingParams(temperature=-1)
 
 
+def test_token_ids_beyond_the_vocabulary_are_refused_and_the_engine_goes_on(llm):
+    """vLLM-user hunt (session 30): allowed_token_ids beyond the vocabulary failed an engine step and the LLM then
+    spun forever on its next call; stop_token_ids and logit_bias beyond it were ignored in silence."""
+    vocab = llm.model.vocab_size
+    for param, value in [("allowed_token_ids", [vocab]), ("stop_token_ids", [vocab]), ("logit_bias", {vocab: 5})]:
+        with pytest.raises(InvalidParam, match=f"{param}: {vocab}") as e:
+            llm.generate([[1, 2]], SamplingParams(max_tokens=2, **{param: value}))
+        assert e.value.param == param
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    assert llm.generate([[1, 2]], greedy)[0].token_ids == greedy_reference(llm.model, [1, 2], 4)
+
+
+def test_a_failing_step_fails_the_batch_and_leaves_nothing_in_flight(llm, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(llm.engine, "step", lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            llm.generate([[1, 2], [3]], SamplingParams(max_tokens=2))
+    assert not llm.engine.scheduler.has_work  # failed, not left running: the next call had spun forever on them
+    assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2
+
+
+def test_vllm_prompt_forms_and_output_fields(world_pth):
+    """vLLM's TextPrompt / TokensPrompt dicts, RequestOutput's prompt, request_id, finished and cumulative_logprob,
+    generate's use_tqdm and priority, get_tokenizer; clear TypeErrors for what is not a prompt or params."""
+    llm = LLM(model=world_pth)
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1)
+    ids = llm.get_tokenizer().encode("Hi")
+    outs = llm.generate([{"prompt": "Hi"}, {"prompt_token_ids": ids}, "Hi", ids], greedy, use_tqdm=True, priority=1)
+    assert len({tuple(o.token_ids) for o in outs}) == 1
+    assert [o.prompt for o in outs] == ["Hi", None, "Hi", None] and len({o.request_id for o in outs}) == 4
+    o = outs[0]
+    assert o.finished and o.outputs[0] is o and o.index == 0
+    assert o.cumulative_logprob == pytest.approx(sum(lp[t] for lp, t in zip(o.logprobs, o.token_ids, strict=True)))
+    assert o.cumulative_logprob < 0 and llm.generate("Hi", SamplingParams(max_tokens=2))[0].cumulative_logprob is None
+    with pytest.raises(TypeError, match="a prompt dict has 'prompt'"):
+        llm.generate([{"text": "Hi"}])
+    with pytest.raises(TypeError, match="a prompt is a str"):
+        llm.generate([3.5])
+    with pytest.raises(TypeError, match="sampling_params is a SamplingParams"):
+        llm.generate(["Hi"], {"max_tokens": 2})
+    with pytest.raises(TypeError, match="LLM\\(\\) got an unexpected keyword argument 'gpu_memory_utilization'"):
+        LLM(model=world_pth, gpu_memory_utilization=0.5)
+
+
+def test_chat_answers_as_the_server_does(world_pth):
+    """LLM.chat renders with the model's template and stops at the template's stop strings, as /v1/chat/completions."""
+    from wkvm.chat_template import ChatTemplate
+
+    llm = LLM(model=world_pth)
+    llm.template = ChatTemplate("{% for m in messages %}{{ m.role }}: {{ m.content }}\n\n{% endfor %}assistant:",
+                                stop=["\n\n"], name="test")  # fmt: skip
+    messages = [{"role": "user", "content": "Hello"}]
+    params = SamplingParams(max_tokens=40, temperature=0)
+    out = llm.chat(messages, params)[0]
+    text = "user: Hello\n\nassistant:"
+    same = llm.generate([llm.tokenizer.encode(text)], SamplingParams(max_tokens=40, temperature=0, stop=["\n\n"]))[0]
+    assert out.prompt == text and (out.text, out.token_ids) == (same.text, same.token_ids)
+    assert [o.text for o in llm.chat([messages, messages], params)] == [out.text] * 2
+    free = llm.chat(messages, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    assert free.finish_reason == "length"  # ignore_eos ignores the template's stops too, as the server
+
+
 def test_a_request_that_masks_every_token_fails_greedy_or_sampled(llm):
     """allowed_token_ids whose only token min_tokens holds back leaves no token: greedy decoding fails as sampling
     does (hunt 13: greedy's argmax over -inf answered token 0, which the request did not allow)."""

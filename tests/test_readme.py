@@ -53,15 +53,16 @@ def test_readme_python_api_block_runs(monkeypatch, capsys, tmp_path):
     code = next(code for lang, code in BLOCKS if lang == "python" and "from wkvm import LLM" in code)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stderr
-    # it prints the text, the token ids and the finish reason
-    printed = re.fullmatch(r"(.+) \[([0-9, ]+)\] (stop|length)\n", run.stdout, re.S)
+    # it prints the text, the token ids and the finish reason, then a chat answer
+    printed = re.fullmatch(r"(.+?) \[([0-9, ]+)\] (stop|length)\n(.+)\n", run.stdout, re.S)
     assert printed, run.stdout
     text, ids, finish = printed[1], [int(t) for t in printed[2].split(", ")], printed[3]
     assert text.strip() and finish == "length" and len(ids) == 40  # this prompt runs to max_tokens=40
+    assert printed[4].strip() and "\n\n" not in printed[4]  # the chat answer ends at its template's stop
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     exec(code, namespace)  # the same block in this process: its objects, and the same output
-    capsys.readouterr()
+    assert capsys.readouterr().out == run.stdout
     (out,) = namespace["out"]
     assert isinstance(out.text, str) and all(isinstance(t, int) for t in out.token_ids)
     assert (out.text, out.token_ids, out.finish_reason) == (text, ids, finish)

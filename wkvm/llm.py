@@ -1,12 +1,19 @@
-"""The offline Python API: `LLM(model=path).generate(prompts, SamplingParams(...))`, batched by the engine."""
+"""The offline Python API: `LLM(model=path).generate(prompts, SamplingParams(...))`, batched by the engine.
+
+It follows vLLM's offline API where wkvm has the feature: `generate` takes a str, token ids, `{"prompt": str}` or
+`{"prompt_token_ids": [...]}` (one or a list), `chat` renders messages with the model's chat template, and
+`get_tokenizer` returns the tokenizer. What differs is listed in README.md ("Python API").
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any
 
+from wkvm.chat_template import ChatTemplate
 from wkvm.config import EngineConfig, default_model
 from wkvm.engine.engine import Engine
 from wkvm.outputs import GenerationOutput
@@ -14,7 +21,8 @@ from wkvm.sampling_params import SamplingParams
 from wkvm.tokenizer import Tokenizer
 from wkvm.weights.loader import load_model, load_text_tools
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | Mapping[str, Any]
+Messages = list[dict[str, Any]]
 
 
 class LLM:
@@ -30,16 +38,41 @@ class LLM:
     ):
         """`model`: a path (a BlinkDL .pth, an HF/fla directory, a GGUF file, a weight pack), by default the embedded
         model. `weight_cache_layers` > 0 streams a weight pack's layers from disk through a cache of that many;
-        `dtype` "bfloat16" stores the large matrices in bf16 (half the memory; arithmetic stays fp32)."""
+        `dtype` "bfloat16" stores the large matrices in bf16 (half the memory; arithmetic stays fp32); "auto" is
+        float32. Other keyword arguments are EngineConfig's fields."""
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(config_kwargs) - fields)
+        if unknown:
+            raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}: it takes model, tokenizer, "
+                            "config, weight_cache_layers, read_ahead, dtype and EngineConfig's fields "
+                            f"({', '.join(sorted(fields))})")  # fmt: skip
         config = replace(config or EngineConfig(), **config_kwargs)
         model = default_model() if model is None else model
-        self.model = load_model(model, device=config.device, dtype=dtype, weight_cache_layers=weight_cache_layers,
-                                read_ahead=read_ahead)  # fmt: skip
-        self.tokenizer: Tokenizer = load_text_tools(tokenizer or model, self.model.family)[0]
+        self.model = load_model(model, device=config.device, dtype="float32" if dtype == "auto" else dtype,
+                                weight_cache_layers=weight_cache_layers, read_ahead=read_ahead)  # fmt: skip
+        tools = load_text_tools(tokenizer or model, self.model.family)
+        self.tokenizer: Tokenizer = tools[0]
+        self.template: ChatTemplate = tools[1]
         self.engine = Engine(self.model, self.tokenizer, replace(config, max_queue=1 << 30))
 
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
     def encode_prompt(self, prompt: Prompt) -> list[int]:
-        ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if isinstance(prompt, Mapping):  # vLLM's TextPrompt / TokensPrompt
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif isinstance(prompt.get("prompt"), str):
+                prompt = prompt["prompt"]
+            else:
+                raise TypeError("a prompt dict has 'prompt' (a str) or 'prompt_token_ids' (a list of ints)")
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode_prompt(prompt)
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            ids = [int(t) for t in prompt]
+        else:
+            raise TypeError("a prompt is a str, a list of token ids, {'prompt': str} or {'prompt_token_ids': [...]}, "
+                            f"not {type(prompt).__name__}")  # fmt: skip
         if not ids:
             raise ValueError("empty prompt: give at least one token")
         bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
@@ -51,18 +84,74 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        priority: int | Sequence[int] = 0,
     ) -> list[GenerationOutput]:
-        """Run every prompt through the engine's continuous batching; outputs in prompt order."""
-        one = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
-        # checked just above: a str or token ids is one prompt, anything else a sequence of prompts
-        batch = [cast(Prompt, prompts)] if one else cast(Sequence[Prompt], prompts)
+        """Run every prompt through the engine's continuous batching; outputs in prompt order. `use_tqdm` is accepted
+        for vLLM's code and shows nothing; `priority` (one, or one per prompt): lower runs first, as vLLM's."""
+        one = isinstance(prompts, str | Mapping) or (isinstance(prompts, Sequence) and len(prompts) > 0
+                                                      and isinstance(prompts[0], int))  # fmt: skip
+        batch: list[Prompt] = [prompts] if one else list(prompts)  # type: ignore[list-item,arg-type]
         encoded = [self.encode_prompt(p) for p in batch]
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(encoded)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(encoded):
-                raise ValueError(f"{len(params)} sampling params for {len(encoded)} prompts")
-        handles = [self.engine.submit(ids, p) for ids, p in zip(encoded, params, strict=True)]
+        params = self._per_prompt(sampling_params, len(encoded))
+        priorities = [priority] * len(encoded) if isinstance(priority, int) else list(priority)
+        if len(priorities) != len(encoded):
+            raise ValueError(f"{len(priorities)} priorities for {len(encoded)} prompts")
+        grammars = self.engine.runner.grammars
+        for p in params:  # a grammar this vocabulary cannot start is refused here, not answered "error" later
+            grammar = p.grammar()
+            problem = grammars.problem(grammar) if grammar is not None and grammars is not None else None
+            if problem is not None:
+                raise ValueError(f"structured_outputs cannot be enforced with this model's vocabulary: {problem}")
+        runs = zip(encoded, params, priorities, strict=True)
+        handles = [self.engine.submit(ids, p, priority=pr) for ids, p, pr in runs]
         self.engine.run_until_done()
-        return [h.output for h in handles]
+        outputs = []
+        for prompt, h in zip(batch, handles, strict=True):
+            text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, Mapping) else None
+            outputs.append(replace(h.output, prompt=text if isinstance(text, str) else None, request_id=h.request_id))
+        return outputs
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[GenerationOutput]:
+        """vLLM's LLM.chat: each conversation rendered with the model's chat template (or `chat_template`, Jinja
+        source), answered as by /v1/chat/completions: the template's stop strings end the answer (unless
+        `ignore_eos`)."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        template = self.template if chat_template is None else replace(self.template, source=chat_template)
+        texts = [template.render(list(c), add_generation_prompt) for c in conversations]  # type: ignore[arg-type]
+        prompts = [self.tokenizer.encode(t) for t in texts]  # a template writes its own BOS, as the server's
+        params = [self._with_template_stops(p, template) for p in self._per_prompt(sampling_params, len(prompts))]
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        return [replace(o, prompt=t) for o, t in zip(outputs, texts, strict=True)]
+
+    def _per_prompt(self, sampling_params: object, n: int) -> list[SamplingParams]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            return [sampling_params or SamplingParams()] * n
+        if not isinstance(sampling_params, Sequence) or not all(isinstance(p, SamplingParams) for p in sampling_params):
+            raise TypeError("sampling_params is a SamplingParams or a list of them (one per prompt), not "
+                            f"{type(sampling_params).__name__}")  # fmt: skip
+        if len(sampling_params) != n:
+            raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts")
+        return list(sampling_params)
+
+    def _with_template_stops(self, params: SamplingParams, template: ChatTemplate) -> SamplingParams:
+        """The template's stop strings, as the server adds them: a special token's as a stop token id."""
+        if params.ignore_eos or not template.stop:
+            return params
+        stop, stop_ids = list(params.stop), list(params.stop_token_ids)
+        for s in template.stop:
+            ids = self.tokenizer.encode(s)
+            if len(ids) == 1 and ids[0] in self.tokenizer.special_ids:
+                stop_ids += [] if ids[0] in stop_ids else ids
+            elif s not in stop:
+                stop.append(s)
+        return replace(params, stop=stop, stop_token_ids=stop_ids)

@@ -19,6 +19,9 @@ class ErrorCode:
 
 @dataclass
 class GenerationOutput:
+    """One prompt's generation: vLLM's RequestOutput and its one CompletionOutput in one object (`outputs` is
+    `[self]`). Logprobs are plain floats (vLLM's are `Logprob` objects: read `.logprob` there)."""
+
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -28,8 +31,22 @@ class GenerationOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None
     error_code: str | None = None  # an ErrorCode value when finish_reason is "error" or "abort"
+    prompt: str | None = None  # the prompt's text as given (None for token ids), as vLLM's RequestOutput.prompt
+    request_id: str | None = None
+    index: int = 0  # vLLM's CompletionOutput.index
 
     @property
     def outputs(self) -> list[GenerationOutput]:
         """vLLM-style access: `out.outputs[0].text`."""
         return [self]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the generated tokens' logprobs when `SamplingParams.logprobs` asked for them, else None (vLLM)."""
+        if self.logprobs is None:
+            return None
+        return float(sum(lp[t] for lp, t in zip(self.logprobs, self.token_ids, strict=False) if t in lp))

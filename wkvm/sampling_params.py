@@ -137,6 +137,17 @@ class SamplingParams:
             raise InvalidParam("response_format", f'response_format: type "json_schema" needs {need}')
         return cast(dict[str, Any], spec["schema"])
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Every token id a parameter names is one of the model's (InvalidParam naming the parameter): an id beyond
+        the vocabulary had been ignored (stop_token_ids, logit_bias) or had failed the engine's step
+        (allowed_token_ids)."""
+        named = {"stop_token_ids": self.stop_token_ids, "allowed_token_ids": self.allowed_token_ids or [],
+                 "logit_bias": list(self.logit_bias or {})}  # fmt: skip
+        for param, ids in named.items():
+            bad = next((t for t in ids if not (_is_int(t) and 0 <= t < vocab_size)), None)
+            if bad is not None:
+                raise InvalidParam(param, f"{param}: {bad!r} is not a token id of this model (0..{vocab_size - 1})")
+
     def grammar(self) -> str | None:
         """llguidance grammar text for the response format or structured_outputs (None: free text); sub-millisecond
         to build and check."""

@@ -127,6 +127,7 @@ class Engine:
         `base_ids`, `initial_state` and the capture arguments must be its own (`resume_continuation` passes them)."""
         if not prompt_ids:
             raise ValueError("a request needs at least one prompt token")
+        params.check_vocabulary(self.model.vocab_size)
         limit = self.runner.context_limit
         if limit is not None and len(base_ids or []) + len(prompt_ids) >= limit:
             n = len(base_ids or []) + len(prompt_ids)
@@ -420,7 +421,11 @@ class Engine:
     def run_until_done(self) -> None:
         """Step inline until no request is left (offline use; no thread)."""
         while self.scheduler.has_work or self._snapshots or self._suspends:
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # a bug: the caller hears of it, and no request is left in flight to spin on
+                self._fail_all(f"internal engine error: {e}", Status.FINISHED_ERROR, ErrorCode.ENGINE_ERROR)
+                raise
 
     @property
     def loop_failed(self) -> bool:

@@ -79,7 +79,8 @@ class SamplerRow:
         if self.params.allowed_token_ids is not None:
             if self._allowed is None:
                 self._allowed = torch.zeros(vocab, dtype=torch.bool)
-                self._allowed[torch.tensor([t for t in self.params.allowed_token_ids if t < vocab])] = True
+                allowed = [t for t in self.params.allowed_token_ids if t < vocab]
+                self._allowed[torch.tensor(allowed, dtype=torch.long)] = True
             logits = logits.masked_fill(~self._allowed, float("-inf"))
         out, n = self.output_ids, len(self.output_ids)
         banned = [w[-1] for w in self.bad_words if w[-1] < vocab and (len(w) == 1 or out[n - len(w) + 1 :] == w[:-1])]
