@@ -89,8 +89,10 @@ def binaries(verbose: bool = True, extra: tuple[str, ...] = (), isa: str = "nati
     out = None if verbose else subprocess.DEVNULL
     # avx2: named one by one (with GGML_NATIVE off ggml enables none of them when its own default is native)
     isa_flags = ["-DGGML_NATIVE=ON"] if isa == "native" else ["-DGGML_NATIVE=OFF", *AVX2_FLAGS]
+    # llama-server is built only when asked for (bench/serving.py), without its web UI (that would need npm or a hub)
     flags = ["-DCMAKE_BUILD_TYPE=Release", *isa_flags, "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-             "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_OPENMP=ON"]  # fmt: skip
+             "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+             "-DGGML_OPENMP=ON"]  # fmt: skip
     print(f"building llama.cpp {VERSION} in {root / 'build'} (once; 15-40 minutes on 2 cores)", flush=True)
     subprocess.run(["cmake", "-S", str(src), "-B", str(root / "build"), *flags], check=True, stdout=out)
     jobs = str(os.cpu_count() or 2)
@@ -99,7 +101,7 @@ def binaries(verbose: bool = True, extra: tuple[str, ...] = (), isa: str = "nati
 
 
 # the flag that turns weight repacking off, per tool (llama-bench takes a value, the common argument parser a switch)
-NO_REPACK = {"llama-bench": ["--repack", "0"], "llama-batched-bench": ["--no-repack"]}
+NO_REPACK = {"llama-bench": ["--repack", "0"], "llama-batched-bench": ["--no-repack"], "llama-server": ["--no-repack"]}
 repack_crashed = False  # set once a tool crashed in its repacked (AMX) matmul: later runs go without repacking
 
 
