@@ -89,8 +89,11 @@ def test_streamed_calls_equal_the_blocking_ones(client):
         (c.function.name, json.loads(c.function.arguments)) for c in want]
     assert [c.index for c in calls] == list(range(len(calls)))
     assert not any(d.content for d in deltas)  # a forced reply is calls only
-    # the held tokens send no empty chunks (OpenAI sends none mid-stream): the role chunk, then the calls
-    assert len(deltas) == 2 and deltas[0].role == "assistant" and deltas[1].tool_calls
+    # the held tokens send no empty chunks (OpenAI sends none mid-stream): the role chunk, the calls, then OpenAI's
+    # end, an empty delta with the finish reason (sent after the turn's saves; the calls went before them)
+    assert len(deltas) == 3 and deltas[0].role == "assistant" and deltas[1].tool_calls
+    assert deltas[2].model_dump(exclude_none=True) == {} and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][:2] == [None, None]
     assert deltas[0].content is None  # OpenAI's role chunk of a reply that is calls (hunt 10: it said "")
 
 
