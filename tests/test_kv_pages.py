@@ -111,6 +111,25 @@ def test_dense_round_trip_and_all_or_nothing_reservation():
     assert value_name(1) in seq.to_dense(pool)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dense_copy_reads_scattered_pages_at_every_length_around_a_page_edge(dtype):
+    """to_dense copies whole pages as blocks, then the last page's used rows: equal to gathering each token's row."""
+    pool = PagePool(SPEC, n_pages=12, page_tokens=4, dtype=dtype)
+    for pages in pool.pages.values():
+        pages.copy_(torch.randn(pages.shape))
+    for n in (0, 1, 3, 4, 5, 8, 9, 15, 16):
+        seq = SeqKV()
+        seq.reserve(pool, n)
+        seq.pages = seq.pages[::-1]  # not in pool order
+        seq.length = n
+        idx = seq.slots(pool, 0, n)
+        got = seq.to_dense(pool)
+        for name in pool.pages:
+            assert got[name].dtype == torch.float32 and got[name].shape == (n, H_KV, D)
+            assert torch.equal(got[name], pool.flat(name)[idx].float()), (n, name)
+        seq.free(pool)
+
+
 # --- kv tensors in stored states: files hold the used tokens only --------------------------------------------------
 
 HYBRID = StateSpec("test", (TensorSpec("layers.0.h", (4,)), *SPEC.tensors))
