@@ -10,7 +10,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
+import weakref
+from collections import deque
 from pathlib import Path
+
+import torch
 
 from wkvm.atomic import TMP_SUFFIX, atomic_write_bytes, fsync_dir
 from wkvm.models.spec import State, StateSpec
@@ -35,6 +40,31 @@ def blob_name(owner: str, digest: str) -> str:
 def blob_digest(blob: str) -> str:
     """The tensor digest a blob name carries (its file's tensor_sha256)."""
     return blob.rpartition("-")[2]
+
+
+class DigestMemo:
+    """`statefile.tensor_digest` of the last few states stored, known by the tensors' identity and version: a chat
+    turn's final state is stored up to three times (its reuse checkpoint, its parked session, a `save_state`), and
+    hashing it is most of a save's cost (0.12 s for 3.5k SmolLM2 tokens' keys and values). Weak references: a
+    remembered state is not kept alive, and a tensor whose id a new one took is not taken for it."""
+
+    def __init__(self, size: int = 4):
+        self.entries: deque[tuple[list[weakref.ref[torch.Tensor]], tuple[int, ...], str]] = deque(maxlen=size)
+        self.lock = threading.Lock()
+
+    def digest(self, spec: StateSpec, state: State, tensors: State) -> str:
+        """The digest of `tensors` (`state` unbatched: the batched tensors are what a caller passes again)."""
+        held = list(state.values())
+        versions = tuple(t._version for t in held)
+        with self.lock:
+            for refs, known, digest in self.entries:
+                same = len(refs) == len(held) and all(r() is t for r, t in zip(refs, held, strict=True))
+                if same and known == versions:
+                    return digest
+        digest = statefile.tensor_digest(spec, tensors)
+        with self.lock:
+            self.entries.append(([weakref.ref(t) for t in held], versions, digest))
+        return digest
 
 
 class BlobFiles:

@@ -26,7 +26,7 @@ import torch
 
 from wkvm.models.spec import State, StateSpec
 from wkvm.state import statefile
-from wkvm.state.blobs import BlobFiles, blob_digest, blob_name
+from wkvm.state.blobs import BlobFiles, DigestMemo, blob_digest, blob_name
 from wkvm.state.dir_lock import StateDirInUse, lock_dir, unlock_dir
 from wkvm.state.index import StateIndex, StateRecord
 from wkvm.state.quota import INDEX_COMMIT_BYTES, DiskUsage, QuotaExceeded, StoreLimits, is_internal, state_file_bytes
@@ -100,6 +100,7 @@ class StateStore:
         self.verify_on_load = verify_on_load
         self.index = StateIndex(self.root / "index.sqlite")
         self._lock = threading.RLock()
+        self._digests = DigestMemo()
         self._pinned = self.index.pinned_blobs()
         self.device_cache = TierCache(self.limits.device_bytes, lambda b: b in self._pinned)
         self.host_cache = TierCache(self.limits.host_bytes, lambda b: b in self._pinned)
@@ -207,7 +208,7 @@ class StateStore:
                 return None  # a cache entry the store cannot take is simply not kept
             raise
         tensors = statefile.unbatch(state)
-        blob = blob_name(owner, statefile.tensor_digest(self.spec, tensors))
+        blob = blob_name(owner, self._digests.digest(self.spec, state, tensors))
         with self._lock:
             ids: builtins.list[int] = list(token_ids)
             meta = StateMeta(
