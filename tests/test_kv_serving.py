@@ -100,6 +100,31 @@ def test_a_prompt_over_the_context_limit_is_a_400_also_after_a_reused_prefix(mod
         assert "wkvm_kv_cache_pages 4.0" in metrics and "wkvm_kv_cache_usage_ratio 0.0" in metrics, metrics
 
 
+def test_an_attention_turn_keeps_one_checkpoint_and_later_prompts_reuse_any_prefix_of_it(model, model_dir):
+    """Keys and values cut to any shorter history are exact, so a turn's final state serves every prefix: no prompt-end
+    or branch checkpoint is taken besides it (each had cost the engine a copy of the context, a hash and the memory)."""
+    with LiveServer(model=str(model_dir)) as s:
+        c = httpx.Client(base_url=s.url, timeout=60)
+
+        def complete(prompt: list[int], n: int) -> dict:
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": n, "temperature": 0,
+                                                "ignore_eos": True, "return_token_ids": True})  # fmt: skip
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        def checkpoints() -> list[str]:
+            return sorted(r.op_params["kind"] for r in s.ctx.store.index.list("anonymous#ckpt"))
+
+        prompt = [(5 * j + 3) % len(CHAR_VOCAB) for j in range(12)]
+        out = complete(prompt, 4)["choices"][0]["token_ids"]
+        assert checkpoints() == ["turn_end"]
+        for later, reused in ((prompt + out[:3] + [7, 8], 15), (prompt[:6] + [1, 2, 3], 6)):
+            r = complete(later, 3)
+            assert r["wkvm"]["reused_tokens"] == reused, r
+            assert r["choices"][0]["token_ids"] == greedy_reference(model, later, 3)
+        assert checkpoints() == ["turn_end"] * 3
+
+
 def test_max_state_tokens_bounds_saves_and_imports(model_dir, tmp_path):
     prompt = list(range(1, 21))
     with LiveServer(model=str(model_dir), state_dir=str(tmp_path / "a")) as big:

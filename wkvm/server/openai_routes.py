@@ -142,9 +142,14 @@ async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body: Ge
     # max_tokens 0 ends with the whole prompt fed and no token pending, which no history describes: its final state
     # is never kept (so no checkpoint is made of it; save_state with max_tokens 0 is refused up front)
     keep = params[0].max_tokens > 0 and (plan.capture or bool(body.save_state))
+    # an attention-only state cut to any shorter history is exact, so the turn's final state serves every prefix a
+    # prompt-end or branch checkpoint would (sessions cut it): taking those too had cost the engine a copy of the
+    # context's keys and values (45-90 ms at 3.5k SmolLM2 tokens, every stream waiting), a hash and twice the memory
+    whole = keep and plan.capture and ctx.model.spec.cuttable
     try:
         handles = await ctx.client.generate(plan.feed_ids, params, plan.base_state, plan.base_ids, capture=keep,
-                                            capture_prompt=plan.capture, capture_at=plan.capture_at)  # fmt: skip
+                                            capture_prompt=plan.capture and not whole,
+                                            capture_at=None if whole else plan.capture_at)  # fmt: skip
     finally:
         ctx.sessions.track(chat, tenant, locals().get("handles", []))
     ctx.metrics.prompt_tokens.inc(len(prompt_ids))
