@@ -161,6 +161,34 @@ def test_token_ids_beyond_the_vocabulary_are_refused_and_the_engine_goes_on(llm)
     assert llm.generate([[1, 2]], greedy)[0].token_ids == greedy_reference(llm.model, [1, 2], 4)
 
 
+def test_a_refused_prompt_leaves_none_of_its_call_queued(llm, monkeypatch):
+    """Review of session 30: the vocabulary check ran as each prompt was queued, so a refused second prompt left the
+    first queued, to run (300 steps) inside the next call. Refused before any is queued; a queue failure cancels."""
+    vocab = llm.model.vocab_size
+    long = SamplingParams(max_tokens=300, ignore_eos=True)
+    with pytest.raises(InvalidParam):
+        llm.generate([[1, 2], [3, 4]], [long, SamplingParams(max_tokens=2, stop_token_ids=[vocab])])
+    assert not llm.engine.scheduler.has_work
+    submit = llm.engine.submit
+    calls = []
+
+    def second_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("queue full")
+        return submit(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine, "submit", second_fails)
+    with pytest.raises(RuntimeError, match="queue full"):
+        llm.generate([[1, 2], [3, 4]], long)
+    assert not llm.engine.scheduler.has_work
+    monkeypatch.undo()
+    steps = []
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: steps.append(1) or step())
+    assert len(llm.generate([[5]], SamplingParams(max_tokens=1))[0].token_ids) == 1 and len(steps) < 10
+
+
 def test_a_failing_step_fails_the_batch_and_leaves_nothing_in_flight(llm, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(llm.engine, "step", lambda: 1 / 0)

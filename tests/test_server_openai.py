@@ -216,6 +216,29 @@ def test_stop_strings_stream_as_they_block_with_and_without_the_stop_string(clie
         assert "".join(c.choices[0].text for c in chunks if c.choices) == blocking.text
 
 
+def test_a_template_stop_token_beyond_the_models_rows_is_no_refusal(char_model, tmp_path):
+    """Review of session 30: with a tokenizer larger than its model, the template's end-of-turn token (never generated:
+    no row) became a stop token id that the new vocabulary check refused, a 400 on a field the client never sent."""
+    import shutil
+
+    from conftest import CHAR_VOCAB
+    from tokenizers import AddedToken, Tokenizer
+
+    path = tmp_path / "bigger-tokenizer"
+    shutil.copytree(char_model, path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<|end|>", special=True)])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "chat_template.json").write_text(json.dumps({"stop": ["<|end|>"]}))
+    llm = LLM(model=str(path))
+    assert llm.tokenizer.encode("<|end|>") == [len(CHAR_VOCAB)] == [llm.model.vocab_size]
+    hi = [{"role": "user", "content": "Hi"}]
+    assert llm.chat(hi, SamplingParams(max_tokens=4))[0].finish_reason == "length"
+    with LiveServer(model=str(path)) as s:
+        r = httpx.post(f"{s.url}/v1/chat/completions", json={"messages": hi, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+
+
 def test_chat_blocking_and_streaming(client):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
     r = client.chat.completions.create(model="world", messages=msgs, max_tokens=8, temperature=0,

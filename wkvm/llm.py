@@ -16,6 +16,7 @@ from typing import Any
 from wkvm.chat_template import ChatTemplate
 from wkvm.config import EngineConfig, default_model
 from wkvm.engine.engine import Engine
+from wkvm.engine.handle import RequestHandle
 from wkvm.outputs import GenerationOutput
 from wkvm.sampling_params import SamplingParams
 from wkvm.tokenizer import Tokenizer
@@ -104,8 +105,17 @@ class LLM:
             problem = grammars.problem(grammar) if grammar is not None and grammars is not None else None
             if problem is not None:
                 raise ValueError(f"structured_outputs cannot be enforced with this model's vocabulary: {problem}")
-        runs = zip(encoded, params, priorities, strict=True)
-        handles = [self.engine.submit(ids, p, priority=pr) for ids, p, pr in runs]
+        for p in params:  # every prompt's ids before any is queued (Engine.submit checks them too)
+            p.check_vocabulary(self.model.vocab_size)
+        handles: list[RequestHandle] = []
+        try:
+            for ids, p, pr in zip(encoded, params, priorities, strict=True):
+                handles.append(self.engine.submit(ids, p, priority=pr))
+        except BaseException:  # none of this call's prompts is left queued to run inside the next call
+            for h in handles:
+                h.cancel()
+            self.engine.run_until_done()
+            raise
         self.engine.run_until_done()
         outputs = []
         for prompt, h in zip(batch, handles, strict=True):
@@ -150,6 +160,8 @@ class LLM:
         stop, stop_ids = list(params.stop), list(params.stop_token_ids)
         for s in template.stop:
             ids = self.tokenizer.encode(s)
+            if len(ids) == 1 and ids[0] in self.tokenizer.special_ids and ids[0] >= self.model.vocab_size:
+                continue  # a token beyond the model's rows is never generated (a tokenizer larger than its model)
             if len(ids) == 1 and ids[0] in self.tokenizer.special_ids:
                 stop_ids += [] if ids[0] in stop_ids else ids
             elif s not in stop:

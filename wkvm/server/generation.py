@@ -113,12 +113,14 @@ def sampling_params(
     for s in stop:
         check_text(s, "stop")
     stop_ids = list(body.stop_token_ids or [])
+    vocab = ctx.model.vocab_size
 
     def special(s: str) -> int | None:
         """The token of a stop string that is one special token (a template's end of turn), where it never shows in
-        the text (skip_special_tokens): that token stops instead."""
+        the text (skip_special_tokens): that token stops instead. One beyond the model's rows (a tokenizer larger
+        than its model) is never generated: None (it had been refused as a stop_token_ids the client never sent)."""
         ids = ctx.tokenizer.encode(s) if body.skip_special_tokens else []
-        return ids[0] if len(ids) == 1 and ids[0] in ctx.tokenizer.special_ids else None
+        return ids[0] if len(ids) == 1 and ids[0] in ctx.tokenizer.special_ids and ids[0] < vocab else None
 
     for s in stop:
         if (t := special(s)) is not None and t not in stop_ids:
@@ -132,7 +134,6 @@ def sampling_params(
                 stop_ids.append(t)
         elif len(stop) < MAX_STOP_STRINGS and s not in stop:
             stop.append(s)
-    vocab = ctx.model.vocab_size
     bad = next((t for t in body.stop_token_ids or [] if not 0 <= t < vocab), None)
     if bad is not None:
         raise APIError(400, f"stop_token_ids: {bad} is outside the vocabulary 0..{vocab - 1}", "stop_token_ids",
