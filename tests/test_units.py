@@ -320,7 +320,8 @@ def test_an_unhandled_error_is_logged_once_with_the_id_its_500_names(caplog):
     """A route's bug answers an OpenAI-shaped 500 naming an error id, and the log holds one record with that id and
     the traceback (Starlette's handler for Exception re-raised after answering: uvicorn logged the traceback again,
     and nothing tied the client's 500 to it). An event stream a bug cuts off after its first bytes ends with an error
-    event naming the id (as vLLM's; it had ended cleanly, so a client could not tell it from a whole answer); any other
+    event naming the id (as vLLM's; it had ended cleanly, so a client could not tell it from a whole answer), then
+    `data: [DONE]` as every stream of the chat and completions routes; any other
     body cut off is left unended (uvicorn closes the connection: the client sees it incomplete)."""
     import logging
     import re
@@ -367,8 +368,8 @@ def test_an_unhandled_error_is_logged_once_with_the_id_its_500_names(caplog):
         records = [rec for rec in caplog.records if ref in rec.getMessage()]
         assert len(records) == 1 and records[0].exc_info and "KeyError" in records[0].getMessage(), caplog.text
         r = client.post("/cut")
-        first, last = r.text.removesuffix("\n\n").split("\n\n")
-        assert r.status_code == 200 and first == "data: 1", r.text
+        first, last, done = r.text.removesuffix("\n\n").split("\n\n")
+        assert r.status_code == 200 and first == "data: 1" and done == "data: [DONE]", r.text
         error = json.loads(last.removeprefix("data: "))["error"]
         ref = re.search(r"error id ([0-9a-f]{12})", error["message"]).group(1)
         assert error["code"] == "internal_error" and ref in caplog.records[-1].getMessage()

@@ -302,6 +302,8 @@ class RequestMetrics:
             if started and not ended and events:  # an event stream cut off by a bug: its last event says so, as
                 error = {"error": {"message": message, "type": "server_error", "param": None, "code": "internal_error"}}
                 body = f"data: {json.dumps(error)}\n\n".encode()  # vLLM's do (the openai SDK raises on it)
+                if not str(scope.get("path", "")).startswith("/v1/responses"):  # Responses streams send no [DONE]
+                    body += b"data: [DONE]\n\n"  # every other stream ends so, an error event or not
                 await send({"type": "http.response.body", "body": body, "more_body": False})
             elif not started:
                 await send_error(scope, receive, send, 500, message, None, "internal_error")
