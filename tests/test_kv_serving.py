@@ -125,6 +125,21 @@ def test_an_attention_turn_keeps_one_checkpoint_and_later_prompts_reuse_any_pref
         assert checkpoints() == ["turn_end"] * 3
 
 
+def test_a_turn_too_long_to_store_keeps_its_prompt_cut_from_its_final_state(model, model_dir):
+    """Review of session 31: with no prompt-end copy taken, an answer that made the final state longer than
+    --max-state-tokens left no checkpoint at all (the prompt-end one had kept 11 tokens reusable)."""
+    with LiveServer(model=str(model_dir), max_state_tokens=20) as s:
+        c = httpx.Client(base_url=s.url, timeout=60)
+        prompt = [(3 * j + 1) % len(CHAR_VOCAB) for j in range(12)]
+        body = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        assert c.post("/v1/completions", json={"prompt": prompt, **body}).status_code == 200
+        assert [r.op_params["kind"] for r in s.ctx.store.index.list("anonymous#ckpt")] == ["prompt_end"]
+        r = c.post("/v1/completions", json={"prompt": prompt + [4, 5], **body, "max_tokens": 3}).json()
+        assert r["wkvm"]["reused_tokens"] == 11, r["wkvm"]
+        assert r["choices"][0]["text"] == c.post("/v1/completions", json={"prompt": prompt + [4, 5], **body,
+                                                 "max_tokens": 3, "cache_salt": "cold"}).json()["choices"][0]["text"]
+
+
 def test_max_state_tokens_bounds_saves_and_imports(model_dir, tmp_path):
     prompt = list(range(1, 21))
     with LiveServer(model=str(model_dir), state_dir=str(tmp_path / "a")) as big:

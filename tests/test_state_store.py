@@ -798,9 +798,12 @@ def test_close_writes_back_checkpoints_only_within_the_quota(model, tmp_path):
     assert len(reopened.list("u")) == users and len(reopened.list("t#ckpt")) < 40
 
 
-def test_one_state_stored_three_times_is_hashed_once_and_again_when_it_changes(model, tmp_path, monkeypatch):
+def test_a_finished_requests_state_stored_three_times_is_hashed_once(model, tmp_path, monkeypatch):
     """A chat turn's final state goes to its checkpoint, its parked session and a save_state: one hash (0.12 s for
-    3.5k SmolLM2 tokens), the same blob. Changed in place, it is hashed anew."""
+    3.5k SmolLM2 tokens), the same blob. Only for `frozen` states (the engine's own copies): a caller's state changed
+    in place, even where its version counter does not move (the model's in-place prefill, a write through `.data`),
+    or the same tensors under other names, are hashed anew (review of session 31: a changed state had been stored
+    under the old one's blob, and loaded back as the old one)."""
     from wkvm.state import statefile
 
     calls = []
@@ -808,15 +811,19 @@ def test_one_state_stored_three_times_is_hashed_once_and_again_when_it_changes(m
     monkeypatch.setattr(statefile, "tensor_digest", lambda *a: calls.append(1) or real(*a))
     store = StateStore(tmp_path / "d", model.spec, model.fingerprint)
     final = random_state(model.spec, 0)
-    recs = [store.put("t#ckpt", "c", final, [1, 2], durable=False), store.put("t#sessions", "s", final, [1, 2],
-            durable=False), store.put("t", "saved", final, [1, 2])]  # fmt: skip
+    recs = [store.put("t#ckpt", "c", final, [1, 2], durable=False, frozen=True),
+            store.put("t#sessions", "s", final, [1, 2], durable=False, frozen=True),
+            store.put("t", "saved", final, [1, 2], frozen=True)]  # fmt: skip
     assert len(calls) == 1 and len({r.blob for r in recs}) == 1
-    next(iter(final.values())).add_(1.0)  # in place: its version moves
-    changed = store.put("t", "changed", final, [1, 2])
-    assert len(calls) == 2 and changed.blob != recs[0].blob
-    assert changed.blob.endswith(real(model.spec, statefile.unbatch(final)))
-    store.put("t", "other", random_state(model.spec, 1), [1, 2])
-    assert len(calls) == 3
+    mine = random_state(model.spec, 1)
+    first = store.put("t", "mine", mine, [1, 2])
+    next(iter(mine.values())).data.add_(1.0)  # in place, its version counter unmoved
+    second = store.put("t", "mine", mine, [1, 2])
+    assert len(calls) == 3 and second.blob != first.blob
+    assert second.blob.endswith(real(model.spec, statefile.unbatch(mine)))
+    a, b = next((a, b) for a in final for b in final if a < b and final[a].shape == final[b].shape)
+    swapped = {**final, a: final[b], b: final[a]}  # the same tensors, two of them under each other's names
+    assert store.put("t", "swapped", swapped, [1, 2], frozen=True).blob != recs[0].blob and len(calls) == 4
 
 
 def test_internal_budget_and_blobs_shared_with_users(model, tmp_path):

@@ -43,27 +43,30 @@ def blob_digest(blob: str) -> str:
 
 
 class DigestMemo:
-    """`statefile.tensor_digest` of the last few states stored, known by the tensors' identity and version: a chat
-    turn's final state is stored up to three times (its reuse checkpoint, its parked session, a `save_state`), and
-    hashing it is most of a save's cost (0.12 s for 3.5k SmolLM2 tokens' keys and values). Weak references: a
-    remembered state is not kept alive, and a tensor whose id a new one took is not taken for it."""
+    """`statefile.tensor_digest` of the last few finished requests' states stored, known by their tensors' names and
+    identity: a chat turn's final state is stored up to three times (its reuse checkpoint, its parked session, a
+    `save_state`), and hashing it is most of a save's cost (0.12 s for 3.5k SmolLM2 tokens' keys and values). Only
+    for states no one changes after storing them (`StateStore.put(frozen=True)`: the engine's own copies): a tensor
+    changed in place keeps its identity, and its version counter does not move for every write (the model's own
+    in-place prefill). Weak references: a remembered state is not kept alive, nor mistaken for a new one at its
+    address."""
 
     def __init__(self, size: int = 4):
-        self.entries: deque[tuple[list[weakref.ref[torch.Tensor]], tuple[int, ...], str]] = deque(maxlen=size)
+        self.entries: deque[tuple[list[tuple[str, weakref.ref[torch.Tensor]]], str]] = deque(maxlen=size)
         self.lock = threading.Lock()
 
-    def digest(self, spec: StateSpec, state: State, tensors: State) -> str:
+    def digest(self, spec: StateSpec, state: State, tensors: State, frozen: bool) -> str:
         """The digest of `tensors` (`state` unbatched: the batched tensors are what a caller passes again)."""
-        held = list(state.values())
-        versions = tuple(t._version for t in held)
+        if not frozen:
+            return statefile.tensor_digest(spec, tensors)
+        held = list(state.items())
         with self.lock:
-            for refs, known, digest in self.entries:
-                same = len(refs) == len(held) and all(r() is t for r, t in zip(refs, held, strict=True))
-                if same and known == versions:
+            for refs, digest in self.entries:
+                if len(refs) == len(held) and all(n == m and r() is t for (m, r), (n, t) in zip(refs, held)):  # noqa: B905
                     return digest
         digest = statefile.tensor_digest(spec, tensors)
         with self.lock:
-            self.entries.append(([weakref.ref(t) for t in held], versions, digest))
+            self.entries.append(([(n, weakref.ref(t)) for n, t in held], digest))
         return digest
 
 

@@ -54,11 +54,13 @@ class StateService:
         if result.final_state is None:
             return None
         return self.store.put(owner, name, result.final_state, result.history, parent=parent, op=op,
-                              op_params=op_params or {}, durable=durable)  # fmt: skip
+                              op_params=op_params or {}, durable=durable, frozen=True)  # fmt: skip
 
     def save_checkpoint(self, owner: str, name: str, state: State, history: list[int], kind: str) -> StateRecord | None:
-        """A prefix-reuse checkpoint (an internal owner): write-back, best effort; None when the store has no room."""
-        return self.store.put(owner, name, state, history, op="checkpoint", op_params={"kind": kind}, durable=False)
+        """A prefix-reuse checkpoint (an internal owner): write-back, best effort; None when the store has no room.
+        `state` is a finished request's own copy, or one cut from it, which nothing changes afterwards."""
+        return self.store.put(owner, name, state, history, op="checkpoint", op_params={"kind": kind}, durable=False,
+                              frozen=True)  # fmt: skip
 
     def save_snapshot(self, owner: str, name: str, state: State, history: list[int], request_id: str) -> StateRecord:
         """A running request's state taken at a token boundary (EngineClient.snapshot)."""

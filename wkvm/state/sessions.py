@@ -372,7 +372,9 @@ class ChatSessions:
             run = h.run_result()
             if h.output.finish_reason not in ("stop", "length") or run.final_state is None:
                 return
-            self._checkpoint(scope, run.history, run.final_state, "turn_end")
+            kept = self._checkpoint(scope, run.history, run.final_state, "turn_end")
+            if not kept and run.prompt_state is None and self.store.spec.cuttable:
+                self._cut_checkpoint(scope, run)
             if run.prompt_state is not None:
                 self._checkpoint(scope, run.prompt_history, run.prompt_state, "prompt_end")
             if run.branch_state is not None:
@@ -382,12 +384,23 @@ class ChatSessions:
         except Exception:
             log.warning("could not store this turn's checkpoints/session; the next turn recomputes", exc_info=True)
 
-    def _checkpoint(self, scope: str, token_ids: list[int], state: State, kind: str) -> None:
+    def _cut_checkpoint(self, scope: str, run: RunResult) -> None:
+        """An attention-only turn whose final state the store did not keep (longer than --max-state-tokens, or no room
+        in --checkpoint-bytes) keeps its prompt instead, cut from the final state, as long as a stored state may be:
+        the server takes no prompt-end copy of such a turn (the final state serves every prefix when it is kept)."""
+        assert run.final_state is not None
+        n = min(len(run.prompt_history) - 1, self.store.limits.kv_tokens)  # tokens whose keys and values it keeps
+        if n > 0:
+            self._checkpoint(scope, run.history[: n + 1], self.store.spec.cut(run.final_state, n), "prompt_end")
+
+    def _checkpoint(self, scope: str, token_ids: list[int], state: State, kind: str) -> bool:
+        """Store a checkpoint of `state` (all of `token_ids` but the last) and put it in the trie; False when the
+        store did not keep it."""
         store = self.store
         name = "c-" + hashlib.sha256(repr(token_ids).encode()).hexdigest()[:32]
         rec = self.service.save_checkpoint(scope + CKPT, name, state, token_ids, kind)
         if rec is None:  # the store had no room within its checkpoint budget: this prefix is not reusable
-            return
+            return False
         with self.lock:
             self._forget_evicted()
             evicted = self._trie(scope).insert(token_ids, rec.handle, kind)
@@ -395,6 +408,7 @@ class ChatSessions:
             store.discard(scope + CKPT, cp.key, durable=False)
         if rec.version > 1:  # the same tokens again: keep only the newest version
             store.discard(scope + CKPT, f"{name}@{rec.version - 1}", durable=False)
+        return True
 
     def _update_session(self, tenant: str, key: SessionKey, chat: ChatMeta, run: RunResult, reply: str) -> None:
         store = self.store

@@ -186,6 +186,7 @@ class StateStore:
         durable: bool = True,
         version: int | None = None,
         created_at: float | None = None,
+        frozen: bool = False,
     ) -> StateRecord | None:
         """Store a new immutable version (state is batched [1, ...]); returns once it is durable.
 
@@ -194,7 +195,8 @@ class StateStore:
         raises neither: None means it was not kept. durable=False (internal states only) is write-back: the file is
         written, unfsynced, when the state leaves RAM, and the index commit is not fsynced; a crash may lose such
         states (recovery drops their records), never corrupt anything. `version` and `created_at` keep a moved
-        state's identity (`adopt_bytes`); by default the next version and now.
+        state's identity (`adopt_bytes`); by default the next version and now. `frozen`: the caller never changes
+        these tensors (a finished request's copies), so storing them again skips hashing them (`DigestMemo`).
         """
         valid_name(name)
         self.spec.check(state)
@@ -208,7 +210,7 @@ class StateStore:
                 return None  # a cache entry the store cannot take is simply not kept
             raise
         tensors = statefile.unbatch(state)
-        blob = blob_name(owner, self._digests.digest(self.spec, state, tensors))
+        blob = blob_name(owner, self._digests.digest(self.spec, state, tensors, frozen))
         with self._lock:
             ids: builtins.list[int] = list(token_ids)
             meta = StateMeta(
