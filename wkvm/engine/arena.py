@@ -73,6 +73,11 @@ class SlotArena:
         if seq is not None and self.pool is not None:
             seq.free(self.pool)
 
+    def detach_kv(self, slot: int) -> SeqKV:
+        """Take `slot`'s page table out of the arena: freeing the slot then leaves its pages to the caller, who
+        returns them with `SeqKV.free` (from any thread)."""
+        return self.kv.pop(slot, None) or SeqKV()
+
     def copy(self, src: int, dst: int) -> None:
         """Fork: dst becomes an exact copy of src (its kv pages shared copy-on-write)."""
         for t in self.tensors.values():

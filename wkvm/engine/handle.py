@@ -109,6 +109,8 @@ class RequestHandle:
 
     def run_result(self) -> RunResult:
         req = self.request
+        if req.final_ready is not None:  # its keys and values are still being copied out (Engine._keep_final_state)
+            req.final_ready.wait()
         branch = req.base_ids + req.prompt_ids[: req.capture_at + 1] if req.capture_at is not None else []
         return RunResult(req.history(), req.final_state, req.base_ids + req.prompt_ids, req.prompt_state, branch,
                          req.branch_state)  # fmt: skip

@@ -8,6 +8,7 @@ The scheduler reserves pages before each step (`SlotArena.reserve`), the runner 
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -42,25 +43,31 @@ class PagePool:
         self.refs = [0] * n_pages
         self._free = list(range(n_pages - 1, -1, -1))  # pop() hands out the lowest page first
         self._flat: dict[str, torch.Tensor] = {}
+        # the engine thread takes and returns pages; a finished request's pages come back from the thread that
+        # copies them out (Engine._keep_final_state)
+        self._lock = threading.Lock()
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     def alloc(self) -> int:
-        if not self._free:
-            raise OutOfPages("no free KV page")
-        page = self._free.pop()
-        self.refs[page] = 1
-        return page
+        with self._lock:
+            if not self._free:
+                raise OutOfPages("no free KV page")
+            page = self._free.pop()
+            self.refs[page] = 1
+            return page
 
     def retain(self, page: int) -> None:
-        self.refs[page] += 1
+        with self._lock:
+            self.refs[page] += 1
 
     def release(self, page: int) -> None:
-        self.refs[page] -= 1
-        if self.refs[page] == 0:
-            self._free.append(page)
+        with self._lock:
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                self._free.append(page)
 
     def copy_page(self, src: int) -> int:
         """A private copy of page `src` (copy-on-write)."""

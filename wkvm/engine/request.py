@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -75,6 +76,7 @@ class Request:
     slot: int | None = None
     parked_state: State | None = None  # host copy while preempted
     final_state: State | None = None
+    final_ready: threading.Event | None = None  # set once `final_state` is filled, when it is copied out off the step
     error: str | None = None
     error_code: str | None = None  # an ErrorCode value (wkvm.outputs) when it ended in error or abort
     cancel_requested: bool = False
