@@ -3,6 +3,8 @@ limit, and --max-state-tokens bounding stored states. On the conformance suite's
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 import torch
@@ -82,6 +84,18 @@ def test_a_finished_requests_keys_and_values_are_copied_off_the_step_and_its_pag
         eng.shutdown()
     for a, b in zip(states["copier"], states["in the step"], strict=True):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the copier's one thread is its own: a step loop started after it runs on its creator's threads
+    eng = engine(model, model_dir, pages=8, n_slots=1)
+    seen: list[int] = []
+    step = eng.step
+    eng.step = lambda: seen.append(torch.get_num_threads()) or step()
+    eng.start()
+    h = eng.submit([1, 2, 3], greedy(2))
+    deadline = time.monotonic() + 60
+    while h.output.finish_reason is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    eng.shutdown()
+    assert h.output.finish_reason == "length" and set(seen) == {torch.get_num_threads()}
 
 
 def test_context_limit_refuses_long_prompts_and_ends_with_length(model, model_dir):

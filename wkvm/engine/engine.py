@@ -89,6 +89,9 @@ class Engine:
         # decode step 3x slower (21 vs 7 ms for SmolLM2 at batch 1)
         self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wkvm-final-state",
                                                              initializer=torch.set_num_threads, initargs=(1,))
+        # torch.set_num_threads also sets the count a thread takes on its first parallel op: the step loop's thread
+        # takes the creator's own, whatever a copier (of this engine or an earlier one) set since
+        self._threads = torch.get_num_threads()
         self._accepting = True
         self._stopping = False
         self._drain = True
@@ -400,7 +403,10 @@ class Engine:
                 seq.free(pool)
                 ready.set()
 
-        self._copier.submit(copy)
+        try:
+            self._copier.submit(copy)
+        except RuntimeError:  # the engine was shut down (a step run by hand after it): copy here
+            copy()
 
     def _reap(self) -> list[Event]:
         """Finish cancelled and timed-out requests, freeing their slots."""
@@ -474,6 +480,7 @@ class Engine:
             self._thread.start()
 
     def _loop(self) -> None:
+        torch.set_num_threads(self._threads)
         while True:
             with self._lock:
                 # a move or snapshot asked of a request that has just ended is answered now, not at the next request
