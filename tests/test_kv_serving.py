@@ -98,6 +98,39 @@ def test_a_finished_requests_keys_and_values_are_copied_off_the_step_and_its_pag
     assert h.output.finish_reason == "length" and set(seen) == {torch.get_num_threads()}
 
 
+def test_pages_a_pending_copy_holds_are_waited_for_not_preempted_around(model, model_dir, monkeypatch):
+    """Review of session 31: while a finished request's copy held its pages, a short pool parked a running request
+    (its keys and values copied to host inside the step) and the loop spun through empty steps (22,216 in the repro);
+    now the scheduler waits for the copy when, and only when, it is short of pages."""
+    from wkvm.engine.kv_pages import SeqKV
+
+    to_dense = SeqKV.to_dense
+
+    def slow(self, pool):
+        time.sleep(0.05)
+        return to_dense(self, pool)
+
+    monkeypatch.setattr(SeqKV, "to_dense", slow)
+    eng = engine(model, model_dir, pages=6, n_slots=2)
+    parked, steps = [], []
+    park, step = eng.scheduler.park, eng.step
+    eng.scheduler.park = lambda req: parked.append(req.request_id) or park(req)
+    eng.step = lambda: steps.append(1) or step()
+    a = eng.submit([1 + j for j in range(8)], greedy(2), capture_state=True)
+    b = eng.submit([20, 21, 22, 23], greedy(12))
+    eng.run_until_done()
+    assert parked == [] and len(steps) < 40, (parked, len(steps))
+    assert a.run_result().final_state is not None and len(b.output.token_ids) == 12
+    assert eng.arena.pool is not None and eng.arena.pool.num_free == 6
+    a = eng.submit([1 + j for j in range(8)], greedy(2), capture_state=True)
+    eng.run_until_done()  # a's copy now holds 3 of the 6 pages for 50 ms
+    steps.clear()
+    c = eng.submit([2 + j for j in range(19)], greedy(1))  # needs 5 pages
+    eng.run_until_done()
+    assert len(c.output.token_ids) == 1 and len(steps) < 10, len(steps)  # it had spun through empty steps
+    eng.shutdown()
+
+
 def test_context_limit_refuses_long_prompts_and_ends_with_length(model, model_dir):
     eng = engine(model, model_dir, pages=4, n_slots=2)  # 16 tokens in all: the context limit
     assert eng.runner.context_limit == 16

@@ -5,6 +5,7 @@ per slot. Reads and writes of a slot's state carry both, the kv part as dense `[
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 import torch
 
@@ -35,6 +36,8 @@ class SlotArena:
         }
         self.pool = PagePool(spec, kv_pages, page_tokens, self.device, kv_dtype) if spec.has_kv else None
         self.kv: dict[int, SeqKV] = {}  # slot -> its pages (models with kv tensors only)
+        # waits until pages that finished requests' copies hold are back; True if there were any (set by the Engine)
+        self.reclaim: Callable[[], bool] = lambda: False
         self._free = list(range(n_slots))
         heapq.heapify(self._free)
         self._used: set[int] = set()

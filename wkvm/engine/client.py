@@ -123,7 +123,7 @@ class LocalEngineClient:
                 pass
         finally:
             h.cancel()  # a no-op once it finished; frees the slot if the caller was abandoned meanwhile
-        return prefilled_state(h)
+        return await asyncio.to_thread(prefilled_state, h)  # it may wait for its keys and values' copy
 
     async def generate(
         self, prompt_ids: list[int], params: list[SamplingParams], base_state: State | None = None,

@@ -92,6 +92,8 @@ class Engine:
         # torch.set_num_threads also sets the count a thread takes on its first parallel op: the step loop's thread
         # takes the creator's own, whatever a copier (of this engine or an earlier one) set since
         self._threads = torch.get_num_threads()
+        self._copies: list[concurrent.futures.Future[None]] = []  # pending, each holding a finished request's pages
+        self.arena.reclaim = self._wait_for_copies
         self._accepting = True
         self._stopping = False
         self._drain = True
@@ -403,10 +405,19 @@ class Engine:
                 seq.free(pool)
                 ready.set()
 
+        self._copies = [f for f in self._copies if not f.done()]
         try:
-            self._copier.submit(copy)
+            self._copies.append(self._copier.submit(copy))
         except RuntimeError:  # the engine was shut down (a step run by hand after it): copy here
             copy()
+
+    def _wait_for_copies(self) -> bool:
+        """The scheduler is short of KV pages: wait for the copies still holding finished requests' pages (rather
+        than park a request, or hold one back, for pages about to come back). True if any were pending."""
+        pending = [f for f in self._copies if not f.done()]
+        self._copies.clear()
+        concurrent.futures.wait(pending)
+        return bool(pending)
 
     def _reap(self) -> list[Event]:
         """Finish cancelled and timed-out requests, freeing their slots."""

@@ -81,7 +81,8 @@ class Scheduler:
                 break  # parked this step for want of KV pages: it waits for the next one
             n = self._take(head, budget)
             state = head.parked_state if head.parked_state is not None else head.initial_state
-            if not self.arena.can_hold((self.arena.spec.kv_length(state) if state else 0) + n):
+            need = (self.arena.spec.kv_length(state) if state else 0) + n
+            if not self.arena.can_hold(need) and not (self.arena.reclaim() and self.arena.can_hold(need)):
                 break  # its keys and values and this step's tokens do not fit the free pages: wait, in order
             req = self.waiting.pop(0)
             if not self._admit(req):
@@ -128,6 +129,8 @@ class Scheduler:
                 self.arena.reserve(req.slot, n)
                 return True
             except OutOfPages:
+                if self.arena.reclaim():  # pages a finished request's copy held are back: try again
+                    continue
                 scheduled = {id(r) for r, _ in work}
                 others = [r for r in self.running if r is not req and id(r) not in scheduled]
                 victim = max(others, key=lambda r: r.sort_key, default=None)
