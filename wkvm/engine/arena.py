@@ -76,10 +76,20 @@ class SlotArena:
         if seq is not None and self.pool is not None:
             seq.free(self.pool)
 
-    def detach_kv(self, slot: int) -> SeqKV:
-        """Take `slot`'s page table out of the arena: freeing the slot then leaves its pages to the caller, who
-        returns them with `SeqKV.free` (from any thread)."""
-        return self.kv.pop(slot, None) or SeqKV()
+    def take(self, slot: int) -> Callable[[], State]:
+        """`slot`'s state, to be copied later on any thread: its fixed tensors are copied now and its pages leave the
+        arena (freeing the slot keeps them); the call returned builds the state as `read` does, then returns them."""
+        fixed = {k: t[slot : slot + 1].clone() for k, t in self.tensors.items()}
+        seq = self.kv.pop(slot, None) or SeqKV()
+
+        def build() -> State:
+            try:
+                return self._with_kv(fixed, seq, "cpu")
+            finally:
+                if self.pool is not None:
+                    seq.free(self.pool)
+
+        return build
 
     def copy(self, src: int, dst: int) -> None:
         """Fork: dst becomes an exact copy of src (its kv pages shared copy-on-write)."""
@@ -124,11 +134,13 @@ class SlotArena:
 
     def read(self, slot: int, device: str | torch.device = "cpu") -> State:
         """A copy of one slot's state (batch dim 1), e.g. to park it in host memory; kv tensors as [1, n, ...]."""
-        out = {k: t[slot : slot + 1].to(device, copy=True) for k, t in self.tensors.items()}
+        fixed = {k: t[slot : slot + 1].to(device, copy=True) for k, t in self.tensors.items()}
+        return self._with_kv(fixed, self.kv.get(slot, SeqKV()), device)
+
+    def _with_kv(self, fixed: State, seq: SeqKV, device: str | torch.device) -> State:
         if self.pool is not None:
-            dense = self.kv.get(slot, SeqKV()).to_dense(self.pool)
-            out.update({k: v.unsqueeze(0).to(device) for k, v in dense.items()})
-        return out
+            fixed.update({k: v.unsqueeze(0).to(device) for k, v in seq.to_dense(self.pool).items()})
+        return fixed
 
     def write(self, slot: int, state: State) -> None:
         """Set one slot's state (batch dim 1); its kv tensors go into fresh pages (raises OutOfPages)."""

@@ -391,18 +391,15 @@ class Engine:
         if arena.pool is None or arena.device.type != "cpu":
             req.final_state = self.runner.read_state(slot)
             return
-        fixed = {k: t[slot : slot + 1].clone() for k, t in arena.tensors.items()}
-        seq, pool, ready = arena.detach_kv(slot), arena.pool, threading.Event()
+        build, ready = arena.take(slot), threading.Event()
         req.final_ready = ready
 
         def copy() -> None:
             try:
-                dense = seq.to_dense(pool)
-                req.final_state = {**fixed, **{k: v.unsqueeze(0) for k, v in dense.items()}}
+                req.final_state = build()
             except Exception:  # not kept, as a state that could not be read: the answer stands, nothing is saved
                 log.exception("could not copy a finished request's keys and values")
             finally:
-                seq.free(pool)
                 ready.set()
 
         self._copies = [f for f in self._copies if not f.done()]
