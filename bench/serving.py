@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -217,6 +218,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--chat-tokens", type=int, default=64, help="tokens generated per chat turn")
     ap.add_argument("--cases", default="1 stream,8 streams,chat")
+    ap.add_argument("--wkvm-args", default="", help="more `wkvm serve` flags, e.g. '--token-budget 128'")
     args = ap.parse_args()
     if not GGUF.is_file():
         sys.exit(f"{GGUF} is missing: run `make smollm2` first")
@@ -228,7 +230,7 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     wkvm = Server("wkvm", [sys.executable, "-m", "wkvm.cli", "serve", "--model", str(GGUF), "--dtype", args.dtype,
                            "--port", "{port}", "--slots", "8", "--no-access-log",
-                           "--served-model-name", "smollm2"], env)  # fmt: skip
+                           "--served-model-name", "smollm2", *shlex.split(args.wkvm_args)], env)  # fmt: skip
     servers = [wkvm.start(), start_llama_server(bin_dir, args.threads)]
     asyncio.run(streams(wkvm.url, "warm up " * 100, 0, 8, 8, 4))
     results: dict[str, dict[str, list[dict[str, float]]]] = {}
@@ -262,13 +264,15 @@ def main() -> None:
             a, b = med["wkvm"][k], med["llama.cpp"][k]
             ratio = a / b if b else float("nan")
             rows.append([case, k, a, b, f"{ratio:.2f}x"])
+    flags = f" {args.wkvm_args}" if args.wkvm_args else ""
     repack = "" if not llamacpp.repack_crashed else ", without weight repacking (its AMX path crashes here)"
     title = (f"SmolLM2-135M-Instruct served over HTTP (openai SDK, streamed chat, greedy, ignore_eos): wkvm "
-             f"--dtype {args.dtype} (KV float32) vs llama-server Q4_1 native (KV float16{repack}); {args.threads} "
-             f"threads each, medians of {args.rounds} alternating rounds; CPU: {cpu_name()}")  # fmt: skip
+             f"--dtype {args.dtype}{flags} (KV float32) vs llama-server Q4_1 native (KV float16{repack}); "
+             f"{args.threads} threads each, medians of {args.rounds} alternating rounds; CPU: {cpu_name()}")
     print_table(title, ["case", "figure", "wkvm", "llama.cpp", "wkvm / llama.cpp"], rows)
-    path = write_json("serving", {"cpu": cpu_name(), "dtype": args.dtype, "threads": args.threads,
-                                  "rounds": args.rounds, "llama_cpp_repack": not llamacpp.repack_crashed,
+    path = write_json("serving", {"cpu": cpu_name(), "dtype": args.dtype, "wkvm_args": args.wkvm_args,
+                                  "threads": args.threads, "rounds": args.rounds,
+                                  "llama_cpp_repack": not llamacpp.repack_crashed,
                                   "medians": medians, "runs": results})  # fmt: skip
     print(f"\nwrote {path}")
 
