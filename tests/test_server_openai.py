@@ -421,6 +421,41 @@ def test_a_loaded_server_freezes_its_startup_heap_and_thaws_it_when_it_stops(wor
     assert gc.get_freeze_count() == 0
 
 
+def test_only_the_step_loop_runs_torch_on_several_threads(world_pth):
+    """A server's other threads (anyio's workers: state import and export, saves, KV cuts, embeddings) run torch on
+    one thread, its step loop on the count the server started with: one other thread that had run a two-thread op
+    made every later decode step ~2x slower (libgomp throttles its waits once it manages more threads than CPUs)."""
+    import threading
+    import time
+
+    import torch
+    from fastapi.testclient import TestClient
+
+    from wkvm.config import ServerConfig
+    from wkvm.server.app import create_app
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # two even on a one-core machine: the counts below must differ
+    try:
+        with TestClient(create_app(ServerConfig(model=str(world_pth), slots=1)), base_url="http://localhost") as c:
+            deadline = time.monotonic() + 30
+            while not c.app.state.ctx.ready.is_set() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            engine = c.app.state.ctx.client.engine
+            seen: list[int] = []
+            step = engine.step
+            engine.step = lambda: seen.append(torch.get_num_threads()) or step()
+            r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+            other: list[int] = []
+            worker = threading.Thread(target=lambda: other.append(torch.get_num_threads()))
+            worker.start()
+            worker.join()
+        assert seen and set(seen) == {2} and other == [1]
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.allows_5xx
 def test_health_is_503_until_a_model_is_loaded(tmp_path):
     import time

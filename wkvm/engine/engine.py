@@ -20,6 +20,7 @@ from wkvm.engine.handle import Event, RequestHandle
 from wkvm.engine.request import Continuation, Request, Status
 from wkvm.engine.runner import ModelRunner, StepOutput
 from wkvm.engine.scheduler import QueueFull, Scheduler
+from wkvm.engine.threads import keep_thread_count
 from wkvm.models.family import LanguageModel
 from wkvm.models.spec import State
 from wkvm.outputs import ErrorCode
@@ -85,6 +86,7 @@ class Engine:
         self._snapshots: list[tuple[str, concurrent.futures.Future[tuple[State, list[int]]]]] = []
         self._suspends: list[tuple[str, concurrent.futures.Future[Continuation], bool]] = []  # (id, future, stop)
         self._thread: threading.Thread | None = None
+        self._loop_ready = threading.Event()  # the step loop's thread has taken its torch thread count
         # one thread, and torch on one thread in it: a second thread's parallel regions (OpenMP) had made every later
         # decode step 3x slower (21 vs 7 ms for SmolLM2 at batch 1)
         self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wkvm-final-state",
@@ -486,9 +488,14 @@ class Engine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="wkvm-engine", daemon=True)
             self._thread.start()
+            self._loop_ready.wait()
 
     def _loop(self) -> None:
         torch.set_num_threads(self._threads)
+        # asked now, the count is this thread's: torch otherwise takes the process's count at a thread's first parallel
+        # op, and the server sets that to 1 for its other threads once `start` returns (ServerContext.load)
+        torch.get_num_threads()
+        self._loop_ready.set()
         while True:
             with self._lock:
                 # a move or snapshot asked of a request that has just ended is answered now, not at the next request
@@ -496,6 +503,7 @@ class Engine:
                     self._wake.wait()
                 if self._stopping and not (self._drain and self.scheduler.has_work):
                     break
+            keep_thread_count(self._threads)  # a C++ extension's first op on this thread takes the process's count
             try:
                 self.step()
             except Exception as e:  # a bug: fail the in-flight requests loudly rather than hang them

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from fastapi import Request
 
 from wkvm.chat_template import ChatTemplate
@@ -141,6 +142,11 @@ class ServerContext:
                 self.embedder = EmbeddingModel(cfg.embeddings, cfg.device)
             sys.setswitchinterval(GIL_SWITCH_SECONDS)
             engine.start()
+            # the step loop keeps its threads; every other thread of the server (anyio's workers: state import and
+            # export, saves, KV cuts, embeddings) runs torch on one from here: one such thread that had run a
+            # two-thread op made every later decode step ~2x slower (SmolLM2 int8, 7 -> 14-16 ms after a state import
+            # as a fresh server's first request; libgomp throttles its waits once it manages more threads than CPUs)
+            torch.set_num_threads(1)
             freeze_startup_heap()
             self.ready.set()
             log.info("model %s loaded (fingerprint %s...)", self.model_name, self.model.fingerprint[:12])
