@@ -425,8 +425,11 @@ def test_only_the_step_loop_runs_torch_on_several_threads(world_pth):
     """A server's other threads (anyio's workers: state import and export, saves, KV cuts, embeddings) run torch on
     one thread, its step loop on the count the server started with: one other thread that had run a two-thread op
     made every later decode step ~2x slower (libgomp throttles its waits once it manages more threads than CPUs)."""
+    import contextlib
+    import ctypes
     import threading
     import time
+    from pathlib import Path
 
     import torch
     from fastapi.testclient import TestClient
@@ -434,6 +437,9 @@ def test_only_the_step_loop_runs_torch_on_several_threads(world_pth):
     from wkvm.config import ServerConfig
     from wkvm.server.app import create_app
 
+    mkl_threads = lambda: 2  # noqa: E731  (a torch without MKL: OpenMP's count alone)
+    with contextlib.suppress(OSError, AttributeError):  # MKL's own count (torch's fp32 bmm, linear without oneDNN)
+        mkl_threads = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).MKL_Get_Max_Threads
     before = torch.get_num_threads()
     torch.set_num_threads(2)  # two even on a one-core machine: the counts below must differ
     try:
@@ -442,9 +448,9 @@ def test_only_the_step_loop_runs_torch_on_several_threads(world_pth):
             while not c.app.state.ctx.ready.is_set() and time.monotonic() < deadline:
                 time.sleep(0.05)
             engine = c.app.state.ctx.client.engine
-            seen: list[int] = []
+            seen: list[tuple[int, int]] = []
             step = engine.step
-            engine.step = lambda: seen.append(torch.get_num_threads()) or step()
+            engine.step = lambda: seen.append((torch.get_num_threads(), mkl_threads())) or step()
             r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
             other: list[int] = []
@@ -454,7 +460,7 @@ def test_only_the_step_loop_runs_torch_on_several_threads(world_pth):
         worker = threading.Thread(target=lambda: other.append(torch.get_num_threads()))
         worker.start()
         worker.join()
-        assert seen and set(seen) == {2} and other == [1, 2]  # and 2 again once the server has shut down
+        assert seen and set(seen) == {(2, 2)} and other == [1, 2]  # and 2 again once the server has shut down
     finally:
         torch.set_num_threads(before)
 

@@ -77,7 +77,11 @@ class EngineReplica:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, config.replicas)))
         self.app = create_app(replace(config, state_dir=state_dir), load_in_background=False)
         self.ctx: ServerContext = self.app.state.ctx
-        self.ctx.load()
+        # loaded on a thread that then ends: a thread that ran torch on several threads keeps an OpenMP team, and
+        # Ray's thread lives on beside the step loop (an idle team slows every decode step: engine/threads.py)
+        loader = threading.Thread(target=self.ctx.load, name="wkvm-load")
+        loader.start()
+        loader.join()
         if self.ctx.load_error:
             raise RuntimeError(self.ctx.load_error)
         keys = self._named_keys()

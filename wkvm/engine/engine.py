@@ -491,11 +491,11 @@ class Engine:
             self._loop_ready.wait()
 
     def _loop(self) -> None:
-        torch.set_num_threads(self._threads)
-        # asked now, the count is this thread's: torch otherwise takes the process's count at a thread's first parallel
-        # op, and the server sets that to 1 for its other threads once `start` returns (ServerContext.load)
-        torch.get_num_threads()
-        self._loop_ready.set()
+        try:  # this thread's counts, before `start` returns and the server sets 1 for its others (ServerContext.load)
+            torch.set_num_threads(self._threads)
+            torch.get_num_threads()  # asked now, torch's own library takes this thread's count now
+        finally:
+            self._loop_ready.set()
         while True:
             with self._lock:
                 # a move or snapshot asked of a request that has just ended is answered now, not at the next request

@@ -1,37 +1,53 @@
 """Torch's thread count, per thread.
 
-torch keeps one process-wide count, which `torch.set_num_threads` sets together with the calling thread's own
-(OpenMP's per-thread count), and which every thread takes at its first parallel op, once for torch's library and once
-more for each C++ extension (its inline `at::internal::lazy_init_num_threads` keeps its own flag). A server wants its
-step loop on N threads and every other thread on one (`ServerContext.load`): the loop's count is then put back here,
-on OpenMP's own per-thread setter, without moving the process-wide one.
+torch keeps one process-wide count, which `torch.set_num_threads` sets together with the calling thread's own (its
+OpenMP count and its MKL count), and which a thread takes at its first parallel op: once for torch's own library and
+once more for the C++ extensions (their inline `at::internal::lazy_init_num_threads` keeps a flag of theirs). A
+server wants its step loop on N threads and every other thread on one (`ServerContext.load`): the loop's counts are
+put back here with OpenMP's and MKL's per-thread setters, which leave the process-wide count as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import logging
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
+
 
 @functools.cache
-def _omp_set_num_threads() -> Callable[[int], None] | None:
-    """OpenMP's setter in the runtime torch loaded (libgomp, found by its soname: one per process), or None."""
+def _setters() -> list[Callable[[int], Any]]:
+    """OpenMP's per-thread setter in the runtime torch loaded (its libgomp, global through torch's global deps), and
+    MKL's where torch links it in; empty where OpenMP's is not reachable."""
     try:
-        return ctypes.CDLL("libgomp.so.1").omp_set_num_threads
-    except (OSError, AttributeError):
-        return None
+        setters: list[Callable[[int], Any]] = [ctypes.CDLL(None).omp_set_num_threads]
+    except AttributeError:
+        return []
+    with contextlib.suppress(OSError, AttributeError):  # no MKL in this build: nothing of it to set
+        torch_cpu = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        setters.append(torch_cpu.MKL_Set_Num_Threads_Local)  # C's (the lowercase names take pointers)
+    return setters
 
 
 def keep_thread_count(n: int) -> None:
-    """Put this thread's count back to `n` if something reset it (an extension's first parallel op here takes the
-    process-wide count), leaving the process-wide count as it is where OpenMP's setter is reachable."""
-    if torch.get_num_threads() == n:
-        return
-    setter = _omp_set_num_threads()
-    if setter is not None:
-        setter(n)
-    if torch.get_num_threads() != n:  # no such runtime, or another one than torch's: torch's own setter
+    """Put this thread's counts back to `n` (an extension's first op here takes the process-wide count), leaving the
+    process-wide count as it is where OpenMP's setter is reachable."""
+    global _warned
+    for set_count in _setters():
+        set_count(n)
+    if torch.get_num_threads() != n:  # no OpenMP setter, or another runtime than torch's: torch's own setter
+        if not _warned:
+            _warned = True
+            log.warning("cannot set one thread's OpenMP thread count here: torch.set_num_threads(%d) sets it for the "
+                        "whole process (a server's other threads may then slow its decoding)", n)
         torch.set_num_threads(n)
+
+
+_warned = False

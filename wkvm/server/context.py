@@ -85,6 +85,8 @@ class ServerContext:
     holds_name: Callable[[str, str], bool] | None = None
     _tmp: tempfile.TemporaryDirectory[str] | None = None
     _torch_threads: int | None = None  # torch's process-wide thread count before the server set it to 1
+    _threads_lock: threading.Lock = field(default_factory=threading.Lock)
+    _shut_down: bool = False  # a load that ends after shutdown leaves torch's thread count alone
 
     @functools.cached_property
     def keys(self) -> KeyRing:
@@ -147,8 +149,10 @@ class ServerContext:
             # export, saves, KV cuts, embeddings) runs torch on one from here: one such thread that had run a
             # two-thread op made every later decode step ~2x slower (SmolLM2 int8, 7 -> 14-16 ms after a state import
             # as a fresh server's first request; libgomp throttles its waits once it manages more threads than CPUs)
-            self._torch_threads = torch.get_num_threads()
-            torch.set_num_threads(1)
+            with self._threads_lock:
+                if not self._shut_down:
+                    self._torch_threads = torch.get_num_threads()
+                    torch.set_num_threads(1)
             freeze_startup_heap()
             self.ready.set()
             log.info("model %s loaded (fingerprint %s...)", self.model_name, self.model.fingerprint[:12])
@@ -182,8 +186,11 @@ class ServerContext:
             self._tmp.cleanup()
         if self.ready.is_set():
             gc.unfreeze()  # what this server held can be collected again (a process may run another one)
-        if self._torch_threads is not None:  # and its own torch threads are its own again
-            torch.set_num_threads(self._torch_threads)
+        with self._threads_lock:  # and the process's torch threads are its own again
+            self._shut_down = True
+            if self._torch_threads is not None:
+                torch.set_num_threads(self._torch_threads)
+                self._torch_threads = None
 
     def require_ready(self, generative: bool = True) -> None:
         """503 while loading or after a failed load; 404 for a generative route on an embeddings-only server."""
