@@ -68,6 +68,19 @@ def test_a_finished_requests_keys_and_values_are_copied_off_the_step_and_its_pag
     comes back."""
     import torch
 
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # two even on a one-core machine: the copier's count must differ from the process's
+    try:
+        copies_off_the_step(model, model_dir)
+    finally:
+        torch.set_num_threads(before)
+
+
+def copies_off_the_step(model, model_dir):
+    import threading
+
+    import torch
+
     prompts = [[(5 * i + j) % len(CHAR_VOCAB) for j in range(9 + i)] for i in range(3)]
     states = {}
     for mode in ("copier", "in the step"):
@@ -81,6 +94,12 @@ def test_a_finished_requests_keys_and_values_are_copied_off_the_step_and_its_pag
         if mode == "copier":
             assert all(h.request.final_ready is not None for h in handles)
             assert eng._copier.submit(torch.get_num_threads).result() == 1
+            # and only there: a new thread of the caller's program still takes the process's count
+            other: list[int] = []
+            thread = threading.Thread(target=lambda seen=other: seen.append(torch.get_num_threads()))
+            thread.start()
+            thread.join()
+            assert other == [2]
         eng.shutdown()
     for a, b in zip(states["copier"], states["in the step"], strict=True):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -88,12 +88,11 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._loop_ready = threading.Event()  # the step loop's thread has taken its torch thread count
         # one thread, and torch on one thread in it: a second thread's parallel regions (OpenMP) had made every later
-        # decode step 3x slower (21 vs 7 ms for SmolLM2 at batch 1)
+        # decode step 3x slower (21 vs 7 ms for SmolLM2 at batch 1). Its own count only: torch.set_num_threads would
+        # also set the process's, which every new thread of the caller's program then takes
         self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wkvm-final-state",
-                                                             initializer=torch.set_num_threads, initargs=(1,))
-        # torch.set_num_threads also sets the count a thread takes on its first parallel op: the step loop's thread
-        # takes the creator's own, whatever a copier (of this engine or an earlier one) set since
-        self._threads = torch.get_num_threads()
+                                                             initializer=keep_thread_count, initargs=(1,))
+        self._threads = torch.get_num_threads()  # the step loop's thread takes its creator's count
         self._copies: list[concurrent.futures.Future[None]] = []  # pending, each holding a finished request's pages
         self.arena.reclaim = self._wait_for_copies
         self._accepting = True

@@ -40,6 +40,7 @@ def keep_thread_count(n: int) -> None:
     """Put this thread's counts back to `n` (an extension's first op here takes the process-wide count), leaving the
     process-wide count as it is where OpenMP's setter is reachable."""
     global _warned
+    torch.get_num_threads()  # torch's own first take on a new thread comes now, not after the setters below
     for set_count in _setters():
         set_count(n)
     if torch.get_num_threads() != n:  # no OpenMP setter, or another runtime than torch's: torch's own setter
