@@ -37,8 +37,8 @@ def _setters() -> list[Callable[[int], Any]]:
 
 
 def keep_thread_count(n: int) -> None:
-    """Put this thread's counts back to `n` (an extension's first op here takes the process-wide count), leaving the
-    process-wide count as it is where OpenMP's setter is reachable."""
+    """Set this thread's counts to `n`, or put them back (the extensions' first op on a thread takes the process-wide
+    count), leaving the process-wide count as it is where OpenMP's setter is reachable."""
     global _warned
     torch.get_num_threads()  # torch's own first take on a new thread comes now, not after the setters below
     for set_count in _setters():
