@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import llamacpp  # noqa: E402
 from common import OUT, cpu_name, print_table, write_json  # noqa: E402
-from openai import AsyncOpenAI  # noqa: E402
+from openai import APIConnectionError, AsyncOpenAI  # noqa: E402
 
 from wkvm.server.background import free_port, wait_healthy  # noqa: E402
 
@@ -88,14 +88,26 @@ class Answer:
     tokens: int = 0  # from the final usage chunk
     prompt: int = 0  # prompt tokens, and of them those the server's cache held (usage.prompt_tokens_details)
     cached: int = 0
+    dropped: int = 0  # connections the server closed before answering (the request was sent again)
 
 
 async def ask(client: AsyncOpenAI, messages: list[dict[str, str]], tokens: int) -> Answer:
-    t0 = time.perf_counter()
-    stream = await client.chat.completions.create(
-        model="smollm2", messages=messages, max_tokens=tokens, temperature=0, stream=True,  # type: ignore[arg-type]
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})  # fmt: skip
-    answer, last = Answer(ttft=0.0), 0.0
+    """One streamed chat answer. A request whose connection the server closes before any response (llama-server
+    did, 1 request in ~1,000: a kept-alive connection closed as the next request went out) is sent again at once,
+    timed from the second send, and counted (`dropped`); a second drop, or one mid-stream, fails the run."""
+    dropped = 0
+    while True:
+        t0 = time.perf_counter()
+        try:
+            stream = await client.chat.completions.create(
+                model="smollm2", messages=messages, max_tokens=tokens, temperature=0,  # type: ignore[arg-type]
+                stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})  # fmt: skip
+            break
+        except APIConnectionError:
+            if dropped:
+                raise
+            dropped += 1
+    answer, last = Answer(ttft=0.0, dropped=dropped), 0.0
     async for chunk in stream:
         if chunk.usage is not None:
             answer.tokens, answer.prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
@@ -159,7 +171,7 @@ def summary(wall: float, answers: list[Answer], later_turns: list[Answer] | None
     gaps = [g for a in answers for g in a.gaps]
     row = {"tok_s": sum(a.tokens for a in answers) / wall, "ttft_p50_ms": 1e3 * percentile(ttft, 0.5),
            "ttft_p90_ms": 1e3 * percentile(ttft, 0.9), "gap_p50_ms": 1e3 * percentile(gaps, 0.5),
-           "gap_p99_ms": 1e3 * percentile(gaps, 0.99)}  # fmt: skip
+           "gap_p99_ms": 1e3 * percentile(gaps, 0.99), "dropped": sum(a.dropped for a in answers)}  # fmt: skip
     if later_turns:
         row["later_turn_ttft_p50_ms"] = 1e3 * percentile([a.ttft for a in later_turns], 0.5)
         row["later_turn_cached_pct"] = 100 * sum(a.cached for a in later_turns) / sum(a.prompt for a in later_turns)
@@ -261,6 +273,9 @@ def main() -> None:
         med = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in by_server.items()}
         medians[case] = med
         for k in med["wkvm"]:
+            if k == "dropped":  # summed over the rounds, not a median
+                rows.append([case, "dropped (all rounds)", *(sum(r[k] for r in by_server[s]) for s in med), ""])
+                continue
             a, b = med["wkvm"][k], med["llama.cpp"][k]
             ratio = a / b if b else float("nan")
             rows.append([case, k, a, b, f"{ratio:.2f}x"])
