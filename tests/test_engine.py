@@ -524,3 +524,25 @@ def test_seed_zero_is_a_seed(model, tok):
             engine.run_until_done()
             outputs.append(h.output.token_ids)
     assert len(outputs[0]) == 12 and outputs[0] == outputs[1]
+
+
+def test_keep_thread_count_falls_back_to_torchs_setter_and_says_so_once(monkeypatch, caplog):
+    """Where OpenMP's per-thread setter is out of reach (a torch built on another OpenMP), the step loop's count is
+    still set, through torch's process-wide setter, and the log says once what that costs."""
+    import torch
+
+    from wkvm.engine import threads
+
+    monkeypatch.setattr(threads, "_setters", lambda: [])
+    monkeypatch.setattr(threads, "_warned", False)
+    before = torch.get_num_threads()
+    other = 2 if before == 1 else 1
+    try:
+        with caplog.at_level("WARNING", logger="wkvm.engine.threads"):
+            threads.keep_thread_count(other)
+            assert torch.get_num_threads() == other
+            threads.keep_thread_count(before)
+            assert torch.get_num_threads() == before
+        assert sum("cannot set one thread's" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        torch.set_num_threads(before)
