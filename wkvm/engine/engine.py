@@ -490,9 +490,8 @@ class Engine:
             self._loop_ready.wait()
 
     def _loop(self) -> None:
-        try:  # this thread's counts, before `start` returns and the server sets 1 for its others (ServerContext.load)
-            torch.set_num_threads(self._threads)
-            torch.get_num_threads()  # asked now, torch's own library takes this thread's count now
+        try:  # this thread's counts (its own only), taken before `start` returns and the server sets 1 for the others
+            keep_thread_count(self._threads)
         finally:
             self._loop_ready.set()
         while True:
