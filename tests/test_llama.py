@@ -45,6 +45,9 @@ SHAPES = {
 GGUF_SHAPE = dict(vocab_size=99, hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2,
                   head_dim=12, num_hidden_layers=2)
 QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# K-quants' blocks are 256 wide: every matrix's input width 256 (o_proj's: 8 heads x 32)
+K_SHAPE = dict(vocab_size=99, hidden_size=256, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2,
+               head_dim=32, num_hidden_layers=2)
 SMOLLM2 = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -198,6 +201,19 @@ def test_gguf_logits_equal_hf(gguf_ref, qtype, tmp_path):
     torch.testing.assert_close(got, hf_logits(hf_from_gguf_arrays(gguf_ref, stored), ids), atol=ATOL, rtol=0)
     if qtype == "F32":
         torch.testing.assert_close(got, hf_logits(gguf_ref, ids), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K"])
+def test_k_quant_gguf_logits_equal_hf(qtype, tmp_path):
+    """K-quants (what Q4_K_M and most published GGUFs hold) load through the same dequantization: the logits of
+    transformers run on the values the `gguf` package's reader dequantizes."""
+    ref = hf_model(K_SHAPE, seed=6)
+    path = tmp_path / f"tiny.{qtype}.gguf"
+    stored = write_gguf(path, ref, qtype)
+    assert gguf.GGUFReader(path).tensors[0].tensor_type == gguf.GGMLQuantizationType[qtype]
+    ids = prompt(K_SHAPE["vocab_size"], 12, seed=8)
+    got = load_model(path).prefill(ids, all_logits=True)[0]
+    torch.testing.assert_close(got, hf_logits(hf_from_gguf_arrays(ref, stored), ids), atol=ATOL, rtol=0)
 
 
 def test_gguf_tied_head_and_other_architectures(tmp_path):

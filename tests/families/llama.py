@@ -74,6 +74,26 @@ def gguf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
     return out
 
 
+# K-quants (256-value super-blocks): where each block's float16 scales sit (d, and dmin where there is one), and a
+# value for them that keeps the weights at ~0.1 (the blocks' own scales and values are random). The `gguf` package
+# reads these (its numpy reference of llama.cpp's) but cannot write them
+K_SCALES = {"Q2_K": ((80, 82), 2e-3), "Q3_K": ((108,), 1e-3), "Q4_K": ((0, 2), 1e-4), "Q5_K": ((0, 2), 1e-4),
+            "Q6_K": ((208,), 1e-4)}  # fmt: skip
+
+
+def k_quant_blocks(shape: tuple[int, ...], q: gguf.GGMLQuantizationType, seed: int = 0) -> np.ndarray:
+    """Random K-quant blocks for a [rows, cols] matrix (cols a multiple of 256): random bytes, each block's float16
+    scales set as K_SCALES says. Not a quantization of anything: the tests compare against the values a reader
+    dequantizes."""
+    block, size = gguf.GGML_QUANT_SIZES[q]
+    rows, cols = shape
+    data = np.random.default_rng(seed + cols).integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    offsets, scale = K_SCALES[q.name]
+    for at in offsets:
+        data[:, :, at : at + 2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)
+    return data.reshape(rows, cols // block * size)
+
+
 def write_gguf(path: Path, model: LlamaForCausalLM, qtype: str, extra=None) -> dict[str, np.ndarray]:
     """A GGUF of `model` with every matrix in `qtype` (norms F32); returns the arrays as a reader dequantizes them.
     `extra(writer)` adds more metadata."""
@@ -95,7 +115,7 @@ def write_gguf(path: Path, model: LlamaForCausalLM, qtype: str, extra=None) -> d
     stored = {}
     for name, a in gguf_tensors(model).items():
         q = gguf.GGMLQuantizationType.F32 if a.ndim == 1 else gguf.GGMLQuantizationType[qtype]
-        data = quantize(a, q)
+        data = k_quant_blocks(a.shape, q) if q.name in K_SCALES else quantize(a, q)
         w.add_tensor(name, data, raw_dtype=q)
         stored[name] = dequantize(data, q).reshape(a.shape)
     w.write_header_to_file()
