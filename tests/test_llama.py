@@ -1,6 +1,6 @@
 """Llama against transformers' `LlamaForCausalLM` (torch path, fp32) on odd tiny shapes: grouped-query heads, head
 dims not powers of two, vocab not a multiple of 8, tied and untied heads, llama3 and linear RoPE scaling; GGUF
-files written with the `gguf` package (llama.cpp's Q/K row permutation, F32/F16/BF16/Q8_0/Q4_0/Q4_1), the
+files written with the `gguf` package (llama.cpp's Q/K row permutation, F32/F16/BF16/Q8_0/Q4_0/Q4_1, K-quants), the
 tokenizer and chat template from GGUF metadata, and the real SmolLM2-135M-Instruct Q4_1 GGUF when it is present."""
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ from wkvm.tokenizer import Tokenizer
 class LlamaFamily:
     name = model.FAMILY
     model_types = checkpoint.HF_MODEL_TYPES
-    formats = "Llama as an HF directory (LlamaForCausalLM) or a llama.cpp .gguf file (F32/F16/BF16/Q8_0/Q4_0/Q4_1)"
+    formats = ("Llama as an HF directory (LlamaForCausalLM) or a llama.cpp .gguf file (F32/F16/BF16/Q8_0/Q4_0/Q4_1/"
+               "K-quants)")
 
     def detect(self, path: Path) -> str | None:
         return checkpoint.detect(path)

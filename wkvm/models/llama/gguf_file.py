@@ -1,7 +1,7 @@
 """llama.cpp GGUF files of architecture `llama`, read into the HF names and an HF-style config dict.
 
 Tensors are dequantized to fp32 at load with `gguf.quants.dequantize` (llama.cpp's own Python reference; tested
-here for F32, F16, BF16, Q8_0, Q4_0 and Q4_1). llama.cpp's converter (`convert_hf_to_gguf.py`,
+here for F32, F16, BF16, Q8_0, Q4_0, Q4_1 and the K-quants Q2_K-Q6_K). llama.cpp's converter (`convert_hf_to_gguf.py`,
 `LlamaModel.permute`) reorders the rows of each head of `attn_q` and `attn_k` from HF's half-split RoPE layout
 (pair j is rows j and j + D/2) to interleaved pairs (rows 2j, 2j + 1); `unpermute` undoes it, so the model runs
 one RoPE for both formats. Quantization blocks run along rows, so the row order commutes with dequantizing.
