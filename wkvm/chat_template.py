@@ -1,14 +1,26 @@
-"""Chat templates: the model's Jinja template (sandboxed), else its family's format (`default_chat_template`)."""
+"""Chat templates: the model's Jinja template (sandboxed), else its family's format (`default_chat_template`).
+
+A template renders in the environment transformers' `apply_chat_template` gives it (vLLM renders through that too),
+so a prompt is the text the model's own tooling would write: `tojson` is plain `json.dumps` (Jinja's own sorts the
+keys and escapes `<`, `>`, `&` and `'`, so a tool's schema read otherwise), `raise_exception(message)` fails the
+render with the template's message (a 400 saying e.g. that roles must alternate), `strftime_now(format)` is today's
+date (Llama 3.1's system header), `{% break %}` / `{% continue %}` work, and `{% generation %}` (training templates'
+assistant-mask marker) renders its body."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from jinja2 import Template, nodes
 from jinja2.exceptions import TemplateError
+from jinja2.ext import Extension
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from wkvm.tokenizer import read_json
@@ -36,12 +48,46 @@ class ChatTemplate:
                                     "default): use /v1/completions, or add chat_template.jinja beside the model")
         if "developer" not in self.source:  # OpenAI's developer role is the system role, for a template that
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]  # knows none
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         try:
-            return env.from_string(self.source).render(**self.special_tokens, messages=messages, tools=tools,
-                                                       add_generation_prompt=add_generation_prompt)  # fmt: skip
+            return compiled(self.source).render(**self.special_tokens, messages=messages, tools=tools,
+                                                add_generation_prompt=add_generation_prompt)  # fmt: skip
         except TemplateError as e:
             raise ChatTemplateError(f"the model's chat template failed: {e}") from None
+
+
+def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+           separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:  # fmt: skip
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+class Generation(Extension):
+    """`{% generation %}...{% endgeneration %}`: the body, as it is (transformers marks the assistant's tokens with
+    it for training masks; a prompt needs only the text)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
+
+
+@functools.lru_cache(maxsize=32)
+def compiled(source: str) -> Template:
+    """`source` compiled once (a server renders the same template for every chat request)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", Generation])  # fmt: skip
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    return env.from_string(source)
 
 
 def load_chat_template(model_path: str | os.PathLike[str], default: ChatTemplate | None = None) -> ChatTemplate:

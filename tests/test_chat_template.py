@@ -1,0 +1,67 @@
+"""A chat template renders as transformers' `apply_chat_template` renders it (the oracle: its
+`render_jinja_template`), down to the helpers templates call: `tojson`, `raise_exception`, `strftime_now`, loop
+controls and `{% generation %}`."""
+
+from __future__ import annotations
+
+import pytest
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from wkvm.chat_template import ChatTemplate, ChatTemplateError
+
+# a tool-calling template in the style of Llama 3.1's and Qwen's: the date, the tools as JSON, turns that must
+# alternate, a loop that stops at the first tool result, and the assistant's text marked for training masks
+TEMPLATE = """{{ bos_token }}Today: {{ strftime_now("%d %b %Y") }}
+{% if tools %}Tools:
+{% for t in tools %}{{ t | tojson }}
+{{ t | tojson(indent=2) }}
+{% endfor %}{% endif %}
+{% for m in messages %}
+{% if m['role'] == 'tool' %}(tool answered){% break %}{% endif %}
+{% if m['role'] == 'system' %}{% continue %}{% endif %}
+{% if (m['role'] == 'user') != (loop.index0 % 2 == (1 if messages[0]['role'] == 'system' else 0)) %}
+{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+{% endif %}
+{% if m['role'] == 'assistant' %}{% generation %}<a>{{ m['content'] }}</a>{% endgeneration %}
+{% else %}<u>{{ m['content'] }}</u>
+{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}<a>{% endif %}"""
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Gets the user's weather <now> & "
+                                                                           "tomorrow in Zürich",  # fmt: skip
+                                           "parameters": {"type": "object", "required": ["city"],
+                                                          "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+
+
+def hf(messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
+    rendered, _ = render_jinja_template(conversations=[messages], tools=tools, chat_template=TEMPLATE,
+                                        add_generation_prompt=add_generation_prompt, bos_token="<s>")  # fmt: skip
+    return rendered[0]
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Rain?"}],
+    [{"role": "user", "content": "Rain?"}, {"role": "assistant", "content": "Let me look."},
+     {"role": "tool", "content": "{}"}, {"role": "user", "content": "never rendered"}],
+])  # fmt: skip
+def test_a_template_renders_as_transformers_renders_it(messages):
+    template = ChatTemplate(TEMPLATE, special_tokens={"bos_token": "<s>"})
+    for tools in (None, TOOLS):
+        ours = template.render(messages, tools=tools)
+        assert ours == hf(messages, tools)
+    # the tool's JSON as written: its keys in their order, no HTML or ASCII escapes (Jinja's own tojson sorted the
+    # keys and wrote the apostrophe as \\u0027, < as \\u003c, ü as \\u00fc)
+    assert '"description": "Gets the user\'s weather <now> & tomorrow in Zürich", "parameters": {"type": "object"' in (
+        template.render(messages, tools=TOOLS))
+
+
+def test_raise_exception_is_the_templates_own_message():
+    messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    with pytest.raises(Exception, match="roles must alternate"):
+        hf(messages)
+    with pytest.raises(ChatTemplateError, match="the model's chat template failed: Conversation roles must "
+                                                "alternate user/assistant/user/assistant/..."):  # fmt: skip
+        ChatTemplate(TEMPLATE, special_tokens={"bos_token": "<s>"}).render(messages)
