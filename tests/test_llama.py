@@ -286,7 +286,9 @@ def test_a_pack_made_from_a_gguf_carries_its_tokenizer_end_tokens_and_template(g
     write_gguf(src, gguf_ref, "Q8_0", tokenizer)
     assert cli.main(["convert", str(src), str(tmp_path / "pack"), "--pack"]) == 0
     tok = load_tokenizer(tmp_path / "pack")
-    assert tok.eos_token_ids == {vocab.index("<|im_end|>")} and tok.encode("abc") == gguf_tokenizer(src).encode("abc")
+    # EOS, and <|endoftext|>, at which llama.cpp ends generation too
+    assert tok.eos_token_ids == {vocab.index("<|im_end|>"), vocab.index("<|endoftext|>")}
+    assert tok.encode("abc") == gguf_tokenizer(src).encode("abc")
     assert load_chat_template(tmp_path / "pack").source == template
     ids = prompt(GGUF_SHAPE["vocab_size"], 6, seed=5)
     assert torch.equal(load_model(tmp_path / "pack").prefill(ids)[0], load_model(src).prefill(ids)[0])

