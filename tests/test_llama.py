@@ -216,6 +216,47 @@ def test_k_quant_gguf_logits_equal_hf(qtype, tmp_path):
     torch.testing.assert_close(got, hf_logits(hf_from_gguf_arrays(ref, stored), ids), atol=ATOL, rtol=0)
 
 
+def llama3_rope_factors(theta: float, dim: int, factor: float, low: float = 1.0, high: float = 4.0,
+                       context: int = 8192) -> np.ndarray:  # fmt: skip
+    """What llama.cpp's converter writes as rope_freqs for Llama 3's scaling (conversion/llama.py)."""
+    out = []
+    for freq in 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+        wavelen = 2 * np.pi / freq
+        if wavelen < context / high:
+            out.append(1.0)
+        elif wavelen > context / low:
+            out.append(factor)
+        else:
+            smooth = (context / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_a_llama31_gguf_with_rope_freqs_runs_llama3_rope(tmp_path):
+    """Llama 3.1 / 3.2 GGUFs carry their RoPE scaling as a rope_freqs tensor (one divisor per frequency): read as
+    transformers' llama3 rope_parameters, the logits over 96 positions equal transformers' (they do not without the
+    scaling); factors of another curve are refused; `convert` writes the llama3 config."""
+    rope = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=8192)  # fmt: skip
+    ref = hf_model({**GGUF_SHAPE, "head_dim": 32, "num_attention_heads": 4, "rope_parameters": rope}, seed=7)
+    factors = llama3_rope_factors(10000.0, 32, 8.0)
+    assert 1.0 < factors[11] < 8.0 and factors[0] == 1.0 and factors[-1] == 8.0  # all three regions present
+    path = tmp_path / "llama31.gguf"
+    write_gguf(path, ref, "F32", lambda w: w.add_tensor("rope_freqs.weight", factors))
+    ids = prompt(GGUF_SHAPE["vocab_size"], 96, seed=10)
+    got = load_model(path).prefill(ids, all_logits=True)[0]
+    torch.testing.assert_close(got, hf_logits(ref, ids), atol=ATOL, rtol=0)
+    plain = hf_model({**GGUF_SHAPE, "head_dim": 32, "num_attention_heads": 4}, seed=7)
+    assert (got - hf_logits(plain, ids)).abs().max() > 100 * ATOL  # the scaling shows in the logits
+    FAMILY.convert(path, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["rope_parameters"] == rope
+    odd = tmp_path / "odd.gguf"
+    write_gguf(odd, ref, "F32", lambda w: w.add_tensor("rope_freqs.weight", llama3_rope_factors(10000.0, 32, 8.0,
+                                                                                                 high=2.0)))
+    with pytest.raises(CheckpointError, match="odd.gguf: GGUF rope_freqs are not Llama 3's RoPE scaling"):
+        load_model(odd)
+
+
 def test_gguf_tied_head_and_other_architectures(tmp_path):
     tied = hf_model({**GGUF_SHAPE, "tie_word_embeddings": True}, seed=4)
     write_gguf(tmp_path / "tied.gguf", tied, "F32")

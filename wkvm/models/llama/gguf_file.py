@@ -138,10 +138,35 @@ def hf_name(name: str) -> str:
     parts = name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in LAYER_NAMES and parts[3] == "weight":
         return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.weight"
-    if name == "rope_freqs.weight":
-        raise CheckpointError("GGUF has rope_freqs (Llama 3.1 RoPE scaling as per-frequency factors): not supported "
-                              "yet; run the HF checkpoint, whose llama3 rope_parameters wkvm reads")  # fmt: skip
     raise CheckpointError(f"GGUF tensor {name!r} is not part of a dense Llama (MoE, biases and extras are not read)")
+
+
+ROPE_FREQS = "rope_freqs.weight"
+# Llama 3.1, 3.2 and 3.3's RoPE scaling, but for the factor (8 or 32): low and high frequency factors, original context
+LLAMA3_SCALING = (1.0, 4.0, 8192)
+
+
+def llama3_rope(factors: np.ndarray, rope: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """HF `rope_parameters` for a GGUF's `rope_freqs` tensor: llama.cpp's converter writes Llama 3's scaling as one
+    divisor per frequency (RoPE turns pair i by position x base^(-2i/D) / factors[i]). They are recognized as llama3
+    scaling with Llama 3.1's parameters (checked value by value), so the model runs transformers' own llama3 RoPE and
+    `convert` writes a config transformers reads; any other factors are refused."""
+    if factors.shape != (head_dim // 2,) or not np.all(np.isfinite(factors)) or factors.min() <= 0:
+        raise CheckpointError(f"GGUF rope_freqs holds {factors.size} factors; RoPE needs {head_dim // 2} positive ones")
+    theta, factor = float(rope["rope_theta"]), float(factors.max())
+    low, high, context = LLAMA3_SCALING
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)  # as the converter takes them
+    wavelen = 2 * np.pi / freqs.astype(np.float64)
+    smooth = (context / wavelen - low) / (high - low)
+    medium = 1 / ((1 - smooth) / factor + smooth)
+    want = np.where(wavelen < context / high, 1.0, np.where(wavelen > context / low, factor, medium))
+    if rope["rope_type"] != "default":
+        raise CheckpointError(f"GGUF has both rope_freqs and {rope['rope_type']} RoPE scaling: not a Llama wkvm runs")
+    if not np.allclose(factors, want, rtol=1e-5, atol=0):
+        raise CheckpointError("GGUF rope_freqs are not Llama 3's RoPE scaling (low_freq_factor 1, high_freq_factor 4, "
+                              "original context 8192): per-frequency factors of another kind are not supported")
+    return {**rope, "rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+            "original_max_position_embeddings": context}  # fmt: skip
 
 
 def read_gguf(path: Path) -> tuple[RawTensors, dict[str, Any]]:
@@ -151,10 +176,14 @@ def read_gguf(path: Path) -> tuple[RawTensors, dict[str, Any]]:
     if meta.get("general.architecture") != ARCHITECTURE:
         raise CheckpointError(f"{path}: GGUF architecture {meta.get('general.architecture')!r} is not llama")
     raw: RawTensors = {}
+    factors = None
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = ROPE_FREQS if t.name == ROPE_FREQS else hf_name(t.name)
         try:
             arr = dequantize(t.data, t.tensor_type)
+            if name == ROPE_FREQS:
+                factors = np.array(arr, dtype=np.float64).reshape(-1)
+                continue
             raw[name] = torch.from_numpy(np.array(arr, copy=True)).reshape([int(d) for d in reversed(t.shape)])
         except NotImplementedError:
             raise CheckpointError(f"{path}: tensor {t.name} has GGML type {t.tensor_type.name}, which the gguf "
@@ -165,6 +194,11 @@ def read_gguf(path: Path) -> tuple[RawTensors, dict[str, Any]]:
     tokens = field(reader, "tokenizer.ggml.tokens")
     vocab = len(tokens) if tokens else raw[EMBED].shape[0] if EMBED in raw else 0
     config = hf_config(meta, vocab, tied=HEAD not in raw)
+    if factors is not None:
+        try:
+            config["rope_parameters"] = llama3_rope(factors, config["rope_parameters"], config["head_dim"])
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
     layers = 1 + max((int(t.name.split(".")[1]) for t in reader.tensors if t.name.startswith("blk.")), default=-1)
     if layers != config["num_hidden_layers"]:  # llama.cpp refuses too (a missing tensor, or too many)
         raise CheckpointError(f"{path}: {ARCHITECTURE}.block_count is {config['num_hidden_layers']} but the file "
