@@ -121,6 +121,25 @@ def test_a_sentencepiece_vocabulary_encodes_as_llama_cpp(tmp_path, seed):
     assert tok.token_bytes(tokens.index("<0x0A>")) == b"\n" and tok.token_bytes(tokens.index("▁")) == b" "
 
 
+def test_a_generated_tokens_leading_space_is_kept(tmp_path):
+    """The first generated token's ▁ is a space in the answer (llama.cpp's server and vLLM send " Paris" after "The
+    capital of France is"): the detokenizer decodes it after the prompt's last tokens, where the decoder's Strip of
+    the prefix space does not reach it. Alone, it would be dropped."""
+    from wkvm.engine.detokenizer import Detokenizer
+
+    tokens, scores, types = spm_vocabulary(0)
+    tok = gguf_tokenizer(write_vocabulary(tmp_path / "v.gguf", tokens, scores, types))
+    prompt = tok.encode_prompt("abc")
+    answer = tok.encode(" ab de")[1:]  # "▁ab▁de" after a space: tokens that start with ▁
+    assert tokens[answer[0]].startswith("▁")
+    for context, want in ((prompt, " ab de"), ([], "ab de")):
+        d = Detokenizer(tok, context=context)
+        for i in answer:
+            d.add(i)
+        d.flush()
+        assert d.text == want, context
+
+
 def test_a_sentencepiece_vocabulary_without_scores_is_refused(tmp_path):
     tokens, _, types = spm_vocabulary(0)
     w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")
@@ -163,8 +182,7 @@ def test_a_vocabulary_gives_the_ids_llama_cpps_tests_expect(name):
 def test_a_gguf_model_with_a_sentencepiece_vocabulary_chats(tmp_path):
     """A tiny Llama written as llama.cpp writes Llama 2 GGUFs (SentencePiece vocabulary, chat template) answers
     chats: its prompt encodes as llama.cpp's would, with one BOS, and the answer's text, released token by token, is
-    its tokens' text decoded at once (the first token's ▁ read as the prefix space, as llama.cpp and transformers
-    read it)."""
+    its tokens' text, a first ▁ included."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from wkvm.llm import LLM
@@ -194,4 +212,10 @@ def test_a_gguf_model_with_a_sentencepiece_vocabulary_chats(tmp_path):
     assert out.prompt == text
     assert out.prompt_token_ids == [1, *llama_cpp_encode(text[3:], tokens, scores)]
     shown = [i for i in out.token_ids if i not in llm.tokenizer.special_ids]  # <unk> and </s> are left out
-    assert out.text == llm.tokenizer.decode(shown) and len(out.token_ids) == 8
+    # each token's own text, ▁ a space, the first one's too: what llama.cpp's server sends (decoding the answer alone
+    # would take the first token's space for the prefix space and drop it)
+    assert out.text == b"".join(llm.tokenizer.token_bytes(i) for i in shown).decode() and len(out.token_ids) == 8
+    assert out.text.startswith(" ") == tokens[shown[0]].startswith("▁")
+    done = llm.generate("abc", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    kept = [i for i in done.token_ids if i not in llm.tokenizer.special_ids]
+    assert done.text == b"".join(llm.tokenizer.token_bytes(i) for i in kept).decode()

@@ -11,13 +11,20 @@ at 512 tokens, 470 us at 8,192).
 from __future__ import annotations
 
 import codecs
+from collections.abc import Sequence
 
 from wkvm.tokenizer import Tokenizer
+
+CONTEXT_TOKENS = 5  # prompt tokens decoded before the first new ones (vLLM's initial incremental offset)
 
 
 class Detokenizer:
     def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, min_tokens: int = 0,
-                 include_stop: bool = False, skip: frozenset[int] = frozenset()):  # fmt: skip
+                 include_stop: bool = False, skip: frozenset[int] = frozenset(),
+                 context: Sequence[int] = ()):  # fmt: skip
+        """`context`: the last tokens before the generation (the prompt's end), decoded with the first new tokens so
+        that a decoder that treats the start of its input specially (SentencePiece's prefix space) does not do so to
+        the first generated token: "▁Paris" after a prompt is " Paris", as llama.cpp's server and vLLM send it."""
         self.tokenizer = tokenizer
         self.skip = skip  # tokens that add no text (the special ones, under skip_special_tokens)
         self.stop = list(stop or [])
@@ -32,6 +39,12 @@ class Detokenizer:
         self._context_text = ""
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._bytewise = tokenizer.exact_bytes
+        if not self._bytewise:
+            ids = list(context[-CONTEXT_TOKENS:])
+            while ids and (text := tokenizer.decode(ids)).endswith("\ufffd"):  # a character cut short: not a prefix
+                ids.pop()
+            if ids:
+                self._ids, self._context, self._context_text = ids, len(ids), text
 
     def add(self, token_id: int) -> bool:
         """Append one generated token; returns True when a stop string has appeared (text is cut before it)."""

@@ -15,7 +15,7 @@ import torch
 
 from wkvm.config import EngineConfig
 from wkvm.engine.arena import SlotArena
-from wkvm.engine.detokenizer import Detokenizer
+from wkvm.engine.detokenizer import CONTEXT_TOKENS, Detokenizer
 from wkvm.engine.handle import Event, RequestHandle
 from wkvm.engine.request import Continuation, Request, Status
 from wkvm.engine.runner import ModelRunner, StepOutput
@@ -159,7 +159,8 @@ class Engine:
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )  # fmt: skip
         detok = Detokenizer(self.tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output,
-                            self.tokenizer.special_ids if params.skip_special_tokens else frozenset())
+                            self.tokenizer.special_ids if params.skip_special_tokens else frozenset(),
+                            context=(req.base_ids + req.prompt_ids)[-CONTEXT_TOKENS:])  # fmt: skip
         if resume is not None:
             req.output_ids, req.num_computed_tokens = list(resume.output_ids), resume.num_computed_tokens
             req.branch_state = resume.branch_state
