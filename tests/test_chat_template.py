@@ -65,3 +65,11 @@ def test_raise_exception_is_the_templates_own_message():
     with pytest.raises(ChatTemplateError, match="the model's chat template failed: Conversation roles must "
                                                 "alternate user/assistant/user/assistant/..."):  # fmt: skip
         ChatTemplate(TEMPLATE, special_tokens={"bos_token": "<s>"}).render(messages)
+
+
+def test_a_template_that_cannot_take_the_messages_is_a_chat_template_error():
+    """Not only TemplateError: a TypeError or OverflowError inside a template (tojson of something that is no JSON, a
+    huge range) is the template's failure on this input, a 400, not a 500."""
+    for source in ("{{ foo | tojson }}", "{{ range(10 ** 9) | list | length }}"):
+        with pytest.raises(ChatTemplateError, match="the model's chat template failed on these messages"):
+            ChatTemplate(source).render([{"role": "user", "content": "hi"}])

@@ -140,6 +140,23 @@ def test_a_generated_tokens_leading_space_is_kept(tmp_path):
         assert d.text == want, context
 
 
+def test_generation_ends_where_llama_cpp_ends_it(tmp_path):
+    """A ChatML fine-tune of a SentencePiece model names <|im_end|> (a user-defined token) as EOS: </s> still ends
+    generation, and <|im_end|> is a special token (left out of text), as llama.cpp treats both."""
+    tokens, scores, types = spm_vocabulary(1)
+    tokens, scores, types = [*tokens, "<|im_end|>"], [*scores, 0.0], [*types, gguf.TokenType.USER_DEFINED]
+    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")
+    add_spm_tokenizer(w, tokens, scores, types)
+    w.add_eos_token_id(len(tokens) - 1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = gguf_tokenizer(tmp_path / "v.gguf")
+    assert tok.eos_token_id == len(tokens) - 1 and tok.eos_token_ids == {2, len(tokens) - 1}
+    assert len(tokens) - 1 in tok.special_ids and tok.encode("ab<|im_end|>")[-1] == len(tokens) - 1
+
+
 def test_a_sentencepiece_vocabulary_without_scores_is_refused(tmp_path):
     tokens, _, types = spm_vocabulary(0)
     w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")

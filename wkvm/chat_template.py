@@ -53,6 +53,10 @@ class ChatTemplate:
                                                 add_generation_prompt=add_generation_prompt)  # fmt: skip
         except TemplateError as e:
             raise ChatTemplateError(f"the model's chat template failed: {e}") from None
+        except Exception as e:  # TypeError, OverflowError, ...: the template met messages or tools it cannot take
+            reason = (str(e).splitlines() or [""])[0][:200]
+            raise ChatTemplateError(f"the model's chat template failed on these messages: {type(e).__name__}: "
+                                    f"{reason}") from None  # fmt: skip
 
 
 def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,

@@ -30,11 +30,12 @@ LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# tokens llama.cpp ends generation at whatever the file names as EOS (llama-vocab.cpp's end-of-generation texts, those
-# of the vocabularies a llama GGUF carries): a Llama 3 base model's file names <|end_of_text|> only, but its chats end
-# with <|eot_id|>
+# tokens llama.cpp ends generation at whatever the file names as EOS, and treats as control tokens (llama-vocab.cpp's
+# end-of-generation texts): a Llama 3 base model's file names <|end_of_text|> only, but its chats end with <|eot_id|>;
+# a ChatML fine-tune of Llama 2 names <|im_end|>, and </s> still ends it
 END_TEXTS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-                       "<|end_of_text|>", "<EOT>", "<｜end▁of▁sentence｜>"})  # fmt: skip
+                       "<|end_of_text|>", "</s>", "<eos>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<end_of_utterance>",
+                       "<｜end▁of▁sentence｜>"})  # fmt: skip
 DIGITS_FIRST = ("smollm", "starcoder", "refact")  # llama.cpp: "\p{N}" then the GPT-2 split
 GPT2 = ("default", "gpt-2", "gpt2")
 LLAMA3 = ("llama-bpe", "llama3", "llama-v3", "falcon3")  # llama.cpp's names for Llama 3's split (Falcon 3's is it)
@@ -110,8 +111,10 @@ def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
         raise CheckpointError(f"{path}: {e}") from None
     kinds = list(zip(tokens, types, strict=True))
     special = (TokenType.CONTROL, TokenType.UNKNOWN) if model == "llama" else (TokenType.CONTROL,)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in kinds if k in special])
-    tok.add_tokens([AddedToken(t, normalized=False) for t, k in kinds if k == TokenType.USER_DEFINED])
+    is_special = [k in special or t in END_TEXTS for t, k in kinds]
+    marked = list(zip(kinds, is_special, strict=True))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for (t, _), s in marked if s])
+    tok.add_tokens([AddedToken(t, normalized=False) for (t, k), s in marked if k == TokenType.USER_DEFINED and not s])
     eos = field(reader, "tokenizer.ggml.eos_token_id")
     # llama.cpp also ends generation at the end-of-turn and end-of-message tokens (Llama 3's <|eot_id|>, <|eom_id|>),
     # named in the file or found by their text
