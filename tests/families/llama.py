@@ -5,6 +5,7 @@ operation on a state that grows with the context. Also a model written as llama.
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -82,12 +83,12 @@ K_SCALES = {"Q2_K": ((80, 82), 2e-3), "Q3_K": ((108,), 1e-3), "Q4_K": ((0, 2), 1
 
 
 def k_quant_blocks(shape: tuple[int, ...], q: gguf.GGMLQuantizationType, seed: int = 0) -> np.ndarray:
-    """Random K-quant blocks for a [rows, cols] matrix (cols a multiple of 256): random bytes, each block's float16
-    scales set as K_SCALES says. Not a quantization of anything: the tests compare against the values a reader
-    dequantizes."""
+    """Random K-quant blocks for a [rows, cols] matrix (cols a multiple of 256): random bytes from `seed` (one per
+    tensor: matrices of one shape must differ, or a swapped mapping could not show), each block's float16 scales set
+    as K_SCALES says. Not a quantization of anything: the tests compare against the values a reader dequantizes."""
     block, size = gguf.GGML_QUANT_SIZES[q]
     rows, cols = shape
-    data = np.random.default_rng(seed + cols).integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    data = np.random.default_rng(seed).integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     offsets, scale = K_SCALES[q.name]
     for at in offsets:
         data[:, :, at : at + 2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)
@@ -115,7 +116,7 @@ def write_gguf(path: Path, model: LlamaForCausalLM, qtype: str, extra=None) -> d
     stored = {}
     for name, a in gguf_tensors(model).items():
         q = gguf.GGMLQuantizationType.F32 if a.ndim == 1 else gguf.GGMLQuantizationType[qtype]
-        data = k_quant_blocks(a.shape, q) if q.name in K_SCALES else quantize(a, q)
+        data = k_quant_blocks(a.shape, q, zlib.crc32(name.encode())) if q.name in K_SCALES else quantize(a, q)
         w.add_tensor(name, data, raw_dtype=q)
         stored[name] = dequantize(data, q).reshape(a.shape)
     w.write_header_to_file()

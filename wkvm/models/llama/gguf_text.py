@@ -14,6 +14,7 @@ Control tokens become special added tokens, so chat markers encode as one id; us
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -25,6 +26,8 @@ from wkvm.chat_template import ChatTemplate
 from wkvm.models.family import CheckpointError
 from wkvm.models.llama.gguf_file import field, open_reader
 from wkvm.tokenizer import HFTokenizer
+
+log = logging.getLogger("wkvm.gguf")
 
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -154,6 +157,13 @@ def sentencepiece(reader: Any, tokens: list[str], types: list[int]) -> HFTokeniz
         ranked += [(-score, i, j) for j in range(1, len(t)) if t[:j] in ids and t[j:] in ids]
     ranked.sort()
     merges = [(tokens[i][:j], tokens[i][j:]) for _, i, j in ranked]
+    if len({-r[0] for r in ranked}) < len({r[1] for r in ranked}) / 2:
+        # llama.cpp's converter writes -1000 for every token of a SentencePiece model that ships only tokenizer.json
+        # (gguf.LlamaHfVocab): llama.cpp then joins the leftmost pair first, which a BPE cannot; ties go by token id,
+        # which is the merge order of a BPE-trained vocabulary
+        log.warning("this GGUF's SentencePiece scores are mostly equal (written without scores): ties between "
+                    "merges go by token id, the vocabulary's order; llama.cpp takes the leftmost pair there, so some "
+                    "texts encode otherwise than llama.cpp encodes them")  # fmt: skip
     unk = field(reader, "tokenizer.ggml.unknown_token_id")
     unk_token = tokens[int(unk)] if unk is not None and 0 <= int(unk) < len(tokens) else None
     tok = HFTokenizers(models.BPE(vocab=ids, merges=merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True))
