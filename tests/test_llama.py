@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from wkvm.chat_template import load_chat_template
 from wkvm.models import registry
-from wkvm.models.family import CheckpointError
+from wkvm.models.family import Checkpoint, CheckpointError
 from wkvm.models.llama import FAMILY, gguf_chat_template, gguf_tokenizer
 from wkvm.models.llama.gguf_file import unpermute
 from wkvm.models.llama.model import Llama
@@ -255,6 +255,41 @@ def test_a_llama31_gguf_with_rope_freqs_runs_llama3_rope(tmp_path):
                                                                                                  high=2.0)))
     with pytest.raises(CheckpointError, match="odd.gguf: GGUF rope_freqs are not Llama 3's RoPE scaling"):
         load_model(odd)
+
+
+def test_a_gguf_model_is_built_a_layer_of_dequantized_tensors_at_a_time(tmp_path, monkeypatch):
+    """A GGUF's tensors are dequantized to fp32 when read and dropped once converted: at most about one layer's are
+    alive at any moment of a load, never the whole model's (an 8B Q4 file needed ~32 GB of fp32 before its first layer
+    was converted)."""
+    import weakref
+
+    from wkvm.models.fingerprint import fingerprint
+    from wkvm.models.llama import gguf_file
+
+    path = tmp_path / "m.gguf"
+    layers = 6
+    write_gguf(path, hf_model({**GGUF_SHAPE, "num_hidden_layers": layers}, seed=5), "Q8_0")
+    alive: set[int] = set()
+    peak = [0]
+    real = gguf_file.read_tensor
+
+    def counted(*args):
+        t = real(*args)
+        if t.dim() == 2:  # the matrices (the norms, a few hundred bytes, are the model's own weights once read)
+            alive.add(id(t))
+            peak[0] = max(peak[0], len(alive))
+            weakref.finalize(t, alive.discard, id(t))
+        return t
+
+    monkeypatch.setattr(gguf_file, "read_tensor", counted)
+    model = load_model(path, dtype="int8")
+    n = len(gguf.GGUFReader(path).tensors)
+    assert n == 3 + 9 * layers and peak[0] <= 7 + 2, peak  # one layer's seven matrices, the embedding, one more
+    # the fingerprint is the one the whole fp32 tensors give, as before (saved states still belong to the model)
+    raw, config = gguf_file.read_gguf(path)
+    whole = {k: raw[k] for k in raw}  # every tensor at once, as loading held them before
+    assert model.fingerprint == fingerprint(FAMILY.name, asdict(FAMILY.config_from_checkpoint(
+        Checkpoint(whole, config))), whole)  # fmt: skip
 
 
 def test_gguf_tied_head_and_other_architectures(tmp_path):

@@ -14,7 +14,7 @@ file per layer) and a streamed model (raw layer read -> `prepare_layer` per read
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,6 +31,54 @@ from wkvm.models.spec import State, StateSpec
 from wkvm.tokenizer import Tokenizer
 
 RawTensors = dict[str, torch.Tensor]
+
+
+class LazyTensors(dict[str, torch.Tensor]):
+    """Raw tensors made when asked for, each time, and not kept: a checkpoint whose tensors must be computed (a GGUF's
+    dequantized to fp32) is then held in memory one tensor at a time while a model is built from it, not whole (an 8B
+    GGUF was ~32 GB of fp32 before its first layer was converted). Reading, membership and iteration work as a dict's;
+    the tensors cannot be changed. `items()` and `values()` make every tensor in turn."""
+
+    def __init__(self, makers: dict[str, Callable[[], torch.Tensor]]):
+        super().__init__()  # nothing stored: every read goes through the makers
+        self._makers = makers
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._makers[name]()
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self._makers[name]() if name in self._makers else default
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._makers
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+    def keys(self) -> Any:
+        return self._makers.keys()
+
+    def items(self) -> Any:
+        return ((name, make()) for name, make in self._makers.items())
+
+    def values(self) -> Any:
+        return (make() for make in self._makers.values())
+
+    def only(self, names: Collection[str]) -> LazyTensors:
+        return LazyTensors({k: f for k, f in self._makers.items() if k in names})
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("LazyTensors are read-only")
+
+    __setitem__ = __delitem__ = pop = popitem = update = setdefault = clear = _refuse  # type: ignore[assignment]
+
+
+def only(raw: RawTensors, names: Collection[str]) -> RawTensors:
+    """The tensors of `raw` named in `names` (lazily, where `raw` is lazy)."""
+    return raw.only(names) if isinstance(raw, LazyTensors) else {k: v for k, v in raw.items() if k in names}
 
 
 class CheckpointError(ValueError):

@@ -16,7 +16,15 @@ import torch
 
 from wkvm.chat_template import ChatTemplate, load_chat_template
 from wkvm.models import int4, linear, registry
-from wkvm.models.family import Checkpoint, CheckpointError, LanguageModel, ModelFamily, RawTensors, first_line
+from wkvm.models.family import (
+    Checkpoint,
+    CheckpointError,
+    LanguageModel,
+    LazyTensors,
+    ModelFamily,
+    RawTensors,
+    first_line,
+)
 from wkvm.models.fingerprint import fingerprint
 from wkvm.models.provider import ResidentWeights, Tensors
 from wkvm.progress import progress
@@ -113,6 +121,8 @@ def own_memory(raw: RawTensors, parts: list[Tensors]) -> None:
     LoRAs, an fp32 embedding): a memory-mapped checkpoint then unmaps once loading ends, instead of staying mapped
     whole (a 0.1B RWKV-7 .pth: 840 MB of its pages counted in the server's resident memory). One copy per tensor,
     so tensors that are one (a tied embedding and head) stay one."""
+    if isinstance(raw, LazyTensors):  # each read makes a new tensor: nothing can share a checkpoint's memory
+        return
     shared = {t.untyped_storage().data_ptr() for t in raw.values() if strided_on_cpu(t)}
     copies: dict[int, torch.Tensor] = {}
     for part in parts:

@@ -12,15 +12,16 @@ from __future__ import annotations
 import functools
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
-from wkvm.models.family import CheckpointError, RawTensors, first_line
+from wkvm.models.family import CheckpointError, LazyTensors, RawTensors, first_line
 from wkvm.models.llama.model import EMBED, FINAL_NORM, HEAD
 
 ARCHITECTURE = "llama"
@@ -170,42 +171,47 @@ def llama3_rope(factors: np.ndarray, rope: dict[str, Any], head_dim: int) -> dic
 
 
 def read_gguf(path: Path) -> tuple[RawTensors, dict[str, Any]]:
-    """Raw tensors under HF names (every type dequantized to fp32) and an HF-style config dict."""
+    """Raw tensors under HF names and an HF-style config dict. The tensors are made when read (`LazyTensors`): each
+    dequantized to fp32 (q and k put back in HF's row order) then and not kept, so building a model holds one fp32
+    tensor at a time, not the whole model."""
     reader = open_reader(path)
     meta = metadata(reader)
     if meta.get("general.architecture") != ARCHITECTURE:
         raise CheckpointError(f"{path}: GGUF architecture {meta.get('general.architecture')!r} is not llama")
-    raw: RawTensors = {}
-    factors = None
-    for t in reader.tensors:
-        name = ROPE_FREQS if t.name == ROPE_FREQS else hf_name(t.name)
-        try:
-            arr = dequantize(t.data, t.tensor_type)
-            if name == ROPE_FREQS:
-                factors = np.array(arr, dtype=np.float64).reshape(-1)
-                continue
-            raw[name] = torch.from_numpy(np.array(arr, copy=True)).reshape([int(d) for d in reversed(t.shape)])
-        except NotImplementedError:
-            raise CheckpointError(f"{path}: tensor {t.name} has GGML type {t.tensor_type.name}, which the gguf "
-                                  "package cannot dequantize") from None  # fmt: skip
-        except (ValueError, RuntimeError) as e:  # its data cut short: numpy cannot shape what is there
-            raise CheckpointError(f"{path}: tensor {t.name} does not read (the file is truncated or corrupt: "
-                                  f"{first_line(str(e), 120)})") from None  # fmt: skip
+    tensors = {ROPE_FREQS if t.name == ROPE_FREQS else hf_name(t.name): t for t in reader.tensors}
+    factors = tensors.pop(ROPE_FREQS, None)
     tokens = field(reader, "tokenizer.ggml.tokens")
-    vocab = len(tokens) if tokens else raw[EMBED].shape[0] if EMBED in raw else 0
-    config = hf_config(meta, vocab, tied=HEAD not in raw)
+    embed = tensors.get(EMBED)
+    vocab = len(tokens) if tokens else int(embed.shape[-1]) if embed is not None else 0
+    config = hf_config(meta, vocab, tied=HEAD not in tensors)
     if factors is not None:
         try:
-            config["rope_parameters"] = llama3_rope(factors, config["rope_parameters"], config["head_dim"])
-        except CheckpointError as e:
+            rope_freqs = np.array(dequantize(factors.data, factors.tensor_type), dtype=np.float64).reshape(-1)
+            config["rope_parameters"] = llama3_rope(rope_freqs, config["rope_parameters"], config["head_dim"])
+        except (CheckpointError, NotImplementedError, ValueError) as e:
             raise CheckpointError(f"{path}: {e}") from None
     layers = 1 + max((int(t.name.split(".")[1]) for t in reader.tensors if t.name.startswith("blk.")), default=-1)
     if layers != config["num_hidden_layers"]:  # llama.cpp refuses too (a missing tensor, or too many)
         raise CheckpointError(f"{path}: {ARCHITECTURE}.block_count is {config['num_hidden_layers']} but the file "
                               f"holds tensors of {layers} layers")  # fmt: skip
-    for i in range(config["num_hidden_layers"]):
-        for proj, heads in (("q_proj", config["num_attention_heads"]), ("k_proj", config["num_key_value_heads"])):
-            name = f"model.layers.{i}.self_attn.{proj}.weight"
-            if name in raw:
-                raw[name] = unpermute(raw[name], heads)
-    return raw, config
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+
+    def maker(name: str, t: ReaderTensor) -> Callable[[], torch.Tensor]:
+        proj = name.split(".")[-2] if name.startswith("model.layers.") else ""
+        return lambda: read_tensor(path, t, heads.get(proj))
+
+    return LazyTensors({name: maker(name, t) for name, t in tensors.items()}), config
+
+
+def read_tensor(path: Path, t: ReaderTensor, unpermute_heads: int | None) -> torch.Tensor:
+    """Tensor `t` dequantized to fp32 (any type the gguf package reads), in HF's row order for q and k."""
+    try:
+        arr = dequantize(t.data, t.tensor_type)
+        out = torch.from_numpy(np.array(arr, copy=True)).reshape([int(d) for d in reversed(t.shape)])
+    except NotImplementedError:
+        raise CheckpointError(f"{path}: tensor {t.name} has GGML type {t.tensor_type.name}, which the gguf "
+                              "package cannot dequantize") from None  # fmt: skip
+    except (ValueError, RuntimeError) as e:  # its data cut short: numpy cannot shape what is there
+        raise CheckpointError(f"{path}: tensor {t.name} does not read (the file is truncated or corrupt: "
+                              f"{first_line(str(e), 120)})") from None  # fmt: skip
+    return unpermute(out, unpermute_heads) if unpermute_heads else out

@@ -19,6 +19,7 @@ from wkvm.models.family import (
     RawTensors,
     compute_form,
     embedding_and_head,
+    only,
     require,
     resident,
 )
@@ -141,7 +142,7 @@ def used_tensors(raw: RawTensors) -> RawTensors:
     keep = {EMBED, FINAL_NORM, HEAD}  # HEAD is absent from a tied checkpoint's raw tensors
     for i in range(n_layer):
         keep.update(f"model.layers.{i}.{k}" for k in LAYER_RAW)
-    return {k: v for k, v in raw.items() if k in keep}
+    return only(raw, keep)
 
 
 def prepare_layer(
