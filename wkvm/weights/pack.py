@@ -76,18 +76,21 @@ def write_pack(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path
     # the new files, a silent mix of two models served under the old fingerprint (hunt 16); now it is no pack
     (d / MANIFEST).unlink(missing_ok=True)
     fsync_dir(d)
-    f32 = {k: v.to(torch.float32).contiguous() for k, v in used.items()}
     global_keys = family.global_keys(cfg)
+
+    def f32(names: list[str], prefix: str = "") -> dict[str, torch.Tensor]:  # read here: a lazy checkpoint's one part
+        return {k.removeprefix(prefix): used[k].to(torch.float32).contiguous() for k in names}
+
     manifest: dict[str, Any] = {
         "format": PACK_FORMAT, "family": family.name, "config": asdict(cfg),
         "fingerprint": checkpoint_fingerprint(family, cfg, ckpt.raw),
-        "globals": write_file(d, "globals.safetensors", {k: f32[k] for k in global_keys}),
+        "globals": write_file(d, "globals.safetensors", f32(list(global_keys))),
         "layers": [],
     }  # fmt: skip
     for i in progress(range(cfg.n_layer), "packing layers"):
         prefix = family.layer_prefix(i)
-        layer = {k.removeprefix(prefix): v for k, v in f32.items() if k.startswith(prefix) and k not in global_keys}
-        manifest["layers"].append(write_file(d, f"layer_{i:03d}.safetensors", layer))
+        names = [k for k in used if k.startswith(prefix) and k not in global_keys]
+        manifest["layers"].append(write_file(d, f"layer_{i:03d}.safetensors", f32(names, prefix)))
     with atomic_path(d / MANIFEST) as tmp:
         tmp.write_text(json.dumps(manifest, indent=1) + "\n")
     return d
