@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from wkvm.chat_template import load_chat_template
 from wkvm.models import registry
 from wkvm.models.family import Checkpoint, CheckpointError
-from wkvm.models.llama import FAMILY, gguf_chat_template, gguf_tokenizer
+from wkvm.models.llama import FAMILY, gguf_chat_template, gguf_file, gguf_tokenizer
 from wkvm.models.llama.gguf_file import unpermute
 from wkvm.models.llama.model import Llama
 from wkvm.tokenizer import HFTokenizer
@@ -255,6 +255,10 @@ def test_a_llama31_gguf_with_rope_freqs_runs_llama3_rope(tmp_path):
                                                                                                  high=2.0)))
     with pytest.raises(CheckpointError, match="odd.gguf: GGUF rope_freqs are not Llama 3's RoPE scaling"):
         load_model(odd)
+    # a head or base too small for the lowest band: the factor is read off a smoothed frequency
+    small = gguf_file.llama3_rope(llama3_rope_factors(1000.0, 16, 8.0).astype(np.float64),
+                                  {"rope_type": "default", "rope_theta": 1000.0}, 16)  # fmt: skip
+    assert small["rope_type"] == "llama3" and small["factor"] == pytest.approx(8.0, rel=1e-5)
 
 
 def test_a_gguf_model_is_built_a_layer_of_dequantized_tensors_at_a_time(tmp_path, monkeypatch):

@@ -154,16 +154,26 @@ def llama3_rope(factors: np.ndarray, rope: dict[str, Any], head_dim: int) -> dic
     `convert` writes a config transformers reads; any other factors are refused."""
     if factors.shape != (head_dim // 2,) or not np.all(np.isfinite(factors)) or factors.min() <= 0:
         raise CheckpointError(f"GGUF rope_freqs holds {factors.size} factors; RoPE needs {head_dim // 2} positive ones")
-    theta, factor = float(rope["rope_theta"]), float(factors.max())
+    theta = float(rope["rope_theta"])
     low, high, context = LLAMA3_SCALING
     freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)  # as the converter takes them
     wavelen = 2 * np.pi / freqs.astype(np.float64)
     smooth = (context / wavelen - low) / (high - low)
+    slow, fast = wavelen > context / low, wavelen < context / high
+    between = ~slow & ~fast
+    if slow.any():  # the low frequencies are divided by the factor itself
+        factor = float(factors[slow][0])
+    elif between.any():  # none that low (a small head or base): the factor from a smoothed one, 1/f = (1-s)/F + s
+        s, f = float(smooth[between][0]), float(factors[between][0])
+        factor = (1 - s) / (1 / f - s) if 1 / f != s else 1.0
+        factor = float(round(factor)) if abs(factor - round(factor)) < 1e-4 * factor else factor  # 8, not 8.000014
+    else:  # every frequency is high: no factor changes anything
+        factor = 1.0
     medium = 1 / ((1 - smooth) / factor + smooth)
-    want = np.where(wavelen < context / high, 1.0, np.where(wavelen > context / low, factor, medium))
+    want = np.where(fast, 1.0, np.where(slow, factor, medium))
     if rope["rope_type"] != "default":
         raise CheckpointError(f"GGUF has both rope_freqs and {rope['rope_type']} RoPE scaling: not a Llama wkvm runs")
-    if not np.allclose(factors, want, rtol=1e-5, atol=0):
+    if not (np.isfinite(factor) and factor > 0 and np.allclose(factors, want, rtol=1e-5, atol=0)):
         raise CheckpointError("GGUF rope_freqs are not Llama 3's RoPE scaling (low_freq_factor 1, high_freq_factor 4, "
                               "original context 8192): per-frequency factors of another kind are not supported")
     return {**rope, "rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
