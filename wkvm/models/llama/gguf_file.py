@@ -154,6 +154,8 @@ def llama3_rope(factors: np.ndarray, rope: dict[str, Any], head_dim: int) -> dic
     `convert` writes a config transformers reads; any other factors are refused."""
     if factors.shape != (head_dim // 2,) or not np.all(np.isfinite(factors)) or factors.min() <= 0:
         raise CheckpointError(f"GGUF rope_freqs holds {factors.size} factors; RoPE needs {head_dim // 2} positive ones")
+    if rope["rope_type"] != "default":
+        raise CheckpointError(f"GGUF has both rope_freqs and {rope['rope_type']} RoPE scaling: not a Llama wkvm runs")
     theta = float(rope["rope_theta"])
     low, high, context = LLAMA3_SCALING
     freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)  # as the converter takes them
@@ -171,8 +173,6 @@ def llama3_rope(factors: np.ndarray, rope: dict[str, Any], head_dim: int) -> dic
         factor = 1.0
     medium = 1 / ((1 - smooth) / factor + smooth)
     want = np.where(fast, 1.0, np.where(slow, factor, medium))
-    if rope["rope_type"] != "default":
-        raise CheckpointError(f"GGUF has both rope_freqs and {rope['rope_type']} RoPE scaling: not a Llama wkvm runs")
     if not (np.isfinite(factor) and factor > 0 and np.allclose(factors, want, rtol=1e-5, atol=0)):
         raise CheckpointError("GGUF rope_freqs are not Llama 3's RoPE scaling (low_freq_factor 1, high_freq_factor 4, "
                               "original context 8192): per-frequency factors of another kind are not supported")
@@ -216,8 +216,9 @@ def read_gguf(path: Path) -> tuple[RawTensors, dict[str, Any]]:
 def read_tensor(path: Path, t: ReaderTensor, unpermute_heads: int | None) -> torch.Tensor:
     """Tensor `t` dequantized to fp32 (any type the gguf package reads), in HF's row order for q and k."""
     try:
-        arr = dequantize(t.data, t.tensor_type)
-        out = torch.from_numpy(np.array(arr, copy=True)).reshape([int(d) for d in reversed(t.shape)])
+        arr = dequantize(t.data, t.tensor_type)  # new values, or (F32) a read-only view of the file: copied then
+        out = torch.from_numpy(arr if arr.flags.writeable else np.array(arr, copy=True))
+        out = out.reshape([int(d) for d in reversed(t.shape)])
     except NotImplementedError:
         raise CheckpointError(f"{path}: tensor {t.name} has GGML type {t.tensor_type.name}, which the gguf "
                               "package cannot dequantize") from None  # fmt: skip

@@ -112,12 +112,10 @@ def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
         tok = sentencepiece(reader, tokens, types) if model == "llama" else byte_level_bpe(reader, tokens, pre)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    kinds = list(zip(tokens, types, strict=True))
     special = (TokenType.CONTROL, TokenType.UNKNOWN) if model == "llama" else (TokenType.CONTROL,)
-    is_special = [k in special or t in END_TEXTS for t, k in kinds]
-    marked = list(zip(kinds, is_special, strict=True))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for (t, _), s in marked if s])
-    tok.add_tokens([AddedToken(t, normalized=False) for (t, k), s in marked if k == TokenType.USER_DEFINED and not s])
+    marked = [(t, k, k in special or t in END_TEXTS) for t, k in zip(tokens, types, strict=True)]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, _, s in marked if s])
+    tok.add_tokens([AddedToken(t, normalized=False) for t, k, s in marked if k == TokenType.USER_DEFINED and not s])
     eos = field(reader, "tokenizer.ggml.eos_token_id")
     # llama.cpp also ends generation at the end-of-turn and end-of-message tokens (Llama 3's <|eot_id|>, <|eom_id|>),
     # named in the file or found by their text
@@ -150,7 +148,7 @@ def sentencepiece(reader: Any, tokens: list[str], types: list[int]) -> HFTokeniz
     if scores is None or len(scores) != len(tokens):
         raise CheckpointError("a SentencePiece vocabulary needs tokenizer.ggml.scores, one per token")
     ids = {t: i for i, t in enumerate(tokens)}
-    ranked = []  # (-score, id, split): the best-scoring token first; ties in file order, as llama.cpp scans left first
+    ranked = []  # (-score, id, split): the best-scoring token first; equal scores by token id (below)
     for i, (t, score) in enumerate(zip(tokens, scores, strict=True)):
         if types[i] == TokenType.BYTE:
             continue
@@ -168,16 +166,14 @@ def sentencepiece(reader: Any, tokens: list[str], types: list[int]) -> HFTokeniz
     unk_token = tokens[int(unk)] if unk is not None and 0 <= int(unk) < len(tokens) else None
     tok = HFTokenizers(models.BPE(vocab=ids, merges=merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True))
     prefix = field(reader, "tokenizer.ggml.add_space_prefix")
-    spaces: list[normalizers.Normalizer] = [normalizers.Replace(" ", "▁")]
+    prefix = prefix is None or bool(prefix)  # llama.cpp's default for SentencePiece: a space first
     # HF runs the normalizer on each stretch of text between added tokens: Prepend then puts a ▁ at the start and after
-    # every special token, where llama.cpp puts its prefix space
-    if prefix is None or bool(prefix):
-        spaces.insert(0, normalizers.Prepend("▁"))
-    tok.normalizer = normalizers.Sequence(spaces)
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if prefix is None or bool(prefix):
-        steps.append(decoders.Strip(" ", 1, 0))  # the prefix space off again (as llama.cpp's detokenizer does)
-    tok.decoder = decoders.Sequence(steps)
+    # every special token, where llama.cpp puts its prefix space; the decoder's Strip takes it off again (as llama.cpp's
+    # detokenizer does)
+    first = [normalizers.Prepend("▁")] if prefix else []
+    tok.normalizer = normalizers.Sequence([*first, normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + ([decoders.Strip(" ", 1, 0)] if prefix else []))  # fmt: skip
     return tok
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from wkvm.chat_template import ChatTemplate
-from wkvm.models.family import Checkpoint, RawTensors
+from wkvm.models.family import Checkpoint, RawTensors, only
 from wkvm.models.provider import WeightProvider
 from wkvm.models.qwen3_5 import checkpoint, model
 from wkvm.models.qwen3_5.model import Qwen35, Qwen35Config
@@ -40,7 +40,7 @@ class Qwen35Family:
         for i in range(n_layer):
             names = model.GDN_RAW + model.ATTN_RAW + model.MLP_RAW + model.NORM_RAW
             keep.update(f"model.layers.{i}.{k}" for k in names)
-        return {k: v for k, v in raw.items() if k in keep}
+        return only(raw, keep)
 
     global_keys = staticmethod(model.global_keys)
 

@@ -23,6 +23,7 @@ from wkvm.models.family import (
     RawTensors,
     compute_form,
     embedding_and_head,
+    only,
     require,
     resident,
 )
@@ -202,7 +203,7 @@ def used_tensors(raw: RawTensors, cfg: Qwen35Config) -> RawTensors:
     keys = set(global_keys(cfg))
     for i in range(cfg.n_layer):
         keys.update(f"model.layers.{i}.{k}" for k in raw_layer_keys(cfg, i))
-    return {k: v for k, v in raw.items() if k in keys}
+    return only(raw, keys)
 
 
 def prepare_layer(
