@@ -141,6 +141,21 @@ def decode_and_read(decode: Callable[[], object], tokens: int, nbytes: int, repe
     return timeit_pair(decode, read, repeat)
 
 
+def int8_rows_rate(rows: int = 8, n: int = 1536, k: int = 576, repeat: int = 200) -> float:
+    """MAC/s of wkvm's int8 kernel at `rows` rows of x on one [n, k] matrix held in cache (SmolLM2's gate-up shape):
+    how fast this machine computes a batched decode step's matmuls just now, where `read_bandwidth` says how fast it
+    streams a one-row step's weights."""
+    from wkvm.models import int8
+
+    x, w = torch.randn(rows, k), int8.quantize(torch.randn(n, k))
+
+    def run() -> None:
+        for _ in range(repeat):
+            int8.linear(x, w)
+
+    return repeat * rows * n * k / timeit(run, repeat=3)
+
+
 def matmul_rate(m: int = 1024, k: int = 768, n: int = 3072) -> dict[str, float]:
     """fp32 FLOP/s of a prefill-sized matmul: default BLAS (`F.linear`) and wkvm's packed `linear`."""
     from wkvm.models.linear import linear, pack_linear

@@ -24,7 +24,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import llamacpp  # noqa: E402
-from common import checkpoint, cpu_name, engine_decode_tok_s, print_table, timeit_pair, write_json  # noqa: E402
+from common import (  # noqa: E402
+    checkpoint,
+    cpu_name,
+    engine_decode_tok_s,
+    int8_rows_rate,
+    print_table,
+    read_bandwidth,
+    timeit_pair,
+    write_json,
+)
 
 from wkvm.config import weight_dtype  # noqa: E402
 from wkvm.models.llama import FAMILY  # noqa: E402
@@ -108,7 +117,12 @@ def main() -> None:
     t_dec, r_dec = timeit_pair(wkvm_decode, ref_generate, args.repeat)
     t_pre, r_pre = timeit_pair(lambda: model.prefill(prompt), ref_prefill, args.repeat)
     rates: dict[int, list[float]] = {1: [], args.batch: []}
+    # what bounds each side, measured every round: B=8's step is compute-bound (8-row int8 products), B=1's memory-
+    # bound (streaming the weights). This VM moves between states where the two rates differ by 2-3x in ratio.
+    machine: dict[str, list[float]] = {"int8_8row_gmac_s": [], "read_gb_s": []}
     for r in range(args.anchor_rounds):  # alternately, so that machine noise hits both alike (their ratio is an anchor)
+        machine["int8_8row_gmac_s"].append(int8_rows_rate() / 1e9)
+        machine["read_gb_s"].append(read_bandwidth(1 << 28) / 1e9)
         for batch in (1, args.batch) if r % 2 == 0 else (args.batch, 1):
             rates[batch].append(engine_decode_tok_s(model, tokenizer, batch, n, lambda i: prompt[i : i + 32].tolist(),
                                                     args.kv_dtype))  # fmt: skip
@@ -150,13 +164,16 @@ def main() -> None:
           f"{len(round_ratios)} alternating rounds' own ratios {statistics.median(round_ratios):.2f}x, range "
           f"{round_ratios[0]:.2f}-{round_ratios[-1]:.2f}x); "
           f"B={b} vs llama.cpp B={b} = {engine_bn / lc.get(f'decode_b{b}', na):.2f}x (target >= 2.1x)")  # fmt: skip
+    gmac, read = (statistics.median(v) for v in machine.values())
+    print(f"Machine during the rounds (medians): 8-row int8 products from cache {gmac:.0f} GMAC/s (B={b}'s bound), "
+          f"memory read {read:.1f} GB/s (B=1's bound)")  # fmt: skip
     print_table("State memory (fp32)", ["model, context", "bytes per token", "MiB per sequence"], memory_table(model))
     write_json(
         f"smollm2_speed_{args.dtype}",
         {"cpu": cpu_name(), "isa": isa, "threads": threads, "wkvm_dtype": f"{args.dtype} (dequantized Q4_1)",
          "llama_cpp_dtype": "Q4_1", "llama_cpp_repacked": not llamacpp.repack_crashed, "decode_b1_tok_s": dec,
          "engine_decode_b1_tok_s": engine_b1,
-         f"engine_decode_b{b}_tok_s": engine_bn, "anchor_round_ratios": round_ratios,
+         f"engine_decode_b{b}_tok_s": engine_bn, "anchor_round_ratios": round_ratios, "anchor_round_machine": machine,
          f"engine_decode_b1_after_{args.depth}_tok_s": engine_deep, "prefill_tok_s": pre,
          "transformers_decode_b1_tok_s": ref_dec,
          "transformers_prefill_tok_s": ref_pre, "llama_cpp": lc},
