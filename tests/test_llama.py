@@ -341,6 +341,41 @@ def test_a_gguf_that_does_not_read_or_disagrees_with_itself_is_one_error(gguf_re
     assert torch.equal(load_model(unnamed).prefill(ids)[0], load_model(good).prefill(ids)[0])
 
 
+def test_gguf_arrays_read_as_gguf_reads_them(tmp_path):
+    """wkvm's reader (`ArrayReader`: an array field in one pass, 0.07 s where gguf's took 2.1 s for SmolLM2's
+    vocabulary) gives every field's values and types as gguf's GGUFReader does, and a file cut anywhere in its arrays
+    is a CheckpointError as before."""
+    path = tmp_path / "arrays.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("t.strings", ["", "a", "▁the", "<0x0A>", "日本", "x" * 300])
+    w.add_array("t.ints", [3, -1, 7])
+    w.add_array("t.floats", [0.5, -1000.0])
+    w.add_array("t.bools", [True, False, True])
+    w.add_array("t.empty", [])
+    w.add_array("t.nested", [[1, 2], [3]])
+    w.add_string("t.string", "hello")
+    w.add_uint32("t.scalar", 5)
+    w.add_tensor("token_embd.weight", np.arange(8, dtype=np.float32).reshape(2, 4))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = gguf_file.ArrayReader(path), gguf.GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        assert ours.fields[key].contents() == field.contents(), key
+        assert ours.fields[key].types == field.types, key
+    assert ours.fields["t.strings"].contents() == ["", "a", "▁the", "<0x0A>", "日本", "x" * 300]
+    assert np.array_equal(ours.tensors[0].data, theirs.tensors[0].data) and ours.data_offset == theirs.data_offset
+    data = path.read_bytes()
+    start = data.index(b"t.strings")
+    for cut in range(start, start + 120, 7):
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        gguf_file._reader.cache_clear()
+        with pytest.raises(CheckpointError, match="cut.gguf: not a readable GGUF file"):
+            gguf_file.open_reader(tmp_path / "cut.gguf")
+
+
 def test_a_pack_made_from_a_gguf_carries_its_tokenizer_end_tokens_and_template(gguf_ref, tmp_path, monkeypatch):
     """`convert X.gguf DST --pack` wrote only weights: no tokenizer (the pack could not be used at all) and so no EOS
     (hunt 16). It now writes the GGUF's tokenizer, end tokens and template as the HF files. A re-pack cut off over an

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
+from gguf import GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
 from wkvm.models.family import CheckpointError, LazyTensors, RawTensors, first_line
@@ -65,8 +65,8 @@ def architecture(path: Path) -> str | None:
 
 
 def open_reader(path: str | os.PathLike[str]) -> GGUFReader:
-    """A reader of the file (memory-mapped). Parsing the metadata takes seconds for a 49k-token vocabulary, so the
-    last file opened is kept: loading a model and then its tokenizer and chat template parse it once. A file that
+    """A reader of the file (memory-mapped; `ArrayReader`). The last file opened is kept: loading a model and then its
+    tokenizer and chat template parse it once. A file that
     does not parse (truncated, corrupt counts, another version) is a CheckpointError naming it."""
     p = Path(path).resolve()
     st = p.stat()
@@ -79,7 +79,42 @@ def open_reader(path: str | os.PathLike[str]) -> GGUFReader:
 
 @functools.lru_cache(maxsize=1)
 def _reader(path: Path, mtime_ns: int, size: int) -> GGUFReader:
-    return GGUFReader(path, "r")
+    return ArrayReader(path, "r")
+
+
+class ArrayReader(GGUFReader):
+    """gguf's reader with its array fields read in one pass. GGUFReader makes numpy views for every element (two for
+    each string): 8.0 s for Llama 3's 128k tokens and 280k merges, 2.1 s for SmolLM2's 49k and 48k (0.7 and 0.07 s
+    here). A numeric array is one view and a string array's elements are slices of one memoryview of the file;
+    `contents()` (the only reading wkvm does: all of a field) returns the same values from either. Other arrays and
+    byte orders take gguf's own code."""
+
+    def _get_field_parts(
+        self, orig_offs: int, raw_type: int
+    ) -> tuple[int, list[Any], list[int], list[GGUFValueType]]:
+        if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        n, itype = int(count[0]), int(raw_itype[0])
+        offs = orig_offs + 12
+        types = [GGUFValueType.ARRAY] + ([GGUFValueType(itype)] if n else [])
+        scalar = self.gguf_scalar_to_np.get(GGUFValueType(itype))
+        if scalar is not None:
+            values = self._get(offs, scalar, n)
+            if len(values) != n:
+                raise ValueError(f"an array of {n} values runs past the end of the file at byte {offs}")
+            return 12 + int(values.nbytes), [raw_itype, count, values], [2] if n else [], types
+        if itype != GGUFValueType.STRING:  # arrays of arrays: gguf's own reading
+            return super()._get_field_parts(orig_offs, raw_type)
+        data, end = self.data.data, len(self.data)  # the file's bytes as a memoryview
+        strings: list[Any] = []
+        for _ in range(n):
+            size = int.from_bytes(data[offs : offs + 8], "little")
+            if offs + 8 + size > end:
+                raise ValueError(f"a string at byte {offs} runs past the end of the file")
+            strings.append(data[offs + 8 : offs + 8 + size])
+            offs += 8 + size
+        return offs - orig_offs, [raw_itype, count, *strings], list(range(2, 2 + n)), types
 
 
 def metadata(reader: GGUFReader) -> dict[str, Any]:
