@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import greedy_reference
-from families.llama import GGUF_NAMES, permute, write_gguf
+from families.llama import GGUF_NAMES, k_quant_blocks, permute, write_gguf
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -214,6 +214,22 @@ def test_k_quant_gguf_logits_equal_hf(qtype, tmp_path):
     ids = prompt(K_SHAPE["vocab_size"], 12, seed=8)
     got = load_model(path).prefill(ids, all_logits=True)[0]
     torch.testing.assert_close(got, hf_logits(hf_from_gguf_arrays(ref, stored), ids), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "BF16", "Q4_K", "Q6_K"])
+def test_gguf_tensors_dequantize_in_chunks_of_rows_to_the_same_values(qtype, monkeypatch):
+    """A quantized tensor is dequantized 256 KB of rows a call (gguf's own call works 16 rows at a time; for SmolLM2
+    that was most of a load): the values gguf's `dequantize` gives, exactly, with chunks that end mid-tensor."""
+    q = gguf.GGMLQuantizationType[qtype]
+    rows, cols = 37, 512
+    if qtype.endswith("_K"):
+        data = k_quant_blocks((rows, cols), q, seed=3)
+    else:
+        data = gguf.quants.quantize(np.random.default_rng(4).standard_normal((rows, cols), dtype=np.float32), q)
+    want = gguf.quants.dequantize(data, q).reshape(-1)
+    monkeypatch.setattr(gguf_file, "DEQUANTIZE_BYTES", 5 * data.shape[1])  # 5 rows a call: 8 calls, the last of 2
+    got = gguf_file.dequantize_rows(data, q)
+    assert got.dtype == np.float32 and np.array_equal(got, want)
 
 
 def llama3_rope_factors(theta: float, dim: int, factor: float, low: float = 1.0, high: float = 4.0,
