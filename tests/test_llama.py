@@ -450,6 +450,34 @@ def test_gguf_converts_to_an_hf_directory(gguf_ref, tmp_path):
         FAMILY.convert(tmp_path / "hf", tmp_path / "back.gguf")
 
 
+def test_a_large_gguf_converts_to_hf_shards_of_whole_layers(gguf_ref, tmp_path, monkeypatch):
+    """Past `SHARD_BYTES` of fp32 the HF directory is HF's shards of whole layers with their index, each shard made
+    and written in turn (an 8B file had needed all ~32 GB of its fp32 at once); transformers and wkvm both read it,
+    and a conversion into a directory of an earlier one leaves no weights of the old beside the new."""
+    from wkvm.models.llama import checkpoint
+
+    write_gguf(tmp_path / "tiny.gguf", gguf_ref, "Q8_0")
+    FAMILY.convert(tmp_path / "tiny.gguf", tmp_path / "hf")  # one file first, then shards over it
+    one = sorted(p.name for p in (tmp_path / "hf").glob("model*"))
+    monkeypatch.setattr(checkpoint, "SHARD_BYTES", 1)  # every layer its own file, the rest in the first
+    FAMILY.convert(tmp_path / "tiny.gguf", tmp_path / "hf")
+    layers = GGUF_SHAPE["num_hidden_layers"]
+    files = [f"model-{i:05d}-of-{layers + 1:05d}.safetensors" for i in range(1, layers + 2)]
+    assert one == ["model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "hf").glob("model*")) == [*files, "model.safetensors.index.json"]
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["model.layers.1.mlp.down_proj.weight"] == files[2]
+    assert index["weight_map"]["model.embed_tokens.weight"] == files[0] == index["weight_map"]["model.norm.weight"]
+    ids = prompt(GGUF_SHAPE["vocab_size"], 10, seed=9)
+    from_file = load_model(tmp_path / "tiny.gguf").prefill(ids, all_logits=True)[0]
+    converted = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    torch.testing.assert_close(hf_logits(converted, ids), from_file, atol=ATOL, rtol=0)
+    assert torch.equal(load_model(tmp_path / "hf").prefill(ids, all_logits=True)[0], from_file)
+    monkeypatch.setattr(checkpoint, "SHARD_BYTES", 2 << 30)  # and back to one file: the shards go
+    FAMILY.convert(tmp_path / "tiny.gguf", tmp_path / "hf")
+    assert sorted(p.name for p in (tmp_path / "hf").glob("model*")) == ["model.safetensors"]
+
+
 def test_gguf_tokenizer_and_template_equal_the_source(tmp_path):
     """A byte-level BPE trained here, written as llama.cpp writes GGUF tokenizer metadata, rebuilt by wkvm."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

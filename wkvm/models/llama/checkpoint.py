@@ -51,21 +51,61 @@ def read(path: Path, fmt: str) -> tuple[RawTensors, dict[str, Any]]:
     return gguf_file.read_gguf(path) if fmt == GGUF_FORMAT else read_hf(path)
 
 
+SHARD_BYTES = 2 << 30  # fp32 bytes of whole layers per safetensors file `convert` writes
+
+
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> str:
-    """A GGUF file as an HF directory: config.json, one model.safetensors of the dequantized fp32 weights (Q and K
-    back in HF's RoPE layout) and, when the file has them, tokenizer.json and chat_template.jinja (+ .json with
-    the stop string). Returns the target's format."""
+    """A GGUF file as an HF directory: config.json, the dequantized fp32 weights (Q and K back in HF's RoPE layout) and,
+    when the file has them, tokenizer.json and chat_template.jinja (+ .json with the stop string). The weights are one
+    model.safetensors up to `SHARD_BYTES`, else HF's shards of whole layers (model-00001-of-0000N.safetensors and
+    model.safetensors.index.json), each made, written and dropped in turn: an 8B file needs one shard's fp32 in
+    memory, not ~32 GB. Weight files of an earlier conversion into the same directory are removed. Returns the
+    target's format."""
     if detect(Path(src)) != GGUF_FORMAT:
         raise CheckpointError(f"{src}: wkvm converts Llama GGUF files to HF directories only (not HF to GGUF)")
     raw, config = gguf_file.read_gguf(Path(src))
+    sizes = {name: 4 * int(t.n_elements) for name, t in gguf_file.hf_tensors(gguf_file.open_reader(src)).items()
+             if name in raw}  # fmt: skip
+    shards = shard_plan(sizes)
     out = Path(dst)
     out.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out / "model.safetensors") as tmp:
-        save_file({k: v.to(torch.float32).contiguous() for k, v in raw.items()}, str(tmp), metadata={"format": "pt"})
+    files = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]  # fmt: skip
+    earlier = [out / "model.safetensors", out / "model.safetensors.index.json", *out.glob("model-*-of-*.safetensors")]
+    for old in earlier:
+        if old.name not in files and old.exists():
+            old.unlink()
+    for names, file in zip(shards, files, strict=True):
+        with atomic_path(out / file) as tmp:
+            save_file({k: raw[k].to(torch.float32).contiguous() for k in names}, str(tmp), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())},
+                 "weight_map": {k: file for names, file in zip(shards, files, strict=True) for k in names}}  # fmt: skip
+        with atomic_path(out / "model.safetensors.index.json") as tmp:
+            Path(tmp).write_text(json.dumps(index, indent=2))
     with atomic_path(out / "config.json") as tmp:
         Path(tmp).write_text(json.dumps(config, indent=2))
     write_text_tools(Path(src), out)
     return HF_FORMAT
+
+
+def shard_plan(sizes: dict[str, int]) -> list[list[str]]:
+    """Tensor names in files of up to `SHARD_BYTES` (a layer larger than that alone): the tensors outside the layers
+    first, then each layer's whole, in order."""
+    groups: dict[str, list[str]] = {}
+    for name in sizes:
+        key = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else ""
+        groups.setdefault(key, []).append(name)
+    shards: list[list[str]] = []
+    used = SHARD_BYTES
+    for names in groups.values():
+        size = sum(sizes[n] for n in names)
+        if used + size > SHARD_BYTES:
+            shards.append([])
+            used = 0
+        shards[-1] += names
+        used += size
+    return shards or [[]]
 
 
 def write_text_tools(src: Path, out: Path) -> None:

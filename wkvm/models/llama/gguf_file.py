@@ -215,6 +215,11 @@ def llama3_rope(factors: np.ndarray, rope: dict[str, Any], head_dim: int) -> dic
             "original_max_position_embeddings": context}  # fmt: skip
 
 
+def hf_tensors(reader: GGUFReader) -> dict[str, ReaderTensor]:
+    """The file's tensors under their HF names (`rope_freqs` under its own), in the file's order."""
+    return {ROPE_FREQS if t.name == ROPE_FREQS else hf_name(t.name): t for t in reader.tensors}
+
+
 def read_gguf(path: Path) -> tuple[RawTensors, dict[str, Any]]:
     """Raw tensors under HF names and an HF-style config dict. The tensors are made when read (`LazyTensors`): each
     dequantized to fp32 (q and k put back in HF's row order) then and not kept, so building a model holds one fp32
@@ -223,7 +228,7 @@ def read_gguf(path: Path) -> tuple[RawTensors, dict[str, Any]]:
     meta = metadata(reader)
     if meta.get("general.architecture") != ARCHITECTURE:
         raise CheckpointError(f"{path}: GGUF architecture {meta.get('general.architecture')!r} is not llama")
-    tensors = {ROPE_FREQS if t.name == ROPE_FREQS else hf_name(t.name): t for t in reader.tensors}
+    tensors = hf_tensors(reader)
     factors = tensors.pop(ROPE_FREQS, None)
     tokens = field(reader, "tokenizer.ggml.tokens")
     embed = tensors.get(EMBED)
