@@ -390,6 +390,25 @@ def test_gguf_arrays_read_as_gguf_reads_them(tmp_path):
         gguf_file._reader.cache_clear()
         with pytest.raises(CheckpointError, match="cut.gguf: not a readable GGUF file"):
             gguf_file.open_reader(tmp_path / "cut.gguf")
+    big = tmp_path / "big.gguf"  # the other byte order: string lengths read in it too
+    w = gguf.GGUFWriter(str(big), "llama", endianess=gguf.GGUFEndian.BIG)
+    w.add_array("t.strings", ["", "a", "日本"])
+    w.add_array("t.ints", [3, -1, 7])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    ours, theirs = gguf_file.ArrayReader(big), gguf.GGUFReader(big)
+    assert ours.byte_order == "S" and {k: f.contents() for k, f in ours.fields.items()} == {
+        k: f.contents() for k, f in theirs.fields.items()}  # fmt: skip
+    # a count of 2^64 - 1 elements in a 60-byte file: refused at once (gguf's reader went element by element)
+    for kind in (gguf.GGUFValueType.UINT32, gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY):
+        head = b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little") + (1).to_bytes(8, "little")
+        key = (3).to_bytes(8, "little") + b"t.x" + int(gguf.GGUFValueType.ARRAY).to_bytes(4, "little")
+        (tmp_path / "huge.gguf").write_bytes(head + key + int(kind).to_bytes(4, "little") + (2**64 - 1).to_bytes(8,
+                                             "little") + bytes(8))  # fmt: skip
+        gguf_file._reader.cache_clear()
+        with pytest.raises(CheckpointError, match="huge.gguf: not a readable GGUF file .*runs past the end"):
+            gguf_file.open_reader(tmp_path / "huge.gguf")
 
 
 def test_a_pack_made_from_a_gguf_carries_its_tokenizer_end_tokens_and_template(gguf_ref, tmp_path, monkeypatch):
@@ -452,18 +471,15 @@ def test_gguf_converts_to_an_hf_directory(gguf_ref, tmp_path):
 
 def test_a_large_gguf_converts_to_hf_shards_of_whole_layers(gguf_ref, tmp_path, monkeypatch):
     """Past `SHARD_BYTES` of fp32 the HF directory is HF's shards of whole layers with their index, each shard made
-    and written in turn (an 8B file had needed all ~32 GB of its fp32 at once); transformers and wkvm both read it,
-    and a conversion into a directory of an earlier one leaves no weights of the old beside the new."""
+    and written in turn (an 8B file had needed all ~32 GB of its fp32 at once); transformers and wkvm both read it.
+    A directory that already holds weights is refused, not overwritten or mixed (they may be another model's)."""
     from wkvm.models.llama import checkpoint
 
     write_gguf(tmp_path / "tiny.gguf", gguf_ref, "Q8_0")
-    FAMILY.convert(tmp_path / "tiny.gguf", tmp_path / "hf")  # one file first, then shards over it
-    one = sorted(p.name for p in (tmp_path / "hf").glob("model*"))
     monkeypatch.setattr(checkpoint, "SHARD_BYTES", 1)  # every layer its own file, the rest in the first
     FAMILY.convert(tmp_path / "tiny.gguf", tmp_path / "hf")
     layers = GGUF_SHAPE["num_hidden_layers"]
     files = [f"model-{i:05d}-of-{layers + 1:05d}.safetensors" for i in range(1, layers + 2)]
-    assert one == ["model.safetensors"]
     assert sorted(p.name for p in (tmp_path / "hf").glob("model*")) == [*files, "model.safetensors.index.json"]
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert index["weight_map"]["model.layers.1.mlp.down_proj.weight"] == files[2]
@@ -473,9 +489,11 @@ def test_a_large_gguf_converts_to_hf_shards_of_whole_layers(gguf_ref, tmp_path, 
     converted = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     torch.testing.assert_close(hf_logits(converted, ids), from_file, atol=ATOL, rtol=0)
     assert torch.equal(load_model(tmp_path / "hf").prefill(ids, all_logits=True)[0], from_file)
-    monkeypatch.setattr(checkpoint, "SHARD_BYTES", 2 << 30)  # and back to one file: the shards go
-    FAMILY.convert(tmp_path / "tiny.gguf", tmp_path / "hf")
-    assert sorted(p.name for p in (tmp_path / "hf").glob("model*")) == ["model.safetensors"]
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "hf").iterdir()}
+    monkeypatch.setattr(checkpoint, "SHARD_BYTES", 2 << 30)
+    with pytest.raises(CheckpointError, match="hf already holds weights .*convert into a new or empty directory"):
+        FAMILY.convert(tmp_path / "tiny.gguf", tmp_path / "hf")
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "hf").iterdir()} == before
 
 
 def test_gguf_tokenizer_and_template_equal_the_source(tmp_path):

@@ -62,8 +62,8 @@ __attribute__((target("avx512f,avx512bw"))) inline void quantize_whole_groups_av
     for (int64_t j = 0; j < n; ++j) {
       const float* r = x + X_GROUP * (c + j);
       // max(|x|, acc) keeps acc where |x| is NaN, as std::max(acc, |x|) does
-      const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(r + 16)),
-                                                         _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(r)), _mm512_setzero_ps())));
+      const __m512 lo_half = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(r)), _mm512_setzero_ps());
+      const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(r + 16)), lo_half));
       a = _mm512_mask_broadcastss_ps(a, static_cast<__mmask16>(1u << j), _mm_set_ss(m));
     }
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);

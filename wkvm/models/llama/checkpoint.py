@@ -59,22 +59,24 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> str:
     when the file has them, tokenizer.json and chat_template.jinja (+ .json with the stop string). The weights are one
     model.safetensors up to `SHARD_BYTES`, else HF's shards of whole layers (model-00001-of-0000N.safetensors and
     model.safetensors.index.json), each made, written and dropped in turn: an 8B file needs one shard's fp32 in
-    memory, not ~32 GB. Weight files of an earlier conversion into the same directory are removed. Returns the
-    target's format."""
+    memory, not ~32 GB. A directory that already holds weights is refused (they could be another model's, and a mix
+    of two conversions would load); config.json comes last, so a conversion cut short leaves no loadable directory.
+    Returns the target's format."""
     if detect(Path(src)) != GGUF_FORMAT:
         raise CheckpointError(f"{src}: wkvm converts Llama GGUF files to HF directories only (not HF to GGUF)")
+    out = Path(dst)
+    held = sorted(p.name for p in out.glob("*") if p.suffix == ".safetensors" or p.name.endswith(".index.json"))
+    if held:
+        raise CheckpointError(f"{out} already holds weights ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
+                              "convert into a new or empty directory")  # fmt: skip
     raw, config = gguf_file.read_gguf(Path(src))
     sizes = {name: 4 * int(t.n_elements) for name, t in gguf_file.hf_tensors(gguf_file.open_reader(src)).items()
              if name in raw}  # fmt: skip
     shards = shard_plan(sizes)
-    out = Path(dst)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").unlink(missing_ok=True)  # written last: no weights without it until all are there
     files = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]  # fmt: skip
-    earlier = [out / "model.safetensors", out / "model.safetensors.index.json", *out.glob("model-*-of-*.safetensors")]
-    for old in earlier:
-        if old.name not in files and old.exists():
-            old.unlink()
     for names, file in zip(shards, files, strict=True):
         with atomic_path(out / file) as tmp:
             save_file({k: raw[k].to(torch.float32).contiguous() for k in names}, str(tmp), metadata={"format": "pt"})
@@ -83,9 +85,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> str:
                  "weight_map": {k: file for names, file in zip(shards, files, strict=True) for k in names}}  # fmt: skip
         with atomic_path(out / "model.safetensors.index.json") as tmp:
             Path(tmp).write_text(json.dumps(index, indent=2))
+    write_text_tools(Path(src), out)
     with atomic_path(out / "config.json") as tmp:
         Path(tmp).write_text(json.dumps(config, indent=2))
-    write_text_tools(Path(src), out)
     return HF_FORMAT
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import struct
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -86,30 +87,39 @@ class ArrayReader(GGUFReader):
     """gguf's reader with its array fields read in one pass. GGUFReader makes numpy views for every element (two for
     each string): 8.0 s for Llama 3's 128k tokens and 280k merges, 2.1 s for SmolLM2's 49k and 48k (0.7 and 0.07 s
     here). A numeric array is one view and a string array's elements are slices of one memoryview of the file;
-    `contents()` (the only reading wkvm does: all of a field) returns the same values from either. Other arrays and
-    byte orders take gguf's own code."""
+    `contents()` of the whole field (the only reading wkvm does) returns the same values from either, though not
+    `contents(i)` of a numeric array. An array whose count cannot fit in the rest of the file is refused at once (gguf
+    read a 60-byte file's count of 2^64 - 1 element by element). Arrays of arrays take gguf's code for the outer one."""
 
     def _get_field_parts(
         self, orig_offs: int, raw_type: int
     ) -> tuple[int, list[Any], list[int], list[GGUFValueType]]:
-        if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+        if raw_type != GGUFValueType.ARRAY:
             return super()._get_field_parts(orig_offs, raw_type)
         raw_itype, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
         n, itype = int(count[0]), int(raw_itype[0])
-        offs = orig_offs + 12
-        types = [GGUFValueType.ARRAY] + ([GGUFValueType(itype)] if n else [])
-        scalar = self.gguf_scalar_to_np.get(GGUFValueType(itype))
+        offs, end = orig_offs + 12, len(self.data)
+        if n == 0:  # gguf reads no element type for an empty array
+            return 12, [raw_itype, count], [], [GGUFValueType.ARRAY]
+        types = [GGUFValueType.ARRAY, GGUFValueType(itype)]
+        scalar = self.gguf_scalar_to_np.get(types[1])
         if scalar is not None:
-            values = self._get(offs, scalar, n)
-            if len(values) != n:
+            if n > (end - offs) // np.dtype(scalar).itemsize:
                 raise ValueError(f"an array of {n} values runs past the end of the file at byte {offs}")
-            return 12 + int(values.nbytes), [raw_itype, count, values], [2] if n else [], types
-        if itype != GGUFValueType.STRING:  # arrays of arrays: gguf's own reading
+            values = self._get(offs, scalar, n)
+            return 12 + int(values.nbytes), [raw_itype, count, values], [2], types
+        if itype != GGUFValueType.STRING:  # arrays of arrays: gguf's own reading (each inner array comes back here)
+            if n > (end - offs) // 12:
+                raise ValueError(f"an array of {n} arrays runs past the end of the file at byte {offs}")
             return super()._get_field_parts(orig_offs, raw_type)
-        data, end = self.data.data, len(self.data)  # the file's bytes as a memoryview
+        if n > (end - offs) // 8:
+            raise ValueError(f"an array of {n} strings runs past the end of the file at byte {offs}")
+        swapped = self.byte_order == "S"
+        order = ("big" if sys.byteorder == "little" else "little") if swapped else sys.byteorder
+        data = self.data.data  # the file's bytes as a memoryview
         strings: list[Any] = []
         for _ in range(n):
-            size = int.from_bytes(data[offs : offs + 8], "little")
+            size = int.from_bytes(data[offs : offs + 8], order)
             if offs + 8 + size > end:
                 raise ValueError(f"a string at byte {offs} runs past the end of the file")
             strings.append(data[offs + 8 : offs + 8 + size])
@@ -120,12 +130,21 @@ class ArrayReader(GGUFReader):
 def metadata(reader: GGUFReader) -> dict[str, Any]:
     """Every key-value field but the tokenizer's long arrays (read those with `field`)."""
     long = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
-    return {k: f.contents() for k, f in reader.fields.items() if k not in long}
+    return {k: contents(reader, f) for k, f in reader.fields.items() if k not in long}
 
 
 def field(reader: GGUFReader, key: str) -> Any:
     f = reader.get_field(key)
-    return None if f is None else f.contents()
+    return None if f is None else contents(reader, f)
+
+
+def contents(reader: GGUFReader, f: Any) -> Any:
+    """A field's values; text that is not UTF-8 is a CheckpointError naming the file and the key."""
+    try:
+        return f.contents()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{getattr(reader.data, 'filename', 'GGUF file')}: metadata {f.name} is not UTF-8 "
+                              "text (corrupt file?)") from None  # fmt: skip
 
 
 def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -266,8 +285,13 @@ def dequantize_rows(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray
         return dequantize(data, qtype)
     rows = data.reshape(-1, data.shape[-1])
     step = max(1, DEQUANTIZE_BYTES // rows.shape[1])
-    return np.concatenate([dequantize(rows[i : i + step].reshape(1, -1), qtype).reshape(-1)
-                           for i in range(0, len(rows), step)])  # fmt: skip
+    first = dequantize(rows[:step].reshape(1, -1), qtype).reshape(-1)
+    width = len(first) // len(rows[:step])  # values a row
+    out = np.empty(len(rows) * width, np.float32)  # filled in place: one tensor's fp32 at a time, not two
+    out[: len(first)] = first
+    for i in range(step, len(rows), step):
+        out[i * width : (i + step) * width] = dequantize(rows[i : i + step].reshape(1, -1), qtype).reshape(-1)
+    return out
 
 
 def read_tensor(path: Path, t: ReaderTensor, unpermute_heads: int | None) -> torch.Tensor:
