@@ -390,6 +390,11 @@ def test_gguf_arrays_read_as_gguf_reads_them(tmp_path):
         gguf_file._reader.cache_clear()
         with pytest.raises(CheckpointError, match="cut.gguf: not a readable GGUF file"):
             gguf_file.open_reader(tmp_path / "cut.gguf")
+    bad = data.replace("▁the".encode(), b"\xff\xfe\xfd\xfc\xfb\xfa")  # the same length, not UTF-8
+    (tmp_path / "bad.gguf").write_bytes(bad)
+    gguf_file._reader.cache_clear()
+    with pytest.raises(CheckpointError, match="bad.gguf: metadata t.strings is not UTF-8 text"):
+        gguf_file.field(gguf_file.open_reader(tmp_path / "bad.gguf"), "t.strings")
     big = tmp_path / "big.gguf"  # the other byte order: string lengths read in it too
     w = gguf.GGUFWriter(str(big), "llama", endianess=gguf.GGUFEndian.BIG)
     w.add_array("t.strings", ["", "a", "日本"])
