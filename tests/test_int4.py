@@ -89,6 +89,25 @@ def test_quantize_round_trips_within_half_a_step_or_a_step_when_symmetric(symmet
     assert torch.equal(embedding(ids, q), int4.dequantize(q)[ids])
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_int4_keeps_a_4_bit_gguf_files_values(qtype):
+    """`--dtype int4` stores a Q4_0 or Q4_1 file's dequantized matrices on their own grid: every value as the file
+    has it (asymmetric groups had moved a Q4_0 file's by up to half a step); values on no such grid (an HF
+    checkpoint's) get the asymmetric groups as before."""
+    import gguf
+    import numpy as np
+
+    q = gguf.GGMLQuantizationType[qtype]
+    w = np.random.default_rng(3).standard_normal((40, 128)).astype(np.float32) * np.logspace(-2, 0.5, 40)[:, None]
+    w[7] = 0  # a zero row lies on both grids
+    values = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.astype(np.float32), q), q).copy())
+    assert torch.equal(int4.dequantize(stored(values, int4.DTYPE)), values)
+    if qtype == "Q4_0":
+        assert not torch.equal(int4.dequantize(int4.quantize(values)), values)  # what asymmetric groups did
+    plain = torch.from_numpy(w)
+    assert torch.equal(stored(plain, int4.DTYPE), int4.quantize(plain))
+
+
 def test_k_not_a_multiple_of_32_is_stored_as_int8():
     with pytest.raises(ValueError, match="multiple of 32"):
         int4.quantize(torch.randn(4, 48))

@@ -76,6 +76,20 @@ def quantize(w: torch.Tensor, symmetric: bool = False) -> torch.Tensor:
     return torch.cat([blocks, plain.reshape(N - nb * ROWS, G * ROW_BYTES)])
 
 
+def quantize_keeping_grid(w: torch.Tensor) -> torch.Tensor:
+    """`quantize` for `--dtype int4`: asymmetric groups (the better default, above), unless `w`'s values already lie
+    on Q4_0's symmetric grid and only there, as a dequantized Q4_0 GGUF's do: then that grid, so the file's values
+    are kept as they are (asymmetric groups had moved them by up to half a step). A Q4_1 file's values lie on the
+    asymmetric grid and round-trip through it (all 210 layer matrices of SmolLM2's GGUF). Values from anything else
+    (an HF checkpoint's) lie on neither: eight rows spread over the matrix say so before any whole-matrix check."""
+    rows = w[:: max(1, len(w) // 8)][:8].detach().to(torch.float32)
+    asymmetric = torch.equal(dequantize(quantize(rows)), rows)
+    if asymmetric or not torch.equal(dequantize(quantize(rows, symmetric=True)), rows):
+        return quantize(w)
+    s = quantize(w, symmetric=True)
+    return s if torch.equal(dequantize(s), w.detach().to(torch.float32)) else quantize(w)
+
+
 def _halves(t: torch.Tensor) -> torch.Tensor:
     """fp16 [..., n] -> its bytes [..., 2n] (native byte order)."""
     return torch.empty(t.shape, dtype=torch.float16, device=t.device).copy_(t).view(torch.uint8)  # fresh strides

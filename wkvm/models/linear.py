@@ -103,7 +103,7 @@ def stored(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A large matrix [out, in] in its storage `dtype`: float32, bfloat16, int8 (quantized per output channel) or
     int4 (groups of 32 along `in`; a matrix whose `in` is not a multiple of 32 is stored as int8)."""
     if dtype == int4.DTYPE:
-        return int4.quantize(weight) if weight.shape[1] % int4.GROUP == 0 else int8.quantize(weight)
+        return int4.quantize_keeping_grid(weight) if weight.shape[1] % int4.GROUP == 0 else int8.quantize(weight)
     return int8.quantize(weight) if dtype == torch.int8 else weight.to(dtype)
 
 
