@@ -82,12 +82,13 @@ def quantize_keeping_grid(w: torch.Tensor) -> torch.Tensor:
     are kept as they are (asymmetric groups had moved them by up to half a step). A Q4_1 file's values lie on the
     asymmetric grid and round-trip through it (all 210 layer matrices of SmolLM2's GGUF). Values from anything else
     (an HF checkpoint's) lie on neither: eight rows spread over the matrix say so before any whole-matrix check."""
-    rows = w[:: max(1, len(w) // 8)][:8].detach().to(torch.float32)
-    asymmetric = torch.equal(dequantize(quantize(rows)), rows)
-    if asymmetric or not torch.equal(dequantize(quantize(rows, symmetric=True)), rows):
+    w = w.detach().to(torch.float32)
+    rows = w[:: max(1, len(w) // 8)][:8]
+    on_grid = [torch.equal(dequantize(quantize(rows, symmetric=sym)), rows) for sym in (False, True)]
+    if on_grid[0] or not on_grid[1]:
         return quantize(w)
     s = quantize(w, symmetric=True)
-    return s if torch.equal(dequantize(s), w.detach().to(torch.float32)) else quantize(w)
+    return s if torch.equal(dequantize(s), w) else quantize(w)
 
 
 def _halves(t: torch.Tensor) -> torch.Tensor:

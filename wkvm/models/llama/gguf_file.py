@@ -67,8 +67,8 @@ def architecture(path: Path) -> str | None:
 
 def open_reader(path: str | os.PathLike[str]) -> GGUFReader:
     """A reader of the file (memory-mapped; `ArrayReader`). The last file opened is kept: loading a model and then its
-    tokenizer and chat template parse it once. A file that
-    does not parse (truncated, corrupt counts, another version) is a CheckpointError naming it."""
+    tokenizer and chat template parse it once. A file that does not parse (truncated, corrupt counts, another
+    version) is a CheckpointError naming it."""
     p = Path(path).resolve()
     st = p.stat()
     try:
