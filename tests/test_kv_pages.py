@@ -97,6 +97,33 @@ def test_fork_copies_only_the_shared_partial_page_on_append():
     assert pool.num_free == 16 and not any(pool.refs)
 
 
+def test_a_fork_leaves_pages_reserved_past_the_length_unshared():
+    """A step that raised commits nothing, so its pages stay reserved past the length (full pages here: no partial
+    last page for `reserve` to copy). Shared by a fork, both sides appended into the same slots."""
+    pool = PagePool(SPEC, n_pages=8, page_tokens=4)
+    a = SeqKV()
+    a.reserve(pool, 4)
+    kv = PagedKV(pool, [a], 4)
+    for layer in (0, 1):
+        feed(kv, layer, torch.Generator().manual_seed(layer), 1, 4)
+    kv.commit()
+    a.reserve(pool, 1)  # the next step's page, then its forward raises: not committed
+    b = a.fork(pool)
+    assert len(a.pages) == 2 and b.pages == a.pages[:1] and pool.refs[a.pages[1]] == 1
+    ends = {}
+    for seq, seed in ((a, 10), (b, 20)):
+        seq.reserve(pool, 1)
+        kv = PagedKV(pool, [seq], 1)
+        for layer in (0, 1):
+            ends[seed] = feed(kv, layer, torch.Generator().manual_seed(seed), 1, 1)
+        kv.commit()
+    a_keys, b_keys = a.to_dense(pool)[key_name(0)], b.to_dense(pool)[key_name(0)]
+    assert torch.equal(a_keys[:4], b_keys[:4]) and not torch.equal(a_keys[4], b_keys[4])
+    b.free(pool)
+    a.free(pool)
+    assert pool.num_free == 8 and not any(pool.refs)
+
+
 def test_dense_round_trip_and_all_or_nothing_reservation():
     pool = PagePool(SPEC, n_pages=3, page_tokens=4)
     dense = {t.name: torch.randn(7, H_KV, D) for t in SPEC.tensors}

@@ -150,6 +150,43 @@ def test_pages_a_pending_copy_holds_are_waited_for_not_preempted_around(model, m
     eng.shutdown()
 
 
+def test_a_request_stopped_inside_its_prompt_keeps_no_state(model, model_dir, tmp_path):
+    """Cancelled (or timed out: the same rule) with prompt tokens still unfed, a request's state holds part of its
+    history. It is not kept: kept under the whole history, it had been stored as if complete, continued at the wrong
+    positions and its own export was refused on import. A state-creating prefill fails instead of returning it, and
+    the store refuses a kv state whose length does not fit its token ids."""
+    from wkvm.engine.client import PrefillFailed, prefilled_state, submit_prefill
+    from wkvm.state.statefile import StateFileError
+    from wkvm.state.store import StateStore
+
+    prompt = [(3 * j) % len(CHAR_VOCAB) for j in range(20)]
+    eng = engine(model, model_dir, pages=64, n_slots=2, prefill_chunk=4, token_budget=4)
+    h = eng.submit(prompt, greedy(5), capture_state=True)
+    eng.step()  # 4 of the 20 prompt tokens in
+    eng.cancel(h.request_id)
+    eng.run_until_done()
+    assert h.output.error_code == "cancelled" and h.run_result().final_state is None
+    p = submit_prefill(eng, prompt[:-1])
+    eng.step()
+    eng.cancel(p.request_id)
+    eng.run_until_done()
+    with pytest.raises(PrefillFailed):
+        prefilled_state(p)
+    # at a token boundary a cancelled request keeps its state, history and keys and values alike
+    h = eng.submit(prompt[:6], greedy(8), capture_state=True)
+    while len(h.output.token_ids) < 3:
+        eng.step()
+    eng.cancel(h.request_id)
+    eng.run_until_done()
+    run = h.run_result()
+    assert run.final_state is not None and model.spec.kv_length(run.final_state) == len(run.history) - 1
+    store = StateStore(tmp_path / "states", model.spec, model.fingerprint, model.vocab_size)
+    assert store.put("alice", "s", run.final_state, run.history) is not None
+    with pytest.raises(StateFileError, match="hold 8 tokens"):
+        store.put("alice", "t", run.final_state, run.history + [1])
+    eng.shutdown()
+
+
 def test_context_limit_refuses_long_prompts_and_ends_with_length(model, model_dir):
     eng = engine(model, model_dir, pages=4, n_slots=2)  # 16 tokens in all: the context limit
     assert eng.runner.context_limit == 16

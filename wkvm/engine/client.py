@@ -101,7 +101,7 @@ def submit_prefill(engine: Engine, prompt_ids: list[int], base_state: State | No
 
 def prefilled_state(h: RequestHandle) -> State:
     state = h.run_result().final_state
-    if state is None:
+    if state is None or h.output.error_code is not None:  # cancelled or timed out: not every token is in
         raise PrefillFailed(h.output.error or "the prefill was aborted", h.output.error_code)
     return state
 

@@ -378,8 +378,10 @@ class Engine:
         return Event(req.request_id, [], "", None, Status.FINISHED_ERROR.value, message, code)
 
     def _finish(self, req: Request, status: Status, error: str | None = None, error_code: str | None = None) -> None:
-        # the state is kept only when the step itself ended a healthy request, at a token boundary
-        at_boundary = error_code in (None, ErrorCode.CANCELLED, ErrorCode.TIMEOUT)
+        # the state is kept only when the step itself ended a healthy request, at a token boundary, with every token
+        # of its history fed but the pending last one: a request cancelled or timed out inside its prompt holds only
+        # part of it, and kept under its whole history that state would have continued at the wrong positions
+        at_boundary = error_code in (None, ErrorCode.CANCELLED, ErrorCode.TIMEOUT) and req.gap <= 1
         if req.capture_state and req.slot is not None and at_boundary:
             self._keep_final_state(req, req.slot)
         req.error, req.error_code = error, error_code

@@ -108,10 +108,13 @@ class SeqKV:
         self.pages += [pool.alloc() for _ in range(need)]
 
     def fork(self, pool: PagePool) -> SeqKV:
-        """A second sequence sharing every page (copy-on-write: no page is copied now)."""
-        for p in self.pages:
+        """A second sequence sharing every page that holds tokens (copy-on-write: no page is copied now). Pages
+        reserved past the length (a step that raised commits none) stay this side's: shared, both sides would append
+        into the same slots, which `reserve` copies only for a partially filled last page."""
+        used = self.pages[: -(-self.length // pool.page_tokens)]
+        for p in used:
             pool.retain(p)
-        return SeqKV(list(self.pages), self.length)
+        return SeqKV(list(used), self.length)
 
     def free(self, pool: PagePool) -> None:
         for p in self.pages:

@@ -214,9 +214,7 @@ def decode(
     token_ids = _token_ids(md, vocab_size, imported)
     if md.get("token_digest") != token_digest(token_ids):
         raise StateFileError("token digest does not match token_ids")
-    if spec.has_kv and n_kv != len(token_ids) - 1:
-        raise StateFileError(f"the kv tensors hold {n_kv} tokens; a state of {len(token_ids)} tokens (the last one "
-                             f"pending) holds {len(token_ids) - 1}")  # fmt: skip
+    check_kv_count(spec, n_kv, len(token_ids))
     # files written before the lineage digest existed have none, and import as before
     if "lineage_sha256" in md and md["lineage_sha256"] != lineage_digest(md):
         raise StateFileError("lineage checksum mismatch (name, version, parent, op, op_params or created_at): the file "
@@ -252,6 +250,13 @@ def _check_lineage(meta: StateMeta) -> None:
             raise StateFileError(f"bad metadata: parent: {e}") from None
     if not OP_RE.fullmatch(meta.op):
         raise StateFileError(f"bad metadata: op {meta.op[:40]!r} is not an operation's name")
+
+
+def check_kv_count(spec: StateSpec, n_kv: int, n_ids: int) -> None:
+    """A state's kv tensors cache every token of its history but the pending last one."""
+    if spec.has_kv and n_kv != n_ids - 1:
+        raise StateFileError(f"the kv tensors hold {n_kv} tokens; a state of {n_ids} tokens (the last one pending) "
+                             f"holds {n_ids - 1}")  # fmt: skip
 
 
 def _check_tensors(spec: StateSpec, tensors: State) -> int:

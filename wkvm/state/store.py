@@ -204,7 +204,9 @@ class StateStore:
         durable = durable or not internal
         try:
             check_history(token_ids, self.vocab_size)
-            self.check_kv_tokens(self.spec.kv_length(state))
+            n_kv = self.spec.kv_length(state)
+            self.check_kv_tokens(n_kv)
+            statefile.check_kv_count(self.spec, n_kv, len(token_ids))  # as an imported file is checked
         except StateFileError:
             if internal:
                 return None  # a cache entry the store cannot take is simply not kept
