@@ -209,7 +209,13 @@ def test_a_prompt_over_the_context_limit_is_a_400_also_after_a_reused_prefix(mod
         for prompt in (list(range(1, 21)), list(range(1, 17))):
             r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "n": 2})  # before any prefill
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
         assert c.post("/v1/completions", json={"prompt": list(range(1, 13)), "max_tokens": 2}).status_code == 200
+        # vLLM's truncate_prompt_tokens -1: the prompt's end, as much as leaves room for a token (it kept 16 and failed)
+        long = {"prompt": list(range(1, 21)), "max_tokens": 2, "truncate_prompt_tokens": -1}
+        r = c.post("/v1/completions", json=long)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 15, r.text
         r = c.post("/v1/completions", json={"prompt": list(range(1, 13)) + [5, 6, 7, 8], "max_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
         assert "context is 16 tokens" in r.json()["error"]["message"], r.text

@@ -66,6 +66,32 @@ def test_token_id_prompt_and_logprobs(client):
     assert [t[tok] for t, tok in zip(lp.top_logprobs, lp.tokens, strict=True)] == lp.token_logprobs
     assert [max(t.values()) for t in lp.top_logprobs] == lp.token_logprobs
     assert lp.text_offset[0] == 0
+    # sampled: a token outside the top k is listed beside them (OpenAI's "up to logprobs + 1"; it was left out)
+    r = client.completions.create(model="world", prompt=[101, 202, 303], max_tokens=24, temperature=2.0, logprobs=1,
+                                  seed=5, extra_body={"ignore_eos": True})  # fmt: skip
+    lp = r.choices[0].logprobs
+    assert [t[tok] for t, tok in zip(lp.top_logprobs, lp.tokens, strict=True)] == lp.token_logprobs
+    sizes = [len(t) for t in lp.top_logprobs]
+    assert set(sizes) <= {1, 2} and 2 in sizes  # at temperature 2, most tokens are not the most likely
+
+
+def test_invalid_unicode_in_a_message_is_placed_in_that_message(server):
+    """A lone surrogate is refused naming the message and its offset in it (it was an offset in the rendered chat)."""
+    body = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "ab\\udfff"}]}'
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "messages[1].content", r.text
+    assert "character 2 " in error["message"], r.text
+
+
+def test_a_request_without_max_tokens_gets_a_default_within_the_servers_limit(server):
+    """Chat's default of 1,024 tokens above this server's --max-tokens-limit (256) had refused every chat that set no
+    max_tokens; min_tokens above the default raises it (its check had named a max_tokens the client never sent)."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 256, r.text
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "min_tokens": 40, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40, r.text
 
 
 def test_prompt_list_reports_each_prompt(client):

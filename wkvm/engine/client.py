@@ -136,6 +136,7 @@ class LocalEngineClient:
         if len(params) == 1:
             return [submit(prompt_ids, params[0], initial_state=base_state, base_ids=base_ids, capture_state=capture,
                            capture_prompt_state=capture_prompt, capture_at=capture_at, loop=loop)]  # fmt: skip
+        self.engine.check_context(len(base_ids) + len(prompt_ids))  # before the shared prefill, not after it
         state, feed, prompt_state = base_state, prompt_ids, None
         shared = params[0].prompt_logprobs is None  # a choice scoring its prompt is fed all of it itself
         if shared and len(prompt_ids) > 1:

@@ -140,13 +140,7 @@ class Engine:
         if not prompt_ids:
             raise ValueError("a request needs at least one prompt token")
         params.check_vocabulary(self.model.vocab_size)
-        limit = self.runner.context_limit
-        if limit is not None and len(base_ids or []) + len(prompt_ids) >= limit:
-            n = len(base_ids or []) + len(prompt_ids)
-            raise ContextTooLong(
-                f"the request's context is {n} tokens and this model holds at most {limit} ({self._limit_reason()}), "
-                "with room for at least one generated token: shorten the prompt or the conversation"
-            )
+        self.check_context(len(base_ids or []) + len(prompt_ids))
         timeout = timeout if timeout is not None else self.config.request_timeout
         now = time.monotonic()
         req = Request(
@@ -359,6 +353,15 @@ class Engine:
         """A sequence whose tokens reach the context limit ends with finish_reason "length", as in vLLM."""
         limit = self.runner.context_limit
         return limit is not None and len(req.base_ids) + req.num_tokens >= limit
+
+    def check_context(self, n: int) -> None:
+        """Raise ContextTooLong where `n` earlier and prompt tokens leave no room to generate one token."""
+        limit = self.runner.context_limit
+        if limit is not None and n >= limit:
+            raise ContextTooLong(
+                f"the request's context is {n} tokens and this model holds at most {limit} ({self._limit_reason()}), "
+                "with room for at least one generated token: shorten the prompt or the conversation"
+            )
 
     def _limit_reason(self) -> str:
         trained = self.model.context_length

@@ -32,9 +32,9 @@ def new_id(prefix: str) -> str:
 def encode_prompt(ctx: ServerContext, prompt: str | list[int], param: str = "prompt",
                   keep: int | None = None, starts: bool = True) -> list[int]:  # fmt: skip
     """The prompt's token ids, checked. `keep` (vLLM's truncate_prompt_tokens): only its last `keep` tokens (-1: as
-    many as the model's context holds). A text that `starts` a sequence begins with BOS where the tokenizer adds one
-    (vLLM's completions); a chat's rendered messages (their template writes BOS) and a text that continues a stored
-    state do not."""
+    many as the model's context holds with room for one generated token). A text that `starts` a sequence begins
+    with BOS where the tokenizer adds one (vLLM's completions); a chat's rendered messages (their template writes
+    BOS) and a text that continues a stored state do not."""
     if isinstance(prompt, str):
         check_text(prompt, param)
         if keep is None:
@@ -51,8 +51,8 @@ def encode_prompt(ctx: ServerContext, prompt: str | list[int], param: str = "pro
         why = "0 keeps nothing" if keep == 0 else "-1 needs a model with a context limit; this one has none"
         raise APIError(400, f"truncate_prompt_tokens: {why} (give a count >= 1)", "truncate_prompt_tokens",
                        "invalid_value")  # fmt: skip
-    if keep is not None:
-        ids = ids[-(ctx.model.context_limit or 0 if keep == -1 else keep) :]
+    if keep is not None:  # -1: the context less one token, the least a request must leave to generate
+        ids = ids[-(max(1, (ctx.model.context_limit or 0) - 1) if keep == -1 else keep) :]
     if len(ids) > ctx.config.max_prompt_tokens:
         raise APIError(413, f"{param} has {len(ids)} tokens; the limit is {ctx.config.max_prompt_tokens} "
                        "(--max-prompt-tokens)", param, "prompt_too_large")  # fmt: skip
@@ -146,8 +146,11 @@ def sampling_params(
         check_text(word, "bad_words")
     logit_bias = token_biases(body.logit_bias, vocab)
     structured = structured_outputs(body)
-    n = max_tokens if max_tokens is not None else default_max
-    if n > ctx.config.max_tokens_limit:
+    limit = ctx.config.max_tokens_limit
+    # a request that sets no max_tokens gets the default, raised to its min_tokens and held to this server's limit:
+    # a chat without max_tokens had been refused on a server whose --max-tokens-limit is below the chat default
+    n = max_tokens if max_tokens is not None else min(max(default_max, body.min_tokens or 0), limit)
+    if n > limit:
         raise APIError(400, f"max_tokens {n} exceeds this server's limit {ctx.config.max_tokens_limit} "
                        "(--max-tokens-limit)", "max_tokens", "invalid_value")  # fmt: skip
     try:
@@ -391,15 +394,18 @@ def completion_logprobs(ctx: ServerContext, token_ids: list[int], lps: Sequence[
     tokens = [token_str(ctx, t) for t in token_ids]
     offsets = (offset if isinstance(offset, TokenOffsets) else TokenOffsets(offset, skip)).of(ctx, token_ids)
 
-    def top(lp: dict[int, float]) -> dict[str, float]:
+    def top(t: int, lp: dict[int, float]) -> dict[str, float]:
+        """The k most likely, and the chosen token where it is not among them (OpenAI's and vLLM's: up to k + 1)."""
         ranked = sorted(((token_str(ctx, i), json_logprob(v)) for i, v in lp.items()), key=lambda kv: -kv[1])
-        return dict(ranked[: max(k, 1)])
+        out = dict(ranked[: max(k, 1)])
+        out.setdefault(token_str(ctx, t), json_logprob(lp[t]))
+        return out
 
     pairs = list(zip(token_ids, lps, strict=True))
     return {
         "tokens": tokens,
         "token_logprobs": [None if lp is None else json_logprob(lp[t]) for t, lp in pairs],
-        "top_logprobs": [None if lp is None else top(lp) for lp in lps],
+        "top_logprobs": [None if lp is None else top(t, lp) for t, lp in pairs],
         "text_offset": offsets,
     }
 

@@ -559,6 +559,7 @@ def chat_messages(messages: list[ChatMessage], functions: list[Any] | None = Non
                            "invalid_value")  # fmt: skip
         else:
             content = m.content or ""
+        gen.check_text(content, f"messages[{i}].content")  # here, not in the rendered template: its offset is theirs
         msg: dict[str, Any] = {"role": m.role, "content": content}
         if m.tool_calls:
             if m.role != "assistant":
