@@ -234,6 +234,21 @@ def test_a_prompt_over_the_context_limit_is_a_400_also_after_a_reused_prefix(mod
         assert "wkvm_kv_cache_pages 4.0" in metrics and "wkvm_kv_cache_usage_ratio 0.0" in metrics, metrics
 
 
+def test_a_prefill_past_the_request_timeout_ends_n_choices_as_one_and_creates_no_state(model, model_dir):
+    """--request-timeout hit in a shared prefill: n choices end with "abort" and nothing generated, as one request
+    does (it was a 503, logged as a server error); a state's creation is a 408 naming the flag (a 503 before)."""
+    prompt = [(7 * j + 2) % len(CHAR_VOCAB) for j in range(400)]
+    with LiveServer(model=str(model_dir), request_timeout=0.001, prefill_chunk=2, token_budget=8) as s:
+        c = httpx.Client(base_url=s.url, timeout=60)
+        for n in (1, 3):
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "n": n})
+            assert r.status_code == 200, r.text
+            assert [(x["finish_reason"], x["text"]) for x in r.json()["choices"]] == [("abort", "")] * n, r.text
+        r = c.post("/v1/states", json={"name": "late", "prompt_ids": prompt})
+        assert r.status_code == 408 and "--request-timeout" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["code"] == "timeout" and c.get("/v1/states").json()["data"] == []
+
+
 def test_an_attention_turn_keeps_one_checkpoint_and_later_prompts_reuse_any_prefix_of_it(model, model_dir):
     """Keys and values cut to any shorter history are exact, so a turn's final state serves every prefix: no prompt-end
     or branch checkpoint is taken besides it (each had cost the engine a copy of the context, a hash and the memory)."""

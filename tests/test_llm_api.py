@@ -248,6 +248,7 @@ def test_a_request_that_masks_every_token_fails_greedy_or_sampled(llm):
                                 allowed_token_ids=[stop_id], stop_token_ids=[stop_id])  # fmt: skip
         out = llm.generate([[1, 2]], params)[0]
         assert out.finish_reason == "error" and out.token_ids == [], (temperature, out)
+        assert "allowed_token_ids" in (out.error or "") and "min_tokens" in (out.error or ""), out.error
 
 
 @pytest.mark.parametrize("k", [0, 1, 3])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,6 +18,7 @@ from wkvm.engine.engine import Engine, EngineStats
 from wkvm.engine.handle import RequestHandle
 from wkvm.engine.request import Continuation
 from wkvm.models.spec import State, StateSpec
+from wkvm.outputs import ErrorCode
 from wkvm.sampling_params import SamplingParams
 
 
@@ -139,17 +141,28 @@ class LocalEngineClient:
         self.engine.check_context(len(base_ids) + len(prompt_ids))  # before the shared prefill, not after it
         state, feed, prompt_state = base_state, prompt_ids, None
         shared = params[0].prompt_logprobs is None  # a choice scoring its prompt is fed all of it itself
+        # the choices keep the request's deadline (--request-timeout from now), not one of their own after the prefill
+        limit, start = self.engine.config.request_timeout, time.monotonic()
         if shared and len(prompt_ids) > 1:
-            state = await self.prefill(prompt_ids[:-1], base_state, base_ids)
-            base_ids, feed = base_ids + prompt_ids[:-1], prompt_ids[-1:]
+            try:
+                state = await self.prefill(prompt_ids[:-1], base_state, base_ids)
+            except PrefillFailed as e:
+                if e.error_code != ErrorCode.TIMEOUT:
+                    raise
+                # timed out: the choices, no time left, end at once as a timed-out n = 1 request does ("abort",
+                # nothing generated), not as a 503 for n > 1 only
+                shared = False
+            else:
+                base_ids, feed = base_ids + prompt_ids[:-1], prompt_ids[-1:]
         if shared and capture_prompt:  # the shared prefill is the prompt-end state: each choice reports it, to be
             prompt_state = state  # checkpointed as for n = 1
+        left = None if limit is None else max(limit - (time.monotonic() - start), 1e-6)  # 0 would mean no limit
         handles: list[RequestHandle] = []
         try:
             for p in params:
                 handles.append(submit(feed, p, initial_state=state, base_ids=base_ids, capture_state=capture,
                                       capture_prompt_state=capture_prompt and not shared, prompt_state=prompt_state,
-                                      loop=loop))  # fmt: skip
+                                      timeout=left, loop=loop))  # fmt: skip
         except BaseException:  # all n choices or none
             for h in handles:
                 h.cancel()

@@ -36,6 +36,10 @@ INVALID_DISTRIBUTION = (
     "sampling this request produced an invalid distribution (NaN, infinity or all zero); "
     "its logits or sampling parameters are out of range"
 )
+NO_TOKEN_LEFT = (
+    "this request's token masks leave no token to choose: allowed_token_ids, bad_words, logit_bias of -100, and "
+    "min_tokens (which holds back the end of sequence and stop_token_ids until that many are out) exclude them all"
+)
 NO_ALLOWED_TOKEN = "the reply's grammar (response_format, structured_outputs, a forced tool call) allows no token here"
 
 
@@ -258,8 +262,11 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
             x, masked = x.masked_fill(~allowed, float("-inf")), True  # a new tensor: the batch's logits stay
             greedy_id = int(torch.argmax(x))
         # every token masked (allowed_token_ids that min_tokens bans, say): greedy's argmax of -inf would be token 0,
-        # a token the request did not allow; sampled, the same request fails as an invalid distribution
-        tok = choose(x, row, greedy_id) if not masked or bool(torch.isfinite(x[greedy_id])) else None
+        # a token the request did not allow
+        if masked and not bool(torch.isfinite(x[greedy_id])):
+            out.append(Sampled(None, error=NO_TOKEN_LEFT))
+            continue
+        tok = choose(x, row, greedy_id)
         if tok is None:
             out.append(Sampled(None, error=INVALID_DISTRIBUTION))
             continue

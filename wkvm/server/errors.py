@@ -99,9 +99,13 @@ def prompt_field(path: str) -> str:
 
 def prefill_failed(e: PrefillFailed) -> JSONResponse:
     """A shared prefill (n > 1, state creation) that ended without a state: non-finite numbers come from the
-    request's own input (400); an engine failure is the server's (500); cancelled or timed out, 503."""
+    request's own input (400); an engine failure is the server's (500); past --request-timeout, 408 (a state too
+    long to create in that time; a completion's n choices end with "abort" instead, as one does); cancelled, 503."""
     if e.error_code == ErrorCode.NON_FINITE:
         return error_response(400, str(e), None, e.error_code)
+    if e.error_code == ErrorCode.TIMEOUT:
+        return error_response(408, f"{e}: the prompt's prefill ran past this server's --request-timeout and nothing "
+                              "was kept; use a shorter prompt", None, e.error_code)  # fmt: skip
     if e.error_code == ErrorCode.ENGINE_ERROR:
         return error_response(500, str(e), None, e.error_code)
     if e.error_code == ErrorCode.SHUTDOWN:  # the same answer as a request that arrives during shutdown
