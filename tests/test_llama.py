@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import greedy_reference
 from families.llama import GGUF_NAMES, k_quant_blocks, permute, write_gguf
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -157,6 +158,45 @@ def test_biased_projections_are_refused(tmp_path):
         load_model(tmp_path)
 
 
+def test_configs_transformers_reads_otherwise_are_followed_or_refused(tmp_path):
+    """Found by review (each had loaded and computed something else): a non-SiLU hidden_act and a layer count the
+    weights do not have are refused; a stored head unlike the embedding under tie_word_embeddings is used, llama3's
+    original context falls back to max_position_embeddings, and only a shard index's files are read (a stale shard
+    beside them had been mixed in), all as transformers 5 does."""
+    ids = prompt(GGUF_SHAPE["vocab_size"], 12, seed=11)
+
+    def saved(name: str, shape: dict, edit=None, **save) -> Path:
+        path = tmp_path / name
+        hf_model(shape, seed=5).save_pretrained(path, safe_serialization=True, **save)
+        if edit is not None:
+            cfg = json.loads((path / "config.json").read_text())
+            edit(cfg)
+            (path / "config.json").write_text(json.dumps(cfg))
+        return path
+
+    def same_as_transformers(path: Path) -> None:
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        got = load_model(path).prefill(ids, all_logits=True)[0]
+        torch.testing.assert_close(got, hf_logits(ref, ids), atol=ATOL, rtol=0)
+
+    with pytest.raises(CheckpointError, match="hidden_act 'gelu'"):
+        load_model(saved("gelu", {**GGUF_SHAPE, "hidden_act": "gelu"}))
+    with pytest.raises(CheckpointError, match="3 layers; the weights hold 2"):
+        load_model(saved("layers", GGUF_SHAPE, lambda c: c.update(num_hidden_layers=3)))
+    same_as_transformers(saved("tied", GGUF_SHAPE, lambda c: c.update(tie_word_embeddings=True)))
+    llama3 = dict(rope_type="llama3", rope_theta=500.0, factor=4.0, low_freq_factor=1.0, high_freq_factor=2.0)
+    same_as_transformers(saved("llama3", {**GGUF_SHAPE, "rope_parameters": llama3, "max_position_embeddings": 24},
+                               lambda c: c["rope_parameters"].pop("original_max_position_embeddings", None)))
+    shards = saved("shards", GGUF_SHAPE, max_shard_size="20KB")
+    assert (shards / "model.safetensors.index.json").is_file()
+    stale = {"model.norm.weight": torch.zeros(GGUF_SHAPE["hidden_size"])}
+    save_file(stale, shards / "model-00009-of-00009.safetensors")  # an older download's shard, not in the index
+    same_as_transformers(shards)
+    (shards / "model.safetensors.index.json").unlink()
+    with pytest.raises(CheckpointError, match="model.norm.weight is in both"):
+        load_model(shards)
+
+
 # --- GGUF -------------------------------------------------------------------------------------------------------
 def hf_from_gguf_arrays(model: LlamaForCausalLM, stored: dict[str, np.ndarray]) -> LlamaForCausalLM:
     """`model` with the weights a GGUF reader sees (dequantized, Q and K permuted back)."""
@@ -230,6 +270,24 @@ def test_gguf_tensors_dequantize_in_chunks_of_rows_to_the_same_values(qtype, mon
     monkeypatch.setattr(gguf_file, "DEQUANTIZE_BYTES", 5 * data.shape[1])  # 5 rows a call: 8 calls, the last of 2
     got = gguf_file.dequantize_rows(data, q)
     assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+def test_gguf_rope_scaling_reads_as_llama_cpp_reads_it(gguf_ref, tmp_path):
+    """llama.cpp takes an absent scaling type as linear (its factor applies) and never scales under "none", whatever
+    the factor ("none" with a factor had been run as linear)."""
+    cases = {"none": (("none", 3.0), ("default", 1.0)), "linear": (("linear", 3.0), ("linear", 3.0)),
+             "absent": ((None, 3.0), ("linear", 3.0)), "plain": ((None, None), ("default", 1.0))}  # fmt: skip
+    for name, ((kind, factor), want) in cases.items():
+
+        def extra(w, kind=kind, factor=factor):
+            if kind is not None:
+                w.add_string("llama.rope.scaling.type", kind)
+            if factor is not None:
+                w.add_float32("llama.rope.scaling.factor", factor)
+
+        write_gguf(tmp_path / f"{name}.gguf", gguf_ref, "F32", extra)
+        cfg = load_model(tmp_path / f"{name}.gguf").config
+        assert (cfg.rope_type, cfg.rope_factor) == want, name
 
 
 def llama3_rope_factors(theta: float, dim: int, factor: float, low: float = 1.0, high: float = 4.0,

@@ -13,6 +13,7 @@ file per layer) and a streamed model (raw layer read -> `prepare_layer` per read
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -299,16 +300,44 @@ def no_attention(model: Any, caches: Sequence[KVBatch] | None) -> None:
         raise TypeError(f"{model.family} has no attention layers: forward_groups takes no caches")
 
 
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The weight files of directory `path`: those its shard index (`model.safetensors.index.json`) names where it has
+    one, as transformers reads them (a stale shard left beside a re-sharded download is not read), else every
+    `*.safetensors` file."""
+    index = path / SHARD_INDEX
+    if not index.is_file():
+        return sorted(path.glob("*.safetensors"))
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{index}: not a shard index with a weight_map ({first_line(str(e))})") from None
+    if not all(isinstance(n, str) and n == Path(n).name for n in names):
+        raise CheckpointError(f"{index}: its weight_map names files outside the directory")
+    missing = [n for n in names if not (path / n).is_file()]
+    if missing:
+        raise CheckpointError(f"{index} names {', '.join(missing[:3])}, missing from {path}")
+    return [path / n for n in names]
+
+
 def read_safetensors_dir(path: Path, rename: Callable[[str], str | None] | None = None) -> RawTensors:
-    """Every tensor of every `*.safetensors` file in directory `path`, named by `rename` (None drops a tensor).
-    Never reads `*.bin`/`*.pt` pickles."""
-    files = sorted(path.glob("*.safetensors"))
+    """Every tensor of the `*.safetensors` files in directory `path` (`safetensors_files`), named by `rename` (None
+    drops a tensor). A name in two files is refused (which one a model would run is not knowable). Never reads
+    `*.bin`/`*.pt` pickles."""
+    files = safetensors_files(path)
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors files (pytorch_model.bin is not read: unsafe to unpickle)")
     raw: RawTensors = {}
+    seen: dict[str, str] = {}
     for f in files:
         with safe_open(f, framework="pt") as sf:
             for k in sf.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if k in seen:
+                    raise CheckpointError(f"{path}: tensor {k} is in both {seen[k]} and {f.name}")
+                seen[k] = f.name
                 name = rename(k) if rename else k
                 if name is not None:
                     raw[name] = sf.get_tensor(k)

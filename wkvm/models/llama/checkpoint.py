@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import save_file
 
 from wkvm.atomic import atomic_path
-from wkvm.models.family import CheckpointError, RawTensors, read_safetensors_dir
+from wkvm.models.family import SHARD_INDEX, CheckpointError, RawTensors, read_safetensors_dir
 from wkvm.models.llama import gguf_file
-from wkvm.models.llama.model import HEAD
+from wkvm.models.llama.model import EMBED, HEAD
 
 HF_FORMAT = "hf"
 GGUF_FORMAT = "gguf"
@@ -40,8 +40,8 @@ def read_hf(path: str | os.PathLike[str]) -> tuple[RawTensors, dict[str, Any]]:
     if config.get("model_type") not in HF_MODEL_TYPES:
         raise CheckpointError(f"{p}: model_type {config.get('model_type')!r} is not one of {HF_MODEL_TYPES}")
     raw = read_safetensors_dir(p, lambda k: k if k.startswith("model.") or k == HEAD else None)
-    if config.get("tie_word_embeddings") and HEAD in raw:
-        del raw[HEAD]  # tied: the embedding is the head
+    if config.get("tie_word_embeddings") and HEAD in raw and EMBED in raw and torch.equal(raw[HEAD], raw[EMBED]):
+        del raw[HEAD]  # tied: the embedding is the head (a different stored head is used, as transformers 5 does)
     if not config.get("tie_word_embeddings") and HEAD not in raw:
         raise CheckpointError(f"{p}: no {HEAD} and tie_word_embeddings is not set")
     return raw, config
@@ -83,7 +83,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> str:
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())},
                  "weight_map": {k: file for names, file in zip(shards, files, strict=True) for k in names}}  # fmt: skip
-        with atomic_path(out / "model.safetensors.index.json") as tmp:
+        with atomic_path(out / SHARD_INDEX) as tmp:
             Path(tmp).write_text(json.dumps(index, indent=2))
     write_text_tools(Path(src), out)
     with atomic_path(out / "config.json") as tmp:

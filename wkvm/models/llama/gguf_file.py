@@ -174,11 +174,12 @@ def hf_config(meta: dict[str, Any], vocab: int, tied: bool) -> dict[str, Any]:
     if int(meta.get(a + "rope.dimension_count", cfg["head_dim"])) != cfg["head_dim"]:
         raise CheckpointError("GGUF rope.dimension_count != head size: partial rotary embeddings are not supported")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta.get(a + "rope.freq_base", 10000.0))}
-    scaling = meta.get(a + "rope.scaling.type", "none")
+    # llama.cpp's: an absent type is linear (its factor, if any, applies); "none" never scales, whatever the factor
+    scaling = meta.get(a + "rope.scaling.type", "linear")
     factor = meta.get(a + "rope.scaling.factor", meta.get(a + "rope.scale_linear"))
-    if scaling == "linear" or (scaling == "none" and factor not in (None, 1.0)):
-        rope.update(rope_type="linear", factor=float(factor if factor is not None else 1.0))
-    elif scaling != "none":
+    if scaling == "linear" and factor not in (None, 0.0, 1.0):
+        rope.update(rope_type="linear", factor=float(factor))
+    elif scaling not in ("linear", "none"):
         raise CheckpointError(f"GGUF RoPE scaling {scaling!r} is not supported (none and linear are)")
     cfg["rope_parameters"] = rope
     for key in ("bos", "eos"):

@@ -77,6 +77,8 @@ class LlamaConfig:
         for flag in ("attention_bias", "mlp_bias"):
             if hf.get(flag):
                 raise CheckpointError(f"Llama config.json sets {flag}: biased projections are not supported")
+        if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # the MLP computes SiLU
+            raise CheckpointError(f"Llama config.json sets hidden_act {hf['hidden_act']!r}: only silu is supported")
         if any(k.endswith(".bias") for k in raw):
             raise CheckpointError("Llama checkpoint has bias tensors: biased projections are not supported")
         require(raw, [EMBED, FINAL_NORM] + [f"model.layers.0.{k}" for k in LAYER_RAW], "Llama")
@@ -90,15 +92,22 @@ class LlamaConfig:
         if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
             raise CheckpointError("partial rotary embeddings are not supported")
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        n_layer = 1 + max(int(k.split(".")[2]) for k in raw if k.startswith("model.layers."))
+        if hf.get("num_hidden_layers") is not None and int(hf["num_hidden_layers"]) != n_layer:
+            raise CheckpointError(f"Llama config.json says {hf['num_hidden_layers']} layers; the weights hold "
+                                  f"{n_layer}")  # fmt: skip
+        # llama3's original context: transformers 5 takes the top-level key first, then the scaling's, then the
+        # model's context (8,192 had been assumed where both were absent)
+        original = hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
         cfg = LlamaConfig(
-            n_layer=1 + max(int(k.split(".")[2]) for k in raw if k.startswith("model.layers.")),
+            n_layer=n_layer,
             n_embd=embd, vocab_size=vocab, ffn_size=raw["model.layers.0.mlp.gate_proj.weight"].shape[0],
             n_heads=heads, n_kv_heads=kv_heads, head_dim=int(hf.get("head_dim") or embd // heads),
             rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), rope_type=rope_type,
             rope_factor=float(rope.get("factor", 1.0)),
             rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
             rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            rope_original_context=int(rope.get("original_max_position_embeddings", 8192)),
+            rope_original_context=int(original or hf.get("max_position_embeddings") or 8192),
             tied_head=HEAD not in raw, rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_context=int(hf["max_position_embeddings"]) if hf.get("max_position_embeddings") else None,
         )  # fmt: skip
