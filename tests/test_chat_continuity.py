@@ -242,7 +242,7 @@ def test_a_parked_chat_that_evicts_its_own_older_state_keeps_the_new_one(char_mo
         old = sess.handle
         state = {t.name: torch.randn((1, *t.shape), generator=torch.Generator().manual_seed(3)) for t in spec.tensors}
         chat = ChatMeta([{"role": "user", "content": "x"}], True, key[1], key[2], "a2", "u2", ui.last_assistant)
-        ctx.sessions._update_session(key[0], key, chat, RunResult(sess.token_ids + [5, 6], state, [], None), "reply")
+        ctx.sessions._update_session(key, chat, RunResult(sess.token_ids + [5, 6], state, [], None), "reply")
         assert sess.handle == old and (key[0] + "#sessions", old) in ctx.sessions.evicted  # given again
         with ctx.sessions.lock:
             ctx.sessions._forget_evicted()
@@ -352,3 +352,22 @@ def test_checkpoints_are_reused_only_within_their_scope(char_model, tmp_path):
         assert {a, b, tenant} <= set(ctx.sessions.tries)
         assert run_plan(ctx, tenant, longer + [5, 6], scope=a)[0]["reused_tokens"] >= len(longer) - 1
         assert run_plan(ctx, tenant, longer + [5, 6], scope="key-1f2e/user-9a0b:fp=000000")[0]["mode"] == "fresh"
+    # weights computed otherwise: not this server's checkpoints (they were resumed: a turn's logprobs moved by up to
+    # 0.07 after an int8 server's, found by review)
+    with LiveServer(**config, dtype="bfloat16") as other:
+        ctx = other.ctx
+        assert not ctx.sessions.tries and not ctx.store.index.list()
+        assert run_plan(ctx, tenant, longer + [5, 6], scope=a)[0]["mode"] == "fresh"
+
+
+def test_a_parked_chat_resumes_only_in_its_reuse_scope(reuse):
+    """A parent-token-v1 session is parked under its request's `user` and `cache_salt` too: another scope's next turn
+    restarts from its own checkpoints, as automatic reuse does (the session had been resumed across them)."""
+    ui = OpenWebUI(reuse)
+    ui.turn(USER_TURNS[0])
+    msgs = ui.messages + [{"role": "user", "content": USER_TURNS[1]}]
+    headers = ui.headers(uuid.uuid4().hex, uuid.uuid4().hex, ui.last_assistant)
+    for body in ({"user": "bob"}, {"cache_salt": "salt-two"}):
+        r = httpx.post(f"{reuse.url}/v1/chat/completions", json={"messages": msgs, **GREEDY, **body}, headers=headers,
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 200 and r.json()["wkvm"]["mode"] != "parent_bound", r.text

@@ -151,7 +151,7 @@ async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body: Ge
                                             capture_prompt=plan.capture and not whole,
                                             capture_at=None if whole else plan.capture_at)  # fmt: skip
     finally:
-        ctx.sessions.track(chat, tenant, locals().get("handles", []))
+        ctx.sessions.track(chat, scope, locals().get("handles", []))
     ctx.metrics.prompt_tokens.inc(len(prompt_ids))
     return plan, handles
 
@@ -253,7 +253,7 @@ async def resume_runs(ctx: ServerContext, tenant: str, encoded: list[list[int]],
             h.output.logprobs[:0] = carried_logprobs(lps)
     for h, scored in zip(handles, t.prompt_logprobs or [], strict=False):  # and its prompt's, scored there
         h.output.prompt_logprobs = carried_prompt_logprobs(scored)
-    ctx.sessions.track(chat, tenant, handles)
+    ctx.sessions.track(chat, reuse_scope(tenant, body.user, body.cache_salt), handles)
     return runs
 
 

@@ -56,10 +56,13 @@ class StateService:
         return self.store.put(owner, name, result.final_state, result.history, parent=parent, op=op,
                               op_params=op_params or {}, durable=durable, frozen=True)  # fmt: skip
 
-    def save_checkpoint(self, owner: str, name: str, state: State, history: list[int], kind: str) -> StateRecord | None:
+    def save_checkpoint(self, owner: str, name: str, state: State, history: list[int], kind: str,
+                        compute: str) -> StateRecord | None:  # fmt: skip
         """A prefix-reuse checkpoint (an internal owner): write-back, best effort; None when the store has no room.
-        `state` is a finished request's own copy, or one cut from it, which nothing changes afterwards."""
-        return self.store.put(owner, name, state, history, op="checkpoint", op_params={"kind": kind}, durable=False,
+        `state` is a finished request's own copy, or one cut from it, which nothing changes afterwards. `compute`: how
+        the server that made it computes (ChatSessions.compute), kept with it."""
+        params = {"kind": kind, "compute": compute}
+        return self.store.put(owner, name, state, history, op="checkpoint", op_params=params, durable=False,
                               frozen=True)  # fmt: skip
 
     def save_snapshot(self, owner: str, name: str, state: State, history: list[int], request_id: str) -> StateRecord:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from wkvm.config import ServerConfig
+from wkvm.config import ServerConfig, weight_dtype
 from wkvm.engine.handle import RequestHandle, RunResult
 from wkvm.models.spec import State
 from wkvm.state.prefix import PrefixTrie
@@ -30,7 +30,8 @@ HEADER_MODE = "x-wkvm-stateful-chat"
 HEADER_TASK = "x-wkvm-task"  # Open WebUI's {{TASK}}: title_generation, tags_generation, ... ('' on a chat turn)
 PARENT_TOKEN_V1 = "parent-token-v1"
 RESERVATION_S = 30.0
-SessionKey = tuple[str, str, str]  # (tenant, Open WebUI user id, chat id)
+SessionKey = tuple[str, str, str]  # (reuse scope: the tenant narrowed by `user` and `cache_salt`, Open WebUI user id,
+# chat id): a session parked under one scope is never resumed under another
 
 
 class SessionBusy(RuntimeError):
@@ -150,6 +151,8 @@ class ChatSessions:
         self.service, self.store = service, service.store
         self.fingerprint, self.config, self.metrics = fingerprint, config, metrics
         self.enabled = config.prefix_reuse
+        # what else decides a checkpoint's numbers: the same weights stored or computed otherwise give other states
+        self.compute = f"weights {weight_dtype(config.dtype)}, kv {config.kv_dtype}, {config.device.split(':')[0]}"
         spec = self.store.spec  # a checkpoint holds at least one token: the most the budget can hold
         self.capacity = max(1, config.checkpoint_bytes // max(spec.nbytes + spec.token_nbytes, 1))
         self.tries: dict[str, PrefixTrie] = {}  # per reuse scope; a scope's goes when its last checkpoint does
@@ -161,10 +164,14 @@ class ChatSessions:
         self._rebuild()
 
     def _rebuild(self) -> None:
-        """Checkpoints survive restarts (they are stored states, owner `<scope>#ckpt`); parked sessions do not."""
+        """Checkpoints survive restarts (they are stored states, owner `<scope>#ckpt`) where this server computes as
+        the one that made them (`compute`: another --dtype, --kv-dtype or device gives other numbers, and a reused
+        checkpoint must not change an answer); parked sessions do not."""
         store = self.store
         for rec in store.index.list():
-            if rec.owner.endswith(CKPT):
+            if rec.owner.endswith(CKPT) and rec.op_params.get("compute") != self.compute:
+                store.discard(rec.owner, rec.handle)
+            elif rec.owner.endswith(CKPT):
                 scope = rec.owner.removesuffix(CKPT)
                 for cp in self._trie(scope).insert(store.token_ids(rec), rec.handle, rec.op_params.get("kind", "")):
                     store.discard(rec.owner, cp.key, durable=False)  # beyond the trie's capacity
@@ -223,7 +230,7 @@ class ChatSessions:
         scope = tenant if scope is None else scope
         session_key = None
         if chat is not None and chat.turn:
-            plan, session_key = self._parent_bound(tenant, scope, prompt_ids, chat)
+            plan, session_key = self._parent_bound(scope, prompt_ids, chat)
         else:
             plan = self._from_checkpoint(scope, prompt_ids, None)
             plan.capture_at = self._branch(scope, prompt_ids, len(plan.base_ids), chat.system_tokens if chat else 0)
@@ -274,14 +281,14 @@ class ChatSessions:
             point = (trie.branch_point(prompt_ids) if trie is not None else 0) or system_tokens
         return point - reused if reused < point < len(prompt_ids) - 1 else None
 
-    def _parent_bound(self, tenant: str, scope: str, prompt_ids: list[int],
+    def _parent_bound(self, scope: str, prompt_ids: list[int],
                       meta: ChatMeta) -> tuple[Plan, SessionKey | None]:  # fmt: skip
         user, chat, messages = meta.user, meta.chat, meta.messages
         asst_id, user_msg_id, parent_id = meta.assistant_id, meta.user_message_id, meta.parent_id
         if not (user and chat and asst_id and user_msg_id):
             self.metrics.restart("missing_metadata")
             return self._from_checkpoint(scope, prompt_ids, "missing_metadata"), None
-        key = (tenant, user, chat)
+        key = (scope, user, chat)
         fp = self.fingerprint
         if parent_id is not None and self.mirror is not None:
             with self.lock:
@@ -306,7 +313,7 @@ class ChatSessions:
             self.metrics.restart(reason)
         if reason is None and sess.handle is not None:
             try:
-                _, state = self.store.load(tenant + SESS, sess.handle)
+                _, state = self.store.load(scope + SESS, sess.handle)
             except StateNotFound:
                 state, reason = None, "no_session"
                 self.metrics.restart(reason)
@@ -380,7 +387,7 @@ class ChatSessions:
             if run.branch_state is not None:
                 self._checkpoint(scope, run.branch_history, run.branch_state, "branch")
             if session_key is not None and chat is not None:
-                self._update_session(tenant, session_key, chat, run, h.output.text)
+                self._update_session(session_key, chat, run, h.output.text)
         except Exception:
             log.warning("could not store this turn's checkpoints/session; the next turn recomputes", exc_info=True)
 
@@ -398,7 +405,7 @@ class ChatSessions:
         store did not keep it."""
         store = self.store
         name = "c-" + hashlib.sha256(repr(token_ids).encode()).hexdigest()[:32]
-        rec = self.service.save_checkpoint(scope + CKPT, name, state, token_ids, kind)
+        rec = self.service.save_checkpoint(scope + CKPT, name, state, token_ids, kind, self.compute)
         if rec is None:  # the store had no room within its checkpoint budget: this prefix is not reusable
             return False
         with self.lock:
@@ -410,11 +417,11 @@ class ChatSessions:
             store.discard(scope + CKPT, f"{name}@{rec.version - 1}", durable=False)
         return True
 
-    def _update_session(self, tenant: str, key: SessionKey, chat: ChatMeta, run: RunResult, reply: str) -> None:
-        store = self.store
+    def _update_session(self, key: SessionKey, chat: ChatMeta, run: RunResult, reply: str) -> None:
+        store, owner = self.store, key[0] + SESS  # the session's scope's
         messages = chat.messages
         name = "s-" + hashlib.sha256(repr(key).encode()).hexdigest()[:32]
-        rec = self.service.save_run(tenant + SESS, name, run, op="session", durable=False)
+        rec = self.service.save_run(owner, name, run, op="session", durable=False)
         new = rec.handle if rec is not None else None  # None: not kept (no room); the next turn restarts, no_session
         copy = None
         with self.lock:
@@ -431,7 +438,7 @@ class ChatSessions:
                 if new is not None and self.mirror is not None and run.final_state is not None:
                     copy = (list(sess.history), sess.last_assistant_id, sorted(sess.message_ids))
         if old is not None and old != new:  # the same handle: the old state was evicted and its version given again
-            store.discard(tenant + SESS, old, durable=False)
+            store.discard(owner, old, durable=False)
         if copy is not None and self.mirror is not None and run.final_state is not None:
             meta = StateMeta(self.fingerprint, store.spec.spec_hash, run.history, op="session")
             self.mirror.publish(key, ParkedCopy(encode(store.spec, unbatch(run.final_state), meta), *copy))
@@ -441,7 +448,7 @@ class ChatSessions:
         session here (the next turn is routed here), as `plan` would have done there."""
         key = None
         if chat is not None and chat.bound and chat.user is not None and chat.chat is not None:
-            key = (tenant, chat.user, chat.chat)
+            key = (scope, chat.user, chat.chat)
             with self.lock:
                 self._park(key, Session(self.fingerprint, reserved_at=time.monotonic()))
         plan.finish = lambda handles: self._after(tenant, scope, plan, handles, key, chat)
@@ -459,12 +466,12 @@ class ChatSessions:
             for key in [k for k, s in self.sessions.items() if any(h in s.inflight for h in handles)]:
                 self._drop(key)
 
-    def track(self, chat: ChatMeta | None, tenant: str, handles: list[RequestHandle]) -> None:
+    def track(self, chat: ChatMeta | None, scope: str, handles: list[RequestHandle]) -> None:
         """Mark the session busy while these handles run (a second turn gets 409). Only a turn bound to the session
         does: a background task or a turn without its ids never parks there, so it never makes the chat busy."""
         if chat is None or not chat.bound or chat.user is None or chat.chat is None:
             return
-        key = (tenant, chat.user, chat.chat)
+        key = (scope, chat.user, chat.chat)
         with self.lock:
             if key in self.sessions:
                 self.sessions[key].inflight = list(handles)
