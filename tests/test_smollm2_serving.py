@@ -48,7 +48,8 @@ def test_completions_with_logprobs_and_n_by_fork(client):
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     for c in r.choices:
         assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == 8 and c.finish_reason == "length"
-        assert all(len(top) == 2 for top in c.logprobs.top_logprobs)
+        tops = zip(c.logprobs.top_logprobs, c.logprobs.tokens, strict=True)  # the top 2, and the sampled token
+        assert all(tok in top and len(top) in (2, 3) for top, tok in tops)
         assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
     assert r.usage.completion_tokens == 24
 
