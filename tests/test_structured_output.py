@@ -19,7 +19,7 @@ import wkvm
 from wkvm.config import EngineConfig
 from wkvm.engine.engine import Engine
 from wkvm.engine.grammar import GrammarCompiler
-from wkvm.sampling_params import InvalidParam, SamplingParams
+from wkvm.sampling_params import InvalidParam, SamplingParams, closed_objects
 from wkvm.weights.loader import load_model, load_text_tools
 
 N_REPLIES = 50
@@ -104,6 +104,30 @@ def test_every_sampled_reply_validates(char, name):
     check_valid(outputs, SCHEMAS[name])
     assert len({o.text for o in outputs}) >= 10  # the seeds sample different replies
     assert engine.runner.grammars is not None and engine.runner.grammars.compilations == 1  # compiled once
+
+
+def test_objects_that_list_their_properties_are_closed_to_others(char):
+    """An object schema with `properties` and nothing said of other keys takes only those (vLLM's xgrammar default and
+    llama.cpp's converter; OpenAI's strict mode demands it written): a forced tool call on SmolLM2 had invented a key
+    and repeated it to max_tokens. Said otherwise (`additionalProperties`, `patternProperties`), or under `allOf`, a
+    schema is kept as written."""
+    open_nested = {"type": "object", "properties": {"user": {"type": "object", "properties": {"name": NAME}},
+                                                    "tags": {"type": "array", "items": {"$ref": "#/$defs/tag"}}},
+                   "$defs": {"tag": {"type": "object", "properties": {"t": {"type": "string", "maxLength": 2}}}}}
+    model, tok = char
+    _, outputs = replies(model, tok, open_nested, 20)
+    check_valid(outputs, closed_objects(open_nested))
+    assert closed_objects(open_nested)["properties"]["user"]["additionalProperties"] is False
+    assert closed_objects(open_nested)["$defs"]["tag"]["additionalProperties"] is False
+    # a property named "properties" is a property, not a schema; what a schema says of other keys stands
+    named = {"type": "object", "properties": {"properties": {"type": "integer"}},
+             "additionalProperties": {"type": "integer"}}  # fmt: skip
+    assert closed_objects(named) == named
+    assert closed_objects({"properties": {"properties": {"type": "object", "properties": {}}}}) == {
+        "properties": {"properties": {"type": "object", "properties": {}, "additionalProperties": False}},
+        "additionalProperties": False}  # fmt: skip
+    both = {"allOf": [{"properties": {"a": AGE}}, {"properties": {"b": AGE}}]}
+    assert closed_objects(both) == both and closed_objects({"type": "object"}) == {"type": "object"}
 
 
 def test_world_vocabulary(world):

@@ -144,6 +144,8 @@ def test_auto_recognises_hermes_mistral_and_plain_json_calls():
     content, calls = parse_reply(hermes, mode)
     assert content == "Let me check." and [c["function"]["name"] for c in calls] == ["get_weather"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "celsius"}
+    _, calls = parse_reply('{"name": "get_weather", "arguments": {"city": "Zürich 東京", "unit": "celsius"}}', mode)
+    assert calls[0]["function"]["arguments"] == '{"city": "Zürich 東京", "unit": "celsius"}'  # OpenAI: no \\u escapes
     content, calls = parse_reply('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}, '
                                  '{"name": "add", "arguments": {"a": 3, "b": 4}}]', mode)  # fmt: skip
     assert content is None and len(calls) == 2 and calls[0]["id"] != calls[1]["id"]

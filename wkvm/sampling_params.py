@@ -196,7 +196,54 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
+# where a JSON schema holds subschemas: maps of them, lists of them, or one (or, for items, a list)
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = ("additionalProperties", "items", "additionalItems", "not", "if", "then", "else", "contains",
+               "propertyNames", "unevaluatedProperties", "unevaluatedItems")  # fmt: skip
+_OPENS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with every object that lists `properties` and says nothing of other keys closed to them
+    (`additionalProperties: false`), as vLLM's default grammar engine (xgrammar's strict mode) and llama.cpp's
+    converter read such a schema, and as OpenAI's strict mode requires it written: open, a small model filled
+    replies with keys nobody asked for (a forced tool call with an invented, repeated key ran to max_tokens). A
+    schema with an `allOf` anywhere is kept as written: its members are intersected (through shared `$defs` too),
+    and closing each would shut out the others' keys."""
+    return schema if _uses_all_of(schema) else _close(schema)
+
+
+def _close(schema: Any) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _close(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_close(sub) for sub in out[key]]
+    for key in _SCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = _close(out[key])
+        elif key == "items" and isinstance(out.get(key), list):
+            out[key] = [_close(sub) for sub in out[key]]
+    if isinstance(out.get("properties"), dict) and not any(key in out for key in _OPENS):
+        out["additionalProperties"] = False
+    return out
+
+
+def _uses_all_of(schema: Any) -> bool:
+    """Whether `allOf` appears anywhere in `schema` (as a key: a property named so counts too, which only keeps the
+    schema as written)."""
+    if isinstance(schema, dict):
+        return "allOf" in schema or any(_uses_all_of(v) for v in schema.values())
+    return isinstance(schema, list) and any(_uses_all_of(v) for v in schema)
+
+
 def _schema_grammar(schema: dict[str, Any], param: str) -> str:
+    schema = closed_objects(schema)
     try:
         canonical = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
         grammar = llguidance.LLMatcher.grammar_from_json_schema(canonical, defaults=JSON_OPTIONS)

@@ -219,7 +219,7 @@ def _call(x: Any, mode: ToolMode) -> dict[str, Any] | None:
     if not isinstance(args, dict):
         return None
     return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
-            "function": {"name": x["name"], "arguments": json.dumps(args)}}  # fmt: skip
+            "function": {"name": x["name"], "arguments": json.dumps(args, ensure_ascii=False)}}  # fmt: skip
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
