@@ -1,9 +1,11 @@
 """CLI smoke tests: convert round trip and generate --json."""
 
+import io
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,7 +34,7 @@ def test_bad_model_path_is_a_clear_error(tmp_path, capsys):
     assert "missing' does not exist" in capsys.readouterr().err
 
 
-def test_states_through_the_cli_on_a_directory(tmp_path, tiny_pth, capsys):
+def test_states_through_the_cli_on_a_directory(tmp_path, tiny_pth, capsys, monkeypatch):
     from wkvm.state.store import StateStore
     from wkvm.weights.loader import load_model
 
@@ -47,10 +49,20 @@ def test_states_through_the_cli_on_a_directory(tmp_path, tiny_pth, capsys):
     assert main(["states", "export", "demo", str(tmp_path / "demo.state"), *base[1:]]) == 0
     assert main(["states", "import", str(tmp_path / "demo.state"), "--name", "copy", *base[1:], "--json"]) == 0
     assert json.loads(capsys.readouterr().out.split("\n", 1)[1])["handle"] == "copy@1"
+    # "-": the file's bytes to standard output and from standard input, as curl's -o - (it wrote a file named "-")
+    sink = io.TextIOWrapper(io.BytesIO())
+    monkeypatch.setattr(sys, "stdout", sink)
+    assert main(["states", "export", "demo", "-", *base[1:]]) == 0 and not (Path.cwd() / "-").exists()
+    monkeypatch.undo()
+    assert sink.buffer.getvalue() == (tmp_path / "demo.state").read_bytes()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(sink.buffer.getvalue())))
+    assert main(["states", "import", "-", "--name", "piped", *base[1:]]) == 0
+    monkeypatch.undo()
+    assert "wrote - (" in capsys.readouterr().err
     assert main(["states", "rm", "demo", *base[1:]]) == 0
     capsys.readouterr()
     assert main(["states", "ls", *base[1:], "--json"]) == 0
-    assert [s["handle"] for s in json.loads(capsys.readouterr().out)] == ["copy@1"]
+    assert [s["handle"] for s in json.loads(capsys.readouterr().out)] == ["copy@1", "piped@1"]
 
 
 def test_a_state_directory_of_another_model_is_refused_not_emptied(tmp_path, tiny_pth, capsys):

@@ -107,6 +107,8 @@ def check_port(host: str, port: int) -> None:
     loading thread start and the process then abort in native code (exit 134) after uvicorn's error."""
     import socket
 
+    if not 0 < port < 65536:  # before the host is looked up: -1 had read as a host problem
+        raise ValueError("port must be in 1..65535")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
@@ -138,6 +140,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         check_model_path(model)  # before binding the port: a wrong path is one line and exit 2, not a 503 server
     if args.embeddings and not Path(args.embeddings).is_dir():
         raise ValueError(f"--embeddings {args.embeddings}: not a directory (a sentence-transformers model's)")
+    if args.state_dir and Path(args.state_dir).exists() and not Path(args.state_dir).is_dir():
+        raise ValueError(f"--state-dir {args.state_dir}: not a directory")  # before the port is bound, not after
     check_port(args.host, args.port)
     keys = read_api_keys(args)
     if not is_loopback(args.host) and not keys:
@@ -158,6 +162,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if ctx.load_error:  # as every other command: 2 for input that is not what it should be, 1 for a bug
         return 2 if ctx.load_error_is_input else 1
     return 0
+
+
+def from_env(typ: Callable[[str], Any], env: str, raw: str) -> Callable[[str], Any]:
+    """`typ`, naming the variable when the value it cannot convert is the one from the environment (argparse would
+    blame the flag)."""
+
+    def convert(text: str) -> Any:
+        try:
+            return typ(text)
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            if text is raw:
+                raise argparse.ArgumentTypeError(f"{env}={raw!r}: {e}") from None
+            raise
+
+    convert.__name__ = getattr(typ, "__name__", "value")
+    return convert
 
 
 def add_serve_flags(s: argparse.ArgumentParser) -> None:
@@ -183,12 +203,8 @@ def add_serve_flags(s: argparse.ArgumentParser) -> None:
         env = "WKVM_" + f.name.upper()
         default = format_size(f.default) if typ is parse_size and isinstance(f.default, int) else f.default
         raw = env_default(flag)
-        if raw is not None:
-            try:
-                typ(raw)  # a bad value fails here, naming the variable (argparse would blame the flag)
-            except (ValueError, argparse.ArgumentTypeError) as e:
-                raise SystemExit(f"wkvm: {env}={raw!r}: {e}") from None
-            default = raw  # argparse converts a string default with `type`; the help shows it as written (256MiB)
+        if raw is not None:  # argparse converts a string default with `type` when `serve` runs (not when any other
+            default, typ = raw, from_env(typ, env, raw)  # command's parser is built); the help shows it as written
         shown = " (default: %(default)s)" if default is not None else ""
         metavar = "SIZE" if typ is parse_size else None
         s.add_argument(f"--{flag}", type=typ, default=default, metavar=metavar,
@@ -378,6 +394,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc: int = args.func(args)
         return rc
+    except KeyboardInterrupt:  # Ctrl-C: the shell's status for it, without a traceback
+        return 130
+    except BrokenPipeError:  # `| head` closed the pipe: stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ValueError, OSError, OverflowError) as e:  # bad input, a path that is not what it should be, a bad port
         print(f"wkvm {args.command}: {e}", file=sys.stderr)
         return 2

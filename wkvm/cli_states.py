@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from wkvm.atomic import atomic_write_bytes
+
 if TYPE_CHECKING:
     import httpx
 
@@ -148,11 +150,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.action == "export":
         data = backend.export(args.args[0])
-        Path(args.args[1]).write_bytes(data)
-        print(f"wrote {args.args[1]} ({len(data)} bytes)")
+        if args.args[1] == "-":  # to standard output, as curl -o - (the message then goes to stderr)
+            sys.stdout.buffer.write(data)
+            sys.stdout.flush()
+        else:  # never half a file, nor an old one lost to a full disk
+            atomic_write_bytes(Path(args.args[1]), data)
+        print(f"wrote {args.args[1]} ({len(data)} bytes)", file=sys.stderr if args.args[1] == "-" else sys.stdout)
         return 0
     if args.action == "import":
-        out = backend.import_(Path(args.args[0]).read_bytes(), args.name)
+        data = sys.stdin.buffer.read() if args.args[0] == "-" else Path(args.args[0]).read_bytes()
+        out = backend.import_(data, args.name)
     else:
         out = backend.show(args.args[0]) if args.action == "show" else backend.rm(args.args[0])
     if args.json:

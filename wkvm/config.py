@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +27,15 @@ if TYPE_CHECKING:
 
 
 KV_DTYPES = ("float32", "float16")
+MAX_SLOTS = 65_536  # state slots: each holds a sequence's fixed-size state whether used or not
+
+
+def physical_memory() -> int | None:
+    """This machine's RAM in bytes, where the OS says (None elsewhere)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 @dataclass
@@ -160,6 +171,14 @@ class ServerConfig:
         for name in ("slots", "max_queue", *limits):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.slots > MAX_SLOTS:  # beyond, the arena's allocation failed after the port was bound, with a traceback
+            raise ValueError(f"slots must be at most {MAX_SLOTS:,}")
+        memory = physical_memory()
+        if self.device == "cpu" and memory is not None and self.kv_cache_bytes > memory:
+            raise ValueError(f"kv_cache_bytes {self.kv_cache_bytes / 2**30:.1f} GiB is more than this machine's memory "
+                             f"({memory / 2**30:.1f} GiB)")  # fmt: skip
+        if not (self.chat_session_ttl > 0 and math.isfinite(self.shutdown_grace)):
+            raise ValueError("chat_session_ttl must be > 0 seconds and shutdown_grace finite")
         self.engine_config()  # its own checks (prefill_chunk, KV pages, request_timeout) before binding, not at load
 
     def served_name(self) -> str:

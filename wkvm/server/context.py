@@ -158,9 +158,13 @@ class ServerContext:
             log.info("model %s loaded (fingerprint %s...)", self.model_name, self.model.fingerprint[:12])
         except Exception as e:  # reported by /health and every route, instead of a dead process
             self.load_error = f"{type(e).__name__}: {e}"
-            self.load_error_is_input = isinstance(e, ValueError | OSError)
+            # memory the settings ask for and the machine lacks (--slots' arena, --kv-cache-bytes): theirs, one line
+            short = isinstance(e, MemoryError | torch.OutOfMemoryError) or "can't allocate memory" in str(e)
+            if short:
+                self.load_error = f"not enough memory for these settings (lower --slots or --kv-cache-bytes): {e}"
+            self.load_error_is_input = short or isinstance(e, ValueError | OSError)
             if self.load_error_is_input:  # a checkpoint that is not what it claims, a missing file: one line
-                log.error("model load failed: %s", e)
+                log.error("model load failed: %s", self.load_error if short else e)
             else:  # a bug: its traceback
                 log.exception("model load failed")
             if self.on_load_failure is not None:
