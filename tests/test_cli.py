@@ -27,6 +27,11 @@ def test_generate_json(tiny_pth, capsys):
     assert main(["generate", "--model", str(tiny_pth), "--prompt-ids", "1,2,3", "--max-tokens", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["token_ids"]) == 4 and out["finish_reason"] == "length"
+    # as text it is printed as it comes (it was printed at the end only, and lost to Ctrl-C): the same words
+    argv = ["generate", "--model", str(tiny_pth), "--prompt-ids", "1,2,3", "--max-tokens", "4", "--temperature", "0"]
+    assert main([*argv, "--json"]) == 0
+    greedy = json.loads(capsys.readouterr().out)["text"]
+    assert main(argv) == 0 and capsys.readouterr().out == greedy + "\n"
 
 
 def test_bad_model_path_is_a_clear_error(tmp_path, capsys):

@@ -254,11 +254,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     params = sampling_params(args)  # checked before the model loads
     llm = LLM(model=args.model or default_model(), dtype=args.dtype)
-    out = llm.generate([prompt], params)[0]
     if args.json:
+        out = llm.generate([prompt], params)[0]
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}))
-    else:
-        print(out.text)
+    else:  # printed as it comes, as llama.cpp's CLI does; Ctrl-C stops it and keeps what was said
+        from wkvm.cli_chat import stream_to_stdout
+
+        params.check_vocabulary(llm.model.vocab_size)
+        h = llm.engine.submit(llm.encode_prompt(prompt), params)
+        if stream_to_stdout(llm.engine, h):
+            return 130
+        out = h.output
     if out.finish_reason == "error":  # what the engine said, and a failed exit (it had printed nothing and exited 0)
         print(f"wkvm generate: the generation failed: {out.error or out.error_code}", file=sys.stderr)
         return 1

@@ -49,6 +49,23 @@ def ctrl_c_sets(flag: threading.Event) -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+def stream_to_stdout(engine: Engine, h: RequestHandle) -> bool:
+    """Step `engine` until `h` is done, printing its text as it comes; Ctrl-C cancels it (the text so far stays).
+    True if it was stopped that way."""
+    interrupted = threading.Event()
+    printed = 0
+    with ctrl_c_sets(interrupted):
+        while not h.done.is_set():
+            if interrupted.is_set():
+                engine.cancel(h.request_id)  # the next step ends it at a token boundary
+            engine.step()
+            sys.stdout.write(h.output.text[printed:])
+            sys.stdout.flush()
+            printed = len(h.output.text)
+    sys.stdout.write(h.output.text[printed:] + "\n")
+    return interrupted.is_set() and h.output.finish_reason == "abort"
+
+
 class ChatREPL:
     def __init__(self, model_path: str, state_dir: Path | None, params: SamplingParams, dtype: str = "float32"):
         """`state_dir` None: this model's own folder under ~/.cache/wkvm/chat-states (a state directory holds one
@@ -84,7 +101,7 @@ class ChatREPL:
         else:  # first turn, or the rendering no longer extends what the state holds
             state, prompt, base = None, self.tokenizer.encode(full), []
         h = self.engine.submit(prompt, self.params, initial_state=state, base_ids=base, capture_state=True)
-        stopped = self._stream(h)
+        stopped = stream_to_stdout(self.engine, h)
         run = h.run_result()
         if run.final_state is None or (stopped and not h.output.token_ids):
             self.messages.pop()  # the state is still the one before this turn
@@ -101,21 +118,6 @@ class ChatREPL:
             rec = self._put(self.branch, "generate")
             self.handle = rec.handle if rec else None
         return h.output.text
-
-    def _stream(self, h: RequestHandle) -> bool:
-        """Print the answer as it comes; Ctrl-C cancels it. True if it was stopped that way."""
-        interrupted = threading.Event()
-        printed = 0
-        with ctrl_c_sets(interrupted):
-            while not h.done.is_set():
-                if interrupted.is_set():
-                    self.engine.cancel(h.request_id)  # the next step ends it at a token boundary
-                self.engine.step()
-                sys.stdout.write(h.output.text[printed:])
-                sys.stdout.flush()
-                printed = len(h.output.text)
-        sys.stdout.write(h.output.text[printed:] + "\n")
-        return interrupted.is_set() and h.output.finish_reason == "abort"
 
     def _put(self, name: str, op: str) -> StateRecord | None:
         transcript = {"messages": self.messages}  # /load brings the chat back, not just the state
