@@ -137,12 +137,20 @@ def test_tensors_that_do_not_fit_or_hold_nan_are_refused_at_load(tmp_path, tiny_
 
 def test_generate_says_when_the_generation_failed_and_exits_1(monkeypatch, capsys, tiny_pth):
     """`wkvm generate` printed an empty line and exited 0 when the engine failed the request (hunt 14)."""
-    from wkvm import cli, llm
+    from wkvm import cli, cli_chat, llm
     from wkvm.outputs import GenerationOutput
 
     failed = GenerationOutput(prompt_token_ids=[1, 2], finish_reason="error", error="non-finite logits",
                               error_code="non_finite")  # fmt: skip
     monkeypatch.setattr(llm.LLM, "generate", lambda self, prompts, params: [failed])
+    assert cli.main(["generate", "--model", str(tiny_pth), "--prompt-ids", "1,2", "--json"]) == 1
+    assert "the generation failed: non-finite logits" in capsys.readouterr().err
+
+    def fails(engine, h):  # the text path streams the request itself
+        h.output.finish_reason, h.output.error = "error", "non-finite logits"
+        return False
+
+    monkeypatch.setattr(cli_chat, "stream_to_stdout", fails)
     assert cli.main(["generate", "--model", str(tiny_pth), "--prompt-ids", "1,2"]) == 1
     assert "the generation failed: non-finite logits" in capsys.readouterr().err
 

@@ -108,6 +108,10 @@ def test_a_tool_result_goes_back_through_the_template(client):
     assert again.choices[0].finish_reason in ("stop", "length") and not again.choices[0].message.tool_calls
 
 
+NOT_TOOL = {"type": "function", "function": {"name": "odd", "parameters": {
+    "type": "object", "properties": {"a": {"not": {"type": "string"}}}}}}  # fmt: skip
+
+
 def test_bad_tool_requests_are_clear(client):
     cases = [
         (dict(tools=[{"type": "function", "function": {"name": "x y"}}]), "tools[0].function.name"),
@@ -115,6 +119,10 @@ def test_bad_tool_requests_are_clear(client):
         (dict(tool_choice="required"), "tool_choice"),
         (dict(tools=[WEATHER, WEATHER]), "tools"),
         (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "response_format"),
+        # a schema the grammar cannot enforce, in a forced call: which tool's (it had said `tools`)
+        (dict(tools=[WEATHER, NOT_TOOL], tool_choice="required"), "tools[1].function.parameters"),
+        (dict(tools=[WEATHER, NOT_TOOL], tool_choice={"type": "function", "function": {"name": "odd"}}),
+         "tools[1].function.parameters"),
     ]
     for kw, param in cases:
         with pytest.raises(openai.BadRequestError) as e:

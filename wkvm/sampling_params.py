@@ -156,7 +156,7 @@ class SamplingParams:
                 raise InvalidParam("structured_outputs", "give response_format or structured_outputs, not both")
             return self._structured_grammar()
         schema = self.json_schema()
-        return None if schema is None else _schema_grammar(schema, "response_format")
+        return None if schema is None else schema_grammar(schema, "response_format")
 
     def _structured_grammar(self) -> str:
         name, so = "structured_outputs", self.structured_outputs
@@ -169,10 +169,10 @@ class SamplingParams:
             if kind == "json":
                 schema = json.loads(value) if isinstance(value, str) else value
                 _check(isinstance(schema, dict), name, "json: a JSON schema (an object, or a string holding one)")
-                return _schema_grammar(schema, name)
+                return schema_grammar(schema, name)
             if kind == "json_object":
                 _check(value is True, name, "json_object: true (any JSON object), or left out")
-                return _schema_grammar({"type": "object"}, name)
+                return schema_grammar({"type": "object"}, name)
             if kind == "choice":
                 ok = isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)
                 _check(bool(ok), name, "choice: a list of non-empty strings")
@@ -242,7 +242,7 @@ def _uses_all_of(schema: Any) -> bool:
     return isinstance(schema, list) and any(_uses_all_of(v) for v in schema)
 
 
-def _schema_grammar(schema: dict[str, Any], param: str) -> str:
+def schema_grammar(schema: dict[str, Any], param: str) -> str:
     schema = closed_objects(schema)
     try:
         canonical = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
