@@ -160,3 +160,38 @@ def test_fingerprint_covers_layer0_value_weights(tmp_path):
     raw["blocks.0.att.value.weight"][0, 0] += 1.0
     torch.save(raw, tmp_path / "b.pth")
     assert load_model(tmp_path / "a.pth").fingerprint != load_model(tmp_path / "b.pth").fingerprint
+
+
+@pytest.mark.parametrize("family", ["mamba2", "bamba", "qwen3_5_hybrid"])
+def test_hf_configs_are_read_as_transformers_reads_them(family, tmp_path):
+    """Found by review (each had loaded and computed another model): under tie_word_embeddings a stored head unlike
+    the embedding is used (transformers 5; it was dropped); a num_hidden_layers the weights do not have, an activation
+    other than SiLU, a bias flag the tensors contradict and Bamba's legacy `rope_scaling` are refused."""
+    import importlib
+
+    writer = importlib.import_module(f"families.{family}")
+    src = writer.write_checkpoint(tmp_path / "src", 50, seed=2)
+    config = json.loads((src / "config.json").read_text())
+    assert not config.get("tie_word_embeddings")
+    ids = list(range(1, 20))
+    want = load_model(src).prefill(ids, all_logits=True)[0]
+
+    def edited(name, **changes):
+        d = tmp_path / name
+        d.mkdir()
+        for f in src.iterdir():
+            (d / f.name).write_bytes(f.read_bytes())
+        (d / "config.json").write_text(json.dumps({**config, **changes}))
+        return d
+
+    assert torch.equal(load_model(edited("tied", tie_word_embeddings=True)).prefill(ids, all_logits=True)[0], want)
+    layers = config["num_hidden_layers"]
+    refused = {"layers": ({"num_hidden_layers": layers - 1}, f"says {layers - 1} layers; the weights hold {layers}"),
+               "gelu": ({"hidden_act": "gelu"}, "gelu")}  # fmt: skip
+    if family == "mamba2":
+        refused["bias"] = ({"use_conv_bias": False}, "use_conv_bias False but the checkpoint holds")
+    if family == "bamba":
+        refused["rope"] = ({"rope_scaling": {"type": "linear", "factor": 4.0}}, "RoPE type 'linear'")
+    for name, (changes, says) in refused.items():
+        with pytest.raises(CheckpointError, match=says):
+            load_model(edited(name, **changes))

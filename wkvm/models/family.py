@@ -442,6 +442,38 @@ def layer_count(raw: RawTensors, prefix: str, after: str = ".") -> int:
     return 1 + max(idx) if idx else 0
 
 
+def untie_head(raw: RawTensors, head: str, embedding: str, tied: bool, where: object) -> RawTensors:
+    """HF's `tie_word_embeddings`: a stored head equal to the embedding is dropped (the embedding is the head, hashed
+    once); one that differs is kept and used, as transformers 5 uses it (it had been dropped: logits off by 3-23). An
+    untied checkpoint needs its head."""
+    if tied and head in raw and embedding in raw and torch.equal(raw[head], raw[embedding]):
+        del raw[head]
+    if not tied and head not in raw:
+        raise CheckpointError(f"{where}: no {head} and tie_word_embeddings is not set")
+    return raw
+
+
+def check_layer_count(config: dict[str, Any], n: int, what: str, key: str = "num_hidden_layers") -> None:
+    """config.json's layer count, where it gives one, is the weights' (transformers builds that many and drops or
+    randomly fills the rest: running the weights' own count had computed another model)."""
+    declared = config.get(key)
+    if declared is not None and int(declared) != n:
+        raise CheckpointError(f"{what} config.json says {declared} layers; the weights hold {n}")
+
+
+ACTIVATIONS_SILU = ("silu", "swish")  # transformers' ACT2FN names for SiLU
+
+
+def check_bias_flags(config: dict[str, Any], raw: RawTensors, flags: dict[str, str], what: str) -> None:
+    """Each config flag that says whether a bias exists (`use_conv_bias`: "layers.0.mixer.conv1d.bias"), where the
+    config sets it, agrees with the tensors: transformers builds the layer as the flag says and drops or randomly
+    fills the tensor (using what the file held had computed another model)."""
+    for flag, key in flags.items():
+        if flag in config and bool(config[flag]) != (key in raw):
+            held = "holds" if key in raw else "lacks"
+            raise CheckpointError(f"{what} config.json sets {flag} {config[flag]!r} but the checkpoint {held} {key}")
+
+
 def require(raw: RawTensors, keys: Sequence[str], what: str) -> None:
     missing = [k for k in keys if k not in raw]
     if missing:

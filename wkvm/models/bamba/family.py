@@ -10,7 +10,7 @@ from typing import Any
 from wkvm.chat_template import ChatTemplate
 from wkvm.models.bamba import model
 from wkvm.models.bamba.model import Bamba, BambaConfig
-from wkvm.models.family import Checkpoint, CheckpointError, read_safetensors_dir
+from wkvm.models.family import Checkpoint, CheckpointError, read_safetensors_dir, untie_head
 from wkvm.models.mamba2.model import Mamba2Config
 from wkvm.models.provider import WeightProvider
 from wkvm.tokenizer import Tokenizer
@@ -27,10 +27,7 @@ class BambaFamily:
     def read_checkpoint(self, path: Path, fmt: str) -> Checkpoint:
         config = json.loads((path / "config.json").read_text())
         raw = read_safetensors_dir(path, lambda k: k if k.startswith("model.") or k == model.HEAD else None)
-        if config.get("tie_word_embeddings") and model.HEAD in raw:
-            del raw[model.HEAD]  # tied: the embedding is the head
-        if not config.get("tie_word_embeddings") and model.HEAD not in raw:
-            raise CheckpointError(f"{path}: no {model.HEAD} and tie_word_embeddings is not set")
+        untie_head(raw, model.HEAD, model.EMBED, bool(config.get("tie_word_embeddings")), path)
         return Checkpoint(raw, config, "hf")
 
     def config_from_checkpoint(self, ckpt: Checkpoint) -> BambaConfig:

@@ -15,9 +15,12 @@ from typing import Any
 import torch
 
 from wkvm.models.family import (
+    ACTIVATIONS_SILU,
     CheckpointError,
     ModelBase,
     RawTensors,
+    check_bias_flags,
+    check_layer_count,
     compute_form,
     embedding_and_head,
     layer_count,
@@ -75,7 +78,10 @@ class BambaConfig:
         require(raw, [EMBED, FINAL_NORM], "Bamba")
         vocab, embd = raw[EMBED].shape
         n_layer = layer_count(raw, PREFIX)
+        check_layer_count(hf, n_layer, "Bamba")
         kinds = tuple(ATTENTION if f"{PREFIX}{i}.self_attn.q_proj.weight" in raw else MAMBA for i in range(n_layer))
+        if MAMBA in kinds:
+            check_bias_flags(hf, raw, {"mamba_conv_bias": f"{PREFIX}{kinds.index(MAMBA)}.mamba.conv1d.bias"}, "Bamba")
         declared = tuple(hf.get("layers_block_type") or hf.get("layer_types") or
                          [ATTENTION if i in (hf.get("attn_layer_indices") or []) else MAMBA for i in range(n_layer)])
         if declared != kinds:
@@ -83,7 +89,7 @@ class BambaConfig:
                                   f"({list(kinds)})")  # fmt: skip
         if hf.get("attention_bias") or hf.get("mlp_bias") or hf.get("mamba_proj_bias"):
             raise CheckpointError("Bamba with biased projections is not supported")
-        if hf.get("hidden_act", "silu") != "silu":
+        if hf.get("hidden_act", "silu") not in ACTIVATIONS_SILU:
             raise CheckpointError(f"Bamba activation {hf['hidden_act']!r} is not supported (only silu)")
         for i, kind in enumerate(kinds):
             mixer_raw = MIXER_RAW if kind == MAMBA else ATTN_RAW
@@ -95,10 +101,13 @@ class BambaConfig:
         except KeyError as e:
             raise CheckpointError(f"Bamba config.json lacks {e}") from None
         head_dim = int(hf.get("head_dim") or embd // heads)
-        rope = dict(hf.get("rope_parameters") or {})
-        if (rope.get("rope_type") or "default") != "default":
-            raise CheckpointError(f"Bamba RoPE type {rope['rope_type']!r} is not supported (default only)")
-        rotary = int(head_dim * float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))))
+        # transformers' reading: `rope_scaling` before `rope_parameters`, its type under `rope_type` or `type`, the
+        # partial factor from there only (Bamba's own 0.5 otherwise); a legacy linear scaling had run as plain RoPE
+        rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if rope_type != "default":
+            raise CheckpointError(f"Bamba RoPE type {rope_type!r} is not supported (default only)")
+        rotary = int(head_dim * float(rope.get("partial_rotary_factor", 0.5)))
         mamba = mamba_config(raw, kinds, n_layer, vocab, embd, n_groups, hf)
         context = hf.get("max_position_embeddings")
         ffn = raw[f"{PREFIX}0.feed_forward.gate_proj.weight"].shape[0]

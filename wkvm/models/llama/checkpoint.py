@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from wkvm.atomic import atomic_path
-from wkvm.models.family import SHARD_INDEX, CheckpointError, RawTensors, read_safetensors_dir
+from wkvm.models.family import SHARD_INDEX, CheckpointError, RawTensors, read_safetensors_dir, untie_head
 from wkvm.models.llama import gguf_file
 from wkvm.models.llama.model import EMBED, HEAD
 
@@ -40,11 +40,7 @@ def read_hf(path: str | os.PathLike[str]) -> tuple[RawTensors, dict[str, Any]]:
     if config.get("model_type") not in HF_MODEL_TYPES:
         raise CheckpointError(f"{p}: model_type {config.get('model_type')!r} is not one of {HF_MODEL_TYPES}")
     raw = read_safetensors_dir(p, lambda k: k if k.startswith("model.") or k == HEAD else None)
-    if config.get("tie_word_embeddings") and HEAD in raw and EMBED in raw and torch.equal(raw[HEAD], raw[EMBED]):
-        del raw[HEAD]  # tied: the embedding is the head (a different stored head is used, as transformers 5 does)
-    if not config.get("tie_word_embeddings") and HEAD not in raw:
-        raise CheckpointError(f"{p}: no {HEAD} and tie_word_embeddings is not set")
-    return raw, config
+    return untie_head(raw, HEAD, EMBED, bool(config.get("tie_word_embeddings")), p), config
 
 
 def read(path: Path, fmt: str) -> tuple[RawTensors, dict[str, Any]]:

@@ -14,9 +14,11 @@ from typing import Any
 import torch
 
 from wkvm.models.family import (
+    ACTIVATIONS_SILU,
     CheckpointError,
     ModelBase,
     RawTensors,
+    check_layer_count,
     compute_form,
     embedding_and_head,
     only,
@@ -77,7 +79,7 @@ class LlamaConfig:
         for flag in ("attention_bias", "mlp_bias"):
             if hf.get(flag):
                 raise CheckpointError(f"Llama config.json sets {flag}: biased projections are not supported")
-        if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # the MLP computes SiLU
+        if hf.get("hidden_act", "silu") not in ACTIVATIONS_SILU:  # the MLP computes SiLU
             raise CheckpointError(f"Llama config.json sets hidden_act {hf['hidden_act']!r}: only silu is supported")
         if any(k.endswith(".bias") for k in raw):
             raise CheckpointError("Llama checkpoint has bias tensors: biased projections are not supported")
@@ -93,9 +95,7 @@ class LlamaConfig:
             raise CheckpointError("partial rotary embeddings are not supported")
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
         n_layer = 1 + max(int(k.split(".")[2]) for k in raw if k.startswith("model.layers."))
-        if hf.get("num_hidden_layers") is not None and int(hf["num_hidden_layers"]) != n_layer:
-            raise CheckpointError(f"Llama config.json says {hf['num_hidden_layers']} layers; the weights hold "
-                                  f"{n_layer}")  # fmt: skip
+        check_layer_count(hf, n_layer, "Llama")
         # llama3's original context: transformers 5 takes the top-level key first, then the scaling's, then the
         # model's context (8,192 had been assumed where both were absent)
         original = hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")

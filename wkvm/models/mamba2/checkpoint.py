@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from wkvm.atomic import atomic_path
-from wkvm.models.family import CheckpointError, RawTensors, layer_count, read_safetensors_dir
+from wkvm.models.family import CheckpointError, RawTensors, layer_count, read_safetensors_dir, untie_head
 from wkvm.models.mamba2.model import EMBEDDING, HEAD, NORM_F, time_step_limit
 
 HF_FORMAT = "hf"
@@ -68,8 +68,8 @@ def _check_names(raw: RawTensors, path: Path) -> None:
         raise CheckpointError(f"{path}: unexpected tensors for Mamba2: {unknown[:5]}")
 
 
-def _untie(raw: RawTensors, tied: bool) -> RawTensors:
-    """Drop a stored head that is the embedding (tied): the model uses the embedding, the fingerprint counts it once."""
+def _untie_state_spaces(raw: RawTensors, tied: bool) -> RawTensors:
+    """mamba_ssm ties by using the embedding: a stored head is dropped (the fingerprint counts the embedding once)."""
     if tied:
         raw.pop(HEAD, None)
     elif HEAD not in raw:
@@ -81,7 +81,7 @@ def read_hf(path: Path) -> tuple[RawTensors, dict[str, Any]]:
     config = _read_json(path / "config.json")
     raw = read_safetensors_dir(path)
     _check_names(raw, path)
-    return _untie(raw, bool(config.get("tie_word_embeddings", False))), config
+    return untie_head(raw, HEAD, EMBEDDING, bool(config.get("tie_word_embeddings", False)), path), config
 
 
 def hf_config_from_state_spaces(ss: dict[str, Any], vocab_rows: int) -> dict[str, Any]:
@@ -120,7 +120,7 @@ def read_state_spaces(path: Path) -> tuple[RawTensors, dict[str, Any]]:
     raw = {EMBEDDING if k == SS_EMBEDDING else k: v for k, v in obj.items()}
     _check_names(raw, path)
     config = hf_config_from_state_spaces(ss, raw[EMBEDDING].shape[0])
-    return _untie(raw, config["tie_word_embeddings"]), config
+    return _untie_state_spaces(raw, config["tie_word_embeddings"]), config
 
 
 def read_checkpoint(path: Path, fmt: str) -> tuple[RawTensors, dict[str, Any]]:

@@ -14,9 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from wkvm.models.family import (
+    ACTIVATIONS_SILU,
     CheckpointError,
     ModelBase,
     RawTensors,
+    check_bias_flags,
+    check_layer_count,
     compute_form,
     embedding_and_head,
     layer_count,
@@ -78,11 +81,15 @@ class Mamba2Config:
         if in_out != d_inner + conv_dim + n_heads:
             raise CheckpointError(f"Mamba2: in_proj has {in_out} outputs, expected {d_inner + conv_dim + n_heads} "
                                   "(z, xBC, dt); a gated-MLP part (d_mlp > 0) is not supported")  # fmt: skip
-        if hf.get("hidden_act", "silu") != "silu":
+        if hf.get("hidden_act", "silu") not in ACTIVATIONS_SILU:
             raise CheckpointError(f"Mamba2: activation {hf['hidden_act']!r} is not supported (only silu)")
+        n_layer = layer_count(raw, PREFIX)
+        check_layer_count(hf, n_layer, "Mamba2")
+        check_bias_flags(hf, raw, {"use_bias": p + "mixer.in_proj.bias", "use_conv_bias": p + "mixer.conv1d.bias"},
+                         "Mamba2")  # fmt: skip
         dt_min, dt_max = time_step_limit(hf)
         return Mamba2Config(
-            n_layer=layer_count(raw, PREFIX), d_model=d_model, d_inner=d_inner, n_heads=n_heads,
+            n_layer=n_layer, d_model=d_model, d_inner=d_inner, n_heads=n_heads,
             head_dim=d_inner // n_heads, d_state=d_state, n_groups=n_groups, d_conv=d_conv, vocab_size=vocab,
             tie_embeddings=HEAD not in raw, norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
             dt_min=dt_min, dt_max=None if dt_max == float("inf") else dt_max,

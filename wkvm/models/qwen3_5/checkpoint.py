@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from wkvm.atomic import atomic_path
-from wkvm.models.family import CheckpointError, RawTensors, read_safetensors_dir
+from wkvm.models.family import CheckpointError, RawTensors, read_safetensors_dir, untie_head
 
 HF_FORMAT = "hf"
 TEXT_MODEL_TYPE = "qwen3_5_text"
@@ -59,10 +59,7 @@ def read_hf(path: str | os.PathLike[str]) -> tuple[RawTensors, dict[str, Any]]:
 
     raw = read_safetensors_dir(p, rename)
     text = text_config(config)
-    if text.get("tie_word_embeddings") and "lm_head.weight" in raw:
-        del raw["lm_head.weight"]  # tied: the embedding is the head
-    if not text.get("tie_word_embeddings") and "lm_head.weight" not in raw:
-        raise CheckpointError(f"{p}: no lm_head.weight and tie_word_embeddings is not set")
+    untie_head(raw, "lm_head.weight", "model.embed_tokens.weight", bool(text.get("tie_word_embeddings")), p)
     if model_type == NEXT_MODEL_TYPE:
         split_fused_projections(raw, text)
     return raw, config
@@ -71,8 +68,11 @@ def read_hf(path: str | os.PathLike[str]) -> tuple[RawTensors, dict[str, Any]]:
 def split_fused_projections(raw: RawTensors, text: dict[str, Any]) -> None:
     """Qwen3-Next's fused projections, in place, into Qwen3.5's four. Their rows are grouped per key head:
     in_proj_qkvz [Hk x (q dk | k dk | v r*dv | z r*dv)], in_proj_ba [Hk x (b r | a r)], r = Hv / Hk."""
-    hk, hv = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
-    dk, dv = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
+    try:
+        hk, hv = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
+        dk, dv = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
+    except KeyError as e:  # a bare KeyError before
+        raise CheckpointError(f"Qwen3-Next config.json lacks {e}") from None
     r = hv // hk
     for name in [k for k in raw if k.endswith(".linear_attn.in_proj_qkvz.weight")]:
         p = name[: -len("in_proj_qkvz.weight")]

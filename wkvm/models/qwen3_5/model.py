@@ -18,9 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from wkvm.models.family import (
+    ACTIVATIONS_SILU,
     CheckpointError,
     ModelBase,
     RawTensors,
+    check_layer_count,
     compute_form,
     embedding_and_head,
     only,
@@ -109,7 +111,14 @@ class Qwen35Config:
             FULL_ATTENTION if any(k.startswith(f"model.layers.{i}.self_attn.") for k in raw) else LINEAR_ATTENTION
             for i in range(n_layer)
         )
-        declared = tuple(text.get("layer_types") or kinds)
+        check_layer_count(text, n_layer, "Qwen3.5")
+        if text.get("hidden_act", "silu") not in ACTIVATIONS_SILU:  # the conv and the MLP compute SiLU
+            raise CheckpointError(f"Qwen3.5 config.json sets hidden_act {text['hidden_act']!r}: only silu is supported")
+        # without layer_types, transformers derives them from full_attention_interval (it had been taken from the
+        # tensors: attention run where transformers runs a delta net)
+        interval = int(text.get("full_attention_interval", 4))
+        derived = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(n_layer)]
+        declared = tuple(text.get("layer_types") or derived)
         if declared != kinds:
             raise CheckpointError(f"Qwen3.5 config.json's layer_types {list(declared)} do not match the tensors "
                                   f"({list(kinds)})")  # fmt: skip
@@ -158,7 +167,7 @@ def _attention_config(text: dict[str, Any]) -> dict[str, Any]:
     `rope_parameters`, or the older top-level `rope_theta` / `partial_rotary_factor`)."""
     heads, kv_heads = int(text["num_attention_heads"]), int(text["num_key_value_heads"])
     head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
-    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    rope = dict(text.get("rope_scaling") or text.get("rope_parameters") or {})  # transformers' order
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type != "default":  # mrope sections are equal for text-only positions: plain RoPE
         raise CheckpointError(f"Qwen3.5 RoPE type {rope_type!r} is not supported (default only)")
