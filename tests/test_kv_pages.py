@@ -196,15 +196,17 @@ def test_interpolate_refuses_kv_states(tmp_path):
     from wkvm.state.mutations import MutationError, apply_mutation
 
     state = kv_state(3)
-    with pytest.raises(MutationError, match="cannot be blended"):
+    with pytest.raises(MutationError, match="cannot be blended") as e:
         apply_mutation("interpolate", HYBRID, state, {"other": "x", "t": 0.5}, lambda h: state)
+    assert e.value.param == "rule"  # the rule is what this state cannot take, not its params
     decayed = apply_mutation("decay", HYBRID, state, {"alpha": 0.5}, lambda h: state)
     assert torch.equal(decayed[key_name(0)], state[key_name(0)])  # keys and values are kept
     assert torch.equal(decayed["layers.0.h"], state["layers.0.h"] * 0.5)
     attention_only = kv_state(3)
     attention_only.pop("layers.0.h")
-    with pytest.raises(MutationError, match="nothing to decay"):  # it used to return an unchanged copy as a new version
+    with pytest.raises(MutationError, match="nothing to decay") as e:  # it returned an unchanged copy as a new version
         apply_mutation("decay", SPEC, attention_only, {"alpha": 0.5}, lambda h: attention_only)
+    assert e.value.param == "rule"
 
 
 # --- the slot arena with kv tensors: fixed parts in slots, kv in pages --------------------------------------------

@@ -230,6 +230,10 @@ def test_a_prompt_over_the_context_limit_is_a_400_also_after_a_reused_prefix(mod
         ok = c.post("/v1/states", json={"name": "room", "prompt_ids": list(range(1, 16))})
         assert ok.status_code == 200 and ok.json()["n_tokens"] == 15, ok.text
         assert c.post("/v1/states/room/generate", json={"max_tokens": 1}).status_code == 200
+        # a generation that fills the context is not saved: its state could not be generated from or imported
+        r = c.post("/v1/states/room/generate", json={"max_tokens": 4, "save_as": "filled"}).json()
+        assert r["state_error"]["code"] == "context_length_exceeded" and "state" not in r, r
+        assert c.get("/v1/states/filled").status_code == 404
         metrics = c.get("/metrics").text  # the pool's 4 pages of 4 tokens, none held once every request is done
         assert "wkvm_kv_cache_pages 4.0" in metrics and "wkvm_kv_cache_usage_ratio 0.0" in metrics, metrics
 

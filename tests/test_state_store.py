@@ -432,6 +432,14 @@ def test_mutations(svc):
     mid = svc.mutate("a", "m@1", "interpolate", {"other": "other", "t": 0.5})
     a, b, c = (svc.store.load("a", h)[1] for h in ("m@1", "other", mid.handle))
     assert all(torch.allclose(c[k], (a[k] + b[k]) / 2, atol=1e-6) for k in a)
+    # provenance names the version blended (a bare name would later mean a newer one), and an import keeps the
+    # source's own rule and parameters, one level deep however many hops (review: both had been lost)
+    svc.create("a", "other", [4, 5, 6])
+    assert mid.op_params == {"rule": "interpolate", "other": "other@1", "t": 0.5}
+    hop = svc.store.import_bytes("b", svc.store.export_bytes("a", mid.handle))
+    assert hop.op_params["op_params"] == mid.op_params and hop.op_params["from"] == mid.handle
+    again = svc.store.import_bytes("c", svc.store.export_bytes("b", hop.handle))
+    assert again.op_params == {**hop.op_params, "via": hop.handle}
     with pytest.raises(ValueError, match="alpha"):
         svc.mutate("a", "m@1", "decay", {"alpha": 2})
     with pytest.raises(ValueError, match="unknown mutation"):

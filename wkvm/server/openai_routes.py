@@ -74,6 +74,11 @@ def save_final(ctx: ServerContext, tenant: str, name: str, parent: str | None, h
         why = f"{param}: the generation ended ({ended}) before its final state was captured; nothing was saved " \
               f"under {name!r}"  # fmt: skip
         return {"state_error": error_body(503, why, param, "state_unavailable")["error"]}
+    limit = ctx.model.context_limit
+    if limit is not None and len(result.history) >= limit:  # as creating or importing it would be refused
+        why = (f"{param}: the generation filled the model's context ({limit} tokens), so its state leaves no room to "
+               f"generate from; nothing was saved under {name!r}: ask for fewer max_tokens")
+        return {"state_error": error_body(400, why, param, "context_length_exceeded")["error"]}
     try:
         rec = ctx.service.save_run(tenant, name, result, parent, {"completion_tokens": len(out.token_ids)})
     except (QuotaExceeded, ValueError) as e:

@@ -55,7 +55,7 @@ def decay(spec: StateSpec, state: State, params: dict[str, Any], load: Loader) -
     kinds = {t.name: t.kind for t in spec.tensors}
     if "recurrent" not in kinds.values():
         raise MutationError("decay scales a recurrent memory, and this model's state has none (its attention keys "
-                            "and values are the context itself): nothing to decay")  # fmt: skip
+                            "and values are the context itself): nothing to decay", "rule")  # fmt: skip
     return {k: v * alpha if kinds[k] == "recurrent" else v.clone() for k, v in state.items()}
 
 
@@ -65,7 +65,7 @@ def interpolate(spec: StateSpec, state: State, params: dict[str, Any], load: Loa
     t = _fraction(params, "t")
     if spec.has_kv:
         raise MutationError("interpolate blends fixed-size states; this model's state holds attention keys and values "
-                            "of its own context, which two states cannot be blended into")  # fmt: skip
+                            "of its own context, which two states cannot be blended into", "rule")  # fmt: skip
     other = params.get("other")
     if not isinstance(other, str):
         raise MutationError("params.other must be the handle of a state of the same model")

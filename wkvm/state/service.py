@@ -72,14 +72,21 @@ class StateService:
 
     def mutate(self, owner: str, handle: str, rule: str, params: dict[str, Any]) -> StateRecord:
         rec, state = self.store.load(owner, handle)
-        new = apply_mutation(rule, self.store.spec, state, params, lambda h: self._other(owner, h))
-        return self.store.put_user(owner, rec.name, new, self.store.token_ids(rec), parent=rec.handle, op="mutate",
-                                   op_params={"rule": rule, **params})  # fmt: skip
+        recorded = {"rule": rule, **params}
 
-    def _other(self, owner: str, handle: str) -> State:
+        def other(h: str) -> State:  # recorded as the version used: a bare name later means a newer one
+            used, other_state = self._other(owner, h)
+            recorded["other"] = used.handle
+            return other_state
+
+        new = apply_mutation(rule, self.store.spec, state, params, other)
+        return self.store.put_user(owner, rec.name, new, self.store.token_ids(rec), parent=rec.handle, op="mutate",
+                                   op_params=recorded)  # fmt: skip
+
+    def _other(self, owner: str, handle: str) -> tuple[StateRecord, State]:
         """A state a mutation's params name (interpolate's other): a 404 names params.other, not the URL's handle."""
         try:
-            return self.store.load(owner, handle)[1]
+            return self.store.load(owner, handle)
         except StateNotFound as e:
             e.param = "params.other"
             raise

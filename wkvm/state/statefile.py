@@ -397,6 +397,15 @@ def _op_params(raw: str, imported: bool) -> dict[str, Any]:
     return params
 
 
+def nests_within_limits(params: dict[str, Any]) -> bool:
+    """Whether `params` would pass an import's nesting and key-count checks."""
+    try:
+        _check_nesting(params, 1)
+    except StateFileError:
+        return False
+    return True
+
+
 def _check_nesting(value: object, depth: int) -> None:
     if isinstance(value, dict | list):
         if depth > MAX_OP_PARAMS_DEPTH:

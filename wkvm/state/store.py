@@ -463,7 +463,15 @@ class StateStore:
         if context is not None and meta.n_tokens >= context:
             raise StateFileError(f"the state holds {meta.n_tokens} tokens, which leaves no room to generate within "
                                  f"this model's context of {context} tokens")  # fmt: skip
-        lineage = {"from": f"{meta.name}@{meta.version}", "parent": meta.parent, "op": meta.op}
+        # the source's own provenance, kept (its rule and parameters, when it was made; they were dropped): one level
+        # deep whatever the number of hops, so that an import's export imports again
+        if meta.op == "import":
+            lineage = {**meta.op_params, "via": f"{meta.name}@{meta.version}"}
+        else:
+            lineage = {"from": f"{meta.name}@{meta.version}", "parent": meta.parent, "op": meta.op,
+                       "created_at": meta.created_at, "op_params": meta.op_params}  # fmt: skip
+        if not statefile.nests_within_limits(lineage):
+            lineage.pop("op_params", None)  # a source at the import limits: its parameters cannot nest one deeper
         state = {k: v.unsqueeze(0) for k, v in tensors.items()}
         return self.put_user(owner, name or meta.name, state, meta.token_ids, op="import", op_params=lineage)
 
