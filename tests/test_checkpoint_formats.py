@@ -195,3 +195,17 @@ def test_hf_configs_are_read_as_transformers_reads_them(family, tmp_path):
     for name, (changes, says) in refused.items():
         with pytest.raises(CheckpointError, match=says):
             load_model(edited(name, **changes))
+
+
+def test_an_hf_rwkv7_whose_epsilons_a_pth_cannot_carry_is_not_converted_to_one(tiny_hf, tmp_path):
+    """BlinkDL's .pth has no config: its readers fix norm eps 1e-5 and group-norm eps 64e-5. An HF directory with
+    others had converted to a .pth of another model (logits off by 0.06 for fla's head-16 group-norm eps; review)."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for f in tiny_hf.iterdir():
+        (hf / f.name).write_bytes(f.read_bytes())
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "norm_eps": 1e-3}))
+    with pytest.raises(CheckpointError, match="cannot be carried by a .pth"):
+        convert(hf, tmp_path / "out.pth")
+    assert not (tmp_path / "out.pth").exists()

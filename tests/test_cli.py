@@ -21,6 +21,12 @@ def test_convert_round_trip_via_cli(tmp_path, tiny_pth, capsys):
     assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "back.pth")]) == 0
     a, b = read_checkpoint(tiny_pth)[0], read_checkpoint(tmp_path / "back.pth")[0]
     assert all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys()
+    # an existing target is refused: written over, an old pack or shard index beside the new weights had loaded
+    for dst in ("hf", "back.pth"):
+        assert main(["convert", str(tiny_pth), str(tmp_path / dst)]) == 2
+        assert "already exists" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["convert", str(tiny_pth), str(tmp_path / "empty")]) == 0
 
 
 def test_generate_json(tiny_pth, capsys):

@@ -323,6 +323,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     check_model_path(args.src)
     if Path(args.src).resolve() == Path(args.dst).resolve():
         raise ValueError("the destination is the source: write the converted checkpoint somewhere else")
+    dst = Path(args.dst)  # written over, an old pack, shard index or tokenizer beside new weights had loaded instead
+    if dst.is_file() or (dst.is_dir() and any(dst.iterdir())):
+        raise ValueError(f"{dst} already exists{' and is not empty' if dst.is_dir() else ''}: convert into a new path "
+                         "(or an empty directory)")  # fmt: skip
     if args.pack:
         from wkvm.weights.pack import write_pack
 

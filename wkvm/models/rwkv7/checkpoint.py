@@ -188,9 +188,16 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> str:
     if to_pth != (Path(dst).suffix == ".pth"):  # checked before writing: a directory's .pth had been written under
         raise ValueError(f"{src} converts to {'a .pth file' if to_pth else 'an HF directory'}: name the destination "
                          f"{'NAME.pth' if to_pth else 'without .pth'} (got {dst})")  # any name, then its files failed
-    raw, _, fmt = read_checkpoint(src)
+    raw, config, fmt = read_checkpoint(src)
     if fmt == PTH_FORMAT:
         write_hf(raw, dst)
         return HF_FORMAT
+    from wkvm.models.rwkv7.model import RWKV7Config
+
+    cfg = RWKV7Config.from_tensors(raw, config)
+    if (cfg.ln_eps, cfg.gn_eps) != (1e-5, 64e-5):  # BlinkDL's .pth has no config: its epsilons are these
+        raise CheckpointError(f"{src}: its norm_eps {cfg.ln_eps:g} / group-norm eps {cfg.gn_eps:g} cannot be carried "
+                              "by a .pth, whose readers fix them at 1e-5 / 64e-5 (it would compute another model): "
+                              "keep the HF directory")  # fmt: skip
     write_pth(raw, dst)
     return PTH_FORMAT
