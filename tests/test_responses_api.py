@@ -271,6 +271,8 @@ def test_json_schema_format(server):
     ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "truncation": "auto"}, "truncation"),
+    ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt"),  # both had been ignored: answered as if never sent
+    ({"input": "hi", "max_tool_calls": 0}, "max_tool_calls"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "max_output_tokens": 10**6}, "max_output_tokens"),
     ({"input": "hi", "tool_choice": {"type": "file_search"}}, "tool_choice"),

@@ -113,6 +113,12 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
     if body.conversation is not None:
         raise APIError(400, "conversation: the Conversations API is not served here; continue a conversation with "
                        "previous_response_id", "conversation", "unsupported")  # fmt: skip
+    if body.prompt is not None:  # answered without its template, the reply had ignored it
+        raise APIError(400, "prompt: stored prompt templates are not served here; send the text as input or "
+                       "instructions", "prompt", "unsupported")  # fmt: skip
+    if body.max_tool_calls is not None:
+        raise APIError(400, "max_tool_calls is not supported: leave it out (tool_choice 'none' makes no call)",
+                       "max_tool_calls", "unsupported")  # fmt: skip
     if body.truncation == "auto":
         raise APIError(400, "truncation: 'auto' (dropping the oldest items to fit) is not supported; a conversation "
                        "too long for the model is refused with context_length_exceeded", "truncation",
@@ -219,7 +225,7 @@ def input_messages(value: str | list[dict[str, Any]] | None) -> list[dict[str, A
     out: list[dict[str, Any]] = []
     for i, item in enumerate(value):
         where = f"input[{i}]"
-        kind = item.get("type", "message" if "role" in item else None)
+        kind = item.get("type") or ("message" if "role" in item else None)  # null, as a client's unset field
         if kind == "message":
             role = item.get("role")
             if role not in ROLES:

@@ -281,3 +281,5 @@ class ResponsesRequest(RequestBody):
     background: bool | None = None
     reasoning: dict[str, Any] | None = None  # accepted: this model does not reason apart from its answer
     conversation: Any = None
+    prompt: Any = None  # a stored prompt template: refused (not served here)
+    max_tool_calls: int | None = None  # refused: a forced call is always made
