@@ -209,3 +209,6 @@ def test_an_hf_rwkv7_whose_epsilons_a_pth_cannot_carry_is_not_converted_to_one(t
     with pytest.raises(CheckpointError, match="cannot be carried by a .pth"):
         convert(hf, tmp_path / "out.pth")
     assert not (tmp_path / "out.pth").exists()
+    (hf / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 5}))  # fla would build 5 layers
+    with pytest.raises(CheckpointError, match="says 5 layers"):
+        load_model(hf)

@@ -171,6 +171,13 @@ def test_bad_packs_are_refused(pack, tmp_path):
     with pytest.raises(PackError, match="truncated"):
         load_model(bad, weight_cache_layers=2)
     shutil.rmtree(bad)
+    shutil.copytree(pack / "pack", bad)  # the header's length edited, the file's size kept (a MemoryError before)
+    data = bytearray(layer.read_bytes())
+    data[:8] = (1 << 62).to_bytes(8, "little")
+    layer.write_bytes(bytes(data))
+    with pytest.raises(PackError, match="a header of"):
+        load_model(bad, weight_cache_layers=2)
+    shutil.rmtree(bad)
     shutil.copytree(pack / "pack", bad)
     manifest = json.loads((bad / "manifest.json").read_text())
     manifest["layers"][2]["tensors"]["att.k_k"]["shape"] = [1, 1, 65]

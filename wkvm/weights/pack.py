@@ -46,9 +46,20 @@ def _sha256(path: Path) -> str:
 
 
 def _header(path: Path) -> tuple[int, dict[str, Any]]:
+    """A layer file's safetensors header, its length bounded by the file (a length edited to 2^62 had been read as
+    is: MemoryError) and its JSON checked (a bare JSONDecodeError before)."""
+    size = path.stat().st_size
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
-        return n, json.loads(f.read(n))
+        if not 0 < n <= size - 8:
+            raise PackError(f"{path}: a header of {n} bytes in a file of {size} (damaged or replaced)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:  # not UTF-8, or not JSON
+            raise PackError(f"{path}: its header does not read as JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise PackError(f"{path}: its header is not a JSON object")
+    return n, header
 
 
 def write_file(d: Path, name: str, tensors: RawTensors) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from wkvm.atomic import atomic_path
-from wkvm.models.family import CheckpointError, RawTensors, read_safetensors_dir
+from wkvm.models.family import CheckpointError, RawTensors, check_layer_count, layer_count, read_safetensors_dir
 from wkvm.progress import progress
 
 PTH_FORMAT = "pth"
@@ -121,7 +121,9 @@ def read_hf(path: str | os.PathLike[str]) -> tuple[RawTensors, dict[str, Any]]:
     if "lm_head.weight" not in fla and config.get("tie_word_embeddings"):
         fla["lm_head.weight"] = fla["model.embeddings.weight"]
     names = _blink_names(list(fla))
-    return {names[k]: _from_fla(names[k], v) for k, v in fla.items()}, config
+    raw = {names[k]: _from_fla(names[k], v) for k, v in fla.items()}
+    check_layer_count(config, layer_count(raw, "blocks."), "RWKV-7")
+    return raw, config
 
 
 def read_checkpoint(path: str | os.PathLike[str], fmt: str | None = None) -> tuple[RawTensors, dict[str, Any], str]:
