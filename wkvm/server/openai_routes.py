@@ -36,7 +36,15 @@ from wkvm.server.handover import (
 from wkvm.server.handover import decode as decode_ticket
 from wkvm.server.handover import encode as encode_ticket
 from wkvm.server.schemas import MAX_PROMPTS, ChatMessage, ChatRequest, CompletionRequest, SamplingFields
-from wkvm.server.tools import ToolMode, content_ready, final_delta, parse_reply, template_messages, tool_mode
+from wkvm.server.tools import (
+    ToolMode,
+    content_ready,
+    final_delta,
+    parse_reply,
+    template_messages,
+    tool_mode,
+    unenforceable_tool,
+)
 from wkvm.state.sessions import ChatMeta, Plan
 from wkvm.state.statefile import valid_name
 from wkvm.state.store import QuotaExceeded, StateNotFound
@@ -436,7 +444,11 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
             which = "response_format" if body.response_format is not None else "structured_outputs"
             raise APIError(400, f"tool_choice required / named already fixes the reply's form: leave out {which}",
                            which, "invalid_value")  # fmt: skip
-        sp = gen.with_response_format(sp, mode.response_format(), "tools")
+        try:
+            sp = gen.with_response_format(sp, mode.response_format(), "tools")
+        except APIError:
+            unenforceable_tool(mode)  # which tool's schema, where one is the cause
+            raise
     await gen.check_grammar(ctx, sp, "tools" if mode is not None and mode.forced else None)
     params = gen.per_choice(sp, body.n)
     prompt_ids = await gen.encode_prompt_off_loop(ctx, text, "messages", body.truncate_prompt_tokens, starts=False)

@@ -118,8 +118,6 @@ def tool_mode(tools: list[Any] | None, choice: Any, parallel: bool | None, shape
     if len(set(names)) != len(names):
         raise APIError(400, "tools: function names must be distinct", "tools", "invalid_value")
     if choice is None or choice in ("auto", "none", "required"):
-        if choice == "required":
-            enforceable(checked)
         return ToolMode(checked, choice or "auto", None, parallel is not False, calls_in_text=not shaped)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
@@ -127,16 +125,15 @@ def tool_mode(tools: list[Any] | None, choice: Any, parallel: bool | None, shape
                        '{"name": ...}}', "tool_choice", "invalid_value")  # fmt: skip
     if name not in names:
         raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", "tool_choice", "invalid_value")
-    enforceable(checked, name)
     return ToolMode(checked, "named", name, False)  # one call of the named function (as vLLM answers)
 
 
-def enforceable(tools: list[dict[str, Any]], only: str | None = None) -> None:
-    """A forced call's tools (the named one only) have parameters schemas the grammar can enforce: a 400 naming the
-    tool's (it had named `tools`, not which)."""
-    for i, t in enumerate(tools):
+def unenforceable_tool(mode: ToolMode) -> None:
+    """After the forced calls' grammar failed to compile: the 400 of the first tool whose parameters schema is the
+    cause, naming it (the failure had named `tools`, not which); nothing where no single tool's is."""
+    for i, t in enumerate(mode.tools):
         fn = t["function"]
-        if fn.get("parameters") and only in (None, fn["name"]):
+        if fn.get("parameters") and mode.name in (None, fn["name"]):
             try:
                 schema_grammar(fn["parameters"], f"tools[{i}].function.parameters")
             except InvalidParam as e:
