@@ -461,7 +461,12 @@ def check_layer_count(config: dict[str, Any], n: int, what: str, key: str = "num
         raise CheckpointError(f"{what} config.json says {declared} layers; the weights hold {n}")
 
 
-ACTIVATIONS_SILU = ("silu", "swish")  # transformers' ACT2FN names for SiLU
+def check_silu(config: dict[str, Any], what: str) -> None:
+    """config.json's `hidden_act` is SiLU (transformers' ACT2FN names it silu or swish): the families compute SiLU,
+    and another activation had run as SiLU, silently."""
+    act = config.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise CheckpointError(f"{what} config.json sets hidden_act {act!r}: only silu is supported")
 
 
 def check_bias_flags(config: dict[str, Any], raw: RawTensors, flags: dict[str, str], what: str) -> None:

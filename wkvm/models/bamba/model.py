@@ -15,12 +15,12 @@ from typing import Any
 import torch
 
 from wkvm.models.family import (
-    ACTIVATIONS_SILU,
     CheckpointError,
     ModelBase,
     RawTensors,
     check_bias_flags,
     check_layer_count,
+    check_silu,
     compute_form,
     embedding_and_head,
     layer_count,
@@ -89,8 +89,7 @@ class BambaConfig:
                                   f"({list(kinds)})")  # fmt: skip
         if hf.get("attention_bias") or hf.get("mlp_bias") or hf.get("mamba_proj_bias"):
             raise CheckpointError("Bamba with biased projections is not supported")
-        if hf.get("hidden_act", "silu") not in ACTIVATIONS_SILU:
-            raise CheckpointError(f"Bamba activation {hf['hidden_act']!r} is not supported (only silu)")
+        check_silu(hf, "Bamba")
         for i, kind in enumerate(kinds):
             mixer_raw = MIXER_RAW if kind == MAMBA else ATTN_RAW
             require(raw, [f"{PREFIX}{i}.{k}" for k in mixer_raw + MLP_RAW + NORM_RAW], "Bamba")

@@ -14,13 +14,14 @@ from typing import Any
 import torch
 
 from wkvm.models.family import (
-    ACTIVATIONS_SILU,
     CheckpointError,
     ModelBase,
     RawTensors,
     check_layer_count,
+    check_silu,
     compute_form,
     embedding_and_head,
+    layer_count,
     only,
     require,
     resident,
@@ -79,8 +80,7 @@ class LlamaConfig:
         for flag in ("attention_bias", "mlp_bias"):
             if hf.get(flag):
                 raise CheckpointError(f"Llama config.json sets {flag}: biased projections are not supported")
-        if hf.get("hidden_act", "silu") not in ACTIVATIONS_SILU:  # the MLP computes SiLU
-            raise CheckpointError(f"Llama config.json sets hidden_act {hf['hidden_act']!r}: only silu is supported")
+        check_silu(hf, "Llama")
         if any(k.endswith(".bias") for k in raw):
             raise CheckpointError("Llama checkpoint has bias tensors: biased projections are not supported")
         require(raw, [EMBED, FINAL_NORM] + [f"model.layers.0.{k}" for k in LAYER_RAW], "Llama")
@@ -94,7 +94,7 @@ class LlamaConfig:
         if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
             raise CheckpointError("partial rotary embeddings are not supported")
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
-        n_layer = 1 + max(int(k.split(".")[2]) for k in raw if k.startswith("model.layers."))
+        n_layer = layer_count(raw, "model.layers.")
         check_layer_count(hf, n_layer, "Llama")
         # llama3's original context: transformers 5 takes the top-level key first, then the scaling's, then the
         # model's context (8,192 had been assumed where both were absent)

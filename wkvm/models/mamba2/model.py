@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from wkvm.models.family import (
-    ACTIVATIONS_SILU,
     CheckpointError,
     ModelBase,
     RawTensors,
     check_bias_flags,
     check_layer_count,
+    check_silu,
     compute_form,
     embedding_and_head,
     layer_count,
@@ -81,8 +81,7 @@ class Mamba2Config:
         if in_out != d_inner + conv_dim + n_heads:
             raise CheckpointError(f"Mamba2: in_proj has {in_out} outputs, expected {d_inner + conv_dim + n_heads} "
                                   "(z, xBC, dt); a gated-MLP part (d_mlp > 0) is not supported")  # fmt: skip
-        if hf.get("hidden_act", "silu") not in ACTIVATIONS_SILU:
-            raise CheckpointError(f"Mamba2: activation {hf['hidden_act']!r} is not supported (only silu)")
+        check_silu(hf, "Mamba2")
         n_layer = layer_count(raw, PREFIX)
         check_layer_count(hf, n_layer, "Mamba2")
         check_bias_flags(hf, raw, {"use_bias": p + "mixer.in_proj.bias", "use_conv_bias": p + "mixer.conv1d.bias"},

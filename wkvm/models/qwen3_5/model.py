@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from wkvm.models.family import (
-    ACTIVATIONS_SILU,
     CheckpointError,
     ModelBase,
     RawTensors,
     check_layer_count,
+    check_silu,
     compute_form,
     embedding_and_head,
     only,
@@ -112,13 +112,8 @@ class Qwen35Config:
             for i in range(n_layer)
         )
         check_layer_count(text, n_layer, "Qwen3.5")
-        if text.get("hidden_act", "silu") not in ACTIVATIONS_SILU:  # the conv and the MLP compute SiLU
-            raise CheckpointError(f"Qwen3.5 config.json sets hidden_act {text['hidden_act']!r}: only silu is supported")
-        # without layer_types, transformers derives them from full_attention_interval (it had been taken from the
-        # tensors: attention run where transformers runs a delta net)
-        interval = int(text.get("full_attention_interval", 4))
-        derived = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(n_layer)]
-        declared = tuple(text.get("layer_types") or derived)
+        check_silu(text, "Qwen3.5")
+        declared = tuple(text.get("layer_types") or derived_layer_types(text, n_layer))
         if declared != kinds:
             raise CheckpointError(f"Qwen3.5 config.json's layer_types {list(declared)} do not match the tensors "
                                   f"({list(kinds)})")  # fmt: skip
@@ -160,6 +155,16 @@ class Qwen35Config:
                                       f"{cfg.n_heads} query (gated) and {cfg.n_kv_heads} key/value heads of "
                                       f"{cfg.head_dim}")  # fmt: skip
         return cfg
+
+
+def derived_layer_types(text: dict[str, Any], n_layer: int) -> list[str]:
+    """Layer kinds where config.json gives no layer_types, as transformers derives them: every
+    `full_attention_interval`-th layer full attention (they had been taken from the tensors: attention run where
+    transformers runs a delta net)."""
+    interval = int(text.get("full_attention_interval", 4))
+    if interval < 1:
+        raise CheckpointError(f"Qwen3.5 config.json's full_attention_interval {interval} is not a layer count")
+    return [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(n_layer)]
 
 
 def _attention_config(text: dict[str, Any]) -> dict[str, Any]:
