@@ -48,6 +48,9 @@ def test_answer_equals_the_chat_completion_of_the_same_messages(server):
     (item,) = r.output
     assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
     assert r.instructions == "Be brief." and r.store is True and r.usage.output_tokens >= 1
+    raw = httpx.get(f"{server.url}/v1/responses/{r.id}", headers={"Authorization": "Bearer key-a"}).json()
+    assert raw["top_logprobs"] is None and raw["max_tool_calls"] is None  # OpenAI's object has them (null: not asked)
+    assert (raw["completed_at"] is not None) == (r.status == "completed")
     if r.status == "incomplete":
         assert r.incomplete_details.reason == "max_output_tokens" and r.usage.output_tokens == 12
 
@@ -284,6 +287,10 @@ def test_json_schema_format(server):
     ({"input": [{"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
                 {"role": "user", "content": "and?"}], "tools": [WEATHER]}, "input"),
     ({"input": "hi", "model": "other"}, "model"),
+    ({"input": "hi", "include": ["message.output_text.logprob"]}, "include[0]"),  # a typo had gone unnoticed
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "x"}], "tools": [WEATHER]}, "input"),
     ({"input": [{"role": "user", "content": None}]}, "input[0].content"),  # hunt 8: both had passed
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input[0].content[0].text"),
 ])  # fmt: skip
@@ -291,6 +298,13 @@ def test_bad_requests_are_400s_naming_the_field(server, body, param):
     r = httpx.post(f"{server.url}/v1/responses", json=body, headers={"Authorization": "Bearer key-a"}, timeout=60)
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_errors_name_the_responses_fields_in_their_words(server):
+    r = httpx.post(f"{server.url}/v1/responses", json={"input": "hi", "max_output_tokens": 10**6},
+                   headers={"Authorization": "Bearer key-a"}, timeout=60)  # fmt: skip
+    message = r.json()["error"]["message"]
+    assert "max_output_tokens" in message and "max_tokens" not in message, message
 
 
 def test_stored_responses_survive_a_restart(char_model, tmp_path):

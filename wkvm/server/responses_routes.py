@@ -33,6 +33,11 @@ log = logging.getLogger("wkvm.server")
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
 LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = (  # OpenAI's `include` values: the others name items this server never makes, so they add nothing
+    LOGPROBS, "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+    "web_search_call.action.sources", "message.input_image.image_url", "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+)  # fmt: skip
 RESPONSE_ID_HEADER = "x-wkvm-response-id"  # the id a cluster front chose, so that it knows where the response is
 RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
 FINISHED = {"stop": "completed", "tool_calls": "completed", "length": "incomplete"}
@@ -65,7 +70,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         try:
             out = await chat_completion(ctx, chat_request(body, system + conversation), request, movable=False)
         except APIError as e:
-            raise APIError(e.status, e.message, responses_param(e.param), e.code, e.headers) from None
+            raise APIError(e.status, responses_text(e.message), responses_param(e.param), e.code, e.headers) from None
         if isinstance(out, StreamingResponse):
             events = stream_events(ctx, tenant, body, shell, conversation, out.body_iterator)  # type: ignore[arg-type]
             return StreamingResponse(events, media_type="text/event-stream")
@@ -119,6 +124,10 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
     if body.max_tool_calls is not None:
         raise APIError(400, "max_tool_calls is not supported: leave it out (tool_choice 'none' makes no call)",
                        "max_tool_calls", "unsupported")  # fmt: skip
+    for i, value in enumerate(body.include or ()):
+        if value not in INCLUDABLE:  # a misspelt value had been ignored: the logprobs asked for never came
+            raise APIError(400, f"include[{i}]: {value!r} is not one of OpenAI's include values "
+                           f"({', '.join(INCLUDABLE)})", f"include[{i}]", "invalid_value")  # fmt: skip
     if body.truncation == "auto":
         raise APIError(400, "truncation: 'auto' (dropping the oldest items to fit) is not supported; a conversation "
                        "too long for the model is refused with context_length_exceeded", "truncation",
@@ -140,7 +149,11 @@ def check_calls_answered(conversation: list[dict[str, Any]]) -> None:
     it."""
     calls: set[str] = set()
     for m in conversation:
-        calls.update(c["id"] for c in m.get("tool_calls") or [])
+        for c in m.get("tool_calls") or []:
+            if c["id"] in calls:  # its output would answer either call
+                raise APIError(400, f"input: two function calls have the call_id {c['id']!r}; give each its own",
+                               "input", "invalid_value")  # fmt: skip
+            calls.add(c["id"])
         if m["role"] == "tool" and m["tool_call_id"] not in calls:
             raise APIError(400, f"input: no function_call with call_id {m['tool_call_id']!r} comes before its "
                            "function_call_output", "input", "invalid_value")  # fmt: skip
@@ -187,6 +200,16 @@ def responses_param(param: str | None) -> str | None:
         if param == chat or param.startswith(chat + "[") or param.startswith(chat + "."):
             return ours + param[len(chat) :] if chat != "messages" else "input"
     return param.replace(".function.", ".") if param.startswith("tools[") else param
+
+
+CHAT_WORDS = re.compile(r"\b(max_completion_tokens|max_tokens|response_format)\b")
+
+
+def responses_text(message: str) -> str:
+    """A chat completion's error message with its fields named as the Responses request names them."""
+    names = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+             "response_format": "text.format"}  # fmt: skip
+    return CHAT_WORDS.sub(lambda m: names[m.group(0)], message)
 
 
 def text_of(content: Any, where: str) -> str:
@@ -294,7 +317,8 @@ def response_shell(ctx: ServerContext, body: ResponsesRequest, response_id: str)
     fmt = given.model_dump(by_alias=True, exclude_none=True) if given and given.type == "json_schema" else None
     fmt = fmt or {"type": given.type if given else "text"}
     return {
-        "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
+        "id": response_id, "object": "response", "created_at": int(time.time()), "completed_at": None,
+        "status": "in_progress", "max_tool_calls": None, "top_logprobs": body.top_logprobs,
         "model": ctx.model_name, "output": [], "error": None, "incomplete_details": None,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
         "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls is not False,
@@ -334,6 +358,8 @@ def finished(shell: dict[str, Any], items: list[Any], finish_reason: str | None,
     if status != "completed" and items and items[-1]["type"] == "message":  # the message cut off is, as OpenAI marks it
         items = [*items[:-1], {**items[-1], "status": "incomplete"}]
     resp = {**shell, "status": status, "output": items, "usage": responses_usage(usage)}
+    if status == "completed":
+        resp["completed_at"] = int(time.time())
     if status == "incomplete":
         resp["incomplete_details"] = {"reason": "max_output_tokens"}
     if status == "failed":
