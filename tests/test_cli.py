@@ -30,7 +30,8 @@ def test_convert_round_trip_via_cli(tmp_path, tiny_pth, capsys):
 
 
 def test_generate_json(tiny_pth, capsys):
-    assert main(["generate", "--model", str(tiny_pth), "--prompt-ids", "1,2,3", "--max-tokens", "4", "--json"]) == 0
+    argv = ["generate", "--model", str(tiny_pth), "--prompt-ids", "1,2,3", "--max-tokens", "4", "--seed", "1"]
+    assert main([*argv, "--json"]) == 0  # seeded: an unseeded sample had now and then drawn the end token
     out = json.loads(capsys.readouterr().out)
     assert len(out["token_ids"]) == 4 and out["finish_reason"] == "length"
     # as text it is printed as it comes (it was printed at the end only, and lost to Ctrl-C): the same words
@@ -91,6 +92,10 @@ def test_a_state_directory_of_another_model_is_refused_not_emptied(tmp_path, tin
     files = sorted(p.name for p in (tmp_path / "sd").rglob("*"))
     assert main(["states", "ls", "--state-dir", str(tmp_path / "sd")]) == 0  # the embedded model's: no --model
     assert "mine@1" in capsys.readouterr().out
+    assert main(["states", "show", "mine", "--state-dir", str(tmp_path / "sd")]) == 0
+    assert f"model: {Path(default_model()).stem}" in capsys.readouterr().out  # it had printed "model: ?"
+    assert main(["states", "ls", "--state-dir", str(tmp_path / "sd"), "--url", "http://127.0.0.1:9"]) == 2
+    assert "not both" in capsys.readouterr().err  # the directory had silently won
     assert main(["states", "ls", "--state-dir", str(tmp_path / "sd"), "--model", str(tiny_pth)]) == 2
     assert "another model" in capsys.readouterr().err
     other = load_model(tiny_pth)
@@ -169,6 +174,10 @@ def test_errors_a_user_makes_are_one_line_not_a_traceback(tmp_path, tiny_pth, ca
     assert main(["convert", str(tiny_pth), str(tiny_pth)]) == 2 and "is the source" in capsys.readouterr().err
     assert main(["generate", "--model", str(tiny_pth), "--prompt-ids", "1", "--seed", str(10**23)]) == 2
     assert "seed" in capsys.readouterr().err
+    from wkvm.cli import build_parser, sampling_params
+
+    random_seed = build_parser().parse_args(["generate", "--seed", "-1"])
+    assert sampling_params(random_seed).seed is None  # llama.cpp's -1: a new seed each run (it had been one seed)
 
 
 def test_doctor_passes_here(tiny_pth, tmp_path, capsys, monkeypatch):

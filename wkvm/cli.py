@@ -215,7 +215,7 @@ SAMPLING_FLAGS: list[tuple[str, type, object, str]] = [
     ("max-tokens", int, 200, "most tokens to generate (in chat: per answer)"),
     ("temperature", float, 0.8, "sampling temperature; 0 always picks the most likely token (repeatable)"),
     ("top-p", float, 0.9, "sample from the most likely tokens whose probabilities add up to this (1: all)"),
-    ("seed", int, None, "random seed: the same seed gives the same sample"),
+    ("seed", int, None, "random seed: the same seed gives the same sample (-1 or none: a new one each run)"),
 ]
 
 
@@ -229,7 +229,8 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     from wkvm.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    seed = None if args.seed == -1 else args.seed  # llama.cpp's "random" (it had been one fixed seed)
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=seed)
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:

@@ -83,7 +83,9 @@ class DirStates:
         return self._store
 
     def _info(self, rec: StateRecord) -> dict[str, Any]:
-        info: dict[str, Any] = rec.info(Path(self.model_path or "").stem or "?")
+        from wkvm.config import default_model
+
+        info: dict[str, Any] = rec.info(Path(self.model_path or default_model()).stem)  # it had said "?" by default
         return info
 
     def ls(self) -> list[dict[str, Any]]:
@@ -129,6 +131,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     url = args.url or os.environ.get("WKVM_URL")
     backend: DirStates | ServerStates
+    if args.state_dir and args.url:  # the directory had silently won over the server named beside it
+        print("wkvm states: give --url (a running server) or --state-dir, not both", file=sys.stderr)
+        return 2
     if args.state_dir:
         backend = DirStates(args.state_dir, args.model or os.environ.get("WKVM_MODEL"), args.owner)
     elif url:
