@@ -398,6 +398,50 @@ def test_a_name_a_running_stream_will_save_does_not_move_under_it(cluster):
     assert '"saga@2"' in "".join(rest) and cluster.get("/v1/states/saga@2").status_code == 200
 
 
+def test_a_name_any_running_request_will_save_stays_until_it_ends(cluster):
+    """Review (session 36): only a movable stream's `save_state` had kept its name from moving. A state's `save_as`
+    running on the name's owner let `migrate` move it (the version then saved where nothing pointed: 404), and a
+    request reading another replica's state and saving into the busy name brought that name over to its own
+    replica under the running one (one handle, two states). Both are 409 state_busy now, and the save lands."""
+    assert cluster.post("/v1/states", json={"name": "tome", "prompt": "SCRIBE:"}).status_code == 200
+    owner = cluster.get("/v1/states/tome").headers["x-wkvm-replica"]
+    other = "r1" if owner == "r0" else "r0"
+    assert cluster.post("/v1/states", json={"name": "quill", "prompt": "POET:"}).status_code == 200
+    if cluster.get("/v1/states/quill").headers["x-wkvm-replica"] == owner:
+        assert cluster.post("/v1/states/quill/migrate", json={"to": other}).status_code == 200
+    body = {**GREEDY, "max_tokens": 300, "ignore_eos": True, "prompt": " more", "save_as": "tome", "stream": True}
+    with cluster.stream("POST", "/v1/states/tome/generate", json=body) as r:
+        assert r.headers["x-wkvm-replica"] == owner
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        busy = cluster.post("/v1/states/tome/migrate", json={"to": other})
+        along = cluster.post("/v1/completions", json={**GREEDY, "prompt": " and", "state": "quill",
+                                                      "save_state": "tome"})  # fmt: skip
+        rest = "".join(lines)
+    for refused in (busy, along):
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "state_busy", refused.text
+    assert '"tome@2"' in rest and cluster.get("/v1/states/tome@2").status_code == 200
+
+
+def test_the_front_answers_odd_bodies_as_a_server_does_and_keeps_no_owner_for_a_404(cluster):
+    """A wrong-typed `messages` and JSON nested too deep had failed in the front (503 "retry", which the SDKs
+    retried); a request for a name nobody has had left an owner in the directory for each 404."""
+    for content in (json.dumps({**GREEDY, "messages": 5}).encode(), b"[" * 100_000 + b"]" * 100_000):
+        r = cluster.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text[:300]
+    deep = cluster.post("/v1/states/voyage/migrate", content=b"[" * 100_000 + b"]" * 100_000,
+                        headers={"content-type": "application/json"})  # fmt: skip
+    assert deep.status_code == 400 and deep.json()["error"]["code"] == "invalid_json", deep.text[:300]
+
+    def owned() -> int:
+        return sum(r["owned_keys"] for r in cluster.get("/v1/cluster").json()["replicas"])
+
+    before = owned()
+    for i in range(20):
+        assert cluster.get(f"/v1/states/nosuch-{i}").status_code == 404
+    assert owned() == before
+
+
 def test_a_stream_that_cannot_move_says_why(cluster):
     missing = cluster.post("/v1/streams/chatcmpl-none/migrate", json={"to": "r0"})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "stream_not_found"

@@ -10,8 +10,9 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from wkvm.cluster import directory
 from wkvm.cluster.directory import Directory
-from wkvm.cluster.forward import ForwardedRequest, Head, route_key, run_asgi, state_key
+from wkvm.cluster.forward import ForwardedRequest, Head, json_body, route_key, run_asgi, saved_names, state_key
 
 
 def req(method, path, body=None, headers=()):
@@ -47,6 +48,57 @@ def test_names_a_request_writes_or_reads_besides_its_state_go_along():
         assert (r.key, r.strict, r.along) == (k, True, along), (path, body)
 
 
+def test_only_a_request_that_creates_a_name_makes_its_owner():
+    """A request that only reads a name nobody owns fails wherever it runs: it claims no owner (each 404 had left one
+    in the directory for the application's life)."""
+    creates = [req("POST", "/v1/states", {"name": "n", "prompt": "x"}),
+               req("POST", "/v1/completions", {"save_state": "n", "prompt": "x"}),
+               req("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "user": "u"})]
+    reads = [req("GET", "/v1/states/nosuch"), req("DELETE", "/v1/states/n@2"), req("GET", "/v1/responses/resp_1"),
+             req("POST", "/v1/states/n/fork", {"name": "m"}), req("POST", "/v1/completions", {"state": "n"}),
+             req("POST", "/v1/responses", {"previous_response_id": "resp_1", "input": "x"})]  # fmt: skip
+    assert all(route_key("t", r).claims for r in creates) and not any(route_key("t", r).claims for r in reads)
+
+
+def test_the_names_a_request_saves():
+    """What a replica keeps from moving while the request runs there (`EngineReplica.export_name`)."""
+    cases = [("POST", "/v1/states", {"name": "n@1", "prompt": "x"}, ("n",)),
+             ("POST", "/v1/states/a/fork", {"name": "b"}, ("b",)),
+             ("POST", "/v1/states/a@3/generate", {"save_as": "b"}, ("b",)),
+             ("POST", "/v1/states/a@3/generate", {"prompt": "x"}, ()),
+             ("POST", "/v1/states/a@3/mutate", {"rule": "decay"}, ("a",)),
+             ("POST", "/v1/completions", {"state": "a", "save_state": "b"}, ("b",)),
+             ("POST", "/v1/chat/completions", {"save_state": 5}, ()),
+             ("POST", "/v1/states/a/hibernate", {}, ()), ("GET", "/v1/states/a", None, ())]  # fmt: skip
+    for method, path, body, names in cases:
+        assert saved_names(req(method, path, body)) == names, (path, body)
+
+
+def test_odd_bodies_route_like_any_other_and_the_replica_answers_them():
+    """A wrong-typed `messages` and JSON nested past the parser's depth had raised in the front (a 503 "replica
+    failed; retry", which the SDKs retried): they route anywhere and the replica answers its 400."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    assert json_body(deep) == {}
+    for body in ({"messages": 5}, {"messages": 1.5}, {"messages": True}, {"messages": [5, None]}, deep):
+        assert route_key("t", req("POST", "/v1/chat/completions", body)).key is None, body
+    assert route_key("t", req("POST", "/v1/states/a/fork", deep)).along == ()
+
+
+def test_the_directory_keeps_a_bounded_number_of_soft_owners(monkeypatch):
+    """Chat ids, `user`s and prompt starts are affinity only: the least recently used owners go past SOFT_KEYS (every
+    one a client sent had stayed for the application's life); named states' owners are never dropped."""
+    monkeypatch.setattr(directory, "SOFT_KEYS", 3)
+    d = directory.Directory()
+    d.record("state:a", "r0")
+    for i in range(3):
+        d.claim_owner(f"session:{i}", "r1")
+    assert d.lookup("session:0")[0] == "r1"  # used: now the most recent
+    d.record("prefix:x", "r0")
+    d.claim_owner("session:3", "r1")
+    assert [d.lookup(k)[0] for k in ("session:1", "session:2")] == [None, None]
+    assert [d.lookup(k)[0] for k in ("state:a", "session:0", "prefix:x", "session:3")] == ["r0", "r1", "r0", "r1"]
+
+
 def test_an_import_routes_by_the_name_it_stores_under():
     from wkvm.state import statefile
 
@@ -55,7 +107,8 @@ def test_an_import_routes_by_the_name_it_stores_under():
     assert statefile.metadata(exported)["name"] == "chat"
     named = ForwardedRequest("POST", "/v1/states/import", b"name=other", [], exported)
     for r, name in ((req("POST", "/v1/states/import", exported), "chat"), (named, "other")):
-        assert route_key("t", r) == route_key("t", req("GET", f"/v1/states/{name}")), name
+        got, read = route_key("t", r), route_key("t", req("GET", f"/v1/states/{name}"))
+        assert (got.key, got.strict, got.claims) == (read.key, read.strict, True), name
     assert route_key("t", req("POST", "/v1/states/import", b"not a state file")).key is None
 
 

@@ -22,6 +22,8 @@ from typing import Any
 log = logging.getLogger("wkvm.cluster")
 PARKED_BYTES = 512 << 20  # mirrored chat sessions kept (least recently used go first): ~220 0.1B RWKV-7 states
 TICKET_SECONDS = 120.0  # a moving stream's ticket nobody took by then is dropped
+SOFT_KEYS = 100_000  # chat-session and prompt-start owners kept (least recently used go first): only affinity,
+SOFT_PREFIXES = ("session:", "prefix:")  # a forgotten one is routed anew (its checkpoints are then not reused)
 
 
 @dataclass
@@ -35,6 +37,7 @@ class Slot:
 class Directory:
     slots: dict[str, Slot] = field(default_factory=dict)
     owners: dict[str, str] = field(default_factory=dict)  # route key -> slot name
+    soft: OrderedDict[str, None] = field(default_factory=OrderedDict)  # owners' soft keys, least recently used first
     stream_moves: int = 0  # running streams handed over, over the application's life (fronts restart too)
     parked: OrderedDict[str, tuple[str, Any, int]] = field(default_factory=OrderedDict)  # key -> slot, copy, bytes
     parked_bytes: int = 0
@@ -97,17 +100,32 @@ class Directory:
     def lookup(self, key: str) -> tuple[str | None, str | None]:
         """(slot, replica id) owning `key`; (None, None) when nobody does."""
         slot = self.owners.get(key)
+        if slot is not None and key in self.soft:
+            self.soft.move_to_end(key)
         held = self.slots.get(slot) if slot else None
         return (slot, held.replica_id if held else None)
 
     def record(self, key: str, slot: str) -> None:
         self.owners[key] = slot
+        self._bound(key)
+
+    def _bound(self, key: str) -> None:
+        """Every chat id, `user` and prompt start a client sends had kept an owner for the application's life."""
+        if not key.startswith(SOFT_PREFIXES):
+            return
+        self.soft[key] = None
+        self.soft.move_to_end(key)
+        while len(self.soft) > SOFT_KEYS:
+            old, _ = self.soft.popitem(last=False)
+            self.owners.pop(old, None)
 
     def claim_owner(self, key: str, slot: str) -> tuple[str | None, str | None]:
         """`key`'s owner, made `slot` when it has none: concurrent first requests of a key (two creating one new
         name) all go where the first went, so its versions are issued in one place (each got `name@1` on another
         replica before, and one of them could not be reached)."""
-        self.owners.setdefault(key, slot)
+        if key not in self.owners:
+            self.owners[key] = slot
+            self._bound(key)
         return self.lookup(key)
 
     def stop_app(self) -> None:
@@ -118,6 +136,7 @@ class Directory:
 
     def forget(self, key: str) -> None:
         self.owners.pop(key, None)
+        self.soft.pop(key, None)
 
     def park_session(self, key: str, slot: str, copy: Any, nbytes: int) -> None:
         """A replica's parked chat session (`sessions.ParkedCopy`), for any replica its next turn lands on."""

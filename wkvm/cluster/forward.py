@@ -29,6 +29,7 @@ MISROUTED = 0  # the status of a Head that says "not the replica you asked for":
 MISROUTED_REPLY = "wkvm:misrouted"  # what a replica method returns for the same (an answer, not an error to log)
 SAVING_REPLY = "wkvm:saving"  # export_name: a running request will save the name's next version here
 EXISTS_REPLY = "wkvm:exists"  # adopt: a version of the name is here already (another move got here first)
+QUOTA_REPLY = "wkvm:quota"  # adopt: the moved files do not fit this replica's --state-disk-quota (nothing was kept)
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,8 @@ class RouteKey:
     key: str | None
     strict: bool = False
     along: tuple[str, ...] = ()
+    claims: bool = True  # a first request may make an owner (it creates the name, or the key is a soft affinity);
+    # a request that only reads a name nobody owns fails wherever it runs, and had left an owner per 404 behind
 
 
 def _digest(*parts: str) -> str:
@@ -156,13 +159,13 @@ def route_key(tenant: str, req: ForwardedRequest) -> RouteKey:
         body = json_body(req.body) if req.method == "POST" and action in (*ALONG_FIELDS, "mutate") else {}
         params = body.get("params") if action == "mutate" else None  # an interpolation reads `params.other`
         values = [params.get("other")] if isinstance(params, dict) else [body.get(ALONG_FIELDS.get(action or "", ""))]
-        return RouteKey(state_key(tenant, handle), strict=True, along=names_along(handle, values))
+        return RouteKey(state_key(tenant, handle), strict=True, along=names_along(handle, values), claims=False)
     if path.startswith(RESPONSES + "/"):  # a stored response is on the replica that answered it (the front records it)
-        return RouteKey(response_key(tenant, path.split("/")[3]), strict=True)
+        return RouteKey(response_key(tenant, path.split("/")[3]), strict=True, claims=False)
     body = json_body(req.body) if req.method == "POST" and (path == STATES or path in GENERATION_PATHS) else {}
     state, saves = body.get("state"), body.get("save_state")
     if isinstance(state, str) and state:
-        return RouteKey(state_key(tenant, state), strict=True, along=names_along(state, [saves]))
+        return RouteKey(state_key(tenant, state), strict=True, along=names_along(state, [saves]), claims=False)
     for field in ("save_state", "name"):
         value = body.get(field)
         if isinstance(value, str) and value and (field != "name" or path == STATES):
@@ -170,7 +173,7 @@ def route_key(tenant: str, req: ForwardedRequest) -> RouteKey:
     if path in GENERATION_PATHS:
         previous = body.get("previous_response_id") if path == RESPONSES else None
         if isinstance(previous, str) and previous:  # the conversation it continues is stored there, its state parked
-            return RouteKey(response_key(tenant, previous), strict=True)
+            return RouteKey(response_key(tenant, previous), strict=True, claims=False)
         chat = dict(req.headers).get(b"x-openwebui-chat-id")
         if chat:
             return RouteKey("session:" + _digest(tenant, chat.decode("latin-1")))
@@ -184,6 +187,25 @@ def route_key(tenant: str, req: ForwardedRequest) -> RouteKey:
 
 
 ALONG_FIELDS = {"fork": "name", "generate": "save_as"}  # /v1/states/{h}/<action>: the body field naming a new state
+
+
+def saved_names(req: ForwardedRequest) -> tuple[str, ...]:
+    """The names a request will save a new version of (create, import, fork, `save_as`, mutate, `save_state`): a
+    replica running it refuses to let them move meanwhile (their version would be issued where they no longer
+    live)."""
+    if req.method != "POST":
+        return ()
+    path = req.path.rstrip("/")
+    if path == STATES + "/import":
+        values: list[Any] = [imported_name(req)]
+    elif path == STATES or path in GENERATION_PATHS:
+        body = json_body(req.body)
+        values = [body.get("name" if path == STATES else "save_state")]
+    elif path.startswith(STATES + "/") and len(parts := path.split("/")) == 5 and parts[4] in (*ALONG_FIELDS, "mutate"):
+        values = [parts[3]] if parts[4] == "mutate" else [json_body(req.body).get(ALONG_FIELDS[parts[4]])]
+    else:
+        return ()
+    return tuple(dict.fromkeys(v.split("@", 1)[0] for v in values if isinstance(v, str) and v))
 
 
 def names_along(handle: str, values: list[Any]) -> tuple[str, ...]:
@@ -215,7 +237,8 @@ def prefix_text(path: str, body: dict[str, Any]) -> str | None:
     leading system messages (shared by many conversations) or else its first message (shared by every later turn of
     one conversation); a completion prompt's first PREFIX_CHARS characters. None when too short to be worth it."""
     if path == "/v1/chat/completions":
-        messages = [m for m in body.get("messages") or [] if isinstance(m, dict)]
+        given = body.get("messages")  # a replica answers a wrong type with its 400 (it had failed the front: 503)
+        messages = [m for m in given if isinstance(m, dict)] if isinstance(given, list) else []
         lead = [m for m in messages[: next((i for i, m in enumerate(messages)
                                             if m.get("role") not in ("system", "developer")), len(messages))]]
         lead = lead or messages[:1]  # fmt: skip
@@ -232,6 +255,6 @@ def json_body(body: bytes) -> dict[str, Any]:
     """A request body's JSON object ({} when it is not one)."""
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested too deep: the replica's parser says so (it had been a 503 here)
         return {}  # the replica answers the 400
     return value if isinstance(value, dict) else {}

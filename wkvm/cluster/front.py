@@ -30,6 +30,7 @@ from wkvm.cluster.forward import (
     EXISTS_REPLY,
     MISROUTED,
     MISROUTED_REPLY,
+    QUOTA_REPLY,
     RESPONSES,
     SAVING_REPLY,
     STATES,
@@ -182,7 +183,7 @@ class Front:
         try:
             while True:
                 slot, target = (await self.directory.lookup.remote(route.key)) if route.key else (None, None)
-                if route.key and slot is None:  # a key's first request: the least busy replica becomes its owner
+                if route.key and slot is None and route.claims:  # a key's first request: the least busy replica owns it
                     toward, target = await self.least_busy()  # (unless another request claimed it meanwhile)
                     if toward is not None:
                         claimed = True  # counted as "new" (the claim gives it an owner before it is answered)
@@ -260,7 +261,9 @@ class Front:
         replicas = await self.replicas()
         for name in route.along:
             try:
-                moved = await self.move_name(tenant, name, slot, replicas, new_ok=True)
+                # refused while a request on the name's owner will save its next version (that version would be
+                # issued where the name no longer lives: one handle for two states, the acknowledged one unreachable)
+                moved = await self.move_name(tenant, name, slot, replicas, new_ok=True, refuse_saving=True)
             except TimeoutError:  # a replica did not answer (it is being replaced)
                 moved = error_response(503, f"{name!r} could not join the state it goes with: a replica is restarting; "
                                        "retry shortly", None, "replica_unavailable")  # fmt: skip
@@ -389,7 +392,7 @@ class Front:
         replicas = await self.replicas()
         try:
             body = json.loads(await request.body() or b"{}")
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # nested too deep had been a 503
             return error_response(400, "the request body is not valid JSON", "body", "invalid_json"), replicas
         to = body.get("to") if isinstance(body, dict) else None
         return (to if isinstance(to, str) and to in replicas else None), replicas
@@ -415,7 +418,7 @@ class Front:
         if s.moving:  # a second call would open a second destination and lose the stream between the two
             return error_response(409, f"stream {stream_id!r} is moving already; ask again once it has moved", None,
                                   "stream_cannot_move")  # fmt: skip
-        precopy = json.loads(await request.body() or b"{}").get("precopy", False)
+        precopy = json.loads(await request.body() or b"{}").get("precopy") or False  # null: the default
         if not isinstance(precopy, bool):
             return error_response(400, "'precopy' must be true or false", "precopy", "invalid_type")
         s.moving = True
@@ -555,9 +558,9 @@ class Front:
         files, card = await asyncio.gather(self.call(source, "export_name", tenant, name, refuse_saving),
                                            self.call(source, "name_card", tenant, name))  # last version issued, pins
         if files == SAVING_REPLY:
-            return error_response(409, f"a request running on {slot} will save {name!r}'s next version: migrate the "
-                                  "name once it ends, or move that stream (POST /v1/streams/{id}/migrate: its name "
-                                  "goes with it)", None, "state_busy")  # fmt: skip
+            return error_response(409, f"a request running on {slot} will save {name!r}'s next version: retry once it "
+                                  "ends, or move that stream (POST /v1/streams/{id}/migrate: its name goes with it)",
+                                  None, "state_busy")  # fmt: skip
         assert isinstance(files, list)
         if not files and not new_ok:
             return error_response(404, f"no state {name!r}", None, "state_not_found")  # deleted meanwhile
@@ -565,6 +568,10 @@ class Front:
         handles: list[str] | str = await self.call(replicas[to], "adopt", tenant, files, card) if files else []
         if handles == EXISTS_REPLY:  # another move of this name got there first
             return error_response(409, f"{name!r} is moving to {to} already", None, "state_changed")
+        if handles == QUOTA_REPLY:  # it kept none of them: the name stays where it is
+            return error_response(413, f"{name!r} does not fit {to}'s state disk quota (--state-disk-quota); nothing "
+                                  "moved: delete states there or move it elsewhere", None,
+                                  "state_quota_exceeded")  # fmt: skip
         assert isinstance(handles, list)
         await self.directory.record.remote(key, to)
         t2 = time.perf_counter()

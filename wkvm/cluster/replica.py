@@ -18,6 +18,7 @@ import os
 import threading
 import time
 import warnings
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -32,22 +33,25 @@ from wkvm.cluster.forward import (
     EXISTS_REPLY,
     MISROUTED,
     MISROUTED_REPLY,
+    QUOTA_REPLY,
     SAVING_REPLY,
     ForwardedRequest,
     Handover,
     Head,
     response_key,
     run_asgi,
+    saved_names,
     state_key,
 )
 from wkvm.config import ServerConfig
 from wkvm.logs import wkvm_logger
 from wkvm.server.app import create_app
+from wkvm.server.asgi import tenant_of
 from wkvm.server.context import ServerContext
 from wkvm.server.handover import HandoverError, LiveStream, Moved, MoveFuture, parse_marker
 from wkvm.server.handover import decode as decode_ticket
 from wkvm.server.handover import encode as encode_ticket
-from wkvm.state.quota import StoreLimits, is_internal
+from wkvm.state.quota import QuotaExceeded, StoreLimits, is_internal
 from wkvm.state.sessions import ParkedCopy, SessionKey
 from wkvm.state.store import StateDirInUse, StateNotFound, StateStore
 
@@ -93,6 +97,7 @@ class EngineReplica:
         self.ctx.holds_name = self._holds_name
         self._stopped = threading.Event()
         self._pushed: dict[str, int] = {}  # tickets pushed to the directory (`_push`) -> their bytes
+        self._saving: Counter[tuple[str, str]] = Counter()  # (tenant, name) -> requests here that will save it
         self._drain = threading.Thread(target=self._drain_when_stopping, name="wkvm-drain", daemon=True)
         self._drain.start()
         self._watch = threading.Thread(target=self._watch_directory, name="wkvm-directory-watch", daemon=True)
@@ -144,16 +149,25 @@ class EngineReplica:
             if not incoming:
                 incoming = asyncio.create_task(pushed_ticket(self.directory, handover.ticket, CALL_SECONDS))
             self.ctx.handovers.put_in(handover.ticket, incoming, asyncio.create_task(self._precopy_in(handover)))
-        async for part in run_asgi(self.app, req, self.slot):
-            mark = parse_marker(part) if isinstance(part, bytes) else None
-            if mark is None:
-                yield part
-                continue
-            ticket, to = mark
-            if ticket in self._pushed:  # on its way to the destination's call since the request stopped (`_push`)
-                yield Handover(to, ticket, pushed=self._pushed.pop(ticket))
-            elif (data := self.ctx.handovers.take_out(ticket)) is not None:
-                yield Handover(to, ticket, data)
+        tenant = tenant_of(req.scope(), self.ctx.keys) or "anonymous"
+        saving = [(tenant, name) for name in saved_names(req)]
+        self._saving.update(saving)  # `export_name` refuses to move these names while this runs
+        try:
+            async for part in run_asgi(self.app, req, self.slot):
+                mark = parse_marker(part) if isinstance(part, bytes) else None
+                if mark is None:
+                    yield part
+                    continue
+                ticket, to = mark
+                if ticket in self._pushed:  # on its way to the destination's call since the request stopped (`_push`)
+                    yield Handover(to, ticket, pushed=self._pushed.pop(ticket))
+                elif (data := self.ctx.handovers.take_out(ticket)) is not None:
+                    yield Handover(to, ticket, data)
+        finally:
+            self._saving.subtract(saving)
+            for k in saving:
+                if self._saving[k] <= 0:
+                    del self._saving[k]
 
     async def move_stream(self, tenant: str, stream_id: str, to: str, ticket: str | None = None,
                           precopy: bool = False, **route: object) -> dict[str, Any] | str:  # fmt: skip
@@ -280,6 +294,8 @@ class EngineReplica:
             handles = self._call(replica_id, "adopt", tenant, files, self._name_card(tenant, name)) if files else []
             if handles == EXISTS_REPLY:
                 raise ValueError(f"{name!r} is on {slot} already (another move took it there)")
+            if handles == QUOTA_REPLY:
+                raise ValueError(f"{name!r} does not fit {slot}'s --state-disk-quota: it stays here")
             ray.get(self.directory.record.remote(state_key(tenant, name), slot))
             self._drop(tenant, name, [int(h.rsplit("@", 1)[1]) for h in handles])
         except Exception:
@@ -312,9 +328,9 @@ class EngineReplica:
         while a request running here will save the name's next version (`save_state`)."""
         if self.misrouted(route):
             return MISROUTED_REPLY
-        if refuse_saving and any(s.tenant == tenant and s.saves == name and not s.done
-                                 for s in self.ctx.handovers.live()):  # fmt: skip
-            return SAVING_REPLY
+        if refuse_saving and (self._saving[(tenant, name)] > 0 or any(
+                s.tenant == tenant and s.saves == name and not s.done for s in self.ctx.handovers.live())):
+            return SAVING_REPLY  # any request that saves it (create, fork, save_as, ...), not only a movable stream
         return await asyncio.to_thread(self._export, tenant, name)
 
     def _export(self, tenant: str, name: str) -> list[bytes]:
@@ -354,7 +370,15 @@ class EngineReplica:
         store = self.ctx.store
 
         def adopt_all() -> list[str]:
-            handles = [store.adopt_bytes(tenant, f).handle for f in files]
+            handles: list[str] = []
+            try:
+                for f in files:
+                    handles.append(store.adopt_bytes(tenant, f).handle)
+            except QuotaExceeded:  # none kept: the name stays whole on its source
+                for h in handles:
+                    with contextlib.suppress(StateNotFound):
+                        store.delete(tenant, h)
+                raise
             if card is not None and handles:
                 name, top = handles[0].rsplit("@", 1)[0], max(int(h.rsplit("@", 1)[1]) for h in handles)
                 if card[0] > top:  # its newest versions were deleted (else adopting them recorded it)
@@ -365,6 +389,8 @@ class EngineReplica:
 
         try:
             return await asyncio.to_thread(adopt_all)
+        except QuotaExceeded:
+            return QUOTA_REPLY
         except ValueError as e:
             if "exists already" in str(e):  # another move of the name got here first
                 return EXISTS_REPLY
