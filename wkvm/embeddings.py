@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,19 +32,35 @@ class EmbeddingModel:
                              "fetches all-MiniLM-L6-v2 into models/")  # fmt: skip
         self.name = p.name
         self.model: Any = SentenceTransformer(str(p), device=device, local_files_only=True)
+        first: Any = self.model[0]
+        if not hasattr(first, "auto_model"):  # e.g. StaticEmbedding: no token ids in, an infinite max_seq_length
+            raise ValueError(f"{p}: its first module is {type(first).__name__}; wkvm serves sentence-transformers "
+                             "models whose first module is a Transformer (e.g. all-MiniLM-L6-v2)")  # fmt: skip
         self.tokenizer: Any = self.model.tokenizer
         self.dimensions = int(self.model.get_embedding_dimension() or 0)
         self.max_tokens = int(self.model.max_seq_length or 512)
-        self.vocab_size = int(self.tokenizer.vocab_size)
+        # the embedding matrix's rows: the tokenizer's vocab_size leaves out tokens added above it (Qwen3-Embedding's
+        # <|endoftext|>, which its tokenizer appends to every text: each one had been refused)
+        embedding = first.auto_model.get_input_embeddings()
+        self.vocab_size = int(getattr(embedding, "num_embeddings", 0) or len(self.tokenizer))
+        # the model's default prompt (config_sentence_transformers.json), prepended to texts as its `encode` does
+        name = getattr(self.model, "default_prompt_name", None)
+        self.prompt: str | None = (getattr(self.model, "prompts", None) or {}).get(name) if name else None
+        self.prompt_length: int | None = None  # the prompt's tokens, for a pooling that leaves them out
+        if self.prompt:
+            length = getattr(first, "_get_prompt_length", None)
+            self.prompt_length = int(length(self.prompt)) if length else len(self.token_ids("")) - 1
         self._lock = threading.Lock()  # one batch at a time: the model's threads are shared
+        self.executor = ThreadPoolExecutor(1, "wkvm-embed")  # requests wait for it in its queue, holding no thread
 
     def token_ids(self, text: str) -> list[int]:
         """The ids the model embeds for `text`, its special tokens included."""
-        ids: list[int] = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        ids: list[int] = self.tokenizer((self.prompt or "") + text, add_special_tokens=True)["input_ids"]
         return ids
 
-    def embed(self, inputs: list[list[int]]) -> torch.Tensor:
-        """Token-id inputs (special tokens included, as `token_ids` gives them) -> [N, dimensions] fp32, batched."""
+    def embed(self, inputs: list[list[int]], prompted: bool = False) -> torch.Tensor:
+        """Token-id inputs (special tokens included, as `token_ids` gives them; `prompted`: each starts with the
+        model's prompt, as `token_ids` gives a text) -> [N, dimensions] fp32, batched."""
         for i, ids in enumerate(inputs):
             if not ids:
                 raise EmbeddingInputError(f"input {i} is empty")
@@ -54,9 +71,10 @@ class EmbeddingModel:
             if bad is not None:
                 raise EmbeddingInputError(f"input {i}: token id {bad} is outside the vocabulary "
                                           f"0..{self.vocab_size - 1}")  # fmt: skip
-        return torch.cat([self._forward(inputs[i : i + BATCH]) for i in range(0, len(inputs), BATCH)])
+        prompt_length = self.prompt_length if prompted else None
+        return torch.cat([self._forward(inputs[i : i + BATCH], prompt_length) for i in range(0, len(inputs), BATCH)])
 
-    def _forward(self, inputs: list[list[int]]) -> torch.Tensor:
+    def _forward(self, inputs: list[list[int]], prompt_length: int | None) -> torch.Tensor:
         n = max(len(ids) for ids in inputs)
         input_ids = torch.zeros(len(inputs), n, dtype=torch.long)
         mask = torch.zeros(len(inputs), n, dtype=torch.long)
@@ -64,6 +82,8 @@ class EmbeddingModel:
             input_ids[i, : len(ids)] = torch.tensor(ids)
             mask[i, : len(ids)] = 1
         features = {"input_ids": input_ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(input_ids)}
+        if prompt_length is not None:
+            features["prompt_length"] = prompt_length  # type: ignore[assignment]  # read by a prompt-aware pooling
         with self._lock, torch.inference_mode():
             out: torch.Tensor = self.model(features)["sentence_embedding"]
         return out.float()

@@ -86,7 +86,11 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
         """What is running (as vLLM's /version, plus the model's identity)."""
         import torch
 
-        ctx.require_ready()
+        ctx.require_ready(generative=False)  # an embeddings-only server had answered 404
+        if not ctx.generative:
+            embedder = ctx.embedder
+            return {"version": __version__, "torch": torch.__version__, "model": None,
+                    "embeddings": embedder.name if embedder else None}  # fmt: skip
         return {"version": __version__, "torch": torch.__version__, "model": ctx.model_name,
                 "family": ctx.model.spec.family, "fingerprint": ctx.model.fingerprint}  # fmt: skip
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, params
-from starlette.concurrency import run_in_threadpool
 
 from wkvm.embeddings import EmbeddingInputError
 from wkvm.server.context import ServerContext
@@ -50,10 +50,10 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         def tokenized_and_embedded() -> tuple[list[list[int]], torch.Tensor]:
             # off the event loop: one long text took seconds to tokenize, and every other request waited
             ids = [model.token_ids(t) if isinstance(t, str) else t for t in texts]
-            return ids, model.embed(ids)
+            return ids, model.embed(ids, prompted=isinstance(texts[0], str))
 
-        try:
-            ids, vectors = await run_in_threadpool(tokenized_and_embedded)
+        try:  # on the model's own thread: waiting in the shared pool, a burst had held /health 8 s behind it
+            ids, vectors = await asyncio.get_running_loop().run_in_executor(model.executor, tokenized_and_embedded)
         except EmbeddingInputError as e:
             raise APIError(400, str(e), "input", "invalid_value") from None
         data = [{"object": "embedding", "index": i, "embedding": encode(v.tolist(), body.encoding_format)}

@@ -236,8 +236,10 @@ class Watch:
         now = time.monotonic()
         m = self.ctx.metrics
         if ev.token_ids:
-            if i in self.last:
-                m.itl.observe((now - self.last[i]) / len(ev.token_ids))
+            if i in self.last:  # one sample a token, as vLLM's inter_token_latency (k tokens had been one sample)
+                gap = (now - self.last[i]) / len(ev.token_ids)
+                for _ in ev.token_ids:
+                    m.itl.observe(gap)
             else:
                 m.ttft.observe(now - self.t0)
             self.last[i] = now

@@ -1,0 +1,125 @@
+"""/v1/embeddings on tiny random sentence-transformers models built here (runs everywhere; tests/test_embeddings.py
+runs all-MiniLM-L6-v2 where `make minilm` could fetch it): vectors equal the model's own `encode` with a default
+prompt and with a token added above the tokenizer's vocab_size; a burst of embedding requests holds no thread other
+routes need; /version answers on an embeddings-only server; a model wkvm cannot run is refused at load, saying why."""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from live_server import LiveServer
+
+pytest.importorskip("sentence_transformers")
+
+WORDS = ["a", "man", "is", "eating", "food", "the", "stock", "market", "fell", "sharply", "today", "hello", "world"]
+
+
+def tiny_model(path: Path, eos: bool = False, prompt: str | None = None) -> Path:
+    """A 2-layer random BERT with mean pooling and normalisation, in sentence-transformers' format; `eos`: its
+    tokenizer appends an added token whose id is past the tokenizer's vocab_size (as Qwen3-Embedding's does);
+    `prompt`: config_sentence_transformers.json's default prompt."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted(set(WORDS)), *"abcdefghijklmnopqrstuvwxyz.,!?"]
+    tk = Tokenizer(models.WordPiece({w: i for i, w in enumerate(vocab)}, unk_token="[UNK]"))
+    tk.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tk.decoder = decoders.WordPiece()
+    extra = ["[EOS]"] if eos else []
+    tk.add_special_tokens(extra)
+    tail = " [EOS]" if eos else ""
+    tk.post_processor = processors.TemplateProcessing(
+        single=f"[CLS] $A [SEP]{tail}", special_tokens=[("[CLS]", 2), ("[SEP]", 3), *((t, len(vocab)) for t in extra)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+                                  sep_token="[SEP]", mask_token="[MASK]", model_max_length=64)  # fmt: skip
+    path.mkdir(parents=True)
+    tok.save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=len(vocab) + len(extra), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+    BertModel(cfg).save_pretrained(path)
+    t = Transformer(str(path), max_seq_length=32)
+    st = SentenceTransformer(modules=[t, Pooling(t.get_embedding_dimension(), pooling_mode="mean"), Normalize()])
+    if prompt is not None:
+        st.prompts, st.default_prompt_name = {"query": prompt, "document": ""}, "query"
+    st.save(str(path))
+    return path
+
+
+def encoded(path: Path, texts: list[str]) -> torch.Tensor:
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(path), local_files_only=True).encode(texts, convert_to_tensor=True).float()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("embedders")
+    return {"plain": tiny_model(root / "plain"), "eos": tiny_model(root / "eos", eos=True),
+            "prompt": tiny_model(root / "prompt", prompt="the ")}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["plain", "eos", "prompt"])
+def test_vectors_equal_the_models_own_encode(models, kind):
+    """`eos`: its tokenizer's vocab_size leaves the appended token out, and every text had been refused (token id
+    outside the vocabulary); `prompt`: the default prompt had been left out (vectors off by ~0.1)."""
+    texts = ["hello world", "a man is eating food.", "the stock market fell sharply today"]
+    with LiveServer(model="none", embeddings=str(models[kind])) as s:
+        r = httpx.post(f"{s.url}/v1/embeddings", json={"input": texts}, timeout=60)
+        assert r.status_code == 200, r.text
+        got = torch.tensor([d["embedding"] for d in r.json()["data"]])
+        version = httpx.get(f"{s.url}/version")  # an embeddings-only server had answered 404
+        assert version.status_code == 200 and version.json()["embeddings"] == kind, version.text
+    torch.testing.assert_close(got, encoded(models[kind], texts), atol=1e-6, rtol=0)
+    if kind == "prompt":
+        config = json.loads((models[kind] / "config_sentence_transformers.json").read_text())
+        assert config["default_prompt_name"] == "query"
+
+
+def test_waiting_embedding_requests_hold_no_thread_other_routes_need(models, monkeypatch):
+    """Each waiting embedding request had held one of the shared pool's 40 threads: a burst held /health (a plain
+    `def` route, run in that pool) behind the whole burst. Here the model is held until /health has answered: before,
+    /health could not answer until it was let go."""
+    from wkvm.embeddings import EmbeddingModel
+
+    release, started = threading.Event(), threading.Event()
+    original = EmbeddingModel.embed
+
+    def held(self, inputs, prompted=False):
+        started.set()
+        release.wait(60)
+        return original(self, inputs, prompted)
+
+    monkeypatch.setattr(EmbeddingModel, "embed", held)
+    with LiveServer(model="none", embeddings=str(models["plain"])) as s, ThreadPoolExecutor(60) as pool:
+        answers = [pool.submit(httpx.post, f"{s.url}/v1/embeddings", json={"input": "hello"}, timeout=120)
+                   for _ in range(60)]  # fmt: skip
+        assert started.wait(30)
+        try:
+            health = httpx.get(f"{s.url}/health", timeout=20)
+        finally:
+            release.set()
+        assert health.status_code == 200
+        assert all(a.result().status_code == 200 for a in answers)
+
+
+def test_a_model_whose_first_module_takes_no_token_ids_is_refused_at_load(models, tmp_path):
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import StaticEmbedding
+    from tokenizers import Tokenizer
+
+    from wkvm.embeddings import EmbeddingModel
+
+    tk = Tokenizer.from_file(str(models["plain"] / "tokenizer.json"))
+    SentenceTransformer(modules=[StaticEmbedding(tk, embedding_dim=8)]).save(str(tmp_path / "static"))
+    with pytest.raises(ValueError, match="first module is StaticEmbedding"):  # it had been an OverflowError
+        EmbeddingModel(tmp_path / "static")
