@@ -197,6 +197,34 @@ def test_configs_transformers_reads_otherwise_are_followed_or_refused(tmp_path):
         load_model(shards)
 
 
+def test_a_mistral_config_whose_window_never_applies_runs_as_transformers_runs_it(tmp_path):
+    """Mistral 7B v0.2 and later are Llamas under model_type "mistral" with sliding_window null (had been refused as
+    an unknown model_type); a window shorter than the context is refused, not run as full attention."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    ids = prompt(GGUF_SHAPE["vocab_size"], 20, seed=3)
+    for window, path in ((None, tmp_path / "null"), (64, tmp_path / "wide"), (8, tmp_path / "short")):
+        torch.manual_seed(2)
+        cfg = MistralConfig(**GGUF_SHAPE, sliding_window=window, max_position_embeddings=64, rms_norm_eps=1e-5,
+                            bos_token_id=None, eos_token_id=None, pad_token_id=None)  # fmt: skip
+        ref = MistralForCausalLM(cfg).eval()
+        ref.save_pretrained(path, safe_serialization=True)
+        if window == 8:
+            with pytest.raises(CheckpointError, match="sliding_window 8"):
+                load_model(path)
+            continue
+        model = load_model(path)
+        torch.testing.assert_close(model.prefill(ids, all_logits=True)[0], hf_logits(ref, ids), atol=ATOL, rtol=0)
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids) :].tolist()
+        logits, state = model.prefill(ids)
+        got = []
+        for _ in range(8):
+            got.append(int(logits.argmax()))
+            logits = model.decode([got[-1]], state)[0]
+        assert got == want
+
+
 # --- GGUF -------------------------------------------------------------------------------------------------------
 def hf_from_gguf_arrays(model: LlamaForCausalLM, stored: dict[str, np.ndarray]) -> LlamaForCausalLM:
     """`model` with the weights a GGUF reader sees (dequantized, Q and K permuted back)."""

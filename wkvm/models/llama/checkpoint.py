@@ -18,7 +18,7 @@ from wkvm.models.llama.model import EMBED, HEAD
 
 HF_FORMAT = "hf"
 GGUF_FORMAT = "gguf"
-HF_MODEL_TYPES: tuple[str, ...] = ("llama",)
+HF_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral")  # Mistral: a Llama whose sliding window never applies
 
 
 def detect(path: Path) -> str | None:

@@ -81,6 +81,11 @@ class LlamaConfig:
             if hf.get(flag):
                 raise CheckpointError(f"Llama config.json sets {flag}: biased projections are not supported")
         check_silu(hf, "Llama")
+        window, context = hf.get("sliding_window"), hf.get("max_position_embeddings")
+        if hf.get("model_type") == "mistral" and window is not None and not (context and int(window) >= int(context)):
+            raise CheckpointError(f"Mistral config.json sets sliding_window {window} (below max_position_embeddings "
+                                  f"{context}): sliding-window attention is not supported; Mistral 7B v0.2 and later "
+                                  "set it to null")  # fmt: skip
         if any(k.endswith(".bias") for k in raw):
             raise CheckpointError("Llama checkpoint has bias tensors: biased projections are not supported")
         require(raw, [EMBED, FINAL_NORM] + [f"model.layers.0.{k}" for k in LAYER_RAW], "Llama")
