@@ -107,6 +107,10 @@ def test_unreadable_inputs_are_refused_with_reason(tmp_path):
     torch.save(raw, tmp_path / "y.pth")
     with pytest.raises(CheckpointError, match="blocks.1.att.k_k"):
         load_model(tmp_path / "y.pth")
+    raw["blocks.1.att.k_k"] = 5  # not a tensor: it had been an AttributeError traceback
+    torch.save(raw, tmp_path / "y.pth")
+    with pytest.raises(CheckpointError, match=r"'blocks.1.att.k_k' is not a tensor \(int\)"):
+        load_model(tmp_path / "y.pth")
 
 
 def test_tensors_that_do_not_fit_or_hold_nan_are_refused_at_load(tmp_path, tiny_pth):

@@ -54,6 +54,8 @@ def read_pth(path: str | os.PathLike[str]) -> RawTensors:
     obj = torch.load(_pth_file(path), map_location="cpu", weights_only=True, mmap=True)
     if not isinstance(obj, dict) or "emb.weight" not in obj:
         raise CheckpointError(f"{path}: not an RWKV-7 state dict (no 'emb.weight')")
+    if bad := next((k for k, v in obj.items() if not isinstance(v, torch.Tensor)), None):  # had been AttributeError
+        raise CheckpointError(f"{path}: {bad!r} is not a tensor ({type(obj[bad]).__name__})")
     return dict(obj)
 
 
