@@ -303,3 +303,24 @@ def test_convert_keeps_tokenizer_and_chat_template(tmp_path):
         tpl = load_chat_template(tmp_path / dst)
         assert load_tokenizer(tmp_path / dst).encode("ROMEO: hi") == want[0], dst
         assert (tpl.render(msgs), tpl.stop) == (want[1].render(msgs), want[1].stop), dst
+
+
+def test_convert_writes_the_tokenizer_before_the_weights_and_leaves_nothing_when_it_fails(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """Cut short after the weights, a converted .pth had loaded with the World tokenizer (its own came after); a
+    failed conversion leaves no companion files that would block the next try ("already exists")."""
+    from wkvm.cli import EMBEDDED_MODEL
+    from wkvm.models.rwkv7.family import FAMILY
+    from wkvm.tokenizer import companion_path
+
+    seen = []
+
+    def convert(src, dst):
+        seen.append(companion_path(dst, "tokenizer.json").is_file())
+        raise OSError("disk full")
+
+    monkeypatch.setattr(FAMILY, "convert", convert)
+    for dst in (tmp_path / "m.pth", tmp_path / "hf"):
+        assert main(["convert", str(EMBEDDED_MODEL), str(dst)]) == 2
+        assert not dst.exists() and not companion_path(dst, "tokenizer.json").exists(), dst
+    assert seen == [True, True] and "disk full" in capsys.readouterr().err

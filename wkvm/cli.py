@@ -318,7 +318,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from wkvm.models import registry
-    from wkvm.tokenizer import HFTokenizer, copy_companions, save_text_tools
+    from wkvm.tokenizer import HFTokenizer, companion_path, copy_companions, save_text_tools
     from wkvm.weights.loader import check_model_path, unreadable
 
     check_model_path(args.src)
@@ -328,17 +328,29 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if dst.is_file() or (dst.is_dir() and any(dst.iterdir())):
         raise ValueError(f"{dst} already exists{' and is not empty' if dst.is_dir() else ''}: convert into a new path "
                          "(or an empty directory)")  # fmt: skip
-    if args.pack:
-        from wkvm.weights.pack import write_pack
-
-        with unreadable(args.src, "a checkpoint"):
-            write_pack(args.src, args.dst)
-        what = "weight pack: manifest.json, globals and one file per layer"
-    else:
-        family, _ = registry.detect(args.src)
-        with unreadable(args.src, f"a {family.name} checkpoint"):
-            what = f"{family.name}, format {family.convert(Path(args.src), Path(args.dst))}"
+    # the tokenizer files first, the weights last: cut short after the weights, a .pth had loaded with the World
+    # tokenizer; cut short now, there are no weights (and a failed conversion takes its companions away)
+    made_dir = dst.suffix != ".pth" and not dst.exists()
+    if made_dir:
+        dst.mkdir(parents=True)
     copied = copy_companions(args.src, args.dst)
+    try:
+        if args.pack:
+            from wkvm.weights.pack import write_pack
+
+            with unreadable(args.src, "a checkpoint"):
+                write_pack(args.src, args.dst)
+            what = "weight pack: manifest.json, globals and one file per layer"
+        else:
+            family, _ = registry.detect(args.src)
+            with unreadable(args.src, f"a {family.name} checkpoint"):
+                what = f"{family.name}, format {family.convert(Path(args.src), Path(args.dst))}"
+    except BaseException:
+        for name in copied:
+            companion_path(args.dst, name).unlink(missing_ok=True)
+        if made_dir and dst.is_dir() and not any(dst.iterdir()):
+            dst.rmdir()
+        raise
     if args.pack and "tokenizer.json" not in copied:  # a tokenizer the checkpoint carries itself (GGUF metadata)
         family = registry.detect(args.src)[0]
         tokenizer = family.default_tokenizer(Path(args.src))  # None: the family has none (a weights-only pack)
