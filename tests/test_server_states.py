@@ -146,6 +146,11 @@ def test_bad_names_and_handles_are_400_not_500(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == "save_state"
     r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "state": "base@0"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "state"
+    # completions' fields the state's generate does not serve had been ignored (one choice, no echo, no suffix)
+    for field, value in (("n", 2), ("best_of", 3), ("echo", True), ("suffix", "!")):
+        r = c.post("/v1/states/base/generate", json={**greedy(2), field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert c.post("/v1/states/base/generate", json={**greedy(2), "n": 1, "echo": False}).status_code == 200
 
 
 def test_the_list_pages_in_handle_order(server):

@@ -217,6 +217,11 @@ class StateGenerateRequest(SamplingFields):
     prompt_ids: list[int] | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     save_as: str | None = None
+    # completions' fields this route does not serve: read only to refuse them (they had been ignored)
+    n: int | None = None
+    best_of: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
 
 
 ParamValue = Annotated[str, Field(max_length=MAX_TEXT_FIELD)] | int | float | bool | None

@@ -141,6 +141,12 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
     @r.post("/{handle}/generate", response_model=None)
     async def generate(handle: str, body: StateGenerateRequest, request: Request) -> dict[str, Any] | StreamingResponse:
         tenant = who(request)
+        for field, served in (("n", body.n in (None, 1)), ("best_of", body.best_of in (None, 1)),
+                              ("echo", not body.echo), ("suffix", body.suffix is None)):  # fmt: skip
+            if not served:  # answered as if never sent, a user had got one choice, no prompt, no suffix
+                raise APIError(400, f"{field} is not served by /v1/states/{{handle}}/generate (one answer from the "
+                               'state): send it to /v1/completions with "state": the handle', field,
+                               "unsupported")  # fmt: skip
         suffix = await prompt_of(body, required=False)
         params = gen.sampling_params(ctx, body, body.max_tokens, body.logprobs)
         await gen.check_grammar(ctx, params)
