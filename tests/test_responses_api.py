@@ -300,6 +300,18 @@ def test_bad_requests_are_400s_naming_the_field(server, body, param):
     assert r.json()["error"]["param"] == param, r.text
 
 
+def test_a_client_cannot_choose_its_response_id(server):
+    """The id header is a cluster front's (it strips a client's): a single server had taken it from the client, which
+    could then write over its own stored response."""
+    headers = {"Authorization": "Bearer key-a"}
+    first = httpx.post(f"{server.url}/v1/responses", json={"input": "hi", **GREEDY}, headers=headers, timeout=60).json()
+    again = httpx.post(f"{server.url}/v1/responses", json={"input": "other", **GREEDY}, timeout=60,
+                       headers={**headers, "x-wkvm-response-id": first["id"]}).json()  # fmt: skip
+    assert again["id"] != first["id"]
+    kept = httpx.get(f"{server.url}/v1/responses/{first['id']}", headers=headers).json()
+    assert kept["output"] == first["output"]
+
+
 def test_errors_name_the_responses_fields_in_their_words(server):
     r = httpx.post(f"{server.url}/v1/responses", json={"input": "hi", "max_output_tokens": 10**6},
                    headers={"Authorization": "Bearer key-a"}, timeout=60)  # fmt: skip

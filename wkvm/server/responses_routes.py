@@ -65,7 +65,9 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             raise APIError(400, "input: give the text or items to answer", "input", "invalid_value")
         check_calls_answered(conversation)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        given = request.headers.get(RESPONSE_ID_HEADER, "")
+        # only a cluster front names the id (it strips a client's header); a single server's client had chosen its own
+        # id, and written over its stored response
+        given = request.headers.get(RESPONSE_ID_HEADER, "") if ctx.config.replicas else ""
         shell = response_shell(ctx, body, given if RESPONSE_ID.fullmatch(given) else new_id("resp"))
         try:
             out = await chat_completion(ctx, chat_request(body, system + conversation), request, movable=False)
