@@ -124,6 +124,53 @@ def test_a_fork_leaves_pages_reserved_past_the_length_unshared():
     assert pool.num_free == 8 and not any(pool.refs)
 
 
+def test_a_forks_shared_partial_page_is_copied_even_with_pages_reserved_past_it():
+    """`reserve` looked at the table's last page for a shared partial one: with a page reserved past the length (a step
+    that raised) the source then appended into the page it shared with its fork."""
+    pool = PagePool(SPEC, n_pages=8, page_tokens=4)
+    a = SeqKV()
+    a.reserve(pool, 6)  # a full page and a partial one
+    kv = PagedKV(pool, [a], 6)
+    for layer in (0, 1):
+        feed(kv, layer, torch.Generator().manual_seed(layer), 1, 6)
+    kv.commit()
+    a.reserve(pool, 3)  # the next step's page past the length; its forward raises: not committed
+    b = a.fork(pool)
+    before = b.to_dense(pool)
+    a.reserve(pool, 1)
+    assert a.pages[1] != b.pages[1] and a.pages[0] == b.pages[0]  # the shared partial page copied for the appender
+    kv = PagedKV(pool, [a], 1)
+    for layer in (0, 1):
+        feed(kv, layer, torch.Generator().manual_seed(9), 1, 1)
+    kv.commit()
+    assert all(torch.equal(before[n], b.to_dense(pool)[n]) for n in before)
+    a.free(pool)
+    b.free(pool)
+    assert pool.num_free == 8 and not any(pool.refs)
+
+
+def test_the_arena_shares_a_kept_start_states_pages_until_it_is_let_go():
+    from wkvm.engine.arena import SlotArena
+
+    arena = SlotArena(HYBRID, n_slots=3, kv_pages=8, page_tokens=4)
+    assert arena.pool is not None
+    state = kv_state(6, seed=2)
+    assert arena.pages_to_start(state, 1) == 2
+    slots = [arena.alloc() for _ in range(3)]
+    arena.write(slots[0], state, keep=True)  # 2 pages, held for the next
+    assert arena.pool.num_free == 6 and arena.pages_to_start(state, 1) == 1  # only the partial page's copy
+    arena.write(slots[1], state, keep=True)
+    arena.write(slots[2], state)  # the last: the kept pages go (the slots still share them)
+    assert arena.pool.num_free == 6 and not arena._kept
+    assert all(torch.equal(arena.read(s)[n], state[n]) for s in slots for n in state)
+    for s in slots:
+        arena.free(s)
+    assert arena.pool.num_free == 8 and not any(arena.pool.refs)
+    arena.write(arena.alloc(), state, keep=True)
+    arena.let_go(state)  # a waiting choice ended: nothing else will start from it
+    assert not arena._kept and arena.pool.num_free == 6
+
+
 def test_dense_round_trip_and_all_or_nothing_reservation():
     pool = PagePool(SPEC, n_pages=3, page_tokens=4)
     dense = {t.name: torch.randn(7, H_KV, D) for t in SPEC.tensors}

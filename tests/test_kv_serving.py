@@ -61,6 +61,54 @@ def test_a_short_pool_preempts_and_every_answer_is_exact(model, model_dir):
         assert h.output.token_ids == greedy_reference(model, p, 10)
 
 
+def peak_pages(pool) -> list[int]:
+    """Record the pool's pages in use after every page it hands out (its peak is the list's max)."""
+    peak = [pool.n_pages - pool.num_free]
+    alloc = pool.alloc
+
+    def counted() -> int:
+        page = alloc()
+        peak.append(pool.n_pages - pool.num_free)
+        return page
+
+    pool.alloc = counted
+    return peak
+
+
+@pytest.mark.parametrize("pages", [400, 70])
+def test_n_choices_share_their_prompts_pages(model, model_dir, pages):
+    """An n > 1 request's choices start from one prefilled state: each had written it into pages of its own (4 x 50
+    pages for a 200-token prompt); they fork one copy now, copy-on-write (each copies the partial last page and
+    takes its own for what it generates). With 70 pages (one prompt and a little) they still all finish, exactly."""
+    prompt = [(3 * j + 1) % len(CHAR_VOCAB) for j in range(202)]
+    eng = engine(model, model_dir, pages=pages, n_slots=4, token_budget=64, prefill_chunk=64)
+    assert eng.arena.pool is not None
+    peak = peak_pages(eng.arena.pool)
+    state = model.prefill(prompt[:-1])[1]
+    handles = [eng.submit(prompt[-1:], greedy(8), initial_state=state, base_ids=prompt[:-1]) for _ in range(4)]
+    eng.run_until_done()
+    want = greedy_reference(model, prompt, 8)
+    assert all(h.output.token_ids == want for h in handles)
+    shared = -(-201 // 4)  # 51 pages: 50 full and 1 partial
+    if pages == 400:  # nothing parked: the prompt once, then per choice its partial page's copy and 2 of its own
+        assert max(peak) <= shared + 4 * 3, max(peak)
+    assert eng.arena.pool.num_free == pages and not any(eng.arena.pool.refs) and not eng.arena._kept
+
+
+def test_an_n_request_over_http_holds_its_prompt_once(model, model_dir):
+    prompt = "".join(sorted(CHAR_VOCAB, key=CHAR_VOCAB.get)[(3 * j + 1) % len(CHAR_VOCAB)] for j in range(200))
+    kv_bytes = 400 * 4 * load_model(model_dir).spec.token_nbytes
+    with LiveServer(model=str(model_dir), kv_page_tokens=4, kv_cache_bytes=kv_bytes, slots=8) as s:
+        pool = s.ctx.client.engine.arena.pool
+        peak = peak_pages(pool)
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "n": 4}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert len({c["text"] for c in r.json()["choices"]}) == 1
+    n = r.json()["usage"]["prompt_tokens"]
+    assert max(peak) <= -(-n // 4) + 4 * 3, max(peak)  # had been 4 copies: 208 pages
+
+
 def test_a_finished_requests_keys_and_values_are_copied_off_the_step_and_its_pages_come_back(model, model_dir):
     """The final state's keys and values are copied out of the pages on another thread (they had held up every
     stream's step: 45-90 ms at 3.5k SmolLM2 tokens), with torch on one thread there (a second thread's parallel

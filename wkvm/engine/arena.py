@@ -36,6 +36,9 @@ class SlotArena:
         }
         self.pool = PagePool(spec, kv_pages, page_tokens, self.device, kv_dtype) if spec.has_kv else None
         self.kv: dict[int, SeqKV] = {}  # slot -> its pages (models with kv tensors only)
+        # start states several waiting requests share (an n > 1 request's choices: one object), by id: the state
+        # (held, so the id stays its own) and pages holding its keys and values, which each one's slot forks
+        self._kept: dict[int, tuple[State, SeqKV]] = {}
         # waits until pages that finished requests' copies hold are back; True if there were any (set by the Engine)
         self.reclaim: Callable[[], bool] = lambda: False
         self._free = list(range(n_slots))
@@ -105,9 +108,10 @@ class SlotArena:
         if self.pool is not None:
             self.kv.setdefault(slot, SeqKV()).reserve(self.pool, n_new)
 
-    def can_hold(self, n_tokens: int) -> bool:
-        """Whether a new sequence of `n_tokens` cached tokens fits the free KV pages (always, without kv)."""
-        return self.pool is None or -(-n_tokens // self.pool.page_tokens) <= self.pool.num_free
+    def can_start(self, state: State | None, n_new: int) -> bool:
+        """Whether a new sequence starting from `state` and taking `n_new` tokens fits the free KV pages (always,
+        without kv)."""
+        return self.pool is None or self.pages_to_start(state, n_new) <= self.pool.num_free
 
     def kv_batch(self, slots: list[int], n_new: int) -> PagedKV | None:
         """The attention view of `slots` feeding `n_new` tokens each (pages reserved); None without kv tensors.
@@ -142,13 +146,41 @@ class SlotArena:
             fixed.update({k: v.unsqueeze(0).to(device) for k, v in seq.to_dense(self.pool).items()})
         return fixed
 
-    def write(self, slot: int, state: State) -> None:
-        """Set one slot's state (batch dim 1); its kv tensors go into fresh pages (raises OutOfPages)."""
+    def write(self, slot: int, state: State, keep: bool = False) -> None:
+        """Set one slot's state (batch dim 1); its kv tensors go into fresh pages (raises OutOfPages), or share the
+        pages of the same state object written before with `keep` (copy-on-write: an n > 1 request's choices hold
+        their prompt's keys and values once). `keep`: more slots will start from this state object; the last write
+        without it lets the kept pages go."""
         self.spec.check(state)
         if self.pool is not None:
-            dense = {t.name: state[t.name][0] for t in self.spec.tensors if t.paged}
-            seq = SeqKV.from_dense(self.pool, dense)  # before dropping the old pages: all or nothing
+            kept = self._kept.get(id(state))
+            if kept is not None:
+                seq = kept[1].fork(self.pool)
+            else:
+                dense = {t.name: state[t.name][0] for t in self.spec.tensors if t.paged}
+                seq = SeqKV.from_dense(self.pool, dense)  # before dropping the old pages: all or nothing
+                if keep:
+                    self._kept[id(state)] = (state, seq.fork(self.pool))
+            if not keep:
+                self.let_go(state)
             self._drop_kv(slot)
             self.kv[slot] = seq
         for k, t in self.tensors.items():
             t[slot].copy_(state[k][0])
+
+    def let_go(self, state: State) -> None:
+        """No more slot starts from `state`: the pages kept for it go (those a slot shares stay with the slot)."""
+        kept = self._kept.pop(id(state), None)
+        if kept is not None and self.pool is not None:
+            kept[1].free(self.pool)
+
+    def pages_to_start(self, state: State | None, n_new: int) -> int:
+        """Free pages a new sequence starting from `state` needs to take `n_new` tokens: a state written before with
+        `keep` shares its pages (a partially filled last page is copied on the first append)."""
+        if self.pool is None:
+            return 0
+        P = self.pool.page_tokens
+        length = self.spec.kv_length(state) if state else 0
+        if state is not None and id(state) in self._kept:
+            return -(-(length + n_new) // P) - -(-length // P) + (length % P != 0 and n_new > 0)
+        return -(-(length + n_new) // P)

@@ -98,12 +98,14 @@ class SeqKV:
         appends to it), then new pages are taken. All or nothing: raises OutOfPages having taken none."""
         P = pool.page_tokens
         need = -(-(self.length + n_new) // P) - len(self.pages)
-        cow = bool(self.pages) and self.length % P != 0 and pool.refs[self.pages[-1]] > 1 and n_new > 0
-        if need + cow > pool.num_free:
-            raise OutOfPages(f"{need + cow} KV pages needed, {pool.num_free} free")
+        # the page the next token goes to (not the table's last: pages reserved past the length may follow it)
+        at = self.length // P
+        cow = n_new > 0 and self.length % P != 0 and at < len(self.pages) and pool.refs[self.pages[at]] > 1
+        if max(need, 0) + cow > pool.num_free:
+            raise OutOfPages(f"{max(need, 0) + cow} KV pages needed, {pool.num_free} free")
         if cow:
-            shared = self.pages[-1]
-            self.pages[-1] = pool.copy_page(shared)
+            shared = self.pages[at]
+            self.pages[at] = pool.copy_page(shared)
             pool.release(shared)
         self.pages += [pool.alloc() for _ in range(need)]
 

@@ -22,6 +22,7 @@ from wkvm.engine.arena import SlotArena
 from wkvm.engine.kv_pages import OutOfPages
 from wkvm.engine.request import Request, Status
 from wkvm.models.family import STEP_CHUNK
+from wkvm.models.spec import State
 
 
 @dataclass
@@ -81,8 +82,7 @@ class Scheduler:
                 break  # parked this step for want of KV pages: it waits for the next one
             n = self._take(head, budget)
             state = head.parked_state if head.parked_state is not None else head.initial_state
-            need = (self.arena.spec.kv_length(state) if state else 0) + n
-            if not self.arena.can_hold(need) and not (self.arena.reclaim() and self.arena.can_hold(need)):
+            if not self.arena.can_start(state, n) and not (self.arena.reclaim() and self.arena.can_start(state, n)):
                 break  # its keys and values and this step's tokens do not fit the free pages: wait, in order
             req = self.waiting.pop(0)
             if not self._admit(req):
@@ -149,8 +149,8 @@ class Scheduler:
         try:
             if req.status == Status.PARKED:
                 self.unpark(req)
-            elif req.initial_state is not None:
-                self.arena.write(slot, req.initial_state)
+            elif req.initial_state is not None:  # shared with requests still waiting (n > 1): its pages are kept
+                self.arena.write(slot, req.initial_state, keep=self._starts_from(req.initial_state))
         except OutOfPages:
             self.arena.free(slot)
             req.slot = None
@@ -187,3 +187,10 @@ class Scheduler:
             self.arena.free(req.slot)
             req.slot = None
         req.parked_state = None
+        if req.initial_state is not None and not self._starts_from(req.initial_state):
+            self.arena.let_go(req.initial_state)  # a choice ended while waiting: the pages kept for it go
+
+    def _starts_from(self, state: State) -> bool:
+        """Whether a waiting request will start from `state` (one never admitted: a parked one goes on from its
+        own copy)."""
+        return any(r.initial_state is state and r.parked_state is None for r in self.waiting)
