@@ -95,6 +95,27 @@ def test_n_choices_share_their_prompts_pages(model, model_dir, pages):
     assert eng.arena.pool.num_free == pages and not any(eng.arena.pool.refs) and not eng.arena._kept
 
 
+@pytest.mark.parametrize(("pages", "max_tokens"), [(6, 30), (2, 2)])
+def test_kept_pages_never_stop_choices_that_can_run_alone(model, model_dir, pages, max_tokens):
+    """Review of the sharing: with one slot, the running choice parked itself for pages its waiting sibling's kept
+    copy pinned, and neither could start again (6 pages); a kept first write needs its partial page's copy too, which
+    a 2-page pool cannot give (it waited for good). Kept pages go when the pool is short, and a start that cannot keep
+    goes alone: both finish, exactly, as before the sharing."""
+    prompt = [(3 * j + 1) % len(CHAR_VOCAB) for j in range(6)]
+    eng = engine(model, model_dir, pages=pages, n_slots=1, token_budget=16, prefill_chunk=8)
+    state = model.prefill(prompt[:-1])[1]
+    handles = [eng.submit(prompt[-1:], greedy(max_tokens), initial_state=state, base_ids=prompt[:-1])
+               for _ in range(2)]  # fmt: skip
+    for _ in range(400):
+        if not eng.scheduler.has_work:
+            break
+        eng.step()
+    assert not eng.scheduler.has_work
+    n = min(max_tokens, eng.runner.context_limit - len(prompt))  # the pool is the context: 18 tokens with 6 pages
+    assert all(h.output.token_ids == greedy_reference(model, prompt, n) for h in handles)
+    assert eng.arena.pool is not None and eng.arena.pool.num_free == pages and not eng.arena._kept
+
+
 def test_an_n_request_over_http_holds_its_prompt_once(model, model_dir):
     prompt = "".join(sorted(CHAR_VOCAB, key=CHAR_VOCAB.get)[(3 * j + 1) % len(CHAR_VOCAB)] for j in range(200))
     kv_bytes = 400 * 4 * load_model(model_dir).spec.token_nbytes

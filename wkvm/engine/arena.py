@@ -108,10 +108,10 @@ class SlotArena:
         if self.pool is not None:
             self.kv.setdefault(slot, SeqKV()).reserve(self.pool, n_new)
 
-    def can_start(self, state: State | None, n_new: int) -> bool:
-        """Whether a new sequence starting from `state` and taking `n_new` tokens fits the free KV pages (always,
-        without kv)."""
-        return self.pool is None or self.pages_to_start(state, n_new) <= self.pool.num_free
+    def can_start(self, state: State | None, n_new: int, keep: bool = False) -> bool:
+        """Whether a new sequence starting from `state` (written with `keep`) and taking `n_new` tokens fits the free
+        KV pages (always, without kv)."""
+        return self.pool is None or self.pages_to_start(state, n_new, keep) <= self.pool.num_free
 
     def kv_batch(self, slots: list[int], n_new: int) -> PagedKV | None:
         """The attention view of `slots` feeding `n_new` tokens each (pages reserved); None without kv tensors.
@@ -174,13 +174,24 @@ class SlotArena:
         if kept is not None and self.pool is not None:
             kept[1].free(self.pool)
 
-    def pages_to_start(self, state: State | None, n_new: int) -> int:
+    def let_go_all(self) -> bool:
+        """Every kept start state's pages (a cache: the waiting requests hold their states, and the next one admitted
+        writes its own); True if there were any. Called when the pool is short: kept pages had pinned it while a
+        parked sibling, first in line, waited for pages for good."""
+        kept = list(self._kept.values())
+        for state, _ in kept:
+            self.let_go(state)
+        return bool(kept)
+
+    def pages_to_start(self, state: State | None, n_new: int, keep: bool = False) -> int:
         """Free pages a new sequence starting from `state` needs to take `n_new` tokens: a state written before with
-        `keep` shares its pages (a partially filled last page is copied on the first append)."""
+        `keep` shares its pages, and one written now with `keep` shares them at once (either way, a partially filled
+        last page is copied on the first append)."""
         if self.pool is None:
             return 0
         P = self.pool.page_tokens
         length = self.spec.kv_length(state) if state else 0
+        copied = int(length % P != 0 and n_new > 0)
         if state is not None and id(state) in self._kept:
-            return -(-(length + n_new) // P) - -(-length // P) + (length % P != 0 and n_new > 0)
-        return -(-(length + n_new) // P)
+            return -(-(length + n_new) // P) - -(-length // P) + copied
+        return -(-(length + n_new) // P) + (copied if keep else 0)

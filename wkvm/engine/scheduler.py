@@ -82,10 +82,13 @@ class Scheduler:
                 break  # parked this step for want of KV pages: it waits for the next one
             n = self._take(head, budget)
             state = head.parked_state if head.parked_state is not None else head.initial_state
-            if not self.arena.can_start(state, n) and not (self.arena.reclaim() and self.arena.can_start(state, n)):
-                break  # its keys and values and this step's tokens do not fit the free pages: wait, in order
+            keep = head.parked_state is None and state is not None and self._starts_from(state, but=head)
+            if not self._can_start(state, n, keep):
+                if not (keep and self._can_start(state, n, False)):
+                    break  # its keys and values and this step's tokens do not fit the free pages: wait, in order
+                keep = False  # kept, its pages would leave too few for its partial page's copy: it goes alone
             req = self.waiting.pop(0)
-            if not self._admit(req):
+            if not self._admit(req, keep):
                 self.waiting.insert(0, req)
                 break
             if n and not self._pages_for(req, n, work, parked):
@@ -96,6 +99,13 @@ class Scheduler:
         for req in self.running:
             req.check_invariant()
         return ScheduledBatch(work, parked)
+
+    def _can_start(self, state: State | None, n: int, keep: bool) -> bool:
+        """Whether a waiting request's start fits the free pages, after taking back pages finished requests' copies
+        hold and then the pages kept for n > 1 choices (when the head cannot start: they would pin them for good)."""
+        arena = self.arena
+        return (arena.can_start(state, n, keep) or (arena.reclaim() and arena.can_start(state, n, keep))
+                or (arena.let_go_all() and arena.can_start(state, n, keep)))  # fmt: skip
 
     def _take(self, req: Request, budget: int) -> int:
         if req.gap <= 0:
@@ -129,8 +139,8 @@ class Scheduler:
                 self.arena.reserve(req.slot, n)
                 return True
             except OutOfPages:
-                if self.arena.reclaim():  # pages a finished request's copy held are back: try again
-                    continue
+                if self.arena.reclaim() or self.arena.let_go_all():  # pages came back (a finished request's copy,
+                    continue  # or those kept for choices yet to start): try again before parking anyone
                 scheduled = {id(r) for r, _ in work}
                 others = [r for r in self.running if r is not req and id(r) not in scheduled]
                 victim = max(others, key=lambda r: r.sort_key, default=None)
@@ -141,8 +151,9 @@ class Scheduler:
                 if victim is req:
                     return False
 
-    def _admit(self, req: Request) -> bool:
-        """Give `req` a slot and its state; False (nothing changed) when its keys and values do not fit the pool."""
+    def _admit(self, req: Request, keep: bool = False) -> bool:
+        """Give `req` a slot and its state (`keep`: its start state's pages kept for other waiting requests starting
+        from it); False (nothing changed) when its keys and values do not fit the pool."""
         slot = self.arena.alloc()
         assert slot is not None
         req.slot = slot
@@ -150,7 +161,7 @@ class Scheduler:
             if req.status == Status.PARKED:
                 self.unpark(req)
             elif req.initial_state is not None:  # shared with requests still waiting (n > 1): its pages are kept
-                self.arena.write(slot, req.initial_state, keep=self._starts_from(req.initial_state))
+                self.arena.write(slot, req.initial_state, keep=keep)
         except OutOfPages:
             self.arena.free(slot)
             req.slot = None
@@ -190,7 +201,7 @@ class Scheduler:
         if req.initial_state is not None and not self._starts_from(req.initial_state):
             self.arena.let_go(req.initial_state)  # a choice ended while waiting: the pages kept for it go
 
-    def _starts_from(self, state: State) -> bool:
-        """Whether a waiting request will start from `state` (one never admitted: a parked one goes on from its
-        own copy)."""
-        return any(r.initial_state is state and r.parked_state is None for r in self.waiting)
+    def _starts_from(self, state: State, but: Request | None = None) -> bool:
+        """Whether a waiting request (other than `but`) will start from `state` (one never admitted: a parked one goes
+        on from its own copy)."""
+        return any(r.initial_state is state and r.parked_state is None and r is not but for r in self.waiting)
