@@ -324,3 +324,18 @@ def test_convert_writes_the_tokenizer_before_the_weights_and_leaves_nothing_when
         assert main(["convert", str(EMBEDDED_MODEL), str(dst)]) == 2
         assert not dst.exists() and not companion_path(dst, "tokenizer.json").exists(), dst
     assert seen == [True, True] and "disk full" in capsys.readouterr().err
+    from wkvm import tokenizer
+
+    write, calls = tokenizer.atomic_write_bytes, []
+
+    def full_after_one(path, data):  # the disk fills while the tokenizer files are copied
+        calls.append(path)
+        if len(calls) > 1:
+            raise OSError("disk full")
+        write(path, data)
+
+    monkeypatch.setattr(tokenizer, "atomic_write_bytes", full_after_one)
+    for dst in (tmp_path / "m2.pth", tmp_path / "hf2"):
+        calls.clear()
+        assert main(["convert", str(EMBEDDED_MODEL), str(dst)]) == 2
+        assert len(calls) == 2 and not dst.exists() and not any(p.exists() for p in calls), dst

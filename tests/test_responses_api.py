@@ -317,6 +317,10 @@ def test_errors_name_the_responses_fields_in_their_words(server):
                    headers={"Authorization": "Bearer key-a"}, timeout=60)  # fmt: skip
     message = r.json()["error"]["message"]
     assert "max_output_tokens" in message and "max_tokens" not in message, message
+    from wkvm.server.responses_routes import responses_text
+
+    said = responses_text("response_format.json_schema.schema: bad; the tool 'max_tokens' (a user's name) is kept")
+    assert said == "text.format.schema: bad; the tool 'max_tokens' (a user's name) is kept"
 
 
 def test_stored_responses_survive_a_restart(char_model, tmp_path):

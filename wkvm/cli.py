@@ -318,7 +318,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from wkvm.models import registry
-    from wkvm.tokenizer import HFTokenizer, companion_path, copy_companions, save_text_tools
+    from wkvm.tokenizer import COMPANIONS, HFTokenizer, companion_path, copy_companions, save_text_tools
     from wkvm.weights.loader import check_model_path, unreadable
 
     check_model_path(args.src)
@@ -333,8 +333,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     made_dir = dst.suffix != ".pth" and not dst.exists()
     if made_dir:
         dst.mkdir(parents=True)
-    copied = copy_companions(args.src, args.dst)
+    had = {name for name in COMPANIONS if companion_path(dst, name).exists()}
     try:
+        copied = copy_companions(args.src, args.dst)
         if args.pack:
             from wkvm.weights.pack import write_pack
 
@@ -345,8 +346,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
             family, _ = registry.detect(args.src)
             with unreadable(args.src, f"a {family.name} checkpoint"):
                 what = f"{family.name}, format {family.convert(Path(args.src), Path(args.dst))}"
-    except BaseException:
-        for name in copied:
+    except BaseException:  # what it wrote goes (copied in part too)
+        for name in set(COMPANIONS) - had:
             companion_path(args.dst, name).unlink(missing_ok=True)
         if made_dir and dst.is_dir() and not any(dst.iterdir()):
             dst.rmdir()

@@ -404,7 +404,9 @@ class EngineReplica:
 
     def _drop(self, tenant: str, name: str, versions: list[int]) -> bool:
         store = self.ctx.store
-        if [r.version for r in store.versions(tenant, name)] != versions:
+        # a save of it that began here after the export (the directory still pointed here) keeps it here: its version
+        # would be issued where the name no longer lives
+        if self._saving[(tenant, name)] > 0 or [r.version for r in store.versions(tenant, name)] != versions:
             return False
         for v in versions:
             with contextlib.suppress(StateNotFound):

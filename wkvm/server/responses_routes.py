@@ -204,14 +204,15 @@ def responses_param(param: str | None) -> str | None:
     return param.replace(".function.", ".") if param.startswith("tools[") else param
 
 
-CHAT_WORDS = re.compile(r"\b(max_completion_tokens|max_tokens|response_format)\b")
+# a quoted value (a user's tool or property name) first, so that it is kept as it is
+CHAT_WORDS = re.compile(r"'[^']*'|\b(max_completion_tokens|max_tokens|response_format\.json_schema|response_format)\b")
+RESPONSES_WORDS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+                   "response_format.json_schema": "text.format", "response_format": "text.format"}  # fmt: skip
 
 
 def responses_text(message: str) -> str:
     """A chat completion's error message with its fields named as the Responses request names them."""
-    names = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-             "response_format": "text.format"}  # fmt: skip
-    return CHAT_WORDS.sub(lambda m: names[m.group(0)], message)
+    return CHAT_WORDS.sub(lambda m: RESPONSES_WORDS.get(m.group(0), m.group(0)), message)
 
 
 def text_of(content: Any, where: str) -> str:
