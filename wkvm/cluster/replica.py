@@ -164,10 +164,7 @@ class EngineReplica:
                 elif (data := self.ctx.handovers.take_out(ticket)) is not None:
                     yield Handover(to, ticket, data)
         finally:
-            self._saving.subtract(saving)
-            for k in saving:
-                if self._saving[k] <= 0:
-                    del self._saving[k]
+            self._saving -= Counter(saving)  # keeps positive counts only
 
     async def move_stream(self, tenant: str, stream_id: str, to: str, ticket: str | None = None,
                           precopy: bool = False, **route: object) -> dict[str, Any] | str:  # fmt: skip
@@ -325,12 +322,12 @@ class EngineReplica:
     async def export_name(self, tenant: str, name: str, refuse_saving: bool = False,
                           **route: object) -> list[bytes] | str:  # fmt: skip
         """Every version of a named state as exported files, oldest first. `refuse_saving`: SAVING_REPLY instead
-        while a request running here will save the name's next version (`save_state`)."""
+        while a request running here will save the name's next version (any that saves it: create, import, fork,
+        save_as, mutate, save_state; `http` counts them)."""
         if self.misrouted(route):
             return MISROUTED_REPLY
-        if refuse_saving and (self._saving[(tenant, name)] > 0 or any(
-                s.tenant == tenant and s.saves == name and not s.done for s in self.ctx.handovers.live())):
-            return SAVING_REPLY  # any request that saves it (create, fork, save_as, ...), not only a movable stream
+        if refuse_saving and self._saving[(tenant, name)] > 0:
+            return SAVING_REPLY
         return await asyncio.to_thread(self._export, tenant, name)
 
     def _export(self, tenant: str, name: str) -> list[bytes]:
@@ -397,16 +394,18 @@ class EngineReplica:
             raise
 
     async def drop_name(self, tenant: str, name: str, versions: list[int], **route: object) -> bool | str:
-        """Delete a moved name here, unless a version other than `versions` appeared meanwhile (then keep all)."""
+        """Delete a moved name here, unless a version other than `versions` appeared meanwhile or a save of it began
+        here after the export (the directory still pointed here: its version would be issued where the name no longer
+        lives); then keep all."""
         if self.misrouted(route):
             return MISROUTED_REPLY
+        if self._saving[(tenant, name)] > 0:
+            return False
         return await asyncio.to_thread(self._drop, tenant, name, versions)
 
     def _drop(self, tenant: str, name: str, versions: list[int]) -> bool:
         store = self.ctx.store
-        # a save of it that began here after the export (the directory still pointed here) keeps it here: its version
-        # would be issued where the name no longer lives
-        if self._saving[(tenant, name)] > 0 or [r.version for r in store.versions(tenant, name)] != versions:
+        if [r.version for r in store.versions(tenant, name)] != versions:
             return False
         for v in versions:
             with contextlib.suppress(StateNotFound):

@@ -82,11 +82,11 @@ class Scheduler:
                 break  # parked this step for want of KV pages: it waits for the next one
             n = self._take(head, budget)
             state = head.parked_state if head.parked_state is not None else head.initial_state
+            if not self._can_start(state, n):
+                break  # its keys and values and this step's tokens do not fit the free pages: wait, in order
+            # its pages kept for the requests waiting to start from the same state, if its partial page's copy fits too
             keep = head.parked_state is None and state is not None and self._starts_from(state, but=head)
-            if not self._can_start(state, n, keep):
-                if not (keep and self._can_start(state, n, False)):
-                    break  # its keys and values and this step's tokens do not fit the free pages: wait, in order
-                keep = False  # kept, its pages would leave too few for its partial page's copy: it goes alone
+            keep = keep and self.arena.can_start(state, n, keep=True)
             req = self.waiting.pop(0)
             if not self._admit(req, keep):
                 self.waiting.insert(0, req)
@@ -100,12 +100,12 @@ class Scheduler:
             req.check_invariant()
         return ScheduledBatch(work, parked)
 
-    def _can_start(self, state: State | None, n: int, keep: bool) -> bool:
+    def _can_start(self, state: State | None, n: int) -> bool:
         """Whether a waiting request's start fits the free pages, after taking back pages finished requests' copies
         hold and then the pages kept for n > 1 choices (when the head cannot start: they would pin them for good)."""
         arena = self.arena
-        return (arena.can_start(state, n, keep) or (arena.reclaim() and arena.can_start(state, n, keep))
-                or (arena.let_go_all() and arena.can_start(state, n, keep)))  # fmt: skip
+        return (arena.can_start(state, n) or (arena.reclaim() and arena.can_start(state, n))
+                or (arena.let_go_all() and arena.can_start(state, n)))  # fmt: skip
 
     def _take(self, req: Request, budget: int) -> int:
         if req.gap <= 0:
