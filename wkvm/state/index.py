@@ -205,9 +205,12 @@ class StateIndex:
         return StateRecord(**d, token_ids=None if row[-1] is None else unpack_ids(row[-1]))
 
     def _sync(self, durable: bool) -> None:
-        """Commits fsync (synchronous=FULL) unless `durable` is False: then only the OS has them until the
-        next durable commit, which persists both (used for caches such as prefix checkpoints)."""
-        self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'OFF'}")
+        """Commits fsync (synchronous=FULL) unless `durable` is False (caches such as prefix checkpoints): then
+        synchronous=NORMAL, whose commits only the OS has until the next durable commit persists them. Not OFF: under
+        OFF an automatic checkpoint copies the log into the database without fsyncing it and the next commit restarts
+        the log, so a user record acknowledged before it was durable nowhere (a power loss could drop it, and the
+        start-up sweep then delete its file); NORMAL syncs the log before a checkpoint and the database after it."""
+        self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
 
     def insert(self, rec: StateRecord, durable: bool = True) -> None:
         """Add a record; its history is stored if new (rec.token_ids may be None only when it is already there)."""
