@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
-from wkvm.atomic import atomic_path
+from wkvm.atomic import atomic_path, fsync_dir
 from wkvm.models.linear import onednn_available, onednn_bf16_available, pack_linear
 from wkvm.progress import progress
 from wkvm.weights.loader import PACK_MANIFEST as MANIFEST
-from wkvm.weights.pack import Pack, PackError, check_entry, write_file
+from wkvm.weights.pack import Pack, PackError, check_entry, layer_file, write_file
 
 FORMAT = "wkvm-pack-onednn-v2"
 QUANTIZED_FORMAT = "wkvm-pack-quantized-v1"
@@ -123,7 +123,10 @@ def blocked_copy(pack: Pack, dtype: torch.dtype = torch.float32) -> BlockedCopy 
 
 
 def _sources(pack: Pack) -> list[str]:
-    return [e["sha256"] for e in pack.manifest["layers"]]
+    """What a copy is made from: the pack's family and config (`prepare_layer` reads them too: a manifest's config
+    edited with the files kept had the old copy served) and the sha256 of every layer file."""
+    made_of = json.dumps([pack.family.name, pack.manifest["config"]], sort_keys=True)
+    return [hashlib.sha256(made_of.encode()).hexdigest(), *(e["sha256"] for e in pack.manifest["layers"])]
 
 
 def _copy(pack: Pack, d: Path, head: dict[str, Any], checked: tuple[str, ...], shapes: dict[str, list[int]],
@@ -132,13 +135,19 @@ def _copy(pack: Pack, d: Path, head: dict[str, Any], checked: tuple[str, ...], s
     built again (a blocked copy when `shapes` names its matrices, else a quantized one)."""
     try:
         manifest: dict[str, Any] = json.loads((d / MANIFEST).read_text())
-        if all(manifest.get(k) == head[k] for k in checked):
-            for entry in manifest["layers"]:
-                check_entry(d, entry)
-            return BlockedCopy(d, manifest["layers"], shapes)
-    except (OSError, ValueError, KeyError, PackError):
+        layers = manifest["layers"]
+        if all(manifest.get(k) == head[k] for k in checked) and len(layers) == pack.config.n_layer:
+            for i, entry in enumerate(layers):  # an entry naming another layer's file: PackError
+                check_entry(d, entry, layer_file(i))
+            return BlockedCopy(d, layers, shapes)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, PackError):
         pass  # absent, stale or damaged: build it again
     try:
+        # the old manifest goes first, as write_pack's does: a rebuild cut off halfway kept it naming files now
+        # partly of another pack, trusted again once the pack it was made from came back (its hashes matched)
+        (d / MANIFEST).unlink(missing_ok=True)
+        if d.is_dir():
+            fsync_dir(d)
         return BlockedCopy(d, _build(pack, d, head, dtype, bool(shapes)), shapes)
     except OSError as e:  # read-only, or out of space: leave no half-built copy taking disk
         shutil.rmtree(d, ignore_errors=True)
@@ -161,7 +170,7 @@ def _build(pack: Pack, d: Path, head: dict[str, Any], dtype: torch.dtype, blocke
         for k in matrices:
             packed = pack_linear(layer[k])  # keep a reference while its memory is copied
             out[k + SUFFIX] = torch.frombuffer(bytearray(memory(packed)), dtype=torch.uint8)
-        entries.append(write_file(d, f"layer_{i:03d}.safetensors", out))
+        entries.append(write_file(d, layer_file(i), out))
     manifest = {**head, "layers": entries}
     with atomic_path(d / MANIFEST) as tmp:
         tmp.write_text(json.dumps(manifest, indent=1) + "\n")

@@ -170,8 +170,13 @@ def load_model(
         if weight_cache_layers > 0:
             from wkvm.weights.stream import StreamingWeights
 
-            weights = StreamingWeights(pack, weight_cache_layers, read_ahead, device, dtype)
-            return pack.family.build(pack.config, weights, pack.fingerprint, device)
+            with misfit(path, pack.family.name):  # a manifest's config that its tensors do not fit: as resident
+                weights = StreamingWeights(pack, weight_cache_layers, read_ahead, device, dtype)
+                model = pack.family.build(pack.config, weights, pack.fingerprint, device)
+                loaded = replace(weights.stats)
+                first_forward(model, path)
+            weights.stats = loaded  # the counters count the load's reads and then what requests read
+            return model
         raw = pack.read(None)
         for i in range(pack.config.n_layer):
             raw.update(pack.read(i))

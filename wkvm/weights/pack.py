@@ -62,6 +62,10 @@ def _header(path: Path) -> tuple[int, dict[str, Any]]:
     return n, header
 
 
+def layer_file(i: int) -> str:
+    return f"layer_{i:03d}.safetensors"
+
+
 def write_file(d: Path, name: str, tensors: RawTensors) -> dict[str, Any]:
     path = d / name
     with atomic_path(path) as tmp:
@@ -101,26 +105,44 @@ def write_pack(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path
     for i in progress(range(cfg.n_layer), "packing layers"):
         prefix = family.layer_prefix(i)
         names = [k for k in used if k.startswith(prefix) and k not in global_keys]
-        manifest["layers"].append(write_file(d, f"layer_{i:03d}.safetensors", f32(names, prefix)))
+        manifest["layers"].append(write_file(d, layer_file(i), f32(names, prefix)))
     with atomic_path(d / MANIFEST) as tmp:
         tmp.write_text(json.dumps(manifest, indent=1) + "\n")
     return d
 
 
-def check_entry(d: Path, entry: dict[str, Any], verify_hashes: bool = False) -> None:
-    """File `entry["file"]` in `d` exists, has the listed size and exactly the listed tensors at their offsets."""
-    path = d / entry["file"]
+def check_entry(d: Path, entry: Any, name: str, verify_hashes: bool = False) -> None:
+    """`entry` names file `name` in `d`, which exists, has the listed size and exactly the listed tensors at their
+    offsets and lengths. A manifest edited by hand (a field missing or of another type, an entry naming another
+    layer's file) is a PackError, not a traceback or another layer's weights."""
+    try:
+        _check_entry(d, entry, name, verify_hashes)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+        if isinstance(e, PackError):
+            raise
+        raise PackError(f"{d / name}: its manifest entry is malformed ({type(e).__name__}: {e})") from None
+
+
+def _check_entry(d: Path, entry: Any, name: str, verify_hashes: bool) -> None:
+    if entry["file"] != name:
+        raise PackError(f"{d}: the manifest's entry for {name} names {str(entry['file'])[:80]!r}")
+    if not isinstance(entry["bytes"], int) or not isinstance(entry["sha256"], str):
+        raise PackError(f"{d / name}: the manifest's bytes or sha256 is not a number or a string")
+    path = d / name
     if not path.is_file():
         raise PackError(f"{path}: missing (the pack is incomplete)")
     size = path.stat().st_size
     if size != entry["bytes"]:
         raise PackError(f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated or replaced)")
     n, header = _header(path)
-    for name, t in entry["tensors"].items():
-        meta = header.get(name)
+    for key, t in entry["tensors"].items():
+        meta = header.get(key)
         same = meta is not None and (meta["dtype"], meta["shape"]) == (t["dtype"], t["shape"])
-        if meta is None or not same or 8 + n + meta["data_offsets"][0] != t["offset"]:
-            raise PackError(f"{path}: tensor {name} does not match the manifest")
+        start, end = meta["data_offsets"] if meta is not None else (0, 0)
+        if meta is None or not same or t["dtype"] not in DTYPES or (8 + n + start, end - start) != (
+            t["offset"], t["length"]
+        ):
+            raise PackError(f"{path}: tensor {key} does not match the manifest")
     if len(header) - ("__metadata__" in header) != len(entry["tensors"]):
         raise PackError(f"{path}: holds tensors the manifest does not list")
     if verify_hashes and _sha256(path) != entry["sha256"]:
@@ -136,19 +158,24 @@ class Pack:
             self.manifest: dict[str, Any] = json.loads((self.path / MANIFEST).read_text())
         except (OSError, ValueError) as e:
             raise PackError(f"{self.path}: unreadable {MANIFEST}: {e}") from None
-        if self.manifest.get("format") != PACK_FORMAT:
-            raise PackError(f"{self.path}: format {self.manifest.get('format')!r}, expected {PACK_FORMAT!r}")
-        self.family = registry.family(self.manifest.get("family", ""))
+        m = self.manifest
+        if not isinstance(m, dict) or m.get("format") != PACK_FORMAT:
+            got = m.get("format") if isinstance(m, dict) else type(m).__name__
+            raise PackError(f"{self.path}: format {got!r}, expected {PACK_FORMAT!r}")
+        self.family = registry.family(str(m.get("family", "")))
         try:
-            self.config = self.family.config_from_dict(self.manifest["config"])
-        except (KeyError, TypeError) as e:
+            self.config = self.family.config_from_dict(m["config"])
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise PackError(f"{self.path}: manifest config does not fit family {self.family.name!r}: {e}") from None
-        self.fingerprint: str = self.manifest["fingerprint"]
-        if len(self.manifest["layers"]) != self.config.n_layer:
-            raise PackError(f"{self.path}: manifest lists {len(self.manifest['layers'])} layers, config says "
+        if not isinstance(m.get("fingerprint"), str) or not isinstance(m.get("layers"), list):
+            raise PackError(f"{self.path}: {MANIFEST} lacks its fingerprint or its list of layers")
+        self.fingerprint: str = m["fingerprint"]
+        if len(m["layers"]) != self.config.n_layer:
+            raise PackError(f"{self.path}: manifest lists {len(m['layers'])} layers, config says "
                             f"{self.config.n_layer}")  # fmt: skip
-        for entry in [self.manifest["globals"], *self.manifest["layers"]]:
-            check_entry(self.path, entry, verify_hashes)
+        check_entry(self.path, m.get("globals"), "globals.safetensors", verify_hashes)
+        for i, entry in enumerate(m["layers"]):
+            check_entry(self.path, entry, layer_file(i), verify_hashes)
 
     def layer_bytes(self, i: int) -> int:
         n: int = self.manifest["layers"][i]["bytes"]

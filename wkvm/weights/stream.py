@@ -193,6 +193,7 @@ class StreamingWeights:
         self.device, self.dtype = device, dtype
         self.stats = StreamStats()
         self._lock = threading.Lock()
+        self._closed = False
         n_pinned = self.capacity if self.capacity == self.n_layers else self.capacity - 1
         streams = n_pinned < self.n_layers
         blocked = compute_copy(pack, dtype) if streams and torch.device(device).type == "cpu" else None
@@ -237,6 +238,8 @@ class StreamingWeights:
         return len(self._pinned) if j in self._pinned else j
 
     def layer(self, i: int) -> Tensors:
+        if self._closed:  # its files' descriptors may be another file's by now
+            raise PackError("these streaming weights are closed")
         with self._lock:
             self.stats.layer_calls += 1
             buf = self._buffer
@@ -264,10 +267,11 @@ class StreamingWeights:
             # and faulting the rest in through the mapping is the slow way: read it
             cached = not requested and f.in_ram()
             tensors = buf.fill(f, cached)
-            if not self.blocked:  # plain files: convert (and move to the device) per read
-                prefix = self.family.layer_prefix(i)
-                raw = {prefix + k: v for k, v in tensors.items()}
-                tensors = self.family.prepare_layer(raw, i, self.config, self.dtype, self.device, pack=False)
+            if not self.blocked:  # plain files: convert (and move to the device) per read; on a CPU its matrices
+                prefix = self.family.layer_prefix(i)  # packed as resident ones are, so the same kernel gives the
+                raw = {prefix + k: v for k, v in tensors.items()}  # same bits (oneDNN's plain-weight matmul sums
+                pack = torch.device(self.device).type == "cpu"  # in another order: logits ~1e-6 apart)
+                tensors = self.family.prepare_layer(raw, i, self.config, self.dtype, self.device, pack=pack)
             with self._lock:
                 buf.layer, buf.tensors = i, tensors
                 self.stats.bytes_read += f.nbytes
@@ -298,6 +302,7 @@ class StreamingWeights:
             os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
+        self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         self._close_files()

@@ -293,10 +293,16 @@ class RWKV7(ModelBase):
         prev = shift.unsqueeze(1) if T == 1 else torch.cat([shift.unsqueeze(1), x[:, :-1]], 1)
         xr, xw, xk, xv, xa, xg = torch.addcmul(x, prev - x, w["att.mix"])
         shift.copy_(x[:, -1])
-        packed = B * T >= PACKED_LORA_MIN_ROWS and "att.w1.packed" in w
+        many = B * T >= PACKED_LORA_MIN_ROWS
 
         def lora(h: torch.Tensor, name: str) -> torch.Tensor:
-            return linear(h, w[name + ".packed"]) if packed else h @ w[name]
+            if not many:
+                return h @ w[name]
+            # a streamed layer has no packed copy: packed here, as `prepare_layer` packs a resident one (small
+            # matrices; x @ W gave other bits, so a streamed prompt's logits were ~2e-6 from resident weights')
+            packed = w.get(name + ".packed")
+            packed = pack_linear(w[name].t()) if packed is None else packed
+            return linear(h, packed) if packed.is_mkldnn else h @ w[name]
 
         r = linear(xr, w["att.receptance.weight"])
         k = linear(xk, w["att.key.weight"])
