@@ -455,3 +455,18 @@ def test_every_choice_is_timed_as_its_tokens_come_and_from_the_requests_arrival(
 
     asyncio.run(run())
     assert [kind for kind, _ in seen] == ["ttft", "ttft", "length", "length"]  # each choice's end counted, once
+
+
+def test_seeds_past_32_bits_draw_differently():
+    """torch's CPU generator keeps a seed's low 32 bits: 0, 2^32 and 2^33 drew alike (the docs said 63 bits). A seed
+    below 2^32 keeps its draws; one from 2^32 up is hashed to 32 bits; a negative one is taken modulo 2^64."""
+    from wkvm.engine.sampler import make_generator
+
+    def draws(seed):
+        return torch.rand(4, generator=make_generator(seed)).tolist()
+
+    assert draws(12345) == torch.rand(4, generator=torch.Generator().manual_seed(12345)).tolist()
+    seeds = [0, 1, 2**32, 2**32 + 1, 2**33, 2**63, 2**64 - 1]
+    assert len({tuple(draws(s)) for s in seeds}) == len(seeds)
+    assert draws(-1) == draws(2**64 - 1) and draws(-(2**63)) == draws(2**63)
+    assert make_generator(None) is None

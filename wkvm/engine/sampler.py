@@ -129,7 +129,18 @@ class Sampled:
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
-    return None if seed is None else torch.Generator().manual_seed(seed)
+    """A generator for a 64-bit `seed` (negative: modulo 2^64). torch's CPU generator (mt19937) keeps only a seed's low
+    32 bits, so 0, 2^32 and 2^33 drew alike: a seed from 2^32 up is hashed to 32 bits (splitmix64's finalizer,
+    the halves xor-ed), one below keeps its draws."""
+    if seed is None:
+        return None
+    s = seed % (1 << 64)
+    if s >> 32:
+        s = (s ^ (s >> 30)) * 0xBF58476D1CE4E5B9 % (1 << 64)
+        s = (s ^ (s >> 27)) * 0x94D049BB133111EB % (1 << 64)
+        s ^= s >> 31
+        s = (s ^ (s >> 32)) & 0xFFFFFFFF
+    return torch.Generator().manual_seed(s)
 
 
 def apply_penalties(logits: torch.Tensor, row: SamplerRow) -> torch.Tensor:
