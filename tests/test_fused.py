@@ -293,6 +293,13 @@ def sample_cases():
                    dict(temperature=0.9, top_p=0.9, frequency_penalty=0.8, presence_penalty=-0.4),
                    dict(temperature=0.5, repetition_penalty=1.7, frequency_penalty=0.3)):
             cases += [(x, SamplingParams(**kw)), (masked, SamplingParams(**kw))]  # fmt: skip
+    # ties at the top-p cut (both paths keep the lowest ids first): flat rows, whole numbers, bf16-rounded logits
+    # (what --dtype bfloat16 gives), where topk's own order among ties had kept other tokens than the kernel
+    # (flat rows of 11 and 3,001: no cut falls exactly on a sum, where the two paths' rounding decides)
+    tied = [torch.zeros(11), torch.randint(0, 4, (300,), generator=gen).float(),
+            (torch.randn(5000, generator=gen) * 3).bfloat16().float(), torch.zeros(3001)]  # fmt: skip
+    for x in tied:
+        cases += [(x, SamplingParams(temperature=0.8, top_p=q)) for q in (0.35, 0.9, 0.95)]
     return cases
 
 

@@ -171,14 +171,19 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose probabilities reach top_p (a token is kept when the tokens
     before it, most likely first, sum to at most top_p). Sorts only the top k tokens, k growing 4x from 64 until they
-    sum past top_p (the tokens after them are all dropped then), not the whole vocabulary."""
+    sum past top_p (the tokens after them are all dropped then), not the whole vocabulary. Equal probabilities go
+    lowest token id first, as in the fused kernel (topk's order among ties is its own: with bf16-rounded logits the
+    two paths had kept different tokens at the cut), and every token tied with the k-th is a candidate."""
     V, k = probs.shape[-1], 64
     while True:
         k = min(k, V)
-        top, order = torch.topk(probs, k)
+        top = torch.topk(probs, k).values
         if k == V or float(top.sum()) > top_p:
             break
         k *= 4
+    order = torch.nonzero(probs >= top[-1]).view(-1)  # ascending ids
+    top, by_value = probs[order].sort(descending=True, stable=True)
+    order = order[by_value]
     keep = (top.cumsum(-1) - top) <= top_p
     return torch.zeros_like(probs).scatter(-1, order, top.masked_fill(~keep, 0.0))
 
