@@ -306,6 +306,12 @@ def test_tool_fixes_from_hunt_10(client):
     assert cut.finish_reason == "length" and cut.message.content is None and not cut.message.tool_calls
     chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
     assert chunks[-1].finish_reason == "length" and not any(c.delta.content for c in chunks)
+    stopped = {**kw, "max_tokens": 60, "stop": ["city"], "tool_choice": {"type": "function",
+               "function": {"name": "get_weather"}}}  # fmt: skip
+    cut = client.chat.completions.create(**stopped).choices[0]  # a stop string inside the call: no words (as streamed)
+    assert cut.finish_reason == "stop" and cut.message.content is None and not cut.message.tool_calls, cut
+    chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **stopped) if c.choices]
+    assert chunks[-1].finish_reason == "stop" and not any(c.delta.content for c in chunks)
     history = ASK + [{"role": "tool", "tool_call_id": "call_nowhere", "content": "Sunny"}]
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="char-model", messages=history, max_tokens=2)

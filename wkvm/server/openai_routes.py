@@ -689,8 +689,8 @@ def reply(text: str, finish_reason: str | None, mode: ToolMode | None) -> tuple[
     if mode is None or finish_reason != "stop":  # a forced call cut off: its unfinished JSON is no answer in words
         return {"role": "assistant", "content": None if mode is not None and mode.forced else text}, finish_reason
     content, calls = parse_reply(text, mode)
-    if not calls:
-        return {"role": "assistant", "content": text}, finish_reason
+    if not calls:  # a forced call a stop string cut off is no answer in words either (as the stream says)
+        return {"role": "assistant", "content": None if mode.forced else text}, finish_reason
     return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
 
