@@ -169,6 +169,12 @@ def test_continue_final_message_cuts_the_template_after_the_last_text():
     messages = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi, I"}]
     assert render_chat(ctx, messages, None, False, True) == "<user>Say hi</user><assistant>Hi, I"
     assert render_chat(ctx, messages, None) == "<user>Say hi</user><assistant>Hi, I</assistant><assistant>"
+    for final in ("<", "a", "r>", "Hi </"):  # text the closing marks also hold: cut after the message's own text
+        msgs = [*messages[:-1], {"role": "assistant", "content": final}]
+        assert render_chat(ctx, msgs, None, False, True) == f"<user>Say hi</user><assistant>{final}", final
+    trims = SimpleNamespace(template=ChatTemplate("{% for m in messages %}[{{ m.content | trim }}]{% endfor %}"))
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "So "}]
+    assert render_chat(trims, msgs, None, False, True) == "[Hi][So"  # as transformers cuts a trimmed message
 
 
 def test_developer_messages_are_system_messages_to_a_template_without_that_role():

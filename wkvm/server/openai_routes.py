@@ -506,6 +506,9 @@ def check_echo(body: CompletionRequest) -> None:
                        "invalid_value")  # fmt: skip
 
 
+CONTINUE_MARK = "WKVM_CONTINUE_FINAL_MESSAGE_MARK "  # transformers' own is "CONTINUE_FINAL_MESSAGE_TAG "
+
+
 def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:  # fmt: skip
     """The chat's prompt text through the model's template. `continue_final_message` (vLLM's): the prompt ends with
@@ -513,18 +516,22 @@ def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], tools: list[
     if continue_final_message and add_generation_prompt:
         raise APIError(400, "continue_final_message continues the last message: set add_generation_prompt to false",
                        "continue_final_message", "invalid_value")  # fmt: skip
+    final: str = messages[-1]["content"] or "" if continue_final_message else ""
+    if continue_final_message:  # a mark after the last text, cut there (as transformers' apply_chat_template): its
+        # text's last match had been taken, inside the template's closing marks when they held it ('<' or 'd')
+        messages = [*messages[:-1], {**messages[-1], "content": f"{final}{CONTINUE_MARK}"}] if final else messages
     try:
         text = ctx.template.render(template_messages(messages), add_generation_prompt, tools=tools)
     except ChatTemplateError as e:
         raise APIError(400, str(e), "messages", "template_error") from None
     if not continue_final_message:
         return text
-    final = messages[-1]["content"]
-    at = text.rfind(final) if final else -1
-    if at < 0:
+    at = text.rfind(CONTINUE_MARK.strip()) if final else -1
+    if at < 0 or final.strip() not in text[:at]:
         raise APIError(400, "continue_final_message: the last message needs text that the chat template shows as it "
                        "is (it has none, or the template changes it)", "messages", "invalid_value")  # fmt: skip
-    return text[: at + len(final)]
+    # a template that trims the message's end trimmed the mark's space too: then the text's end is trimmed alike
+    return text[:at] if text.startswith(CONTINUE_MARK, at) else text[:at].rstrip()
 
 
 def check_tool_call(call: dict[str, Any], where: str) -> None:
