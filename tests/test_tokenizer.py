@@ -261,3 +261,22 @@ def test_special_tokens_are_left_out_of_the_text_unless_asked_for(kind):
     offsets = completion_logprobs(ctx, ids, [{t: 0.0} for t in ids], 0, skip=hf.special_ids)["text_offset"]
     at = ids.index(special)
     assert offsets[at - 1] < offsets[at] == offsets[at + 1]  # it takes no room in the text
+
+
+def test_a_stop_string_in_text_held_back_at_the_end_is_found():
+    """A windowed tokenizer's token holding a space and a cut character's first bytes holds the space back; when the
+    generation ends there (max_tokens), the flushed text was appended without looking for stop strings: the stop
+    string stayed in the text and the reason was "length"."""
+    from types import SimpleNamespace
+
+    pieces = [b"Answer:", b" \xf0\x9f", b"x"]
+    tok = SimpleNamespace(exact_bytes=False,
+                          decode=lambda ids: b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace"))
+    for stop, include, want in ((": ", False, "Answer"), (": ", True, "Answer: "), ("zz", False, "Answer: \ufffd")):
+        d = Detokenizer(tok, stop=[stop], include_stop=include)
+        assert not d.add(0) and not d.add(1) and d.text == "Answer:"
+        d.flush()
+        assert d.stopped == (stop != "zz") and d.text == want, (stop, d.text)
+    d = Detokenizer(tok, stop=[": "], min_tokens=2)  # stop strings count only after min_tokens
+    d.add(0), d.add(1), d.flush()
+    assert not d.stopped and d.text == "Answer: \ufffd"

@@ -64,21 +64,30 @@ class Detokenizer:
                 self._ids = self._ids[self._context :]  # the new tokens are the next window's context
                 self._context = len(self._ids)
                 self._context_text = self.tokenizer.decode(self._ids)
-        if self.stop and self._added > self.min_tokens:  # a stop string that ends in the new text
+        self._find_stop(before)
+        return self.stopped
+
+    def _find_stop(self, before: int) -> None:
+        """Cut the text at a stop string that ends in its part from `before` on."""
+        if self.stop and self._added > self.min_tokens:
             hits = [(i, -len(s)) for s in self.stop if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0]
             if hits:
                 at, minus_len = min(hits)  # the first stop string to begin (the longest of those beginning there)
                 self.text = self.text[: at - minus_len if self.include_stop else at]
                 self.stopped = True
-        return self.stopped
 
     def flush(self) -> None:
-        """At the end of generation: release any bytes held back as incomplete."""
-        if self._bytewise and not self.stopped:
+        """At the end of generation: release any bytes held back as incomplete, and look for a stop string in them
+        (one ending in a space whose token also held a cut character's first bytes had been left in the text)."""
+        if self.stopped:
+            return
+        before = len(self.text)
+        if self._bytewise:
             self.text += self._utf8.decode(b"", final=True)
-        elif len(self._ids) > self._context and not self.stopped:  # held back: incomplete UTF-8 (as U+FFFD)
+        elif len(self._ids) > self._context:  # held back: incomplete UTF-8 (as U+FFFD)
             self.text += self.tokenizer.decode(self._ids)[len(self._context_text) :]
             self._ids, self._context, self._context_text = [], 0, ""
+        self._find_stop(before)
 
     @property
     def released(self) -> str:

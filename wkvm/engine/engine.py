@@ -341,7 +341,8 @@ class Engine:
         elif len(req.output_ids) >= p.max_tokens or self._at_context_limit(req):
             status = Status.FINISHED_LENGTH
         if status is not None:
-            detok.flush()
+            detok.flush()  # the text held back may complete a stop string: then it ends as stopped
+            status = Status.FINISHED_STOPPED if detok.stopped else status
             self._finish(req, status)
         ev = Event(req.request_id, [tok], detok.delta(final=status is not None), [lp] if lp else None)
         ev.finish_reason = status.value if status else None
