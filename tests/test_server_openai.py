@@ -561,3 +561,18 @@ def test_fields_the_server_does_not_read_are_logged_once(caplog):
             CompletionRequest.model_validate({"prompt": "x", name: 1, "temperature": 0})
     noted = [r.getMessage() for r in caplog.records if name in r.getMessage()]
     assert noted == [f"CompletionRequest: fields this server does not read, ignored: {name}"]
+
+
+def test_a_messages_name_and_reasoning_reach_the_template():
+    """A message's `name` and an assistant's `reasoning_content` go to the template, as vLLM passes them (they had
+    been dropped: a template reading `message.name` rendered nothing there)."""
+    from wkvm.server.openai_routes import chat_messages
+    from wkvm.server.schemas import ChatMessage
+
+    ctx = SimpleNamespace(template=ChatTemplate(
+        "{% for m in messages %}<{{ m.role }}{% if m.name %} {{ m.name }}{% endif %}>"
+        "{% if m.reasoning_content %}({{ m.reasoning_content }}){% endif %}{{ m.content }}{% endfor %}"))
+    msgs = [ChatMessage(role="user", content="Hi", name="ann"),
+            ChatMessage(role="assistant", content="Hello", reasoning_content="greet back"),
+            ChatMessage(role="user", content="Bye")]  # fmt: skip
+    assert render_chat(ctx, chat_messages(msgs), None, False) == "<user ann>Hi<assistant>(greet back)Hello<user>Bye"

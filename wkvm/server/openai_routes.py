@@ -604,6 +604,10 @@ def chat_messages(messages: list[ChatMessage], functions: list[Any] | None = Non
                 raise APIError(400, f"messages[{i}].tool_call_id {m.tool_call_id[:64]!r} answers no tool call of an "
                                "earlier assistant message", f"messages[{i}].tool_call_id", "invalid_value")  # fmt: skip
             msg["tool_call_id"] = m.tool_call_id
+        for field in ("name", "reasoning_content"):  # for templates that read them, as vLLM passes them on
+            if (value := getattr(m, field)) is not None:
+                gen.check_text(value, f"messages[{i}].{field}")
+                msg[field] = value
         out.append(msg)
     return out
 

@@ -166,6 +166,7 @@ class ChatMessage(Body):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant message that called tools
     tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's earlier reasoning (vLLM's field; templates such as Qwen3's)
 
 
 class ChatRequest(SamplingFields):
