@@ -321,6 +321,15 @@ def test_full_quota_never_fails_a_chat_answer(char_model, fresh, tmp_path):
             reply = chat(server, messages)["choices"][0]["message"]["content"]  # 413 here before
             assert reply == chat(fresh, messages)["choices"][0]["message"]["content"]
             messages.append({"role": "assistant", "content": reply})
+        # an Open WebUI turn whose save_state does not fit: 413, and the session it reserved is given back (every
+        # retry had been a 409 session_busy for 30 s)
+        ui = OpenWebUI(server)
+        ui.turn(USER_TURNS[0])
+        msgs = ui.messages + [{"role": "user", "content": USER_TURNS[1]}]
+        for extra in ({"save_state": "toolarge"}, {}):
+            r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": msgs, **GREEDY, **extra},
+                           headers=ui.headers(uuid.uuid4().hex, uuid.uuid4().hex, ui.last_assistant), timeout=60)
+            assert r.status_code == (413 if extra else 200), r.text
     assert sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) <= quota
 
 

@@ -148,7 +148,11 @@ async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body: Ge
             raise APIError(404, str(e), "state", "state_not_found") from None
         if body.save_state is not None:
             n_tokens = len(plan.base_ids) + len(plan.feed_ids) + params[0].max_tokens
-            check_save_room(ctx, tenant, n_tokens, "save_state")
+            try:
+                check_save_room(ctx, tenant, n_tokens, "save_state")
+            except (APIError, QuotaExceeded):  # the plan reserved the chat's session for this turn: give it back
+                ctx.sessions.track(chat, scope, [])  # (it had stayed reserved for 30 s, every retry a 409)
+                raise
         return plan
 
     plan = await run_in_threadpool(plan_run)
