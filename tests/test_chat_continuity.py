@@ -380,3 +380,28 @@ def test_a_parked_chat_resumes_only_in_its_reuse_scope(reuse):
         r = httpx.post(f"{reuse.url}/v1/chat/completions", json={"messages": msgs, **GREEDY, **body}, headers=headers,
                        timeout=60)  # fmt: skip
         assert r.status_code == 200 and r.json()["wkvm"]["mode"] != "parent_bound", r.text
+
+
+def test_the_tries_nodes_stay_within_the_checkpoint_budget(char_model, fresh, tmp_path):
+    """The store charges a checkpoint its state and ~12 B a token, but the trie keeps a node of ~300 B a token: distinct
+    long prompts had grown the tries ~25x past --checkpoint-bytes. Their nodes are bounded by it (NODE_BYTES each),
+    the largest scope's oldest checkpoints going first; reuse stays exact."""
+    from wkvm.state.prefix import NODE_BYTES
+
+    budget = 120 * NODE_BYTES  # 120 stored tokens: a few prompts' worth
+    with LiveServer(model=str(char_model), slots=2, state_dir=str(tmp_path / "s"), checkpoint_bytes=budget) as s:
+        sessions = s.ctx.sessions
+        trimmed, trim = [], sessions._trim_tries
+
+        def counted():
+            gone = trim()
+            trimmed.extend(gone)
+            return gone
+
+        sessions._trim_tries = counted
+        for i in range(8):
+            messages = [{"role": "user", "content": f"Prompt{i}:" + "abcdefghij"[i:] * 5}]
+            assert chat(s, messages)["choices"][0]["message"] == chat(fresh, messages)["choices"][0]["message"]
+            nodes = sum(t.nodes for t in sessions.tries.values())
+            assert sessions.trie_nodes.n == nodes <= sessions.max_trie_nodes == 120, (i, nodes)
+        assert sessions.tries and trimmed  # the bound, not the store's budget, let the oldest go; the newest stay

@@ -60,6 +60,24 @@ def test_trie_replaces_a_key_and_evicts_least_recently_used():
     assert [trie.longest(p).key for p in ([7, 8, 0], [9, 9, 0])] == ["z", "w"]
 
 
+def test_tries_count_their_nodes_in_a_shared_count():
+    """Each stored token is a node on the heap: tries sharing a NodeCount keep it exact through inserts, replaced
+    keys, evictions and removals (ChatSessions bounds the nodes of all scopes' tries by it)."""
+    from wkvm.state.prefix import NodeCount
+
+    count = NodeCount()
+    a, b = PrefixTrie(capacity=2, count=count), PrefixTrie(capacity=8, count=count)
+    a.insert([1, 2, 3, 4], "a1", "turn_end")  # 3 nodes (the pending token is not stored)
+    a.insert([1, 2, 9, 9], "a2", "turn_end")  # 1 more (9): 1, 2 shared
+    b.insert([5, 6], "b1", "turn_end")
+    assert (a.nodes, b.nodes, count.n) == (4, 1, 5)
+    assert keys(a.insert([7, 7], "a3", "turn_end")) == ["a1"]  # capacity 2: a1 goes, its branch 3 pruned
+    assert (a.nodes, count.n) == (4, 5)
+    assert a.pop_oldest().key == "a2" and (a.nodes, count.n) == (1, 2)
+    assert b.remove_key("b1").key == "b1" and a.pop_oldest().key == "a3" and a.pop_oldest() is None
+    assert count.n == 0 and a.root.children == {} and b.root.children == {}
+
+
 def test_trie_longest_shared_cuts_any_checkpoint_below_the_deepest_match():
     trie = PrefixTrie(capacity=8)
     assert trie.longest_shared([1, 2, 3]) is None

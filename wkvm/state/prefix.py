@@ -2,13 +2,21 @@
 
 A checkpoint's state holds all but the last (pending) of its token ids, so it serves a prompt P when its *fed*
 tokens are a prefix of P and P has at least one more token; the resumed run feeds P from there. Entries are
-LRU-bounded by count; the caller keeps the states themselves (in the StateStore's tiers).
+LRU-bounded by count; the caller keeps the states themselves (in the StateStore's tiers), and bounds the tries'
+nodes (a node a stored token, ~NODE_BYTES of Python heap) through the `NodeCount` they share.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+
+NODE_BYTES = 320  # heap per stored token: a node, its children dict, the ids in tuples (309 B measured, CPython 3.11)
+
+
+@dataclass
+class NodeCount:
+    n: int = 0  # nodes (stored tokens) of every trie sharing this count
 
 
 @dataclass
@@ -28,8 +36,10 @@ class _Node:
 
 
 class PrefixTrie:
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, count: NodeCount | None = None):
         self.capacity = capacity
+        self.count = count if count is not None else NodeCount()  # shared with other tries
+        self.nodes = 0  # this trie's own
         self.root = _Node()
         self.lru: OrderedDict[tuple[int, ...], Checkpoint] = OrderedDict()
         self.fed_of: dict[str, tuple[int, ...]] = {}  # a checkpoint's key -> its fed tokens
@@ -42,7 +52,11 @@ class PrefixTrie:
         fed = tuple(token_ids[:-1])
         node = self.root
         for t in fed:
-            node = node.children.setdefault(t, _Node())
+            child = node.children.get(t)
+            if child is None:
+                child = node.children[t] = _Node()
+                self._grow(1)
+            node = child
         replaced = [node.checkpoint] if node.checkpoint is not None and node.checkpoint.key != key else []
         for cp in replaced:
             self.fed_of.pop(cp.key, None)
@@ -120,9 +134,18 @@ class PrefixTrie:
             node = path[depth]
             if node.checkpoint is None and not node.children:
                 del path[depth - 1].children[fed[depth - 1]]
+                self._grow(-1)
             else:
                 break
         return cp
+
+    def _grow(self, n: int) -> None:
+        self.nodes += n
+        self.count.n += n
+
+    def pop_oldest(self) -> Checkpoint | None:
+        """Remove the least recently used checkpoint (None when there is none)."""
+        return self.remove(list(next(iter(self.lru)))) if self.lru else None
 
     def remove_key(self, key: str) -> Checkpoint | None:
         """Remove the checkpoint stored under `key` (the caller's store let it go), if it is here."""
