@@ -271,6 +271,33 @@ def test_every_serve_flag_reads_its_env_var(monkeypatch):
     assert build_parser().parse_args(["serve", "--slots", "5"]).slots == 5
 
 
+def test_bad_environment_values_are_one_line_where_they_are_used(monkeypatch, capsys, tmp_path):
+    """WKVM_PORT=abc made every command a traceback (doctor's parser converted it when built); a switch's variable
+    that is neither on nor off counted as off (WKVM_NO_PREFIX_REUSE=enabled kept reuse on); `chat --state-dir FILE`
+    said "[Errno 17] File exists"."""
+    monkeypatch.setenv("WKVM_PORT", "abc")
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    with pytest.raises(SystemExit) as e:
+        main(["doctor"])
+    assert e.value.code == 2 and "--port: invalid int value: 'abc'" in capsys.readouterr().err
+    monkeypatch.delenv("WKVM_PORT")
+    for value, ok in (("enabled", False), ("off", True), ("", True), ("YES", True)):
+        monkeypatch.setenv("WKVM_NO_PREFIX_REUSE", value)
+        if ok:
+            from wkvm.cli import build_parser
+
+            assert build_parser().parse_args(["serve"]).prefix_reuse == (value != "YES")
+            continue
+        assert main(["serve", "--port", "1"]) == 2
+        assert "WKVM_NO_PREFIX_REUSE='enabled': give 1, true, yes or on" in capsys.readouterr().err
+    monkeypatch.delenv("WKVM_NO_PREFIX_REUSE")
+    (tmp_path / "f").write_text("x")
+    assert main(["chat", "--state-dir", str(tmp_path / "f")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+
+
 def test_serve_flags_are_the_server_config(monkeypatch):
     """One source of defaults: `wkvm serve` with no flags builds exactly ServerConfig()'s settings."""
     from dataclasses import fields

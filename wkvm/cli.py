@@ -129,6 +129,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from wkvm.server.serving import GracefulServer
     from wkvm.weights.loader import check_model_path
 
+    if args.bad_env:
+        raise ValueError(args.bad_env[0])
     logs = log_config(args.log_level, args.log_format)
     logging.config.dictConfig(logs)  # now, before the first line is logged; uvicorn applies it again
     logging.captureWarnings(True)  # library warnings in the same format, not bare stderr lines
@@ -180,6 +182,9 @@ def from_env(typ: Callable[[str], Any], env: str, raw: str) -> Callable[[str], A
     return convert
 
 
+SWITCH_ON, SWITCH_OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 def add_serve_flags(s: argparse.ArgumentParser) -> None:
     """One flag per ServerConfig field (its default and help), each also read from WKVM_<FLAG>."""
     from dataclasses import fields
@@ -189,13 +194,18 @@ def add_serve_flags(s: argparse.ArgumentParser) -> None:
     for flag, help_ in KEY_FLAGS:  # never shown with a default: --help must not print a key from the environment
         env = "WKVM_" + flag.upper().replace("-", "_")
         s.add_argument(f"--{flag}", default=env_default(flag), help=f"{help_} [env {env}]")
+    bad_env: list[str] = []  # switches' variables that are neither on nor off: refused when `serve` runs
+    s.set_defaults(bad_env=bad_env)
     for f in fields(ServerConfig):
         if "help" not in f.metadata:
             continue
         if isinstance(f.default, bool):  # a switch: --no-NAME turns a default-on setting off, --NAME one on
             flag = f.name.replace("_", "-") if not f.default else "no-" + f.name.replace("_", "-")
-            on = (env_default(flag) or "").lower() in ("1", "true", "yes", "on")
+            word = (env_default(flag) or "").strip().lower()
+            on = word in SWITCH_ON
             env = "WKVM_" + flag.upper().replace("-", "_")
+            if not on and word not in SWITCH_OFF:  # had counted as off: WKVM_NO_PREFIX_REUSE=enabled kept reuse on
+                bad_env.append(f"{env}={env_default(flag)!r}: give 1, true, yes or on (or 0, false, no, off)")
             s.add_argument(f"--{flag}", dest=f.name, action="store_false" if f.default else "store_true",
                            default=f.default != on, help=f"{f.metadata['help']} [env {env}=1]")
             continue
@@ -276,6 +286,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from wkvm.cli_chat import ChatREPL
 
     state_dir = Path(args.state_dir) if args.state_dir else None  # None: the model's own folder
+    if state_dir is not None and state_dir.exists() and not state_dir.is_dir():
+        raise ValueError(f"--state-dir {state_dir}: not a directory")  # was "[Errno 17] File exists"
     ChatREPL(args.model or str(default_model()), state_dir, sampling_params(args), args.dtype).run()
     return 0
 

@@ -148,7 +148,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="directory whose free disk space to check (default: ~/.cache/wkvm) [env WKVM_STATE_DIR]")
     p.add_argument("--host", default=os.environ.get("WKVM_HOST", "127.0.0.1"),
                    help="address to check is free to bind (default: %(default)s) [env WKVM_HOST]")
-    p.add_argument("--port", type=int, default=int(os.environ.get("WKVM_PORT", "8000")),
+    # a string default: argparse converts it only when `doctor` runs (int() here had made WKVM_PORT=abc a traceback
+    # for every command, `--version` too)
+    p.add_argument("--port", type=int, default=os.environ.get("WKVM_PORT", "8000"),
                    help="port to check is free (default: %(default)s) [env WKVM_PORT]")
     p.set_defaults(func=run)
 
