@@ -144,7 +144,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--embeddings {args.embeddings}: not a directory (a sentence-transformers model's)")
     if args.state_dir and Path(args.state_dir).exists() and not Path(args.state_dir).is_dir():
         raise ValueError(f"--state-dir {args.state_dir}: not a directory")  # before the port is bound, not after
-    check_port(args.host, args.port)
     keys = read_api_keys(args)
     if not is_loopback(args.host) and not keys:
         log.warning("binding %s without an API key: anyone who can reach this port can use the server", args.host)
@@ -152,6 +151,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = {f.name: getattr(args, f.name) for f in fields(ServerConfig) if "help" in f.metadata}
     config = ServerConfig(**{**settings, "model": model, "api_keys": keys})
+    check_port(args.host, args.port)  # after the settings' own checks: those errors do not depend on the port
     if config.replicas:
         from wkvm.cluster import launch
 
