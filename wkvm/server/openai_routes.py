@@ -520,7 +520,7 @@ def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], tools: list[
     if continue_final_message and add_generation_prompt:
         raise APIError(400, "continue_final_message continues the last message: set add_generation_prompt to false",
                        "continue_final_message", "invalid_value")  # fmt: skip
-    final: str = messages[-1]["content"] or "" if continue_final_message else ""
+    final: str = (messages[-1]["content"] or "") if continue_final_message else ""
     if continue_final_message:  # a mark after the last text, cut there (as transformers' apply_chat_template): its
         # text's last match had been taken, inside the template's closing marks when they held it ('<' or 'd')
         messages = [*messages[:-1], {**messages[-1], "content": f"{final}{CONTINUE_MARK}"}] if final else messages

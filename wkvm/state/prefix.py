@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-NODE_BYTES = 320  # heap per stored token: a node, its children dict, the ids in tuples (309 B measured, CPython 3.11)
+# heap per stored token: a node, its children dict, the ids in tuples (316 B: tracemalloc, 20 x 20,000 ids, Python 3.11)
+NODE_BYTES = 320
 
 
 @dataclass

@@ -176,9 +176,7 @@ class ChatSessions:
                 store.discard(rec.owner, rec.handle)
             elif rec.owner.endswith(CKPT):
                 scope = rec.owner.removesuffix(CKPT)
-                evicted = [(scope, cp) for cp in self._trie(scope).insert(store.token_ids(rec), rec.handle,
-                                                                          rec.op_params.get("kind", ""))]  # fmt: skip
-                for s, cp in evicted + self._trim_tries():  # beyond the trie's capacity or the nodes' bound
+                for s, cp in self._insert(scope, store.token_ids(rec), rec.handle, rec.op_params.get("kind", "")):
                     store.discard(s + CKPT, cp.key, durable=False)
             elif rec.owner.endswith(SESS):
                 store.discard(rec.owner, rec.handle)
@@ -188,6 +186,11 @@ class ChatSessions:
         if trie is None:
             trie = self.tries[scope] = PrefixTrie(self.capacity, self.trie_nodes)
         return trie
+
+    def _insert(self, scope: str, token_ids: list[int], key: str, kind: str) -> list[tuple[str, Checkpoint]]:
+        """Put a checkpoint in its scope's trie; (scope, checkpoint) of those that leave for it (beyond the trie's
+        capacity or the nodes' bound): the caller discards their states."""
+        return [(scope, cp) for cp in self._trie(scope).insert(token_ids, key, kind)] + self._trim_tries()
 
     def _trim_tries(self) -> list[tuple[str, Checkpoint]]:
         """While the tries' nodes pass their bound, the largest trie's least recently used checkpoint goes (the
@@ -431,8 +434,7 @@ class ChatSessions:
             return False
         with self.lock:
             self._forget_evicted()
-            evicted = [(scope, cp) for cp in self._trie(scope).insert(token_ids, rec.handle, kind)]
-            evicted += self._trim_tries()
+            evicted = self._insert(scope, token_ids, rec.handle, kind)
         for s, cp in evicted:
             store.discard(s + CKPT, cp.key, durable=False)
         if any(cp.key == rec.handle for _, cp in evicted):

@@ -139,9 +139,8 @@ def _check_entry(d: Path, entry: Any, name: str, verify_hashes: bool) -> None:
         meta = header.get(key)
         same = meta is not None and (meta["dtype"], meta["shape"]) == (t["dtype"], t["shape"])
         start, end = meta["data_offsets"] if meta is not None else (0, 0)
-        if meta is None or not same or t["dtype"] not in DTYPES or (8 + n + start, end - start) != (
-            t["offset"], t["length"]
-        ):
+        at_its_place = t["offset"] == 8 + n + start and t["length"] == end - start
+        if meta is None or not same or t["dtype"] not in DTYPES or not at_its_place:
             raise PackError(f"{path}: tensor {key} does not match the manifest")
     if len(header) - ("__metadata__" in header) != len(entry["tensors"]):
         raise PackError(f"{path}: holds tensors the manifest does not list")
