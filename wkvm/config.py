@@ -124,7 +124,8 @@ class ServerConfig:
     # the engine's settings take EngineConfig's defaults: one source
     slots: int = opt(EngineConfig.n_slots, "state slots: sequences running at once")
     max_queue: int = opt(EngineConfig.max_queue, "waiting requests beyond which the server answers 429")
-    token_budget: int = opt(EngineConfig.token_budget, "tokens per engine step (decode + prefill)")
+    token_budget: int | None = opt(None, "tokens per engine step (decode + prefill), at least --slots "
+                                   f"(default: {EngineConfig.token_budget}, or --slots where that is more)")
     prefill_chunk: int = opt(EngineConfig.prefill_chunk, "most prompt tokens one request feeds per step")
     request_timeout: float | None = opt(EngineConfig.request_timeout, "seconds before a request is aborted")
     kv_cache_bytes: int = opt(EngineConfig.kv_cache_bytes, "attention models: bytes of key/value pages shared by "
@@ -171,6 +172,9 @@ class ServerConfig:
         for name in ("slots", "max_queue", *limits):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.token_budget is not None and self.token_budget < self.slots:
+            raise ValueError(f"token_budget ({self.token_budget}) must be at least slots ({self.slots}): every running "
+                             "sequence decodes a token each step")
         if self.slots > MAX_SLOTS:  # beyond, the arena's allocation failed after the port was bound, with a traceback
             raise ValueError(f"slots must be at most {MAX_SLOTS:,}")
         memory = physical_memory()
@@ -189,10 +193,17 @@ class ServerConfig:
             return Path(self.embeddings).name
         return Path(self.model).stem if self.model else "wkvm"
 
+    def engine_token_budget(self) -> int:
+        """--token-budget, else the engine's default raised to --slots (every running sequence decodes each step);
+        one given below --slots is refused by EngineConfig (it had been raised silently: vLLM refuses it too)."""
+        if self.token_budget is not None:
+            return self.token_budget
+        return max(EngineConfig.token_budget, self.slots)
+
     def engine_config(self) -> EngineConfig:
         device = self.device
         return EngineConfig(
-            n_slots=self.slots, max_queue=self.max_queue, token_budget=max(self.token_budget, self.slots),
+            n_slots=self.slots, max_queue=self.max_queue, token_budget=self.engine_token_budget(),
             prefill_chunk=self.prefill_chunk, request_timeout=self.request_timeout, device=device,
             kv_cache_bytes=self.kv_cache_bytes, kv_page_tokens=self.kv_page_tokens, kv_dtype=self.kv_dtype,
         )  # fmt: skip
