@@ -247,7 +247,7 @@ def test_a_request_that_masks_every_token_fails_greedy_or_sampled(llm):
         params = SamplingParams(max_tokens=3, min_tokens=3, temperature=temperature, seed=1,
                                 allowed_token_ids=[stop_id], stop_token_ids=[stop_id])  # fmt: skip
         out = llm.generate([[1, 2]], params)[0]
-        assert out.finish_reason == "error" and out.token_ids == [], (temperature, out)
+        assert out.finish_reason == "error" and out.token_ids == [] and out.error_code == "no_token_left", out
         assert "allowed_token_ids" in (out.error or "") and "min_tokens" in (out.error or ""), out.error
 
 

@@ -13,6 +13,7 @@ import jsonschema
 import openai
 import pytest
 import torch
+from conftest import CHAR_VOCAB
 from live_server import LiveServer
 
 import wkvm
@@ -128,6 +129,23 @@ def test_objects_that_list_their_properties_are_closed_to_others(char):
         "additionalProperties": False}  # fmt: skip
     both = {"allOf": [{"properties": {"a": AGE}}, {"properties": {"b": AGE}}]}
     assert closed_objects(both) == both and closed_objects({"type": "object"}) == {"type": "object"}
+
+
+def test_properties_beside_any_of_one_of_or_ref_are_intersected_not_closed(char):
+    """`properties` beside `anyOf` / `oneOf` / `$ref` intersects object schemas as `allOf` does: closing the parent
+    and each branch (or the target) had left no key both allow, so valid schemas were 400s ("unsatisfiable"). And
+    `oneOf` is read as `anyOf` (docs/http-api.md), overlapping branches too (they had been a 400)."""
+    kinds = {"type": "object", "properties": {"kind": {"enum": ["a", "b"]}}, "required": ["kind"],
+             "anyOf": [{"properties": {"x": AGE}, "required": ["x"]},
+                       {"properties": {"y": {"type": "boolean"}}, "required": ["y"]}]}  # fmt: skip
+    based = {"$defs": {"base": {"type": "object", "properties": {"id": AGE}, "required": ["id"]}},
+             "$ref": "#/$defs/base", "properties": {"id": AGE, "name": NAME}, "required": ["id", "name"]}
+    number = {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"enum": [1, 2, 3]}]}
+    model, tok = char
+    for schema, valid in ((kinds, kinds), (based, based), (number, {"anyOf": number["oneOf"]})):
+        assert closed_objects(schema) == schema
+        _, outputs = replies(model, tok, schema, 4)
+        check_valid(outputs, valid)  # 1 is valid for both of `number`'s branches: anyOf's reading
 
 
 def test_world_vocabulary(world):
@@ -478,3 +496,41 @@ def is_utf8(b: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def test_special_and_end_tokens_are_never_a_grammars_text(tmp_path):
+    """Every special and end token is special to the grammar engine (only the main EOS had been): a grammar whose
+    text spells `<|endoftext|>` (a second end token, as SmolLM2's) had let the model pick that token, which ended the
+    reply mid-value with finish_reason "stop" (or, as a non-end special token, vanished from the text)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    from wkvm.tokenizer import HFTokenizer
+
+    raw = Tokenizer(models.BPE(vocab=dict(CHAR_VOCAB), merges=[]))
+    raw.decoder = decoders.Fuse()
+    raw.add_special_tokens([AddedToken(t, special=True) for t in ("<|im_end|>", "<|endoftext|>", "<|im_start|>")])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    end, other_end, start = (raw.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>", "<|im_start|>"))
+    tok = HFTokenizer(tmp_path / "tokenizer.json", "<|im_end|>", [other_end])
+    assert tok.eos_token_id == end and tok.eos_token_ids == {end, other_end} and start in tok.special_ids
+    for text in ("<|endoftext|>", "<|im_start|>"):
+        grammar = sampled(structured_outputs={"regex": "a" + re.escape(text) + "b"}).grammar()
+        state = GrammarCompiler(tok).state(grammar)
+        state.accept(tok.encode("a")[0])
+        allowed = state.allowed(tok.vocab_size)
+        assert allowed[tok.encode("<")[0]] and not allowed[[end, other_end, start]].any()
+
+
+
+def test_a_constrained_rows_logprobs_are_its_masked_distributions(char):
+    """As vLLM's (its model runner masks the logits before its sampler reads them): a token the grammar forces has
+    logprob 0, and tokens it rules out are never among the top logprobs (they had been the unmasked model's)."""
+    model, tok = char
+    engine = Engine(model, tok, EngineConfig(n_slots=2))
+    forced = engine.submit(tok.encode("Say:"), sampled(structured_outputs={"choice": ["abc"]}, logprobs=3))
+    free = engine.submit(tok.encode("Say:"), sampled(max_tokens=3, logprobs=3))
+    engine.run_until_done()
+    assert forced.output.text == "abc" and len(forced.output.logprobs) == 3
+    for step in forced.output.logprobs:
+        assert max(step.values()) == 0.0 and sorted(step.values())[-2] == float("-inf"), step
+    assert all(max(step.values()) < 0 for step in free.output.logprobs)  # the free row keeps the model's own

@@ -10,11 +10,13 @@ class ErrorCode:
 
     NON_FINITE = "non_finite"  # this request's numbers went out of range (its state or parameters): its own fault
     GRAMMAR_DEAD_END = "grammar_dead_end"  # its response_format / forced tool call allows no token of this vocabulary
+    NO_TOKEN_LEFT = "no_token_left"  # its token masks (allowed_token_ids, bad_words, min_tokens, grammar) leave none
     ENGINE_ERROR = "engine_error"  # an engine step failed unexpectedly, failing every request in flight
     SHUTDOWN = "shutdown"
     TIMEOUT = "timeout"
     CANCELLED = "cancelled"
     MIGRATED = "migrated"  # stopped at a token boundary to go on in another engine (Engine.suspend / resume)
+    OWN_FAULTS = (NON_FINITE, GRAMMAR_DEAD_END, NO_TOKEN_LEFT)  # the request's own input: a 400 over HTTP
 
 
 @dataclass

@@ -34,7 +34,7 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # vLLM's structured_outputs kinds (grammar: llguidance's Lark), and its older guided_<kind> fields
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # compact JSON: no whitespace between tokens, so a reply cannot drift into endless blank space
-JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "coerce_one_of": True}  # oneOf read as anyOf
 
 
 @dataclass
@@ -209,9 +209,10 @@ def closed_objects(schema: Any) -> Any:
     (`additionalProperties: false`), as vLLM's default grammar engine (xgrammar's strict mode) and llama.cpp's
     converter read such a schema, and as OpenAI's strict mode requires it written: open, a small model filled
     replies with keys nobody asked for (a forced tool call with an invented, repeated key ran to max_tokens). A
-    schema with an `allOf` anywhere is kept as written: its members are intersected (through shared `$defs` too),
-    and closing each would shut out the others' keys."""
-    return schema if _uses_all_of(schema) else _close(schema)
+    schema that intersects object schemas anywhere is kept as written: `allOf`, or `properties` beside `anyOf`,
+    `oneOf` or `$ref` (each branch or target is intersected with them; closing both shut out each other's keys, and
+    valid schemas were refused as unsatisfiable). Its members may be reached through shared `$defs` too."""
+    return schema if _intersects(schema) else _close(schema)
 
 
 def _close(schema: Any) -> Any:
@@ -234,12 +235,13 @@ def _close(schema: Any) -> Any:
     return out
 
 
-def _uses_all_of(schema: Any) -> bool:
-    """Whether `allOf` appears anywhere in `schema` (as a key: a property named so counts too, which only keeps the
-    schema as written)."""
+def _intersects(schema: Any) -> bool:
+    """Whether `allOf`, or `properties` beside `anyOf` / `oneOf` / `$ref`, appears anywhere in `schema` (as keys: a
+    property named so counts too, which only keeps the schema as written)."""
     if isinstance(schema, dict):
-        return "allOf" in schema or any(_uses_all_of(v) for v in schema.values())
-    return isinstance(schema, list) and any(_uses_all_of(v) for v in schema)
+        beside = "properties" in schema and any(key in schema for key in ("anyOf", "oneOf", "$ref"))
+        return beside or "allOf" in schema or any(_intersects(v) for v in schema.values())
+    return isinstance(schema, list) and any(_intersects(v) for v in schema)
 
 
 def schema_grammar(schema: dict[str, Any], param: str) -> str:

@@ -7,8 +7,12 @@ engine that never sees one never pays it), and keeps the compiled grammars in an
 (built from the schema's compact JSON). A request gets a copy of the compiled matcher (`GrammarState`): its parse
 state lives in the request's sampler row, so it survives preemption, parking and resume with the rest of the row.
 
-The vocabulary llguidance sees is exactly `Tokenizer.token_bytes`, with the EOS token marked special (so its text,
-say `<|endoftext|>`, is never taken for JSON). Logits wider than the tokenizer (pad rows) are always masked out.
+The vocabulary llguidance sees is exactly `Tokenizer.token_bytes`, with every special and end token marked special,
+so that no grammar takes one for its text: the engine ends a reply on any of the model's end tokens (SmolLM2's
+`<|endoftext|>` beside `<|im_end|>`), and a reply leaves special tokens' text out, so a grammar that had taken
+`<|endoftext|>` for text inside a JSON string ended the reply there with finish_reason "stop", or lost the text. The
+main EOS is allowed only where the grammar's value is complete. Logits wider than the tokenizer (pad rows) are always
+masked out.
 """
 
 from __future__ import annotations
@@ -49,7 +53,9 @@ def llg_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
     n = tokenizer.vocab_size
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None and tokenizer.eos_token_id < n else n
     tokens = [tokenizer.token_bytes(i) if i < n else b"" for i in range(max(n, eos + 1))]
-    tokens[eos] = SPECIAL_PREFIX + (tokens[eos] or b"<eos>")
+    for i in {eos, *tokenizer.eos_token_ids, *tokenizer.special_ids}:
+        if i < len(tokens):
+            tokens[i] = SPECIAL_PREFIX + (tokens[i] or b"<special>")
     # llguidance re-tokenizes forced text; its greedy tokenizer over these exact bytes always agrees with the mask
     bootstrap = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_VocabForLLG(tokens, eos)), n_vocab=len(tokens))
     vocab = _VocabForLLG(tokens, eos, bootstrap.greedy_tokenize)

@@ -1,8 +1,9 @@
 """The sampler: logit bias, allowed tokens and bad words, min_tokens, grammar masks, penalties,
 greedy/temperature/top-k/top-p/min-p, per-request seeds, top-k logprobs.
 
-Logprobs are those of the model's raw distribution (before logit bias, grammar mask, penalties and temperature), as
-vLLM's default (`raw_logprobs`).
+Logprobs are those of the model's raw distribution (before logit bias, penalties and temperature), as vLLM's default
+(`raw_logprobs`); a constrained row's are those of its grammar-masked distribution, as vLLM's (its model runner masks
+the logits before its sampler reads them): tokens the grammar rules out have none, and a token it forces has 0.
 Rows are independent: a row whose logits or distribution are not finite gets an error instead of a token, and
 every other row samples exactly as it would have without it (`draw` never sees an invalid distribution).
 A constrained row (one with a `GrammarState`) masks its own logits to the tokens its grammar allows; the batch's
@@ -37,7 +38,7 @@ INVALID_DISTRIBUTION = (
     "its logits or sampling parameters are out of range"
 )
 NO_TOKEN_LEFT = (
-    "this request's token masks leave no token to choose: allowed_token_ids, bad_words, logit_bias of -100, and "
+    "this request's token masks leave no token to choose: allowed_token_ids, bad_words and "
     "min_tokens (which holds back the end of sequence and stop_token_ids until that many are out) exclude them all"
 )
 NO_ALLOWED_TOKEN = "the reply's grammar (response_format, structured_outputs, a forced tool call) allows no token here"
@@ -260,6 +261,7 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
             out.append(Sampled(None, error=NON_FINITE_LOGITS))
             continue
         x, greedy_id, masked = logits[i], greedy_ids[i], False  # masked: x is no longer the batch's (finite) row
+        row_lp = raw_lp[i] if raw_lp is not None else None
         if row.params.logit_bias:
             x, masked = row.biased(x), True
             greedy_id = int(torch.argmax(x))
@@ -277,10 +279,12 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
                 continue
             x, masked = x.masked_fill(~allowed, float("-inf")), True  # a new tensor: the batch's logits stay
             greedy_id = int(torch.argmax(x))
+            if row_lp is not None and row.params.logprobs is not None:
+                row_lp = torch.log_softmax(logits[i].masked_fill(~allowed, float("-inf")), -1)
         # every token masked (allowed_token_ids that min_tokens bans, say): greedy's argmax of -inf would be token 0,
         # a token the request did not allow
         if masked and not bool(torch.isfinite(x[greedy_id])):
-            out.append(Sampled(None, error=NO_TOKEN_LEFT))
+            out.append(Sampled(None, error=NO_TOKEN_LEFT, error_code=ErrorCode.NO_TOKEN_LEFT))
             continue
         tok = choose(x, row, greedy_id)
         if tok is None:
@@ -295,6 +299,6 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
                 continue
             done = row.grammar.done
         k = row.params.logprobs
-        lp = top_logprobs(raw_lp[i], tok, k) if raw_lp is not None and k is not None else None
+        lp = top_logprobs(row_lp, tok, k) if row_lp is not None and k is not None else None
         out.append(Sampled(tok, lp, grammar_done=done))
     return out

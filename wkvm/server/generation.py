@@ -287,12 +287,12 @@ async def wait_all(ctx: ServerContext, request: Request, handles: list[RequestHa
 
 
 def raise_if_failed(h: RequestHandle) -> None:
-    """A request the engine failed: non-finite numbers and a grammar with no token left come from this request's
-    own input (its state, parameters or schema), so they are a 400; anything else is the server's fault."""
+    """A request the engine failed: non-finite numbers and masks or a grammar with no token left come from this
+    request's own input (its state, parameters or schema), so they are a 400; anything else is the server's fault."""
     if h.output.finish_reason != "error":
         return
     code = h.output.error_code or ErrorCode.ENGINE_ERROR
-    status = 400 if code in (ErrorCode.NON_FINITE, ErrorCode.GRAMMAR_DEAD_END) else 500
+    status = 400 if code in ErrorCode.OWN_FAULTS else 500
     raise APIError(status, h.output.error or "generation failed", None, code)
 
 
