@@ -279,6 +279,8 @@ def test_json_schema_format(server):
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "max_output_tokens": 10**6}, "max_output_tokens"),
     ({"input": "hi", "tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}},
+     "tool_choice"),  # a 500 (AttributeError), as null or a list there
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"input": []}, "input"),
     ({"input": "hi", "previous_response_id": ""}, "previous_response_id"),
@@ -321,6 +323,8 @@ def test_errors_name_the_responses_fields_in_their_words(server):
 
     said = responses_text("response_format.json_schema.schema: bad; the tool 'max_tokens' (a user's name) is kept")
     assert said == "text.format.schema: bad; the tool 'max_tokens' (a user's name) is kept"
+    said = responses_text("tools[0].function.parameters must be a JSON schema object")
+    assert said == "tools[0].parameters must be a JSON schema object"  # as its param (it had said .function.)
 
 
 def test_stored_responses_survive_a_restart(char_model, tmp_path):

@@ -706,7 +706,7 @@ def reply(text: str, finish_reason: str | None, mode: ToolMode | None) -> tuple[
     content, calls = parse_reply(text, mode)
     if not calls:  # a forced call a stop string cut off is no answer in words either (as the stream says)
         return {"role": "assistant", "content": None if mode.forced else text}, finish_reason
-    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": content, "tool_calls": calls}, mode.calls_finish
 
 
 async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFields, handles: list[RequestHandle],

@@ -205,14 +205,19 @@ def responses_param(param: str | None) -> str | None:
 
 
 # a quoted value (a user's tool or property name) first, so that it is kept as it is
-CHAT_WORDS = re.compile(r"'[^']*'|\b(max_completion_tokens|max_tokens|response_format\.json_schema|response_format)\b")
+CHAT_WORDS = re.compile(r"'[^']*'|\b(max_completion_tokens|max_tokens|response_format\.json_schema|response_format)\b"
+                        r"|\btools\[\d+\]\.function\.")  # a Responses tool has no "function" level, as its param
 RESPONSES_WORDS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
                    "response_format.json_schema": "text.format", "response_format": "text.format"}  # fmt: skip
 
 
 def responses_text(message: str) -> str:
     """A chat completion's error message with its fields named as the Responses request names them."""
-    return CHAT_WORDS.sub(lambda m: RESPONSES_WORDS.get(m.group(0), m.group(0)), message)
+    def word(m: re.Match[str]) -> str:
+        said = m.group(0)
+        return said.removesuffix("function.") if said.startswith("tools[") else RESPONSES_WORDS.get(said, said)
+
+    return CHAT_WORDS.sub(word, message)
 
 
 def text_of(content: Any, where: str) -> str:
@@ -306,7 +311,8 @@ def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
 
 
 def chat_tool_choice(choice: Any) -> Any:
-    if choice is None or isinstance(choice, str) or (isinstance(choice, dict) and "function" in choice):
+    if choice is None or isinstance(choice, str) or (isinstance(choice, dict) and isinstance(choice.get("function"),
+                                                                                              dict)):
         return choice  # a string, or the chat's shape (tool_mode checks both)
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}

@@ -42,6 +42,12 @@ class ToolMode:
     def forced(self) -> bool:
         return self.choice in ("required", "named")
 
+    @property
+    def calls_finish(self) -> str:
+        """The finish reason of a reply that is calls: "tool_calls", but "stop" under a named tool_choice, as OpenAI
+        and vLLM answer (it had been "tool_calls" there too)."""
+        return "stop" if self.choice == "named" else "tool_calls"
+
     def response_format(self) -> dict[str, Any]:
         """The JSON schema a forced reply must match: a list of calls to offered tools (to the named one only)."""
         names = [self.name] if self.name else list(self.functions)
@@ -119,7 +125,8 @@ def tool_mode(tools: list[Any] | None, choice: Any, parallel: bool | None, shape
         raise APIError(400, "tools: function names must be distinct", "tools", "invalid_value")
     if choice is None or choice in ("auto", "none", "required"):
         return ToolMode(checked, choice or "auto", None, parallel is not False, calls_in_text=not shaped)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None  # "function": "f" (or null, a list) had been a 500
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
         raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                        '{"name": ...}}', "tool_choice", "invalid_value")  # fmt: skip
@@ -213,7 +220,7 @@ def final_delta(text: str, released: int, finish_reason: str | None,
             return None, [], finish_reason
         return text[released:] or None, [], finish_reason
     tail = rest[released:].rstrip() if released else rest.strip()
-    return tail or None, calls, "tool_calls"
+    return tail or None, calls, mode.calls_finish
 
 
 def _json(text: str) -> Any:
