@@ -371,6 +371,34 @@ def test_key_is_checked_before_the_body_is_read(server):
     assert head.startswith(b"HTTP/1.1 401"), head[:200]
 
 
+def test_a_body_framed_two_ways_is_refused_before_the_app():
+    """Content-Length beside Transfer-Encoding is a 400 (RFC 9112): uvicorn's h11 parser, which a plain `pip
+    install` (no httptools) runs, framed such a body as chunked but passed the small declared length on, and the
+    limit trusted it: a 200 KB body went past a 10 KB --max-body-bytes (review, session 38)."""
+    import asyncio
+
+    from wkvm.server.asgi import BodyLimit
+
+    reached, sent = [], []
+
+    async def app(scope, receive, send):
+        reached.append(await receive())
+
+    async def receive():
+        return {"type": "http.request", "body": b"x" * 200, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    headers = [(b"content-length", b"5"), (b"transfer-encoding", b"chunked")]
+    asyncio.run(BodyLimit(app, 10)({"type": "http", "method": "POST", "path": "/tokenize", "headers": headers},
+                                   receive, send))  # fmt: skip
+    assert not reached and sent[0]["status"] == 400 and b"Transfer-Encoding" in sent[1]["body"]
+    asyncio.run(BodyLimit(app, 1000)({"type": "http", "method": "POST", "path": "/tokenize",
+                                      "headers": headers[:1]}, receive, send))  # fmt: skip
+    assert len(reached) == 1  # a length alone is uvicorn's to enforce, as before
+
+
 def test_a_client_leaving_mid_upload_is_no_server_error(server):
     """An import whose client closes the connection after 1,000 of 100,000 announced bytes: counted as 499 (client
     closed request), not as a 500 with tracebacks (hunt 7), and the server goes on answering."""

@@ -232,6 +232,11 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = header(scope, b"content-length")
+        if declared is not None and header(scope, b"transfer-encoding") is not None:
+            # RFC 9112 6.3: an error. uvicorn's h11 parser (a plain `pip install`: no httptools) framed such a body as
+            # chunked and still passed the small declared length on, so a body of any size went past the limit
+            message = "a request may not declare both Content-Length and Transfer-Encoding"
+            return await send_error(scope, receive, send, 400, message, "body", "invalid_request")
         if declared is not None:
             if declared.isdigit() and int(declared) > self.limit:
                 return await self._refuse(scope, receive, send)
