@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -94,10 +95,10 @@ def test_waiting_embedding_requests_hold_no_thread_other_routes_need(models, mon
     release, started = threading.Event(), threading.Event()
     original = EmbeddingModel.embed
 
-    def held(self, inputs, prompted=False):
+    def held(self, inputs, prompted=False, stop=None):
         started.set()
         release.wait(60)
-        return original(self, inputs, prompted)
+        return original(self, inputs, prompted, stop)
 
     monkeypatch.setattr(EmbeddingModel, "embed", held)
     with LiveServer(model="none", embeddings=str(models["plain"])) as s, ThreadPoolExecutor(60) as pool:
@@ -110,6 +111,46 @@ def test_waiting_embedding_requests_hold_no_thread_other_routes_need(models, mon
             release.set()
         assert health.status_code == 200
         assert all(a.result().status_code == 200 for a in answers)
+
+
+def test_an_abandoned_request_is_never_computed_and_the_queue_is_bounded(models, monkeypatch):
+    """Review, session 38: a request whose client had left was still computed (12 abandoned batches held a one-word
+    request 96 s), and the model's queue had no bound. Now a queued request whose client leaves never runs, and
+    past --max-queue waiting requests the answer is a 429. --served-model-name names an embeddings-only server's
+    model (it had named only /health's: requests naming it were 404s), and /v1/models/ is a 404 there (a 500)."""
+    from wkvm.embeddings import EmbeddingModel
+
+    release, started, ran = threading.Event(), threading.Event(), []
+    original = EmbeddingModel.embed
+
+    def held(self, inputs, prompted=False, stop=None):
+        ran.append(inputs)
+        started.set()
+        release.wait(60)
+        return original(self, inputs, prompted, stop)
+
+    monkeypatch.setattr(EmbeddingModel, "embed", held)
+    name = "text-embedding-3-small"
+    with LiveServer(model="none", embeddings=str(models["plain"]), max_queue=2, served_model_name=name) as s, \
+            ThreadPoolExecutor(2) as pool:  # fmt: skip
+        url, body = f"{s.url}/v1/embeddings", {"input": "hello", "model": name}
+        first = pool.submit(httpx.post, url, json=body, timeout=60)
+        assert started.wait(30)
+        with pytest.raises(httpx.ReadTimeout):  # queued behind the first, then abandoned
+            httpx.post(url, json={"input": "a man"}, timeout=0.5)
+        time.sleep(1.0)  # the route polls its client every 0.2 s
+        second = pool.submit(httpx.post, url, json={"input": "world"}, timeout=60)
+        time.sleep(0.5)
+        full = httpx.post(url, json={"input": "food"}, timeout=10)
+        release.set()
+        assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full", full.text
+        assert first.result().status_code == 200 and second.result().status_code == 200
+        assert len(ran) == 2  # the abandoned one never ran
+        assert [m["id"] for m in httpx.get(f"{s.url}/v1/models").json()["data"]] == [name]
+        assert httpx.get(f"{s.url}/v1/models/{name}").json()["dimensions"] == 32
+        for missing in ("", "other"):
+            r = httpx.get(f"{s.url}/v1/models/{missing}")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
 
 
 def test_a_model_whose_first_module_takes_no_token_ids_is_refused_at_load(models, tmp_path):

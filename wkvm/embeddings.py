@@ -18,11 +18,16 @@ class EmbeddingInputError(ValueError):
     """An input this model cannot embed (too long, token ids outside its vocabulary); the message says why."""
 
 
+class EmbeddingCancelled(RuntimeError):
+    """`embed` stopped between batches: its caller set the `stop` event (the client went away)."""
+
+
 BATCH = 32  # inputs a forward pass (sentence-transformers' default): 2,048 of 256 tokens at once needed ~8 GiB
 
 
 class EmbeddingModel:
-    def __init__(self, path: str | os.PathLike[str], device: str = "cpu"):
+    def __init__(self, path: str | os.PathLike[str], device: str = "cpu", name: str | None = None):
+        """`name`: the id requests name it by (default: the directory's name)."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub: the directory is the model
         from sentence_transformers import SentenceTransformer
 
@@ -30,7 +35,7 @@ class EmbeddingModel:
         if not (p / "modules.json").is_file():
             raise ValueError(f"{p}: not a sentence-transformers model directory (no modules.json); e.g. `make minilm` "
                              "fetches all-MiniLM-L6-v2 into models/")  # fmt: skip
-        self.name = p.name
+        self.name = name or p.resolve().name  # resolved: `--embeddings .` had been named ""
         self.model: Any = SentenceTransformer(str(p), device=device, local_files_only=True)
         first: Any = self.model[0]
         if not hasattr(first, "auto_model"):  # e.g. StaticEmbedding: no token ids in, an infinite max_seq_length
@@ -52,15 +57,18 @@ class EmbeddingModel:
             self.prompt_length = int(length(self.prompt)) if length else len(self.token_ids("")) - 1
         self._lock = threading.Lock()  # one batch at a time: the model's threads are shared
         self.executor = ThreadPoolExecutor(1, "wkvm-embed")  # requests wait for it in its queue, holding no thread
+        self.waiting = 0  # requests in the executor's queue or running (the server's event loop counts them)
 
     def token_ids(self, text: str) -> list[int]:
         """The ids the model embeds for `text`, its special tokens included."""
         ids: list[int] = self.tokenizer((self.prompt or "") + text, add_special_tokens=True)["input_ids"]
         return ids
 
-    def embed(self, inputs: list[list[int]], prompted: bool = False) -> torch.Tensor:
+    def embed(self, inputs: list[list[int]], prompted: bool = False,
+              stop: threading.Event | None = None) -> torch.Tensor:  # fmt: skip
         """Token-id inputs (special tokens included, as `token_ids` gives them; `prompted`: each starts with the
-        model's prompt, as `token_ids` gives a text) -> [N, dimensions] fp32, batched."""
+        model's prompt, as `token_ids` gives a text) -> [N, dimensions] fp32, batched; EmbeddingCancelled between
+        batches once `stop` is set."""
         for i, ids in enumerate(inputs):
             if not ids:
                 raise EmbeddingInputError(f"input {i} is empty")
@@ -72,7 +80,12 @@ class EmbeddingModel:
                 raise EmbeddingInputError(f"input {i}: token id {bad} is outside the vocabulary "
                                           f"0..{self.vocab_size - 1}")  # fmt: skip
         prompt_length = self.prompt_length if prompted else None
-        return torch.cat([self._forward(inputs[i : i + BATCH], prompt_length) for i in range(0, len(inputs), BATCH)])
+        out = []
+        for i in range(0, len(inputs), BATCH):
+            if stop is not None and stop.is_set():
+                raise EmbeddingCancelled("stopped")
+            out.append(self._forward(inputs[i : i + BATCH], prompt_length))
+        return torch.cat(out)
 
     def _forward(self, inputs: list[list[int]], prompt_length: int | None) -> torch.Tensor:
         n = max(len(ids) for ids in inputs)

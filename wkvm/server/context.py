@@ -116,7 +116,8 @@ class ServerContext:
             if not self.generative:
                 if not cfg.embeddings:
                     raise ValueError("--model none serves embeddings only: give --embeddings DIR")
-                self.embedder = EmbeddingModel(cfg.embeddings, cfg.device)
+                # --served-model-name names the server's one model, as vLLM's (it had named only /health's)
+                self.embedder = EmbeddingModel(cfg.embeddings, cfg.device, self.model_name)
                 freeze_startup_heap()
                 self.ready.set()
                 log.info("embedding model %s loaded (no generative model: --model none)", self.embedder.name)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import threading
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, params
+from fastapi import APIRouter, Request, params
 
-from wkvm.embeddings import EmbeddingInputError
+from wkvm.embeddings import EmbeddingCancelled, EmbeddingInputError
+from wkvm.engine.scheduler import QueueFull
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError
 from wkvm.server.generation import check_text
@@ -24,7 +26,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
     r = APIRouter(dependencies=[auth])
 
     @r.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
+    async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
         ctx.require_ready(generative=False)
         model = ctx.embedder
         if model is None:
@@ -47,15 +49,33 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
                     raise APIError(400, f"input {i} is an empty string (as OpenAI, nothing to embed)", "input",
                                    "invalid_value")  # fmt: skip
 
+        if model.waiting >= ctx.config.max_queue:  # the model's queue had no bound (the generative one's has)
+            raise QueueFull(f"{model.waiting} embedding requests are waiting (--max-queue {ctx.config.max_queue}); "
+                            "retry shortly")  # fmt: skip
+        stop = threading.Event()
+
         def tokenized_and_embedded() -> tuple[list[list[int]], torch.Tensor]:
             # off the event loop: one long text took seconds to tokenize, and every other request waited
             ids = [model.token_ids(t) if isinstance(t, str) else t for t in texts]
-            return ids, model.embed(ids, prompted=isinstance(texts[0], str))
+            return ids, model.embed(ids, prompted=isinstance(texts[0], str), stop=stop)
 
-        try:  # on the model's own thread: waiting in the shared pool, a burst had held /health 8 s behind it
-            ids, vectors = await asyncio.get_running_loop().run_in_executor(model.executor, tokenized_and_embedded)
+        # on the model's own thread: waiting in the shared pool, a burst had held /health 8 s behind it
+        work = asyncio.get_running_loop().run_in_executor(model.executor, tokenized_and_embedded)
+        model.waiting += 1
+        try:
+            while not (await asyncio.wait({work}, timeout=0.2))[0]:
+                if await request.is_disconnected():  # its work is dropped: abandoned requests had all been computed
+                    stop.set()  # a running one stops at its next batch, a queued one never starts
+                    work.cancel()
+                    raise APIError(499, "the client closed the connection before its embeddings were ready", None,
+                                   "client_closed_request")  # fmt: skip
+            ids, vectors = work.result()
         except EmbeddingInputError as e:
             raise APIError(400, str(e), "input", "invalid_value") from None
+        except EmbeddingCancelled:  # only once the client left
+            raise APIError(499, "the client closed the connection", None, "client_closed_request") from None
+        finally:
+            model.waiting -= 1
         data = [{"object": "embedding", "index": i, "embedding": encode(v.tolist(), body.encoding_format)}
                 for i, v in enumerate(vectors)]  # fmt: skip
         used = sum(len(x) for x in ids)

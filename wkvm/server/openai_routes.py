@@ -342,6 +342,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         cards = embedding_card()
         if cards and model_id == cards[0]["id"]:
             return cards[0]
+        if not ctx.generative or not model_id:  # "" means the default only in a body; an embeddings-only server had
+            raise APIError(404, f"model {model_id!r} not found", "model", "model_not_found")  # read its absent model
         check_model(ctx, model_id)
         return model_card()
 
