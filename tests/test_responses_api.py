@@ -360,6 +360,20 @@ def test_the_store_keeps_each_owners_newest_within_its_bounds(tmp_path):
     store.close()
 
 
+def test_a_response_put_while_the_clock_steps_back_is_kept(tmp_path, monkeypatch):
+    """The newest is the last put, not the latest clock time: a response put after an NTP step back had been the
+    oldest at its owner's bound and deleted in its own put (its id answered, then a 404)."""
+    import wkvm.state.responses as responses
+
+    clock, real = [1000.0, 2000.0, 3000.0, 500.0], responses.time.time
+    monkeypatch.setattr(responses.time, "time", lambda: clock.pop(0) if clock else real())
+    store = ResponseStore(tmp_path / "r.sqlite", max_per_owner=3, max_bytes=10**6)
+    for i in range(4):
+        store.put("a", {"id": f"r{i}"}, [])
+    assert [rid for rid in ("r0", "r1", "r2", "r3") if store.get("a", rid)] == ["r1", "r2", "r3"]
+    store.close()
+
+
 def test_a_cut_or_failed_answer_says_so_in_its_items_and_events(char_model):
     """max_output_tokens cuts the message: it is `incomplete` (OpenAI's item status), blocking and streamed. A request
     that times out mid-stream sends an `error` event before `response.failed`, as every failure does (hunt 8: only

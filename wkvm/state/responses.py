@@ -69,11 +69,13 @@ class ResponseStore:
                               ACCOUNT_BOUND * self.max_per_owner, ACCOUNT_BOUND * self.max_bytes)  # fmt: skip
 
     def _keep_newest(self, where: str, args: tuple[str, ...], count: int, nbytes: int) -> None:
-        """Delete the responses `where` selects beyond the newest `count` or `nbytes` (the newest is always kept)."""
+        """Delete the responses `where` selects beyond the newest `count` or `nbytes` (the newest is always kept).
+        Newest by insertion (a row put, or put again, takes the largest rowid), not by its clock time: a clock
+        stepped back had made the row just put the oldest, deleted in its own put (its id then a 404)."""
         self._db.execute(
             "DELETE FROM responses WHERE rowid IN (SELECT r FROM (SELECT rowid AS r, ROW_NUMBER() OVER w AS n, "
-            f"SUM(bytes) OVER w AS total FROM responses WHERE {where} WINDOW w AS (ORDER BY created_at DESC, "
-            "rowid DESC)) WHERE n > 1 AND (n > ? OR total > ?))", (*args, count, nbytes))  # fmt: skip
+            f"SUM(bytes) OVER w AS total FROM responses WHERE {where} WINDOW w AS (ORDER BY rowid DESC)) "
+            "WHERE n > 1 AND (n > ? OR total > ?))", (*args, count, nbytes))  # fmt: skip
 
     def get(self, owner: str, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
         """(response, conversation), or None: no such response of this owner's."""
