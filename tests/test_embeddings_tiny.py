@@ -153,6 +153,29 @@ def test_an_abandoned_request_is_never_computed_and_the_queue_is_bounded(models,
             assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
 
 
+def test_tokenize_answers_for_the_embedding_model(models):
+    """As vLLM's for a pooling model: /tokenize gives the ids /v1/embeddings embeds (the default prompt and special
+    tokens included; usage counts them), /detokenize reads them back; on an embeddings-only server both had been
+    404s, and beside a generative model a request naming the embedding model was a 404."""
+    from wkvm.config import default_model
+    from wkvm.embeddings import EmbeddingModel
+
+    want = EmbeddingModel(models["prompt"]).token_ids("hello world")
+    with LiveServer(model="none", embeddings=str(models["prompt"])) as alone, \
+            LiveServer(model=str(default_model()), embeddings=str(models["prompt"])) as both:  # fmt: skip
+        for s, named in ((alone, {}), (both, {"model": "prompt"})):
+            r = httpx.post(f"{s.url}/tokenize", json={"prompt": "hello world", **named}, timeout=30).json()
+            assert r["tokens"] == want and r["count"] == len(want) and r["max_model_len"] == 32, r
+            used = httpx.post(f"{s.url}/v1/embeddings", json={"input": "hello world"}, timeout=30).json()["usage"]
+            assert used["prompt_tokens"] == len(want)
+            text = httpx.post(f"{s.url}/detokenize", json={"tokens": want, **named}, timeout=30).json()["prompt"]
+            assert "hello world" in text, text
+            r = httpx.post(f"{s.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}], **named})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        generative = httpx.post(f"{both.url}/tokenize", json={"prompt": "hello world"}, timeout=30).json()
+        assert generative["tokens"] != want  # without the name: the generative model's, as before
+
+
 def test_a_model_whose_first_module_takes_no_token_ids_is_refused_at_load(models, tmp_path):
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import StaticEmbedding
