@@ -215,6 +215,15 @@ def test_vllm_prompt_forms_and_output_fields(world_pth):
         llm.generate([{"text": "Hi"}])
     with pytest.raises(TypeError, match="a prompt is a str"):
         llm.generate([3.5])
+    with pytest.raises(TypeError, match="a prompt is a str"):
+        llm.generate([[1.0, 2]])
+    # numpy and torch integers (ids out of a tokenizer's return_tensors, or an array): they had been refused
+    import numpy as np
+    import torch
+
+    arrays = [np.array(ids), [np.int64(t) for t in ids], {"prompt_token_ids": torch.tensor(ids)}]
+    assert [llm.generate(a, greedy)[0].token_ids for a in arrays] == [outs[1].token_ids] * 3
+    assert len(llm.generate([np.array(ids), torch.tensor(ids)], greedy)) == 2
     with pytest.raises(TypeError, match="sampling_params is a SamplingParams"):
         llm.generate(["Hi"], {"max_tokens": 2})
     with pytest.raises(TypeError, match="LLM\\(\\) got an unexpected keyword argument 'gpu_memory_utilization'"):

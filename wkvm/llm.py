@@ -8,6 +8,7 @@ It follows vLLM's offline API where wkvm has the feature: `generate` takes a str
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -67,10 +68,11 @@ class LLM:
                 prompt = prompt["prompt"]
             else:
                 raise TypeError("a prompt dict has 'prompt' (a str) or 'prompt_token_ids' (a list of ints)")
+        token_ids = None if isinstance(prompt, str | bytes | Mapping) else token_list(prompt)
         if isinstance(prompt, str):
             ids = self.tokenizer.encode_prompt(prompt)
-        elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-            ids = [int(t) for t in prompt]
+        elif token_ids is not None:
+            ids = token_ids
         else:
             raise TypeError("a prompt is a str, a list of token ids, {'prompt': str} or {'prompt_token_ids': [...]}, "
                             f"not {type(prompt).__name__}")  # fmt: skip
@@ -91,8 +93,8 @@ class LLM:
     ) -> list[GenerationOutput]:
         """Run every prompt through the engine's continuous batching; outputs in prompt order. `use_tqdm` is accepted
         for vLLM's code and shows nothing; `priority` (one, or one per prompt): lower runs first, as vLLM's."""
-        one = isinstance(prompts, str | Mapping) or (isinstance(prompts, Sequence) and len(prompts) > 0
-                                                      and isinstance(prompts[0], int))  # fmt: skip
+        one = isinstance(prompts, str | Mapping) or (hasattr(prompts, "__len__") and len(prompts) > 0
+                                                      and token_id(prompts[0]) is not None)  # fmt: skip
         batch: list[Prompt] = [prompts] if one else list(prompts)  # type: ignore[list-item,arg-type]
         encoded = [self.encode_prompt(p) for p in batch]
         params = self._per_prompt(sampling_params, len(encoded))
@@ -167,3 +169,24 @@ class LLM:
             elif s not in stop:
                 stop.append(s)
         return replace(params, stop=stop, stop_token_ids=stop_ids)
+
+
+def token_id(x: object) -> int | None:
+    """`x` as a token id: an int, or an integer scalar of numpy or torch (their __index__); else None."""
+    if isinstance(x, str | bytes | float):
+        return None
+    try:
+        return operator.index(x)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def token_list(prompt: object) -> list[int] | None:
+    """A prompt of token ids (a list, tuple, 1-D numpy array or torch tensor of integers) as ints; else None. numpy
+    ids had been refused with "a prompt is a str, a list of token ids ...", which a list of them reads as."""
+    try:
+        items = list(prompt)  # type: ignore[call-overload]
+    except TypeError:
+        return None
+    ids = [token_id(t) for t in items]
+    return None if any(t is None for t in ids) else ids  # type: ignore[return-value]
