@@ -237,6 +237,9 @@ def test_doctor_reports_a_problem_with_its_fix(tmp_path, capsys, monkeypatch):
     assert main(["doctor", "--state-dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "fix: free memory" in out and "fix: free disk space" in out
+    monkeypatch.setattr(cli_doctor, "cxx_compiler", lambda: ("c++", None))  # it had said nothing of its absence
+    assert main(["doctor", "--state-dir", str(tmp_path)]) == 1
+    assert "fix: install a C++ compiler" in capsys.readouterr().out
 
 
 def test_chat_repl_keeps_state(tmp_path, capsys):

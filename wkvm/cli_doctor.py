@@ -48,6 +48,10 @@ def checks(args: argparse.Namespace) -> list[tuple[str, bool, str, str]]:
         out.append(("pages", True, huge_pages(), ""))  # information: 4 KiB pages are slower, not wrong
     except ImportError:
         out.append(("torch", False, "not installed", "pip install torch==2.13.0"))
+    compiler, found = cxx_compiler()
+    out.append(("compiler", found is not None, f"{compiler}: {found or 'not found'}",
+                "install a C++ compiler (apt install g++, or set CXX): wkvm builds its int8, int4 and fused kernels "
+                "with it on first use; without one they dequantize per call and decode is several times slower"))
     mem = _memory_bytes()
     out.append(("memory", mem is None or mem >= MIN_MEMORY, f"{(mem or 0) / 2**30:.1f} GiB available",
                 "free memory or use a smaller model / --weight-cache-layers"))  # fmt: skip
@@ -59,6 +63,12 @@ def checks(args: argparse.Namespace) -> list[tuple[str, bool, str, str]]:
     out.append(_model_check(args.model))
     out.append(_port_check(args.host, args.port))
     return out
+
+
+def cxx_compiler() -> tuple[str, str | None]:
+    """The C++ compiler torch's extension builder runs (CXX, else c++) and its path, or None where there is none."""
+    compiler = os.environ.get("CXX") or "c++"
+    return compiler, shutil.which(compiler)
 
 
 def huge_pages() -> str:
