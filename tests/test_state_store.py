@@ -856,3 +856,26 @@ def test_internal_budget_and_blobs_shared_with_users(model, tmp_path):
     assert store.load("t#ckpt", "shared")[0].blob == ckpt.blob and store._blob_path(ckpt.blob).exists()
     with pytest.raises(StateNotFound):
         store.get("t#ckpt", "c3")
+
+
+def test_the_room_a_state_asks_for_never_depends_on_another_tenants_histories(model, tmp_path):
+    """Review, session 38: a new history was charged index room only when no record of any tenant held it, and the
+    413 said how much was asked: a tenant at the quota's edge could confirm another's exact prompt (a checkpoint's
+    history too). Now only the tenant's own records count, and the 413 no longer tells every tenant's total."""
+    history = list(range(1, 2001))
+
+    def asked(with_other: bool) -> list[int]:
+        store = StateStore(tmp_path / str(with_other), model.spec, model.fingerprint)
+        if with_other:
+            store.put("key-a", "secret", random_state(model.spec, 1), history)
+        seen: list[int] = []
+        room = store.usage.user_room
+        store.usage.user_room = lambda blob, new, index: seen.append(new) or room(blob, new, index)
+        mine = store.put("key-b", "guess", random_state(model.spec, 2), history)
+        store.fork("key-b", mine.handle, "again")
+        store.put("key-b", "guess", random_state(model.spec, 3), history)  # its own history now: no new room
+        store.close()
+        return seen
+
+    alone = asked(False)
+    assert asked(True) == alone and alone[2] < alone[0]

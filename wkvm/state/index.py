@@ -272,9 +272,16 @@ class StateIndex:
             raise KeyError(f"token history {digest[:12]} is not in the index")
         return unpack_ids(row[0])
 
-    def has_history(self, digest: str) -> bool:
+    def has_history(self, digest: str, owner: str | None = None) -> bool:
+        """Whether the history is stored; with `owner`: whether one of that owner's records holds it (what a
+        tenant's own request may learn: another's stored history must not show)."""
         with self._lock:
-            return self._db.execute("SELECT 1 FROM histories WHERE digest = ?", (digest,)).fetchone() is not None
+            if owner is None:
+                row = self._db.execute("SELECT 1 FROM histories WHERE digest = ?", (digest,)).fetchone()
+            else:
+                row = self._db.execute("SELECT 1 FROM states WHERE token_digest = ? AND owner = ? LIMIT 1",
+                                       (digest, owner)).fetchone()  # fmt: skip
+            return row is not None
 
     def _forget_histories(self, digests: set[str]) -> None:
         """Remove histories no record uses any more (inside the caller's transaction)."""

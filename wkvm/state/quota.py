@@ -117,9 +117,8 @@ class DiskUsage:
         need = self.user_bytes + index_bytes + new_bytes
         if need > self.quota:
             raise QuotaExceeded(
-                f"the state disk quota ({self.quota} bytes) is full: users' states and the index hold "
-                f"{self.user_bytes + index_bytes} bytes and this state needs {new_bytes} more; delete states or raise "
-                "--state-disk-quota"
+                f"the state disk quota ({self.quota} bytes) is full: this state needs {new_bytes} bytes, more than "
+                "is left; delete states or raise --state-disk-quota"  # not the total held: every tenant's saves
             )
         return self._victims(None, need + self.internal_file_bytes() - self._file_size(blob), blob)[0]
 

@@ -219,7 +219,7 @@ class StateStore:
                 self.fingerprint, self.spec.spec_hash, ids, name, 0, parent, op, op_params or {},
                 time.time() if created_at is None else created_at,
             )
-            growth = self._index_growth(token_digest(ids), len(ids))
+            growth = self._index_growth(owner, token_digest(ids), len(ids))
             if internal and not self._admit_internal(blob, tensors, meta, growth):
                 return None
             if not internal:
@@ -303,9 +303,11 @@ class StateStore:
         if not is_internal(owner):
             self.usage.user_room("", state_file_bytes(self.spec, n_tokens) + INDEX_COMMIT_BYTES, self._index_bytes())
 
-    def _index_growth(self, digest: str, n_tokens: int) -> int:
-        """A new history (int32 ids) lands in the WAL, then in the database."""
-        return INDEX_COMMIT_BYTES + (0 if self.index.has_history(digest) else 2 * 4 * n_tokens)
+    def _index_growth(self, owner: str, digest: str, n_tokens: int) -> int:
+        """A new history (int32 ids) lands in the WAL, then in the database. Counted as new unless one of `owner`'s
+        own records holds it: whether another tenant's does had changed the room asked for (and the 413 said how
+        much), so a tenant at the quota's edge could confirm another's exact prompt or saved text."""
+        return INDEX_COMMIT_BYTES + (0 if self.index.has_history(digest, owner) else 2 * 4 * n_tokens)
 
     def _index_bytes(self) -> int:
         return self.index.file_bytes(reserve_wal=True)
