@@ -10,6 +10,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     WKVM_STATE_DIR=/data/states
 
+# a C++ compiler: wkvm builds its int8, int4 and fused kernels for the CPU it runs on, on first use (cached under
+# ~/.cache/wkvm); without one they dequantize per call and decode is several times slower
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+
 # torch's CPU wheel (the default index's Linux wheel pulls ~5 GB of CUDA libraries)
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 

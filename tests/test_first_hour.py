@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -134,13 +135,23 @@ def test_a_folder_named_wkvm_beside_a_script_does_not_shadow_the_package(tmp_pat
 
 
 def test_wheel_carries_the_embedded_model(tmp_path):
-    cmd = [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q", "-w",
+    # from a copy of what the Dockerfile copies: a build/ left in the checkout by an earlier build kept files the
+    # package data no longer names, and the wheel still had them
+    src = tmp_path / "src"
+    shutil.copytree(REPO / "wkvm", src / "wkvm", ignore=shutil.ignore_patterns("__pycache__"))
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / f, src / f)
+    cmd = [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q", "-w",
            str(tmp_path)]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     (wheel,) = tmp_path.glob("wkvm-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for f in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"):
         assert f"wkvm/assets/wkvm-tiny-shakespeare/{f}" in names
+    # every kernel source and header (only models/*.cpp had been packaged: an installed wheel built no int8, int4 or
+    # fused kernel, "int8_blocks.h: No such file", and dequantized per call)
+    sources = {p.relative_to(REPO).as_posix() for p in (REPO / "wkvm").rglob("*") if p.suffix in (".cpp", ".h")}
+    assert len(sources) >= 11 and sources <= names, sorted(sources - names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "wkvm = wkvm.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
