@@ -211,8 +211,12 @@ def test_vllm_prompt_forms_and_output_fields(world_pth):
     assert o.finished and o.outputs[0] is o and o.index == 0
     assert o.cumulative_logprob == pytest.approx(sum(lp[t] for lp, t in zip(o.logprobs, o.token_ids, strict=True)))
     assert o.cumulative_logprob < 0 and llm.generate("Hi", SamplingParams(max_tokens=2))[0].cumulative_logprob is None
-    with pytest.raises(TypeError, match="a prompt dict has 'prompt'"):
+    with pytest.raises(ValueError, match="'text' is not supported"):
         llm.generate([{"text": "Hi"}])
+    with pytest.raises(ValueError, match="'multi_modal_data' is not supported"):  # it had run the text alone
+        llm.generate({"prompt": "Hi", "multi_modal_data": {"image": None}})
+    with pytest.raises(TypeError, match="a prompt dict has 'prompt'"):
+        llm.generate([{"prompt": 5}])
     with pytest.raises(TypeError, match="a prompt is a str"):
         llm.generate([3.5])
     with pytest.raises(TypeError, match="a prompt is a str"):
@@ -305,3 +309,59 @@ def test_stop_strings_that_begin_at_the_same_place_cut_at_the_longest(include):
             assert d.text == ("xabc" if include else "x"), (stop, ids, d.text)
     d = Detokenizer(tok, ["bcd", "abc"], include_stop=include)  # type: ignore[arg-type]
     assert d.add(0) and d.text == ("xabc" if include else "x")  # "abc" begins first, though "bcd" is longer
+
+
+def test_an_interrupted_generate_leaves_nothing_for_the_next_call(llm, monkeypatch):
+    """Ctrl-C while a generate's requests ran had left them queued: the next call ran them all first (16 s for a
+    4-token answer in the review's notebook case). They are cancelled now, as when submitting failed."""
+    steps, original = [], llm.engine.step
+
+    def step():
+        steps.append(1)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return original()
+
+    monkeypatch.setattr(llm.engine, "step", step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[1, 2]] * 4, SamplingParams(max_tokens=500, ignore_eos=True))
+    assert not llm.engine.scheduler.has_work
+    monkeypatch.undo()
+    alone = llm.generate([[1, 2]], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert len(alone.token_ids) == 3 and llm.engine.scheduler.has_work is False
+
+
+def test_a_tokenizer_that_is_not_there_is_refused(tiny_pth, tmp_path):
+    """LLM(tokenizer=...) naming no file (or a hub id) had silently run the family's default tokenizer instead."""
+    for missing in ("HuggingFaceTB/SmolLM2-135M-Instruct", tmp_path):
+        with pytest.raises(ValueError, match="never downloads"):
+            LLM(model=tiny_pth, tokenizer=missing)
+
+
+def test_seed_minus_one_draws_a_new_seed_as_vllms():
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+
+
+def test_chat_takes_openai_shaped_messages_as_the_server_does():
+    """vLLM's LLM.chat parses OpenAI messages before its template: text parts joined by newlines, no content as ""
+    (an assistant's tool calls), a call's JSON-string arguments as an object. wkvm's had rendered a parts list's
+    Python repr (SmolLM2's template raised a TypeError), "None", and arguments encoded twice."""
+    from wkvm.chat_template import ChatTemplate, plain_messages
+
+    llm = LLM()
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Good"}, {"type": "text", "text": "morrow."}]}]
+    joined = [{"role": "user", "content": "Good\nmorrow."}]
+    a, b = llm.chat(parts, greedy)[0], llm.chat(joined, greedy)[0]
+    assert a.prompt == b.prompt and a.token_ids == b.token_ids and "'type'" not in a.prompt
+    four = SamplingParams(max_tokens=4, temperature=0, stop=["x1", "x2", "x3", "x4"])  # the template adds one more
+    assert llm.chat(joined, four)[0].text == b.text  # as the server: its stop is dropped (it had been a 400)
+    with pytest.raises(ValueError, match="only text parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Verona"}'}}
+    history = [{"role": "assistant", "content": None, "tool_calls": [call]}]
+    (m,) = plain_messages(history)
+    assert m["content"] == "" and m["tool_calls"][0]["function"]["arguments"] == {"city": "Verona"}
+    template = ChatTemplate("{% for m in messages %}{{ m.content }}|{{ m.tool_calls[0].function.arguments | tojson }}"
+                            "{% endfor %}")  # fmt: skip
+    assert template.render(plain_messages(history), False) == '|{"city": "Verona"}'

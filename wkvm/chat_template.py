@@ -111,3 +111,45 @@ def load_chat_template(model_path: str | os.PathLike[str], default: ChatTemplate
         if isinstance(tpl, str):
             return ChatTemplate(tpl, [], "tokenizer_config.json")
     return default or ChatTemplate()
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for the chat template: assistant tool_calls with their arguments as objects (HF templates render
+    `tool_call.function.arguments` with `tojson`; a JSON string had been encoded twice)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [{**c, "function": {**c["function"], "arguments": json_or_none(c["function"]["arguments"])
+                                        if isinstance(c["function"].get("arguments"), str)
+                                        else c["function"].get("arguments")}} for c in m["tool_calls"]]  # fmt: skip
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
+def plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI-shaped messages as the server hands them to a template (vLLM's LLM.chat parses them alike): a content
+    list of text parts joined with newlines, a missing content as "", tool calls' JSON-string arguments as objects.
+    ValueError for a part that is not text. The offline `LLM.chat` had rendered a list's Python repr."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages[{i}].content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) "
+                                     "are supported")  # fmt: skip
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        out.append({**m, "content": content or ""})
+    return template_messages(out)
+
+
+def json_or_none(text: str) -> Any:
+    """`text` parsed as JSON, or None where it is not JSON."""
+    try:
+        return json.loads(text.strip())
+    except ValueError:
+        return None
+

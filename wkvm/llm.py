@@ -12,14 +12,15 @@ import operator
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
-from wkvm.chat_template import ChatTemplate
+from wkvm.chat_template import ChatTemplate, plain_messages
 from wkvm.config import EngineConfig, default_model
 from wkvm.engine.engine import Engine
 from wkvm.engine.handle import RequestHandle
 from wkvm.outputs import GenerationOutput
-from wkvm.sampling_params import SamplingParams
+from wkvm.sampling_params import MAX_STOP_STRINGS, SamplingParams
 from wkvm.tokenizer import Tokenizer
 from wkvm.weights.loader import load_model, load_text_tools
 
@@ -50,6 +51,10 @@ class LLM:
                             f"({', '.join(sorted(fields))})")  # fmt: skip
         config = replace(config or EngineConfig(), **config_kwargs)
         model = default_model() if model is None else model
+        if tokenizer is not None and not (Path(tokenizer).is_file() or (Path(tokenizer) / "tokenizer.json").is_file()):
+            # the model family's default had stood in silently (an RWKV-7 model's World vocabulary: garbage text)
+            raise ValueError(f"tokenizer {str(tokenizer)!r}: no such file, nor a directory with a tokenizer.json "
+                             "(wkvm reads tokenizers from disk only; it never downloads)")  # fmt: skip
         self.model = load_model(model, device=config.device, dtype="float32" if dtype == "auto" else dtype,
                                 weight_cache_layers=weight_cache_layers, read_ahead=read_ahead)  # fmt: skip
         tools = load_text_tools(tokenizer or model, self.model.family)
@@ -62,6 +67,10 @@ class LLM:
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, Mapping):  # vLLM's TextPrompt / TokensPrompt
+            other = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"})  # cache_salt: no shared cache
+            if other:  # multi_modal_data had been dropped without a word, the text run alone
+                raise ValueError(f"a prompt dict's {other[0]!r} is not supported (only 'prompt', 'prompt_token_ids' "
+                                 "and 'cache_salt'; wkvm serves text)")  # fmt: skip
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
             elif isinstance(prompt.get("prompt"), str):
@@ -113,12 +122,12 @@ class LLM:
         try:
             for ids, p, pr in zip(encoded, params, priorities, strict=True):
                 handles.append(self.engine.submit(ids, p, priority=pr))
-        except BaseException:  # none of this call's prompts is left queued to run inside the next call
-            for h in handles:
+            self.engine.run_until_done()
+        except BaseException:  # none of this call's prompts is left queued to run inside the next call (Ctrl-C while
+            for h in handles:  # they ran had left them all to run first in the next call)
                 h.cancel()
             self.engine.run_until_done()
             raise
-        self.engine.run_until_done()
         outputs = []
         for prompt, h in zip(batch, handles, strict=True):
             text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, Mapping) else None
@@ -139,7 +148,8 @@ class LLM:
         `ignore_eos`)."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         template = self.template if chat_template is None else replace(self.template, source=chat_template)
-        texts = [template.render(list(c), add_generation_prompt) for c in conversations]  # type: ignore[arg-type]
+        texts = [template.render(plain_messages(list(c)), add_generation_prompt)  # type: ignore[arg-type]
+                 for c in conversations]  # fmt: skip
         prompts = [self.tokenizer.encode(t) for t in texts]  # a template writes its own BOS, as the server's
         params = [self._with_template_stops(p, template) for p in self._per_prompt(sampling_params, len(prompts))]
         outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
@@ -166,7 +176,7 @@ class LLM:
                 continue  # a token beyond the model's rows is never generated (a tokenizer larger than its model)
             if len(ids) == 1 and ids[0] in self.tokenizer.special_ids:
                 stop_ids += [] if ids[0] in stop_ids else ids
-            elif s not in stop:
+            elif len(stop) < MAX_STOP_STRINGS and s not in stop:  # as the server: 4 given had been an InvalidParam
                 stop.append(s)
         return replace(params, stop=stop, stop_token_ids=stop_ids)
 

@@ -82,6 +82,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if _is_int(self.seed) and self.seed == -1:  # vLLM's: -1 draws a new seed (it had been one fixed seed)
+            self.seed = None
         ok = _is_int(self.max_tokens) and self.max_tokens >= 0
         _check(ok, "max_tokens", "an integer >= 0 (0: feed the prompt and generate nothing, e.g. to score it)")
         ok = _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request, params
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from wkvm.chat_template import ChatTemplateError
+from wkvm.chat_template import ChatTemplateError, template_messages
 from wkvm.engine.engine import Event, RequestHandle
 from wkvm.engine.scheduler import QueueFull
 from wkvm.outputs import ErrorCode
@@ -41,7 +41,6 @@ from wkvm.server.tools import (
     content_ready,
     final_delta,
     parse_reply,
-    template_messages,
     tool_mode,
     unenforceable_tool,
 )

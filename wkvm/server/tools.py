@@ -16,6 +16,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from wkvm.chat_template import json_or_none
 from wkvm.sampling_params import InvalidParam, schema_grammar
 from wkvm.server.errors import APIError
 
@@ -164,17 +165,17 @@ def split_reply(text: str, mode: ToolMode) -> tuple[str, list[dict[str, Any]]]:
     found: list[Any] = []
     rest = text
     if mode.forced:
-        found = _json(text) or []
+        found = json_or_none(text) or []
         rest = ""
     elif HERMES.search(text):
         for m in HERMES.finditer(text):
-            found.append(_json(m.group(1)))
+            found.append(json_or_none(m.group(1)))
         rest = HERMES.sub("", text)
     elif MISTRAL in text:
         head, _, tail = text.partition(MISTRAL)
-        found, rest = _json(tail) or [None], head
+        found, rest = json_or_none(tail) or [None], head
     else:
-        whole = _json(text)
+        whole = json_or_none(text)
         if isinstance(whole, (dict, list)):
             found, rest = whole if isinstance(whole, list) else [whole], ""
     calls = [c for c in (_call(x, mode) for x in found) if c is not None]
@@ -223,34 +224,13 @@ def final_delta(text: str, released: int, finish_reason: str | None,
     return tail or None, calls, mode.calls_finish
 
 
-def _json(text: str) -> Any:
-    try:
-        return json.loads(text.strip())
-    except ValueError:
-        return None
-
-
 def _call(x: Any, mode: ToolMode) -> dict[str, Any] | None:
     if not isinstance(x, dict) or x.get("name") not in mode.functions:
         return None
     args = x.get("arguments", x.get("parameters", {}))
     if isinstance(args, str):
-        args = _json(args)
+        args = json_or_none(args)
     if not isinstance(args, dict):
         return None
     return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
             "function": {"name": x["name"], "arguments": json.dumps(args, ensure_ascii=False)}}  # fmt: skip
-
-
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages for the chat template: assistant tool_calls with their arguments as objects (HF templates render
-    `tool_call.function.arguments` with `tojson`)."""
-    out = []
-    for m in messages:
-        if m.get("tool_calls"):
-            calls = [{**c, "function": {**c["function"], "arguments": _json(c["function"]["arguments"])
-                                        if isinstance(c["function"].get("arguments"), str)
-                                        else c["function"].get("arguments")}} for c in m["tool_calls"]]  # fmt: skip
-            m = {**m, "tool_calls": calls}
-        out.append(m)
-    return out
