@@ -488,3 +488,13 @@ def test_seeds_past_32_bits_draw_differently():
     assert len({tuple(draws(s)) for s in seeds}) == len(seeds)
     assert draws(-1) == draws(2**64 - 1) and draws(-(2**63)) == draws(2**63)
     assert make_generator(None) is None
+
+
+def test_the_default_served_name_is_the_whole_directory_or_file_name():
+    """`Path.stem` had cut a directory's name at its last dot (Qwen2.5-0.5B-Instruct -> Qwen2.5-0): only .gguf and
+    .pth go, as the README says."""
+    from wkvm.config import ServerConfig
+
+    names = {"models/Qwen2.5-0.5B-Instruct": "Qwen2.5-0.5B-Instruct", "m/SmolLM2.Q4_1.gguf": "SmolLM2.Q4_1",
+             "m/tiny.pth": "tiny", "m/pack/": "pack"}  # fmt: skip
+    assert {m: ServerConfig(model=m).served_name() for m in names} == names

@@ -191,7 +191,12 @@ class ServerConfig:
             return self.served_model_name
         if self.model == NO_MODEL and self.embeddings:  # an embeddings-only server
             return Path(self.embeddings).name
-        return Path(self.model).stem if self.model else "wkvm"
+        if not self.model:
+            return "wkvm"
+        name = Path(os.path.abspath(self.model)).name  # a directory's whole name (`stem` cut Qwen2.5-0.5B-Instruct)
+        for suffix in (".gguf", ".pth"):
+            name = name.removesuffix(suffix)
+        return name
 
     def engine_token_budget(self) -> int:
         """--token-budget, else the engine's default raised to --slots (every running sequence decodes each step);
