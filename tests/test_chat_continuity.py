@@ -306,6 +306,48 @@ def test_a_streams_last_token_does_not_wait_for_the_turns_checkpoints(reuse, mon
     assert rest[0]["wkvm"]["mode"] == "fresh"
 
 
+def test_a_sibling_turn_planned_while_the_last_turn_parks_is_exact(reuse, fresh, monkeypatch):
+    """Review (session 38, a chaos storm): a turn whose handles are done is no longer busy, but its session is parked
+    after that (`_update_session`). A sibling turn (a regenerate: the same parent) planned meanwhile checked the
+    session under the lock and read its handle and tokens after it: the old state with the new turn's token count,
+    a wrong answer (a 500 where the prompt was no longer). Here the park lands between the sibling's load and its
+    plan: the sibling must answer as a fresh server does."""
+    ui = OpenWebUI(reuse)
+    ui.turn(USER_TURNS[0])
+    parent, before = ui.last_assistant, list(ui.messages)
+    sessions, store = reuse.ctx.sessions, reuse.ctx.store
+    update, load = sessions._update_session, store.load
+    parking, go, parked = threading.Event(), threading.Event(), threading.Event()
+
+    def held_update(*args, **kwargs):
+        parking.set()
+        assert go.wait(30)
+        try:
+            return update(*args, **kwargs)
+        finally:
+            parked.set()
+
+    def racing_load(owner, handle, *args, **kwargs):
+        out = load(owner, handle, *args, **kwargs)
+        if owner.endswith("#sessions") and parking.is_set() and not go.is_set():
+            go.set()  # the last turn parks now, after this load and before the plan
+            assert parked.wait(30)
+        return out
+
+    monkeypatch.setattr(sessions, "_update_session", held_update)
+    monkeypatch.setattr(store, "load", racing_load)
+    second = threading.Thread(target=ui.turn, args=(USER_TURNS[1],))
+    second.start()
+    assert parking.wait(30)
+    sibling = OpenWebUI(reuse, ui.user, ui.chat_id)
+    sibling.messages = before
+    r = sibling.turn(USER_TURNS[2], parent=parent)
+    second.join(30)
+    expected = chat(fresh, before + [{"role": "user", "content": USER_TURNS[2]}])
+    assert r["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
+    assert go.is_set() and r["wkvm"]["mode"] == "parent_bound", r["wkvm"]
+
+
 def test_full_quota_never_fails_a_chat_answer(char_model, fresh, tmp_path):
     """Users' states fill --state-disk-quota: chat turns still answer, and their checkpoints stay within it."""
     quota, root = 600_000, tmp_path / "quota"

@@ -333,19 +333,23 @@ class ChatSessions:
             sess.last_used = time.monotonic()
             sess.reserved_at = time.monotonic()
             self.sessions.move_to_end(key)
+            # what the checks above read, taken together: the last turn's `_update_session` (after its answer's
+            # handles are done, so not busy) or `_forget_evicted` may change the session once the lock is let go,
+            # and reading them after the load had paired the old state with the new turn's token count (a wrong
+            # answer, or an empty prompt's 500)
+            handle, n = sess.handle, len(sess.token_ids) - 1
         if reason is not None:
             self.metrics.restart(reason)
-        if reason is None and sess.handle is not None:
+        if reason is None and handle is not None and 0 <= n < len(prompt_ids):
             try:
-                _, state = self.store.load(scope + SESS, sess.handle)
-            except StateNotFound:
+                _, state = self.store.load(scope + SESS, handle)
+            except StateNotFound:  # replaced or evicted meanwhile: the turn restarts (exact)
                 state, reason = None, "no_session"
                 self.metrics.restart(reason)
             if state is not None:
-                n = len(sess.token_ids) - 1
                 self.metrics.reuse_hit(n)
                 info = {"mode": "parent_bound", "reused_tokens": n, "restart_reason": None}
-                return Plan(prompt_ids[n:], state, prompt_ids[:n], sess.handle, info), key
+                return Plan(prompt_ids[n:], state, prompt_ids[:n], handle, info), key
         return self._from_checkpoint(scope, prompt_ids, reason), key
 
     def _take_over(self, key: SessionKey) -> None:
