@@ -227,6 +227,28 @@ def test_a_pushed_ticket_waits_in_the_directory_for_its_taker():
     asyncio.run(run())
 
 
+def test_replacements_starting_together_take_different_slots(monkeypatch):
+    """Review (session 38): `claim` awaits Ray's actor table between choosing a slot and taking it, so two
+    replacements of two dead replicas had both taken r0 (the loser then failed on r0's state directory, again on each
+    retry, and r1 stayed empty)."""
+    dead = set()
+
+    async def alive(actor):
+        await asyncio.sleep(0.01)  # Ray's lookup runs in a thread
+        return actor not in dead
+
+    monkeypatch.setattr(directory, "alive", alive)
+
+    async def run() -> None:
+        d = Directory()
+        assert [await d.claim("a", "A"), await d.claim("b", "B")] == ["r0", "r1"]
+        dead.update({"A", "B"})
+        assert sorted(await asyncio.gather(d.claim("c", "C", 2), d.claim("e", "E", 2))) == ["r0", "r1"]
+        assert sorted(s.replica_id for s in d.slots.values()) == ["c", "e"]
+
+    asyncio.run(run())
+
+
 def test_a_sigterm_while_the_replicas_start_stops_at_once(monkeypatch):
     """serve.run waits until every replica has loaded; a SIGTERM meanwhile had only been noted, so the process went on
     loading (an orchestrator's kill timeout ends it hard). Now it stops the start and leaves Ray (session 30)."""
@@ -256,3 +278,181 @@ def test_a_sigterm_while_the_replicas_start_stops_at_once(monkeypatch):
         for s, handler in saved.items():
             signal.signal(s, handler)
     assert stopped == [None]
+
+
+class Remote:
+    """A Ray actor handle's method as the front calls it: `.remote(...)` gives an awaitable."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args, **kwargs):
+        async def run():
+            await asyncio.sleep(0)
+            out = self.fn(*args, **kwargs)
+            return await out if asyncio.iscoroutine(out) else out
+
+        return asyncio.ensure_future(run())
+
+
+class FakeActor:
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __getattr__(self, name):
+        return Remote(getattr(self.obj, name))
+
+
+class FakeReplicas:
+    """Engine replicas as the front sees them (Serve's handle): `http` streams a head and a body; a strict call to
+    another replica than its target is MISROUTED; names' versions per replica for the move calls."""
+
+    def __init__(self, n, chunks=None, fail_after=None):
+        self.ids = {f"r{i}": f"id{i}" for i in range(n)}
+        self.names: dict[str, dict[str, list[int]]] = {slot: {} for slot in self.ids}
+        self.served: list[str] = []
+        self.chunks, self.fail_after = chunks or [b'{"ok": true}'], fail_after
+
+    def options(self, **kwargs):
+        return self
+
+    def slot(self, target):
+        return next((s for s, rid in self.ids.items() if rid == target), None)
+
+    @property
+    def http(self):
+        return self
+
+    def remote(self, req, target=None, strict=False, **kwargs):
+        """`http.remote(...)`: a streaming call's generator (Ray's ObjectRefGenerator: iterated, cancellable)."""
+        from wkvm.cluster.forward import MISROUTED
+
+        slot = self.slot(target)
+        replicas = self
+
+        class Stream:
+            def __init__(self):
+                self.items = [Head(MISROUTED, [], "")] if slot is None else None
+
+            def __aiter__(self):
+                return self
+
+            async def __anext__(self):
+                await asyncio.sleep(0)
+                if self.items is None:
+                    replicas.served.append(slot)
+                    kind = b"text/event-stream" if replicas.fail_after is not None else b"application/json"
+                    self.items = [Head(200, [(b"content-type", kind)], slot), *replicas.chunks]
+                    self.sent = 0
+                if not self.items:
+                    raise StopAsyncIteration
+                if replicas.fail_after is not None and getattr(self, "sent", 0) == replicas.fail_after + 1:
+                    raise RuntimeError("ActorDiedError: the replica died")
+                self.sent = getattr(self, "sent", 0) + 1
+                return self.items.pop(0)
+
+            def cancel(self):
+                pass
+
+        return Stream()
+
+    def __getattr__(self, method):
+        async def run(*args, target=None, strict=True):
+            slot = self.slot(target)
+            held = self.names[slot]
+            name = args[1]  # args[0]: the tenant
+            if method == "export_name":
+                return [json.dumps([name, v]).encode() for v in held.get(name, [])]
+            if method == "name_card":
+                return (max(held.get(name, [0])), [])
+            if method == "adopt":
+                await asyncio.sleep(0.01 * int(slot[1:]))  # the later destination adopts later
+                versions = [json.loads(f)[1] for f in args[1]]
+                name = json.loads(args[1][0])[0]
+                held[name] = versions
+                return [f"{name}@{v}" for v in versions]
+            if method == "drop_name":
+                if sorted(held.get(name, [])) != args[2]:
+                    return False
+                held.pop(name, None)
+                return True
+            raise AssertionError(method)
+
+        return Remote(run)
+
+
+def cluster_front(n=2, **replicas_kwargs):
+    from wkvm.cluster.front import Front
+    from wkvm.config import ServerConfig
+
+    d, engine = Directory(), FakeReplicas(n, **replicas_kwargs)
+    for slot, rid in engine.ids.items():
+        d.slots[slot] = directory.Slot(slot, rid, None)
+    return d, engine, Front(ServerConfig(), engine, FakeActor(d))
+
+
+def test_a_state_whose_owner_is_restarting_waits_for_it(monkeypatch):
+    """Review (session 38): while the owner's slot was released (a rolling restart) a strict request went to the least
+    busy replica, which answered: a false 404, or a create there (a second X@1 the owner later hid). It waits for the
+    slot's replacement now, and past the wait answers 503."""
+    import httpx
+
+    from wkvm.cluster import front as front_module
+    from wkvm.cluster.front import build_front_app
+
+    monkeypatch.setattr(front_module, "OWNER_WAIT_SECONDS", 0.5)
+    d, engine, front = cluster_front()
+    d.holds("r0", [state_key("anonymous", "X")])
+    d.release("id0")
+
+    async def run():
+        transport = httpx.ASGITransport(app=build_front_app(front))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            r = await c.post("/v1/states", json={"name": "X", "prompt": "hi"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "replica_unavailable", r.text
+            assert engine.served == [] and d.lookup(state_key("anonymous", "X"))[0] == "r0"
+            back = asyncio.create_task(c.post("/v1/states", json={"name": "X", "prompt": "hi"}))
+            await asyncio.sleep(0.1)
+            d.slots["r0"] = directory.Slot("r0", "id0", None)  # the replacement takes the slot
+            assert (await back).status_code == 200 and engine.served == ["r0"]
+
+    asyncio.run(run())
+
+
+def test_two_moves_of_one_name_leave_it_where_the_last_put_it():
+    """Review (session 38): two moves of X at once both exported from its owner; the second's undo pointed X back at
+    the owner the first had emptied, and X was a 404 everywhere though the first was answered "moved"."""
+    d, engine, front = cluster_front(3)
+    engine.names["r0"]["X"] = [1, 2, 3]
+    key = state_key("anonymous", "X")
+    d.holds("r0", [key])
+
+    async def run():
+        replicas = d.replicas()
+        return await asyncio.gather(front.move_name("anonymous", "X", "r1", replicas),
+                                    front.move_name("anonymous", "X", "r2", replicas))  # fmt: skip
+
+    asyncio.run(run())
+    owner = d.lookup(key)[0]
+    assert engine.names[owner].get("X") == [1, 2, 3], (owner, engine.names)
+    assert [slot for slot, names in engine.names.items() if "X" in names] == [owner]
+
+
+def test_a_stream_whose_replica_dies_ends_with_an_error_event():
+    """Review (session 38): a relayed stream whose replica died after the head ended with neither an error event nor
+    [DONE] (the front had no except there)."""
+    import httpx
+
+    from wkvm.cluster.front import build_front_app
+
+    _, _, front = cluster_front(chunks=[b'data: {"choices": []}\n\n', b"never"], fail_after=1)
+
+    async def run():
+        transport = httpx.ASGITransport(app=build_front_app(front))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            r = await c.post("/v1/completions", json={"prompt": "x", "stream": True})
+            return r.text
+
+    text = asyncio.run(run())
+    assert text.startswith('data: {"choices": []}') and '"replica_unavailable"' in text, text
+    assert text.endswith("data: [DONE]\n\n")

@@ -45,6 +45,7 @@ class Directory:
     stopping: bool = False  # the whole application is stopping: no replica to move streams to
     # this incarnation: Ray restarts a dead directory empty, and each replica, seeing a new one, joins it again
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
+    claiming: asyncio.Lock = field(default_factory=asyncio.Lock)  # `claim`'s choice and take, together
 
     async def claim(self, replica_id: str, actor: Any, slots: int = 0, wait: float = 0.0) -> str:
         """A starting replica's slot: the first one free or held by a dead replica. A replica that would get a slot
@@ -56,12 +57,15 @@ class Directory:
                 return s.name
         deadline = time.monotonic() + wait
         while True:
-            name = await self._first_free()
-            if int(name[1:]) < slots or time.monotonic() >= deadline:
-                break
+            # one claim at a time from choosing to taking: `alive` awaits, and two replacements starting together
+            # (both holders dead) had both chosen r0; the loser failed on r0's state dir lock and, retried, chose r0
+            # again while r1 stayed empty
+            async with self.claiming:
+                name = await self._first_free()
+                if int(name[1:]) < slots or time.monotonic() >= deadline:
+                    self.slots[name] = Slot(name, replica_id, actor)
+                    return name
             await asyncio.sleep(0.5)
-        self.slots[name] = Slot(name, replica_id, actor)
-        return name
 
     async def _first_free(self) -> str:
         n = 0
@@ -108,6 +112,13 @@ class Directory:
     def record(self, key: str, slot: str) -> None:
         self.owners[key] = slot
         self._bound(key)
+
+    def record_if(self, key: str, expect: str, slot: str) -> bool:
+        """`record` where the owner is still `expect` (an undone move: a later move may have moved the key on)."""
+        if self.owners.get(key) != expect:
+            return False
+        self.record(key, slot)
+        return True
 
     def _bound(self, key: str) -> None:
         """Every chat id, `user` and prompt start a client sends had kept an owner for the application's life."""

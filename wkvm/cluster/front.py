@@ -138,6 +138,7 @@ class Front:
         self.streams: dict[str, RunningStream] = {}  # streams that can move, by response id
         self.load: dict[str, int] = {}  # slot -> requests this front relays to it now (`Inflight`)
         self._known: tuple[float, dict[str, str]] = (0.0, {})
+        self._moves: dict[str, tuple[asyncio.Lock, int]] = {}  # names moving now: their lock and its users
 
     def tenant(self, request: Request) -> str:
         return tenant_of(request.scope, self.keys) or "anonymous"  # ApiKeyGate refused a wrong key already
@@ -189,6 +190,16 @@ class Front:
                         claimed = True  # counted as "new" (the claim gives it an owner before it is answered)
                         slot, target = await self.directory.claim_owner.remote(route.key, toward)
                 strict = route.strict and slot is not None
+                # its owner's slot released (a rolling restart): wait for the replacement. The least busy replica
+                # had answered instead: a read a false 404, a create a second X@1 there, which the name's owner (the
+                # slot, once taken again) then hid
+                if strict and target is None:
+                    if time.monotonic() > deadline:
+                        message = f"replica {slot}, which holds this state, is restarting; retry shortly"
+                        inflight.end()
+                        return error_response(503, message, None, "replica_unavailable")
+                    await asyncio.sleep(RETRY_SECONDS)
+                    continue
                 toward = slot
                 if target is None:  # bound to no replica yet: the least busy one first (the router falls back)
                     toward, target = await self.least_busy()
@@ -307,6 +318,14 @@ class Front:
                 s.changed.set()
                 self.metrics.stream_downtime.observe(s.downtime)
                 source = chained(first, gen)  # `first` may itself be a Handover (that replica is stopping too)
+        except Exception:
+            # its replica died mid-way (Ray's actor error) or a hand-over failed, after the head: an event stream ends
+            # as one whose move failed (it had ended with no error event and no [DONE]); another body is cut off
+            log.warning("a relayed response failed after its head", exc_info=True)
+            if dict(head.headers).get(b"content-type", b"").startswith(b"text/event-stream"):
+                yield self.failed_event("the replica serving this stream failed; retry the request")
+                return
+            raise
         finally:
             s.inflight.end()
             s.changed.set()
@@ -350,8 +369,10 @@ class Front:
 
     def move_failed(self) -> bytes:
         """What the client of a stream that could not move gets: an error event and [DONE]."""
-        error = error_body(503, "this stream was moving to another replica and none could take it", None,
-                           "replica_unavailable")  # fmt: skip
+        return self.failed_event("this stream was moving to another replica and none could take it")
+
+    def failed_event(self, message: str) -> bytes:
+        error = error_body(503, message, None, "replica_unavailable")
         return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
 
     def resumed(self, req: ForwardedRequest, replica_id: str, moved: Handover) -> Any:
@@ -543,6 +564,27 @@ class Front:
         a 409 while a request running on the owner will save the name's next version (it would be issued there,
         where the directory no longer points)."""
         key = state_key(tenant, name)
+        async with self.moving(key):
+            return await self._move_name(key, tenant, name, to, replicas, new_ok, refuse_saving)
+
+    @contextlib.asynccontextmanager
+    async def moving(self, key: str) -> AsyncIterator[None]:
+        """One move of a name at a time (two at once had both exported from the owner; the second's undo pointed the
+        name back at the owner the first had emptied: a 404 everywhere for a move answered 200)."""
+        lock, users = self._moves.get(key, (asyncio.Lock(), 0))
+        self._moves[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._moves[key]
+            if users == 1:
+                del self._moves[key]
+            else:
+                self._moves[key] = (lock, users - 1)
+
+    async def _move_name(self, key: str, tenant: str, name: str, to: str, replicas: dict[str, str], new_ok: bool,
+                         refuse_saving: bool) -> NameMove | Response:  # fmt: skip
         slot, source = await self.directory.lookup.remote(key)
         if slot is None and new_ok:
             await self.directory.record.remote(key, to)
@@ -577,9 +619,11 @@ class Front:
         t2 = time.perf_counter()
         versions = [int(h.rsplit("@", 1)[1]) for h in handles]
         if not await self.call(source, "drop_name", tenant, name, versions):
-            # a new version appeared on the source meanwhile: it stays the owner, the copy goes
-            await self.directory.record.remote(key, slot)
-            await self.call(replicas[to], "drop_name", tenant, name, versions)
+            # a new version appeared on the source meanwhile: it stays the owner (where the directory still says
+            # `to`: another front's move may have moved it on), the copy goes
+            await self.directory.record_if.remote(key, to, slot)
+            if not await self.call(replicas[to], "drop_name", tenant, name, versions):
+                log.warning("the copy of %r on %s could not be dropped after a move was undone", name, to)
             return error_response(409, f"{name!r} changed while it moved; nothing moved: retry", None,
                                   "state_changed")  # fmt: skip
         seconds = time.perf_counter() - t0
