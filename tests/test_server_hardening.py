@@ -211,6 +211,15 @@ U = {"role": "user", "content": "hi"}
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [10**7]}, {}, "allowed_token_ids", "invalid_token"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, {}, "allowed_token_ids", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "bad_words": [" "]}, {}, "bad_words", "invalid_value"),
+    # bounds on what had held the event loop for seconds before its answer (review, session 38)
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [1] * ((1 << 18) + 1)}, {}, "allowed_token_ids",
+     "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": [f"c{i}" for i in range(2001)]}}, {},
+     "structured_outputs", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [U] * 10_001}, {}, "messages", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [U], "tools": [{"type": "function", "function": {"name": f"f{i}"}}
+                                                         for i in range(129)]}, {}, "tools", "invalid_value"),
+    ("/v1/responses", {"input": [{"role": "user", "content": "a"}] * 10_001}, {}, "input", "invalid_value"),
     ("/v1/completions", b'{"prompt": "x"}', {"content-type": "text/plain"}, "body", "invalid_content_type"),
     ("/v1/completions", b"prompt=x", {"content-type": "application/x-www-form-urlencoded"}, "body",
      "invalid_content_type"),

@@ -534,3 +534,20 @@ def test_a_constrained_rows_logprobs_are_its_masked_distributions(char):
     for step in forced.output.logprobs:
         assert max(step.values()) == 0.0 and sorted(step.values())[-2] == float("-inf"), step
     assert all(max(step.values()) < 0 for step in free.output.logprobs)  # the free row keeps the model's own
+
+
+def test_a_format_is_built_and_checked_once(monkeypatch):
+    """A grammar was built and checked at creation, again at admission, once more for each seeded choice's new params
+    and by the engine for each row: 16 choices of a 50,000-way choice took 29 s of the event loop (review, session 38).
+    Now once per distinct format."""
+    from wkvm.sampling_params import _cached_grammar
+    from wkvm.server.generation import per_choice
+
+    built = []
+    original = SamplingParams._grammar_of
+    monkeypatch.setattr(SamplingParams, "_grammar_of", lambda self: built.append(1) or original(self))
+    _cached_grammar.cache_clear()
+    params = SamplingParams(structured_outputs={"choice": ["yes", "no"]}, seed=1, temperature=1.0)
+    choices = per_choice(params, 16)
+    assert [c.seed for c in choices] == list(range(1, 17)) and {c.grammar() for c in choices} == {params.grammar()}
+    assert len(built) == 1

@@ -6,6 +6,7 @@ infinities); the ranges are module constants so the server's schema and docs sta
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import numbers
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # declared in the stub only
 
 MAX_STOP_STRINGS = 4
+MAX_CHOICES = 2000  # structured_outputs.choice: llguidance refuses a longer alternation anyway
+MAX_GRAMMAR_CHARS = 1 << 16  # structured_outputs.regex / grammar text
 MAX_BAD_WORDS = 64
 # characters in one stop string or bad word: each is tokenized when the request is made (an 8 MB stop string held
 # the interpreter for 7 s, hunt 15), and the detokenizer holds back as much text as the longest stop string
@@ -151,8 +154,20 @@ class SamplingParams:
                 raise InvalidParam(param, f"{param}: {bad!r} is not a token id of this model (0..{vocab_size - 1})")
 
     def grammar(self) -> str | None:
-        """llguidance grammar text for the response format or structured_outputs (None: free text); sub-millisecond
-        to build and check."""
+        """llguidance grammar text for the response format or structured_outputs (None: free text). Built and checked
+        once per distinct format (an LRU): it is asked for at creation, at admission and by the engine for each row,
+        and checking a large grammar takes long (llguidance's check of a choice list grows with its square)."""
+        if self.response_format is None and self.structured_outputs is None:
+            return None
+        try:
+            key = json.dumps([self.response_format, self.structured_outputs], sort_keys=True, ensure_ascii=False)
+        except (TypeError, ValueError):  # not plain JSON: built here, and refused with its reason
+            return self._grammar_of()
+        if len(key) > GRAMMAR_CACHE_KEY_CHARS:
+            return self._grammar_of()
+        return _cached_grammar(key)
+
+    def _grammar_of(self) -> str | None:
         if self.structured_outputs is not None:
             if self.response_format is not None and self.response_format.get("type") != "text":
                 raise InvalidParam("structured_outputs", "give response_format or structured_outputs, not both")
@@ -176,12 +191,17 @@ class SamplingParams:
                 _check(value is True, name, "json_object: true (any JSON object), or left out")
                 return schema_grammar({"type": "object"}, name)
             if kind == "choice":
-                ok = isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)
-                _check(bool(ok), name, "choice: a list of non-empty strings")
+                ok = isinstance(value, list) and 0 < len(value) <= MAX_CHOICES and all(isinstance(c, str) and c
+                                                                                      for c in value)  # fmt: skip
+                _check(bool(ok), name, f"choice: a list of 1..{MAX_CHOICES} non-empty strings (llguidance takes no "
+                       "more; a longer one took seconds to be refused)")  # fmt: skip
                 grammar = M.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
             else:
-                _check(isinstance(value, str) and bool(value), name, f"{kind}: a non-empty string")
+                ok = isinstance(value, str) and 0 < len(value) <= MAX_GRAMMAR_CHARS
+                _check(ok, name, f"{kind}: a non-empty string of at most {MAX_GRAMMAR_CHARS:,} characters")
                 grammar = M.grammar_from_regex(value) if kind == "regex" else M.grammar_from_lark(value)
+        except InvalidParam:
+            raise
         except (TypeError, ValueError) as e:
             raise InvalidParam(name, f"{name}: the {kind} does not read: {e}") from None
         is_error, messages = M.validate_grammar_with_warnings(grammar)
@@ -288,3 +308,15 @@ def _in_range(x: object, bounds: tuple[float, float], open_lo: bool = False) -> 
 
 def _is_int(x: object) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+GRAMMAR_CACHE_KEY_CHARS = 1 << 20  # formats up to this long (as JSON) are kept in the LRU
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_grammar(key: str) -> str | None:
+    """`SamplingParams.grammar` of a format given as its JSON (raises, and keeps nothing, for one it refuses)."""
+    params = object.__new__(SamplingParams)  # the two fields only: __post_init__ would ask for this grammar again
+    params.response_format, params.structured_outputs = json.loads(key)
+    return params._grammar_of()
+

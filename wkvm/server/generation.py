@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import copy
 import dataclasses
 import json
 import time
@@ -213,8 +214,8 @@ def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
     if n == 1 or params.seed is None:
         return [params] * n
     out = []
-    for i in range(n):
-        p = SamplingParams(**{**params.__dict__})
+    for i in range(n):  # copies, not new params: checking them again (a large grammar or allowed_token_ids) took
+        p = copy.copy(params)  # seconds on the event loop for each of n choices
         p.seed = (params.seed + i) % (2**64)
         out.append(p)
     return out

@@ -23,6 +23,9 @@ from wkvm.server.errors import APIError
 
 Seed = Field(default=None, ge=-(2**63), le=2**64 - 1)
 MAX_PROMPTS = 128  # prompts in one /v1/completions list (each is a request in the queue)
+# messages in one chat (and a Responses request's input items): 1.2M one-letter messages had held the event loop 7 s
+# (validated, tidied and rendered) before their 413
+MAX_MESSAGES = 10_000
 MAX_STOP_TOKEN_IDS = 64
 MAX_TEXT_FIELD = 256  # user, cache_salt
 
@@ -136,7 +139,8 @@ class SamplingFields(RequestBody):
     guided_grammar: str | None = None
     guided_json_object: bool | None = None
     include_stop_str_in_output: bool = False  # vLLM's
-    allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=1 << 20)  # vLLM's
+    # vLLM's; at most 2^18 ids (a vocabulary as large as Gemma 3's): 2^20 had taken ~1 s of the event loop to check
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=1 << 18)
     bad_words: list[Annotated[str, Field(max_length=MAX_TEXT_FIELD)]] | None = None  # vLLM's
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # vLLM's: keep the prompt's last N tokens
     skip_special_tokens: bool = True  # vLLM's: the text leaves out special tokens the model emits
@@ -170,7 +174,7 @@ class ChatMessage(Body):
 
 
 class ChatRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     n: int = Field(default=1, ge=1, le=16)
     logprobs: bool = False
@@ -191,7 +195,7 @@ class TokenizeRequest(RequestBody):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
     tools: list[Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -265,7 +269,7 @@ class ResponsesRequest(RequestBody):
     route, which names the item and field that is wrong."""
 
     model: str | None = None
-    input: str | list[dict[str, Any]] | None = None
+    input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)] | None = None
     instructions: str | None = None
     previous_response_id: str | None = Field(default=None, min_length=1, max_length=128)
     store: bool = True

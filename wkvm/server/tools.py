@@ -20,6 +20,7 @@ from wkvm.chat_template import json_or_none
 from wkvm.sampling_params import InvalidParam, schema_grammar
 from wkvm.server.errors import APIError
 
+MAX_TOOLS = 128  # tools one request offers (OpenAI's limit)
 HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 MISTRAL = "[TOOL_CALLS]"
 MARKERS = ("<tool_call>", MISTRAL)
@@ -102,6 +103,8 @@ def tool_mode(tools: list[Any] | None, choice: Any, parallel: bool | None, shape
         if choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice needs tools: offer at least one tool", "tool_choice", "invalid_value")
         return None
+    if len(tools) > MAX_TOOLS:  # OpenAI's limit too; 4,000 forced tools took 2 s a grammar check
+        raise APIError(400, f"tools: at most {MAX_TOOLS} tools (got {len(tools)})", "tools", "invalid_value")
     checked = []
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
