@@ -576,3 +576,29 @@ def test_a_messages_name_and_reasoning_reach_the_template():
             ChatMessage(role="assistant", content="Hello", reasoning_content="greet back"),
             ChatMessage(role="user", content="Bye")]  # fmt: skip
     assert render_chat(ctx, chat_messages(msgs), None, False) == "<user ann>Hi<assistant>(greet back)Hello<user>Bye"
+
+
+def test_a_blocking_answer_is_built_off_the_event_loop(server, monkeypatch):
+    """Review (session 38): a blocking answer's choices, logprobs and JSON were built on the event loop (n = 16 with
+    logprobs 20 and 8,192 tokens: 70 MB, /health held ~10 s). They are built and serialized on a worker thread now."""
+    import threading
+
+    from wkvm.server import openai_routes
+
+    where = []
+
+    class Recorded(openai_routes.JSONResponse):
+        def render(self, content):
+            where.append(threading.current_thread().name)
+            return super().render(content)
+
+    monkeypatch.setattr(openai_routes, "JSONResponse", Recorded)
+    body = {"max_tokens": 3, "n": 2, "logprobs": 2, "temperature": 0}
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", **body}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "n": 2, "logprobs": True,
+            "top_logprobs": 2}  # fmt: skip
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    loop_thread = threading.main_thread().name
+    assert len(where) == 2 and all(name.startswith("AnyIO worker") for name in where), (where, loop_thread)

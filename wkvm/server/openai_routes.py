@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
 from fastapi import APIRouter, Request, params
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from wkvm.chat_template import ChatTemplateError, template_messages
@@ -410,16 +410,21 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         if await wait_or_move(ctx, request, live):
             return await handed_over(ctx, live)
         extra = await run_in_threadpool(finish_runs, ctx, tenant, body, runs, moved is not None)
-        answers = answered(handles, moved)
-        out = {**base, "choices": [choice(i, h) for i, h in enumerate(answers)],
-               "usage": gen.usage(prompt_tokens, answers, extra=extra), **extra}  # fmt: skip
-        if body.return_token_ids:
-            out["prompt_token_ids"] = encoded if batch else encoded[0]
-        return out
+
+        def answer() -> Response:  # built and serialized off the event loop: n = 16 with logprobs 20 and 16,384
+            answers = answered(handles, moved)  # tokens each is ~140 MB of JSON (~20 s, every other request waiting)
+            out = {**base, "choices": [choice(i, h) for i, h in enumerate(answers)],
+                   "usage": gen.usage(prompt_tokens, answers, extra=extra), **extra}  # fmt: skip
+            if body.return_token_ids:
+                out["prompt_token_ids"] = encoded if batch else encoded[0]
+            return JSONResponse(out)
+
+        return await run_in_threadpool(answer)
 
     @r.post("/v1/chat/completions", response_model=None)
-    async def chat(body: ChatRequest, request: Request) -> dict[str, Any] | Response:
-        return await chat_completion(ctx, body, request)
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        out = await chat_completion(ctx, body, request)
+        return out if isinstance(out, Response) else await run_in_threadpool(JSONResponse, out)  # off the loop
 
     return r
 
@@ -480,20 +485,24 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
     if await wait_or_move(ctx, request, live):
         return await handed_over(ctx, live)
     extra = await run_in_threadpool(finish, ctx, tenant, body, plan, handles, moved is not None)
-    choices = []
-    answers = answered(handles, moved)
-    for i, h in enumerate(answers):
-        message, finish_reason = reply(h.output.text, h.output.finish_reason, mode)
-        c = {"index": i, "message": message, "finish_reason": finish_reason,
-             "logprobs": gen.chat_logprobs(ctx, h.output.token_ids, h.output.logprobs, k or 0)}  # fmt: skip
+
+    def answer() -> dict[str, Any]:  # off the event loop: a large n with logprobs is megabytes of JSON
+        choices = []
+        answers = answered(handles, moved)
+        for i, h in enumerate(answers):
+            message, finish_reason = reply(h.output.text, h.output.finish_reason, mode)
+            c = {"index": i, "message": message, "finish_reason": finish_reason,
+                 "logprobs": gen.chat_logprobs(ctx, h.output.token_ids, h.output.logprobs, k or 0)}  # fmt: skip
+            if body.return_token_ids:
+                c["token_ids"] = h.output.token_ids
+            choices.append(c)
+        out = {**base, "object": "chat.completion", "choices": choices,
+               "usage": gen.usage(len(prompt_ids), answers, extra=extra), **extra}  # fmt: skip
         if body.return_token_ids:
-            c["token_ids"] = h.output.token_ids
-        choices.append(c)
-    out = {**base, "object": "chat.completion", "choices": choices,
-           "usage": gen.usage(len(prompt_ids), answers, extra=extra), **extra}  # fmt: skip
-    if body.return_token_ids:
-        out["prompt_token_ids"] = prompt_ids
-    return out
+            out["prompt_token_ids"] = prompt_ids
+        return out
+
+    return await run_in_threadpool(answer)
 
 
 def check_echo(body: CompletionRequest) -> None:
