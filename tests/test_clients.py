@@ -94,7 +94,8 @@ def test_langchain_tool_call_and_its_result(chat_model):
     with_tools = chat_model.bind_tools([WEATHER], tool_choice="get_weather", parallel_tool_calls=False)
     ask = [HumanMessage("What is the weather in Verona?")]
     reply = with_tools.bind(max_tokens=64).invoke(ask)
-    assert reply.response_metadata["finish_reason"] == "tool_calls" and len(reply.tool_calls) == 1
+    # a named tool_choice finishes "stop", as OpenAI's and vLLM's: LangChain reads the calls all the same
+    assert reply.response_metadata["finish_reason"] == "stop" and len(reply.tool_calls) == 1
     call = reply.tool_calls[0]
     check_call(call["name"], call["args"])
     # the tool's answer goes back and the model replies in words
