@@ -551,3 +551,8 @@ def test_a_format_is_built_and_checked_once(monkeypatch):
     choices = per_choice(params, 16)
     assert [c.seed for c in choices] == list(range(1, 17)) and {c.grammar() for c in choices} == {params.grammar()}
     assert len(built) == 1
+    # the cache keeps a schema's key order: its properties come out in that order
+    za, az = ({"type": "object", "properties": dict(p), "required": [k for k, _ in p]}
+              for p in ([("z", AGE), ("a", AGE)], [("a", AGE), ("z", AGE)]))  # fmt: skip
+    grammars = [SamplingParams(response_format=fmt(x)).grammar() for x in (za, az)]
+    assert grammars[0] != grammars[1] and grammars[0].index('"z"') < grammars[0].index('"a"')

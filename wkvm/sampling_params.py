@@ -160,7 +160,8 @@ class SamplingParams:
         if self.response_format is None and self.structured_outputs is None:
             return None
         try:
-            key = json.dumps([self.response_format, self.structured_outputs], sort_keys=True, ensure_ascii=False)
+            # keys in the order given: a schema's properties come out in its order
+            key = json.dumps([self.response_format, self.structured_outputs], ensure_ascii=False)
         except (TypeError, ValueError):  # not plain JSON: built here, and refused with its reason
             return self._grammar_of()
         if len(key) > GRAMMAR_CACHE_KEY_CHARS:
