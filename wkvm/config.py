@@ -190,7 +190,7 @@ class ServerConfig:
         if self.served_model_name:
             return self.served_model_name
         if self.model == NO_MODEL and self.embeddings:  # an embeddings-only server
-            return Path(self.embeddings).name
+            return Path(os.path.abspath(self.embeddings)).name
         if not self.model:
             return "wkvm"
         name = Path(os.path.abspath(self.model)).name  # a directory's whole name (`stem` cut Qwen2.5-0.5B-Instruct)
