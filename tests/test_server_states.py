@@ -173,6 +173,8 @@ def test_the_list_pages_in_handle_order(server):
         if not page["has_more"]:
             break
     assert seen == handles  # c@10 after c@9: versions compare as numbers
+    after_a = [s["handle"] for s in dave.get("/v1/states", params={"after": "a"}).json()["data"]]
+    assert after_a[0] == "b@1"  # a bare name is its latest version, as elsewhere (it had listed a@1 on)
     for bad in ({"limit": 0}, {"limit": "x"}, {"after": "a@0"}):
         r = dave.get("/v1/states", params=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] in ("limit", "after"), r.text

@@ -254,6 +254,10 @@ def test_import_refuses_crafted_metadata_and_values(svc, model):
         "keys": with_metadata(good, op_params=json.dumps({f"k{i}": i for i in range(65)})),
         "op_params is .* bytes": with_metadata(good, op_params=json.dumps({"x": "y" * MAX_OP_PARAMS_BYTES})),
         "vocabulary range": with_metadata(good, token_ids="[99999999999999999999999]", n_tokens="1"),
+        # review (session 38): a lone surrogate was stored and every listing of its owner's states was then a 500;
+        # 1e999 became inf, which the file's next reading refused (the state dropped at a re-verifying start)
+        "lone surrogate": with_metadata(good, op_params='{"a": "\\ud800"}'),
+        "out of a double's range": with_metadata(good, op_params='{"a": 1e999}'),
         "at least one token": with_metadata(
             good, token_ids="[]", n_tokens="0", token_digest=statefile.token_digest([])
         ),
@@ -266,6 +270,18 @@ def test_import_refuses_crafted_metadata_and_values(svc, model):
     tensors["layers.1.wkv"].view(-1)[7] = 3e38  # finite, and the checksum below is recomputed: only the bound sees it
     with pytest.raises(StateFileError, match=r"tensor layers\.1\.wkv holds a value of magnitude 3e\+38"):
         svc.store.import_bytes("b", statefile.encode(model.spec, tensors, meta))
+
+
+def test_an_imports_export_imports_again_from_the_limits(svc, model):
+    """Review (session 38): a source at the import limits, its lineage wrapped one level deeper (one more key, or
+    its parameters plus `from`, `parent`, ...), made an export the next import refused (65 keys; over 16 MiB)."""
+    good = svc.store.export_bytes("a", svc.create("a", "lim", PROMPT).handle)
+    sources = [with_metadata(good, op="import", op_params=json.dumps({f"k{i}": i for i in range(64)})),
+               with_metadata(good, op_params=json.dumps({"t": "x" * (MAX_OP_PARAMS_BYTES - 20)}))]  # fmt: skip
+    for i, data in enumerate(sources):
+        first = svc.store.import_bytes("b", data, name=f"hop{i}")
+        again = svc.store.import_bytes("b", svc.store.export_bytes("b", first.handle), name=f"hop{i}b")
+        assert again.op == "import" and svc.store.import_bytes("b", svc.store.export_bytes("b", again.handle))
 
 
 def test_lineage_is_checksummed_and_older_files_without_the_digest_import(svc, model):

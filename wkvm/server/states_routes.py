@@ -3,6 +3,7 @@ export, import). Every route acts only on the caller's own states; another tenan
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -223,7 +224,8 @@ def state_page(data: list[dict[str, Any]], limit: int | None, after: str | None)
             name, version = parse_handle(after)
         except ValueError as e:
             raise APIError(400, f"after: {e}", "after", "invalid_value") from None
-        data = [s for s in data if (s["name"], s["version"]) > (name, version or 0)]
+        last = version if version is not None else math.inf  # a bare name is its latest version, as elsewhere
+        data = [s for s in data if (s["name"], s["version"]) > (name, last)]
     page = data if limit is None else data[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["handle"] if page else None,
             "last_id": page[-1]["handle"] if page else None, "has_more": len(page) < len(data)}  # fmt: skip

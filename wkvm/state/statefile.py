@@ -330,9 +330,17 @@ def _no_constant(name: str) -> Any:
     raise StateFileError(f"{name} is not JSON (JSON has no NaN or Infinity)")
 
 
+def _finite_float(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):  # 1e999: Python's reader makes it inf, which the file's next reading refuses
+        raise StateFileError(f"the number {text[:40]} is out of a double's range")
+    return x
+
+
 def strict_json(text: str | bytes) -> Any:
-    """json.loads that refuses a key repeated in one object and NaN / Infinity (both of which Python's reader takes)."""
-    return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    """json.loads that refuses a key repeated in one object, NaN / Infinity and numbers beyond a double's range (all
+    of which Python's reader takes: 1e999 as inf)."""
+    return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_float=_finite_float)
 
 
 def metadata(data: bytes) -> dict[str, str]:
@@ -400,15 +408,21 @@ def _op_params(raw: str, imported: bool) -> dict[str, Any]:
 
 
 def nests_within_limits(params: dict[str, Any]) -> bool:
-    """Whether `params` would pass an import's nesting and key-count checks."""
+    """Whether `params` would pass every check of an import's op_params (its size too: a state imported near the
+    limits, its lineage wrapped one level deeper, had made an export that no longer imported)."""
     try:
         _check_nesting(params, 1)
     except StateFileError:
         return False
-    return True
+    return len(json.dumps(params)) <= MAX_OP_PARAMS_BYTES  # as `encode` writes it
 
 
 def _check_nesting(value: object, depth: int) -> None:
+    """Depth, keys per object, and text that is UTF-8 (a lone surrogate, which JSON's \\ud800 escape gives, was
+    stored, and every listing of its owner's states then failed to serialize: a 500)."""
+    for text in (value, *value) if isinstance(value, dict) else (value,):
+        if isinstance(text, str) and not _is_utf8(text):
+            raise StateFileError("op_params holds a lone surrogate (text that is not UTF-8)")
     if isinstance(value, dict | list):
         if depth > MAX_OP_PARAMS_DEPTH:
             raise StateFileError(f"op_params is nested deeper than {MAX_OP_PARAMS_DEPTH} levels")
@@ -416,3 +430,12 @@ def _check_nesting(value: object, depth: int) -> None:
             raise StateFileError(f"op_params has an object with {len(value)} keys; at most {MAX_OP_PARAMS_KEYS}")
         for v in value.values() if isinstance(value, dict) else value:
             _check_nesting(v, depth + 1)
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+

@@ -472,8 +472,11 @@ class StateStore:
         else:
             lineage = {"from": f"{meta.name}@{meta.version}", "parent": meta.parent, "op": meta.op,
                        "created_at": meta.created_at, "op_params": meta.op_params}  # fmt: skip
-        if not statefile.nests_within_limits(lineage):
-            lineage.pop("op_params", None)  # a source at the import limits: its parameters cannot nest one deeper
+        if not statefile.nests_within_limits(lineage):  # a source at the import limits: its parameters cannot
+            if meta.op == "import":  # nest one deeper, nor take one more key (its export had not imported again)
+                lineage = {"via": lineage["via"]}
+            else:
+                lineage.pop("op_params")
         state = {k: v.unsqueeze(0) for k, v in tensors.items()}
         return self.put_user(owner, name or meta.name, state, meta.token_ids, op="import", op_params=lineage)
 
