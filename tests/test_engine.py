@@ -546,3 +546,28 @@ def test_keep_thread_count_falls_back_to_torchs_setter_and_says_so_once(monkeypa
         assert sum("cannot set one thread's" in r.getMessage() for r in caplog.records) == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_cancelled_or_timed_out_answer_keeps_the_text_it_held_back(char_model):
+    """Review (session 38): the text held back as a possible stop string's start (or incomplete UTF-8) was dropped
+    when a request was cancelled, timed out or shut down: its partial answer lacked the last characters of the
+    tokens it reported. It is released with the final event now."""
+    from wkvm.weights.loader import load_text_tools
+
+    model, tok = load_model(char_model), load_text_tools(char_model, "rwkv7")[0]
+    engine = Engine(model, tok)
+    prompt = tok.encode("Say:")
+    free = engine.submit(prompt, greedy(8))
+    engine.run_until_done()
+    held = free.output.text[4]
+    for end in ("cancel", "shutdown"):
+        h = engine.submit(prompt, greedy(8, stop=[held + "\u2603"]))  # never stops: only holds `held` back
+        while len(h.output.token_ids) < 5:
+            engine.step()
+        if end == "cancel":
+            h.cancel()
+            engine.step()
+        else:
+            engine.abort_all("shutting down")
+        assert h.output.finish_reason == "abort" and h.output.token_ids == free.output.token_ids[:5]
+        assert h.output.text == free.output.text[:5], (end, h.output.text)

@@ -602,3 +602,17 @@ def test_a_blocking_answer_is_built_off_the_event_loop(server, monkeypatch):
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
     loop_thread = threading.main_thread().name
     assert len(where) == 2 and all(name.startswith("AnyIO worker") for name in where), (where, loop_thread)
+
+
+def test_a_stream_that_fails_sends_its_error_event_and_no_error_finish(server):
+    """Review (session 38): a stream whose request failed mid-way sent a chunk with finish_reason "error" (a value
+    OpenAI never sends; typed clients reject it) before its error event. Now only the error event, then [DONE], as
+    vLLM ends such a stream."""
+    eos = 0  # the World vocabulary's
+    body = {"prompt": "x", "max_tokens": 5, "n": 2, "stream": True, "allowed_token_ids": [eos], "min_tokens": 2}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["error"]["code"] == "no_token_left", chunks
+    assert not any(c["finish_reason"] == "error" for x in chunks[:-1] for c in x.get("choices", [])), chunks

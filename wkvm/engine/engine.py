@@ -436,8 +436,21 @@ class Engine:
                 reason, code = "timeout: the request ran past its time limit", ErrorCode.TIMEOUT
             if reason:
                 self._finish(req, Status.FINISHED_ABORTED, reason, code)
-                events.append(Event(req.request_id, [], "", None, "abort", reason, code))
+                events.append(Event(req.request_id, [], self._held_text(req.request_id), None, "abort", reason, code))
         return events
+
+    def _held_text(self, rid: str) -> str:
+        """An ending request's text still held back (a possible stop string's start, incomplete UTF-8): its partial
+        answer is the text of the tokens it reports (a timed-out answer had lost its last characters)."""
+        detok = self._detok.get(rid)
+        if detok is None:
+            return ""
+        try:
+            detok.flush()
+            return detok.delta(final=True)
+        except Exception:  # an ending request's last characters are not worth failing its end (or every request's)
+            log.warning("could not release a request's held-back text", exc_info=True)
+            return ""
 
     def _dispatch(self, events: list[Event]) -> None:
         for ev in events:
@@ -453,13 +466,15 @@ class Engine:
     def _fail_all(self, message: str, status: Status, error_code: str) -> None:
         with self._lock:
             reqs = list(self.scheduler.running) + list(self.scheduler.waiting)
+            held = {r.request_id: self._held_text(r.request_id) for r in reqs}
             for req in reqs:
                 self._finish(req, status, message, error_code)
             self._take_snapshots()  # pending snapshots of these requests fail rather than wait forever
             for rid, fut, _ in self._suspends:
                 settle(fut, error=KeyError(f"request {rid!r} ended before it could move"))
             self._suspends.clear()
-        self._dispatch([Event(r.request_id, [], "", None, status.value, message, error_code) for r in reqs])
+        self._dispatch([Event(r.request_id, [], held[r.request_id], None, status.value, message, error_code)
+                        for r in reqs])  # fmt: skip
 
     def abort_all(self, reason: str) -> None:
         """Finish every running and waiting request now as aborted (error_code "shutdown"), ending their streams.

@@ -744,6 +744,10 @@ async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFiel
             if not ev.token_ids and not ev.finished and not ev.text:
                 continue
             c = chunk(i, ev)
+            if c is not None and ev.finish_reason == "error":  # the error event says it: OpenAI has no "error"
+                c["choices"][0]["finish_reason"] = None  # finish reason, and vLLM sends only its error payload
+                if not (ev.token_ids or ev.text):
+                    c = None
             if c is not None and usage:  # OpenAI: with include_usage, every chunk but the last has usage null
                 c["usage"] = None
             if left or moving:
