@@ -211,6 +211,8 @@ U = {"role": "user", "content": "hi"}
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [10**7]}, {}, "allowed_token_ids", "invalid_token"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, {}, "allowed_token_ids", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "bad_words": [" "]}, {}, "bad_words", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [U], "max_completion_tokens": 10**6}, {}, "max_completion_tokens",
+     "invalid_value"),  # it had been named max_tokens, a field the client did not send
     # bounds on what had held the event loop for seconds before its answer (review, session 38)
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [1] * ((1 << 18) + 1)}, {}, "allowed_token_ids",
      "invalid_value"),

@@ -103,6 +103,7 @@ def with_response_format(sp: SamplingParams, fmt: dict[str, Any], param: str) ->
 def sampling_params(
     ctx: ServerContext, body: SamplingFields, max_tokens: int | None, logprobs: int | None,
     default_max: int = 16, extra_stop: list[str] | None = None, prompt_logprobs: int | None = None,
+    max_tokens_field: str = "max_tokens",
 ) -> SamplingParams:  # fmt: skip
     if body.stream_options is not None and not body.stream:  # OpenAI's and vLLM's 400 (it would be ignored)
         raise APIError(400, "stream_options is only allowed with stream: true", "stream_options", "invalid_value")
@@ -152,8 +153,8 @@ def sampling_params(
     # a chat without max_tokens had been refused on a server whose --max-tokens-limit is below the chat default
     n = max_tokens if max_tokens is not None else min(max(default_max, body.min_tokens or 0), limit)
     if n > limit:
-        raise APIError(400, f"max_tokens {n} exceeds this server's limit {ctx.config.max_tokens_limit} "
-                       "(--max-tokens-limit)", "max_tokens", "invalid_value")  # fmt: skip
+        raise APIError(400, f"{max_tokens_field} {n} exceeds this server's limit {ctx.config.max_tokens_limit} "
+                       "(--max-tokens-limit)", max_tokens_field, "invalid_value")  # fmt: skip
     try:
         return SamplingParams(
             max_tokens=n, min_tokens=body.min_tokens, temperature=body.temperature, top_p=body.top_p,

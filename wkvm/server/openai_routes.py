@@ -448,7 +448,9 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
     if body.top_logprobs is not None and not body.logprobs:  # OpenAI's and vLLM's 400: it would be silently ignored
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     k = (body.top_logprobs or 0) if body.logprobs else None
-    sp = gen.sampling_params(ctx, body, max_tokens, k, gen.DEFAULT_CHAT_MAX_TOKENS, ctx.template.stop)
+    field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"  # as the client wrote it
+    sp = gen.sampling_params(ctx, body, max_tokens, k, gen.DEFAULT_CHAT_MAX_TOKENS, ctx.template.stop,
+                             max_tokens_field=field)  # fmt: skip
     if mode is not None and mode.forced:  # the reply can only be a valid call: the grammar enforces it
         if body.response_format is not None or sp.structured_outputs is not None:
             which = "response_format" if body.response_format is not None else "structured_outputs"
