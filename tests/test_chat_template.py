@@ -73,3 +73,22 @@ def test_a_template_that_cannot_take_the_messages_is_a_chat_template_error():
     for source in ("{{ foo | tojson }}", "{{ range(10 ** 9) | list | length }}"):
         with pytest.raises(ChatTemplateError, match="the model's chat template failed on these messages"):
             ChatTemplate(source).render([{"role": "user", "content": "hi"}])
+
+
+def test_a_chat_template_json_beside_the_jinja_is_read_strictly(tmp_path):
+    """Review (session 38): `{"stop": "</s>"}` had become four one-character stop strings (answers cut at every
+    "s"), a JSON list was an AttributeError traceback, and a file that is not JSON a message naming no file."""
+    from wkvm.chat_template import load_chat_template
+
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}")
+    extra = tmp_path / "chat_template.json"
+    extra.write_text('{"stop": ["</s>"]}')
+    assert load_chat_template(tmp_path).stop == ["</s>"]
+    extra.write_text('{"stop": "</s>"}')
+    with pytest.raises(ValueError, match="must be a list of non-empty strings"):
+        load_chat_template(tmp_path)
+    extra.write_text("{stop")
+    with pytest.raises(ValueError, match="chat_template.json: not JSON"):
+        load_chat_template(tmp_path)
+    extra.write_text("[1, 2]")
+    assert load_chat_template(tmp_path).stop == []

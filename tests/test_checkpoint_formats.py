@@ -216,3 +216,36 @@ def test_an_hf_rwkv7_whose_epsilons_a_pth_cannot_carry_is_not_converted_to_one(t
     (hf / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 5}))  # fla would build 5 layers
     with pytest.raises(CheckpointError, match="says 5 layers"):
         load_model(hf)
+
+
+def test_quantized_or_mismatched_checkpoints_are_refused_at_load(tmp_path):
+    """Review (session 38): an FP8 / int8 checkpoint (quantization_config, integer weights and their scales) loaded
+    with its values cast to floats and answered nonsense; a head of other rows than the embedding ran (or failed the
+    first step past them); a config field of the wrong type or value was a TypeError / ZeroDivisionError traceback.
+    Each is one CheckpointError naming the file now."""
+    from families.llama import write_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    base = write_checkpoint(tmp_path / "base", 64, tie_word_embeddings=False)
+    load_model(base)  # loads as written
+
+    def variant(name, config=None, tensors=None):
+        d = tmp_path / name
+        d.mkdir()
+        cfg = json.loads((base / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, **(config or {})}))
+        raw = load_file(base / "model.safetensors")
+        save_file({**raw, **(tensors(raw) if tensors else {})}, d / "model.safetensors")
+        return d
+
+    cases = {
+        "quantized checkpoint": variant("fp8", {"quantization_config": {"quant_method": "fp8"}}),
+        "is int8, not floating point": variant("int8", tensors=lambda raw: {
+            "model.layers.0.mlp.up_proj.weight": raw["model.layers.0.mlp.up_proj.weight"].to(torch.int8)}),
+        "head and the embedding do not match": variant("head", tensors=lambda raw: {
+            "lm_head.weight": raw["lm_head.weight"][:50].contiguous()}),
+        "config does not read": variant("heads", {"num_attention_heads": None}),
+    }  # fmt: skip
+    for says, path in cases.items():
+        with pytest.raises(CheckpointError, match=says):
+            load_model(path)

@@ -771,3 +771,34 @@ def test_smollm2_q4_1_answers_in_english(tmp_path):
     speed = f"{len(out) / decode_s:.1f} tok/s ({len(out)} tokens)"
     print(f"\nSmolLM2 answer: {text!r}\nload {load_s:.2f} s (model, tokenizer, template), decode {speed}")
     assert "\ufffd" not in text and "Paris" in text
+
+
+def test_a_gguf_vocabulary_that_cannot_be_read_is_one_error(gguf_ref, tmp_path):
+    """Review (session 38): an end token id outside the vocabulary was an IndexError traceback (and `wkvm convert`
+    left half a directory); a file without tokens a TypeError; a byte-level vocabulary without merges loaded and
+    tokenized every text byte by byte (llama.cpp refuses it)."""
+    from wkvm.models.llama.gguf_text import gguf_tokenizer
+
+    vocab = ["t", "0", "t0", *(f"x{i}" for i in range(GGUF_SHAPE["vocab_size"] - 3))]
+
+    def tokenizer(merges=True, eos=1, tokens=True):
+        def extra(w):
+            w.add_tokenizer_model("gpt2")
+            if tokens:
+                w.add_token_list(vocab)
+            if merges:
+                w.add_token_merges(["t 0"])
+            w.add_eos_token_id(eos)
+
+        return extra
+
+    fine = tmp_path / "fine.gguf"
+    write_gguf(fine, gguf_ref, "F32", tokenizer())
+    assert gguf_tokenizer(fine).eos_token_id == 1
+    cases = {"carries no vocabulary": tokenizer(tokens=False), "outside the vocabulary": tokenizer(eos=99999),
+             "no tokenizer.ggml.merges": tokenizer(merges=False)}  # fmt: skip
+    for i, (says, extra) in enumerate(cases.items()):
+        path = tmp_path / f"v{i}.gguf"
+        write_gguf(path, gguf_ref, "F32", extra)
+        with pytest.raises(CheckpointError, match=says):
+            gguf_tokenizer(path)

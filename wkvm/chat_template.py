@@ -104,8 +104,12 @@ def load_chat_template(model_path: str | os.PathLike[str], default: ChatTemplate
     jinja = base / f"{prefix}chat_template.jinja"
     if jinja.is_file():
         extra = base / f"{prefix}chat_template.json"
-        opts = json.loads(extra.read_text()) if extra.is_file() else {}
-        return ChatTemplate(jinja.read_text(), list(opts.get("stop", [])), opts.get("name", jinja.name))
+        opts = read_json(extra)  # not JSON: a ValueError naming the file (an AttributeError traceback for a list)
+        stop = opts.get("stop", [])
+        if not (isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)):
+            # a string had become its characters, each a stop string: "</s>" cut answers at every "s"
+            raise ValueError(f"{extra}: \"stop\" must be a list of non-empty strings")
+        return ChatTemplate(jinja.read_text(), stop, str(opts.get("name", jinja.name)))
     if p.is_dir():
         tpl = read_json(base / "tokenizer_config.json").get("chat_template")  # a file that is no JSON is named
         if isinstance(tpl, str):

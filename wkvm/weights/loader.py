@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import re
@@ -57,7 +58,47 @@ def check_model_path(path: str | os.PathLike[str]) -> None:
 def read_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelFamily, Checkpoint]:
     family, fmt = registry.detect(path)
     with unreadable(path, f"a {family.name} checkpoint ({fmt})"):
-        return family, family.read_checkpoint(Path(path), fmt)
+        ckpt = family.read_checkpoint(Path(path), fmt)
+    refuse_quantized(path, family, ckpt)
+    return family, ckpt
+
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def refuse_quantized(path: str | os.PathLike[str], family: ModelFamily, ckpt: Checkpoint) -> None:
+    """A checkpoint quantized for another engine (a config.json `quantization_config`: FP8, int8 w8a8, GPTQ, AWQ;
+    integer or float8 weight tensors) is refused: its values had been cast to floats without their scales, a model
+    that loaded and answered nonsense. wkvm quantizes at load itself (--dtype int8 / int4), or reads GGUF."""
+    config = Path(path) / "config.json"
+    if config.is_file():
+        try:
+            quant = json.loads(config.read_text()).get("quantization_config")
+        except (ValueError, OSError, AttributeError):
+            quant = None  # the family's own reading says what is wrong with it
+        if quant:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+            raise CheckpointError(f"{path}: a quantized checkpoint ({method!s:.40}) is not read: give its "
+                                  "unquantized weights (wkvm quantizes them itself: --dtype int8 or int4) or a GGUF "
+                                  "file")  # fmt: skip
+    if isinstance(ckpt.raw, LazyTensors):  # made when read (a GGUF's, dequantized to floats): nothing to check
+        return
+    for name, t in family.used_tensors(ckpt.raw).items():
+        if t.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} is {str(t.dtype).removeprefix('torch.')}, not floating point "
+                                  "(a quantized checkpoint is not read: give unquantized weights, or a GGUF file)")
+
+
+def checkpoint_config(path: str | os.PathLike[str], family: ModelFamily, ckpt: Checkpoint) -> Any:
+    """The family's config of a checkpoint; a config field of the wrong type or value (null heads, a zero head count,
+    "six") is a CheckpointError naming the file instead of a TypeError or ZeroDivisionError traceback."""
+    try:
+        return family.config_from_checkpoint(ckpt)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError, KeyError) as e:
+        raise CheckpointError(f"{path}: its config does not read as a {family.name} model's ({type(e).__name__}: "
+                              f"{first_line(str(e), 200)})") from None  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -111,6 +152,9 @@ def first_forward(model: LanguageModel, path: str | os.PathLike[str]) -> None:
     request with an error (or `wkvm generate` with nothing)."""
     logits, state = model.prefill([0, 0])
     step = model.decode([0], state)
+    if logits.shape[-1] != model.vocab_size:  # a head of other rows than the embedding: every family's check
+        raise CheckpointError(f"{path}: its output head gives {logits.shape[-1]} logits for a vocabulary of "
+                              f"{model.vocab_size} tokens (the head and the embedding do not match)")  # fmt: skip
     if not (bool(torch.isfinite(logits).all()) and bool(torch.isfinite(step).all())):
         raise CheckpointError(f"{path}: its weights give logits that are not finite: the checkpoint holds NaN or "
                               "infinite values")  # fmt: skip
@@ -191,7 +235,7 @@ def load_model(
             f"{path}: --weight-cache-layers needs a weight pack (make one with `wkvm convert SRC DST --pack`)"
         )
     family, ckpt = read_checkpoint(path)
-    cfg = family.config_from_checkpoint(ckpt)
+    cfg = checkpoint_config(path, family, ckpt)
     with misfit(path, family.name):
         model = build_resident(family, cfg, ckpt.raw, checkpoint_fingerprint(family, cfg, ckpt.raw), device, dtype)
         first_forward(model, path)

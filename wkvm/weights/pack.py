@@ -27,7 +27,7 @@ from wkvm.models import registry
 from wkvm.models.family import CheckpointError, RawTensors
 from wkvm.progress import progress
 from wkvm.weights.loader import PACK_MANIFEST as MANIFEST
-from wkvm.weights.loader import checkpoint_fingerprint, read_checkpoint
+from wkvm.weights.loader import checkpoint_config, checkpoint_fingerprint, read_checkpoint
 
 PACK_FORMAT = "wkvm-pack-v1"
 DTYPES = {"F32": torch.float32, "U8": torch.uint8, "I8": torch.int8}
@@ -83,7 +83,7 @@ def write_file(d: Path, name: str, tensors: RawTensors) -> dict[str, Any]:
 def write_pack(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
     """Convert a checkpoint of any family into a pack directory."""
     family, ckpt = read_checkpoint(src)
-    cfg = family.config_from_checkpoint(ckpt)
+    cfg = checkpoint_config(src, family, ckpt)
     used = family.used_tensors(ckpt.raw)
     d = Path(dst)
     d.mkdir(parents=True, exist_ok=True)

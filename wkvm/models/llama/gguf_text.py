@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from gguf import TokenType
@@ -104,10 +105,18 @@ def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
         raise CheckpointError(f"{path}: GGUF tokenizer model {model!r} is not supported (byte-level BPE, 'gpt2', and "
                               "SentencePiece, 'llama', are)")  # fmt: skip
     tokens: list[str] = field(reader, "tokenizer.ggml.tokens")
+    if not tokens:
+        raise CheckpointError(f"{path}: the file carries no vocabulary (tokenizer.ggml.tokens): put the model's "
+                              f"tokenizer.json beside it as {Path(path).stem}.tokenizer.json")  # fmt: skip
     types: list[int] = field(reader, "tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
     if len(types) != len(tokens):
         raise CheckpointError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
     pre = field(reader, "tokenizer.ggml.pre") or "default"
+    longer = any(len(t) > 1 and k == TokenType.NORMAL for t, k in zip(tokens, types, strict=True))
+    if model == "gpt2" and longer and not field(reader, "tokenizer.ggml.merges"):
+        # tokens of several characters that no merge can make: every text had been tokenized byte by byte
+        raise CheckpointError(f"{path}: a byte-level BPE vocabulary ('gpt2') with tokens of several characters but "
+                              "no tokenizer.ggml.merges")  # fmt: skip
     try:
         tok = sentencepiece(reader, tokens, types) if model == "llama" else byte_level_bpe(reader, tokens, pre)
     except CheckpointError as e:
@@ -117,6 +126,11 @@ def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, _, s in marked if s])
     tok.add_tokens([AddedToken(t, normalized=False) for t, k, s in marked if k == TokenType.USER_DEFINED and not s])
     eos = field(reader, "tokenizer.ggml.eos_token_id")
+    for kind in ("eos", "bos", "eot", "eom"):
+        i = field(reader, f"tokenizer.ggml.{kind}_token_id")
+        if i is not None and not 0 <= int(i) < len(tokens):
+            raise CheckpointError(f"{path}: tokenizer.ggml.{kind}_token_id {int(i)} is outside the vocabulary of "
+                                  f"{len(tokens)} tokens")  # fmt: skip
     # llama.cpp also ends generation at the end-of-turn and end-of-message tokens (Llama 3's <|eot_id|>, <|eom_id|>),
     # named in the file or found by their text
     named = (field(reader, f"tokenizer.ggml.{kind}_token_id") for kind in ("eot", "eom"))
