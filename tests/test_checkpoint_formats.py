@@ -249,3 +249,12 @@ def test_quantized_or_mismatched_checkpoints_are_refused_at_load(tmp_path):
     for says, path in cases.items():
         with pytest.raises(CheckpointError, match=says):
             load_model(path)
+
+
+def test_a_legacy_pth_loads_as_the_zip_one(tiny_pth, tmp_path):
+    """A .pth written by torch.save's old (non-zip) format cannot be memory-mapped: it had been refused with torch's
+    message about mmap (review, session 38); it is read whole now, still tensors only (weights_only)."""
+    legacy = tmp_path / "legacy.pth"
+    torch.save(torch.load(tiny_pth, weights_only=True), legacy, _use_new_zipfile_serialization=False)
+    ids = [1, 2, 3]
+    assert torch.equal(load_model(legacy).prefill(ids)[0], load_model(tiny_pth).prefill(ids)[0])

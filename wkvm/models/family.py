@@ -323,6 +323,16 @@ def safetensors_files(path: Path) -> list[Path]:
     return [path / n for n in names]
 
 
+def load_torch_file(path: str | os.PathLike[str]) -> Any:
+    """A `torch.save` file's object, tensors only (weights_only: a checkpoint is untrusted bytes), memory-mapped where
+    its format allows it (not copied into RAM twice); a legacy (non-zip) file, which cannot be mapped, is read whole
+    (it had been refused with torch's message about mmap)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def read_safetensors_dir(path: Path, rename: Callable[[str], str | None] | None = None) -> RawTensors:
     """Every tensor of the `*.safetensors` files in directory `path` (`safetensors_files`), named by `rename` (None
     drops a tensor). A name in two files is refused (which one a model would run is not knowable). Never reads

@@ -19,7 +19,14 @@ import torch
 from safetensors.torch import save_file
 
 from wkvm.atomic import atomic_path
-from wkvm.models.family import CheckpointError, RawTensors, layer_count, read_safetensors_dir, untie_head
+from wkvm.models.family import (
+    CheckpointError,
+    RawTensors,
+    layer_count,
+    load_torch_file,
+    read_safetensors_dir,
+    untie_head,
+)
 from wkvm.models.mamba2.model import EMBEDDING, HEAD, NORM_F, time_step_limit
 
 HF_FORMAT = "hf"
@@ -111,10 +118,7 @@ def hf_config_from_state_spaces(ss: dict[str, Any], vocab_rows: int) -> dict[str
 def read_state_spaces(path: Path) -> tuple[RawTensors, dict[str, Any]]:
     ss = _read_json(path / "config.json")
     f = path / SS_WEIGHTS
-    try:  # weights_only: a checkpoint is untrusted bytes; mmap where the file's format allows it
-        obj = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:
-        obj = torch.load(f, map_location="cpu", weights_only=True)
+    obj = load_torch_file(f)
     if not isinstance(obj, dict) or SS_EMBEDDING not in obj:
         raise CheckpointError(f"{f}: not a mamba_ssm state dict (no {SS_EMBEDDING!r})")
     raw = {EMBEDDING if k == SS_EMBEDDING else k: v for k, v in obj.items()}

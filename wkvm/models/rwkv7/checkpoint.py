@@ -15,7 +15,14 @@ import torch
 from safetensors.torch import save_file
 
 from wkvm.atomic import atomic_path
-from wkvm.models.family import CheckpointError, RawTensors, check_layer_count, layer_count, read_safetensors_dir
+from wkvm.models.family import (
+    CheckpointError,
+    RawTensors,
+    check_layer_count,
+    layer_count,
+    load_torch_file,
+    read_safetensors_dir,
+)
 from wkvm.progress import progress
 
 PTH_FORMAT = "pth"
@@ -50,8 +57,7 @@ def _pth_file(path: str | os.PathLike[str]) -> Path:
 
 
 def read_pth(path: str | os.PathLike[str]) -> RawTensors:
-    # weights_only: a checkpoint is untrusted bytes; mmap: do not copy a large file into RAM twice.
-    obj = torch.load(_pth_file(path), map_location="cpu", weights_only=True, mmap=True)
+    obj = load_torch_file(_pth_file(path))
     if not isinstance(obj, dict) or "emb.weight" not in obj:
         raise CheckpointError(f"{path}: not an RWKV-7 state dict (no 'emb.weight')")
     if bad := next((k for k, v in obj.items() if not isinstance(v, torch.Tensor)), None):  # had been AttributeError
