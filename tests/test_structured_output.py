@@ -543,7 +543,7 @@ def test_a_constrained_rows_logprobs_are_its_masked_distributions(char):
 
 def test_a_format_is_built_and_checked_once(monkeypatch):
     """A grammar was built and checked at creation, again at admission, once more for each seeded choice's new params
-    and by the engine for each row: 16 choices of a 50,000-way choice took 29 s of the event loop (review, session 38).
+    and by the engine for each row: 8 seeded choices of a 50,000-way choice took 29 s (review, session 38).
     Now once per distinct format."""
     from wkvm.sampling_params import _cached_grammar
     from wkvm.server.generation import per_choice

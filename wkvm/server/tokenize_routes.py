@@ -23,9 +23,9 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
 
     def embedder_asked(model: str | None) -> EmbeddingModel | None:
         """The embedding model, where the request names it or the server has no other (then checked as a name)."""
-        ctx.require_ready(generative=False)
         e = ctx.embedder
         if e is not None and (not ctx.generative or (model == e.name and model != ctx.model_name)):
+            ctx.require_ready(generative=False)
             if model not in (None, "", e.name):
                 raise APIError(404, f"model {model!r} not found; this server serves {e.name!r}", "model",
                                "model_not_found")  # fmt: skip
