@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from datetime import datetime
 from typing import Any
 
@@ -17,6 +18,26 @@ FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi")
 QUIET_LOGGERS = ("httpx", "httpcore")  # one INFO line per HTTP request they make: noise in a CLI or a server log
+# a query parameter whose name says it holds a credential (`?api_key=`, `?token=`, `?access_token=`...): clients
+# that cannot set headers send keys this way (the server refuses them, 401), and uvicorn logs the whole query
+SECRET_QUERY = re.compile(r"(?i)([?&][^=&#]*(?:key|token|secret|password|passwd|auth|signature|sig)[^=&#]*=)[^&#]*")
+
+
+def redact_path(path: str) -> str:
+    """`path` with the values of its credential-like query parameters replaced by ***."""
+    return SECRET_QUERY.sub(r"\1***", path) if "?" in path else path
+
+
+class RedactQuery(logging.Filter):
+    """Access lines without credentials in their query strings (the record's path rewritten; never drops one)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) == 5:
+            args = list(record.args)
+            if isinstance(args[2], str):
+                args[2] = redact_path(args[2])
+                record.args = tuple(args)
+        return True
 
 
 class JsonFormatter(logging.Formatter):
@@ -62,7 +83,11 @@ def log_config(level: str = "info", fmt: str = "text") -> dict[str, Any]:
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"wkvm": formatter},
-        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "wkvm", "stream": "ext://sys.stderr"}},
+        "filters": {"redact": {"()": RedactQuery}},
+        "handlers": {
+            "stderr": {"class": "logging.StreamHandler", "formatter": "wkvm", "stream": "ext://sys.stderr",
+                       "filters": ["redact"]}  # fmt: skip
+        },
         "root": {"handlers": ["stderr"], "level": level.upper()},
         "loggers": loggers,
     }
