@@ -347,13 +347,24 @@ def test_convert_writes_the_tokenizer_before_the_weights_and_leaves_nothing_when
 
     def convert(src, dst):
         seen.append(companion_path(dst, "tokenizer.json").is_file())
+        if Path(dst).is_dir():  # a directory's first weights are written before the disk fills
+            (Path(dst) / "model-00001-of-00002.safetensors").write_bytes(b"x" * 100)
         raise OSError("disk full")
 
     monkeypatch.setattr(FAMILY, "convert", convert)
-    for dst in (tmp_path / "m.pth", tmp_path / "hf"):
+    (tmp_path / "empty").mkdir()
+    for dst in (tmp_path / "m.pth", tmp_path / "hf", tmp_path / "empty"):
         assert main(["convert", str(EMBEDDED_MODEL), str(dst)]) == 2
-        assert not dst.exists() and not companion_path(dst, "tokenizer.json").exists(), dst
-    assert seen == [True, True] and "disk full" in capsys.readouterr().err
+        assert not companion_path(dst, "tokenizer.json").exists(), dst
+        # found by review: a directory's conversion that failed part way left its shards behind (and the next try
+        # was refused: "already holds weights"); now nothing, and no hidden staging directory either
+        assert (not dst.exists()) if dst.name != "empty" else not any(dst.iterdir()), dst
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+    assert seen == [True, True, True] and "disk full" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert main(["convert", str(EMBEDDED_MODEL), str(tmp_path / "empty"), "--pack"]) == 0  # into it, whole
+    assert (tmp_path / "empty" / "manifest.json").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+    monkeypatch.setattr(FAMILY, "convert", convert)
     from wkvm import tokenizer
 
     write, calls = tokenizer.atomic_write_bytes, []

@@ -8,6 +8,7 @@ import logging
 import logging.config
 import os
 import re
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import Field
@@ -329,6 +330,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    from wkvm.atomic import fsync_dir
     from wkvm.models import registry
     from wkvm.tokenizer import COMPANIONS, HFTokenizer, companion_path, copy_companions, save_text_tools
     from wkvm.weights.loader import check_model_path, unreadable
@@ -340,36 +342,45 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if dst.is_file() or (dst.is_dir() and any(dst.iterdir())):
         raise ValueError(f"{dst} already exists{' and is not empty' if dst.is_dir() else ''}: convert into a new path "
                          "(or an empty directory)")  # fmt: skip
-    # the tokenizer files first, the weights last: cut short after the weights, a .pth had loaded with the World
-    # tokenizer; cut short now, there are no weights (and a failed conversion takes its companions away)
-    made_dir = dst.suffix != ".pth" and not dst.exists()
-    if made_dir:
-        dst.mkdir(parents=True)
+    # A directory is written under a hidden name beside it and renamed into place when whole: a conversion that
+    # fails or is killed leaves no part of one at the destination (shards, a half pack) to block the next try or
+    # load. A .pth is one atomic file; its companions beside it go first (cut short after the weights, a .pth had
+    # loaded with the World tokenizer) and a failed conversion takes them away.
+    staged = dst.suffix != ".pth"
+    out = dst.parent / f".{dst.name}.partial-{os.getpid()}" if staged else dst
+    if staged:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(out, ignore_errors=True)  # this pid's leftover: an earlier process of the same number was killed
+        out.mkdir()
     had = {name for name in COMPANIONS if companion_path(dst, name).exists()}
     try:
-        copied = copy_companions(args.src, args.dst)
+        copied = copy_companions(args.src, out)
         if args.pack:
             from wkvm.weights.pack import write_pack
 
             with unreadable(args.src, "a checkpoint"):
-                write_pack(args.src, args.dst)
+                write_pack(args.src, out)
             what = "weight pack: manifest.json, globals and one file per layer"
         else:
             family, _ = registry.detect(args.src)
             with unreadable(args.src, f"a {family.name} checkpoint"):
-                what = f"{family.name}, format {family.convert(Path(args.src), Path(args.dst))}"
+                what = f"{family.name}, format {family.convert(Path(args.src), out)}"
+        if args.pack and "tokenizer.json" not in copied:  # a tokenizer the checkpoint carries itself (GGUF metadata)
+            family = registry.detect(args.src)[0]
+            tokenizer = family.default_tokenizer(Path(args.src))  # None: the family has none (a weights-only pack)
+            if isinstance(tokenizer, HFTokenizer):  # RWKV's World tokenizer is the family's own: a pack gets it anyway
+                template = None if "chat_template.jinja" in copied else family.default_chat_template(Path(args.src))
+                copied += save_text_tools(tokenizer, template, out)
+        if staged:
+            os.replace(out, dst)  # over an empty directory too (rename(2))
+            fsync_dir(dst.parent)
     except BaseException:  # what it wrote goes (copied in part too)
-        for name in set(COMPANIONS) - had:
-            companion_path(args.dst, name).unlink(missing_ok=True)
-        if made_dir and dst.is_dir() and not any(dst.iterdir()):
-            dst.rmdir()
+        if staged:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            for name in set(COMPANIONS) - had:
+                companion_path(dst, name).unlink(missing_ok=True)
         raise
-    if args.pack and "tokenizer.json" not in copied:  # a tokenizer the checkpoint carries itself (GGUF metadata)
-        family = registry.detect(args.src)[0]
-        tokenizer = family.default_tokenizer(Path(args.src))  # None: the family has none (a weights-only pack)
-        if isinstance(tokenizer, HFTokenizer):  # RWKV's World tokenizer is the family's own: a pack gets it anyway
-            template = None if "chat_template.jinja" in copied else family.default_chat_template(Path(args.src))
-            copied += save_text_tools(tokenizer, template, Path(args.dst))
     print(f"wrote {args.dst} ({what}{'; with ' + ', '.join(copied) if copied else ''})")
     return 0
 
