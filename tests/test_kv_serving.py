@@ -478,3 +478,38 @@ def test_a_prompt_has_the_bits_of_stepping_however_it_is_chunked_or_resumed(mode
         else:
             for a, b in zip(got[1], want[1], strict=True):
                 assert max(abs(a[t] - b[t]) for t in a.keys() & b.keys()) < 1e-3
+
+
+def test_a_models_generation_config_sets_the_sampling_a_request_leaves_out(model, model_dir, tmp_path):
+    """vLLM's `--generation-config auto` (its default): a request without temperature / top_p / top_k / min_p /
+    repetition_penalty takes the model's generation_config.json values (wkvm had sampled such a request at OpenAI's
+    temperature 1 whatever the model's authors set). Here the file sets top_k 1: left out, the answer is greedy; a
+    request that sets top_k, or a server with --generation-config none, samples as before."""
+    import shutil
+
+    from wkvm.llm import LLM
+
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    # top_k 50 is transformers' own default: not a setting (vLLM's to_diff_dict drops it); min_p -1 is refused
+    (copy / "generation_config.json").write_text('{"top_k": 1, "top_p": 0.9, "temperature": 1.0, "min_p": -1}')
+    prompt = [(3 * j + 1) % len(CHAR_VOCAB) for j in range(6)]
+    greedy_ids = greedy_reference(model, prompt, 12)
+    body = {"prompt": prompt, "max_tokens": 12, "seed": 7, "ignore_eos": True, "return_token_ids": True}
+
+    def ids(s, **extra) -> list[int]:
+        r = httpx.post(f"{s.url}/v1/completions", json={**body, **extra}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    with LiveServer(model=str(copy), slots=2) as c:
+        assert ids(c) == greedy_ids and ids(c, top_k=None) == greedy_ids  # null is "left out", as in vLLM
+        sampled = ids(c, top_k=-1)  # the request's own top_k wins (top_p 0.9 still from the file)
+        assert sampled != greedy_ids and ids(c, top_k=-1, top_p=0.9) == sampled
+    with LiveServer(model=str(copy), slots=2, generation_config="none") as c:
+        assert ids(c) == ids(c, top_k=-1, top_p=1.0) != greedy_ids
+    llm = LLM(str(copy))
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.top_k, defaults.top_p, defaults.temperature, defaults.min_p) == (1, 0.9, 1.0, 0.0)
+    assert llm.generate([{"prompt_token_ids": prompt}])[0].outputs[0].token_ids == greedy_reference(model, prompt, 16)
+    assert LLM(str(copy), generation_config="none").get_default_sampling_params().top_k == 0

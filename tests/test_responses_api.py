@@ -227,7 +227,7 @@ def test_a_call_after_words_streams_at_its_own_output_index(tmp_path):
             yield f"data: {c if isinstance(c, str) else json.dumps(c)}\n\n"
 
     body = ResponsesRequest(input="Weather?", tools=[WEATHER], stream=True)
-    ctx = SimpleNamespace(model_name="char-model", responses=ResponseStore(tmp_path / "r.sqlite"))
+    ctx = SimpleNamespace(model_name="char-model", sampling_defaults={}, responses=ResponseStore(tmp_path / "r.sqlite"))
     shell = response_shell(ctx, body, "resp_" + "0" * 32)
 
     async def run():

@@ -145,6 +145,10 @@ class ServerConfig:
     max_body_bytes: int = opt(256 << 20, "largest request body", "size")
     max_prompt_tokens: int = opt(1 << 17, "largest prompt in tokens")
     max_tokens_limit: int = opt(1 << 14, "most tokens one request may generate")
+    generation_config: str = opt("auto", "auto: a request that leaves temperature, top_p, top_k, min_p or "
+                                 "repetition_penalty out takes the model's generation_config.json value, as vLLM's "
+                                 "default; none (or vllm, vLLM's name): OpenAI's defaults",
+                                 "choice:auto,none,vllm")  # fmt: skip
     prefix_reuse: bool = opt(True, "switch off every kind of state reuse (the baseline)")
     max_chat_sessions: int = opt(1024, "parked chat sessions (parent-token-v1) kept")
     chat_session_ttl: float = opt(24 * 3600.0, "seconds a parked chat session lives")

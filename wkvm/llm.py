@@ -8,6 +8,7 @@ It follows vLLM's offline API where wkvm has the feature: `generate` takes a str
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 import os
 from collections.abc import Mapping, Sequence
@@ -20,10 +21,11 @@ from wkvm.config import EngineConfig, default_model
 from wkvm.engine.engine import Engine
 from wkvm.engine.handle import RequestHandle
 from wkvm.outputs import GenerationOutput
-from wkvm.sampling_params import MAX_STOP_STRINGS, SamplingParams
+from wkvm.sampling_params import MAX_STOP_STRINGS, SamplingParams, model_sampling_defaults
 from wkvm.tokenizer import Tokenizer
 from wkvm.weights.loader import load_model, load_text_tools
 
+log = logging.getLogger("wkvm.llm")
 Prompt = str | Sequence[int] | Mapping[str, Any]
 Messages = list[dict[str, Any]]
 
@@ -37,12 +39,17 @@ class LLM:
         weight_cache_layers: int = 0,
         read_ahead: bool = True,
         dtype: str = "float32",
+        generation_config: str = "auto",
         **config_kwargs: Any,
     ):
         """`model`: a path (a BlinkDL .pth, an HF/fla directory, a GGUF file, a weight pack), by default the embedded
         model. `weight_cache_layers` > 0 streams a weight pack's layers from disk through a cache of that many;
         `dtype` "bfloat16" stores the large matrices in bf16 (half the memory; arithmetic stays fp32); "auto" is
-        float32. Other keyword arguments are EngineConfig's fields."""
+        float32. `generation_config` "auto": `generate` / `chat` without sampling_params sample with the model's
+        generation_config.json values (vLLM's default; `get_default_sampling_params`); "none" or "vllm": with
+        SamplingParams' own. Other keyword arguments are EngineConfig's fields."""
+        if generation_config not in ("auto", "none", "vllm"):
+            raise ValueError(f"generation_config must be 'auto', 'none' or 'vllm', not {generation_config!r}")
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(config_kwargs) - fields)
         if unknown:
@@ -61,6 +68,15 @@ class LLM:
         self.tokenizer: Tokenizer = tools[0]
         self.template: ChatTemplate = tools[1]
         self.engine = Engine(self.model, self.tokenizer, replace(config, max_queue=1 << 30))
+        found, problems = model_sampling_defaults(model) if generation_config == "auto" else ({}, [])
+        for problem in problems:
+            log.warning("%s", problem)
+        self.sampling_defaults: dict[str, Any] = found
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no sampling_params: SamplingParams' defaults with the
+        model's generation_config.json values (temperature, top_p, top_k, min_p, repetition_penalty), as vLLM's."""
+        return SamplingParams(**self.sampling_defaults)
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
@@ -157,7 +173,7 @@ class LLM:
 
     def _per_prompt(self, sampling_params: object, n: int) -> list[SamplingParams]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            return [sampling_params or SamplingParams()] * n
+            return [sampling_params or self.get_default_sampling_params()] * n
         if not isinstance(sampling_params, Sequence) or not all(isinstance(p, SamplingParams) for p in sampling_params):
             raise TypeError("sampling_params is a SamplingParams or a list of them (one per prompt), not "
                             f"{type(sampling_params).__name__}")  # fmt: skip

@@ -10,7 +10,9 @@ import functools
 import json
 import math
 import numbers
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import llguidance
@@ -278,6 +280,40 @@ def schema_grammar(schema: dict[str, Any], param: str) -> str:
     if is_error:
         raise InvalidParam(param, f"{param}: the schema cannot be enforced: {messages[0]}")
     return grammar
+
+
+# The sampling fields a model's generation_config.json sets for requests that leave them out (vLLM's
+# `--generation-config auto`, its default: `get_diff_sampling_param`), with transformers' GenerationConfig defaults:
+# a value equal to its default is not a setting (`to_diff_dict` drops it), so a file's "top_k": 50 changes nothing.
+GENERATION_DEFAULTS: dict[str, float | None] = {"temperature": 1.0, "top_p": 1.0, "top_k": 50,
+                                                "min_p": None, "repetition_penalty": 1.0}  # fmt: skip
+
+
+def model_sampling_defaults(model_path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[str]]:
+    """The sampling values a model's generation_config.json sets (see GENERATION_DEFAULTS), and a warning for each it
+    sets that SamplingParams refuses (left out: the server still starts, as with no file). A file that is not JSON is
+    a ValueError naming it. A model without the file (a GGUF, a .pth) sets none."""
+    from wkvm.tokenizer import companion_path, read_json
+
+    path = companion_path(model_path, "generation_config.json")
+    if Path(model_path).suffix == ".pth":  # a .pth has no place for one (convert leaves it out)
+        return {}, []
+    data = read_json(path)
+    found: dict[str, Any] = {}
+    problems: list[str] = []
+    for name, hf_default in GENERATION_DEFAULTS.items():
+        value = data.get(name)
+        if value is None or value == hf_default:
+            continue
+        if name == "top_k" and _is_int(value) and value in (0, -1):  # transformers' and vLLM's "no top-k"
+            continue
+        try:
+            SamplingParams(**{name: value})
+        except (InvalidParam, TypeError) as e:
+            problems.append(f"{path}: {name} {value!r} left out ({e})")
+            continue
+        found[name] = value
+    return found, problems
 
 
 class InvalidParam(ValueError):

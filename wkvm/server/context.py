@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from fastapi import Request
@@ -23,6 +24,7 @@ from wkvm.config import NO_MODEL, ServerConfig
 from wkvm.embeddings import EmbeddingModel
 from wkvm.engine.client import EngineClient, LocalEngineClient, ModelInfo
 from wkvm.engine.engine import Engine
+from wkvm.sampling_params import model_sampling_defaults
 from wkvm.server.asgi import KeyRing, tenant_of
 from wkvm.server.errors import APIError
 from wkvm.server.handover import Handovers
@@ -73,6 +75,8 @@ class ServerContext:
     tokenizer: Tokenizer = field(init=False)
     longest_token_bytes: int = 1  # the vocabulary's longest token: a text's bytes bound its tokens from below
     template: ChatTemplate = field(init=False)
+    # values from the model's generation_config.json for requests that leave those fields out (--generation-config)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     store: StateStore = field(init=False)
     service: StateService = field(init=False)
     sessions: ChatSessions = field(init=False)
@@ -91,6 +95,21 @@ class ServerContext:
     @functools.cached_property
     def keys(self) -> KeyRing:
         return KeyRing(self.config.api_keys)
+
+    @staticmethod
+    def model_sampling_defaults(cfg: ServerConfig) -> dict[str, Any]:
+        """The model's generation_config.json sampling values under `--generation-config auto` (logged, as vLLM logs
+        them: a user sees why an answer without a temperature is not sampled at 1.0); {} otherwise."""
+        if cfg.generation_config != "auto" or cfg.model is None:
+            return {}
+        found, problems = model_sampling_defaults(cfg.model)
+        for problem in problems:
+            log.warning("%s", problem)
+        if found:
+            log.info("requests that leave them out take the model's generation_config.json values: %s "
+                     "(--generation-config none: OpenAI's defaults)",
+                     ", ".join(f"{k}={v}" for k, v in found.items()))  # fmt: skip
+        return found
 
     @property
     def model_created(self) -> int:
@@ -125,6 +144,7 @@ class ServerContext:
             model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype,
                                weight_cache_layers=cfg.weight_cache_layers, read_ahead=cfg.read_ahead)  # fmt: skip
             self.tokenizer, self.template = load_text_tools(cfg.model, model.family)
+            self.sampling_defaults = self.model_sampling_defaults(cfg)
             self.tokenizer.decode([0])  # tables built on first use (World: its byte table; HF: each token's bytes, for
             self.tokenizer.token_bytes(0)  # logprobs and the grammar) are built now, not on a
             self.longest_token_bytes = max(len(self.tokenizer.token_bytes(i)) for i in range(self.tokenizer.vocab_size))

@@ -17,7 +17,14 @@ from starlette.concurrency import run_in_threadpool
 
 from wkvm.engine.engine import Event, RequestHandle
 from wkvm.outputs import ErrorCode, GenerationOutput
-from wkvm.sampling_params import MAX_STOP_STRINGS, MAX_WORD_CHARS, STRUCTURED_KINDS, InvalidParam, SamplingParams
+from wkvm.sampling_params import (
+    GENERATION_DEFAULTS,
+    MAX_STOP_STRINGS,
+    MAX_WORD_CHARS,
+    STRUCTURED_KINDS,
+    InvalidParam,
+    SamplingParams,
+)
 from wkvm.server.asgi import ARRIVED
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError
@@ -157,9 +164,8 @@ def sampling_params(
                        "(--max-tokens-limit)", max_tokens_field, "invalid_value")  # fmt: skip
     try:
         return SamplingParams(
-            max_tokens=n, min_tokens=body.min_tokens, temperature=body.temperature, top_p=body.top_p,
-            top_k=max(body.top_k, 0), min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty, stop=stop,
+            max_tokens=n, min_tokens=body.min_tokens, **sampling_values(ctx, body), seed=body.seed,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, stop=stop,
             stop_token_ids=stop_ids, include_stop_str_in_output=body.include_stop_str_in_output,
             ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             response_format=body.response_format.as_dict() if body.response_format else None, logit_bias=logit_bias,
@@ -168,6 +174,16 @@ def sampling_params(
         )  # fmt: skip
     except InvalidParam as e:
         raise APIError(400, str(e), e.param, "invalid_value") from None
+
+
+def sampling_values(ctx: ServerContext, body: SamplingFields) -> dict[str, Any]:
+    """The request's temperature, top_p, top_k, min_p and repetition_penalty; one it leaves out (or sends as null)
+    takes the model's generation_config.json value where it sets one (`--generation-config auto`, as vLLM)."""
+    given = body.model_fields_set
+    values = {name: getattr(body, name) if name in given or name not in ctx.sampling_defaults
+              else ctx.sampling_defaults[name] for name in GENERATION_DEFAULTS}  # fmt: skip
+    values["top_k"] = max(values["top_k"], 0)
+    return values
 
 
 async def check_grammar(ctx: ServerContext, sp: SamplingParams, param: str | None = None) -> None:

@@ -332,9 +332,11 @@ def response_shell(ctx: ServerContext, body: ResponsesRequest, response_id: str)
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
         "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
-        "store": body.store, "temperature": 1.0 if body.temperature is None else body.temperature,
+        "store": body.store,  # the temperature and top_p it runs with: the model's generation_config fills a gap
+        "temperature": ctx.sampling_defaults.get("temperature", 1.0) if body.temperature is None else body.temperature,
         "text": {"format": fmt}, "tool_choice": body.tool_choice or "auto",
-        "tools": body.tools or [], "top_p": 1.0 if body.top_p is None else body.top_p,
+        "tools": body.tools or [],
+        "top_p": ctx.sampling_defaults.get("top_p", 1.0) if body.top_p is None else body.top_p,
         "truncation": body.truncation or "disabled", "usage": None, "user": body.user,
     }  # fmt: skip
 
