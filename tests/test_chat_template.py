@@ -92,3 +92,41 @@ def test_a_chat_template_json_beside_the_jinja_is_read_strictly(tmp_path):
         load_chat_template(tmp_path)
     extra.write_text("[1, 2]")
     assert load_chat_template(tmp_path).stop == []
+
+
+def test_named_templates_render_as_transformers_chooses_them(tmp_path):
+    """tokenizer_config.json's `chat_template` as transformers' list of named templates had been ignored (the
+    family's default format rendered instead): "default" renders a chat, "tool_use" one with tools, as
+    `apply_chat_template` chooses; with no "default" both refuse. transformers' own choice is the oracle."""
+    import json
+
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from wkvm.chat_template import load_chat_template
+
+    Tokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[])).save(str(tmp_path / "tokenizer.json"))
+    named = [{"name": "default", "template": "D:{% for m in messages %}{{ m['content'] }}{% endfor %}"},
+             {"name": "tool_use", "template": TEMPLATE}]  # fmt: skip
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"chat_template": named, "bos_token": "<s>"}))
+    ours = load_chat_template(tmp_path)
+    ours.special_tokens = {"bos_token": "<s>"}
+    theirs = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    messages = [{"role": "user", "content": "Hi"}]
+    for tools in (None, TOOLS):
+        want = theirs.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        assert ours.render(messages, tools=tools) == want
+    assert ours.render(messages, tools=TOOLS).startswith("<s>Today") and ours.render(messages) == "D:Hi"
+    config.write_text(json.dumps({"chat_template": named[1:]}))
+    with pytest.raises(ValueError, match="named tool_use and none \"default\""):
+        load_chat_template(tmp_path)
+    with pytest.raises(ValueError, match="No chat template is set|default"):
+        PreTrainedTokenizerFast.from_pretrained(str(tmp_path)).apply_chat_template(messages, tokenize=False)
+    # transformers' newer layout: chat_template.jinja and additional_chat_templates/tool_use.jinja
+    config.unlink()
+    (tmp_path / "chat_template.jinja").write_text(named[0]["template"])
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text(TEMPLATE)
+    ours = load_chat_template(tmp_path)
+    assert ours.render(messages) == "D:Hi" and ours.render(messages, tools=TOOLS).startswith("Today")

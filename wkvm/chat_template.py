@@ -40,16 +40,19 @@ class ChatTemplate:
     name: str = "none"
     # the tokenizer's special tokens as HF's apply_chat_template passes them (`{{ bos_token }}` starts Llama 3's)
     special_tokens: dict[str, str] = field(default_factory=dict)
+    # a model's template named "tool_use" beside its default: transformers renders with it when tools are given
+    tool_source: str | None = None
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
-        if self.source is None:
+        source = self.tool_source if tools and self.tool_source is not None else self.source
+        if source is None:
             raise ChatTemplateError("this model has no chat template (none shipped with it, and its family has no "
                                     "default): use /v1/completions, or add chat_template.jinja beside the model")
-        if "developer" not in self.source:  # OpenAI's developer role is the system role, for a template that
+        if "developer" not in source:  # OpenAI's developer role is the system role, for a template that
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]  # knows none
         try:
-            return compiled(self.source).render(**self.special_tokens, messages=messages, tools=tools,
+            return compiled(source).render(**self.special_tokens, messages=messages, tools=tools,
                                                 add_generation_prompt=add_generation_prompt)  # fmt: skip
         except TemplateError as e:
             raise ChatTemplateError(f"the model's chat template failed: {e}") from None
@@ -96,7 +99,8 @@ def compiled(source: str) -> Template:
 
 def load_chat_template(model_path: str | os.PathLike[str], default: ChatTemplate | None = None) -> ChatTemplate:
     """`chat_template.jinja` (+ optional `chat_template.json` with "stop") in the model directory, or
-    `NAME.chat_template.jinja` beside `NAME.pth`; `tokenizer_config.json`'s "chat_template"; else the family's
+    `NAME.chat_template.jinja` beside `NAME.pth`; `tokenizer_config.json`'s "chat_template" (a string, or
+    transformers' list of named templates: "default", and "tool_use" for requests with tools); else the family's
     `default`; else a template that refuses to render."""
     p = Path(model_path)
     base = p if p.is_dir() else p.parent
@@ -109,11 +113,25 @@ def load_chat_template(model_path: str | os.PathLike[str], default: ChatTemplate
         if not (isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)):
             # a string had become its characters, each a stop string: "</s>" cut answers at every "s"
             raise ValueError(f"{extra}: \"stop\" must be a list of non-empty strings")
-        return ChatTemplate(jinja.read_text(), stop, str(opts.get("name", jinja.name)))
+        # transformers (4.50+) saves named templates beside the default as additional_chat_templates/NAME.jinja
+        tool_use = base / "additional_chat_templates" / "tool_use.jinja"
+        tool_source = tool_use.read_text() if p.is_dir() and tool_use.is_file() else None
+        return ChatTemplate(jinja.read_text(), stop, str(opts.get("name", jinja.name)), tool_source=tool_source)
     if p.is_dir():
-        tpl = read_json(base / "tokenizer_config.json").get("chat_template")  # a file that is no JSON is named
+        config = base / "tokenizer_config.json"
+        tpl = read_json(config).get("chat_template")  # a file that is no JSON is named
         if isinstance(tpl, str):
-            return ChatTemplate(tpl, [], "tokenizer_config.json")
+            return ChatTemplate(tpl, [], config.name)
+        if isinstance(tpl, list):  # transformers' named templates: [{"name": "default", "template": ...}, ...]
+            named: dict[str, str] = {t["name"]: t["template"] for t in tpl if isinstance(t, dict) and
+                                     isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}  # fmt: skip
+            if not named or len(named) != len(tpl):
+                raise ValueError(f"{config}: \"chat_template\" as a list takes objects with a string \"name\" and "
+                                 "\"template\"")  # fmt: skip
+            if "default" not in named:  # transformers refuses to choose too (apply_chat_template raises)
+                raise ValueError(f"{config}: chat templates named {', '.join(sorted(named))} and none \"default\": "
+                                 "add chat_template.jinja beside the model to choose one")  # fmt: skip
+            return ChatTemplate(named["default"], [], config.name, tool_source=named.get("tool_use"))
     return default or ChatTemplate()
 
 
