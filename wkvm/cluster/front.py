@@ -204,7 +204,8 @@ class Front:
                 if target is None:  # bound to no replica yet: the least busy one first (the router falls back)
                     toward, target = await self.least_busy()
                 inflight.move(toward)
-                gen = self.engine.options(stream=True).http.remote(req, target=target, strict=strict)
+                # the key: a name that moved away from `target` since the lookup is sent back (`moved_away`)
+                gen = self.engine.options(stream=True).http.remote(req, target=target, strict=strict, key=route.key)
                 try:
                     wait = max(0.1, deadline - time.monotonic()) if strict else None
                     head = await asyncio.wait_for(anext(gen), wait)

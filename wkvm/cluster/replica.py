@@ -63,6 +63,7 @@ DIRECTORY_POLL_SECONDS = 2.0  # how soon a replica notices a restarted directory
 CALL_SECONDS = 10.0  # a stream to move reaches its next token boundary well within this
 READY_SECONDS = 2.0  # a pre-copied move waits this long for its destination to hold the pre-copy, then stops anyway
 DRAIN_POLL_SECONDS = 0.05
+MOVED_AWAY_KEYS = 10_000  # names moved from a replica it remembers, to send late requests for them back (`moved_away`)
 NAME_SECONDS = 10.0  # a stream that moved here waits this long at its end for its `save_state` name to follow it
 
 
@@ -98,6 +99,7 @@ class EngineReplica:
         self._stopped = threading.Event()
         self._pushed: dict[str, int] = {}  # tickets pushed to the directory (`_push`) -> their bytes
         self._saving: Counter[tuple[str, str]] = Counter()  # (tenant, name) -> requests here that will save it
+        self._moved_away: dict[str, None] = {}  # route keys of names moved from here (oldest first; `moved_away`)
         self._drain = threading.Thread(target=self._drain_when_stopping, name="wkvm-drain", daemon=True)
         self._drain.start()
         self._watch = threading.Thread(target=self._watch_directory, name="wkvm-directory-watch", daemon=True)
@@ -141,7 +143,7 @@ class EngineReplica:
         once and waits in its route for the ticket the source pushes to the directory). A stream this replica hands
         over ends with its `Handover` instead of the handover event. Every method's `route` keywords are the
         router's."""
-        if self.misrouted(route):
+        if self.misrouted(route) or await self.moved_away(route.get("key")):
             yield Head(MISROUTED, [], self.slot)
             return
         if handover is not None:
@@ -165,6 +167,25 @@ class EngineReplica:
                     yield Handover(to, ticket, data)
         finally:
             self._saving -= Counter(saving)  # keeps positive counts only
+
+    async def moved_away(self, key: object) -> bool:
+        """Whether a strict request for `key` (a named state) came here after the name moved away: a front that looked
+        the owner up just before a move recorded the new one sends it here after `drop_name` (a read had been a
+        false 404, a save a version issued where the directory no longer points). It is answered "misrouted" and the
+        front asks the directory again. A key that came back (the directory names this slot again) is served."""
+        if not isinstance(key, str) or key not in self._moved_away:
+            return False
+        slot, _ = await self.directory.lookup.remote(key)
+        if slot == self.slot:
+            self._moved_away.pop(key, None)
+            return False
+        return True
+
+    def _mark_moved(self, key: str) -> None:
+        self._moved_away.pop(key, None)
+        self._moved_away[key] = None
+        while len(self._moved_away) > MOVED_AWAY_KEYS:  # the oldest go (a key is one name's: moves are rare)
+            del self._moved_away[next(iter(self._moved_away))]
 
     async def move_stream(self, tenant: str, stream_id: str, to: str, ticket: str | None = None,
                           precopy: bool = False, **route: object) -> dict[str, Any] | str:  # fmt: skip
@@ -385,7 +406,10 @@ class EngineReplica:
             return handles
 
         try:
-            return await asyncio.to_thread(adopt_all)
+            handles = await asyncio.to_thread(adopt_all)
+            for name in {h.rsplit("@", 1)[0] for h in handles}:  # a name moved back here
+                self._moved_away.pop(state_key(tenant, name), None)
+            return handles
         except QuotaExceeded:
             return QUOTA_REPLY
         except ValueError as e:
@@ -401,7 +425,10 @@ class EngineReplica:
             return MISROUTED_REPLY
         if self._saving[(tenant, name)] > 0:
             return False
-        return await asyncio.to_thread(self._drop, tenant, name, versions)
+        dropped = await asyncio.to_thread(self._drop, tenant, name, versions)
+        if dropped:
+            self._mark_moved(state_key(tenant, name))
+        return dropped
 
     def _drop(self, tenant: str, name: str, versions: list[int]) -> bool:
         store = self.ctx.store
