@@ -164,6 +164,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         weight_dtype(self.dtype)  # raises a ValueError naming the choices
+        if self.generation_config not in ("auto", "none", "vllm"):
+            raise ValueError(f"generation_config must be auto, none or vllm, not {self.generation_config!r}")
         if not self.shutdown_grace >= 0:
             raise ValueError("shutdown_grace must be >= 0 seconds")
         if not 0 < self.port < 65536:
