@@ -236,6 +236,7 @@ OUT_OF_RANGE = [
     ("presence_penalty", [NAN, -INF]),
     ("frequency_penalty", [INF, 2.5]),
     ("top_p", [0.0, NAN, 1.5]),
+    ("top_k", [-2, 2**31, 2**63, 1.5]),
     ("min_p", [NAN, 1.5]),
     ("max_tokens", [-1, 2.5, True]),  # 0 is valid: score the prompt, generate nothing
     ("stop_token_ids", [[-1], [True], ["7"]]),
@@ -571,3 +572,14 @@ def test_a_cancelled_or_timed_out_answer_keeps_the_text_it_held_back(char_model)
             engine.abort_all("shutting down")
         assert h.output.finish_reason == "abort" and h.output.token_ids == free.output.token_ids[:5]
         assert h.output.text == free.output.text[:5], (end, h.output.text)
+
+
+def test_the_largest_top_k_samples_as_no_top_k(model, tok):
+    """A top_k past the vocabulary keeps every token (2^63 had failed the engine step for every request in it; the
+    bound is now 2^31 - 1, and that much is off)."""
+    engine = Engine(model, tok)
+    params = dict(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
+    a = engine.submit([1, 2, 3], SamplingParams(**params, top_k=2**31 - 1))
+    b = engine.submit([1, 2, 3], SamplingParams(**params))
+    engine.run_until_done()
+    assert a.output.token_ids == b.output.token_ids and len(a.output.token_ids) == 6

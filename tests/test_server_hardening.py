@@ -219,6 +219,9 @@ U = {"role": "user", "content": "hi"}
     ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": [f"c{i}" for i in range(2001)]}}, {},
      "structured_outputs", "invalid_value"),
     ("/v1/chat/completions", {"messages": [U] * 10_001}, {}, "messages", "invalid_value"),
+    # a top_k past the sampler kernel's 64-bit integer had failed the whole engine step: other requests' 500s
+    ("/v1/completions", {"prompt": "x", "top_k": 2**63, "temperature": 1}, {}, "top_k", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [U], "top_k": 2**31}, {}, "top_k", "invalid_value"),
     ("/v1/chat/completions", {"messages": [U], "tools": [{"type": "function", "function": {"name": f"f{i}"}}
                                                          for i in range(129)]}, {}, "tools", "invalid_value"),
     ("/v1/responses", {"input": [{"role": "user", "content": "a"}] * 10_001}, {}, "input", "invalid_value"),

@@ -28,6 +28,7 @@ MAX_BAD_WORDS = 64
 # the interpreter for 7 s, hunt 15), and the detokenizer holds back as much text as the longest stop string
 MAX_WORD_CHARS = 1024
 MAX_LOGPROBS = 20
+MAX_TOP_K = 2**31 - 1
 TEMPERATURE_RANGE = (0.0, 2.0)
 MIN_TEMPERATURE = 0.01  # a positive temperature below this is raised to it, as in vLLM
 TOP_P_RANGE = (0.0, 1.0)  # open at 0: top_p must be > 0
@@ -95,7 +96,10 @@ class SamplingParams:
         _check(ok, "min_tokens", f"an integer in 0..max_tokens ({self.max_tokens})")
         _check_number("temperature", self.temperature, TEMPERATURE_RANGE)
         _check_number("top_p", self.top_p, TOP_P_RANGE, open_lo=True)
-        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 or -1 disables it)")
+        # bounded: the sampler's kernel takes a 64-bit integer, and 2^63 had failed the whole engine step (every
+        # other request sampled in it: a 500); a top_k at or past the vocabulary keeps every token, as off
+        ok = _is_int(self.top_k) and 0 <= self.top_k <= MAX_TOP_K
+        _check(ok, "top_k", f"an integer in -1..{MAX_TOP_K} (0 or -1 disables it)")
         ok = self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed <= 2**64 - 1)
         _check(ok, "seed", "an integer in -2^63..2^64-1 (the HTTP API's range)")
         _check_number("min_p", self.min_p, MIN_P_RANGE)

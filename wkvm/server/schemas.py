@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from wkvm.sampling_params import (
     MAX_LOGPROBS,
+    MAX_TOP_K,
     MIN_P_RANGE,
     PENALTY_RANGE,
     REPETITION_PENALTY_RANGE,
@@ -114,7 +115,7 @@ class SamplingFields(RequestBody):
     # ranges from SamplingParams (one source); a temperature in (0, 0.01) runs as 0.01, as in vLLM
     temperature: float = Field(default=1.0, ge=TEMPERATURE_RANGE[0], le=TEMPERATURE_RANGE[1])
     top_p: float = Field(default=1.0, gt=TOP_P_RANGE[0], le=TOP_P_RANGE[1])
-    top_k: int = Field(default=-1, ge=-1)
+    top_k: int = Field(default=-1, ge=-1, le=MAX_TOP_K)
     min_p: float = Field(default=0.0, ge=MIN_P_RANGE[0], le=MIN_P_RANGE[1])
     seed: int | None = Seed
     stop: str | list[str] | None = None
