@@ -513,3 +513,41 @@ def test_a_models_generation_config_sets_the_sampling_a_request_leaves_out(model
     assert (defaults.top_k, defaults.top_p, defaults.temperature, defaults.min_p) == (1, 0.9, 1.0, 0.0)
     assert llm.generate([{"prompt_token_ids": prompt}])[0].outputs[0].token_ids == greedy_reference(model, prompt, 16)
     assert LLM(str(copy), generation_config="none").get_default_sampling_params().top_k == 0
+
+
+def test_chat_template_kwargs_reach_the_template(model_dir, tmp_path):
+    """vLLM's `chat_template_kwargs` (Qwen3's `enable_thinking`) had been ignored with a log line: a template that reads
+    such a variable rendered as if it were unset. They are template variables now (chat, /tokenize, LLM.chat); a name
+    the request sets itself is a 400, and a per-request `chat_template` is refused as vLLM refuses it by default."""
+    import shutil
+
+    from wkvm.llm import LLM
+
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    (copy / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}N{% else %}T{% endif %}")
+    messages = [{"role": "user", "content": "Hi"}]
+    with LiveServer(model=str(copy), slots=2) as s:
+        def post(path, **body):
+            return httpx.post(f"{s.url}{path}", json={"messages": messages, **body}, timeout=60)
+
+        def strs(**body) -> str:
+            r = post("/tokenize", return_token_strs=True, **body)
+            assert r.status_code == 200, r.text
+            return "".join(r.json()["token_strs"])
+
+        assert strs() == "HiT" and strs(chat_template_kwargs={"enable_thinking": False}) == "HiN"
+        chat = {"max_tokens": 2, "temperature": 0, "return_token_ids": True}
+        off = post("/v1/chat/completions", chat_template_kwargs={"enable_thinking": False}, **chat)
+        on = post("/v1/chat/completions", **chat)
+        assert off.status_code == on.status_code == 200, off.text
+        assert off.json()["usage"]["prompt_tokens"] == on.json()["usage"]["prompt_tokens"] == 3
+        assert off.json()["prompt_token_ids"] != on.json()["prompt_token_ids"]
+        for body, param in (({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                            ({"chat_template": "{{ 1 }}"}, "chat_template")):  # fmt: skip
+            r = post("/v1/chat/completions", **body, **chat)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    out = LLM(str(copy)).chat(messages, chat_template_kwargs={"enable_thinking": False})
+    assert out[0].prompt == "HiN"

@@ -30,6 +30,12 @@ class ChatTemplateError(ValueError):
     pass
 
 
+# names a template gets from the request's own fields (and transformers' apply_chat_template arguments that are not
+# template variables): not settable as chat_template_kwargs
+RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template",
+                                "tokenize", "documents"})  # fmt: skip
+
+
 @dataclass
 class ChatTemplate:
     """A Jinja chat template (HF convention: `messages`, `add_generation_prompt`) and the stop strings that end an
@@ -44,7 +50,12 @@ class ChatTemplate:
     tool_source: str | None = None
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
+               tools: list[dict[str, Any]] | None = None, variables: dict[str, Any] | None = None) -> str:  # fmt: skip
+        """The prompt text. `variables`: more names for the template (vLLM's `chat_template_kwargs`, e.g. Qwen's
+        `enable_thinking`); ValueError for one that is a name render sets itself (RESERVED_VARIABLES)."""
+        taken = sorted(set(variables or {}) & RESERVED_VARIABLES)
+        if taken:
+            raise ValueError(f"{taken[0]!r} is set by the request itself, not as a template variable")
         source = self.tool_source if tools and self.tool_source is not None else self.source
         if source is None:
             raise ChatTemplateError("this model has no chat template (none shipped with it, and its family has no "
@@ -52,7 +63,7 @@ class ChatTemplate:
         if "developer" not in source:  # OpenAI's developer role is the system role, for a template that
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]  # knows none
         try:
-            return compiled(source).render(**self.special_tokens, messages=messages, tools=tools,
+            return compiled(source).render(**self.special_tokens, **(variables or {}), messages=messages, tools=tools,
                                                 add_generation_prompt=add_generation_prompt)  # fmt: skip
         except TemplateError as e:
             raise ChatTemplateError(f"the model's chat template failed: {e}") from None

@@ -158,14 +158,16 @@ class LLM:
         use_tqdm: bool = False,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[GenerationOutput]:
         """vLLM's LLM.chat: each conversation rendered with the model's chat template (or `chat_template`, Jinja
-        source), answered as by /v1/chat/completions: the template's stop strings end the answer (unless
-        `ignore_eos`)."""
+        source; `chat_template_kwargs`: more variables for it, e.g. `enable_thinking`), answered as by
+        /v1/chat/completions: the template's stop strings end the answer (unless `ignore_eos`)."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        template = self.template if chat_template is None else replace(self.template, source=chat_template)
-        texts = [template.render(plain_messages(list(c)), add_generation_prompt)  # type: ignore[arg-type]
-                 for c in conversations]  # fmt: skip
+        template = (self.template if chat_template is None
+                    else replace(self.template, source=chat_template, tool_source=None))  # fmt: skip
+        texts = [template.render(plain_messages(list(c)), add_generation_prompt,  # type: ignore[arg-type]
+                                 variables=chat_template_kwargs) for c in conversations]  # fmt: skip
         prompts = [self.tokenizer.encode(t) for t in texts]  # a template writes its own BOS, as the server's
         params = [self._with_template_stops(p, template) for p in self._per_prompt(sampling_params, len(prompts))]
         outputs = self.generate(prompts, params, use_tqdm=use_tqdm)

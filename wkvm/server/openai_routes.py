@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request, params
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from wkvm.chat_template import ChatTemplateError, template_messages
+from wkvm.chat_template import RESERVED_VARIABLES, ChatTemplateError, template_messages
 from wkvm.engine.engine import Event, RequestHandle
 from wkvm.engine.scheduler import QueueFull
 from wkvm.outputs import ErrorCode
@@ -115,14 +115,15 @@ def check_save_room(ctx: ServerContext, tenant: str, n_tokens: int, param: str,
 
 
 def system_prefix(ctx: ServerContext, messages: list[dict[str, Any]], text: str, prompt_ids: list[int],
-                  tools: list[dict[str, Any]] | None = None) -> int:  # fmt: skip
+                  tools: list[dict[str, Any]] | None = None,
+                  variables: dict[str, Any] | None = None) -> int:  # fmt: skip
     """How many leading tokens of the prompt are its leading system messages, when they render and tokenize to an
     exact prefix of it (0 otherwise): a boundary many conversations share, worth a checkpoint on first sight."""
     k = next((i for i, m in enumerate(messages) if m.get("role") not in ("system", "developer")), len(messages))
     if k == 0 or k == len(messages) or not ctx.config.prefix_reuse:  # no reuse: no checkpoint to place
         return 0
     try:
-        head = ctx.template.render(messages[:k], add_generation_prompt=False, tools=tools)
+        head = ctx.template.render(messages[:k], add_generation_prompt=False, tools=tools, variables=variables)
     except ChatTemplateError:
         return 0
     ids = ctx.tokenizer.encode(head) if head and text.startswith(head) else []
@@ -440,8 +441,11 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
     shaped = body.response_format is not None and body.response_format.type != "text"
     mode = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls,
                      shaped or gen.structured_outputs(body) is not None)  # fmt: skip
+    if body.chat_template is not None:  # vLLM answers so unless started with --trust-request-chat-template
+        raise APIError(400, "chat_template: this server renders chats with the model's own template only (a request's "
+                       "template would run its Jinja here); leave it out", "chat_template", "unsupported")  # fmt: skip
     text = render_chat(ctx, messages, mode.tools if mode else None, body.add_generation_prompt,
-                       body.continue_final_message)  # fmt: skip
+                       body.continue_final_message, body.chat_template_kwargs)  # fmt: skip
     if body.save_state and body.n > 1:
         raise APIError(400, "save_state needs n = 1", "save_state", "invalid_value")
     max_tokens = body.max_completion_tokens or body.max_tokens
@@ -464,7 +468,7 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
     await gen.check_grammar(ctx, sp, "tools" if mode is not None and mode.forced else None)
     params = gen.per_choice(sp, body.n)
     prompt_ids = await gen.encode_prompt_off_loop(ctx, text, "messages", body.truncate_prompt_tokens, starts=False)
-    system = system_prefix(ctx, messages, text, prompt_ids, mode.tools if mode else None)
+    system = system_prefix(ctx, messages, text, prompt_ids, mode.tools if mode else None, body.chat_template_kwargs)
     chat = ChatMeta.from_headers(request.headers, messages, system)
     moved = await taken_over(ctx, request, tenant)
     if moved is not None:
@@ -526,9 +530,15 @@ CONTINUE_MARK = "WKVM_CONTINUE_FINAL_MESSAGE_MARK "  # transformers' own is "CON
 
 
 def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:  # fmt: skip
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                variables: dict[str, Any] | None = None) -> str:  # fmt: skip
     """The chat's prompt text through the model's template. `continue_final_message` (vLLM's): the prompt ends with
-    the last message's own text, open, so the model continues it (a prefilled reply) instead of starting a new one."""
+    the last message's own text, open, so the model continues it (a prefilled reply) instead of starting a new one.
+    `variables`: the request's chat_template_kwargs (vLLM's), more names for the template."""
+    taken = sorted(set(variables or {}) & RESERVED_VARIABLES)
+    if taken:
+        raise APIError(400, f"chat_template_kwargs: {taken[0]!r} is set by the request's own field, not here",
+                       "chat_template_kwargs", "invalid_value")  # fmt: skip
     if continue_final_message and add_generation_prompt:
         raise APIError(400, "continue_final_message continues the last message: set add_generation_prompt to false",
                        "continue_final_message", "invalid_value")  # fmt: skip
@@ -537,7 +547,8 @@ def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], tools: list[
         # text's last match had been taken, inside the template's closing marks when they held it ('<' or 'd')
         messages = [*messages[:-1], {**messages[-1], "content": f"{final}{CONTINUE_MARK}"}] if final else messages
     try:
-        text = ctx.template.render(template_messages(messages), add_generation_prompt, tools=tools)
+        text = ctx.template.render(template_messages(messages), add_generation_prompt, tools=tools,
+                                   variables=variables)  # fmt: skip
     except ChatTemplateError as e:
         raise APIError(400, str(e), "messages", "template_error") from None
     if not continue_final_message:

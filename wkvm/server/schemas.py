@@ -186,6 +186,8 @@ class ChatRequest(SamplingFields):
     functions: list[Any] | None = None
     add_generation_prompt: bool = True  # vLLM's: false with continue_final_message prefills the reply
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking)
+    chat_template: str | None = None  # vLLM's per-request template: refused (a 400), as vLLM without its trust flag
     state: str | None = Field(default=None, min_length=1)
     save_state: str | None = None
 
@@ -200,6 +202,7 @@ class TokenizeRequest(RequestBody):
     tools: list[Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

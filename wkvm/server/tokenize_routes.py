@@ -51,7 +51,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         if body.messages is not None:
             mode = tool_mode(body.tools, None, None)
             text = render_chat(ctx, chat_messages(body.messages), mode.tools if mode else None,
-                               body.add_generation_prompt, body.continue_final_message)  # fmt: skip
+                               body.add_generation_prompt, body.continue_final_message,
+                               body.chat_template_kwargs)  # fmt: skip
         else:
             assert body.prompt is not None
             text = body.prompt

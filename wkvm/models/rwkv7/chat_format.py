@@ -22,8 +22,8 @@ class WorldTemplate(ChatTemplate):
     name: str = "rwkv-world"
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
+               tools: list[dict[str, Any]] | None = None, variables: dict[str, Any] | None = None) -> str:  # fmt: skip
         """The World format has no tool convention: `tools` are not shown (tool_choice required / named still
-        force a valid call through the grammar); a tool result reads as a user turn."""
+        force a valid call through the grammar); a tool result reads as a user turn. It reads no `variables`."""
         turns = [f"{WORLD_ROLES[m['role']]}: {world_text(m['content'] or '')}" for m in messages]
         return "\n\n".join(turns) + ("\n\nAssistant:" if add_generation_prompt else "")
