@@ -723,6 +723,17 @@ def test_bos_over_http_starts_a_prompt_once_and_never_a_continuation(tmp_path):
         gen = httpx.post(f"{s.url}/v1/states/s/generate", json={"prompt": "ab", "max_tokens": 2,
                                                                "return_token_ids": True}).json()  # fmt: skip
         assert gen["choices"][0]["token_ids"] and "error" not in gen
+        # vLLM's add_special_tokens (ignored until session 39: a pre-rendered chat sent as a completion got two BOS)
+        own = post("/v1/completions", {"prompt": "<s>ab", "add_special_tokens": False})
+        assert own["prompt_token_ids"] == [0, *ab]
+        user = [{"role": "user", "content": "ab"}]
+        chat = post("/v1/chat/completions", {"messages": user, "add_special_tokens": True})
+        assert chat["prompt_token_ids"] == [0, 0, *ab, vocab.index("|")]  # asked for: the tokenizer's, the template's
+        for body, want in (({"prompt": "ab", "add_special_tokens": False}, ab),
+                           ({"messages": [{"role": "user", "content": "ab"}]}, [0, *ab, vocab.index("|")]),
+                           ({"messages": [{"role": "user", "content": "ab"}], "add_special_tokens": True},
+                            [0, 0, *ab, vocab.index("|")])):  # fmt: skip
+            assert httpx.post(f"{s.url}/tokenize", json=body).json()["tokens"] == want, body
 
 
 # --- the real model -----------------------------------------------------------------------------------------------

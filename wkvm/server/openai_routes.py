@@ -371,8 +371,10 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         sp = gen.sampling_params(ctx, body, body.max_tokens, body.logprobs, prompt_logprobs=scored)
         await gen.check_grammar(ctx, sp)
         params = gen.per_choice(sp, body.n)
-        # a prompt after `state` continues it: no BOS (its history has one where the tokenizer adds it)
-        encoded = [await gen.encode_prompt_off_loop(ctx, q, "prompt", body.truncate_prompt_tokens, not body.state)
+        # a prompt after `state` continues it: no BOS (its history has one where the tokenizer adds it);
+        # add_special_tokens false (vLLM's): none for a text that brings its own
+        starts = not body.state and body.add_special_tokens
+        encoded = [await gen.encode_prompt_off_loop(ctx, q, "prompt", body.truncate_prompt_tokens, starts)
                    for q in prompts]  # fmt: skip
         moved = await taken_over(ctx, request, tenant)
         if moved is not None:
@@ -467,7 +469,8 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
             raise
     await gen.check_grammar(ctx, sp, "tools" if mode is not None and mode.forced else None)
     params = gen.per_choice(sp, body.n)
-    prompt_ids = await gen.encode_prompt_off_loop(ctx, text, "messages", body.truncate_prompt_tokens, starts=False)
+    prompt_ids = await gen.encode_prompt_off_loop(ctx, text, "messages", body.truncate_prompt_tokens,
+                                                  starts=body.add_special_tokens and not body.state)  # fmt: skip
     system = system_prefix(ctx, messages, text, prompt_ids, mode.tools if mode else None, body.chat_template_kwargs)
     chat = ChatMeta.from_headers(request.headers, messages, system)
     moved = await taken_over(ctx, request, tenant)

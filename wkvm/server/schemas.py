@@ -157,6 +157,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(default=None, ge=1, le=16)
     state: str | None = Field(default=None, min_length=1)  # start from this state handle; the prompt continues it
     save_state: str | None = None  # save the final state under this name
+    add_special_tokens: bool = True  # vLLM's: false leaves out the BOS the tokenizer adds (a pre-rendered chat has one)
 
 
 class ContentPart(Body):
@@ -187,6 +188,7 @@ class ChatRequest(SamplingFields):
     add_generation_prompt: bool = True  # vLLM's: false with continue_final_message prefills the reply
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking)
+    add_special_tokens: bool = False  # vLLM's: true adds the tokenizer's BOS before the template's text
     chat_template: str | None = None  # vLLM's per-request template: refused (a 400), as vLLM without its trust flag
     state: str | None = Field(default=None, min_length=1)
     save_state: str | None = None
@@ -203,6 +205,7 @@ class TokenizeRequest(RequestBody):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None  # vLLM's: the default is the route's (prompt: true, messages: false)
     return_token_strs: bool = False
 
 

@@ -60,7 +60,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         check_text(text, param)
         check_text_size(ctx, text, param)
         tok = ctx.tokenizer  # as a completion's prompt or a chat's messages are encoded (BOS: see encode_prompt)
-        ids = tok.encode(text) if body.messages is not None else tok.encode_prompt(text)
+        special = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
+        ids = tok.encode_prompt(text) if special else tok.encode(text)
         strs = [ctx.tokenizer.decode([t]) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": ctx.model.context_limit, "tokens": ids, "token_strs": strs}
 
