@@ -320,6 +320,18 @@ def test_errors_are_openai_shaped(client, server):
         client.chat.completions.create(model="world", messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:,"}}]}])  # fmt: skip
     assert "content[0]" in e.value.body["param"]
+    # an OpenAI transcript's assistant refusal part is its text, as vLLM reads it (it had been a 400 "unsupported")
+    u, said = {"role": "user", "content": "x"}, {"role": "assistant", "content": "No."}
+    refused = {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}
+    tokens = [httpx.post(f"{server.url}/tokenize", json={"messages": [u, m, u]}).json()["tokens"]
+              for m in (said, refused)]  # fmt: skip
+    assert tokens[0] == tokens[1]
+    empty = {"role": "assistant", "content": [{"type": "refusal"}]}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [u, empty, u], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].content[0].refusal", r.text
+    from wkvm.chat_template import plain_messages
+
+    assert plain_messages([refused]) == [said]
     r = httpx.post(f"{server.url}/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 10**6})

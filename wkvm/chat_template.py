@@ -170,10 +170,12 @@ def plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else None  # an assistant's refusal reads as text
+                text = part.get(kind) if isinstance(part, dict) and kind in ("text", "refusal") else None
+                if not isinstance(text, str):
                     raise ValueError(f"messages[{i}].content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) "
                                      "are supported")  # fmt: skip
-                texts.append(part["text"])
+                texts.append(text)
             content = "\n".join(texts)
         out.append({**m, "content": content or ""})
     return template_messages(out)

@@ -600,14 +600,17 @@ def chat_messages(messages: list[ChatMessage], functions: list[Any] | None = Non
             if not m.content and m.role != "assistant":  # OpenAI refuses an empty array too
                 raise APIError(400, f"messages[{i}]: a {m.role} message needs content (an empty list of parts has "
                                "none)", f"messages[{i}].content", "invalid_value")  # fmt: skip
+            texts = []
             for j, part in enumerate(m.content):
-                if part.type != "text":
+                if part.type not in ("text", "refusal"):  # OpenAI's assistant refusal: its text, as vLLM reads it
                     why = f"messages[{i}].content[{j}]: only text parts are supported yet (got {part.type!r})"
                     raise APIError(400, why, f"messages[{i}].content[{j}].type", "unsupported")
-                if part.text is None:
-                    raise APIError(400, f"messages[{i}].content[{j}]: a text part needs its text",
-                                   f"messages[{i}].content[{j}].text", "invalid_value")  # fmt: skip
-            content = "\n".join(part.text or "" for part in m.content)  # as vLLM joins them; None was refused above
+                text = part.text if part.type == "text" else (part.model_extra or {}).get("refusal")
+                if not isinstance(text, str):
+                    raise APIError(400, f"messages[{i}].content[{j}]: a {part.type} part needs its {part.type}",
+                                   f"messages[{i}].content[{j}].{part.type}", "invalid_value")  # fmt: skip
+                texts.append(text)
+            content = "\n".join(texts)  # as vLLM joins them
         elif m.content is None and m.role != "assistant":  # an assistant's may be only its tool_calls
             raise APIError(400, f"messages[{i}]: a {m.role} message needs content", f"messages[{i}].content",
                            "invalid_value")  # fmt: skip
