@@ -222,6 +222,9 @@ U = {"role": "user", "content": "hi"}
     # a top_k past the sampler kernel's 64-bit integer had failed the whole engine step: other requests' 500s
     ("/v1/completions", {"prompt": "x", "top_k": 2**63, "temperature": 1}, {}, "top_k", "invalid_value"),
     ("/v1/chat/completions", {"messages": [U], "top_k": 2**31}, {}, "top_k", "invalid_value"),
+    # vLLM's prompt_logprobs had been ignored with a log line (the answer lacked the field a client asked for)
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, {}, "prompt_logprobs", "unsupported"),
+    ("/v1/chat/completions", {"messages": [U], "prompt_logprobs": 0}, {}, "prompt_logprobs", "unsupported"),
     ("/v1/chat/completions", {"messages": [U], "tools": [{"type": "function", "function": {"name": f"f{i}"}}
                                                          for i in range(129)]}, {}, "tools", "invalid_value"),
     ("/v1/responses", {"input": [{"role": "user", "content": "a"}] * 10_001}, {}, "input", "invalid_value"),

@@ -112,6 +112,10 @@ def sampling_params(
     default_max: int = 16, extra_stop: list[str] | None = None, prompt_logprobs: int | None = None,
     max_tokens_field: str = "max_tokens",
 ) -> SamplingParams:  # fmt: skip
+    if body.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs is not supported over HTTP yet: use /v1/completions with echo: true and "
+                       "logprobs (the prompt tokens' logprobs, OpenAI's shape), or the Python API's "
+                       "SamplingParams(prompt_logprobs=...)", "prompt_logprobs", "unsupported")  # fmt: skip
     if body.stream_options is not None and not body.stream:  # OpenAI's and vLLM's 400 (it would be ignored)
         raise APIError(400, "stream_options is only allowed with stream: true", "stream_options", "invalid_value")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
