@@ -628,3 +628,32 @@ def test_a_stream_that_fails_sends_its_error_event_and_no_error_finish(server):
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[-1]["error"]["code"] == "no_token_left", chunks
     assert not any(c["finish_reason"] == "error" for x in chunks[:-1] for c in x.get("choices", [])), chunks
+
+
+def test_stop_reason_says_which_stop_ended_a_choice(client, server, world_pth):
+    """vLLM's `stop_reason` (it had no field here): the request's stop string or stop_token_ids id that ended a
+    choice, null for the model's end of sequence, a length finish, and the stops the server adds itself (a chat
+    template's end of turn). Blocking and streamed alike."""
+    base = {"model": server.ctx.model_name, "prompt": "ROMEO:", "max_tokens": 12, "temperature": 0,
+            "extra_body": {"return_token_ids": True, "ignore_eos": True}}  # fmt: skip
+    free = client.completions.create(**base).choices[0]
+    assert free.finish_reason == "length" and free.model_extra["stop_reason"] is None
+    word = next(ch for ch in free.text[2:] if not ch.isspace())  # a character the answer has after its start
+    by_string = client.completions.create(**base, stop=[word]).choices[0]
+    assert (by_string.finish_reason, by_string.model_extra["stop_reason"]) == ("stop", word)
+    tok = free.model_extra["token_ids"][3]
+    by_id = client.completions.create(**{**base, "extra_body": {**base["extra_body"], "stop_token_ids": [tok]}})
+    assert (by_id.choices[0].finish_reason, by_id.choices[0].model_extra["stop_reason"]) == ("stop", tok)
+    ends = [c for chunk in client.completions.create(**base, stop=[word], stream=True) for c in chunk.choices
+            if c.finish_reason]  # fmt: skip
+    assert [(c.finish_reason, c.model_extra["stop_reason"]) for c in ends] == [("stop", word)]
+    from wkvm.server import generation as gen
+    from wkvm.server.schemas import ChatRequest
+
+    body = ChatRequest(messages=[{"role": "user", "content": "Speak."}], stop=[word])
+    # the World template's "\n\nUser:" is a stop the server adds: vLLM reads a template's end of turn as EOS
+    assert gen.stop_reason(server.ctx, body, "\n\nUser:") is None and gen.stop_reason(server.ctx, body, word) == word
+    assert gen.stop_reason(server.ctx, body, tok) is None  # a stop token the request did not ask for
+    out = LLM(str(world_pth)).generate("ROMEO:", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                                stop=[word]))[0]  # fmt: skip
+    assert (out.finish_reason, out.stop_reason, out.text) == ("stop", word, by_string.text)

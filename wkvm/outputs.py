@@ -36,6 +36,9 @@ class GenerationOutput:
     prompt: str | None = None  # the prompt's text as given (None for token ids), as vLLM's RequestOutput.prompt
     request_id: str | None = None
     index: int = 0  # vLLM's CompletionOutput.index
+    # vLLM's: the stop_token_ids token or stop string that ended a "stop" (None for an end-of-sequence token, a
+    # completed response_format, or another finish)
+    stop_reason: int | str | None = None
 
     @property
     def outputs(self) -> list[GenerationOutput]:

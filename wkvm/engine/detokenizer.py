@@ -33,6 +33,7 @@ class Detokenizer:
         self._added = 0
         self.text = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text (vLLM's stop_reason)
         self._released = 0
         self._ids: list[int] = []  # the window: context tokens, then tokens whose text is not out yet
         self._context = 0  # _ids[:_context] are the context, whose text (_context_text) is already in text
@@ -70,9 +71,9 @@ class Detokenizer:
     def _find_stop(self, before: int) -> None:
         """Cut the text at a stop string that ends in its part from `before` on."""
         if self.stop and self._added > self.min_tokens:
-            hits = [(i, -len(s)) for s in self.stop if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0]
+            hits = [(i, -len(s), s) for s in self.stop if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0]
             if hits:
-                at, minus_len = min(hits)  # the first stop string to begin (the longest of those beginning there)
+                at, minus_len, self.matched = min(hits)  # the first stop string to begin (the longest beginning there)
                 self.text = self.text[: at - minus_len if self.include_stop else at]
                 self.stopped = True
 

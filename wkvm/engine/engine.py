@@ -328,6 +328,7 @@ class Engine:
         p, detok = req.params, self._detok[req.request_id]
         req.output_ids.append(tok)
         status = None
+        reason: int | str | None = None  # vLLM's stop_reason: a stop token id or the stop string
         eos = tok in self.tokenizer.eos_token_ids and not p.ignore_eos
         # a stop token (EOS, stop_token_ids) ends the text without adding its own, unless include_stop_str_in_output
         # asks for it (vLLM's detokenizer does the same: `<|im_end|>` is no part of an answer; until session 27 a
@@ -336,6 +337,7 @@ class Engine:
             if p.include_stop_str_in_output:
                 detok.add(tok)
             status = Status.FINISHED_STOPPED
+            reason = None if eos else tok
         elif detok.add(tok) or grammar_done:
             status = Status.FINISHED_STOPPED
         elif len(req.output_ids) >= p.max_tokens or self._at_context_limit(req):
@@ -343,9 +345,11 @@ class Engine:
         if status is not None:
             detok.flush()  # the text held back may complete a stop string: then it ends as stopped
             status = Status.FINISHED_STOPPED if detok.stopped else status
+            reason = detok.matched if detok.stopped else reason
             self._finish(req, status)
         ev = Event(req.request_id, [tok], detok.delta(final=status is not None), [lp] if lp else None)
         ev.finish_reason = status.value if status else None
+        ev.stop_reason = reason
         if len(req.output_ids) == 1:
             ev.prompt_logprobs = req.prompt_logprobs
         return ev

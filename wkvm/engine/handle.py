@@ -45,6 +45,7 @@ class Event:
     error: str | None = None
     error_code: str | None = None  # an ErrorCode value (wkvm.outputs)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with a request's first token (or prefill's end)
+    stop_reason: int | str | None = None  # with a "stop" finish: the stop token id or stop string (vLLM's)
 
     @property
     def finished(self) -> bool:
@@ -80,6 +81,7 @@ class RequestHandle:
             out.prompt_logprobs = ev.prompt_logprobs
         if ev.finished:
             out.finish_reason, out.error, out.error_code = ev.finish_reason, ev.error, ev.error_code
+            out.stop_reason = ev.stop_reason
         if self._loop is not None and self._async is not None:
             self._loop.call_soon_threadsafe(self._async.put_nowait, ev)
         else:

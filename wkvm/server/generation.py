@@ -378,6 +378,28 @@ def json_logprob(v: float) -> float:
     return v if v > MIN_LOGPROB else MIN_LOGPROB  # also maps NaN, which compares False
 
 
+def stop_reason(ctx: ServerContext, body: SamplingFields, reason: int | str | None) -> int | str | None:
+    """vLLM's `stop_reason` for a choice the engine ended with `reason`: the request's own stop_token_ids id or stop
+    string (a stop string that is one special token stops as that token: the string); None for the model's end of
+    sequence and for the stops the server adds itself (a chat template's end of turn, which vLLM reads as EOS)."""
+    if reason is None:
+        return None
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if isinstance(reason, str):
+        return reason if reason in stop else None
+    if reason in (body.stop_token_ids or []):
+        return reason
+    return next((s for s in stop if ctx.tokenizer.encode(s) == [reason]), None)
+
+
+def with_stop_reason(ctx: ServerContext, body: SamplingFields, choice: dict[str, Any],
+                     reason: int | str | None) -> dict[str, Any]:  # fmt: skip
+    """`choice` with vLLM's stop_reason beside its finish_reason, once it has one."""
+    if choice.get("finish_reason") is not None:
+        choice["stop_reason"] = stop_reason(ctx, body, reason)
+    return choice
+
+
 def skipped(ctx: ServerContext, body: SamplingFields) -> frozenset[int]:
     """The tokens a request's generated text leaves out (its `skip_special_tokens`)."""
     return ctx.tokenizer.special_ids if body.skip_special_tokens else frozenset()

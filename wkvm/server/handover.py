@@ -42,6 +42,7 @@ from wkvm.engine.handle import RequestHandle
 from wkvm.engine.request import Continuation
 from wkvm.models.spec import State, StateSpec
 from wkvm.outputs import GenerationOutput
+from wkvm.sampling_params import MAX_WORD_CHARS
 from wkvm.state.statefile import load_tensors, metadata
 
 log = logging.getLogger("wkvm.handover")
@@ -111,6 +112,8 @@ class Finished:
              "logprobs": lps}  # fmt: skip
         if out.prompt_logprobs is not None:  # with the prompt they score (checked against the request's)
             d["prompt_ids"], d["prompt_logprobs"] = out.prompt_token_ids, wire_prompt_logprobs(out.prompt_logprobs)
+        if out.stop_reason is not None:  # only then: a ticket without it reads as before it existed
+            d["stop_reason"] = out.stop_reason
         return d
 
 
@@ -505,7 +508,11 @@ def _finished(f: Any, vocab_size: int) -> dict[str, Any]:
         return isinstance(ids, list) and all(type(i) is int and 0 <= i < vocab_size for i in ids)
 
     keys = {"index", "token_ids", "text", "finish_reason", "logprobs"}
-    ok = isinstance(f, dict) and set(f) in (keys, keys | {"prompt_ids", "prompt_logprobs"}) and type(f["index"]) is int
+    reason = f.get("stop_reason") if isinstance(f, dict) else None  # optional: a token id or a stop string
+    reason_ok = reason is None or (type(reason) is int and 0 <= reason < vocab_size) or (
+        isinstance(reason, str) and 0 < len(reason) <= MAX_WORD_CHARS)  # fmt: skip
+    ok = isinstance(f, dict) and set(f) - {"stop_reason"} in (keys, keys | {"prompt_ids", "prompt_logprobs"})
+    ok = ok and type(f["index"]) is int and reason_ok
     ok = ok and f["index"] >= 0 and ids_ok(f["token_ids"]) and ids_ok(f.get("prompt_ids", []))
     if not (ok and isinstance(f["text"], str) and f["finish_reason"] in ("stop", "length")):
         raise HandoverError("handover ticket: a finished choice does not read")
@@ -520,6 +527,7 @@ def finished_output(f: dict[str, Any]) -> Finished:
     """A checked finished choice (`_finished`) as the destination's answer uses it."""
     lps = None if f["logprobs"] is None else carried_logprobs(f["logprobs"])
     out = GenerationOutput([], list(f["token_ids"]), f["text"], f["finish_reason"], lps)
+    out.stop_reason = f.get("stop_reason")
     if "prompt_logprobs" in f:
         out.prompt_logprobs = carried_prompt_logprobs(f["prompt_logprobs"])
     return Finished(f["index"], out)

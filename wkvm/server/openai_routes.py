@@ -394,7 +394,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
                                                           gen.skipped(ctx, body))  # fmt: skip
             if body.echo:
                 text, lps = gen.echoed(ctx, head, encoded[j], out.prompt_logprobs, k, text, lps)
-            c = {"index": i, "text": text, "finish_reason": out.finish_reason, "logprobs": lps}
+            c = gen.with_stop_reason(ctx, body, {"index": i, "text": text, "finish_reason": out.finish_reason,
+                                                 "logprobs": lps}, out.stop_reason)  # fmt: skip
             if body.return_token_ids:
                 c["token_ids"] = h.output.token_ids
                 c["prompt_token_ids"] = encoded[i // body.n]
@@ -502,6 +503,7 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
             message, finish_reason = reply(h.output.text, h.output.finish_reason, mode)
             c = {"index": i, "message": message, "finish_reason": finish_reason,
                  "logprobs": gen.chat_logprobs(ctx, h.output.token_ids, h.output.logprobs, k or 0)}  # fmt: skip
+            gen.with_stop_reason(ctx, body, c, h.output.stop_reason if finish_reason == "stop" else None)
             if body.return_token_ids:
                 c["token_ids"] = h.output.token_ids
             choices.append(c)
@@ -666,7 +668,8 @@ async def stream_completion(ctx: ServerContext, request: Request, body: Completi
         text, lps = ev.text, gen.completion_logprobs(ctx, ev.token_ids, ev.logprobs, k, at)
         if echoes and first:
             text, lps = gen.echoed(ctx, head, ids, ev.prompt_logprobs, k, text, lps)
-        c = {"index": index[i], "text": text, "finish_reason": ev.finish_reason, "logprobs": lps}
+        c = gen.with_stop_reason(ctx, body, {"index": index[i], "text": text, "finish_reason": ev.finish_reason,
+                                             "logprobs": lps}, ev.stop_reason)  # fmt: skip
         if body.return_token_ids:
             c["token_ids"] = ev.token_ids
         return {**base, "choices": [c]}
@@ -718,6 +721,7 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
         if not d and finish_reason is None and lps is None and not body.return_token_ids:
             return None  # nothing to say yet (text held back): OpenAI sends no empty chunk mid-stream
         c = {"index": index[i], "delta": d, "finish_reason": finish_reason, "logprobs": lps}
+        gen.with_stop_reason(ctx, body, c, ev.stop_reason if finish_reason == "stop" else None)
         if body.return_token_ids:
             c["token_ids"] = ev.token_ids
         return {**base, "choices": [c]}
@@ -817,9 +821,12 @@ def split_finish(chunk: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str
     else:
         end["text"] = ""
     end.update(finish_reason=c["finish_reason"], logprobs=None)
+    if "stop_reason" in c:
+        end["stop_reason"] = c["stop_reason"]
     if "token_ids" in c:
         end["token_ids"] = []
-    return {**chunk, "choices": [{**c, "finish_reason": None}]}, {**chunk, "choices": [end]}
+    head = {k: v for k, v in c.items() if k != "stop_reason"}
+    return {**chunk, "choices": [{**head, "finish_reason": None}]}, {**chunk, "choices": [end]}
 
 
 def hand_over(ctx: ServerContext, live: LiveStream) -> str:
