@@ -657,3 +657,24 @@ def test_stop_reason_says_which_stop_ended_a_choice(client, server, world_pth):
     out = LLM(str(world_pth)).generate("ROMEO:", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
                                                                 stop=[word]))[0]  # fmt: skip
     assert (out.finish_reason, out.stop_reason, out.text) == ("stop", word, by_string.text)
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, server):
+    """vLLM's return_tokens_as_token_ids (ignored with a log line until session 39): every logprob token, chosen or
+    top, is `token_id:N` (chat: its bytes are that text's), echo's prompt tokens too; the numbers are unchanged."""
+    name = server.ctx.model_name
+    kw = {"model": name, "prompt": "ROMEO:", "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}
+    plain = client.completions.create(**kw, extra_body={"return_token_ids": True}).choices[0]
+    ids = client.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    prompt_ids = server.ctx.tokenizer.encode_prompt("ROMEO:")
+    assert ids.logprobs.tokens == [f"token_id:{t}" for t in prompt_ids + plain.model_extra["token_ids"]]
+    assert ids.logprobs.token_logprobs == plain.logprobs.token_logprobs
+    assert all(all(k.startswith("token_id:") for k in top) for top in ids.logprobs.top_logprobs[1:])
+    chat = {"model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    streamed = [c for chunk in client.chat.completions.create(**chat, stream=True, extra_body={
+        "return_tokens_as_token_ids": True, "return_token_ids": True}) for c in chunk.choices]  # fmt: skip
+    content = [e for c in streamed if c.logprobs for e in c.logprobs.content]
+    tokens = [t for c in streamed for t in c.model_extra.get("token_ids") or []]
+    assert [e.token for e in content] == [f"token_id:{t}" for t in tokens]
+    assert all(bytes(e.bytes).decode() == e.token and e.top_logprobs[0].token.startswith("token_id:") for e in content)

@@ -405,8 +405,10 @@ def skipped(ctx: ServerContext, body: SamplingFields) -> frozenset[int]:
     return ctx.tokenizer.special_ids if body.skip_special_tokens else frozenset()
 
 
-def token_str(ctx: ServerContext, token_id: int) -> str:
-    return ctx.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+def token_str(ctx: ServerContext, token_id: int, as_id: bool = False) -> str:
+    """A token as logprobs name it: its text, or `token_id:N` (vLLM's return_tokens_as_token_ids: exact where
+    several tokens share a text, or one is part of a character)."""
+    return f"token_id:{token_id}" if as_id else ctx.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
 class TokenOffsets:
@@ -430,21 +432,21 @@ class TokenOffsets:
 
 
 def completion_logprobs(ctx: ServerContext, token_ids: list[int], lps: Sequence[dict[int, float] | None] | None,
-                        k: int, offset: int | TokenOffsets = 0,
-                        skip: frozenset[int] = frozenset()) -> dict[str, Any] | None:  # fmt: skip
+                        k: int, offset: int | TokenOffsets = 0, skip: frozenset[int] = frozenset(),
+                        as_ids: bool = False) -> dict[str, Any] | None:  # fmt: skip
     """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset (a None entry, an echoed
     prompt's first token, is null in both lists). `offset`: the first token's, or a stream's TokenOffsets to go on
-    with; `skip`: tokens that add nothing to the text (`skipped`)."""
+    with; `skip`: tokens that add nothing to the text (`skipped`); `as_ids`: tokens named `token_id:N`."""
     if lps is None:
         return None
-    tokens = [token_str(ctx, t) for t in token_ids]
+    tokens = [token_str(ctx, t, as_ids) for t in token_ids]
     offsets = (offset if isinstance(offset, TokenOffsets) else TokenOffsets(offset, skip)).of(ctx, token_ids)
 
     def top(t: int, lp: dict[int, float]) -> dict[str, float]:
         """The k most likely, and the chosen token where it is not among them (OpenAI's and vLLM's: up to k + 1)."""
-        ranked = sorted(((token_str(ctx, i), json_logprob(v)) for i, v in lp.items()), key=lambda kv: -kv[1])
+        ranked = sorted(((token_str(ctx, i, as_ids), json_logprob(v)) for i, v in lp.items()), key=lambda kv: -kv[1])
         out = dict(ranked[: max(k, 1)])
-        out.setdefault(token_str(ctx, t), json_logprob(lp[t]))
+        out.setdefault(token_str(ctx, t, as_ids), json_logprob(lp[t]))
         return out
 
     pairs = list(zip(token_ids, lps, strict=True))
@@ -462,26 +464,30 @@ def echo_text(ctx: ServerContext, prompt: str | list[int]) -> str:
 
 
 def echoed(ctx: ServerContext, head: str, prompt_ids: list[int], prompt_lps: list[dict[int, float] | None] | None,
-           k: int, text: str, lps: dict[str, Any] | None) -> tuple[str, dict[str, Any] | None]:  # fmt: skip
+           k: int, text: str, lps: dict[str, Any] | None,
+           as_ids: bool = False) -> tuple[str, dict[str, Any] | None]:  # fmt: skip
     """`echo`: the prompt's text `head` before a completion's `text`, and its tokens' logprobs (the first null: nothing
     precedes it) before the completion's `lps` (whose text offsets start after `head`)."""
     tok = ctx.tokenizer  # a BOS the tokenizer put before a text prompt has no text in `head`: no width at offset 0
     bos = tok.bos_token_id
     added = bos is not None and tok.add_bos and prompt_ids[:1] == [bos] and not head.startswith(tok.bos_token or "")
     head_lps = completion_logprobs(ctx, prompt_ids, prompt_lps, k,
-                                   skip=frozenset({bos}) if added and bos is not None else frozenset())  # fmt: skip
+                                   skip=frozenset({bos}) if added and bos is not None else frozenset(),
+                                   as_ids=as_ids)  # fmt: skip
     if head_lps is None or lps is None:
         return head + text, head_lps or lps
     return head + text, {key: head_lps[key] + lps[key] for key in head_lps}
 
 
 def chat_logprobs(ctx: ServerContext, token_ids: list[int], lps: list[dict[int, float]] | None,
-                  k: int) -> dict[str, Any] | None:  # fmt: skip
+                  k: int, as_ids: bool = False) -> dict[str, Any] | None:  # fmt: skip
+    """Chat's logprobs shape; `as_ids` (vLLM's return_tokens_as_token_ids): each token `token_id:N`, its bytes that
+    text's, as vLLM gives them."""
     if lps is None:
         return None
 
     def entry(t: int, v: float) -> dict[str, Any]:
-        b = ctx.tokenizer.token_bytes(t)
+        b = f"token_id:{t}".encode() if as_ids else ctx.tokenizer.token_bytes(t)
         return {"token": b.decode("utf-8", errors="replace"), "logprob": json_logprob(v), "bytes": list(b)}
 
     content = []

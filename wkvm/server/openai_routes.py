@@ -385,15 +385,15 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             rid, created = gen.new_id("cmpl"), int(time.time())
         handles = [h for _, hs in runs for h in hs]
         prompt_tokens = sum(len(ids) for ids in encoded)
-        k = body.logprobs or 0
+        k, as_ids = body.logprobs or 0, body.return_tokens_as_token_ids
 
         def choice(i: int, h: gen.Answer) -> dict[str, Any]:
             out, j = h.output, i // body.n
             head = gen.echo_text(ctx, prompts[j]) if body.echo else ""
             text, lps = out.text, gen.completion_logprobs(ctx, out.token_ids, out.logprobs, k, len(head),
-                                                          gen.skipped(ctx, body))  # fmt: skip
+                                                          gen.skipped(ctx, body), as_ids)  # fmt: skip
             if body.echo:
-                text, lps = gen.echoed(ctx, head, encoded[j], out.prompt_logprobs, k, text, lps)
+                text, lps = gen.echoed(ctx, head, encoded[j], out.prompt_logprobs, k, text, lps, as_ids)
             c = gen.with_stop_reason(ctx, body, {"index": i, "text": text, "finish_reason": out.finish_reason,
                                                  "logprobs": lps}, out.stop_reason)  # fmt: skip
             if body.return_token_ids:
@@ -502,7 +502,8 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
         for i, h in enumerate(answers):
             message, finish_reason = reply(h.output.text, h.output.finish_reason, mode)
             c = {"index": i, "message": message, "finish_reason": finish_reason,
-                 "logprobs": gen.chat_logprobs(ctx, h.output.token_ids, h.output.logprobs, k or 0)}  # fmt: skip
+                 "logprobs": gen.chat_logprobs(ctx, h.output.token_ids, h.output.logprobs, k or 0,
+                                               body.return_tokens_as_token_ids)}  # fmt: skip
             gen.with_stop_reason(ctx, body, c, h.output.stop_reason if finish_reason == "stop" else None)
             if body.return_token_ids:
                 c["token_ids"] = h.output.token_ids
@@ -665,9 +666,10 @@ async def stream_completion(ctx: ServerContext, request: Request, body: Completi
         first = offsets[i] is None
         head, ids = echoes[index[i] // body.n] if echoes and first else ("", [])
         at = offsets[i] = offsets[i] or gen.TokenOffsets(len(head), skip)
-        text, lps = ev.text, gen.completion_logprobs(ctx, ev.token_ids, ev.logprobs, k, at)
+        as_ids = body.return_tokens_as_token_ids
+        text, lps = ev.text, gen.completion_logprobs(ctx, ev.token_ids, ev.logprobs, k, at, as_ids=as_ids)
         if echoes and first:
-            text, lps = gen.echoed(ctx, head, ids, ev.prompt_logprobs, k, text, lps)
+            text, lps = gen.echoed(ctx, head, ids, ev.prompt_logprobs, k, text, lps, as_ids)
         c = gen.with_stop_reason(ctx, body, {"index": index[i], "text": text, "finish_reason": ev.finish_reason,
                                              "logprobs": lps}, ev.stop_reason)  # fmt: skip
         if body.return_token_ids:
@@ -717,7 +719,7 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
                 d = {"content": content} if content else {}
                 if calls:
                     d["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
-        lps = gen.chat_logprobs(ctx, ev.token_ids, ev.logprobs, k or 0)
+        lps = gen.chat_logprobs(ctx, ev.token_ids, ev.logprobs, k or 0, body.return_tokens_as_token_ids)
         if not d and finish_reason is None and lps is None and not body.return_token_ids:
             return None  # nothing to say yet (text held back): OpenAI sends no empty chunk mid-stream
         c = {"index": index[i], "delta": d, "finish_reason": finish_reason, "logprobs": lps}

@@ -145,6 +145,7 @@ class SamplingFields(RequestBody):
     bad_words: list[Annotated[str, Field(max_length=MAX_TEXT_FIELD)]] | None = None  # vLLM's
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # vLLM's: keep the prompt's last N tokens
     skip_special_tokens: bool = True  # vLLM's: the text leaves out special tokens the model emits
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens `token_id:N`
     # vLLM's: not built over HTTP (its entries carry each token's rank, which the engine does not compute); a 400,
     # not silence (it had been ignored with a log line): completions' echo with logprobs scores the prompt
     prompt_logprobs: int | None = None

@@ -183,7 +183,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
 
             def chunk(i: int, ev: Event) -> dict[str, Any]:
                 c = {"index": 0, "text": ev.text, "finish_reason": ev.finish_reason,
-                     "logprobs": gen.completion_logprobs(ctx, ev.token_ids, ev.logprobs, k, at)}
+                     "logprobs": gen.completion_logprobs(ctx, ev.token_ids, ev.logprobs, k, at,
+                                                         as_ids=body.return_tokens_as_token_ids)}  # fmt: skip
                 gen.with_stop_reason(ctx, body, c, ev.stop_reason)
                 if body.return_token_ids:
                     c["token_ids"] = ev.token_ids
@@ -194,7 +195,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         await gen.wait_all(ctx, request, handles)
         c = {"index": 0, "text": h.output.text, "finish_reason": h.output.finish_reason,
              "logprobs": gen.completion_logprobs(ctx, h.output.token_ids, h.output.logprobs, k,
-                                                 skip=gen.skipped(ctx, body))}  # fmt: skip
+                                                 skip=gen.skipped(ctx, body),
+                                                 as_ids=body.return_tokens_as_token_ids)}  # fmt: skip
         gen.with_stop_reason(ctx, body, c, h.output.stop_reason)
         if body.return_token_ids:
             c["token_ids"] = h.output.token_ids
