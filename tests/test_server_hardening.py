@@ -222,6 +222,10 @@ U = {"role": "user", "content": "hi"}
     # a top_k past the sampler kernel's 64-bit integer had failed the whole engine step: other requests' 500s
     ("/v1/completions", {"prompt": "x", "top_k": 2**63, "temperature": 1}, {}, "top_k", "invalid_value"),
     ("/v1/chat/completions", {"messages": [U], "top_k": 2**31}, {}, "top_k", "invalid_value"),
+    # an earlier call's arguments that are not JSON had reached the template as `null` (review, session 39)
+    ("/v1/chat/completions", {"messages": [U, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+     "function": {"name": "add", "arguments": "not json"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "3"}]},
+     {}, "messages[1].tool_calls[0].function.arguments", "invalid_value"),
     # vLLM's prompt_logprobs had been ignored with a log line (the answer lacked the field a client asked for)
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, {}, "prompt_logprobs", "unsupported"),
     ("/v1/chat/completions", {"messages": [U], "prompt_logprobs": 0}, {}, "prompt_logprobs", "unsupported"),

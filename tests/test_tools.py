@@ -160,6 +160,13 @@ def test_auto_recognises_hermes_mistral_and_plain_json_calls():
     content, calls = parse_reply('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}, '
                                  '{"name": "add", "arguments": {"a": 3, "b": 4}}]', mode)  # fmt: skip
     assert content is None and len(calls) == 2 and calls[0]["id"] != calls[1]["id"]
+    # SmolLM2-Instruct's trained form, a list inside the Hermes tags (review, session 39: it had been content), and
+    # Mistral's list with words after it (they had made the whole reply content)
+    content, calls = parse_reply(f"<tool_call>[\n{call}, {call}\n]</tool_call>", mode)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather"] * 2
+    content, calls = parse_reply(f'[TOOL_CALLS] [{call}] Done.', mode)
+    assert content == "Done." and len(calls) == 1
+    assert parse_reply("<tool_call>[]</tool_call>", mode) == ("<tool_call>[]</tool_call>", [])
     content, calls = parse_reply('{"name": "add", "parameters": {"a": 1, "b": 2}}', mode)
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"a": 1, "b": 2}
     for text in ('{"name": "delete_everything", "arguments": {}}', "Just words.", "<tool_call>{broken</tool_call>"):
@@ -185,7 +192,8 @@ def test_auto_streams_the_words_before_a_call_and_holds_the_call():
     replies = [f"Let me check <the> weather.\n<tool_call>\n{call}\n</tool_call>", f"\n<tool_call>{call}</tool_call>",
                f"One.<tool_call>{call}</tool_call> Two.<tool_call>{call}</tool_call>", f"Sure: [TOOL_CALLS] [{call}]",
                f"[TOOL_CALLS] [{call}]", call, "Just words, a < b and [x] {y}.", "Ends in a half marker <tool_c",
-               "<tool_call>{broken</tool_call> and after", "  [1, 2] is a list", "<b>bold</b> text"]  # fmt: skip
+               "<tool_call>{broken</tool_call> and after", "  [1, 2] is a list", "<b>bold</b> text",
+               f"<tool_call>[{call}]</tool_call>", f"[TOOL_CALLS] [{call}] Done."]  # fmt: skip
     rng = random.Random(0)
     for text in replies:
         want_content, want_calls = parse_reply(text, mode)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -584,9 +585,17 @@ def check_tool_call(call: dict[str, Any], where: str) -> None:
     if not isinstance(fn.get("name"), str) or not fn["name"]:
         raise APIError(400, f"{where}.function.name must be the called function's name (a non-empty string)",
                        f"{where}.function.name", "invalid_value")  # fmt: skip
-    if not isinstance(fn.get("arguments", "{}"), str | dict):
+    arguments = fn.get("arguments", "{}")
+    if not isinstance(arguments, str | dict):
         raise APIError(400, f"{where}.function.arguments must be a JSON string (or an object) of the call's arguments",
                        f"{where}.function.arguments", "invalid_value")  # fmt: skip
+    if isinstance(arguments, str) and arguments.strip():  # not JSON: the template had shown the model `null`
+        try:
+            json.loads(arguments)
+        except ValueError:
+            raise APIError(400, f"{where}.function.arguments is not JSON: send the call's arguments as the JSON text "
+                           "the model wrote (e.g. '{\"city\": \"Paris\"}')", f"{where}.function.arguments",
+                           "invalid_value") from None  # fmt: skip
 
 
 def chat_messages(messages: list[ChatMessage], functions: list[Any] | None = None) -> list[dict[str, Any]]:

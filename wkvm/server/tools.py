@@ -172,11 +172,17 @@ def split_reply(text: str, mode: ToolMode) -> tuple[str, list[dict[str, Any]]]:
         rest = ""
     elif HERMES.search(text):
         for m in HERMES.finditer(text):
-            found.append(json_or_none(m.group(1)))
+            x = json_or_none(m.group(1))  # a list inside the tags: SmolLM2's trained form, `<tool_call>[{...}]`
+            found.extend(x if isinstance(x, list) and x else [x])
         rest = HERMES.sub("", text)
     elif MISTRAL in text:
         head, _, tail = text.partition(MISTRAL)
-        found, rest = json_or_none(tail) or [None], head
+        try:  # the list, and any words after it as content
+            listed, end = json.JSONDecoder().raw_decode(tail.lstrip())
+        except ValueError:
+            listed, end = None, 0
+        found = listed if isinstance(listed, list) and listed else [None]
+        rest = head + tail.lstrip()[end:]
     else:
         whole = json_or_none(text)
         if isinstance(whole, (dict, list)):
