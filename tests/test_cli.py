@@ -380,3 +380,12 @@ def test_convert_writes_the_tokenizer_before_the_weights_and_leaves_nothing_when
         calls.clear()
         assert main(["convert", str(EMBEDDED_MODEL), str(dst)]) == 2
         assert len(calls) == 2 and not dst.exists() and not any(p.exists() for p in calls), dst
+
+
+def test_python_dash_m_wkvm_is_the_command():
+    """`python -m wkvm` (reviews had reached for it: "No module named wkvm.__main__")."""
+    r = subprocess.run([sys.executable, "-m", "wkvm", "--version"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("wkvm "), r.stderr
+    r = subprocess.run([sys.executable, "-m", "wkvm", "serve", "--port", "0"], capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert r.returncode == 2 and "port must be in 1..65535" in r.stderr
