@@ -434,6 +434,7 @@ def test_metrics(server, client):
     assert after[("wkvm_slots_total", ())] == after[("wkvm_slots_free", ())] == 4
     assert after[("wkvm_queue_depth", ())] == 0
     assert after[("wkvm_state_bytes", (("tier", "device"),))] > 0  # the completion's checkpoints
+    assert moved("wkvm_checkpoints_not_kept_total") == 0 and after[("wkvm_checkpoints_not_kept_total", ())] >= 0
     again = client.completions.create(model="world", prompt="a b c d", max_tokens=3, extra_body={"ignore_eos": True})
     last = scrape(server)
     assert last[ok] - after[ok] == 1

@@ -853,9 +853,10 @@ def test_a_finished_requests_state_stored_three_times_is_hashed_once(model, tmp_
     assert store.put("t", "swapped", swapped, [1, 2], frozen=True).blob != recs[0].blob and len(calls) == 4
 
 
-def test_internal_budget_and_blobs_shared_with_users(model, tmp_path):
+def test_internal_budget_and_blobs_shared_with_users(model, tmp_path, caplog):
     """Internal states keep within their own budget (LRU, None when one cannot fit); a blob a user record shares
-    is the user's, and becomes a cache entry again when the user's record goes."""
+    is the user's, and becomes a cache entry again when the user's record goes. One that is not kept is counted
+    (/metrics) and said once (a soak review saw reuse stop at a length whose checkpoint fit nowhere, silently)."""
     budget = 3 * state_file_bytes(model.spec, 3)  # room for three 3-token checkpoints
     store = StateStore(tmp_path / "b", model.spec, model.fingerprint, limits=StoreLimits(internal_bytes=budget))
     shared = random_state(model.spec, 0)
@@ -865,7 +866,13 @@ def test_internal_budget_and_blobs_shared_with_users(model, tmp_path):
     for i in range(1, 6):
         assert store.put("t#ckpt", f"c{i}", random_state(model.spec, i), [1, 2, i], durable=False) is not None
     assert [r.name for r in store.list("t#ckpt")] == ["c3", "c4", "c5", "shared"]  # the user's blob costs nothing
-    assert store.put("t#ckpt", "big", random_state(model.spec, 9), [1] * 40_000, durable=False) is None
+    assert store.internal_not_kept == 0
+    with caplog.at_level("DEBUG", logger="wkvm.state"):
+        for _ in range(2):
+            assert store.put("t#ckpt", "big", random_state(model.spec, 9), [1] * 40_000, durable=False) is None
+    assert store.internal_not_kept == 2
+    said = [r for r in caplog.records if "was not kept" in r.getMessage()]
+    assert [r.levelname for r in said] == ["WARNING", "DEBUG"] and "--checkpoint-bytes" in said[0].getMessage()
     assert [r.name for r in store.list("t#ckpt")] == ["c3", "c4", "c5", "shared"]
     store.delete("t", "saved")
     assert [r.name for r in store.list("t#ckpt")] == ["c4", "c5", "shared"]  # it joined the budget: c3 made room

@@ -40,6 +40,19 @@ class StreamCollector:
             yield CounterMetricFamily(f"wkvm_weight_{name}", help_, value=getattr(stats, name))
 
 
+class StoreCollector:
+    """The state store's own counters, read at scrape time."""
+
+    def __init__(self) -> None:
+        self.not_kept: int | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.not_kept is not None:
+            yield CounterMetricFamily("wkvm_checkpoints_not_kept", "Reuse checkpoints and parked chats not kept: "
+                                      "larger than --checkpoint-bytes, the state tiers or --max-state-tokens allow",
+                                      value=self.not_kept)  # fmt: skip
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -75,6 +88,8 @@ class Metrics:
         self.restarts = Counter("wkvm_session_restarts", "Chat sessions restarted, by reason", ["reason"], registry=r)
         self.stream = StreamCollector()
         r.register(self.stream)
+        self.store_counts = StoreCollector()
+        r.register(self.store_counts)
 
     def count_request(self, route: str, status: int) -> None:
         self.requests.labels(route, str(status)).inc()
@@ -106,6 +121,7 @@ class Metrics:
         self.kv_pages.set(e.kv_pages_total)
         self.kv_usage.set(e.kv_pages_used / e.kv_pages_total if e.kv_pages_total else 0.0)
         if store is not None:
+            self.store_counts.not_kept = store.internal_not_kept
             for tier, (count, nbytes) in store.tier_stats().items():
                 if count is not None:
                     self.states.labels(tier).set(count)

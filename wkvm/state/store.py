@@ -108,6 +108,7 @@ class StateStore:
         self._unwritten: dict[str, tuple[State, StateMeta]] = {}  # write-back states not on disk yet
         # told (owner, handle) of each internal record the store evicts, under the store's lock: it must not block
         self.on_evict: Callable[[str, str], None] | None = None
+        self.internal_not_kept = 0  # internal states (checkpoints, parked chats) put but not kept: /metrics
         self.recover()
 
     @property
@@ -207,9 +208,10 @@ class StateStore:
             n_kv = self.spec.kv_length(state)
             self.check_kv_tokens(n_kv)
             statefile.check_kv_count(self.spec, n_kv, len(token_ids))  # as an imported file is checked
-        except StateFileError:
-            if internal:
-                return None  # a cache entry the store cannot take is simply not kept
+        except StateFileError as e:
+            if internal:  # a cache entry the store cannot take is simply not kept
+                self._not_kept(len(token_ids), str(e))
+                return None
             raise
         tensors = statefile.unbatch(state)
         blob = blob_name(owner, self._digests.digest(self.spec, state, tensors, frozen))
@@ -221,6 +223,8 @@ class StateStore:
             )
             growth = self._index_growth(owner, token_digest(ids), len(ids))
             if internal and not self._admit_internal(blob, tensors, meta, growth):
+                self._not_kept(len(ids), "it does not fit the checkpoint budget (--checkpoint-bytes) or the disk "
+                               "quota's room (--state-disk-quota)")  # fmt: skip
                 return None
             if not internal:
                 self._admit_user(blob, tensors, meta, growth)
@@ -234,9 +238,20 @@ class StateStore:
             self.index.insert(rec, durable)
             self._cache(blob, tensors, "device")
             if not self.usage.known(blob):  # an internal state evicted while the tiers made room
+                self._not_kept(len(ids), "it is larger than the state tiers hold (--state-device-bytes, "
+                               "--state-host-bytes)")  # fmt: skip
                 return None
             rec.tier = self.tier_of(blob)
             return rec
+
+    def _not_kept(self, n_tokens: int, why: str) -> None:
+        """An internal state not kept: counted, and said once at WARNING (prefix reuse silently stopped at a length
+        whose checkpoint fits nowhere: every later turn ran fresh), then at DEBUG."""
+        self.internal_not_kept += 1
+        level = logging.WARNING if self.internal_not_kept == 1 else logging.DEBUG
+        log.log(level, "a reuse checkpoint of %d tokens was not kept: %s. Answers are unchanged; prompts past it are "
+                "computed afresh (raise the limit for reuse at that length; later ones are logged at debug level)",
+                n_tokens, why)  # fmt: skip
 
     @property
     def max_tokens(self) -> int:
