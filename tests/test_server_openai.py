@@ -574,6 +574,13 @@ def test_fields_the_server_does_not_read_are_logged_once(caplog):
             CompletionRequest.model_validate({"prompt": "x", name: 1, "temperature": 0})
     noted = [r.getMessage() for r in caplog.records if name in r.getMessage()]
     assert noted == [f"CompletionRequest: fields this server does not read, ignored: {name}"]
+    # and inside the option objects (review, session 39: stream_options.continuous_usage_stats went unsaid)
+    with caplog.at_level("WARNING", logger="wkvm.server"):
+        CompletionRequest.model_validate({"prompt": "x", "stream": True, "stream_options": {name: True},
+                                          "structured_outputs": {"regex": "a", f"{name}_2": 1}})  # fmt: skip
+    noted = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert noted[1:] == [f"StreamOptions: fields this server does not read, ignored: {name}",
+                         f"StructuredOutputs: fields this server does not read, ignored: {name}_2"]  # fmt: skip
 
 
 def test_a_messages_name_and_reasoning_reach_the_template():

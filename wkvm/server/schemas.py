@@ -40,7 +40,24 @@ class Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
-class RequestBody(Body):
+class NotedBody(Body):
+    """A body whose fields this server does not read are logged once per kind and set of names (vLLM's way): the
+    top level and its option objects (stream_options, response_format, structured_outputs), whose unknown keys
+    (`continuous_usage_stats`, `whitespace_pattern`) had been dropped without a word."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def note_ignored(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            ignored = tuple(sorted(str(k)[:40] for k in data if k not in known)[:10])
+            if ignored and (cls.__name__, *ignored) not in _noted and len(_noted) < MAX_NOTED:
+                _noted.add((cls.__name__, *ignored))
+                log.warning("%s: fields this server does not read, ignored: %s", cls.__name__, ", ".join(ignored))
+        return data
+
+
+class RequestBody(NotedBody):
     """A request's top level: fields this server does not read are ignored (OpenAI's SDK and clients send new ones),
     and logged once per kind of request and set of names, as vLLM does, so a user learns what had no effect."""
 
@@ -55,23 +72,13 @@ class RequestBody(Body):
                     if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
         return data
 
-    @model_validator(mode="before")
-    @classmethod
-    def note_ignored(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
-            ignored = tuple(sorted(str(k)[:40] for k in data if k not in known)[:10])
-            if ignored and (cls.__name__, *ignored) not in _noted and len(_noted) < MAX_NOTED:
-                _noted.add((cls.__name__, *ignored))
-                log.warning("%s: fields this server does not read, ignored: %s", cls.__name__, ", ".join(ignored))
-        return data
 
 
-class StreamOptions(Body):
+class StreamOptions(NotedBody):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(Body):
+class JsonSchemaFormat(NotedBody):
     name: str = Field(default="response", max_length=64)
     description: str | None = None
     # the JSON schema itself; `schema` would shadow a BaseModel attribute, so the field reads it under an alias
@@ -79,7 +86,7 @@ class JsonSchemaFormat(Body):
     strict: bool | None = None  # accepted; the schema is always enforced (docs/http-api.md)
 
 
-class ResponseFormat(Body):
+class ResponseFormat(NotedBody):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
     definition: dict[str, Any] | None = Field(default=None, alias="schema")  # llama.cpp's json_object + schema
@@ -96,7 +103,7 @@ class ResponseFormat(Body):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
-class StructuredOutputs(Body):
+class StructuredOutputs(NotedBody):
     """vLLM's `structured_outputs`: exactly one kind (SamplingParams checks that)."""
 
     json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")  # `json` would shadow BaseModel's
