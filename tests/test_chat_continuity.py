@@ -302,7 +302,7 @@ def test_a_streams_last_token_does_not_wait_for_the_turns_checkpoints(reuse, mon
         rest = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
     assert rest[0]["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "length", "logprobs": None,
-                                     "token_ids": []}  # fmt: skip
+                                     "stop_reason": None, "token_ids": []}  # fmt: skip
     assert rest[0]["wkvm"]["mode"] == "fresh"
 
 

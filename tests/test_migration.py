@@ -547,8 +547,13 @@ def test_a_ticket_is_checked_like_an_import(pair):
     done = {"index": 1, "token_ids": [5, 6], "text": "yz", "finish_reason": "stop", "logprobs": None}
     ok = dataclasses.replace(t, finished=[done])
     assert decode(encode(m.spec, m.fingerprint, c, ok), m.spec, m.fingerprint, m.vocab_size)[1] == ok
+    for reason in ("z", 6):  # vLLM's stop_reason goes along (a stop string or token id), where there is one
+        ok = dataclasses.replace(t, finished=[{**done, "stop_reason": reason}])
+        assert decode(encode(m.spec, m.fingerprint, c, ok), m.spec, m.fingerprint, m.vocab_size)[1] == ok
     for bad in ({**done, "index": 0}, {**done, "token_ids": [m.vocab_size]}, {**done, "finish_reason": "abort"},
-                {**done, "logprobs": [[[5, -1.0]]]}, {**done, "text": 3}, {**done, "extra": 1}, [done]):  # fmt: skip
+                {**done, "logprobs": [[[5, -1.0]]]}, {**done, "text": 3}, {**done, "extra": 1}, [done],
+                {**done, "stop_reason": m.vocab_size}, {**done, "stop_reason": ""}, {**done, "stop_reason": 1.5},
+                {**done, "stop_reason": True}):  # fmt: skip
         with pytest.raises(HandoverError, match="finished|logprobs"):
             decode(encode(m.spec, m.fingerprint, c, dataclasses.replace(t, finished=[bad])), m.spec, m.fingerprint,
                    m.vocab_size)  # fmt: skip

@@ -102,7 +102,8 @@ def test_streamed_echo_equals_the_blocking_one(server):
     with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     choices = [ch["choices"][0] for ch in chunks]
-    assert choices[-1] == {"index": 0, "text": "", "finish_reason": "length", "logprobs": None}  # OpenAI's end chunk
+    assert choices[-1] == {"index": 0, "text": "", "finish_reason": "length", "logprobs": None,
+                           "stop_reason": None}  # OpenAI's end chunk, with vLLM's stop_reason
     choices = choices[:-1]
     assert choices[0]["text"].startswith(PROMPT) and len(choices) == 5
     assert "".join(c["text"] for c in choices) == want["text"]
