@@ -364,6 +364,20 @@ def test_convert_writes_the_tokenizer_before_the_weights_and_leaves_nothing_when
     monkeypatch.undo()
     assert main(["convert", str(EMBEDDED_MODEL), str(tmp_path / "empty"), "--pack"]) == 0  # into it, whole
     assert (tmp_path / "empty" / "manifest.json").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+    # an empty directory that cannot be renamed over (review: the rename had failed after the whole conversion):
+    # a link to one, and the working directory itself
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert main(["convert", str(EMBEDDED_MODEL), str(tmp_path / "link"), "--pack"]) == 0
+    names = [sorted(p.name for p in (tmp_path / d).iterdir()) for d in ("real", "empty")]
+    assert names[0] == names[1]
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    assert main(["convert", str(EMBEDDED_MODEL), ".", "--pack"]) == 0
+    assert (tmp_path / "here" / "manifest.json").is_file()
+    assert main(["convert", str(EMBEDDED_MODEL), str(tmp_path / "hf-from-dir")]) == 2  # a directory converts to a .pth
+    err = capsys.readouterr().err
+    assert "hf-from-dir" in err and "partial" not in err  # the message names the destination given, not the staging
     monkeypatch.setattr(FAMILY, "convert", convert)
     from wkvm import tokenizer
 

@@ -342,12 +342,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if dst.is_file() or (dst.is_dir() and any(dst.iterdir())):
         raise ValueError(f"{dst} already exists{' and is not empty' if dst.is_dir() else ''}: convert into a new path "
                          "(or an empty directory)")  # fmt: skip
-    # A directory is written under a hidden name beside it and renamed into place when whole: a conversion that
-    # fails or is killed leaves no part of one at the destination (shards, a half pack) to block the next try or
-    # load. A .pth is one atomic file; its companions beside it go first (cut short after the weights, a .pth had
-    # loaded with the World tokenizer) and a failed conversion takes them away.
+    # A directory is written under a hidden name and put in place when whole: a conversion that fails or is killed
+    # leaves no part of one at the destination (shards, a half pack) to block the next try or load. A new one is
+    # staged beside it and renamed; an existing empty one (a link to one, a mount point: no rename over those) is
+    # staged inside it and its entries moved up, the file that makes it loadable last. A .pth is one atomic file;
+    # its companions beside it go first (cut short after the weights, a .pth had loaded with the World tokenizer)
+    # and a failed conversion takes them away.
     staged = dst.suffix != ".pth"
-    out = dst.parent / f".{dst.name}.partial-{os.getpid()}" if staged else dst
+    into = dst.is_dir()
+    out = (dst / f".wkvm-partial-{os.getpid()}" if into else dst.parent / f".{dst.name}.partial-{os.getpid()}"
+           ) if staged else dst  # fmt: skip
     if staged:
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(out, ignore_errors=True)  # this pid's leftover: an earlier process of the same number was killed
@@ -371,12 +375,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
             if isinstance(tokenizer, HFTokenizer):  # RWKV's World tokenizer is the family's own: a pack gets it anyway
                 template = None if "chat_template.jinja" in copied else family.default_chat_template(Path(args.src))
                 copied += save_text_tools(tokenizer, template, out)
-        if staged:
-            os.replace(out, dst)  # over an empty directory too (rename(2))
+        if staged and into:
+            for entry in sorted(out.iterdir(), key=lambda e: e.name in ("config.json", "manifest.json")):
+                os.replace(entry, dst / entry.name)
+            out.rmdir()
+            fsync_dir(dst)
+        elif staged:
+            os.replace(out, dst)
             fsync_dir(dst.parent)
-    except BaseException:  # what it wrote goes (copied in part too)
+    except BaseException as e:  # what it wrote goes (copied in part too)
         if staged:
             shutil.rmtree(out, ignore_errors=True)
+            # a message naming the staging path names the destination the user gave
+            e.args = tuple(a.replace(str(out), str(dst)) if isinstance(a, str) else a for a in e.args)
         else:
             for name in set(COMPANIONS) - had:
                 companion_path(dst, name).unlink(missing_ok=True)
