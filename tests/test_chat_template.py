@@ -130,3 +130,18 @@ def test_named_templates_render_as_transformers_chooses_them(tmp_path):
     (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text(TEMPLATE)
     ours = load_chat_template(tmp_path)
     assert ours.render(messages) == "D:Hi" and ours.render(messages, tools=TOOLS).startswith("Today")
+
+
+def test_no_tool_arguments_render_as_an_empty_object_and_variables_win_over_special_tokens():
+    """Review (session 39): an earlier call's missing, null, "" or "null" arguments rendered as `null` (vLLM gives the
+    template {}); a chat_template_kwargs name that is a special token (bos_token) was a TypeError 400 (transformers
+    lets the request's value win)."""
+    from wkvm.chat_template import template_messages
+
+    for arguments in (None, "", "null", "  "):
+        call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        m = template_messages([{"role": "assistant", "content": "", "tool_calls": [call]}])
+        assert m[0]["tool_calls"][0]["function"]["arguments"] == {}, arguments
+    t = ChatTemplate("{{ bos_token }}{{ messages[0].content }}", special_tokens={"bos_token": "<s>"})
+    assert t.render([{"role": "user", "content": "x"}]) == "<s>x"
+    assert t.render([{"role": "user", "content": "x"}], variables={"bos_token": "B"}) == "Bx"

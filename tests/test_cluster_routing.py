@@ -504,9 +504,13 @@ def test_a_request_that_reaches_a_moved_names_old_owner_is_sent_back():
         assert isinstance(head, Head) and head.status == MISROUTED
         other = await first_part(target="id0", strict=True, key=state_key("t", "other"))
         assert other is None  # other names are served as before
+        assert await first_part(target="id0", strict=False, key=key) is None  # only a strict request is sent back
         d.record(key, "r0")  # moved back (or created again here)
+        assert await first_part(target="id0", strict=True, key=key) is None and key not in replica._moved_away
+        replica._mark_moved(key)  # moved away again, then nobody owns it (deleted; a restarted, empty directory)
+        d.owners.pop(key)
         assert await first_part(target="id0", strict=True, key=key) is None and key not in replica._moved_away
 
     asyncio.run(scenario())
-    assert len(served) == 3
+    assert len(served) == 5
     del replica.ctx  # its __del__ would stop an engine this fake does not have

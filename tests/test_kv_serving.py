@@ -491,7 +491,7 @@ def test_a_models_generation_config_sets_the_sampling_a_request_leaves_out(model
 
     copy = tmp_path / "model"
     shutil.copytree(model_dir, copy)
-    # top_k 50 is transformers' own default: not a setting (vLLM's to_diff_dict drops it); min_p -1 is refused
+    # every value the file sets is a setting (temperature 1.0 too, a no-op); min_p -1 is refused
     (copy / "generation_config.json").write_text('{"top_k": 1, "top_p": 0.9, "temperature": 1.0, "min_p": -1}')
     prompt = [(3 * j + 1) % len(CHAR_VOCAB) for j in range(6)]
     greedy_ids = greedy_reference(model, prompt, 12)

@@ -516,8 +516,9 @@ def test_a_pack_made_from_a_gguf_carries_its_tokenizer_end_tokens_and_template(g
         w.add_token_types([gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in vocab])
         w.add_token_merges([])
         w.add_eos_token_id(vocab.index("<|im_end|>"))
-        w.add_chat_template(template)
+        w.add_chat_template([{"name": "default", "template": template}, {"name": "tool_use", "template": tool_use}])
 
+    tool_use = "{{ tools | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     src = tmp_path / "m.gguf"
     write_gguf(src, gguf_ref, "Q8_0", tokenizer)
     assert cli.main(["convert", str(src), str(tmp_path / "pack"), "--pack"]) == 0
@@ -526,6 +527,8 @@ def test_a_pack_made_from_a_gguf_carries_its_tokenizer_end_tokens_and_template(g
     assert tok.eos_token_ids == {vocab.index("<|im_end|>"), vocab.index("<|endoftext|>")}
     assert tok.encode("abc") == gguf_tokenizer(src).encode("abc")
     assert load_chat_template(tmp_path / "pack").source == template
+    # llama.cpp's named tool_use template is read and goes into the pack (review, session 39: both had been dropped)
+    assert gguf_chat_template(src).tool_source == tool_use == load_chat_template(tmp_path / "pack").tool_source
     ids = prompt(GGUF_SHAPE["vocab_size"], 6, seed=5)
     assert torch.equal(load_model(tmp_path / "pack").prefill(ids)[0], load_model(src).prefill(ids)[0])
 

@@ -393,3 +393,15 @@ def test_a_cut_or_failed_answer_says_so_in_its_items_and_events(char_model):
         kinds = [e.type for e in events]
         assert kinds[-2:] == ["error", "response.failed"], kinds[-4:]
         assert events[-1].response.output[-1].status == "incomplete"
+
+
+def test_an_output_refusal_part_reads_as_its_text():
+    """Review (session 39): replaying an OpenAI Responses output with a refusal part was a 400; chat read it already."""
+    from wkvm.server.errors import APIError
+    from wkvm.server.responses_routes import text_of
+
+    parts = [{"type": "output_text", "text": "a"}, {"type": "refusal", "refusal": "No."}]
+    assert text_of(parts, "input[1]") == "a\nNo."
+    with pytest.raises(APIError) as e:
+        text_of([{"type": "refusal"}], "input[1].content")
+    assert e.value.param == "input[1].content[0].refusal"

@@ -226,6 +226,7 @@ U = {"role": "user", "content": "hi"}
     ("/v1/chat/completions", {"messages": [U, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
      "function": {"name": "add", "arguments": "not json"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "3"}]},
      {}, "messages[1].tool_calls[0].function.arguments", "invalid_value"),
+    ("/tokenize", {"messages": [U], "chat_template": "{{ 1 }}"}, {}, "chat_template", "unsupported"),
     # vLLM's prompt_logprobs had been ignored with a log line (the answer lacked the field a client asked for)
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, {}, "prompt_logprobs", "unsupported"),
     ("/v1/chat/completions", {"messages": [U], "prompt_logprobs": 0}, {}, "prompt_logprobs", "unsupported"),

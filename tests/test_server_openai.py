@@ -1,5 +1,6 @@
 """The OpenAI-compatible API through the official `openai` SDK, against a live server on a random model."""
 
+import dataclasses
 import json
 import uuid
 from types import SimpleNamespace
@@ -662,9 +663,19 @@ def test_stop_reason_says_which_stop_ended_a_choice(client, server, world_pth):
     # the World template's "\n\nUser:" is a stop the server adds: vLLM reads a template's end of turn as EOS
     assert gen.stop_reason(server.ctx, body, "\n\nUser:") is None and gen.stop_reason(server.ctx, body, word) == word
     assert gen.stop_reason(server.ctx, body, tok) is None  # a stop token the request did not ask for
-    out = LLM(str(world_pth)).generate("ROMEO:", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
-                                                                stop=[word]))[0]  # fmt: skip
+    llm = LLM(str(world_pth))
+    out = llm.generate("ROMEO:", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[word]))[0]
     assert (out.finish_reason, out.stop_reason, out.text) == ("stop", word, by_string.text)
+    # LLM.chat: the template's stop string ends the answer but is not the caller's: None, as the server answers
+    # (review: it had been reported); the caller's own stop is
+    messages = [{"role": "user", "content": "Speak."}]
+    free = llm.chat(messages, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    mark = next(ch for ch in free.text[1:] if not ch.isspace())
+    llm.template = dataclasses.replace(llm.template, stop=[mark])
+    ended = llm.chat(messages, SamplingParams(max_tokens=12, temperature=0))[0]
+    assert (ended.finish_reason, ended.stop_reason) == ("stop", None)
+    mine = llm.chat(messages, SamplingParams(max_tokens=12, temperature=0, stop=[mark]))[0]
+    assert (mine.finish_reason, mine.stop_reason) == ("stop", mark)
 
 
 def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, server):

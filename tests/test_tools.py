@@ -167,6 +167,8 @@ def test_auto_recognises_hermes_mistral_and_plain_json_calls():
     content, calls = parse_reply(f'[TOOL_CALLS] [{call}] Done.', mode)
     assert content == "Done." and len(calls) == 1
     assert parse_reply("<tool_call>[]</tool_call>", mode) == ("<tool_call>[]</tool_call>", [])
+    content, calls = parse_reply(f"[TOOL_CALLS] [{call}][TOOL_CALLS] [{call}]", mode)  # two markers: both calls
+    assert content is None and len(calls) == 2
     content, calls = parse_reply('{"name": "add", "parameters": {"a": 1, "b": 2}}', mode)
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"a": 1, "b": 2}
     for text in ('{"name": "delete_everything", "arguments": {}}', "Just words.", "<tool_call>{broken</tool_call>"):
@@ -193,7 +195,8 @@ def test_auto_streams_the_words_before_a_call_and_holds_the_call():
                f"One.<tool_call>{call}</tool_call> Two.<tool_call>{call}</tool_call>", f"Sure: [TOOL_CALLS] [{call}]",
                f"[TOOL_CALLS] [{call}]", call, "Just words, a < b and [x] {y}.", "Ends in a half marker <tool_c",
                "<tool_call>{broken</tool_call> and after", "  [1, 2] is a list", "<b>bold</b> text",
-               f"<tool_call>[{call}]</tool_call>", f"[TOOL_CALLS] [{call}] Done."]  # fmt: skip
+               f"<tool_call>[{call}]</tool_call>", f"[TOOL_CALLS] [{call}] Done.",
+               f"[TOOL_CALLS] [{call}][TOOL_CALLS] [{call}]"]  # fmt: skip
     rng = random.Random(0)
     for text in replies:
         want_content, want_calls = parse_reply(text, mode)

@@ -63,8 +63,10 @@ class ChatTemplate:
         if "developer" not in source:  # OpenAI's developer role is the system role, for a template that
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]  # knows none
         try:
-            return compiled(source).render(**self.special_tokens, **(variables or {}), messages=messages, tools=tools,
-                                                add_generation_prompt=add_generation_prompt)  # fmt: skip
+            # the request's variables win over the special tokens, as transformers merges them
+            names = {**self.special_tokens, **(variables or {})}
+            return compiled(source).render(**names, messages=messages, tools=tools,
+                                           add_generation_prompt=add_generation_prompt)  # fmt: skip
         except TemplateError as e:
             raise ChatTemplateError(f"the model's chat template failed: {e}") from None
         except Exception as e:  # TypeError, OverflowError, ...: the template met messages or tools it cannot take
@@ -148,13 +150,19 @@ def load_chat_template(model_path: str | os.PathLike[str], default: ChatTemplate
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages for the chat template: assistant tool_calls with their arguments as objects (HF templates render
-    `tool_call.function.arguments` with `tojson`; a JSON string had been encoded twice)."""
+    `tool_call.function.arguments` with `tojson`; a JSON string had been encoded twice). No arguments (missing, null,
+    "" or "null") are `{}`, as vLLM gives them (they had rendered as null)."""
+
+    def arguments(fn: dict[str, Any]) -> Any:
+        value = fn.get("arguments")
+        value = json_or_none(value) if isinstance(value, str) else value
+        return {} if value is None else value
+
     out = []
     for m in messages:
         if m.get("tool_calls"):
-            calls = [{**c, "function": {**c["function"], "arguments": json_or_none(c["function"]["arguments"])
-                                        if isinstance(c["function"].get("arguments"), str)
-                                        else c["function"].get("arguments")}} for c in m["tool_calls"]]  # fmt: skip
+            calls = [{**c, "function": {**c["function"], "arguments": arguments(c["function"])}}
+                     for c in m["tool_calls"]]  # fmt: skip
             m = {**m, "tool_calls": calls}
         out.append(m)
     return out

@@ -169,9 +169,12 @@ class LLM:
         texts = [template.render(plain_messages(list(c)), add_generation_prompt,  # type: ignore[arg-type]
                                  variables=chat_template_kwargs) for c in conversations]  # fmt: skip
         prompts = [self.tokenizer.encode(t) for t in texts]  # a template writes its own BOS, as the server's
-        params = [self._with_template_stops(p, template) for p in self._per_prompt(sampling_params, len(prompts))]
-        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
-        return [replace(o, prompt=t) for o, t in zip(outputs, texts, strict=True)]
+        given = self._per_prompt(sampling_params, len(prompts))
+        outputs = self.generate(prompts, [self._with_template_stops(p, template) for p in given], use_tqdm=use_tqdm)
+        # stop_reason names only the caller's own stops: the template's end of turn is vLLM's EOS (None), as the
+        # server answers
+        return [replace(o, prompt=t, stop_reason=o.stop_reason if o.stop_reason in [*p.stop, *p.stop_token_ids]
+                        else None) for o, t, p in zip(outputs, texts, given, strict=True)]  # fmt: skip
 
     def _per_prompt(self, sampling_params: object, n: int) -> list[SamplingParams]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):

@@ -287,10 +287,10 @@ def schema_grammar(schema: dict[str, Any], param: str) -> str:
 
 
 # The sampling fields a model's generation_config.json sets for requests that leave them out (vLLM's
-# `--generation-config auto`, its default: `get_diff_sampling_param`), with transformers' GenerationConfig defaults:
-# a value equal to its default is not a setting (`to_diff_dict` drops it), so a file's "top_k": 50 changes nothing.
-GENERATION_DEFAULTS: dict[str, float | None] = {"temperature": 1.0, "top_p": 1.0, "top_k": 50,
-                                                "min_p": None, "repetition_penalty": 1.0}  # fmt: skip
+# `--generation-config auto`, its default: `get_diff_sampling_param`). Every value the file sets is a setting, as
+# transformers 5's `to_diff_dict` keeps them (under transformers 4 it dropped values equal to GenerationConfig's
+# defaults, a file's "top_k": 50 among them); a top_k of 0 or -1 is off.
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def model_sampling_defaults(model_path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[str]]:
@@ -305,9 +305,9 @@ def model_sampling_defaults(model_path: str | os.PathLike[str]) -> tuple[dict[st
     data = read_json(path)
     found: dict[str, Any] = {}
     problems: list[str] = []
-    for name, hf_default in GENERATION_DEFAULTS.items():
+    for name in GENERATION_DEFAULTS:
         value = data.get(name)
-        if value is None or value == hf_default:
+        if value is None:
             continue
         if name == "top_k" and _is_int(value) and value in (0, -1):  # transformers' and vLLM's "no top-k"
             continue

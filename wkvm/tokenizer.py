@@ -271,15 +271,17 @@ def read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+DIRECTORY_ONLY = ("tokenizer_config.json", "generation_config.json")  # companions a .pth has no place for
+TOOL_USE_TEMPLATE = "additional_chat_templates/tool_use.jinja"  # transformers' named template for requests with tools
 COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
-              "chat_template.json")  # fmt: skip
+              "chat_template.json", TOOL_USE_TEMPLATE)  # fmt: skip
 
 
 def companion_path(model_path: str | os.PathLike[str], name: str) -> Path:
     """Where a model keeps its companion file `name`: inside a directory (HF, pack), or `NAME.<name>` beside a
     `.pth` (only the tokenizer and chat template files have that form)."""
     p = Path(model_path)
-    return p / name if p.is_dir() or not p.suffix else p.with_name(f"{p.stem}.{name}")
+    return p / name if p.is_dir() or not p.suffix else p.parent / f"{p.stem}.{name}"  # with_name refuses a '/'
 
 
 def copy_companions(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> list[str]:
@@ -288,9 +290,10 @@ def copy_companions(src: str | os.PathLike[str], dst: str | os.PathLike[str]) ->
     copied = []
     for name in COMPANIONS:
         source, target = companion_path(src, name), companion_path(dst, name)
-        if name in ("tokenizer_config.json", "generation_config.json") and Path(dst).suffix == ".pth":
+        if Path(dst).suffix == ".pth" and name in (*DIRECTORY_ONLY, TOOL_USE_TEMPLATE):
             continue  # a .pth has no place for them (its chat template would need NAME.chat_template.jinja)
         if source.is_file():
+            target.parent.mkdir(exist_ok=True)  # additional_chat_templates/
             atomic_write_bytes(target, source.read_bytes())
             copied.append(name)
     return copied
@@ -318,4 +321,8 @@ def save_text_tools(tokenizer: HFTokenizer | None, template: ChatTemplate | None
         atomic_write_bytes(out / "chat_template.json", json.dumps({"stop": template.stop,
                                                                    "name": "chat_template.jinja"}).encode())
         written += ["chat_template.jinja", "chat_template.json"]
+        if template.tool_source is not None:
+            (out / TOOL_USE_TEMPLATE).parent.mkdir(exist_ok=True)
+            atomic_write_bytes(out / TOOL_USE_TEMPLATE, template.tool_source.encode())
+            written.append(TOOL_USE_TEMPLATE)
     return written

@@ -143,7 +143,7 @@ class EngineReplica:
         once and waits in its route for the ticket the source pushes to the directory). A stream this replica hands
         over ends with its `Handover` instead of the handover event. Every method's `route` keywords are the
         router's."""
-        if self.misrouted(route) or await self.moved_away(route.get("key")):
+        if self.misrouted(route) or (route.get("strict") and await self.moved_away(route.get("key"))):
             yield Head(MISROUTED, [], self.slot)
             return
         if handover is not None:
@@ -172,11 +172,12 @@ class EngineReplica:
         """Whether a strict request for `key` (a named state) came here after the name moved away: a front that looked
         the owner up just before a move recorded the new one sends it here after `drop_name` (a read had been a
         false 404, a save a version issued where the directory no longer points). It is answered "misrouted" and the
-        front asks the directory again. A key that came back (the directory names this slot again) is served."""
+        front asks the directory again. A key that came back (the directory names this slot again), or that no replica
+        owns now (deleted, a restarted directory: misrouted, the front had retried until its 503), is served."""
         if not isinstance(key, str) or key not in self._moved_away:
             return False
         slot, _ = await self.directory.lookup.remote(key)
-        if slot == self.slot:
+        if slot is None or slot == self.slot:
             self._moved_away.pop(key, None)
             return False
         return True

@@ -445,9 +445,7 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
     shaped = body.response_format is not None and body.response_format.type != "text"
     mode = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls,
                      shaped or gen.structured_outputs(body) is not None)  # fmt: skip
-    if body.chat_template is not None:  # vLLM answers so unless started with --trust-request-chat-template
-        raise APIError(400, "chat_template: this server renders chats with the model's own template only (a request's "
-                       "template would run its Jinja here); leave it out", "chat_template", "unsupported")  # fmt: skip
+    refuse_request_template(body.chat_template)
     text = render_chat(ctx, messages, mode.tools if mode else None, body.add_generation_prompt,
                        body.continue_final_message, body.chat_template_kwargs)  # fmt: skip
     if body.save_state and body.n > 1:
@@ -536,6 +534,13 @@ def check_echo(body: CompletionRequest) -> None:
 CONTINUE_MARK = "WKVM_CONTINUE_FINAL_MESSAGE_MARK "  # transformers' own is "CONTINUE_FINAL_MESSAGE_TAG "
 
 
+def refuse_request_template(template: str | None) -> None:
+    """vLLM's 400 for a request's own `chat_template` unless started with --trust-request-chat-template."""
+    if template is not None:
+        raise APIError(400, "chat_template: this server renders chats with the model's own template only (a request's "
+                       "template would run its Jinja here); leave it out", "chat_template", "unsupported")  # fmt: skip
+
+
 def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 variables: dict[str, Any] | None = None) -> str:  # fmt: skip
@@ -585,7 +590,8 @@ def check_tool_call(call: dict[str, Any], where: str) -> None:
     if not isinstance(fn.get("name"), str) or not fn["name"]:
         raise APIError(400, f"{where}.function.name must be the called function's name (a non-empty string)",
                        f"{where}.function.name", "invalid_value")  # fmt: skip
-    arguments = fn.get("arguments", "{}")
+    arguments = fn.get("arguments")
+    arguments = "{}" if arguments is None or arguments == "" else arguments  # none: {} as vLLM gives the template
     if not isinstance(arguments, str | dict):
         raise APIError(400, f"{where}.function.arguments must be a JSON string (or an object) of the call's arguments",
                        f"{where}.function.arguments", "invalid_value")  # fmt: skip

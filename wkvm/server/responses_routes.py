@@ -229,13 +229,14 @@ def text_of(content: Any, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS:
+        if kind not in (*TEXT_PARTS, "refusal"):  # an output's refusal part is its text, as chat reads it
             why = f"{where}[{j}]: only text parts ({', '.join(TEXT_PARTS)}) are supported (got {kind!r})"
             raise APIError(400, why, f"{where}[{j}].type", "unsupported")
-        if not isinstance(part.get("text"), str):  # the part's kind is fine: its text is what is wrong
-            raise APIError(400, f"{where}[{j}]: an {kind} part needs its text (a string)", f"{where}[{j}].text",
+        key = "refusal" if kind == "refusal" else "text"
+        if not isinstance(part.get(key), str):  # the part's kind is fine: its text is what is wrong
+            raise APIError(400, f"{where}[{j}]: a {kind} part needs its {key} (a string)", f"{where}[{j}].{key}",
                            "invalid_value")  # fmt: skip
-        texts.append(part["text"])
+        texts.append(part[key])
     return "\n".join(texts)  # as the chat's text parts
 
 

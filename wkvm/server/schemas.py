@@ -216,6 +216,7 @@ class TokenizeRequest(RequestBody):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused, as on chat
     add_special_tokens: bool | None = None  # vLLM's: the default is the route's (prompt: true, messages: false)
     return_token_strs: bool = False
 

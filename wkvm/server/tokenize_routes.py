@@ -13,7 +13,7 @@ from wkvm.embeddings import EmbeddingModel
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError
 from wkvm.server.generation import check_text, check_text_size
-from wkvm.server.openai_routes import chat_messages, check_model, render_chat
+from wkvm.server.openai_routes import chat_messages, check_model, refuse_request_template, render_chat
 from wkvm.server.schemas import DetokenizeRequest, TokenizeRequest
 from wkvm.server.tools import tool_mode
 
@@ -49,6 +49,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             raise APIError(400, "give either prompt (a completion's text) or messages (a chat's)", "prompt",
                            "invalid_value")  # fmt: skip
         if body.messages is not None:
+            refuse_request_template(body.chat_template)
             mode = tool_mode(body.tools, None, None)
             text = render_chat(ctx, chat_messages(body.messages), mode.tools if mode else None,
                                body.add_generation_prompt, body.continue_final_message,

@@ -176,13 +176,14 @@ def split_reply(text: str, mode: ToolMode) -> tuple[str, list[dict[str, Any]]]:
             found.extend(x if isinstance(x, list) and x else [x])
         rest = HERMES.sub("", text)
     elif MISTRAL in text:
-        head, _, tail = text.partition(MISTRAL)
-        try:  # the list, and any words after it as content
-            listed, end = json.JSONDecoder().raw_decode(tail.lstrip())
-        except ValueError:
-            listed, end = None, 0
-        found = listed if isinstance(listed, list) and listed else [None]
-        rest = head + tail.lstrip()[end:]
+        rest, *tails = text.split(MISTRAL)
+        for tail in tails:  # each marker's list (a reply may hold several), words after one as content
+            try:
+                listed, end = json.JSONDecoder().raw_decode(tail.lstrip())
+            except ValueError:
+                listed, end = None, 0
+            found.extend(listed if isinstance(listed, list) and listed else [None])
+            rest += tail.lstrip()[end:]
     else:
         whole = json_or_none(text)
         if isinstance(whole, (dict, list)):

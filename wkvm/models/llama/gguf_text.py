@@ -192,11 +192,14 @@ def sentencepiece(reader: Any, tokens: list[str], types: list[int]) -> HFTokeniz
 
 
 def gguf_chat_template(path: str | os.PathLike[str]) -> ChatTemplate | None:
-    """`tokenizer.chat_template` with the EOS token's text as its stop string; None when the file has none."""
+    """`tokenizer.chat_template` with the EOS token's text as its stop string (and llama.cpp's named
+    `tokenizer.chat_template.tool_use` for requests with tools); None when the file has none."""
     reader = open_reader(path)
     source = field(reader, "tokenizer.chat_template")
     if not isinstance(source, str):
         return None
     eos, tokens = field(reader, "tokenizer.ggml.eos_token_id"), field(reader, "tokenizer.ggml.tokens")
     stop = [str(tokens[int(eos)])] if eos is not None and tokens else []
-    return ChatTemplate(source, stop, "GGUF tokenizer.chat_template")
+    tool_use = field(reader, "tokenizer.chat_template.tool_use")
+    return ChatTemplate(source, stop, "GGUF tokenizer.chat_template",
+                        tool_source=tool_use if isinstance(tool_use, str) else None)
