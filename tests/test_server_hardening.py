@@ -393,6 +393,25 @@ def test_key_is_checked_before_the_body_is_read(server):
     assert head.startswith(b"HTTP/1.1 401"), head[:200]
 
 
+def test_a_request_head_past_64_kib_is_refused_before_it_is_all_read(server):
+    """Security review (session 39): uvicorn's httptools parser, chosen whenever it is installed, read a head of any
+    size before the key check (a 100 MB header held /health ~10 s, 300 MB took 2 minutes): the server runs h11 with
+    a 64 KiB cap on the request line and headers. The connection is answered 400 and closed; a real head works."""
+    refused = b""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-A: ")
+        try:
+            for _ in range(64):  # up to 4 MB: the server stops reading long before
+                sock.sendall(b"a" * (1 << 16))
+            sock.sendall(b"\r\n\r\n")
+            refused = sock.recv(4096)
+        except (ConnectionResetError, BrokenPipeError):
+            refused = b"reset"
+    assert refused.startswith(b"HTTP/1.1 400") or refused == b"reset", refused[:200]
+    ok = httpx.get(f"{server.url}/v1/models", headers={**B, "X-A": "a" * 32_000})
+    assert ok.status_code == 200
+
+
 def test_a_body_framed_two_ways_is_refused_before_the_app():
     """Content-Length beside Transfer-Encoding is a 400 (RFC 9112): uvicorn's h11 parser, which a plain `pip
     install` (no httptools) runs, framed such a body as chunked but passed the small declared length on, and the

@@ -22,6 +22,14 @@ if TYPE_CHECKING:
     from wkvm.server.context import ServerContext
 
 log = logging.getLogger("wkvm.server")
+# The HTTP parser: h11, with a cap on a request's head (request line and headers). httptools, which uvicorn picks
+# when it is installed (the cluster extra brings it), reads a head of any size before the API key can be checked:
+# a 100 MB header held every other request ~10 s and 300 MB took 2 minutes and 370 MB (security review). 64 KiB
+# takes any real client's headers and URL. Streaming through h11 cost nothing measurable: 8 streams of 256 tokens
+# of the embedded model (int8), 3 rounds each, AMD EPYC Zen 4, 2 cores: 3,429-4,063 chunks/s vs httptools'
+# 3,675-3,828 (/tmp harness, session 39).
+HTTP_PARSER = "h11"
+MAX_HEAD_BYTES = 64 * 1024
 
 
 class GracefulServer(uvicorn.Server):
@@ -44,6 +52,8 @@ class GracefulServer(uvicorn.Server):
             log_level=log_level,
             log_config=log_config or LOGGING_CONFIG,
             access_log=access_log,
+            http=HTTP_PARSER,
+            h11_max_incomplete_event_size=MAX_HEAD_BYTES,
             # the stub says int | None; uvicorn only passes it to asyncio.wait_for, which takes a float
             timeout_graceful_shutdown=grace + 10,  # type: ignore[arg-type]
         )
