@@ -582,6 +582,10 @@ def test_fields_the_server_does_not_read_are_logged_once(caplog):
     noted = [r.getMessage() for r in caplog.records if name in r.getMessage()]
     assert noted[1:] == [f"StreamOptions: fields this server does not read, ignored: {name}",
                          f"StructuredOutputs: fields this server does not read, ignored: {name}_2"]  # fmt: skip
+    forged = f"x\n2026-12-05 07:59:59,000 ERROR fake: {name}"  # security review: a name forged a log line
+    with caplog.at_level("WARNING", logger="wkvm.server"):
+        CompletionRequest.model_validate({"prompt": "x", forged: 1})
+    assert not any("\n" in r.getMessage() for r in caplog.records)
 
 
 def test_a_messages_name_and_reasoning_reach_the_template():

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import Field
 from fractions import Fraction
@@ -350,12 +351,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     # and a failed conversion takes them away.
     staged = dst.suffix != ".pth"
     into = dst.is_dir()
-    out = (dst / f".wkvm-partial-{os.getpid()}" if into else dst.parent / f".{dst.name}.partial-{os.getpid()}"
-           ) if staged else dst  # fmt: skip
-    if staged:
+    out = dst
+    if staged:  # a new, unpredictable name, made by this process alone (mkdtemp): nothing planted there is used
         dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(out, ignore_errors=True)  # this pid's leftover: an earlier process of the same number was killed
-        out.mkdir()
+        out = Path(tempfile.mkdtemp(prefix=".wkvm-partial-", dir=dst) if into else
+                   tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))  # fmt: skip
     had = {name for name in COMPANIONS if companion_path(dst, name).exists()}
     try:
         copied = copy_companions(args.src, out)

@@ -12,6 +12,7 @@ import logging
 import re
 from datetime import datetime
 from typing import Any
+from urllib.parse import unquote_plus
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("text", "json")
@@ -20,21 +21,21 @@ UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi")
 QUIET_LOGGERS = ("httpx", "httpcore")  # one INFO line per HTTP request they make: noise in a CLI or a server log
 # a query parameter whose name says it holds a credential (`?api_key=`, `?token=`, `?access_token=`...): clients
 # that cannot set headers send keys this way (the server refuses them, 401), and uvicorn logs the whole query
-SECRET_NAME = re.compile(r"(?i)key|token|secret|passw|auth|sig")
+SECRET_NAME = re.compile(r"(?i)key|token|secret|pass|pwd|auth|sig|bearer|credential|jwt|session")
 
 
 def redact_path(path: str) -> str:
-    """`path` with the values of its credential-like query parameters replaced by ***. Part by part: a regex over
-    the whole query backtracked on names without `=` (64 KB of "key" held the event loop 2.3 s)."""
+    """`path` with the values of its credential-like query parameters replaced by ***: names read percent-decoded
+    (`k%65y` is `key` to the server), a value up to the next `&` (a `#` in a request target is no fragment). Part by
+    part: a regex over the whole query backtracked on names without `=` (64 KB of "key" held the event loop 2.3 s)."""
     base, sep, query = path.partition("?")
     if not sep:
         return path
-    query, hashed, fragment = query.partition("#")
     parts = []
     for part in query.split("&"):
         name, eq, _ = part.partition("=")
-        parts.append(f"{name}=***" if eq and SECRET_NAME.search(name) else part)
-    return f"{base}?{'&'.join(parts)}{hashed}{fragment}"
+        parts.append(f"{name}=***" if eq and SECRET_NAME.search(unquote_plus(name)) else part)
+    return f"{base}?{'&'.join(parts)}"
 
 
 class RedactQuery(logging.Filter):

@@ -50,7 +50,9 @@ class NotedBody(Body):
     def note_ignored(cls, data: Any) -> Any:
         if isinstance(data, dict):
             known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
-            ignored = tuple(sorted(str(k)[:40] for k in data if k not in known)[:10])
+            # a name with a line break or other control character is logged as its repr: a forged log line otherwise
+            ignored = tuple(sorted((str(k) if str(k).isprintable() else repr(str(k)))[:40]
+                                   for k in data if k not in known)[:10])  # fmt: skip
             if ignored and (cls.__name__, *ignored) not in _noted and len(_noted) < MAX_NOTED:
                 _noted.add((cls.__name__, *ignored))
                 log.warning("%s: fields this server does not read, ignored: %s", cls.__name__, ", ".join(ignored))
