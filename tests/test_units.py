@@ -498,3 +498,22 @@ def test_the_default_served_name_is_the_whole_directory_or_file_name():
     names = {"models/Qwen2.5-0.5B-Instruct": "Qwen2.5-0.5B-Instruct", "m/SmolLM2.Q4_1.gguf": "SmolLM2.Q4_1",
              "m/tiny.pth": "tiny", "m/pack/": "pack"}  # fmt: skip
     assert {m: ServerConfig(model=m).served_name() for m in names} == names
+
+
+def test_atomic_writes_use_a_fresh_temp_file_each(tmp_path):
+    """Security review (session 39): the temp name was `.NAME.PID.wkvm-tmp`, predictable, and a writer followed a link
+    planted there; two threads writing one target shared it. Each write now makes its own, exclusively."""
+    import os
+
+    from wkvm.atomic import atomic_path
+
+    target = tmp_path / "f.bin"
+    planted = tmp_path / f".f.bin.{os.getpid()}.wkvm-tmp"
+    outside = tmp_path / "outside"
+    planted.symlink_to(outside)
+    with atomic_path(target) as a, atomic_path(target) as b:
+        assert a != b and a.is_file() and not a.is_symlink()
+        a.write_bytes(b"a")
+        b.write_bytes(b"b")
+    assert target.read_bytes() == b"a" and not outside.exists()  # the outer write replaced last
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["f.bin", planted.name])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +27,10 @@ def atomic_path(target: Path, durable: bool = True) -> Iterator[Path]:
     """Yield a temp path to write; on success it replaces `target` (fsynced when durable), on error it is removed."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}{TMP_SUFFIX}")
+    # a name no other process or thread uses, created here first (O_EXCL | O_NOFOLLOW): a writer then opens a regular
+    # file this process made, never a link planted under a predictable name (security review, session 39)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600))
     try:
         yield tmp
         os.chmod(tmp, FILE_MODE)
