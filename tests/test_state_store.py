@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -380,10 +379,8 @@ def test_histories_are_capped_stored_once_and_not_listed(model, tmp_path):
     for i in range(10):
         store.fork("a", "long", f"fork{i}")
     assert store.index.file_bytes() - before < 1 << 20  # ten rows, not ten 5 MB JSON copies (which made 36 MB)
-    t0 = time.perf_counter()
-    listed = store.list("a")
-    assert time.perf_counter() - t0 < 0.2 and len(listed) == 11  # measured 1.7 s when listing parsed every history
-    assert all(r.token_ids is None and r.n_tokens == MAX_HISTORY_TOKENS for r in listed)
+    listed = store.list("a")  # took 1.7 s when listing parsed every history: it parses none (no timing asserted)
+    assert len(listed) == 11 and all(r.token_ids is None and r.n_tokens == MAX_HISTORY_TOKENS for r in listed)
     assert store.get("a", "fork9").token_ids == history
     blobs = sum(p.stat().st_size for p in (tmp_path / "h" / "blobs").iterdir())
     assert store.disk_bytes == blobs + store.index.file_bytes()  # the index counts
