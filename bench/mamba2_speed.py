@@ -77,7 +77,7 @@ def main() -> None:
 
     @torch.no_grad()
     def ref_prefill():
-        ref(prompt.reshape(1, -1), use_cache=False)
+        ref(prompt.reshape(1, -1), use_cache=False, logits_to_keep=1)  # the last position, as wkvm (bench review)
 
     t_dec, r_dec = timeit_pair(wkvm_decode, ref_generate, args.repeat)
     t_pre, r_pre = timeit_pair(lambda: model.prefill(prompt), ref_prefill, args.repeat)
