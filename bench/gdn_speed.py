@@ -53,6 +53,8 @@ class ByteTokenizer:
 
     vocab_size = SHAPE_0_1B["vocab_size"]
     eos_token_id = None
+    eos_token_ids: frozenset[int] = frozenset()  # the engine reads the set (the bench had failed at its engine rows)
+    special_ids: frozenset[int] = frozenset()
     exact_bytes = True
 
     def encode(self, text: str) -> list[int]:
