@@ -23,11 +23,15 @@ from jinja2.ext import Extension
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from wkvm.tokenizer import read_json
+from wkvm.tokenizer import TOOL_USE_TEMPLATE, read_json
 
 
 class ChatTemplateError(ValueError):
     pass
+
+
+class TemplateVariableError(ValueError):
+    """A chat_template_kwargs name the request sets with a field of its own (RESERVED_VARIABLES)."""
 
 
 # names a template gets from the request's own fields (and transformers' apply_chat_template arguments that are not
@@ -52,10 +56,10 @@ class ChatTemplate:
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict[str, Any]] | None = None, variables: dict[str, Any] | None = None) -> str:  # fmt: skip
         """The prompt text. `variables`: more names for the template (vLLM's `chat_template_kwargs`, e.g. Qwen's
-        `enable_thinking`); ValueError for one that is a name render sets itself (RESERVED_VARIABLES)."""
+        `enable_thinking`); TemplateVariableError for one that is a name render sets itself (RESERVED_VARIABLES)."""
         taken = sorted(set(variables or {}) & RESERVED_VARIABLES)
         if taken:
-            raise ValueError(f"{taken[0]!r} is set by the request itself, not as a template variable")
+            raise TemplateVariableError(f"{taken[0]!r} is set by the request's own field, not as a template variable")
         source = self.tool_source if tools and self.tool_source is not None else self.source
         if source is None:
             raise ChatTemplateError("this model has no chat template (none shipped with it, and its family has no "
@@ -127,7 +131,7 @@ def load_chat_template(model_path: str | os.PathLike[str], default: ChatTemplate
             # a string had become its characters, each a stop string: "</s>" cut answers at every "s"
             raise ValueError(f"{extra}: \"stop\" must be a list of non-empty strings")
         # transformers (4.50+) saves named templates beside the default as additional_chat_templates/NAME.jinja
-        tool_use = base / "additional_chat_templates" / "tool_use.jinja"
+        tool_use = base / TOOL_USE_TEMPLATE
         tool_source = tool_use.read_text() if p.is_dir() and tool_use.is_file() else None
         return ChatTemplate(jinja.read_text(), stop, str(opts.get("name", jinja.name)), tool_source=tool_source)
     if p.is_dir():

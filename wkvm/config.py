@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from wkvm.logs import FORMATS, LEVELS
 
+GENERATION_CONFIGS = ("auto", "none", "vllm")  # --generation-config / LLM(generation_config=): auto reads the file
+
 EMBEDDED_MODEL = Path(__file__).parent / "assets" / "wkvm-tiny-shakespeare"
 NO_MODEL = "none"  # --model none: no generative model (an embeddings-only server)
 
@@ -148,7 +150,7 @@ class ServerConfig:
     generation_config: str = opt("auto", "auto: a request that leaves temperature, top_p, top_k, min_p or "
                                  "repetition_penalty out takes the model's generation_config.json value, as vLLM's "
                                  "default; none (or vllm, vLLM's name): OpenAI's defaults",
-                                 "choice:auto,none,vllm")  # fmt: skip
+                                 "choice:" + ",".join(GENERATION_CONFIGS))  # fmt: skip
     prefix_reuse: bool = opt(True, "switch off every kind of state reuse (the baseline)")
     max_chat_sessions: int = opt(1024, "parked chat sessions (parent-token-v1) kept")
     chat_session_ttl: float = opt(24 * 3600.0, "seconds a parked chat session lives")
@@ -164,8 +166,9 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         weight_dtype(self.dtype)  # raises a ValueError naming the choices
-        if self.generation_config not in ("auto", "none", "vllm"):
-            raise ValueError(f"generation_config must be auto, none or vllm, not {self.generation_config!r}")
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIGS)}, not "
+                             f"{self.generation_config!r}")  # fmt: skip
         if not self.shutdown_grace >= 0:
             raise ValueError("shutdown_grace must be >= 0 seconds")
         if not 0 < self.port < 65536:

@@ -8,7 +8,6 @@ It follows vLLM's offline API where wkvm has the feature: `generate` takes a str
 from __future__ import annotations
 
 import dataclasses
-import logging
 import operator
 import os
 from collections.abc import Mapping, Sequence
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from wkvm.chat_template import ChatTemplate, plain_messages
-from wkvm.config import EngineConfig, default_model
+from wkvm.config import GENERATION_CONFIGS, EngineConfig, default_model
 from wkvm.engine.engine import Engine
 from wkvm.engine.handle import RequestHandle
 from wkvm.outputs import GenerationOutput
@@ -25,7 +24,6 @@ from wkvm.sampling_params import MAX_STOP_STRINGS, SamplingParams, model_samplin
 from wkvm.tokenizer import Tokenizer
 from wkvm.weights.loader import load_model, load_text_tools
 
-log = logging.getLogger("wkvm.llm")
 Prompt = str | Sequence[int] | Mapping[str, Any]
 Messages = list[dict[str, Any]]
 
@@ -48,8 +46,8 @@ class LLM:
         float32. `generation_config` "auto": `generate` / `chat` without sampling_params sample with the model's
         generation_config.json values (vLLM's default; `get_default_sampling_params`); "none" or "vllm": with
         SamplingParams' own. Other keyword arguments are EngineConfig's fields."""
-        if generation_config not in ("auto", "none", "vllm"):
-            raise ValueError(f"generation_config must be 'auto', 'none' or 'vllm', not {generation_config!r}")
+        if generation_config not in GENERATION_CONFIGS:
+            raise ValueError(f"generation_config must be one of {GENERATION_CONFIGS}, not {generation_config!r}")
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(config_kwargs) - fields)
         if unknown:
@@ -68,10 +66,7 @@ class LLM:
         self.tokenizer: Tokenizer = tools[0]
         self.template: ChatTemplate = tools[1]
         self.engine = Engine(self.model, self.tokenizer, replace(config, max_queue=1 << 30))
-        found, problems = model_sampling_defaults(model) if generation_config == "auto" else ({}, [])
-        for problem in problems:
-            log.warning("%s", problem)
-        self.sampling_defaults: dict[str, Any] = found
+        self.sampling_defaults = model_sampling_defaults(model) if generation_config == "auto" else {}
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` sample with when given no sampling_params: SamplingParams' defaults with the

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import numbers
 import os
@@ -20,6 +21,7 @@ import llguidance
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # declared in the stub only
 
+log = logging.getLogger("wkvm.sampling")
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 2000  # structured_outputs.choice: llguidance refuses a longer alternation anyway
 MAX_GRAMMAR_CHARS = 1 << 16  # structured_outputs.regex / grammar text
@@ -293,18 +295,17 @@ def schema_grammar(schema: dict[str, Any], param: str) -> str:
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def model_sampling_defaults(model_path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[str]]:
-    """The sampling values a model's generation_config.json sets (see GENERATION_DEFAULTS), and a warning for each it
-    sets that SamplingParams refuses (left out: the server still starts, as with no file). A file that is not JSON is
-    a ValueError naming it. A model without the file (a GGUF, a .pth) sets none."""
+def model_sampling_defaults(model_path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The sampling values a model's generation_config.json sets (see GENERATION_DEFAULTS); one SamplingParams
+    refuses is left out with a warning (the model still loads, as with no file). A file that is not JSON is a
+    ValueError naming it. A model without the file (a GGUF, a .pth) sets none."""
     from wkvm.tokenizer import companion_path, read_json
 
-    path = companion_path(model_path, "generation_config.json")
     if Path(model_path).suffix == ".pth":  # a .pth has no place for one (convert leaves it out)
-        return {}, []
+        return {}
+    path = companion_path(model_path, "generation_config.json")
     data = read_json(path)
     found: dict[str, Any] = {}
-    problems: list[str] = []
     for name in GENERATION_DEFAULTS:
         value = data.get(name)
         if value is None:
@@ -314,10 +315,10 @@ def model_sampling_defaults(model_path: str | os.PathLike[str]) -> tuple[dict[st
         try:
             SamplingParams(**{name: value})
         except (InvalidParam, TypeError) as e:
-            problems.append(f"{path}: {name} {value!r} left out ({e})")
+            log.warning("%s: %s %r left out (%s)", path, name, value, e)
             continue
         found[name] = value
-    return found, problems
+    return found
 
 
 class InvalidParam(ValueError):

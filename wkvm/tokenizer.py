@@ -292,8 +292,7 @@ def copy_companions(src: str | os.PathLike[str], dst: str | os.PathLike[str]) ->
         source, target = companion_path(src, name), companion_path(dst, name)
         if Path(dst).suffix == ".pth" and name in (*DIRECTORY_ONLY, TOOL_USE_TEMPLATE):
             continue  # a .pth has no place for them (its chat template would need NAME.chat_template.jinja)
-        if source.is_file():
-            target.parent.mkdir(exist_ok=True)  # additional_chat_templates/
+        if source.is_file():  # (atomic_path makes additional_chat_templates/)
             atomic_write_bytes(target, source.read_bytes())
             copied.append(name)
     return copied
@@ -322,7 +321,6 @@ def save_text_tools(tokenizer: HFTokenizer | None, template: ChatTemplate | None
                                                                    "name": "chat_template.jinja"}).encode())
         written += ["chat_template.jinja", "chat_template.json"]
         if template.tool_source is not None:
-            (out / TOOL_USE_TEMPLATE).parent.mkdir(exist_ok=True)
             atomic_write_bytes(out / TOOL_USE_TEMPLATE, template.tool_source.encode())
             written.append(TOOL_USE_TEMPLATE)
     return written

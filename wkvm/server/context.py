@@ -102,9 +102,7 @@ class ServerContext:
         them: a user sees why an answer without a temperature is not sampled at 1.0); {} otherwise."""
         if cfg.generation_config != "auto" or cfg.model is None:
             return {}
-        found, problems = model_sampling_defaults(cfg.model)
-        for problem in problems:
-            log.warning("%s", problem)
+        found = model_sampling_defaults(cfg.model)
         if found:
             log.info("requests that leave them out take the model's generation_config.json values: %s "
                      "(--generation-config none: OpenAI's defaults)",

@@ -118,7 +118,7 @@ def sampling_params(
                        "SamplingParams(prompt_logprobs=...)", "prompt_logprobs", "unsupported")  # fmt: skip
     if body.stream_options is not None and not body.stream:  # OpenAI's and vLLM's 400 (it would be ignored)
         raise APIError(400, "stream_options is only allowed with stream: true", "stream_options", "invalid_value")
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    stop = request_stops(body)
     if len(stop) > MAX_STOP_STRINGS:
         raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", "stop", "invalid_value")
     if any(len(s) > MAX_WORD_CHARS for s in stop):  # before `special` below tokenizes them
@@ -178,6 +178,11 @@ def sampling_params(
         )  # fmt: skip
     except InvalidParam as e:
         raise APIError(400, str(e), e.param, "invalid_value") from None
+
+
+def request_stops(body: SamplingFields) -> list[str]:
+    """The request's own stop strings as a list (`stop` is a string, a list or null)."""
+    return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
 
 
 def sampling_values(ctx: ServerContext, body: SamplingFields) -> dict[str, Any]:
@@ -384,7 +389,7 @@ def stop_reason(ctx: ServerContext, body: SamplingFields, reason: int | str | No
     sequence and for the stops the server adds itself (a chat template's end of turn, which vLLM reads as EOS)."""
     if reason is None:
         return None
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    stop = request_stops(body)
     if isinstance(reason, str):
         return reason if reason in stop else None
     if reason in (body.stop_token_ids or []):

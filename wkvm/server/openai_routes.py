@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request, params
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from wkvm.chat_template import RESERVED_VARIABLES, ChatTemplateError, template_messages
+from wkvm.chat_template import ChatTemplateError, TemplateVariableError, template_messages
 from wkvm.engine.engine import Event, RequestHandle
 from wkvm.engine.scheduler import QueueFull
 from wkvm.outputs import ErrorCode
@@ -547,10 +547,6 @@ def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], tools: list[
     """The chat's prompt text through the model's template. `continue_final_message` (vLLM's): the prompt ends with
     the last message's own text, open, so the model continues it (a prefilled reply) instead of starting a new one.
     `variables`: the request's chat_template_kwargs (vLLM's), more names for the template."""
-    taken = sorted(set(variables or {}) & RESERVED_VARIABLES)
-    if taken:
-        raise APIError(400, f"chat_template_kwargs: {taken[0]!r} is set by the request's own field, not here",
-                       "chat_template_kwargs", "invalid_value")  # fmt: skip
     if continue_final_message and add_generation_prompt:
         raise APIError(400, "continue_final_message continues the last message: set add_generation_prompt to false",
                        "continue_final_message", "invalid_value")  # fmt: skip
@@ -561,6 +557,8 @@ def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], tools: list[
     try:
         text = ctx.template.render(template_messages(messages), add_generation_prompt, tools=tools,
                                    variables=variables)  # fmt: skip
+    except TemplateVariableError as e:
+        raise APIError(400, f"chat_template_kwargs: {e}", "chat_template_kwargs", "invalid_value") from None
     except ChatTemplateError as e:
         raise APIError(400, str(e), "messages", "template_error") from None
     if not continue_final_message:

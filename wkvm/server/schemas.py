@@ -75,7 +75,6 @@ class RequestBody(NotedBody):
         return data
 
 
-
 class StreamOptions(NotedBody):
     include_usage: bool = False
 

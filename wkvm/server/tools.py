@@ -177,13 +177,13 @@ def split_reply(text: str, mode: ToolMode) -> tuple[str, list[dict[str, Any]]]:
         rest = HERMES.sub("", text)
     elif MISTRAL in text:
         rest, *tails = text.split(MISTRAL)
-        for tail in tails:  # each marker's list (a reply may hold several), words after one as content
-            try:
-                listed, end = json.JSONDecoder().raw_decode(tail.lstrip())
+        for tail in (t.lstrip() for t in tails):  # each marker's list (a reply may hold several), words after it
+            try:  # as content
+                listed, end = json.JSONDecoder().raw_decode(tail)
             except ValueError:
                 listed, end = None, 0
             found.extend(listed if isinstance(listed, list) and listed else [None])
-            rest += tail.lstrip()[end:]
+            rest += tail[end:]
     else:
         whole = json_or_none(text)
         if isinstance(whole, (dict, list)):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import logging
 import os
 import re
@@ -29,7 +28,7 @@ from wkvm.models.family import (
 from wkvm.models.fingerprint import fingerprint
 from wkvm.models.provider import ResidentWeights, Tensors
 from wkvm.progress import progress
-from wkvm.tokenizer import Tokenizer, load_tokenizer
+from wkvm.tokenizer import Tokenizer, load_tokenizer, read_json
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +72,8 @@ def refuse_quantized(path: str | os.PathLike[str], family: ModelFamily, ckpt: Ch
     config = Path(path) / "config.json"
     if config.is_file():
         try:
-            quant = json.loads(config.read_text()).get("quantization_config")
-        except (ValueError, OSError, AttributeError):
+            quant = read_json(config).get("quantization_config")
+        except (ValueError, OSError):
             quant = None  # the family's own reading says what is wrong with it
         if quant:
             method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
