@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from wkvm.models.causal_conv import causal_conv_silu
 from wkvm.models.family import (
     CheckpointError,
     ModelBase,
@@ -162,17 +163,6 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
     return F.rms_norm(h, h.shape[-1:], None, eps).flatten(-2) * weight
 
 
-def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Depthwise causal conv over x [b, T, C] after the window [b, C, K-1] (updated in place) -> [b, T, C]."""
-    full = torch.cat([window, x.transpose(1, 2)], dim=-1)  # [b, C, K-1+T]
-    if x.shape[1] == 1:
-        out = torch.einsum("bck,ck->bc", full, weight).add_(bias).unsqueeze(1)
-    else:
-        out = F.conv1d(full, weight.unsqueeze(1), bias, groups=weight.shape[0]).transpose(1, 2)
-    window.copy_(full[:, :, -window.shape[-1] :])
-    return out
-
-
 class Mamba2(ModelBase):
     family = FAMILY
     embed_key = EMBEDDING
@@ -202,7 +192,7 @@ def mixer(cfg: Mamba2Config, w: Tensors, h: torch.Tensor, conv: torch.Tensor, ss
     if "mixer.in_proj.bias" in w:
         zxbcdt = zxbcdt + w["mixer.in_proj.bias"]
     z, xbc, dt = torch.split(zxbcdt, [cfg.d_inner, cfg.conv_dim, H], dim=-1)
-    xbc = F.silu(causal_conv(xbc, conv, w["mixer.conv1d.weight"], w["mixer.conv1d.bias"]))
+    xbc = causal_conv_silu(xbc, conv, w["mixer.conv1d.weight"], w["mixer.conv1d.bias"])
     x, B, C = torch.split(xbc, [cfg.d_inner, G * N, G * N], dim=-1)
     dt = F.softplus(dt + w["mixer.dt_bias"])
     if cfg.dt_min > 0.0 or cfg.dt_max is not None:

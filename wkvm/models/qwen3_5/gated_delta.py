@@ -3,7 +3,7 @@
 State S is [key, value] per value head (HF/fla's orientation, [Hv, dk, dv]). Per token t, with log-decay g_t <= 0,
 0 < beta_t < 1 and unit-norm k_t:
     S_t = exp(g_t) S_{t-1} + k_t delta_t^T,    delta_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t),    o_t = S_t^T q_t
-Inputs are per head: q, k [BH, T, dk], v [BH, T, dv], g, beta [BH, T]; S is [BH, dk, dv], updated in place.
+S is [BH, dk, dv], updated in place; the step takes one token per head, the chunked form T tokens token-major.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-DEFAULT_CHUNK = 64  # measured against 32: see docs/families/qwen3_5.md
+DEFAULT_CHUNK = 32  # measured against 16, 48 and 64: see docs/families/qwen3_5.md
 
 
 def gated_delta_step(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -25,44 +25,64 @@ def gated_delta_step(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     return torch.addcmul(kq_s[:, 1], delta, (q * k).sum(-1, keepdim=True))
 
 
+def _chunk_major(x: torch.Tensor, n: int, L: int) -> torch.Tensor:
+    """x [B, T, H, d] (any strides) as [n, B, H, L, d], contiguous, T zero-padded to n * L: each chunk's slice is one
+    contiguous batch of matrices."""
+    B, T, H, d = x.shape
+    out = x.new_empty(n, B, H, L, d)
+    view = out.permute(1, 0, 3, 2, 4)  # [B, n, L, H, d]
+    full = T // L
+    if full:
+        view[:, :full].copy_(x[:, : full * L].view(B, full, L, H, d))
+    if full < n:
+        view[:, full, : T - full * L].copy_(x[:, full * L :])
+        view[:, full, T - full * L :].zero_()
+    return out
+
+
 def gated_delta_chunked(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                         beta: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:  # fmt: skip
-    """T tokens in chunks of `chunk` (the WY form, exact up to fp32 rounding), in place on S; returns o [BH, T, dv].
+    """T tokens in chunks of `chunk` (the WY form, exact up to fp32 rounding), in place on S; returns o [B, T, Hv, dv].
 
-    Within a chunk, with G the cumulative log-decay from the chunk's start and S0 the state before it:
+    Token-major inputs as the projections give them: q, k [B, T, Hk, dk], v [B, T, Hv, dv], g, beta [B, T, Hv]; S is
+    [B * Hv, dk, dv]. Value head j reads key head j // (Hv / Hk) (grouped heads), so products of q and k alone are
+    taken once per key head. Within a chunk, with G the cumulative log-decay from the chunk's start and S0 the state
+    before it:
         (I + A) Delta = beta (V - exp(G) K S0),   A_tj = beta_t exp(G_t - G_j) k_t.k_j  (j < t)
         O = exp(G) Q S0 + (exp(G_t - G_j) q_t.k_j)_{j <= t} Delta,   S = exp(G_L) S0 + (exp(G_L - G) K)^T Delta
     Decays enter only as exp of differences G_t - G_j <= 0 (never exp(-G)), so any decay is safe in fp32. The
-    parts that do not depend on S0 are computed for all chunks at once; T is padded with tokens that change
-    nothing (k = v = 0, g = 0, beta = 0).
+    parts that do not depend on S0 are computed for all chunks at once, (I + A)^-1 by one triangular solve; T is
+    padded with tokens that change nothing (k = v = 0, g = 0, beta = 0).
     """
-    BH, T, dk = k.shape
-    dv = v.shape[-1]
+    B, T, Hk, dk = k.shape
+    Hv, dv = v.shape[2], v.shape[3]
+    r, BH = Hv // Hk, B * Hv
     L = min(chunk, T)
-    pad = (-T) % L
-    if pad:
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-    n = (T + pad) // L
-    q, k, v = q.reshape(BH, n, L, dk), k.reshape(BH, n, L, dk), v.reshape(BH, n, L, dv)
-    G = g.reshape(BH, n, L).cumsum(-1)
-    beta = beta.reshape(BH, n, L, 1)
+    n = -(-T // L)
+    if n * L > T:
+        g, beta = (F.pad(x, (0, 0, 0, n * L - T)) for x in (g, beta))
+    qc, kc = _chunk_major(q, n, L), _chunk_major(k, n, L)  # [n, B, Hk, L, dk]
+    vc = _chunk_major(v, n, L).view(n, B, Hk, r, L, dv)
+    G = g.reshape(B, n, L, Hv).permute(1, 0, 3, 2).cumsum(-1).view(n, B, Hk, r, L)
+    beta = beta.reshape(B, n, L, Hv).permute(1, 0, 3, 2).reshape(n, B, Hk, r, L)
     causal = torch.ones(L, L, dtype=torch.bool, device=S.device).tril_()
-    decay = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill_(~causal, float("-inf")).exp_()  # [BH, n, L, L]
-    A = (k @ k.transpose(-1, -2)).mul_(decay).mul_(beta)  # strictly lower part used (unitriangular solve)
-    eG = G.exp().unsqueeze(-1)
-    rhs = torch.cat([v * beta, k * (beta * eG)], -1)
-    UW = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
-    U, W = UW[..., :dv], UW[..., dv:]  # Delta = U - W S0
-    P = (q @ k.transpose(-1, -2)).mul_(decay)  # [BH, n, L, L], lower incl. diagonal
-    q_dec = q * eG
-    to_end = (G[..., -1:] - G).exp().unsqueeze(-1)
-    k_end = (k * to_end).transpose(-1, -2)  # [BH, n, dk, L]
-    chunk_decay = G[..., -1].exp()[..., None, None]  # [BH, n, 1, 1]
-    out = torch.empty(BH, n, L, dv, dtype=v.dtype, device=v.device)
+    decay = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill_(~causal, float("-inf")).exp_()  # [n, B, Hk, r, L, L]
+    kt = kc.transpose(-1, -2)
+    A = (kc @ kt).unsqueeze(3).mul(decay).mul_(beta.unsqueeze(-1))  # strictly lower part used (unitriangular)
+    inv = torch.linalg.solve_triangular(A, torch.eye(L, dtype=S.dtype, device=S.device), upper=False,
+                                        unitriangular=True)  # fmt: skip
+    eG = G.exp()
+    U = (inv * beta.unsqueeze(-2)) @ vc  # Delta = U - W S0
+    inv_k = torch.mul(inv, (beta * eG).unsqueeze(-2), out=torch.empty_like(A))  # row-major whatever inv's layout
+    W = inv_k.view(n, B, Hk, r * L, L) @ kc  # one product per key head
+    q_dec = qc.unsqueeze(3) * eG.unsqueeze(-1)
+    P = (qc @ kt).unsqueeze(3).mul(decay)  # lower incl. diagonal
+    k_end = kc.unsqueeze(3) * (G[..., -1:] - G).exp().unsqueeze(-1)
+    U, W, q_dec, P, k_end = (x.reshape(n, BH, L, -1) for x in (U, W, q_dec, P, k_end))
+    chunk_decay = eG[..., -1].reshape(n, BH, 1, 1)
+    out = torch.empty(n, BH, L, dv, dtype=v.dtype, device=v.device)
     for c in range(n):
-        delta = torch.baddbmm(U[:, c], W[:, c], S, alpha=-1)
-        o = torch.bmm(q_dec[:, c], S)
-        out[:, c] = o.baddbmm_(P[:, c], delta)
-        S.mul_(chunk_decay[:, c]).baddbmm_(k_end[:, c], delta)
-    return out.reshape(BH, n * L, dv)[:, :T]
+        delta = U[c].baddbmm_(W[c], S, alpha=-1)
+        torch.bmm(q_dec[c], S, out=out[c]).baddbmm_(P[c], delta)
+        S.mul_(chunk_decay[c]).baddbmm_(k_end[c].transpose(-1, -2), delta)
+    return out.view(n, B, Hv, L, dv).permute(1, 0, 3, 2, 4).reshape(B, n * L, Hv, dv)[:, :T]

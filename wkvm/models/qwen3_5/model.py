@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from wkvm.models.causal_conv import causal_conv_silu
 from wkvm.models.family import (
     CheckpointError,
     ModelBase,
@@ -308,38 +309,25 @@ class Qwen35(ModelBase):
         Hk, Hv, dk, dv = cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim
         proj = linear(x, w["linear_attn.in_proj"])
         qkv, z, b, a = torch.split(proj, [cfg.conv_dim, cfg.value_dim, Hv, Hv], -1)
-        qkv = F.silu(self._conv(w["linear_attn.conv"], qkv, state[f"layers.{i}.conv"]))
+        qkv = causal_conv_silu(qkv, state[f"layers.{i}.conv"], w["linear_attn.conv"])
         q, k, v = torch.split(qkv, [cfg.key_dim, cfg.key_dim, cfg.value_dim], -1)
         q = q.reshape(B, T, Hk, dk)
         k = k.reshape(B, T, Hk, dk)
         q = q * torch.rsqrt(q.square().sum(-1, keepdim=True) + L2_EPS) * dk**-0.5
         k = k * torch.rsqrt(k.square().sum(-1, keepdim=True) + L2_EPS)
-        if Hv != Hk:
-            q, k = q.repeat_interleave(Hv // Hk, 2), k.repeat_interleave(Hv // Hk, 2)
         g = w["linear_attn.neg_A"] * F.softplus(a + w["linear_attn.dt_bias"])  # [B, T, Hv]
         beta = torch.sigmoid(b)
         S = state[f"layers.{i}.delta"].view(B * Hv, dk, dv)
         if T == 1:
+            if Hv != Hk:
+                q, k = q.repeat_interleave(Hv // Hk, 2), k.repeat_interleave(Hv // Hk, 2)
             o = gated_delta_step(S, q.reshape(B * Hv, dk), k.reshape(B * Hv, dk), v.reshape(B * Hv, dv),
                                  g.reshape(B * Hv), beta.reshape(B * Hv))  # fmt: skip
         else:
-            qh, kh, vh = (t.transpose(1, 2).reshape(B * Hv, T, -1) for t in (q, k, v.reshape(B, T, Hv, dv)))
-            g, beta = (t.transpose(1, 2).reshape(B * Hv, T) for t in (g, beta))
-            o = gated_delta_chunked(S, qh, kh, vh, g, beta, chunk=self.delta_chunk)
-            o = o.view(B, Hv, T, dv).transpose(1, 2)
+            o = gated_delta_chunked(S, q, k, v.reshape(B, T, Hv, dv), g, beta, chunk=self.delta_chunk)
         o = rms_norm(o.reshape(B, T, Hv, dv), w["linear_attn.norm"], cfg.rms_eps)
         o = o * F.silu(z.reshape(B, T, Hv, dv))
         return linear(o.reshape(B, T, cfg.value_dim), w["linear_attn.out_proj.weight"])
-
-    @staticmethod
-    def _conv(weight: torch.Tensor, x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
-        """Depthwise causal conv of x [B, T, D] continuing `window` [B, D, K-1] (updated in place); [B, T, D]."""
-        T = x.shape[1]
-        full = torch.cat([window, x.transpose(1, 2)], -1)  # [B, D, K-1+T]
-        window.copy_(full[:, :, T:])
-        if T == 1:
-            return (full * weight).sum(-1).unsqueeze(1)
-        return F.conv1d(full, weight.unsqueeze(1), groups=weight.shape[0]).transpose(1, 2)
 
     @staticmethod
     def _mlp(w: Tensors, x: torch.Tensor) -> torch.Tensor:
