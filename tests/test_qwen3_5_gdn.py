@@ -12,6 +12,7 @@ from conftest import ids_for
 from families.qwen3_5 import randomize, tiny_config
 from transformers import DynamicCache, Qwen3_5ForCausalLM
 
+from wkvm.models.qwen3_5 import gated_delta
 from wkvm.models.qwen3_5.gated_delta import gated_delta_chunked, gated_delta_step
 from wkvm.weights.loader import load_model
 from wkvm.weights.pack import write_pack
@@ -149,13 +150,17 @@ def test_forward_groups_equals_separate(pair):
         assert torch.equal(a, b)
 
 
-def test_recurrence_chunked_equals_step():
+@pytest.mark.parametrize("form", ["kernel", "torch"])
+def test_recurrence_chunked_equals_step(form):
     """Strong and weak decays, a non-zero start, chunks that do not divide T, grouped heads (value head j reads key
-    head j // 2) and a batch of two."""
+    head j // 2), a batch of two, v strided as the projection's split gives it; the C++ kernel and the torch form."""
+    if form == "kernel" and not gated_delta.kernel_available():
+        pytest.skip("no C++ compiler here: the chunked rule runs its torch form")
+    chunked = gated_delta_chunked if form == "kernel" else gated_delta.chunked_torch
     torch.manual_seed(0)
     B, T, Hk, Hv, dk, dv = 2, 45, 3, 6, 9, 7
     q, k = (torch.nn.functional.normalize(torch.randn(B, T, Hk, dk), dim=-1) for _ in range(2))
-    v = torch.randn(B, T, Hv, dv)
+    v = torch.randn(B, T, Hv * dv + 5)[..., 5:].unflatten(-1, (Hv, dv))
     g = -torch.rand(B, T, Hv) * torch.tensor([0.01, 0.5, 3.0, 20.0, 80.0, 1.0])
     beta = torch.rand(B, T, Hv)
     S0 = torch.randn(B * Hv, dk, dv)
@@ -167,7 +172,7 @@ def test_recurrence_chunked_equals_step():
     want = want.view(B, Hv, T, dv).transpose(1, 2)
     for chunk in (1, 4, 16, 64):
         Sc = S0.clone()
-        got = gated_delta_chunked(Sc, q, k, v, g, beta, chunk=chunk)
+        got = chunked(Sc, q, k, v, g, beta, chunk=chunk)
         assert got.shape == (B, T, Hv, dv)
         assert (got - want).abs().max() < 5e-5 and (Sc - S).abs().max() < 5e-5
 
