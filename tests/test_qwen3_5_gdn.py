@@ -140,6 +140,31 @@ def test_batched_decode_equals_each_alone(pair):
 
 
 @torch.no_grad()
+def test_fused_decode_step_equals_torch_ops(pair):
+    """The decode step's one kernel call per GDN layer (conv, norms, gates, delta rule, gated norm) against the
+    model's torch ops, its reference: a batch of two continuing different prompts, logits and every state tensor."""
+    _, _, m = pair
+    if not gated_delta.kernel_available():
+        pytest.skip("no C++ compiler here: decode runs its torch ops")
+    prompts = [ids_for(m.vocab_size, 1, n, seed=n)[0] for n in (5, 9)]
+    states = [m.prefill(p)[1] for p in prompts]
+    fused = {k: torch.cat([s[k] for s in states]) for k in states[0]}
+    plain = {k: t.clone() for k, t in fused.items()}
+    try:
+        for step in range(4):
+            nxt = torch.tensor([3 + step, 11 - step])
+            m.fused_decode = True
+            got = m.decode(nxt, fused)
+            m.fused_decode = False
+            want = m.decode(nxt, plain)
+            assert (got - want).abs().max() < 1e-5
+            for k in fused:
+                assert torch.allclose(fused[k], plain[k], rtol=1e-5, atol=1e-5), k
+    finally:
+        m.fused_decode = True
+
+
+@torch.no_grad()
 def test_forward_groups_equals_separate(pair):
     _, _, m = pair
     groups = [(ids_for(m.vocab_size, 2, 9, seed=7), m.new_state(2)), (ids_for(m.vocab_size, 1, 1, seed=8),

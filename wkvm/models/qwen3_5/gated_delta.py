@@ -34,6 +34,19 @@ def _kernel_takes(S: torch.Tensor, *heads: torch.Tensor) -> bool:
     return fused.cpu_fp32(S, *heads) and S.is_contiguous() and rows and kernel_available()
 
 
+def decode_layer(proj: torch.Tensor, window: torch.Tensor, conv: torch.Tensor, S: torch.Tensor, neg_A: torch.Tensor,
+                 dt_bias: torch.Tensor, norm: torch.Tensor, Hk: int, dk: int, l2_eps: float,
+                 rms_eps: float) -> torch.Tensor | None:  # fmt: skip
+    """A GDN layer's one-token step between its projections in one kernel call (gated_delta.cpp's `decode`: the
+    conv, L2 norms, gates, delta-rule step and gated RMSNorm) for proj [B, in_proj outputs]; o [B, Hv * dv], or
+    None where the kernel does not take these tensors (the caller runs its torch ops, the kernel's reference)."""
+    if not (fused.cpu_fp32(proj, window, conv, S, neg_A, dt_bias, norm) and proj.stride(-1) == 1
+            and window.is_contiguous() and S.is_contiguous() and kernel_available()):  # fmt: skip
+        return None
+    o: torch.Tensor = torch.ops.wkvm_gdn.decode(proj, window, conv, S, neg_A, dt_bias, norm, Hk, dk, l2_eps, rms_eps)
+    return o
+
+
 def gated_delta_step(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """One token for a batch of heads, in place on S ([BH, dk, dv]); q, k [BH, dk], v [BH, dv], g, beta [BH];

@@ -34,7 +34,7 @@ from wkvm.models.fused import add_rms_norm, rms_norm, silu_mul
 from wkvm.models.kv import Attn, kv_tensors
 from wkvm.models.linear import linear, stored
 from wkvm.models.provider import Tensors, WeightProvider
-from wkvm.models.qwen3_5.gated_delta import DEFAULT_CHUNK, gated_delta_chunked, gated_delta_step
+from wkvm.models.qwen3_5.gated_delta import DEFAULT_CHUNK, decode_layer, gated_delta_chunked, gated_delta_step
 from wkvm.models.rope import frequencies
 from wkvm.models.spec import State, StateSpec, TensorSpec
 
@@ -275,6 +275,7 @@ class Qwen35(ModelBase):
                  device: torch.device | str = "cpu"):  # fmt: skip
         super().__init__(cfg, state_spec(cfg), weights, model_fingerprint, device)
         self.delta_chunk = DEFAULT_CHUNK
+        self.fused_decode = True  # one kernel call per GDN layer's decode step where it runs (tests turn it off)
         self.kv_layers = cfg.attention_layers
         self.inv_freq = frequencies(cfg.rope_theta, cfg.rotary_dim).to(self.device)
 
@@ -308,6 +309,12 @@ class Qwen35(ModelBase):
         B, T, _ = x.shape
         Hk, Hv, dk, dv = cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim
         proj = linear(x, w["linear_attn.in_proj"])
+        if T == 1 and self.fused_decode:
+            o = decode_layer(proj.view(B, -1), state[f"layers.{i}.conv"], w["linear_attn.conv"],
+                             state[f"layers.{i}.delta"], w["linear_attn.neg_A"], w["linear_attn.dt_bias"],
+                             w["linear_attn.norm"], Hk, dk, L2_EPS, cfg.rms_eps)  # fmt: skip
+            if o is not None:
+                return linear(o.view(B, T, cfg.value_dim), w["linear_attn.out_proj.weight"])
         qkv, z, b, a = torch.split(proj, [cfg.conv_dim, cfg.value_dim, Hv, Hv], -1)
         qkv = causal_conv_silu(qkv, state[f"layers.{i}.conv"], w["linear_attn.conv"])
         q, k, v = torch.split(qkv, [cfg.key_dim, cfg.key_dim, cfg.value_dim], -1)
