@@ -310,7 +310,7 @@ class Qwen35(ModelBase):
         Hk, Hv, dk, dv = cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim
         proj = linear(x, w["linear_attn.in_proj"])
         if T == 1 and self.fused_decode:
-            o = decode_layer(proj.view(B, -1), state[f"layers.{i}.conv"], w["linear_attn.conv"],
+            o = decode_layer(proj.reshape(B, -1), state[f"layers.{i}.conv"], w["linear_attn.conv"],
                              state[f"layers.{i}.delta"], w["linear_attn.neg_A"], w["linear_attn.dt_bias"],
                              w["linear_attn.norm"], Hk, dk, L2_EPS, cfg.rms_eps)  # fmt: skip
             if o is not None:
