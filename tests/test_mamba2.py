@@ -4,6 +4,7 @@ conversion, bf16, weight packs with streaming."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -132,6 +133,35 @@ def test_batched_decode_equals_each_alone(tiny):
     for j, s in enumerate(alone):
         for k in s:
             assert max_diff(batch[k][j], s[k][0]) < 1e-5
+
+
+@pytest.mark.parametrize("clamp", [False, True])
+def test_fused_decode_step_equals_torch_ops(pair, clamp, monkeypatch):
+    """The mixer's one-token step in one kernel call (conv, SiLU, dt, SSM step, D) against the torch ops, its
+    reference: a batch of three continuing different prompts, logits and every state tensor, to fp32 rounding; with
+    dt clamped to a time-step limit too (both paths read it from the config)."""
+    from wkvm.models.mamba2 import ssd
+
+    _, model, _ = pair
+    if not ssd.kernel_available():
+        pytest.skip("no C++ compiler here: decode runs the mixer's torch ops")
+    if clamp:
+        monkeypatch.setattr(model, "config", dataclasses.replace(model.config, dt_min=0.05, dt_max=0.3))
+    states = [model.prefill(prompt(model.vocab_size, n, 30 + n)[0])[1] for n in (2, 7, 5)]
+    fused = {k: torch.cat([s[k] for s in states]) for k in states[0]}
+    plain = {k: t.clone() for k, t in fused.items()}
+    try:
+        for step in range(4):
+            tokens = [(5 * step + 2 * j) % model.vocab_size for j in range(3)]
+            model.fused_decode = True
+            got = model.decode(tokens, fused)
+            model.fused_decode = False
+            want = model.decode(tokens, plain)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            for k in fused:
+                torch.testing.assert_close(fused[k], plain[k], rtol=1e-4, atol=1e-5)
+    finally:
+        model.fused_decode = True
 
 
 def test_forward_groups_equal_separate_forwards(tiny):

@@ -29,7 +29,7 @@ from wkvm.models.family import (
 )
 from wkvm.models.kv import Attn
 from wkvm.models.linear import linear, stored
-from wkvm.models.mamba2.ssd import DEFAULT_CHUNK, ssd_chunked, ssd_step
+from wkvm.models.mamba2.ssd import DEFAULT_CHUNK, decode_mixer, ssd_chunked, ssd_step
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.spec import State, StateSpec, TensorSpec
 
@@ -172,6 +172,7 @@ class Mamba2(ModelBase):
                  device: torch.device | str = "cpu"):  # fmt: skip
         super().__init__(cfg, mamba2_state_spec(cfg), weights, model_fingerprint, device)
         self.ssd_chunk = DEFAULT_CHUNK
+        self.fused_decode = True  # the mixer's one-token step in one kernel call where it runs (tests turn it off)
 
     def block(self, i: int, w: Tensors, x: torch.Tensor, state: State, attn: Attn | None) -> torch.Tensor:
         return x + self._mixer(i, w, rms_norm(x, w["norm.weight"], self.config.norm_eps), state)
@@ -180,18 +181,28 @@ class Mamba2(ModelBase):
         return linear(rms_norm(x, g[NORM_F], self.config.norm_eps), g[HEAD])
 
     def _mixer(self, i: int, w: Tensors, h: torch.Tensor, state: State) -> torch.Tensor:
-        return mixer(self.config, w, h, state[f"layers.{i}.conv"], state[f"layers.{i}.ssm"], self.ssd_chunk)
+        return mixer(self.config, w, h, state[f"layers.{i}.conv"], state[f"layers.{i}.ssm"], self.ssd_chunk,
+                     self.fused_decode)  # fmt: skip
 
 
 def mixer(cfg: Mamba2Config, w: Tensors, h: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
-          chunk: int) -> torch.Tensor:  # fmt: skip
-    """The Mamba2 mixer on h [b, T, d_model] with `mixer.*` weights, advancing its conv window and SSM state."""
+          chunk: int, fused: bool = True) -> torch.Tensor:  # fmt: skip
+    """The Mamba2 mixer on h [b, T, d_model] with `mixer.*` weights, advancing its conv window and SSM state; a
+    one-token step runs its middle as one kernel call where it can (`fused`: tests turn it off)."""
     b, T, _ = h.shape
     H, P, G, N = cfg.n_heads, cfg.head_dim, cfg.n_groups, cfg.d_state
     zxbcdt = linear(h, w["mixer.in_proj.weight"])
     if "mixer.in_proj.bias" in w:
         zxbcdt = zxbcdt + w["mixer.in_proj.bias"]
     z, xbc, dt = torch.split(zxbcdt, [cfg.d_inner, cfg.conv_dim, H], dim=-1)
+    y_fused = None
+    if T == 1 and fused:
+        y_fused = decode_mixer(zxbcdt.reshape(b, -1), conv, w["mixer.conv1d.weight"], w["mixer.conv1d.bias"], ssm,
+                               w["mixer.dt_bias"], w["mixer.A"], w["mixer.D"], G, cfg.dt_min, cfg.dt_max)  # fmt: skip
+    if y_fused is not None:
+        y = gated_rms_norm(y_fused.view(b, T, cfg.d_inner), z, w["mixer.norm.weight"], G, cfg.norm_eps)
+        out = linear(y, w["mixer.out_proj.weight"])
+        return out + w["mixer.out_proj.bias"] if "mixer.out_proj.bias" in w else out
     xbc = causal_conv_silu(xbc, conv, w["mixer.conv1d.weight"], w["mixer.conv1d.bias"])
     x, B, C = torch.split(xbc, [cfg.d_inner, G * N, G * N], dim=-1)
     dt = F.softplus(dt + w["mixer.dt_bias"])

@@ -12,9 +12,38 @@ agree within rounding. States are [B, H, P, N] (head, head_dim, state), updated 
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import torch
 
+from wkvm.models import fused
+
 DEFAULT_CHUNK = 64  # measured on the 130m shape: 32-128 are within a few percent; L^2 work grows past that
+SOURCE = Path(__file__).with_name("ssd.cpp")
+
+
+@functools.cache
+def kernel_available() -> bool:
+    """Whether the decode kernel (ssd.cpp) runs here (built now if needed; off under `WKVM_FUSED=off` like every
+    fused kernel); False, with one warning, when it cannot be built."""
+    return fused.kernel_available(SOURCE, "wkvm_mamba2", "decode", "Mamba2 decode kernel",
+                                  "decode runs the mixer's torch ops (slower)")  # fmt: skip
+
+
+def decode_mixer(proj: torch.Tensor, window: torch.Tensor, conv: torch.Tensor, conv_bias: torch.Tensor,
+                 S: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, D: torch.Tensor, G: int, dt_min: float,
+                 dt_max: float | None) -> torch.Tensor | None:  # fmt: skip
+    """The mixer's one-token step between its projections in one kernel call (ssd.cpp's `decode`: conv step, SiLU,
+    dt, the SSM step and D's skip) for proj [b, in_proj outputs]: y [b, H * P] before the gated norm, or None where
+    the kernel does not take these tensors (the caller runs its torch ops, the kernel's reference in tests)."""
+    if not (fused.cpu_fp32(proj, window, conv, conv_bias, S, dt_bias, A, D) and proj.stride(-1) == 1
+            and window.is_contiguous() and S.is_contiguous() and kernel_available()):  # fmt: skip
+        return None
+    clamp = dt_min > 0.0 or dt_max is not None
+    y: torch.Tensor = torch.ops.wkvm_mamba2.decode(proj, window, conv, conv_bias, S, dt_bias, A, D, G, clamp, dt_min,
+                                                   float("inf") if dt_max is None else dt_max)  # fmt: skip
+    return y
 
 
 def ssd_step(S: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
