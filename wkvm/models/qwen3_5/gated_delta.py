@@ -40,8 +40,9 @@ def decode_layer(proj: torch.Tensor, window: torch.Tensor, conv: torch.Tensor, S
     """A GDN layer's one-token step between its projections in one kernel call (gated_delta.cpp's `decode`: the
     conv, L2 norms, gates, delta-rule step and gated RMSNorm) for proj [B, in_proj outputs]; o [B, Hv * dv], or
     None where the kernel does not take these tensors (the caller runs its torch ops, the kernel's reference)."""
-    if not (fused.cpu_fp32(proj, window, conv, S, neg_A, dt_bias, norm) and proj.stride(-1) == 1
-            and window.is_contiguous() and S.is_contiguous() and kernel_available()):  # fmt: skip
+    whole = all(t.is_contiguous() for t in (window, conv, S, neg_A, dt_bias, norm))
+    if not (fused.cpu_fp32(proj, window, conv, S, neg_A, dt_bias, norm) and proj.stride(-1) == 1 and whole
+            and kernel_available()):  # fmt: skip
         return None
     o: torch.Tensor = torch.ops.wkvm_gdn.decode(proj, window, conv, S, neg_A, dt_bias, norm, Hk, dk, l2_eps, rms_eps)
     return o
