@@ -164,6 +164,19 @@ def test_fused_decode_step_equals_torch_ops(pair, clamp, monkeypatch):
         model.fused_decode = True
 
 
+def test_a_width_one_conv_decodes_on_the_torch_ops():
+    """The decode kernel keeps a conv window of K-1 >= 1 inputs: with K = 1 its guard hands the step to the torch
+    ops (Bamba's config allows it; the kernel's refusal had failed the model's load)."""
+    from wkvm.models.mamba2 import ssd
+
+    b, H, P, N, G = 1, 2, 3, 4, 1
+    CD = H * P + 2 * G * N
+    proj = torch.randn(b, H * P + CD + H)
+    got = ssd.decode_mixer(proj, torch.zeros(b, CD, 0), torch.randn(CD, 1), torch.zeros(CD), torch.zeros(b, H, P, N),
+                           torch.randn(H), -torch.rand(H), torch.randn(H), G, 0.0, None)  # fmt: skip
+    assert got is None
+
+
 def test_forward_groups_equal_separate_forwards(tiny):
     _, model, _ = tiny
     shapes = ((3, 1), (2, 5), (1, 11))

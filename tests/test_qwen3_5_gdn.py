@@ -164,6 +164,17 @@ def test_fused_decode_step_equals_torch_ops(pair):
         m.fused_decode = True
 
 
+def test_a_width_one_conv_decodes_on_the_torch_ops():
+    """The decode kernel keeps a conv window of K-1 >= 1 inputs: with K = 1 (a valid config, no window) its guard
+    hands the step to the torch ops instead of the kernel refusing it (which failed the model's load)."""
+    Hk, Hv, dk, dv, B = 1, 2, 4, 3, 1
+    CD = 2 * Hk * dk + Hv * dv
+    proj = torch.randn(B, CD + Hv * dv + 2 * Hv)
+    args = (torch.zeros(B, CD, 0), torch.randn(CD, 1), torch.zeros(B * Hv, dk, dv), -torch.rand(Hv), torch.randn(Hv),
+            torch.ones(dv))  # fmt: skip
+    assert gated_delta.decode_layer(proj, *args, Hk, dk, 1e-6, 1e-6) is None
+
+
 @torch.no_grad()
 def test_forward_groups_equals_separate(pair):
     _, _, m = pair

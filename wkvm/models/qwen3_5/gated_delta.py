@@ -28,10 +28,10 @@ def kernel_available() -> bool:
                                   "prefill runs the chunked delta rule in torch (slower)")  # fmt: skip
 
 
-def _kernel_takes(S: torch.Tensor, *heads: torch.Tensor) -> bool:
-    """CPU float32, a contiguous state, each token's heads contiguous rows (any batch and token strides)."""
+def _kernel_takes(S: torch.Tensor, heads: tuple[torch.Tensor, ...], gates: tuple[torch.Tensor, ...]) -> bool:
+    """CPU float32 throughout, a contiguous state, each token's heads contiguous rows (any batch and token strides)."""
     rows = all(x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] for x in heads)
-    return fused.cpu_fp32(S, *heads) and S.is_contiguous() and rows and kernel_available()
+    return fused.cpu_fp32(S, *heads, *gates) and S.is_contiguous() and rows and kernel_available()
 
 
 def decode_layer(proj: torch.Tensor, window: torch.Tensor, conv: torch.Tensor, S: torch.Tensor, neg_A: torch.Tensor,
@@ -41,8 +41,9 @@ def decode_layer(proj: torch.Tensor, window: torch.Tensor, conv: torch.Tensor, S
     conv, L2 norms, gates, delta-rule step and gated RMSNorm) for proj [B, in_proj outputs]; o [B, Hv * dv], or
     None where the kernel does not take these tensors (the caller runs its torch ops, the kernel's reference)."""
     whole = all(t.is_contiguous() for t in (window, conv, S, neg_A, dt_bias, norm))
+    # the kernel keeps a window of at least one input: a width-1 conv (none) runs the torch ops
     if not (fused.cpu_fp32(proj, window, conv, S, neg_A, dt_bias, norm) and proj.stride(-1) == 1 and whole
-            and kernel_available()):  # fmt: skip
+            and conv.shape[-1] >= 2 and kernel_available()):  # fmt: skip
         return None
     o: torch.Tensor = torch.ops.wkvm_gdn.decode(proj, window, conv, S, neg_A, dt_bias, norm, Hk, dk, l2_eps, rms_eps)
     return o
@@ -90,7 +91,7 @@ def gated_delta_chunked(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     (gated_delta.cpp: the same form, one thread per key head's value heads) runs it instead: 0.08 s where the torch
     form takes 0.17 s of a 1,024-token prefill at bench/gdn_speed.py's shape (AMD EPYC Zen 4, 2 threads).
     """
-    if _kernel_takes(S, q, k, v):
+    if _kernel_takes(S, (q, k, v), (g, beta)):
         o: torch.Tensor = torch.ops.wkvm_gdn.chunked(S, q, k, v, g.contiguous(), beta.contiguous(), chunk)
         return o
     return chunked_torch(S, q, k, v, g, beta, chunk)
