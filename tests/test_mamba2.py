@@ -164,6 +164,33 @@ def test_fused_decode_step_equals_torch_ops(pair, clamp, monkeypatch):
         model.fused_decode = True
 
 
+@pytest.mark.parametrize("form", ["kernel", "torch"])
+def test_ssd_chunked_equals_steps(form):
+    """The chunked SSD form (ssd.cpp's kernel and the torch ops) against the step recurrence in float64: groups,
+    odd head and state sizes, a batch of two, x strided as the projection's split gives it, chunks that do not
+    divide T, weak and strong decays, a non-zero start."""
+    from wkvm.models.mamba2 import ssd
+
+    if form == "kernel" and not ssd.kernel_available():
+        pytest.skip("no C++ compiler here: prefill runs the torch form")
+    chunked = ssd.ssd_chunked if form == "kernel" else ssd.ssd_chunked_torch
+    torch.manual_seed(0)
+    b, T, H, P, N, G = 2, 45, 6, 5, 7, 3
+    x = torch.randn(b, T, H * P + 4)[..., 4:].unflatten(-1, (H, P))
+    dt = torch.rand(b, T, H) * 0.5
+    A = -torch.tensor([0.01, 0.3, 1.0, 4.0, 20.0, 0.5])
+    B, C, D = torch.randn(b, T, G, N), torch.randn(b, T, G, N), torch.randn(H)
+    S0 = torch.randn(b, H, P, N)
+    S = S0.double()
+    want = torch.stack([ssd.ssd_step(S, x[:, t].double(), dt[:, t].double(), A.double(), B[:, t].double(),
+                                     C[:, t].double(), D.double()) for t in range(T)], 1)  # fmt: skip
+    for chunk in (1, 4, 16, 64):
+        Sc = S0.clone()
+        got = chunked(Sc, x, dt, A, B, C, D, chunk)
+        assert got.shape == (b, T, H, P)
+        assert (got - want).abs().max() < 5e-5 and (Sc - S).abs().max() < 5e-5
+
+
 def test_a_width_one_conv_decodes_on_the_torch_ops():
     """The decode kernel keeps a conv window of K-1 >= 1 inputs: with K = 1 its guard hands the step to the torch
     ops (Bamba's config allows it; the kernel's refusal had failed the model's load)."""

@@ -10,6 +10,14 @@
 //     One pass over the state: at 32 sequences the state (19 MB a sequence at the 130m shape), not the weights, is
 //     what a decode step streams, and the torch ops' three passes (scale, rank-1 add, read out) took 161 ms of a
 //     247 ms step there (AMD EPYC Zen 4, 2 threads).
+//
+//   chunked(S [b, H, P, N] (in/out), x [b, T, H, P], dt [b, T, H], A [H], B, C [b, T, G, N], D [H], chunk)
+//       -> y [b, T, H, P]
+//     The chunked SSD form of ssd.py's `ssd_chunked` (its torch ops are the fallback and the reference in tests):
+//     per chunk of L tokens, with cum the cumulative dt A from the chunk's start, y = ((C B^T) * e^(cum_t - cum_j),
+//     j <= t) (dt x) + e^cum (C S^T) + D x, then S = e^cum_L S + (e^(cum_L - cum) dt x)^T B. x, B and C may have any
+//     batch and token strides; each token's heads are contiguous rows. C B^T is computed once per group and chunk,
+//     then each thread takes heads through all chunks, the state and the chunk's rows in its own cache.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -19,6 +27,10 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <vector>
+
+#include "../simd_math.h"
+#include "../small_gemm.h"
 
 namespace {
 
@@ -95,6 +107,93 @@ at::Tensor decode(const at::Tensor& proj, at::Tensor& window, const at::Tensor& 
   return out;
 }
 
+void check_rows(const at::Tensor& t, int64_t b, int64_t T, int64_t H, int64_t d, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), name, " must be a CPU float32 tensor");
+  TORCH_CHECK(t.dim() == 4 && t.size(0) == b && t.size(1) == T && t.size(2) == H && t.size(3) == d &&
+                  t.stride(3) == 1 && t.stride(2) == d,
+              name, " must be [", b, ", ", T, ", ", H, ", ", d, "] with each token's heads contiguous");
+}
+
+at::Tensor chunked(at::Tensor& S, const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
+                   const at::Tensor& C, const at::Tensor& D, int64_t chunk) {
+  TORCH_CHECK(S.scalar_type() == at::kFloat && S.is_contiguous() && S.dim() == 4, "S must be contiguous [b, H, P, N]");
+  const int64_t b = S.size(0), H = S.size(1), P = S.size(2), N = S.size(3), T = x.size(1), G = B.size(2);
+  TORCH_CHECK(G > 0 && H % G == 0, "heads (", H, ") must be a multiple of groups (", G, ")");
+  TORCH_CHECK(chunk >= 1, "chunk must be at least 1");
+  check_rows(x, b, T, H, P, "x");
+  check_rows(B, b, T, G, N, "B");
+  check_rows(C, b, T, G, N, "C");
+  TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.is_contiguous() && dt.dim() == 3 && dt.size(0) == b &&
+                  dt.size(1) == T && dt.size(2) == H,
+              "dt must be contiguous [", b, ", ", T, ", ", H, "]");
+  TORCH_CHECK(A.scalar_type() == at::kFloat && A.is_contiguous() && A.numel() == H && D.scalar_type() == at::kFloat &&
+                  D.is_contiguous() && D.numel() == H,
+              "A and D must be contiguous float32 [", H, "]");
+  at::Tensor out = at::empty({b, T, H, P}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (T == 0) return out;
+  const int64_t L = std::min(chunk, T), chunks = (T + L - 1) / L, hpg = H / G;
+  const float *xp = x.data_ptr<float>(), *dtp = dt.data_ptr<float>(), *Ap = A.data_ptr<float>();
+  const float *Bp = B.data_ptr<float>(), *Cp = C.data_ptr<float>(), *Dp = D.data_ptr<float>();
+  float *Sp = S.data_ptr<float>(), *op = out.data_ptr<float>();
+  const int64_t xsb = x.stride(0), xst = x.stride(1), Bsb = B.stride(0), Bst = B.stride(1);
+  const int64_t Csb = C.stride(0), Cst = C.stride(1);
+  // C B^T per batch row, group and chunk, shared by the group's heads
+  std::vector<float> CB(b * G * chunks * L * L);
+  at::parallel_for(0, b * G * chunks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> Cc(L * N), BT(N * L);
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t r = item / (G * chunks), g = item / chunks % G, c = item % chunks;
+      const int64_t t0 = c * L, n = std::min(L, T - t0);
+      for (int64_t t = 0; t < n; ++t) {
+        std::copy_n(Cp + r * Csb + (t0 + t) * Cst + g * N, N, Cc.data() + t * N);
+        const float* Bt = Bp + r * Bsb + (t0 + t) * Bst + g * N;
+        for (int64_t k = 0; k < N; ++k) BT[k * L + t] = Bt[k];
+      }
+      wkvm::gemm(n, n, N, Cc.data(), N, BT.data(), L, CB.data() + item * L * L, L, 1.0f, 0.0f);
+    }
+  });
+  at::parallel_for(0, b * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> cum(L), row(L), scores(L * L), dtx(L * P), Bc(L * N), CdT(N * L), YsT(P * L), WT(P * L);
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t r = item / H, h = item % H, g = h / hpg;
+      float* Sh = Sp + item * P * N;  // [P, N]
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t t0 = c * L, n = std::min(L, T - t0);
+        const float* dth = dtp + (r * T + t0) * H + h;  // token stride H
+        double acc = 0.0;
+        for (int64_t t = 0; t < n; ++t) cum[t] = static_cast<float>(acc += double(dth[t * H]) * Ap[h]);
+        const float cum_end = cum[n - 1];
+        for (int64_t t = 0; t < n; ++t) {
+          const float* xt = xp + r * xsb + (t0 + t) * xst + h * P;
+          const float d = dth[t * H], to_end = wkvm::exp_approx(cum_end - cum[t]), e = wkvm::exp_approx(cum[t]);
+#pragma omp simd
+          for (int64_t p = 0; p < P; ++p) dtx[t * P + p] = xt[p] * d;
+          for (int64_t p = 0; p < P; ++p) WT[p * L + t] = dtx[t * P + p] * to_end;
+          const float* Ct = Cp + r * Csb + (t0 + t) * Cst + g * N;
+          for (int64_t k = 0; k < N; ++k) CdT[k * L + t] = e * Ct[k];
+          std::copy_n(Bp + r * Bsb + (t0 + t) * Bst + g * N, N, Bc.data() + t * N);
+          const float* cb = CB.data() + ((r * G + g) * chunks + c) * L * L + t * L;
+          const float ct = cum[t];
+#pragma omp simd
+          for (int64_t j = 0; j <= t; ++j) row[j] = wkvm::exp_approx(ct - cum[j]);
+          for (int64_t j = 0; j <= t; ++j) scores[t * L + j] = row[j] * cb[j];
+          std::fill(scores.begin() + t * L + t + 1, scores.begin() + t * L + n, 0.0f);
+        }
+        float* yh = op + ((r * T + t0) * H + h) * P;  // token stride H * P
+        wkvm::gemm(n, P, n, scores.data(), L, dtx.data(), P, yh, H * P, 1.0f, 0.0f);  // within the chunk
+        wkvm::gemm(P, n, N, Sh, N, CdT.data(), L, YsT.data(), L, 1.0f, 0.0f);         // S0 read through C
+        for (int64_t t = 0; t < n; ++t) {
+          float* yt = yh + t * H * P;
+          const float* xt = xp + r * xsb + (t0 + t) * xst + h * P;
+          for (int64_t p = 0; p < P; ++p) yt[p] += YsT[p * L + t] + Dp[h] * xt[p];
+        }
+        wkvm::gemm(P, N, n, WT.data(), L, Bc.data(), N, Sh, N, 1.0f, wkvm::exp_approx(cum_end));  // the state
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(wkvm_mamba2, m) {
@@ -102,4 +201,6 @@ TORCH_LIBRARY(wkvm_mamba2, m) {
       "decode(Tensor proj, Tensor(a!) window, Tensor conv, Tensor conv_bias, Tensor(b!) S, Tensor dt_bias, Tensor A, "
       "Tensor D, int G, bool clamp, float dt_min, float dt_max) -> Tensor",
       &decode);
+  m.def("chunked(Tensor(a!) S, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, int chunk) -> Tensor",
+        &chunked);
 }

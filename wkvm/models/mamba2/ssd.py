@@ -19,7 +19,7 @@ import torch
 
 from wkvm.models import fused
 
-DEFAULT_CHUNK = 64  # measured on the 130m shape: 32-128 are within a few percent; L^2 work grows past that
+DEFAULT_CHUNK = 64  # 130m shape, 1,024-token prefill on the kernel: 32 / 64 / 128 / 256 -> 1.25 / 1.29 / 1.35 / 1.54 s
 SOURCE = Path(__file__).with_name("ssd.cpp")
 
 
@@ -66,7 +66,20 @@ def ssd_step(S: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor
 
 def ssd_chunked(S: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                 C: torch.Tensor, D: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:  # fmt: skip
-    """T tokens: S [b, H, P, N] (in place), x [b, T, H, P], dt [b, T, H], B and C [b, T, G, N] -> y [b, T, H, P]."""
+    """T tokens: S [b, H, P, N] (in place), x [b, T, H, P], dt [b, T, H], B and C [b, T, G, N] -> y [b, T, H, P].
+    On CPU in fp32 ssd.cpp's `chunked` runs the same form (C B^T once per group and chunk, a thread per head through
+    the chunks); elsewhere, and without a compiler, the torch ops of `ssd_chunked_torch`."""
+    rows = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (x, B, C))
+    if (fused.cpu_fp32(S, x, dt, A, B, C, D) and rows and S.is_contiguous() and A.is_contiguous()
+            and D.is_contiguous() and kernel_available()):  # fmt: skip
+        y: torch.Tensor = torch.ops.wkvm_mamba2.chunked(S, x, dt.contiguous(), A, B, C, D, chunk)
+        return y
+    return ssd_chunked_torch(S, x, dt, A, B, C, D, chunk)
+
+
+def ssd_chunked_torch(S: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                      C: torch.Tensor, D: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:  # fmt: skip
+    """`ssd_chunked` in torch ops: the fallback and the kernel's reference in tests."""
     b, T, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
     hpg = H // G
