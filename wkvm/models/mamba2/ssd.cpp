@@ -26,32 +26,25 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <initializer_list>
 #include <vector>
 
+#include "../recurrent_parts.h"
 #include "../simd_math.h"
 #include "../small_gemm.h"
 
 namespace {
-
-inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
 at::Tensor decode(const at::Tensor& proj, at::Tensor& window, const at::Tensor& conv, const at::Tensor& conv_bias,
                   at::Tensor& S, const at::Tensor& dt_bias, const at::Tensor& A, const at::Tensor& D, int64_t G,
                   bool clamp, double dt_min, double dt_max) {
   const int64_t b = S.size(0), H = S.size(1), P = S.size(2), N = S.size(3), d_inner = H * P;
   const int64_t CD = d_inner + 2 * G * N, K = conv.size(1), width = d_inner + CD + H;
-  const std::initializer_list<const at::Tensor*> all{&proj, &window, &conv, &conv_bias, &S, &dt_bias, &A, &D};
-  for (const at::Tensor* t : all)
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(), "decode takes CPU float32 tensors");
+  wkvm::check_cpu_fp32({&proj, &window, &conv, &conv_bias, &S, &dt_bias, &A, &D}, "decode");
   TORCH_CHECK(G > 0 && H % G == 0, "heads (", H, ") must be a multiple of groups (", G, ")");
   TORCH_CHECK(S.is_contiguous() && S.dim() == 4, "S must be contiguous [b, H, P, N]");
   TORCH_CHECK(proj.dim() == 2 && proj.size(0) == b && proj.size(1) == width && proj.stride(1) == 1,
               "proj must be [", b, ", ", width, "] with contiguous rows");
-  TORCH_CHECK(conv.is_contiguous() && conv.dim() == 2 && conv.size(0) == CD && K >= 2, "conv must be [", CD, ", K]");
-  TORCH_CHECK(window.is_contiguous() && window.dim() == 3 && window.size(0) == b && window.size(1) == CD &&
-                  window.size(2) == K - 1,
-              "window must be contiguous [", b, ", ", CD, ", ", K - 1, "]");
+  wkvm::check_conv(conv, window, b, CD);
   TORCH_CHECK(conv_bias.is_contiguous() && conv_bias.numel() == CD && dt_bias.is_contiguous() &&
                   dt_bias.numel() == H && A.is_contiguous() && A.numel() == H && D.is_contiguous() && D.numel() == H,
               "conv_bias [", CD, "], dt_bias, A and D [", H, "] must be contiguous");
@@ -63,26 +56,14 @@ at::Tensor decode(const at::Tensor& proj, at::Tensor& window, const at::Tensor& 
   float* op = out.data_ptr<float>();
   const int64_t ps = proj.stride(0), hpg = H / G;
   at::parallel_for(0, b, 1, [&](int64_t r0, int64_t r1) {  // the conv and SiLU; the window advances
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* x = pp + r * ps + d_inner;
-      float* w = win + r * CD * (K - 1);
-      for (int64_t c = 0; c < CD; ++c) {
-        float* wc = w + c * (K - 1);
-        const float* kc = cw + c * K;
-        float acc = 0.0f;
-        for (int64_t j = 0; j < K - 1; ++j) acc += wc[j] * kc[j];
-        acc += x[c] * kc[K - 1];
-        for (int64_t j = 0; j + 1 < K - 1; ++j) wc[j] = wc[j + 1];
-        wc[K - 2] = x[c];
-        mx[r * CD + c] = silu(acc + cb[c]);
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r)
+      wkvm::conv_silu_step(pp + r * ps + d_inner, win + r * CD * (K - 1), cw, cb, CD, K, mx + r * CD);
   });
   at::parallel_for(0, b * H, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t r = item / H, h = item % H, g = h / hpg;
       const float a = pp[r * ps + d_inner + CD + h] + dtb[h];
-      float dt = a > 20.0f ? a : std::log1p(std::exp(a));  // torch's softplus (threshold 20)
+      float dt = wkvm::softplus(a);
       if (clamp) dt = std::min(std::max(dt, static_cast<float>(dt_min)), static_cast<float>(dt_max));
       const float decay = std::exp(dt * Ap[h]);
       const float* x = mx + r * CD + h * P;
@@ -107,22 +88,15 @@ at::Tensor decode(const at::Tensor& proj, at::Tensor& window, const at::Tensor& 
   return out;
 }
 
-void check_rows(const at::Tensor& t, int64_t b, int64_t T, int64_t H, int64_t d, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), name, " must be a CPU float32 tensor");
-  TORCH_CHECK(t.dim() == 4 && t.size(0) == b && t.size(1) == T && t.size(2) == H && t.size(3) == d &&
-                  t.stride(3) == 1 && t.stride(2) == d,
-              name, " must be [", b, ", ", T, ", ", H, ", ", d, "] with each token's heads contiguous");
-}
-
 at::Tensor chunked(at::Tensor& S, const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
                    const at::Tensor& C, const at::Tensor& D, int64_t chunk) {
   TORCH_CHECK(S.scalar_type() == at::kFloat && S.is_contiguous() && S.dim() == 4, "S must be contiguous [b, H, P, N]");
   const int64_t b = S.size(0), H = S.size(1), P = S.size(2), N = S.size(3), T = x.size(1), G = B.size(2);
   TORCH_CHECK(G > 0 && H % G == 0, "heads (", H, ") must be a multiple of groups (", G, ")");
   TORCH_CHECK(chunk >= 1, "chunk must be at least 1");
-  check_rows(x, b, T, H, P, "x");
-  check_rows(B, b, T, G, N, "B");
-  check_rows(C, b, T, G, N, "C");
+  wkvm::check_heads(x, b, T, H, P, "x");
+  wkvm::check_heads(B, b, T, G, N, "B");
+  wkvm::check_heads(C, b, T, G, N, "C");
   TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.is_contiguous() && dt.dim() == 3 && dt.size(0) == b &&
                   dt.size(1) == T && dt.size(2) == H,
               "dt must be contiguous [", b, ", ", T, ", ", H, "]");

@@ -29,29 +29,24 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <initializer_list>
 #include <vector>
 
+#include "../recurrent_parts.h"
 #include "../simd_math.h"
 #include "../small_gemm.h"
 
 namespace {
 
+using wkvm::check_heads;
 using wkvm::exp_approx;
 using wkvm::gemm;
+using wkvm::silu;
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.0f;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
-}
-
-void check_heads(const at::Tensor& x, int64_t B, int64_t T, int64_t H, int64_t d, const char* name) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), name, " must be a CPU float32 tensor");
-  TORCH_CHECK(x.dim() == 4 && x.size(0) == B && x.size(1) == T && x.size(2) == H && x.size(3) == d &&
-                  x.stride(3) == 1 && x.stride(2) == d,
-              name, " must be [", B, ", ", T, ", ", H, ", ", d, "] with each token's heads contiguous");
 }
 
 at::Tensor chunked(at::Tensor& S, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -148,23 +143,16 @@ at::Tensor chunked(at::Tensor& S, const at::Tensor& q, const at::Tensor& k, cons
   return out;
 }
 
-inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
-
 at::Tensor decode(const at::Tensor& proj, at::Tensor& window, const at::Tensor& conv, at::Tensor& S,
                   const at::Tensor& neg_A, const at::Tensor& dt_bias, const at::Tensor& norm, int64_t Hk, int64_t dk,
                   double l2_eps, double rms_eps) {
   const int64_t Hv = neg_A.numel(), dv = norm.numel(), B = proj.size(0), CD = 2 * Hk * dk + Hv * dv;
   TORCH_CHECK(Hk > 0 && Hv % Hk == 0, "value heads (", Hv, ") must be a multiple of key heads (", Hk, ")");
   const int64_t K = conv.size(1), width = CD + Hv * dv + 2 * Hv;
-  const std::initializer_list<const at::Tensor*> all{&proj, &window, &conv, &S, &neg_A, &dt_bias, &norm};
-  for (const at::Tensor* x : all)
-    TORCH_CHECK(x->scalar_type() == at::kFloat && x->device().is_cpu(), "decode takes CPU float32 tensors");
+  wkvm::check_cpu_fp32({&proj, &window, &conv, &S, &neg_A, &dt_bias, &norm}, "decode");
   TORCH_CHECK(proj.dim() == 2 && proj.size(1) == width && proj.stride(1) == 1, "proj must be [B, ", width,
               "] with contiguous rows");
-  TORCH_CHECK(conv.is_contiguous() && conv.dim() == 2 && conv.size(0) == CD && K >= 2, "conv must be [", CD, ", K]");
-  TORCH_CHECK(window.is_contiguous() && window.dim() == 3 && window.size(0) == B && window.size(1) == CD &&
-                  window.size(2) == K - 1,
-              "window must be contiguous [", B, ", ", CD, ", ", K - 1, "]");
+  wkvm::check_conv(conv, window, B, CD);
   TORCH_CHECK(S.is_contiguous() && S.numel() == B * Hv * dk * dv, "S must be contiguous [", B * Hv, ", ", dk, ", ",
               dv, "]");
   TORCH_CHECK(neg_A.is_contiguous() && dt_bias.is_contiguous() && dt_bias.numel() == Hv && norm.is_contiguous(),
@@ -179,19 +167,8 @@ at::Tensor decode(const at::Tensor& proj, at::Tensor& window, const at::Tensor& 
   // the conv and SiLU over every channel (the window advances), then L2 norms per key head
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const float* x = pp + b * ps;
-      float* w = win + b * CD * (K - 1);
       float* m = mx + b * CD;
-      for (int64_t c = 0; c < CD; ++c) {
-        float* wc = w + c * (K - 1);
-        const float* kc = cw + c * K;
-        float acc = 0.0f;
-        for (int64_t j = 0; j < K - 1; ++j) acc += wc[j] * kc[j];
-        acc += x[c] * kc[K - 1];
-        for (int64_t j = 0; j + 1 < K - 1; ++j) wc[j] = wc[j + 1];
-        wc[K - 2] = x[c];
-        m[c] = silu(acc);
-      }
+      wkvm::conv_silu_step(pp + b * ps, win + b * CD * (K - 1), cw, nullptr, CD, K, m);
       for (int64_t h = 0; h < 2 * Hk; ++h) {
         float* row = m + h * dk;
         const float scale = (1.0f / std::sqrt(dot(row, row, dk) + static_cast<float>(l2_eps))) *
@@ -211,7 +188,7 @@ at::Tensor decode(const at::Tensor& proj, at::Tensor& window, const at::Tensor& 
       const float* v = mx + b * CD + 2 * Hk * dk + h * dv;
       const float* z = x + CD + h * dv;
       const float a = x[CD + Hv * dv + Hv + h] + dtb[h];
-      const float g = nA[h] * (a > 20.0f ? a : std::log1p(std::exp(a)));  // torch's softplus (threshold 20)
+      const float g = nA[h] * wkvm::softplus(a);
       const float beta = 1.0f / (1.0f + std::exp(-x[CD + Hv * dv + h]));
       const float decay = std::exp(g);
       float* Sh = Sp + item * dk * dv;
