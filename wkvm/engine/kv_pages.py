@@ -8,6 +8,7 @@ The scheduler reserves pages before each step (`SlotArena.reserve`), the runner 
 from __future__ import annotations
 
 import functools
+import heapq
 import threading
 from dataclasses import dataclass, field
 
@@ -41,7 +42,10 @@ class PagePool:
         # what states hold (their files, parked copies, reuse checkpoints): the spec's dtype whatever the pages'
         self.state_dtypes = {t.name: t.torch_dtype for t in spec.tensors if t.kind == "kv"}
         self.refs = [0] * n_pages
-        self._free = list(range(n_pages - 1, -1, -1))  # pop() hands out the lowest page first
+        # a min-heap: the lowest free page first, so a sequence's pages ascend through memory as far as the free ones
+        # allow. A stack handed a freed sequence's pages to the next one in descending order, and every other
+        # request read its keys and values backwards: decode after 8,000 tokens 43-45 vs 55 tok/s (SmolLM2 int8)
+        self._free = list(range(n_pages))
         self._flat: dict[str, torch.Tensor] = {}
         # the engine thread takes and returns pages; a finished request's pages come back from the thread that
         # copies them out (Engine._keep_final_state)
@@ -55,7 +59,7 @@ class PagePool:
         with self._lock:
             if not self._free:
                 raise OutOfPages("no free KV page")
-            page = self._free.pop()
+            page = heapq.heappop(self._free)
             self.refs[page] = 1
             return page
 
@@ -67,7 +71,7 @@ class PagePool:
         with self._lock:
             self.refs[page] -= 1
             if self.refs[page] == 0:
-                self._free.append(page)
+                heapq.heappush(self._free, page)
 
     def copy_page(self, src: int) -> int:
         """A private copy of page `src` (copy-on-write)."""
