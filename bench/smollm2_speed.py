@@ -100,6 +100,9 @@ def main() -> None:
     tokenizer = load_text_tools(GGUF, model.family)[0]
     prompt = torch.randint(0, model.vocab_size, (args.prefill_tokens,), generator=torch.Generator().manual_seed(0))
     n = args.decode_tokens
+    if model.context_length is not None and args.depth + n + 2 > model.context_length:
+        sys.exit(f"--depth {args.depth} with {n} decode tokens does not fit the model's context of "
+                 f"{model.context_length} tokens: use --depth {model.context_length - n - 2} or less")
 
     from transformers import LlamaForCausalLM
 
