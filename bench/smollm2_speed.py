@@ -135,9 +135,9 @@ def main() -> None:
     # bound (streaming the weights). This VM moves between states where the two rates differ by 2-3x in ratio.
     machine: dict[str, list[float]] = {"int8_8row_gmac_s": [], "read_gb_s": []}
     # One engine per batch size for every round, its key/value pages written once by an untimed run first: a running
-    # server's pages go back to a free list that hands the last freed out first, and llama.cpp clears its whole KV
-    # buffer before it times anything. A new engine a round paid the OS's first write to each page inside the timed
-    # steps (B=8 ~75 page faults a step, 10.6 vs 9.0 ms; B=1 ~10, 5.1 vs 4.8 ms; this AMD EPYC VM).
+    # server's pages go back to a free list that hands the lowest out first (pages written before), and llama.cpp
+    # clears its whole KV buffer before it times anything. A new engine a round paid the OS's first write to each page
+    # inside the timed steps (B=8 ~75 page faults a step, 10.6 vs 9.0 ms; B=1 ~10, 5.1 vs 4.8 ms; this AMD EPYC VM).
     engines = {batch: decode_engine(model, tokenizer, batch, args.kv_dtype) for batch in rates}
     for batch, engine in engines.items():
         engine_decode_tok_s(model, tokenizer, batch, n, lambda i: prompt[i : i + 32].tolist(), engine=engine)
