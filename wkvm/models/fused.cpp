@@ -656,7 +656,7 @@ struct Attention {
       const Pages pg{pr.pt + b * pr.P, pr.page_tokens};
       // a row that shares its first page with the row before (a prompt chunk's tokens, forks of one sequence)
       // finds those rows in cache: read them once more and a prefill chunk ran 0.82-0.89x
-      if ((b == 0 || pr.pt[b * pr.P] != pr.pt[(b - 1) * pr.P])) touch(kf, vf, pg, t0, t1, hs);
+      if (b == 0 || pr.pt[b * pr.P] != pr.pt[(b - 1) * pr.P]) touch(kf, vf, pg, t0, t1, hs);
       scores.resize(pr.Hq * (t1 - t0));
       scores_of(qr.data() + b * pr.Hq * pr.D, kf, vf, pg, t0, t1, hs, scores.data());
       exp_rows(scores.data(), pr.Hq, t1 - t0, max + i * pr.Hq, sum + i * pr.Hq);
