@@ -220,7 +220,8 @@ struct Heads {
 // memory 1.05-1.8x faster (one row at 1,000 and 8,000 tokens, eight at 48 and 1,000, float32 and float16 pools, 1-2
 // threads); SmolLM2 int8 decode after 8,000 tokens 47.7 -> 57.4 tok/s, short contexts level. The software prefetches
 // (`prefetch_rows`: any hint, one page to 96 KB ahead, all of an item's lines at once, or none at all) left the op's
-// time unchanged on that host. The values read are only kept from being optimized away.
+// time unchanged on that host, which honours them elsewhere (random reads). The values read are only kept from being
+// optimized away.
 template <class T>
 void touch(const T* kf, const T* vf, const Pages& pg, int64_t t0, int64_t t1, const Heads& hs) {
   unsigned sink = 0;
