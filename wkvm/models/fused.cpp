@@ -218,7 +218,8 @@ struct Heads {
 // cache comes from memory (the layer's weights passed through since); loads that depend on nothing bring its lines in
 // at the memory's rate, where the arithmetic's own loads did not. Measured (AMD EPYC Zen 4, session 41): the op from
 // memory 1.05-1.8x faster (one row at 1,000 and 8,000 tokens, eight at 48 and 1,000, float32 and float16 pools, 1-2
-// threads); SmolLM2 int8 decode after 8,000 tokens 47.7 -> 57.4 tok/s, short contexts level. The software prefetches
+// threads); SmolLM2 int8 decode after 8,000 tokens 1.10-1.20x (47.7 -> 57.4 tok/s), short contexts level; float32
+// pools only (below). The software prefetches
 // (`prefetch_rows`: any hint, one page to 96 KB ahead, all of an item's lines at once, or none at all) left the op's
 // time unchanged on that host, which honours them elsewhere (random reads). The values read are only kept from being
 // optimized away.
@@ -656,8 +657,10 @@ struct Attention {
       const int64_t t0 = (i - first[b]) * CHUNK, t1 = std::min(pr.pl[b] + 1, t0 + CHUNK);
       const Pages pg{pr.pt + b * pr.P, pr.page_tokens};
       // a row that shares its first page with the row before (a prompt chunk's tokens, forks of one sequence)
-      // finds those rows in cache: read them once more and a prefill chunk ran 0.82-0.89x
-      if (b == 0 || pr.pt[b * pr.P] != pr.pt[(b - 1) * pr.P]) touch(kf, vf, pg, t0, t1, hs);
+      // finds those rows in cache: read them once more and a prefill chunk ran 0.82-0.89x. A float16 pool's
+      // arithmetic (widening every value) outweighs its reads: decode after 8,000 tokens 0.93x and 1.00x with it
+      if (std::is_same_v<T, float> && (b == 0 || pr.pt[b * pr.P] != pr.pt[(b - 1) * pr.P]))
+        touch(kf, vf, pg, t0, t1, hs);
       scores.resize(pr.Hq * (t1 - t0));
       scores_of(qr.data() + b * pr.Hq * pr.D, kf, vf, pg, t0, t1, hs, scores.data());
       exp_rows(scores.data(), pr.Hq, t1 - t0, max + i * pr.Hq, sum + i * pr.Hq);
