@@ -60,6 +60,14 @@ def cpu_fp32(*xs: torch.Tensor | None) -> bool:
     return all(x is None or (x.is_cpu and x.dtype == torch.float32) for x in xs)
 
 
+def conv_step_fits(proj: torch.Tensor, window: torch.Tensor, conv: torch.Tensor, *rest: torch.Tensor) -> bool:
+    """Whether a recurrent layer's one-token kernel (models/recurrent_parts.h's checks: Mamba2's and Gated
+    DeltaNet's `decode`) takes these tensors: CPU float32, proj's rows contiguous, every other tensor whole, and a
+    conv at least 2 wide (the kernels keep a window of at least one input; a width-1 conv runs the torch ops)."""
+    return (cpu_fp32(proj, window, conv, *rest) and proj.stride(-1) == 1 and conv.shape[-1] >= 2
+            and all(t.is_contiguous() for t in (window, conv, *rest)))  # fmt: skip
+
+
 def _runs(*xs: torch.Tensor) -> bool:
     return cpu_fp32(*xs) and available()
 

@@ -37,10 +37,7 @@ def decode_mixer(proj: torch.Tensor, window: torch.Tensor, conv: torch.Tensor, c
     """The mixer's one-token step between its projections in one kernel call (ssd.cpp's `decode`: conv step, SiLU,
     dt, the SSM step and D's skip) for proj [b, in_proj outputs]: y [b, H * P] before the gated norm, or None where
     the kernel does not take these tensors (the caller runs its torch ops, the kernel's reference in tests)."""
-    whole = all(t.is_contiguous() for t in (window, conv, conv_bias, S, dt_bias, A, D))
-    # the kernel keeps a window of at least one input: a width-1 conv (none) runs the torch ops
-    if not (fused.cpu_fp32(proj, window, conv, conv_bias, S, dt_bias, A, D) and proj.stride(-1) == 1 and whole
-            and conv.shape[-1] >= 2 and kernel_available()):  # fmt: skip
+    if not (fused.conv_step_fits(proj, window, conv, conv_bias, S, dt_bias, A, D) and kernel_available()):
         return None
     clamp = dt_min > 0.0 or dt_max is not None
     y: torch.Tensor = torch.ops.wkvm_mamba2.decode(proj, window, conv, conv_bias, S, dt_bias, A, D, G, clamp, dt_min,

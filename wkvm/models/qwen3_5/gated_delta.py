@@ -40,10 +40,7 @@ def decode_layer(proj: torch.Tensor, window: torch.Tensor, conv: torch.Tensor, S
     """A GDN layer's one-token step between its projections in one kernel call (gated_delta.cpp's `decode`: the
     conv, L2 norms, gates, delta-rule step and gated RMSNorm) for proj [B, in_proj outputs]; o [B, Hv * dv], or
     None where the kernel does not take these tensors (the caller runs its torch ops, the kernel's reference)."""
-    whole = all(t.is_contiguous() for t in (window, conv, S, neg_A, dt_bias, norm))
-    # the kernel keeps a window of at least one input: a width-1 conv (none) runs the torch ops
-    if not (fused.cpu_fp32(proj, window, conv, S, neg_A, dt_bias, norm) and proj.stride(-1) == 1 and whole
-            and conv.shape[-1] >= 2 and kernel_available()):  # fmt: skip
+    if not (fused.conv_step_fits(proj, window, conv, S, neg_A, dt_bias, norm) and kernel_available()):
         return None
     o: torch.Tensor = torch.ops.wkvm_gdn.decode(proj, window, conv, S, neg_A, dt_bias, norm, Hk, dk, l2_eps, rms_eps)
     return o
