@@ -147,6 +147,15 @@ def test_fused_decode_step_equals_torch_ops(pair, clamp, monkeypatch):
         pytest.skip("no C++ compiler here: decode runs the mixer's torch ops")
     if clamp:
         monkeypatch.setattr(model, "config", dataclasses.replace(model.config, dt_min=0.05, dt_max=0.3))
+    from wkvm.models.mamba2 import model as mamba2_model
+
+    ran = []  # the kernel's answers: its guard handing every step to the torch ops would compare them with themselves
+
+    def spy(*args, **kwargs):
+        ran.append(ssd.decode_mixer(*args, **kwargs))
+        return ran[-1]
+
+    monkeypatch.setattr(mamba2_model, "decode_mixer", spy)
     states = [model.prefill(prompt(model.vocab_size, n, 30 + n)[0])[1] for n in (2, 7, 5)]
     fused = {k: torch.cat([s[k] for s in states]) for k in states[0]}
     plain = {k: t.clone() for k, t in fused.items()}
@@ -160,6 +169,7 @@ def test_fused_decode_step_equals_torch_ops(pair, clamp, monkeypatch):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
             for k in fused:
                 torch.testing.assert_close(fused[k], plain[k], rtol=1e-4, atol=1e-5)
+        assert ran and all(y is not None for y in ran)
     finally:
         model.fused_decode = True
 

@@ -140,12 +140,21 @@ def test_batched_decode_equals_each_alone(pair):
 
 
 @torch.no_grad()
-def test_fused_decode_step_equals_torch_ops(pair):
+def test_fused_decode_step_equals_torch_ops(pair, monkeypatch):
     """The decode step's one kernel call per GDN layer (conv, norms, gates, delta rule, gated norm) against the
     model's torch ops, its reference: a batch of two continuing different prompts, logits and every state tensor."""
     _, _, m = pair
     if not gated_delta.kernel_available():
         pytest.skip("no C++ compiler here: decode runs its torch ops")
+    from wkvm.models.qwen3_5 import model as qwen_model
+
+    ran = []  # the kernel's answers: its guard handing every step to the torch ops would compare them with themselves
+
+    def spy(*args, **kwargs):
+        ran.append(gated_delta.decode_layer(*args, **kwargs))
+        return ran[-1]
+
+    monkeypatch.setattr(qwen_model, "decode_layer", spy)
     prompts = [ids_for(m.vocab_size, 1, n, seed=n)[0] for n in (5, 9)]
     states = [m.prefill(p)[1] for p in prompts]
     fused = {k: torch.cat([s[k] for s in states]) for k in states[0]}
@@ -160,6 +169,7 @@ def test_fused_decode_step_equals_torch_ops(pair):
             assert (got - want).abs().max() < 1e-5
             for k in fused:
                 assert torch.allclose(fused[k], plain[k], rtol=1e-5, atol=1e-5), k
+        assert ran and all(o is not None for o in ran)
     finally:
         m.fused_decode = True
 
