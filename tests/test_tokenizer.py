@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from wkvm.engine.detokenizer import Detokenizer
-from wkvm.models.rwkv7.tokenizer import WorldTokenizer
+from wkvm.models.rwkv7.tokenizer import WorldTokenizer, literal_bytes
 from wkvm.tokenizer import HFTokenizer, load_tokenizer
 
 TEXTS = [
@@ -280,3 +280,20 @@ def test_a_stop_string_in_text_held_back_at_the_end_is_found():
     d = Detokenizer(tok, stop=[": "], min_tokens=2)  # stop strings count only after min_tokens
     d.add(0), d.add(1), d.flush()
     assert not d.stopped and d.text == "Answer: \ufffd"
+
+
+def test_every_vocab_literal_reads_as_python_reads_it():
+    """The World vocab's literals are read without the ast module (not thread-safe in CPython 3.11): every one of its
+    65,529 lines, str or bytes, escaped or not, gives the bytes `ast.literal_eval` gives."""
+    import ast
+
+    tok = WorldTokenizer()
+    lines = tok.vocab_file.read_text(encoding="utf-8").splitlines()
+    escaped = 0
+    for line in lines:
+        literal = line.split(" ", 1)[1].rsplit(" ", 1)[0]
+        value = ast.literal_eval(literal)
+        assert literal_bytes(literal) == (value.encode("utf-8") if isinstance(value, str) else value), line
+        escaped += "\\" in literal
+    assert len(lines) == 65529 and escaped == 840  # the escaped ones take the slow path
+    assert tok.token_bytes(10) == literal_bytes(lines[9].split(" ", 1)[1].rsplit(" ", 1)[0])
