@@ -37,7 +37,7 @@ from common import (  # noqa: E402
     write_json,
 )
 
-from wkvm.config import weight_dtype  # noqa: E402
+from wkvm.config import KV_CHOICES, kv_dtype_for, weight_dtype  # noqa: E402
 from wkvm.models.llama import FAMILY  # noqa: E402
 from wkvm.weights.loader import load_model, load_text_tools  # noqa: E402
 
@@ -88,11 +88,13 @@ def main() -> None:
     ap.add_argument("--anchor-rounds", type=int, default=9,
                     help="alternating one-stream / batched engine runs behind the B=8 / B=1 anchor")  # fmt: skip
     ap.add_argument("--no-llama-cpp", action="store_true")
-    ap.add_argument("--kv-dtype", default="float32",
-                    help="the engine's key/value pages: float32 or float16 (llama.cpp keeps f16)")  # fmt: skip
+    ap.add_argument("--kv-dtype", default="auto", choices=KV_CHOICES,
+                    help="the engine's key/value pages: float32, float16 (llama.cpp keeps f16) or auto, as `wkvm "
+                    "serve`: float32 with --dtype float32, else float16")  # fmt: skip
     ap.add_argument("--dtype", default="float32",
                     help="wkvm's weights: float32, bfloat16, int8 or int4 (transformers stays fp32)")  # fmt: skip
     args = ap.parse_args()
+    args.kv_dtype = kv_dtype_for(args.kv_dtype, args.dtype)
     if not GGUF.is_file():
         sys.exit(f"{GGUF} is missing: run `make smollm2`")
     threads = torch.get_num_threads()

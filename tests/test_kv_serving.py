@@ -427,6 +427,33 @@ def test_float16_keys_and_values(model, model_dir, monkeypatch):
     assert all(back[k].dtype == torch.float32 and torch.equal(back[k], dense[k]) for k in dense)
 
 
+def test_kv_dtype_auto_follows_the_weights(model_dir):
+    """`wkvm serve`'s --kv-dtype auto (the default): float32 pages for float32 weights (exact against transformers),
+    float16 for every rounded weight dtype (as llama.cpp's f16 cache; docs/design-paged-kv.md); an explicit choice
+    wins, and a wrong one names the choices before anything loads."""
+    from wkvm.config import ServerConfig
+    from wkvm.llm import LLM
+
+    assert ServerConfig().kv_dtype == "auto"
+    chosen = {d: ServerConfig(dtype=d).engine_config().kv_dtype for d in ("float32", "fp32", "bfloat16", "bf16",
+                                                                          "int8", "int4", "INT8")}  # fmt: skip
+    assert chosen == {"float32": "float32", "fp32": "float32", "bfloat16": "float16", "bf16": "float16",
+                      "int8": "float16", "int4": "float16", "INT8": "float16"}  # fmt: skip
+    assert ServerConfig(dtype="int8", kv_dtype="float32").engine_config().kv_dtype == "float32"
+    assert ServerConfig(dtype="float32", kv_dtype="float16").engine_config().kv_dtype == "float16"
+    with pytest.raises(ValueError, match="auto, float32, float16, not 'bf16'"):
+        ServerConfig(kv_dtype="bf16")
+
+    def pages(**kw) -> torch.dtype:  # LLM() (the offline API) resolves auto alike
+        pool = LLM(str(model_dir), **kw).engine.arena.pool
+        assert pool is not None
+        return next(iter(pool.pages.values())).dtype
+
+    assert pages() == pages(kv_dtype="auto") == pages(dtype="int8", kv_dtype="float32") == torch.float32
+    assert pages(dtype="int8") == pages(dtype="float32", kv_dtype="float16") == torch.float16
+    assert pages(dtype="int8", config=EngineConfig(kv_dtype="float32")) == torch.float32  # a given config is kept
+
+
 def test_the_torch_attention_path_is_batch_independent(model, model_dir, monkeypatch):
     """Without the fused decode op (no compiler, WKVM_FUSED=off, an odd head size) rows attend one at a time: each
     request's tokens and logprobs equal its run alone, to the bit (they differed at float rounding when rows were

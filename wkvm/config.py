@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 
 KV_DTYPES = ("float32", "float16")
+# `wkvm serve --kv-dtype`: auto keeps keys and values as the weights' precision asks (docs/design-paged-kv.md)
+KV_CHOICES = ("auto", *KV_DTYPES)
 MAX_SLOTS = 65_536  # state slots: each holds a sequence's fixed-size state whether used or not
 
 
@@ -69,6 +71,17 @@ class EngineConfig:
         import torch
 
         return getattr(torch, self.kv_dtype)  # type: ignore[no-any-return]
+
+
+def kv_dtype_for(kv_dtype: str, weights: str) -> str:
+    """--kv-dtype with auto resolved for --dtype `weights`: float32 pages for float32 weights (exact against
+    transformers), float16 for bfloat16 / int8 / int4 weights, whose own rounding dwarfs what float16 keys and values
+    add (SmolLM2, 2,048 tokens teacher-forced, mean KL to the fp32 model: int8 0.00652 -> 0.00659, int4 0.00357 ->
+    0.00357; with fp32 weights float16 pages alone add 6e-7) and whose decode reads the pages as much as the weights
+    after a few thousand tokens (docs/design-paged-kv.md)."""
+    if kv_dtype != "auto":
+        return kv_dtype
+    return "float32" if weights.lower() in ("float32", "fp32") else "float16"
 
 
 def check_device(device: str) -> None:
@@ -133,9 +146,9 @@ class ServerConfig:
     kv_cache_bytes: int = opt(EngineConfig.kv_cache_bytes, "attention models: bytes of key/value pages shared by "
                               "all sequences; with the model's context it bounds one sequence's tokens", "size")
     kv_page_tokens: int = opt(EngineConfig.kv_page_tokens, "attention models: tokens per key/value page")
-    kv_dtype: str = opt(EngineConfig.kv_dtype, "attention models: keys and values stored as float32 (exact) or "
-                        "float16 (half the bytes, as llama.cpp; answers move slightly)",
-                        "choice:" + ",".join(KV_DTYPES))
+    kv_dtype: str = opt("auto", "attention models: keys and values stored as float32 (exact) or float16 (half the "
+                        "bytes, as llama.cpp; answers move slightly); auto: float32 with --dtype float32, else float16",
+                        "choice:" + ",".join(KV_CHOICES))
     state_dir: str | None = opt(None, "directory of durable states (default: a temporary one)")
     state_device_bytes: int = opt(256 << 20, "bytes of states kept on the device (256MiB, 2G, ...)", "size")
     state_host_bytes: int = opt(1 << 30, "bytes of states kept in host RAM", "size")
@@ -166,6 +179,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         weight_dtype(self.dtype)  # raises a ValueError naming the choices
+        if self.kv_dtype not in KV_CHOICES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_CHOICES)}, not {self.kv_dtype!r}")
         if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIGS)}, not "
                              f"{self.generation_config!r}")  # fmt: skip
@@ -214,12 +229,15 @@ class ServerConfig:
             return self.token_budget
         return max(EngineConfig.token_budget, self.slots)
 
+    def engine_kv_dtype(self) -> str:
+        return kv_dtype_for(self.kv_dtype, self.dtype)
+
     def engine_config(self) -> EngineConfig:
         device = self.device
         return EngineConfig(
             n_slots=self.slots, max_queue=self.max_queue, token_budget=self.engine_token_budget(),
             prefill_chunk=self.prefill_chunk, request_timeout=self.request_timeout, device=device,
-            kv_cache_bytes=self.kv_cache_bytes, kv_page_tokens=self.kv_page_tokens, kv_dtype=self.kv_dtype,
+            kv_cache_bytes=self.kv_cache_bytes, kv_page_tokens=self.kv_page_tokens, kv_dtype=self.engine_kv_dtype(),
         )  # fmt: skip
 
 

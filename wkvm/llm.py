@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from wkvm.chat_template import ChatTemplate, plain_messages
-from wkvm.config import GENERATION_CONFIGS, EngineConfig, default_model
+from wkvm.config import GENERATION_CONFIGS, EngineConfig, default_model, kv_dtype_for
 from wkvm.engine.engine import Engine
 from wkvm.engine.handle import RequestHandle
 from wkvm.outputs import GenerationOutput
@@ -45,7 +45,8 @@ class LLM:
         `dtype` "bfloat16" stores the large matrices in bf16 (half the memory; arithmetic stays fp32); "auto" is
         float32. `generation_config` "auto": `generate` / `chat` without sampling_params sample with the model's
         generation_config.json values (vLLM's default; `get_default_sampling_params`); "none" or "vllm": with
-        SamplingParams' own. Other keyword arguments are EngineConfig's fields."""
+        SamplingParams' own. Other keyword arguments are EngineConfig's fields; `kv_dtype` also takes "auto" (the
+        default without `config`, as `wkvm serve`): float32 pages for float32 weights, float16 for rounded ones."""
         if generation_config not in GENERATION_CONFIGS:
             raise ValueError(f"generation_config must be one of {GENERATION_CONFIGS}, not {generation_config!r}")
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -54,13 +55,15 @@ class LLM:
             raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}: it takes model, tokenizer, "
                             "config, weight_cache_layers, read_ahead, dtype and EngineConfig's fields "
                             f"({', '.join(sorted(fields))})")  # fmt: skip
-        config = replace(config or EngineConfig(), **config_kwargs)
+        dtype = "float32" if dtype == "auto" else dtype
+        kv = config_kwargs.get("kv_dtype", "auto" if config is None else config.kv_dtype)
+        config = replace(config or EngineConfig(), **{**config_kwargs, "kv_dtype": kv_dtype_for(kv, dtype)})
         model = default_model() if model is None else model
         if tokenizer is not None and not (Path(tokenizer).is_file() or (Path(tokenizer) / "tokenizer.json").is_file()):
             # the model family's default had stood in silently (an RWKV-7 model's World vocabulary: garbage text)
             raise ValueError(f"tokenizer {str(tokenizer)!r}: no such file, nor a directory with a tokenizer.json "
                              "(wkvm reads tokenizers from disk only; it never downloads)")  # fmt: skip
-        self.model = load_model(model, device=config.device, dtype="float32" if dtype == "auto" else dtype,
+        self.model = load_model(model, device=config.device, dtype=dtype,
                                 weight_cache_layers=weight_cache_layers, read_ahead=read_ahead)  # fmt: skip
         tools = load_text_tools(tokenizer or model, self.model.family)
         self.tokenizer: Tokenizer = tools[0]

@@ -174,7 +174,9 @@ class ServerContext:
                     torch.set_num_threads(1)
             freeze_startup_heap()
             self.ready.set()
-            log.info("model %s loaded (fingerprint %s...)", self.model_name, self.model.fingerprint[:12])
+            kv = f", keys and values {self.config.engine_kv_dtype()}" if self.model.spec.has_kv else ""
+            log.info("model %s loaded (fingerprint %s..., weights %s%s)", self.model_name, self.model.fingerprint[:12],
+                     self.config.dtype, kv)  # fmt: skip
         except Exception as e:  # reported by /health and every route, instead of a dead process
             self.load_error = f"{type(e).__name__}: {e}"
             # memory the settings ask for and the machine lacks (--slots' arena, --kv-cache-bytes): theirs, one line

@@ -152,7 +152,8 @@ class ChatSessions:
         self.fingerprint, self.config, self.metrics = fingerprint, config, metrics
         self.enabled = config.prefix_reuse
         # what else decides a checkpoint's numbers: the same weights stored or computed otherwise give other states
-        self.compute = f"weights {weight_dtype(config.dtype)}, kv {config.kv_dtype}, {config.device.split(':')[0]}"
+        kv = config.engine_kv_dtype()
+        self.compute = f"weights {weight_dtype(config.dtype)}, kv {kv}, {config.device.split(':')[0]}"
         spec = self.store.spec  # a checkpoint holds at least one token: the most the budget can hold
         self.capacity = max(1, config.checkpoint_bytes // max(spec.nbytes + spec.token_nbytes, 1))
         self.tries: dict[str, PrefixTrie] = {}  # per reuse scope; a scope's goes when its last checkpoint does
