@@ -473,8 +473,9 @@ def test_the_torch_attention_path_is_batch_independent(model, model_dir, monkeyp
     assert run(prompts) == [run([p])[0] for p in prompts]
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])  # float16: `wkvm serve`'s default for int8 / int4
 @pytest.mark.parametrize("dtype", ["int8", "int4", "float32"])
-def test_a_prompt_has_the_bits_of_stepping_however_it_is_chunked_or_resumed(model_dir, dtype):
+def test_a_prompt_has_the_bits_of_stepping_however_it_is_chunked_or_resumed(model_dir, dtype, kv_dtype):
     """Where a Llama's matmuls are row-independent (`rows_alone`: the int8 / int4 kernels, fp32 on the gemv kernel
     up to its rows) attention takes a chunk's tokens one at a time on the decode kernel, so prefilling a prompt in
     chunks of any size, resuming it from a state of its first tokens, or scoring it (prompt logprobs) gives the
@@ -485,7 +486,7 @@ def test_a_prompt_has_the_bits_of_stepping_however_it_is_chunked_or_resumed(mode
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
 
     def run(chunk: int, start: int = 0, **extra) -> tuple[list[int], list[dict[int, float]]]:
-        eng = engine(m, model_dir, pages=64, n_slots=2, token_budget=64, prefill_chunk=chunk)
+        eng = engine(m, model_dir, pages=64, n_slots=2, token_budget=64, prefill_chunk=chunk, kv_dtype=kv_dtype)
         state, base = None, None
         if start:  # a state of the prompt's first `start` tokens (a one-token answer's history but its last token)
             h = eng.submit(prompt[:start], SamplingParams(max_tokens=1, temperature=0), capture_state=True)
