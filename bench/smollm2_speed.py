@@ -73,8 +73,10 @@ def memory_table(model) -> list[list[object]]:
     rwkv = load_model(checkpoint()).spec  # the RWKV-7 0.1B shape (random weights, cached under bench/out/)
     rows = []
     for n in (1024, 8192):
-        rows.append([f"SmolLM2-135M ({n} tokens)", model.spec.token_nbytes, model.spec.token_nbytes * n / 2**20])
-        rows.append([f"RWKV-7 0.1B ({n} tokens)", 0, rwkv.nbytes / 2**20])
+        for kv, size in (("float32", 4), ("float16", 2)):  # the spec's fp32 bytes; float16 pages hold half
+            per_token = model.spec.token_nbytes * size // 4
+            rows.append([f"SmolLM2-135M, {kv} pages ({n} tokens)", per_token, per_token * n / 2**20])
+        rows.append([f"RWKV-7 0.1B, fp32 state ({n} tokens)", 0, rwkv.nbytes / 2**20])
     return rows
 
 
@@ -200,7 +202,8 @@ def main() -> None:
     gmac, read = (statistics.median(v) for v in machine.values())
     print(f"Machine during the rounds (medians): 8-row int8 products from cache {gmac:.0f} GMAC/s (B={b}'s bound), "
           f"memory read {read:.1f} GB/s (B=1's bound)")  # fmt: skip
-    print_table("State memory (fp32)", ["model, context", "bytes per token", "MiB per sequence"], memory_table(model))
+    print_table("State memory (--kv-dtype auto: float16 pages for rounded weights)",
+                ["model, context", "bytes per token", "MiB per sequence"], memory_table(model))  # fmt: skip
     write_json(
         f"smollm2_speed_{args.dtype}",
         {"cpu": cpu_name(), "isa": isa, "threads": threads, "wkvm_dtype": f"{args.dtype} (dequantized Q4_1)",
