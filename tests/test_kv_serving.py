@@ -427,10 +427,11 @@ def test_float16_keys_and_values(model, model_dir, monkeypatch):
     assert all(back[k].dtype == torch.float32 and torch.equal(back[k], dense[k]) for k in dense)
 
 
-def test_kv_dtype_auto_follows_the_weights(model_dir):
+def test_kv_dtype_auto_follows_the_weights(model_dir, tmp_path):
     """`wkvm serve`'s --kv-dtype auto (the default): float32 pages for float32 weights (exact against transformers),
     float16 for every rounded weight dtype (as llama.cpp's f16 cache; docs/design-paged-kv.md); an explicit choice
     wins, and a wrong one names the choices before anything loads."""
+    from wkvm.cli_chat import ChatREPL
     from wkvm.config import ServerConfig
     from wkvm.llm import LLM
 
@@ -452,6 +453,9 @@ def test_kv_dtype_auto_follows_the_weights(model_dir):
     assert pages() == pages(kv_dtype="auto") == pages(dtype="int8", kv_dtype="float32") == torch.float32
     assert pages(dtype="int8") == pages(dtype="float32", kv_dtype="float16") == torch.float16
     assert pages(dtype="int8", config=EngineConfig(kv_dtype="float32")) == torch.float32  # a given config is kept
+    for dtype, want in (("int4", torch.float16), ("float32", torch.float32)):  # `wkvm chat` alike
+        pool = ChatREPL(str(model_dir), tmp_path / dtype, SamplingParams(max_tokens=1), dtype=dtype).engine.arena.pool
+        assert pool is not None and next(iter(pool.pages.values())).dtype == want
 
 
 def test_the_torch_attention_path_is_batch_independent(model, model_dir, monkeypatch):

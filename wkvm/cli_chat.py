@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from wkvm.config import EngineConfig
+from wkvm.config import EngineConfig, kv_dtype_for
 from wkvm.engine.engine import Engine
 from wkvm.engine.handle import RequestHandle
 from wkvm.models.spec import State
@@ -72,7 +72,8 @@ class ChatREPL:
         model's states)."""
         self.model = load_model(model_path, dtype=dtype)
         self.tokenizer, self.template = load_text_tools(model_path, self.model.family)
-        self.engine = Engine(self.model, self.tokenizer, EngineConfig(n_slots=1))
+        kv = kv_dtype_for("auto", dtype)  # as `wkvm serve`: float16 keys and values for rounded weights
+        self.engine = Engine(self.model, self.tokenizer, EngineConfig(n_slots=1, kv_dtype=kv))
         self.state_dir = state_dir or Path.home() / ".cache" / "wkvm" / "chat-states" / self.model.fingerprint[:16]
         self.store = StateStore(self.state_dir, self.model.spec, self.model.fingerprint, self.model.vocab_size)
         self.params = replace(params, stop=[*params.stop, *self.template.stop])
