@@ -225,6 +225,29 @@ def test_a_dense_cache_and_pages_give_the_same_bits(d):
     assert torch.equal(dense, paged)
 
 
+@needs_kernel
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (6, 3, 32), (4, 4, 16), (8, 2, 64), (8, 1, 16)])
+def test_float16_pages_give_the_same_bits_eight_or_four_tokens_at_a_time(hq, hkv, d):
+    """With float16 pages the kernel scores eight tokens a pass where a page holds them (scores8h: groups of 1-3 query
+    heads) and four at a time otherwise; both add each score in the same order, so pages of 16 tokens and pages of 4
+    (never eight in one) give equal outputs, for rows whose lengths leave every kind of tail."""
+    g = torch.Generator().manual_seed(hq * 10 + d)
+    lengths = (5, 8, 23, 44, 130)
+    history = [{name: torch.randn(n, hkv, d, generator=g).half().float() for name in (key_name(0), value_name(0))}
+               for n in lengths]  # fmt: skip
+    q, k, v = (torch.randn(len(lengths), 1, h, d, generator=g) for h in (hq, hkv, hkv))
+    outs = []
+    for page in (16, 4):
+        pool = PagePool(kv_spec(hkv, d), n_pages=200, page_tokens=page, dtype=torch.float16)
+        seqs = [SeqKV.from_dense(pool, dense) for dense in history]
+        for s in seqs:
+            s.reserve(pool, 1)
+        kv = PagedKV(pool, seqs, 1)
+        cos, sin = angles(frequencies(10000.0, d), kv.positions(), 1)
+        outs.append(kv.rope_attend(0, q, k, v, cos, sin, d**-0.5))
+    assert torch.equal(outs[0], outs[1])
+
+
 # int4 groups are 32 wide: every matrix's input width a multiple of 32. The odd shape (int8, fp32) has matrices with
 # rows past the last 32-row block, inputs ending in a short group and five rows (uneven over two threads).
 EVEN = dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2, head_dim=8)
