@@ -1,7 +1,8 @@
 """How far `--dtype int8` and `--dtype int4` move a model's next-token distributions from fp32: mean and max
 KL(fp32 || quantized) and greedy (argmax) agreement over 512 tokens of tinyshakespeare, on the trained default model,
 SmolLM2-135M (the GGUF from `make smollm2`, dequantized to fp32 as the reference; skipped when absent) and, with
---random-0.1b, the random RWKV-7 0.1B shape.
+--random-0.1b, the random RWKV-7 0.1B shape. For attention models also the engine's paged decode with float16 keys and
+values (`wkvm serve`'s default with int8 / int4 weights, `--kv-dtype auto`), and fp32 weights on float16 pages alone.
 
 fp32 logits come from one prefill (equal to token-by-token decode, DESIGN invariant 2). int8 and int4 are measured
 both ways: token by token (the native kernel: x rounded to int8 per group of 32) and one
@@ -55,6 +56,22 @@ def decode_logits(model, ids: list[int]) -> torch.Tensor:
     return torch.stack([model.decode([t], state)[0] for t in ids])
 
 
+def paged_decode_logits(model, ids: list[int], kv_dtype: torch.dtype) -> torch.Tensor:
+    """Token by token through the engine's paged KV path (what `wkvm serve` runs), pages of `kv_dtype`."""
+    from wkvm.engine.arena import SlotArena
+
+    arena = SlotArena(model.spec, 1, "cpu", len(ids) // 16 + 2, 16, kv_dtype)
+    out = []
+    with torch.inference_mode():
+        for t in ids:
+            arena.reserve(0, 1)
+            kv = arena.kv_batch([0], 1)
+            (logits,) = model.forward_groups([(torch.tensor([[t]]), arena.view([0])[0])], caches=[kv])
+            kv.commit()
+            out.append(logits[0])
+    return torch.stack(out)
+
+
 def int4_variant(path: Path, symmetric: bool = False, exact_x: bool = False):
     """An int4 model quantized Q4_0-style (symmetric), or run with x in fp32 (matrices dequantized per call)."""
     plain = int4.quantize
@@ -92,10 +109,15 @@ def measure(name: str, path: Path, text: str, n_tokens: int, bf16: bool, variant
         rows.append([name, how, len(ids), f"{d.mean().item():.2e}", f"{d.max().item():.2e}", f"{agree:.3f}",
                      f"{same}/32" if prefix else "-"])  # fmt: skip
 
+    if fp32.spec.has_kv:  # float16 keys and values alone (wkvm serve's pages with --dtype float32 --kv-dtype float16)
+        row("fp32, float16 KV pages", fp32, paged_decode_logits(fp32, ids, torch.float16), prefix=False)
     for dtype in ("int8", "int4"):
         model = load_model(path, dtype=dtype)
         row(f"{dtype} decode", model, decode_logits(model, ids))
         row(f"{dtype} prefill", model, model.prefill(ids, all_logits=True)[0], prefix=False)
+        if model.spec.has_kv:  # what `wkvm serve --dtype int8 / int4` runs: float16 pages (--kv-dtype auto)
+            row(f"{dtype} decode, float16 KV pages", model, paged_decode_logits(model, ids, torch.float16),
+                prefix=False)  # fmt: skip
         del model
     if variants:
         variants = (("int4 x in fp32 (dequantized)", {"exact_x": True}), ("int4 Q4_0-style", {"symmetric": True}))
