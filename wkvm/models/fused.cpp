@@ -430,34 +430,25 @@ int64_t scores4_fast(const float* qr, const T* kp, int64_t count, const Heads& h
     }
     if (i >= 0) return i + scores4<V, T, 1>(qr, kp + i * hs.HD, count - i, hs, scores + i, m);
   }
+  int64_t done = 0;  // tokens scored eight at a time; the rest four at a time below
   if constexpr (std::is_same_v<T, half> && sizeof(V) == 64) {
-    int64_t i = -1;
-    switch (hs.G * 8 <= ACC_REGS ? hs.G : 0) {  // eight tokens a pass, the rest four at a time below
-      case 1: i = scores8h<1>(qr, kp, count, hs, scores, m); break;
-      case 2: i = scores8h<2>(qr, kp, count, hs, scores, m); break;
-      case 3: i = scores8h<3>(qr, kp, count, hs, scores, m); break;
+    switch (hs.G * 8 <= ACC_REGS ? hs.G : 0) {
+      case 1: done = scores8h<1>(qr, kp, count, hs, scores, m); break;
+      case 2: done = scores8h<2>(qr, kp, count, hs, scores, m); break;
+      case 3: done = scores8h<3>(qr, kp, count, hs, scores, m); break;
       default: break;
     }
-    if (i >= 0) {
-      const int64_t rest = count - i;
-      kp += i * hs.HD;
-      scores += i;
-      switch (hs.G) {
-        case 2: return i + scores4<V, T, 2>(qr, kp, rest, hs, scores, m);
-        case 3: return i + scores4<V, T, 3>(qr, kp, rest, hs, scores, m);
-        default: return i + scores4<V, T, 1>(qr, kp, rest, hs, scores, m);
-      }
-    }
+    kp += done * hs.HD, scores += done, count -= done;
   }
   if (std::is_same_v<T, half> && hs.G * 4 <= ACC_REGS) {
     switch (hs.G) {
-      case 2: return scores4<V, T, 2>(qr, kp, count, hs, scores, m);
-      case 3: return scores4<V, T, 3>(qr, kp, count, hs, scores, m);
-      case 4: return scores4<V, T, 4>(qr, kp, count, hs, scores, m);
+      case 2: return done + scores4<V, T, 2>(qr, kp, count, hs, scores, m);
+      case 3: return done + scores4<V, T, 3>(qr, kp, count, hs, scores, m);
+      case 4: return done + scores4<V, T, 4>(qr, kp, count, hs, scores, m);
       default: break;
     }
   }
-  return scores4<V, T, 1>(qr, kp, count, hs, scores, m);
+  return done + scores4<V, T, 1>(qr, kp, count, hs, scores, m);
 }
 
 // scores[h * m + (t - t0)] = q_h . k_t for tokens t0..t1-1 (m = t1 - t0; q already scaled). Every head of a token
