@@ -445,17 +445,19 @@ def test_kv_dtype_auto_follows_the_weights(model_dir, tmp_path):
     with pytest.raises(ValueError, match="auto, float32, float16, not 'bf16'"):
         ServerConfig(kv_dtype="bf16")
 
+    def page_dtype(eng: Engine) -> torch.dtype:
+        assert eng.arena.pool is not None
+        return next(iter(eng.arena.pool.pages.values())).dtype
+
     def pages(**kw) -> torch.dtype:  # LLM() (the offline API) resolves auto alike
-        pool = LLM(str(model_dir), **kw).engine.arena.pool
-        assert pool is not None
-        return next(iter(pool.pages.values())).dtype
+        return page_dtype(LLM(str(model_dir), **kw).engine)
 
     assert pages() == pages(kv_dtype="auto") == pages(dtype="int8", kv_dtype="float32") == torch.float32
     assert pages(dtype="int8") == pages(dtype="float32", kv_dtype="float16") == torch.float16
     assert pages(dtype="int8", config=EngineConfig(kv_dtype="float32")) == torch.float32  # a given config is kept
     for dtype, want in (("int4", torch.float16), ("float32", torch.float32)):  # `wkvm chat` alike
-        pool = ChatREPL(str(model_dir), tmp_path / dtype, SamplingParams(max_tokens=1), dtype=dtype).engine.arena.pool
-        assert pool is not None and next(iter(pool.pages.values())).dtype == want
+        chat = ChatREPL(str(model_dir), tmp_path / dtype, SamplingParams(max_tokens=1), dtype=dtype)
+        assert page_dtype(chat.engine) == want
 
 
 def test_the_torch_attention_path_is_batch_independent(model, model_dir, monkeypatch):
