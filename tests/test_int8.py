@@ -78,6 +78,21 @@ def test_quantize_round_trips_within_half_a_step():
     assert torch.equal(embedding(ids, q), int8.dequantize(q)[ids])
 
 
+@pytest.mark.parametrize("k", [70, 7])  # blocks and plain rows; odd K: plain rows only
+def test_embedding_lookup_native_equals_torch(k, monkeypatch):
+    """A decode step's embedding rows come from the kernel's op where it runs: the torch path's bits exactly, and an
+    id outside the vocabulary is an error, not a read outside the matrix."""
+    q = int8.quantize(torch.randn(70, k))
+    ids = torch.tensor([[0, 31, 32], [69, 3, 3]])
+    looked_up = int8.embedding(ids, q)
+    assert looked_up.shape == (2, 3, k) and torch.equal(looked_up, int8.dequantize(q)[ids])
+    if int8.kernel_path() != "torch":
+        with pytest.raises(RuntimeError, match="token id 70 is not in 0..69"):
+            int8.embedding(torch.tensor([70]), q)
+    monkeypatch.setattr(int8, "kernel_path", lambda: "torch")
+    assert torch.equal(int8.embedding(ids, q), looked_up)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 32, 33])  # AMX from 32 rows
 def test_kernel_equals_the_float64_product_on_every_isa(shape, m):

@@ -71,26 +71,50 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t isa) {
   return y.view(sizes);
 }
 
+// row n of W as fp32 (each weight times the row's scale: int8.dequantize's one multiply, so the same bits) at dst
+void dequantize_row(const Problem& p, int64_t n, float* dst) {
+  const int64_t K = p.K;
+  const float s = scale_of(p, n);
+  if (n < p.blocks * BLOCK) {
+    const int8_t* src = block_at(p, n / BLOCK) + 2 * (n % BLOCK);
+    for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<float>(src[(k & ~int64_t(1)) * BLOCK + (k & 1)]) * s;
+  } else {
+    const int8_t* src = p.w + n * (K + 4);
+    for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<float>(src[k]) * s;
+  }
+}
+
+Problem rows_of(const at::Tensor& w, float* out) {
+  const int64_t N = w.size(0), K = w.size(1) - 4;
+  return Problem{nullptr, nullptr, nullptr, nullptr, w.data_ptr<int8_t>(), out, 0, N, K, 0, K % 2 ? 0 : N / BLOCK};
+}
+
 // W -> fp32 [N, K] in one parallel pass (prefill multiplies that with oneDNN's fp32 GEMM).
 at::Tensor dequantize(const at::Tensor& w) {
   check_weights(w);
   const int64_t N = w.size(0), K = w.size(1) - 4;
   at::Tensor out = at::empty({N, K}, w.options().dtype(at::kFloat));
-  const Problem p{nullptr, nullptr, nullptr, nullptr, w.data_ptr<int8_t>(), out.data_ptr<float>(), 0, N, K, 0,
-                  K % 2 ? 0 : N / BLOCK};
+  const Problem p = rows_of(w, out.data_ptr<float>());
   at::parallel_for(0, N, std::max<int64_t>(BLOCK, (int64_t(1) << 16) / (K + 4)), [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const float s = scale_of(p, n);
-      float* dst = p.y + n * K;
-      if (n < p.blocks * BLOCK) {
-        const int8_t* src = block_at(p, n / BLOCK) + 2 * (n % BLOCK);
-        for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<float>(src[(k & ~int64_t(1)) * BLOCK + (k & 1)]) * s;
-      } else {
-        const int8_t* src = p.w + n * (K + 4);
-        for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<float>(src[k]) * s;
-      }
-    }
+    for (int64_t n = n0; n < n1; ++n) dequantize_row(p, n, p.y + n * K);
   });
+  return out;
+}
+
+// rows `ids` (int64, any shape) of W as fp32 [..., K]: an embedding lookup, one thread (a decode step's few rows:
+// int8.embedding's torch ops took 50-66 us for 1-8 of SmolLM2's, this ~1 us)
+at::Tensor embedding(const at::Tensor& ids, const at::Tensor& w) {
+  check_weights(w);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.device().is_cpu(),
+              "ids: contiguous int64 on the CPU");
+  const int64_t N = w.size(0), K = w.size(1) - 4, n = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < N, "token id ", id[i], " is not in 0..", N - 1);
+  std::vector<int64_t> sizes = ids.sizes().vec();
+  sizes.push_back(K);
+  at::Tensor out = at::empty(sizes, w.options().dtype(at::kFloat));
+  const Problem p = rows_of(w, out.data_ptr<float>());
+  for (int64_t i = 0; i < n; ++i) dequantize_row(p, id[i], p.y + i * K);
   return out;
 }
 
@@ -99,5 +123,6 @@ at::Tensor dequantize(const at::Tensor& w) {
 TORCH_LIBRARY(wkvm_int8, m) {
   m.def("linear(Tensor x, Tensor w, int isa) -> Tensor", &linear);
   m.def("dequantize(Tensor w) -> Tensor", &dequantize);
+  m.def("embedding(Tensor ids, Tensor w) -> Tensor", &embedding);
   m.def("best_isa() -> int", &best_isa);
 }
