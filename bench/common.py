@@ -149,10 +149,13 @@ def decode_and_read(decode: Callable[[], object], tokens: int, nbytes: int, repe
     return timeit_pair(decode, read, repeat)
 
 
-def int8_rows_rate(rows: int = 8, n: int = 1536, k: int = 576, repeat: int = 200) -> float:
+def int8_rows_rate(rows: int = 8, n: int = 1536, k: int = 576, repeat: int = 200, threads: int | None = None) -> float:
     """MAC/s of wkvm's int8 kernel at `rows` rows of x on one [n, k] matrix held in cache (SmolLM2's gate-up shape):
     how fast this machine computes a batched decode step's matmuls just now, where `read_bandwidth` says how fast it
-    streams a one-row step's weights."""
+    streams a one-row step's weights. `threads`: on that many of torch's threads (then restored), else all of them.
+    On one thread and on all, it also says whether the CPUs compute side by side: this 2-vCPU VM ran 152 GMAC/s on
+    either vCPU alone in both of its host states, and 250 (1.65x) together in one but 172-189 (1.13-1.24x, as two
+    hyperthreads of one core) in the other, where its memory read 60-68 GB/s instead of 30-38 (session 43)."""
     from wkvm.models import int8
 
     x, w = torch.randn(rows, k), int8.quantize(torch.randn(n, k))
@@ -161,7 +164,12 @@ def int8_rows_rate(rows: int = 8, n: int = 1536, k: int = 576, repeat: int = 200
         for _ in range(repeat):
             int8.linear(x, w)
 
-    return repeat * rows * n * k / timeit(run, repeat=3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        return repeat * rows * n * k / timeit(run, repeat=3)
+    finally:
+        torch.set_num_threads(before)
 
 
 def matmul_rate(m: int = 1024, k: int = 768, n: int = 3072) -> dict[str, float]:

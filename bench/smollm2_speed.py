@@ -144,7 +144,7 @@ def main() -> None:
     rates: dict[int, list[float]] = {1: [], args.batch: []}
     # what bounds each side, measured every round: B=8's step is compute-bound (8-row int8 products), B=1's memory-
     # bound (streaming the weights). This VM moves between states where the two rates differ by 2-3x in ratio.
-    machine: dict[str, list[float]] = {"int8_8row_gmac_s": [], "read_gb_s": []}
+    machine: dict[str, list[float]] = {"int8_8row_gmac_s": [], "int8_8row_one_thread_gmac_s": [], "read_gb_s": []}
     # One engine per batch size for every round, its key/value pages written once by an untimed run first: a running
     # server's pages go back to a free list that hands the lowest out first (pages written before), and llama.cpp
     # clears its whole KV buffer before it times anything. A new engine a round paid the OS's first write to each page
@@ -160,6 +160,7 @@ def main() -> None:
     t_lc = 0.0
     for r in range(args.anchor_rounds):  # alternately, so that machine noise hits both alike (their ratio is an anchor)
         machine["int8_8row_gmac_s"].append(int8_rows_rate() / 1e9)
+        machine["int8_8row_one_thread_gmac_s"].append(int8_rows_rate(repeat=100, threads=1) / 1e9)
         machine["read_gb_s"].append(read_bandwidth(1 << 28) / 1e9)
         for batch in (1, args.batch) if r % 2 == 0 else (args.batch, 1):
             rates[batch].append(engine_decode_tok_s(model, tokenizer, batch, n, lambda i: prompt[i : i + 32].tolist(),
@@ -220,8 +221,9 @@ def main() -> None:
           f"B={b} vs llama.cpp B={b} = {engine_bn / lc.get(f'decode_b{b}', na):.2f}x (target >= 2.1x; "
           + (f"median of {len(lc_ratios)} rounds' own ratios {statistics.median(lc_ratios):.2f}x, range "
              f"{lc_ratios[0]:.2f}-{lc_ratios[-1]:.2f}x)" if lc_ratios else "no llama.cpp runs)"))  # fmt: skip
-    gmac, read = (statistics.median(v) for v in machine.values())
-    print(f"Machine during the rounds (medians): 8-row int8 products from cache {gmac:.0f} GMAC/s (B={b}'s bound), "
+    gmac, gmac1, read = (statistics.median(v) for v in machine.values())
+    print(f"Machine during the rounds (medians): 8-row int8 products from cache {gmac:.0f} GMAC/s on {threads} "
+          f"threads (B={b}'s bound; {gmac1:.0f} on one, {gmac / gmac1:.2f}x it: near 1.2x the threads share a core), "
           f"memory read {read:.1f} GB/s (B=1's bound)")  # fmt: skip
     print_table("State memory (--kv-dtype auto: float16 pages for rounded weights)",
                 ["model, context", "bytes per token", "MiB per sequence"], memory_table(model))  # fmt: skip
