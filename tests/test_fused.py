@@ -258,9 +258,9 @@ ODD = dict(hidden_size=40, intermediate_size=72, num_attention_heads=5, num_key_
                                               ("int8", ODD)])  # fmt: skip
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
 def test_a_llama_decode_layer_in_one_call_gives_the_bits_of_its_ops(tmp_path, monkeypatch, dtype, shape, kv_dtype):
-    """`fused.llama_layer` (a decode step's Llama layer on fp32, int8 or int4 weights in one call; on int8 in one
-    parallel region) against the same layer as separate ops: every token and logprob of a batch of rows equal, to the
-    bit."""
+    """`fused.llama_layers` (a decode step's every Llama layer in one call) and `fused.llama_layer` (one layer on fp32,
+    int8 or int4 weights in one call; on int8 in one parallel region) against the same layers as separate ops: every
+    token and logprob of a batch of rows equal, to the bit."""
     from conftest import CHAR_VOCAB, write_char_tokenizer
     from families.llama import write_checkpoint
 
@@ -277,10 +277,10 @@ def test_a_llama_decode_layer_in_one_call_gives_the_bits_of_its_ops(tmp_path, mo
     layer = model.weights.layer(0)
     if not fused.available() or native_kernel([layer[k] for k in LINEAR], 3) is None:
         pytest.skip(f"no native {dtype} kernel or fused ops here (no compiler, WKVM_FUSED=off)")
-    calls = []
-    one_call = fused.llama_layer
-    monkeypatch.setattr(fused, "llama_layer", lambda *a: calls.append(1) or one_call(*a))
-    monkeypatch.setattr("wkvm.models.llama.model.llama_layer", fused.llama_layer)
+    calls, whole = [], []
+    one_call, all_layers = fused.llama_layer, fused.llama_layers
+    monkeypatch.setattr("wkvm.models.llama.model.llama_layer", lambda *a: calls.append(1) or one_call(*a))
+    monkeypatch.setattr("wkvm.models.llama.model.llama_layers", lambda *a: whole.append(1) or all_layers(*a))
     rows = 3 if shape is EVEN else 5
     prompts = [[(7 * i + 3 * j) % len(CHAR_VOCAB) for j in range(4 + 5 * i)] for i in range(rows)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
@@ -292,8 +292,11 @@ def test_a_llama_decode_layer_in_one_call_gives_the_bits_of_its_ops(tmp_path, mo
         return [(h.output.token_ids, h.output.logprobs) for h in handles]
 
     together = run()
-    assert len(calls) >= 11 * model.config.n_layer  # every decode step of every layer
+    assert len(whole) >= 11 and not calls  # every decode step's layers in one call
     with monkeypatch.context() as m:
+        m.setattr(Llama, "decode_layers", lambda *a: None)
+        assert run() == together
+        assert len(calls) >= 11 * model.config.n_layer  # every decode step of every layer, a call each
         m.setattr(Llama, "_fused_block", lambda *a: None)
         assert run() == together
 

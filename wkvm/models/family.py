@@ -244,11 +244,22 @@ class ModelBase:
         attns = self._attention_inputs(groups, caches)
         g = self.weights.globals()
         xs = [self.embed(tokens.to(self.device), g) for tokens, _ in groups]
-        for i in range(self.config.n_layer):
+        rest = []  # the groups whose layers do not all run in one call (`decode_layers`) go layer by layer
+        for j, (_, state) in enumerate(groups):
+            if (y := self.decode_layers(xs[j], state, attns[j])) is None:
+                rest.append(j)
+            else:
+                xs[j] = y
+        for i in range(self.config.n_layer if rest else 0):
             w = self.weights.layer(i)
-            for j, (_, state) in enumerate(groups):
-                xs[j] = self.block(i, w, xs[j], state, attns[j])
+            for j in rest:
+                xs[j] = self.block(i, w, xs[j], groups[j][1], attns[j])
         return [self.logits(x if all_logits else x[:, -1], g) for x in xs]
+
+    def decode_layers(self, x: torch.Tensor, state: State, attn: Attn | None) -> torch.Tensor | None:
+        """Every layer of a group at once (x [B, T, C] -> the last layer's output, `state` advanced), exactly as
+        `block` layer by layer, where a family has such a call for it; else None (here: never)."""
+        return None
 
     def _attention_inputs(self, groups: Sequence[tuple[torch.Tensor, State]],
                           caches: Sequence[KVBatch] | None) -> list[Attn | None]:  # fmt: skip

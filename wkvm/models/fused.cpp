@@ -1221,6 +1221,27 @@ at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& in_norm, const at:
   return at::add(s, y).view({B, 1, C});
 }
 
+// A decode step's every layer in one call: llama_layer for layer 0, 1, ... in order, each on the one before's output
+// (the same calls on the same values, so the same bits), without going back to Python between layers. Layer i's
+// norms are norms[2 i], norms[2 i + 1], its matrices mats[4 i .. 4 i + 3] (qkv, o, gate_up, down), their kernel
+// arguments args[8 i .. 8 i + 7] on one `kernel`, its pools kflats[i], vflats[i]; the pages and angles are the step's.
+at::Tensor llama_layers(const at::Tensor& x, at::TensorList norms, at::TensorList mats, const std::string& kernel,
+                        at::IntArrayRef args, double eps, const at::Tensor& cos, const at::Tensor& sin,
+                        at::TensorList kflats, at::TensorList vflats, const at::Tensor& table,
+                        const at::Tensor& lengths, int64_t page_tokens, double scale, int64_t Hq, int64_t Hkv) {
+  const int64_t L = static_cast<int64_t>(kflats.size());
+  TORCH_CHECK(L > 0 && static_cast<int64_t>(vflats.size()) == L && static_cast<int64_t>(norms.size()) == 2 * L &&
+                  static_cast<int64_t>(mats.size()) == 4 * L && static_cast<int64_t>(args.size()) == 8 * L,
+              "llama_layers: per layer two norms, four matrices, eight kernel arguments and a key and value pool");
+  at::Tensor y = x;
+  for (int64_t i = 0; i < L; ++i) {
+    y = llama_layer(y, norms[2 * i], norms[2 * i + 1], mats[4 * i], mats[4 * i + 1], mats[4 * i + 2],
+                    mats[4 * i + 3], kernel, args.slice(8 * i, 8), eps, cos, sin, kflats[i], vflats[i], table,
+                    lengths, page_tokens, scale, Hq, Hkv);
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(wkvm_fused, m) {
@@ -1241,4 +1262,9 @@ TORCH_LIBRARY(wkvm_fused, m) {
       "str kernel, int[] args, float eps, Tensor cos, Tensor sin, Tensor(a!) kflat, Tensor(b!) vflat, Tensor table, "
       "Tensor lengths, int page_tokens, float scale, int Hq, int Hkv) -> Tensor",
       &llama_layer);
+  m.def(
+      "llama_layers(Tensor x, Tensor[] norms, Tensor[] mats, str kernel, int[] args, float eps, Tensor cos, "
+      "Tensor sin, Tensor(a!)[] kflats, Tensor(b!)[] vflats, Tensor table, Tensor lengths, int page_tokens, "
+      "float scale, int Hq, int Hkv) -> Tensor",
+      &llama_layers);
 }

@@ -156,6 +156,18 @@ def llama_layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], mats:
 Pages = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]  # kflat, vflat, table, lengths, page_tokens
 
 
+def llama_layers(x: torch.Tensor, norms: list[torch.Tensor], mats: list[torch.Tensor], kernel: tuple[str, list[int]],
+                 eps: float, cos: torch.Tensor, sin: torch.Tensor, pools: tuple[list[torch.Tensor], list[torch.Tensor]],
+                 pages: tuple[torch.Tensor, torch.Tensor, int], scale: float,
+                 heads: tuple[int, int]) -> torch.Tensor:  # fmt: skip
+    """`llama_layer` for every layer in one call (the same calls in order, so the same bits): `norms` two a layer,
+    `mats` four a layer, `kernel` one namespace and eight arguments a layer, `pools` the layers' key and value
+    pools, `pages` the step's table, lengths and page size."""
+    y: torch.Tensor = torch.ops.wkvm_fused.llama_layers(x, norms, mats, *kernel, eps, cos, sin, *pools, *pages, scale,
+                                                        *heads)  # fmt: skip
+    return y
+
+
 def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kflat: torch.Tensor, vflat: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
                 page_tokens: int, scale: float) -> torch.Tensor:  # fmt: skip
