@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <memory>
 #include <functional>
 #include <optional>
@@ -1096,46 +1097,55 @@ struct QuantLayer {
   float eps;
 };
 
+// One layer's phases on this member of the team (a parallel region's): each closed by a barrier where the next reads
+// what other members wrote. The layer ends on its own rows (the residual add), and the next layer begins on them
+// (the norm and x's rounding), so layers follow each other without a barrier between.
 template <class T>
-void quant_layer(const QuantLayer& L, Attention<T>& att, RoundedX& xq) {
+void layer_phases(const QuantLayer& L, Attention<T>& att, RoundedX& xq, int rank, int size) {
   const int64_t B = L.B, C = L.C, F = L.F;
+  const auto [r0, r1] = share(B, rank, size);
+  for (int64_t r = r0; r < r1; ++r) norm_row(L.x + r * C, L.in_norm, L.h + r * C, C, L.eps);
+  xq.rows(L.h, C, r0, r1, L.isa[0]);
+#pragma omp barrier
+  xq.matmul(L.wqkv, L.qkv, B, C, L.isa[0], rank, size);
+#pragma omp barrier
+  att.rows(r0, r1);
+#pragma omp barrier
+  const auto [i0, i1] = share(att.items, rank, size);
+  att.work(i0, i1);
+#pragma omp barrier
+  att.merge(r0, r1);
+  xq.rows(L.att, L.HD, r0, r1, L.isa[1]);
+#pragma omp barrier
+  xq.matmul(L.wo, L.proj, B, L.HD, L.isa[1], rank, size);
+#pragma omp barrier
+  for (int64_t r = r0; r < r1; ++r)
+    add_norm_row(L.x + r * C, L.proj + r * C, L.post_norm, L.s + r * C, L.h + r * C, C, L.eps);
+  xq.rows(L.h, C, r0, r1, L.isa[2]);
+#pragma omp barrier
+  xq.matmul(L.wgu, L.gu, B, C, L.isa[2], rank, size);
+#pragma omp barrier
+  for (int64_t r = r0; r < r1; ++r) silu_span(L.gu + r * 2 * F, L.act + r * F, F, 0, F);
+  xq.rows(L.act, F, r0, r1, L.isa[3]);
+#pragma omp barrier
+  xq.matmul(L.wdown, L.dn, B, F, L.isa[3], rank, size);
+#pragma omp barrier
+  for (int64_t r = r0; r < r1; ++r) {
+    const float *a = L.s + r * C, *b = L.dn + r * C;
+    float* o = L.out + r * C;
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) o[c] = a[c] + b[c];
+  }
+}
+
+// the layers in order in one parallel region
+template <class T>
+void quant_layers(const std::vector<QuantLayer>& layers, std::vector<Attention<T>>& atts, RoundedX& xq) {
   at::internal::lazy_init_num_threads();
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const int rank = omp_get_thread_num(), size = omp_get_num_threads();
-    const auto [r0, r1] = share(B, rank, size);
-    for (int64_t r = r0; r < r1; ++r) norm_row(L.x + r * C, L.in_norm, L.h + r * C, C, L.eps);
-    xq.rows(L.h, C, r0, r1, L.isa[0]);
-#pragma omp barrier
-    xq.matmul(L.wqkv, L.qkv, B, C, L.isa[0], rank, size);
-#pragma omp barrier
-    att.rows(r0, r1);
-#pragma omp barrier
-    const auto [i0, i1] = share(att.items, rank, size);
-    att.work(i0, i1);
-#pragma omp barrier
-    att.merge(r0, r1);
-    xq.rows(L.att, L.HD, r0, r1, L.isa[1]);
-#pragma omp barrier
-    xq.matmul(L.wo, L.proj, B, L.HD, L.isa[1], rank, size);
-#pragma omp barrier
-    for (int64_t r = r0; r < r1; ++r)
-      add_norm_row(L.x + r * C, L.proj + r * C, L.post_norm, L.s + r * C, L.h + r * C, C, L.eps);
-    xq.rows(L.h, C, r0, r1, L.isa[2]);
-#pragma omp barrier
-    xq.matmul(L.wgu, L.gu, B, C, L.isa[2], rank, size);
-#pragma omp barrier
-    for (int64_t r = r0; r < r1; ++r) silu_span(L.gu + r * 2 * F, L.act + r * F, F, 0, F);
-    xq.rows(L.act, F, r0, r1, L.isa[3]);
-#pragma omp barrier
-    xq.matmul(L.wdown, L.dn, B, F, L.isa[3], rank, size);
-#pragma omp barrier
-    for (int64_t r = r0; r < r1; ++r) {
-      const float *a = L.s + r * C, *b = L.dn + r * C;
-      float* o = L.out + r * C;
-#pragma omp simd
-      for (int64_t c = 0; c < C; ++c) o[c] = a[c] + b[c];
-    }
+    for (size_t l = 0; l < layers.size(); ++l) layer_phases(layers[l], atts[l], xq, rank, size);
   }
 }
 
@@ -1150,46 +1160,90 @@ int64_t in_width(const at::Tensor& w, bool int4) {
   return w.size(1) / wkvm::int4::ROW_BYTES * wkvm::int4::GROUP;
 }
 
-// llama_layer's int8 / int4 case in one region (its arguments checked here; args[2 j]: matrix j's kernel path)
+// Layers 0..L-1 of a decode step on int8 or int4 weights (`llama_layers`' lists: two norms, four matrices, eight
+// kernel arguments (args[2 j]: matrix j's kernel path) and a key and value pool a layer) in one parallel region;
+// x2 [B, C]. Each layer's buffers are the same memory (layer l's output the next one's input, two alternating),
+// allocated and checked once a call: per layer that had cost ~7 us of allocations, views and checks (SmolLM2 int8,
+// AMD EPYC, session 43), ~0.2 ms of a step.
+at::Tensor llama_layers_quant(bool int4, const at::Tensor& x2, at::TensorList norms, at::TensorList mats,
+                              at::IntArrayRef args, double eps, const at::Tensor& cos, const at::Tensor& sin,
+                              at::TensorList kflats, at::TensorList vflats, const at::Tensor& table,
+                              const at::Tensor& lengths, int64_t page_tokens, double scale, int64_t Hq, int64_t Hkv) {
+  const size_t L = kflats.size();
+  TORCH_CHECK(L > 0 && vflats.size() == L && norms.size() == 2 * L && mats.size() == 4 * L && args.size() == 8 * L,
+              "per layer two norms, four matrices, eight kernel arguments and a key and value pool");
+  const int64_t B = x2.size(0), C = x2.size(1), D = kflats[0].size(2), HD = Hq * D, F = mats[2].size(0) / 2;
+  const int64_t best = int4 ? wkvm::int4::best_isa() : wkvm::int8::best_isa();
+  std::vector<int64_t> isas(4 * L);
+  for (size_t l = 0; l < L; ++l) {
+    const at::Tensor &wqkv = mats[4 * l], &wo = mats[4 * l + 1], &wgu = mats[4 * l + 2], &wdown = mats[4 * l + 3];
+    TORCH_CHECK(wqkv.size(0) == (Hq + 2 * Hkv) * D && in_width(wqkv, int4) == C && wo.size(0) == C &&
+                    in_width(wo, int4) == HD && wgu.size(0) == 2 * F && in_width(wgu, int4) == C &&
+                    wdown.size(0) == C && in_width(wdown, int4) == F,
+                "the weights must be qkv [(Hq + 2 Hkv) D, C], o [C, Hq D], gate_up [2 F, C], down [C, F] (out, in)");
+    for (int j = 0; j < 4; ++j) {
+      const int64_t isa = args[8 * l + 2 * j];
+      TORCH_CHECK(isa >= 0 && isa <= best, "this CPU cannot run kernel isa ", isa);
+      isas[4 * l + j] = isa;
+    }
+    for (const at::Tensor& n : {norms[2 * l], norms[2 * l + 1]})
+      TORCH_CHECK(n.is_contiguous() && n.scalar_type() == at::kFloat && n.numel() == C, "norms must be float32 [C]");
+    TORCH_CHECK(kflats[l].scalar_type() == kflats[0].scalar_type(), "every layer's pools must have one type");
+  }
+  const auto opts = x2.options();
+  at::Tensor qkv = at::empty({B, mats[0].size(0)}, opts), att = at::empty({B, 1, Hq, D}, opts);
+  // the layers' intermediates, one after another: proj, s, h [B, C], gu [B, 2 F], act [B, F], dn [B, C]; and
+  // their outputs, alternately into two [B, 1, C]
+  at::Tensor work = at::empty({B, 4 * C + 3 * F}, opts), outs[2] = {at::empty({B, 1, C}, opts), at::empty({B, 1, C}, opts)};
+  const at::Tensor q = qkv.narrow(1, 0, HD).view({B, 1, Hq, D});
+  const at::Tensor k = qkv.narrow(1, HD, Hkv * D).view({B, 1, Hkv, D});
+  const at::Tensor v = qkv.narrow(1, HD + Hkv * D, Hkv * D).view({B, 1, Hkv, D});
+  float* next = work.data_ptr<float>();
+  const auto take = [&](int64_t width) { return std::exchange(next, next + B * width); };
+  float *proj = take(C), *s = take(C), *h = take(C), *gu = take(2 * F), *act = take(F), *dn = take(C);
+  std::vector<Problem> problems;  // Attention keeps a reference to its Problem: reserved, never moved
+  std::vector<QuantLayer> layers;
+  problems.reserve(L);
+  layers.reserve(L);
+  for (size_t l = 0; l < L; ++l) {
+    problems.push_back(problem_of(q, k, v, cos, sin, kflats[l], vflats[l], table, lengths, page_tokens, scale, att));
+    const float* x = l == 0 ? x2.data_ptr<float>() : outs[(l - 1) % 2].data_ptr<float>();
+    layers.push_back(QuantLayer{x, norms[2 * l].data_ptr<float>(), norms[2 * l + 1].data_ptr<float>(),
+                                Matrix(mats[4 * l]), Matrix(mats[4 * l + 1]), Matrix(mats[4 * l + 2]),
+                                Matrix(mats[4 * l + 3]), isas.data() + 4 * l, qkv.data_ptr<float>(),
+                                att.data_ptr<float>(), proj, s, h, gu, act, dn, outs[l % 2].data_ptr<float>(), B, C,
+                                HD, F, static_cast<float>(eps)});
+  }
+  RoundedX xq(int4, B, std::max({C, HD, F}));
+  // every layer's Attention (same rows and lengths, so the same items) shares the calling thread's scratch
+  const auto run = [&](auto* pool_type) {
+    using T = std::remove_pointer_t<decltype(pool_type)>;
+    std::vector<Attention<T>> atts;
+    atts.reserve(L);
+    for (size_t l = 0; l < L; ++l)
+      atts.emplace_back(problems[l], kflats[l].data_ptr<T>(), vflats[l].data_ptr<T>());
+    quant_layers(layers, atts, xq);
+  };
+  if (kflats[0].scalar_type() == at::kHalf) {
+    run(static_cast<half*>(nullptr));
+  } else {
+    run(static_cast<float*>(nullptr));
+  }
+  return outs[(L - 1) % 2];
+}
+
+// llama_layer's int8 / int4 case: llama_layers_quant on one layer
 at::Tensor llama_layer_quant(bool int4, const at::Tensor& x2, const at::Tensor& in_norm, const at::Tensor& post_norm,
                              const at::Tensor& wqkv, const at::Tensor& wo, const at::Tensor& wgu,
                              const at::Tensor& wdown, at::IntArrayRef args, double eps, const at::Tensor& cos,
                              const at::Tensor& sin, const at::Tensor& kflat, const at::Tensor& vflat,
                              const at::Tensor& table, const at::Tensor& lengths, int64_t page_tokens, double scale,
                              int64_t Hq, int64_t Hkv) {
-  const int64_t B = x2.size(0), C = x2.size(1), D = kflat.size(2), HD = Hq * D, F = wgu.size(0) / 2;
-  TORCH_CHECK(wqkv.size(0) == (Hq + 2 * Hkv) * D && in_width(wqkv, int4) == C && wo.size(0) == C &&
-                  in_width(wo, int4) == HD && wgu.size(0) == 2 * F && in_width(wgu, int4) == C &&
-                  wdown.size(0) == C && in_width(wdown, int4) == F,
-              "the weights must be qkv [(Hq + 2 Hkv) D, C], o [C, Hq D], gate_up [2 F, C], down [C, F] (out, in)");
-  const int64_t best = int4 ? wkvm::int4::best_isa() : wkvm::int8::best_isa();
-  for (int j = 0; j < 4; ++j) TORCH_CHECK(args[2 * j] >= 0 && args[2 * j] <= best, "this CPU cannot run kernel isa ", args[2 * j]);
-  for (const at::Tensor* n : {&in_norm, &post_norm})
-    TORCH_CHECK(n->is_contiguous() && n->scalar_type() == at::kFloat && n->numel() == C, "norms must be float32 [C]");
-  const auto opts = x2.options();
-  at::Tensor qkv = at::empty({B, wqkv.size(0)}, opts), att = at::empty({B, 1, Hq, D}, opts);
-  // the layer's intermediates, one after another: proj, s, h [B, C], gu [B, 2 F], act [B, F], dn [B, C]
-  at::Tensor work = at::empty({B, 4 * C + 3 * F}, opts), out = at::empty({B, 1, C}, opts);
-  const at::Tensor q = qkv.narrow(1, 0, HD).view({B, 1, Hq, D});
-  const at::Tensor k = qkv.narrow(1, HD, Hkv * D).view({B, 1, Hkv, D});
-  const at::Tensor v = qkv.narrow(1, HD + Hkv * D, Hkv * D).view({B, 1, Hkv, D});
-  const Problem pr = problem_of(q, k, v, cos, sin, kflat, vflat, table, lengths, page_tokens, scale, att);
-  float* next = work.data_ptr<float>();
-  const auto take = [&](int64_t width) { return std::exchange(next, next + B * width); };
-  float *proj = take(C), *s = take(C), *h = take(C), *gu = take(2 * F), *act = take(F), *dn = take(C);
-  const int64_t isa[4] = {args[0], args[2], args[4], args[6]};
-  const QuantLayer L{x2.data_ptr<float>(), in_norm.data_ptr<float>(), post_norm.data_ptr<float>(), Matrix(wqkv),
-                     Matrix(wo), Matrix(wgu), Matrix(wdown), isa, qkv.data_ptr<float>(), att.data_ptr<float>(), proj,
-                     s, h, gu, act, dn, out.data_ptr<float>(), B, C, HD, F, static_cast<float>(eps)};
-  RoundedX xq(int4, B, std::max({C, HD, F}));
-  if (kflat.scalar_type() == at::kHalf) {
-    Attention<half> a(pr, kflat.data_ptr<half>(), vflat.data_ptr<half>());
-    quant_layer(L, a, xq);
-  } else {
-    Attention<float> a(pr, kflat.data_ptr<float>(), vflat.data_ptr<float>());
-    quant_layer(L, a, xq);
-  }
-  return out;
+  const std::array<at::Tensor, 2> norms{in_norm, post_norm};
+  const std::array<at::Tensor, 4> mats{wqkv, wo, wgu, wdown};
+  const std::array<at::Tensor, 1> kf{kflat}, vf{vflat};
+  return llama_layers_quant(int4, x2, norms, mats, args, eps, cos, sin, kf, vf, table, lengths, page_tokens, scale,
+                            Hq, Hkv);
 }
 
 // One decode step (T = 1) of a pre-norm attention + SiLU-MLP layer (Llama): the ops the Python path runs, in its
@@ -1233,6 +1287,11 @@ at::Tensor llama_layers(const at::Tensor& x, at::TensorList norms, at::TensorLis
   TORCH_CHECK(L > 0 && static_cast<int64_t>(vflats.size()) == L && static_cast<int64_t>(norms.size()) == 2 * L &&
                   static_cast<int64_t>(mats.size()) == 4 * L && static_cast<int64_t>(args.size()) == 8 * L,
               "llama_layers: per layer two norms, four matrices, eight kernel arguments and a key and value pool");
+  if (kernel == "wkvm_int8" || kernel == "wkvm_int4") {
+    TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.is_contiguous(), "x must be contiguous [B, 1, C]");
+    return llama_layers_quant(kernel == "wkvm_int4", x.view({x.size(0), x.size(2)}), norms, mats, args, eps, cos, sin,
+                              kflats, vflats, table, lengths, page_tokens, scale, Hq, Hkv);
+  }
   at::Tensor y = x;
   for (int64_t i = 0; i < L; ++i) {
     y = llama_layer(y, norms[2 * i], norms[2 * i + 1], mats[4 * i], mats[4 * i + 1], mats[4 * i + 2],
