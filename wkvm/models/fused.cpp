@@ -1194,7 +1194,8 @@ at::Tensor llama_layers_quant(bool int4, const at::Tensor& x2, at::TensorList no
   at::Tensor qkv = at::empty({B, mats[0].size(0)}, opts), att = at::empty({B, 1, Hq, D}, opts);
   // the layers' intermediates, one after another: proj, s, h [B, C], gu [B, 2 F], act [B, F], dn [B, C]; and
   // their outputs, alternately into two [B, 1, C]
-  at::Tensor work = at::empty({B, 4 * C + 3 * F}, opts), outs[2] = {at::empty({B, 1, C}, opts), at::empty({B, 1, C}, opts)};
+  at::Tensor work = at::empty({B, 4 * C + 3 * F}, opts);
+  const at::Tensor outs[2] = {at::empty({B, 1, C}, opts), at::empty({B, 1, C}, opts)};
   const at::Tensor q = qkv.narrow(1, 0, HD).view({B, 1, Hq, D});
   const at::Tensor k = qkv.narrow(1, HD, Hkv * D).view({B, 1, Hkv, D});
   const at::Tensor v = qkv.narrow(1, HD + Hkv * D, Hkv * D).view({B, 1, Hkv, D});
