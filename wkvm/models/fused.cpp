@@ -669,7 +669,9 @@ struct Attention {
   float *acc, *max, *sum;
   std::vector<float> qr;  // RoPE'd, scaled queries [B, Hq, D]
 
-  Attention(const Problem& p, T* k, T* v)
+  // `shared`: another Attention's acc for the same rows and lengths (the same items), used instead of a buffer of
+  // its own (`llama_layers_quant`: one for every layer of a step, where beyond 32 MB each would have had its own)
+  Attention(const Problem& p, T* k, T* v, float* shared = nullptr)
       : pr(p), kf(k), vf(v), hs{p.Hq, p.Hkv, p.Hq / p.Hkv, p.D, p.Hkv * p.D}, first(p.B + 1, 0), qr(p.B * p.Hq * p.D) {
     for (int64_t b = 0; b < pr.B; ++b) {
       tokens += pr.pl[b] + 1;
@@ -681,7 +683,9 @@ struct Attention {
     // layer at 4k tokens, zeroed (and faulted in) afresh per call before.
     thread_local std::vector<float> scratch;
     const size_t need = static_cast<size_t>(items) * pr.Hq * (pr.D + 2);
-    if (need <= (size_t(32) << 20) / sizeof(float)) {
+    if (shared) {
+      acc = shared;
+    } else if (need <= (size_t(32) << 20) / sizeof(float)) {
       if (scratch.size() < need) scratch.resize(need);
       acc = scratch.data();
     } else {
@@ -1216,13 +1220,13 @@ at::Tensor llama_layers_quant(bool int4, const at::Tensor& x2, at::TensorList no
                                 HD, F, static_cast<float>(eps)});
   }
   RoundedX xq(int4, B, std::max({C, HD, F}));
-  // every layer's Attention (same rows and lengths, so the same items) shares the calling thread's scratch
+  // every layer's Attention (the same rows and lengths, so the same items) works in the first one's buffer
   const auto run = [&](auto* pool_type) {
     using T = std::remove_pointer_t<decltype(pool_type)>;
     std::vector<Attention<T>> atts;
     atts.reserve(L);
     for (size_t l = 0; l < L; ++l)
-      atts.emplace_back(problems[l], kflats[l].data_ptr<T>(), vflats[l].data_ptr<T>());
+      atts.emplace_back(problems[l], kflats[l].data_ptr<T>(), vflats[l].data_ptr<T>(), l ? atts[0].acc : nullptr);
     quant_layers(layers, atts, xq);
   };
   if (kflats[0].scalar_type() == at::kHalf) {
