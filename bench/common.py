@@ -153,9 +153,10 @@ def int8_rows_rate(rows: int = 8, n: int = 1536, k: int = 576, repeat: int = 200
     """MAC/s of wkvm's int8 kernel at `rows` rows of x on one [n, k] matrix held in cache (SmolLM2's gate-up shape):
     how fast this machine computes a batched decode step's matmuls just now, where `read_bandwidth` says how fast it
     streams a one-row step's weights. `threads`: on that many of torch's threads (then restored), else all of them.
-    On one thread and on all, it also says whether the CPUs compute side by side: this 2-vCPU VM ran 152 GMAC/s on
-    either vCPU alone in both of its host states, and 250 (1.65x) together in one but 172-189 (1.13-1.24x, as two
-    hyperthreads of one core) in the other, where its memory read 60-68 GB/s instead of 30-38 (session 43)."""
+    On one thread and on all, it also says whether the CPUs compute side by side: this 2-vCPU VM (AMD EPYC Zen 4) ran
+    145-156 GMAC/s on either vCPU alone in both of its host states, and 234-257 (~1.65x) together in one but 172-187
+    (1.13-1.23x, as two hyperthreads of one core) in the other, where its memory read 55-69 GB/s in most probes
+    instead of 26-38 (docs/performance.md, session 43)."""
     from wkvm.models import int8
 
     x, w = torch.randn(rows, k), int8.quantize(torch.randn(n, k))

@@ -86,6 +86,8 @@ def test_embedding_lookup_native_equals_torch(k, monkeypatch):
     ids = torch.tensor([[0, 31, 32], [69, 3, 3]])
     looked_up = int8.embedding(ids, q)
     assert looked_up.shape == (2, 3, k) and torch.equal(looked_up, int8.dequantize(q)[ids])
+    prompt = torch.arange(70).flip(0).repeat(3)  # a prompt's rows: more than one thread's share
+    assert torch.equal(int8.embedding(prompt, q), int8.dequantize(q)[prompt])
     if int8.kernel_path() != "torch":
         with pytest.raises(RuntimeError, match="token id 70 is not in 0..69"):
             int8.embedding(torch.tensor([70]), q)

@@ -654,7 +654,7 @@ inline void store_token(const float* src, T* dst, int64_t n) {
 }
 
 // A rope_attend call's work in three phases over rows and items, so that both torch's pool (attend) and the
-// one-region Llama layer's threads (quant_layer) can run them: the same functions, so the same bits.
+// one-region Llama layers' threads (layer_phases) can run them: the same functions, so the same bits.
 // Work items are (row, token chunk): a chunk's scores, softmax numerators and weighted values for every head, merged
 // per row afterwards (flash-decoding). The chunk size is fixed, so a row's result does not depend on the batch it
 // is in or on the thread count (and the dense cache, one page per row, splits it the same way).
