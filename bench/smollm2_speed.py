@@ -225,6 +225,18 @@ def main() -> None:
     print(f"Machine during the rounds (medians): 8-row int8 products from cache {gmac:.0f} GMAC/s on {threads} "
           f"threads (B={b}'s bound; {gmac1:.0f} on one, {gmac / gmac1:.2f}x it: near 1.2x the threads share a core), "
           f"memory read {read:.1f} GB/s (B=1's bound)")  # fmt: skip
+    # what that rate allows B=batch at best: its step's multiply-adds alone (every layer's four matrices and the
+    # head, each row), with attention, norms, sampling and Python free. Where this ceiling over one stream is not far
+    # above the 4.7x target, the rest of a step (~1.5-2 ms at 8 rows) cannot shrink enough to reach it: the second
+    # host state (docs/performance.md, session 44)
+    cfg = model.config
+    macs = cfg.n_layer * cfg.n_embd * (2 * (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim + 3 * cfg.ffn_size)
+    macs += cfg.vocab_size * cfg.n_embd
+    floor_ms = b * macs / (gmac * 1e9) * 1e3
+    ceiling = b / floor_ms * 1e3
+    print(f"B={b}'s {b * macs / 1e9:.2f} G multiply-adds a step at {gmac:.0f} GMAC/s take {floor_ms:.2f} ms: at most "
+          f"{ceiling:.0f} tok/s with everything else free, {ceiling / engine_b1:.2f}x one stream's {engine_b1:.0f} "
+          f"(measured {engine_bn:.0f}: its matmuls ~{floor_ms * engine_bn / b / 1e3:.0%} of a step)")
     print_table("State memory (--kv-dtype auto: float16 pages for rounded weights)",
                 ["model, context", "bytes per token", "MiB per sequence"], memory_table(model))  # fmt: skip
     write_json(
@@ -232,7 +244,8 @@ def main() -> None:
         {"cpu": cpu_name(), "isa": isa, "threads": threads, "wkvm_dtype": f"{args.dtype} (dequantized Q4_1)",
          "llama_cpp_dtype": "Q4_1", "llama_cpp_repacked": bool(lc.get("repacked_mib")), "decode_b1_tok_s": dec,
          "engine_decode_b1_tok_s": engine_b1,
-         f"engine_decode_b{b}_tok_s": engine_bn, "anchor_round_ratios": round_ratios, "anchor_round_machine": machine,
+         f"engine_decode_b{b}_tok_s": engine_bn, f"matmul_ceiling_b{b}_tok_s": ceiling,
+         "anchor_round_ratios": round_ratios, "anchor_round_machine": machine,
          f"engine_decode_b1_after_{args.depth}_tok_s": engine_deep, "prefill_tok_s": pre,
          "transformers_decode_b1_tok_s": ref_dec, "transformers_decode_steps_tok_s": ref_steps,
          "transformers_prefill_tok_s": ref_pre, "llama_cpp": lc,
