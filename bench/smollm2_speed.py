@@ -225,18 +225,20 @@ def main() -> None:
     print(f"Machine during the rounds (medians): 8-row int8 products from cache {gmac:.0f} GMAC/s on {threads} "
           f"threads (B={b}'s bound; {gmac1:.0f} on one, {gmac / gmac1:.2f}x it: near 1.2x the threads share a core), "
           f"memory read {read:.1f} GB/s (B=1's bound)")  # fmt: skip
-    # what that rate allows B=batch at best: its step's multiply-adds alone (every layer's four matrices and the
-    # head, each row), with attention, norms, sampling and Python free. Where this ceiling over one stream is not far
-    # above the 4.7x target, the rest of a step (~1.5-2 ms at 8 rows) cannot shrink enough to reach it: the second
-    # host state (docs/performance.md, session 44)
+    # what that rate allows B=batch at best on int8 weights (the rate is int8's kernel's): its step's multiply-adds
+    # alone (every layer's four matrices and the head, each row), with attention, norms, sampling and Python free.
+    # Where this ceiling over one stream is not far above the 4.7x target, the rest of a step (~1.5-2 ms at 8 rows)
+    # cannot shrink enough to reach it: the second host state (docs/performance.md, session 44)
     cfg = model.config
     macs = cfg.n_layer * cfg.n_embd * (2 * (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim + 3 * cfg.ffn_size)
     macs += cfg.vocab_size * cfg.n_embd
     floor_ms = b * macs / (gmac * 1e9) * 1e3
-    ceiling = b / floor_ms * 1e3
-    print(f"B={b}'s {b * macs / 1e9:.2f} G multiply-adds a step at {gmac:.0f} GMAC/s take {floor_ms:.2f} ms: at most "
-          f"{ceiling:.0f} tok/s with everything else free, {ceiling / engine_b1:.2f}x one stream's {engine_b1:.0f} "
-          f"(measured {engine_bn:.0f}: its matmuls ~{floor_ms * engine_bn / b / 1e3:.0%} of a step)")
+    ceiling = b / floor_ms * 1e3 if args.dtype == "int8" else None
+    if ceiling is not None:
+        print(f"B={b}'s {b * macs / 1e9:.2f} G multiply-adds a step at {gmac:.0f} GMAC/s take {floor_ms:.2f} ms: at "
+              f"most {ceiling:.0f} tok/s with everything else free, {ceiling / engine_b1:.2f}x one stream's "
+              f"{engine_b1:.0f} (measured {engine_bn:.0f}: its matmuls ~{floor_ms * engine_bn / b / 1e3:.0%} of a "
+              "step)")
     print_table("State memory (--kv-dtype auto: float16 pages for rounded weights)",
                 ["model, context", "bytes per token", "MiB per sequence"], memory_table(model))  # fmt: skip
     write_json(
