@@ -255,8 +255,8 @@ def main() -> None:
     floor_ms = b * macs / (gmac * 1e9) * 1e3
     ceiling = b / floor_ms * 1e3 if args.dtype == "int8" else None
     if ceiling is not None:
-        print(f"B={b}'s {b * macs / 1e9:.2f} G multiply-adds a step at {gmac:.0f} GMAC/s take {floor_ms:.2f} ms: at "
-              f"most {ceiling:.0f} tok/s with everything else free, {ceiling / engine_b1:.2f}x one stream's "
+        print(f"B={b}'s {b * macs / 1e9:.2f} G multiply-adds a step at {gmac:.0f} GMAC/s take {floor_ms:.2f} ms: "
+              f"{ceiling:.0f} tok/s with everything else free, {ceiling / engine_b1:.2f}x one stream's "
               f"{engine_b1:.0f} (measured {engine_bn:.0f}: its matmuls ~{floor_ms * engine_bn / b / 1e3:.0%} of a "
               "step)")
     print_table("State memory (--kv-dtype auto: float16 pages for rounded weights)",
