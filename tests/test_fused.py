@@ -128,6 +128,34 @@ def test_a_page_table_that_does_not_fit_is_refused():
         fused.rope_attend(q, k, k, cs, cs, kf, vf, torch.tensor([[5]]), torch.tensor([0]), 2, 1.0)
     with pytest.raises(RuntimeError, match="do not fit its page table"):
         fused.rope_attend(q, k, k, cs, cs, kf, vf, torch.tensor([[0]]), torch.tensor([2]), 2, 1.0)
+    with pytest.raises(RuntimeError, match="the same slots"):  # a value pool shorter than the key pool
+        fused.rope_attend(q, k, k, cs, cs, kf, vf[:2], torch.tensor([[1]]), torch.tensor([0]), 2, 1.0)
+
+
+@needs_kernel
+def test_every_layers_pools_must_be_alike_in_one_call():
+    """`llama_layers` on int8 weights checks the page table against layer 0's pools once: every other layer's pools
+    must then be the same shape and type, or the call is refused before anything is read."""
+    from wkvm.models import int8
+
+    c, hq, hkv, d, f = 8, 2, 1, 4, 8
+    g = torch.Generator().manual_seed(0)
+    layer = [int8.quantize(torch.randn(n, k, generator=g)) for n, k in (((hq + 2 * hkv) * d, c), (c, hq * d),
+                                                                        (2 * f, c), (c, f))]  # fmt: skip
+    norms, mats, args = [torch.ones(c)] * 4, layer * 2, [0] * 16  # two layers, the portable kernel path
+    cos, sin = angles(frequencies(500.0, d), torch.zeros(1, dtype=torch.long), 1)
+    table, lengths = torch.tensor([[0]]), torch.tensor([0])
+
+    def call(pools: list[torch.Tensor]) -> torch.Tensor:
+        return torch.ops.wkvm_fused.llama_layers(torch.randn(1, 1, c, generator=g), norms, mats, "wkvm_int8", args,
+                                                 1e-6, cos, sin, pools[::2], pools[1::2], table, lengths, 4, 0.5,
+                                                 hq, hkv)  # fmt: skip
+
+    assert call([torch.zeros(8, hkv, d) for _ in range(4)]).shape == (1, 1, c)
+    with pytest.raises(RuntimeError, match="every layer's key and value pools must be alike"):
+        call([torch.zeros(8, hkv, d)] * 3 + [torch.zeros(4, hkv, d)])  # layer 1's values: fewer slots
+    with pytest.raises(RuntimeError, match="every layer's key and value pools must be alike"):
+        call([torch.zeros(8, hkv, d)] * 2 + [torch.zeros(8, hkv, d, dtype=torch.float16)] * 2)
 
 
 def test_without_a_compiler_every_op_falls_back_after_one_warning(monkeypatch, caplog):

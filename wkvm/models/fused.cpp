@@ -792,6 +792,7 @@ Problem problem_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
               "lengths must be int64 [B]");
   TORCH_CHECK(page_tokens > 0, "page_tokens must be positive");
   const int64_t P = table.size(1), S = kflat.size(0);
+  TORCH_CHECK(vflat.size(0) == S, "the key and value pools must have the same slots");
   const int64_t* pt = table.data_ptr<int64_t>();
   const int64_t* pl = lengths.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
@@ -1192,7 +1193,10 @@ at::Tensor llama_layers_quant(bool int4, const at::Tensor& x2, at::TensorList no
     }
     for (const at::Tensor& n : {norms[2 * l], norms[2 * l + 1]})
       TORCH_CHECK(n.is_contiguous() && n.scalar_type() == at::kFloat && n.numel() == C, "norms must be float32 [C]");
-    TORCH_CHECK(kflats[l].scalar_type() == kflats[0].scalar_type(), "every layer's pools must have one type");
+    for (const at::Tensor& pool : {kflats[l], vflats[l]})  // as layer 0's, which problem_of checks below
+      TORCH_CHECK(pool.is_contiguous() && pool.sizes() == kflats[0].sizes() &&
+                      pool.scalar_type() == kflats[0].scalar_type() && pool.device() == kflats[0].device(),
+                  "every layer's key and value pools must be alike");
   }
   const auto opts = x2.options();
   at::Tensor qkv = at::empty({B, mats[0].size(0)}, opts), att = at::empty({B, 1, Hq, D}, opts);
@@ -1206,12 +1210,12 @@ at::Tensor llama_layers_quant(bool int4, const at::Tensor& x2, at::TensorList no
   float* next = work.data_ptr<float>();
   const auto take = [&](int64_t width) { return std::exchange(next, next + B * width); };
   float *proj = take(C), *s = take(C), *h = take(C), *gu = take(2 * F), *act = take(F), *dn = take(C);
-  std::vector<Problem> problems;  // Attention keeps a reference to its Problem: reserved, never moved
+  // one Problem for every layer (the same rows, pages and lengths; the pools are alike, checked above): its pages
+  // are checked against the pool once, not once a layer (at B=8 after 1,024 tokens, 512 pages a layer)
+  const Problem pr = problem_of(q, k, v, cos, sin, kflats[0], vflats[0], table, lengths, page_tokens, scale, att);
   std::vector<QuantLayer> layers;
-  problems.reserve(L);
   layers.reserve(L);
   for (size_t l = 0; l < L; ++l) {
-    problems.push_back(problem_of(q, k, v, cos, sin, kflats[l], vflats[l], table, lengths, page_tokens, scale, att));
     const float* x = l == 0 ? x2.data_ptr<float>() : outs[(l - 1) % 2].data_ptr<float>();
     layers.push_back(QuantLayer{x, norms[2 * l].data_ptr<float>(), norms[2 * l + 1].data_ptr<float>(),
                                 Matrix(mats[4 * l]), Matrix(mats[4 * l + 1]), Matrix(mats[4 * l + 2]),
@@ -1226,7 +1230,7 @@ at::Tensor llama_layers_quant(bool int4, const at::Tensor& x2, at::TensorList no
     std::vector<Attention<T>> atts;
     atts.reserve(L);
     for (size_t l = 0; l < L; ++l)
-      atts.emplace_back(problems[l], kflats[l].data_ptr<T>(), vflats[l].data_ptr<T>(), l ? atts[0].acc : nullptr);
+      atts.emplace_back(pr, kflats[l].data_ptr<T>(), vflats[l].data_ptr<T>(), l ? atts[0].acc : nullptr);
     quant_layers(layers, atts, xq);
   };
   if (kflats[0].scalar_type() == at::kHalf) {
