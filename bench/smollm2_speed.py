@@ -147,7 +147,8 @@ def main() -> None:
     t_pre, r_pre = timeit_pair(lambda: model.prefill(prompt), ref_prefill, args.repeat)
     # the prompt through an engine with the server's defaults (chunks of 256 tokens, each token a row of the fused
     # attention: stepping's bits) to its first token: what `wkvm serve` spends before answering. model.prefill above
-    # takes the whole prompt in one call on a dense cache (at 8,000 tokens 188 against the engine's 268-275 tok/s)
+    # takes the whole prompt in one call on a dense cache (at 8,000 tokens 188 tok/s; an engine 261-275 with 512-token
+    # chunks, 316 with these: docs/performance.md, session 44)
     def served_prefill_s() -> float:
         served = Engine(model, tokenizer, EngineConfig(n_slots=1, kv_dtype=args.kv_dtype))
 
