@@ -276,6 +276,42 @@ def test_float16_pages_give_the_same_bits_eight_or_four_tokens_at_a_time(hq, hkv
     assert torch.equal(outs[0], outs[1])
 
 
+@needs_kernel
+@pytest.mark.parametrize("hq,hkv,d,page,dtype", [(9, 3, 64, 16, torch.float16), (9, 3, 64, 5, torch.float16),
+                                                 (6, 3, 32, 4, torch.float16), (8, 2, 64, 16, torch.float32),
+                                                 (4, 1, 128, 7, torch.float32), (2, 2, 16, 16, torch.float16),
+                                                 (5, 1, 32, 16, torch.float16), (6, 2, 24, 16, torch.float16)])  # fmt: skip
+def test_a_prompt_chunks_rows_give_the_bits_of_one_token_steps(hq, hkv, d, page, dtype):
+    """A prompt chunk's tokens as rows of one call (`token_rows`: rows reading the same pages, whose chunks of keys
+    the kernel transposes once for all of them, and whose float16 values it sums two rows at a time) give the bits
+    that stepping the same tokens one at a time gives: 1-5 query heads per kv head, pages that do and do not divide the
+    kernel's 128-token chunks (every kind of page-run tail), 48 new tokens after a history of 250 (rows whose last
+    chunk is short; enough rows on each of two threads for the transposed path)."""
+    g = torch.Generator().manual_seed(hq * 1000 + d * 10 + page)
+    history, T = 250, 48
+    dense = {name: torch.randn(history, hkv, d, generator=g).to(dtype).float() for name in (key_name(0), value_name(0))}
+    q, k, v = (torch.randn(1, T, h, d, generator=g) for h in (hq, hkv, hkv))
+    inv = frequencies(10000.0, d)
+    outs = []
+    for run in ("chunk", "steps"):
+        pool = PagePool(kv_spec(hkv, d), n_pages=120, page_tokens=page, dtype=dtype)
+        seq = SeqKV.from_dense(pool, dense)
+        seq.reserve(pool, T)
+        if run == "chunk":
+            kv = PagedKV(pool, [seq], T)
+            cos, sin = angles(inv, kv.positions(), T)
+            outs.append(kv.rope_attend(0, q, k, v, cos, sin, d**-0.5, token_rows=True))
+            continue
+        steps = []
+        for t in range(T):
+            kv = PagedKV(pool, [seq], 1)
+            cos, sin = angles(inv, kv.positions(), 1)
+            steps.append(kv.rope_attend(0, q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], cos, sin, d**-0.5))
+            kv.commit()
+        outs.append(torch.cat(steps, 1))
+    assert torch.equal(outs[0], outs[1])
+
+
 # int4 groups are 32 wide: every matrix's input width a multiple of 32. The odd shape (int8, fp32) has matrices with
 # rows past the last 32-row block, inputs ending in a short group and five rows (uneven over two threads).
 EVEN = dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2, head_dim=8)

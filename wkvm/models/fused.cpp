@@ -16,7 +16,9 @@
 //     then grouped-query attention of q over the row's lengths[b] + 1 cached tokens, read page by page in place
 //     (query head h uses kv head h / (Hq / Hkv), HF's repeat_kv order). Work items are (row, CHUNK tokens) on
 //     torch's thread pool, merged per row afterwards (flash-decoding). The pools are float32 or float16 (`--kv-dtype`;
-//     D a multiple of 8): float16 keys and values are rounded when written and widened to fp32 when read.
+//     D a multiple of 8): float16 keys and values are rounded when written and widened to fp32 when read. A prompt
+//     chunk's tokens as rows (rows reading the same pages) share each chunk of keys, transposed once, and of values:
+//     the same bits as one row at a time (Attention::group).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
@@ -476,6 +478,150 @@ void scores_of(const float* qr, const T* kf, const T* vf, const Pages& pg, int64
   });
 }
 
+// Rows that read the same pages (a prompt chunk's tokens, one row each) score every chunk of keys with the same
+// vectors: widened and transposed once per chunk (kv head j's dim d of token t0 + i at kt[(j * D + d) * W + i]), a
+// row's scores then take tokens along the lanes, so no sum needs a horizontal reduction. W is a multiple of 16;
+// columns past t1 - t0 are zero. 16 tokens by 16 dims at a time, transposed in registers: each of four rounds swaps
+// one bit of the token index with the same bit of the dim index (rows x, y = x's with bit b set).
+template <int b>
+inline void swap_bit(v16f& x, v16f& y) {
+  constexpr int s = 1 << b;
+  v16f nx, ny;
+  for (int j = 0; j < 16; ++j) {  // unrolled into two two-source shuffles per pair
+    nx[j] = (j & s) ? y[j - s] : x[j];
+    ny[j] = (j & s) ? y[j] : x[j + s];
+  }
+  x = nx, y = ny;
+}
+
+template <int b>
+inline void swap_bits(v16f (&r)[16]) {
+  for (int i = 0; i < 16; ++i)
+    if (!(i & (1 << b))) swap_bit<b>(r[i], r[i | (1 << b)]);
+}
+
+template <class T>
+void transpose_keys(const T* kf, const Pages& pg, int64_t t0, int64_t t1, const Heads& hs, float* kt, int64_t W) {
+  const int64_t m = t1 - t0;
+  std::vector<const T*> row(W);
+  const std::vector<T> zero(hs.HD, T(0.f));
+  pg.each(t0, t1, [&](int64_t t, int64_t count, int64_t slot, int64_t, int64_t) {
+    for (int64_t i = 0; i < count; ++i) row[t - t0 + i] = kf + (slot + i) * hs.HD;
+  });
+  for (int64_t i = m; i < W; ++i) row[i] = zero.data();
+  for (int64_t i = 0; i < m; i += 16) {
+    for (int64_t e = 0; e < hs.HD; e += 16) {
+      v16f r[16];
+      for (int t = 0; t < 16; ++t) r[t] = load_vec<v16f>(row[i + t] + e);
+      swap_bits<0>(r), swap_bits<1>(r), swap_bits<2>(r), swap_bits<3>(r);
+      for (int d = 0; d < 16; ++d) std::memcpy(kt + (e + d) * W + i, &r[d], sizeof(v16f));
+    }
+  }
+  for (int64_t e = 0; e < hs.HD; ++e) std::fill(kt + e * W + (m + 15) / 16 * 16, kt + (e + 1) * W, 0.f);
+}
+
+// scores_of (head size a multiple of 16) for GS query heads of one kv head and tokens i..i+15 of transpose_keys' kh,
+// with the same bits: the 16-lane loops (scores4 / scores8h / scores16 over vectors of 16 floats) sum lane l of a
+// token's products over d = l, l + 16, ... in that order, then add the lanes in hsum4's order (l and l + 8, then
+// l + 4, l + 2, l + 1). Here tokens are the lanes: lane l's sums are built as vectors in the same order, and added
+// as soon as their partner is done, so a few vectors stay live and each key vector loaded serves the GS heads.
+template <int GS, int ND>
+inline void scores_lanes(const float* q, const float* kh, int64_t W, v16f (&out)[GS]) {
+  constexpr int D = 16 * ND;
+  v16f C[GS][4];
+#pragma GCC unroll 4
+  for (int l = 0; l < 4; ++l) {
+    v16f B[2][GS];
+#pragma GCC unroll 2
+    for (int u = 0; u < 2; ++u) {
+      const int lane = l + 4 * u;
+      v16f A0[GS], A8[GS];
+#pragma GCC unroll 3
+      for (int g = 0; g < GS; ++g) A0[g] = A8[g] = v16f{};
+#pragma GCC unroll 8
+      for (int c = 0; c < D; c += 16) {
+        v16f k0 = load_vec<v16f>(kh + (c + lane) * W), k8 = load_vec<v16f>(kh + (c + lane + 8) * W);
+        asm("" : "+v"(k0), "+v"(k8));  // held in registers for the GS heads (GCC otherwise loads them per product)
+#pragma GCC unroll 3
+        for (int g = 0; g < GS; ++g) {
+          A0[g] += q[g * D + c + lane] * k0;
+          A8[g] += q[g * D + c + lane + 8] * k8;
+        }
+      }
+#pragma GCC unroll 3
+      for (int g = 0; g < GS; ++g) B[u][g] = A0[g] + A8[g];
+    }
+#pragma GCC unroll 3
+    for (int g = 0; g < GS; ++g) C[g][l] = B[0][g] + B[1][g];
+  }
+#pragma GCC unroll 3
+  for (int g = 0; g < GS; ++g) out[g] = (C[g][0] + C[g][2]) + (C[g][1] + C[g][3]);
+}
+
+// Rows k = 0..n-1 (queries qs[k], ms[k] tokens from t0, nondecreasing) scored from transpose_keys' kt into outs[k]
+// ([Hq, ms[k]]), a block of 16 tokens at a time for every row, so that the block's key vectors (16 tokens' dims of
+// one kv head: 64 lines for 64 dims) stay in L1 across the rows: a row at a time read each head's whole chunk of keys
+// from L2 and ran no faster than scores8h.
+template <int GS, int ND>
+void scores_rows_gs(const float* const* qs, float* const* outs, const int64_t* ms, int64_t n, const float* kt,
+                    int64_t W, const Heads& hs) {
+  const int64_t longest = ms[n - 1];
+  for (int64_t h = 0; h < hs.Hq; h += GS) {
+    const float* kh = kt + (h / hs.G) * hs.D * W;
+    for (int64_t i = 0; i < longest; i += 16) {
+      for (int64_t k = 0; k < n; ++k) {
+        const int64_t m = ms[k];
+        if (i >= m) continue;
+        v16f s[GS];
+        scores_lanes<GS, ND>(qs[k] + h * hs.D, kh + i, W, s);
+        if (m - i >= 16) {
+          for (int g = 0; g < GS; ++g) std::memcpy(outs[k] + (h + g) * m + i, &s[g], sizeof(v16f));
+        } else {
+          for (int g = 0; g < GS; ++g)
+            for (int64_t t = 0; t < m - i; ++t) outs[k][(h + g) * m + i + t] = s[g][t];
+        }
+      }
+    }
+  }
+}
+
+// head sizes transpose_keys' rows take: 16, 32, 64, 128
+constexpr bool transposed_size(int64_t D) { return D == 16 || D == 32 || D == 64 || D == 128; }
+
+template <int ND>
+void scores_rows_nd(const float* const* qs, float* const* outs, const int64_t* ms, int64_t n, const float* kt,
+                    int64_t W, const Heads& hs) {
+  if (hs.G % 3 == 0) return scores_rows_gs<3, ND>(qs, outs, ms, n, kt, W, hs);
+  if (hs.G % 2 == 0) return scores_rows_gs<2, ND>(qs, outs, ms, n, kt, W, hs);
+  scores_rows_gs<1, ND>(qs, outs, ms, n, kt, W, hs);
+}
+
+// scores_of's bits for every row but the tokens past a page run's last multiple of 4 (scores_of's `dot`: the caller
+// rewrites those)
+inline void scores_rows(const float* const* qs, float* const* outs, const int64_t* ms, int64_t n, const float* kt,
+                        int64_t W, const Heads& hs) {
+  switch (hs.D) {
+    case 16: return scores_rows_nd<1>(qs, outs, ms, n, kt, W, hs);
+    case 32: return scores_rows_nd<2>(qs, outs, ms, n, kt, W, hs);
+    case 64: return scores_rows_nd<4>(qs, outs, ms, n, kt, W, hs);
+    case 128: return scores_rows_nd<8>(qs, outs, ms, n, kt, W, hs);
+    default: TORCH_CHECK(false, "scores_rows: head size ", hs.D);
+  }
+}
+
+// the tokens scores_of gives `dot` (past each page run's last multiple of 4), as it computes them
+template <class T>
+void scores_tails(const float* qr, const T* kf, const Pages& pg, int64_t t0, int64_t t1, const Heads& hs,
+                  float* scores) {
+  const int64_t m = t1 - t0;
+  pg.each(t0, t1, [&](int64_t t, int64_t count, int64_t slot, int64_t, int64_t) {
+    const T* kp = kf + slot * hs.HD;
+    for (int64_t i = count / 4 * 4; i < count; ++i) {
+      for (int64_t h = 0; h < hs.Hq; ++h) scores[h * m + (t - t0) + i] = dot(qr + h * hs.D, kp + i * hs.HD + (h / hs.G) * hs.D, hs.D);
+    }
+  });
+}
+
 // acc[h] = sum_t p[h * m + (t - t0)] v_t over tokens t0..t1-1, four tokens at a time (one load and store of acc per
 // four tokens), every head of a token in one pass like scores_of.
 template <class T>
@@ -568,6 +714,70 @@ template <class T, int G, int NC>
 void values_heads(const float* p, const T* vf, const Pages& pg, int64_t t0, int64_t t1, const Heads& hs, float* acc) {
   for (int64_t j = 0; j < hs.Hkv; ++j)
     for (int64_t c0 = 0; c0 < hs.D; c0 += NC * LANES) values_group<T, G, NC>(p, vf, pg, t0, t1, hs, j, c0, acc);
+}
+
+// values_group's sums (float16 pools) for two rows that read the same pages, the second at least as long (ma <= mb
+// tokens from t0): each value vector is widened once for both rows, which halves the loads and conversions of a
+// prompt chunk's rows. Each sum takes its tokens in values_group's order: the same bits.
+template <int G, int NC>
+void values_pair(const float* pa, int64_t ma, const float* pb, int64_t mb, const half* vf, const Pages& pg, int64_t t0,
+                 const Heads& hs, int64_t j, int64_t c0, float* acca, float* accb) {
+  vacc a[G][NC], b[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) a[g][c] = b[g][c] = vacc{};
+  pg.each(t0, t0 + mb, [&](int64_t t, int64_t count, int64_t slot, int64_t, int64_t) {
+    const half* vp = vf + slot * hs.HD + j * hs.D + c0;
+    const float *wa = pa + j * G * ma + (t - t0), *wb = pb + j * G * mb + (t - t0);
+    const int64_t both = std::clamp<int64_t>(t0 + ma - t, 0, count);
+    int64_t i = 0;
+    for (; i < both; ++i) {
+      vacc v[NC];
+      for (int c = 0; c < NC; ++c) v[c] = load_vec<vacc>(vp + i * hs.HD + c * LANES);
+      for (int g = 0; g < G; ++g) {
+        const float x = wa[g * ma + i], y = wb[g * mb + i];
+        for (int c = 0; c < NC; ++c) {
+          a[g][c] = a[g][c] + x * v[c];
+          b[g][c] = b[g][c] + y * v[c];
+        }
+      }
+    }
+    for (; i < count; ++i) {
+      vacc v[NC];
+      for (int c = 0; c < NC; ++c) v[c] = load_vec<vacc>(vp + i * hs.HD + c * LANES);
+      for (int g = 0; g < G; ++g) {
+        const float y = wb[g * mb + i];
+        for (int c = 0; c < NC; ++c) b[g][c] = b[g][c] + y * v[c];
+      }
+    }
+  });
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < NC; ++c) {
+      std::memcpy(acca + (j * G + g) * hs.D + c0 + c * LANES, &a[g][c], sizeof(vacc));
+      std::memcpy(accb + (j * G + g) * hs.D + c0 + c * LANES, &b[g][c], sizeof(vacc));
+    }
+  }
+}
+
+template <int G, int NC>
+void values_pair_heads(const float* pa, int64_t ma, const float* pb, int64_t mb, const half* vf, const Pages& pg,
+                       int64_t t0, const Heads& hs, float* acca, float* accb) {
+  for (int64_t j = 0; j < hs.Hkv; ++j)
+    for (int64_t c0 = 0; c0 < hs.D; c0 += NC * LANES) values_pair<G, NC>(pa, ma, pb, mb, vf, pg, t0, hs, j, c0, acca, accb);
+}
+
+// values_pair for these heads, or null where their sums do not fit in registers twice (values_fast then, a row at a
+// time)
+using PairFn = void (*)(const float*, int64_t, const float*, int64_t, const half*, const Pages&, int64_t, const Heads&,
+                        float*, float*);
+inline PairFn values_pair_fn(const Heads& hs) {
+  if (ACC_REGS == 0 || hs.D % LANES != 0 || hs.G > 3) return nullptr;
+  const int64_t nv = hs.D / LANES;
+  int nc = 4;  // the widest power of two dividing nv whose 2 G nc sums fit in registers
+  while (nc > 1 && (nv % nc || 2 * hs.G * nc > ACC_REGS)) nc /= 2;
+  static constexpr PairFn table[3][3] = {{values_pair_heads<1, 1>, values_pair_heads<1, 2>, values_pair_heads<1, 4>},
+                                         {values_pair_heads<2, 1>, values_pair_heads<2, 2>, values_pair_heads<2, 4>},
+                                         {values_pair_heads<3, 1>, values_pair_heads<3, 2>, values_pair_heads<3, 4>}};
+  return table[hs.G - 1][std::countr_zero(static_cast<unsigned>(nc))];
 }
 
 // values_of with each kv head's sums in registers where the head size and group allow (query heads per kv head 1-4,
@@ -709,21 +919,96 @@ struct Attention {
     }
   }
 
+  // item i (row b's chunk i - first[b]) on its own
+  void item(int64_t i, int64_t b, std::vector<float>& scores) {
+    const int64_t t0 = (i - first[b]) * CHUNK, t1 = std::min(pr.pl[b] + 1, t0 + CHUNK);
+    const Pages pg{pr.pt + b * pr.P, pr.page_tokens};
+    // a row that shares its first page with the row before (a prompt chunk's tokens, forks of one sequence)
+    // finds those rows in cache: read them once more and a prefill chunk ran 0.82-0.89x. A float16 pool's
+    // arithmetic (widening every value) outweighs its reads: decode after 8,000 tokens 0.93x and 1.00x with it
+    if (std::is_same_v<T, float> && (b == 0 || pr.pt[b * pr.P] != pr.pt[(b - 1) * pr.P]))
+      touch(kf, vf, pg, t0, t1, hs);
+    scores.resize(pr.Hq * (t1 - t0));
+    scores_of(qr.data() + b * pr.Hq * pr.D, kf, vf, pg, t0, t1, hs, scores.data());
+    exp_rows(scores.data(), pr.Hq, t1 - t0, max + i * pr.Hq, sum + i * pr.Hq);
+    values_fast(scores.data(), vf, pg, t0, t1, hs, acc + i * pr.Hq * pr.D);
+  }
+
+  // whether row r reads the pages row r - 1 reads, and at least as many (a prompt chunk's rows)
+  bool follows(int64_t r) const {
+    if (pr.pl[r] < pr.pl[r - 1]) return false;
+    const int64_t pages = (pr.pl[r - 1] + pr.page_tokens) / pr.page_tokens;
+    return std::equal(pr.pt + (r - 1) * pr.P, pr.pt + (r - 1) * pr.P + pages, pr.pt + r * pr.P);
+  }
+
+  // Items i0..i1-1 of rows b..e-1 (rows that `follow`: a prompt chunk's tokens) a chunk of keys at a time: where at
+  // least GROUP_ROWS rows have the chunk, its keys are widened and transposed once (transpose_keys), every row's
+  // scores are taken from them (scores_rows) and a float16 pool's values are summed two rows at a time (values_pair);
+  // elsewhere each item is done as `item`. The same bits as `item`.
+  static constexpr int64_t GROUP_ROWS = 16;  // with fewer, the transposition cost about what it saved (2 threads)
+  void group(int64_t b, int64_t e, int64_t i0, int64_t i1, std::vector<float>& scores) {
+    thread_local std::vector<float> kt, all;  // the chunk's keys transposed; its rows' scores
+    thread_local std::vector<int64_t> rows, ms;
+    thread_local std::vector<const float*> qs;
+    thread_local std::vector<float*> outs;
+    constexpr int64_t W = CHUNK + 16;  // kt's rows 576 bytes apart: at 512 a block's 64 rows fell into few L1 sets
+    kt.resize(pr.Hkv * pr.D * W);
+    for (int64_t c = 0; c < (pr.pl[e - 1] + CHUNK) / CHUNK; ++c) {
+      const int64_t t0 = c * CHUNK;
+      rows.clear(), ms.clear(), qs.clear(), outs.clear();
+      for (int64_t r = b; r < e; ++r) {
+        const int64_t i = first[r] + c;
+        if (i < i0 || i >= i1 || i >= first[r + 1]) continue;
+        rows.push_back(r);
+        ms.push_back(std::min(pr.pl[r] + 1, t0 + CHUNK) - t0);
+        qs.push_back(qr.data() + r * pr.Hq * pr.D);
+      }
+      const int64_t n = rows.size();
+      if (n < GROUP_ROWS) {
+        for (const int64_t r : rows) item(first[r] + c, r, scores);
+        continue;
+      }
+      const Pages pg{pr.pt + rows[n - 1] * pr.P, pr.page_tokens};  // the longest row's: every row's
+      transpose_keys(kf, pg, t0, t0 + ms[n - 1], hs, kt.data(), W);
+      all.resize(n * pr.Hq * CHUNK);
+      for (int64_t k = 0; k < n; ++k) outs.push_back(all.data() + k * pr.Hq * CHUNK);
+      scores_rows(qs.data(), outs.data(), ms.data(), n, kt.data(), W, hs);
+      for (int64_t k = 0; k < n; ++k) {
+        const int64_t i = first[rows[k]] + c;
+        scores_tails(qs[k], kf, pg, t0, t0 + ms[k], hs, outs[k]);
+        exp_rows(outs[k], pr.Hq, ms[k], max + i * pr.Hq, sum + i * pr.Hq);
+      }
+      PairFn pair = nullptr;
+      if constexpr (std::is_same_v<T, half>) pair = values_pair_fn(hs);
+      for (int64_t k = 0; k < n; ++k) {
+        float* out = acc + (first[rows[k]] + c) * pr.Hq * pr.D;
+        if constexpr (std::is_same_v<T, half>) {
+          if (pair && k + 1 < n) {
+            pair(outs[k], ms[k], outs[k + 1], ms[k + 1], vf, pg, t0, hs, out, acc + (first[rows[k + 1]] + c) * pr.Hq * pr.D);
+            ++k;
+            continue;
+          }
+        }
+        values_fast(outs[k], vf, pg, t0, t0 + ms[k], hs, out);
+      }
+    }
+  }
+
   __attribute__((noinline)) void work(int64_t i0, int64_t i1) {
     std::vector<float> scores;
-    for (int64_t i = i0; i < i1; ++i) {
+    // 16 sums of 16 floats in registers (AVX-512) and the 16-lane loops' order (a head size a multiple of 16)
+    const bool transposed = ACC_REGS >= 16 && transposed_size(pr.D);
+    for (int64_t i = i0; i < i1;) {
       const int64_t b = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
-      const int64_t t0 = (i - first[b]) * CHUNK, t1 = std::min(pr.pl[b] + 1, t0 + CHUNK);
-      const Pages pg{pr.pt + b * pr.P, pr.page_tokens};
-      // a row that shares its first page with the row before (a prompt chunk's tokens, forks of one sequence)
-      // finds those rows in cache: read them once more and a prefill chunk ran 0.82-0.89x. A float16 pool's
-      // arithmetic (widening every value) outweighs its reads: decode after 8,000 tokens 0.93x and 1.00x with it
-      if (std::is_same_v<T, float> && (b == 0 || pr.pt[b * pr.P] != pr.pt[(b - 1) * pr.P]))
-        touch(kf, vf, pg, t0, t1, hs);
-      scores.resize(pr.Hq * (t1 - t0));
-      scores_of(qr.data() + b * pr.Hq * pr.D, kf, vf, pg, t0, t1, hs, scores.data());
-      exp_rows(scores.data(), pr.Hq, t1 - t0, max + i * pr.Hq, sum + i * pr.Hq);
-      values_fast(scores.data(), vf, pg, t0, t1, hs, acc + i * pr.Hq * pr.D);
+      int64_t e = b + 1;
+      if (transposed)
+        while (e < pr.B && first[e] < i1 && follows(e)) ++e;
+      const int64_t end = std::min(i1, first[e]);
+      if (e - b >= GROUP_ROWS) {
+        group(b, e, i, i1, scores);
+        i = end;
+      }
+      for (; i < end; ++i) item(i, std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1, scores);
     }
   }
 
