@@ -277,10 +277,10 @@ def test_float16_pages_give_the_same_bits_eight_or_four_tokens_at_a_time(hq, hkv
 
 
 @needs_kernel
-@pytest.mark.parametrize("hq,hkv,d,page,dtype", [(9, 3, 64, 16, torch.float16), (9, 3, 64, 5, torch.float16),
-                                                 (6, 3, 32, 4, torch.float16), (8, 2, 64, 16, torch.float32),
-                                                 (4, 1, 128, 7, torch.float32), (2, 2, 16, 16, torch.float16),
-                                                 (5, 1, 32, 16, torch.float16), (6, 2, 24, 16, torch.float16)])  # fmt: skip
+@pytest.mark.parametrize("hq,hkv,d,page,dtype", [
+    (9, 3, 64, 16, torch.float16), (9, 3, 64, 5, torch.float16), (6, 3, 32, 4, torch.float16),
+    (8, 2, 64, 16, torch.float32), (4, 1, 128, 7, torch.float32), (2, 2, 16, 16, torch.float16),
+    (5, 1, 32, 16, torch.float16), (6, 2, 24, 16, torch.float16)])  # fmt: skip
 def test_a_prompt_chunks_rows_give_the_bits_of_one_token_steps(hq, hkv, d, page, dtype):
     """A prompt chunk's tokens as rows of one call (`token_rows`: rows reading the same pages, whose chunks of keys
     the kernel transposes once for all of them, and whose float16 values it sums two rows at a time) give the bits
