@@ -243,8 +243,10 @@ def main() -> None:
           + (f"median of {len(lc_ratios)} rounds' own ratios {statistics.median(lc_ratios):.2f}x, range "
              f"{lc_ratios[0]:.2f}-{lc_ratios[-1]:.2f}x)" if lc_ratios else "no llama.cpp runs)"))  # fmt: skip
     gmac, gmac1, read = (statistics.median(v) for v in machine.values())
+    # two hyperthreads of one core run this arithmetic-bound kernel ~1.2x one thread; two cores ~1.6-1.7x (session 43)
+    cores = "the threads share a core" if gmac / gmac1 < 1.4 else "the threads run on cores of their own"
     print(f"Machine during the rounds (medians): 8-row int8 products from cache {gmac:.0f} GMAC/s on {threads} "
-          f"threads (B={b}'s bound; {gmac1:.0f} on one, {gmac / gmac1:.2f}x it: near 1.2x the threads share a core), "
+          f"threads (B={b}'s bound; {gmac1:.0f} on one, {gmac / gmac1:.2f}x it: {cores}), "
           f"memory read {read:.1f} GB/s (B=1's bound)")  # fmt: skip
     # what that rate allows B=batch at best on int8 weights (the rate is int8's kernel's): its step's multiply-adds
     # alone (every layer's four matrices and the head, each row), with attention, norms, sampling and Python free.
