@@ -3,6 +3,7 @@ decode attention reads and writes pages in place like `PagedKV.append` + `attend
 falls back to torch after one warning."""
 
 import logging
+import random
 
 import pytest
 import torch
@@ -310,6 +311,51 @@ def test_a_prompt_chunks_rows_give_the_bits_of_one_token_steps(hq, hkv, d, page,
             kv.commit()
         outs.append(torch.cat(steps, 1))
     assert torch.equal(outs[0], outs[1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("seed", range(4))
+def test_rows_of_one_call_give_the_bits_each_row_gives_alone(seed):
+    """Random calls whose rows share pages in every way the grouping must handle (a prompt chunk; two sequences sharing
+    a prefix, the second's lengths continuing or restarting; runs of equal lengths; shuffled lengths), any page size,
+    head size, group and thread count (items split mid-row): each row's output equals the row run alone."""
+    rng = random.Random(seed)
+    for _ in range(6):
+        dtype, d = rng.choice([torch.float16, torch.float32]), rng.choice([16, 32, 64, 128])
+        g, hkv, page = rng.choice([1, 2, 3, 4, 5, 6]), rng.choice([1, 2]), rng.choice([1, 3, 4, 5, 7, 16, 100, 256])
+        kind, hist, T = rng.choice(["chunk", "fork", "equal", "shuffle"]), rng.randint(0, 420), rng.randint(16, 70)
+        hq, n_pages = g * hkv, (hist + T + 656) // page + 8
+        kf, vf = (torch.randn(n_pages * page, hkv, d) * 2).to(dtype), torch.randn(n_pages * page, hkv, d).to(dtype)
+        need, perm = (hist + T + page) // page + 2, rng.sample(range(n_pages), n_pages)
+        lengths, tables = [hist + t for t in range(T)], [perm[:need] for _ in range(T)]
+        if kind == "fork":
+            cut, shared = rng.randint(1, T - 1), rng.randint(0, need)
+            restart = rng.random() < 0.5
+            for r in range(cut, T):
+                tables[r] = perm[:shared] + perm[need : 2 * need - shared]
+                lengths[r] = hist + rng.randint(0, 5) + (r - cut) if restart else lengths[r]
+        elif kind == "equal":
+            lengths = sorted(hist + rng.randint(0, T) for _ in range(T))
+        elif kind == "shuffle":
+            rng.shuffle(lengths)
+        table, lens = torch.tensor(tables), torch.tensor(lengths)
+        q, k, v = torch.randn(T, 1, hq, d), torch.randn(T, 1, hkv, d), torch.randn(T, 1, hkv, d)
+        cos, sin = torch.randn(T, d), torch.randn(T, d)
+        writer: dict[int, int] = {}  # rows writing one slot write the same key and value (the last one wins)
+        for b in range(T):
+            a = writer.setdefault(tables[b][lengths[b] // page] * page + lengths[b] % page, b)
+            k[b], v[b], cos[b], sin[b] = k[a], v[a], cos[a], sin[a]
+        threads = torch.get_num_threads()
+        torch.set_num_threads(rng.choice([1, 2, 3]))
+        try:
+            out = fused.rope_attend(q, k, v, cos, sin, kf, vf, table, lens, page, d**-0.5)
+            for b in range(T):
+                one = slice(b, b + 1)
+                alone = fused.rope_attend(q[one], k[one], v[one], cos[one], sin[one], kf.clone(), vf.clone(),
+                                          table[one], lens[one], page, d**-0.5)  # fmt: skip
+                assert torch.equal(alone[0], out[b]), (dtype, d, g, hkv, page, kind, hist, T, b)
+        finally:
+            torch.set_num_threads(threads)
 
 
 # int4 groups are 32 wide: every matrix's input width a multiple of 32. The odd shape (int8, fp32) has matrices with

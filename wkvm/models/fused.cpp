@@ -541,7 +541,9 @@ inline void scores_lanes(const float* q, const float* kh, int64_t W, v16f (&out)
 #pragma GCC unroll 8
       for (int c = 0; c < D; c += 16) {
         v16f k0 = load_vec<v16f>(kh + (c + lane) * W), k8 = load_vec<v16f>(kh + (c + lane + 8) * W);
+#if defined(__AVX512F__)  // (a 64-byte register operand needs AVX-512; without it this path is off: ACC_REGS)
         asm("" : "+v"(k0), "+v"(k8));  // held in registers for the GS heads (GCC otherwise loads them per product)
+#endif
 #pragma GCC unroll 3
         for (int g = 0; g < GS; ++g) {
           A0[g] += q[g * D + c + lane] * k0;
