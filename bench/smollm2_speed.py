@@ -147,18 +147,15 @@ def main() -> None:
     t_pre, r_pre = timeit_pair(lambda: model.prefill(prompt), ref_prefill, args.repeat)
     # the prompt through an engine with the server's defaults (chunks of 256 tokens, each token a row of the fused
     # attention: stepping's bits) to its first token: what `wkvm serve` spends before answering. model.prefill above
-    # takes the whole prompt in one call on a dense cache (at 8,000 tokens 188 tok/s; an engine 261-275 with 512-token
-    # chunks, 316 with these: docs/performance.md, session 44)
-    def served_prefill_s() -> float:
-        served = Engine(model, tokenizer, EngineConfig(n_slots=1, kv_dtype=args.kv_dtype))
+    # is the reference path (the whole prompt in one call on a dense cache, torch's attention): far slower on long
+    # prompts (docs/performance.md, sessions 44-45)
+    served = Engine(model, tokenizer, EngineConfig(n_slots=1, kv_dtype=args.kv_dtype))
 
-        def once() -> None:
-            served.submit(prompt.tolist(), SamplingParams(max_tokens=1, ignore_eos=True, temperature=0))
-            served.run_until_done()
+    def served_prefill() -> None:
+        served.submit(prompt.tolist(), SamplingParams(max_tokens=1, ignore_eos=True, temperature=0))
+        served.run_until_done()
 
-        return timeit(once, repeat=args.repeat)
-
-    t_served = served_prefill_s()
+    t_served = timeit(served_prefill, repeat=args.repeat)
     rates: dict[int, list[float]] = {1: [], args.batch: []}
     # what bounds each side, measured every round: B=8's step is compute-bound (8-row int8 products), B=1's memory-
     # bound (streaming the weights). This VM moves between states where the two rates differ by 2-3x in ratio.
@@ -255,9 +252,10 @@ def main() -> None:
     cfg = model.config
     macs = cfg.n_layer * cfg.n_embd * (2 * (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim + 3 * cfg.ffn_size)
     macs += cfg.vocab_size * cfg.n_embd
-    floor_ms = b * macs / (gmac * 1e9) * 1e3
-    ceiling = b / floor_ms * 1e3 if args.dtype == "int8" else None
-    if ceiling is not None:
+    ceiling = None
+    if args.dtype == "int8":
+        floor_ms = b * macs / (gmac * 1e9) * 1e3
+        ceiling = b / floor_ms * 1e3
         print(f"B={b}'s {b * macs / 1e9:.2f} G multiply-adds a step at {gmac:.0f} GMAC/s take {floor_ms:.2f} ms: "
               f"{ceiling:.0f} tok/s with everything else free, {ceiling / engine_b1:.2f}x one stream's "
               f"{engine_b1:.0f} (measured {engine_bn:.0f}: its matmuls ~{floor_ms * engine_bn / b / 1e3:.0%} of a "
