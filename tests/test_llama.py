@@ -16,18 +16,22 @@ import pytest
 import torch
 from conftest import greedy_reference
 from families.llama import GGUF_NAMES, k_quant_blocks, permute, write_gguf
+from live_server import LiveServer
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from wkvm.chat_template import load_chat_template
+from wkvm.config import ServerConfig, default_model
+from wkvm.llm import LLM
 from wkvm.models import registry
 from wkvm.models.family import Checkpoint, CheckpointError
 from wkvm.models.llama import FAMILY, gguf_chat_template, gguf_file, gguf_tokenizer
 from wkvm.models.llama.gguf_file import unpermute
 from wkvm.models.llama.model import Llama
+from wkvm.sampling_params import SamplingParams
 from wkvm.tokenizer import HFTokenizer
-from wkvm.weights.loader import load_model
+from wkvm.weights.loader import auto_dtype, load_model
 from wkvm.weights.pack import write_pack
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices: threads only wait on each other
@@ -293,6 +297,59 @@ def test_gguf_tensors_dequantize_in_chunks_of_rows_to_the_same_values(qtype, mon
     monkeypatch.setattr(gguf_file, "DEQUANTIZE_BYTES", 5 * data.shape[1])  # 5 rows a call: 8 calls, the last of 2
     got = gguf_file.dequantize_rows(data, q)
     assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+@pytest.fixture(scope="module")
+def k_ref():
+    return hf_model(K_SHAPE, seed=6)  # 256 wide: K-quant blocks fit too
+
+
+@pytest.mark.parametrize("qtype, types, want", [
+    ("Q4_1", None, "int4"), ("Q4_0", None, "int4"), ("Q8_0", None, "int8"), ("Q4_K", None, "int8"),
+    ("F16", None, "float32"), ("F32", None, "float32"), ("BF16", None, "float32"),
+    ("Q4_1", {"token_embd.weight": "Q8_0"}, "int4"),  # SmolLM2's file: the layers' matrices decide
+    ("Q4_1", {"blk.1.ffn_down.weight": "Q6_K"}, "int8"),  # a Q4_K_M-style mix: int4 would re-round the Q6_K one
+    ("F32", {"blk.0.attn_v.weight": "Q8_0"}, "int8"),
+])  # fmt: skip
+def test_dtype_auto_keeps_a_gguf_files_own_precision(k_ref, qtype, types, want, tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, k_ref, qtype, types=types)
+    assert auto_dtype(path) == want
+    assert auto_dtype(path, "cuda") == "float32"  # wkvm's int8 / int4 kernels are CPU code
+
+
+def test_dtype_auto_is_float32_for_other_checkpoints_and_a_missing_path_is_the_load_error(k_ref, tmp_path):
+    k_ref.save_pretrained(tmp_path / "hf")
+    assert auto_dtype(tmp_path / "hf") == "float32"
+    assert auto_dtype(default_model()) == "float32"
+    with pytest.raises(CheckpointError, match="does not exist"):
+        auto_dtype(tmp_path / "missing.gguf")
+
+
+def test_a_server_and_llm_with_dtype_auto_run_a_q4_1_file_as_int4(gguf_ref, tmp_path):
+    """`--dtype auto` (not the default: float32 is exact) resolves when the model loads: a Q4_1 file runs as int4 with
+    float16 pages, the same tokens as `--dtype int4`, and the server's config and checkpoint key name int4."""
+    vocab = [chr(c) for c in range(ord("!"), ord("~") + 1)] + ["<|x|>", "<|y|>", "<|z|>", "<|w|>", "</s>"]
+
+    def tokenizer(w: gguf.GGUFWriter) -> None:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-2")
+        w.add_token_list(vocab)  # 99 tokens, as GGUF_SHAPE's vocabulary
+        w.add_token_types([gguf.TokenType.CONTROL if len(t) > 1 else gguf.TokenType.NORMAL for t in vocab])
+        w.add_token_merges([])
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, gguf_ref, "Q4_1", tokenizer)
+    ids = prompt(GGUF_SHAPE["vocab_size"], 12, seed=8)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    auto, int4 = LLM(path, dtype="auto"), LLM(path, dtype="int4")
+    assert auto.engine.config.kv_dtype == "float16"
+    assert auto.generate([ids], greedy)[0].token_ids == int4.generate([ids], greedy)[0].token_ids
+    with LiveServer(model=str(path), dtype="auto", slots=2, kv_cache_bytes=8 << 20) as s:
+        assert s.ctx.config.dtype == "int4" and s.ctx.config.engine_kv_dtype() == "float16"
+        assert s.ctx.sessions.compute.startswith("weights torch.int4")
+    with pytest.raises(ValueError, match="auto"):
+        ServerConfig(model=str(path), dtype="int3")
 
 
 def test_gguf_rope_scaling_reads_as_llama_cpp_reads_it(gguf_ref, tmp_path):
@@ -695,7 +752,6 @@ def test_bos_over_http_starts_a_prompt_once_and_never_a_continuation(tmp_path):
     gets none, and echo's text offsets give BOS no width (it is not in the echoed text). Review of session 28."""
     import httpx
     from families.llama import write_checkpoint
-    from live_server import LiveServer
     from tokenizers import processors
 
     vocab = ["<s>", *[chr(c) for c in range(ord("!"), ord("~") + 1)], "</s>"]

@@ -248,7 +248,8 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     model_help = "a checkpoint (file or directory) or weight pack (default: the embedded model) [env WKVM_MODEL]"
     p.add_argument("--model", default=env_default("model"), help=model_help)
-    dtype_help = "weights: float32, bfloat16, int8 or int4 (default: %(default)s) [env WKVM_DTYPE]"
+    dtype_help = ("weights: float32, bfloat16, int8, int4 or auto (a GGUF file's own precision: Q4_0/Q4_1 int4, other "
+                  "quantized types int8; float32 for everything else) (default: %(default)s) [env WKVM_DTYPE]")
     p.add_argument("--dtype", default=env_default("dtype") or "float32", help=dtype_help)
 
 

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 
 KV_DTYPES = ("float32", "float16")
+AUTO_DTYPE = "auto"  # --dtype: the checkpoint's own precision where wkvm has its kind (loader.auto_dtype)
 # `wkvm serve --kv-dtype`: auto keeps keys and values as the weights' precision asks (docs/design-paged-kv.md)
 KV_CHOICES = ("auto", *KV_DTYPES)
 MAX_SLOTS = 65_536  # state slots: each holds a sequence's fixed-size state whether used or not
@@ -119,9 +120,10 @@ class ServerConfig:
     model: str | None = opt(None, "a checkpoint (file or directory) or weight pack (default: the embedded model); "
                             "none: no generative model, only --embeddings")
     device: str = opt(EngineConfig.device, "cpu, or cuda with a CUDA build of torch")
-    dtype: str = opt("float32", "float32; bfloat16: half the memory, faster only with native bf16; int8: a quarter, "
-                     "faster decode; int4: 5 bits a weight, faster still (wkvm doctor)",
-                     "choice:float32,fp32,bfloat16,bf16,int8,int4")
+    dtype: str = opt("float32", "float32 (exact against the reference); bfloat16: half the memory, faster only with "
+                     "native bf16; int8: a quarter, faster decode; int4: 5 bits a weight, faster still (wkvm doctor); "
+                     "auto: a GGUF file's own precision (Q4_0/Q4_1 int4, other quantized types int8), else float32",
+                     "choice:float32,fp32,bfloat16,bf16,int8,int4,auto")
     weight_cache_layers: int = opt(0, "stream a weight pack from disk, at most N layers in memory (0: resident)")
     read_ahead: bool = opt(True, "with --weight-cache-layers: do not ask the OS for the next layer while one computes")
     host: str = opt("127.0.0.1", "address to bind; anything but loopback is reachable from other machines")
@@ -178,7 +180,8 @@ class ServerConfig:
     ray_address: str | None = opt(None, "with --replicas: join this Ray cluster (default: start a local Ray instance)")
 
     def __post_init__(self) -> None:
-        weight_dtype(self.dtype)  # raises a ValueError naming the choices
+        if self.dtype != AUTO_DTYPE and str(self.dtype).lower() not in WEIGHT_DTYPES:  # auto: resolved at load
+            raise ValueError(f"dtype {self.dtype!r} is not supported; use float32, bfloat16, int8, int4 or auto")
         if self.kv_dtype not in KV_CHOICES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_CHOICES)}, not {self.kv_dtype!r}")
         if self.generation_config not in GENERATION_CONFIGS:

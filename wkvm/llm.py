@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from wkvm.chat_template import ChatTemplate, plain_messages
-from wkvm.config import GENERATION_CONFIGS, EngineConfig, default_model, kv_dtype_for
+from wkvm.config import AUTO_DTYPE, GENERATION_CONFIGS, EngineConfig, default_model, kv_dtype_for
 from wkvm.engine.engine import Engine
 from wkvm.engine.handle import RequestHandle
 from wkvm.outputs import GenerationOutput
 from wkvm.sampling_params import MAX_STOP_STRINGS, SamplingParams, model_sampling_defaults
 from wkvm.tokenizer import Tokenizer
-from wkvm.weights.loader import load_model, load_text_tools
+from wkvm.weights.loader import auto_dtype, load_model, load_text_tools
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 Messages = list[dict[str, Any]]
@@ -42,8 +42,11 @@ class LLM:
     ):
         """`model`: a path (a BlinkDL .pth, an HF/fla directory, a GGUF file, a weight pack), by default the embedded
         model. `weight_cache_layers` > 0 streams a weight pack's layers from disk through a cache of that many;
-        `dtype` "bfloat16" stores the large matrices in bf16 (half the memory; arithmetic stays fp32); "auto" is
-        float32. `generation_config` "auto": `generate` / `chat` without sampling_params sample with the model's
+        `dtype` "float32" is exact against the reference; "bfloat16" stores the large matrices in bf16 (half the
+        memory; arithmetic stays fp32); "int8", "int4" (wkvm's kernels); "auto" keeps a GGUF file's own precision
+        (Q4_0 / Q4_1 layers: int4, other quantized types: int8) and is float32 for every other checkpoint
+        (`loader.auto_dtype`; until session 46 it meant float32).
+        `generation_config` "auto": `generate` / `chat` without sampling_params sample with the model's
         generation_config.json values (vLLM's default; `get_default_sampling_params`); "none" or "vllm": with
         SamplingParams' own. Other keyword arguments are EngineConfig's fields; `kv_dtype` also takes "auto" (the
         default without `config`, as `wkvm serve`): float32 pages for float32 weights, float16 for rounded ones."""
@@ -55,10 +58,11 @@ class LLM:
             raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}: it takes model, tokenizer, "
                             "config, weight_cache_layers, read_ahead, dtype and EngineConfig's fields "
                             f"({', '.join(sorted(fields))})")  # fmt: skip
-        dtype = "float32" if dtype == "auto" else dtype
+        model = default_model() if model is None else model
+        if dtype == AUTO_DTYPE:
+            dtype = auto_dtype(model, config_kwargs.get("device", (config or EngineConfig()).device))
         kv = config_kwargs.get("kv_dtype", "auto" if config is None else config.kv_dtype)
         config = replace(config or EngineConfig(), **{**config_kwargs, "kv_dtype": kv_dtype_for(kv, dtype)})
-        model = default_model() if model is None else model
         if tokenizer is not None and not (Path(tokenizer).is_file() or (Path(tokenizer) / "tokenizer.json").is_file()):
             # the model family's default had stood in silently (an RWKV-7 model's World vocabulary: garbage text)
             raise ValueError(f"tokenizer {str(tokenizer)!r}: no such file, nor a directory with a tokenizer.json "

@@ -95,9 +95,9 @@ def k_quant_blocks(shape: tuple[int, ...], q: gguf.GGMLQuantizationType, seed: i
     return data.reshape(rows, cols // block * size)
 
 
-def write_gguf(path: Path, model: LlamaForCausalLM, qtype: str, extra=None) -> dict[str, np.ndarray]:
-    """A GGUF of `model` with every matrix in `qtype` (norms F32); returns the arrays as a reader dequantizes them.
-    `extra(writer)` adds more metadata."""
+def write_gguf(path: Path, model: LlamaForCausalLM, qtype: str, extra=None, types=None) -> dict[str, np.ndarray]:
+    """A GGUF of `model` with every matrix in `qtype` (norms F32) but those `types` names ({tensor name: type});
+    returns the arrays as a reader dequantizes them. `extra(writer)` adds more metadata."""
     c = model.config
     w = gguf.GGUFWriter(str(path), "llama")
     if extra is not None:
@@ -115,7 +115,7 @@ def write_gguf(path: Path, model: LlamaForCausalLM, qtype: str, extra=None) -> d
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     stored = {}
     for name, a in gguf_tensors(model).items():
-        q = gguf.GGMLQuantizationType.F32 if a.ndim == 1 else gguf.GGMLQuantizationType[qtype]
+        q = gguf.GGMLQuantizationType.F32 if a.ndim == 1 else gguf.GGMLQuantizationType[(types or {}).get(name, qtype)]
         data = k_quant_blocks(a.shape, q, zlib.crc32(name.encode())) if q.name in K_SCALES else quantize(a, q)
         w.add_tensor(name, data, raw_dtype=q)
         stored[name] = dequantize(data, q).reshape(a.shape)

@@ -427,6 +427,11 @@ class ModelFamily(Protocol):
         metadata) or the family's (None: chat answers 400 without a template)."""
         ...
 
+    def native_dtype(self, path: Path, fmt: str) -> str:
+        """What `--dtype auto` stores the weights of the checkpoint at `path` (format `fmt`) as: the wkvm weight kind
+        that keeps a quantized file's own precision (a GGUF's), float32 for a float checkpoint."""
+        ...
+
 
 def owned(t: torch.Tensor) -> torch.Tensor:
     """`t` in storage of its own: a view into a larger buffer (a file read in one go) would keep all of it alive."""

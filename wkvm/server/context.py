@@ -12,7 +12,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import torch
 from fastapi import Request
 
 from wkvm.chat_template import ChatTemplate
-from wkvm.config import NO_MODEL, ServerConfig
+from wkvm.config import AUTO_DTYPE, NO_MODEL, ServerConfig
 from wkvm.embeddings import EmbeddingModel
 from wkvm.engine.client import EngineClient, LocalEngineClient, ModelInfo
 from wkvm.engine.engine import Engine
@@ -34,7 +34,7 @@ from wkvm.state.service import StateService
 from wkvm.state.sessions import ChatSessions
 from wkvm.state.store import StateStore, StoreLimits
 from wkvm.tokenizer import Tokenizer
-from wkvm.weights.loader import load_model, load_text_tools
+from wkvm.weights.loader import auto_dtype, load_model, load_text_tools
 
 log = logging.getLogger("wkvm.server")
 
@@ -139,9 +139,12 @@ class ServerContext:
                 self.ready.set()
                 log.info("embedding model %s loaded (no generative model: --model none)", self.embedder.name)
                 return
-            model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype,
+            path = cfg.model
+            if cfg.dtype == AUTO_DTYPE:  # the file's own precision, before anything reads the weights' kind
+                cfg = self.config = replace(cfg, dtype=auto_dtype(path, cfg.device))
+            model = load_model(path, device=cfg.device, dtype=cfg.dtype,
                                weight_cache_layers=cfg.weight_cache_layers, read_ahead=cfg.read_ahead)  # fmt: skip
-            self.tokenizer, self.template = load_text_tools(cfg.model, model.family)
+            self.tokenizer, self.template = load_text_tools(path, model.family)
             self.sampling_defaults = self.model_sampling_defaults(cfg)
             self.tokenizer.decode([0])  # tables built on first use (World: its byte table; HF: each token's bytes, for
             self.tokenizer.token_bytes(0)  # logprobs and the grammar) are built now, not on a

@@ -54,6 +54,20 @@ def check_model_path(path: str | os.PathLike[str]) -> None:
         registry.detect(p)
 
 
+def auto_dtype(path: str | os.PathLike[str], device: str = "cpu") -> str:
+    """What `--dtype auto` (an option of `wkvm serve`, `wkvm chat` and `LLM`, whose default stays float32: exact, and
+    SmolLM2's int4 answers the capital of France "L'Étoile", fp32 "Paris") stores `path`'s model as: on the CPU, its
+    family's `native_dtype` (a GGUF with Q4_0 / Q4_1 layer matrices: int4, their values kept; with other quantized
+    types: int8; float files: float32), as llama.cpp runs a GGUF at its own quantization; float32 for every other
+    checkpoint, for a weight pack (it holds float32 layers) and on a GPU (wkvm's int8 and int4 kernels are CPU code).
+    Raises CheckpointError where load_model would (a missing path, no model wkvm reads)."""
+    check_model_path(path)
+    if torch.device(device).type != "cpu" or is_pack(path):
+        return "float32"
+    family, fmt = registry.detect(path)
+    return family.native_dtype(Path(path), fmt)
+
+
 def read_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelFamily, Checkpoint]:
     family, fmt = registry.detect(path)
     with unreadable(path, f"a {family.name} checkpoint ({fmt})"):

@@ -66,4 +66,8 @@ class BambaFamily:
         return None
 
 
+    def native_dtype(self, path: Path, fmt: str) -> str:
+        return "float32"  # float checkpoints only
+
+
 FAMILY = BambaFamily()

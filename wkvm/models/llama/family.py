@@ -11,7 +11,7 @@ import torch
 
 from wkvm.chat_template import ChatTemplate
 from wkvm.models.family import Checkpoint
-from wkvm.models.llama import checkpoint, model
+from wkvm.models.llama import checkpoint, gguf_file, model
 from wkvm.models.llama.gguf_text import gguf_chat_template, gguf_tokenizer
 from wkvm.models.llama.model import Llama, LlamaConfig
 from wkvm.models.provider import WeightProvider
@@ -71,6 +71,9 @@ class LlamaFamily:
 
     def default_chat_template(self, path: Path) -> ChatTemplate | None:
         return gguf_chat_template(path) if checkpoint.detect(path) == checkpoint.GGUF_FORMAT else None
+
+    def native_dtype(self, path: Path, fmt: str) -> str:
+        return gguf_file.native_dtype(path) if fmt == checkpoint.GGUF_FORMAT else "float32"
 
 
 FAMILY = LlamaFamily()

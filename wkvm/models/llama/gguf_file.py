@@ -240,6 +240,31 @@ def hf_tensors(reader: GGUFReader) -> dict[str, ReaderTensor]:
     return {ROPE_FREQS if t.name == ROPE_FREQS else hf_name(t.name): t for t in reader.tensors}
 
 
+# `--dtype auto` for a GGUF file: the wkvm weight kind that keeps its layer matrices' precision, as llama.cpp runs a
+# file at its own quantization. Q4_0 / Q4_1 groups are int4's own structure (their values are kept exactly);
+# float types stay float32 (exact against transformers); every other quantized type (Q8_0, Q5, K-quants, IQ) is
+# re-rounded per channel to int8, the nearest of wkvm's kinds that is not coarser than the file.
+INT4_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1})
+FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+MATRICES = tuple(k for k in LAYER_NAMES if not k.endswith("_norm"))
+
+
+def layer_matrix(name: str) -> bool:
+    """Whether a GGUF tensor name is a layer's matrix (`blk.3.attn_q.weight`), not a norm or a global."""
+    parts = name.split(".")
+    return len(parts) == 4 and parts[0] == "blk" and parts[2] in MATRICES
+
+
+def native_dtype(path: Path) -> str:
+    """float32, int8 or int4: what `--dtype auto` stores this file's weights as (see INT4_TYPES)."""
+    kinds = {t.tensor_type for t in open_reader(path).tensors if layer_matrix(t.name)}
+    if kinds and kinds <= FLOAT_TYPES:
+        return "float32"
+    if kinds and kinds <= INT4_TYPES:
+        return "int4"
+    return "int8" if kinds else "float32"
+
+
 def read_gguf(path: Path) -> tuple[RawTensors, dict[str, Any]]:
     """Raw tensors under HF names and an HF-style config dict. The tensors are made when read (`LazyTensors`): each
     dequantized to fp32 (q and k put back in HF's row order) then and not kept, so building a model holds one fp32

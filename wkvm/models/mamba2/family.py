@@ -67,4 +67,8 @@ class Mamba2Family:
         return None
 
 
+    def native_dtype(self, path: Path, fmt: str) -> str:
+        return "float32"  # float checkpoints only
+
+
 FAMILY = Mamba2Family()

@@ -76,4 +76,8 @@ class Qwen35Family:
         return None
 
 
+    def native_dtype(self, path: Path, fmt: str) -> str:
+        return "float32"  # float checkpoints only
+
+
 FAMILY = Qwen35Family()

@@ -71,5 +71,9 @@ class RWKV7Family:
         return WorldTemplate()
 
 
+    def native_dtype(self, path: Path, fmt: str) -> str:
+        return "float32"  # float checkpoints only
+
+
 FAMILY = RWKV7Family()
 _check: ModelFamily = FAMILY  # mypy proves RWKV7Family satisfies the protocol
