@@ -122,7 +122,7 @@ def test_server_serves_bf16_and_answers_like_the_python_api(trained_pth, ids):
         r = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0,
                                       extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
     assert r.choices[0].model_extra["token_ids"] == want.token_ids
-    with pytest.raises(ValueError, match="use float32, bfloat16, int8 or int4"):
+    with pytest.raises(ValueError, match="use float32, bfloat16, int8, int4 or auto"):  # auto: the file's own
         LiveServer(model=str(trained_pth), dtype="int2")
 
 
