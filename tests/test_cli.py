@@ -72,6 +72,14 @@ def test_states_through_the_cli_on_a_directory(tmp_path, tiny_pth, capsys, monke
     assert main(["states", "import", "-", "--name", "piped", *base[1:]]) == 0
     monkeypatch.undo()
     assert "wrote - (" in capsys.readouterr().err
+    # the options between the action and its arguments, as `states ls --url U` reads (hunt, session 46: argparse had
+    # ended the arguments at the first option: "unrecognized arguments: demo ...")
+    assert main(["states", "export", *base[1:], "demo", str(tmp_path / "mid.state")]) == 0
+    assert (tmp_path / "mid.state").read_bytes() == (tmp_path / "demo.state").read_bytes()
+    assert main(["states", "show", "--state-dir", str(tmp_path / "sd"), "demo", "--model", str(tiny_pth)]) == 0
+    assert "demo@1" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # an unknown option is still refused, wherever it stands
+        main(["states", "show", *base[1:], "demo", "--bogus"])
     assert main(["states", "rm", "demo", *base[1:]]) == 0
     capsys.readouterr()
     assert main(["states", "ls", *base[1:], "--json"]) == 0

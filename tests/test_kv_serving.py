@@ -305,6 +305,14 @@ def test_a_prompt_over_the_context_limit_is_a_400_also_after_a_reused_prefix(mod
         assert c.get("/v1/states/filled").status_code == 404
         metrics = c.get("/metrics").text  # the pool's 4 pages of 4 tokens, none held once every request is done
         assert "wkvm_kv_cache_pages 4.0" in metrics and "wkvm_kv_cache_usage_ratio 0.0" in metrics, metrics
+    # with a disk quota too small for it, such a state is still the context's 400, not the quota's 413 ("delete
+    # states or raise --state-disk-quota" can never make it fit; hunt, session 46)
+    with LiveServer(model=str(model_dir), kv_page_tokens=4, kv_cache_bytes=16 * model.spec.token_nbytes,
+                    state_disk_quota=1) as s:  # fmt: skip
+        r = httpx.post(f"{s.url}/v1/states", json={"name": "full", "prompt_ids": list(range(1, 17))}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        r = httpx.post(f"{s.url}/v1/states", json={"name": "room", "prompt_ids": list(range(1, 16))}, timeout=60)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "state_quota_exceeded", r.text
 
 
 def test_a_prefill_past_the_request_timeout_ends_n_choices_as_one_and_creates_no_state(model, model_dir):

@@ -449,7 +449,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=TEXT_FORMAT)
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "states" and not any(a.startswith("-") for a in extra):
+        args.args += extra  # `states show --url U HANDLE`: argparse ends a `*` positional at the first option
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         rc: int = args.func(args)
         return rc

@@ -63,11 +63,13 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         check_name(body.name, "name")
         ids = await prompt_of(body)
         param = "prompt" if body.prompt is not None else "prompt_ids"
-        check_save_room(ctx, tenant, len(ids), param, "use a shorter prompt")  # before the prefill (lost work)
         limit = ctx.model.context_limit
         if limit is not None and len(ids) >= limit:  # as a completion refuses it: no room left to generate from it
             raise APIError(400, f"{param}: a state of {len(ids)} tokens leaves no room to generate within this "
                            f"model's context of {limit} tokens: use a shorter prompt", param, "context_length_exceeded")
+        # before the prefill (lost work), after the context check: a quota's 413 ("delete states") can never help a
+        # prompt the model cannot hold (hunt, session 46)
+        check_save_room(ctx, tenant, len(ids), param, "use a shorter prompt")
         state = await ctx.client.prefill(ids[:-1]) if len(ids) > 1 else ctx.model.spec.zeros(1)
         ctx.metrics.prompt_tokens.inc(len(ids))  # prompt tokens received, as a completion's are counted
         try:
