@@ -181,6 +181,12 @@ def test_null_means_the_default_and_a_required_null_is_a_400(server):
     assert nulled.json()["choices"] == plain.json()["choices"]
     r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": None, "temperature": None})
     assert r.status_code == 200, r.text
+    # in the option objects too (vLLM: Optional[bool]; it had been a 400, hunt of session 46)
+    r = post(server, "/v1/chat/completions", {**chat, "stream": True, "stream_options": {"include_usage": None}})
+    assert r.status_code == 200 and '"usage"' not in r.text and r.text.rstrip().endswith("data: [DONE]"), r.text
+    r = post(server, "/v1/chat/completions", {**chat, "response_format": {"type": "json_schema", "json_schema": {
+        "name": None, "schema": {"type": "object"}, "strict": None}}})  # fmt: skip
+    assert r.status_code == 200, r.text
     err = assert_4xx(post(server, "/v1/chat/completions", {**chat, "messages": None}), 400)
     assert err["param"] == "messages"
 

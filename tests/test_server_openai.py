@@ -228,6 +228,18 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(server, client):
     short = client.completions.create(prompt=ids[-3:], **kw)
     assert r.model_extra["prompt_token_ids"] == ids[-3:] and r.choices[0].text == short.choices[0].text
     assert r.usage.prompt_tokens == 3
+    # echo: the kept tokens' text, which the logprobs cover, blocking and streamed (the whole prompt's text had been
+    # echoed, its offsets jumping over the cut; hunt, session 46)
+    text = "The king is dead, long live the king"
+    echo = dict(prompt=text, logprobs=1, echo=True, extra_body={"truncate_prompt_tokens": 3, "return_token_ids": True})
+    r = client.completions.create(**echo, **kw)
+    lp, kept = r.choices[0].logprobs, r.model_extra["prompt_token_ids"]
+    head = "".join(lp.tokens[:3])  # the kept prompt tokens' text
+    assert len(kept) == 3 and text.endswith(head) and len(head) < len(text) and r.choices[0].text.startswith(head)
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**echo, **kw, stream=True))
+    assert streamed == r.choices[0].text
     chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hi there"}], **kw,
                                           extra_body={"truncate_prompt_tokens": 2, "return_token_ids": True})
     assert len(chat.model_extra["prompt_token_ids"]) == 2

@@ -34,6 +34,8 @@ def sse_events(text: str) -> list[dict]:
 def test_auth_required_except_health(server):
     anon = httpx.Client(base_url=server.url)
     assert anon.get("/health").status_code == 200
+    head = anon.head("/health")  # uptime monitors probe with HEAD (it was a 405)
+    assert head.status_code == 200 and head.content == b""
     for method, path in [("GET", "/v1/models"), ("GET", "/v1/states"), ("GET", "/metrics"), ("GET", "/openapi.json"),
                          ("POST", "/v1/completions")]:  # fmt: skip
         r = anon.request(method, path, json={})
@@ -56,6 +58,7 @@ def test_every_states_route(server):
     fresh = c.post("/v1/completions", json={"prompt": prompt + [3, 4], **greedy()}).json()
     gen = c.post("/v1/states/tour/generate", json={"prompt_ids": [3, 4], "save_as": "tour", **greedy()}).json()
     assert gen["choices"][0]["token_ids"] == fresh["choices"][0]["token_ids"]
+    assert gen["prompt_token_ids"] == gen["choices"][0]["prompt_token_ids"] == [3, 4]  # top level too, as completions'
     # the state's tokens were reused (its last is fed with the new ones), none of the prompt's 2: cached_tokens is
     # a part of prompt_tokens, as OpenAI's (hunt 20: it was 0 here but the reuse count with `state` on completions)
     assert gen["wkvm"]["reused_tokens"] == 5 and gen["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, gen

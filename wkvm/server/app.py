@@ -65,7 +65,8 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
 
     auth = Depends(authenticated)
 
-    @app.get("/health", response_model=None)
+    # HEAD too: uptime monitors that probe with it had got a 405 (hunt, session 46); uvicorn sends no body for HEAD
+    @app.api_route("/health", methods=["GET", "HEAD"], response_model=None)
     def health() -> dict[str, Any] | JSONResponse:
         if ctx.load_error:
             return JSONResponse(error_body(503, f"model failed to load: {ctx.load_error}", None, "model_load_failed"),

@@ -388,9 +388,14 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         prompt_tokens = sum(len(ids) for ids in encoded)
         k, as_ids = body.logprobs or 0, body.return_tokens_as_token_ids
 
+        def echo_head(j: int) -> str:
+            # truncate_prompt_tokens: the kept tokens' text, which the prompt's logprobs and offsets cover (the whole
+            # prompt's text had been echoed, its offsets jumping over the cut; hunt, session 46)
+            return gen.echo_text(ctx, encoded[j] if body.truncate_prompt_tokens is not None else prompts[j])
+
         def choice(i: int, h: gen.Answer) -> dict[str, Any]:
             out, j = h.output, i // body.n
-            head = gen.echo_text(ctx, prompts[j]) if body.echo else ""
+            head = echo_head(j) if body.echo else ""
             text, lps = out.text, gen.completion_logprobs(ctx, out.token_ids, out.logprobs, k, len(head),
                                                           gen.skipped(ctx, body), as_ids)  # fmt: skip
             if body.echo:
@@ -406,7 +411,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         live = live_stream(tenant, body, runs, rid, created, moved)
         ctx.handovers.register(live)
         if body.stream:
-            echoes = [(gen.echo_text(ctx, q), ids) for q, ids in zip(prompts, encoded, strict=True) if body.echo]
+            echoes = [(echo_head(j), ids) for j, ids in enumerate(encoded) if body.echo]
             return StreamingResponse(
                 stream_completion(ctx, request, body, runs, handles, base, prompt_tokens, tenant, k, echoes, live,
                                   [c.text for c in moved[0]] if moved else None),

@@ -58,21 +58,22 @@ class NotedBody(Body):
                 log.warning("%s: fields this server does not read, ignored: %s", cls.__name__, ", ".join(ignored))
         return data
 
-
-class RequestBody(NotedBody):
-    """A request's top level: fields this server does not read are ignored (OpenAI's SDK and clients send new ones),
-    and logged once per kind of request and set of names, as vLLM does, so a user learns what had no effect."""
-
     @model_validator(mode="before")
     @classmethod
     def null_is_default(cls, data: Any) -> Any:
         """`null` for a field with a default means that default, as OpenAI's schema (`number | null`) and vLLM
-        read it: clients that serialise unset fields as null send `"temperature": null`, `"stream": null`."""
+        read it: clients that serialise unset fields as null send `"temperature": null`, `"stream": null`; in the
+        option objects too (`stream_options.include_usage: null` had been a 400; hunt, session 46)."""
         if isinstance(data, dict) and None in data.values():
             fields = cls.model_fields
             return {k: v for k, v in data.items()
                     if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
         return data
+
+
+class RequestBody(NotedBody):
+    """A request's top level: fields this server does not read are ignored (OpenAI's SDK and clients send new ones),
+    and logged once per kind of request and set of names, as vLLM does, so a user learns what had no effect."""
 
 
 class StreamOptions(NotedBody):

@@ -204,7 +204,10 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             c["token_ids"] = h.output.token_ids
             c["prompt_token_ids"] = suffix
         extra = await run_in_threadpool(extras)
-        return {**base, "choices": [c], "usage": gen.usage(len(suffix), handles, extra=extra), **extra}
+        out = {**base, "choices": [c], "usage": gen.usage(len(suffix), handles, extra=extra), **extra}
+        if body.return_token_ids:  # at the top level too, as /v1/completions (hunt, session 46: per choice only)
+            out["prompt_token_ids"] = suffix
+        return out
 
     return r
 

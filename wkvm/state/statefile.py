@@ -229,6 +229,8 @@ def decode(
             name=md.get("name", ""), version=_uint(md, "version", "0"), parent=md.get("parent") or None,
             op=md.get("op", "import"), op_params=op_params, created_at=float(created_at),
         )  # fmt: skip
+    except StateFileError:  # _uint's own message ("bad metadata field: bad metadata: version ..." before)
+        raise
     except (ValueError, TypeError) as e:
         raise StateFileError(f"bad metadata field: {e}") from None
     if imported:  # the lineage an import records (and a later export carries): checked as the store's own
