@@ -435,6 +435,32 @@ def test_float16_keys_and_values(model, model_dir, monkeypatch):
     assert all(back[k].dtype == torch.float32 and torch.equal(back[k], dense[k]) for k in dense)
 
 
+def test_an_import_beyond_float16_is_refused_where_the_pages_are_float16(model, model_dir, tmp_path):
+    """A key or value above float16's 65,504 (inside the file's own 1e6 bound) would be inf in float16 pages and the
+    attention over it garbage: a server with float16 pages refuses its import with a 400 naming the tensor (a hunt
+    in session 46 got finite answers from such a state, where the docs promised non_finite); float32 pages take it."""
+    from wkvm.state import statefile
+
+    with LiveServer(model=str(model_dir), kv_dtype="float32", state_dir=str(tmp_path / "a")) as s:
+        c = httpx.Client(base_url=s.url, timeout=60)
+        assert c.post("/v1/states", json={"name": "st", "prompt_ids": list(range(1, 9))}).status_code == 200
+        tensors, meta = statefile.decode(c.get("/v1/states/st/export").content, model.spec, model.fingerprint,
+                                         model.vocab_size)  # fmt: skip
+        key = next(t.name for t in model.spec.tensors if t.paged)
+        tensors[key].view(-1)[3] = 1e5
+        big = statefile.encode(model.spec, tensors, meta)
+        octet = {"Content-Type": "application/octet-stream"}
+        assert c.post("/v1/states/import?name=big", content=big, headers=octet).status_code == 200
+    with LiveServer(model=str(model_dir), kv_dtype="float16", state_dir=str(tmp_path / "b")) as s:
+        r = httpx.post(f"{s.url}/v1/states/import?name=big", content=big, headers=octet, timeout=60)
+        assert r.status_code == 400 and f"tensor {key} holds a value of magnitude 1e+05" in r.text, r.text
+        assert "float16 pages" in r.json()["error"]["message"]
+        tensors[key].view(-1)[3] = 6e4  # within float16's range: taken
+        r = httpx.post(f"{s.url}/v1/states/import?name=ok", content=statefile.encode(model.spec, tensors, meta),
+                       headers=octet, timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+
+
 def test_kv_dtype_auto_follows_the_weights(model_dir, tmp_path):
     """`wkvm serve`'s --kv-dtype auto (the default): float32 pages for float32 weights (exact against transformers),
     float16 for every rounded weight dtype (as llama.cpp's f16 cache; docs/design-paged-kv.md); an explicit choice

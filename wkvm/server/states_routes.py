@@ -20,7 +20,7 @@ from wkvm.server.schemas import CreateStateRequest, ForkRequest, HibernateReques
 from wkvm.state.index import StateRecord
 from wkvm.state.mutations import MutationError
 from wkvm.state.sessions import Plan
-from wkvm.state.statefile import parse_handle
+from wkvm.state.statefile import FLOAT16_MAX, parse_handle
 
 IMPORT_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {
     "type": "string", "format": "binary"}}}}}  # fmt: skip
@@ -87,7 +87,9 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         if name is not None:
             check_name(name, "name")
         data = await request.body()
-        return info(await run_in_threadpool(ctx.store.import_bytes, tenant, data, name, ctx.model.context_limit))
+        page_max = FLOAT16_MAX if ctx.config.engine_kv_dtype() == "float16" else None
+        return info(await run_in_threadpool(ctx.store.import_bytes, tenant, data, name, ctx.model.context_limit,
+                                            page_max))  # fmt: skip
 
     @r.get("/{handle}")
     def get(handle: str, request: Request) -> dict[str, Any]:

@@ -32,6 +32,7 @@ FORMAT = "wkvm-state-v1"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}")  # used with fullmatch: '$' would accept a trailing '\n'
 MAX_HISTORY_TOKENS = 1 << 20  # 8x the server's longest prompt; keeps a history's index row and JSON bounded (4 MiB)
 MAX_TOKEN_ID = (1 << 31) - 1  # the index stores ids as int32
+FLOAT16_MAX = 65504.0  # the largest key or value float16 pages (--kv-dtype float16) hold
 MAX_STATE_ABS = 1e6  # ~100x the largest value the trained model reaches; far from fp32 overflow (docs/state-file.md)
 MAX_OP_PARAMS_BYTES = 16 << 20  # `wkvm chat` keeps its transcript here; the depth limit guards the parser
 MAX_OP_PARAMS_DEPTH = 4
@@ -210,7 +211,7 @@ def decode(
     if md.get("tensor_sha256") != tensor_digest(spec, tensors):
         raise StateFileError("tensor checksum mismatch: the file was modified or corrupted")
     if imported:  # after the checksum: a corrupted file is reported as such
-        _check_magnitude(spec, tensors, MAX_STATE_ABS)
+        check_magnitude(spec, tensors, MAX_STATE_ABS)
     token_ids = _token_ids(md, vocab_size, imported)
     if md.get("token_digest") != token_digest(token_ids):
         raise StateFileError("token digest does not match token_ids")
@@ -276,15 +277,14 @@ def _check_tensors(spec: StateSpec, tensors: State) -> int:
     return n_kv
 
 
-def _check_magnitude(spec: StateSpec, tensors: State, max_abs: float) -> None:
+def check_magnitude(spec: StateSpec, tensors: State, max_abs: float, paged_only: bool = False,
+                    why: str = "no state of a model reaches that (a crafted or corrupted file)") -> None:
+    """No value of the state's tensors (`paged_only`: its keys and values) beyond `max_abs`; `why` the message's end."""
     for t in spec.tensors:
         x = tensors[t.name]
-        largest = float(x.abs().max()) if x.numel() else 0.0
+        largest = float(x.abs().max()) if x.numel() and (t.paged or not paged_only) else 0.0
         if largest > max_abs:
-            raise StateFileError(
-                f"tensor {t.name} holds a value of magnitude {largest:.3g}, beyond {max_abs:g}: "
-                "no state of a model reaches that (a crafted or corrupted file)"
-            )
+            raise StateFileError(f"tensor {t.name} holds a value of magnitude {largest:.3g}, beyond {max_abs:g}: {why}")
 
 
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

@@ -472,14 +472,19 @@ class StateStore:
         meta.op_params, meta.created_at = rec.op_params, rec.created_at
         return statefile.encode(self.spec, statefile.unbatch(state), meta)
 
-    def import_bytes(self, owner: str, data: bytes, name: str | None = None,
-                     context: int | None = None) -> StateRecord:  # fmt: skip
+    def import_bytes(self, owner: str, data: bytes, name: str | None = None, context: int | None = None,
+                     page_max: float | None = None) -> StateRecord:  # fmt: skip
         """Validate every field of an exported file, then store it as a new version. `context`: the model's context
-        (tokens), which a state must leave room in to generate (as a created one must)."""
+        (tokens), which a state must leave room in to generate (as a created one must); `page_max`: the largest
+        key or value the server's pages hold (float16's 65,504; None: float32 pages, the file's own bound)."""
         tensors, meta = statefile.decode(data, self.spec, self.fingerprint, self.vocab_size)
         if context is not None and meta.n_tokens >= context:
             raise StateFileError(f"the state holds {meta.n_tokens} tokens, which leaves no room to generate within "
                                  f"this model's context of {context} tokens")  # fmt: skip
+        if page_max is not None:  # it would become inf in the pages, and the attention over it garbage, silently
+            statefile.check_magnitude(self.spec, tensors, page_max, paged_only=True,
+                                      why="this server keeps keys and values in float16 pages (--kv-dtype float32 "
+                                          "holds it)")  # fmt: skip
         # the source's own provenance, kept (its rule and parameters, when it was made; they were dropped): one level
         # deep whatever the number of hops, so that an import's export imports again
         if meta.op == "import":
