@@ -7,7 +7,7 @@ import base64
 import threading
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Request, params
+from fastapi import APIRouter, Depends, Request, params
 
 from wkvm.embeddings import EmbeddingCancelled, EmbeddingInputError
 from wkvm.engine.scheduler import QueueFull
@@ -25,13 +25,16 @@ MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
     r = APIRouter(dependencies=[auth])
 
-    @r.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
-        ctx.require_ready(generative=False)
-        model = ctx.embedder
-        if model is None:
+    def embedder_present() -> None:  # a dependency: it runs before the body is checked (a hunt's `{}` had got
+        ctx.require_ready(generative=False)  # "input: Field required" from a server that has no embedding model)
+        if ctx.embedder is None:
             raise APIError(404, "this server has no embedding model: start it with --embeddings DIR (e.g. "
                            "models/all-MiniLM-L6-v2 from `make minilm`)", "model", "model_not_found")  # fmt: skip
+
+    @r.post("/v1/embeddings", dependencies=[Depends(embedder_present)])
+    async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
+        model = ctx.embedder
+        assert model is not None  # embedder_present
         if body.model not in (None, "", model.name):
             raise APIError(404, f"embedding model {body.model!r} not found; this server embeds with {model.name!r}",
                            "model", "model_not_found")  # fmt: skip
