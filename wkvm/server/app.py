@@ -65,8 +65,7 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
 
     auth = Depends(authenticated)
 
-    # HEAD too: uptime monitors that probe with it had got a 405 (hunt, session 46); uvicorn sends no body for HEAD
-    @app.api_route("/health", methods=["GET", "HEAD"], response_model=None)
+    @app.get("/health", response_model=None)
     def health() -> dict[str, Any] | JSONResponse:
         if ctx.load_error:
             return JSONResponse(error_body(503, f"model failed to load: {ctx.load_error}", None, "model_load_failed"),
@@ -81,6 +80,10 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
             message = "the engine's step loop has stopped (a bug: see the server log); restart the server"
             return JSONResponse(error_body(503, message), status_code=503)
         return {"status": "ok", "model": ctx.model_name}
+
+    # HEAD too: uptime monitors that probe with it had got a 405 (hunt, session 46); uvicorn sends no body for HEAD.
+    # Out of the schema: one route with both methods gave OpenAPI two operations of one id (a warning)
+    app.add_api_route("/health", health, methods=["HEAD"], response_model=None, include_in_schema=False)
 
     @app.get("/version", dependencies=[auth])
     def version() -> dict[str, Any]:
