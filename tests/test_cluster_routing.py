@@ -310,6 +310,8 @@ class FakeReplicas:
     def __init__(self, n, chunks=None, fail_after=None):
         self.ids = {f"r{i}": f"id{i}" for i in range(n)}
         self.names: dict[str, dict[str, list[int]]] = {slot: {} for slot in self.ids}
+        self.saving: set[tuple[str, str]] = set()  # (slot, name): a request there will save the name
+        self.after_adopt = None  # called with (slot, name) once a destination adopted a name
         self.served: list[str] = []
         self.chunks, self.fail_after = chunks or [b'{"ok": true}'], fail_after
 
@@ -370,9 +372,12 @@ class FakeReplicas:
                 versions = [json.loads(f)[1] for f in args[1]]
                 name = json.loads(args[1][0])[0]
                 held[name] = versions
+                if self.after_adopt:
+                    self.after_adopt(slot, name)
                 return [f"{name}@{v}" for v in versions]
-            if method == "drop_name":
-                if sorted(held.get(name, [])) != args[2]:
+            if method == "drop_name":  # as EngineReplica.drop_name: args[3] is `undo`
+                undo = len(args) > 3 and args[3]
+                if sorted(held.get(name, [])) != args[2] or ((slot, name) in self.saving and not undo):
                     return False
                 held.pop(name, None)
                 return True
@@ -436,6 +441,44 @@ def test_two_moves_of_one_name_leave_it_where_the_last_put_it():
     owner = d.lookup(key)[0]
     assert engine.names[owner].get("X") == [1, 2, 3], (owner, engine.names)
     assert [slot for slot, names in engine.names.items() if "X" in names] == [owner]
+
+
+def test_a_move_undone_drops_the_copies_even_where_a_moved_stream_will_save_the_name():
+    """Hunt (session 46): a stream saving X moved while another request saved X at the source: the source kept X
+    (a new version), and the undo asked the destination to drop its copies, which it refused because the moved
+    stream counts as saving X there. The copies stayed: every version listed twice, and after a restart the
+    destination's stale copy answered for X. The undo drops them now; the answer is the 409 it was."""
+    d, engine, front = cluster_front(2)
+    engine.names["r0"]["X"] = [1, 2, 3]
+    engine.saving.add(("r1", "X"))  # the moved stream, running on the destination
+    engine.after_adopt = lambda slot, name: engine.names["r0"][name].append(4)  # a save at the source meanwhile
+    key = state_key("anonymous", "X")
+    d.holds("r0", [key])
+    answer = asyncio.run(front.move_name("anonymous", "X", "r1", d.replicas()))
+    assert answer.status_code == 409 and json.loads(answer.body)["error"]["code"] == "state_changed"
+    assert engine.names == {"r0": {"X": [1, 2, 3, 4]}, "r1": {}} and d.lookup(key)[0] == "r0"
+
+
+def test_a_stream_moves_precopy_is_a_boolean_or_a_400_before_anything_else():
+    """docs/cluster.md: 400 invalid_type for a `precopy` that is not a boolean. 0, "" and [] had read as false, and
+    any value passed where the stream's own replica was named (hunt, session 46); null is the default."""
+    import httpx
+
+    from wkvm.cluster.front import build_front_app
+
+    _, _, front = cluster_front()
+
+    async def run():
+        transport = httpx.ASGITransport(app=build_front_app(front))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            for bad in (0, "", [], "yes", 1):
+                r = await c.post("/v1/streams/s1/migrate", json={"to": "r1", "precopy": bad})
+                assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_type", (bad, r.text)
+            for fine in (None, False, True):  # past the check: no such stream
+                r = await c.post("/v1/streams/s1/migrate", json={"to": "r1", "precopy": fine})
+                assert r.status_code == 404 and r.json()["error"]["code"] == "stream_not_found", (fine, r.text)
+
+    asyncio.run(run())
 
 
 def test_a_stream_whose_replica_dies_ends_with_an_error_event():
@@ -513,4 +556,11 @@ def test_a_request_that_reaches_a_moved_names_old_owner_is_sent_back():
 
     asyncio.run(scenario())
     assert len(served) == 5
+    # a save of the name running here keeps a move's drop from deleting it, but not an undo's (the copies a move
+    # adopted here, whose source kept the name; the saver is the stream that moved with it)
+    replica.ctx.store.held = [1, 2]
+    replica._saving[("t", "chat")] += 1
+    assert asyncio.run(replica.drop_name("t", "chat", [1, 2])) is False and replica.ctx.store.held == [1, 2]
+    assert asyncio.run(replica.drop_name("t", "chat", [1, 2], True)) is True and replica.ctx.store.held == []
+    assert key in replica._moved_away
     del replica.ctx  # its __del__ would stop an engine this fake does not have

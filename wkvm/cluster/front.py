@@ -431,6 +431,12 @@ class Front:
         if to is None:
             return error_response(400, f"'to' must name a replica: one of {', '.join(replicas)}", "to",
                                   "unknown_replica")  # fmt: skip
+        # null: the default; anything but a boolean is a 400 before anything else (0 had read as false, and a move to
+        # the stream's own replica had answered 200 whatever it was; hunt, session 46)
+        precopy = json.loads(await request.body() or b"{}").get("precopy")
+        precopy = False if precopy is None else precopy
+        if not isinstance(precopy, bool):
+            return error_response(400, "'precopy' must be true or false", "precopy", "invalid_type")
         tenant = self.tenant(request)
         s = self.streams.get(stream_id)
         if s is None or s.tenant != tenant or s.slot not in replicas:
@@ -440,9 +446,6 @@ class Front:
         if s.moving:  # a second call would open a second destination and lose the stream between the two
             return error_response(409, f"stream {stream_id!r} is moving already; ask again once it has moved", None,
                                   "stream_cannot_move")  # fmt: skip
-        precopy = json.loads(await request.body() or b"{}").get("precopy") or False  # null: the default
-        if not isinstance(precopy, bool):
-            return error_response(400, "'precopy' must be true or false", "precopy", "invalid_type")
         s.moving = True
         try:
             return await self.moved_stream(s, stream_id, tenant, to, replicas, precopy)
@@ -623,7 +626,10 @@ class Front:
             # a new version appeared on the source meanwhile: it stays the owner (where the directory still says
             # `to`: another front's move may have moved it on), the copy goes
             await self.directory.record_if.remote(key, to, slot)
-            if not await self.call(replicas[to], "drop_name", tenant, name, versions):
+            # undo: the copies go even where a request will save the name there (a stream that moved with it: it
+            # counts as saving, and its copies had stayed behind, listed twice and winning the name after a restart;
+            # hunt, session 46); it saves nothing under a name that replica no longer holds
+            if not await self.call(replicas[to], "drop_name", tenant, name, versions, True):
                 log.warning("the copy of %r on %s could not be dropped after a move was undone", name, to)
             return error_response(409, f"{name!r} changed while it moved; nothing moved: retry", None,
                                   "state_changed")  # fmt: skip

@@ -418,13 +418,15 @@ class EngineReplica:
                 return EXISTS_REPLY
             raise
 
-    async def drop_name(self, tenant: str, name: str, versions: list[int], **route: object) -> bool | str:
+    async def drop_name(self, tenant: str, name: str, versions: list[int], undo: bool = False,
+                        **route: object) -> bool | str:  # fmt: skip
         """Delete a moved name here, unless a version other than `versions` appeared meanwhile or a save of it began
         here after the export (the directory still pointed here: its version would be issued where the name no longer
-        lives); then keep all."""
+        lives); then keep all. `undo`: the copies a move adopted here, whose source kept the name: a request here that
+        will save the name (the stream that moved with it) does not keep them."""
         if self.misrouted(route):
             return MISROUTED_REPLY
-        if self._saving[(tenant, name)] > 0:
+        if self._saving[(tenant, name)] > 0 and not undo:
             return False
         dropped = await asyncio.to_thread(self._drop, tenant, name, versions)
         if dropped:
