@@ -170,6 +170,19 @@ def test_errors_a_user_makes_are_one_line_not_a_traceback(tmp_path, tiny_pth, ca
     assert "NAME.pth" in capsys.readouterr().err and not (tmp_path / "tiny-hf").exists()
     assert main(["convert", str(tiny_pth), str(tmp_path / "back.pth")]) == 2  # a .pth converts to a directory
     assert "without .pth" in capsys.readouterr().err and not (tmp_path / "back.pth").exists()
+    # hunt (session 46): a directory written under a file's name (X.gguf), or unstaged under a .pth's (a killed
+    # conversion left half a pack there), is refused; a pack is no source (it had "no manifest.json")
+    for dst, flags in (("out.gguf", []), ("pack.pth", ["--pack"])):
+        assert main(["convert", str(tiny_pth), str(tmp_path / dst), *flags]) == 2, dst
+        assert "named as a file" in capsys.readouterr().err and not (tmp_path / dst).exists()
+    old = os.umask(0o022)
+    try:
+        assert main(["convert", str(tiny_pth), str(tmp_path / "p"), "--pack"]) == 0
+    finally:
+        os.umask(old)
+    assert (tmp_path / "p").stat().st_mode & 0o777 == 0o755  # mkdtemp's 0700 had kept other users out
+    assert main(["convert", str(tmp_path / "p"), str(tmp_path / "q")]) == 2
+    assert "is a weight pack" in capsys.readouterr().err
     assert main(["generate", "--model", str(tiny_pth), "--prompt-ids", ",1"]) == 2
     assert "--prompt-ids" in capsys.readouterr().err
     assert main(["generate", "text", "--model", str(tiny_pth), "--prompt-ids", "1,2"]) == 2  # TEXT had been dropped

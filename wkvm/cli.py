@@ -335,28 +335,40 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from wkvm.atomic import fsync_dir
     from wkvm.models import registry
     from wkvm.tokenizer import COMPANIONS, HFTokenizer, companion_path, copy_companions, save_text_tools
-    from wkvm.weights.loader import check_model_path, unreadable
+    from wkvm.weights.loader import FILE_SUFFIXES, check_model_path, is_pack, unreadable
 
     check_model_path(args.src)
+    if is_pack(args.src):  # the registry, which reads checkpoints, had said it has no manifest.json
+        raise ValueError(f"{args.src} is a weight pack: packs are what convert writes, not what it reads; convert the "
+                         "checkpoint the pack was made from")  # fmt: skip
     if Path(args.src).resolve() == Path(args.dst).resolve():
         raise ValueError("the destination is the source: write the converted checkpoint somewhere else")
     dst = Path(args.dst)  # written over, an old pack, shard index or tokenizer beside new weights had loaded instead
     if dst.is_file() or (dst.is_dir() and any(dst.iterdir())):
         raise ValueError(f"{dst} already exists{' and is not empty' if dst.is_dir() else ''}: convert into a new path "
                          "(or an empty directory)")  # fmt: skip
+    # one file only from a directory to a .pth (RWKV-7's HF layout to BlinkDL's); every other conversion writes a
+    # directory, which a file's name had got unstaged (a .pth) or misleadingly (a directory named X.gguf)
+    one_file = dst.suffix == ".pth" and Path(args.src).is_dir() and not args.pack
+    if dst.suffix.lower() in FILE_SUFFIXES and not one_file:
+        raise ValueError(f"{dst} is named as a file, but this conversion writes a directory: name it without "
+                         f"{dst.suffix}")  # fmt: skip
     # A directory is written under a hidden name and put in place when whole: a conversion that fails or is killed
     # leaves no part of one at the destination (shards, a half pack) to block the next try or load. A new one is
     # staged beside it and renamed; an existing empty one (a link to one, a mount point: no rename over those) is
     # staged inside it and its entries moved up, the file that makes it loadable last. A .pth is one atomic file;
     # its companions beside it go first (cut short after the weights, a .pth had loaded with the World tokenizer)
     # and a failed conversion takes them away.
-    staged = dst.suffix != ".pth"
+    staged = not one_file
     into = dst.is_dir()
     out = dst
     if staged:  # a new, unpredictable name, made by this process alone (mkdtemp): nothing planted there is used
         dst.parent.mkdir(parents=True, exist_ok=True)
         out = Path(tempfile.mkdtemp(prefix=".wkvm-partial-", dir=dst) if into else
                    tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))  # fmt: skip
+        umask = os.umask(0)
+        os.umask(umask)
+        out.chmod(0o777 & ~umask)  # as mkdir would make it (mkdtemp's 0700 had kept other users, a container's, out)
     had = {name for name in COMPANIONS if companion_path(dst, name).exists()}
     try:
         copied = copy_companions(args.src, out)
