@@ -138,3 +138,27 @@ def test_special_tokens_are_left_out_of_the_text_unless_asked_for(server):
         body = ChatRequest(messages=FRANCE, stop=["QQ1", "QQ2", "QQ3", "QQ4"], ignore_eos=ignore)
         sp = gen.sampling_params(server.ctx, body, 8, None, 16, server.ctx.template.stop)
         assert (end in sp.stop_token_ids) is not ignore and sp.stop == ["QQ1", "QQ2", "QQ3", "QQ4"], (ignore, sp)
+
+
+@pytest.mark.parametrize("grace", ["0.2", "60"])
+def test_a_stop_while_the_model_loads_exits_cleanly(grace):
+    """Hunt (session 46): SIGTERM or Ctrl-C while the model loaded could abort the process (exit 134, "terminate
+    called without an active exception": the interpreter's exit unwound the load thread inside native code). The
+    shutdown now waits for the load up to --shutdown-grace (then stops what it started), and past that exits at once."""
+    import signal
+    import time
+
+    from live_server import ServerProcess
+
+    server = ServerProcess("--model", str(SMOLLM2), "--shutdown-grace", grace)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the port answers 503 not_ready while the weights load
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 503:
+                break
+        except httpx.TransportError:
+            time.sleep(0.05)
+    assert server.stop(timeout=90, sig=signal.SIGTERM) == 0, server.output()
+    log = server.output()
+    assert "still loading: waiting up to" in log and "terminate called" not in log, log
+    assert ("exiting without it" in log) == (grace == "0.2"), log

@@ -163,6 +163,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             config.access_log)  # fmt: skip
     server.run()
     ctx = app.state.ctx
+    if ctx.load_outlived_shutdown():  # the interpreter's exit would unwind it inside native code: SIGABRT
+        log.warning("the model was still loading after %g s (--shutdown-grace): exiting without it",
+                    config.shutdown_grace)  # fmt: skip
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     if ctx.load_error:  # as every other command: 2 for input that is not what it should be, 1 for a bug
         return 2 if ctx.load_error_is_input else 1
     return 0

@@ -43,7 +43,8 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if load_in_background:
-            threading.Thread(target=ctx.load, name="wkvm-load", daemon=True).start()
+            ctx.loader = threading.Thread(target=ctx.load, name="wkvm-load", daemon=True)
+            ctx.loader.start()
         else:
             ctx.load()
         yield

@@ -91,6 +91,7 @@ class ServerContext:
     _torch_threads: int | None = None  # torch's process-wide thread count before the server set it to 1
     _threads_lock: threading.Lock = field(default_factory=threading.Lock)
     _shut_down: bool = False  # a load that ends after shutdown leaves torch's thread count alone
+    loader: threading.Thread | None = None  # the background load (`create_app`), while the model loads
 
     @functools.cached_property
     def keys(self) -> KeyRing:
@@ -206,6 +207,14 @@ class ServerContext:
         self.client.abort_all("the server is shutting down")
 
     def shutdown(self) -> None:
+        # a shutdown while the model loads waits for the load (up to the grace period): then it stops what the load
+        # started. The process's exit with the load still in native code had aborted it (SIGABRT, "terminate called
+        # without an active exception": the interpreter ends daemon threads by unwinding them; hunt, session 46);
+        # `wkvm serve` exits at once past the wait (`load_outlived_shutdown`)
+        if self.loader is not None and self.loader.is_alive():
+            log.info("the model is still loading: waiting up to %g s for it before shutting down",
+                     self.config.shutdown_grace)  # fmt: skip
+            self.loader.join(self.config.shutdown_grace)
         if self.ready.is_set() and self.generative:
             self.client.shutdown(drain=True, timeout=30)
             self.store.close()
@@ -219,6 +228,10 @@ class ServerContext:
             if self._torch_threads is not None:
                 torch.set_num_threads(self._torch_threads)
                 self._torch_threads = None
+
+    def load_outlived_shutdown(self) -> bool:
+        """Whether the background load still runs after `shutdown` waited for it."""
+        return self.loader is not None and self.loader.is_alive()
 
     def require_ready(self, generative: bool = True) -> None:
         """503 while loading or after a failed load; 404 for a generative route on an embeddings-only server."""
