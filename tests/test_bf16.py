@@ -107,7 +107,7 @@ def test_bf16_without_a_native_kernel_warns_at_load(trained_pth, monkeypatch, ca
 
 
 def test_unknown_dtype_is_a_clear_error(trained_pth):
-    with pytest.raises(ValueError, match="use float32, bfloat16, int8 or int4"):
+    with pytest.raises(ValueError, match="use float32, bfloat16, int8, int4 or auto"):
         load_model(trained_pth, dtype="float16")
 
 

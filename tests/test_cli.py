@@ -194,6 +194,10 @@ def test_errors_a_user_makes_are_one_line_not_a_traceback(tmp_path, tiny_pth, ca
         assert main(argv) == 2, argv
         assert "does not read as a rwkv7 checkpoint" in capsys.readouterr().err, argv
     assert main(["convert", str(tiny_pth), str(tiny_pth)]) == 2 and "is the source" in capsys.readouterr().err
+    with pytest.MonkeyPatch.context() as m:  # `wkvm generate ... >&-`: Python's stdout is None (hunt, session 46)
+        m.setattr(sys, "stdout", None)
+        assert main(["generate", "hi", "--model", str(tiny_pth)]) == 2
+    assert "standard output is closed" in capsys.readouterr().err
     assert main(["generate", "--model", str(tiny_pth), "--prompt-ids", "1", "--seed", str(10**23)]) == 2
     assert "seed" in capsys.readouterr().err
     from wkvm.cli import build_parser, sampling_params

@@ -287,5 +287,5 @@ def test_int8_serves_through_the_engine_and_the_cli(ids, capsys):
 
 
 def test_unknown_dtype_names_int8():
-    with pytest.raises(ValueError, match="use float32, bfloat16, int8 or int4"):
+    with pytest.raises(ValueError, match="use float32, bfloat16, int8, int4 or auto"):
         load_model(EMBEDDED_MODEL, dtype="int2")

@@ -345,6 +345,8 @@ def test_a_server_and_llm_with_dtype_auto_run_a_q4_1_file_as_int4(gguf_ref, tmp_
     auto, int4 = LLM(path, dtype="auto"), LLM(path, dtype="int4")
     assert auto.engine.config.kv_dtype == "float16"
     assert auto.generate([ids], greedy)[0].token_ids == int4.generate([ids], greedy)[0].token_ids
+    logits = [load_model(path, dtype=d).prefill(ids)[0] for d in ("auto", "int4", "float32")]
+    assert torch.equal(logits[0], logits[1]) and not torch.equal(logits[0], logits[2])  # load_model takes it too
     with LiveServer(model=str(path), dtype="auto", slots=2, kv_cache_bytes=8 << 20) as s:
         assert s.ctx.config.dtype == "int4" and s.ctx.config.engine_kv_dtype() == "float16"
         assert s.ctx.sessions.compute.startswith("weights torch.int4")

@@ -474,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
         args.args += extra  # `states show --url U HANDLE`: argparse ends a `*` positional at the first option
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if sys.stdout is None and args.command != "serve":  # `>&-`: Python has no stdout object (a traceback at the end)
+        print(f"wkvm {args.command}: standard output is closed: give it somewhere to write (> FILE)", file=sys.stderr)
+        return 2
     try:
         rc: int = args.func(args)
         return rc

@@ -255,6 +255,6 @@ def weight_dtype(name: str) -> torch.dtype:
     import torch
 
     if str(name).lower() not in WEIGHT_DTYPES:
-        raise ValueError(f"dtype {name!r} is not supported; use float32, bfloat16, int8 or int4")
+        raise ValueError(f"dtype {name!r} is not supported; use float32, bfloat16, int8, int4 or auto")
     dtype: torch.dtype = getattr(torch, WEIGHT_DTYPES[str(name).lower()])
     return dtype

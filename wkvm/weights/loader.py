@@ -205,11 +205,13 @@ def load_model(
     weight_cache_layers: int = 0, read_ahead: bool = True,
 ) -> LanguageModel:  # fmt: skip
     """A pack with weight_cache_layers > 0 streams its layers from disk; everything else is loaded resident.
-    `dtype` stores the large matrices, embedding and head in float32, bfloat16, int8 or int4; arithmetic is fp32
-    (int8 and int4 decode round x to int8 per group of 32 inside their kernels)."""
-    from wkvm.config import weight_dtype
+    `dtype` stores the large matrices, embedding and head in float32, bfloat16, int8 or int4 (auto: `auto_dtype`);
+    arithmetic is fp32 (int8 and int4 decode round x to int8 per group of 32 inside their kernels)."""
+    from wkvm.config import AUTO_DTYPE, weight_dtype
 
     check_model_path(path)
+    if dtype == AUTO_DTYPE:  # the checkpoint's own precision, as the commands take it
+        dtype = auto_dtype(path, device)
     if weight_cache_layers < 0:  # it had loaded resident, as 0 does
         raise ValueError(f"weight_cache_layers must be >= 0 (0: resident), not {weight_cache_layers}")
     dtype = dtype if isinstance(dtype, torch.dtype) else weight_dtype(dtype)
