@@ -128,6 +128,9 @@ def unreadable(path: str | os.PathLike[str], what: str) -> Iterator[None]:
         yield
     except (RuntimeError, SafetensorError, pickle.UnpicklingError, EOFError, zipfile.BadZipFile) as e:
         reason = first_line(str(e) or type(e).__name__, 200)
+        if str(e).startswith("Weights only load failed"):  # torch's first line advises the unsafe load: not that
+            unpickler = str(e).split("WeightsUnpickler error:", 1)[-1].strip().split("\n", 1)[0].strip()
+            reason = f"not a file of tensors alone ({unpickler or 'its pickle holds more'}; wkvm never unpickles code)"
         raise CheckpointError(f"{path} does not read as {what}: {reason}") from None
 
 
