@@ -199,6 +199,9 @@ def test_errors_a_user_makes_are_one_line_not_a_traceback(tmp_path, tiny_pth, ca
         m.setattr(sys, "stdout", None)
         assert main(["generate", "hi", "--model", str(tiny_pth)]) == 2
     assert "standard output is closed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the benchmark's arguments are optional (they were named as required)
+        main(["bench"])
+    assert capsys.readouterr().err.rstrip().endswith("the following arguments are required: name")
     assert main(["generate", "--model", str(tiny_pth), "--prompt-ids", "1", "--seed", str(10**23)]) == 2
     assert "seed" in capsys.readouterr().err
     from wkvm.cli import build_parser, sampling_params

@@ -454,7 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter  # keeps the one-line-per-benchmark listing
     b = sub.add_parser("bench", help="run a benchmark from bench/", description=about, formatter_class=raw)
     b.add_argument("name", choices=[*benches(), "all"], help="a benchmark listed above, or all of them in turn")
-    b.add_argument("extra", nargs=argparse.REMAINDER, help="arguments for the benchmark script")
+    extra = b.add_argument("extra", nargs=argparse.REMAINDER, help="arguments for the benchmark script")
+    extra.required = False  # argparse had named it among the required arguments of `wkvm bench` alone
     b.set_defaults(func=cmd_bench)
 
     from wkvm import cli_doctor, cli_states
