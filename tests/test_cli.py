@@ -80,6 +80,9 @@ def test_states_through_the_cli_on_a_directory(tmp_path, tiny_pth, capsys, monke
     assert "demo@1" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # an unknown option is still refused, wherever it stands
         main(["states", "show", *base[1:], "demo", "--bogus"])
+    capsys.readouterr()
+    assert main(["states", "show", "nosuch", *base[1:]]) == 2
+    assert capsys.readouterr().err == "wkvm states: state 'nosuch' not found\n"  # no class name ("StateNotFound: ")
     assert main(["states", "rm", "demo", *base[1:]]) == 0
     capsys.readouterr()
     assert main(["states", "ls", *base[1:], "--json"]) == 0

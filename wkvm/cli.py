@@ -497,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         # `wkvm states --url` with no server there (or not a URL); a handle a state directory does not hold
         if not isinstance(e, httpx.HTTPError | StateNotFound):
             raise
-        print(f"wkvm {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        kind = "" if isinstance(e, StateNotFound) else f"{type(e).__name__}: "  # its message says what; httpx's do not
+        print(f"wkvm {args.command}: {kind}{e}", file=sys.stderr)
         return 2
 
 

@@ -198,12 +198,12 @@ def decode(
     if md.get("format") != FORMAT:
         raise StateFileError(f"format is {md.get('format')!r}, expected {FORMAT!r}")
     if md.get("family") != spec.family:
-        raise StateFileError(f"the state is of model family {str(md.get('family'))[:40]!r}; this server's model is "
+        raise StateFileError(f"the state is of model family {str(md.get('family'))[:40]!r}; the model here is "
                              f"{spec.family!r}")  # fmt: skip
     if md.get("fingerprint") != fingerprint:
         raise StateFileError(
             f"the state was made by another model (fingerprint {str(md.get('fingerprint'))[:12]}..., "
-            f"this server's model is {fingerprint[:12]}...); a state resumes only on its own model"
+            f"the model here is {fingerprint[:12]}...); a state resumes only on its own model"
         )
     if md.get("spec_hash") != spec.spec_hash:
         raise StateFileError("state spec hash does not match this model's state layout")
