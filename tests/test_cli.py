@@ -83,6 +83,9 @@ def test_states_through_the_cli_on_a_directory(tmp_path, tiny_pth, capsys, monke
     capsys.readouterr()
     assert main(["states", "show", "nosuch", *base[1:]]) == 2
     assert capsys.readouterr().err == "wkvm states: state 'nosuch' not found\n"  # no class name ("StateNotFound: ")
+    for action in ("show", "rm", "export"):  # a name no state can have is invalid, not "not found"
+        assert main(["states", action, "../etc", *base[1:], *(["x.st"] if action == "export" else [])]) == 2
+        assert "invalid state name '../etc'" in capsys.readouterr().err, action
     assert main(["states", "rm", "demo", *base[1:]]) == 0
     capsys.readouterr()
     assert main(["states", "ls", *base[1:], "--json"]) == 0

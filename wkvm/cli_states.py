@@ -92,16 +92,16 @@ class DirStates:
         return [self._info(r) for r in self.store.list(self.owner)]
 
     def show(self, handle: str) -> dict[str, Any]:
-        return self._info(self.store.get(self.owner, handle))
+        return self._info(self.store.get(self.owner, checked(handle)))  # '../x' is invalid, not "not found"
 
     def export(self, handle: str) -> bytes:
-        return self.store.export_bytes(self.owner, handle)
+        return self.store.export_bytes(self.owner, checked(handle))
 
     def import_(self, data: bytes, name: str | None) -> dict[str, Any]:
         return self._info(self.store.import_bytes(self.owner, data, name))
 
     def rm(self, handle: str) -> dict[str, Any]:
-        rec = self.store.get(self.owner, handle)  # the version a bare name means, as the server's answer says it
+        rec = self.store.get(self.owner, checked(handle))  # the version a bare name means, as the server says it
         self.store.delete(self.owner, rec.handle)
         return {"id": rec.handle, "deleted": True}
 
@@ -197,9 +197,15 @@ def key_values(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def checked(handle: str) -> str:
+    """`handle` if it is one (ValueError naming what is wrong otherwise; a state directory's `show ../etc` had said
+    "not found"). Imported here: with --url this module never imports torch."""
+    from wkvm.state.statefile import valid_handle
+
+    return valid_handle(handle)
+
+
 def state_path(handle: str) -> str:
     """`/v1/states/{handle}` for a handle that is one (ValueError otherwise): `show ../../v1/models` had printed the
     model list, and `rm ../responses/ID` deleted a stored response."""
-    from wkvm.state.statefile import valid_handle
-
-    return f"/v1/states/{valid_handle(handle)}"
+    return f"/v1/states/{checked(handle)}"
