@@ -83,6 +83,8 @@ def test_states_through_the_cli_on_a_directory(tmp_path, tiny_pth, capsys, monke
     capsys.readouterr()
     assert main(["states", "show", "nosuch", *base[1:]]) == 2
     assert capsys.readouterr().err == "wkvm states: state 'nosuch' not found\n"  # no class name ("StateNotFound: ")
+    assert main(["states", "export", "demo", str(tmp_path), *base[1:]]) == 2  # a directory: one line saying so
+    assert f"{tmp_path} is a directory: give the file to write" in capsys.readouterr().err
     for action in ("show", "rm", "export"):  # a name no state can have is invalid, not "not found"
         assert main(["states", action, "../etc", *base[1:], *(["x.st"] if action == "export" else [])]) == 2
         assert "invalid state name '../etc'" in capsys.readouterr().err, action

@@ -154,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{r['handle']:32} {r['n_tokens']:7} tokens  {r['op']:9} {r['tier']:6} {pinned}")
         return 0
     if args.action == "export":
+        if Path(args.args[1]).is_dir():  # before the state is read; the rename's "[Errno 21]" line had said it
+            raise ValueError(f"{args.args[1]} is a directory: give the file to write (e.g. {args.args[1]}/NAME.state)")
         data = backend.export(args.args[0])
         if args.args[1] == "-":  # to standard output, as curl -o - (the message then goes to stderr)
             sys.stdout.buffer.write(data)
