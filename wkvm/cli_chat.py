@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from wkvm.config import AUTO_DTYPE, EngineConfig, kv_dtype_for
+from wkvm.config import EngineConfig, kv_dtype_for
 from wkvm.engine.engine import Engine
 from wkvm.engine.handle import RequestHandle
 from wkvm.models.spec import State
@@ -26,7 +26,7 @@ from wkvm.state.index import StateRecord
 from wkvm.state.quota import QuotaExceeded
 from wkvm.state.statefile import resume_inputs
 from wkvm.state.store import StateNotFound, StateStore
-from wkvm.weights.loader import auto_dtype, load_model, load_text_tools
+from wkvm.weights.loader import load_model, load_text_tools, resolved_dtype
 
 OWNER = "local"
 LEAVE = ("/quit", "/exit", "quit", "exit")
@@ -70,7 +70,7 @@ class ChatREPL:
     def __init__(self, model_path: str, state_dir: Path | None, params: SamplingParams, dtype: str = "float32"):
         """`state_dir` None: this model's own folder under ~/.cache/wkvm/chat-states (a state directory holds one
         model's states)."""
-        dtype = auto_dtype(model_path) if dtype == AUTO_DTYPE else dtype
+        dtype = resolved_dtype(dtype, model_path)  # its name: the pages' type follows it
         self.model = load_model(model_path, dtype=dtype)
         self.tokenizer, self.template = load_text_tools(model_path, self.model.family)
         kv = kv_dtype_for("auto", dtype)  # as `wkvm serve`: float16 keys and values for rounded weights

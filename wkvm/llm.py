@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from wkvm.chat_template import ChatTemplate, plain_messages
-from wkvm.config import AUTO_DTYPE, GENERATION_CONFIGS, EngineConfig, default_model, kv_dtype_for
+from wkvm.config import GENERATION_CONFIGS, EngineConfig, default_model, kv_dtype_for
 from wkvm.engine.engine import Engine
 from wkvm.engine.handle import RequestHandle
 from wkvm.outputs import GenerationOutput
 from wkvm.sampling_params import MAX_STOP_STRINGS, SamplingParams, model_sampling_defaults
 from wkvm.tokenizer import Tokenizer
-from wkvm.weights.loader import auto_dtype, load_model, load_text_tools
+from wkvm.weights.loader import load_model, load_text_tools, resolved_dtype
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 Messages = list[dict[str, Any]]
@@ -59,8 +59,7 @@ class LLM:
                             "config, weight_cache_layers, read_ahead, dtype and EngineConfig's fields "
                             f"({', '.join(sorted(fields))})")  # fmt: skip
         model = default_model() if model is None else model
-        if dtype == AUTO_DTYPE:
-            dtype = auto_dtype(model, config_kwargs.get("device", (config or EngineConfig()).device))
+        dtype = resolved_dtype(dtype, model, config_kwargs.get("device", (config or EngineConfig()).device))
         kv = config_kwargs.get("kv_dtype", "auto" if config is None else config.kv_dtype)
         config = replace(config or EngineConfig(), **{**config_kwargs, "kv_dtype": kv_dtype_for(kv, dtype)})
         if tokenizer is not None and not (Path(tokenizer).is_file() or (Path(tokenizer) / "tokenizer.json").is_file()):

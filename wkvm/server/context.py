@@ -20,7 +20,7 @@ import torch
 from fastapi import Request
 
 from wkvm.chat_template import ChatTemplate
-from wkvm.config import AUTO_DTYPE, NO_MODEL, ServerConfig
+from wkvm.config import NO_MODEL, ServerConfig
 from wkvm.embeddings import EmbeddingModel
 from wkvm.engine.client import EngineClient, LocalEngineClient, ModelInfo
 from wkvm.engine.engine import Engine
@@ -34,7 +34,7 @@ from wkvm.state.service import StateService
 from wkvm.state.sessions import ChatSessions
 from wkvm.state.store import StateStore, StoreLimits
 from wkvm.tokenizer import Tokenizer
-from wkvm.weights.loader import auto_dtype, load_model, load_text_tools
+from wkvm.weights.loader import load_model, load_text_tools, resolved_dtype
 
 log = logging.getLogger("wkvm.server")
 
@@ -140,9 +140,8 @@ class ServerContext:
                 self.ready.set()
                 log.info("embedding model %s loaded (no generative model: --model none)", self.embedder.name)
                 return
-            path = cfg.model
-            if cfg.dtype == AUTO_DTYPE:  # the file's own precision, before anything reads the weights' kind
-                cfg = self.config = replace(cfg, dtype=auto_dtype(path, cfg.device))
+            path = cfg.model  # auto: the file's own precision, before anything reads the weights' kind
+            cfg = self.config = replace(cfg, dtype=resolved_dtype(cfg.dtype, path, cfg.device))
             model = load_model(path, device=cfg.device, dtype=cfg.dtype,
                                weight_cache_layers=cfg.weight_cache_layers, read_ahead=cfg.read_ahead)  # fmt: skip
             self.tokenizer, self.template = load_text_tools(path, model.family)

@@ -68,6 +68,13 @@ def auto_dtype(path: str | os.PathLike[str], device: str = "cpu") -> str:
     return family.native_dtype(Path(path), fmt)
 
 
+def resolved_dtype(dtype: str, path: str | os.PathLike[str], device: str = "cpu") -> str:
+    """`dtype` with auto resolved for the model at `path` (`auto_dtype`); any other name as it is."""
+    from wkvm.config import AUTO_DTYPE
+
+    return auto_dtype(path, device) if dtype == AUTO_DTYPE else dtype
+
+
 def read_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelFamily, Checkpoint]:
     family, fmt = registry.detect(path)
     with unreadable(path, f"a {family.name} checkpoint ({fmt})"):
@@ -210,11 +217,11 @@ def load_model(
     """A pack with weight_cache_layers > 0 streams its layers from disk; everything else is loaded resident.
     `dtype` stores the large matrices, embedding and head in float32, bfloat16, int8 or int4 (auto: `auto_dtype`);
     arithmetic is fp32 (int8 and int4 decode round x to int8 per group of 32 inside their kernels)."""
-    from wkvm.config import AUTO_DTYPE, weight_dtype
+    from wkvm.config import weight_dtype
 
     check_model_path(path)
-    if dtype == AUTO_DTYPE:  # the checkpoint's own precision, as the commands take it
-        dtype = auto_dtype(path, device)
+    if isinstance(dtype, str):  # auto: the checkpoint's own precision, as the commands take it
+        dtype = resolved_dtype(dtype, path, device)
     if weight_cache_layers < 0:  # it had loaded resident, as 0 does
         raise ValueError(f"weight_cache_layers must be >= 0 (0: resident), not {weight_cache_layers}")
     dtype = dtype if isinstance(dtype, torch.dtype) else weight_dtype(dtype)

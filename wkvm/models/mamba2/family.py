@@ -66,7 +66,6 @@ class Mamba2Family:
     def default_chat_template(self, path: Path) -> ChatTemplate | None:
         return None
 
-
     def native_dtype(self, path: Path, fmt: str) -> str:
         return "float32"  # float checkpoints only
 

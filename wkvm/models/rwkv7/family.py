@@ -70,7 +70,6 @@ class RWKV7Family:
 
         return WorldTemplate()
 
-
     def native_dtype(self, path: Path, fmt: str) -> str:
         return "float32"  # float checkpoints only
 
