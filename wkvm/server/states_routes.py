@@ -51,7 +51,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             raise APIError(400, "give prompt or prompt_ids, not both", param_text, "invalid_value")
         if body.prompt_ids is not None:
             return gen.encode_prompt(ctx, body.prompt_ids, "prompt_ids") if body.prompt_ids or required else []
-        if body.prompt:  # a new state's text starts a sequence (BOS where the tokenizer adds one); a suffix goes on
+        if body.prompt or (body.prompt is not None and required):  # "" for a new state: empty_prompt, as completions
+            # a new state's text starts a sequence (BOS where the tokenizer adds one); a suffix goes on
             return await gen.encode_prompt_off_loop(ctx, body.prompt, param_text, starts=required)
         if required:
             raise APIError(400, "give prompt (text) or prompt_ids (token ids)", param_text, "invalid_value")
