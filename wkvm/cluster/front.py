@@ -408,16 +408,19 @@ class Front:
             self.directory.record.remote(route.key, slot)  # an actor runs one caller's calls in order
         return gen
 
-    async def destination(self, request: Request) -> tuple[str | Response | None, dict[str, str]]:
-        """The replica a move's body names in "to" (None when it names none of them), or the 400 for a body that is
-        not a JSON object (it had been answered as naming no replica), and the replicas."""
+    async def destination(self, request: Request) -> tuple[str | Response, dict[str, str]]:
+        """The replica a move's body names in "to", or the 400 for a body that is not a JSON object (it had been
+        answered as naming no replica) or names none of them; and the replicas."""
         replicas = await self.replicas()
         try:
             body = json.loads(await request.body() or b"{}")
         except (ValueError, UnicodeDecodeError, RecursionError):  # nested too deep had been a 503
             return error_response(400, "the request body is not valid JSON", "body", "invalid_json"), replicas
         to = body.get("to") if isinstance(body, dict) else None
-        return (to if isinstance(to, str) and to in replicas else None), replicas
+        if not isinstance(to, str) or to not in replicas:
+            return error_response(400, f"'to' must name a replica: one of {', '.join(replicas)}", "to",
+                                  "unknown_replica"), replicas  # fmt: skip
+        return to, replicas
 
     def tenant_of(self, req: ForwardedRequest) -> str:
         return tenant_of(req.scope(), self.keys) or "anonymous"
@@ -428,9 +431,6 @@ class Front:
         to, replicas = await self.destination(request)
         if isinstance(to, Response):
             return to
-        if to is None:
-            return error_response(400, f"'to' must name a replica: one of {', '.join(replicas)}", "to",
-                                  "unknown_replica")  # fmt: skip
         # null: the default; anything but a boolean is a 400 before anything else (0 had read as false, and a move to
         # the stream's own replica had answered 200 whatever it was; hunt, session 46)
         precopy = json.loads(await request.body() or b"{}").get("precopy")
@@ -546,9 +546,6 @@ class Front:
         to, replicas = await self.destination(request)
         if isinstance(to, Response):
             return to
-        if to is None:
-            return error_response(400, f"'to' must name a replica: one of {', '.join(replicas)}", "to",
-                                  "unknown_replica")  # fmt: skip
         tenant = self.tenant(request)
         if version is not None:  # a version the name does not have is a 404 (it had moved the name and answered 200)
             _, source = await self.directory.lookup.remote(state_key(tenant, name))
