@@ -149,6 +149,39 @@ def test_bad_input_is_refused(llm):
         SamplingParams(temperature=-1)
 
 
+def test_wrong_types_are_refused_by_name(llm, tiny_pth):
+    """Python API hunt (session 47): these had failed deep inside (AttributeError on .lower(), TypeError from len()
+    or list()) or been taken ("no" as true, "x" as one priority per character)."""
+    for name, value in [("stop", [1]), ("stop_token_ids", 5), ("ignore_eos", "no"),
+                        ("include_stop_str_in_output", 1), ("skip_special_tokens", None)]:  # fmt: skip
+        with pytest.raises(InvalidParam, match=name) as e:
+            SamplingParams(**{name: value})
+        assert e.value.param == name
+    assert SamplingParams(stop=("a", "b"), stop_token_ids=None).stop == ["a", "b"]
+    with pytest.raises(TypeError, match="priority is an int"):
+        llm.generate([[1, 2]], priority="x")
+    with pytest.raises(TypeError, match="messages is a list"):
+        llm.chat("hello")
+    for bad in (1.5, "2", True):
+        with pytest.raises(ValueError, match="weight_cache_layers must be an integer"):
+            LLM(model=tiny_pth, weight_cache_layers=bad)
+    for bad in (None, torch.float16, "fp64"):
+        with pytest.raises(ValueError, match="use float32, bfloat16, int8, int4 or auto"):
+            LLM(model=tiny_pth, dtype=bad)
+
+
+def test_a_torch_dtype_or_any_case_names_the_dtype(tiny_pth):
+    """vLLM's LLM takes dtype=torch.bfloat16; wkvm's took names only, and "AUTO" was refused where "BF16" passed."""
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0)
+
+    def run(dtype):
+        out = LLM(model=tiny_pth, dtype=dtype).generate([[1, 2, 3]], params)[0]
+        return out.token_ids, [next(iter(lp.values())) for lp in out.logprobs]
+
+    assert run(torch.bfloat16) == run("BF16") != run("float32")  # bf16's rounding shows in the logprobs
+    assert run("AUTO") == run(torch.float32) == run("float32")  # a .pth: auto is float32
+
+
 def test_token_ids_beyond_the_vocabulary_are_refused_and_the_engine_goes_on(llm):
     """vLLM-user hunt (session 30): allowed_token_ids beyond the vocabulary failed an engine step and the LLM then
     spun forever on its next call; stop_token_ids and logit_bias beyond it were ignored in silence."""

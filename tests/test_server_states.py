@@ -106,8 +106,10 @@ def test_every_states_route(server):
     assert c.get("/v1/states/branch").status_code == 404
     assert c.get("/v1/states/tour@x").status_code == 400
     assert c.post("/v1/states", json={"name": "../x", "prompt_ids": [1]}).status_code == 400
-    for empty in ({"name": "e", "prompt": ""}, {"name": "e", "prompt_ids": []}):  # given but empty: as completions say it (prompt "" had
-        r = c.post("/v1/states", json=empty)  # read "give prompt (text) or prompt_ids", as if none had been given)
+    # given but empty: as completions say it (prompt "" had read "give prompt (text) or prompt_ids", as if none had
+    # been given)
+    for empty in ({"name": "e", "prompt": ""}, {"name": "e", "prompt_ids": []}):
+        r = c.post("/v1/states", json=empty)
         assert r.status_code == 400 and r.json()["error"]["code"] == "empty_prompt", r.text
 
 

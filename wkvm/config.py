@@ -180,8 +180,7 @@ class ServerConfig:
     ray_address: str | None = opt(None, "with --replicas: join this Ray cluster (default: start a local Ray instance)")
 
     def __post_init__(self) -> None:
-        if self.dtype != AUTO_DTYPE and str(self.dtype).lower() not in WEIGHT_DTYPES:  # auto: resolved at load
-            raise ValueError(f"dtype {self.dtype!r} is not supported; use float32, bfloat16, int8, int4 or auto")
+        dtype_name(self.dtype)  # a ValueError naming the choices (auto: resolved at load)
         if self.kv_dtype not in KV_CHOICES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_CHOICES)}, not {self.kv_dtype!r}")
         if self.generation_config not in GENERATION_CONFIGS:
@@ -246,6 +245,23 @@ class ServerConfig:
 
 WEIGHT_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "int8": "int8",
                  "int4": "int4"}  # fmt: skip
+
+
+def dtype_name(dtype: object) -> str:
+    """--dtype's canonical name for `dtype`: a name in any case ('BF16' -> 'bfloat16', 'AUTO' -> 'auto') or a torch
+    dtype that names one (torch.bfloat16, as vLLM's LLM takes it); a ValueError listing the names for anything else
+    (`LLM(dtype=torch.bfloat16)` had failed on `.lower()` deep in the KV choice)."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int8: "int8"}.get(dtype)
+        name = "int4" if dtype == getattr(torch, "int4", None) else name
+    else:
+        name = dtype.lower() if isinstance(dtype, str) else None
+        name = AUTO_DTYPE if name == AUTO_DTYPE else WEIGHT_DTYPES.get(name or "")
+    if name is None:
+        raise ValueError(f"dtype {dtype!r} is not supported; use float32, bfloat16, int8, int4 or auto")
+    return name
 
 
 def weight_dtype(name: str) -> torch.dtype:

@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wkvm.chat_template import ChatTemplate, plain_messages
 from wkvm.config import GENERATION_CONFIGS, EngineConfig, default_model, kv_dtype_for
@@ -23,6 +23,9 @@ from wkvm.outputs import GenerationOutput
 from wkvm.sampling_params import MAX_STOP_STRINGS, SamplingParams, model_sampling_defaults
 from wkvm.tokenizer import Tokenizer
 from wkvm.weights.loader import load_model, load_text_tools, resolved_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 Messages = list[dict[str, Any]]
@@ -36,14 +39,14 @@ class LLM:
         config: EngineConfig | None = None,
         weight_cache_layers: int = 0,
         read_ahead: bool = True,
-        dtype: str = "float32",
+        dtype: str | torch.dtype = "float32",
         generation_config: str = "auto",
         **config_kwargs: Any,
     ):
         """`model`: a path (a BlinkDL .pth, an HF/fla directory, a GGUF file, a weight pack), by default the embedded
         model. `weight_cache_layers` > 0 streams a weight pack's layers from disk through a cache of that many;
-        `dtype` "float32" is exact against the reference; "bfloat16" stores the large matrices in bf16 (half the
-        memory; arithmetic stays fp32); "int8", "int4" (wkvm's kernels); "auto" keeps a GGUF file's own precision
+        `dtype` (a name in any case, or a torch dtype): "float32" is exact against the reference; "bfloat16" stores
+        the large matrices in bf16 (half the memory; arithmetic stays fp32); "int8", "int4" (wkvm's kernels); "auto" keeps a GGUF file's own precision
         (Q4_0 / Q4_1 layers: int4, other quantized types: int8) and is float32 for every other checkpoint
         (`loader.auto_dtype`; until session 46 it meant float32).
         `generation_config` "auto": `generate` / `chat` without sampling_params sample with the model's
@@ -125,6 +128,8 @@ class LLM:
         encoded = [self.encode_prompt(p) for p in batch]
         params = self._per_prompt(sampling_params, len(encoded))
         priorities = [priority] * len(encoded) if isinstance(priority, int) else list(priority)
+        if not all(isinstance(p, int) and not isinstance(p, bool) for p in priorities):  # "x" had been ['x']
+            raise TypeError(f"priority is an int or a list of ints (one per prompt), not {priority!r}")
         if len(priorities) != len(encoded):
             raise ValueError(f"{len(priorities)} priorities for {len(encoded)} prompts")
         grammars = self.engine.runner.grammars
@@ -165,6 +170,11 @@ class LLM:
         source; `chat_template_kwargs`: more variables for it, e.g. `enable_thinking`), answered as by
         /v1/chat/completions: the template's stop strings end the answer (unless `ignore_eos`)."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        # a str had failed on .get deep in the template
+        if not all(isinstance(c, Sequence) and not isinstance(c, str) and all(isinstance(m, Mapping) for m in c)
+                   for c in conversations):  # fmt: skip
+            raise TypeError("messages is a list of {'role': ..., 'content': ...} dicts, or a list of such lists (one "
+                            "conversation each)")  # fmt: skip
         template = (self.template if chat_template is None
                     else replace(self.template, source=chat_template, tool_source=None))  # fmt: skip
         texts = [template.render(plain_messages(list(c)), add_generation_prompt,  # type: ignore[arg-type]

@@ -86,6 +86,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # the types first: stop=[1] had failed on len(), stop_token_ids=5 on list(), and ignore_eos="no" read as true
+        _check(_is_list(self.stop, str), "stop", "a string or a list of strings")
+        _check(_is_list(self.stop_token_ids, int), "stop_token_ids", "a list of non-negative integer token ids")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, "true or false")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
@@ -350,6 +355,12 @@ def _in_range(x: object, bounds: tuple[float, float], open_lo: bool = False) -> 
 
 def _is_int(x: object) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_list(x: object, kind: type) -> bool:
+    """None, or a list or tuple of `kind` (int: integers, not booleans)."""
+    ok = _is_int if kind is int else lambda v: isinstance(v, kind)
+    return x is None or (isinstance(x, list | tuple) and all(ok(v) for v in x))
 
 
 GRAMMAR_CACHE_KEY_CHARS = 1 << 20  # formats up to this long (as JSON) are kept in the LRU

@@ -68,11 +68,13 @@ def auto_dtype(path: str | os.PathLike[str], device: str = "cpu") -> str:
     return family.native_dtype(Path(path), fmt)
 
 
-def resolved_dtype(dtype: str, path: str | os.PathLike[str], device: str = "cpu") -> str:
-    """`dtype` with auto resolved for the model at `path` (`auto_dtype`); any other name as it is."""
-    from wkvm.config import AUTO_DTYPE
+def resolved_dtype(dtype: str | torch.dtype, path: str | os.PathLike[str], device: str = "cpu") -> str:
+    """`dtype`'s canonical name (`config.dtype_name`: any case, or a torch dtype) with auto resolved for the model at
+    `path` (`auto_dtype`)."""
+    from wkvm.config import AUTO_DTYPE, dtype_name
 
-    return auto_dtype(path, device) if dtype == AUTO_DTYPE else dtype
+    name = dtype_name(dtype)
+    return auto_dtype(path, device) if name == AUTO_DTYPE else name
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelFamily, Checkpoint]:
@@ -222,8 +224,9 @@ def load_model(
     check_model_path(path)
     if isinstance(dtype, str):  # auto: the checkpoint's own precision, as the commands take it
         dtype = resolved_dtype(dtype, path, device)
-    if weight_cache_layers < 0:  # it had loaded resident, as 0 does
-        raise ValueError(f"weight_cache_layers must be >= 0 (0: resident), not {weight_cache_layers}")
+    # it had loaded resident for < 0, as 0 does; 1.5 and "2" failed deep in the cache
+    if isinstance(weight_cache_layers, bool) or not isinstance(weight_cache_layers, int) or weight_cache_layers < 0:
+        raise ValueError(f"weight_cache_layers must be an integer >= 0 (0: resident), not {weight_cache_layers!r}")
     dtype = dtype if isinstance(dtype, torch.dtype) else weight_dtype(dtype)
     if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not linear.bf16_native():
         log.warning("--dtype bfloat16: %s", linear.bf16_speed())
