@@ -46,9 +46,9 @@ class LLM:
         """`model`: a path (a BlinkDL .pth, an HF/fla directory, a GGUF file, a weight pack), by default the embedded
         model. `weight_cache_layers` > 0 streams a weight pack's layers from disk through a cache of that many;
         `dtype` (a name in any case, or a torch dtype): "float32" is exact against the reference; "bfloat16" stores
-        the large matrices in bf16 (half the memory; arithmetic stays fp32); "int8", "int4" (wkvm's kernels); "auto" keeps a GGUF file's own precision
-        (Q4_0 / Q4_1 layers: int4, other quantized types: int8) and is float32 for every other checkpoint
-        (`loader.auto_dtype`; until session 46 it meant float32).
+        the large matrices in bf16 (half the memory; arithmetic stays fp32); "int8", "int4" (wkvm's kernels); "auto"
+        keeps a GGUF file's own precision (Q4_0 / Q4_1 layers: int4, other quantized types: int8) and is float32 for
+        every other checkpoint and for weight packs (`loader.auto_dtype`; until session 46 it meant float32).
         `generation_config` "auto": `generate` / `chat` without sampling_params sample with the model's
         generation_config.json values (vLLM's default; `get_default_sampling_params`); "none" or "vllm": with
         SamplingParams' own. Other keyword arguments are EngineConfig's fields; `kv_dtype` also takes "auto" (the
