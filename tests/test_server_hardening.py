@@ -634,6 +634,47 @@ def test_logprobs_are_always_json_numbers():
     assert json_logprob(-1.5) == -1.5
 
 
+def test_a_full_disk_is_a_413_and_deleting_still_frees_it(world_pth, tmp_path):
+    """Crash-safety hunt (session 47), on a 3 MB tmpfs: saves answered 500 internal_error once the disk was full, and
+    deletes too, so a client could not free the space it had filled."""
+    import errno
+    import sqlite3
+
+    from fastapi.testclient import TestClient
+
+    from wkvm.config import ServerConfig
+    from wkvm.server.app import create_app
+
+    config = ServerConfig(model=str(world_pth), slots=1, state_dir=str(tmp_path / "states"))
+    with TestClient(create_app(config), base_url="http://localhost") as c:
+        deadline = time.monotonic() + 60
+        while not c.app.state.ctx.ready.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        store = c.app.state.ctx.store
+        assert c.post("/v1/states", json={"name": "a", "prompt": "To be"}).status_code == 200
+        write, delete = store.files.write, store.index.delete
+
+        def no_space(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def index_full(*args, **kwargs):
+            e = sqlite3.OperationalError("database or disk is full")
+            e.sqlite_errorcode = sqlite3.SQLITE_FULL
+            raise e
+
+        (file_a,) = (tmp_path / "states" / "blobs").glob("*.state")  # while it is there, the index cannot commit
+        store.files.write, store.index.delete = no_space, lambda *a, **k: (index_full if file_a.exists()
+                                                                          else delete)(*a, **k)  # fmt: skip
+        r = c.post("/v1/states", json={"name": "b", "prompt": "or not"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "state_disk_full", r.text
+        assert "delete states" in r.json()["error"]["message"]
+        assert c.get("/v1/states/b").status_code == 404
+        assert c.delete("/v1/states/a").status_code == 200  # its file goes first, then the index commits
+        assert c.get("/v1/states/a").status_code == 404
+        store.files.write, store.index.delete = write, delete
+        assert c.post("/v1/states", json={"name": "b", "prompt": "or not"}).status_code == 200
+
+
 def test_full_quota_never_breaks_completions_or_streams(world_pth, tmp_path):
     root = tmp_path / "quota"
     with LiveServer(model=str(world_pth), state_dir=str(root), state_disk_quota=600_000, shutdown_grace=0) as s:

@@ -1,6 +1,7 @@
 """Durable states: resume from every tier, fork isolation, export/import, mutations, LRU tiers, crash safety,
 quota and internal-state budget, bounded metadata, strict handles and names."""
 
+import errno
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ from wkvm.state.statefile import (
     parse_handle,
     valid_name,
 )
-from wkvm.state.store import QuotaExceeded, StateNotFound, StateStore, StoreLimits
+from wkvm.state.store import DiskFull, QuotaExceeded, StateNotFound, StateStore, StoreLimits
 from wkvm.weights.loader import load_model
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133]
@@ -906,3 +907,75 @@ def test_the_room_a_state_asks_for_never_depends_on_another_tenants_histories(mo
 
     alone = asked(False)
     assert asked(True) == alone and alone[2] < alone[0]
+
+
+def disk_full_error() -> sqlite3.OperationalError:
+    e = sqlite3.OperationalError("database or disk is full")
+    e.sqlite_errorcode = sqlite3.SQLITE_FULL  # as sqlite3 sets it
+    return e
+
+
+def test_a_full_disk_stores_nothing_and_never_blocks_deleting(model, tmp_path, monkeypatch):
+    """Crash-safety hunt (session 47), on a 3 MB tmpfs: a full disk answered 500 to saves, forks and deletes (a user
+    could not free space), a save that pushed a checkpoint out failed although it was stored, a failed index write
+    left its file behind (counted against the quota), and close() stopped at the first write-back it could not
+    write, leaving the index open."""
+    one = model.spec.nbytes
+    root = tmp_path / "full"
+    store = StateStore(root, model.spec, model.fingerprint, model.vocab_size,
+                       limits=StoreLimits(device_bytes=one, host_bytes=one))  # fmt: skip
+    kept = store.put("u", "kept", random_state(model.spec, 1), [1, 2, 3])
+    blobs = root / "blobs"
+    files_before, bytes_before, blob_bytes = set(blobs.iterdir()), store.disk_bytes, store.usage.blob_bytes()
+
+    write = store.files.write
+
+    def no_space(blob, data, durable):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store.files, "write", no_space)  # the state file cannot be written
+    with pytest.raises(DiskFull, match="delete states you no longer need"):
+        store.put("u", "new", random_state(model.spec, 2), [4, 5, 6])
+    assert set(blobs.iterdir()) == files_before and store.disk_bytes == bytes_before
+    assert [r.handle for r in store.list("u")] == ["kept@1"]
+
+    monkeypatch.setattr(store.files, "write", write)
+    db = store.index._db
+    db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")  # the index cannot grow
+    long = [1 + i % 250 for i in range(6000)]  # a history that needs new pages in the index
+    with pytest.raises(DiskFull):  # the file is written, the index refuses its record: the file goes again
+        store.put("u", "long", random_state(model.spec, 3), long)
+    assert set(blobs.iterdir()) == files_before and store.usage.blob_bytes() == blob_bytes  # (the WAL grew)
+    assert store.put("t#ckpt", "c", random_state(model.spec, 4), long, durable=False) is None  # not kept, no error
+    db.execute("PRAGMA max_page_count = 1073741823")
+
+    # checkpoints in RAM; a user's save pushes them out to files that cannot be written: they are dropped, the save
+    # is stored and answered
+    ckpts = [store.put("t#ckpt", f"c{i}", random_state(model.spec, 10 + i), [1, 2, i], durable=False) for i in range(2)]
+    monkeypatch.setattr(store.files, "write", lambda blob, data, durable: write(blob, data, durable) if durable
+                        else no_space(blob, data, durable))  # fmt: skip
+    saved = store.put("u", "saved", random_state(model.spec, 5), [7, 8, 9])
+    assert store.get("u", saved.handle).blob == saved.blob
+    with pytest.raises(StateNotFound):  # the one pushed out of RAM: evicted, not a record whose file is missing
+        store.load("t#ckpt", ckpts[0].handle)
+    assert store.load("t#ckpt", ckpts[1].handle)[0].blob == ckpts[1].blob  # still in RAM
+
+    delete = store.index.delete
+    calls = []
+
+    def full_once(*args, **kwargs):  # SQLite cannot commit the delete until the file's space is free
+        calls.append(args)
+        if len(calls) == 1:
+            raise disk_full_error()
+        return delete(*args, **kwargs)
+
+    monkeypatch.setattr(store.index, "delete", full_once)
+    store.delete("u", kept.handle)
+    assert len(calls) == 2 and not store._blob_path(kept.blob).exists()
+    with pytest.raises(StateNotFound):
+        store.get("u", kept.handle)
+
+    store.put("t#ckpt", "late", random_state(model.spec, 20), [3, 2, 1], durable=False)
+    store.close()  # its write-back fails: logged, and the index still closes and the directory is let go
+    reopened = StateStore(root, model.spec, model.fingerprint, model.vocab_size)
+    assert [r.handle for r in reopened.list("u")] == ["saved@1"]

@@ -492,12 +492,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         import httpx
 
-        from wkvm.state.store import StateNotFound
+        from wkvm.state.store import DiskFull, StateNotFound
 
-        # `wkvm states --url` with no server there (or not a URL); a handle a state directory does not hold
-        if not isinstance(e, httpx.HTTPError | StateNotFound):
+        # `wkvm states --url` with no server there (or not a URL); a handle a state directory does not hold; a state
+        # directory on a full disk
+        if not isinstance(e, httpx.HTTPError | StateNotFound | DiskFull):
             raise
-        kind = "" if isinstance(e, StateNotFound) else f"{type(e).__name__}: "  # its message says what; httpx's do not
+        kind = f"{type(e).__name__}: " if isinstance(e, httpx.HTTPError) else ""  # its message says what; httpx's not
         print(f"wkvm {args.command}: {kind}{e}", file=sys.stderr)
         return 2
 

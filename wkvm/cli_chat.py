@@ -25,7 +25,7 @@ from wkvm.sampling_params import SamplingParams
 from wkvm.state.index import StateRecord
 from wkvm.state.quota import QuotaExceeded
 from wkvm.state.statefile import resume_inputs
-from wkvm.state.store import StateNotFound, StateStore
+from wkvm.state.store import DiskFull, StateNotFound, StateStore
 from wkvm.weights.loader import load_model, load_text_tools, resolved_dtype
 
 OWNER = "local"
@@ -127,7 +127,7 @@ class ChatREPL:
         try:
             parent = self.handle or self.saved  # the stored version this state is (a /fork after a /save: the save)
             return self.store.put(OWNER, name, self.state, self.token_ids, parent, op, transcript)
-        except (ValueError, QuotaExceeded) as e:
+        except (ValueError, QuotaExceeded, DiskFull) as e:
             print(f"(not saved: {e})")
             return None
 

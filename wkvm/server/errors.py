@@ -21,7 +21,7 @@ from wkvm.sampling_params import InvalidParam
 from wkvm.state.mutations import MutationError
 from wkvm.state.sessions import SessionBusy
 from wkvm.state.statefile import StateFileError
-from wkvm.state.store import PinNoRoom, QuotaExceeded, StateNotFound, StatePinned
+from wkvm.state.store import DiskFull, PinNoRoom, QuotaExceeded, StateNotFound, StatePinned
 
 log = logging.getLogger("wkvm.server")
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -160,6 +160,7 @@ def install_error_handlers(app: FastAPI) -> None:
         StateFileError: lambda e: error_response(400, str(e), "body", "invalid_state"),
         MutationError: lambda e: error_response(400, str(e), e.param, "invalid_mutation"),
         QuotaExceeded: lambda e: error_response(413, str(e), None, "state_quota_exceeded"),
+        DiskFull: lambda e: error_response(413, str(e), None, "state_disk_full"),  # as the quota's: delete states
         # Retry-After as OpenAI's 429s carry it (the openai SDK waits that long before its retry; without it, its own
         # backoff), and as this server's 503s do
         QueueFull: lambda e: error_response(429, str(e), None, "queue_full", headers={"Retry-After": "1"}),

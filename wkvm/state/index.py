@@ -322,6 +322,11 @@ class StateIndex:
             count: int = self._db.execute("SELECT COUNT(*) FROM states WHERE blob = ?", (blob,)).fetchone()[0]
             return count
 
+    def blob_records(self, blob: str) -> int:
+        """How many records hold `blob` (forks share one)."""
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM states WHERE blob = ?", (blob,)).fetchone()[0])
+
     def blob_owners(self, blob: str) -> set[str]:
         with self._lock:
             return {r[0] for r in self._db.execute("SELECT DISTINCT owner FROM states WHERE blob = ?", (blob,))}

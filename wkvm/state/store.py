@@ -14,13 +14,16 @@ later; neither ever raises QuotaExceeded.
 from __future__ import annotations
 
 import builtins
+import errno
+import functools
 import logging
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -42,7 +45,8 @@ from wkvm.state.statefile import (
 )
 from wkvm.state.tiers import TierCache
 
-__all__ = ["QuotaExceeded", "StateDirInUse", "StateNotFound", "StatePinned", "StateStore", "StoreLimits", "is_internal"]
+__all__ = ["DiskFull", "QuotaExceeded", "StateDirInUse", "StateNotFound", "StatePinned", "StateStore", "StoreLimits",
+           "is_internal"]  # fmt: skip
 log = logging.getLogger("wkvm.state")
 TIERS = ("device", "host", "disk")
 
@@ -64,6 +68,38 @@ class ForeignStateDir(ValueError):
 
 class PinNoRoom(RuntimeError):
     """A pin of a state that cannot be held in RAM: the device and host tiers are full of pinned states."""
+
+
+class DiskFull(RuntimeError):
+    """The state directory's file system is full (a file or the index could not be written): nothing was stored."""
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """ENOSPC / EDQUOT from a file write, or SQLite's SQLITE_FULL ("database or disk is full")."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return isinstance(e, sqlite3.OperationalError) and getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def full_disk_is_an_answer(method: Callable[P, R]) -> Callable[P, R]:
+    """A store operation that writes raises DiskFull when the disk is full (an OpenAI-shaped 413 over HTTP, which a
+    client can act on by deleting states), instead of the OSError or sqlite3 error (a 500; hunt, session 47)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return method(*args, **kwargs)
+        except (OSError, sqlite3.OperationalError) as e:
+            if not is_disk_full(e):
+                raise
+            raise DiskFull("the server's disk for states is full, so nothing was stored: delete states you no longer "
+                           "need, or ask the server's operator to free space") from e  # fmt: skip
+
+    return wrapper
 
 
 class StateStore:
@@ -106,6 +142,7 @@ class StateStore:
         self.host_cache = TierCache(self.limits.host_bytes, lambda b: b in self._pinned)
         self.usage = DiskUsage(self.limits.disk_bytes, self.limits.internal_bytes)
         self._unwritten: dict[str, tuple[State, StateMeta]] = {}  # write-back states not on disk yet
+        self._lost: set[str] = set()  # internal blobs dropped while the index could not delete their records
         # told (owner, handle) of each internal record the store evicts, under the store's lock: it must not block
         self.on_evict: Callable[[str, str], None] | None = None
         self.internal_not_kept = 0  # internal states (checkpoints, parked chats) put but not kept: /metrics
@@ -147,7 +184,7 @@ class StateStore:
     def _record(self, owner: str, handle: str, with_ids: bool) -> StateRecord:
         name, version = parse_handle(handle)
         rec = self.index.get(owner, name, version, with_ids)
-        if rec is None:
+        if rec is None or rec.blob in self._lost:
             raise StateNotFound(f"state {handle[:160]!r} not found")
         rec.tier = self.tier_of(rec.blob)
         return rec
@@ -175,6 +212,7 @@ class StateStore:
             return "device"
         return "host" if blob in self.host_cache else "disk"
 
+    @full_disk_is_an_answer
     def put(
         self,
         owner: str,
@@ -235,7 +273,15 @@ class StateStore:
             # the fixed part, 0 for a pure transformer)
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             rec = StateRecord.new(owner, version, meta, blob, nbytes)
-            self.index.insert(rec, durable)
+            try:
+                self.index.insert(rec, durable)
+            except (OSError, sqlite3.Error) as e:  # the file just written (or counted) had been left, orphaned
+                if not self.index.blob_owners(blob):
+                    self._remove_blob(blob)
+                if internal and is_disk_full(e):  # a cache entry: not kept, as when it does not fit
+                    self._not_kept(len(ids), "the disk is full")
+                    return None
+                raise
             self._cache(blob, tensors, "device")
             if not self.usage.known(blob):  # an internal state evicted while the tiers made room
                 self._not_kept(len(ids), "it is larger than the state tiers hold (--state-device-bytes, "
@@ -327,6 +373,7 @@ class StateStore:
     def _index_bytes(self) -> int:
         return self.index.file_bytes(reserve_wal=True)
 
+    @full_disk_is_an_answer
     def fork(self, owner: str, handle: str, name: str) -> StateRecord:
         """A new state sharing the source's tensors (no copy until someone writes, and nobody does)."""
         valid_name(name)
@@ -340,10 +387,20 @@ class StateStore:
             self.index.insert(rec)  # its token_ids are None: the history is stored already
             return self.get(owner, rec.handle)
 
+    @full_disk_is_an_answer
     def delete(self, owner: str, handle: str, durable: bool = True) -> None:
         with self._lock:
             rec = self._record(owner, handle, with_ids=False)
-            self.index.delete(owner, rec.name, rec.version, durable)
+            try:
+                self.index.delete(owner, rec.name, rec.version, durable)
+            except sqlite3.OperationalError as e:
+                # a full disk must not keep a user from freeing it: remove the file first where only this record
+                # holds it, then commit (a crash between leaves a record without its file, which the next start
+                # drops: the delete done either way)
+                if not is_disk_full(e) or self.index.blob_records(rec.blob) != 1:
+                    raise
+                self._remove_blob(rec.blob)
+                self.index.delete(owner, rec.name, rec.version, durable)
             owners = self.index.blob_owners(rec.blob)
             if not owners:
                 self._remove_blob(rec.blob)
@@ -360,6 +417,7 @@ class StateStore:
         except StateNotFound:
             return False
 
+    @full_disk_is_an_answer
     def set_pinned(self, owner: str, handle: str, pinned: bool) -> StateRecord:
         with self._lock:
             rec = self._record(owner, handle, with_ids=False)
@@ -411,6 +469,7 @@ class StateStore:
             rec.tier = self.tier_of(rec.blob)
             return rec, {k: v.unsqueeze(0) for k, v in tensors.items()}
 
+    @full_disk_is_an_answer
     def hibernate(self, owner: str, handle: str, tier: str) -> StateRecord:
         """Move a state down to 'host' (out of device memory) or 'disk' (out of RAM)."""
         if tier not in ("host", "disk"):
@@ -458,8 +517,26 @@ class StateStore:
             return
         for b in victims:
             self._evict(b)
-        self.files.write(blob, data, durable=False)
+        try:
+            self.files.write(blob, data, durable=False)
+        except OSError as e:  # a full disk: the entry is dropped; it had failed the user's save that pushed it out
+            if not is_disk_full(e):
+                raise
+            log.warning("internal state %s dropped: its file could not be written (%s)", blob[:12], e)
+            self._drop(blob)
+            return
         self.usage.add_internal(blob, len(data), on_disk=True)
+
+    def _drop(self, blob: str) -> None:
+        """Evict an internal blob whose records the index may be unable to delete now (a full disk): its tensors
+        and file go, and until a restart drops the records (their file is missing) they read as not found."""
+        try:
+            self._evict(blob)
+        except sqlite3.OperationalError as e:
+            if not is_disk_full(e):
+                raise
+            self._remove_blob(blob)
+            self._lost.add(blob)
 
     # --- files ---------------------------------------------------------------------------------
     def _blob_path(self, blob: str) -> Path:
@@ -472,6 +549,7 @@ class StateStore:
         meta.op_params, meta.created_at = rec.op_params, rec.created_at
         return statefile.encode(self.spec, statefile.unbatch(state), meta)
 
+    @full_disk_is_an_answer
     def import_bytes(self, owner: str, data: bytes, name: str | None = None, context: int | None = None,
                      page_max: float | None = None) -> StateRecord:  # fmt: skip
         """Validate every field of an exported file, then store it as a new version. `context`: the model's context
@@ -500,6 +578,7 @@ class StateStore:
         state = {k: v.unsqueeze(0) for k, v in tensors.items()}
         return self.put_user(owner, name or meta.name, state, meta.token_ids, op="import", op_params=lineage)
 
+    @full_disk_is_an_answer
     def adopt_bytes(self, owner: str, data: bytes) -> StateRecord:
         """Store an exported file under its own name and version, with its lineage and creation time: a state moved
         here from another replica keeps its handle. Every field is validated as for an import."""
@@ -519,7 +598,10 @@ class StateStore:
         budget leave room, most recently used first; drop the rest. Then close the index."""
         with self._lock:
             for blob in reversed(list(self.usage.internal)):
-                self._spill(blob, make_room=False)
+                try:
+                    self._spill(blob, make_room=False)
+                except (OSError, sqlite3.Error) as e:  # one that cannot be written must not keep the index open
+                    log.warning("internal state %s not written back at shutdown: %s", blob[:12], e)
         self.index.close()
         key, self._dir_key = self._dir_key, None  # a second close must not let go of another opener's hold
         if key is not None:
