@@ -125,7 +125,7 @@ def test_tensors_that_do_not_fit_or_hold_nan_are_refused_at_load(tmp_path, tiny_
     raw = load_file(weights)
     in_proj = "backbone.layers.0.mixer.in_proj.weight"  # its columns: the width (what a cut one leaves short)
     for edit, says in [(lambda t: t[:, :-3].contiguous(), "do not fit its config as a mamba2 model"),  # 3 short
-                       (lambda t: t.index_fill(1, torch.tensor([0]), float("nan")), "not finite")]:
+                       (lambda t: t.index_fill(1, torch.tensor([0]), float("nan")), "NaN or infinite")]:
         save_file({**raw, in_proj: edit(raw[in_proj])}, weights, metadata={"format": "pt"})
         with pytest.raises(CheckpointError, match=says) as e:
             load_model(good)
@@ -135,8 +135,32 @@ def test_tensors_that_do_not_fit_or_hold_nan_are_refused_at_load(tmp_path, tiny_
     ckpt = torch.load(tiny_pth)
     ckpt["blocks.0.ffn.value.weight"][0, 0] = float("inf")
     torch.save(ckpt, tmp_path / "inf.pth")
-    with pytest.raises(CheckpointError, match="not finite"):
+    with pytest.raises(CheckpointError, match="'blocks.0.ffn.value.weight' holds NaN or infinite values"):
         load_model(tmp_path / "inf.pth")
+
+
+def test_a_nan_that_the_first_pass_would_not_show_is_refused_in_files_and_packs(tmp_path, tiny_pth):
+    """Crash-safety hunt (session 47): a NaN in one channel of a norm's weight loaded, and the first pass's logits came
+    out finite (kernels' max / ReLU drop NaN), so the model answered finite, wrong text, from a checkpoint or a pack."""
+    import json
+
+    from wkvm import cli
+
+    ckpt = torch.load(tiny_pth)
+    ckpt["blocks.0.ln2.weight"][5] = float("nan")
+    torch.save(ckpt, tmp_path / "nan.pth")
+    with pytest.raises(CheckpointError, match="'blocks.0.ln2.weight' holds NaN"):
+        load_model(tmp_path / "nan.pth")
+    pack = tmp_path / "pack"
+    assert cli.main(["convert", str(tiny_pth), str(pack), "--pack"]) == 0
+    entry = json.loads((pack / "manifest.json").read_text())["layers"][1]
+    (name, t), = [(n, t) for n, t in entry["tensors"].items() if n.endswith("ln2.weight")]
+    with open(pack / "layer_001.safetensors", "r+b") as f:  # one float32 NaN in place: sizes and header unchanged
+        f.seek(t["offset"] + 4 * 5)
+        f.write(torch.tensor([float("nan")]).numpy().tobytes())
+    for cache in (0, 1):  # resident, and streamed (its pinned layers and the compute copy read the files whole)
+        with pytest.raises(CheckpointError, match=f"layer_001.safetensors: tensor '{name}' holds NaN"):
+            load_model(pack, weight_cache_layers=cache)
 
 
 def test_generate_says_when_the_generation_failed_and_exits_1(monkeypatch, capsys, tiny_pth):

@@ -23,6 +23,7 @@ from wkvm.models.family import (
     LazyTensors,
     ModelFamily,
     RawTensors,
+    finite_tensors,
     first_line,
 )
 from wkvm.models.fingerprint import fingerprint
@@ -148,11 +149,15 @@ def checkpoint_fingerprint(family: ModelFamily, cfg: Any, raw: RawTensors) -> st
 
 
 def build_resident(
-    family: ModelFamily, cfg: Any, raw: RawTensors, fp: str, device: torch.device | str, dtype: torch.dtype
-) -> LanguageModel:
-    """Every layer prepared (matrices prepacked) and held in memory."""
-    layers = [family.prepare_layer(raw, i, cfg, dtype, device) for i in progress(range(cfg.n_layer), "loading layers")]
-    global_tensors = family.prepare_globals(raw, cfg, dtype, device)
+    family: ModelFamily, cfg: Any, raw: RawTensors, fp: str, device: torch.device | str, dtype: torch.dtype,
+    where: str | os.PathLike[str],
+) -> LanguageModel:  # fmt: skip
+    """Every layer prepared (matrices prepacked) and held in memory; a tensor holding NaN or infinities is a
+    CheckpointError naming it and `where` (the file)."""
+    checked = finite_tensors(raw, where)
+    layers = [family.prepare_layer(checked, i, cfg, dtype, device)
+              for i in progress(range(cfg.n_layer), "loading layers")]  # fmt: skip
+    global_tensors = family.prepare_globals(checked, cfg, dtype, device)
     own_memory(raw, [*layers, global_tensors])
     return family.build(cfg, ResidentWeights(layers, global_tensors), fp, device)
 
@@ -253,7 +258,7 @@ def load_model(
         for i in range(pack.config.n_layer):
             raw.update(pack.read(i))
         with misfit(path, pack.family.name):
-            model = build_resident(pack.family, pack.config, raw, pack.fingerprint, device, dtype)
+            model = build_resident(pack.family, pack.config, raw, pack.fingerprint, device, dtype, path)
             first_forward(model, path)
         del raw
         release_free_memory()
@@ -265,7 +270,8 @@ def load_model(
     family, ckpt = read_checkpoint(path)
     cfg = checkpoint_config(path, family, ckpt)
     with misfit(path, family.name):
-        model = build_resident(family, cfg, ckpt.raw, checkpoint_fingerprint(family, cfg, ckpt.raw), device, dtype)
+        fp = checkpoint_fingerprint(family, cfg, ckpt.raw)
+        model = build_resident(family, cfg, ckpt.raw, fp, device, dtype, path)
         first_forward(model, path)
     del ckpt  # the checkpoint's tensors (dequantized, converted, or a file mapping) go before the trim
     release_free_memory()

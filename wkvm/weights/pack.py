@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from wkvm.atomic import atomic_path, fsync_dir
 from wkvm.models import registry
-from wkvm.models.family import CheckpointError, RawTensors
+from wkvm.models.family import CheckpointError, RawTensors, finite
 from wkvm.progress import progress
 from wkvm.weights.loader import PACK_MANIFEST as MANIFEST
 from wkvm.weights.loader import checkpoint_config, checkpoint_fingerprint, read_checkpoint
@@ -192,7 +192,8 @@ class Pack:
         if buf.numel() != entry["bytes"]:
             raise PackError(f"{self.file(i)}: changed size while the server runs")
         prefix = "" if i is None else self.family.layer_prefix(i)
-        return {
-            prefix + name: buf[t["offset"] : t["offset"] + t["length"]].view(DTYPES[t["dtype"]]).view(t["shape"])
+        return {  # NaN or infinities: a CheckpointError naming the file (a pack's layer is read whole here)
+            prefix + name: finite(name, buf[t["offset"] : t["offset"] + t["length"]].view(DTYPES[t["dtype"]])
+                                  .view(t["shape"]), self.file(i))  # fmt: skip
             for name, t in entry["tensors"].items()
         }
