@@ -311,6 +311,14 @@ def test_a_manifest_config_its_tensors_do_not_fit_is_a_checkpoint_error_when_str
         with pytest.raises(CheckpointError, match="do not fit its config"):
             load_model(d, weight_cache_layers=cache)
 
+    def eps_text(m):  # a field of the wrong type: it had been torch's TypeError traceback (hunt, session 47)
+        m["config"]["ln_eps"] = "x"
+
+    d = edited_pack(pack, tmp_path, "eps", eps_text)
+    for cache in (0, 2):
+        with pytest.raises(CheckpointError, match="its config does not read as a rwkv7 model's"):
+            load_model(d, weight_cache_layers=cache)
+
 
 @pytest.mark.skipif(not onednn_available(), reason=NO_ONEDNN)
 def test_a_blocked_copy_follows_the_packs_config_and_its_own_manifest(pack, tmp_path):

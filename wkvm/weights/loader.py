@@ -174,6 +174,9 @@ def misfit(path: str | os.PathLike[str], family: str) -> Iterator[None]:
     except (RuntimeError, IndexError) as e:  # torch's shape errors; a ValueError already says what is wrong itself
         raise CheckpointError(f"{path}: its tensors do not fit its config as a {family} model "
                               f"({first_line(str(e) or type(e).__name__)})") from None  # fmt: skip
+    except TypeError as e:  # a pack manifest's config field of the wrong type (ln_eps "x"): it had been a traceback
+        raise CheckpointError(f"{path}: its config does not read as a {family} model's (TypeError: "
+                              f"{first_line(str(e), 200)})") from None  # fmt: skip
 
 
 def first_forward(model: LanguageModel, path: str | os.PathLike[str]) -> None:
