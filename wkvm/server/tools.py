@@ -123,6 +123,8 @@ def tool_mode(tools: list[Any] | None, choice: Any, parallel: bool | None, shape
             raise APIError(400, f'tools[{i}].function.parameters must be a JSON schema of "type": "object" (the '
                            f"call's arguments are an object); got type {str(params.get('type'))[:40]!r}",
                            f"tools[{i}].function.parameters", "invalid_value")  # fmt: skip
+        if params:
+            check_schema(params, f"tools[{i}].function.parameters")
         checked.append(t)
     names = [t["function"]["name"] for t in checked]
     if len(set(names)) != len(names):
@@ -137,6 +139,21 @@ def tool_mode(tools: list[Any] | None, choice: Any, parallel: bool | None, shape
     if name not in names:
         raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", "tool_choice", "invalid_value")
     return ToolMode(checked, "named", name, False)  # one call of the named function (as vLLM answers)
+
+
+def check_schema(schema: dict[str, Any], param: str) -> None:
+    """A 400 naming `param` and the place inside it where `schema` is no valid JSON Schema (its draft's meta-schema),
+    whatever the tool_choice, as OpenAI answers: under "auto" a tool's schema is never compiled, so a typo
+    ("type": "strin", "required": "a") had been taken there and refused only once the client forced a call."""
+    import jsonschema  # type: ignore[import-untyped]
+    from jsonschema.validators import validator_for  # type: ignore[import-untyped]
+
+    try:
+        validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in e.absolute_path)
+        raise APIError(400, f"{param}{where}: not a valid JSON schema: {e.message.splitlines()[0][:200]}", param,
+                       "invalid_value") from None  # fmt: skip
 
 
 def unenforceable_tool(mode: ToolMode) -> None:
