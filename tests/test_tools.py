@@ -156,6 +156,29 @@ def test_bad_tool_requests_are_clear(client):
     assert e.value.body["param"] == "messages[0].content"
 
 
+def test_a_forced_reply_cut_off_keeps_the_calls_it_completed():
+    """Tools hunt (session 47): under "required" with parallel calls a small model repeated a call until max_tokens
+    ran out, and the reply had no call at all (finish "length", content and tool_calls empty, blocking and streamed);
+    now the complete calls come back, finish_reason still "length" (as OpenAI returns what it has)."""
+    from wkvm.server.openai_routes import reply
+
+    one = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+    text = f'[{one}, {one}, {{"name": "get_we'
+    for parallel, n in ((True, 2), (False, 1)):
+        mode = tool_mode(TOOLS, "required", parallel)
+        message, finish = reply(text, "length", mode)
+        assert finish == "length" and message["content"] is None and len(message["tool_calls"]) == n
+        assert all(json.loads(c["function"]["arguments"]) == {"a": 1, "b": 2} for c in message["tool_calls"])
+        content, calls, finish = final_delta(text, 0, "length", mode)  # the stream's last delta: the same
+        assert content is None and len(calls) == n and finish == "length"
+    mode = tool_mode(TOOLS, "required", None)
+    for cut in ('[{"name": "add", "argum', "[", ""):  # nothing complete: no call, as before
+        assert "tool_calls" not in reply(cut, "length", mode)[0] and final_delta(cut, 0, "length", mode)[1] == []
+    assert reply(text, "abort", mode)[0].get("tool_calls") is None  # only max_tokens' cut keeps them
+    auto = tool_mode(TOOLS, None, None)
+    assert reply(one, "length", auto)[0] == {"role": "assistant", "content": one}  # words under auto, as before
+
+
 def test_auto_recognises_hermes_mistral_and_plain_json_calls():
     mode = tool_mode(TOOLS, None, None)
     assert mode is not None and mode.choice == "auto"

@@ -40,6 +40,7 @@ from wkvm.server.schemas import MAX_PROMPTS, ChatMessage, ChatRequest, Completio
 from wkvm.server.tools import (
     ToolMode,
     content_ready,
+    cut_calls,
     final_delta,
     parse_reply,
     tool_mode,
@@ -755,7 +756,9 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
 def reply(text: str, finish_reason: str | None, mode: ToolMode | None) -> tuple[dict[str, Any], str | None]:
     """The assistant message (and finish reason) for a finished choice: tool calls when its text is one."""
     if mode is None or finish_reason != "stop":  # a forced call cut off: its unfinished JSON is no answer in words
-        return {"role": "assistant", "content": None if mode is not None and mode.forced else text}, finish_reason
+        cut = cut_calls(text, finish_reason, mode) if mode is not None else []  # the calls it completed are
+        message = {"role": "assistant", "content": None if mode is not None and mode.forced else text}
+        return ({**message, "tool_calls": cut} if cut else message), finish_reason
     content, calls = parse_reply(text, mode)
     if not calls:  # a forced call a stop string cut off is no answer in words either (as the stream says)
         return {"role": "assistant", "content": None if mode.forced else text}, finish_reason

@@ -211,6 +211,26 @@ def split_reply(text: str, mode: ToolMode) -> tuple[str, list[dict[str, Any]]]:
     return rest, calls if mode.parallel else calls[:1]  # parallel_tool_calls false: the first call only
 
 
+def cut_calls(text: str, finish_reason: str | None, mode: ToolMode) -> list[dict[str, Any]]:
+    """The complete calls at the start of a forced reply that `max_tokens` cut off inside its list (OpenAI returns
+    what it has with finish_reason "length" too): a small model that repeats a call until the tokens run out had
+    answered no call at all. Nothing for another finish, or for a reply cut inside its first call."""
+    if not mode.forced or finish_reason != "length" or not text.lstrip().startswith("["):
+        return []
+    decoder, at = json.JSONDecoder(), text.index("[") + 1
+    found: list[Any] = []
+    while True:
+        rest = text[at:].lstrip().removeprefix(",").lstrip() if found else text[at:].lstrip()
+        try:
+            x, end = decoder.raw_decode(rest)
+        except ValueError:
+            break
+        found.append(x)
+        at = len(text) - len(rest) + end
+    calls = [c for c in (_call(x, mode) for x in found) if c is not None]
+    return calls if mode.parallel else calls[:1]
+
+
 def content_ready(text: str, mode: ToolMode) -> int:
     """How much of an unfinished reply (a prefix length) can stream as content now, when tools may be called: with
     `auto`, everything before where a call could begin: nothing while the reply is only whitespace or starts with `{`
@@ -244,8 +264,8 @@ def final_delta(text: str, released: int, finish_reason: str | None,
     whitespace then words then a call keeps that whitespace when streamed); without, the whole text."""
     rest, calls = split_reply(text, mode) if finish_reason == "stop" else (text, [])
     if not calls:
-        if mode.forced:  # cut off (length, abort): the call's unfinished JSON is no answer in words (as Responses)
-            return None, [], finish_reason
+        if mode.forced:  # cut off (length, abort): the call's unfinished JSON is no answer in words (as Responses);
+            return None, cut_calls(text, finish_reason, mode), finish_reason  # the calls it completed are
         return text[released:] or None, [], finish_reason
     tail = rest[released:].rstrip() if released else rest.strip()
     return tail or None, calls, mode.calls_finish
