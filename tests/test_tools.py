@@ -154,6 +154,19 @@ def test_bad_tool_requests_are_clear(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="char-model", messages=[{"role": "user", "content": []}], max_tokens=2)
     assert e.value.body["param"] == "messages[0].content"
+    # calls no tool message answers, before the next message or at the end: OpenAI's 400 (tools hunt, session 47;
+    # the Responses API refused the same conversation, chat had taken it)
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    two = [call, {**call, "id": "c2"}]
+    for history in (ASK + [{"role": "assistant", "content": None, "tool_calls": [call]}],
+                     ASK + [{"role": "assistant", "content": None, "tool_calls": two},
+                            {"role": "tool", "tool_call_id": "c1", "content": "3"}, *ASK]):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="char-model", messages=history, max_tokens=2)
+        assert e.value.body["param"] == "messages[1].tool_calls", e.value.body
+    answered = ASK + [{"role": "assistant", "content": None, "tool_calls": two},
+                      *({"role": "tool", "tool_call_id": c, "content": "3"} for c in ("c2", "c1")), *ASK]  # fmt: skip
+    assert client.chat.completions.create(model="char-model", messages=answered, max_tokens=2).choices
 
 
 def test_a_forced_reply_cut_off_keeps_the_calls_it_completed():

@@ -614,7 +614,10 @@ def chat_messages(messages: list[ChatMessage], functions: list[Any] | None = Non
     out: list[dict[str, Any]] = []
     call_ids: set[str] = set()  # earlier assistant messages' tool call ids
     unnamed = False  # a call without an id was seen: tool messages cannot be matched, so they are not checked
+    pending: dict[str, int] = {}  # the last calls' ids not answered yet -> the message that made them
     for i, m in enumerate(messages):
+        if pending and m.role != "tool":
+            unanswered(pending)
         if m.role not in CHAT_ROLES:
             raise APIError(400, f"messages[{i}].role {m.role!r} is not supported; use one of {list(CHAT_ROLES)}",
                            f"messages[{i}].role", "invalid_value")  # fmt: skip
@@ -648,6 +651,7 @@ def chat_messages(messages: list[ChatMessage], functions: list[Any] | None = Non
                 check_tool_call(call, f"messages[{i}].tool_calls[{j}]")
                 if "id" in call:
                     call_ids.add(call["id"])
+                    pending[call["id"]] = i
                 else:
                     unnamed = True
             msg["tool_calls"] = m.tool_calls
@@ -659,12 +663,24 @@ def chat_messages(messages: list[ChatMessage], functions: list[Any] | None = Non
                 raise APIError(400, f"messages[{i}].tool_call_id {m.tool_call_id[:64]!r} answers no tool call of an "
                                "earlier assistant message", f"messages[{i}].tool_call_id", "invalid_value")  # fmt: skip
             msg["tool_call_id"] = m.tool_call_id
+            pending.pop(m.tool_call_id, None)
         for field in ("name", "reasoning_content"):  # for templates that read them, as vLLM passes them on
             if (value := getattr(m, field)) is not None:
                 gen.check_text(value, f"messages[{i}].{field}")
                 msg[field] = value
         out.append(msg)
+    if pending and not unnamed:
+        unanswered(pending)
     return out
+
+
+def unanswered(pending: dict[str, int]) -> None:
+    """OpenAI's 400 for an assistant message whose tool_calls are not each answered by a tool message right after
+    it (the Responses API here refused the same conversation; chat had taken it; tools hunt, session 47)."""
+    call, i = next(iter(pending.items()))
+    raise APIError(400, f"messages[{i}]: its tool call {call[:64]!r} is answered by no tool message after it: an "
+                   "assistant message with tool_calls must be followed by a role 'tool' message for each tool_call_id",
+                   f"messages[{i}].tool_calls", "invalid_value")  # fmt: skip
 
 
 async def stream_completion(ctx: ServerContext, request: Request, body: CompletionRequest, runs: list[Run],
