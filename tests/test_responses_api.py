@@ -294,6 +294,9 @@ def test_json_schema_format(server):
                 {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
                 {"type": "function_call_output", "call_id": "c1", "output": "x"}], "tools": [WEATHER]}, "input"),
     ({"input": [{"role": "user", "content": None}]}, "input[0].content"),  # hunt 8: both had passed
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{x"},
+                {"type": "function_call_output", "call_id": "c1", "output": "x"}], "tools": [WEATHER]},
+     "input[0].arguments"),  # it had named the chat's messages[1].tool_calls[0].function.arguments (session 47)
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input[0].content[0].text"),
 ])  # fmt: skip
 def test_bad_requests_are_400s_naming_the_field(server, body, param):

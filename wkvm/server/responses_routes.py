@@ -272,6 +272,12 @@ def input_messages(value: str | list[dict[str, Any]] | None) -> list[dict[str, A
             if not isinstance(arguments, str):
                 raise APIError(400, f"{where}.arguments must be a string (JSON text)", f"{where}.arguments",
                                "invalid_value")  # fmt: skip
+            try:  # here, by its own name: the chat's check named messages[i].tool_calls[j] (tools hunt, session 47)
+                json.loads(arguments) if arguments.strip() else None
+            except ValueError:
+                raise APIError(400, f"{where}.arguments is not JSON: send the call's arguments as the JSON text the "
+                               "model wrote (e.g. '{\"city\": \"Paris\"}')", f"{where}.arguments",
+                               "invalid_value") from None  # fmt: skip
             call = {"id": field(item, "call_id", where), "type": "function",
                     "function": {"name": field(item, "name", where), "arguments": arguments}}  # fmt: skip
             if out and out[-1]["role"] == "assistant":
