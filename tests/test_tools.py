@@ -200,6 +200,9 @@ def test_auto_recognises_hermes_mistral_and_plain_json_calls():
     content, calls = parse_reply(hermes, mode)
     assert content == "Let me check." and [c["function"]["name"] for c in calls] == ["get_weather"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "celsius"}
+    content, calls = parse_reply(f"Let me check.<tool_call>\n{call}\n", mode)  # no closing tag: a call, as vLLM's
+    assert content == "Let me check." and len(calls) == 1  # Hermes parser reads it (it had stayed words; session 47)
+    assert parse_reply(f"<tool_call>{call[:-4]}", mode) == (f"<tool_call>{call[:-4]}", [])  # cut inside: words
     _, calls = parse_reply('{"name": "get_weather", "arguments": {"city": "Zürich 東京", "unit": "celsius"}}', mode)
     assert calls[0]["function"]["arguments"] == '{"city": "Zürich 東京", "unit": "celsius"}'  # OpenAI: no \\u escapes
     content, calls = parse_reply('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}, '

@@ -21,7 +21,8 @@ from wkvm.sampling_params import InvalidParam, schema_grammar
 from wkvm.server.errors import APIError
 
 MAX_TOOLS = 128  # tools one request offers (OpenAI's limit)
-HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+# a last call the model ended without its closing tag counts too, as vLLM's Hermes parser reads it
+HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S)
 MISTRAL = "[TOOL_CALLS]"
 MARKERS = ("<tool_call>", MISTRAL)
 
