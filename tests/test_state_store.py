@@ -979,3 +979,13 @@ def test_a_full_disk_stores_nothing_and_never_blocks_deleting(model, tmp_path, m
     store.close()  # its write-back fails: logged, and the index still closes and the directory is let go
     reopened = StateStore(root, model.spec, model.fingerprint, model.vocab_size)
     assert [r.handle for r in reopened.list("u")] == ["saved@1"]
+
+
+def test_a_failed_write_back_commit_leaves_later_commits_fsynced(model, tmp_path):
+    """Hunt (session 47): an internal insert that raised after setting synchronous=NORMAL left it on, so later
+    commits such as a pin's skipped their fsync."""
+    store = StateStore(tmp_path / "sync", model.spec, model.fingerprint, model.vocab_size)
+    rec = store.put("t#ckpt", "c", random_state(model.spec, 1), [1, 2, 3], durable=False)
+    with pytest.raises(sqlite3.IntegrityError):  # the same record again: the insert fails inside its transaction
+        store.index.insert(rec, durable=False)
+    assert store.index._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL

@@ -9,10 +9,12 @@ issued per (owner, name) is kept in `names`, so a deleted version number is neve
 from __future__ import annotations
 
 import builtins
+import contextlib
 import json
 import logging
 import sqlite3
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -212,26 +214,35 @@ class StateIndex:
         start-up sweep then delete its file); NORMAL syncs the log before a checkpoint and the database after it."""
         self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
 
+    @contextlib.contextmanager
+    def _writing(self, durable: bool) -> Iterator[None]:
+        """One transaction under the lock, fsynced unless not `durable` (`_sync`), and FULL again however it ends: an
+        insert that failed had left NORMAL on, so later commits (a pin) skipped their fsync (hunt, session 47)."""
+        with self._lock:
+            self._sync(durable)
+            try:
+                with self._db:
+                    yield
+            finally:
+                self._sync(True)
+
     def insert(self, rec: StateRecord, durable: bool = True) -> None:
         """Add a record; its history is stored if new (rec.token_ids may be None only when it is already there)."""
         values = [getattr(rec, c) for c in COLUMNS]
         values[COLUMNS.index("op_params")] = json.dumps(rec.op_params)
         values[COLUMNS.index("pinned")] = int(rec.pinned)
-        with self._lock:
-            self._sync(durable)
-            with self._db:
-                self._db.execute("BEGIN IMMEDIATE")
-                if rec.token_ids is not None:
-                    history = (rec.token_digest, pack_ids(rec.token_ids))
-                    self._db.execute("INSERT OR IGNORE INTO histories VALUES (?, ?)", history)
-                self._db.execute(f"INSERT INTO states VALUES ({', '.join('?' * len(COLUMNS))})", values)
-                if not is_internal(rec.owner):  # internal names are caches: not kept once their states go
-                    self._db.execute(
-                        "INSERT INTO names VALUES (?, ?, ?) ON CONFLICT (owner, name) "
-                        "DO UPDATE SET last_version = MAX(last_version, excluded.last_version)",
-                        (rec.owner, rec.name, rec.version),
-                    )
-            self._sync(True)
+        with self._writing(durable):
+            self._db.execute("BEGIN IMMEDIATE")
+            if rec.token_ids is not None:
+                history = (rec.token_digest, pack_ids(rec.token_ids))
+                self._db.execute("INSERT OR IGNORE INTO histories VALUES (?, ?)", history)
+            self._db.execute(f"INSERT INTO states VALUES ({', '.join('?' * len(COLUMNS))})", values)
+            if not is_internal(rec.owner):  # internal names are caches: not kept once their states go
+                self._db.execute(
+                    "INSERT INTO names VALUES (?, ?, ?) ON CONFLICT (owner, name) "
+                    "DO UPDATE SET last_version = MAX(last_version, excluded.last_version)",
+                    (rec.owner, rec.name, rec.version),
+                )
 
     def reserve_versions(self, owner: str, name: str, last: int) -> None:
         """Never issue `last` or a version below it for this name (a name moved here with its history of issues)."""
@@ -298,17 +309,14 @@ class StateIndex:
         )
 
     def delete(self, owner: str, name: str, version: int, durable: bool = True) -> None:
-        with self._lock:
-            self._sync(durable)
-            with self._db:
-                self._db.execute("BEGIN IMMEDIATE")
-                rows = self._db.execute(
-                    "DELETE FROM states WHERE owner = ? AND name = ? AND version = ? RETURNING token_digest, blob",
-                    (owner, name, version),
-                ).fetchall()
-                self._forget_histories({r[0] for r in rows})
-                self._forget_checks({r[1] for r in rows})
-            self._sync(True)
+        with self._writing(durable):
+            self._db.execute("BEGIN IMMEDIATE")
+            rows = self._db.execute(
+                "DELETE FROM states WHERE owner = ? AND name = ? AND version = ? RETURNING token_digest, blob",
+                (owner, name, version),
+            ).fetchall()
+            self._forget_histories({r[0] for r in rows})
+            self._forget_checks({r[1] for r in rows})
 
     def set_pinned(self, owner: str, name: str, version: int, pinned: bool) -> None:
         with self._lock, self._db:
@@ -347,11 +355,8 @@ class StateIndex:
 
     def set_checked(self, blob: str, stat: str) -> None:
         """A cache: committed without fsync (the next durable commit persists it; losing it costs one re-check)."""
-        with self._lock:
-            self._sync(False)
-            with self._db:
-                self._db.execute("INSERT OR REPLACE INTO checked_files VALUES (?, ?)", (blob, stat))
-            self._sync(True)
+        with self._writing(False):
+            self._db.execute("INSERT OR REPLACE INTO checked_files VALUES (?, ?)", (blob, stat))
 
     def forget_checked(self, blobs: set[str]) -> None:
         with self._lock, self._db:
@@ -359,14 +364,11 @@ class StateIndex:
 
     def delete_blob_records(self, blob: str, durable: bool = True) -> builtins.list[tuple[str, str]]:
         """Delete every record of `blob`; their (owner, handle)s."""
-        with self._lock:
-            self._sync(durable)
-            with self._db:
-                self._db.execute("BEGIN IMMEDIATE")
-                rows = self._db.execute(
-                    "DELETE FROM states WHERE blob = ? RETURNING token_digest, owner, name, version", (blob,)
-                ).fetchall()
-                self._forget_histories({r[0] for r in rows})
-                self._forget_checks({blob})
-            self._sync(True)
+        with self._writing(durable):
+            self._db.execute("BEGIN IMMEDIATE")
+            rows = self._db.execute(
+                "DELETE FROM states WHERE blob = ? RETURNING token_digest, owner, name, version", (blob,)
+            ).fetchall()
+            self._forget_histories({r[0] for r in rows})
+            self._forget_checks({blob})
             return [(r[1], f"{r[2]}@{r[3]}") for r in rows]
