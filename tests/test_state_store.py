@@ -989,3 +989,31 @@ def test_a_failed_write_back_commit_leaves_later_commits_fsynced(model, tmp_path
     with pytest.raises(sqlite3.IntegrityError):  # the same record again: the insert fails inside its transaction
         store.index.insert(rec, durable=False)
     assert store.index._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+
+
+def test_a_start_on_a_full_disk_that_must_drop_records_still_starts(model, tmp_path, monkeypatch):
+    """Crash-safety hunt (session 47): recovery drops the records of a state whose file is gone, and on a full disk
+    SQLite refused that delete: the server could not start until space was freed by hand."""
+    from wkvm.state.index import StateIndex
+
+    root = tmp_path / "start"
+    store = StateStore(root, model.spec, model.fingerprint, model.vocab_size)
+    gone = store.put("u", "gone", random_state(model.spec, 1), [1, 2, 3])
+    kept = store.put("u", "kept", random_state(model.spec, 2), [4, 5, 6])
+    store.close()
+    (root / "blobs" / f"{gone.blob}.state").unlink()
+
+    def full(self, blob, durable=True):
+        raise disk_full_error()
+
+    with monkeypatch.context() as m:
+        m.setattr(StateIndex, "delete_blob_records", full)
+        m.setattr(StateIndex, "set_checked", full)
+        reopened = StateStore(root, model.spec, model.fingerprint, model.vocab_size)
+        assert [r.handle for r in reopened.list("u")] == [kept.handle]
+        with pytest.raises(StateNotFound):
+            reopened.load("u", gone.handle)
+        assert reopened.load("u", kept.handle)[0].blob == kept.blob
+        reopened.close()
+    again = StateStore(root, model.spec, model.fingerprint, model.vocab_size)  # room again: the records are dropped
+    assert [r.handle for r in again.list("u")] == [kept.handle] and not again.index.blob_records(gone.blob)

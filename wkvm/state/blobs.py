@@ -7,9 +7,12 @@ when it was written durably or last verified lets a restart skip re-reading unch
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import logging
 import os
+import sqlite3
 import threading
 import weakref
 from collections import deque
@@ -121,28 +124,47 @@ class BlobFiles:
             raise StateFileError("blob content does not match its name")
         return tensors
 
-    def recover(self, index: StateIndex) -> tuple[list[StateRecord], dict[str, int]]:
+    def recover(self, index: StateIndex) -> tuple[list[StateRecord], dict[str, int], set[str]]:
         """Remove half-written and unreferenced files; drop records whose blob is missing or fails its checksum.
         A file whose size, mtime and inode are those recorded when it was written or last checked (for this
         model) is not read again, so a restart costs a stat per state, not a read and hash of every byte.
-        Returns the records (by created_at) and the usable blobs' file sizes."""
+        Returns the records (by created_at), the usable blobs' file sizes, and the unusable blobs whose records the
+        index could not drop (a full disk: they read as not found until a start with room drops them; such a start
+        had failed)."""
         records = index.list()
         referenced = {r.blob for r in records}
         self.sweep(referenced)
         checked = index.checked_files()
-        index.forget_checked(set(checked) - referenced)
-        sizes = {}
+        with contextlib.suppress(sqlite3.OperationalError):  # a cache's rows: a full disk leaves them for later
+            index.forget_checked(set(checked) - referenced)
+        sizes, lost = {}, set()
         for blob in referenced:
             try:
                 stat = self.stat_key(blob)
                 if checked.get(blob) != stat:
                     self.read(blob, verify=True)
-                    index.set_checked(blob, stat)
+                    with contextlib.suppress(sqlite3.OperationalError):  # a cache: a full disk only costs a re-check
+                        index.set_checked(blob, stat)
                 sizes[blob] = self.size(blob)
             except (FileNotFoundError, StateFileError) as e:
-                dropped = len(index.delete_blob_records(blob))
+                try:
+                    dropped = len(index.delete_blob_records(blob))
+                except sqlite3.OperationalError as full:
+                    if not is_disk_full(full):
+                        raise
+                    lost.add(blob)
+                    log.error("state blob %s unusable (%s); its records stay until a start with free disk space "
+                              "(they read as not found)", blob[:12], e)  # fmt: skip
+                    continue
                 # a write-back checkpoint's file may never have been written before a crash (state-file.md): expected
                 internal = all(is_internal(r.owner) for r in records if r.blob == blob)
                 log.log(logging.INFO if internal else logging.ERROR, "%s blob %s unusable (%s): dropped %d record(s)",
                         "internal state" if internal else "state", blob[:12], e, dropped)  # fmt: skip
-        return [r for r in records if r.blob in sizes], sizes
+        return [r for r in records if r.blob in sizes], sizes, lost
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """ENOSPC / EDQUOT from a file write, or SQLite's SQLITE_FULL ("database or disk is full")."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return isinstance(e, sqlite3.OperationalError) and getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL

@@ -14,7 +14,6 @@ later; neither ever raises QuotaExceeded.
 from __future__ import annotations
 
 import builtins
-import errno
 import functools
 import logging
 import sqlite3
@@ -29,7 +28,7 @@ import torch
 
 from wkvm.models.spec import State, StateSpec
 from wkvm.state import statefile
-from wkvm.state.blobs import BlobFiles, DigestMemo, blob_digest, blob_name
+from wkvm.state.blobs import BlobFiles, DigestMemo, blob_digest, blob_name, is_disk_full
 from wkvm.state.dir_lock import StateDirInUse, lock_dir, unlock_dir
 from wkvm.state.index import StateIndex, StateRecord
 from wkvm.state.quota import INDEX_COMMIT_BYTES, DiskUsage, QuotaExceeded, StoreLimits, is_internal, state_file_bytes
@@ -72,13 +71,6 @@ class PinNoRoom(RuntimeError):
 
 class DiskFull(RuntimeError):
     """The state directory's file system is full (a file or the index could not be written): nothing was stored."""
-
-
-def is_disk_full(e: BaseException) -> bool:
-    """ENOSPC / EDQUOT from a file write, or SQLite's SQLITE_FULL ("database or disk is full")."""
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    return isinstance(e, sqlite3.OperationalError) and getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
 
 
 P = ParamSpec("P")
@@ -142,7 +134,7 @@ class StateStore:
         self.host_cache = TierCache(self.limits.host_bytes, lambda b: b in self._pinned)
         self.usage = DiskUsage(self.limits.disk_bytes, self.limits.internal_bytes)
         self._unwritten: dict[str, tuple[State, StateMeta]] = {}  # write-back states not on disk yet
-        self._lost: set[str] = set()  # internal blobs dropped while the index could not delete their records
+        self._lost: set[str] = set()  # blobs gone whose records a full disk kept the index from deleting
         # told (owner, handle) of each internal record the store evicts, under the store's lock: it must not block
         self.on_evict: Callable[[str, str], None] | None = None
         self.internal_not_kept = 0  # internal states (checkpoints, parked chats) put but not kept: /metrics
@@ -167,7 +159,7 @@ class StateStore:
                 raise ForeignStateDir(f"the state directory {self.root} holds states of another model (fingerprint "
                                       f"{sorted(others)[0][:16]}), not this one ({self.fingerprint[:16]}); nothing in "
                                       "it was changed: give each model its own state directory")  # fmt: skip
-            records, sizes = self.files.recover(self.index)
+            records, sizes, self._lost = self.files.recover(self.index)
             self.usage.add_records(records, sizes)
             self._settle()
             self._pinned = self.index.pinned_blobs()
@@ -191,7 +183,7 @@ class StateStore:
 
     def list(self, owner: str) -> builtins.list[StateRecord]:
         """The owner's records, without token histories (`token_ids` is None; `get` has them)."""
-        recs = self.index.list(owner)
+        recs = [r for r in self.index.list(owner) if r.blob not in self._lost]
         for r in recs:
             r.tier = self.tier_of(r.blob)
         return recs
@@ -452,7 +444,7 @@ class StateStore:
     def _settle(self) -> None:
         """Evict internal states until they fit their budget and all files the quota."""
         for b in self.usage.excess(self._index_bytes()):
-            self._evict(b)
+            self._drop(b)  # (at a start on a full disk too)
 
     # --- tensors and tiers ---------------------------------------------------------------------
     def load(self, owner: str, handle: str) -> tuple[StateRecord, State]:
