@@ -1017,3 +1017,25 @@ def test_a_start_on_a_full_disk_that_must_drop_records_still_starts(model, tmp_p
         reopened.close()
     again = StateStore(root, model.spec, model.fingerprint, model.vocab_size)  # room again: the records are dropped
     assert [r.handle for r in again.list("u")] == [kept.handle] and not again.index.blob_records(gone.blob)
+
+
+def test_a_damaged_index_is_one_clear_error_at_open(model, tmp_path, capsys):
+    """Crash-safety hunt (session 47): with random bytes over the index's pages the server started healthy and every
+    GET /v1/states was a 500, and `wkvm states ls` a DatabaseError traceback."""
+    from wkvm import cli
+    from wkvm.state.index import IndexDamaged
+
+    root = tmp_path / "damaged"
+    store = StateStore(root, model.spec, model.fingerprint, model.vocab_size)
+    for i in range(3):
+        store.put("u", f"s{i}", random_state(model.spec, i), [1, 2, 3 + i])
+    store.close()
+    index = root / "index.sqlite"
+    data = bytearray(index.read_bytes())
+    data[4096:] = torch.randint(0, 256, (len(data) - 4096,), generator=torch.Generator().manual_seed(0),
+                                dtype=torch.uint8).numpy().tobytes()  # fmt: skip
+    index.write_bytes(bytes(data))
+    with pytest.raises(IndexDamaged, match="the state index .* is damaged .*restore the state directory"):
+        StateStore(root, model.spec, model.fingerprint, model.vocab_size)
+    assert cli.main(["states", "ls", "--state-dir", str(root)]) == 2
+    assert "is damaged" in capsys.readouterr().err

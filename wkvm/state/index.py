@@ -139,12 +139,28 @@ def unpack_ids(data: bytes) -> builtins.list[int]:
     return ids
 
 
+class IndexDamaged(ValueError):
+    """The state directory's index.sqlite is not a database SQLite can read whole (disk damage, a foreign file)."""
+
+
 class StateIndex:
     def __init__(self, path: Path):
         self.path = path
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
+        try:
+            self._open()
+        except sqlite3.DatabaseError as e:  # every read had been a 500 (the server started healthy), the CLI a
+            self._db.close()  # traceback (crash-safety hunt, session 47)
+            raise IndexDamaged(f"the state index {path} is damaged ({e}): restore the state directory from a backup, "
+                               "or move it away and start with an empty one") from None  # fmt: skip
+
+    def _open(self) -> None:
         with self._lock:
+            # a page-level check of the whole file (the index is small: a few ms a MB): damage shows at the start
+            problems = [r[0] for r in self._db.execute("PRAGMA quick_check").fetchall()]
+            if problems != ["ok"]:
+                raise sqlite3.DatabaseError(problems[0])
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute(f"PRAGMA wal_autocheckpoint={WAL_PAGES}")  # the WAL counts in the quota: keep it small
