@@ -282,3 +282,29 @@ def test_a_legacy_pth_loads_as_the_zip_one(tiny_pth, tmp_path):
     torch.save(torch.load(tiny_pth, weights_only=True), legacy, _use_new_zipfile_serialization=False)
     ids = [1, 2, 3]
     assert torch.equal(load_model(legacy).prefill(ids)[0], load_model(tiny_pth).prefill(ids)[0])
+
+
+class Payload:
+    """A pickle that would run a command when unpickled (it never is: wkvm loads tensors only)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_pth_with_code_is_refused_without_running_it_or_advising_the_unsafe_load(tiny_pth, tmp_path):
+    """Crash-safety hunt (session 47): the refusal repeated torch's advice to load with weights_only=False (its
+    reason sits in a later paragraph in this torch, not after "WeightsUnpickler error:")."""
+    marker = tmp_path / "ran"
+    for legacy in (False, True):
+        evil = tmp_path / f"evil{legacy}.pth"
+        torch.save({**torch.load(tiny_pth, weights_only=True), "x": Payload(marker)}, evil,
+                   _use_new_zipfile_serialization=not legacy)  # fmt: skip
+        with pytest.raises(CheckpointError, match="not a file of tensors alone") as e:
+            load_model(evil)
+        assert "weights_only" not in str(e.value) and "system" in str(e.value), str(e.value)
+    assert not marker.exists()

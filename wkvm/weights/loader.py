@@ -138,8 +138,12 @@ def unreadable(path: str | os.PathLike[str], what: str) -> Iterator[None]:
         yield
     except (RuntimeError, SafetensorError, pickle.UnpicklingError, EOFError, zipfile.BadZipFile) as e:
         reason = first_line(str(e) or type(e).__name__, 200)
-        if str(e).startswith("Weights only load failed"):  # torch's first line advises the unsafe load: not that
-            unpickler = str(e).split("WeightsUnpickler error:", 1)[-1].strip().split("\n", 1)[0].strip()
+        if str(e).startswith("Weights only load failed"):  # torch's first paragraph advises the unsafe load: not
+            # that; the reason is a later one ("WeightsUnpickler error: ..." or "Trying to load unsupported GLOBAL
+            # posix.system ...", by torch version), before its pointer to the documentation
+            paragraphs = [t.strip() for t in re.split(r"\n\s*\n", str(e))[1:] if t.strip()]
+            found = [t for t in paragraphs if not t.startswith(("Check the documentation", "Please file an issue"))]
+            unpickler = found[0].split("\n", 1)[0].removeprefix("WeightsUnpickler error:").strip() if found else ""
             reason = f"not a file of tensors alone ({unpickler or 'its pickle holds more'}; wkvm never unpickles code)"
         raise CheckpointError(f"{path} does not read as {what}: {reason}") from None
 
