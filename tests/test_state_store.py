@@ -1039,3 +1039,24 @@ def test_a_damaged_index_is_one_clear_error_at_open(model, tmp_path, capsys):
         StateStore(root, model.spec, model.fingerprint, model.vocab_size)
     assert cli.main(["states", "ls", "--state-dir", str(root)]) == 2
     assert "is damaged" in capsys.readouterr().err
+
+
+def test_import_refuses_metadata_no_checksum_covers(svc, model):
+    """Crash-safety hunt (session 47): a field the format does not have was taken silently (no digest covers it), and
+    an integer of 4,000 digits in op_params was stored."""
+    svc.store.put("t", "meta", model.prefill(PROMPT)[1], PROMPT)
+    data = svc.store.export_bytes("t", "meta@1")
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+
+    def rewritten(**fields):
+        md = {**header["__metadata__"], **fields}
+        md["lineage_sha256"] = lineage_digest(md)
+        raw = json.dumps({**header, "__metadata__": md}).encode()
+        return len(raw).to_bytes(8, "little") + raw + data[8 + n :]
+
+    assert svc.store.import_bytes("t", rewritten(), name="same").handle == "same@1"  # the rewriting itself is sound
+    with pytest.raises(StateFileError, match="unknown field 'zzz'"):
+        svc.store.import_bytes("t", rewritten(zzz="1"))
+    with pytest.raises(StateFileError, match="integer outside"):
+        svc.store.import_bytes("t", rewritten(op_params=json.dumps({"n": 10**4000})))

@@ -185,6 +185,11 @@ def metadata_in_order(data: bytes) -> bytes:
     return data[:8] + raw.ljust(n) + data[8 + n :] if len(raw) <= n else data  # padded as safetensors pads
 
 
+# every metadata field `encode` writes (files before lineage_sha256 lack that one): an import refuses any other
+META_KEYS = frozenset({"format", "family", "fingerprint", "spec_hash", "n_tokens", "token_ids", "token_digest", "name",
+                       "version", "parent", "op", "op_params", "created_at", "tensor_sha256", "lineage_sha256"})
+
+
 def decode(
     data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int | None = None, imported: bool = True
 ) -> tuple[State, StateMeta]:
@@ -197,6 +202,9 @@ def decode(
     md = metadata(data)
     if md.get("format") != FORMAT:
         raise StateFileError(f"format is {md.get('format')!r}, expected {FORMAT!r}")
+    if imported and (unknown := sorted(set(md) - META_KEYS)):  # no checksum covers them (hunt, session 47)
+        raise StateFileError(f"bad metadata: unknown field {unknown[0][:40]!r} (a state file carries only "
+                             f"{', '.join(sorted(META_KEYS))})")  # fmt: skip
     if md.get("family") != spec.family:
         raise StateFileError(f"the state is of model family {str(md.get('family'))[:40]!r}; the model here is "
                              f"{spec.family!r}")  # fmt: skip
@@ -241,7 +249,8 @@ def decode(
 
 def _check_lineage(meta: StateMeta) -> None:
     """A file's name, version, parent and op, as the store would have written them (a 17 MB name had been recorded as
-    the import's origin, and the re-export of that state did not import)."""
+    the import's origin, and the re-export of that state did not import). An empty name stays allowed: a chat
+    session's mirror copy (sessions.py) is written without one."""
     if meta.name:
         valid_name(meta.name)
     if not 0 <= meta.version <= MAX_VERSION:
@@ -425,6 +434,8 @@ def _check_nesting(value: object, depth: int) -> None:
     for text in (value, *value) if isinstance(value, dict) else (value,):
         if isinstance(text, str) and not _is_utf8(text):
             raise StateFileError("op_params holds a lone surrogate (text that is not UTF-8)")
+    if isinstance(value, int) and not -(2**63) <= value < 2**64:  # a 4,000-digit integer had been taken
+        raise StateFileError("op_params holds an integer outside -2^63..2^64-1")
     if isinstance(value, dict | list):
         if depth > MAX_OP_PARAMS_DEPTH:
             raise StateFileError(f"op_params is nested deeper than {MAX_OP_PARAMS_DEPTH} levels")
