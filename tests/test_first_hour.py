@@ -51,7 +51,7 @@ def test_a_negative_weight_cache_is_refused(tiny_pth):
     assert r.returncode == 2 and "weight_cache_layers must be >= 0" in r.stderr, r.stderr
     from wkvm.weights.loader import load_model
 
-    with pytest.raises(ValueError, match="weight_cache_layers must be >= 0"):
+    with pytest.raises(ValueError, match="weight_cache_layers must be an integer >= 0"):
         load_model(tiny_pth, weight_cache_layers=-1)
 
 
