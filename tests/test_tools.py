@@ -122,7 +122,9 @@ def test_bad_tool_requests_are_clear(client):
         (dict(tools=TOOLS, tool_choice={"type": "function", "function": "add"}), "tool_choice"),  # had been 500s
         (dict(tools=TOOLS, tool_choice={"type": "function", "function": None}), "tool_choice"),
         (dict(tool_choice="required"), "tool_choice"),
-        (dict(tools=[WEATHER, WEATHER]), "tools"),
+        (dict(tools=[WEATHER, WEATHER]), "tools[1].function.name"),  # which one (session 47)
+        (dict(tools=[{"type": "function", "function": {"name": "f", "description": 5}}]),
+         "tools[0].function.description"),
         (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "response_format"),
         # a schema the grammar cannot enforce, in a forced call: which tool's (it had said `tools`)
         (dict(tools=[WEATHER, NOT_TOOL], tool_choice="required"), "tools[1].function.parameters"),

@@ -116,6 +116,9 @@ def tool_mode(tools: list[Any] | None, choice: Any, parallel: bool | None, shape
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
             raise APIError(400, f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -",
                            f"tools[{i}].function.name", "invalid_value")  # fmt: skip
+        if fn.get("description") is not None and not isinstance(fn["description"], str):  # it went to the template
+            raise APIError(400, f"tools[{i}].function.description must be a string",
+                           f"tools[{i}].function.description", "invalid_value")  # fmt: skip
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object",
@@ -128,8 +131,11 @@ def tool_mode(tools: list[Any] | None, choice: Any, parallel: bool | None, shape
             check_schema(params, f"tools[{i}].function.parameters")
         checked.append(t)
     names = [t["function"]["name"] for t in checked]
-    if len(set(names)) != len(names):
-        raise APIError(400, "tools: function names must be distinct", "tools", "invalid_value")
+    if len(set(names)) != len(names):  # which one (it had said only "tools"; session 47)
+        i = next(i for i, n in enumerate(names) if n in names[:i])
+        first = names.index(names[i])
+        raise APIError(400, f"tools[{i}].function.name {names[i]!r} is the name of tools[{first}] too: function "
+                       "names must be distinct", f"tools[{i}].function.name", "invalid_value")  # fmt: skip
     if choice is None or choice in ("auto", "none", "required"):
         return ToolMode(checked, choice or "auto", None, parallel is not False, calls_in_text=not shaped)
     fn = choice.get("function") if isinstance(choice, dict) else None
