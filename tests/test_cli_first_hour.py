@@ -347,3 +347,30 @@ def test_ctrl_c_closed_pipes_and_bad_serve_settings_end_in_one_line(monkeypatch,
     for flags, says in cases:
         assert main(["serve", *flags]) == 2, flags
         assert says in capsys.readouterr().err, flags
+
+
+def test_a_second_ctrl_c_while_the_turn_is_saved_keeps_the_save_and_the_chat(tmp_path, capsys):
+    """Hunt (session 47): a Ctrl-C pressed just after the one that stopped the answer landed in the turn's bookkeeping
+    or save, raised KeyboardInterrupt there, left the chat and lost the turn's save."""
+    repl = chat(tmp_path, max_tokens=200)
+    repl.turn("Good morrow.")
+    repl.command("/fork tale")
+    assert repl.handle == "tale@1"
+    interrupt_at_step(repl, 3)  # the next answer is stopped
+    put = repl._put
+
+    def put_with_ctrl_c(name, op):
+        signal.raise_signal(signal.SIGINT)  # the second Ctrl-C, while the stopped answer is being saved
+        return put(name, op)
+
+    repl._put = put_with_ctrl_c
+    repl.run(["How now?", "Speak again.", "/quit"])
+    assert "(stopped: the answer so far is kept as this turn)" in capsys.readouterr().out
+    assert repl.handle == "tale@3" and [m["role"] for m in repl.messages] == ["user", "assistant"] * 3
+
+
+def test_a_message_that_begins_with_a_slash_is_sent_with_two(tmp_path, capsys):
+    """Hunt (session 47): "/etc/passwd is a file" was taken as a command (HELP printed) and could not be sent."""
+    repl = chat(tmp_path)
+    repl.run(["//etc is a folder", "/quit"])
+    assert repl.messages[0] == {"role": "user", "content": "/etc is a folder"} and len(repl.messages) == 2

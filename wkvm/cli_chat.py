@@ -32,7 +32,8 @@ OWNER = "local"
 LEAVE = ("/quit", "/exit", "quit", "exit")
 HELP = (
     "commands: /save NAME (bookmark this point), /fork NAME (save it and continue on NAME), /load NAME[@N], "
-    "/states, /reset, /quit (or quit, exit, Ctrl-D). Ctrl-C stops an answer and keeps what it said so far"
+    "/states, /reset, /quit (or quit, exit, Ctrl-D); // at the start sends a message that begins with /. Ctrl-C "
+    "stops an answer and keeps what it said so far"
 )
 
 
@@ -93,6 +94,12 @@ class ChatREPL:
         return f"[{self.handle or self.branch}] you> " if self.branch else "you> "
 
     def turn(self, text: str) -> str:
+        # a Ctrl-C outside the answer's streaming (its tokenizing, bookkeeping and save) does nothing: one pressed
+        # right after the first had left the chat and lost the turn's save (hunt, session 47)
+        with ctrl_c_sets(threading.Event()):
+            return self._turn(text)
+
+    def _turn(self, text: str) -> str:
         self.messages.append({"role": "user", "content": text})
         full = self.template.render(self.messages)
         state = self.state
@@ -189,13 +196,16 @@ class ChatREPL:
         try:
             for line in lines if lines is not None else self._typed():
                 line = line.strip()
-                if line.startswith("/") or line.lower() in LEAVE:
-                    if not self.command(line):
-                        break
-                elif line:
-                    self.turn(line)
-        except KeyboardInterrupt:  # outside an answer, e.g. while a prompt is tokenized
-            print()
+                try:
+                    if line.startswith("//"):  # a message that begins with "/" (it had been taken as a command)
+                        self.turn(line[1:])
+                    elif line.startswith("/") or line.lower() in LEAVE:
+                        if not self.command(line):
+                            break
+                    elif line:
+                        self.turn(line)
+                except KeyboardInterrupt:  # inside a command: back to the prompt, as at the prompt itself
+                    print("\n(interrupted; to leave: /quit, quit, exit or Ctrl-D)")
         finally:
             self.store.close()
 

@@ -88,8 +88,8 @@ def full_disk_is_an_answer(method: Callable[P, R]) -> Callable[P, R]:
         except (OSError, sqlite3.OperationalError) as e:
             if not is_disk_full(e):
                 raise
-            raise DiskFull("the server's disk for states is full, so nothing was stored: delete states you no longer "
-                           "need, or ask the server's operator to free space") from e  # fmt: skip
+            raise DiskFull("the disk that holds the states is full, so nothing was stored: delete states you no "
+                           "longer need, or free space on it") from e  # fmt: skip
 
     return wrapper
 
