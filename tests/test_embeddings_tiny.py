@@ -147,7 +147,8 @@ def test_an_abandoned_request_is_never_computed_and_the_queue_is_bounded(models,
         assert first.result().status_code == 200 and second.result().status_code == 200
         assert len(ran) == 2  # the abandoned one never ran
         assert [m["id"] for m in httpx.get(f"{s.url}/v1/models").json()["data"]] == [name]
-        assert httpx.get(f"{s.url}/v1/models/{name}").json()["dimensions"] == 32
+        card = httpx.get(f"{s.url}/v1/models/{name}").json()
+        assert card["dimensions"] == 32 and card["max_model_len"] == 32, card  # as /tokenize says (session 47)
         for missing in ("", "other"):
             r = httpx.get(f"{s.url}/v1/models/{missing}")
             assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
@@ -172,6 +173,9 @@ def test_tokenize_answers_for_the_embedding_model(models):
             assert "hello world" in text, text
             r = httpx.post(f"{s.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}], **named})
             assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+            if named:  # neither: "prompt", not "not chat messages" (hunt, session 47)
+                r = httpx.post(f"{s.url}/tokenize", json=named)
+                assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
         generative = httpx.post(f"{both.url}/tokenize", json={"prompt": "hello world"}, timeout=30).json()
         assert generative["tokens"] != want  # without the name: the generative model's, as before
 

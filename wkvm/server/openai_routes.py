@@ -331,7 +331,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         e = ctx.embedder
         return [] if e is None else [{"id": e.name, "object": "model", "created": int(ctx.started_at),
                                       "owned_by": "wkvm", "root": ctx.config.embeddings, "family": "embedding",
-                                      "dimensions": e.dimensions}]  # fmt: skip
+                                      "dimensions": e.dimensions, "max_model_len": e.max_tokens}]  # fmt: skip
 
     @r.get("/v1/models")
     def models() -> dict[str, Any]:

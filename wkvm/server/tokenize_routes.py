@@ -38,8 +38,11 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
     def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         embedder = embedder_asked(body.model)
         if embedder is not None:
-            if body.prompt is None or body.messages is not None:
+            if body.messages is not None:
                 raise APIError(400, "an embedding model takes a text (prompt), not chat messages", "messages",
+                               "invalid_value")  # fmt: skip
+            if body.prompt is None:  # it had said "not chat messages" where none were sent (hunt, session 47)
+                raise APIError(400, "give prompt: the text to tokenize as the embedding model does", "prompt",
                                "invalid_value")  # fmt: skip
             check_text(body.prompt, "prompt")
             ids = embedder.token_ids(body.prompt)  # as /v1/embeddings tokenizes (bounded by --max-body-bytes)
