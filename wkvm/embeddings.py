@@ -64,11 +64,9 @@ class EmbeddingModel:
         ids: list[int] = self.tokenizer((self.prompt or "") + text, add_special_tokens=True)["input_ids"]
         return ids
 
-    def embed(self, inputs: list[list[int]], prompted: bool = False,
-              stop: threading.Event | None = None) -> torch.Tensor:  # fmt: skip
-        """Token-id inputs (special tokens included, as `token_ids` gives them; `prompted`: each starts with the
-        model's prompt, as `token_ids` gives a text) -> [N, dimensions] fp32, batched; EmbeddingCancelled between
-        batches once `stop` is set."""
+    def check(self, inputs: list[list[int]]) -> None:
+        """EmbeddingInputError for an empty input, one longer than the model takes, or an id outside its vocabulary
+        (the route checks token-id inputs with it before they queue: behind a long queue their 400 had waited)."""
         for i, ids in enumerate(inputs):
             if not ids:
                 raise EmbeddingInputError(f"input {i} is empty")
@@ -79,6 +77,13 @@ class EmbeddingModel:
             if bad is not None:
                 raise EmbeddingInputError(f"input {i}: token id {bad} is outside the vocabulary "
                                           f"0..{self.vocab_size - 1}")  # fmt: skip
+
+    def embed(self, inputs: list[list[int]], prompted: bool = False,
+              stop: threading.Event | None = None) -> torch.Tensor:  # fmt: skip
+        """Token-id inputs (special tokens included, as `token_ids` gives them; `prompted`: each starts with the
+        model's prompt, as `token_ids` gives a text) -> [N, dimensions] fp32, batched; EmbeddingCancelled between
+        batches once `stop` is set."""
+        self.check(inputs)
         prompt_length = self.prompt_length if prompted else None
         out = []
         for i in range(0, len(inputs), BATCH):

@@ -52,6 +52,11 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
                     raise APIError(400, f"input {i} is an empty string (as OpenAI, nothing to embed)", "input",
                                    "invalid_value")  # fmt: skip
 
+        ids_given = [t for t in texts if not isinstance(t, str)]
+        try:  # token ids are checked before they queue (their 400 had waited behind the queue; session 47)
+            model.check(ids_given)
+        except EmbeddingInputError as e:
+            raise APIError(400, str(e), "input", "invalid_value") from None
         if model.waiting >= ctx.config.max_queue:  # the model's queue had no bound (the generative one's has)
             raise QueueFull(f"{model.waiting} embedding requests are waiting (--max-queue {ctx.config.max_queue}); "
                             "retry shortly")  # fmt: skip
