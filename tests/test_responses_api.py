@@ -297,6 +297,9 @@ def test_json_schema_format(server):
     ({"input": [{"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{x"},
                 {"type": "function_call_output", "call_id": "c1", "output": "x"}], "tools": [WEATHER]},
      "input[0].arguments"),  # it had named the chat's messages[1].tool_calls[0].function.arguments (session 47)
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "[" * 100_000},
+                {"type": "function_call_output", "call_id": "c1", "output": "x"}], "tools": [WEATHER]},
+     "input[0].arguments"),  # too deep for the JSON parser: a 500 (review, session 47)
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input[0].content[0].text"),
 ])  # fmt: skip
 def test_bad_requests_are_400s_naming_the_field(server, body, param):

@@ -1016,7 +1016,7 @@ def test_a_start_on_a_full_disk_that_must_drop_records_still_starts(model, tmp_p
         assert reopened.load("u", kept.handle)[0].blob == kept.blob
         reopened.close()
     again = StateStore(root, model.spec, model.fingerprint, model.vocab_size)  # room again: the records are dropped
-    assert [r.handle for r in again.list("u")] == [kept.handle] and not again.index.blob_records(gone.blob)
+    assert [r.handle for r in again.list("u")] == [kept.handle] and not again.index.blob_record_owners(gone.blob)
 
 
 def test_a_damaged_index_is_one_clear_error_at_open(model, tmp_path, capsys):
@@ -1060,3 +1060,47 @@ def test_import_refuses_metadata_no_checksum_covers(svc, model):
         svc.store.import_bytes("t", rewritten(zzz="1"))
     with pytest.raises(StateFileError, match="integer outside"):
         svc.store.import_bytes("t", rewritten(op_params=json.dumps({"n": 10**4000})))
+
+
+def test_a_full_index_never_hides_or_breaks_what_users_keep(model, tmp_path, monkeypatch):
+    """Review of session 47's full-disk handling: a user's delete failed (413) where a checkpoint shared the state's
+    file, and a delete whose second commit failed too left a listed record without its file (a 500 on load); a
+    checkpoint dropped on a full disk hid a user's later save of the same tensors; a save whose write-back evictions
+    the index refused was answered 413 although stored, leaving a checkpoint without a file; a failed check-cache
+    write orphaned the state's file."""
+    one = model.spec.nbytes
+    store = StateStore(tmp_path / "s", model.spec, model.fingerprint, model.vocab_size,
+                       limits=StoreLimits(device_bytes=one, host_bytes=one))  # fmt: skip
+    state = random_state(model.spec, 1)
+
+    def full(*args, **kwargs):
+        raise disk_full_error()
+
+    store.put("#ckpt", "turn", state, [1, 2, 3], durable=False)  # a checkpoint and a user's save share a file
+    saved = store.put("", "saved", state, [1, 2, 3])
+    with monkeypatch.context() as m:
+        m.setattr(store.index, "delete", full)  # neither commit goes through
+        store.delete("", saved.handle)
+        assert store.list("") == [] and not store.has("", saved.handle)
+        with pytest.raises(StateNotFound):
+            store.load("#ckpt", "turn@1")  # its file went with the user's
+    again = store.put("", "again", state, [1, 2, 3])  # the same tensors saved again: the blob shows again
+    assert store.load("", again.handle)[0].blob == saved.blob
+
+    with monkeypatch.context() as m:
+        m.setattr(store.index, "set_checked", full)  # a cache: its write failing loses nothing
+        kept = store.put("u", "kept", random_state(model.spec, 2), [4, 5, 6])
+    assert store.load("u", kept.handle)[0].blob == kept.blob
+
+    ckpt = store.put("t#ckpt", "c", random_state(model.spec, 3), [7, 8], durable=False)
+    with monkeypatch.context() as m:
+        m.setattr(store.usage, "internal_room", lambda *a: None)  # no room: the checkpoint leaving RAM is dropped,
+        m.setattr(store.index, "delete_blob_records", full)  # and the index cannot delete its records
+        for i in range(2):
+            store.put("u", f"push{i}", random_state(model.spec, 10 + i), [9, i])  # stored and answered
+    with pytest.raises(StateNotFound):  # not a record whose file is missing (FileNotFoundError: a 500)
+        store.load("t#ckpt", ckpt.handle)
+    store.close()
+    reopened = StateStore(tmp_path / "s", model.spec, model.fingerprint, model.vocab_size)
+    assert sorted(r.handle for r in reopened.list("u")) == ["kept@1", "push0@1", "push1@1"]
+    assert [r.handle for r in reopened.list("")] == ["again@1"]

@@ -109,6 +109,9 @@ def test_a_tool_result_goes_back_through_the_template(client):
     assert again.choices[0].finish_reason in ("stop", "length") and not again.choices[0].message.tool_calls
 
 
+DEEP: dict = {}
+for _ in range(100):  # a schema ~100 levels deep (the body parser takes it; the meta-schema check recursed out)
+    DEEP = {"a": {"type": "object", "properties": DEEP}}
 TYPO_TOOL = {"type": "function", "function": {"name": "typo", "parameters": {
     "type": "object", "properties": {"a": {"type": "strin"}}}}}  # fmt: skip
 NOT_TOOL = {"type": "function", "function": {"name": "odd", "parameters": {
@@ -130,6 +133,12 @@ def test_bad_tool_requests_are_clear(client):
         (dict(tools=[WEATHER, NOT_TOOL], tool_choice="required"), "tools[1].function.parameters"),
         (dict(tools=[WEATHER, NOT_TOOL], tool_choice={"type": "function", "function": {"name": "odd"}}),
          "tools[1].function.parameters"),
+        # these had been 500s (review, session 47): an unhashable $schema, a schema nested too deep to check
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "$schema": {}}}}]),
+         "tools[0].function.parameters"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                                "properties": DEEP}}}]),
+         "tools[0].function.parameters"),
         # no valid JSON Schema, whatever the tool_choice: under auto (not compiled) these had been taken (hunt,
         # session 47; OpenAI refuses them)
         (dict(tools=[WEATHER, TYPO_TOOL]), "tools[1].function.parameters"),
@@ -147,7 +156,8 @@ def test_bad_tool_requests_are_clear(client):
     for call, param in (({"id": "c1", "type": "function"}, ".function"), ({"id": "c1", "function": "f"}, ".function"),
                         ({"id": "c1", "function": {"arguments": "{}"}}, ".function.name"),
                         ({"id": "c1", "function": {"name": "f", "arguments": 5}}, ".function.arguments"),
-                        ({"id": "c1", "type": "custom", "function": {"name": "f"}}, ".type"), ({"id": 7}, ".id")):
+                        ({"id": "c1", "type": "custom", "function": {"name": "f"}}, ".type"), ({"id": 7}, ".id"),
+                        ({"id": "c1", "function": {"name": "f", "arguments": "[" * 100_000}}, ".function.arguments")):
         history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
                          {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
         with pytest.raises(openai.BadRequestError) as e:

@@ -602,7 +602,7 @@ def check_tool_call(call: dict[str, Any], where: str) -> None:
     if isinstance(arguments, str) and arguments.strip():  # not JSON: the template had shown the model `null`
         try:
             json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # "[" * 100000: too deep for the parser, a 500 before (session 47)
             raise APIError(400, f"{where}.function.arguments is not JSON: send the call's arguments as the JSON text "
                            "the model wrote (e.g. '{\"city\": \"Paris\"}')", f"{where}.function.arguments",
                            "invalid_value") from None  # fmt: skip
@@ -616,7 +616,7 @@ def chat_messages(messages: list[ChatMessage], functions: list[Any] | None = Non
     unnamed = False  # a call without an id was seen: tool messages cannot be matched, so they are not checked
     pending: dict[str, int] = {}  # the last calls' ids not answered yet -> the message that made them
     for i, m in enumerate(messages):
-        if pending and m.role != "tool":
+        if pending and m.role != "tool" and not unnamed:  # (a call without an id: tool messages cannot be matched)
             unanswered(pending)
         if m.role not in CHAT_ROLES:
             raise APIError(400, f"messages[{i}].role {m.role!r} is not supported; use one of {list(CHAT_ROLES)}",

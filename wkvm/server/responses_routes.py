@@ -274,7 +274,7 @@ def input_messages(value: str | list[dict[str, Any]] | None) -> list[dict[str, A
                                "invalid_value")  # fmt: skip
             try:  # here, by its own name: the chat's check named messages[i].tool_calls[j] (tools hunt, session 47)
                 json.loads(arguments) if arguments.strip() else None
-            except ValueError:
+            except (ValueError, RecursionError):  # "[" * 100000: too deep for the parser, a 500 before
                 raise APIError(400, f"{where}.arguments is not JSON: send the call's arguments as the JSON text the "
                                "model wrote (e.g. '{\"city\": \"Paris\"}')", f"{where}.arguments",
                                "invalid_value") from None  # fmt: skip

@@ -153,6 +153,7 @@ class BlobFiles:
                     if not is_disk_full(full):
                         raise
                     lost.add(blob)
+                    self.remove(blob)  # a file that failed its check: the room it takes is what a full disk needs
                     log.error("state blob %s unusable (%s); its records stay until a start with free disk space "
                               "(they read as not found)", blob[:12], e)  # fmt: skip
                     continue

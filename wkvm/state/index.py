@@ -140,7 +140,12 @@ def unpack_ids(data: bytes) -> builtins.list[int]:
 
 
 class IndexDamaged(ValueError):
-    """The state directory's index.sqlite is not a database SQLite can read whole (disk damage, a foreign file)."""
+    """The state directory's index.sqlite cannot be opened: not a database SQLite can read whole (disk damage, a
+    foreign file), or a disk with no room to open it."""
+
+
+class Damaged(sqlite3.DatabaseError):
+    """What PRAGMA quick_check found."""
 
 
 class StateIndex:
@@ -152,15 +157,20 @@ class StateIndex:
             self._open()
         except sqlite3.DatabaseError as e:  # every read had been a 500 (the server started healthy), the CLI a
             self._db.close()  # traceback (crash-safety hunt, session 47)
-            raise IndexDamaged(f"the state index {path} is damaged ({e}): restore the state directory from a backup, "
-                               "or move it away and start with an empty one") from None  # fmt: skip
+            code = (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF
+            if isinstance(e, Damaged) or code in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
+                raise IndexDamaged(f"the state index {path} is damaged ({e}): restore the state directory from a "
+                                   "backup, or move it away and start with an empty one") from None  # fmt: skip
+            # a full disk or an I/O error: the file may be sound (opening it in WAL mode needs room)
+            raise IndexDamaged(f"the state index {path} cannot be opened ({e}): free disk space (or mend the file "
+                               "system) and start again; nothing in the directory was changed") from None  # fmt: skip
 
     def _open(self) -> None:
         with self._lock:
             # a page-level check of the whole file (the index is small: a few ms a MB): damage shows at the start
             problems = [r[0] for r in self._db.execute("PRAGMA quick_check").fetchall()]
             if problems != ["ok"]:
-                raise sqlite3.DatabaseError(problems[0])
+                raise Damaged(problems[0])
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute(f"PRAGMA wal_autocheckpoint={WAL_PAGES}")  # the WAL counts in the quota: keep it small
@@ -346,10 +356,10 @@ class StateIndex:
             count: int = self._db.execute("SELECT COUNT(*) FROM states WHERE blob = ?", (blob,)).fetchone()[0]
             return count
 
-    def blob_records(self, blob: str) -> int:
-        """How many records hold `blob` (forks share one)."""
+    def blob_record_owners(self, blob: str) -> builtins.list[str]:
+        """The owner of each record that holds `blob` (one entry per record)."""
         with self._lock:
-            return int(self._db.execute("SELECT COUNT(*) FROM states WHERE blob = ?", (blob,)).fetchone()[0])
+            return [r[0] for r in self._db.execute("SELECT owner FROM states WHERE blob = ?", (blob,))]
 
     def blob_owners(self, blob: str) -> set[str]:
         with self._lock:

@@ -14,6 +14,7 @@ later; neither ever raises QuotaExceeded.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import functools
 import logging
 import sqlite3
@@ -135,6 +136,7 @@ class StateStore:
         self.usage = DiskUsage(self.limits.disk_bytes, self.limits.internal_bytes)
         self._unwritten: dict[str, tuple[State, StateMeta]] = {}  # write-back states not on disk yet
         self._lost: set[str] = set()  # blobs gone whose records a full disk kept the index from deleting
+        self._deletes: list[tuple[str, str, int]] = []  # records deleted whose commit a full disk refused
         # told (owner, handle) of each internal record the store evicts, under the store's lock: it must not block
         self.on_evict: Callable[[str, str], None] | None = None
         self.internal_not_kept = 0  # internal states (checkpoints, parked chats) put but not kept: /metrics
@@ -171,19 +173,21 @@ class StateStore:
 
     def has(self, owner: str, handle: str) -> bool:
         name, version = parse_handle(handle)
-        return self.index.get(owner, name, version, False) is not None
+        rec = self.index.get(owner, name, version, False)
+        return rec is not None and rec.blob not in self._lost and (owner, rec.name, rec.version) not in self._deletes
 
     def _record(self, owner: str, handle: str, with_ids: bool) -> StateRecord:
         name, version = parse_handle(handle)
         rec = self.index.get(owner, name, version, with_ids)
-        if rec is None or rec.blob in self._lost:
+        if rec is None or rec.blob in self._lost or (owner, rec.name, rec.version) in self._deletes:
             raise StateNotFound(f"state {handle[:160]!r} not found")
         rec.tier = self.tier_of(rec.blob)
         return rec
 
     def list(self, owner: str) -> builtins.list[StateRecord]:
         """The owner's records, without token histories (`token_ids` is None; `get` has them)."""
-        recs = [r for r in self.index.list(owner) if r.blob not in self._lost]
+        recs = [r for r in self.index.list(owner)
+                if r.blob not in self._lost and (owner, r.name, r.version) not in self._deletes]  # fmt: skip
         for r in recs:
             r.tier = self.tier_of(r.blob)
         return recs
@@ -274,6 +278,8 @@ class StateStore:
                     self._not_kept(len(ids), "the disk is full")
                     return None
                 raise
+            self._lost.discard(blob)  # its file is back: records of it dropped on a full disk may show again
+            self._retry_deletes()  # the index has room again
             self._cache(blob, tensors, "device")
             if not self.usage.known(blob):  # an internal state evicted while the tiers made room
                 self._not_kept(len(ids), "it is larger than the state tiers hold (--state-device-bytes, "
@@ -346,8 +352,9 @@ class StateStore:
             self.files.write(blob, data, durable=True)
         elif new:  # a write-back file becomes a user's: make it durable now
             self.files.make_durable(blob)
-        if new:  # fsynced: a restart need not read it back
-            self.index.set_checked(blob, self.files.stat_key(blob))
+        if new:  # fsynced: a restart need not read it back (a cache: a full index only costs that read)
+            with contextlib.suppress(sqlite3.OperationalError):
+                self.index.set_checked(blob, self.files.stat_key(blob))
         self.usage.add_user(blob, size)
 
     def check_room(self, owner: str, n_tokens: int = 0) -> None:
@@ -386,13 +393,22 @@ class StateStore:
             try:
                 self.index.delete(owner, rec.name, rec.version, durable)
             except sqlite3.OperationalError as e:
-                # a full disk must not keep a user from freeing it: remove the file first where only this record
-                # holds it, then commit (a crash between leaves a record without its file, which the next start
-                # drops: the delete done either way)
-                if not is_disk_full(e) or self.index.blob_records(rec.blob) != 1:
+                # a full disk must not keep a user from freeing it: where no other user's record holds the file
+                # (internal ones are a cache), it goes first and its records read as not found; then the commit is
+                # tried again, and if even that fails the delete stands: the next start drops the records, whose
+                # file is gone (as after a crash between the two)
+                others = self.index.blob_record_owners(rec.blob)
+                others.remove(owner)
+                if not is_disk_full(e) or not all(is_internal(o) for o in others):
                     raise
                 self._remove_blob(rec.blob)
-                self.index.delete(owner, rec.name, rec.version, durable)
+                self._lost.add(rec.blob)
+                try:
+                    self.index.delete(owner, rec.name, rec.version, durable)
+                except sqlite3.OperationalError:  # hidden, and deleted at the next commit that goes through (the
+                    self._deletes.append((owner, rec.name, rec.version))  # same tensors saved again must not
+                self._pinned = self.index.pinned_blobs() - self._lost  # bring it back)
+                return
             owners = self.index.blob_owners(rec.blob)
             if not owners:
                 self._remove_blob(rec.blob)
@@ -400,6 +416,15 @@ class StateStore:
                 self.usage.add_internal(rec.blob, self.usage.user[rec.blob], on_disk=True)  # now a cache entry
                 self._settle()
             self._pinned = self.index.pinned_blobs()
+
+    def _retry_deletes(self) -> None:
+        """Commit the deletes a full disk had refused (their records are hidden until then)."""
+        while self._deletes:
+            try:
+                self.index.delete(*self._deletes[0])
+            except sqlite3.OperationalError:
+                return
+            self._deletes.pop(0)
 
     def discard(self, owner: str, handle: str, durable: bool = True) -> bool:
         """Delete if present; True when something was deleted."""
@@ -505,10 +530,10 @@ class StateStore:
         data = statefile.encode(self.spec, *pending, digest=blob_digest(blob))
         victims = self.usage.internal_room(blob, len(data), len(data), self._index_bytes())
         if victims is None or (victims and not make_room):
-            self._evict(blob)
+            self._drop(blob)  # (its records may not be deletable now: a full disk)
             return
         for b in victims:
-            self._evict(b)
+            self._drop(b)
         try:
             self.files.write(blob, data, durable=False)
         except OSError as e:  # a full disk: the entry is dropped; it had failed the user's save that pushed it out
@@ -594,6 +619,7 @@ class StateStore:
                     self._spill(blob, make_room=False)
                 except (OSError, sqlite3.Error) as e:  # one that cannot be written must not keep the index open
                     log.warning("internal state %s not written back at shutdown: %s", blob[:12], e)
+            self._retry_deletes()
         self.index.close()
         key, self._dir_key = self._dir_key, None  # a second close must not let go of another opener's hold
         if key is not None:
