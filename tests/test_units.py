@@ -517,3 +517,15 @@ def test_atomic_writes_use_a_fresh_temp_file_each(tmp_path):
         b.write_bytes(b"b")
     assert target.read_bytes() == b"a" and not outside.exists()  # the outer write replaced last
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["f.bin", planted.name])
+
+
+def test_mutation_params_hold_what_a_state_file_may():
+    """Review (session 47): an integer beyond 64 bits in a mutation's params was recorded in the new state's
+    op_params, whose export then did not import (an import refuses them)."""
+    import pydantic
+
+    from wkvm.server.schemas import MutateRequest
+
+    assert MutateRequest(rule="x", params={"n": 2**63, "b": True, "s": "a"}).params == {"n": 2**63, "b": True, "s": "a"}
+    with pytest.raises(pydantic.ValidationError):
+        MutateRequest(rule="x", params={"n": 10**4000})

@@ -250,7 +250,10 @@ class StateGenerateRequest(SamplingFields):
     suffix: str | None = None
 
 
-ParamValue = Annotated[str, Field(max_length=MAX_TEXT_FIELD)] | int | float | bool | None
+# an integer as a state file's op_params may hold it (statefile: a larger one was stored and its export then did not
+# import; review, session 47)
+ParamValue = (Annotated[str, Field(max_length=MAX_TEXT_FIELD)] | Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
+              | float | bool | None)  # fmt: skip
 
 
 class MutateRequest(RequestBody):
