@@ -395,8 +395,9 @@ class StateStore:
             except sqlite3.OperationalError as e:
                 # a full disk must not keep a user from freeing it: where no other user's record holds the file
                 # (internal ones are a cache), it goes first and its records read as not found; then the commit is
-                # tried again, and if even that fails the delete stands: the next start drops the records, whose
-                # file is gone (as after a crash between the two)
+                # tried again, and if even that fails the record stays hidden until a later commit goes through
+                # (`_retry_deletes`: the same tensors saved again must not bring it back) or the next start drops
+                # it, its file gone (as after a crash between the two)
                 others = self.index.blob_record_owners(rec.blob)
                 others.remove(owner)
                 if not is_disk_full(e) or not all(is_internal(o) for o in others):
@@ -405,9 +406,9 @@ class StateStore:
                 self._lost.add(rec.blob)
                 try:
                     self.index.delete(owner, rec.name, rec.version, durable)
-                except sqlite3.OperationalError:  # hidden, and deleted at the next commit that goes through (the
-                    self._deletes.append((owner, rec.name, rec.version))  # same tensors saved again must not
-                self._pinned = self.index.pinned_blobs() - self._lost  # bring it back)
+                except sqlite3.OperationalError:
+                    self._deletes.append((owner, rec.name, rec.version))
+                self._pinned = self.index.pinned_blobs() - self._lost
                 return
             owners = self.index.blob_owners(rec.blob)
             if not owners:
