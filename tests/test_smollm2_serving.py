@@ -71,6 +71,23 @@ def test_durable_state_continues_exactly(server):
     assert kv < exported < kv + (16 << 10)  # and values, and a header: only the used tokens travel
 
 
+def test_a_chat_from_a_saved_chat_state_is_the_conversation_continued(server):
+    """Hunt (session 47): `state` on a chat rendered its messages alone after the saved turn: SmolLM2's default system
+    prompt a second time mid-conversation and no line break after the answer's <|im_end|>, so another context and
+    another answer than the whole conversation's."""
+    c = httpx.Client(base_url=server.url, timeout=120)
+    body = {"max_tokens": 24, "temperature": 0, "return_token_ids": True}
+    first = c.post("/v1/chat/completions", json={"messages": FRANCE, "save_state": "paris", **body}).json()
+    answer = first["choices"][0]["message"]["content"]
+    more = [{"role": "user", "content": "And of Italy?"}]
+    whole = c.post("/v1/chat/completions", json={"messages": [*FRANCE, {"role": "assistant", "content": answer},
+                                                              *more], "user": scope(), **body}).json()  # fmt: skip
+    went_on = c.post("/v1/chat/completions", json={"messages": more, "state": "paris", **body}).json()
+    held = first["state"]["n_tokens"]
+    assert whole["prompt_token_ids"][held:] == went_on["prompt_token_ids"], (whole, went_on)
+    assert went_on["choices"][0]["token_ids"] == whole["choices"][0]["token_ids"]
+
+
 def test_chat_continuity_reuses_every_earlier_token(client):
     user, messages = scope(), list(FRANCE)
     first = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0, user=user)

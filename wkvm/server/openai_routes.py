@@ -475,6 +475,11 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
             raise
     await gen.check_grammar(ctx, sp, "tools" if mode is not None and mode.forced else None)
     params = gen.per_choice(sp, body.n)
+    if body.state and not body.continue_final_message:  # the messages continue the conversation the state holds
+        tools = mode.tools if mode else None
+        after: str | None = await run_in_threadpool(turn_after_state, ctx, tenant, body.state, messages, tools,
+                                                    body.add_generation_prompt, body.chat_template_kwargs)  # fmt: skip
+        text = text if after is None else after
     prompt_ids = await gen.encode_prompt_off_loop(ctx, text, "messages", body.truncate_prompt_tokens,
                                                   starts=body.add_special_tokens and not body.state)  # fmt: skip
     system = system_prefix(ctx, messages, text, prompt_ids, mode.tools if mode else None, body.chat_template_kwargs)
@@ -545,6 +550,38 @@ def refuse_request_template(template: str | None) -> None:
     if template is not None:
         raise APIError(400, "chat_template: this server renders chats with the model's own template only (a request's "
                        "template would run its Jinja here); leave it out", "chat_template", "unsupported")  # fmt: skip
+
+
+# an exchange rendered before a chat's messages when they continue a stored state (private-use characters: no
+# template or message holds them)
+STATE_TURN = ({"role": "user", "content": "\ue000wkvm-ask\ue001"},
+              {"role": "assistant", "content": "\ue000wkvm-answer\ue001"})  # fmt: skip
+
+
+def turn_after_state(ctx: ServerContext, tenant: str, handle: str, messages: list[dict[str, Any]],
+                     tools: list[dict[str, Any]] | None, add_generation_prompt: bool,
+                     variables: dict[str, Any] | None) -> str | None:  # fmt: skip
+    """The prompt text of a chat whose `state` holds the conversation so far: the template's rendering of an exchange
+    then `messages`, from just after that exchange's answer (its end-of-turn marks, less the state's pending last
+    token where that is one of them, then the new turn), as the whole conversation rendered at once continues. The
+    messages had been rendered alone: a second system prompt mid-conversation (SmolLM2's default one) and no line
+    break after the answer's <|im_end|> (hunt, session 47). None where the template does not show the answer as it
+    is, or the handle names no state here (the request's own lookup then answers the 404)."""
+    try:
+        rec = ctx.store.get(tenant, handle)
+    except (StateNotFound, ValueError):
+        return None
+    answer = STATE_TURN[1]["content"]
+    try:
+        full = render_chat(ctx, [*STATE_TURN, *messages], tools, add_generation_prompt, False, variables)
+    except APIError:
+        return None
+    at = full.find(answer)
+    if at < 0:
+        return None
+    rest = full[at + len(answer) :]
+    last = ctx.tokenizer.decode(rec.token_ids[-1:]) if rec.token_ids else ""
+    return rest[len(last) :] if last and rest.startswith(last) else rest
 
 
 def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
