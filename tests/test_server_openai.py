@@ -421,6 +421,25 @@ def test_disconnect_mid_stream_frees_slot(world_pth):
         assert metrics[("wkvm_e2e_request_latency_seconds_count", ())] == 1
 
 
+def test_a_client_gone_while_an_n_gt_1_request_waits_for_its_shared_prefill_cancels_it(world_pth):
+    """Streaming hunt (session 47): an n > 1 request waits for its shared prefill (queued, then the whole prompt)
+    before its handles exist, and a client that left meanwhile had left it to run to the end (7 s of a 3,000-token
+    prompt on SmolLM2)."""
+    import time
+
+    with LiveServer(model=str(world_pth), slots=2, prefill_chunk=8) as server:
+        engine = server.ctx.client.engine
+        step = engine.step
+        engine.step = lambda: time.sleep(0.05) or step()  # a slow prefill: 8 tokens a step, 20 steps a second
+        body = {"prompt": "To be, or not to be: that is the question. " * 200, "n": 2, "max_tokens": 4}
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up during the shared prefill (~15 s of it)
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.0)
+        deadline = time.monotonic() + 3
+        while (engine.scheduler.running or engine.scheduler.waiting) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.scheduler.running and not engine.scheduler.waiting  # cancelled, not run to the end
+
+
 def scrape(server) -> dict[tuple[str, tuple], float]:
     """Every sample of /metrics: (name, sorted labels) -> value."""
     text = httpx.get(f"{server.url}/metrics").text

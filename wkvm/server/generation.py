@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import copy
 import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
@@ -29,6 +30,8 @@ from wkvm.server.asgi import ARRIVED
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError
 from wkvm.server.schemas import SamplingFields
+
+T = TypeVar("T")
 
 DEFAULT_CHAT_MAX_TOKENS = 1024
 
@@ -245,6 +248,21 @@ def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
         p.seed = (params.seed + i) % (2**64)
         out.append(p)
     return out
+
+
+async def unless_gone(request: Request, started: Awaitable[T], poll: float = 0.2) -> T:
+    """`started`, cancelled if the client leaves first (a 499): an n > 1 request waits for its shared prefill (queued,
+    then the whole prompt) before its handles exist for `Watch`, and a client gone meanwhile had left it to run to
+    the end (7 s of a 3,000-token prompt; streaming hunt, session 47). The prefill's own `finally` frees its slot."""
+    task = asyncio.ensure_future(started)
+    while not (await asyncio.wait({task}, timeout=poll))[0]:
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise APIError(499, "the client closed the connection before its request started", None,
+                           "client_closed_request")  # fmt: skip
+    return task.result()
 
 
 class Watch:

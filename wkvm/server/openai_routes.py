@@ -383,7 +383,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             runs = await resume_runs(ctx, tenant, encoded, body, params, None, moved)
             rid, created = moved[1].id, moved[1].created
         else:
-            runs = await start_all(ctx, tenant, encoded, body, params)
+            runs = await gen.unless_gone(request, start_all(ctx, tenant, encoded, body, params))
             rid, created = gen.new_id("cmpl"), int(time.time())
         handles = [h for _, hs in runs for h in hs]
         prompt_tokens = sum(len(ids) for ids in encoded)
@@ -489,7 +489,7 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
         ((plan, handles),) = await resume_runs(ctx, tenant, [prompt_ids], body, params, chat, moved)
         rid, created = moved[1].id, moved[1].created
     else:
-        ((plan, handles),) = await start_all(ctx, tenant, [prompt_ids], body, params, chat)
+        ((plan, handles),) = await gen.unless_gone(request, start_all(ctx, tenant, [prompt_ids], body, params, chat))
         rid, created = gen.new_id("chatcmpl"), int(time.time())
     base = {"id": rid, "created": created, "model": ctx.model_name}
     live = live_stream(tenant, body, [(plan, handles)], rid, created, moved)
