@@ -84,7 +84,8 @@ def test_states_through_the_cli_on_a_directory(tmp_path, tiny_pth, capsys, monke
     assert main(["states", "show", "nosuch", *base[1:]]) == 2
     assert capsys.readouterr().err == "wkvm states: state 'nosuch' not found\n"  # no class name ("StateNotFound: ")
     assert main(["states", "export", "demo", str(tmp_path), *base[1:]]) == 2  # a directory: one line saying so
-    assert f"{tmp_path} is a directory: give the file to write" in capsys.readouterr().err
+    assert f"{tmp_path} is a directory: give the file to write (e.g. {tmp_path / 'NAME.wkvm-state'})" in \
+        capsys.readouterr().err  # (it had suggested DIR//NAME.state)
     for action in ("show", "rm", "export"):  # a name no state can have is invalid, not "not found"
         assert main(["states", action, "../etc", *base[1:], *(["x.st"] if action == "export" else [])]) == 2
         assert "invalid state name '../etc'" in capsys.readouterr().err, action
@@ -92,6 +93,10 @@ def test_states_through_the_cli_on_a_directory(tmp_path, tiny_pth, capsys, monke
     capsys.readouterr()
     assert main(["states", "ls", *base[1:], "--json"]) == 0
     assert [s["handle"] for s in json.loads(capsys.readouterr().out)] == ["copy@1", "piped@1"]
+    # another owner's listing that is empty says whose states the directory holds (a server's are `anonymous`'s:
+    # `local`'s listing had printed nothing; hunt, session 47)
+    assert main(["states", "ls", *base[1:], "--owner", "anonymous"]) == 0
+    assert "this directory holds states of: local (2): give --owner" in capsys.readouterr().err
 
 
 def test_a_state_directory_of_another_model_is_refused_not_emptied(tmp_path, tiny_pth, capsys):

@@ -91,6 +91,16 @@ class DirStates:
     def ls(self) -> list[dict[str, Any]]:
         return [self._info(r) for r in self.store.list(self.owner)]
 
+    def other_owners(self) -> dict[str, int]:
+        """The directory's other owners (not internal ones) and how many states each has."""
+        from wkvm.state.quota import is_internal
+
+        counts: dict[str, int] = {}
+        for r in self.store.index.list():
+            if r.owner != self.owner and not is_internal(r.owner):
+                counts[r.owner] = counts.get(r.owner, 0) + 1
+        return counts
+
     def show(self, handle: str) -> dict[str, Any]:
         return self._info(self.store.get(self.owner, checked(handle)))  # '../x' is invalid, not "not found"
 
@@ -152,10 +162,16 @@ def run(args: argparse.Namespace) -> int:
         for r in [] if args.json else rows:
             pinned = "pinned" if r["pinned"] else ""
             print(f"{r['handle']:32} {r['n_tokens']:7} tokens  {r['op']:9} {r['tier']:6} {pinned}")
+        others = backend.other_owners() if not rows and isinstance(backend, DirStates) else {}
+        if others:  # a server's directory listed as `local`'s printed nothing, with no hint why (hunt, session 47)
+            held = ", ".join(f"{o or '(empty)'} ({n})" for o, n in sorted(others.items()))
+            print(f"(no states of owner {args.owner!r} here; this directory holds states of: {held}: give --owner)",
+                  file=sys.stderr)  # fmt: skip
         return 0
     if args.action == "export":
         if Path(args.args[1]).is_dir():  # before the state is read; the rename's "[Errno 21]" line had said it
-            raise ValueError(f"{args.args[1]} is a directory: give the file to write (e.g. {args.args[1]}/NAME.state)")
+            example = Path(args.args[1]) / "NAME.wkvm-state"  # (it had suggested DIR//NAME.state)
+            raise ValueError(f"{args.args[1]} is a directory: give the file to write (e.g. {example})")
         data = backend.export(args.args[0])
         if args.args[1] == "-":  # to standard output, as curl -o - (the message then goes to stderr)
             sys.stdout.buffer.write(data)
