@@ -105,6 +105,9 @@ def test_every_states_route(server):
     assert c.delete("/v1/states/branch").json()["deleted"] is True
     assert c.get("/v1/states/branch").status_code == 404
     assert c.get("/v1/states/tour@x").status_code == 400
+    # a name no state can have: 400 invalid, not 404 not found (only the version had been checked; session 47)
+    for bad in (c.get("/v1/states/a%20b"), c.get("/v1/states", params={"after": "a b"})):
+        assert bad.status_code == 400 and "invalid state name" in bad.json()["error"]["message"], bad.text
     assert c.post("/v1/states", json={"name": "../x", "prompt_ids": [1]}).status_code == 400
     # given but empty: as completions say it (prompt "" had read "give prompt (text) or prompt_ids", as if none had
     # been given)

@@ -20,7 +20,7 @@ from wkvm.server.schemas import CreateStateRequest, ForkRequest, HibernateReques
 from wkvm.state.index import StateRecord
 from wkvm.state.mutations import MutationError
 from wkvm.state.sessions import Plan
-from wkvm.state.statefile import FLOAT16_MAX, parse_handle
+from wkvm.state.statefile import FLOAT16_MAX, parse_handle, valid_handle
 
 IMPORT_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {
     "type": "string", "format": "binary"}}}}}  # fmt: skip
@@ -217,7 +217,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
 
 def lookup(ctx: ServerContext, tenant: str, handle: str) -> StateRecord:
     try:
-        return ctx.store.get(tenant, handle)
+        return ctx.store.get(tenant, valid_handle(handle))  # "a b" is an invalid name, not "not found" (session 47)
     except ValueError as e:
         raise bad_request(e, "handle") from None
 
@@ -233,7 +233,7 @@ def state_page(data: list[dict[str, Any]], limit: int | None, after: str | None)
     data = sorted(data, key=lambda s: (s["name"], s["version"]))
     if after is not None:
         try:
-            name, version = parse_handle(after)
+            name, version = parse_handle(valid_handle(after))
         except ValueError as e:
             raise APIError(400, f"after: {e}", "after", "invalid_value") from None
         last = version if version is not None else math.inf  # a bare name is its latest version, as elsewhere
