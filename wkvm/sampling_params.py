@@ -113,7 +113,7 @@ class SamplingParams:
         _check_number("presence_penalty", self.presence_penalty, PENALTY_RANGE)
         _check_number("frequency_penalty", self.frequency_penalty, PENALTY_RANGE)
         _check_number("repetition_penalty", self.repetition_penalty, REPETITION_PENALTY_RANGE)
-        ids_ok = all(_is_int(t) and t >= 0 for t in self.stop_token_ids)
+        ids_ok = all(t >= 0 for t in self.stop_token_ids)  # integers: checked above
         _check(ids_ok, "stop_token_ids", "a list of non-negative integer token ids")
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings")
         _check(all(self.stop), "stop", "non-empty strings")

@@ -362,8 +362,7 @@ class StateIndex:
             return [r[0] for r in self._db.execute("SELECT owner FROM states WHERE blob = ?", (blob,))]
 
     def blob_owners(self, blob: str) -> set[str]:
-        with self._lock:
-            return {r[0] for r in self._db.execute("SELECT DISTINCT owner FROM states WHERE blob = ?", (blob,))}
+        return set(self.blob_record_owners(blob))
 
     def fingerprints(self) -> set[str]:
         """The models whose states the index holds."""

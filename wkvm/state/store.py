@@ -174,20 +174,23 @@ class StateStore:
     def has(self, owner: str, handle: str) -> bool:
         name, version = parse_handle(handle)
         rec = self.index.get(owner, name, version, False)
-        return rec is not None and rec.blob not in self._lost and (owner, rec.name, rec.version) not in self._deletes
+        return rec is not None and not self._hidden(rec)
+
+    def _hidden(self, rec: StateRecord) -> bool:
+        """A record a full disk kept the index from deleting: its file is gone, or its delete is not committed yet."""
+        return rec.blob in self._lost or (rec.owner, rec.name, rec.version) in self._deletes
 
     def _record(self, owner: str, handle: str, with_ids: bool) -> StateRecord:
         name, version = parse_handle(handle)
         rec = self.index.get(owner, name, version, with_ids)
-        if rec is None or rec.blob in self._lost or (owner, rec.name, rec.version) in self._deletes:
+        if rec is None or self._hidden(rec):
             raise StateNotFound(f"state {handle[:160]!r} not found")
         rec.tier = self.tier_of(rec.blob)
         return rec
 
     def list(self, owner: str) -> builtins.list[StateRecord]:
         """The owner's records, without token histories (`token_ids` is None; `get` has them)."""
-        recs = [r for r in self.index.list(owner)
-                if r.blob not in self._lost and (owner, r.name, r.version) not in self._deletes]  # fmt: skip
+        recs = [r for r in self.index.list(owner) if not self._hidden(r)]
         for r in recs:
             r.tier = self.tier_of(r.blob)
         return recs

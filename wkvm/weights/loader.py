@@ -154,11 +154,11 @@ def checkpoint_fingerprint(family: ModelFamily, cfg: Any, raw: RawTensors) -> st
 
 def build_resident(
     family: ModelFamily, cfg: Any, raw: RawTensors, fp: str, device: torch.device | str, dtype: torch.dtype,
-    where: str | os.PathLike[str],
+    where: str | os.PathLike[str] | None,
 ) -> LanguageModel:  # fmt: skip
-    """Every layer prepared (matrices prepacked) and held in memory; a tensor holding NaN or infinities is a
-    CheckpointError naming it and `where` (the file)."""
-    checked = finite_tensors(raw, where)
+    """Every layer prepared (matrices prepacked) and held in memory; with `where` (the file), a tensor holding NaN or
+    infinities is a CheckpointError naming it (a pack's are checked as `Pack.read` reads them: None)."""
+    checked = raw if where is None else finite_tensors(raw, where)
     layers = [family.prepare_layer(checked, i, cfg, dtype, device)
               for i in progress(range(cfg.n_layer), "loading layers")]  # fmt: skip
     global_tensors = family.prepare_globals(checked, cfg, dtype, device)
@@ -265,7 +265,7 @@ def load_model(
         for i in range(pack.config.n_layer):
             raw.update(pack.read(i))
         with misfit(path, pack.family.name):
-            model = build_resident(pack.family, pack.config, raw, pack.fingerprint, device, dtype, path)
+            model = build_resident(pack.family, pack.config, raw, pack.fingerprint, device, dtype, None)
             first_forward(model, path)
         del raw
         release_free_memory()
