@@ -149,14 +149,19 @@ def test_bad_names_and_handles_are_400_not_500(server):
     c.post("/v1/states", json={"name": "base", "prompt_ids": [1, 2, 3]})
     r = c.post("/v1/states/base/mutate", json={"rule": "interpolate", "params": {"other": "bad@x", "t": 0.5}})
     assert r.status_code == 400 and "handle" in r.json()["error"]["message"]
-    for other in ("missing", ""):  # a 404 that names the field holding the handle, not the URL's (hunt 7)
+    # a 404 that names the field holding the handle, not the URL's (hunt 7); a name no state can have is a 400 there
+    # too, as on the states routes (it had been a 404; session 48)
+    for other, status in (("missing", 404), ("", 400), ("a b", 400), ("../x@1", 400)):
         r = c.post("/v1/states/base/mutate", json={"rule": "interpolate", "params": {"other": other, "t": 0.5}})
-        assert r.status_code == 404 and r.json()["error"]["param"] == "params.other", r.text
+        assert r.status_code == status and r.json()["error"]["param"] == "params.other", r.text
     for stream in (False, True):
         r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "save_state": "../x", "stream": stream})
         assert r.status_code == 400 and r.json()["error"]["param"] == "save_state"
     r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "state": "base@0"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "state"
+    r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "state": "a b"})  # a 404 (session 48)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "state", r.text
+    assert "invalid state name" in r.json()["error"]["message"], r.text
     # completions' fields the state's generate does not serve had been ignored (one choice, no echo, no suffix)
     for field, value in (("n", 2), ("best_of", 3), ("echo", True), ("suffix", "!")):
         r = c.post("/v1/states/base/generate", json={**greedy(2), field: value})

@@ -86,6 +86,8 @@ def test_a_chat_from_a_saved_chat_state_is_the_conversation_continued(server):
     held = first["state"]["n_tokens"]
     assert whole["prompt_token_ids"][held:] == went_on["prompt_token_ids"], (whole, went_on)
     assert went_on["choices"][0]["token_ids"] == whole["choices"][0]["token_ids"]
+    bad = c.post("/v1/chat/completions", json={"messages": more, "state": "par is", **body})  # a 404 (session 48)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "state", bad.text
 
 
 def test_chat_continuity_reuses_every_earlier_token(client):

@@ -12,8 +12,8 @@ from typing import Any
 from wkvm.engine.handle import RunResult
 from wkvm.models.spec import State
 from wkvm.state.index import StateRecord
-from wkvm.state.mutations import apply_mutation
-from wkvm.state.statefile import resume_inputs, valid_name
+from wkvm.state.mutations import MutationError, apply_mutation
+from wkvm.state.statefile import resume_inputs, valid_handle, valid_name
 from wkvm.state.store import StateNotFound, StateStore
 
 
@@ -40,8 +40,9 @@ class StateService:
                                    op_params={"prompt_tokens": len(prompt_ids)})  # fmt: skip
 
     def resume(self, owner: str, handle: str, new_ids: list[int]) -> Resume:
-        """Continue stored state `handle` with `new_ids`: its pending token comes first."""
-        rec, state = self.store.load(owner, handle)
+        """Continue stored state `handle` with `new_ids`: its pending token comes first. A handle whose name no state
+        can have is a ValueError (the request's 400), not "not found"."""
+        rec, state = self.store.load(owner, valid_handle(handle))
         feed, base = resume_inputs(self.store.token_ids(rec), new_ids)
         return Resume(feed, state, base, rec.handle)
 
@@ -84,7 +85,12 @@ class StateService:
                                    op_params=recorded)  # fmt: skip
 
     def _other(self, owner: str, handle: str) -> tuple[StateRecord, State]:
-        """A state a mutation's params name (interpolate's other): a 404 names params.other, not the URL's handle."""
+        """A state a mutation's params name (interpolate's other): a 404 or an invalid handle's 400 names params.other,
+        not the URL's handle."""
+        try:
+            valid_handle(handle)
+        except ValueError as e:
+            raise MutationError(str(e), "params.other") from None
         try:
             return self.store.load(owner, handle)
         except StateNotFound as e:
