@@ -459,6 +459,16 @@ def test_an_import_beyond_float16_is_refused_where_the_pages_are_float16(model, 
         r = httpx.post(f"{s.url}/v1/states/import?name=ok", content=statefile.encode(model.spec, tensors, meta),
                        headers=octet, timeout=60)  # fmt: skip
         assert r.status_code == 200, r.text
+    # stored by the float32 server (or `wkvm states import --state-dir`, which cannot know the pages): refused when
+    # a float16 server is asked to go on from it (it had answered 200 with garbage text; hunt, session 48)
+    with LiveServer(model=str(model_dir), kv_dtype="float16", state_dir=str(tmp_path / "a")) as s:
+        c = httpx.Client(base_url=s.url, timeout=60)
+        for route, body, param in (("states/big/generate", {"prompt_ids": [1]}, "handle"),
+                                   ("completions", {"prompt": [1], "state": "big"}, "state")):  # fmt: skip
+            r = c.post(f"/v1/{route}", json={**body, "max_tokens": 2})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert f"tensor {key} holds a value of magnitude 1e+05" in r.text and "float16 pages" in r.text, r.text
+        assert c.post("/v1/states/st/generate", json={"prompt_ids": [1], "max_tokens": 2}).status_code == 200
 
 
 def test_kv_dtype_auto_follows_the_weights(model_dir, tmp_path):
@@ -619,3 +629,26 @@ def test_chat_template_kwargs_reach_the_template(model_dir, tmp_path):
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     out = LLM(str(copy)).chat(messages, chat_template_kwargs={"enable_thinking": False})
     assert out[0].prompt == "HiN"
+
+
+def test_wkvm_states_import_into_a_directory_checks_the_context(tmp_path, capsys):
+    """`wkvm states import --state-dir` refuses a state that fills the model's context, as a server's import does (it
+    stored it: hunt, session 48); a state within it is taken."""
+    from wkvm.cli import main
+    from wkvm.state.store import StateStore
+
+    path = llama.write_checkpoint(tmp_path / "m", len(CHAR_VOCAB), 3, max_position_embeddings=8)
+    write_char_tokenizer(path)
+    m = load_model(path)
+    store = StateStore(tmp_path / "sd", m.spec, m.fingerprint, m.vocab_size)
+    for name, n in (("full", 8), ("room", 7)):
+        _, state = m.prefill(list(range(1, n)))
+        store.put("local", name, state, list(range(1, n + 1)))
+    store.close()
+    base = ["--state-dir", str(tmp_path / "sd"), "--model", str(path)]
+    for name in ("full", "room"):
+        assert main(["states", "export", name, str(tmp_path / f"{name}.state"), *base]) == 0
+    capsys.readouterr()
+    assert main(["states", "import", str(tmp_path / "full.state"), "--name", "again", *base]) != 0
+    assert "leaves no room to generate within this model's context of 8 tokens" in capsys.readouterr().err
+    assert main(["states", "import", str(tmp_path / "room.state"), "--name", "again", *base]) == 0

@@ -68,6 +68,7 @@ class DirStates:
     def __init__(self, state_dir: str, model: str | None, owner: str):
         self.state_dir, self.model_path, self.owner = Path(state_dir), model, owner
         self._store: StateStore | None = None
+        self.context: int | None = None  # the model's context (tokens), known once the store is open
 
     @property
     def store(self) -> StateStore:
@@ -80,6 +81,7 @@ class DirStates:
                 raise FileNotFoundError(f"{self.state_dir} is not a state directory (no index.sqlite in it)")
             m = load_model(self.model_path or default_model())  # the embedded model by default, as everywhere
             self._store = StateStore(self.state_dir, m.spec, m.fingerprint, m.vocab_size)
+            self.context = m.context_length or None
         return self._store
 
     def _info(self, rec: StateRecord) -> dict[str, Any]:
@@ -108,7 +110,10 @@ class DirStates:
         return self.store.export_bytes(self.owner, checked(handle))
 
     def import_(self, data: bytes, name: str | None) -> dict[str, Any]:
-        return self._info(self.store.import_bytes(self.owner, data, name))
+        # the context as a server's import checks it; not the pages' float16 range: a server's kv dtype is not known
+        # here, so one with float16 pages checks the state when a request takes it
+        store = self.store
+        return self._info(store.import_bytes(self.owner, data, name, self.context))
 
     def rm(self, handle: str) -> dict[str, Any]:
         rec = self.store.get(self.owner, checked(handle))  # the version a bare name means, as the server says it

@@ -32,6 +32,7 @@ from wkvm.server.metrics import Metrics
 from wkvm.state.responses import ResponseStore
 from wkvm.state.service import StateService
 from wkvm.state.sessions import ChatSessions
+from wkvm.state.statefile import FLOAT16_MAX
 from wkvm.state.store import StateStore, StoreLimits
 from wkvm.tokenizer import Tokenizer
 from wkvm.weights.loader import load_model, load_text_tools, resolved_dtype
@@ -160,7 +161,7 @@ class ServerContext:
             limits = StoreLimits.from_config(cfg)
             self.store = StateStore(root, m.spec, m.fingerprint, m.vocab_size, device=cfg.device, limits=limits,
                                     verify_on_load=cfg.verify_state_loads, lock_wait=STATE_DIR_WAIT)  # fmt: skip
-            self.service = StateService(self.store)
+            self.service = StateService(self.store, FLOAT16_MAX if cfg.engine_kv_dtype() == "float16" else None)
             self.responses = ResponseStore(Path(root) / "responses.sqlite")
             self.sessions = ChatSessions(self.service, m.fingerprint, cfg, self.metrics)
             if cfg.embeddings:

@@ -20,7 +20,7 @@ from wkvm.server.schemas import CreateStateRequest, ForkRequest, HibernateReques
 from wkvm.state.index import StateRecord
 from wkvm.state.mutations import MutationError
 from wkvm.state.sessions import Plan
-from wkvm.state.statefile import FLOAT16_MAX, parse_handle, valid_handle
+from wkvm.state.statefile import StateFileError, parse_handle, valid_handle
 
 IMPORT_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {
     "type": "string", "format": "binary"}}}}}  # fmt: skip
@@ -88,9 +88,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         if name is not None:
             check_name(name, "name")
         data = await request.body()
-        page_max = FLOAT16_MAX if ctx.config.engine_kv_dtype() == "float16" else None
         return info(await run_in_threadpool(ctx.store.import_bytes, tenant, data, name, ctx.model.context_limit,
-                                            page_max))  # fmt: skip
+                                            ctx.service.page_max))  # fmt: skip
 
     @r.get("/{handle}")
     def get(handle: str, request: Request) -> dict[str, Any]:
@@ -165,6 +164,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
                 check_save_room(ctx, tenant, rec.n_tokens + len(suffix) + params.max_tokens, "save_as")
             try:
                 return rec, ctx.sessions.from_handle(tenant, rec.handle, suffix)
+            except StateFileError as e:  # the state itself (its keys or values beyond the pages' range)
+                raise bad_request(e, "handle") from None
             except ValueError as e:
                 raise bad_request(e, "prompt") from None
 
