@@ -291,7 +291,10 @@ def check_magnitude(spec: StateSpec, tensors: State, max_abs: float, paged_only:
     """No value of the state's tensors (`paged_only`: its keys and values) beyond `max_abs`; `why` the message's end."""
     for t in spec.tensors:
         x = tensors[t.name]
-        largest = float(x.abs().max()) if x.numel() and (t.paged or not paged_only) else 0.0
+        largest = 0.0
+        if x.numel() and (t.paged or not paged_only):  # one pass, no |x| copy (a request's load checks its pages)
+            lo, hi = torch.aminmax(x)
+            largest = max(-float(lo), float(hi))
         if largest > max_abs:
             raise StateFileError(f"tensor {t.name} holds a value of magnitude {largest:.3g}, beyond {max_abs:g}: {why}")
 
