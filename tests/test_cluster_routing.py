@@ -314,6 +314,7 @@ class FakeReplicas:
         self.after_adopt = None  # called with (slot, name) once a destination adopted a name
         self.served: list[str] = []
         self.chunks, self.fail_after = chunks or [b'{"ok": true}'], fail_after
+        self.adopt_reply = None  # what a destination's adopt answers instead of adopting (it keeps nothing then)
 
     def options(self, **kwargs):
         return self
@@ -369,6 +370,8 @@ class FakeReplicas:
                 return (max(held.get(name, [0])), [])
             if method == "adopt":
                 await asyncio.sleep(0.01 * int(slot[1:]))  # the later destination adopts later
+                if self.adopt_reply is not None:
+                    return self.adopt_reply
                 versions = [json.loads(f)[1] for f in args[1]]
                 name = json.loads(args[1][0])[0]
                 held[name] = versions
@@ -457,6 +460,75 @@ def test_a_move_undone_drops_the_copies_even_where_a_moved_stream_will_save_the_
     answer = asyncio.run(front.move_name("anonymous", "X", "r1", d.replicas()))
     assert answer.status_code == 409 and json.loads(answer.body)["error"]["code"] == "state_changed"
     assert engine.names == {"r0": {"X": [1, 2, 3, 4]}, "r1": {}} and d.lookup(key)[0] == "r0"
+
+
+@pytest.mark.parametrize("reply", ["disk_full", "timeout"])
+def test_a_move_its_destination_cannot_take_moves_nothing_and_says_why(reply):
+    """Hunt (session 48): a destination whose disk was full had kept the versions it adopted before the error and the
+    front answered 503 "retry" (RayTaskError(DiskFull)); one slower than the front's 10 s wait went on copying. Both
+    left copies listed twice that no delete reached. The destination drops what it took (below) and the front
+    answers 413 state_disk_full, or 503 saying nothing moved; the name stays on its source."""
+    from wkvm.cluster.forward import DISK_FULL_REPLY, TIMEOUT_REPLY
+
+    d, engine, front = cluster_front(2)
+    engine.names["r0"]["X"] = [1, 2, 3]
+    engine.adopt_reply = {"disk_full": DISK_FULL_REPLY, "timeout": TIMEOUT_REPLY}[reply]
+    key = state_key("anonymous", "X")
+    d.holds("r0", [key])
+    answer = asyncio.run(front.move_name("anonymous", "X", "r1", d.replicas()))
+    error = json.loads(answer.body)["error"]
+    assert (answer.status_code, error["code"]) == ((413, "state_disk_full") if reply == "disk_full" else
+                                                   (503, "replica_unavailable")), answer.body  # fmt: skip
+    assert "nothing moved" in error["message"]
+    assert engine.names == {"r0": {"X": [1, 2, 3]}, "r1": {}} and d.lookup(key)[0] == "r0"
+
+
+@pytest.mark.parametrize("stop", ["disk_full", "deadline", "exists"])
+def test_a_replica_adopts_a_moved_name_whole_or_not_at_all(tiny_pth, tmp_path, monkeypatch, stop):
+    """EngineReplica.adopt: whatever stops it part way (a full disk, its deadline, a version there already) drops the
+    versions it had taken (they had stayed: hunt, session 48)."""
+    import time
+    from types import SimpleNamespace
+
+    from wkvm.cluster.forward import DISK_FULL_REPLY, EXISTS_REPLY, TIMEOUT_REPLY
+    from wkvm.cluster.replica import EngineReplica
+    from wkvm.state.store import DiskFull, StateStore
+    from wkvm.weights.loader import load_model
+
+    m = load_model(tiny_pth)
+    source, dest = (StateStore(tmp_path / d, m.spec, m.fingerprint, m.vocab_size) for d in ("a", "b"))
+    for i in range(3):
+        _, state = m.prefill([1, 2, 3 + i])
+        source.put("t", "X", state, [1, 2, 3 + i, 4])
+    files = [source.export_bytes("t", f"X@{v}") for v in (1, 2, 3)]
+    replica = object.__new__(EngineReplica)  # no Ray: only what adopt uses
+    replica.ctx, replica.slot, replica._moved_away = SimpleNamespace(store=dest), "r1", {}
+    adopt, calls, seconds = dest.adopt_bytes, [], None
+
+    def adopt_bytes(owner, data):
+        calls.append(1)
+        if len(calls) == 3:  # the third file
+            if stop == "disk_full":
+                raise DiskFull("no space left")
+            if stop == "exists":
+                raise ValueError("state 'X@3' exists already")
+        rec = adopt(owner, data)
+        if stop == "deadline":
+            time.sleep(0.2)
+        return rec
+
+    monkeypatch.setattr(dest, "adopt_bytes", adopt_bytes)
+    if stop == "deadline":
+        seconds = 0.3  # the second file starts in time, the third does not
+    answer = asyncio.run(replica.adopt("t", files, (3, [2]), seconds))
+    assert answer == {"disk_full": DISK_FULL_REPLY, "deadline": TIMEOUT_REPLY, "exists": EXISTS_REPLY}[stop]
+    assert len(calls) == (2 if stop == "deadline" else 3) and dest.list("t") == [], dest.list("t")
+    monkeypatch.undo()
+    assert asyncio.run(replica.adopt("t", files, (3, [2]), 60.0)) == ["X@1", "X@2", "X@3"]  # then it fits
+    assert [r.pinned for r in dest.versions("t", "X")] == [False, True, False]
+    replica.ctx = None  # its __del__ stops a server's context: there is none
+    source.close()
+    dest.close()
 
 
 def test_a_stream_moves_precopy_is_a_boolean_or_a_400_before_anything_else():

@@ -30,6 +30,23 @@ MISROUTED_REPLY = "wkvm:misrouted"  # what a replica method returns for the same
 SAVING_REPLY = "wkvm:saving"  # export_name: a running request will save the name's next version here
 EXISTS_REPLY = "wkvm:exists"  # adopt: a version of the name is here already (another move got here first)
 QUOTA_REPLY = "wkvm:quota"  # adopt: the moved files do not fit this replica's --state-disk-quota (nothing was kept)
+DISK_FULL_REPLY = "wkvm:disk_full"  # adopt: this replica's disk is full (nothing was kept)
+TIMEOUT_REPLY = "wkvm:timeout"  # adopt: not done within the seconds it was given (nothing was kept)
+ADOPT_BASE_SECONDS = 10.0  # what a move's adoption may take: this, plus per file and per byte (fsync'd writes)
+ADOPT_FILE_SECONDS = 0.05
+ADOPT_BYTES_PER_SECOND = 20e6
+
+
+def adopt_seconds(files: list[bytes]) -> float:
+    """How long a replica may take to adopt moved files before it gives up and drops what it took (a fixed 10 s had
+    answered a big name's move 503 while the copy went on, leaving duplicates nobody could delete; hunt, session
+    48)."""
+    return ADOPT_BASE_SECONDS + ADOPT_FILE_SECONDS * len(files) + sum(map(len, files)) / ADOPT_BYTES_PER_SECOND
+
+
+def file_versions(files: list[bytes]) -> list[int]:
+    """The versions exported files carry (their metadata; files a replica exported itself)."""
+    return [int(metadata(f)["version"]) for f in files]
 
 
 @dataclass(frozen=True)

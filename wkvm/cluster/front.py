@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from wkvm.cluster.directory import base_ticket, pushed_ticket
 from wkvm.cluster.forward import (
+    DISK_FULL_REPLY,
     EXISTS_REPLY,
     MISROUTED,
     MISROUTED_REPLY,
@@ -34,10 +35,13 @@ from wkvm.cluster.forward import (
     RESPONSES,
     SAVING_REPLY,
     STATES,
+    TIMEOUT_REPLY,
     ForwardedRequest,
     Handover,
     Head,
     RouteKey,
+    adopt_seconds,
+    file_versions,
     json_body,
     response_key,
     route_key,
@@ -471,9 +475,11 @@ class Front:
             # destination saves once the name is there: `ServerContext.holds_name`)
             try:
                 name_moved = await self.move_name(tenant, s.saves, to, replicas, new_ok=True)
-            except TimeoutError:  # a replica did not answer (it is being replaced)
-                name_moved = error_response(503, f"the name {s.saves!r} could not move: a replica is restarting",
-                                            None, "replica_unavailable")  # fmt: skip
+            except Exception as e:  # a replica did not answer (it is being replaced) or failed: the stream moved all
+                # the same, so this answer is its 200 with a state_error (a 503 "retry" had said it had not)
+                log.warning("stream %s: its name %r could not move: %r", stream_id, s.saves, e)
+                name_moved = error_response(503, f"the name {s.saves!r} could not move: a replica is restarting or "
+                                            f"failed ({type(e).__name__})", None, "replica_unavailable")  # fmt: skip
             if isinstance(name_moved, Response):  # the stream moved; its final state will not be saved
                 why = bytes(name_moved.body)
                 log.warning("stream %s moved, its name %r did not: %s", stream_id, s.saves, why[:300])
@@ -486,10 +492,10 @@ class Front:
                              "precopy_tokens": answer.get("precopy_tokens"), "downtime_seconds": round(s.downtime, 6),
                              "seconds": round(time.perf_counter() - t0, 6), **extra})  # fmt: skip
 
-    async def call(self, replica_id: str, method: str, *args: Any) -> Any:
+    async def call(self, replica_id: str, method: str, *args: Any, timeout: float = CALL_SECONDS) -> Any:
         """Call a method of one replica (by id), again while the call lands elsewhere (it answers MISROUTED_REPLY);
-        TimeoutError when that replica does not answer in CALL_SECONDS (it died and is being replaced)."""
-        deadline = time.monotonic() + CALL_SECONDS
+        TimeoutError when that replica does not answer in `timeout` seconds (it died and is being replaced)."""
+        deadline = time.monotonic() + timeout
         while True:
             call = getattr(self.engine, method).remote(*args, target=replica_id, strict=True)
             try:
@@ -608,13 +614,27 @@ class Front:
         if not files and not new_ok:
             return error_response(404, f"no state {name!r}", None, "state_not_found")  # deleted meanwhile
         t1 = time.perf_counter()
-        handles: list[str] | str = await self.call(replicas[to], "adopt", tenant, files, card) if files else []
+        seconds = adopt_seconds(files)  # the destination gives up (and drops what it took) after these
+        try:
+            handles: list[str] | str = await self.call(replicas[to], "adopt", tenant, files, card, seconds,
+                                                       timeout=seconds + CALL_SECONDS) if files else []  # fmt: skip
+        except TimeoutError:  # it gave up and dropped them, or is being replaced: where it finished as this call
+            with contextlib.suppress(Exception):  # gave up, its copies go (the name stays on its source)
+                await self.call(replicas[to], "drop_name", tenant, name, file_versions(files), True)
+            handles = TIMEOUT_REPLY
         if handles == EXISTS_REPLY:  # another move of this name got there first
             return error_response(409, f"{name!r} is moving to {to} already", None, "state_changed")
         if handles == QUOTA_REPLY:  # it kept none of them: the name stays where it is
             return error_response(413, f"{name!r} does not fit {to}'s state disk quota (--state-disk-quota); nothing "
                                   "moved: delete states there or move it elsewhere", None,
                                   "state_quota_exceeded")  # fmt: skip
+        if handles == DISK_FULL_REPLY:
+            return error_response(413, f"{to}'s state disk is full; nothing moved: free space there or move {name!r} "
+                                  "elsewhere", None, "state_disk_full")  # fmt: skip
+        if handles == TIMEOUT_REPLY:
+            return error_response(503, f"{to} did not take {name!r} ({len(files)} versions, {sum(map(len, files))} "
+                                  f"bytes) within {seconds:.0f} s; nothing moved: retry, or delete versions you no "
+                                  "longer need first", None, "replica_unavailable")  # fmt: skip
         assert isinstance(handles, list)
         await self.directory.record.remote(key, to)
         t2 = time.perf_counter()

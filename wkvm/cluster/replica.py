@@ -30,14 +30,17 @@ from ray import serve
 
 from wkvm.cluster.directory import Directory, base_ticket, pushed_ticket, ready_ticket
 from wkvm.cluster.forward import (
+    DISK_FULL_REPLY,
     EXISTS_REPLY,
     MISROUTED,
     MISROUTED_REPLY,
     QUOTA_REPLY,
     SAVING_REPLY,
+    TIMEOUT_REPLY,
     ForwardedRequest,
     Handover,
     Head,
+    adopt_seconds,
     response_key,
     run_asgi,
     saved_names,
@@ -51,9 +54,10 @@ from wkvm.server.context import ServerContext
 from wkvm.server.handover import HandoverError, LiveStream, Moved, MoveFuture, parse_marker
 from wkvm.server.handover import decode as decode_ticket
 from wkvm.server.handover import encode as encode_ticket
+from wkvm.state.index import StateRecord
 from wkvm.state.quota import QuotaExceeded, StoreLimits, is_internal
 from wkvm.state.sessions import ParkedCopy, SessionKey
-from wkvm.state.store import StateDirInUse, StateNotFound, StateStore
+from wkvm.state.store import DiskFull, StateDirInUse, StateNotFound, StateStore
 
 log = logging.getLogger("wkvm.cluster")
 DIRECTORY = "wkvm-directory"
@@ -310,21 +314,25 @@ class EngineReplica:
         stopping, so no new version appears here meanwhile)."""
         try:
             files = self._export(tenant, name)
-            handles = self._call(replica_id, "adopt", tenant, files, self._name_card(tenant, name)) if files else []
+            seconds = adopt_seconds(files)
+            handles = self._call(replica_id, "adopt", tenant, files, self._name_card(tenant, name), seconds,
+                                 timeout=seconds + CALL_SECONDS) if files else []  # fmt: skip
             if handles == EXISTS_REPLY:
                 raise ValueError(f"{name!r} is on {slot} already (another move took it there)")
-            if handles == QUOTA_REPLY:
-                raise ValueError(f"{name!r} does not fit {slot}'s --state-disk-quota: it stays here")
+            if handles in (QUOTA_REPLY, DISK_FULL_REPLY, TIMEOUT_REPLY):
+                why = {QUOTA_REPLY: "does not fit its --state-disk-quota", DISK_FULL_REPLY: "its disk is full",
+                       TIMEOUT_REPLY: "it did not take it in time"}[handles]  # fmt: skip
+                raise ValueError(f"{name!r} did not move to {slot} ({why}): it stays here")
             ray.get(self.directory.record.remote(state_key(tenant, name), slot))
             self._drop(tenant, name, [int(h.rsplit("@", 1)[1]) for h in handles])
         except Exception:
             log.exception("replica %s: the name %r did not follow its stream to %s", self.slot, name, slot)
 
-    def _call(self, replica_id: str, method: str, *args: Any) -> Any:
+    def _call(self, replica_id: str, method: str, *args: Any, timeout: float = CALL_SECONDS) -> Any:
         """Another replica's method, from a thread of this one (the front's `call`, synchronous)."""
         ctx = serve.get_replica_context()
         handle = serve.get_deployment_handle(ctx.deployment, app_name=ctx.app_name)
-        deadline = time.monotonic() + CALL_SECONDS
+        deadline = time.monotonic() + timeout
         while True:
             result = getattr(handle, method).remote(*args, target=replica_id, strict=True).result(
                 timeout_s=max(0.1, deadline - time.monotonic()))  # fmt: skip
@@ -381,29 +389,33 @@ class EngineReplica:
         return await asyncio.to_thread(self._name_card, tenant, name)
 
     async def adopt(self, tenant: str, files: list[bytes], card: tuple[int, list[int]] | None = None,
-                    **route: object) -> list[str] | str:  # fmt: skip
+                    seconds: float | None = None, **route: object) -> list[str] | str:  # fmt: skip
         """Store moved states under their own handles (validated as an import); `card` (`name_card`): no version
-        up to the name's last issued one is issued here again, and its pinned versions stay pinned."""
+        up to the name's last issued one is issued here again, and its pinned versions stay pinned. All or nothing:
+        whatever stops it (the quota, a full disk, a bad file, `seconds` passed: TIMEOUT_REPLY) drops what it took,
+        and the name stays whole on its source (a full disk or a move past the front's wait had left partial copies,
+        listed twice, that no delete reached and that won the name after a directory restart; hunt, session 48)."""
         if self.misrouted(route):
             return MISROUTED_REPLY
         store = self.ctx.store
+        deadline = None if seconds is None else time.monotonic() + seconds
 
         def adopt_all() -> list[str]:
             handles: list[str] = []
             try:
                 for f in files:
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise TimeoutError(f"adopting {len(files)} files took over {seconds:.0f} s")
                     handles.append(store.adopt_bytes(tenant, f).handle)
-            except QuotaExceeded:  # none kept: the name stays whole on its source
-                for h in handles:
-                    with contextlib.suppress(StateNotFound):
-                        store.delete(tenant, h)
+                if card is not None and handles:
+                    name, top = handles[0].rsplit("@", 1)[0], max(int(h.rsplit("@", 1)[1]) for h in handles)
+                    if card[0] > top:  # its newest versions were deleted (else adopting them recorded it)
+                        store.index.reserve_versions(tenant, name, card[0])
+                    for v in card[1]:
+                        store.set_pinned(tenant, f"{name}@{v}", True)
+            except BaseException:  # none kept: the name stays whole on its source
+                self._unadopt(tenant, handles)
                 raise
-            if card is not None and handles:
-                name, top = handles[0].rsplit("@", 1)[0], max(int(h.rsplit("@", 1)[1]) for h in handles)
-                if card[0] > top:  # its newest versions were deleted (else adopting them recorded it)
-                    store.index.reserve_versions(tenant, name, card[0])
-                for v in card[1]:
-                    store.set_pinned(tenant, f"{name}@{v}", True)
             return handles
 
         try:
@@ -413,10 +425,24 @@ class EngineReplica:
             return handles
         except QuotaExceeded:
             return QUOTA_REPLY
+        except DiskFull:
+            return DISK_FULL_REPLY
+        except TimeoutError:
+            return TIMEOUT_REPLY
         except ValueError as e:
             if "exists already" in str(e):  # another move of the name got here first
                 return EXISTS_REPLY
             raise
+
+    def _unadopt(self, tenant: str, handles: list[str]) -> None:
+        """Drop the states an adoption that failed took (a delete works on a full disk)."""
+        for h in handles:
+            try:
+                self.ctx.store.delete(tenant, h)
+            except StateNotFound:
+                pass
+            except Exception:
+                log.exception("replica %s: %s, adopted by a move that failed, could not be dropped", self.slot, h)
 
     async def drop_name(self, tenant: str, name: str, versions: list[int], undo: bool = False,
                         **route: object) -> bool | str:  # fmt: skip
@@ -462,8 +488,14 @@ class EngineReplica:
             try:
                 recs = sorted((r for r in other.index.list() if not is_internal(r.owner)),
                               key=lambda r: (r.owner, r.name, r.version))  # fmt: skip
-                for r in recs:
-                    self.ctx.store.adopt_bytes(r.owner, other.export_bytes(r.owner, r.handle))
+                taken: list[StateRecord] = []
+                try:
+                    for r in recs:
+                        taken.append(self.ctx.store.adopt_bytes(r.owner, other.export_bytes(r.owner, r.handle)))
+                except BaseException:  # all or nothing: the slot's directory keeps them all for a later try
+                    for t in taken:
+                        self._unadopt(t.owner, [t.handle])
+                    raise
                 for r in recs:
                     other.delete(r.owner, r.handle)
                 return [state_key(r.owner, r.name) for r in recs]
