@@ -243,6 +243,10 @@ def test_migrate_refuses_clearly(cluster):
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "unknown_replica"
     missing = cluster.post("/v1/states/never-made/migrate", json={"to": "r0"})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "state_not_found"
+    assert missing.json()["error"]["param"] == "handle"  # as a server's states routes say it (it was null)
+    for route in ("/v1/states/voyage/migrate", "/v1/streams/s1/migrate"):  # a body that is no object
+        listed = cluster.post(route, json=["r0"])  # the stream route had said "'to' must name a replica"
+        assert listed.status_code == 400 and listed.json()["error"]["code"] == "invalid_json", listed.text
     # a body that is no JSON, and a version that is no number (hunt 18: both had been read as other things)
     garbled = cluster.post("/v1/states/voyage/migrate", content=b"{bad", headers={"content-type": "application/json"})
     assert garbled.status_code == 400 and garbled.json()["error"]["code"] == "invalid_json"

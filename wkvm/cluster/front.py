@@ -420,7 +420,10 @@ class Front:
             body = json.loads(await request.body() or b"{}")
         except (ValueError, UnicodeDecodeError, RecursionError):  # nested too deep had been a 503
             return error_response(400, "the request body is not valid JSON", "body", "invalid_json"), replicas
-        to = body.get("to") if isinstance(body, dict) else None
+        if not isinstance(body, dict):
+            return error_response(400, 'the request body must be a JSON object: {"to": "<replica>"}', "body",
+                                  "invalid_json"), replicas  # fmt: skip
+        to = body.get("to")
         if not isinstance(to, str) or to not in replicas:
             return error_response(400, f"'to' must name a replica: one of {', '.join(replicas)}", "to",
                                   "unknown_replica"), replicas  # fmt: skip
@@ -598,7 +601,7 @@ class Front:
             return NameMove(to, [], 0)
         if slot is None or source is None:
             if slot is None:
-                return error_response(404, f"no state {name!r}", None, "state_not_found")
+                return error_response(404, f"no state {name!r}", "handle", "state_not_found")
             return error_response(503, f"replica {slot}, which holds {name!r}, is restarting; retry shortly", None,
                                   "replica_unavailable")  # fmt: skip
         if slot == to:
@@ -612,7 +615,7 @@ class Front:
                                   None, "state_busy")  # fmt: skip
         assert isinstance(files, list)
         if not files and not new_ok:
-            return error_response(404, f"no state {name!r}", None, "state_not_found")  # deleted meanwhile
+            return error_response(404, f"no state {name!r}", "handle", "state_not_found")  # deleted meanwhile
         t1 = time.perf_counter()
         seconds = adopt_seconds(files)  # the destination gives up (and drops what it took) after these
         try:
