@@ -1104,3 +1104,19 @@ def test_a_full_index_never_hides_or_breaks_what_users_keep(model, tmp_path, mon
     reopened = StateStore(tmp_path / "s", model.spec, model.fingerprint, model.vocab_size)
     assert sorted(r.handle for r in reopened.list("u")) == ["kept@1", "push0@1", "push1@1"]
     assert [r.handle for r in reopened.list("")] == ["again@1"]
+
+
+def test_a_state_directory_made_by_the_store_is_its_owners_alone(model, tmp_path):
+    """Every tenant's token histories and states live there: 0700 when the store makes it (it was 0755, and its files
+    0644: any user of the machine could read them; security hunt, session 48). One that exists keeps its modes."""
+    StateStore(tmp_path / "made" / "here", model.spec, model.fingerprint, model.vocab_size).close()
+    assert (tmp_path / "made" / "here").stat().st_mode & 0o777 == 0o700
+    (tmp_path / "given").mkdir(mode=0o750)
+    StateStore(tmp_path / "given", model.spec, model.fingerprint, model.vocab_size).close()
+    assert (tmp_path / "given").stat().st_mode & 0o777 == 0o750 & ~current_umask()
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

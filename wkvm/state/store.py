@@ -110,7 +110,10 @@ class StateStore:
         """`lock_wait`: seconds to wait for another process to let go of the directory (`dir_lock`), then
         StateDirInUse."""
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        # a directory made here is its owner's alone (every tenant's token histories and states, stored responses):
+        # it had been 0755, its files readable by every user of the machine (security hunt, session 48); one that
+        # exists keeps the modes its owner gave it
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._dir_key: Path | None = lock_dir(self.root, lock_wait)
         try:
             self._open(spec, fingerprint, vocab_size, device, limits, verify_on_load)
