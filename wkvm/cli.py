@@ -66,7 +66,8 @@ def choice(*names: str) -> Callable[[str], str]:
 
 
 KEY_FLAGS = [
-    ("api-key", "API key(s), comma-separated; then every route but /health needs one"),
+    ("api-key", "API key(s), comma-separated; then every route but /health needs one (other users of the machine "
+                "see a command line: prefer the env or --api-key-file)"),
     ("api-key-file", "file with one API key per line (lines starting with '#' are comments)"),
 ]
 
