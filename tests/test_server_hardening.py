@@ -399,6 +399,40 @@ def test_key_is_checked_before_the_body_is_read(server):
     assert head.startswith(b"HTTP/1.1 401"), head[:200]
 
 
+def test_a_request_head_not_whole_in_time_is_closed(server, monkeypatch):
+    """Security hunt (session 48): uvicorn waits for a request head forever, so clients without a key could hold
+    every file descriptor with connections that send nothing or dribble their headers (300 under `ulimit -n 256`
+    refused /health and a keyed save). A head must be whole HEAD_SECONDS after the connection opened or its last
+    response ended; a request that is whole in time, and a kept-alive connection's next one, are served."""
+    import time
+
+    from wkvm.server import serving
+
+    monkeypatch.setattr(serving, "HEAD_SECONDS", 1.0)
+
+    def closed(sock: socket.socket) -> bool:
+        try:
+            return sock.recv(4096) == b""
+        except ConnectionResetError:
+            return True
+
+    silent = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    dribble = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    kept = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    with silent, dribble, kept:
+        t0 = time.monotonic()
+        for part in (b"GET /health HTTP/1.1\r\n", b"Host: x\r\n", b"X-A: 1\r\n"):
+            dribble.sendall(part)
+            time.sleep(0.3)
+        kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+        assert closed(silent) and closed(dribble)
+        assert 0.9 < time.monotonic() - t0 < 5
+        time.sleep(0.5)  # within the keep-alive time: the next request on the connection is served
+        kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+
+
 def test_a_request_head_past_64_kib_is_refused_before_it_is_all_read(server):
     """Security review (session 39): uvicorn's httptools parser, chosen whenever it is installed, read a head of any
     size before the key check (a 100 MB header held /health ~10 s, 300 MB took 2 minutes): the server runs h11 with

@@ -9,14 +9,17 @@ finish (minutes for a long generation), and its forced exit cuts streams without
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+import h11
 import uvicorn
 from fastapi import FastAPI
 from uvicorn.config import LOGGING_CONFIG
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 if TYPE_CHECKING:
     from wkvm.server.context import ServerContext
@@ -28,8 +31,54 @@ log = logging.getLogger("wkvm.server")
 # takes any real client's headers and URL. Streaming through h11 cost nothing measurable: 8 streams of 256 tokens
 # of the embedded model (int8), 3 rounds each, AMD EPYC Zen 4, 2 cores: 3,429-4,063 chunks/s vs httptools'
 # 3,675-3,828 (/tmp harness, session 39).
-HTTP_PARSER = "h11"
 MAX_HEAD_BYTES = 64 * 1024
+HEAD_SECONDS = 20.0  # a connection's request head (line and headers) must be whole this long after it opened or sent
+
+
+class HeadDeadline(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request head (apache's RequestReadTimeout, nginx's
+    client_header_timeout): a connection that opens and sends nothing, or dribbles its headers, is closed HEAD_SECONDS
+    after it opened or its response ended. uvicorn waits for a head forever, so clients without a key could hold every
+    file descriptor (300 such connections under `ulimit -n 256` refused /health and a keyed save; security hunt,
+    session 48). Bodies are not timed: a key is checked on the head, before any body byte is read."""
+
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._watch_head()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch_head()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def _watch_head(self) -> None:
+        """A timer while the next request's head is not whole (h11 waits for it: the client's state is IDLE)."""
+        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+            self._stop_head_timer()
+        elif self._head_timer is None:
+            self._head_timer = self.loop.call_later(HEAD_SECONDS, self._head_late)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+HTTP_PARSER = HeadDeadline
 
 
 class GracefulServer(uvicorn.Server):
