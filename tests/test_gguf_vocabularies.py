@@ -208,6 +208,13 @@ def test_a_vocabulary_gives_the_ids_llama_cpps_tests_expect(name):
         assert tok.encode_prompt("Hello") == [1, 15043] and tok.decode([15043]) == "Hello"
     if name == "llama-bpe":  # Llama 3: BOS first in a prompt; <|eot_id|> ends a turn
         assert tok.encode_prompt("Hello")[:1] == [128000] and 128009 in tok.eos_token_ids
+    # DeepSeek's vocabularies mark õ ÷ Á ý À ÿ ø ú þ ü ö û ù user-defined: each decoded through the byte-level decoder
+    # as one byte, U+FFFD ("M�ller"; hunt, session 48); a user-defined token is its own text, as llama.cpp prints it
+    for text in ("Müller über café", "Ærøskøbing, señor", "õ÷ÁýÀÿøúþüöûù"):
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text, ids
+        if name not in ("llama-spm", "phi-3"):  # SentencePiece's: a space first
+            assert b"".join(tok.token_bytes(i) for i in ids) == text.encode(), ids
 
 
 def test_a_real_vocabulary_reads_as_gguf_reads_it():

@@ -92,10 +92,35 @@ class GGUFTokenizer(HFTokenizer):
     """An HFTokenizer over a `tokenizers` object built in memory rather than read from tokenizer.json."""
 
     def __init__(self, tok: HFTokenizers, eos_token_id: int | None, more_eos: frozenset[int] = frozenset(),
-                 bos_token_id: int | None = None, add_bos: bool = False):  # fmt: skip
+                 bos_token_id: int | None = None, add_bos: bool = False,
+                 user_defined: dict[int, str] | None = None):  # fmt: skip
+        """`user_defined`: the vocabulary's user-defined tokens (id -> text), whose text decodes as it is."""
         self._tok = tok  # no file to read: super's __init__ is not run
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.set_specials(eos_token_id, more_eos, bos_token_id, add_bos)
+        self._user_defined = user_defined or {}
+
+    def decode(self, ids: list[int]) -> str:
+        """As llama.cpp's `token_to_piece`, a user-defined token is its own text: `tokenizers` runs added tokens
+        through the vocabulary's decoder, and a byte-level one maps letters of GPT-2's byte alphabet to single
+        bytes: DeepSeek LLM / Coder mark ü ö ø ú ... as user-defined, and every one came out as U+FFFD ("M�ller";
+        hunt, session 48; huggingface/tokenizers#1424)."""
+        if self._user_defined.keys().isdisjoint(ids):
+            return super().decode(ids)
+        out: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            text = self._user_defined.get(i)
+            if text is None:
+                run.append(i)
+                continue
+            if run:
+                out.append(super().decode(run))
+                run = []
+            out.append(text)
+        if run:
+            out.append(super().decode(run))
+        return "".join(out)
 
 
 def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
@@ -139,8 +164,10 @@ def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
     # 3's add it)
     bos, add_bos = field(reader, "tokenizer.ggml.bos_token_id"), field(reader, "tokenizer.ggml.add_bos_token")
     default_bos = model == "llama" or pre in LLAMA3
+    user_defined = {i: t for i, (t, k, s) in enumerate(marked) if k == TokenType.USER_DEFINED and not s}
     return GGUFTokenizer(tok, None if eos is None else int(eos), frozenset(int(i) for i in ends if i is not None),
-                         None if bos is None else int(bos), bool(add_bos) if add_bos is not None else default_bos)
+                         None if bos is None else int(bos), bool(add_bos) if add_bos is not None else default_bos,
+                         user_defined)  # fmt: skip
 
 
 def byte_level_bpe(reader: Any, tokens: list[str], pre: str) -> HFTokenizers:
