@@ -853,14 +853,16 @@ def test_a_gguf_vocabulary_that_cannot_be_read_is_one_error(gguf_ref, tmp_path):
 
     vocab = ["t", "0", "t0", *(f"x{i}" for i in range(GGUF_SHAPE["vocab_size"] - 3))]
 
-    def tokenizer(merges=True, eos=1, tokens=True):
+    def tokenizer(merges=True, eos=1, tokens=True, merge_list=("t 0",), token_list=None, more=None):
         def extra(w):
             w.add_tokenizer_model("gpt2")
             if tokens:
-                w.add_token_list(vocab)
+                w.add_token_list(token_list or vocab)
             if merges:
-                w.add_token_merges(["t 0"])
+                w.add_token_merges(list(merge_list))
             w.add_eos_token_id(eos)
+            if more is not None:
+                more(w)
 
         return extra
 
@@ -869,8 +871,29 @@ def test_a_gguf_vocabulary_that_cannot_be_read_is_one_error(gguf_ref, tmp_path):
     assert gguf_tokenizer(fine).eos_token_id == 1
     cases = {"carries no vocabulary": tokenizer(tokens=False), "outside the vocabulary": tokenizer(eos=99999),
              "no tokenizer.ggml.merges": tokenizer(merges=False)}  # fmt: skip
+    # GGUF hunt (session 48): each of these was a traceback (tokenizers' bare Exception, AttributeError, TypeError)
+    cases |= {r"does not build \(Error while initializing BPE: Token `zz` out of vocabulary": tokenizer(
+                  merge_list=["t 0", "zz t"]),
+              "merges is not a list of 'left right' strings": tokenizer(merge_list=["t0"]),
+              "token_type is not a list of integers": tokenizer(more=lambda w: w.add_array(
+                  "tokenizer.ggml.token_type", ["a"] * len(vocab)))}  # fmt: skip
     for i, (says, extra) in enumerate(cases.items()):
         path = tmp_path / f"v{i}.gguf"
         write_gguf(path, gguf_ref, "F32", extra)
         with pytest.raises(CheckpointError, match=says):
             gguf_tokenizer(path)
+    # the model's side: numbers that are arrays or text, a vocabulary the embedding does not match (it had
+    # loaded, then refused every prompt with a control token past the rows; llama.cpp refuses the file)
+    models = {"tokenizer.ggml.bos_token_id is '\\[4, 4\\]': expected a number": lambda w: w.add_array(
+                  "tokenizer.ggml.bos_token_id", [4, 4]),
+              "tokenizer.ggml.eos_token_id is 'abc': expected a number": lambda w: w.add_string(
+                  "tokenizer.ggml.eos_token_id", "abc"),
+              "the vocabulary has 103 tokens but token_embd.weight 99 rows": tokenizer(token_list=[
+                  *vocab, "y0", "y1", "y2", "y3"]),
+              "RoPE scaling factor -1.0 must be a positive number": lambda w: w.add_float32(
+                  "llama.rope.scaling.factor", -1.0)}  # fmt: skip
+    for i, (says, extra) in enumerate(models.items()):
+        path = tmp_path / f"m{i}.gguf"
+        write_gguf(path, gguf_ref, "F32", extra)
+        with pytest.raises(CheckpointError, match=f"m{i}.gguf: .*{says}"):
+            load_model(path)

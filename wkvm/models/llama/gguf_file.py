@@ -10,6 +10,7 @@ one RoPE for both formats. Quantization blocks run along rows, so the row order 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import struct
 import sys
@@ -155,36 +156,49 @@ def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def hf_config(meta: dict[str, Any], vocab: int, tied: bool) -> dict[str, Any]:
     """The config.json an HF `LlamaForCausalLM` of these dimensions would have."""
     a = ARCHITECTURE + "."
-    try:
-        heads, width = int(meta[a + "attention.head_count"]), int(meta[a + "embedding_length"])
-        cfg: dict[str, Any] = {
-            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": width,
-            "intermediate_size": int(meta[a + "feed_forward_length"]),
-            "num_hidden_layers": int(meta[a + "block_count"]),
-            "num_attention_heads": heads, "num_key_value_heads": int(meta.get(a + "attention.head_count_kv", heads)),
-            "head_dim": int(meta.get(a + "attention.key_length", width // heads)),
-            "rms_norm_eps": float(meta[a + "attention.layer_norm_rms_epsilon"]), "vocab_size": vocab,
-            "max_position_embeddings": int(meta.get(a + "context_length", 2048)), "tie_word_embeddings": tied,
-            "attention_bias": False, "mlp_bias": False,
-        }  # fmt: skip
-    except KeyError as e:
-        raise CheckpointError(f"GGUF metadata lacks {e}") from None
-    if int(meta.get(a + "attention.value_length", cfg["head_dim"])) != cfg["head_dim"]:
+
+    def number(key: str, default: Any = None, kind: type = int) -> Any:
+        """A metadata number: absent (no default), an array or text is a CheckpointError naming the key (a head
+        count stored as an array had been a TypeError traceback)."""
+        value = meta.get(key, default)
+        if value is None:
+            raise CheckpointError(f"GGUF metadata lacks {key!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise CheckpointError(f"GGUF metadata {key} is {str(value)[:80]!r}: expected a number")
+        return kind(value)
+
+    heads, width = number(a + "attention.head_count"), number(a + "embedding_length")
+    if heads <= 0 or width <= 0:  # 0 heads had been a ZeroDivisionError traceback
+        raise CheckpointError(f"GGUF metadata {a}attention.head_count ({heads}) and embedding_length ({width}) must "
+                              "be positive")  # fmt: skip
+    cfg: dict[str, Any] = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": width,
+        "intermediate_size": number(a + "feed_forward_length"),
+        "num_hidden_layers": number(a + "block_count"),
+        "num_attention_heads": heads, "num_key_value_heads": number(a + "attention.head_count_kv", heads),
+        "head_dim": number(a + "attention.key_length", width // heads),
+        "rms_norm_eps": number(a + "attention.layer_norm_rms_epsilon", kind=float), "vocab_size": vocab,
+        "max_position_embeddings": number(a + "context_length", 2048), "tie_word_embeddings": tied,
+        "attention_bias": False, "mlp_bias": False,
+    }  # fmt: skip
+    if number(a + "attention.value_length", cfg["head_dim"]) != cfg["head_dim"]:
         raise CheckpointError("GGUF key and value head sizes differ: not a Llama wkvm runs")
-    if int(meta.get(a + "rope.dimension_count", cfg["head_dim"])) != cfg["head_dim"]:
+    if number(a + "rope.dimension_count", cfg["head_dim"]) != cfg["head_dim"]:
         raise CheckpointError("GGUF rope.dimension_count != head size: partial rotary embeddings are not supported")
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta.get(a + "rope.freq_base", 10000.0))}
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": number(a + "rope.freq_base", 10000.0, float)}
     # llama.cpp's: an absent type is linear (its factor, if any, applies); "none" never scales, whatever the factor
     scaling = meta.get(a + "rope.scaling.type", "linear")
     factor = meta.get(a + "rope.scaling.factor", meta.get(a + "rope.scale_linear"))
     if scaling == "linear" and factor not in (None, 0.0, 1.0):
-        rope.update(rope_type="linear", factor=float(factor))
+        rope.update(rope_type="linear", factor=number(a + "rope.scaling.factor", factor, float))
+        if not 0 < rope["factor"] < math.inf:  # a negative one scaled positions below zero
+            raise CheckpointError(f"GGUF RoPE scaling factor {rope['factor']} must be a positive number")
     elif scaling not in ("linear", "none"):
-        raise CheckpointError(f"GGUF RoPE scaling {scaling!r} is not supported (none and linear are)")
+        raise CheckpointError(f"GGUF RoPE scaling {str(scaling)[:80]!r} is not supported (none and linear are)")
     cfg["rope_parameters"] = rope
     for key in ("bos", "eos"):
         if f"tokenizer.ggml.{key}_token_id" in meta:
-            cfg[f"{key}_token_id"] = int(meta[f"tokenizer.ggml.{key}_token_id"])
+            cfg[f"{key}_token_id"] = number(f"tokenizer.ggml.{key}_token_id")
     return cfg
 
 
@@ -277,8 +291,16 @@ def read_gguf(path: Path) -> tuple[RawTensors, dict[str, Any]]:
     factors = tensors.pop(ROPE_FREQS, None)
     tokens = field(reader, "tokenizer.ggml.tokens")
     embed = tensors.get(EMBED)
-    vocab = len(tokens) if tokens else int(embed.shape[-1]) if embed is not None else 0
-    config = hf_config(meta, vocab, tied=HEAD not in tensors)
+    rows = int(embed.shape[-1]) if embed is not None else None
+    if isinstance(tokens, list) and tokens and rows is not None and len(tokens) != rows:
+        # llama.cpp refuses it too (token_embd.weight has the wrong shape): it had loaded, then refused every prompt
+        # with a control token past the rows, or decoded ids past the vocabulary as ""
+        raise CheckpointError(f"{path}: the vocabulary has {len(tokens)} tokens but token_embd.weight {rows} rows")
+    vocab = len(tokens) if isinstance(tokens, list) and tokens else rows or 0
+    try:
+        config = hf_config(meta, vocab, tied=HEAD not in tensors)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
     if factors is not None:
         try:
             rope_freqs = np.array(dequantize(factors.data, factors.tensor_type), dtype=np.float64).reshape(-1)

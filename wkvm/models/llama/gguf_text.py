@@ -24,7 +24,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizers
 
 from wkvm.chat_template import ChatTemplate
-from wkvm.models.family import CheckpointError
+from wkvm.models.family import CheckpointError, first_line
 from wkvm.models.llama.gguf_file import field, open_reader
 from wkvm.tokenizer import HFTokenizer
 
@@ -130,10 +130,14 @@ def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
         raise CheckpointError(f"{path}: GGUF tokenizer model {model!r} is not supported (byte-level BPE, 'gpt2', and "
                               "SentencePiece, 'llama', are)")  # fmt: skip
     tokens: list[str] = field(reader, "tokenizer.ggml.tokens")
+    if tokens is not None and not (isinstance(tokens, list) and all(isinstance(t, str) for t in tokens)):
+        raise CheckpointError(f"{path}: tokenizer.ggml.tokens is not a list of strings")
     if not tokens:
         raise CheckpointError(f"{path}: the file carries no vocabulary (tokenizer.ggml.tokens): put the model's "
                               f"tokenizer.json beside it as {Path(path).stem}.tokenizer.json")  # fmt: skip
     types: list[int] = field(reader, "tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
+    if not isinstance(types, list) or not all(isinstance(k, int) for k in types):
+        raise CheckpointError(f"{path}: tokenizer.ggml.token_type is not a list of integers")
     if len(types) != len(tokens):
         raise CheckpointError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
     pre = field(reader, "tokenizer.ggml.pre") or "default"
@@ -146,6 +150,8 @@ def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
         tok = sentencepiece(reader, tokens, types) if model == "llama" else byte_level_bpe(reader, tokens, pre)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
+    except Exception as e:  # tokenizers' own (a merge naming a token the vocabulary lacks): one line, not a traceback
+        raise CheckpointError(f"{path}: the tokenizer metadata does not build ({first_line(str(e), 200)})") from None
     special = (TokenType.CONTROL, TokenType.UNKNOWN) if model == "llama" else (TokenType.CONTROL,)
     marked = [(t, k, k in special or t in END_TEXTS) for t, k in zip(tokens, types, strict=True)]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, _, s in marked if s])
@@ -172,6 +178,8 @@ def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
 
 def byte_level_bpe(reader: Any, tokens: list[str], pre: str) -> HFTokenizers:
     merges: list[str] = field(reader, "tokenizer.ggml.merges") or []
+    if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
+        raise CheckpointError("tokenizer.ggml.merges is not a list of 'left right' strings")
     pairs = [(a, b) for a, b in (m.split(" ", 1) for m in merges)]
     # Llama 3's vocabulary takes a piece that is itself a token whole, before any merge (llama.cpp's ignore_merges for
     # llama-bpe; HF's tokenizer.json says "ignore_merges": true)
