@@ -157,10 +157,13 @@ def test_continue_final_message_prefills_the_reply(client, server):
     assert t["tokens"] == ids
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": messages, "continue_final_message": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    # an empty prefill opens the turn, as transformers' apply_chat_template and vLLM do (it had been a 400; hunt,
+    # session 48)
     empty = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": ""}]
-    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": empty, "continue_final_message": True,
-                                                              "add_generation_prompt": False})  # fmt: skip
-    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    t = httpx.post(f"{server.url}/tokenize", json={"messages": empty, "continue_final_message": True,
+                                                   "add_generation_prompt": False}).json()  # fmt: skip
+    opened = httpx.post(f"{server.url}/detokenize", json={"tokens": t["tokens"]}).json()["prompt"]
+    assert opened == "User: Hello\n\nAssistant:", opened
 
 
 def test_continue_final_message_cuts_the_template_after_the_last_text():
@@ -173,6 +176,8 @@ def test_continue_final_message_cuts_the_template_after_the_last_text():
     for final in ("<", "a", "r>", "Hi </"):  # text the closing marks also hold: cut after the message's own text
         msgs = [*messages[:-1], {"role": "assistant", "content": final}]
         assert render_chat(ctx, msgs, None, False, True) == f"<user>Say hi</user><assistant>{final}", final
+    msgs = [*messages[:-1], {"role": "assistant", "content": ""}]  # the turn opened, as transformers renders it
+    assert render_chat(ctx, msgs, None, False, True) == "<user>Say hi</user><assistant>"
     trims = SimpleNamespace(template=ChatTemplate("{% for m in messages %}[{{ m.content | trim }}]{% endfor %}"))
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "So "}]
     assert render_chat(trims, msgs, None, False, True) == "[Hi][So"  # as transformers cuts a trimmed message

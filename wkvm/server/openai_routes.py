@@ -596,7 +596,9 @@ def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], tools: list[
     final: str = (messages[-1]["content"] or "") if continue_final_message else ""
     if continue_final_message:  # a mark after the last text, cut there (as transformers' apply_chat_template): its
         # text's last match had been taken, inside the template's closing marks when they held it ('<' or 'd')
-        messages = [*messages[:-1], {**messages[-1], "content": f"{final}{CONTINUE_MARK}"}] if final else messages
+        # an empty one too: the turn opened, its prompt ends where the text would start (an empty prefill had been a
+        # 400; transformers and vLLM render it so; hunt, session 48)
+        messages = [*messages[:-1], {**messages[-1], "content": f"{final}{CONTINUE_MARK}"}]
     try:
         text = ctx.template.render(template_messages(messages), add_generation_prompt, tools=tools,
                                    variables=variables)  # fmt: skip
@@ -606,7 +608,7 @@ def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], tools: list[
         raise APIError(400, str(e), "messages", "template_error") from None
     if not continue_final_message:
         return text
-    at = text.rfind(CONTINUE_MARK.strip()) if final else -1
+    at = text.rfind(CONTINUE_MARK.strip())
     if at < 0 or final.strip() not in text[:at]:
         raise APIError(400, "continue_final_message: the last message needs text that the chat template shows as it "
                        "is (it has none, or the template changes it)", "messages", "invalid_value")  # fmt: skip
