@@ -152,6 +152,9 @@ FILTER_CASES = [
     (dict(min_p=0.6), [0, 0, 3 / 7, 4 / 7]),  # below 0.6 * 0.4 = 0.24 goes
     (dict(min_p=0.3), [0, 2 / 9, 3 / 9, 4 / 9]),  # below 0.12 goes
     (dict(temperature=0.5, top_k=3), [0, 4 / 29, 9 / 29, 16 / 29]),  # temperature first, then the filters
+    # min-p, then top-p on what it leaves, as vLLM orders them: 4/7 alone reaches 0.5 (top-p first had kept 3/7 too;
+    # sampling hunt, session 48)
+    (dict(top_p=0.5, min_p=0.6), [0.0, 0.0, 0.0, 1.0]),
 ]
 
 
@@ -174,8 +177,20 @@ PENALTY_CASES = [
     (dict(frequency_penalty=-0.5), [3.0, -1.0, 0.5, 3.5, -2.0]),  # a negative penalty encourages
     # every token seen in the state (4), the prompt (1) or the output (0, 3): positive / 2, negative * 2
     (dict(repetition_penalty=2.0), [1.0, -2.0, 0.5, 1.5, -4.0]),
-    (dict(frequency_penalty=0.5, repetition_penalty=2.0), [0.5, -2.0, 0.5, 1.25, -4.0]),
+    # vLLM's order: repetition first (2 / 2, 3 / 2), then frequency (- 2 * 0.5, - 0.5); the other way round had given
+    # [0.5, -2.0, 0.5, 1.25, -4.0] (sampling hunt, session 48)
+    (dict(frequency_penalty=0.5, repetition_penalty=2.0), [0.0, -2.0, 0.5, 1.0, -4.0]),
 ]
+
+
+def test_top_p_keeps_a_token_while_the_ones_before_it_sum_to_less_than_p():
+    """vLLM's cut: two tokens of exactly 0.5 and top_p 0.5 keep one (the first by id), not both (sampling hunt,
+    session 48); the fused kernel draws the same."""
+    from wkvm.models import fused
+
+    assert filtered_probs(torch.zeros(2), SamplingParams(top_p=0.5)).tolist() == [1.0, 0.0]
+    if fused.available():
+        assert {fused.sample(torch.zeros(2), 1.0, 0, 0.5, 0.0, u) for u in (0.1, 0.6, 0.99)} == {0}
 
 
 @pytest.mark.parametrize("params, expected", PENALTY_CASES, ids=[case_id(p) for p, _ in PENALTY_CASES])

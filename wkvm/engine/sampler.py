@@ -145,47 +145,53 @@ def make_generator(seed: int | None) -> torch.Generator | None:
 
 
 def apply_penalties(logits: torch.Tensor, row: SamplerRow) -> torch.Tensor:
+    """vLLM's order: the repetition penalty (tokens of the state, prompt or output), then the frequency and presence
+    penalties (the output's). They had run the other way round, and the repetition penalty scales a logit, so a
+    request setting both could pick another token than vLLM's (sampling hunt, session 48)."""
     p, vocab = row.params, logits.shape[-1]
-    if p.frequency_penalty or p.presence_penalty:
-        counts = row.output_counts(vocab).to(logits.dtype)
-        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
     if p.repetition_penalty != 1.0:
         rp = p.repetition_penalty
         logits = torch.where(row.seen(vocab), torch.where(logits > 0, logits / rp, logits * rp), logits)
+    if p.frequency_penalty or p.presence_penalty:
+        counts = row.output_counts(vocab).to(logits.dtype)
+        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
 
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p filters; returns a normalized distribution."""
+    """Temperature, then the top-k and min-p filters, then top-p on what they leave (renormalized), as vLLM orders them;
+    returns a normalized distribution. (min-p had come after top-p, which then counted tokens min-p drops: it kept
+    more than vLLM's; sampling hunt, session 48.)"""
     x = logits / p.temperature
     if 0 < p.top_k < x.shape[-1]:
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, -1)
-    if p.top_p < 1.0:
-        probs = top_p_filter(probs, p.top_p)
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    if p.top_p < 1.0:
+        probs = top_p_filter(probs / probs.sum(), p.top_p)
     return probs / probs.sum()
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose probabilities reach top_p (a token is kept when the tokens
-    before it, most likely first, sum to at most top_p). Sorts only the top k tokens, k growing 4x from 64 until they
-    sum past top_p (the tokens after them are all dropped then), not the whole vocabulary. Equal probabilities go
+    before it, most likely first, sum to less than top_p, as vLLM cuts: "at most" had kept one more at an exact tie).
+    Sorts only the top k tokens, k growing 4x from 64 until they reach top_p (the tokens after them are all dropped
+    then), not the whole vocabulary. Equal probabilities go
     lowest token id first, as in the fused kernel (topk's order among ties is its own: with bf16-rounded logits the
     two paths had kept different tokens at the cut), and every token tied with the k-th is a candidate."""
     V, k = probs.shape[-1], 64
     while True:
         k = min(k, V)
         top = torch.topk(probs, k).values
-        if k == V or float(top.sum()) > top_p:
+        if k == V or float(top.sum()) >= top_p:
             break
         k *= 4
     order = torch.nonzero(probs >= top[-1]).view(-1)  # ascending ids
     top, by_value = probs[order].sort(descending=True, stable=True)
     order = order[by_value]
-    keep = (top.cumsum(-1) - top) <= top_p
+    keep = (top.cumsum(-1) - top) < top_p
     return torch.zeros_like(probs).scatter(-1, order, top.masked_fill(~keep, 0.0))
 
 

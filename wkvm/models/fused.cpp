@@ -1120,18 +1120,18 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 }
 
 // One row's token, as the sampler's torch path picks it (apply_penalties, filtered_probs, then draw), to rounding:
-// with `counts` (the output's token counts [V] float), logits - frequency * count - presence * (count > 0); with
-// `seen` (tokens of the state, prompt or output [V] bool), a seen logit divided by `repetition` when positive, else
-// multiplied by it; then / temperature;
-// with 0 < top_k < V, values below the k-th largest dropped (ties with it kept); the softmax's numerators
-// exp(y - max) (0 below max - 87, whose probability is under 2e-38, and for -inf); with top_p < 1, the smallest set of
-// most likely tokens whose probabilities reach top_p (a token is kept when the ones before it sum to at most top_p);
-// with min_p > 0, tokens under min_p times the most likely one's probability dropped; then the first token whose
-// running sum (in index order, double) passes u times the total. Only top_p sorts, and only the tokens that can be
-// kept: a token of probability p with p * V < 1 - top_p never is (the tokens from it on, each at most p, would have to
-// hold 1 - top_p), so those under half that bound are dropped unsorted; past 2,048 candidates (a flat distribution)
-// their sums by value bucket (1/8 octave) find the bucket where p is reached, and only that bucket is sorted.
-// -1 when the total is not finite and positive.
+// with `seen` (tokens of the state, prompt or output [V] bool), a seen logit divided by `repetition` when positive,
+// else multiplied by it; then with `counts` (the output's token counts [V] float), logits - frequency * count -
+// presence * (count > 0) (vLLM's order); then / temperature; with 0 < top_k < V, values below the k-th largest
+// dropped (ties with it kept); the softmax's numerators exp(y - max) (0 below max - 87, whose probability is under
+// 2e-38, and for -inf); with min_p > 0, tokens under min_p times the most likely one's probability dropped; with
+// top_p < 1, the smallest set of the most likely tokens left whose probabilities reach top_p (a token is kept when the
+// ones before it sum to less than top_p, as vLLM cuts); then the first token whose running sum (in index order,
+// double) passes u times the total. Only top_p sorts, and only the tokens that can be kept: a token of probability p
+// with p * V < 1 - top_p never is (the tokens from it on, each at most p, would have to hold 1 - top_p), so those
+// under half that bound are dropped unsorted; past 2,048 candidates (a flat distribution) their sums by value bucket
+// (1/8 octave) find the bucket where p is reached, and only that bucket is sorted. -1 when the total is not finite
+// and positive.
 // One thread: ~V floats three or four times (the torch path took 0.2-0.5 ms a row of 49k in ~15 ops).
 int64_t sample(const at::Tensor& logits, double temperature, int64_t top_k, double top_p, double min_p, double u,
                const std::optional<at::Tensor>& counts, const std::optional<at::Tensor>& seen, double frequency,
@@ -1144,6 +1144,13 @@ int64_t sample(const at::Tensor& logits, double temperature, int64_t top_k, doub
   const float* x = logits.data_ptr<float>();
   const float t = static_cast<float>(temperature);
   std::vector<float> e(x, x + V);
+  if (seen) {
+    TORCH_CHECK(seen->sizes() == logits.sizes() && seen->is_contiguous() && seen->scalar_type() == at::kBool,
+                "seen must be a contiguous bool [V]");
+    const bool* m = seen->data_ptr<bool>();
+    const float r = static_cast<float>(repetition);
+    for (int64_t v = 0; v < V; ++v) e[v] = m[v] ? (e[v] > 0.f ? e[v] / r : e[v] * r) : e[v];
+  }
   if (counts) {
     TORCH_CHECK(counts->sizes() == logits.sizes() && counts->is_contiguous() && counts->scalar_type() == at::kFloat,
                 "counts must be a contiguous float32 [V]");
@@ -1151,13 +1158,6 @@ int64_t sample(const at::Tensor& logits, double temperature, int64_t top_k, doub
     const float f = static_cast<float>(frequency), pr = static_cast<float>(presence);
 #pragma omp simd
     for (int64_t v = 0; v < V; ++v) e[v] = (e[v] - f * c[v]) - pr * (c[v] > 0.f ? 1.f : 0.f);
-  }
-  if (seen) {
-    TORCH_CHECK(seen->sizes() == logits.sizes() && seen->is_contiguous() && seen->scalar_type() == at::kBool,
-                "seen must be a contiguous bool [V]");
-    const bool* m = seen->data_ptr<bool>();
-    const float r = static_cast<float>(repetition);
-    for (int64_t v = 0; v < V; ++v) e[v] = m[v] ? (e[v] > 0.f ? e[v] / r : e[v] * r) : e[v];
   }
   float mx = -INFINITY, bad = 0.f;
 #pragma omp simd reduction(max : mx) reduction(+ : bad)
@@ -1189,6 +1189,17 @@ int64_t sample(const at::Tensor& logits, double temperature, int64_t top_k, doub
     sum += e[v];
   }
   if (!(sum > 0.f) || !std::isfinite(sum)) return -1;
+  if (min_p > 0.0) {  // before top_p, which then measures what min_p leaves (vLLM's order); the most likely token's
+    // numerator is exp(0)
+    const float cut = static_cast<float>(min_p) * wkvm::exp_approx(0.f);
+    float left = 0.f;
+#pragma omp simd reduction(+ : left)
+    for (int64_t v = 0; v < V; ++v) {
+      e[v] = e[v] < cut ? 0.f : e[v];
+      left += e[v];
+    }
+    sum = left;
+  }
   if (top_p < 1.0) {
     const float floor_p = static_cast<float>(0.5 * (1.0 - top_p) / static_cast<double>(V)) * sum;
     std::vector<std::pair<float, int64_t>> kept;
@@ -1208,7 +1219,7 @@ int64_t sample(const at::Tensor& logits, double temperature, int64_t top_k, doub
       for (const auto& [p, v] : kept) bucket_sum[bucket(p)] += p;
       int cut = -1;  // the bucket where the running sum from the top passes the limit
       for (int b = static_cast<int>(bucket_sum.size()) - 1; b >= 0; --b) {
-        if (before + bucket_sum[b] > limit) {
+        if (before + bucket_sum[b] >= limit) {
           cut = b;
           break;
         }
@@ -1233,14 +1244,9 @@ int64_t sample(const at::Tensor& logits, double temperature, int64_t top_k, doub
       return a.first != b.first ? a.first > b.first : a.second < b.second;
     });
     for (const auto& [p, v] : kept) {
-      if (before > limit) e[v] = 0.f;
+      if (before >= limit) e[v] = 0.f;  // kept while the ones before it sum to less than p (vLLM's cut)
       before += p;
     }
-  }
-  if (min_p > 0.0) {  // the most likely token's numerator is exp(0)
-    const float cut = static_cast<float>(min_p) * wkvm::exp_approx(0.f);
-#pragma omp simd
-    for (int64_t v = 0; v < V; ++v) e[v] = e[v] < cut ? 0.f : e[v];
   }
   constexpr int64_t BLOCK = 256;  // block sums first, then the walk inside one block
   const int64_t nb = (V + BLOCK - 1) / BLOCK;
