@@ -131,6 +131,17 @@ def test_tenants_never_see_each_other(server):
     assert "secret@1" in [s["handle"] for s in alice.get("/v1/states").json()["data"]]
 
 
+def test_a_tenant_quota_is_each_tenants_own(tiny_pth, tmp_path):
+    """--state-tenant-quota: a tenant's saves count against its own room only; its 413 names its own figures (with one
+    shared --state-disk-quota a tenant without states got 413 once another filled it; security hunt, session 48)."""
+    with LiveServer(model=str(tiny_pth), api_keys=KEYS, state_dir=str(tmp_path / "s"), state_tenant_quota=1) as s:
+        for key in KEYS:
+            r = httpx.post(f"{s.url}/v1/states", json={"name": "x", "prompt_ids": [1, 2]},
+                           headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+            assert r.status_code == 413 and r.json()["error"]["code"] == "state_quota_exceeded", r.text
+            assert "your states use 0 of your 1 bytes (--state-tenant-quota)" in r.json()["error"]["message"]
+
+
 def test_export_one_process_import_another(server, tiny_pth, tmp_path):
     c = client(server)
     c.post("/v1/states", json={"name": "mover", "prompt_ids": [9, 8, 7, 6]})

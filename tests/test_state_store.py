@@ -898,7 +898,7 @@ def test_the_room_a_state_asks_for_never_depends_on_another_tenants_histories(mo
             store.put("key-a", "secret", random_state(model.spec, 1), history)
         seen: list[int] = []
         room = store.usage.user_room
-        store.usage.user_room = lambda blob, new, index: seen.append(new) or room(blob, new, index)
+        store.usage.user_room = lambda blob, new, index, *a, **k: seen.append(new) or room(blob, new, index, *a, **k)
         mine = store.put("key-b", "guess", random_state(model.spec, 2), history)
         store.fork("key-b", mine.handle, "again")
         store.put("key-b", "guess", random_state(model.spec, 3), history)  # its own history now: no new room
@@ -1120,3 +1120,36 @@ def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_one_tenants_saves_never_fill_another_tenants_room(model, tmp_path):
+    """--state-tenant-quota (security hunt, session 48: with one shared --state-disk-quota, a tenant with no state got
+    413 once another filled it, and watched the other's deletes turn its 413 into 200). Each tenant's files count
+    against its own quota; its 413 names its own figures only; a fork adds no file and is taken; internal states
+    (checkpoints) do not count; deleting frees the tenant's room; a restart counts the same."""
+    file_bytes = len(statefile.encode(model.spec, statefile.unbatch(random_state(model.spec, 0)),
+                                      statefile.StateMeta(model.fingerprint, model.spec.spec_hash, [1, 2, 3], "x", 1)))
+    limits = StoreLimits(tenant_bytes=3 * file_bytes + file_bytes // 2)
+    root = tmp_path / "tenants"
+    store = StateStore(root, model.spec, model.fingerprint, limits=limits)
+    for i in range(3):
+        store.put("alice", f"s{i}", random_state(model.spec, i), [1, 2, 3])
+    own = r"your states use \d+ of your \d+ bytes \(--state-tenant-quota\)"
+    with pytest.raises(QuotaExceeded, match=own) as refused:
+        store.put("alice", "s3", random_state(model.spec, 3), [1, 2, 3])
+    assert "bob" not in str(refused.value) and store.list("alice") and len(store.list("alice")) == 3
+    with pytest.raises(QuotaExceeded):
+        store.check_room("alice", 3)
+    store.fork("alice", "s0", "copy")  # the same file: nothing added
+    assert store.put("alice#ckpt", "c", random_state(model.spec, 9), [1, 2, 3], durable=False) is not None
+    for i in range(3):  # bob's room is his own
+        store.put("bob", f"s{i}", random_state(model.spec, 10 + i), [1, 2, 3])
+    store.check_room("bob#ckpt", 3)
+    store.delete("alice", "s1")
+    store.put("alice", "s3", random_state(model.spec, 3), [1, 2, 3])  # the delete freed alice's room
+    store.close()
+    reopened = StateStore(root, model.spec, model.fingerprint, limits=limits)
+    with pytest.raises(QuotaExceeded, match="--state-tenant-quota"):
+        reopened.put("alice", "s4", random_state(model.spec, 4), [1, 2, 3])
+    reopened.put("carol", "s0", random_state(model.spec, 20), [1, 2, 3])
+    reopened.close()

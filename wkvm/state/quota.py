@@ -34,15 +34,16 @@ class StoreLimits:
     device_bytes: int = 256 << 20
     host_bytes: int = 1 << 30
     disk_bytes: int | None = None  # quota on users' state files plus the index; None = unlimited
+    tenant_bytes: int | None = None  # quota on one tenant's state files (--state-tenant-quota); None = unlimited
     internal_bytes: int | None = None  # budget of internal states (RAM and disk): --checkpoint-bytes; None = unlimited
     kv_tokens: int = 1 << 16  # attention models: most cached tokens one stored state holds (--max-state-tokens)
 
     @classmethod
     def from_config(cls, cfg: ServerConfig) -> StoreLimits:
-        """From a ServerConfig: --state-device-bytes, --state-host-bytes, --state-disk-quota, --checkpoint-bytes,
-        --max-state-tokens."""
-        return cls(cfg.state_device_bytes, cfg.state_host_bytes, cfg.state_disk_quota, cfg.checkpoint_bytes,
-                   cfg.max_state_tokens)  # fmt: skip
+        """From a ServerConfig: --state-device-bytes, --state-host-bytes, --state-disk-quota, --state-tenant-quota,
+        --checkpoint-bytes, --max-state-tokens."""
+        return cls(cfg.state_device_bytes, cfg.state_host_bytes, cfg.state_disk_quota, cfg.state_tenant_quota,
+                   cfg.checkpoint_bytes, cfg.max_state_tokens)  # fmt: skip
 
 
 def state_file_bytes(spec: StateSpec, n_tokens: int) -> int:
@@ -55,11 +56,18 @@ def is_internal(owner: str) -> bool:
     return "#" in owner
 
 
+def tenant_of_blob(blob: str) -> str:
+    """The tenant part of a blob's name (blobs.blob_tenant; "" for the default tenant's)."""
+    return blob.rpartition("-")[0]
+
+
 class DiskUsage:
-    def __init__(self, quota: int | None, internal_budget: int | None):
+    def __init__(self, quota: int | None, internal_budget: int | None, tenant_quota: int | None = None):
         self.quota = quota  # None: unlimited
         self.budget = internal_budget  # None: unlimited
+        self.tenant_quota = tenant_quota  # one tenant's user files; None: unlimited
         self.user: dict[str, int] = {}  # user blob -> bytes of its file
+        self.tenant_bytes: dict[str, int] = {}  # blob_tenant -> bytes of its user blobs
         self.internal: OrderedDict[str, int] = OrderedDict()  # internal blob -> bytes (file, else estimate); LRU first
         self.internal_files: set[str] = set()  # internal blobs with a file on disk
         self.user_bytes = 0
@@ -86,6 +94,8 @@ class DiskUsage:
         self.forget(blob)
         self.user[blob] = size
         self.user_bytes += size
+        tenant = tenant_of_blob(blob)
+        self.tenant_bytes[tenant] = self.tenant_bytes.get(tenant, 0) + size
 
     def add_internal(self, blob: str, size: int, on_disk: bool) -> None:
         """A blob only internal records reference: `size` is its file's bytes, or an estimate while RAM holds it."""
@@ -105,21 +115,36 @@ class DiskUsage:
                 self.touch(r.blob)
 
     def forget(self, blob: str) -> None:
-        self.user_bytes -= self.user.pop(blob, 0)
+        size = self.user.pop(blob, 0)
+        self.user_bytes -= size
+        if size:
+            tenant = tenant_of_blob(blob)
+            self.tenant_bytes[tenant] -= size
+            if not self.tenant_bytes[tenant]:
+                del self.tenant_bytes[tenant]
         self.internal.pop(blob, None)
         self.internal_files.discard(blob)
 
-    def user_room(self, blob: str, new_bytes: int, index_bytes: int) -> list[str]:
+    def user_room(self, blob: str, new_bytes: int, index_bytes: int, tenant: str | None = None,
+                  file_bytes: int = 0) -> list[str]:  # fmt: skip
         """Internal files to evict so that user `blob`, adding `new_bytes` to users' bytes (its file, if not theirs
-        yet, and the index's growth), fits; QuotaExceeded if users' states, the index and it exceed the quota."""
+        yet, and the index's growth), fits; QuotaExceeded if users' states, the index and it exceed the quota, or the
+        tenant's files (`tenant`: blob_tenant, else the blob's) and its new file's `file_bytes` its own quota."""
+        tenant = tenant_of_blob(blob) if tenant is None else tenant
+        held = self.tenant_bytes.get(tenant, 0)
+        if self.tenant_quota is not None and file_bytes and held + file_bytes > self.tenant_quota:
+            raise QuotaExceeded(  # its own figures only: another tenant's saves never show here
+                f"your states use {held} of your {self.tenant_quota} bytes (--state-tenant-quota) and this one needs "
+                f"{file_bytes} more: delete states you no longer need"
+            )
         if self.quota is None:
             return []
         need = self.user_bytes + index_bytes + new_bytes
         if need > self.quota:
             raise QuotaExceeded(
-                f"the state disk quota ({self.quota} bytes) is full: this state needs {new_bytes} bytes, more than "
-                "is left; delete states or raise --state-disk-quota"  # not the total held: every tenant's saves
-            )
+                f"the server's state disk quota ({self.quota} bytes, every tenant's states together) is full: this "
+                f"state needs {new_bytes} bytes, more than is left; delete states or raise --state-disk-quota"
+            )  # not the total held: every tenant's saves
         return self._victims(None, need + self.internal_file_bytes() - self._file_size(blob), blob)[0]
 
     def footprint(self, blob: str) -> tuple[int, int]:

@@ -29,7 +29,7 @@ import torch
 
 from wkvm.models.spec import State, StateSpec
 from wkvm.state import statefile
-from wkvm.state.blobs import BlobFiles, DigestMemo, blob_digest, blob_name, is_disk_full
+from wkvm.state.blobs import BlobFiles, DigestMemo, blob_digest, blob_name, blob_tenant, is_disk_full
 from wkvm.state.dir_lock import StateDirInUse, lock_dir, unlock_dir
 from wkvm.state.index import StateIndex, StateRecord
 from wkvm.state.quota import INDEX_COMMIT_BYTES, DiskUsage, QuotaExceeded, StoreLimits, is_internal, state_file_bytes
@@ -136,7 +136,7 @@ class StateStore:
         self._pinned = self.index.pinned_blobs()
         self.device_cache = TierCache(self.limits.device_bytes, lambda b: b in self._pinned)
         self.host_cache = TierCache(self.limits.host_bytes, lambda b: b in self._pinned)
-        self.usage = DiskUsage(self.limits.disk_bytes, self.limits.internal_bytes)
+        self.usage = DiskUsage(self.limits.disk_bytes, self.limits.internal_bytes, self.limits.tenant_bytes)
         self._unwritten: dict[str, tuple[State, StateMeta]] = {}  # write-back states not on disk yet
         self._lost: set[str] = set()  # blobs gone whose records a full disk kept the index from deleting
         self._deletes: list[tuple[str, str, int]] = []  # records deleted whose commit a full disk refused
@@ -351,7 +351,7 @@ class StateStore:
         else:
             data = statefile.encode(self.spec, tensors, meta, digest=blob_digest(blob))
             size = new = len(data)
-        for b in self.usage.user_room(blob, new + index_growth, self._index_bytes()):
+        for b in self.usage.user_room(blob, new + index_growth, self._index_bytes(), file_bytes=new):
             self._evict(b)
         if data is not None:
             self._unwritten.pop(blob, None)
@@ -367,7 +367,8 @@ class StateStore:
         """Raise QuotaExceeded now if a new state of `owner` could not be stored (checked before generating one to
         save); internal files do not count: they would be evicted."""
         if not is_internal(owner):
-            self.usage.user_room("", state_file_bytes(self.spec, n_tokens) + INDEX_COMMIT_BYTES, self._index_bytes())
+            size = state_file_bytes(self.spec, n_tokens)
+            self.usage.user_room("", size + INDEX_COMMIT_BYTES, self._index_bytes(), blob_tenant(owner), size)
 
     def _index_growth(self, owner: str, digest: str, n_tokens: int) -> int:
         """A new history (int32 ids) lands in the WAL, then in the database. Counted as new unless one of `owner`'s
