@@ -24,7 +24,7 @@ from wkvm.engine.engine import Engine
 from wkvm.models import registry
 from wkvm.sampling_params import SamplingParams
 from wkvm.server.handover import STATES, HandoverError, Ticket, decode, encode
-from wkvm.server.openai_routes import reuse_scope
+from wkvm.state.sessions import reuse_scope
 from wkvm.weights.loader import load_model, load_text_tools
 
 FAMILIES = all_families()

@@ -133,7 +133,7 @@ class LiveStream:
     handles: list[RequestHandle]  # one per choice of `ticket.choices`, in that order
     ticket: Ticket
     why_not: str | None = None  # set when this stream cannot move
-    scope: str = ""  # whose checkpoints it makes (openai_routes.reuse_scope)
+    scope: str = ""  # whose checkpoints it makes (sessions.reuse_scope)
     to: str | None = None  # where it is moving (once asked)
     out_id: str | None = None  # its ticket's id, when the mover named it (the cluster front waits for it by that id)
     pushed: bool = False  # its ticket went out the moment it stopped (Handovers.move's `push`)

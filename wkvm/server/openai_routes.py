@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -46,7 +45,7 @@ from wkvm.server.tools import (
     tool_mode,
     unenforceable_tool,
 )
-from wkvm.state.sessions import ChatMeta, Plan
+from wkvm.state.sessions import ChatMeta, Plan, reuse_scope
 from wkvm.state.statefile import valid_name
 from wkvm.state.store import QuotaExceeded, StateNotFound
 
@@ -60,16 +59,6 @@ def check_model(ctx: ServerContext, model: str | None) -> None:
     if model not in (None, "", ctx.model_name):
         raise APIError(404, f"model {model!r} not found; this server serves {ctx.model_name!r}", "model",
                        "model_not_found")  # fmt: skip
-
-
-def reuse_scope(tenant: str, user: str | None, cache_salt: str | None) -> str:
-    """Whose checkpoints a request may resume from: the tenant (API key, Open WebUI user), narrowed by the
-    request's `user` and `cache_salt`, so reuse (and its latency) never confirms another user's prompt."""
-    scope = tenant
-    for tag, value in (("u", user), ("salt", cache_salt)):
-        if value:
-            scope += f"/{tag}-{hashlib.sha256(value.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
-    return scope
 
 
 def save_final(ctx: ServerContext, tenant: str, name: str, parent: str | None, h: RequestHandle,

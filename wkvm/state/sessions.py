@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -30,6 +31,25 @@ HEADER_MODE = "x-wkvm-stateful-chat"
 HEADER_TASK = "x-wkvm-task"  # Open WebUI's {{TASK}}: title_generation, tags_generation, ... ('' on a chat turn)
 PARENT_TOKEN_V1 = "parent-token-v1"
 RESERVATION_S = 30.0
+SCOPE_TAGS = re.compile(r"/(?:u|salt)-[0-9a-f]{16}")  # what reuse_scope adds to a tenant (a request's user, salt)
+
+
+def reuse_scope(tenant: str, user: str | None, cache_salt: str | None) -> str:
+    """Whose checkpoints a request may resume from: the tenant (API key, Open WebUI user), narrowed by the
+    request's `user` and `cache_salt`, so reuse (and its latency) never confirms another user's prompt."""
+    scope = tenant
+    for tag, value in (("u", user), ("salt", cache_salt)):
+        if value:
+            scope += f"/{tag}-{hashlib.sha256(value.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
+    return scope
+
+
+def session_tenant(scope: str) -> str:
+    """The tenant (API key, Open WebUI user) of a reuse scope: the scope without the tags `reuse_scope` narrowed it
+    by (each a hash, so no client text can look like one)."""
+    return SCOPE_TAGS.sub("", scope)
+
+
 SessionKey = tuple[str, str, str]  # (reuse scope: the tenant narrowed by `user` and `cache_salt`, Open WebUI user id,
 # chat id): a session parked under one scope is never resumed under another
 
@@ -517,8 +537,15 @@ class ChatSessions:
             self._drop(k)
         self.sessions[key] = sess
         while len(self.sessions) > self.config.max_chat_sessions:
-            victim = next(iter(self.sessions))
-            self._drop(victim)
+            self._drop(self._victim())
+
+    def _victim(self) -> SessionKey:
+        """The session to make room with: the least recently used one of the tenant holding the most. Least recently
+        used across tenants, one key's flood of new chats had pushed every other tenant's parked chats out (their
+        next turns restarted: slower, and `restart_reason` told them others were busy; security hunt, session 48)."""
+        counts = Counter(session_tenant(k[0]) for k in self.sessions)
+        most = max(counts.values())
+        return next(k for k in self.sessions if counts[session_tenant(k[0])] == most)
 
     def _drop(self, key: SessionKey) -> None:
         sess = self.sessions.pop(key, None)
