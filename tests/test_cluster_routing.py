@@ -315,6 +315,7 @@ class FakeReplicas:
         self.served: list[str] = []
         self.chunks, self.fail_after = chunks or [b'{"ok": true}'], fail_after
         self.adopt_reply = None  # what a destination's adopt answers instead of adopting (it keeps nothing then)
+        self.status = 200  # what `http` answers
 
     def options(self, **kwargs):
         return self
@@ -345,7 +346,7 @@ class FakeReplicas:
                 if self.items is None:
                     replicas.served.append(slot)
                     kind = b"text/event-stream" if replicas.fail_after is not None else b"application/json"
-                    self.items = [Head(200, [(b"content-type", kind)], slot), *replicas.chunks]
+                    self.items = [Head(replicas.status, [(b"content-type", kind)], slot), *replicas.chunks]
                     self.sent = 0
                 if not self.items:
                     raise StopAsyncIteration
@@ -425,6 +426,48 @@ def test_a_state_whose_owner_is_restarting_waits_for_it(monkeypatch):
             assert (await back).status_code == 200 and engine.served == ["r0"]
 
     asyncio.run(run())
+
+
+def test_a_new_name_whose_first_request_failed_keeps_no_owner():
+    """Cluster hunt (session 48): the claim a create makes before it is forwarded stayed when the create failed (a 4xx:
+    nothing saved): a name refused by a full replica went back there ever after, and unique names grew the directory
+    without bound. A failed claim is forgotten; one a success confirmed (or re-made, where another request saved the
+    name there meanwhile) stays."""
+    import httpx
+
+    from wkvm.cluster.front import build_front_app
+
+    d, engine, front = cluster_front()
+    key = state_key("anonymous", "X")
+
+    async def run():
+        transport = httpx.ASGITransport(app=build_front_app(front))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            engine.status = 413
+            r = await c.post("/v1/states", json={"name": "X", "prompt": "hi"})
+            assert r.status_code == 413
+            await asyncio.sleep(0.05)
+            assert d.lookup(key) == (None, None) and not d.tentative
+            engine.status = 200
+            r = await c.post("/v1/states", json={"name": "X", "prompt": "hi"})
+            assert r.status_code == 200
+            await asyncio.sleep(0.05)
+            owner = d.lookup(key)[0]
+            assert owner is not None and not d.tentative
+            engine.status = 400  # a later failure does not unbind a name that exists
+            await c.post("/v1/completions", json={"prompt": "x", "save_state": "X"})
+            await asyncio.sleep(0.05)
+            assert d.lookup(key)[0] == owner
+
+    asyncio.run(run())
+    d.claim_owner(state_key("anonymous", "Y"), "r1")  # a failed claim's unclaim after a success there meanwhile
+    d.confirm(state_key("anonymous", "Y"), "r1")
+    d.unclaim(state_key("anonymous", "Y"), "r1")
+    assert d.lookup(state_key("anonymous", "Y"))[0] == "r1"
+    d.claim_owner(state_key("anonymous", "Z"), "r0")
+    d.unclaim(state_key("anonymous", "Z"), "r0")
+    d.confirm(state_key("anonymous", "Z"), "r0")  # the success landed after the failure's unclaim
+    assert d.lookup(state_key("anonymous", "Z"))[0] == "r0"
 
 
 def test_two_moves_of_one_name_leave_it_where_the_last_put_it():

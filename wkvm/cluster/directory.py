@@ -38,6 +38,7 @@ class Directory:
     slots: dict[str, Slot] = field(default_factory=dict)
     owners: dict[str, str] = field(default_factory=dict)  # route key -> slot name
     soft: OrderedDict[str, None] = field(default_factory=OrderedDict)  # owners' soft keys, least recently used first
+    tentative: set[str] = field(default_factory=set)  # names claimed by a first request not yet answered (`unclaim`)
     stream_moves: int = 0  # running streams handed over, over the application's life (fronts restart too)
     parked: OrderedDict[str, tuple[str, Any, int]] = field(default_factory=OrderedDict)  # key -> slot, copy, bytes
     parked_bytes: int = 0
@@ -111,6 +112,7 @@ class Directory:
 
     def record(self, key: str, slot: str) -> None:
         self.owners[key] = slot
+        self.tentative.discard(key)
         self._bound(key)
 
     def record_if(self, key: str, expect: str, slot: str) -> bool:
@@ -137,7 +139,24 @@ class Directory:
         if key not in self.owners:
             self.owners[key] = slot
             self._bound(key)
+            if not key.startswith(SOFT_PREFIXES):
+                self.tentative.add(key)
         return self.lookup(key)
+
+    def confirm(self, key: str, slot: str) -> None:
+        """A request for `key` answered without an error on `slot`: a claim stands (and an owner an `unclaim`
+        forgot meanwhile is `slot` again: the request that claimed it failed while this one saved there)."""
+        self.tentative.discard(key)
+        if key not in self.owners:
+            self.record(key, slot)
+
+    def unclaim(self, key: str, slot: str) -> None:
+        """The request that claimed `key` for `slot` failed (a 4xx: nothing was saved) and none has confirmed it:
+        forgotten. Every failed create of a new name had kept its owner for the application's life: a name refused
+        by a full replica went back there ever after, and unique names grew the directory without bound (cluster
+        hunt, session 48)."""
+        if key in self.tentative and self.owners.get(key) == slot:
+            self.forget(key)
 
     def stop_app(self) -> None:
         self.stopping = True
@@ -148,6 +167,7 @@ class Directory:
     def forget(self, key: str) -> None:
         self.owners.pop(key, None)
         self.soft.pop(key, None)
+        self.tentative.discard(key)
 
     def park_session(self, key: str, slot: str, copy: Any, nbytes: int) -> None:
         """A replica's parked chat session (`sessions.ParkedCopy`), for any replica its next turn lands on."""

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from wkvm.cluster.directory import base_ticket, pushed_ticket
+from wkvm.cluster.directory import SOFT_PREFIXES, base_ticket, pushed_ticket
 from wkvm.cluster.forward import (
     DISK_FULL_REPLY,
     EXISTS_REPLY,
@@ -232,6 +232,12 @@ class Front:
         self.metrics.routed.labels(outcome(route.key, None if claimed else slot, head.replica)).inc()
         if route.key is not None and head.replica != slot and head.status < 400:
             await self.directory.record.remote(route.key, head.replica)
+        elif route.key is not None and route.claims and not route.key.startswith(SOFT_PREFIXES):  # a name: not
+            # awaited (an actor runs one caller's calls in order)
+            if head.status < 400:
+                self.directory.confirm.remote(route.key, head.replica)
+            elif claimed:
+                self.directory.unclaim.remote(route.key, slot)
         if response_id is not None and head.status < 400:  # not awaited: an actor runs one caller's calls in order
             self.directory.record.remote(response_key(self.tenant(request), response_id), head.replica)
         if moved_to(head) is not None:  # a request answered whole that its replica moved (it is stopping)
