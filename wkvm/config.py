@@ -140,7 +140,9 @@ class ServerConfig:
                                  "generative model (e.g. models/all-MiniLM-L6-v2, from `make minilm`)")
     # the engine's settings take EngineConfig's defaults: one source
     slots: int = opt(EngineConfig.n_slots, "state slots: sequences running at once")
-    max_queue: int = opt(EngineConfig.max_queue, "waiting requests beyond which the server answers 429")
+    max_queue: int = opt(EngineConfig.max_queue, "waiting requests beyond which the server answers 429; each choice "
+                         "of a request takes a place (and, with n > 1, one shared prefill per prompt), so a request "
+                         "needing more places than this is a 400")
     token_budget: int | None = opt(None, "tokens per engine step (decode + prefill), at least --slots "
                                    f"(default: {EngineConfig.token_budget}, or --slots where that is more)")
     prefill_chunk: int = opt(EngineConfig.prefill_chunk, "most prompt tokens one request feeds per step")
