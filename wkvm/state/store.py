@@ -70,6 +70,9 @@ class PinNoRoom(RuntimeError):
     """A pin of a state that cannot be held in RAM: the device and host tiers are full of pinned states."""
 
 
+DISK_FULL_WHY = "the disk is full"  # why a checkpoint was not kept, where no limit of wkvm's is at fault
+
+
 class DiskFull(RuntimeError):
     """The state directory's file system is full (a file or the index could not be written): nothing was stored."""
 
@@ -281,7 +284,7 @@ class StateStore:
                 if not self.index.blob_owners(blob):
                     self._remove_blob(blob)
                 if internal and is_disk_full(e):  # a cache entry: not kept, as when it does not fit
-                    self._not_kept(len(ids), "the disk is full")
+                    self._not_kept(len(ids), DISK_FULL_WHY)
                     return None
                 raise
             self._lost.discard(blob)  # its file is back: records of it dropped on a full disk may show again
@@ -299,9 +302,9 @@ class StateStore:
         whose checkpoint fits nowhere: every later turn ran fresh), then at DEBUG."""
         self.internal_not_kept += 1
         level = logging.WARNING if self.internal_not_kept == 1 else logging.DEBUG
+        fix = "free disk space" if why == DISK_FULL_WHY else "raise the limit for reuse at that length"
         log.log(level, "a reuse checkpoint of %d tokens was not kept: %s. Answers are unchanged; prompts past it are "
-                "computed afresh (raise the limit for reuse at that length; later ones are logged at debug level)",
-                n_tokens, why)  # fmt: skip
+                "computed afresh (%s; later ones are logged at debug level)", n_tokens, why, fix)  # fmt: skip
 
     @property
     def max_tokens(self) -> int:
