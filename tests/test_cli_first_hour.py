@@ -374,3 +374,56 @@ def test_a_message_that_begins_with_a_slash_is_sent_with_two(tmp_path, capsys):
     repl = chat(tmp_path)
     repl.run(["//etc is a folder", "/quit"])
     assert repl.messages[0] == {"role": "user", "content": "/etc is a folder"} and len(repl.messages) == 2
+
+
+def test_the_first_hours_slips_get_one_line_that_names_the_fix(tmp_path, capsys, monkeypatch):
+    """CLI hunt (session 48): serve's limit errors named Python fields ("max_queue must be at least 1"); 0 chat sessions
+    started, then made every parked chat a 500; an empty WKVM_STATE_DIR kept the states in the current directory;
+    --api-key-file on a directory said only "[Errno 21]"; `states` against no server said "ConnectError", and its
+    import given a NAME argument "expected 1 argument(s)"; `generate -` generated from the text "-"; the
+    `make serve` alias and the embedding model given as --model named no way out; /save without a NAME printed the
+    whole help."""
+    for flags, says in ((["--max-queue", "0"], "--max-queue must be at least 1"),
+                        (["--max-chat-sessions", "0"], "--max-chat-sessions must be at least 1"),
+                        (["--token-budget", "1", "--slots", "2"], "--token-budget (1) must be at least --slots (2)"),
+                        (["--api-key-file", str(tmp_path)], f"--api-key-file {tmp_path}: Is a directory"),
+                        (["--model", "smollm2"], "'smollm2' is a `make serve` alias"),
+                        (["--model", str(ROOT / "models" / "no-such-model")], "does not exist")):  # fmt: skip
+        assert main(["serve", *flags]) == 2
+        assert says in capsys.readouterr().err, flags
+    assert ServerConfig(state_dir="").state_dir is None  # the default: a temporary directory
+    port = free_port()  # nothing listens there
+    assert main(["states", "ls", "--url", f"http://127.0.0.1:{port}"]) == 2
+    assert f"no server answers at http://127.0.0.1:{port}" in capsys.readouterr().err
+    assert main(["states", "import", "a.state", "b", "--url", f"http://127.0.0.1:{port}"]) == 2
+    assert "wkvm states import FILE [--name NAME]" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", __import__("io").StringIO("ROMEO:\n"))
+    assert main(["generate", "-", "--max-tokens", "4", "--temperature", "0", "--json"]) == 0
+    piped = json.loads(capsys.readouterr().out)
+    assert main(["generate", "ROMEO:", "--max-tokens", "4", "--temperature", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == piped  # the text less the line end `echo` adds
+    repl = chat(tmp_path)
+    for cmd, says in (("/save", "(/save needs a NAME"), ("/load", "(/load needs a NAME"),
+                      ("/states", "(no saved states yet")):  # fmt: skip
+        assert repl.command(cmd)
+        assert says in capsys.readouterr().out
+    repl.store.close()
+
+
+def test_without_torch_a_command_says_so_in_one_line(tmp_path):
+    """CLI hunt (session 48): a machine without torch got two tracebacks, the last naming httpx, and `wkvm doctor`
+    printed none of its checks."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class NoTorch:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch' or name.startswith('torch.'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, NoTorch())\n")  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    r = subprocess.run([sys.executable, "-m", "wkvm", "generate", "hi"], capture_output=True, text=True, env=env,
+                       timeout=120)  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("wkvm generate: torch is not installed: install torch==2.13.0")
+    r = subprocess.run([sys.executable, "-m", "wkvm", "doctor"], capture_output=True, text=True, env=env, timeout=120)
+    assert "Traceback" not in r.stderr and "[FAIL] torch" in r.stdout and "torch is not installed" in r.stdout, r

@@ -95,7 +95,11 @@ def read_api_keys(args: argparse.Namespace) -> list[str]:
     point listens on every interface once a key is configured."""
     keys = [k.strip() for k in (args.api_key or "").split(",") if k.strip()]
     if args.api_key_file:
-        for line in Path(args.api_key_file).read_text().splitlines():
+        try:
+            text = Path(args.api_key_file).read_text()
+        except OSError as e:  # "[Errno 21] Is a directory: '/tmp'" had named no option
+            raise ValueError(f"--api-key-file {args.api_key_file}: {e.strerror or e}") from None
+        for line in text.splitlines():
             line = line.strip()
             if line and not line.startswith("#"):  # '#' inside a key is part of the key
                 keys.append(line)
@@ -103,6 +107,19 @@ def read_api_keys(args: argparse.Namespace) -> list[str]:
         raise ValueError("--api-key / --api-key-file (or WKVM_API_KEY / WKVM_API_KEY_FILE) holds no key, only blanks "
                          "or comments: give a key, or leave the option out to serve without one")  # fmt: skip
     return keys
+
+
+def flag_names(message: str, settings: dict[str, object]) -> str:
+    """A ServerConfig message with its field names as the flags that set them: `token_budget (1) must be at least
+    slots (2)` -> `--token-budget (1) must be at least --slots (2)` (CLI hunt, session 48). Names with an underscore
+    anywhere; a one-word name only where it starts the message or follows "at least" (plain words elsewhere)."""
+    for name in sorted(settings, key=len, reverse=True):
+        flag = "--" + name.replace("_", "-")
+        if "_" in name:
+            message = re.sub(rf"(?<![\w-]){name}(?!\w)", flag, message)
+        else:
+            message = re.sub(rf"^{name}\b|(?<=at least ){name}\b", flag, message)
+    return message
 
 
 def check_port(host: str, port: int) -> None:
@@ -148,13 +165,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.state_dir and Path(args.state_dir).exists() and not Path(args.state_dir).is_dir():
         raise ValueError(f"--state-dir {args.state_dir}: not a directory")  # before the port is bound, not after
     keys = read_api_keys(args)
-    if not is_loopback(args.host) and not keys:
-        log.warning("binding %s without an API key: anyone who can reach this port can use the server", args.host)
     from dataclasses import fields
 
     settings = {f.name: getattr(args, f.name) for f in fields(ServerConfig) if "help" in f.metadata}
-    config = ServerConfig(**{**settings, "model": model, "api_keys": keys})
+    try:
+        config = ServerConfig(**{**settings, "model": model, "api_keys": keys})
+    except ValueError as e:  # its messages name fields ("max_queue must be at least 1"): here, the flags
+        raise ValueError(flag_names(str(e), settings)) from None
     check_port(args.host, args.port)  # after the settings' own checks: those errors do not depend on the port
+    if not is_loopback(args.host) and not keys:  # once the port is known to bind (it had warned, then failed)
+        log.warning("binding %s without an API key: anyone who can reach this port can use the server (set "
+                    "WKVM_API_KEY or --api-key-file)", args.host)  # fmt: skip
     if config.replicas:
         from wkvm.cluster import launch
 
@@ -271,8 +292,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = [int(t) for t in args.prompt_ids.split(",")] if args.prompt_ids else args.prompt
     except ValueError:
         raise ValueError(f"--prompt-ids {args.prompt_ids[:80]!r}: give integer token ids, comma-separated") from None
+    if prompt == "-":  # the text from standard input (it had generated from the text "-"), less the one line end
+        prompt = sys.stdin.read().removesuffix("\n")  # `echo` adds
     if prompt is None:
-        print("wkvm generate: give a prompt or --prompt-ids", file=sys.stderr)
+        print("wkvm generate: give a prompt (- reads it from standard input) or --prompt-ids", file=sys.stderr)
         return 2
     params = sampling_params(args)  # checked before the model loads
     llm = LLM(model=args.model or default_model(), dtype=args.dtype)
@@ -428,7 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generate", help="generate from a prompt")
-    g.add_argument("prompt", nargs="?", help="text to continue (or give --prompt-ids)")
+    g.add_argument("prompt", nargs="?", help="text to continue; - reads it from standard input, less a last line end "
+                   "(or give --prompt-ids)")
     add_model_flags(g)
     g.add_argument("--prompt-ids", help="comma-separated token ids instead of text")
     add_sampling_flags(g)
@@ -490,6 +514,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, OverflowError) as e:  # bad input, a path that is not what it should be, a bad port
         print(f"wkvm {args.command}: {e}", file=sys.stderr)
         return 2
+    except ImportError as e:  # torch (or another dependency) missing: one line, not a traceback (CLI hunt, 48)
+        print(f"wkvm {args.command}: {e.name or e} is not installed: {MISSING_HINT.get(e.name or '', 'pip install .')}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     except Exception as e:
         import httpx
 
@@ -499,9 +527,18 @@ def main(argv: list[str] | None = None) -> int:
         # directory on a full disk
         if not isinstance(e, httpx.HTTPError | StateNotFound | DiskFull):
             raise
+        if isinstance(e, httpx.ConnectError):  # "ConnectError: [Errno 111] Connection refused" had named no URL
+            where = getattr(args, "url", None) or os.environ.get("WKVM_URL")
+            print(f"wkvm {args.command}: no server answers at {where} ({e}): start `wkvm serve`, or fix --url",
+                  file=sys.stderr)  # fmt: skip
+            return 2
         kind = f"{type(e).__name__}: " if isinstance(e, httpx.HTTPError) else ""  # its message says what; httpx's not
         print(f"wkvm {args.command}: {kind}{e}", file=sys.stderr)
         return 2
+
+
+MISSING_HINT = {"torch": "install torch==2.13.0 first (pip install torch==2.13.0 --index-url "
+                         "https://download.pytorch.org/whl/cpu), or run `make serve`, which sets up .venv"}
 
 
 if __name__ == "__main__":

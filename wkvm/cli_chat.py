@@ -151,9 +151,14 @@ class ChatREPL:
             self.save(arg, fork=cmd == "/fork")
         elif cmd == "/load" and arg:
             self.load(arg)
+        elif cmd in ("/save", "/fork", "/load"):  # the whole help had answered a missing name
+            print(f"({cmd} needs a NAME: {cmd} NAME{'[@VERSION]' if cmd == '/load' else ''})")
         elif cmd == "/states":
-            for rec in self.store.list(OWNER):
+            recs = self.store.list(OWNER)
+            for rec in recs:
                 print(f"  {rec.handle:24} {rec.n_tokens:6} tokens  {rec.op:8} {rec.tier}")
+            if not recs:
+                print("(no saved states yet: /save NAME saves this conversation)")
         else:
             print(HELP)
         return True

@@ -133,6 +133,8 @@ def _model_check(model: str | None) -> tuple[str, bool, str, str]:
 
         m = load_model(path)
         return ("model", True, f"{path}: {registry.family(m.family).describe(m.config)}", "")
+    except ImportError as e:  # torch missing: the torch line says so; the model cannot be read without it
+        return ("model", False, f"{path}: cannot be read: {e.name or e} is not installed", "install torch first")
     except Exception as e:  # any failure to read the model is the finding itself
         from wkvm.models import registry
 

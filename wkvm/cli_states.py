@@ -134,7 +134,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("args", nargs="*", help="show/rm: HANDLE; export: HANDLE FILE; import: FILE")
     p.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000 (env WKVM_URL)")
     p.add_argument("--api-key", help="API key for --url (env WKVM_API_KEY)")
-    p.add_argument("--state-dir", help="a state directory instead of a server")
+    p.add_argument("--state-dir", help="a state directory instead of a server (env WKVM_STATE_DIR, where no URL is "
+                   "given)")
     p.add_argument("--model", help="with --state-dir: the model the states belong to (default: the embedded model)")
     p.add_argument("--owner", default=OWNER, help="with --state-dir: whose states (default: local, `wkvm chat`'s; a "
                    "server keeps a keyless client's as anonymous, a keyed one's as key-<hash>)")
@@ -149,8 +150,9 @@ def run(args: argparse.Namespace) -> int:
     if args.state_dir and args.url:  # the directory had silently won over the server named beside it
         print("wkvm states: give --url (a running server) or --state-dir, not both", file=sys.stderr)
         return 2
-    if args.state_dir:
-        backend = DirStates(args.state_dir, args.model or os.environ.get("WKVM_MODEL"), args.owner)
+    state_dir = args.state_dir or (None if url else os.environ.get("WKVM_STATE_DIR") or None)  # as serve and chat
+    if state_dir:
+        backend = DirStates(state_dir, args.model or os.environ.get("WKVM_MODEL"), args.owner)
     elif url:
         backend = ServerStates(url, args.api_key or os.environ.get("WKVM_API_KEY"))
     else:
@@ -158,7 +160,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     need = {"ls": 0, "show": 1, "rm": 1, "export": 2, "import": 1}[args.action]
     if len(args.args) != need:
-        print(f"wkvm states {args.action}: expected {need} argument(s)", file=sys.stderr)
+        usage = {"ls": "", "show": " HANDLE", "rm": " HANDLE", "export": " HANDLE FILE",
+                 "import": " FILE [--name NAME]"}
+        print(f"wkvm states {args.action}: expected {need} argument(s): wkvm states {args.action}{usage[args.action]}",
+              file=sys.stderr)  # fmt: skip
         return 2
     if args.action == "ls":
         rows = backend.ls()

@@ -185,6 +185,8 @@ class ServerConfig:
     ray_address: str | None = opt(None, "with --replicas: join this Ray cluster (default: start a local Ray instance)")
 
     def __post_init__(self) -> None:
+        if self.state_dir == "":  # WKVM_STATE_DIR= (compose's ${X:-}) had kept every tenant's states in the current
+            self.state_dir = None  # directory: the default, a temporary one (CLI hunt, session 48)
         dtype_name(self.dtype)  # a ValueError naming the choices (auto: resolved at load)
         if self.kv_dtype not in KV_CHOICES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_CHOICES)}, not {self.kv_dtype!r}")
@@ -196,12 +198,13 @@ class ServerConfig:
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
         limits = ("max_body_bytes", "max_prompt_tokens", "max_tokens_limit", "max_state_tokens")
-        if self.replicas < 0 or self.weight_cache_layers < 0:
-            raise ValueError("replicas and weight_cache_layers must be >= 0")
+        for name in ("replicas", "weight_cache_layers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
         if self.ray_address and not self.replicas:
             raise ValueError("--ray-address needs --replicas N")
-        for name in ("slots", "max_queue", *limits):
-            if getattr(self, name) < 1:
+        for name in ("slots", "max_queue", "max_chat_sessions", *limits):  # 0 chat sessions had made every parked
+            if getattr(self, name) < 1:  # chat a 500 (CLI hunt, session 48)
                 raise ValueError(f"{name} must be at least 1")
         if self.token_budget is not None and self.token_budget < self.slots:
             raise ValueError(f"token_budget ({self.token_budget}) must be at least slots ({self.slots}): every running "
@@ -212,8 +215,10 @@ class ServerConfig:
         if self.device == "cpu" and memory is not None and self.kv_cache_bytes > memory:
             raise ValueError(f"kv_cache_bytes {self.kv_cache_bytes / 2**30:.1f} GiB is more than this machine's memory "
                              f"({memory / 2**30:.1f} GiB)")  # fmt: skip
-        if not (self.chat_session_ttl > 0 and math.isfinite(self.shutdown_grace)):
-            raise ValueError("chat_session_ttl must be > 0 seconds and shutdown_grace finite")
+        if not self.chat_session_ttl > 0:
+            raise ValueError("chat_session_ttl must be > 0 seconds")
+        if not math.isfinite(self.shutdown_grace):
+            raise ValueError("shutdown_grace must be a finite number of seconds")
         self.engine_config()  # its own checks (prefill_chunk, KV pages, request_timeout) before binding, not at load
 
     def served_name(self) -> str:

@@ -250,7 +250,11 @@ def load_kernel(source: Path, namespace: str, cflags: tuple[str, ...] = ("-O3",)
         name = f"{namespace}_{key.hexdigest()[:16]}"
         build_dir = root / name
         build_dir.mkdir(parents=True, exist_ok=True)
-        log.info("%s: built in %s on first use, loaded from there after", source.name, build_dir)
+        # said when it builds (seconds to a minute); a cached build's load at debug only: every `wkvm` command had
+        # printed these lines, amid `wkvm doctor`'s report (CLI hunt, session 48)
+        built = (build_dir / f"{name}.so").is_file()
+        log.log(logging.DEBUG if built else logging.INFO, "%s: %s %s (built on first use, loaded from there after)",
+                source.name, "loading from" if built else "building in", build_dir)  # fmt: skip
         try:
             with exclusive(build_dir):
                 copy = stable_copy(source, includes, build_dir)

@@ -65,5 +65,8 @@ def detect(path: str | os.PathLike[str]) -> tuple[ModelFamily, str]:
     for f in families():
         if model_type in f.model_types:
             return f, "hf"
+    if (cfg.parent / "modules.json").is_file():  # a sentence-transformers directory given as the generative model
+        raise CheckpointError(f"{cfg.parent} is a sentence-embedding model (model_type {model_type!r}), not a "
+                              f"generative one: serve it with --model none --embeddings {cfg.parent}")  # fmt: skip
     types = sorted(t for f in families() for t in f.model_types)
     raise CheckpointError(f"{cfg}: model_type {model_type!r} is not a family wkvm runs (known: {types})")

@@ -50,6 +50,9 @@ def check_model_path(path: str | os.PathLike[str]) -> None:
         if HUB_ID.fullmatch(str(path)) and not str(path).lower().endswith(FILE_SUFFIXES):
             raise CheckpointError(f"model {str(path)!r} does not exist here; it looks like a Hugging Face hub id, and "
                                   "wkvm never downloads: download the checkpoint first and pass its local path")
+        if str(path) == "smollm2":  # `WKVM_MODEL=smollm2 make serve`'s alias, given to wkvm itself (CLI hunt, 48)
+            raise CheckpointError("model path 'smollm2' does not exist: 'smollm2' is a `make serve` alias; give wkvm "
+                                  "the file, models/SmolLM2-135M-Instruct.Q4_1.gguf (`make smollm2` fetches it)")
         raise CheckpointError(f"model path {str(path)!r} does not exist")
     if not is_pack(p):
         registry.detect(p)
