@@ -48,7 +48,7 @@ def test_model_that_fails_to_load_later_exits(tmp_path, world_pth):
 def test_a_negative_weight_cache_is_refused(tiny_pth):
     """--weight-cache-layers -1 had loaded resident, as 0 does (hunt 16)."""
     r = serve("--weight-cache-layers", "-1")
-    assert r.returncode == 2 and "weight_cache_layers must be >= 0" in r.stderr, r.stderr
+    assert r.returncode == 2 and "--weight-cache-layers must be >= 0" in r.stderr, r.stderr
     from wkvm.weights.loader import load_model
 
     with pytest.raises(ValueError, match="weight_cache_layers must be an integer >= 0"):
