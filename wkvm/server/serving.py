@@ -40,7 +40,8 @@ class HeadDeadline(H11Protocol):
     client_header_timeout): a connection that opens and sends nothing, or dribbles its headers, is closed HEAD_SECONDS
     after it opened or its response ended. uvicorn waits for a head forever, so clients without a key could hold every
     file descriptor (300 such connections under `ulimit -n 256` refused /health and a keyed save; security hunt,
-    session 48). Bodies are not timed: a key is checked on the head, before any body byte is read."""
+    session 48). The rest of a body answered before it was read (a 401 on the head, a 413) has the same time. A
+    body the server is reading is not timed: on a server with keys only a key holder gets that far."""
 
     _head_timer: asyncio.TimerHandle | None = None
 
@@ -60,9 +61,17 @@ class HeadDeadline(H11Protocol):
         self._stop_head_timer()
         super().connection_lost(exc)
 
+    def _waiting(self) -> bool:
+        """Whether the connection only waits on the client: for the next request's head (h11's IDLE), or for the rest
+        of a body whose response has gone (a 401 or 413 answered on the head alone: a client dribbling that body had
+        held the connection forever; review, session 48)."""
+        state = self.conn.their_state
+        answered = self.cycle is None or self.cycle.response_complete
+        return state is h11.IDLE or (state is h11.SEND_BODY and answered)
+
     def _watch_head(self) -> None:
-        """A timer while the next request's head is not whole (h11 waits for it: the client's state is IDLE)."""
-        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+        """A timer while the connection only waits on the client; stopped once a request is whole or being answered."""
+        if not self._waiting() or self.transport.is_closing():
             self._stop_head_timer()
         elif self._head_timer is None:
             self._head_timer = self.loop.call_later(HEAD_SECONDS, self._head_late)
@@ -74,7 +83,7 @@ class HeadDeadline(H11Protocol):
 
     def _head_late(self) -> None:
         self._head_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        if self._waiting() and not self.transport.is_closing():
             self.transport.close()
 
 
