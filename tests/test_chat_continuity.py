@@ -212,24 +212,26 @@ def test_tight_caps_evict_and_stay_correct(char_model, fresh):
 def test_a_full_session_table_makes_room_from_the_tenant_holding_the_most():
     """Security hunt (session 48): least recently used across tenants, one key's flood of new chats (each under its
     own `user`, too) pushed every other tenant's parked chats out. The victim is now the least recently used session
-    of the tenant (API key, Open WebUI user) holding the most; `user` and `cache_salt` do not make a new tenant."""
+    of the tenant (API key) holding the most; `user`, `cache_salt` and an Open WebUI user id, which the client
+    chooses, do not make a new tenant (review, session 48)."""
     from collections import OrderedDict
 
-    from wkvm.state.sessions import ChatSessions, reuse_scope, session_tenant
+    from wkvm.state.quota import quota_tenant
+    from wkvm.state.sessions import ChatSessions, reuse_scope
 
     sessions = object.__new__(ChatSessions)  # only the table matters here
     sessions.sessions = OrderedDict()
     sessions.sessions[("key-a", "", "c1")] = None  # the least recently used of all
-    for i in range(3):
-        sessions.sessions[(reuse_scope("key-b", f"u{i}", "salt"), "", f"b{i}")] = None
-    assert sessions._victim() == (reuse_scope("key-b", "u0", "salt"), "", "b0")
+    for i in range(3):  # each under another `user` and Open WebUI user id: one tenant still
+        sessions.sessions[(reuse_scope(f"key-b/user-{i:016x}", f"u{i}", "salt"), "", f"b{i}")] = None
+    assert sessions._victim() == (reuse_scope(f"key-b/user-{0:016x}", "u0", "salt"), "", "b0")
     sessions.sessions.popitem(last=False)
-    sessions.sessions.pop((reuse_scope("key-b", "u0", "salt"), "", "b0"))
-    sessions.sessions.pop((reuse_scope("key-b", "u1", "salt"), "", "b1"))
+    sessions.sessions.pop((reuse_scope(f"key-b/user-{0:016x}", "u0", "salt"), "", "b0"))
+    sessions.sessions.pop((reuse_scope(f"key-b/user-{1:016x}", "u1", "salt"), "", "b1"))
     sessions.sessions[("key-a", "", "c2")] = None
     sessions.sessions[("key-a", "", "c3")] = None
     assert sessions._victim() == ("key-a", "", "c2")
-    assert session_tenant(reuse_scope("key-a/user-0123456789abcdef", "x", "y")) == "key-a/user-0123456789abcdef"
+    assert quota_tenant(reuse_scope("key-a/user-0123456789abcdef", "x", "y")) == "key-a"
 
 
 def test_checkpoints_the_store_evicts_leave_their_trie_and_a_scope_without_any_goes(char_model, reuse):

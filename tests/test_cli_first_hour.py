@@ -342,7 +342,8 @@ def test_ctrl_c_closed_pipes_and_bad_serve_settings_end_in_one_line(monkeypatch,
              (["--port", port, "--kv-cache-bytes", "1000T"], "more than this machine's memory"),
              (["--port", port, "--slots", str(10**20)], "slots must be at most 65,536"),
              (["--port", port, "--chat-session-ttl", "-1"], "--chat-session-ttl must be > 0"),
-             (["--port", port, "--slots", "8", "--token-budget", "4"], "--token-budget (4) must be at least --slots (8)")]
+             (["--port", port, "--slots", "8", "--token-budget", "4"],
+              "--token-budget (4) must be at least --slots (8)")]
     assert ServerConfig(slots=2000).engine_config().token_budget == 2000  # only the default follows --slots
     for flags, says in cases:
         assert main(["serve", *flags]) == 2, flags

@@ -132,8 +132,9 @@ def test_tenants_never_see_each_other(server):
 
 
 def test_a_tenant_quota_is_each_tenants_own(tiny_pth, tmp_path):
-    """--state-tenant-quota: a tenant's saves count against its own room only; its 413 names its own figures (with one
-    shared --state-disk-quota a tenant without states got 413 once another filled it; security hunt, session 48)."""
+    """--state-tenant-quota reaches the store and its 413 names the caller's own figures only (with one shared
+    --state-disk-quota a tenant without states got 413 once another filled it; security hunt, session 48). That one
+    tenant's saves leave another's room is shown in test_state_store.py (the figures need a real state's size)."""
     with LiveServer(model=str(tiny_pth), api_keys=KEYS, state_dir=str(tmp_path / "s"), state_tenant_quota=1) as s:
         for key in KEYS:
             r = httpx.post(f"{s.url}/v1/states", json={"name": "x", "prompt_ids": [1, 2]},

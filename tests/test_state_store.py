@@ -1124,32 +1124,48 @@ def current_umask() -> int:
 
 def test_one_tenants_saves_never_fill_another_tenants_room(model, tmp_path):
     """--state-tenant-quota (security hunt, session 48: with one shared --state-disk-quota, a tenant with no state got
-    413 once another filled it, and watched the other's deletes turn its 413 into 200). Each tenant's files count
-    against its own quota; its 413 names its own figures only; a fork adds no file and is taken; internal states
-    (checkpoints) do not count; deleting frees the tenant's room; a restart counts the same."""
+    413 once another filled it, and watched the other's deletes turn its 413 into 200). Each tenant's (API key's)
+    files count against its own quota, whatever Open WebUI user id it sends (the client chooses it: the review found
+    each id had its own room); its 413 names its own figures only; a fork adds no file and is taken; internal states
+    (checkpoints) do not count; a state moved here (adopt) is not refused by it; a put refused for a version that
+    exists counts nothing; deleting frees the tenant's room; a restart counts the same."""
     file_bytes = len(statefile.encode(model.spec, statefile.unbatch(random_state(model.spec, 0)),
                                       statefile.StateMeta(model.fingerprint, model.spec.spec_hash, [1, 2, 3], "x", 1)))
     limits = StoreLimits(tenant_bytes=3 * file_bytes + file_bytes // 2)
     root = tmp_path / "tenants"
     store = StateStore(root, model.spec, model.fingerprint, limits=limits)
-    for i in range(3):
-        store.put("alice", f"s{i}", random_state(model.spec, i), [1, 2, 3])
+    alice = ["key-a", "key-a/user-0000000000000001", "key-a/user-0000000000000002"]
+    for i, owner in enumerate(alice):
+        store.put(owner, f"s{i}", random_state(model.spec, i), [1, 2, 3])
     own = r"your states use \d+ of your \d+ bytes \(--state-tenant-quota\)"
-    with pytest.raises(QuotaExceeded, match=own) as refused:
-        store.put("alice", "s3", random_state(model.spec, 3), [1, 2, 3])
-    assert "bob" not in str(refused.value) and store.list("alice") and len(store.list("alice")) == 3
+    for owner in (*alice, "key-a/user-0000000000000009"):
+        with pytest.raises(QuotaExceeded, match=own) as refused:
+            store.put(owner, "s3", random_state(model.spec, 3), [1, 2, 3])
+        assert "key-b" not in str(refused.value)
     with pytest.raises(QuotaExceeded):
-        store.check_room("alice", 3)
-    store.fork("alice", "s0", "copy")  # the same file: nothing added
-    assert store.put("alice#ckpt", "c", random_state(model.spec, 9), [1, 2, 3], durable=False) is not None
+        store.check_room("key-a", 3)
+    store.fork("key-a", "s0", "copy")  # the same file: nothing added
+    assert store.put("key-a#ckpt", "c", random_state(model.spec, 9), [1, 2, 3], durable=False) is not None
+    held = dict(store.usage.tenant_bytes)
+    with pytest.raises(ValueError, match="exists already"):  # refused before its file: nothing counted
+        store.put("key-b", "s0", random_state(model.spec, 30), [1, 2, 3], version=1)
+        store.put("key-b", "s0", random_state(model.spec, 31), [1, 2, 3], version=1)
+    assert store.usage.tenant_bytes["key-b"] == held.get("key-b", 0) + store.usage.user[store.get("key-b", "s0").blob]
+    store.delete("key-b", "s0@1")
     for i in range(3):  # bob's room is his own
-        store.put("bob", f"s{i}", random_state(model.spec, 10 + i), [1, 2, 3])
-    store.check_room("bob#ckpt", 3)
-    store.delete("alice", "s1")
-    store.put("alice", "s3", random_state(model.spec, 3), [1, 2, 3])  # the delete freed alice's room
+        store.put("key-b", f"s{i}", random_state(model.spec, 10 + i), [1, 2, 3])
+    store.check_room("key-b#ckpt", 3)
+    moved = StateStore(tmp_path / "other", model.spec, model.fingerprint)
+    moved.put("key-a", "far", random_state(model.spec, 40), [1, 2, 3])
+    store.adopt_bytes("key-a", moved.export_bytes("key-a", "far"))  # a relocation: not refused by the room
+    moved.close()
+    store.delete("key-a", "far")
+    store.delete("key-a/user-0000000000000001", "s1")
+    store.put("key-a", "s3", random_state(model.spec, 3), [1, 2, 3])  # the delete freed alice's room
     store.close()
     reopened = StateStore(root, model.spec, model.fingerprint, limits=limits)
     with pytest.raises(QuotaExceeded, match="--state-tenant-quota"):
-        reopened.put("alice", "s4", random_state(model.spec, 4), [1, 2, 3])
-    reopened.put("carol", "s0", random_state(model.spec, 20), [1, 2, 3])
+        reopened.put("key-a/user-0000000000000002", "s4", random_state(model.spec, 4), [1, 2, 3])
+    reopened.put("key-c", "s0", random_state(model.spec, 20), [1, 2, 3])
     reopened.close()
+

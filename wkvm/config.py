@@ -158,7 +158,7 @@ class ServerConfig:
     state_host_bytes: int = opt(1 << 30, "bytes of states kept in host RAM", "size")
     state_disk_quota: int | None = opt(None, "bytes of user state files on disk, index included (default: unlimited)",
                                        "size")
-    state_tenant_quota: int | None = opt(None, "bytes of one tenant's (API key's, or Open WebUI user's) state files, "
+    state_tenant_quota: int | None = opt(None, "bytes of one tenant's (API key's) state files, "
                                          "so that no tenant's saves fill --state-disk-quota or the disk for the "
                                          "others (default: unlimited)", "size")
     max_state_tokens: int = opt(1 << 16, "attention models: the most cached tokens a stored state (save, hibernate, "

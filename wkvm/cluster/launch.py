@@ -115,7 +115,13 @@ def absorb_unheld_slots(config: ServerConfig, directory: Any) -> None:
     heirs = list(held.values())
     for i, slot in enumerate(unheld):
         for _ in range(30):  # the router may land it on another replica for a moment: that one says so
-            n = engine.absorb.remote(slot, target=heirs[i % len(heirs)], strict=True).result()
+            try:
+                n = engine.absorb.remote(slot, target=heirs[i % len(heirs)], strict=True).result()
+            except Exception as e:  # the heir cannot take them (its disk, its quota): they stay, whole, in their slot
+                log.warning("slot %s has no replica and its states could not be moved (%s): they stay in %s; restart "
+                            "with --replicas %d, or free room", slot, e, Path(config.state_dir) / slot,
+                            config.replicas)  # fmt: skip
+                break
             if n != MISROUTED_REPLY:
                 log.info("slot %s had no replica: %s named states moved to a live one", slot, n)
                 break

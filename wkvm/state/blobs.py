@@ -36,14 +36,8 @@ def blob_name(owner: str, digest: str) -> str:
     tenant (owner "" or "#..."), else `<16 hex digits of the owner's scope's hash>-<digest>` (the scope: the owner
     before '#', so a tenant's internal states share with its own). A blob shared across tenants showed one tenant
     another's: its residency tier moved when the other used it, and a pin of the other's refused a hibernate."""
-    tenant = blob_tenant(owner)
-    return f"{tenant}-{digest}" if tenant else digest
-
-
-def blob_tenant(owner: str) -> str:
-    """The tenant part of `owner`'s blob names ("" for the default tenant): what a tenant's quota counts."""
     scope = owner.partition("#")[0]
-    return hashlib.sha256(scope.encode()).hexdigest()[:16] if scope else ""
+    return digest if not scope else f"{hashlib.sha256(scope.encode()).hexdigest()[:16]}-{digest}"
 
 
 def blob_digest(blob: str) -> str:

@@ -56,9 +56,12 @@ def is_internal(owner: str) -> bool:
     return "#" in owner
 
 
-def tenant_of_blob(blob: str) -> str:
-    """The tenant part of a blob's name (blobs.blob_tenant; "" for the default tenant's)."""
-    return blob.rpartition("-")[0]
+def quota_tenant(owner: str) -> str:
+    """Whose share an owner's (or a reuse scope's) states take of what tenants share (`--state-tenant-quota`, the
+    chat-session table): its API key's (`key-<hash>`, or "anonymous"), the part before any '/' (an Open WebUI user,
+    a request's `user` or `cache_salt` narrow it for privacy, but the client chooses them: counted apart, one key had
+    a new room for every id it sent; review, session 48)."""
+    return owner.partition("#")[0].partition("/")[0]
 
 
 class DiskUsage:
@@ -67,7 +70,8 @@ class DiskUsage:
         self.budget = internal_budget  # None: unlimited
         self.tenant_quota = tenant_quota  # one tenant's user files; None: unlimited
         self.user: dict[str, int] = {}  # user blob -> bytes of its file
-        self.tenant_bytes: dict[str, int] = {}  # blob_tenant -> bytes of its user blobs
+        self.user_tenant: dict[str, str] = {}  # user blob -> its quota_tenant (blobs are never shared across them)
+        self.tenant_bytes: dict[str, int] = {}  # quota_tenant -> bytes of its user blobs
         self.internal: OrderedDict[str, int] = OrderedDict()  # internal blob -> bytes (file, else estimate); LRU first
         self.internal_files: set[str] = set()  # internal blobs with a file on disk
         self.user_bytes = 0
@@ -89,12 +93,12 @@ class DiskUsage:
         if blob in self.internal:
             self.internal.move_to_end(blob)
 
-    def add_user(self, blob: str, size: int) -> None:
-        """A blob a user record references (its file is on disk)."""
+    def add_user(self, blob: str, size: int, owner: str) -> None:
+        """A blob a user record of `owner` references (its file is on disk)."""
         self.forget(blob)
         self.user[blob] = size
         self.user_bytes += size
-        tenant = tenant_of_blob(blob)
+        tenant = self.user_tenant[blob] = quota_tenant(owner)
         self.tenant_bytes[tenant] = self.tenant_bytes.get(tenant, 0) + size
 
     def add_internal(self, blob: str, size: int, on_disk: bool) -> None:
@@ -106,10 +110,10 @@ class DiskUsage:
 
     def add_records(self, records: list[StateRecord], sizes: dict[str, int]) -> None:
         """Account the files of existing records (given by created_at: a blob's last use sets its LRU place)."""
-        users = {r.blob for r in records if not is_internal(r.owner)}
+        users = {r.blob: r.owner for r in records if not is_internal(r.owner)}
         for r in records:
             if r.blob in users:
-                self.add_user(r.blob, sizes[r.blob])
+                self.add_user(r.blob, sizes[r.blob], users[r.blob])
             else:
                 self.add_internal(r.blob, sizes[r.blob], on_disk=True)
                 self.touch(r.blob)
@@ -117,22 +121,21 @@ class DiskUsage:
     def forget(self, blob: str) -> None:
         size = self.user.pop(blob, 0)
         self.user_bytes -= size
-        if size:
-            tenant = tenant_of_blob(blob)
+        tenant = self.user_tenant.pop(blob, None)
+        if tenant is not None:
             self.tenant_bytes[tenant] -= size
             if not self.tenant_bytes[tenant]:
                 del self.tenant_bytes[tenant]
         self.internal.pop(blob, None)
         self.internal_files.discard(blob)
 
-    def user_room(self, blob: str, new_bytes: int, index_bytes: int, tenant: str | None = None,
-                  file_bytes: int = 0) -> list[str]:  # fmt: skip
-        """Internal files to evict so that user `blob`, adding `new_bytes` to users' bytes (its file, if not theirs
-        yet, and the index's growth), fits; QuotaExceeded if users' states, the index and it exceed the quota, or the
-        tenant's files (`tenant`: blob_tenant, else the blob's) and its new file's `file_bytes` its own quota."""
-        tenant = tenant_of_blob(blob) if tenant is None else tenant
-        held = self.tenant_bytes.get(tenant, 0)
-        if self.tenant_quota is not None and file_bytes and held + file_bytes > self.tenant_quota:
+    def user_room(self, blob: str, new_bytes: int, index_bytes: int, owner: str, file_bytes: int = 0,
+                  tenant_quota: bool = True) -> list[str]:  # fmt: skip
+        """Internal files to evict so that user `blob` of `owner`, adding `new_bytes` to users' bytes (its file, if not
+        theirs yet, and the index's growth), fits; QuotaExceeded if users' states, the index and it exceed the quota,
+        or (`tenant_quota`) the owner's tenant's files and its new file's `file_bytes` the tenant's own quota."""
+        held = self.tenant_bytes.get(quota_tenant(owner), 0)
+        if tenant_quota and self.tenant_quota is not None and file_bytes and held + file_bytes > self.tenant_quota:
             raise QuotaExceeded(  # its own figures only: another tenant's saves never show here
                 f"your states use {held} of your {self.tenant_quota} bytes (--state-tenant-quota) and this one needs "
                 f"{file_bytes} more: delete states you no longer need"

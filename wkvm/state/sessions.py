@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -21,6 +20,7 @@ from wkvm.config import ServerConfig, weight_dtype
 from wkvm.engine.handle import RequestHandle, RunResult
 from wkvm.models.spec import State
 from wkvm.state.prefix import NODE_BYTES, Checkpoint, NodeCount, PrefixTrie
+from wkvm.state.quota import quota_tenant
 from wkvm.state.service import StateService
 from wkvm.state.statefile import StateFileError, StateMeta, decode, encode, unbatch
 from wkvm.state.store import StateNotFound
@@ -31,9 +31,6 @@ HEADER_MODE = "x-wkvm-stateful-chat"
 HEADER_TASK = "x-wkvm-task"  # Open WebUI's {{TASK}}: title_generation, tags_generation, ... ('' on a chat turn)
 PARENT_TOKEN_V1 = "parent-token-v1"
 RESERVATION_S = 30.0
-SCOPE_TAGS = re.compile(r"/(?:u|salt)-[0-9a-f]{16}")  # what reuse_scope adds to a tenant (a request's user, salt)
-
-
 def reuse_scope(tenant: str, user: str | None, cache_salt: str | None) -> str:
     """Whose checkpoints a request may resume from: the tenant (API key, Open WebUI user), narrowed by the
     request's `user` and `cache_salt`, so reuse (and its latency) never confirms another user's prompt."""
@@ -42,12 +39,6 @@ def reuse_scope(tenant: str, user: str | None, cache_salt: str | None) -> str:
         if value:
             scope += f"/{tag}-{hashlib.sha256(value.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
     return scope
-
-
-def session_tenant(scope: str) -> str:
-    """The tenant (API key, Open WebUI user) of a reuse scope: the scope without the tags `reuse_scope` narrowed it
-    by (each a hash, so no client text can look like one)."""
-    return SCOPE_TAGS.sub("", scope)
 
 
 SessionKey = tuple[str, str, str]  # (reuse scope: the tenant narrowed by `user` and `cache_salt`, Open WebUI user id,
@@ -540,12 +531,13 @@ class ChatSessions:
             self._drop(self._victim())
 
     def _victim(self) -> SessionKey:
-        """The session to make room with: the least recently used one of the tenant holding the most. Least recently
-        used across tenants, one key's flood of new chats had pushed every other tenant's parked chats out (their
-        next turns restarted: slower, and `restart_reason` told them others were busy; security hunt, session 48)."""
-        counts = Counter(session_tenant(k[0]) for k in self.sessions)
+        """The session to make room with: the least recently used one of the tenant (API key: `quota_tenant`) holding
+        the most. Least recently used across tenants, one key's flood of new chats had pushed every other tenant's
+        parked chats out (their next turns restarted: slower, and `restart_reason` told them others were busy;
+        security hunt, session 48)."""
+        counts = Counter(quota_tenant(k[0]) for k in self.sessions)
         most = max(counts.values())
-        return next(k for k in self.sessions if counts[session_tenant(k[0])] == most)
+        return next(k for k in self.sessions if counts[quota_tenant(k[0])] == most)
 
     def _drop(self, key: SessionKey) -> None:
         sess = self.sessions.pop(key, None)

@@ -29,7 +29,7 @@ import torch
 
 from wkvm.models.spec import State, StateSpec
 from wkvm.state import statefile
-from wkvm.state.blobs import BlobFiles, DigestMemo, blob_digest, blob_name, blob_tenant, is_disk_full
+from wkvm.state.blobs import BlobFiles, DigestMemo, blob_digest, blob_name, is_disk_full
 from wkvm.state.dir_lock import StateDirInUse, lock_dir, unlock_dir
 from wkvm.state.index import StateIndex, StateRecord
 from wkvm.state.quota import INDEX_COMMIT_BYTES, DiskUsage, QuotaExceeded, StoreLimits, is_internal, state_file_bytes
@@ -231,6 +231,7 @@ class StateStore:
         version: int | None = None,
         created_at: float | None = None,
         frozen: bool = False,
+        tenant_quota: bool = True,
     ) -> StateRecord | None:
         """Store a new immutable version (state is batched [1, ...]); returns once it is durable.
 
@@ -241,6 +242,8 @@ class StateStore:
         states (recovery drops their records), never corrupt anything. `version` and `created_at` keep a moved
         state's identity (`adopt_bytes`); by default the next version and now. `frozen`: the caller never changes
         these tensors (a finished request's copies), so storing them again skips hashing them (`DigestMemo`).
+        `tenant_quota`: False for a state moved here (its tenant's room is counted per replica; a move or a merge of
+        slots relocates what it holds, it saves nothing new).
         """
         valid_name(name)
         self.spec.check(state)
@@ -269,10 +272,11 @@ class StateStore:
                 self._not_kept(len(ids), "it does not fit the checkpoint budget (--checkpoint-bytes) or the disk "
                                "quota's room (--state-disk-quota)")  # fmt: skip
                 return None
-            if not internal:
-                self._admit_user(blob, tensors, meta, growth)
             if version is not None and self.index.get(owner, name, version, with_ids=False) is not None:
-                raise ValueError(f"state {name}@{version} exists already")
+                raise ValueError(f"state {name}@{version} exists already")  # before any file: none is left over
+            was_internal = blob in self.usage.internal_files
+            if not internal:
+                self._admit_user(owner, blob, tensors, meta, growth, tenant_quota)
             version = self.index.next_version(owner, name) if version is None else version
             # the tensors' own bytes: an attention state's keys and values grow with its tokens (spec.nbytes is only
             # the fixed part, 0 for a pure transformer)
@@ -283,6 +287,8 @@ class StateStore:
             except (OSError, sqlite3.Error) as e:  # the file just written (or counted) had been left, orphaned
                 if not self.index.blob_owners(blob):
                     self._remove_blob(blob)
+                elif not internal and was_internal and all(is_internal(o) for o in self.index.blob_owners(blob)):
+                    self.usage.add_internal(blob, self.usage.user[blob], on_disk=True)  # still only a cache's
                 if internal and is_disk_full(e):  # a cache entry: not kept, as when it does not fit
                     self._not_kept(len(ids), DISK_FULL_WHY)
                     return None
@@ -344,8 +350,10 @@ class StateStore:
             self._unwritten[blob] = (tensors, meta)
         return True
 
-    def _admit_user(self, blob: str, tensors: State, meta: StateMeta, index_growth: int) -> None:
-        """Write a user state's file durably (or make an internal one durable), within the quota."""
+    def _admit_user(self, owner: str, blob: str, tensors: State, meta: StateMeta, index_growth: int,
+                    tenant_quota: bool = True) -> None:  # fmt: skip
+        """Write a user state's file durably (or make an internal one durable), within the quota (and the owner's
+        tenant's, unless `tenant_quota` is False: a state moved between replicas, not a new save)."""
         data = None
         if self.usage.is_user(blob):
             size, new = self.usage.user[blob], 0
@@ -354,7 +362,7 @@ class StateStore:
         else:
             data = statefile.encode(self.spec, tensors, meta, digest=blob_digest(blob))
             size = new = len(data)
-        for b in self.usage.user_room(blob, new + index_growth, self._index_bytes(), file_bytes=new):
+        for b in self.usage.user_room(blob, new + index_growth, self._index_bytes(), owner, new, tenant_quota):
             self._evict(b)
         if data is not None:
             self._unwritten.pop(blob, None)
@@ -364,14 +372,14 @@ class StateStore:
         if new:  # fsynced: a restart need not read it back (a cache: a full index only costs that read)
             with contextlib.suppress(sqlite3.OperationalError):
                 self.index.set_checked(blob, self.files.stat_key(blob))
-        self.usage.add_user(blob, size)
+        self.usage.add_user(blob, size, owner)
 
     def check_room(self, owner: str, n_tokens: int = 0) -> None:
         """Raise QuotaExceeded now if a new state of `owner` could not be stored (checked before generating one to
         save); internal files do not count: they would be evicted."""
         if not is_internal(owner):
             size = state_file_bytes(self.spec, n_tokens)
-            self.usage.user_room("", size + INDEX_COMMIT_BYTES, self._index_bytes(), blob_tenant(owner), size)
+            self.usage.user_room("", size + INDEX_COMMIT_BYTES, self._index_bytes(), owner, size)
 
     def _index_growth(self, owner: str, digest: str, n_tokens: int) -> int:
         """A new history (int32 ids) lands in the WAL, then in the database. Counted as new unless one of `owner`'s
@@ -389,7 +397,7 @@ class StateStore:
         with self._lock:
             src = self._record(owner, handle, with_ids=False)
             if not is_internal(owner):
-                for b in self.usage.user_room(src.blob, INDEX_COMMIT_BYTES, self._index_bytes()):
+                for b in self.usage.user_room(src.blob, INDEX_COMMIT_BYTES, self._index_bytes(), owner):
                     self._evict(b)
             rec = replace(src, owner=owner, name=name, parent=src.handle, op="fork", op_params={}, pinned=False,
                           version=self.index.next_version(owner, name), created_at=time.time())  # fmt: skip
@@ -609,11 +617,13 @@ class StateStore:
     @full_disk_is_an_answer
     def adopt_bytes(self, owner: str, data: bytes) -> StateRecord:
         """Store an exported file under its own name and version, with its lineage and creation time: a state moved
-        here from another replica keeps its handle. Every field is validated as for an import."""
+        here from another replica keeps its handle. Every field is validated as for an import. Not counted against
+        its tenant's --state-tenant-quota (a relocation: a restart with fewer replicas merging slots had been refused,
+        and the launcher had failed; review, session 48); the shared quota and the disk still bound it."""
         tensors, meta = statefile.decode(data, self.spec, self.fingerprint, self.vocab_size)
         state = {k: v.unsqueeze(0) for k, v in tensors.items()}
         rec = self.put(owner, meta.name, state, meta.token_ids, meta.parent, meta.op, meta.op_params,
-                       version=meta.version, created_at=meta.created_at)  # fmt: skip
+                       version=meta.version, created_at=meta.created_at, tenant_quota=False)  # fmt: skip
         assert rec is not None  # a user's state is stored or raises
         return rec
 
