@@ -526,10 +526,11 @@ def test_a_move_its_destination_cannot_take_moves_nothing_and_says_why(reply):
     assert engine.names == {"r0": {"X": [1, 2, 3]}, "r1": {}} and d.lookup(key)[0] == "r0"
 
 
-@pytest.mark.parametrize("stop", ["disk_full", "deadline", "exists"])
+@pytest.mark.parametrize("stop", ["disk_full", "deadline", "late", "exists", "cancel"])
 def test_a_replica_adopts_a_moved_name_whole_or_not_at_all(tiny_pth, tmp_path, monkeypatch, stop):
     """EngineReplica.adopt: whatever stops it part way (a full disk, its deadline, a version there already) drops the
-    versions it had taken (they had stayed: hunt, session 48)."""
+    versions it had taken (they had stayed: hunt, session 48); so does a last file that ends past the deadline (it
+    had answered the handles to a caller that had given up; review, session 48)."""
     import time
     from types import SimpleNamespace
 
@@ -546,7 +547,9 @@ def test_a_replica_adopts_a_moved_name_whole_or_not_at_all(tiny_pth, tmp_path, m
     files = [source.export_bytes("t", f"X@{v}") for v in (1, 2, 3)]
     replica = object.__new__(EngineReplica)  # no Ray: only what adopt uses
     replica.ctx, replica.slot, replica._moved_away = SimpleNamespace(store=dest), "r1", {}
-    adopt, calls, seconds = dest.adopt_bytes, [], None
+    adopt, calls, deadline = dest.adopt_bytes, [], None
+    if stop == "late":  # two files: the second starts in time and ends late
+        files = files[:2]
 
     def adopt_bytes(owner, data):
         calls.append(1)
@@ -556,18 +559,28 @@ def test_a_replica_adopts_a_moved_name_whole_or_not_at_all(tiny_pth, tmp_path, m
             if stop == "exists":
                 raise ValueError("state 'X@3' exists already")
         rec = adopt(owner, data)
-        if stop == "deadline":
+        if stop in ("deadline", "late", "cancel"):
             time.sleep(0.2)
         return rec
 
+    async def cancelled():  # the caller's call cancelled while the first file is written: its thread drops it
+        task = asyncio.ensure_future(replica.adopt("t", files, (3, [2]), None))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.4)
+        return TIMEOUT_REPLY
+
     monkeypatch.setattr(dest, "adopt_bytes", adopt_bytes)
-    if stop == "deadline":
-        seconds = 0.3  # the second file starts in time, the third does not
-    answer = asyncio.run(replica.adopt("t", files, (3, [2]), seconds))
-    assert answer == {"disk_full": DISK_FULL_REPLY, "deadline": TIMEOUT_REPLY, "exists": EXISTS_REPLY}[stop]
-    assert len(calls) == (2 if stop == "deadline" else 3) and dest.list("t") == [], dest.list("t")
+    if stop in ("deadline", "late"):
+        deadline = time.time() + 0.3  # the second file starts in time, and a third would not
+    answer = asyncio.run(cancelled() if stop == "cancel" else replica.adopt("t", files, (3, [2]), deadline))
+    assert answer == {"disk_full": DISK_FULL_REPLY, "exists": EXISTS_REPLY}.get(stop, TIMEOUT_REPLY)
+    assert len(calls) == {"deadline": 2, "late": 2, "cancel": 1}.get(stop, 3) and dest.list("t") == [], calls
     monkeypatch.undo()
-    assert asyncio.run(replica.adopt("t", files, (3, [2]), 60.0)) == ["X@1", "X@2", "X@3"]  # then it fits
+    files = [source.export_bytes("t", f"X@{v}") for v in (1, 2, 3)]
+    assert asyncio.run(replica.adopt("t", files, (3, [2]), time.time() + 60)) == ["X@1", "X@2", "X@3"]  # it fits
     assert [r.pinned for r in dest.versions("t", "X")] == [False, True, False]
     replica.ctx = None  # its __del__ stops a server's context: there is none
     source.close()

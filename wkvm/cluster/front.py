@@ -625,7 +625,8 @@ class Front:
         t1 = time.perf_counter()
         seconds = adopt_seconds(files)  # the destination gives up (and drops what it took) after these
         try:
-            handles: list[str] | str = await self.call(replicas[to], "adopt", tenant, files, card, seconds,
+            handles: list[str] | str = await self.call(replicas[to], "adopt", tenant, files, card,
+                                                       time.time() + seconds,
                                                        timeout=seconds + CALL_SECONDS) if files else []  # fmt: skip
         except TimeoutError:  # it gave up and dropped them, or is being replaced: where it finished as this call
             with contextlib.suppress(Exception):  # gave up, its copies go (the name stays on its source)

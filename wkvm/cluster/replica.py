@@ -41,6 +41,7 @@ from wkvm.cluster.forward import (
     Handover,
     Head,
     adopt_seconds,
+    file_versions,
     response_key,
     run_asgi,
     saved_names,
@@ -315,8 +316,14 @@ class EngineReplica:
         try:
             files = self._export(tenant, name)
             seconds = adopt_seconds(files)
-            handles = self._call(replica_id, "adopt", tenant, files, self._name_card(tenant, name), seconds,
-                                 timeout=seconds + CALL_SECONDS) if files else []  # fmt: skip
+            try:
+                card = self._name_card(tenant, name)
+                handles = self._call(replica_id, "adopt", tenant, files, card, time.time() + seconds,
+                                     timeout=seconds + CALL_SECONDS) if files else []  # fmt: skip
+            except Exception:  # no answer: where it finished as this call gave up, its copies go (as the front's)
+                with contextlib.suppress(Exception):
+                    self._call(replica_id, "drop_name", tenant, name, file_versions(files), True)
+                raise
             if handles == EXISTS_REPLY:
                 raise ValueError(f"{name!r} is on {slot} already (another move took it there)")
             if handles in (QUOTA_REPLY, DISK_FULL_REPLY, TIMEOUT_REPLY):
@@ -389,23 +396,29 @@ class EngineReplica:
         return await asyncio.to_thread(self._name_card, tenant, name)
 
     async def adopt(self, tenant: str, files: list[bytes], card: tuple[int, list[int]] | None = None,
-                    seconds: float | None = None, **route: object) -> list[str] | str:  # fmt: skip
+                    deadline: float | None = None, **route: object) -> list[str] | str:  # fmt: skip
         """Store moved states under their own handles (validated as an import); `card` (`name_card`): no version
         up to the name's last issued one is issued here again, and its pinned versions stay pinned. All or nothing:
-        whatever stops it (the quota, a full disk, a bad file, `seconds` passed: TIMEOUT_REPLY) drops what it took,
-        and the name stays whole on its source (a full disk or a move past the front's wait had left partial copies,
-        listed twice, that no delete reached and that won the name after a directory restart; hunt, session 48)."""
+        whatever stops it (the quota, a full disk, a bad file, the caller's `deadline` (time.time()) passed before it
+        is done: TIMEOUT_REPLY, or the caller's cancel) drops what it took, and the name stays whole on its source (a
+        full disk or a move past the front's wait had left partial copies, listed twice, that no delete reached and
+        that won the name after a directory restart; hunt and review, session 48)."""
         if self.misrouted(route):
             return MISROUTED_REPLY
         store = self.ctx.store
-        deadline = None if seconds is None else time.monotonic() + seconds
+        cancelled = threading.Event()
+
+        def stop_if_late() -> None:
+            if cancelled.is_set():
+                raise TimeoutError("the caller gave up")
+            if deadline is not None and time.time() > deadline:
+                raise TimeoutError(f"adopting {len(files)} files took past the caller's deadline")
 
         def adopt_all() -> list[str]:
             handles: list[str] = []
             try:
                 for f in files:
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise TimeoutError(f"adopting {len(files)} files took over {seconds:.0f} s")
+                    stop_if_late()
                     handles.append(store.adopt_bytes(tenant, f).handle)
                 if card is not None and handles:
                     name, top = handles[0].rsplit("@", 1)[0], max(int(h.rsplit("@", 1)[1]) for h in handles)
@@ -413,13 +426,18 @@ class EngineReplica:
                         store.index.reserve_versions(tenant, name, card[0])
                     for v in card[1]:
                         store.set_pinned(tenant, f"{name}@{v}", True)
+                stop_if_late()  # done, but after the caller stopped waiting: it answered that nothing moved
             except BaseException:  # none kept: the name stays whole on its source
                 self._unadopt(tenant, handles)
                 raise
             return handles
 
         try:
-            handles = await asyncio.to_thread(adopt_all)
+            try:
+                handles = await asyncio.to_thread(adopt_all)
+            except asyncio.CancelledError:  # the caller's call was cancelled: its thread drops what it took
+                cancelled.set()
+                raise
             for name in {h.rsplit("@", 1)[0] for h in handles}:  # a name moved back here
                 self._moved_away.pop(state_key(tenant, name), None)
             return handles
