@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 from fastapi import FastAPI, Request
@@ -428,14 +430,18 @@ def test_a_state_whose_owner_is_restarting_waits_for_it(monkeypatch):
     asyncio.run(run())
 
 
-def test_a_new_name_whose_first_request_failed_keeps_no_owner():
+def test_a_new_name_whose_first_request_failed_keeps_no_owner(tiny_pth, tmp_path):
     """Cluster hunt (session 48): the claim a create makes before it is forwarded stayed when the create failed (a 4xx:
     nothing saved): a name refused by a full replica went back there ever after, and unique names grew the directory
-    without bound. A failed claim is forgotten; one a success confirmed (or re-made, where another request saved the
-    name there meanwhile) stays."""
+    without bound. The front confirms a claim a success used; the replica that refused the request lets go of one
+    it holds nothing of (no version ever issued, no request there saving it: asked there, so that a claim another
+    request is using stays; review, session 48); a confirmed name is never let go of."""
     import httpx
 
     from wkvm.cluster.front import build_front_app
+    from wkvm.cluster.replica import EngineReplica
+    from wkvm.state.store import StateStore
+    from wkvm.weights.loader import load_model
 
     d, engine, front = cluster_front()
     key = state_key("anonymous", "X")
@@ -444,29 +450,41 @@ def test_a_new_name_whose_first_request_failed_keeps_no_owner():
         transport = httpx.ASGITransport(app=build_front_app(front))
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
             engine.status = 413
-            r = await c.post("/v1/states", json={"name": "X", "prompt": "hi"})
-            assert r.status_code == 413
+            assert (await c.post("/v1/states", json={"name": "X", "prompt": "hi"})).status_code == 413
             await asyncio.sleep(0.05)
-            assert d.lookup(key) == (None, None) and not d.tentative
+            assert key in d.tentative  # refused: only the replica knows whether it holds anything of X
             engine.status = 200
-            r = await c.post("/v1/states", json={"name": "X", "prompt": "hi"})
-            assert r.status_code == 200
+            assert (await c.post("/v1/states", json={"name": "X", "prompt": "hi"})).status_code == 200
             await asyncio.sleep(0.05)
-            owner = d.lookup(key)[0]
-            assert owner is not None and not d.tentative
-            engine.status = 400  # a later failure does not unbind a name that exists
-            await c.post("/v1/completions", json={"prompt": "x", "save_state": "X"})
-            await asyncio.sleep(0.05)
-            assert d.lookup(key)[0] == owner
+            assert d.lookup(key)[0] is not None and not d.tentative
 
     asyncio.run(run())
-    d.claim_owner(state_key("anonymous", "Y"), "r1")  # a failed claim's unclaim after a success there meanwhile
-    d.confirm(state_key("anonymous", "Y"), "r1")
-    d.unclaim(state_key("anonymous", "Y"), "r1")
-    assert d.lookup(state_key("anonymous", "Y"))[0] == "r1"
+    m = load_model(tiny_pth)
+    store = StateStore(tmp_path / "r0", m.spec, m.fingerprint, m.vocab_size)
+    _, state = m.prefill([1, 2])
+    store.put("t", "held", state, [1, 2, 3])
+    replica = object.__new__(EngineReplica)  # no Ray: only what _let_go uses
+    replica.ctx, replica.slot, replica.directory = SimpleNamespace(store=store), "r0", FakeActor(d)
+    replica._saving = Counter({("t", "busy"): 1})
+    for name in ("free", "held", "busy"):
+        d.claim_owner(state_key("t", name), "r0")
+
+    async def let_go():
+        await replica._let_go([("t", "free"), ("t", "held"), ("t", "busy")])
+        await asyncio.sleep(0.05)
+
+    asyncio.run(let_go())
+    assert d.lookup(state_key("t", "free")) == (None, None)
+    assert d.lookup(state_key("t", "held"))[0] == "r0" and d.lookup(state_key("t", "busy"))[0] == "r0"
+    d.confirm(state_key("t", "busy"), "r0")
+    replica._saving.clear()
+    asyncio.run(let_go())
+    assert d.lookup(state_key("t", "busy"))[0] == "r0"  # confirmed: never let go of
+    replica.ctx = None  # its __del__ stops a server's context: there is none
+    store.close()
     d.claim_owner(state_key("anonymous", "Z"), "r0")
     d.unclaim(state_key("anonymous", "Z"), "r0")
-    d.confirm(state_key("anonymous", "Z"), "r0")  # the success landed after the failure's unclaim
+    d.confirm(state_key("anonymous", "Z"), "r0")  # a success that landed after a failure's unclaim: bound again
     assert d.lookup(state_key("anonymous", "Z"))[0] == "r0"
 
 

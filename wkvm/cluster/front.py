@@ -232,12 +232,10 @@ class Front:
         self.metrics.routed.labels(outcome(route.key, None if claimed else slot, head.replica)).inc()
         if route.key is not None and head.replica != slot and head.status < 400:
             await self.directory.record.remote(route.key, head.replica)
-        elif route.key is not None and route.claims and not route.key.startswith(SOFT_PREFIXES):  # a name: not
-            # awaited (an actor runs one caller's calls in order)
-            if head.status < 400:
-                self.directory.confirm.remote(route.key, head.replica)
-            elif claimed:
-                self.directory.unclaim.remote(route.key, slot)
+        elif route.key is not None and route.claims and not route.key.startswith(SOFT_PREFIXES) and head.status < 400:
+            # a name's claim stands (not awaited: an actor runs one caller's calls in order); a failed one the replica
+            # lets go of, where it holds nothing of the name (EngineReplica.http)
+            self.directory.confirm.remote(route.key, head.replica)
         if response_id is not None and head.status < 400:  # not awaited: an actor runs one caller's calls in order
             self.directory.record.remote(response_key(self.tenant(request), response_id), head.replica)
         if moved_to(head) is not None:  # a request answered whole that its replica moved (it is stopping)
