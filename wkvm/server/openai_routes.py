@@ -582,7 +582,11 @@ def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], tools: list[
     if continue_final_message and add_generation_prompt:
         raise APIError(400, "continue_final_message continues the last message: set add_generation_prompt to false",
                        "continue_final_message", "invalid_value")  # fmt: skip
-    final: str = (messages[-1]["content"] or "") if continue_final_message else ""
+    content = messages[-1].get("content") if continue_final_message else ""
+    if not isinstance(content, str):  # none (an assistant's tool calls): nothing to continue, as transformers says;
+        raise APIError(400, "continue_final_message: the last message has no text to continue", "messages",
+                       "invalid_value")  # fmt: skip  # opening it would drop its calls from the prompt (review, 48)
+    final: str = content
     if continue_final_message:  # a mark after the last text, cut there (as transformers' apply_chat_template): its
         # text's last match had been taken, inside the template's closing marks when they held it ('<' or 'd')
         # an empty one too: the turn opened, its prompt ends where the text would start (an empty prefill had been a
