@@ -191,6 +191,14 @@ def test_top_p_keeps_a_token_while_the_ones_before_it_sum_to_less_than_p():
     assert filtered_probs(torch.zeros(2), SamplingParams(top_p=0.5)).tolist() == [1.0, 0.0]
     if fused.available():
         assert {fused.sample(torch.zeros(2), 1.0, 0, 0.5, 0.0, u) for u in (0.1, 0.6, 0.99)} == {0}
+    # ten tied tokens (0.1 each, inexact in binary): half reach 0.5; a float32 cumsum of renormalized values had kept
+    # six on the torch path, the kernel five (review, session 48)
+    for n, top_p in ((10, 0.5), (20, 0.35), (100, 0.25)):
+        kept = int((filtered_probs(torch.zeros(n), SamplingParams(top_p=top_p)) > 0).sum())
+        assert kept == round(n * top_p), (n, top_p, kept)
+        if fused.available():
+            drawn = {fused.sample(torch.zeros(n), 1.0, 0, top_p, 0.0, u / 50) for u in range(50)}
+            assert drawn == set(range(kept)), (n, top_p, drawn)
 
 
 @pytest.mark.parametrize("params, expected", PENALTY_CASES, ids=[case_id(p) for p, _ in PENALTY_CASES])

@@ -170,7 +170,7 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     if p.top_p < 1.0:
-        probs = top_p_filter(probs / probs.sum(), p.top_p)
+        probs = top_p_filter(probs, p.top_p)
     return probs / probs.sum()
 
 
@@ -180,19 +180,23 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     Sorts only the top k tokens, k growing 4x from 64 until they reach top_p (the tokens after them are all dropped
     then), not the whole vocabulary. Equal probabilities go
     lowest token id first, as in the fused kernel (topk's order among ties is its own: with bf16-rounded logits the
-    two paths had kept different tokens at the cut), and every token tied with the k-th is a candidate."""
+    two paths had kept different tokens at the cut), and every token tied with the k-th is a candidate.
+    `probs` need not be normalized: the sums run in float64 against top_p times their total, as the fused kernel's
+    (a float32 cumsum of renormalized values had kept one more of ten tied tokens than the kernel; review, session
+    48)."""
     V, k = probs.shape[-1], 64
+    limit = top_p * float(probs.double().sum())
     while True:
         k = min(k, V)
         top = torch.topk(probs, k).values
-        if k == V or float(top.sum()) >= top_p:
+        if k == V or float(top.double().sum()) >= limit:
             break
         k *= 4
-    order = torch.nonzero(probs >= top[-1]).view(-1)  # ascending ids
+    order = torch.nonzero((probs >= top[-1]) & (probs > 0)).view(-1)  # ascending ids; not every 0 of a cut vocabulary
     top, by_value = probs[order].sort(descending=True, stable=True)
     order = order[by_value]
-    keep = (top.cumsum(-1) - top) < top_p
-    return torch.zeros_like(probs).scatter(-1, order, top.masked_fill(~keep, 0.0))
+    before = top.double().cumsum(-1) - top.double()
+    return torch.zeros_like(probs).scatter(-1, order, top.masked_fill(~(before < limit), 0.0))
 
 
 def uniform(generator: torch.Generator | None) -> float:
