@@ -876,7 +876,9 @@ def test_a_gguf_vocabulary_that_cannot_be_read_is_one_error(gguf_ref, tmp_path):
                   merge_list=["t 0", "zz t"]),
               "merges is not a list of 'left right' strings": tokenizer(merge_list=["t0"]),
               "token_type is not a list of integers": tokenizer(more=lambda w: w.add_array(
-                  "tokenizer.ggml.token_type", ["a"] * len(vocab)))}  # fmt: skip
+                  "tokenizer.ggml.token_type", ["a"] * len(vocab))),
+              "bos_token_id is '\\[4, 4\\]': expected a token id": tokenizer(more=lambda w: w.add_array(
+                  "tokenizer.ggml.bos_token_id", [4, 4]))}  # fmt: skip
     for i, (says, extra) in enumerate(cases.items()):
         path = tmp_path / f"v{i}.gguf"
         write_gguf(path, gguf_ref, "F32", extra)

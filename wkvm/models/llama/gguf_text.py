@@ -156,6 +156,10 @@ def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
     marked = [(t, k, k in special or t in END_TEXTS) for t, k in zip(tokens, types, strict=True)]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, _, s in marked if s])
     tok.add_tokens([AddedToken(t, normalized=False) for t, k, s in marked if k == TokenType.USER_DEFINED and not s])
+    for kind in ("eos", "bos", "eot", "eom"):  # ids, or a CheckpointError naming the key (an array had been a
+        i = field(reader, f"tokenizer.ggml.{kind}_token_id")  # TypeError traceback where no model came first)
+        if i is not None and (isinstance(i, bool) or not isinstance(i, int)):
+            raise CheckpointError(f"{path}: tokenizer.ggml.{kind}_token_id is {str(i)[:80]!r}: expected a token id")
     eos = field(reader, "tokenizer.ggml.eos_token_id")
     for kind in ("eos", "bos", "eot", "eom"):
         i = field(reader, f"tokenizer.ggml.{kind}_token_id")
@@ -170,7 +174,10 @@ def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
     # 3's add it)
     bos, add_bos = field(reader, "tokenizer.ggml.bos_token_id"), field(reader, "tokenizer.ggml.add_bos_token")
     default_bos = model == "llama" or pre in LLAMA3
+    # byte-level vocabularies only: there the decoder maps a user-defined token's letters to bytes; a SentencePiece
+    # one's decodes it right, and decoding around it apart would drop the space of a ▁word after it (review, 48)
     user_defined = {i: t for i, (t, k, s) in enumerate(marked) if k == TokenType.USER_DEFINED and not s}
+    user_defined = user_defined if model == "gpt2" else {}
     return GGUFTokenizer(tok, None if eos is None else int(eos), frozenset(int(i) for i in ends if i is not None),
                          None if bos is None else int(bos), bool(add_bos) if add_bos is not None else default_bos,
                          user_defined)  # fmt: skip
