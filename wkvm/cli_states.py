@@ -110,8 +110,8 @@ class DirStates:
         return self.store.export_bytes(self.owner, checked(handle))
 
     def import_(self, data: bytes, name: str | None) -> dict[str, Any]:
-        # the context as a server's import checks it; not the pages' float16 range: a server's kv dtype is not known
-        # here, so one with float16 pages checks the state when a request takes it
+        # the model's context (a server also bounds it by its KV pool, which is not known here), and not the pages'
+        # float16 range: a server with float16 pages checks the state when a request takes it
         store = self.store
         return self._info(store.import_bytes(self.owner, data, name, self.context))
 

@@ -31,15 +31,17 @@ class StateService:
     def __init__(self, store: StateStore, page_max: float | None = None):
         """`page_max`: the largest key or value the engine's pages hold (float16's 65,504; None: float32 pages)."""
         self.store, self.page_max = store, page_max
+        self._fits: set[str] = set()  # blobs (immutable) whose keys and values the pages hold: checked once
 
-    def check_pages(self, state: State) -> None:
+    def check_pages(self, state: State, blob: str) -> None:
         """A state whose keys or values the pages cannot hold (a StateFileError, the request's 400): it would become
         inf there and the answer garbage, silently. An import checks its file so; a state stored another way (by a
         server with float32 pages, or `wkvm states import --state-dir`, which cannot know the pages) is checked
-        here, when a request takes it."""
-        if self.page_max is not None:
+        here, when a request first takes it."""
+        if self.page_max is not None and blob not in self._fits:
             check_magnitude(self.store.spec, state, self.page_max, paged_only=True,
                             why="this server keeps keys and values in float16 pages (--kv-dtype float32 holds it)")
+            self._fits.add(blob)
 
     def save_created(self, owner: str, name: str, prompt_ids: list[int], state: State) -> StateRecord:
         """The state after exactly `prompt_ids` (the last one pending: `state` holds all but it)."""
@@ -53,7 +55,7 @@ class StateService:
         """Continue stored state `handle` with `new_ids`: its pending token comes first. A handle whose name no state
         can have is a ValueError (the request's 400), not "not found"."""
         rec, state = self.store.load(owner, valid_handle(handle))
-        self.check_pages(state)
+        self.check_pages(state, rec.blob)
         feed, base = resume_inputs(self.store.token_ids(rec), new_ids)
         return Resume(feed, state, base, rec.handle)
 
