@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -430,18 +429,15 @@ def test_a_state_whose_owner_is_restarting_waits_for_it(monkeypatch):
     asyncio.run(run())
 
 
-def test_a_new_name_whose_first_request_failed_keeps_no_owner(tiny_pth, tmp_path):
+def test_a_new_name_whose_first_request_failed_keeps_no_owner():
     """Cluster hunt (session 48): the claim a create makes before it is forwarded stayed when the create failed (a 4xx:
     nothing saved): a name refused by a full replica went back there ever after, and unique names grew the directory
-    without bound. The front confirms a claim a success used; the replica that refused the request lets go of one
-    it holds nothing of (no version ever issued, no request there saving it: asked there, so that a claim another
-    request is using stays; review, session 48); a confirmed name is never let go of."""
+    without bound. Each request routed by a claim no answer confirmed counts (`use`); a 4xx releases its count, any
+    other answer confirms the claim; the name is forgotten when no count is left unconfirmed: a claim another
+    request is still saving under stays (review, session 48: a failed request had forgotten it)."""
     import httpx
 
     from wkvm.cluster.front import build_front_app
-    from wkvm.cluster.replica import EngineReplica
-    from wkvm.state.store import StateStore
-    from wkvm.weights.loader import load_model
 
     d, engine, front = cluster_front()
     key = state_key("anonymous", "X")
@@ -452,40 +448,26 @@ def test_a_new_name_whose_first_request_failed_keeps_no_owner(tiny_pth, tmp_path
             engine.status = 413
             assert (await c.post("/v1/states", json={"name": "X", "prompt": "hi"})).status_code == 413
             await asyncio.sleep(0.05)
-            assert key in d.tentative  # refused: only the replica knows whether it holds anything of X
+            assert d.lookup(key) == (None, None) and not d.tentative
             engine.status = 200
             assert (await c.post("/v1/states", json={"name": "X", "prompt": "hi"})).status_code == 200
             await asyncio.sleep(0.05)
-            assert d.lookup(key)[0] is not None and not d.tentative
+            owner = d.lookup(key)[0]
+            assert owner is not None and not d.tentative
+            engine.status = 400  # a later refusal does not unbind a name that exists
+            await c.post("/v1/completions", json={"prompt": "x", "save_state": "X"})
+            await asyncio.sleep(0.05)
+            assert d.lookup(key)[0] == owner
 
     asyncio.run(run())
-    m = load_model(tiny_pth)
-    store = StateStore(tmp_path / "r0", m.spec, m.fingerprint, m.vocab_size)
-    _, state = m.prefill([1, 2])
-    store.put("t", "held", state, [1, 2, 3])
-    replica = object.__new__(EngineReplica)  # no Ray: only what _let_go uses
-    replica.ctx, replica.slot, replica.directory = SimpleNamespace(store=store), "r0", FakeActor(d)
-    replica._saving = Counter({("t", "busy"): 1})
-    for name in ("free", "held", "busy"):
-        d.claim_owner(state_key("t", name), "r0")
-
-    async def let_go():
-        await replica._let_go([("t", "free"), ("t", "held"), ("t", "busy")])
-        await asyncio.sleep(0.05)
-
-    asyncio.run(let_go())
-    assert d.lookup(state_key("t", "free")) == (None, None)
-    assert d.lookup(state_key("t", "held"))[0] == "r0" and d.lookup(state_key("t", "busy"))[0] == "r0"
-    d.confirm(state_key("t", "busy"), "r0")
-    replica._saving.clear()
-    asyncio.run(let_go())
-    assert d.lookup(state_key("t", "busy"))[0] == "r0"  # confirmed: never let go of
-    replica.ctx = None  # its __del__ stops a server's context: there is none
-    store.close()
-    d.claim_owner(state_key("anonymous", "Z"), "r0")
-    d.unclaim(state_key("anonymous", "Z"), "r0")
-    d.confirm(state_key("anonymous", "Z"), "r0")  # a success that landed after a failure's unclaim: bound again
-    assert d.lookup(state_key("anonymous", "Z"))[0] == "r0"
+    y = state_key("anonymous", "Y")  # two first requests of Y, the second refused while the first still saves
+    d.claim_owner(y, "r1")
+    assert d.use(y, "r1") and d.use(y, "r1") and not d.use(y, "r0")
+    d.release_claim(y, "r1")
+    assert d.lookup(y)[0] == "r1"  # the first still holds it
+    d.confirm(y, "r1")
+    d.release_claim(y, "r1")  # a late refusal after the confirm
+    assert d.lookup(y)[0] == "r1" and not d.tentative
 
 
 def test_two_moves_of_one_name_leave_it_where_the_last_put_it():
@@ -550,7 +532,6 @@ def test_a_replica_adopts_a_moved_name_whole_or_not_at_all(tiny_pth, tmp_path, m
     versions it had taken (they had stayed: hunt, session 48); so does a last file that ends past the deadline (it
     had answered the handles to a caller that had given up; review, session 48)."""
     import time
-    from types import SimpleNamespace
 
     from wkvm.cluster.forward import DISK_FULL_REPLY, EXISTS_REPLY, TIMEOUT_REPLY
     from wkvm.cluster.replica import EngineReplica
@@ -652,7 +633,6 @@ def test_a_request_that_reaches_a_moved_names_old_owner_is_sent_back():
     sent the request to the old owner after `drop_name`: a read was a false 404, a save issued a version where the
     directory no longer points. The old owner now answers "misrouted" for a key it moved away (the front asks the
     directory again), and serves it again once the directory names it the owner (a later move back)."""
-    from types import SimpleNamespace
 
     pytest.importorskip("ray.serve", reason="Ray Serve is the optional extra wkvm[cluster]")
     from wkvm.cluster.forward import MISROUTED

@@ -38,7 +38,8 @@ class Directory:
     slots: dict[str, Slot] = field(default_factory=dict)
     owners: dict[str, str] = field(default_factory=dict)  # route key -> slot name
     soft: OrderedDict[str, None] = field(default_factory=OrderedDict)  # owners' soft keys, least recently used first
-    tentative: set[str] = field(default_factory=set)  # names claimed by a first request not yet answered (`unclaim`)
+    # names a first request claimed that no answer confirmed yet -> requests routed by that claim and not yet answered
+    tentative: dict[str, int] = field(default_factory=dict)
     stream_moves: int = 0  # running streams handed over, over the application's life (fronts restart too)
     parked: OrderedDict[str, tuple[str, Any, int]] = field(default_factory=OrderedDict)  # key -> slot, copy, bytes
     parked_bytes: int = 0
@@ -112,7 +113,7 @@ class Directory:
 
     def record(self, key: str, slot: str) -> None:
         self.owners[key] = slot
-        self.tentative.discard(key)
+        self.tentative.pop(key, None)
         self._bound(key)
 
     def record_if(self, key: str, expect: str, slot: str) -> bool:
@@ -140,22 +141,34 @@ class Directory:
             self.owners[key] = slot
             self._bound(key)
             if not key.startswith(SOFT_PREFIXES):
-                self.tentative.add(key)
+                self.tentative[key] = 0
         return self.lookup(key)
 
+    def use(self, key: str, slot: str) -> bool:
+        """A request that may save `key` goes to `slot`: counted where that is a tentative claim (then the front
+        `confirm`s or `release_claim`s it once answered); False where the name's owner is settled."""
+        if key not in self.tentative or self.owners.get(key) != slot:
+            return False
+        self.tentative[key] += 1
+        return True
+
     def confirm(self, key: str, slot: str) -> None:
-        """A request for `key` answered without an error on `slot`: a claim stands (and an owner an `unclaim`
-        forgot meanwhile is `slot` again: the request that claimed it failed while this one saved there)."""
-        self.tentative.discard(key)
+        """A request `use` counted was answered without a 4xx on `slot` (saved, or a 5xx that may have): the claim
+        stands."""
+        self.tentative.pop(key, None)
         if key not in self.owners:
             self.record(key, slot)
 
-    def unclaim(self, key: str, slot: str) -> None:
-        """The request that claimed `key` for `slot` failed (a 4xx: nothing was saved) and none has confirmed it:
-        forgotten. Every failed create of a new name had kept its owner for the application's life: a name refused
-        by a full replica went back there ever after, and unique names grew the directory without bound (cluster
-        hunt, session 48)."""
-        if key in self.tentative and self.owners.get(key) == slot:
+    def release_claim(self, key: str, slot: str) -> None:
+        """A request `use` counted was refused (a 4xx: nothing saved). When none routed by the claim is left and none
+        confirmed it, the name is forgotten: every failed create of a new name had kept its owner for the
+        application's life (a name refused by a full replica went back there ever after, and unique names grew the
+        directory without bound: cluster hunt, session 48); the count keeps a claim another request is still saving
+        under (review, session 48)."""
+        if key not in self.tentative:
+            return
+        self.tentative[key] -= 1
+        if self.tentative[key] <= 0 and self.owners.get(key) == slot:
             self.forget(key)
 
     def stop_app(self) -> None:
@@ -167,7 +180,7 @@ class Directory:
     def forget(self, key: str) -> None:
         self.owners.pop(key, None)
         self.soft.pop(key, None)
-        self.tentative.discard(key)
+        self.tentative.pop(key, None)
 
     def park_session(self, key: str, slot: str, copy: Any, nbytes: int) -> None:
         """A replica's parked chat session (`sessions.ParkedCopy`), for any replica its next turn lands on."""

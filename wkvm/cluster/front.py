@@ -185,6 +185,8 @@ class Front:
         deadline = time.monotonic() + OWNER_WAIT_SECONDS
         inflight = Inflight(self.load)
         claimed = False
+        named = route.key is not None and route.claims and not route.key.startswith(SOFT_PREFIXES)
+        used = False  # counted by a name's tentative claim (`Directory.use`): confirmed or released once answered
         try:
             while True:
                 slot, target = (await self.directory.lookup.remote(route.key)) if route.key else (None, None)
@@ -193,6 +195,8 @@ class Front:
                     if toward is not None:
                         claimed = True  # counted as "new" (the claim gives it an owner before it is answered)
                         slot, target = await self.directory.claim_owner.remote(route.key, toward)
+                if named and not used and slot is not None:
+                    used = await self.directory.use.remote(route.key, slot)
                 strict = route.strict and slot is not None
                 # its owner's slot released (a rolling restart): wait for the replacement. The least busy replica
                 # had answered instead: a read a false 404, a create a second X@1 there, which the name's owner (the
@@ -232,9 +236,9 @@ class Front:
         self.metrics.routed.labels(outcome(route.key, None if claimed else slot, head.replica)).inc()
         if route.key is not None and head.replica != slot and head.status < 400:
             await self.directory.record.remote(route.key, head.replica)
-        elif route.key is not None and route.claims and not route.key.startswith(SOFT_PREFIXES) and head.status < 400:
-            # a name's claim stands (not awaited: an actor runs one caller's calls in order); a failed one the replica
-            # lets go of, where it holds nothing of the name (EngineReplica.http)
+        elif used and 400 <= head.status < 500:  # refused, nothing saved (not awaited: an actor runs one caller's
+            self.directory.release_claim.remote(route.key, slot)  # calls in order)
+        elif used:
             self.directory.confirm.remote(route.key, head.replica)
         if response_id is not None and head.status < 400:  # not awaited: an actor runs one caller's calls in order
             self.directory.record.remote(response_key(self.tenant(request), response_id), head.replica)

@@ -105,7 +105,6 @@ class EngineReplica:
         self._pushed: dict[str, int] = {}  # tickets pushed to the directory (`_push`) -> their bytes
         self._saving: Counter[tuple[str, str]] = Counter()  # (tenant, name) -> requests here that will save it
         self._moved_away: dict[str, None] = {}  # route keys of names moved from here (oldest first; `moved_away`)
-        self._letting_go: set[asyncio.Task[None]] = set()  # `_let_go`s running
         self._drain = threading.Thread(target=self._drain_when_stopping, name="wkvm-drain", daemon=True)
         self._drain.start()
         self._watch = threading.Thread(target=self._watch_directory, name="wkvm-directory-watch", daemon=True)
@@ -160,12 +159,10 @@ class EngineReplica:
         tenant = tenant_of(req.scope(), self.ctx.keys) or "anonymous"
         saving = [(tenant, name) for name in saved_names(req)]
         self._saving.update(saving)  # `export_name` refuses to move these names while this runs
-        status = 0
         try:
             async for part in run_asgi(self.app, req, self.slot):
                 mark = parse_marker(part) if isinstance(part, bytes) else None
                 if mark is None:
-                    status = part.status if isinstance(part, Head) else status
                     yield part
                     continue
                 ticket, to = mark
@@ -175,26 +172,6 @@ class EngineReplica:
                     yield Handover(to, ticket, data)
         finally:
             self._saving -= Counter(saving)  # keeps positive counts only
-            if 400 <= status < 500 and saving:  # refused: a name it would have created may be claimed for nothing
-                task = asyncio.get_running_loop().create_task(self._let_go(saving))
-                self._letting_go.add(task)  # held until done (the loop keeps only a weak reference)
-                task.add_done_callback(self._letting_go.discard)
-
-    async def _let_go(self, names: list[tuple[str, str]]) -> None:
-        """Names a refused request would have saved: each this replica holds nothing of (no version ever issued, no
-        request here saving it) goes from the directory where only that request's claim held it (`unclaim`: a name
-        refused by a full replica had gone back there ever after, and unique names grew the directory without
-        bound; cluster hunt and review, session 48). Asked here, not at the front: a claim another request is still
-        using is one this replica is saving."""
-        store = self.ctx.store
-
-        def unused(tenant: str, name: str) -> bool:
-            return self._saving[(tenant, name)] == 0 and store.index.next_version(tenant, name) == 1
-
-        for tenant, name in names:
-            with contextlib.suppress(Exception):  # best effort: the claim stays, as before
-                if await asyncio.to_thread(unused, tenant, name):
-                    self.directory.unclaim.remote(state_key(tenant, name), self.slot)
 
     async def moved_away(self, key: object) -> bool:
         """Whether a strict request for `key` (a named state) came here after the name moved away: a front that looked
