@@ -531,8 +531,10 @@ def test_a_replica_adopts_a_moved_name_whole_or_not_at_all(tiny_pth, tmp_path, m
     """EngineReplica.adopt: whatever stops it part way (a full disk, its deadline, a version there already) drops the
     versions it had taken (they had stayed: hunt, session 48); so does a last file that ends past the deadline (it
     had answered the handles to a caller that had given up; review, session 48)."""
+    import threading
     import time
 
+    from wkvm.cluster import replica as replica_module
     from wkvm.cluster.forward import DISK_FULL_REPLY, EXISTS_REPLY, TIMEOUT_REPLY
     from wkvm.cluster.replica import EngineReplica
     from wkvm.state.store import DiskFull, StateStore
@@ -549,31 +551,41 @@ def test_a_replica_adopts_a_moved_name_whole_or_not_at_all(tiny_pth, tmp_path, m
     adopt, calls, deadline = dest.adopt_bytes, [], None
     if stop == "late":  # two files: the second starts in time and ends late
         files = files[:2]
+    clock = [1000.0]  # the replica's time.time(): each file takes 0.2 s of it (no real sleeps: CI machines are slow)
+    monkeypatch.setattr(replica_module, "time", SimpleNamespace(time=lambda: clock[0], monotonic=time.monotonic))
+    first_started, cancel_seen = threading.Event(), threading.Event()
 
-    def adopt_bytes(owner, data):
+    def adopt_bytes(owner, data, tenant_quota=True):
         calls.append(1)
         if len(calls) == 3:  # the third file
             if stop == "disk_full":
                 raise DiskFull("no space left")
             if stop == "exists":
                 raise ValueError("state 'X@3' exists already")
-        rec = adopt(owner, data)
-        if stop in ("deadline", "late", "cancel"):
-            time.sleep(0.2)
+        rec = adopt(owner, data, tenant_quota)
+        clock[0] += 0.2
+        if stop == "cancel":  # the first file is being written when the caller's call is cancelled
+            first_started.set()
+            assert cancel_seen.wait(30)
         return rec
 
     async def cancelled():  # the caller's call cancelled while the first file is written: its thread drops it
         task = asyncio.ensure_future(replica.adopt("t", files, (3, [2]), None))
-        await asyncio.sleep(0.1)
+        while not first_started.is_set():
+            await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.4)
+        cancel_seen.set()
+        for _ in range(500):  # the thread drops what it took
+            if len(calls) == 1 and not dest.list("t"):
+                break
+            await asyncio.sleep(0.01)
         return TIMEOUT_REPLY
 
     monkeypatch.setattr(dest, "adopt_bytes", adopt_bytes)
     if stop in ("deadline", "late"):
-        deadline = time.time() + 0.3  # the second file starts in time, and a third would not
+        deadline = clock[0] + 0.3  # the second file starts in time, and a third would not
     answer = asyncio.run(cancelled() if stop == "cancel" else replica.adopt("t", files, (3, [2]), deadline))
     assert answer == {"disk_full": DISK_FULL_REPLY, "exists": EXISTS_REPLY}.get(stop, TIMEOUT_REPLY)
     assert len(calls) == {"deadline": 2, "late": 2, "cancel": 1}.get(stop, 3) and dest.list("t") == [], calls

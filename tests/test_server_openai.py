@@ -180,9 +180,10 @@ def test_continue_final_message_cuts_the_template_after_the_last_text():
     msgs = [*messages[:-1], {"role": "assistant", "content": ""}]  # the turn opened, as transformers renders it
     assert render_chat(ctx, msgs, None, False, True) == "<user>Say hi</user><assistant>"
     calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
-    with pytest.raises(APIError, match="no text to continue"):  # no content: opening it would drop its calls
-        render_chat(ctx, [*messages[:-1], {"role": "assistant", "content": None, "tool_calls": calls}], None, False,
-                    True)  # fmt: skip
+    for content in (None, ""):  # tool calls, with no content or "" (as chat_messages makes null): they would go
+        with pytest.raises(APIError, match="no text to continue"):
+            render_chat(ctx, [*messages[:-1], {"role": "assistant", "content": content, "tool_calls": calls}], None,
+                        False, True)  # fmt: skip
     trims = SimpleNamespace(template=ChatTemplate("{% for m in messages %}[{{ m.content | trim }}]{% endfor %}"))
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "So "}]
     assert render_chat(trims, msgs, None, False, True) == "[Hi][So"  # as transformers cuts a trimmed message

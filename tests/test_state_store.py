@@ -1127,7 +1127,8 @@ def test_one_tenants_saves_never_fill_another_tenants_room(model, tmp_path):
     413 once another filled it, and watched the other's deletes turn its 413 into 200). Each tenant's (API key's)
     files count against its own quota, whatever Open WebUI user id it sends (the client chooses it: the review found
     each id had its own room); its 413 names its own figures only; a fork adds no file and is taken; internal states
-    (checkpoints) do not count; a state moved here (adopt) is not refused by it; a put refused for a version that
+    (checkpoints) do not count; a state the server moves here (a merge of slots) is not refused by it, a tenant's own
+    migrate is; a put refused for a version that
     exists counts nothing; deleting frees the tenant's room; a restart counts the same."""
     file_bytes = len(statefile.encode(model.spec, statefile.unbatch(random_state(model.spec, 0)),
                                       statefile.StateMeta(model.fingerprint, model.spec.spec_hash, [1, 2, 3], "x", 1)))
@@ -1157,7 +1158,9 @@ def test_one_tenants_saves_never_fill_another_tenants_room(model, tmp_path):
     store.check_room("key-b#ckpt", 3)
     moved = StateStore(tmp_path / "other", model.spec, model.fingerprint)
     moved.put("key-a", "far", random_state(model.spec, 40), [1, 2, 3])
-    store.adopt_bytes("key-a", moved.export_bytes("key-a", "far"))  # a relocation: not refused by the room
+    with pytest.raises(QuotaExceeded, match=own):  # a tenant's own migrate counts (review, session 48)
+        store.adopt_bytes("key-a", moved.export_bytes("key-a", "far"))
+    store.adopt_bytes("key-a", moved.export_bytes("key-a", "far"), tenant_quota=False)  # a merge of slots: not refused
     moved.close()
     store.delete("key-a", "far")
     store.delete("key-a/user-0000000000000001", "s1")
@@ -1169,3 +1172,28 @@ def test_one_tenants_saves_never_fill_another_tenants_room(model, tmp_path):
     reopened.put("key-c", "s0", random_state(model.spec, 20), [1, 2, 3])
     reopened.close()
 
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_a_user_put_whose_record_fails_leaves_the_counts_as_they_were(model, tmp_path, monkeypatch, on_disk):
+    """Review (session 48): a user put of tensors a checkpoint holds (in RAM, write-back, or on disk) writes the file
+    and counts it as the user's, then the index refused the record: the blob stayed counted as that tenant's (against
+    its --state-tenant-quota) and never again as the cache's, so it was never evicted."""
+    store = StateStore(tmp_path / "s", model.spec, model.fingerprint, model.vocab_size)
+    state = random_state(model.spec, 5)
+    ckpt = store.put("t#ckpt", "c", state, [1, 2, 3], durable=False)
+    if on_disk:
+        store._spill(ckpt.blob)
+    insert = store.index.insert
+
+    def refuse(rec, durable=True):
+        if rec.owner == "t":
+            raise sqlite3.OperationalError("database or disk is full")
+        return insert(rec, durable)
+
+    monkeypatch.setattr(store.index, "insert", refuse)
+    with pytest.raises((DiskFull, sqlite3.OperationalError)):
+        store.put("t", "x", state, [1, 2, 3])
+    assert store.usage.user == {} and store.usage.tenant_bytes == {} and ckpt.blob in store.usage.internal
+    monkeypatch.undo()
+    store.close()

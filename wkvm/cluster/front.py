@@ -637,9 +637,9 @@ class Front:
         if handles == EXISTS_REPLY:  # another move of this name got there first
             return error_response(409, f"{name!r} is moving to {to} already", None, "state_changed")
         if handles == QUOTA_REPLY:  # it kept none of them: the name stays where it is
-            return error_response(413, f"{name!r} does not fit {to}'s state disk quota (--state-disk-quota); nothing "
-                                  "moved: delete states there or move it elsewhere", None,
-                                  "state_quota_exceeded")  # fmt: skip
+            return error_response(413, f"{name!r} does not fit {to}'s state quota (its --state-disk-quota, or your "
+                                  "--state-tenant-quota there); nothing moved: delete states there or move it "
+                                  "elsewhere", None, "state_quota_exceeded")  # fmt: skip
         if handles == DISK_FULL_REPLY:
             return error_response(413, f"{to}'s state disk is full; nothing moved: free space there or move {name!r} "
                                   "elsewhere", None, "state_disk_full")  # fmt: skip

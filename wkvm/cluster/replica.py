@@ -318,7 +318,7 @@ class EngineReplica:
             seconds = adopt_seconds(files)
             try:
                 card = self._name_card(tenant, name)
-                handles = self._call(replica_id, "adopt", tenant, files, card, time.time() + seconds,
+                handles = self._call(replica_id, "adopt", tenant, files, card, time.time() + seconds, False,
                                      timeout=seconds + CALL_SECONDS) if files else []  # fmt: skip
             except Exception:  # no answer: where it finished as this call gave up, its copies go (as the front's)
                 with contextlib.suppress(Exception):
@@ -396,7 +396,8 @@ class EngineReplica:
         return await asyncio.to_thread(self._name_card, tenant, name)
 
     async def adopt(self, tenant: str, files: list[bytes], card: tuple[int, list[int]] | None = None,
-                    deadline: float | None = None, **route: object) -> list[str] | str:  # fmt: skip
+                    deadline: float | None = None, tenant_quota: bool = True,
+                    **route: object) -> list[str] | str:  # fmt: skip
         """Store moved states under their own handles (validated as an import); `card` (`name_card`): no version
         up to the name's last issued one is issued here again, and its pinned versions stay pinned. All or nothing:
         whatever stops it (the quota, a full disk, a bad file, the caller's `deadline` (time.time()) passed before it
@@ -419,7 +420,7 @@ class EngineReplica:
             try:
                 for f in files:
                     stop_if_late()
-                    handles.append(store.adopt_bytes(tenant, f).handle)
+                    handles.append(store.adopt_bytes(tenant, f, tenant_quota).handle)
                 if card is not None and handles:
                     name, top = handles[0].rsplit("@", 1)[0], max(int(h.rsplit("@", 1)[1]) for h in handles)
                     if card[0] > top:  # its newest versions were deleted (else adopting them recorded it)
@@ -509,7 +510,7 @@ class EngineReplica:
                 taken: list[StateRecord] = []
                 try:
                     for r in recs:
-                        taken.append(self.ctx.store.adopt_bytes(r.owner, other.export_bytes(r.owner, r.handle)))
+                        taken.append(self.ctx.store.adopt_bytes(r.owner, other.export_bytes(r.owner, r.handle), False))
                 except BaseException:  # all or nothing: the slot's directory keeps them all for a later try
                     for t in taken:
                         self._unadopt(t.owner, [t.handle])

@@ -583,9 +583,11 @@ def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], tools: list[
         raise APIError(400, "continue_final_message continues the last message: set add_generation_prompt to false",
                        "continue_final_message", "invalid_value")  # fmt: skip
     content = messages[-1].get("content") if continue_final_message else ""
-    if not isinstance(content, str):  # none (an assistant's tool calls): nothing to continue, as transformers says;
-        raise APIError(400, "continue_final_message: the last message has no text to continue", "messages",
-                       "invalid_value")  # fmt: skip  # opening it would drop its calls from the prompt (review, 48)
+    if not isinstance(content, str) or (continue_final_message and messages[-1].get("tool_calls")):
+        # an assistant's tool calls (its content null or ""): the prompt would end before them, dropping them (review,
+        # session 48); transformers refuses a message without content too
+        raise APIError(400, "continue_final_message: the last message has no text to continue (it holds tool "
+                       "calls, or no content)", "messages", "invalid_value")  # fmt: skip
     final: str = content
     if continue_final_message:  # a mark after the last text, cut there (as transformers' apply_chat_template): its
         # text's last match had been taken, inside the template's closing marks when they held it ('<' or 'd')

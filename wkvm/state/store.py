@@ -274,10 +274,10 @@ class StateStore:
                 return None
             if version is not None and self.index.get(owner, name, version, with_ids=False) is not None:
                 raise ValueError(f"state {name}@{version} exists already")  # before any file: none is left over
-            was_internal = blob in self.usage.internal_files
+            version = self.index.next_version(owner, name) if version is None else version  # may refuse: first
+            was_user = self.usage.is_user(blob)
             if not internal:
                 self._admit_user(owner, blob, tensors, meta, growth, tenant_quota)
-            version = self.index.next_version(owner, name) if version is None else version
             # the tensors' own bytes: an attention state's keys and values grow with its tokens (spec.nbytes is only
             # the fixed part, 0 for a pure transformer)
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -287,8 +287,9 @@ class StateStore:
             except (OSError, sqlite3.Error) as e:  # the file just written (or counted) had been left, orphaned
                 if not self.index.blob_owners(blob):
                     self._remove_blob(blob)
-                elif not internal and was_internal and all(is_internal(o) for o in self.index.blob_owners(blob)):
-                    self.usage.add_internal(blob, self.usage.user[blob], on_disk=True)  # still only a cache's
+                elif not internal and not was_user and all(is_internal(o) for o in self.index.blob_owners(blob)):
+                    self.usage.add_internal(blob, self.usage.user[blob], on_disk=True)  # still only a cache's (its
+                    # file written now, if only RAM had held it)
                 if internal and is_disk_full(e):  # a cache entry: not kept, as when it does not fit
                     self._not_kept(len(ids), DISK_FULL_WHY)
                     return None
@@ -615,15 +616,16 @@ class StateStore:
         return self.put_user(owner, name or meta.name, state, meta.token_ids, op="import", op_params=lineage)
 
     @full_disk_is_an_answer
-    def adopt_bytes(self, owner: str, data: bytes) -> StateRecord:
+    def adopt_bytes(self, owner: str, data: bytes, tenant_quota: bool = True) -> StateRecord:
         """Store an exported file under its own name and version, with its lineage and creation time: a state moved
-        here from another replica keeps its handle. Every field is validated as for an import. Not counted against
-        its tenant's --state-tenant-quota (a relocation: a restart with fewer replicas merging slots had been refused,
-        and the launcher had failed; review, session 48); the shared quota and the disk still bound it."""
+        here from another replica keeps its handle. Every field is validated as for an import. `tenant_quota`: False
+        for a relocation the server makes (a restart with fewer replicas merging slots had been refused, and the
+        launcher had failed; review, session 48), not for a tenant's own migrate (else one key could pile its states
+        onto one replica, past its room there)."""
         tensors, meta = statefile.decode(data, self.spec, self.fingerprint, self.vocab_size)
         state = {k: v.unsqueeze(0) for k, v in tensors.items()}
         rec = self.put(owner, meta.name, state, meta.token_ids, meta.parent, meta.op, meta.op_params,
-                       version=meta.version, created_at=meta.created_at, tenant_quota=False)  # fmt: skip
+                       version=meta.version, created_at=meta.created_at, tenant_quota=tenant_quota)  # fmt: skip
         assert rec is not None  # a user's state is stored or raises
         return rec
 
