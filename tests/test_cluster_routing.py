@@ -598,6 +598,26 @@ def test_a_replica_adopts_a_moved_name_whole_or_not_at_all(tiny_pth, tmp_path, m
     dest.close()
 
 
+def test_a_move_begun_runs_to_its_end_when_its_request_is_cancelled():
+    """Review (session 48): a cancel (the client left, --request-timeout) between the destination's adoption and the
+    source's drop had left the name on both replicas. The move runs on; its request still ends cancelled."""
+    d, engine, front = cluster_front(2)
+    engine.names["r0"]["X"] = [1, 2]
+    key = state_key("anonymous", "X")
+    d.holds("r0", [key])
+
+    async def run():
+        asked = asyncio.ensure_future(front.move_name("anonymous", "X", "r1", d.replicas()))
+        await asyncio.sleep(0.005)  # inside the adoption (r1's takes 10 ms)
+        asked.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asked
+        await asyncio.sleep(0.2)
+
+    asyncio.run(run())
+    assert engine.names == {"r0": {}, "r1": {"X": [1, 2]}} and d.lookup(key)[0] == "r1"
+
+
 def test_a_stream_moves_precopy_is_a_boolean_or_a_400_before_anything_else():
     """docs/cluster.md: 400 invalid_type for a `precopy` that is not a boolean. 0, "" and [] had read as false, and
     any value passed where the stream's own replica was named (hunt, session 46); null is the default."""

@@ -143,6 +143,7 @@ class Front:
         self.load: dict[str, int] = {}  # slot -> requests this front relays to it now (`Inflight`)
         self._known: tuple[float, dict[str, str]] = (0.0, {})
         self._moves: dict[str, tuple[asyncio.Lock, int]] = {}  # names moving now: their lock and its users
+        self._move_tasks: set[asyncio.Task[NameMove | Response]] = set()  # moves running (`move_name`)
 
     def tenant(self, request: Request) -> str:
         return tenant_of(request.scope, self.keys) or "anonymous"  # ApiKeyGate refused a wrong key already
@@ -580,10 +581,19 @@ class Front:
         """Every version of `name` from its owner to replica `to` (the directory updated), or the error to answer.
         `new_ok`: a name with no version yet (a stream about to save its first) only changes owner. `refuse_saving`:
         a 409 while a request running on the owner will save the name's next version (it would be issued there,
-        where the directory no longer points)."""
+        where the directory no longer points). A move, once begun, runs to its end even when the request that asked
+        for it is cancelled (its client left, --request-timeout): cut between the adoption and the source's drop, the
+        name had stayed on two replicas (review, session 48)."""
         key = state_key(tenant, name)
-        async with self.moving(key):
-            return await self._move_name(key, tenant, name, to, replicas, new_ok, refuse_saving)
+
+        async def move() -> NameMove | Response:
+            async with self.moving(key):
+                return await self._move_name(key, tenant, name, to, replicas, new_ok, refuse_saving)
+
+        task = asyncio.ensure_future(move())
+        self._move_tasks.add(task)  # held until done (the loop keeps only a weak reference)
+        task.add_done_callback(self._move_tasks.discard)
+        return await asyncio.shield(task)
 
     @contextlib.asynccontextmanager
     async def moving(self, key: str) -> AsyncIterator[None]:

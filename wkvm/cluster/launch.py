@@ -27,6 +27,7 @@ from wkvm.cluster.replica import CALL_SECONDS, DIRECTORY, NAMESPACE, EngineRepli
 from wkvm.cluster.router import AffinityRouter
 from wkvm.config import ServerConfig
 from wkvm.logs import wkvm_logger
+from wkvm.models.family import first_line
 from wkvm.server.context import freeze_startup_heap
 
 log = logging.getLogger("wkvm.cluster")
@@ -117,11 +118,10 @@ def absorb_unheld_slots(config: ServerConfig, directory: Any) -> None:
         for _ in range(30):  # the router may land it on another replica for a moment: that one says so
             try:
                 n = engine.absorb.remote(slot, target=heirs[i % len(heirs)], strict=True).result()
-            except Exception as e:  # the heir cannot take them (its disk, its quota): they stay, whole, in their slot
-                log.warning("slot %s has no replica and its states could not be moved (%s): they stay in %s; restart "
-                            "with --replicas %d, or free room", slot, e, Path(config.state_dir) / slot,
-                            config.replicas)  # fmt: skip
-                break
+            except Exception as e:  # the heir cannot take them now (restarting, its disk, its quota): they stay,
+                log.info("slot %s: its states did not move yet (%s); asking again", slot, first_line(str(e), 200))
+                time.sleep(1)  # whole, in their slot, until the next try (the launcher had failed)
+                continue
             if n != MISROUTED_REPLY:
                 log.info("slot %s had no replica: %s named states moved to a live one", slot, n)
                 break

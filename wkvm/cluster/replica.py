@@ -408,6 +408,8 @@ class EngineReplica:
             return MISROUTED_REPLY
         store = self.ctx.store
         cancelled = threading.Event()
+        if deadline is not None and deadline < 1e9:  # seconds from now, as a caller of an earlier version sends
+            deadline = time.time() + deadline  # (a rolling restart runs both)
 
         def stop_if_late() -> None:
             if cancelled.is_set():

@@ -83,7 +83,8 @@ class HeadDeadline(H11Protocol):
 
     def _head_late(self) -> None:
         self._head_timer = None
-        if self._waiting() and not self.transport.is_closing():
+        mine = self.transport.get_protocol() is self  # not a connection upgraded to another protocol since
+        if mine and self._waiting() and not self.transport.is_closing():
             self.transport.close()
 
 

@@ -16,6 +16,8 @@ from wkvm.state.mutations import MutationError, apply_mutation
 from wkvm.state.statefile import check_magnitude, resume_inputs, valid_handle, valid_name
 from wkvm.state.store import StateNotFound, StateStore
 
+FITS_KEPT = 65_536  # blobs remembered as fitting float16 pages (~100 bytes each)
+
 
 @dataclass
 class Resume:
@@ -41,6 +43,8 @@ class StateService:
         if self.page_max is not None and blob not in self._fits:
             check_magnitude(self.store.spec, state, self.page_max, paged_only=True,
                             why="this server keeps keys and values in float16 pages (--kv-dtype float32 holds it)")
+            if len(self._fits) >= FITS_KEPT:  # bounded: a forgotten blob is only checked again
+                self._fits.clear()
             self._fits.add(blob)
 
     def save_created(self, owner: str, name: str, prompt_ids: list[int], state: State) -> StateRecord:
