@@ -551,7 +551,7 @@ def test_a_replica_adopts_a_moved_name_whole_or_not_at_all(tiny_pth, tmp_path, m
     adopt, calls, deadline = dest.adopt_bytes, [], None
     if stop == "late":  # two files: the second starts in time and ends late
         files = files[:2]
-    clock = [1000.0]  # the replica's time.time(): each file takes 0.2 s of it (no real sleeps: CI machines are slow)
+    clock = [1.8e9]  # the replica's time.time(): each file takes 0.2 s of it (no real sleeps: CI machines are slow)
     monkeypatch.setattr(replica_module, "time", SimpleNamespace(time=lambda: clock[0], monotonic=time.monotonic))
     first_started, cancel_seen = threading.Event(), threading.Event()
 
