@@ -468,6 +468,27 @@ def test_a_new_name_whose_first_request_failed_keeps_no_owner():
     d.confirm(y, "r1")
     d.release_claim(y, "r1")  # a late refusal after the confirm
     assert d.lookup(y)[0] == "r1" and not d.tentative
+    z = state_key("anonymous", "Z")  # a replica reports holding a claimed name (a restarted directory, absorb)
+    d.claim_owner(z, "r0")
+    assert d.use(z, "r0")
+    d.holds("r1", [z])
+    d.release_claim(z, "r0")  # the refusal must not forget what r1 holds (review, session 48)
+    assert d.lookup(z)[0] == "r1" and not d.tentative
+
+    async def saved_after_a_release():  # B looked X2 up before A's refusal forgot it; B's save re-records it
+        transport = httpx.ASGITransport(app=build_front_app(front))
+        w = state_key("anonymous", "W")
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            use = d.use
+            d.use = lambda key, slot: (d.forget(key), False)[1]  # the release landed between B's lookup and use
+            engine.status = 200
+            d.claim_owner(w, "r0")
+            assert (await c.post("/v1/states", json={"name": "W", "prompt": "hi"})).status_code == 200
+            d.use = use
+            await asyncio.sleep(0.05)
+            assert d.lookup(w)[0] == "r0"
+
+    asyncio.run(saved_after_a_release())
 
 
 def test_two_moves_of_one_name_leave_it_where_the_last_put_it():

@@ -90,6 +90,7 @@ class Directory:
         """The named states a slot's directory holds (reported by its replica once it has opened them)."""
         for k in keys:
             self.owners[k] = slot
+            self.tentative.pop(k, None)  # a replica holds it: settled (a refusal must not forget it; review, 48)
 
     def release(self, replica_id: str) -> None:
         """A replica stopping cleanly: its slot is free (its states stay on disk for the next holder)."""
@@ -167,8 +168,11 @@ class Directory:
         under (review, session 48)."""
         if key not in self.tentative:
             return
+        if self.owners.get(key) != slot:  # it moved meanwhile: whoever holds it now settles it
+            self.tentative.pop(key)
+            return
         self.tentative[key] -= 1
-        if self.tentative[key] <= 0 and self.owners.get(key) == slot:
+        if self.tentative[key] <= 0:
             self.forget(key)
 
     def stop_app(self) -> None:

@@ -239,8 +239,8 @@ class Front:
             await self.directory.record.remote(route.key, head.replica)
         elif used and 400 <= head.status < 500:  # refused, nothing saved (not awaited: an actor runs one caller's
             self.directory.release_claim.remote(route.key, slot)  # calls in order)
-        elif used:
-            self.directory.confirm.remote(route.key, head.replica)
+        elif named and not 400 <= head.status < 500:  # counted or not: a release between its lookup and its `use`
+            self.directory.confirm.remote(route.key, head.replica)  # may have forgotten the name it saved (review)
         if response_id is not None and head.status < 400:  # not awaited: an actor runs one caller's calls in order
             self.directory.record.remote(response_key(self.tenant(request), response_id), head.replica)
         if moved_to(head) is not None:  # a request answered whole that its replica moved (it is stopping)
@@ -593,6 +593,7 @@ class Front:
         task = asyncio.ensure_future(move())
         self._move_tasks.add(task)  # held until done (the loop keeps only a weak reference)
         task.add_done_callback(self._move_tasks.discard)
+        task.add_done_callback(move_ended)
         return await asyncio.shield(task)
 
     @contextlib.asynccontextmanager
@@ -703,6 +704,13 @@ class Front:
         answered = {slot: t for slot, t in zip(replicas, texts, strict=True) if isinstance(t, bytes)}  # not restarting
         body = generate_latest(self.metrics.registry) + labelled(answered)
         return Response(body, media_type="text/plain; version=0.0.4")
+
+
+def move_ended(task: asyncio.Task[Any]) -> None:
+    """A move whose request was cancelled ends unwatched: its error is logged here (asyncio had said only "Task
+    exception was never retrieved")."""
+    if not task.cancelled() and (e := task.exception()) is not None:
+        log.warning("a name's move failed after its request had gone: %r", e)
 
 
 def outcome(key: str | None, owner: str | None, answered: str) -> str:

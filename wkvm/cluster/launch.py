@@ -118,9 +118,15 @@ def absorb_unheld_slots(config: ServerConfig, directory: Any) -> None:
         for _ in range(30):  # the router may land it on another replica for a moment: that one says so
             try:
                 n = engine.absorb.remote(slot, target=heirs[i % len(heirs)], strict=True).result()
-            except Exception as e:  # the heir cannot take them now (restarting, its disk, its quota): they stay,
-                log.info("slot %s: its states did not move yet (%s); asking again", slot, first_line(str(e), 200))
-                time.sleep(1)  # whole, in their slot, until the next try (the launcher had failed)
+            except Exception as e:  # the heir cannot take them (restarting; or its disk, its quota, a name it holds
+                # already: no retry helps): they stay, whole, in their slot (the launcher had failed)
+                why = first_line(str(e), 300)  # Ray's text has the cause's class and message past its first line
+                if any(lasting in str(e) for lasting in ("QuotaExceeded", "DiskFull", "exists already")):
+                    log.warning("slot %s has no replica and its states could not be moved (%s): they stay in %s",
+                                slot, why, Path(config.state_dir) / slot)  # fmt: skip
+                    break
+                log.info("slot %s: its states did not move yet (%s); asking again", slot, why)
+                time.sleep(1)
                 continue
             if n != MISROUTED_REPLY:
                 log.info("slot %s had no replica: %s named states moved to a live one", slot, n)

@@ -318,8 +318,8 @@ class EngineReplica:
             seconds = adopt_seconds(files)
             try:
                 card = self._name_card(tenant, name)
-                handles = self._call(replica_id, "adopt", tenant, files, card, time.time() + seconds, False,
-                                     timeout=seconds + CALL_SECONDS) if files else []  # fmt: skip
+                handles = self._call(replica_id, "adopt", tenant, files, card, time.time() + seconds,
+                                     timeout=seconds + CALL_SECONDS, tenant_quota=False) if files else []  # fmt: skip
             except Exception:  # no answer: where it finished as this call gave up, its copies go (as the front's)
                 with contextlib.suppress(Exception):
                     self._call(replica_id, "drop_name", tenant, name, file_versions(files), True)
@@ -335,13 +335,14 @@ class EngineReplica:
         except Exception:
             log.exception("replica %s: the name %r did not follow its stream to %s", self.slot, name, slot)
 
-    def _call(self, replica_id: str, method: str, *args: Any, timeout: float = CALL_SECONDS) -> Any:
-        """Another replica's method, from a thread of this one (the front's `call`, synchronous)."""
+    def _call(self, replica_id: str, method: str, *args: Any, timeout: float = CALL_SECONDS, **kwargs: Any) -> Any:
+        """Another replica's method, from a thread of this one (the front's `call`, synchronous); `kwargs` go by name
+        (a replica of an earlier version takes unknown ones among its route keywords: rolling restarts run both)."""
         ctx = serve.get_replica_context()
         handle = serve.get_deployment_handle(ctx.deployment, app_name=ctx.app_name)
         deadline = time.monotonic() + timeout
         while True:
-            result = getattr(handle, method).remote(*args, target=replica_id, strict=True).result(
+            result = getattr(handle, method).remote(*args, target=replica_id, strict=True, **kwargs).result(
                 timeout_s=max(0.1, deadline - time.monotonic()))  # fmt: skip
             if result != MISROUTED_REPLY or time.monotonic() > deadline:
                 return result
