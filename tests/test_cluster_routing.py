@@ -462,17 +462,24 @@ def test_a_new_name_whose_first_request_failed_keeps_no_owner():
     asyncio.run(run())
     y = state_key("anonymous", "Y")  # two first requests of Y, the second refused while the first still saves
     d.claim_owner(y, "r1")
-    assert d.use(y, "r1") and d.use(y, "r1") and not d.use(y, "r0")
-    d.release_claim(y, "r1")
+    first, second = d.use(y, "r1"), d.use(y, "r1")
+    assert first == second == d.incarnation and d.use(y, "r0") is None
+    d.release_claim(y, "r1", second)
     assert d.lookup(y)[0] == "r1"  # the first still holds it
+    d.release_claim(y, "r1", "an earlier directory's")  # a count a restarted directory never made: ignored
+    assert d.lookup(y)[0] == "r1"
     d.confirm(y, "r1")
-    d.release_claim(y, "r1")  # a late refusal after the confirm
+    d.release_claim(y, "r1", first)  # a late refusal after the confirm
     assert d.lookup(y)[0] == "r1" and not d.tentative
+    v = state_key("anonymous", "V")  # the last count released: forgotten
+    d.claim_owner(v, "r0")
+    d.release_claim(v, "r0", d.use(v, "r0"))
+    assert d.lookup(v) == (None, None) and not d.tentative
     z = state_key("anonymous", "Z")  # a replica reports holding a claimed name (a restarted directory, absorb)
     d.claim_owner(z, "r0")
-    assert d.use(z, "r0")
+    token = d.use(z, "r0")
     d.holds("r1", [z])
-    d.release_claim(z, "r0")  # the refusal must not forget what r1 holds (review, session 48)
+    d.release_claim(z, "r0", token)  # the refusal must not forget what r1 holds (review, session 48)
     assert d.lookup(z)[0] == "r1" and not d.tentative
 
     async def saved_after_a_release():  # B looked X2 up before A's refusal forgot it; B's save re-records it
@@ -480,7 +487,7 @@ def test_a_new_name_whose_first_request_failed_keeps_no_owner():
         w = state_key("anonymous", "W")
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
             use = d.use
-            d.use = lambda key, slot: (d.forget(key), False)[1]  # the release landed between B's lookup and use
+            d.use = lambda key, slot: d.forget(key)  # the release landed between B's lookup and use: None
             engine.status = 200
             d.claim_owner(w, "r0")
             assert (await c.post("/v1/states", json={"name": "W", "prompt": "hi"})).status_code == 200

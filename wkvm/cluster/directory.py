@@ -145,13 +145,14 @@ class Directory:
                 self.tentative[key] = 0
         return self.lookup(key)
 
-    def use(self, key: str, slot: str) -> bool:
+    def use(self, key: str, slot: str) -> str | None:
         """A request that may save `key` goes to `slot`: counted where that is a tentative claim (then the front
-        `confirm`s or `release_claim`s it once answered); False where the name's owner is settled."""
+        `confirm`s or `release_claim`s it once answered, with the token returned: this directory's incarnation);
+        None where the name's owner is settled."""
         if key not in self.tentative or self.owners.get(key) != slot:
-            return False
+            return None
         self.tentative[key] += 1
-        return True
+        return self.incarnation
 
     def confirm(self, key: str, slot: str) -> None:
         """A request `use` counted was answered without a 4xx on `slot` (saved, or a 5xx that may have): the claim
@@ -160,13 +161,14 @@ class Directory:
         if key not in self.owners:
             self.record(key, slot)
 
-    def release_claim(self, key: str, slot: str) -> None:
+    def release_claim(self, key: str, slot: str, token: str | None = None) -> None:
         """A request `use` counted was refused (a 4xx: nothing saved). When none routed by the claim is left and none
         confirmed it, the name is forgotten: every failed create of a new name had kept its owner for the
         application's life (a name refused by a full replica went back there ever after, and unique names grew the
         directory without bound: cluster hunt, session 48); the count keeps a claim another request is still saving
-        under (review, session 48)."""
-        if key not in self.tentative:
+        under (review, session 48). A count an earlier incarnation of the directory made (`token`) is not this one's:
+        ignored."""
+        if key not in self.tentative or token != self.incarnation:
             return
         if self.owners.get(key) != slot:  # it moved meanwhile: whoever holds it now settles it
             self.tentative.pop(key)

@@ -187,7 +187,7 @@ class Front:
         inflight = Inflight(self.load)
         claimed = False
         named = route.key is not None and route.claims and not route.key.startswith(SOFT_PREFIXES)
-        used = False  # counted by a name's tentative claim (`Directory.use`): confirmed or released once answered
+        used: str | None = None  # counted by a name's tentative claim (`Directory.use`'s token): released on a 4xx
         try:
             while True:
                 slot, target = (await self.directory.lookup.remote(route.key)) if route.key else (None, None)
@@ -238,7 +238,7 @@ class Front:
         if route.key is not None and head.replica != slot and head.status < 400:
             await self.directory.record.remote(route.key, head.replica)
         elif used and 400 <= head.status < 500:  # refused, nothing saved (not awaited: an actor runs one caller's
-            self.directory.release_claim.remote(route.key, slot)  # calls in order)
+            self.directory.release_claim.remote(route.key, slot, used)  # calls in order)
         elif named and not 400 <= head.status < 500:  # counted or not: a release between its lookup and its `use`
             self.directory.confirm.remote(route.key, head.replica)  # may have forgotten the name it saved (review)
         if response_id is not None and head.status < 400:  # not awaited: an actor runs one caller's calls in order
