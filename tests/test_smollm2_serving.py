@@ -88,6 +88,15 @@ def test_a_chat_from_a_saved_chat_state_is_the_conversation_continued(server):
     assert went_on["choices"][0]["token_ids"] == whole["choices"][0]["token_ids"]
     bad = c.post("/v1/chat/completions", json={"messages": more, "state": "par is", **body})  # a 404 (session 48)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "state", bad.text
+    # a prefilled reply from the state: the conversation continued too (it had been rendered alone, a second system
+    # prompt mid-conversation; hunt, session 48)
+    prefill = [*more, {"role": "assistant", "content": "The capital of Italy"}]
+    cfm = {"continue_final_message": True, "add_generation_prompt": False, **body}
+    whole = c.post("/v1/chat/completions", json={"messages": [*FRANCE, {"role": "assistant", "content": answer},
+                                                              *prefill], "user": scope(), **cfm}).json()  # fmt: skip
+    went_on = c.post("/v1/chat/completions", json={"messages": prefill, "state": "paris", **cfm}).json()
+    assert whole["prompt_token_ids"][held:] == went_on["prompt_token_ids"], (whole, went_on)
+    assert went_on["choices"][0]["token_ids"] == whole["choices"][0]["token_ids"]
 
 
 def test_chat_continuity_reuses_every_earlier_token(client):

@@ -464,10 +464,11 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
             raise
     await gen.check_grammar(ctx, sp, "tools" if mode is not None and mode.forced else None)
     params = gen.per_choice(sp, body.n)
-    if body.state and not body.continue_final_message:  # the messages continue the conversation the state holds
-        tools = mode.tools if mode else None
+    if body.state:  # the messages continue the conversation the state holds (a prefill too: it had been rendered
+        tools = mode.tools if mode else None  # alone, a second system prompt mid-conversation; hunt, session 48)
         after: str | None = await run_in_threadpool(turn_after_state, ctx, tenant, body.state, messages, tools,
-                                                    body.add_generation_prompt, body.chat_template_kwargs)  # fmt: skip
+                                                    body.add_generation_prompt, body.chat_template_kwargs,
+                                                    body.continue_final_message)  # fmt: skip
         text = text if after is None else after
     prompt_ids = await gen.encode_prompt_off_loop(ctx, text, "messages", body.truncate_prompt_tokens,
                                                   starts=body.add_special_tokens and not body.state)  # fmt: skip
@@ -549,7 +550,7 @@ STATE_TURN = ({"role": "user", "content": "\ue000wkvm-ask\ue001"},
 
 def turn_after_state(ctx: ServerContext, tenant: str, handle: str, messages: list[dict[str, Any]],
                      tools: list[dict[str, Any]] | None, add_generation_prompt: bool,
-                     variables: dict[str, Any] | None) -> str | None:  # fmt: skip
+                     variables: dict[str, Any] | None, continue_final_message: bool = False) -> str | None:  # fmt: skip
     """The prompt text of a chat whose `state` holds the conversation so far: the template's rendering of an exchange
     then `messages`, from just after that exchange's answer (its end-of-turn marks, less the state's pending last
     token where that is one of them, then the new turn), as the whole conversation rendered at once continues. The
@@ -562,7 +563,8 @@ def turn_after_state(ctx: ServerContext, tenant: str, handle: str, messages: lis
         return None
     answer = STATE_TURN[1]["content"]
     try:
-        full = render_chat(ctx, [*STATE_TURN, *messages], tools, add_generation_prompt, False, variables)
+        full = render_chat(ctx, [*STATE_TURN, *messages], tools, add_generation_prompt, continue_final_message,
+                           variables)  # fmt: skip
     except APIError:
         return None
     at = full.find(answer)
