@@ -514,8 +514,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, OverflowError) as e:  # bad input, a path that is not what it should be, a bad port
         print(f"wkvm {args.command}: {e}", file=sys.stderr)
         return 2
-    except ImportError as e:  # torch (or another dependency) missing: one line, not a traceback (CLI hunt, 48)
-        print(f"wkvm {args.command}: {e.name or e} is not installed: {MISSING_HINT.get(e.name or '', 'pip install .')}",
+    except ModuleNotFoundError as e:  # torch (or another dependency) missing: one line, not a traceback (CLI hunt,
+        if not e.name or e.name.split(".")[0] == "wkvm":  # 48); a module of wkvm's own missing is a broken install:
+            raise  # its traceback
+        print(f"wkvm {args.command}: {e.name} is not installed: {MISSING_HINT.get(e.name, 'pip install .')}",
               file=sys.stderr)  # fmt: skip
         return 2
     except Exception as e:

@@ -153,19 +153,24 @@ def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def metadata_number(key: str, value: Any, kind: type = int, accept: tuple[type, ...] = (int, float),
+                    what: str = "a number") -> Any:  # fmt: skip
+    """A metadata value that must be a number, as `kind`; an array or text (or a type outside `accept`) is a
+    CheckpointError naming the key (a head count or a token id stored as an array had been a TypeError traceback)."""
+    if isinstance(value, bool) or not isinstance(value, accept):
+        raise CheckpointError(f"GGUF metadata {key} is {str(value)[:80]!r}: expected {what}")
+    return kind(value)
+
+
 def hf_config(meta: dict[str, Any], vocab: int, tied: bool) -> dict[str, Any]:
     """The config.json an HF `LlamaForCausalLM` of these dimensions would have."""
     a = ARCHITECTURE + "."
 
     def number(key: str, default: Any = None, kind: type = int) -> Any:
-        """A metadata number: absent (no default), an array or text is a CheckpointError naming the key (a head
-        count stored as an array had been a TypeError traceback)."""
         value = meta.get(key, default)
         if value is None:
             raise CheckpointError(f"GGUF metadata lacks {key!r}")
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise CheckpointError(f"GGUF metadata {key} is {str(value)[:80]!r}: expected a number")
-        return kind(value)
+        return metadata_number(key, value, kind)
 
     heads, width = number(a + "attention.head_count"), number(a + "embedding_length")
     if heads <= 0 or width <= 0:  # 0 heads had been a ZeroDivisionError traceback

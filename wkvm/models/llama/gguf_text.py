@@ -25,7 +25,7 @@ from tokenizers import Tokenizer as HFTokenizers
 
 from wkvm.chat_template import ChatTemplate
 from wkvm.models.family import CheckpointError, first_line
-from wkvm.models.llama.gguf_file import field, open_reader
+from wkvm.models.llama.gguf_file import field, metadata_number, open_reader
 from wkvm.tokenizer import HFTokenizer
 
 log = logging.getLogger("wkvm.gguf")
@@ -105,7 +105,7 @@ class GGUFTokenizer(HFTokenizer):
         through the vocabulary's decoder, and a byte-level one maps letters of GPT-2's byte alphabet to single
         bytes: DeepSeek LLM / Coder mark ü ö ø ú ... as user-defined, and every one came out as U+FFFD ("M�ller";
         hunt, session 48; huggingface/tokenizers#1424)."""
-        if self._user_defined.keys().isdisjoint(ids):
+        if not self._user_defined or self._user_defined.keys().isdisjoint(ids):  # (most vocabularies have none)
             return super().decode(ids)
         out: list[str] = []
         run: list[int] = []
@@ -156,16 +156,17 @@ def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
     marked = [(t, k, k in special or t in END_TEXTS) for t, k in zip(tokens, types, strict=True)]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, _, s in marked if s])
     tok.add_tokens([AddedToken(t, normalized=False) for t, k, s in marked if k == TokenType.USER_DEFINED and not s])
-    for kind in ("eos", "bos", "eot", "eom"):  # ids, or a CheckpointError naming the key (an array had been a
-        i = field(reader, f"tokenizer.ggml.{kind}_token_id")  # TypeError traceback where no model came first)
-        if i is not None and (isinstance(i, bool) or not isinstance(i, int)):
-            raise CheckpointError(f"{path}: tokenizer.ggml.{kind}_token_id is {str(i)[:80]!r}: expected a token id")
     eos = field(reader, "tokenizer.ggml.eos_token_id")
     for kind in ("eos", "bos", "eot", "eom"):
-        i = field(reader, f"tokenizer.ggml.{kind}_token_id")
-        if i is not None and not 0 <= int(i) < len(tokens):
-            raise CheckpointError(f"{path}: tokenizer.ggml.{kind}_token_id {int(i)} is outside the vocabulary of "
-                                  f"{len(tokens)} tokens")  # fmt: skip
+        key = f"tokenizer.ggml.{kind}_token_id"
+        if (i := field(reader, key)) is None:
+            continue
+        try:
+            i = metadata_number(key, i, accept=(int,), what="a token id")
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        if not 0 <= i < len(tokens):
+            raise CheckpointError(f"{path}: {key} {i} is outside the vocabulary of {len(tokens)} tokens")
     # llama.cpp also ends generation at the end-of-turn and end-of-message tokens (Llama 3's <|eot_id|>, <|eom_id|>),
     # named in the file or found by their text
     named = (field(reader, f"tokenizer.ggml.{kind}_token_id") for kind in ("eot", "eom"))
