@@ -317,6 +317,8 @@ class FakeReplicas:
         self.chunks, self.fail_after = chunks or [b'{"ok": true}'], fail_after
         self.adopt_reply = None  # what a destination's adopt answers instead of adopting (it keeps nothing then)
         self.status = 200  # what `http` answers
+        self.adopting: asyncio.Event | None = None  # set while an adopt waits for `adopt_go` (when that is given)
+        self.adopt_go: asyncio.Event | None = None
 
     def options(self, **kwargs):
         return self
@@ -374,6 +376,9 @@ class FakeReplicas:
                 await asyncio.sleep(0.01 * int(slot[1:]))  # the later destination adopts later
                 if self.adopt_reply is not None:
                     return self.adopt_reply
+                if self.adopt_go is not None:
+                    self.adopting.set()
+                    await self.adopt_go.wait()
                 versions = [json.loads(f)[1] for f in args[1]]
                 name = json.loads(args[1][0])[0]
                 held[name] = versions
@@ -635,11 +640,13 @@ def test_a_move_begun_runs_to_its_end_when_its_request_is_cancelled():
     d.holds("r0", [key])
 
     async def run():
+        engine.adopting, engine.adopt_go = asyncio.Event(), asyncio.Event()
         asked = asyncio.ensure_future(front.move_name("anonymous", "X", "r1", d.replicas()))
-        await asyncio.sleep(0.005)  # inside the adoption (r1's takes 10 ms)
+        await engine.adopting.wait()  # inside the adoption
         asked.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asked
+        engine.adopt_go.set()
         await asyncio.sleep(0.2)
 
     asyncio.run(run())

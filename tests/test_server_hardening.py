@@ -431,7 +431,7 @@ def test_a_request_head_not_whole_in_time_is_closed(server, monkeypatch):
         kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert kept.recv(4096).startswith(b"HTTP/1.1 200")
         assert closed(silent) and closed(dribble) and closed(refused)
-        assert 0.9 < time.monotonic() - t0 < 5
+        assert 0.9 < time.monotonic() - t0 < 10  # closed at the deadline, not before (10: the sockets' own timeout)
         time.sleep(0.5)  # within the keep-alive time: the next request on the connection is served
         kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert kept.recv(4096).startswith(b"HTTP/1.1 200")
