@@ -270,3 +270,27 @@ def test_a_gguf_model_with_a_sentencepiece_vocabulary_chats(tmp_path):
     done = llm.generate("abc", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     kept = [i for i in done.token_ids if i not in llm.tokenizer.special_ids]
     assert done.text == b"".join(llm.tokenizer.token_bytes(i) for i in kept).decode()
+
+
+def test_an_echoed_prompts_offsets_leave_out_the_prefix_space(tmp_path):
+    """`echo` with logprobs: each prompt token's text_offset is where its text starts in the echoed prompt. The
+    SentencePiece prefix space is in the first token ("▁ab") but not in the prompt as sent, so the offsets after it
+    had run one character ahead (hunt, session 49)."""
+    from types import SimpleNamespace
+
+    from wkvm.server.generation import echoed
+
+    tokens, scores, types = spm_vocabulary(0)
+    tok = gguf_tokenizer(write_vocabulary(tmp_path / "v.gguf", tokens, scores, types))
+    ctx = SimpleNamespace(tokenizer=tok)
+    for head in ("abc de", " abc de"):  # prefixed by the tokenizer, and a space of the user's own
+        ids = tok.encode_prompt(head)
+        assert ids[0] == 1 and tok.token_bytes(ids[1]).startswith(b" ")
+        text, lps = echoed(ctx, head, ids, [None] + [{t: 0.0} for t in ids[1:]], 0, "", None)
+        assert text == head and lps is not None
+        texts = [tok.token_bytes(t).decode() for t in ids[1:]]
+        assert "".join(texts) == " " + head  # the prefix space, whether the text starts with one or not
+        want = [max(0, len("".join(texts[:i])) - 1) for i in range(len(texts))]
+        assert lps["text_offset"] == [0, *want], head
+        for o, t in list(zip(lps["text_offset"][1:], texts, strict=True))[1:]:  # each token's text starts there
+            assert head[o:].startswith(t)

@@ -297,3 +297,33 @@ def test_every_vocab_literal_reads_as_python_reads_it():
         escaped += "\\" in literal
     assert len(lines) == 65529 and escaped == 840  # the escaped ones take the slow path
     assert tok.token_bytes(10) == literal_bytes(lines[9].split(" ", 1)[1].rsplit(" ", 1)[0])
+
+
+def test_legacy_top_logprobs_name_part_of_a_character_by_its_bytes():
+    """Completions' top_logprobs is keyed by token text: tokens holding part of a character had all been U+FFFD, one
+    key, so fewer entries came back than asked, holding the least likely one's value, and the chosen token's entry
+    disagreed with its token_logprobs (hunt, session 49). They are `bytes:\\xNN...` as OpenAI names them."""
+    from types import SimpleNamespace
+
+    import wkvm
+    from wkvm.server.generation import completion_logprobs
+
+    tok = HFTokenizer(Path(wkvm.__file__).parent / "assets" / "wkvm-tiny-shakespeare" / "tokenizer.json")
+    partial = [t for t in range(tok.vocab_size) if not _utf8(tok.token_bytes(t))][:6]
+    assert len(partial) == 6  # a byte-level vocabulary: its single bytes 0x80-0xff
+    lp = {t: -float(i + 1) for i, t in enumerate(partial)}
+    out = completion_logprobs(SimpleNamespace(tokenizer=tok), [partial[2]], [lp], 5)
+    assert out is not None
+    (top,) = out["top_logprobs"]
+    assert len(top) == 5 and list(top.values()) == [-1.0, -2.0, -3.0, -4.0, -5.0]
+    chosen = out["tokens"][0]
+    assert chosen == "bytes:" + "".join(f"\\x{b:02x}" for b in tok.token_bytes(partial[2]))
+    assert top[chosen] == out["token_logprobs"][0] == -3.0
+
+
+def _utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True

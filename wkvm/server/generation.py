@@ -429,9 +429,17 @@ def skipped(ctx: ServerContext, body: SamplingFields) -> frozenset[int]:
 
 
 def token_str(ctx: ServerContext, token_id: int, as_id: bool = False) -> str:
-    """A token as logprobs name it: its text, or `token_id:N` (vLLM's return_tokens_as_token_ids: exact where
-    several tokens share a text, or one is part of a character)."""
-    return f"token_id:{token_id}" if as_id else ctx.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+    """A token as the legacy logprobs name it: its text; a token holding part of a character `bytes:\\xe4\\xbd` (its
+    bytes, as OpenAI's completions name them: as U+FFFD, several such tokens had been one key of `top_logprobs`, which
+    then had fewer entries than asked, the least likely one's value; hunt, session 49); or `token_id:N` (vLLM's
+    return_tokens_as_token_ids)."""
+    if as_id:
+        return f"token_id:{token_id}"
+    raw = ctx.tokenizer.token_bytes(token_id)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 class TokenOffsets:
@@ -467,8 +475,9 @@ def completion_logprobs(ctx: ServerContext, token_ids: list[int], lps: Sequence[
 
     def top(t: int, lp: dict[int, float]) -> dict[str, float]:
         """The k most likely, and the chosen token where it is not among them (OpenAI's and vLLM's: up to k + 1)."""
-        ranked = sorted(((token_str(ctx, i, as_ids), json_logprob(v)) for i, v in lp.items()), key=lambda kv: -kv[1])
-        out = dict(ranked[: max(k, 1)])
+        out: dict[str, float] = {}
+        for i, v in sorted(lp.items(), key=lambda kv: -kv[1])[: max(k, 1)]:  # two tokens of one text: the likelier
+            out.setdefault(token_str(ctx, i, as_ids), json_logprob(v))
         out.setdefault(token_str(ctx, t, as_ids), json_logprob(lp[t]))
         return out
 
@@ -494,9 +503,15 @@ def echoed(ctx: ServerContext, head: str, prompt_ids: list[int], prompt_lps: lis
     tok = ctx.tokenizer  # a BOS the tokenizer put before a text prompt has no text in `head`: no width at offset 0
     bos = tok.bos_token_id
     added = bos is not None and tok.add_bos and prompt_ids[:1] == [bos] and not head.startswith(tok.bos_token or "")
-    head_lps = completion_logprobs(ctx, prompt_ids, prompt_lps, k,
-                                   skip=frozenset({bos}) if added and bos is not None else frozenset(),
+    skip = frozenset({bos}) if added and bos is not None else frozenset()
+    # SentencePiece's prefix space ("▁Hello" for "Hello", "▁▁Hello" for " Hello") is in the tokens, not in the text:
+    # the offsets after it had run one character ahead (hunt, session 49)
+    spoken = b"".join(tok.token_bytes(t) for t in prompt_ids if t not in skip)
+    spaced = spoken.startswith(b" ") and spoken[1:].decode("utf-8", errors="replace") == head
+    head_lps = completion_logprobs(ctx, prompt_ids, prompt_lps, k, TokenOffsets(-1 if spaced else 0, skip),
                                    as_ids=as_ids)  # fmt: skip
+    if head_lps is not None and spaced:
+        head_lps["text_offset"] = [max(0, o) for o in head_lps["text_offset"]]
     if head_lps is None or lps is None:
         return head + text, head_lps or lps
     return head + text, {key: head_lps[key] + lps[key] for key in head_lps}
