@@ -282,6 +282,8 @@ def test_a_pinned_state_is_not_hibernated_and_mutations_record_what_ran(server):
     assert ok.status_code == 200 and ok.json()["op_params"] == {"rule": "decay", "alpha": 0.5}, ok.text
     err = assert_4xx(post(server, "/v1/states/pinned/mutate", {"rule": "decay", "params": {"alpha": [0.5]}}))
     assert err["param"] == "params.alpha" and "valid number" in err["message"], err
+    err = assert_4xx(post(server, "/v1/states/pinned/mutate", {"rule": "decay", "params": {"alpha": 2}}))
+    assert err["param"] == "params.alpha" and "[0, 1]" in err["message"], err  # "params" before (session 49)
 
 
 def test_a_wrong_method_is_a_405_naming_the_right_one(server):

@@ -293,11 +293,31 @@ def test_hand_edited_pack_manifests_are_pack_errors(pack, tmp_path):
 
     edits = {"list": lambda m: [m], "fingerprint": drop("fingerprint"), "layers": set_layers(None),
              "offset": no_offset, "length": short, "swapped": swapped}  # fmt: skip
+    def no_layers(m):
+        m["config"]["n_layer"], m["layers"] = 0, []
+
+    edits = {**edits, "no_layers": no_layers}
     for name, edit in edits.items():
         d = edited_pack(pack, tmp_path, name, edit)
         for cache in (0, 2):
             with pytest.raises(PackError):
                 load_model(d, weight_cache_layers=cache)
+
+
+def test_a_pack_whose_data_cannot_hold_its_shapes_is_a_pack_error(pack, tmp_path):
+    """A layer file cut short with its manifest's size edited to match, or header and manifest agreeing on data
+    shorter than the shape: a PackError naming the file, resident or streamed (it had been a torch traceback,
+    "shape '[32]' is invalid for input of size 31", at a resident load; hunt, session 49)."""
+
+    def cut(m):
+        m["layers"][1]["bytes"] -= 4
+
+    d = edited_pack(pack, tmp_path, "cut", cut)
+    layer = d / "layer_001.safetensors"
+    layer.write_bytes(layer.read_bytes()[:-4])
+    for cache in (0, 2):
+        with pytest.raises(PackError, match="layer_001.safetensors: tensor .* does not hold its shape"):
+            load_model(d, weight_cache_layers=cache)
 
 
 def test_a_manifest_config_its_tensors_do_not_fit_is_a_checkpoint_error_when_streamed(pack, tmp_path):

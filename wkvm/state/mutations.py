@@ -41,10 +41,10 @@ def register_mutation(name: str, params: tuple[str, ...] | None = None) -> Calla
 def _fraction(params: dict[str, Any], key: str) -> float:
     value = params.get(key)
     if isinstance(value, bool) or not isinstance(value, int | float):  # JSON true is not 1, nor "0.5" a number
-        raise MutationError(f"params.{key} must be a number in [0, 1], got {value!r}")
+        raise MutationError(f"params.{key} must be a number in [0, 1], got {value!r}", f"params.{key}")
     value = float(value)
     if not 0.0 <= value <= 1.0:
-        raise MutationError(f"params.{key} must be in [0, 1], got {value}")
+        raise MutationError(f"params.{key} must be in [0, 1], got {value}", f"params.{key}")  # named (hunt, session 49)
     return value
 
 
@@ -68,7 +68,7 @@ def interpolate(spec: StateSpec, state: State, params: dict[str, Any], load: Loa
                             "of its own context, which two states cannot be blended into", "rule")  # fmt: skip
     other = params.get("other")
     if not isinstance(other, str):
-        raise MutationError("params.other must be the handle of a state of the same model")
+        raise MutationError("params.other must be the handle of a state of the same model", "params.other")
     other_state = load(other)
     return {k: torch.lerp(v, other_state[k].to(v.device), t) for k, v in state.items()}
 

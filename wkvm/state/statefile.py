@@ -279,8 +279,9 @@ def _check_tensors(spec: StateSpec, tensors: State) -> int:
     n_kv = next((tensors[t.name].shape[0] if tensors[t.name].dim() else 0 for t in spec.tensors if t.paged), 0)
     for t in spec.tensors:
         x, want = tensors[t.name], t.shape_for(n_kv)
-        if tuple(x.shape) != want or x.dtype != t.torch_dtype:
-            raise StateFileError(f"tensor {t.name}: {list(x.shape)} {x.dtype}, expected {list(want)} {t.dtype}")
+        if tuple(x.shape) != want or x.dtype != t.torch_dtype:  # a kv tensor's token count is the file's own
+            shape = f"[tokens, {', '.join(map(str, want[1:]))}]" if t.paged else str(list(want))
+            raise StateFileError(f"tensor {t.name}: {list(x.shape)} {x.dtype}, expected {shape} {t.dtype}")
         if not torch.isfinite(x).all():
             raise StateFileError(f"tensor {t.name} holds NaN or infinite values")
     return n_kv

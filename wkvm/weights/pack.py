@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -142,6 +143,13 @@ def _check_entry(d: Path, entry: Any, name: str, verify_hashes: bool) -> None:
         at_its_place = t["offset"] == 8 + n + start and t["length"] == end - start
         if meta is None or not same or t["dtype"] not in DTYPES or not at_its_place:
             raise PackError(f"{path}: tensor {key} does not match the manifest")
+        shape = t["shape"]  # header and manifest agree; the data must hold the shape too (a tampered pair had been a
+        # bare "shape '[32]' is invalid for input of size 31" traceback at load; hunt, session 49)
+        if not isinstance(shape, list) or not all(isinstance(x, int) and x >= 0 for x in shape):
+            raise PackError(f"{path}: tensor {key}'s shape {str(shape)[:80]} is not a list of sizes")
+        if t["length"] != math.prod(shape) * DTYPES[t["dtype"]].itemsize or not 0 <= start <= end <= size - 8 - n:
+            raise PackError(f"{path}: tensor {key}'s data ({end - start} bytes at {start}) does not hold its shape "
+                            f"{shape} of {t['dtype']} within the file (truncated or edited)")  # fmt: skip
     if len(header) - ("__metadata__" in header) != len(entry["tensors"]):
         raise PackError(f"{path}: holds tensors the manifest does not list")
     if verify_hashes and _sha256(path) != entry["sha256"]:
@@ -169,6 +177,8 @@ class Pack:
         if not isinstance(m.get("fingerprint"), str) or not isinstance(m.get("layers"), list):
             raise PackError(f"{self.path}: {MANIFEST} lacks its fingerprint or its list of layers")
         self.fingerprint: str = m["fingerprint"]
+        if self.config.n_layer < 1:  # an edited manifest's 0 had loaded a model of no layers
+            raise PackError(f"{self.path}: manifest config says {self.config.n_layer} layers")
         if len(m["layers"]) != self.config.n_layer:
             raise PackError(f"{self.path}: manifest lists {len(m['layers'])} layers, config says "
                             f"{self.config.n_layer}")  # fmt: skip
