@@ -389,7 +389,10 @@ def test_the_first_hours_slips_get_one_line_that_names_the_fix(tmp_path, capsys,
                         (["--token-budget", "1", "--slots", "2"], "--token-budget (1) must be at least --slots (2)"),
                         (["--api-key-file", str(tmp_path)], f"--api-key-file {tmp_path}: Is a directory"),
                         (["--model", "smollm2"], "'smollm2' is a `make serve` alias"),
-                        (["--model", str(ROOT / "models" / "no-such-model")], "does not exist")):  # fmt: skip
+                        (["--model", str(ROOT / "models" / "no-such-model")], "does not exist"),
+                        # after the port was bound, a "model load failed" line (docs hunt, session 49)
+                        (["--weight-cache-layers", "2"], "--weight-cache-layers needs a weight pack"),
+                        (["--allowed-origins", "http://a.example/app"], "is not an origin")):  # fmt: skip
         assert main(["serve", *flags]) == 2
         assert says in capsys.readouterr().err, flags
     assert ServerConfig(state_dir="").state_dir is None  # the default: a temporary directory

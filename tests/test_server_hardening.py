@@ -326,8 +326,9 @@ def test_browsers_on_this_machine_may_call_the_api_and_other_sites_may_not(serve
         assert_4xx(write, 403)  # refused before it runs (no preflight guards a bodiless POST), the key notwithstanding
         assert write.json()["error"]["code"] == "cors_refused"
     form = {"Content-Type": "text/plain"}  # what a page's form-like POST sends, without a preflight
-    # no key; written with a trailing '/', which a browser's Origin never has (it had matched nothing)
-    with LiveServer(model=str(world_pth), allowed_origins="https://chat.example.com/") as named:
+    # no key; written with a trailing '/', capitals and the default port, which a browser's Origin never has (each had
+    # matched nothing)
+    with LiveServer(model=str(world_pth), allowed_origins="HTTPS://Chat.Example.com:443/") as named:
         ok = preflight(named.url, "https://chat.example.com")
         assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://chat.example.com"
         assert preflight(named.url, local).status_code == 400  # naming origins replaces the local default
@@ -342,6 +343,20 @@ def test_browsers_on_this_machine_may_call_the_api_and_other_sites_may_not(serve
         assert httpx.post(f"{named.url}/v1/states/import?name=curl", content=data).status_code == 200  # no Origin
     with LiveServer(model=str(world_pth), allowed_origins="*") as anyone:
         assert preflight(anyone.url, "https://evil.example").status_code == 200
+
+
+def test_allowed_origins_are_spelled_as_browsers_send_them():
+    """--allowed-origins entries as an Origin header spells them; one that can match no page (a path, no scheme) is
+    refused before the server starts (it had matched nothing, silently; docs hunt, session 49)."""
+    from wkvm.config import cors_origins
+
+    assert cors_origins(" HTTP://A.example:80 , https://b.example:8443/,*,http://[::1]:3000") == [
+        "http://a.example", "https://b.example:8443", "*", "http://[::1]:3000"]  # fmt: skip
+    assert cors_origins(None) == [] and cors_origins(" , ") == []
+    for bad in ("http://a.example/app", "a.example", "ftp://a.example", "http://a.example?x=1", "http://u@a.example",
+                "http://a.example:99999"):  # fmt: skip
+        with pytest.raises(ValueError, match="allowed_origins"):
+            cors_origins(bad)
 
 
 def test_a_page_that_rebinds_its_name_to_this_machine_is_refused(server, world_pth):

@@ -520,6 +520,34 @@ def test_a_pin_that_cannot_be_held_in_ram_is_refused_and_not_recorded(model, tmp
     svc.store.set_pinned("a", "s1", False)
     assert svc.store.set_pinned("a", "s2", True).tier in ("device", "host")
 
+
+def test_pins_outlive_a_restart_in_ram(model, tmp_path):
+    """A pinned state is resident after a restart too, as pinning made it (it had been listed pinned on disk, and its
+    hibernation refused as resident; docs hunt, session 49); one the smaller tiers cannot hold stays on disk, pinned."""
+    from wkvm.state.store import StatePinned
+
+    one = model.spec.nbytes
+    root = tmp_path / "pins"
+    svc = make_service(model, root, StoreLimits(device_bytes=one, host_bytes=one))
+    for i in range(3):
+        svc.create("a", f"s{i}", PROMPT[: i + 2])
+    svc.store.set_pinned("a", "s0", True)
+    svc.store.set_pinned("a", "s1", True)
+    svc.store.close()
+    store = StateStore(root, model.spec, model.fingerprint, model.vocab_size,
+                       limits=StoreLimits(device_bytes=one, host_bytes=one))  # fmt: skip
+    recs = {r.name: r for r in store.list("a")}
+    assert recs["s0"].pinned and recs["s1"].pinned and not recs["s2"].pinned and recs["s2"].tier == "disk"
+    assert {recs["s0"].tier, recs["s1"].tier} == {"device", "host"}
+    with pytest.raises(StatePinned):
+        store.hibernate("a", "s0", "disk")
+    store.close()
+    store = StateStore(root, model.spec, model.fingerprint, model.vocab_size,
+                       limits=StoreLimits(device_bytes=one, host_bytes=0))  # fmt: skip
+    tiers = sorted(r.tier for r in store.list("a") if r.pinned)
+    assert tiers == ["device", "disk"]
+    store.close()
+
 STORM_CHILD = textwrap.dedent(
     """
     import sys, torch
@@ -1196,4 +1224,14 @@ def test_a_user_put_whose_record_fails_leaves_the_counts_as_they_were(model, tmp
         store.put("t", "x", state, [1, 2, 3])
     assert store.usage.user == {} and store.usage.tenant_bytes == {} and ckpt.blob in store.usage.internal
     monkeypatch.undo()
+    store.close()
+
+
+def test_a_quota_too_small_for_one_state_says_so(model, tmp_path):
+    """A quota that cannot hold the first state beside the index said the quota "is full" with nothing stored (docs
+    hunt, session 49): it says it cannot hold the state, naming the index's share."""
+    store = StateStore(tmp_path / "q", model.spec, model.fingerprint, model.vocab_size,
+                       limits=StoreLimits(disk_bytes=64 * 1024))  # fmt: skip
+    with pytest.raises(QuotaExceeded, match="cannot hold this state: it needs .* beside the index's"):
+        store.put("u", "s", random_state(store.spec, 0), [1, 2, 3])
     store.close()

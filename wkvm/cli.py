@@ -159,7 +159,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not args.embeddings:
             raise ValueError("--model none serves embeddings only: give --embeddings DIR")
     else:
-        check_model_path(model)  # before binding the port: a wrong path is one line and exit 2, not a 503 server
+        check_model_path(model, args.weight_cache_layers)  # before binding the port: one line and exit 2, not a
+        # 503 server
     if args.embeddings and not Path(args.embeddings).is_dir():
         raise ValueError(f"--embeddings {args.embeddings}: not a directory (a sentence-transformers model's)")
     if args.state_dir and Path(args.state_dir).exists() and not Path(args.state_dir).is_dir():

@@ -106,6 +106,34 @@ def check_device(device: str) -> None:
         raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA GPU(s) are visible")
 
 
+def cors_origins(value: str | None) -> list[str]:
+    """`--allowed-origins` as a browser's Origin header spells them: scheme and host in lower case, no default port,
+    no trailing '/'; '*' as is. An entry with a path, a query or no host is refused: it could match no page (as
+    'HTTP://B.example' or 'http://a.example/app' had matched nothing, silently; docs hunt, session 49)."""
+    from urllib.parse import urlsplit
+
+    out = []
+    for raw in (value or "").split(","):
+        entry = raw.strip()
+        if not entry or entry == "*":
+            out += [entry] if entry else []
+            continue
+        try:
+            u = urlsplit(entry)
+            port = u.port
+        except ValueError as e:
+            raise ValueError(f"allowed_origins: {entry!r} is not an origin ({e})") from None
+        if u.scheme.lower() not in ("http", "https") or not u.hostname or u.path not in ("", "/") or u.query \
+                or u.fragment or u.username is not None:
+            raise ValueError(f"allowed_origins: {entry!r} is not an origin: give a page's scheme and host (and port), "
+                             "e.g. https://chat.example.com or http://localhost:3000, without a path")  # fmt: skip
+        scheme, host = u.scheme.lower(), u.hostname.lower()
+        host = f"[{host}]" if ":" in host else host
+        default = {"http": 80, "https": 443}[scheme]
+        out.append(f"{scheme}://{host}" + (f":{port}" if port is not None and port != default else ""))
+    return out
+
+
 def opt(default: Any, help: str, kind: str = "", **kw: Any) -> Any:
     """A ServerConfig field that is also a `wkvm serve` flag: `help` is its --help text (for a setting that is on
     by default, the text of its --no-NAME flag); `kind` "size" takes 256MiB / 2G, "choice:a,b" one of the names,
@@ -219,6 +247,7 @@ class ServerConfig:
             raise ValueError("chat_session_ttl must be > 0 seconds")
         if not math.isfinite(self.shutdown_grace):
             raise ValueError("shutdown_grace must be a finite number of seconds")
+        cors_origins(self.allowed_origins)  # an entry that can match no page: refused before binding
         self.engine_config()  # its own checks (prefill_chunk, KV pages, request_timeout) before binding, not at load
 
     def served_name(self) -> str:

@@ -59,7 +59,8 @@ class LLM:
         unknown = sorted(set(config_kwargs) - fields)
         if unknown:
             raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}: it takes model, tokenizer, "
-                            "config, weight_cache_layers, read_ahead, dtype and EngineConfig's fields "
+                            "config, weight_cache_layers, read_ahead, dtype, generation_config and EngineConfig's "
+                            "fields "
                             f"({', '.join(sorted(fields))})")  # fmt: skip
         model = default_model() if model is None else model
         dtype = resolved_dtype(dtype, model, config_kwargs.get("device", (config or EngineConfig()).device))

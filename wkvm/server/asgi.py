@@ -24,6 +24,7 @@ from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from wkvm.config import cors_origins
 from wkvm.server.errors import error_body
 
 log = logging.getLogger("wkvm.server")
@@ -67,8 +68,7 @@ def add_cors(app: FastAPI, allowed_origins: str | None) -> None:
     pages served from this machine (as Ollama; vLLM and llama.cpp's server allow any page, which lets every site a
     user visits call a server on their laptop); `--allowed-origins '*'` allows any. Added after the key gate, so it
     runs before it."""
-    # a browser's Origin never ends with '/': one written with it ('https://chat.example.com/') could match nothing
-    origins = [o.strip().rstrip("/") or o.strip() for o in (allowed_origins or "").split(",") if o.strip()]
+    origins = cors_origins(allowed_origins)  # as a browser's Origin header spells them
     app.add_middleware(Cors, allow_origins=origins, allow_origin_regex=None if origins else LOCAL_ORIGINS,
                        allow_methods=["*"], allow_headers=["*"], expose_headers=["*"])  # fmt: skip
 

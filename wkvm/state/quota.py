@@ -143,6 +143,11 @@ class DiskUsage:
         if self.quota is None:
             return []
         need = self.user_bytes + index_bytes + new_bytes
+        if need > self.quota and not self.user_bytes:  # nothing stored: "full" had misled (docs hunt, session 49)
+            raise QuotaExceeded(
+                f"the server's state disk quota ({self.quota} bytes) cannot hold this state: it needs {new_bytes} "
+                f"bytes beside the index's {index_bytes} (counted at its largest); raise --state-disk-quota"
+            )
         if need > self.quota:
             raise QuotaExceeded(
                 f"the server's state disk quota ({self.quota} bytes, every tenant's states together) is full: this "

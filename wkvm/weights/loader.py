@@ -42,10 +42,14 @@ def is_pack(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / PACK_MANIFEST).is_file()
 
 
-def check_model_path(path: str | os.PathLike[str]) -> None:
-    """Fail early with one line a user can act on: a missing path, a hub id (wkvm never downloads), or a file
-    or directory that is no model wkvm reads. Raises CheckpointError (a ValueError)."""
+def check_model_path(path: str | os.PathLike[str], weight_cache_layers: int = 0) -> None:
+    """Fail early with one line a user can act on: a missing path, a hub id (wkvm never downloads), a file or
+    directory that is no model wkvm reads, or streaming asked of what is no weight pack (before `wkvm serve` binds
+    its port; it had failed after). Raises CheckpointError (a ValueError)."""
     p = Path(path)
+    if weight_cache_layers > 0 and p.exists() and not is_pack(p):
+        raise CheckpointError(f"{path}: --weight-cache-layers needs a weight pack (make one with `wkvm convert SRC DST "
+                              "--pack`)")  # fmt: skip
     if not p.exists() and not Path(f"{p}.pth").is_file():
         if HUB_ID.fullmatch(str(path)) and not str(path).lower().endswith(FILE_SUFFIXES):
             raise CheckpointError(f"model {str(path)!r} does not exist here; it looks like a Hugging Face hub id, and "
