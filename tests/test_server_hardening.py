@@ -255,6 +255,13 @@ def test_bad_requests_name_the_field_a_client_sent(server, path, body, headers, 
     assert (err["param"], err["code"]) == (param, code), r.text
 
 
+def test_min_tokens_refused_in_the_requests_own_words(server):
+    """A min_tokens above max_completion_tokens named max_tokens, which the client had not sent (hunt, session 49)."""
+    body = {"messages": [U], "max_completion_tokens": 3, "min_tokens": 5}
+    err = assert_4xx(httpx.post(f"{server.url}/v1/chat/completions", headers=B, json=body, timeout=60))
+    assert err["param"] == "min_tokens" and "0..max_completion_tokens (3)" in err["message"], err
+
+
 def test_hibernate_without_a_body_takes_the_default_tier(server):
     exported_state(server, "hib")
     r = httpx.post(f"{server.url}/v1/states/hib/hibernate", headers=B, timeout=60)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import uuid
 from types import SimpleNamespace
 
@@ -303,8 +304,14 @@ def test_chat_blocking_and_streaming(client):
     assert msg.role == "assistant" and r.choices[0].finish_reason in ("stop", "length")
     assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens
     assert len(r.choices[0].logprobs.content[0].top_logprobs) == 2
-    stream = client.chat.completions.create(model="world", messages=msgs, max_tokens=8, temperature=0, stream=True)
+    stream = list(client.chat.completions.create(model="world", messages=msgs, max_tokens=8, temperature=0,
+                                                 stream=True))  # fmt: skip
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == msg.content
+    # OpenAI's system_fingerprint, on every answer and chunk: what a seeded answer depends on (left out before
+    # session 49)
+    done = client.completions.create(model="world", prompt="Hi", max_tokens=2)
+    fingerprints = {r.system_fingerprint, done.system_fingerprint, *(c.system_fingerprint for c in stream)}
+    assert len(fingerprints) == 1 and re.fullmatch("fp_[0-9a-f]{12}", r.system_fingerprint)
 
 
 def test_n2_forks_one_prefill(client, server):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import hashlib
 import logging
 import sys
 import tempfile
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 from fastapi import Request
 
+from wkvm import __version__
 from wkvm.chat_template import ChatTemplate
 from wkvm.config import NO_MODEL, ServerConfig
 from wkvm.embeddings import EmbeddingModel
@@ -60,6 +62,16 @@ STATE_DIR_WAIT = 30.0  # seconds a server waits for another process to let go of
 # predecessor in its slot still closing), then refuses to start, naming the holder
 
 
+def backend_fingerprint(model: str, dtype: str, kv_dtype: str) -> str:
+    """OpenAI's `system_fingerprint`: `fp_` and 12 hex digits naming what a seeded request's tokens depend on (the
+    model's weights, wkvm's version, the weights' and the keys' dtypes, the CPU's instruction sets), so a client sees
+    when the same seed may give other tokens (docs/http-api.md). It had been left out (hunt, session 49)."""
+    from wkvm.models.linear import cpu_isa
+
+    made_of = "|".join([__version__, model, dtype, kv_dtype, ",".join(cpu_isa())])
+    return "fp_" + hashlib.sha256(made_of.encode()).hexdigest()[:12]
+
+
 @dataclass
 class ServerContext:
     config: ServerConfig
@@ -75,6 +87,7 @@ class ServerContext:
     model: ModelInfo = field(init=False)  # the client's: routes never see the model's tensors
     tokenizer: Tokenizer = field(init=False)
     longest_token_bytes: int = 1  # the vocabulary's longest token: a text's bytes bound its tokens from below
+    system_fingerprint: str = ""  # OpenAI's field: what a seeded answer's tokens depend on (`backend_fingerprint`)
     template: ChatTemplate = field(init=False)
     # values from the model's generation_config.json for requests that leave those fields out (--generation-config)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
@@ -176,6 +189,7 @@ class ServerContext:
                 if not self._shut_down:
                     self._torch_threads = torch.get_num_threads()
                     torch.set_num_threads(1)
+            self.system_fingerprint = backend_fingerprint(m.fingerprint, cfg.dtype, cfg.engine_kv_dtype())
             freeze_startup_heap()
             self.ready.set()
             kv = f", keys and values {self.config.engine_kv_dtype()}" if self.model.spec.has_kv else ""

@@ -179,8 +179,9 @@ def sampling_params(
             structured_outputs=structured, allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words or [],
             skip_special_tokens=body.skip_special_tokens,
         )  # fmt: skip
-    except InvalidParam as e:
-        raise APIError(400, str(e), e.param, "invalid_value") from None
+    except InvalidParam as e:  # in the request's own words: it may have sent max_completion_tokens (hunt, session 49)
+        message = str(e).replace("max_tokens", max_tokens_field) if e.param == "min_tokens" else str(e)
+        raise APIError(400, message, e.param, "invalid_value") from None
 
 
 def request_stops(body: SamplingFields) -> list[str]:

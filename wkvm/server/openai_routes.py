@@ -397,7 +397,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
                 c["prompt_token_ids"] = encoded[i // body.n]
             return c
 
-        base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
+        base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
+                "system_fingerprint": ctx.system_fingerprint}  # fmt: skip
         live = live_stream(tenant, body, runs, rid, created, moved)
         ctx.handovers.register(live)
         if body.stream:
@@ -481,7 +482,7 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
     else:
         ((plan, handles),) = await gen.unless_gone(request, start_all(ctx, tenant, [prompt_ids], body, params, chat))
         rid, created = gen.new_id("chatcmpl"), int(time.time())
-    base = {"id": rid, "created": created, "model": ctx.model_name}
+    base = {"id": rid, "created": created, "model": ctx.model_name, "system_fingerprint": ctx.system_fingerprint}
     live = live_stream(tenant, body, [(plan, handles)], rid, created, moved)
     if not movable:
         live.why_not = "a Responses API stream cannot move to another server yet"

@@ -175,7 +175,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         ctx.metrics.prompt_tokens.inc(len(suffix))
         h = handles[0]
         base = {"id": gen.new_id("cmpl"), "object": "text_completion", "created": int(time.time()),
-                "model": ctx.model_name}  # fmt: skip
+                "model": ctx.model_name, "system_fingerprint": ctx.system_fingerprint}  # fmt: skip
         k = body.logprobs or 0
 
         def extras() -> dict[str, Any]:
