@@ -401,12 +401,31 @@ def test_a_text_surely_over_the_prompt_limit_is_refused_before_tokenizing(server
     encode = server.ctx.tokenizer.encode  # stop strings are still tokenized; the long text must not be
     monkeypatch.setattr(server.ctx.tokenizer, "encode", lambda text: encode(text) if len(text) < 1000 else 1 / 0)
     text = "a" * (2 * 16 * 5000 + 1)  # --max-prompt-tokens 5000
-    for path, body in [("/v1/completions", {"prompt": text}), ("/v1/chat/completions", {"messages": [
-            {"role": "user", "content": text}]}), ("/tokenize", {"prompt": text})]:  # fmt: skip
+    chat = {"messages": [{"role": "user", "content": text}]}
+    # truncate_prompt_tokens too: the whole text is tokenized before its end is kept (15 MB had taken 10 s and 2.2 GB;
+    # hunt, session 49)
+    cut = {"truncate_prompt_tokens": 5}
+    for path, body in [("/v1/completions", {"prompt": text}), ("/v1/chat/completions", chat),
+                       ("/tokenize", {"prompt": text}), ("/v1/completions", {"prompt": text, **cut}),
+                       ("/v1/chat/completions", {**chat, **cut})]:  # fmt: skip
         r = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 1})
         assert r.status_code == 413 and r.json()["error"]["code"] == "prompt_too_large", (path, r.text)
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "stop": ["y" * 1025]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop" and "1024 characters" in r.text
+
+
+def test_truncating_to_the_context_keeps_within_the_prompt_limit():
+    """truncate_prompt_tokens -1 keeps as many tokens as the context holds with room for one, and no more than
+    --max-prompt-tokens allows (it had kept the context's worth, then refused them with a 413; hunt, session 49)."""
+    from wkvm.server.generation import encode_prompt
+
+    def ctx(context: int, most: int) -> SimpleNamespace:
+        return SimpleNamespace(tokenizer=None, model=SimpleNamespace(vocab_size=100, context_limit=context),
+                               config=SimpleNamespace(max_prompt_tokens=most))  # fmt: skip
+
+    ids = list(range(1, 31))
+    assert encode_prompt(ctx(48, 10), ids, keep=-1) == ids[-10:]
+    assert encode_prompt(ctx(16, 100), ids, keep=-1) == ids[-15:]
 
 
 def test_disconnect_mid_stream_frees_slot(world_pth):

@@ -48,8 +48,9 @@ def encode_prompt(ctx: ServerContext, prompt: str | list[int], param: str = "pro
     BOS) and a text that continues a stored state do not."""
     if isinstance(prompt, str):
         check_text(prompt, param)
-        if keep is None:
-            check_text_size(ctx, prompt, param)
+        # truncation too: the whole text is tokenized before its end is kept (a 15 MB prompt with
+        # truncate_prompt_tokens had taken 10 s and 2.2 GB; hunt, session 49)
+        check_text_size(ctx, prompt, param, keep is not None)
     tok = ctx.tokenizer
     ids = (tok.encode_prompt(prompt) if starts else tok.encode(prompt)) if isinstance(prompt, str) else list(prompt)
     if not ids:
@@ -62,22 +63,28 @@ def encode_prompt(ctx: ServerContext, prompt: str | list[int], param: str = "pro
         why = "0 keeps nothing" if keep == 0 else "-1 needs a model with a context limit; this one has none"
         raise APIError(400, f"truncate_prompt_tokens: {why} (give a count >= 1)", "truncate_prompt_tokens",
                        "invalid_value")  # fmt: skip
-    if keep is not None:  # -1: the context less one token, the least a request must leave to generate
-        ids = ids[-(max(1, (ctx.model.context_limit or 0) - 1) if keep == -1 else keep) :]
+    if keep == -1:  # the context less one token (the least a request must leave to generate), within
+        # --max-prompt-tokens (it had kept more, then refused them with a 413; hunt, session 49)
+        keep = min(max(1, (ctx.model.context_limit or 0) - 1), ctx.config.max_prompt_tokens)
+    if keep is not None:
+        ids = ids[-keep:]
     if len(ids) > ctx.config.max_prompt_tokens:
         raise APIError(413, f"{param} has {len(ids)} tokens; the limit is {ctx.config.max_prompt_tokens} "
                        "(--max-prompt-tokens)", param, "prompt_too_large")  # fmt: skip
     return ids
 
 
-def check_text_size(ctx: ServerContext, text: str, param: str) -> None:
+def check_text_size(ctx: ServerContext, text: str, param: str, truncated: bool = False) -> None:
     """Refuse, before tokenizing it, a text that surely has more tokens than --max-prompt-tokens allows: no token
     covers more than the vocabulary's longest token in bytes (twice that, for normalizers that shorten text). A 20 MB
-    prompt took 19 s of a core to tokenize before its 413 (hunt 15)."""
+    prompt took 19 s of a core to tokenize before its 413 (hunt 15). `truncated`: a text whose end
+    truncate_prompt_tokens keeps is held to the same size (it is tokenized whole first)."""
     limit = ctx.config.max_prompt_tokens
     if len(text) > limit and len(text.encode("utf-8")) > 2 * ctx.longest_token_bytes * limit:
+        also = ", truncate_prompt_tokens or not: the whole text is tokenized before its end is kept" if truncated \
+            else ""
         raise APIError(413, f"{param} has more than {limit} tokens ({len(text)} characters); the limit is {limit} "
-                       "(--max-prompt-tokens)", param, "prompt_too_large")  # fmt: skip
+                       f"(--max-prompt-tokens{also})", param, "prompt_too_large")  # fmt: skip
 
 
 LONG_TEXT = 16_384  # characters: a prompt longer than this is tokenized off the event loop
