@@ -6,6 +6,7 @@ formats, tenancy, a restart keeps stored responses; bad requests are 400s naming
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import jsonschema
@@ -121,6 +122,41 @@ def test_a_streamed_response_with_store_false_is_not_stored(server):
     assert e.value.body["param"] == "previous_response_id" and e.value.code == "previous_response_not_found"
 
 
+def test_a_response_in_progress_reads_so_and_one_deleted_then_is_not_stored(server, monkeypatch):
+    """OpenAI's: a stored response can be read while it runs (status in_progress). It had been a 404 on GET and
+    DELETE and then stored anyway, and a continuation said it was deleted or never stored (hunt, session 49)."""
+    runner = server.ctx.client.engine.runner
+    run, gate = runner.run, threading.Event()
+    monkeypatch.setattr(runner, "run", lambda work: gate.wait(60) and run(work))  # no step until the gate opens
+    client = sdk(server)
+    for delete in (False, True):
+        stream = client.responses.create(model="char-model", input="Wait for it", stream=True, **GREEDY)
+        first = next(iter(stream))
+        assert first.type == "response.created"
+        rid = first.response.id
+        seen = client.responses.retrieve(rid)
+        assert seen.status == "in_progress" and seen.output == []
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model="char-model", input="more", previous_response_id=rid, **GREEDY)
+        assert e.value.code == "previous_response_in_progress"
+        with pytest.raises(openai.NotFoundError):
+            sdk(server, "key-b").responses.retrieve(rid)  # another key's running response is no more visible
+        if delete:
+            client.responses.delete(rid)
+            with pytest.raises(openai.NotFoundError):
+                client.responses.retrieve(rid)
+        gate.set()
+        final = list(stream)[-1].response
+        assert final.id == rid and final.status in ("completed", "incomplete")
+        if delete:
+            with pytest.raises(openai.NotFoundError):
+                client.responses.retrieve(rid)
+        else:
+            assert client.responses.retrieve(rid).status == final.status
+        gate.clear()
+    gate.set()
+
+
 def test_stream_with_logprobs_and_usage(server):
     client = sdk(server)
     events = list(client.responses.create(model="char-model", input="Odds?", include=["message.output_text.logprobs"],
@@ -210,7 +246,7 @@ def test_a_call_after_words_streams_at_its_own_output_index(tmp_path):
     import asyncio
     from types import SimpleNamespace
 
-    from wkvm.server.responses_routes import response_shell, stream_events
+    from wkvm.server.responses_routes import Running, response_shell, stream_events
     from wkvm.server.schemas import ResponsesRequest
 
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
@@ -232,7 +268,7 @@ def test_a_call_after_words_streams_at_its_own_output_index(tmp_path):
 
     async def run():
         return [e async for e in stream_events(ctx, "t", body, shell, [{"role": "user", "content": "Weather?"}],
-                                               lines())]  # fmt: skip
+                                               lines(), Running(shell), lambda: None)]  # fmt: skip
 
     events = [json.loads(e.split("data: ", 1)[1]) for e in asyncio.run(run())]
     final = events[-1]["response"]

@@ -16,7 +16,8 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request, params
@@ -43,8 +44,23 @@ RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
 FINISHED = {"stop": "completed", "tool_calls": "completed", "length": "incomplete"}
 
 
+class Running:
+    """A stored (`store`) response while it runs: GET answers its shell (status in_progress), DELETE marks it so
+    that it is not stored when it ends (it had been a 404 on both, then stored anyway; hunt, session 49)."""
+
+    def __init__(self, shell: dict[str, Any]):
+        self.shell, self.deleted, self.ended = shell, False, False
+
+    @property
+    def live(self) -> bool:
+        """Running and not deleted: once ended (stored, or failed) the store answers for it."""
+        return not self.deleted and not self.ended
+
+
 def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
     r = APIRouter(dependencies=[auth])
+    # (tenant, id) -> Running; weak: a stream that never started (its client gone first) leaves no entry behind
+    running: weakref.WeakValueDictionary[tuple[str, str], Running] = weakref.WeakValueDictionary()
 
     @r.post("/v1/responses", response_model=None)
     async def create(body: ResponsesRequest, request: Request) -> dict[str, Any] | StreamingResponse:
@@ -55,6 +71,10 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         history: list[dict[str, Any]] = []
         if body.previous_response_id:
             found = await run_in_threadpool(ctx.responses.get, tenant, body.previous_response_id)
+            if found is None and (run := running.get((tenant, body.previous_response_id))) and run.live:
+                raise APIError(400, f"previous_response_id: response {body.previous_response_id!r} is still in "
+                               "progress: continue from it once it has completed", "previous_response_id",
+                               "previous_response_in_progress")  # fmt: skip
             if found is None:  # a 400, as OpenAI answers it
                 raise APIError(400, f"previous_response_id: no stored response {body.previous_response_id!r} (it "
                                "was made with store: false, deleted, or by another API key)", "previous_response_id",
@@ -69,26 +89,41 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         # id, and written over its stored response
         given = request.headers.get(RESPONSE_ID_HEADER, "") if ctx.config.replicas else ""
         shell = response_shell(ctx, body, given if RESPONSE_ID.fullmatch(given) else new_id("resp"))
+        key, run = (tenant, shell["id"]), Running(shell)
+        if body.store:
+            running[key] = run
+        streams = False
         try:
-            out = await chat_completion(ctx, chat_request(body, system + conversation), request, movable=False)
-        except APIError as e:
-            raise APIError(e.status, responses_text(e.message), responses_param(e.param), e.code, e.headers) from None
-        if isinstance(out, StreamingResponse):
-            events = stream_events(ctx, tenant, body, shell, conversation, out.body_iterator)  # type: ignore[arg-type]
-            return StreamingResponse(events, media_type="text/event-stream")
-        assert isinstance(out, dict), "a Responses request cannot move to another server, so it is answered here"
-        (choice,) = out["choices"]
-        lps = (choice.get("logprobs") or {}).get("content") if logprobs(body) else None
-        items = output_items(choice["message"], lps, forced(body))
-        resp = finished(shell, items, choice["finish_reason"], out["usage"], out.get("wkvm"))
-        if body.store and resp["status"] != "failed":
-            await run_in_threadpool(ctx.responses.put, tenant, resp, conversation + input_messages(items))
-        return resp
+            try:
+                out = await chat_completion(ctx, chat_request(body, system + conversation), request, movable=False)
+            except APIError as e:
+                raise APIError(e.status, responses_text(e.message), responses_param(e.param), e.code,
+                               e.headers) from None  # fmt: skip
+            if isinstance(out, StreamingResponse):
+                events = stream_events(ctx, tenant, body, shell, conversation, out.body_iterator,  # type: ignore[arg-type]
+                                       run, lambda: running.pop(key, None))  # fmt: skip
+                streams = True
+                return StreamingResponse(events, media_type="text/event-stream")
+            assert isinstance(out, dict), "a Responses request cannot move to another server, so it is answered here"
+            (choice,) = out["choices"]
+            lps = (choice.get("logprobs") or {}).get("content") if logprobs(body) else None
+            items = output_items(choice["message"], lps, forced(body))
+            resp = finished(shell, items, choice["finish_reason"], out["usage"], out.get("wkvm"))
+            if body.store and resp["status"] != "failed" and not run.deleted:
+                await run_in_threadpool(ctx.responses.put, tenant, resp, conversation + input_messages(items))
+            return resp
+        finally:
+            if not streams:  # a stream ends its entry itself, once stored
+                running.pop(key, None)
 
     @r.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str, request: Request) -> dict[str, Any]:
         ctx.require_ready()
-        found = await run_in_threadpool(ctx.responses.get, ctx.tenant(request), response_id)
+        tenant = ctx.tenant(request)
+        run = running.get((tenant, response_id))
+        if run is not None and run.live:  # as OpenAI's: status in_progress until it ends
+            return run.shell
+        found = await run_in_threadpool(ctx.responses.get, tenant, response_id)
         if found is None:
             raise not_found(response_id)
         return found[0]
@@ -96,7 +131,11 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
     @r.delete("/v1/responses/{response_id}")
     async def delete(response_id: str, request: Request) -> dict[str, Any]:
         ctx.require_ready()
-        if not await run_in_threadpool(ctx.responses.delete, ctx.tenant(request), response_id):
+        tenant = ctx.tenant(request)
+        run = running.get((tenant, response_id))
+        if run is not None and run.live:  # it runs on, and is not stored when it ends
+            run.deleted = True
+        elif not await run_in_threadpool(ctx.responses.delete, tenant, response_id):
             raise not_found(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
@@ -451,7 +490,18 @@ class EventStream:
 
 
 async def stream_events(ctx: ServerContext, tenant: str, body: ResponsesRequest, shell: dict[str, Any],
-                        conversation: list[dict[str, Any]], chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+                        conversation: list[dict[str, Any]], chunks: AsyncIterator[str], run: Running,
+                        done: Callable[[], object]) -> AsyncIterator[str]:  # fmt: skip
+    """`events`, and `done` once they have ended (stored or not): a retrieve then reads the stored response."""
+    try:
+        async for ev in events(ctx, tenant, body, shell, conversation, chunks, run):
+            yield ev
+    finally:
+        done()
+
+
+async def events(ctx: ServerContext, tenant: str, body: ResponsesRequest, shell: dict[str, Any],
+                 conversation: list[dict[str, Any]], chunks: AsyncIterator[str], run: Running) -> AsyncIterator[str]:
     """The Responses stream: created, in_progress, each output item's events as the chat's chunks come, then
     completed / incomplete / failed with the whole response (stored first, so a client that reads `completed` can
     continue from it at once). A failure after the start is an `error` event, then `response.failed`."""
@@ -498,6 +548,7 @@ async def stream_events(ctx: ServerContext, tenant: str, body: ResponsesRequest,
     for ev in s.close_message("completed" if whole else "incomplete"):
         yield ev
     if error is not None or usage is None:
+        run.ended = True
         error = error or {"code": "server_error", "message": "the stream ended without its usage (a bug)"}
         yield s.event("error", code=error.get("code"), message=error.get("message"), param=error.get("param"))
         failed = {**shell, "status": "failed", "output": s.items,
@@ -505,8 +556,9 @@ async def stream_events(ctx: ServerContext, tenant: str, body: ResponsesRequest,
         yield s.event("response.failed", response=failed)
         return
     resp = finished(shell, s.items, finish_reason, usage, extra)
-    if body.store and resp["status"] != "failed":
+    if body.store and resp["status"] != "failed" and not run.deleted:
         await run_in_threadpool(ctx.responses.put, tenant, resp, conversation + input_messages(s.items))
+    run.ended = True  # before its last event: a client that reads it and retrieves at once finds it stored
     kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(resp["status"],
                                                                                       "response.failed")
     if kind == "response.failed":  # ended before it finished (a timeout): an `error` event first, as for any failure
