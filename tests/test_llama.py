@@ -191,6 +191,15 @@ def test_configs_transformers_reads_otherwise_are_followed_or_refused(tmp_path):
     llama3 = dict(rope_type="llama3", rope_theta=500.0, factor=4.0, low_freq_factor=1.0, high_freq_factor=2.0)
     same_as_transformers(saved("llama3", {**GGUF_SHAPE, "rope_parameters": llama3, "max_position_embeddings": 24},
                                lambda c: c["rope_parameters"].pop("original_max_position_embeddings", None)))
+    # a legacy rope_scaling beside rope_parameters (added by hand, as older model cards say) wins, its theta from the
+    # top level (read the other way round it had run plain RoPE, 2.1 logits off; family hunt, session 49); a yarn
+    # one is refused, not run as plain RoPE
+    default = dict(rope_type="default", rope_theta=100.0)
+    same_as_transformers(saved("both", {**GGUF_SHAPE, "rope_parameters": default},
+                               lambda c: c.update(rope_scaling={"type": "linear", "factor": 3.0})))  # fmt: skip
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    with pytest.raises(CheckpointError, match="yarn"):
+        load_model(saved("yarn", {**GGUF_SHAPE, "rope_parameters": default}, lambda c: c.update(rope_scaling=yarn)))
     shards = saved("shards", GGUF_SHAPE, max_shard_size="20KB")
     assert (shards / "model.safetensors.index.json").is_file()
     stale = {"model.norm.weight": torch.zeros(GGUF_SHAPE["hidden_size"])}

@@ -95,7 +95,9 @@ class LlamaConfig:
             kv_heads = int(hf.get("num_key_value_heads") or heads)
         except KeyError as e:
             raise CheckpointError(f"Llama config.json lacks {e}") from None
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        # transformers' order: a legacy rope_scaling (added by hand beside transformers 5's rope_parameters) wins, its
+        # theta from the top level (read the other way round it had run plain RoPE; family hunt, session 49)
+        rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
         if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
             raise CheckpointError("partial rotary embeddings are not supported")
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
