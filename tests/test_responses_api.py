@@ -157,6 +157,33 @@ def test_a_response_in_progress_reads_so_and_one_deleted_then_is_not_stored(serv
     gate.set()
 
 
+def test_a_response_deleted_while_it_is_being_stored_stays_deleted(server, monkeypatch):
+    """A DELETE answered while the finished response's put ran (the run still live) had said deleted, and the put
+    stored it anyway (review, session 49)."""
+    responses = server.ctx.responses
+    put, entered, gate, ids = responses.put, threading.Event(), threading.Event(), []
+
+    def slow_put(owner, response, messages):
+        ids.append(response["id"])
+        entered.set()
+        gate.wait(60)
+        return put(owner, response, messages)
+
+    monkeypatch.setattr(responses, "put", slow_put)
+    client, answer = sdk(server), {}
+    t = threading.Thread(target=lambda: answer.update(r=client.responses.create(model="char-model", input="Keep?",
+                                                                              **GREEDY)))  # fmt: skip
+    t.start()
+    assert entered.wait(60)
+    (rid,) = ids
+    client.responses.delete(rid)
+    gate.set()
+    t.join(60)
+    assert answer["r"].id == rid
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(rid)
+
+
 def test_stream_with_logprobs_and_usage(server):
     client = sdk(server)
     events = list(client.responses.create(model="char-model", input="Odds?", include=["message.output_text.logprobs"],

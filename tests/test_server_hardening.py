@@ -360,8 +360,11 @@ def test_allowed_origins_are_spelled_as_browsers_send_them():
     assert cors_origins(" HTTP://A.example:80 , https://b.example:8443/,*,http://[::1]:3000") == [
         "http://a.example", "https://b.example:8443", "*", "http://[::1]:3000"]  # fmt: skip
     assert cors_origins(None) == [] and cors_origins(" , ") == []
-    for bad in ("http://a.example/app", "a.example", "ftp://a.example", "http://a.example?x=1", "http://u@a.example",
-                "http://a.example:99999"):  # fmt: skip
+    # apps' and extensions' origins, and a file:// page's, as browsers send them (review, session 49)
+    others = ["app://obsidian.md", "chrome-extension://abcdefghijklmnop", "tauri://localhost", "null"]
+    assert cors_origins(",".join(others)) == others
+    for bad in ("http://a.example/app", "http://a.example?x=1", "http://u@a.example", "http://a.example:99999",
+                "https://*.example.com"):  # fmt: skip
         with pytest.raises(ValueError, match="allowed_origins"):
             cors_origins(bad)
 

@@ -296,7 +296,10 @@ def test_hand_edited_pack_manifests_are_pack_errors(pack, tmp_path):
     def no_layers(m):
         m["config"]["n_layer"], m["layers"] = 0, []
 
-    edits = {**edits, "no_layers": no_layers}
+    def text_layers(m):
+        m["config"]["n_layer"] = str(m["config"]["n_layer"])
+
+    edits = {**edits, "no_layers": no_layers, "text_layers": text_layers}
     for name, edit in edits.items():
         d = edited_pack(pack, tmp_path, name, edit)
         for cache in (0, 2):

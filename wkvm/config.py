@@ -107,27 +107,33 @@ def check_device(device: str) -> None:
 
 
 def cors_origins(value: str | None) -> list[str]:
-    """`--allowed-origins` as a browser's Origin header spells them: scheme and host in lower case, no default port,
-    no trailing '/'; '*' as is. An entry with a path, a query or no host is refused: it could match no page (as
-    'HTTP://B.example' or 'http://a.example/app' had matched nothing, silently; docs hunt, session 49)."""
+    """`--allowed-origins` as a browser's Origin header spells them: an http(s) origin's scheme and host in lower case,
+    no default port, no trailing '/' (written otherwise, 'HTTP://B.example' had matched nothing, silently; docs hunt,
+    session 49); other schemes (`app://obsidian.md`, `chrome-extension://ID`) and `null` (a file:// page) exactly as
+    written; '*' as is. An http(s) entry with a path, a query or a wildcard in its host is refused: it could match
+    no page."""
     from urllib.parse import urlsplit
 
     out = []
     for raw in (value or "").split(","):
         entry = raw.strip()
-        if not entry or entry == "*":
-            out += [entry] if entry else []
+        if not entry:
+            continue
+        scheme = entry.split("://", 1)[0].lower() if "://" in entry else ""
+        if entry == "*" or scheme not in ("http", "https"):
+            out.append(entry)
             continue
         try:
             u = urlsplit(entry)
             port = u.port
         except ValueError as e:
             raise ValueError(f"allowed_origins: {entry!r} is not an origin ({e})") from None
-        if u.scheme.lower() not in ("http", "https") or not u.hostname or u.path not in ("", "/") or u.query \
-                or u.fragment or u.username is not None:
+        if not u.hostname or "*" in entry or u.path not in ("", "/") or u.query or u.fragment \
+                or u.username is not None:
             raise ValueError(f"allowed_origins: {entry!r} is not an origin: give a page's scheme and host (and port), "
-                             "e.g. https://chat.example.com or http://localhost:3000, without a path")  # fmt: skip
-        scheme, host = u.scheme.lower(), u.hostname.lower()
+                             "e.g. https://chat.example.com or http://localhost:3000, without a path or wildcards "
+                             "(list each origin, or give *)")  # fmt: skip
+        host = u.hostname.lower()
         host = f"[{host}]" if ":" in host else host
         default = {"http": 80, "https": 443}[scheme]
         out.append(f"{scheme}://{host}" + (f":{port}" if port is not None and port != default else ""))

@@ -62,13 +62,16 @@ STATE_DIR_WAIT = 30.0  # seconds a server waits for another process to let go of
 # predecessor in its slot still closing), then refuses to start, naming the holder
 
 
-def backend_fingerprint(model: str, dtype: str, kv_dtype: str) -> str:
-    """OpenAI's `system_fingerprint`: `fp_` and 12 hex digits naming what a seeded request's tokens depend on (the
-    model's weights, wkvm's version, the weights' and the keys' dtypes, the CPU's instruction sets), so a client sees
-    when the same seed may give other tokens (docs/http-api.md). It had been left out (hunt, session 49)."""
-    from wkvm.models.linear import cpu_isa
+def backend_fingerprint(model: str, dtype: str, kv_dtype: str, device: str) -> str:
+    """OpenAI's `system_fingerprint`: `fp_` and 12 hex digits naming what a seeded request's tokens depend on: the
+    model's weights, wkvm's and torch's versions, the weights' and the keys' dtypes, the device, and on the CPU the
+    code paths that run (torch's vector ISA, which kernel the weights' dtype runs: an AVX2-restricted run of an
+    AVX-512 machine differs), so a client sees when the same seed may give other tokens (docs/http-api.md). It had
+    been left out (hunt, session 49)."""
+    from wkvm.models.linear import kernels
 
-    made_of = "|".join([__version__, model, dtype, kv_dtype, ",".join(cpu_isa())])
+    paths = [str(torch.backends.cpu.get_cpu_capability()), kernels().get(dtype, "")] if device == "cpu" else []
+    made_of = "|".join([__version__, torch.__version__, model, dtype, kv_dtype, device, *paths])
     return "fp_" + hashlib.sha256(made_of.encode()).hexdigest()[:12]
 
 
@@ -174,6 +177,7 @@ class ServerContext:
             limits = StoreLimits.from_config(cfg)
             self.store = StateStore(root, m.spec, m.fingerprint, m.vocab_size, device=cfg.device, limits=limits,
                                     verify_on_load=cfg.verify_state_loads, lock_wait=STATE_DIR_WAIT)  # fmt: skip
+            self.store.bring_up_pins()
             self.service = StateService(self.store, FLOAT16_MAX if cfg.engine_kv_dtype() == "float16" else None)
             self.responses = ResponseStore(Path(root) / "responses.sqlite")
             self.sessions = ChatSessions(self.service, m.fingerprint, cfg, self.metrics)
@@ -189,7 +193,7 @@ class ServerContext:
                 if not self._shut_down:
                     self._torch_threads = torch.get_num_threads()
                     torch.set_num_threads(1)
-            self.system_fingerprint = backend_fingerprint(m.fingerprint, cfg.dtype, cfg.engine_kv_dtype())
+            self.system_fingerprint = backend_fingerprint(m.fingerprint, cfg.dtype, cfg.engine_kv_dtype(), cfg.device)
             freeze_startup_heap()
             self.ready.set()
             kv = f", keys and values {self.config.engine_kv_dtype()}" if self.model.spec.has_kv else ""

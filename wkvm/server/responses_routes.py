@@ -109,8 +109,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             lps = (choice.get("logprobs") or {}).get("content") if logprobs(body) else None
             items = output_items(choice["message"], lps, forced(body))
             resp = finished(shell, items, choice["finish_reason"], out["usage"], out.get("wkvm"))
-            if body.store and resp["status"] != "failed" and not run.deleted:
-                await run_in_threadpool(ctx.responses.put, tenant, resp, conversation + input_messages(items))
+            await store(ctx, tenant, body, resp, conversation + input_messages(items), run)
             return resp
         finally:
             if not streams:  # a stream ends its entry itself, once stored
@@ -140,6 +139,18 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     return r
+
+
+async def store(ctx: ServerContext, tenant: str, body: ResponsesRequest, resp: dict[str, Any],
+                messages: list[dict[str, Any]], run: Running) -> None:
+    """Store a finished response (unless `store` is false, it failed, or it was deleted while it ran), then end its
+    run: before its last event, so a client that reads that event and retrieves at once finds it stored. A DELETE
+    answered while the put ran (the run still live) deletes it again (review, session 49)."""
+    if body.store and resp["status"] != "failed" and not run.deleted:
+        await run_in_threadpool(ctx.responses.put, tenant, resp, messages)
+        if run.deleted:
+            await run_in_threadpool(ctx.responses.delete, tenant, resp["id"])
+    run.ended = True
 
 
 def new_id(kind: str) -> str:
@@ -556,9 +567,7 @@ async def events(ctx: ServerContext, tenant: str, body: ResponsesRequest, shell:
         yield s.event("response.failed", response=failed)
         return
     resp = finished(shell, s.items, finish_reason, usage, extra)
-    if body.store and resp["status"] != "failed" and not run.deleted:
-        await run_in_threadpool(ctx.responses.put, tenant, resp, conversation + input_messages(s.items))
-    run.ended = True  # before its last event: a client that reads it and retrieves at once finds it stored
+    await store(ctx, tenant, body, resp, conversation + input_messages(s.items), run)
     kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(resp["status"],
                                                                                       "response.failed")
     if kind == "response.failed":  # ended before it finished (a timeout): an `error` event first, as for any failure

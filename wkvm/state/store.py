@@ -171,23 +171,27 @@ class StateStore:
             self.usage.add_records(records, sizes)
             self._settle()
             self._pinned = self.index.pinned_blobs()
-            self._bring_up_pins()
 
-    def _bring_up_pins(self) -> None:
-        """Pinned states up into RAM, as pinning brought them: pins outlive a restart (a restarted server had listed
-        them pinned on disk and refused their hibernation as "resident"; docs hunt, session 49). One that the tiers
-        (smaller this time) cannot hold stays on disk, pinned, with a warning."""
-        for blob in sorted(self._pinned - self._lost):
-            if not self.usage.known(blob):
-                continue
-            try:
-                self._cache(blob, self.files.read(blob, verify=self.verify_on_load), "device")
-            except (OSError, ValueError) as e:  # read at its first use instead, where its error is the request's
-                log.warning("pinned state %s not brought up at start: %s", blob[:12], e)
-                continue
-            if self.tier_of(blob) == "disk":
-                log.warning("pinned state %s stays on disk: pinned states fill --state-device-bytes and "
-                            "--state-host-bytes; unpin some or raise them", blob[:12])  # fmt: skip
+    def bring_up_pins(self) -> None:
+        """Pinned states up into RAM, as pinning brought them: a server's pins outlive its restart (a restarted server
+        had listed them pinned on disk and refused their hibernation as "resident"; docs hunt, session 49). Called by
+        the server only (`wkvm states`, `wkvm chat` and a replica absorbing a slot's directory read no pins). One that
+        the tiers (smaller this time) cannot hold stays on disk, pinned, with a warning; one that cannot be read is
+        left to its first use, whose request gets the error (it must not keep the server from starting)."""
+        with self._lock:
+            for blob in sorted(self._pinned - self._lost):
+                if self.usage.known(blob):
+                    self._bring_up(blob)
+
+    def _bring_up(self, blob: str) -> None:
+        try:
+            self._cache(blob, self.files.read(blob, verify=self.verify_on_load), "device")
+        except Exception as e:  # noqa: BLE001  # a damaged file's torch error, a device out of memory: logged
+            log.warning("pinned state %s not brought up at start: %s", blob[:12], e)
+            return
+        if self.tier_of(blob) == "disk":
+            log.warning("pinned state %s stays on disk: pinned states fill --state-device-bytes and "
+                        "--state-host-bytes; unpin some or raise them", blob[:12])  # fmt: skip
 
     # --- records -------------------------------------------------------------------------------
     def get(self, owner: str, handle: str) -> StateRecord:

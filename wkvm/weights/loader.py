@@ -47,9 +47,6 @@ def check_model_path(path: str | os.PathLike[str], weight_cache_layers: int = 0)
     directory that is no model wkvm reads, or streaming asked of what is no weight pack (before `wkvm serve` binds
     its port; it had failed after). Raises CheckpointError (a ValueError)."""
     p = Path(path)
-    if weight_cache_layers > 0 and p.exists() and not is_pack(p):
-        raise CheckpointError(f"{path}: --weight-cache-layers needs a weight pack (make one with `wkvm convert SRC DST "
-                              "--pack`)")  # fmt: skip
     if not p.exists() and not Path(f"{p}.pth").is_file():
         if HUB_ID.fullmatch(str(path)) and not str(path).lower().endswith(FILE_SUFFIXES):
             raise CheckpointError(f"model {str(path)!r} does not exist here; it looks like a Hugging Face hub id, and "
@@ -58,6 +55,9 @@ def check_model_path(path: str | os.PathLike[str], weight_cache_layers: int = 0)
             raise CheckpointError("model path 'smollm2' does not exist: 'smollm2' is a `make serve` alias; give wkvm "
                                   "the file, models/SmolLM2-135M-Instruct.Q4_1.gguf (`make smollm2` fetches it)")
         raise CheckpointError(f"model path {str(path)!r} does not exist")
+    if weight_cache_layers > 0 and not is_pack(p):  # (`foo` for foo.pth too)
+        raise CheckpointError(f"{path}: --weight-cache-layers needs a weight pack (make one with `wkvm convert SRC DST "
+                              "--pack`)")  # fmt: skip
     if not is_pack(p):
         registry.detect(p)
 

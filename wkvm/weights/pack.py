@@ -177,7 +177,8 @@ class Pack:
         if not isinstance(m.get("fingerprint"), str) or not isinstance(m.get("layers"), list):
             raise PackError(f"{self.path}: {MANIFEST} lacks its fingerprint or its list of layers")
         self.fingerprint: str = m["fingerprint"]
-        if self.config.n_layer < 1:  # an edited manifest's 0 had loaded a model of no layers
+        n_layer = self.config.n_layer  # an edited manifest's 0 had loaded a model of no layers; "2" or null is no count
+        if isinstance(n_layer, bool) or not isinstance(n_layer, int) or n_layer < 1:
             raise PackError(f"{self.path}: manifest config says {self.config.n_layer} layers")
         if len(m["layers"]) != self.config.n_layer:
             raise PackError(f"{self.path}: manifest lists {len(m['layers'])} layers, config says "
