@@ -565,6 +565,33 @@ def test_gguf_arrays_read_as_gguf_reads_them(tmp_path):
             gguf_file.open_reader(tmp_path / "huge.gguf")
 
 
+def test_gguf_tensor_offsets_must_be_in_order_and_aligned(tmp_path):
+    """As llama.cpp's gguf.cpp: each tensor's data at the offset the ones before it and the alignment give. An offset
+    edited to another tensor's, off its alignment or wrapping past 2^64 had loaded other bytes as the weights (and
+    `wkvm convert` copied them; loading hunt, session 49)."""
+    import struct
+
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for name, n in (("a.weight", 5), ("b.weight", 8), ("c.weight", 3)):  # 20 bytes, padded to 32
+        w.add_tensor(name, np.arange(n, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = path.read_bytes()
+    ours = gguf_file.ArrayReader(path)
+    assert [t.data_offset - ours.data_offset for t in ours.tensors] == [0, 32, 64]
+    at = {t.name: t.field.offset + sum(int(x.nbytes) for x in t.field.parts) - 8 for t in ours.tensors}
+    for name, offset in (("b.weight", 0), ("b.weight", 36), ("c.weight", 2**64 - 32), ("a.weight", 32)):
+        bad = bytearray(data)
+        struct.pack_into("<Q", bad, at[name], offset)
+        (tmp_path / "bad.gguf").write_bytes(bytes(bad))
+        gguf_file._reader.cache_clear()
+        with pytest.raises(CheckpointError, match=f"bad.gguf: .*tensor '{name}' has offset {offset}, expected"):
+            gguf_file.open_reader(tmp_path / "bad.gguf")
+
+
 def test_a_pack_made_from_a_gguf_carries_its_tokenizer_end_tokens_and_template(gguf_ref, tmp_path, monkeypatch):
     """`convert X.gguf DST --pack` wrote only weights: no tokenizer (the pack could not be used at all) and so no EOS
     (hunt 16). It now writes the GGUF's tokenizer, end tokens and template as the HF files. A re-pack cut off over an

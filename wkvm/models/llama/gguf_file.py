@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
 from wkvm.models.family import CheckpointError, LazyTensors, RawTensors, first_line
@@ -126,6 +126,23 @@ class ArrayReader(GGUFReader):
             strings.append(data[offs + 8 : offs + 8 + size])
             offs += 8 + size
         return offs - orig_offs, [raw_itype, count, *strings], list(range(2, 2 + n)), types
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        """gguf's, after llama.cpp's check (gguf.cpp): the tensors' data lie in their order, each at the offset the
+        ones before it and the alignment give. An offset edited to another tensor's, off its alignment or wrapping
+        past 2^64 had loaded other bytes as the weights, and `wkvm convert` had copied them (loading hunt, session
+        49)."""
+        expected = 0
+        for f in fields:
+            name = bytes(f.parts[1]).decode("utf-8", "replace")[:80]
+            dims, kind, offset = f.parts[3], GGMLQuantizationType(int(f.parts[4][0])), int(f.parts[5][0])
+            if offset != expected:
+                raise ValueError(f"tensor {name!r} has offset {offset}, expected {expected} (the tensors' data in "
+                                 f"order, each aligned to {self.alignment} bytes)")  # fmt: skip
+            block, size = GGML_QUANT_SIZES[kind]
+            expected = offset + math.prod(int(d) for d in dims) * size // block
+            expected += -expected % self.alignment
+        super()._build_tensors(start_offs, fields)
 
 
 def metadata(reader: GGUFReader) -> dict[str, Any]:
