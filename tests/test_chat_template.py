@@ -92,6 +92,16 @@ def test_a_chat_template_json_beside_the_jinja_is_read_strictly(tmp_path):
         load_chat_template(tmp_path)
     extra.write_text("[1, 2]")
     assert load_chat_template(tmp_path).stop == []
+    # a template file that is not UTF-8, and tokenizer_config's chat_template of no template's type, are errors
+    # naming the file (the codec's message named none; the number had been dropped without a word; loading hunt,
+    # session 49)
+    (tmp_path / "chat_template.jinja").write_bytes(b"{{ messages }}\xff")
+    with pytest.raises(ValueError, match="chat_template.jinja: not UTF-8 text"):
+        load_chat_template(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": 5}')
+    with pytest.raises(ValueError, match="tokenizer_config.json: \"chat_template\" must be a template"):
+        load_chat_template(tmp_path)
 
 
 def test_named_templates_render_as_transformers_chooses_them(tmp_path):

@@ -414,6 +414,30 @@ def test_a_text_surely_over_the_prompt_limit_is_refused_before_tokenizing(server
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop" and "1024 characters" in r.text
 
 
+def test_a_slow_chat_template_holds_no_other_request(server, monkeypatch):
+    """A chat's template renders off the event loop: a model's template whose loops ran for minutes had held /health
+    and every other request (loading hunt, session 49)."""
+    import threading
+    import time
+
+    render, started, rendered = server.ctx.template.render, threading.Event(), threading.Event()
+
+    def slow(*args, **kw):
+        started.set()
+        time.sleep(5)
+        rendered.set()
+        return render(*args, **kw)
+
+    monkeypatch.setattr(server.ctx.template, "render", slow)
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    chat = threading.Thread(target=lambda: httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60))
+    chat.start()
+    assert started.wait(30)
+    assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
+    assert not rendered.is_set()  # answered while the template still rendered, not after it
+    chat.join(60)
+
+
 def test_truncating_to_the_context_keeps_within_the_prompt_limit():
     """truncate_prompt_tokens -1 keeps as many tokens as the context holds with room for one, and no more than
     --max-prompt-tokens allows (it had kept the context's worth, then refused them with a 413; hunt, session 49)."""

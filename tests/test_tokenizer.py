@@ -154,6 +154,11 @@ def test_a_models_own_end_tokens_end_generation(tmp_path, tiny_pth):
     assert loaded.eos_token_id == turn and loaded.eos_token_ids == {turn, end}  # an id beyond the vocabulary: dropped
     (m / "generation_config.json").unlink()
     assert load_tokenizer(m).eos_token_ids == {turn, start}
+    # a text_config that is no object is left alone (an AttributeError traceback that stopped `wkvm serve`; loading
+    # hunt, session 49)
+    (m / "generation_config.json").write_text(json.dumps({"text_config": "x"}))
+    assert load_tokenizer(m).eos_token_ids == {turn, start}
+    (m / "generation_config.json").unlink()
 
     # the engine stops at any of them, and ignore_eos ignores them all (the RWKV test model reads any token id)
     pth = tmp_path / "w.pth"

@@ -132,8 +132,8 @@ def load_chat_template(model_path: str | os.PathLike[str], default: ChatTemplate
             raise ValueError(f"{extra}: \"stop\" must be a list of non-empty strings")
         # transformers (4.50+) saves named templates beside the default as additional_chat_templates/NAME.jinja
         tool_use = base / TOOL_USE_TEMPLATE
-        tool_source = tool_use.read_text() if p.is_dir() and tool_use.is_file() else None
-        return ChatTemplate(jinja.read_text(), stop, str(opts.get("name", jinja.name)), tool_source=tool_source)
+        tool_source = template_text(tool_use) if p.is_dir() and tool_use.is_file() else None
+        return ChatTemplate(template_text(jinja), stop, str(opts.get("name", jinja.name)), tool_source=tool_source)
     if p.is_dir():
         config = base / "tokenizer_config.json"
         tpl = read_json(config).get("chat_template")  # a file that is no JSON is named
@@ -149,7 +149,19 @@ def load_chat_template(model_path: str | os.PathLike[str], default: ChatTemplate
                 raise ValueError(f"{config}: chat templates named {', '.join(sorted(named))} and none \"default\": "
                                  "add chat_template.jinja beside the model to choose one")  # fmt: skip
             return ChatTemplate(named["default"], [], config.name, tool_source=named.get("tool_use"))
+        if tpl is not None:  # it had been dropped without a word: every chat then said the model has no template
+            raise ValueError(f"{config}: \"chat_template\" must be a template (a string) or a list of named ones, "
+                             f"not {type(tpl).__name__}")  # fmt: skip
     return default or ChatTemplate()
+
+
+def template_text(path: Path) -> str:
+    """A template file's text; one that is not UTF-8 is a ValueError naming it (the codec's message named no file;
+    loading hunt, session 49)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -252,7 +252,8 @@ def model_specials(model_path: str | os.PathLike[str]) -> ModelSpecials:
     if p.is_dir():
         for name in ("generation_config.json", "config.json"):
             cfg = read_json(p / name)
-            value = cfg.get("eos_token_id", (cfg.get("text_config") or {}).get("eos_token_id"))
+            text = cfg.get("text_config")  # an object, if any (a string there had been an AttributeError traceback)
+            value = cfg.get("eos_token_id", text.get("eos_token_id") if isinstance(text, dict) else None)
             found = [value] if isinstance(value, int) else value if isinstance(value, list) else []
             ids = [i for i in found if isinstance(i, int) and not isinstance(i, bool)]
             if ids:

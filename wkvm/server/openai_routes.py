@@ -442,8 +442,10 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
     mode = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls,
                      shaped or gen.structured_outputs(body) is not None)  # fmt: skip
     refuse_request_template(body.chat_template)
-    text = render_chat(ctx, messages, mode.tools if mode else None, body.add_generation_prompt,
-                       body.continue_final_message, body.chat_template_kwargs)  # fmt: skip
+    # off the event loop: a template's loops run as long as it says (a model's template of nested range(100000) had
+    # held /health and every other request; loading hunt, session 49)
+    text = await run_in_threadpool(render_chat, ctx, messages, mode.tools if mode else None, body.add_generation_prompt,
+                                   body.continue_final_message, body.chat_template_kwargs)  # fmt: skip
     if body.save_state and body.n > 1:
         raise APIError(400, "save_state needs n = 1", "save_state", "invalid_value")
     max_tokens = body.max_completion_tokens or body.max_tokens
