@@ -61,6 +61,27 @@ def cpu_name() -> str:
     return f"{name}, AVX2 code paths only (AVX2_ENV)" if avx2_paths() else name
 
 
+def machine() -> dict[str, object]:
+    """What every figure is named with (for a bench's JSON): the CPU, torch's ISA, and torch's thread count."""
+    return {"cpu": cpu_name(), "isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+
+
+def machine_line() -> str:
+    """`machine()` as a bench's header line."""
+    m = machine()
+    return f"CPU: {m['cpu']}; torch ISA {m['isa']}; {m['threads']} threads"
+
+
+def rwkv_reference():
+    """BlinkDL's `rwkv` package's RWKV class (the reference these benches run against), or exit with one line
+    saying how to install it: it ships in the `dev` extra only."""
+    try:
+        from rwkv.model import RWKV
+    except ModuleNotFoundError:
+        sys.exit("the `rwkv` package (BlinkDL's reference) is missing: pip install -e '.[dev]' (or rwkv==0.8.32)")
+    return RWKV
+
+
 def decode_engine(model, tokenizer, batch: int, kv_dtype: str = "float32"):
     """An Engine with `batch` slots as engine_decode_tok_s sets one up."""
     from wkvm.config import EngineConfig
@@ -186,8 +207,13 @@ def matmul_rate(m: int = 1024, k: int = 768, n: int = 3072) -> dict[str, float]:
     }
 
 
+def fmt(x: float) -> str:
+    """Two decimals, or three significant digits below 1 so that a sub-millisecond figure does not print as 0.00."""
+    return f"{x:.2f}" if x == 0 or abs(x) >= 1 else f"{x:.3g}"
+
+
 def print_table(title: str, header: list[str], rows: list[list[object]]) -> None:
-    cells = [header] + [[f"{c:.2f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    cells = [header] + [[fmt(c) if isinstance(c, float) else str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     print(f"\n{title}")
     for j, r in enumerate(cells):

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import checkpoint, print_table, write_json  # noqa: E402
+from common import checkpoint, machine, machine_line, print_table, write_json  # noqa: E402
 
 from wkvm.server.background import free_port, wait_healthy  # noqa: E402
 
@@ -81,9 +81,10 @@ def main() -> None:
     (i50, i99), (b50, b99) = pcts(idle), pcts(busy)
     rows = [["idle", len(idle), f"{i50:.2f}", f"{i99:.2f}"],
             ["state-write storm", len(busy), f"{b50:.2f}", f"{b99:.2f}"]]
+    print(machine_line())
     print_table("/health latency (ms)", ["phase", "probes", "p50", "p99"], rows)
     print(f"storm: {sum(counts)} state writes in ~{args.seconds + 2:.0f} s; p99 busy/idle {b99 / i99:.2f}x")
-    write_json("event_loop", {"idle_ms": {"p50": i50, "p99": i99}, "storm_ms": {"p50": b50, "p99": b99},
+    write_json("event_loop", {**machine(), "idle_ms": {"p50": i50, "p99": i99}, "storm_ms": {"p50": b50, "p99": b99},
                               "state_writes": sum(counts), "seconds": args.seconds})  # fmt: skip
 
 

@@ -23,7 +23,7 @@ os.environ["THP_MEM_ALLOC_ENABLE"] = "0"  # before torch allocates: both copies 
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import checkpoint, cpu_name, print_table, write_json  # noqa: E402
+from common import checkpoint, machine, machine_line, print_table, write_json  # noqa: E402
 
 from wkvm.weights.loader import load_model  # noqa: E402
 
@@ -75,12 +75,13 @@ def main() -> None:
         times["4 KiB"].append(run(small))
         times["2 MiB"].append(run(huge))
     ratio = statistics.median(a / b for a, b in zip(times["4 KiB"], times["2 MiB"], strict=True))
-    print(f"{cpu_name()}, {torch.get_num_threads()} threads, --dtype {args.dtype}: {moved / total:.0%} of the "
+    print(machine_line())
+    print(f"--dtype {args.dtype}: {moved / total:.0%} of the "
           f"weights' {total / 2**20:.0f} MiB on 2 MiB pages in the second copy")
     rows = [[pages, 1 / statistics.median(ts), 1 / min(ts)] for pages, ts in times.items()]
     print_table("decode B=1, tok/s (median, best)", ["weights on", "median", "best"], rows)
     print(f"paired ratio (2 MiB over 4 KiB, median of {args.rounds}): {ratio:.3f}x")
-    write_json("huge_pages", {"cpu": cpu_name(), "dtype": args.dtype, "ratio": ratio,
+    write_json("huge_pages", {**machine(), "dtype": args.dtype, "ratio": ratio,
                               "tok_s": {k: 1 / statistics.median(v) for k, v in times.items()}})  # fmt: skip
 
 

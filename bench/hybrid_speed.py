@@ -104,13 +104,16 @@ def memory(model, kind: str) -> list[list[object]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--kind", choices=sorted(SHAPES), default="qwen3_5")
-    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--decode-tokens", type=int, default=32, help="at most --prefill-tokens - 8 (decoded from "
+                    "that prompt after its first 8)")  # fmt: skip
     ap.add_argument("--prefill-tokens", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--batch-steps", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--requests", type=int, default=20)
     args = ap.parse_args()
+    if args.decode_tokens > args.prefill_tokens - 8:  # wkvm's decode walks the prompt after 8: no more than it holds
+        ap.error(f"--decode-tokens {args.decode_tokens} exceeds --prefill-tokens {args.prefill_tokens} - 8")
     sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
     path = checkpoint(args.kind)
     model = load_model(path)

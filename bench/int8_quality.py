@@ -32,8 +32,9 @@ from wkvm.cli import EMBEDDED_MODEL  # noqa: E402
 from wkvm.models import int4, int8  # noqa: E402
 from wkvm.weights.loader import load_model, load_text_tools  # noqa: E402
 
-TEXT = Path("/work/shared/data/tinyshakespeare.txt")
-GGUF = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = ROOT / "data" / "tinyshakespeare.txt"  # the repo's own copy (scripts/train_default.py trains on it)
+GGUF = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_KL, TARGET_KL_INT4 = 5e-3, 0.07
 
 

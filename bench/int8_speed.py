@@ -114,10 +114,15 @@ def main() -> None:
     ap.add_argument("--e2e", action="store_true", help="also whole models: decode B=1, B=8 and a prefill")
     ap.add_argument("--e2e-only", action="store_true", help="only the whole models")
     ap.add_argument("--e2e-repeat", type=int, default=3)
-    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--decode-tokens", type=int, default=16, help="at most --prefill-tokens - 16 (decoded from "
+                    "that prompt after its first 16)")  # fmt: skip
     ap.add_argument("--prefill-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.decode_tokens > args.prefill_tokens - 16:  # decode walks the prompt after 16: no more than it holds
+        ap.error(f"--decode-tokens {args.decode_tokens} exceeds --prefill-tokens {args.prefill_tokens} - 16")
+    if not args.e2e_only and not any(args.shapes in s for s in SHAPES):
+        ap.error(f"--shapes {args.shapes!r} matches none of: {', '.join(SHAPES)}")
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cpu_name, print_table, write_json  # noqa: E402
+from common import machine, machine_line, print_table, write_json  # noqa: E402
 from hybrid_speed import checkpoint as hybrid_checkpoint  # noqa: E402
 
 from wkvm.engine.arena import SlotArena  # noqa: E402
@@ -87,12 +87,11 @@ def main() -> None:
         rows = [measure(name, m, int(n), root) for name, m in models for n in args.tokens.split(",")]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    isa = torch.backends.cpu.get_cpu_capability()
-    print(f"CPU: {cpu_name()}; torch ISA {isa}; {torch.get_num_threads()} threads")
+    print(machine_line())
     print_table("Resume a parked state vs recompute its prompt (fp32 state)",
                 ["model, tokens", "state MiB", "recompute s", "resume host s", "resume disk s", "x faster (disk)"],
                 rows)  # fmt: skip
-    write_json("kv_resume", {"cpu": cpu_name(), "isa": isa, "rows": rows})
+    write_json("kv_resume", {**machine(), "rows": rows})
 
 
 if __name__ == "__main__":

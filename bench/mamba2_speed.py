@@ -47,7 +47,8 @@ def checkpoint() -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--decode-tokens", type=int, default=32, help="at most --prefill-tokens - 8 (decoded from "
+                    "that prompt after its first 8)")  # fmt: skip
     ap.add_argument("--prefill-tokens", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--batch-steps", type=int, default=8)
@@ -55,6 +56,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default); on a shared machine "
                     "1 avoids OpenMP threads waiting on each other")  # fmt: skip
     args = ap.parse_args()
+    if args.decode_tokens > args.prefill_tokens - 8:  # wkvm's decode walks the prompt after 8: no more than it holds
+        ap.error(f"--decode-tokens {args.decode_tokens} exceeds --prefill-tokens {args.prefill_tokens} - 8")
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers import Mamba2ForCausalLM

@@ -22,7 +22,7 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import checkpoint, plot, print_table, write_json  # noqa: E402
+from common import checkpoint, machine, machine_line, plot, print_table, rwkv_reference, write_json  # noqa: E402
 
 from wkvm.server.background import free_port, wait_healthy  # noqa: E402
 from wkvm.weights.loader import load_model  # noqa: E402
@@ -84,9 +84,7 @@ def run_server(path: Path, plan, gen_tokens: int, reuse: bool) -> tuple[float, l
 
 
 def run_rwkv(path: Path, plan, gen_tokens: int) -> tuple[float, list[list[float]], list]:
-    from rwkv.model import RWKV
-
-    ref = RWKV(str(path).removesuffix(".pth"), "cpu fp32")
+    ref = rwkv_reference()(str(path).removesuffix(".pth"), "cpu fp32")
     lat = [[0.0] * len(plan[0]) for _ in plan]
     out = [[None] * len(plan[0]) for _ in plan]
     t_all = time.perf_counter()
@@ -138,6 +136,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--skip-rwkv", action="store_true", help="skip the slow rwkv-package baseline")
     args = ap.parse_args()
+    if not args.skip_rwkv:
+        rwkv_reference()  # missing: say so now, not after the server runs
     path = checkpoint()
     plan = script(args.sessions, args.turns, args.first, args.user, 65536)
     results, per_turn = {}, {}
@@ -152,6 +152,7 @@ def main() -> None:
         per_turn["rwkv"] = [sum(col) / len(col) for col in zip(*lat, strict=True)]
         same = same and out_reuse == out_rwkv
     rows = [[k, v, results["reuse"] / v if k != "reuse" else 1.0] for k, v in results.items()]
+    print(machine_line())
     print_table(
         f"{args.sessions} sessions x {args.turns} turns ({args.first}-token first prompt, +{args.user} user, "
         f"{args.gen} generated per turn), RWKV-7 0.1B shape fp32",
@@ -162,7 +163,8 @@ def main() -> None:
         print(f"reuse vs rwkv package: {results['rwkv'] / results['reuse']:.1f}x faster (target >= 10x)")
     print(f"reuse vs lower bound: {results['reuse'] / results['bound']:.2f}x (target <= 1.2x)")
     print(f"greedy tokens identical across runs: {same}")
-    write_json("multiturn", {"args": vars(args), "total_s": results, "per_turn_s": per_turn, "identical": same})
+    write_json("multiturn", {**machine(), "args": vars(args), "total_s": results, "per_turn_s": per_turn,
+                             "identical": same})  # fmt: skip
     plot("multiturn", list(range(1, args.turns + 1)), per_turn, "turn", "seconds per turn (mean per session)",
          "Multi-turn chat, RWKV-7 0.1B shape")  # fmt: skip
 

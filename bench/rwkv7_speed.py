@@ -25,6 +25,7 @@ from common import (  # noqa: E402
     print_table,
     read_bandwidth,
     rerun_with_avx2_paths,
+    rwkv_reference,
     timeit_pair,
     write_json,
 )
@@ -35,20 +36,21 @@ from wkvm.weights.loader import load_model  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--decode-tokens", type=int, default=32, help="at most --prefill-tokens (decoded from that prompt)")
     ap.add_argument("--prefill-tokens", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--no-int8", dest="int8", action="store_false", help="skip the int8 rows")
     ap.add_argument("--avx2", action="store_true",
                     help="both sides on AVX2 code paths only (common.AVX2_ENV), as on an AVX2-only CPU")  # fmt: skip
     args = ap.parse_args()
+    if args.decode_tokens > args.prefill_tokens:  # decode walks the prompt: no more tokens than it holds
+        ap.error(f"--decode-tokens {args.decode_tokens} exceeds --prefill-tokens {args.prefill_tokens}")
+    RWKV = rwkv_reference()
     if args.avx2:
         rerun_with_avx2_paths()
     torch.manual_seed(0)
     path = checkpoint()
     model = load_model(path)
-    from rwkv.model import RWKV
-
     ref = RWKV(str(path).removesuffix(".pth"), "cpu fp32")
     cfg = model.config
     prompt = torch.randint(0, cfg.vocab_size, (args.prefill_tokens,)).tolist()

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import llamacpp  # noqa: E402
-from common import OUT, cpu_name, print_table, write_json  # noqa: E402
+from common import OUT, machine, print_table, write_json  # noqa: E402
 from openai import APIConnectionError, AsyncOpenAI  # noqa: E402
 
 from wkvm.server.background import free_port, wait_healthy  # noqa: E402
@@ -279,14 +279,16 @@ def main() -> None:
             a, b = med["wkvm"][k], med["llama.cpp"][k]
             ratio = a / b if b else float("nan")
             rows.append([case, k, a, b, f"{ratio:.2f}x"])
+    cpu = machine()  # its threads are this client process's: the servers run args.threads each
     flags = f" {args.wkvm_args}" if args.wkvm_args else ""
     repack = "" if not llamacpp.repack_crashed else ", without weight repacking (its AMX path crashes here)"
     title = (f"SmolLM2-135M-Instruct served over HTTP (openai SDK, streamed chat, greedy, ignore_eos): wkvm "
              f"--dtype {args.dtype}{flags} (KV float32) vs llama-server Q4_1 native (KV float16{repack}); "
-             f"{args.threads} threads each, medians of {args.rounds} alternating rounds; CPU: {cpu_name()}")
+             f"{args.threads} threads each, medians of {args.rounds} alternating rounds; CPU: {cpu['cpu']}; "
+             f"torch ISA {cpu['isa']}")
     print_table(title, ["case", "figure", "wkvm", "llama.cpp", "wkvm / llama.cpp"], rows)
-    path = write_json("serving", {"cpu": cpu_name(), "dtype": args.dtype, "wkvm_args": args.wkvm_args,
-                                  "threads": args.threads, "rounds": args.rounds,
+    path = write_json("serving", {"cpu": cpu["cpu"], "isa": cpu["isa"], "dtype": args.dtype,
+                                  "wkvm_args": args.wkvm_args, "threads": args.threads, "rounds": args.rounds,
                                   "llama_cpp_repack": not llamacpp.repack_crashed,
                                   "medians": medians, "runs": results})  # fmt: skip
     print(f"\nwrote {path}")

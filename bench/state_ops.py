@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import print_table, write_json  # noqa: E402
+from common import machine, machine_line, print_table, write_json  # noqa: E402
 
 from wkvm.engine.arena import SlotArena  # noqa: E402
 from wkvm.models.rwkv7.model import RWKV7Config, rwkv7_state_spec  # noqa: E402
@@ -92,6 +92,7 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
+    print(machine_line())
     ms = 1e3
     rows = [
         ["resume from host", pct(host, 50) * ms, pct(host, 99) * ms, "p99 <= 1 ms"],
@@ -113,9 +114,10 @@ def main() -> None:
     print(f"\n{args.sessions} hibernated sessions written in {hib_s:.1f} s; peak RSS {rss1 / 1024:.0f} MiB "
           f"(before: {rss0 / 1024:.0f} MiB); disk {args.sessions * spec.nbytes / 2**30:.2f} GiB")  # fmt: skip
     n_states = args.samples * 2 + args.sessions
-    print(f"restart with {n_states} states: {restart:.2f} s (hashing every file: {restart_full:.2f} s, "
+    print(f"restart with {n_states} states: {restart:.3g} s (hashing every file: {restart_full:.3g} s, "
           f"{restart_full / restart:.0f}x)")  # fmt: skip
     write_json("state_ops", {
+        **machine(),
         "state_mib": spec.nbytes / 2**20,
         "host_resume_ms": {"p50": pct(host, 50) * ms, "p99": pct(host, 99) * ms},
         "disk_resume_ms": {"p50": pct(disk, 50) * ms, "p99": pct(disk, 99) * ms},
