@@ -2,6 +2,7 @@
 
 import gc
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -124,7 +125,7 @@ def test_tensors_that_do_not_fit_or_hold_nan_are_refused_at_load(tmp_path, tiny_
     weights = good / "model.safetensors"
     raw = load_file(weights)
     in_proj = "backbone.layers.0.mixer.in_proj.weight"  # its columns: the width (what a cut one leaves short)
-    for edit, says in [(lambda t: t[:, :-3].contiguous(), "do not fit its config as a mamba2 model"),  # 3 short
+    for edit, says in [(lambda t: t[:, :-3].contiguous(), rf"{in_proj} has shape \[328, 61\], expected \[328, 64\]"),
                        (lambda t: t.index_fill(1, torch.tensor([0]), float("nan")), "NaN or infinite")]:
         save_file({**raw, in_proj: edit(raw[in_proj])}, weights, metadata={"format": "pt"})
         with pytest.raises(CheckpointError, match=says) as e:
@@ -266,7 +267,7 @@ def test_quantized_or_mismatched_checkpoints_are_refused_at_load(tmp_path):
         "quantized checkpoint": variant("fp8", {"quantization_config": {"quant_method": "fp8"}}),
         "is int8, not floating point": variant("int8", tensors=lambda raw: {
             "model.layers.0.mlp.up_proj.weight": raw["model.layers.0.mlp.up_proj.weight"].to(torch.int8)}),
-        "head and the embedding do not match": variant("head", tensors=lambda raw: {
+        r"lm_head.weight has shape \[50, 48\], expected \[64, 48\]": variant("head", tensors=lambda raw: {
             "lm_head.weight": raw["lm_head.weight"][:50].contiguous()}),
         "config does not read": variant("heads", {"num_attention_heads": None}),
     }  # fmt: skip
@@ -308,3 +309,112 @@ def test_a_pth_with_code_is_refused_without_running_it_or_advising_the_unsafe_lo
             load_model(evil)
         assert "weights_only" not in str(e.value) and "system" in str(e.value), str(e.value)
     assert not marker.exists()
+
+
+def test_a_pth_whose_records_or_views_do_not_hold_its_tensors_is_refused(tiny_pth, tmp_path):
+    """Loading hunt (session 49): mapped, a storage record cut short had loaded the next zip header's bytes as weights,
+    a re-zipped (deflated) archive its compressed bytes as floats (then blamed as NaN), and a stride-0 view of a small
+    storage had been copied to GiBs. Each is refused by name before anything large is made."""
+    import zipfile
+
+    src = zipfile.ZipFile(tiny_pth)
+    names = src.namelist()
+    emb = next(n for n in names if n.endswith("/data/0"))  # emb.weight's storage: the first one saved
+
+    def rezipped(name, method=zipfile.ZIP_STORED, cut=0):
+        with zipfile.ZipFile(tmp_path / name, "w", method) as z:
+            for n in names:
+                data = src.read(n)
+                z.writestr(n, data[: len(data) - cut] if n == emb else data)
+        return tmp_path / name
+
+    load_model(rezipped("same.pth"))  # re-zipped as torch stores it: loads
+    with pytest.raises(CheckpointError, match=r"short.pth: tensor emb.weight's storage data/0 holds 65528 bytes of its "
+                                              r"65536 \(a record cut short\)"):  # fmt: skip
+        load_model(rezipped("short.pth", cut=8))
+    with pytest.raises(CheckpointError, match="deflated.pth: tensor emb.weight's storage data/0 is compressed"):
+        load_model(rezipped("deflated.pth", zipfile.ZIP_DEFLATED))
+    sd = torch.load(tiny_pth, weights_only=True)
+    sd["emb.weight"] = sd["emb.weight"][:1].expand(4096, sd["emb.weight"].shape[1])  # 1 MiB of a 64 KiB storage
+    torch.save(sd, tmp_path / "expanded.pth")
+    with pytest.raises(CheckpointError, match=r"expanded.pth: tensor emb.weight of shape \[4096, 64\] needs 1048576 "
+                                              "bytes, its storage holds 65536"):  # fmt: skip
+        load_model(tmp_path / "expanded.pth")
+    sd["emb.weight"] = torch.load(tiny_pth, weights_only=True)["emb.weight"].t().contiguous().t()  # a view in bounds
+    torch.save(sd, tmp_path / "transposed.pth")
+    load_model(tmp_path / "transposed.pth")
+
+
+def test_config_values_of_the_wrong_type_are_one_named_error(tiny_hf, tmp_path, monkeypatch):
+    """Loading hunt (session 49): a config value a family's reading trips over had escaped as a traceback or a line
+    naming no file; each is now a CheckpointError naming the model (by key where a check is cheap)."""
+    from wkvm.models.rwkv7 import FAMILY
+
+    config = json.loads((tiny_hf / "config.json").read_text())
+
+    def edited(name, **changes):
+        d = tmp_path / name
+        d.mkdir()
+        for f in tiny_hf.iterdir():
+            (d / f.name).write_bytes(f.read_bytes())
+        (d / "config.json").write_text(json.dumps({**config, **changes}))
+        return d
+
+    for value in ([2], "six", True):
+        with pytest.raises(CheckpointError, match=re.escape(f"num_hidden_layers {value!r} is not a layer count")) as e:
+            load_model(edited(f"layers{value}", num_hidden_layers=value))
+        assert str(tmp_path) in str(e.value)
+    for value in (0, -1e-5, "x"):
+        with pytest.raises(CheckpointError, match=rf"norm_eps {value!r} is not a number > 0"):
+            load_model(edited(f"eps{value}", norm_eps=value))
+    # whatever else a family's reading trips over: one CheckpointError naming the model, its own kept as it is
+    path = edited("any")
+    for error in (TypeError("unsupported operand"), ZeroDivisionError("division by zero"), AttributeError("no x")):
+        def reading(path, fmt, error=error):
+            raise error
+        monkeypatch.setattr(FAMILY, "read_checkpoint", reading)
+        with pytest.raises(CheckpointError, match=re.escape(f"{path}: its config does not read as a rwkv7 model's "
+                                                            f"({type(error).__name__}: {error})")):  # fmt: skip
+            load_model(path)
+
+    def refusing(path, fmt):
+        raise CheckpointError("head_dim 1 is odd")  # names no file: the loader puts the model's path in front
+    monkeypatch.setattr(FAMILY, "read_checkpoint", refusing)
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(path))}: head_dim 1 is odd$"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("family", ["mamba2", "bamba"])
+def test_an_ssm_group_count_the_weights_do_not_have_is_refused(family, tmp_path):
+    """Loading hunt (session 49): d_state had been derived from the conv's channels with config.json's n_groups and
+    never checked against its state_size, so a wrong n_groups ran another model silently (logits off by 1.4); 1.5 and
+    true were taken. transformers refuses such a directory (size mismatch)."""
+    import importlib
+
+    writer = importlib.import_module(f"families.{family}")
+    src = writer.write_checkpoint(tmp_path / "src", 50, seed=2)
+    config = json.loads((src / "config.json").read_text())
+    groups, size = ("n_groups", "state_size") if family == "mamba2" else ("mamba_n_groups", "mamba_d_state")
+    assert (config[groups], config[size]) == (2, 16)
+    want = load_model(src).prefill([1, 2, 3])[0]
+
+    def edited(name, **changes):
+        d = tmp_path / name
+        d.mkdir()
+        for f in src.iterdir():
+            (d / f.name).write_bytes(f.read_bytes())
+        cfg = {**config, **changes}
+        (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+        return d
+
+    says = f"{size} 16 with {groups} 1 does not fit conv1d's 192 channels (128 + 2 x groups x state size gives 32)"
+    with pytest.raises(CheckpointError, match=re.escape(says)) as e:
+        load_model(edited("one", **{groups: 1}))
+    assert str(tmp_path / "one") in str(e.value)
+    for value in (1.5, True, 0, "2"):
+        with pytest.raises(CheckpointError, match=f"{groups} {value!r} is not a positive integer"):
+            load_model(edited(f"g{value}", **{groups: value}))
+    with pytest.raises(CheckpointError, match=f"{size} 'six' is not a positive integer"):
+        load_model(edited("six", **{size: "six"}))
+    # without a state size the weights' is used, as before
+    assert torch.equal(load_model(edited("derived", **{size: None})).prefill([1, 2, 3])[0], want)

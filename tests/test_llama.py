@@ -935,3 +935,41 @@ def test_a_gguf_vocabulary_that_cannot_be_read_is_one_error(gguf_ref, tmp_path):
         write_gguf(path, gguf_ref, "F32", extra)
         with pytest.raises(CheckpointError, match=f"m{i}.gguf: .*{says}"):
             load_model(path)
+
+
+def test_a_context_or_eps_out_of_range_and_a_misshapen_tensor_are_refused_by_name(tmp_path):
+    """Loading hunt (session 49): max_position_embeddings -1 had loaded and then failed every request ("holds at most
+    -1"), rms_norm_eps 0 had been reported as the checkpoint's NaN or infinite values, a tensor with an extra leading
+    dim had failed in oneDNN naming neither file nor tensor, and a config check's refusal named no file."""
+    src = tmp_path / "src"
+    hf_model(GGUF_SHAPE, seed=3).save_pretrained(src, safe_serialization=True)
+    config = json.loads((src / "config.json").read_text())
+
+    def edited(name: str, tensors: dict | None = None, **changes) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        for f in src.iterdir():
+            (d / f.name).write_bytes(f.read_bytes())
+        (d / "config.json").write_text(json.dumps({**config, **changes}))
+        if tensors:
+            from safetensors.torch import load_file
+
+            save_file({**load_file(src / "model.safetensors"), **tensors}, d / "model.safetensors")
+        return d
+
+    load_model(src)
+    for value in (-1, 0, 1.5, "2048"):
+        with pytest.raises(CheckpointError, match=f"max_position_embeddings {value!r} is not a positive integer"):
+            load_model(edited(f"ctx{value}", max_position_embeddings=value))
+    for value in (0, -1e-6, "x", float("nan")):
+        with pytest.raises(CheckpointError, match=f"rms_norm_eps {value!r} is not a number > 0") as e:
+            load_model(edited(f"eps{value}", rms_norm_eps=value))
+        assert str(tmp_path / f"eps{value}") in str(e.value)
+    o = torch.zeros(1, 64, 96)
+    says = r"tensor model.layers.1.self_attn.o_proj.weight has shape \[1, 64, 96\], expected \[64, 96\]"
+    with pytest.raises(CheckpointError, match=says):
+        load_model(edited("3d", {"model.layers.1.self_attn.o_proj.weight": o}))
+    odd = edited("odd", head_dim=11)  # the config's own check, which names no file: the loader names it
+    with pytest.raises(CheckpointError) as e:
+        load_model(odd)
+    assert str(e.value) == f"{odd}: head_dim 11 is odd: RoPE rotates pairs"

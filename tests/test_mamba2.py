@@ -13,6 +13,7 @@ from families.mamba2 import random_model
 
 from wkvm.cli import main
 from wkvm.models import registry
+from wkvm.models.family import CheckpointError
 from wkvm.models.mamba2.checkpoint import detect_state_spaces
 from wkvm.weights.loader import load_model
 from wkvm.weights.pack import write_pack
@@ -295,3 +296,38 @@ def test_weight_pack_streaming_equals_resident(tiny, tmp_path):
         state = streamed.new_state(1)
         assert max_diff(streamed.forward(ids, state, all_logits=True), want) < 1e-5
         assert max_diff(streamed.decode([3], state), model.decode([3], model.prefill(ids[0])[1])) < 1e-5
+
+
+def test_a_state_spaces_config_of_the_wrong_sizes_is_refused_by_name(tiny, tmp_path):
+    """Loading hunt (session 49): ssm_cfg.headdim 0, d_model null and dt_limit a number had escaped as a
+    ZeroDivisionError / TypeError traceback; d_state "six" was taken; a config without ngroups takes mamba_ssm's 1,
+    which the weights' state size then refuses (it had run another model silently)."""
+    from wkvm.models.mamba2.checkpoint import convert
+
+    _, model, path = tiny
+    ss = tmp_path / "ss"
+    convert(path, ss, "hf")
+    config = json.loads((ss / "config.json").read_text())
+    ids = prompt(model.vocab_size, 9, 3)
+    assert torch.equal(load_model(ss).forward(ids, model.new_state(1)), model.forward(ids, model.new_state(1)))
+
+    def edited(name, ssm=None, **changes):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "pytorch_model.bin").write_bytes((ss / "pytorch_model.bin").read_bytes())
+        cfg = {**config, **changes, "ssm_cfg": {**config["ssm_cfg"], **(ssm or {})}}
+        cfg["ssm_cfg"] = {k: v for k, v in cfg["ssm_cfg"].items() if v is not None}
+        (d / "config.json").write_text(json.dumps(cfg))
+        return d
+
+    for name, d, says in [
+        ("hd0", edited("hd0", {"headdim": 0}), "ssm_cfg.headdim 0 is not a positive integer"),
+        ("six", edited("six", {"d_state": "six"}), "ssm_cfg.d_state 'six' is not a positive integer"),
+        ("model", edited("model", d_model=None), "d_model None is not a positive integer"),
+        ("expand", edited("expand", {"expand": [2]}), r"ssm_cfg.expand \[2\] is not a positive integer"),
+        ("dt", edited("dt", {"dt_limit": 0.1}), "time_step_limit 0.1 is not a pair of numbers"),
+        ("groups", edited("groups", {"ngroups": None}), "state_size 16 with n_groups 1 does not fit"),
+    ]:  # fmt: skip
+        with pytest.raises(CheckpointError, match=says) as e:
+            load_model(d)
+        assert str(tmp_path / name) in str(e.value)

@@ -169,3 +169,39 @@ def test_100_chats_sharing_a_300_token_system_prompt(tmp_path):
             assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"], i
             reused.append(got["wkvm"]["reused_tokens"])
     assert reused[0] == 0 and min(reused[1:]) >= 300, reused
+
+
+def test_config_values_of_the_wrong_type_are_refused_by_name(tmp_path):
+    """Loading hunt (session 49): Qwen3-Next's linear_num_key_heads 0 or "x" had escaped as a ZeroDivisionError /
+    ValueError traceback, a multimodal config's text_config [1, 2] or "abc" as a TypeError / ValueError."""
+    import json
+
+    from families.qwen3_5 import write_checkpoint
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = Qwen3NextConfig(vocab_size=50, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_conv_kernel_dim=4,
+                          linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                          linear_num_value_heads=2, mlp_only_layers=[0, 1], num_experts=0,
+                          layer_types=[L, F])  # fmt: skip
+    Qwen3NextForCausalLM(cfg).save_pretrained(tmp_path / "next", safe_serialization=True)
+    text = write_checkpoint(tmp_path / "text", 50)
+
+    def edited(src, name, **changes):
+        d = tmp_path / name
+        d.mkdir()
+        for f in src.iterdir():
+            (d / f.name).write_bytes(f.read_bytes())
+        config = json.loads((src / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**config, **changes}))
+        return d
+
+    load_model(tmp_path / "next")
+    for value in (0, "x", 1.5):
+        with pytest.raises(CheckpointError, match=f"linear_num_key_heads {value!r} is not a positive integer") as e:
+            load_model(edited(tmp_path / "next", f"next{value}", linear_num_key_heads=value))
+        assert str(tmp_path / f"next{value}") in str(e.value)
+    for value in ([1, 2], "abc"):
+        with pytest.raises(CheckpointError, match=f"text_config is {type(value).__name__}, not an object") as e:
+            load_model(edited(text, f"tc{type(value).__name__}", model_type="qwen3_5", text_config=value))
+        assert str(tmp_path / f"tc{type(value).__name__}") in str(e.value)

@@ -14,8 +14,12 @@ file per layer) and a streamed model (raw layer read -> `prepare_layer` per read
 from __future__ import annotations
 
 import functools
+import io
 import json
+import math
 import os
+import warnings
+import zipfile
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -353,11 +357,144 @@ def safetensors_files(path: Path) -> list[Path]:
 def load_torch_file(path: str | os.PathLike[str]) -> Any:
     """A `torch.save` file's object, tensors only (weights_only: a checkpoint is untrusted bytes), memory-mapped where
     its format allows it (not copied into RAM twice); a legacy (non-zip) file, which cannot be mapped, is read whole
-    (it had been refused with torch's message about mmap)."""
+    (it had been refused with torch's message about mmap). A storage record cut short or compressed, and a tensor that
+    needs more bytes than its storage holds (a stride-0 / expanded view), are refused (`check_torch_records`,
+    `check_views`)."""
+    if zipfile.is_zipfile(path):
+        check_torch_records(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except RuntimeError:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    check_views(obj, path)
+    return obj
+
+
+class _Placeholder:
+    """Any object a torch pickle builds, as `storage_records` reads it: its arguments and items kept, nothing run."""
+
+    args: tuple[Any, ...] = ()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.__dict__.setdefault("items", {})[key] = value
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class _Storage:
+    key: str
+    nbytes: int
+
+
+class _StorageKind(_Placeholder):
+    """A torch storage class (torch.FloatStorage) as `storage_records` reads it: its element size; calling it makes
+    nothing (the class itself would allocate what a pickle asks)."""
+
+    def __init__(self, itemsize: int) -> None:
+        super().__init__()
+        self.itemsize = itemsize
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Placeholder:
+        return _Placeholder()
+
+
+def storage_records(path: str | os.PathLike[str]) -> tuple[str, dict[str, _Storage], dict[str, str]] | None:
+    """A torch zip archive's storages as its pickle names them: (the archive's folder, key -> storage, key -> the first
+    tensor using it), read without importing anything (no class of the pickle is built). None where the archive has
+    no data.pkl or its pickle does not read so (torch's own load then says what is wrong)."""
+    import pickle
+
+    with zipfile.ZipFile(path) as zf:
+        pkl = next((n for n in zf.namelist() if n.endswith("/data.pkl") and n.count("/") == 1), None)
+        if pkl is None:
+            return None
+        data = zf.read(pkl)
+    storages: dict[str, _Storage] = {}
+
+    class Records(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            # torch's own names only (its __dict__: a lazy attribute would import a submodule), never a module's
+            found = torch.__dict__.get(name) if module == "torch" else None
+            if isinstance(found, torch.dtype):
+                return found
+            if name.endswith("Storage") and isinstance(found, type):
+                with warnings.catch_warnings():  # a TypedStorage class's dtype warns that TypedStorage is deprecated
+                    warnings.simplefilter("ignore")
+                    dtype = getattr(found, "dtype", None)
+                return _StorageKind(dtype.itemsize if isinstance(dtype, torch.dtype) else 1)  # untyped: bytes
+            return _Placeholder
+
+        def persistent_load(self, pid: Any) -> Any:
+            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+                raise pickle.UnpicklingError(f"unknown persistent id {pid!r:.80}")
+            kind, key, numel = pid[1], str(pid[2]), pid[4]
+            size = kind.itemsize if isinstance(kind, torch.dtype | _StorageKind) else 1
+            storages[key] = _Storage(key, int(numel) * size)
+            return storages[key]
+
+    try:
+        obj = Records(io.BytesIO(data)).load()
+    except Exception:  # noqa: BLE001 (any pickle torch's load refuses: it says why)
+        return None
+    users: dict[str, str] = {}
+    items = obj.items() if isinstance(obj, dict) else getattr(obj, "__dict__", {}).get("items", {}).items()
+    for name, t in items:
+        if isinstance(t, _Placeholder) and t.args and isinstance(t.args[0], _Storage):
+            users.setdefault(t.args[0].key, str(name))
+    return pkl.removesuffix("/data.pkl"), storages, users
+
+
+def check_torch_records(path: str | os.PathLike[str]) -> None:
+    """Each storage of a torch zip archive is a stored (uncompressed) record holding at least the storage's bytes: a
+    memory-mapped load takes a storage's bytes from the record's offset on, so a record cut short had loaded the next
+    zip header's bytes as weights, and a re-zipped (deflated) archive its compressed bytes as floats (loading hunt,
+    session 49)."""
+    found = storage_records(path)
+    if found is None:
+        return
+    folder, storages, users = found
+    with zipfile.ZipFile(path) as zf:
+        for key, storage in storages.items():
+            try:
+                info = zf.getinfo(f"{folder}/data/{key}")
+            except KeyError:
+                continue  # torch's load names the missing record
+            tensor = f"tensor {users[key]}" if key in users else "a tensor"
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise CheckpointError(f"{path}: {tensor}'s storage data/{key} is compressed (zip method "
+                                      f"{info.compress_type}): torch stores tensors uncompressed; re-save it with "
+                                      "torch.save")  # fmt: skip
+            if info.file_size < storage.nbytes:
+                raise CheckpointError(f"{path}: {tensor}'s storage data/{key} holds {info.file_size} bytes of its "
+                                      f"{storage.nbytes} (a record cut short)")  # fmt: skip
+
+
+def check_views(obj: Any, path: str | os.PathLike[str]) -> None:
+    """Every tensor of a loaded file needs at most the bytes its storage holds from its offset: a view that repeats
+    its storage (x[:1].expand(16777216, 64), stride 0) had loaded as a small file, then been copied to GiBs (loading
+    hunt, session 49). Views of a storage within it (a transposed matrix, a slice, tied tensors) are fine."""
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list | tuple) else ()
+    for name, t in items:
+        if isinstance(t, dict | list | tuple):
+            check_views(t, path)
+        elif isinstance(t, torch.Tensor) and t.layout == torch.strided:
+            need = t.numel() * t.element_size()
+            held = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+            if need > held:
+                raise CheckpointError(f"{path}: tensor {name} of shape {list(t.shape)} needs {need} bytes, its "
+                                      f"storage holds {held} (a view repeating its storage, e.g. an expanded one, "
+                                      "is not read)")  # fmt: skip
 
 
 def read_safetensors_dir(path: Path, rename: Callable[[str], str | None] | None = None) -> RawTensors:
@@ -499,8 +636,67 @@ def check_layer_count(config: dict[str, Any], n: int, what: str, key: str = "num
     """config.json's layer count, where it gives one, is the weights' (transformers builds that many and drops or
     randomly fills the rest: running the weights' own count had computed another model)."""
     declared = config.get(key)
-    if declared is not None and int(declared) != n:
+    if declared is not None and (isinstance(declared, bool) or not isinstance(declared, int | float)):
+        # [2] and "six" had escaped as a TypeError / ValueError (loading hunt, session 49)
+        raise CheckpointError(f"{what} config.json's {key} {declared!r:.60} is not a layer count")
+    if declared is not None and declared != n:
         raise CheckpointError(f"{what} config.json says {declared} layers; the weights hold {n}")
+
+
+def positive_int(config: dict[str, Any], key: str, what: str, default: Any = None, label: str = "") -> int:
+    """config.json's `key` (else `default`) as an integer >= 1; anything else (1.5, true, "six", 0, null without a
+    default) is a CheckpointError naming the key (as `label`, where given: `ssm_cfg.headdim`)."""
+    value = config.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CheckpointError(f"{what} config.json's {label or key} {value!r:.60} is not a positive integer")
+    return value
+
+
+def config_eps(config: dict[str, Any], key: str, default: float, what: str) -> float:
+    """A norm's epsilon from config.json: a finite number > 0 (0, -1 or "x" had loaded and then been reported as the
+    checkpoint's NaN or infinite values; loading hunt, session 49)."""
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value) and value > 0):
+        raise CheckpointError(f"{what} config.json's {key} {value!r:.60} is not a number > 0")
+    return float(value)
+
+
+def config_context(config: dict[str, Any], key: str, what: str) -> int | None:
+    """A trained context length from config.json (`max_position_embeddings`): None where it is absent or null, else an
+    integer >= 1 (-1 had loaded, then every request failed "holds at most -1"; loading hunt, session 49)."""
+    return None if config.get(key) is None else positive_int(config, key, what)
+
+
+def matrix_shape(raw: RawTensors, name: str, what: str) -> tuple[int, int]:
+    """The [rows, columns] of a 2-D tensor whose shape a config is read from (an embedding); another number of dims
+    had escaped as "too many values to unpack" (loading hunt, session 49)."""
+    shape = tuple(raw[name].shape)
+    if len(shape) != 2:
+        raise CheckpointError(f"{what} tensor {name} has shape {list(shape)}, expected 2 dims (rows, columns)")
+    return shape[0], shape[1]
+
+
+def check_dims(raw: RawTensors, dims: dict[str, int], what: str) -> None:
+    """Each tensor named in `dims` (where `raw` holds it) has that many dims: the ones a config's sizes are read from,
+    before `check_shapes` checks every tensor against those sizes."""
+    if isinstance(raw, LazyTensors):  # a GGUF's: as in `check_shapes`
+        return
+    for name, n in dims.items():
+        if name in raw and raw[name].dim() != n:
+            raise CheckpointError(f"{what} tensor {name} has shape {list(raw[name].shape)}, expected {n} dims")
+
+
+def check_shapes(raw: RawTensors, expected: dict[str, tuple[int, ...]], what: str) -> None:
+    """Each tensor named in `expected` (where `raw` holds it) has that shape: one that does not (an extra leading dim)
+    had failed deep in oneDNN ("could not create a primitive descriptor for the reorder primitive") naming neither the
+    file nor the tensor (loading hunt, session 49)."""
+    if isinstance(raw, LazyTensors):  # a GGUF's: reading a shape would dequantize the tensor (its reader checks them)
+        return
+    for name, shape in expected.items():
+        if name in raw and tuple(raw[name].shape) != shape:
+            raise CheckpointError(f"{what} tensor {name} has shape {list(raw[name].shape)}, expected {list(shape)}")
 
 
 def check_silu(config: dict[str, Any], what: str) -> None:

@@ -87,7 +87,7 @@ def resolved_dtype(dtype: str | torch.dtype, path: str | os.PathLike[str], devic
 
 def read_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelFamily, Checkpoint]:
     family, fmt = registry.detect(path)
-    with unreadable(path, f"a {family.name} checkpoint ({fmt})"):
+    with named(path), config_errors(path, family), unreadable(path, f"a {family.name} checkpoint ({fmt})"):
         ckpt = family.read_checkpoint(Path(path), fmt)
     refuse_quantized(path, family, ckpt)
     return family, ckpt
@@ -122,13 +122,35 @@ def refuse_quantized(path: str | os.PathLike[str], family: ModelFamily, ckpt: Ch
 def checkpoint_config(path: str | os.PathLike[str], family: ModelFamily, ckpt: Checkpoint) -> Any:
     """The family's config of a checkpoint; a config field of the wrong type or value (null heads, a zero head count,
     "six") is a CheckpointError naming the file instead of a TypeError or ZeroDivisionError traceback."""
-    try:
+    with named(path), config_errors(path, family):
         return family.config_from_checkpoint(ckpt)
+
+
+@contextlib.contextmanager
+def config_errors(path: str | os.PathLike[str], family: ModelFamily) -> Iterator[None]:
+    """A config value of the wrong type or value that a family's reading trips over (a TypeError, ValueError,
+    ZeroDivisionError, AttributeError or KeyError: `"num_hidden_layers": [2]`, `"linear_num_key_heads": 0`) is one
+    CheckpointError naming the model; a CheckpointError stays as it is. Around `read_checkpoint` too, where the
+    families read config.json (a traceback or an unnamed line there before; loading hunt, session 49)."""
+    try:
+        yield
     except CheckpointError:
         raise
     except (TypeError, ValueError, ZeroDivisionError, AttributeError, KeyError) as e:
         raise CheckpointError(f"{path}: its config does not read as a {family.name} model's ({type(e).__name__}: "
                               f"{first_line(str(e), 200)})") from None  # fmt: skip
+
+
+@contextlib.contextmanager
+def named(path: str | os.PathLike[str]) -> Iterator[None]:
+    """A CheckpointError that names no file ("head_dim 1 is odd: RoPE rotates pairs", raised where a family checks
+    its config) gets the model's path in front: one place instead of every raise (loading hunt, session 49)."""
+    try:
+        yield
+    except CheckpointError as e:
+        if str(path) in str(e) or str(Path(path)) in str(e):
+            raise
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 @contextlib.contextmanager
@@ -179,7 +201,8 @@ def misfit(path: str | os.PathLike[str], family: str) -> Iterator[None]:
     torch while the layers are prepared or on the first forward pass: one CheckpointError naming the file instead of a
     traceback at load, or a server that loaded and then answered 500 to every request (hunt 14)."""
     try:
-        yield
+        with named(path):
+            yield
     except torch.OutOfMemoryError:
         raise  # the machine's, not the file's
     except (RuntimeError, IndexError) as e:  # torch's shape errors; a ValueError already says what is wrong itself

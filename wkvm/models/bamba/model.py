@@ -19,19 +19,33 @@ from wkvm.models.family import (
     ModelBase,
     RawTensors,
     check_bias_flags,
+    check_dims,
     check_layer_count,
+    check_shapes,
     check_silu,
     compute_form,
+    config_context,
+    config_eps,
     embedding_and_head,
     layer_count,
+    matrix_shape,
     only,
+    positive_int,
     require,
     resident,
 )
 from wkvm.models.fused import add_rms_norm, rms_norm, silu_mul
 from wkvm.models.kv import Attn, kv_tensors
 from wkvm.models.linear import linear, stored
-from wkvm.models.mamba2.model import Mamba2Config, mixer, mixer_state, mixer_tensors, time_step_limit
+from wkvm.models.mamba2.model import (
+    Mamba2Config,
+    check_state_size,
+    mixer,
+    mixer_shapes,
+    mixer_state,
+    mixer_tensors,
+    time_step_limit,
+)
 from wkvm.models.mamba2.ssd import DEFAULT_CHUNK
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.rope import frequencies
@@ -76,7 +90,7 @@ class BambaConfig:
     def from_checkpoint(raw: RawTensors, hf: dict[str, Any]) -> BambaConfig:
         """Sizes from the tensors where they show; heads, groups, RoPE and eps from config.json."""
         require(raw, [EMBED, FINAL_NORM], "Bamba")
-        vocab, embd = raw[EMBED].shape
+        vocab, embd = matrix_shape(raw, EMBED, "Bamba")
         n_layer = layer_count(raw, PREFIX)
         check_layer_count(hf, n_layer, "Bamba")
         kinds = tuple(ATTENTION if f"{PREFIX}{i}.self_attn.q_proj.weight" in raw else MAMBA for i in range(n_layer))
@@ -96,9 +110,10 @@ class BambaConfig:
         try:
             heads = int(hf["num_attention_heads"])
             kv_heads = int(hf.get("num_key_value_heads") or heads)
-            n_groups = int(hf["mamba_n_groups"])
+            hf["mamba_n_groups"]
         except KeyError as e:
             raise CheckpointError(f"Bamba config.json lacks {e}") from None
+        n_groups = positive_int(hf, "mamba_n_groups", "Bamba")  # 1.5 and true had been taken (loading hunt, 49)
         head_dim = int(hf.get("head_dim") or embd // heads)
         # transformers' reading: `rope_scaling` before `rope_parameters`, its type under `rope_type` or `type`, the
         # partial factor from there only (Bamba's own 0.5 otherwise); a legacy linear scaling had run as plain RoPE
@@ -108,18 +123,38 @@ class BambaConfig:
             raise CheckpointError(f"Bamba RoPE type {rope_type!r} is not supported (default only)")
         rotary = int(head_dim * float(rope.get("partial_rotary_factor", 0.5)))
         mamba = mamba_config(raw, kinds, n_layer, vocab, embd, n_groups, hf)
-        context = hf.get("max_position_embeddings")
+        check_dims(raw, {f"{PREFIX}0.feed_forward.gate_proj.weight": 2}, "Bamba")  # the FFN size is read from it
         ffn = raw[f"{PREFIX}0.feed_forward.gate_proj.weight"].shape[0]
         cfg = BambaConfig(
             n_layer=n_layer, n_embd=embd, vocab_size=vocab, ffn_size=ffn,
             layer_types=kinds, mamba=mamba, n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, rotary_dim=rotary,
             rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), tied_head=HEAD not in raw,
-            rms_eps=float(hf.get("rms_norm_eps", 1e-5)), max_context=int(context) if context else None,
+            rms_eps=config_eps(hf, "rms_norm_eps", 1e-5, "Bamba"),
+            max_context=config_context(hf, "max_position_embeddings", "Bamba"),
         )  # fmt: skip
         if heads % kv_heads or rotary % 2 or not 0 < rotary <= head_dim:
             raise CheckpointError(f"Bamba attention: {heads} heads over {kv_heads} key/value heads, rotary dims "
                                   f"{rotary} of {head_dim}: not a shape wkvm runs")  # fmt: skip
+        check_shapes(raw, expected_shapes(cfg), "Bamba")
         return cfg
+
+
+def expected_shapes(cfg: BambaConfig) -> dict[str, tuple[int, ...]]:
+    """Every raw tensor's shape for `cfg` (HF's [out, in] matrices; the Mamba2 mixers' as the Mamba2 family's)."""
+    c, q, kv, f = cfg.n_embd, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_size
+    shapes: dict[str, tuple[int, ...]] = {EMBED: (cfg.vocab_size, c), HEAD: (cfg.vocab_size, c), FINAL_NORM: (c,)}
+    attn = {"self_attn.q_proj.weight": (q, c), "self_attn.k_proj.weight": (kv, c), "self_attn.v_proj.weight": (kv, c),
+            "self_attn.o_proj.weight": (c, q)}
+    rest = {"feed_forward.gate_proj.weight": (f, c), "feed_forward.up_proj.weight": (f, c),
+            "feed_forward.down_proj.weight": (c, f), "input_layernorm.weight": (c,), "pre_ff_layernorm.weight": (c,)}
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"{PREFIX}{i}."
+        shapes.update({p + k: v for k, v in rest.items()})
+        if kind == ATTENTION:
+            shapes.update({p + k: v for k, v in attn.items()})
+        else:
+            shapes.update(mixer_shapes(cfg.mamba, p + "mamba."))
+    return shapes
 
 
 def mamba_config(raw: RawTensors, kinds: tuple[str, ...], n_layer: int, vocab: int, embd: int, n_groups: int,
@@ -128,6 +163,7 @@ def mamba_config(raw: RawTensors, kinds: tuple[str, ...], n_layer: int, vocab: i
     if MAMBA not in kinds:
         raise CheckpointError("a Bamba checkpoint without Mamba2 layers: serve it as Llama")
     p = f"{PREFIX}{kinds.index(MAMBA)}.mamba."
+    check_dims(raw, {p + "A_log": 1, p + "out_proj.weight": 2, p + "conv1d.weight": 3}, "Bamba")
     n_heads = raw[p + "A_log"].shape[0]
     d_inner = raw[p + "out_proj.weight"].shape[1]
     conv_dim, _, d_conv = raw[p + "conv1d.weight"].shape
@@ -135,11 +171,13 @@ def mamba_config(raw: RawTensors, kinds: tuple[str, ...], n_layer: int, vocab: i
     if d_inner % n_heads or conv_dim != d_inner + 2 * n_groups * d_state:
         raise CheckpointError(f"Bamba Mamba2 layers: conv1d has {conv_dim} channels; expected {d_inner} + 2 x "
                               f"{n_groups} groups x d_state")  # fmt: skip
+    check_state_size(hf, "mamba_d_state", "mamba_n_groups", d_state, conv_dim, d_inner, "Bamba Mamba2 layers")
     dt_min, dt_max = time_step_limit(hf)
     return Mamba2Config(
         n_layer=n_layer, d_model=embd, d_inner=d_inner, n_heads=n_heads, head_dim=d_inner // n_heads,
         d_state=d_state, n_groups=n_groups, d_conv=d_conv, vocab_size=vocab, tie_embeddings=HEAD not in raw,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-5)), dt_min=dt_min, dt_max=None if dt_max == float("inf") else dt_max,
+        norm_eps=config_eps(hf, "rms_norm_eps", 1e-5, "Bamba"), dt_min=dt_min,
+        dt_max=None if dt_max == float("inf") else dt_max,
     )  # fmt: skip
 
 

@@ -17,11 +17,16 @@ from wkvm.models.family import (
     CheckpointError,
     ModelBase,
     RawTensors,
+    check_dims,
     check_layer_count,
+    check_shapes,
     check_silu,
     compute_form,
+    config_context,
+    config_eps,
     embedding_and_head,
     layer_count,
+    matrix_shape,
     only,
     require,
     resident,
@@ -89,7 +94,8 @@ class LlamaConfig:
         if any(k.endswith(".bias") for k in raw):
             raise CheckpointError("Llama checkpoint has bias tensors: biased projections are not supported")
         require(raw, [EMBED, FINAL_NORM] + [f"model.layers.0.{k}" for k in LAYER_RAW], "Llama")
-        vocab, embd = raw[EMBED].shape
+        vocab, embd = matrix_shape(raw, EMBED, "Llama")
+        check_dims(raw, {"model.layers.0.mlp.gate_proj.weight": 2}, "Llama")  # the FFN size is read from it
         try:
             heads = int(hf["num_attention_heads"])
             kv_heads = int(hf.get("num_key_value_heads") or heads)
@@ -115,14 +121,29 @@ class LlamaConfig:
             rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
             rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
             rope_original_context=int(original or hf.get("max_position_embeddings") or 8192),
-            tied_head=HEAD not in raw, rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_context=int(hf["max_position_embeddings"]) if hf.get("max_position_embeddings") else None,
+            # an eps <= 0 had been reported as the checkpoint's NaN, a context of -1 had failed every request
+            # (loading hunt, session 49)
+            tied_head=HEAD not in raw, rms_eps=config_eps(hf, "rms_norm_eps", 1e-6, "Llama"),
+            max_context=config_context(hf, "max_position_embeddings", "Llama"),
         )  # fmt: skip
         q, k = raw["model.layers.0.self_attn.q_proj.weight"], raw["model.layers.0.self_attn.k_proj.weight"]
         if q.shape[0] != heads * cfg.head_dim or k.shape[0] != kv_heads * cfg.head_dim:
             raise CheckpointError(f"Llama q/k projections {list(q.shape)}/{list(k.shape)} do not fit {heads} query and "
                                   f"{kv_heads} key/value heads of {cfg.head_dim}")  # fmt: skip
+        check_shapes(raw, expected_shapes(cfg), "Llama")
         return cfg
+
+
+def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every raw tensor's shape for `cfg` (HF's [out, in] matrices)."""
+    c, q, kv, f = cfg.n_embd, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_size
+    shapes: dict[str, tuple[int, ...]] = {EMBED: (cfg.vocab_size, c), HEAD: (cfg.vocab_size, c), FINAL_NORM: (c,)}
+    layer = {"self_attn.q_proj.weight": (q, c), "self_attn.k_proj.weight": (kv, c), "self_attn.v_proj.weight": (kv, c),
+             "self_attn.o_proj.weight": (c, q), "mlp.gate_proj.weight": (f, c), "mlp.up_proj.weight": (f, c),
+             "mlp.down_proj.weight": (c, f), "input_layernorm.weight": (c,), "post_attention_layernorm.weight": (c,)}
+    for i in range(cfg.n_layer):
+        shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
+    return shapes
 
 
 def inv_freq(cfg: LlamaConfig) -> torch.Tensor:

@@ -24,6 +24,7 @@ from wkvm.models.family import (
     RawTensors,
     layer_count,
     load_torch_file,
+    positive_int,
     read_safetensors_dir,
     untie_head,
 )
@@ -94,6 +95,12 @@ def read_hf(path: Path) -> tuple[RawTensors, dict[str, Any]]:
 def hf_config_from_state_spaces(ss: dict[str, Any], vocab_rows: int) -> dict[str, Any]:
     """The HF Mamba2Config fields for a mamba_ssm MambaConfig (CheckpointError for what HF Mamba2 cannot run)."""
     ssm = {**SS_DEFAULTS, **(ss.get("ssm_cfg") or {})}
+    # sizes of the wrong type or value (headdim 0, d_model null, d_state "six") had escaped as a ZeroDivisionError or
+    # TypeError, or been taken (loading hunt, session 49)
+    positive_int(ss, "d_model", "state-spaces Mamba2")
+    for key in ("d_state", "d_conv", "expand", "headdim", "ngroups", "chunk_size"):
+        positive_int(ssm, key, "state-spaces Mamba2", label=f"ssm_cfg.{key}")
+    time_step_limit({"time_step_limit": ssm["dt_limit"]})
     unsupported = [
         ("attn_layer_idx", bool(ss.get("attn_layer_idx"))), ("d_intermediate", bool(ss.get("d_intermediate", 0))),
         ("rms_norm", not ss.get("rms_norm", True)), ("ssm_cfg.rmsnorm", not ssm["rmsnorm"]),
@@ -138,7 +145,7 @@ def state_spaces_config(hf: dict[str, Any], raw: RawTensors) -> dict[str, Any]:
     if d_inner % d_model:
         raise CheckpointError(f"Mamba2: d_inner {d_inner} is not a multiple of d_model {d_model} (mamba_ssm's expand)")
     conv_dim, _, d_conv = raw["backbone.layers.0.mixer.conv1d.weight"].shape
-    n_groups = int(hf.get("n_groups", 8))
+    n_groups = positive_int(hf, "n_groups", "Mamba2", 8)
     n_heads = raw["backbone.layers.0.mixer.A_log"].shape[0]
     ssm = {"layer": "Mamba2", "d_state": (conv_dim - d_inner) // (2 * n_groups), "d_conv": d_conv,
            "expand": d_inner // d_model, "headdim": d_inner // n_heads, "ngroups": n_groups,

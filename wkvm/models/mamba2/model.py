@@ -19,11 +19,16 @@ from wkvm.models.family import (
     ModelBase,
     RawTensors,
     check_bias_flags,
+    check_dims,
     check_layer_count,
+    check_shapes,
     check_silu,
     compute_form,
+    config_eps,
     embedding_and_head,
     layer_count,
+    matrix_shape,
+    positive_int,
     require,
     resident,
 )
@@ -69,15 +74,18 @@ class Mamba2Config:
         """Every size read from the tensors but n_groups (B and C's split), eps and the dt limit (config.json)."""
         p = PREFIX + "0."
         require(raw, [EMBEDDING, NORM_F, *(p + k for k in LAYER_KEYS)], "Mamba2")
-        vocab, d_model = raw[EMBEDDING].shape
+        vocab, d_model = matrix_shape(raw, EMBEDDING, "Mamba2")
+        check_dims(raw, {p + "mixer.A_log": 1, p + "mixer.out_proj.weight": 2, p + "mixer.conv1d.weight": 3,
+                         p + "mixer.in_proj.weight": 2}, "Mamba2")  # fmt: skip
         n_heads = raw[p + "mixer.A_log"].shape[0]
         d_inner = raw[p + "mixer.out_proj.weight"].shape[1]
         conv_dim, _, d_conv = raw[p + "mixer.conv1d.weight"].shape
-        n_groups = int(hf.get("n_groups", 8))
+        n_groups = positive_int(hf, "n_groups", "Mamba2", 8)
         d_state = (conv_dim - d_inner) // (2 * n_groups)
         if d_inner % n_heads or conv_dim != d_inner + 2 * n_groups * d_state or d_conv < 2:
             raise CheckpointError(f"Mamba2: conv1d has {conv_dim} channels and kernel {d_conv}; expected "
                                   f"{d_inner} + 2 x {n_groups} groups x d_state, kernel >= 2")  # fmt: skip
+        check_state_size(hf, "state_size", "n_groups", d_state, conv_dim, d_inner, "Mamba2")
         in_out = raw[p + "mixer.in_proj.weight"].shape[0]
         if in_out != d_inner + conv_dim + n_heads:
             raise CheckpointError(f"Mamba2: in_proj has {in_out} outputs, expected {d_inner + conv_dim + n_heads} "
@@ -88,18 +96,50 @@ class Mamba2Config:
         check_bias_flags(hf, raw, {"use_bias": p + "mixer.in_proj.bias", "use_conv_bias": p + "mixer.conv1d.bias"},
                          "Mamba2")  # fmt: skip
         dt_min, dt_max = time_step_limit(hf)
-        return Mamba2Config(
+        cfg = Mamba2Config(
             n_layer=n_layer, d_model=d_model, d_inner=d_inner, n_heads=n_heads,
             head_dim=d_inner // n_heads, d_state=d_state, n_groups=n_groups, d_conv=d_conv, vocab_size=vocab,
-            tie_embeddings=HEAD not in raw, norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+            tie_embeddings=HEAD not in raw, norm_eps=config_eps(hf, "layer_norm_epsilon", 1e-5, "Mamba2"),
             dt_min=dt_min, dt_max=None if dt_max == float("inf") else dt_max,
         )  # fmt: skip
+        shapes = {EMBEDDING: (vocab, d_model), HEAD: (vocab, d_model), NORM_F: (d_model,)}
+        for i in range(n_layer):
+            shapes.update({f"{PREFIX}{i}.norm.weight": (d_model,), **mixer_shapes(cfg, f"{PREFIX}{i}.mixer.")})
+        check_shapes(raw, shapes, "Mamba2")
+        return cfg
+
+
+def mixer_shapes(cfg: Mamba2Config, prefix: str) -> dict[str, tuple[int, ...]]:
+    """The shapes of a Mamba2 mixer's raw tensors under `prefix` (this family and hybrids)."""
+    c, d, h, n_in = cfg.d_model, cfg.d_inner, cfg.n_heads, cfg.d_inner + cfg.conv_dim + cfg.n_heads
+    shapes = {"in_proj.weight": (n_in, c), "in_proj.bias": (n_in,), "conv1d.weight": (cfg.conv_dim, 1, cfg.d_conv),
+              "conv1d.bias": (cfg.conv_dim,), "dt_bias": (h,), "A_log": (h,), "D": (h,), "norm.weight": (d,),
+              "out_proj.weight": (c, d), "out_proj.bias": (c,)}  # fmt: skip
+    return {prefix + k: v for k, v in shapes.items()}
+
+
+def check_state_size(hf: dict[str, Any], key: str, groups_key: str, d_state: int, conv_dim: int, d_inner: int,
+                     what: str) -> None:  # fmt: skip
+    """The config's state size (`state_size`, Bamba's `mamba_d_state`), where it gives one, is the one the conv's
+    channels (d_inner + 2 x n_groups x d_state) give with its n_groups: a wrong n_groups had split B and C into other
+    groups and run another model, silently (logits off by 1.4; transformers refuses the size mismatch; loading hunt,
+    session 49). Without one the tensors' is used."""
+    if hf.get(key) is None:
+        return
+    declared = positive_int(hf, key, what)
+    if declared != d_state:
+        raise CheckpointError(f"{what}: config.json's {key} {declared} with {groups_key} {hf.get(groups_key)} does not "
+                              f"fit conv1d's {conv_dim} channels ({d_inner} + 2 x groups x state size gives "
+                              f"{d_state})")  # fmt: skip
 
 
 def time_step_limit(hf: dict[str, Any]) -> tuple[float, float]:
     """HF's `time_step_limit`; transformers 5 writes infinity as {"__float__": "Infinity"}, older ones as Infinity."""
     values = hf.get("time_step_limit", (0.0, float("inf")))
-    lo, hi = (float(v["__float__"] if isinstance(v, dict) else v) for v in values)
+    try:  # a number or a pair of strings had escaped as a TypeError / ValueError (loading hunt, session 49)
+        lo, hi = (float(v["__float__"] if isinstance(v, dict) else v) for v in values)
+    except (TypeError, ValueError, KeyError):
+        raise CheckpointError(f"config.json's time_step_limit {values!r:.60} is not a pair of numbers") from None
     return lo, hi
 
 

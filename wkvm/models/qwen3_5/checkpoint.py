@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from wkvm.atomic import atomic_path
-from wkvm.models.family import CheckpointError, RawTensors, read_safetensors_dir, untie_head
+from wkvm.models.family import CheckpointError, RawTensors, positive_int, read_safetensors_dir, untie_head
 
 HF_FORMAT = "hf"
 TEXT_MODEL_TYPE = "qwen3_5_text"
@@ -37,7 +37,11 @@ MOE_KEYS = (
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """The language model's part of config.json (the nested `text_config` of a multimodal checkpoint)."""
-    text = dict(config.get("text_config") or config)
+    nested = config.get("text_config")
+    if nested is not None and not isinstance(nested, dict):  # [1, 2] or "abc" had escaped as a TypeError or
+        # ValueError (loading hunt, session 49)
+        raise CheckpointError(f"config.json's text_config is {type(nested).__name__}, not an object")
+    text = dict(nested or config)
     if "text_config" in config and "tie_word_embeddings" in config:  # the outer model ties (or not) its head
         text["tie_word_embeddings"] = config["tie_word_embeddings"]
     return text
@@ -68,11 +72,11 @@ def read_hf(path: str | os.PathLike[str]) -> tuple[RawTensors, dict[str, Any]]:
 def split_fused_projections(raw: RawTensors, text: dict[str, Any]) -> None:
     """Qwen3-Next's fused projections, in place, into Qwen3.5's four. Their rows are grouped per key head:
     in_proj_qkvz [Hk x (q dk | k dk | v r*dv | z r*dv)], in_proj_ba [Hk x (b r | a r)], r = Hv / Hk."""
-    try:
-        hk, hv = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
-        dk, dv = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
-    except KeyError as e:  # a bare KeyError before
-        raise CheckpointError(f"Qwen3-Next config.json lacks {e}") from None
+    keys = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    if missing := [k for k in keys if k not in text]:  # a bare KeyError before
+        raise CheckpointError(f"Qwen3-Next config.json lacks {missing[0]!r}")
+    # 0 and "x" had escaped as a ZeroDivisionError / ValueError (loading hunt, session 49)
+    hk, hv, dk, dv = (positive_int(text, k, "Qwen3-Next") for k in keys)
     r = hv // hk
     for name in [k for k in raw if k.endswith(".linear_attn.in_proj_qkvz.weight")]:
         p = name[: -len("in_proj_qkvz.weight")]

@@ -25,8 +25,12 @@ from wkvm.models.family import (
     check_layer_count,
     check_silu,
     compute_form,
+    config_context,
+    config_eps,
     embedding_and_head,
+    matrix_shape,
     only,
+    positive_int,
     require,
     resident,
 )
@@ -104,9 +108,9 @@ class Qwen35Config:
     def from_checkpoint(raw: RawTensors, hf: dict[str, Any]) -> Qwen35Config:
         """Dimensions from the tensors; head counts (not recoverable from shapes alone) and eps from config.json
         (its text part). Layer kinds from the tensors: a layer with `self_attn.*` is full attention."""
-        text = hf.get("text_config") or hf
+        text = text_part(hf)
         require(raw, [EMBED, FINAL_NORM], "Qwen3.5")
-        vocab, embd = raw[EMBED].shape
+        vocab, embd = matrix_shape(raw, EMBED, "Qwen3.5")
         n_layer = 1 + max((int(k.split(".")[2]) for k in raw if k.startswith("model.layers.")), default=-1)
         kinds = tuple(
             FULL_ATTENTION if any(k.startswith(f"model.layers.{i}.self_attn.") for k in raw) else LINEAR_ATTENTION
@@ -122,12 +126,13 @@ class Qwen35Config:
             raise CheckpointError("mixture-of-experts MLP layers are not supported (dense MLP checkpoints only)")
         if text.get("attention_bias") or any(k.endswith(".bias") and ".self_attn." in k for k in raw):
             raise CheckpointError("Qwen3.5 attention with biased projections is not supported")
+        gdn_keys = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
         try:
-            hk, hv = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
-            dk, dv = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
+            gdn = {k: text[k] for k in gdn_keys}
             attn = _attention_config(text) if FULL_ATTENTION in kinds else {}
         except KeyError as e:
             raise CheckpointError(f"Qwen3.5 config.json lacks {e}") from None
+        hk, hv, dk, dv = (positive_int(gdn, k, "Qwen3.5") for k in gdn_keys)  # 0, "x": loading hunt, session 49
         for i, kind in enumerate(kinds):
             mixer = GDN_RAW if kind == LINEAR_ATTENTION else ATTN_RAW
             require(raw, [f"model.layers.{i}.{k}" for k in mixer + MLP_RAW + NORM_RAW], "Qwen3.5")
@@ -141,7 +146,7 @@ class Qwen35Config:
         cfg = Qwen35Config(
             n_layer=n_layer, n_embd=embd, vocab_size=vocab, ffn_size=ffn, n_k_heads=hk, n_v_heads=hv, k_head_dim=dk,
             v_head_dim=dv, conv_kernel=conv_kernel, layer_types=kinds, tied_head=HEAD not in raw,
-            rms_eps=float(text.get("rms_norm_eps", 1e-6)), **attn,
+            rms_eps=config_eps(text, "rms_norm_eps", 1e-6, "Qwen3.5"), **attn,
         )  # fmt: skip
         if LINEAR_ATTENTION in kinds:
             first = kinds.index(LINEAR_ATTENTION)
@@ -156,6 +161,14 @@ class Qwen35Config:
                                       f"{cfg.n_heads} query (gated) and {cfg.n_kv_heads} key/value heads of "
                                       f"{cfg.head_dim}")  # fmt: skip
         return cfg
+
+
+def text_part(hf: dict[str, Any]) -> dict[str, Any]:
+    """config.json's text part: its `text_config` (a multimodal checkpoint's) where it has one, an object."""
+    text = hf.get("text_config") or hf
+    if not isinstance(text, dict):  # a list had escaped as an AttributeError (loading hunt, session 49)
+        raise CheckpointError(f"config.json's text_config is {type(text).__name__}, not an object")
+    return text
 
 
 def derived_layer_types(text: dict[str, Any], n_layer: int) -> list[str]:
@@ -182,10 +195,10 @@ def _attention_config(text: dict[str, Any]) -> dict[str, Any]:
     if heads % kv_heads or rotary % 2 or not 0 < rotary <= head_dim:
         raise CheckpointError(f"Qwen3.5 attention: {heads} heads over {kv_heads} key/value heads, rotary dims "
                               f"{rotary} of {head_dim}: not a shape wkvm runs")  # fmt: skip
-    context = text.get("max_position_embeddings")
+    context = config_context(text, "max_position_embeddings", "Qwen3.5")
     return {"n_heads": heads, "n_kv_heads": kv_heads, "head_dim": head_dim, "rotary_dim": rotary,
             "rope_theta": float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
-            "max_context": int(context) if context else None}  # fmt: skip
+            "max_context": context}  # fmt: skip
 
 
 def state_spec(cfg: Qwen35Config) -> StateSpec:

@@ -19,7 +19,9 @@ from wkvm.models.family import (
     ModelBase,
     RawTensors,
     compute_form,
+    config_eps,
     layer_count,
+    matrix_shape,
     no_attention,
     require,
     resident,
@@ -81,13 +83,13 @@ class RWKV7Config:
         require(raw, GLOBAL_KEYS, "RWKV-7")
         require(raw, ["blocks.0.att.r_k", "blocks.0.ffn.key.weight", "blocks.0.att.w1", "blocks.0.att.a1",
                       "blocks.0.att.g1"], "RWKV-7")  # fmt: skip
-        vocab, embd = raw["emb.weight"].shape
-        n_head, head_size = raw["blocks.0.att.r_k"].shape
+        vocab, embd = matrix_shape(raw, "emb.weight", "RWKV-7")
+        n_head, head_size = matrix_shape(raw, "blocks.0.att.r_k", "RWKV-7")
         n_layer = layer_count(raw, "blocks.")
         hf = hf or {}
-        eps = float(hf.get("norm_eps", 1e-5))
+        eps = config_eps(hf, "norm_eps", 1e-5, "RWKV-7")  # 0 or "x": refused by name (loading hunt, session 49)
         # rounded so that 64 * 1e-5 and 64e-5 fingerprint alike
-        gn_eps = round(float(hf.get("wkvm_group_norm_eps", head_size * eps)) if hf else 64e-5, 12)
+        gn_eps = round(config_eps(hf, "wkvm_group_norm_eps", head_size * eps, "RWKV-7") if hf else 64e-5, 12)
         return RWKV7Config(
             n_layer=n_layer, n_embd=embd, n_head=n_head, head_size=head_size, vocab_size=vocab,
             ffn_size=raw["blocks.0.ffn.key.weight"].shape[0],
