@@ -213,8 +213,17 @@ def test_without_a_compiler_int8_still_works_after_one_warning(fresh_choice, cap
 
 
 def test_the_forced_torch_path_needs_no_kernel(fresh_choice):
+    from wkvm.models.linear import compute_paths, int8_speed
+
+    native = compute_paths("int8", "cpu")
+    int8.kernel_path.cache_clear()
     fresh_choice.setenv("WKVM_INT8_KERNEL", "torch")
     assert int8.kernel_path() == "torch"
+    # says it was asked for (it had blamed a compiler); the checkpoints' key and system_fingerprint name the path
+    # (a native kernel's checkpoint had been reused on this path, moving logprobs; dtype hunt, session 49)
+    assert "(WKVM_INT8_KERNEL=torch)" in int8_speed() and "compiler" not in int8_speed()
+    assert "dequantize per call" in compute_paths("int8", "cpu")
+    assert native != compute_paths("int8", "cpu") or "dequantize per call" in native
     q, x = int8.quantize(torch.randn(11, 30)), torch.randn(2, 30)
     assert torch.allclose(linear(x, q).double(), reference(x, q), atol=1e-5)
 
@@ -284,6 +293,18 @@ def test_int8_serves_through_the_engine_and_the_cli(ids, capsys):
             "--temperature", "0"]  # fmt: skip
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == want[:4]
+
+
+def test_kv_dtype_names_as_dtype_names():
+    """LLM(kv_dtype=...) takes a name in any case, fp16 / half, or a torch dtype, as dtype does (they had been refused,
+    the message leaving out auto; dtype hunt, session 49)."""
+    from wkvm.config import kv_dtype_name
+
+    for value, name in (("FLOAT16", "float16"), ("fp16", "float16"), (torch.float16, "float16"), ("Auto", "auto"),
+                        (torch.float32, "float32"), ("half", "float16")):  # fmt: skip
+        assert kv_dtype_name(value) == name
+    with pytest.raises(ValueError, match="use auto, float32, float16"):
+        kv_dtype_name("bfloat16")
 
 
 def test_unknown_dtype_names_int8():

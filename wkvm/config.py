@@ -85,6 +85,22 @@ def kv_dtype_for(kv_dtype: str, weights: str) -> str:
     return "float32" if weights.lower() in ("float32", "fp32") else "float16"
 
 
+def kv_dtype_name(value: object) -> str:
+    """`kv_dtype` as `dtype` is taken: a name in any case ('FLOAT16', 'fp16', 'half', 'Auto') or a torch dtype that
+    names one (`LLM(kv_dtype=torch.float16)` had been refused, its message leaving out auto; dtype hunt, session 49)."""
+    import torch
+
+    aliases = {"fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+    if isinstance(value, torch.dtype):
+        name = {torch.float16: "float16", torch.float32: "float32"}.get(value)
+    else:
+        name = value.lower() if isinstance(value, str) else None
+        name = aliases.get(name or "", name)
+    if name not in KV_CHOICES:
+        raise ValueError(f"kv_dtype {value!r} is not supported; use {', '.join(KV_CHOICES)}")
+    return str(name)
+
+
 def check_device(device: str) -> None:
     """A device wkvm can run on here: cpu, or cuda[:N] where this torch build has CUDA and sees that GPU. Checked when
     a config is made, so `wkvm serve --device cuda` on a CPU-only build is one line before the port is bound, not a

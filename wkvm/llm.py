@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from wkvm.chat_template import ChatTemplate, plain_messages
-from wkvm.config import GENERATION_CONFIGS, EngineConfig, default_model, kv_dtype_for
+from wkvm.config import GENERATION_CONFIGS, EngineConfig, default_model, kv_dtype_for, kv_dtype_name
 from wkvm.engine.engine import Engine
 from wkvm.engine.handle import RequestHandle
 from wkvm.outputs import GenerationOutput
@@ -64,7 +64,7 @@ class LLM:
                             f"({', '.join(sorted(fields))})")  # fmt: skip
         model = default_model() if model is None else model
         dtype = resolved_dtype(dtype, model, config_kwargs.get("device", (config or EngineConfig()).device))
-        kv = config_kwargs.get("kv_dtype", "auto" if config is None else config.kv_dtype)
+        kv = kv_dtype_name(config_kwargs.get("kv_dtype", "auto" if config is None else config.kv_dtype))
         config = replace(config or EngineConfig(), **{**config_kwargs, "kv_dtype": kv_dtype_for(kv, dtype)})
         if tokenizer is not None and not (Path(tokenizer).is_file() or (Path(tokenizer) / "tokenizer.json").is_file()):
             # the model family's default had stood in silently (an RWKV-7 model's World vocabulary: garbage text)

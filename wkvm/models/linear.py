@@ -128,24 +128,40 @@ def cpu_isa() -> list[str]:
 
 
 def kernels() -> dict[str, str]:
-    """Which linear kernel each weight dtype runs on this CPU (builds the int8 kernel on first use)."""
-    fp32 = "oneDNN prepacked fp32" if onednn_available() else "F.linear (WKVM_ONEDNN=0, or no oneDNN in this torch)"
-    if onednn_available() and fp32gemv.available():
-        fp32 = f"wkvm fp32 kernel on oneDNN's packed weights up to {fp32gemv.rows()} rows, then {fp32}"
-    bf16 = ("oneDNN native bf16" if bf16_native() else "oneDNN bf16, emulated (slower than fp32)"
-            if onednn_bf16_available() else f"ATen bf16 up to {BF16_WIDEN_ROWS - 1} rows (no oneDNN bf16 kernel), then "
-            f"widened to fp32 for {'oneDNN' if onednn_available() else 'F.linear'}")  # fmt: skip
-    path = int8.kernel_path()
-    q8 = "dequantize per call (no native kernel)" if path == "torch" else f"wkvm int8 kernel ({described(path)})"
-    prefill = "oneDNN" if onednn_available() else "F.linear"
-    q4_path = int4.kernel_path()
-    q4 = "dequantize per call (no native kernel)" if q4_path == "torch" else f"wkvm int4 kernel ({described(q4_path)})"
-    def sizes(kernel: str, isa: str, rows: int) -> str:  # with VNNI both kernels take every size (int8/int4.linear)
-        every = isa in int8.ALL_SIZES
-        return f"{kernel} at every size" if every else f"{kernel} up to {rows} rows, then fp32 {prefill}"
+    """Which linear kernel each weight dtype runs on this CPU (builds the int8 and int4 kernels on first use)."""
+    return {name: kernel(name) for name in ("float32", "bfloat16", "int8", "int4")}
 
-    return {"float32": fp32, "bfloat16": bf16, "int8": sizes(q8, path, int8.KERNEL_ROWS),
-            "int4": sizes(q4, q4_path, int4.KERNEL_ROWS)}
+
+def kernel(dtype: str) -> str:
+    """Which linear kernel weights of `dtype` run on this CPU, building only that dtype's kernel (a server's
+    `system_fingerprint` and checkpoint key name it: a float32 server had built the int8 and int4 kernels too)."""
+    prefill = "oneDNN" if onednn_available() else "F.linear"
+    if dtype == "float32":
+        fp32 = "oneDNN prepacked fp32" if onednn_available() else "F.linear (WKVM_ONEDNN=0, or no oneDNN in this torch)"
+        if onednn_available() and fp32gemv.available():
+            fp32 = f"wkvm fp32 kernel on oneDNN's packed weights up to {fp32gemv.rows()} rows, then {fp32}"
+        return fp32
+    if dtype == "bfloat16":
+        return ("oneDNN native bf16" if bf16_native() else "oneDNN bf16, emulated (slower than fp32)"
+                if onednn_bf16_available() else f"ATen bf16 up to {BF16_WIDEN_ROWS - 1} rows (no oneDNN bf16 kernel), "
+                f"then widened to fp32 for {prefill}")  # fmt: skip
+    if dtype not in ("int8", "int4"):
+        return ""
+    module, rows = (int8, int8.KERNEL_ROWS) if dtype == "int8" else (int4, int4.KERNEL_ROWS)
+    path = module.kernel_path()
+    if path == "torch":
+        return "dequantize per call (no native kernel)"
+    name = f"wkvm {dtype} kernel ({described(path)})"  # with VNNI both kernels take every size (int8/int4.linear)
+    return f"{name} at every size" if path in int8.ALL_SIZES else f"{name} up to {rows} rows, then fp32 {prefill}"
+
+
+def compute_paths(dtype: str, device: str) -> str:
+    """What decides a model's numbers besides its weights and dtypes: torch's version and, on the CPU, its vector
+    ISA and the kernel `dtype` runs (the native int8 kernel and its dequantizing fallback differ by ~0.015 in a
+    logprob). A server's `system_fingerprint` and its chat checkpoints' key (a checkpoint made on another path had
+    been reused, moving an answer's logprobs; dtype hunt, session 49)."""
+    cpu = f", {torch.backends.cpu.get_cpu_capability()}, {kernel(dtype)}" if device.split(":")[0] == "cpu" else ""
+    return f"torch {torch.__version__}{cpu}"
 
 
 def described(path: str) -> str:
@@ -164,6 +180,9 @@ def int4_speed() -> str:
 
 
 def quantized_speed(kind: str, path: str, size: str, measured: str) -> str:
+    if path == "torch" and os.environ.get(f"WKVM_{kind.upper()}_KERNEL") == "torch":  # asked for, not a failure
+        return f"no native {kind} kernel (WKVM_{kind.upper()}_KERNEL=torch): {size}, but every matmul dequantizes " \
+               "first, slower than float32"  # fmt: skip
     if path == "torch":
         return f"no native {kind} kernel (no C++ compiler, or its build failed): {size}, but every matmul " \
                "dequantizes first, slower than float32; install g++ or use --dtype float32"  # fmt: skip

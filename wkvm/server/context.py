@@ -26,6 +26,7 @@ from wkvm.config import NO_MODEL, ServerConfig
 from wkvm.embeddings import EmbeddingModel
 from wkvm.engine.client import EngineClient, LocalEngineClient, ModelInfo
 from wkvm.engine.engine import Engine
+from wkvm.models.linear import compute_paths
 from wkvm.sampling_params import model_sampling_defaults
 from wkvm.server.asgi import KeyRing, tenant_of
 from wkvm.server.errors import APIError
@@ -64,14 +65,11 @@ STATE_DIR_WAIT = 30.0  # seconds a server waits for another process to let go of
 
 def backend_fingerprint(model: str, dtype: str, kv_dtype: str, device: str) -> str:
     """OpenAI's `system_fingerprint`: `fp_` and 12 hex digits naming what a seeded request's tokens depend on: the
-    model's weights, wkvm's and torch's versions, the weights' and the keys' dtypes, the device, and on the CPU the
-    code paths that run (torch's vector ISA, which kernel the weights' dtype runs: an AVX2-restricted run of an
-    AVX-512 machine differs), so a client sees when the same seed may give other tokens (docs/http-api.md). It had
-    been left out (hunt, session 49)."""
-    from wkvm.models.linear import kernels
-
-    paths = [str(torch.backends.cpu.get_cpu_capability()), kernels().get(dtype, "")] if device == "cpu" else []
-    made_of = "|".join([__version__, torch.__version__, model, dtype, kv_dtype, device, *paths])
+    model's weights, wkvm's version, the weights' and the keys' dtypes, the device, and `compute_paths` (torch's
+    version and, on a CPU, its vector ISA and the kernel the weights' dtype runs: an AVX2-restricted run of an AVX-512
+    machine differs), so a client sees when the same seed may give other tokens (docs/http-api.md). It had been left
+    out (hunt, session 49)."""
+    made_of = "|".join([__version__, model, dtype, kv_dtype, device, compute_paths(dtype, device)])
     return "fp_" + hashlib.sha256(made_of.encode()).hexdigest()[:12]
 
 

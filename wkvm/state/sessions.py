@@ -16,8 +16,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from wkvm.config import ServerConfig, weight_dtype
+from wkvm.config import ServerConfig, dtype_name, weight_dtype
 from wkvm.engine.handle import RequestHandle, RunResult
+from wkvm.models.linear import compute_paths
 from wkvm.models.spec import State
 from wkvm.state.prefix import NODE_BYTES, Checkpoint, NodeCount, PrefixTrie
 from wkvm.state.quota import quota_tenant
@@ -163,8 +164,11 @@ class ChatSessions:
         self.fingerprint, self.config, self.metrics = fingerprint, config, metrics
         self.enabled = config.prefix_reuse
         # what else decides a checkpoint's numbers: the same weights stored or computed otherwise give other states
-        kv = config.engine_kv_dtype()
-        self.compute = f"weights {weight_dtype(config.dtype)}, kv {kv}, {config.device.split(':')[0]}"
+        kv, dtype = config.engine_kv_dtype(), weight_dtype(config.dtype)
+        # torch's version and ISA and the kernel the weights run too (`compute_paths`: a checkpoint of the native int8
+        # kernel had been reused by a server on its dequantizing fallback, moving logprobs; dtype hunt, session 49)
+        self.compute = f"weights {dtype}, kv {kv}, {config.device.split(':')[0]}, " \
+                       f"{compute_paths(dtype_name(config.dtype), config.device)}"  # fmt: skip
         spec = self.store.spec  # a checkpoint holds at least one token: the most the budget can hold
         self.capacity = max(1, config.checkpoint_bytes // max(spec.nbytes + spec.token_nbytes, 1))
         self.tries: dict[str, PrefixTrie] = {}  # per reuse scope; a scope's goes when its last checkpoint does
