@@ -565,15 +565,19 @@ def test_gguf_arrays_read_as_gguf_reads_them(tmp_path):
             gguf_file.open_reader(tmp_path / "huge.gguf")
 
 
-def test_gguf_tensor_offsets_must_be_in_order_and_aligned(tmp_path):
+@pytest.mark.parametrize("align", [None, 64])
+def test_gguf_tensor_offsets_must_be_in_order_and_aligned(tmp_path, align):
     """As llama.cpp's gguf.cpp: each tensor's data at the offset the ones before it and the alignment give. An offset
     edited to another tensor's, off its alignment or wrapping past 2^64 had loaded other bytes as the weights (and
-    `wkvm convert` copied them; loading hunt, session 49)."""
+    `wkvm convert` copied them; loading hunt, session 49). A file's own general.alignment too (a numpy integer there
+    had refused every such file; review, session 49)."""
     import struct
 
     path = tmp_path / "t.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
-    for name, n in (("a.weight", 5), ("b.weight", 8), ("c.weight", 3)):  # 20 bytes, padded to 32
+    if align is not None:
+        w.add_custom_alignment(align)
+    for name, n in (("a.weight", 5), ("b.weight", 8), ("c.weight", 3)):  # 20 bytes, padded to 32 (or 64)
         w.add_tensor(name, np.arange(n, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -581,9 +585,10 @@ def test_gguf_tensor_offsets_must_be_in_order_and_aligned(tmp_path):
     w.close()
     data = path.read_bytes()
     ours = gguf_file.ArrayReader(path)
-    assert [t.data_offset - ours.data_offset for t in ours.tensors] == [0, 32, 64]
+    step = align or 32
+    assert [t.data_offset - ours.data_offset for t in ours.tensors] == [0, step, 2 * step]
     at = {t.name: t.field.offset + sum(int(x.nbytes) for x in t.field.parts) - 8 for t in ours.tensors}
-    for name, offset in (("b.weight", 0), ("b.weight", 36), ("c.weight", 2**64 - 32), ("a.weight", 32)):
+    for name, offset in (("b.weight", 0), ("b.weight", step + 4), ("c.weight", 2**64 - 32), ("a.weight", step)):
         bad = bytearray(data)
         struct.pack_into("<Q", bad, at[name], offset)
         (tmp_path / "bad.gguf").write_bytes(bytes(bad))

@@ -420,22 +420,28 @@ def test_a_slow_chat_template_holds_no_other_request(server, monkeypatch):
     import threading
     import time
 
-    render, started, rendered = server.ctx.template.render, threading.Event(), threading.Event()
+    render = server.ctx.template.render
+    for messages in ([{"role": "user", "content": "Hi"}],  # a system message is rendered alone too, for its checkpoint
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]):  # (review, 49)
+        calls, started, rendered, n = [], threading.Event(), threading.Event(), len(messages)
 
-    def slow(*args, **kw):
-        started.set()
-        time.sleep(5)
-        rendered.set()
-        return render(*args, **kw)
+        def slow(*args, calls=calls, started=started, rendered=rendered, last=n, **kw):
+            calls.append(1)
+            if len(calls) == last:  # the chat's last render: its whole prompt's, or its system messages'
+                started.set()
+                time.sleep(4)
+                rendered.set()
+            return render(*args, **kw)
 
-    monkeypatch.setattr(server.ctx.template, "render", slow)
-    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
-    chat = threading.Thread(target=lambda: httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60))
-    chat.start()
-    assert started.wait(30)
-    assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
-    assert not rendered.is_set()  # answered while the template still rendered, not after it
-    chat.join(60)
+        monkeypatch.setattr(server.ctx.template, "render", slow)
+        body = {"messages": messages, "max_tokens": 1}
+        chat = threading.Thread(target=lambda body=body: httpx.post(f"{server.url}/v1/chat/completions", json=body,
+                                                                    timeout=60))  # fmt: skip
+        chat.start()
+        assert started.wait(30)
+        assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
+        assert not rendered.is_set()  # answered while the template still rendered, not after it
+        chat.join(60)
 
 
 def test_truncating_to_the_context_keeps_within_the_prompt_limit():

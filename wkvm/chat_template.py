@@ -139,6 +139,8 @@ def load_chat_template(model_path: str | os.PathLike[str], default: ChatTemplate
         tpl = read_json(config).get("chat_template")  # a file that is no JSON is named
         if isinstance(tpl, str):
             return ChatTemplate(tpl, [], config.name)
+        if isinstance(tpl, dict):  # transformers' in-memory form of named templates: {name: template}
+            tpl = [{"name": k, "template": v} for k, v in tpl.items()]
         if isinstance(tpl, list):  # transformers' named templates: [{"name": "default", "template": ...}, ...]
             named: dict[str, str] = {t["name"]: t["template"] for t in tpl if isinstance(t, dict) and
                                      isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}  # fmt: skip

@@ -360,10 +360,11 @@ def load_torch_file(path: str | os.PathLike[str]) -> Any:
     (it had been refused with torch's message about mmap). A storage record cut short or compressed, and a tensor that
     needs more bytes than its storage holds (a stride-0 / expanded view), are refused (`check_torch_records`,
     `check_views`)."""
-    if zipfile.is_zipfile(path):
-        check_torch_records(path)
+    # mapped only where the records were checked: torch's own reading, unmapped, checks each record's size (a zip
+    # whose pickle the check cannot read, or whose CRCs torch.save left out, is read so; review, session 49)
+    mapped = zipfile.is_zipfile(path) and check_torch_records(path)
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
     except RuntimeError:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     check_views(obj, path)
@@ -419,7 +420,10 @@ def storage_records(path: str | os.PathLike[str]) -> tuple[str, dict[str, _Stora
         pkl = next((n for n in zf.namelist() if n.endswith("/data.pkl") and n.count("/") == 1), None)
         if pkl is None:
             return None
-        data = zf.read(pkl)
+        try:
+            data = zf.read(pkl)
+        except zipfile.BadZipFile:  # CRCs left out (torch.serialization.set_crc32_options(False)): torch reads it
+            return None
     storages: dict[str, _Storage] = {}
 
     class Records(pickle.Unpickler):
@@ -428,6 +432,8 @@ def storage_records(path: str | os.PathLike[str]) -> tuple[str, dict[str, _Stora
             found = torch.__dict__.get(name) if module == "torch" else None
             if isinstance(found, torch.dtype):
                 return found
+            if name.endswith("Storage") and module.split(".")[0] == "torch":  # torch.cuda.FloatStorage too (older
+                found = torch.__dict__.get(name)  # GPU saves): the CPU class of that name has its element size
             if name.endswith("Storage") and isinstance(found, type):
                 with warnings.catch_warnings():  # a TypedStorage class's dtype warns that TypedStorage is deprecated
                     warnings.simplefilter("ignore")
@@ -436,12 +442,13 @@ def storage_records(path: str | os.PathLike[str]) -> tuple[str, dict[str, _Stora
             return _Placeholder
 
         def persistent_load(self, pid: Any) -> Any:
-            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")):
                 raise pickle.UnpicklingError(f"unknown persistent id {pid!r:.80}")
-            kind, key, numel = pid[1], str(pid[2]), pid[4]
+            kind, key, numel = pid[1], pid[2], pid[4]
+            key = key.decode("ascii") if isinstance(key, bytes) else str(key)
             size = kind.itemsize if isinstance(kind, torch.dtype | _StorageKind) else 1
-            storages[key] = _Storage(key, int(numel) * size)
-            return storages[key]
+            # a key named again is the storage its first naming made, as torch's load takes it
+            return storages.setdefault(key, _Storage(key, int(numel) * size))
 
     try:
         obj = Records(io.BytesIO(data)).load()
@@ -455,14 +462,14 @@ def storage_records(path: str | os.PathLike[str]) -> tuple[str, dict[str, _Stora
     return pkl.removesuffix("/data.pkl"), storages, users
 
 
-def check_torch_records(path: str | os.PathLike[str]) -> None:
+def check_torch_records(path: str | os.PathLike[str]) -> bool:
     """Each storage of a torch zip archive is a stored (uncompressed) record holding at least the storage's bytes: a
     memory-mapped load takes a storage's bytes from the record's offset on, so a record cut short had loaded the next
     zip header's bytes as weights, and a re-zipped (deflated) archive its compressed bytes as floats (loading hunt,
-    session 49)."""
+    session 49). True once checked (then a mapped load is safe); False where the pickle did not read so."""
     found = storage_records(path)
     if found is None:
-        return
+        return False  # not checked: read unmapped
     folder, storages, users = found
     with zipfile.ZipFile(path) as zf:
         for key, storage in storages.items():
@@ -478,6 +485,7 @@ def check_torch_records(path: str | os.PathLike[str]) -> None:
             if info.file_size < storage.nbytes:
                 raise CheckpointError(f"{path}: {tensor}'s storage data/{key} holds {info.file_size} bytes of its "
                                       f"{storage.nbytes} (a record cut short)")  # fmt: skip
+    return True
 
 
 def check_views(obj: Any, path: str | os.PathLike[str]) -> None:

@@ -475,7 +475,8 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
         text = text if after is None else after
     prompt_ids = await gen.encode_prompt_off_loop(ctx, text, "messages", body.truncate_prompt_tokens,
                                                   starts=body.add_special_tokens and not body.state)  # fmt: skip
-    system = system_prefix(ctx, messages, text, prompt_ids, mode.tools if mode else None, body.chat_template_kwargs)
+    system = await run_in_threadpool(system_prefix, ctx, messages, text, prompt_ids, mode.tools if mode else None,
+                                     body.chat_template_kwargs)  # a render too: off the loop (review, session 49)
     chat = ChatMeta.from_headers(request.headers, messages, system)
     moved = await taken_over(ctx, request, tenant)
     if moved is not None:

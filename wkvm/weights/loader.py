@@ -87,7 +87,8 @@ def resolved_dtype(dtype: str | torch.dtype, path: str | os.PathLike[str], devic
 
 def read_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelFamily, Checkpoint]:
     family, fmt = registry.detect(path)
-    with named(path), config_errors(path, family), unreadable(path, f"a {family.name} checkpoint ({fmt})"):
+    with named(path), config_errors(path, family, "config or tensors"), \
+            unreadable(path, f"a {family.name} checkpoint ({fmt})"):
         ckpt = family.read_checkpoint(Path(path), fmt)
     refuse_quantized(path, family, ckpt)
     return family, ckpt
@@ -127,7 +128,7 @@ def checkpoint_config(path: str | os.PathLike[str], family: ModelFamily, ckpt: C
 
 
 @contextlib.contextmanager
-def config_errors(path: str | os.PathLike[str], family: ModelFamily) -> Iterator[None]:
+def config_errors(path: str | os.PathLike[str], family: ModelFamily, what: str = "config") -> Iterator[None]:
     """A config value of the wrong type or value that a family's reading trips over (a TypeError, ValueError,
     ZeroDivisionError, AttributeError or KeyError: `"num_hidden_layers": [2]`, `"linear_num_key_heads": 0`) is one
     CheckpointError naming the model; a CheckpointError stays as it is. Around `read_checkpoint` too, where the
@@ -137,8 +138,8 @@ def config_errors(path: str | os.PathLike[str], family: ModelFamily) -> Iterator
     except CheckpointError:
         raise
     except (TypeError, ValueError, ZeroDivisionError, AttributeError, KeyError) as e:
-        raise CheckpointError(f"{path}: its config does not read as a {family.name} model's ({type(e).__name__}: "
-                              f"{first_line(str(e), 200)})") from None  # fmt: skip
+        raise CheckpointError(f"{path}: its {what} do{'es' if what == 'config' else ''} not read as a {family.name} "
+                              f"model's ({type(e).__name__}: {first_line(str(e), 200)})") from None  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -148,9 +149,9 @@ def named(path: str | os.PathLike[str]) -> Iterator[None]:
     try:
         yield
     except CheckpointError as e:
-        if str(path) in str(e) or str(Path(path)) in str(e):
+        if str(e).startswith((str(path), str(Path(path)))):  # (a relative path's name is in most messages)
             raise
-        raise CheckpointError(f"{path}: {e}") from None
+        raise type(e)(f"{path}: {e}") from None  # a PackError stays one
 
 
 @contextlib.contextmanager

@@ -132,16 +132,16 @@ class ArrayReader(GGUFReader):
         ones before it and the alignment give. An offset edited to another tensor's, off its alignment or wrapping
         past 2^64 had loaded other bytes as the weights, and `wkvm convert` had copied them (loading hunt, session
         49)."""
-        expected = 0
+        expected, align = 0, int(self.alignment)  # a file's general.alignment reads as numpy's uint32: a Python int
         for f in fields:
             name = bytes(f.parts[1]).decode("utf-8", "replace")[:80]
             dims, kind, offset = f.parts[3], GGMLQuantizationType(int(f.parts[4][0])), int(f.parts[5][0])
             if offset != expected:
                 raise ValueError(f"tensor {name!r} has offset {offset}, expected {expected} (the tensors' data in "
-                                 f"order, each aligned to {self.alignment} bytes)")  # fmt: skip
+                                 f"order, each aligned to {align} bytes)")  # fmt: skip
             block, size = GGML_QUANT_SIZES[kind]
             expected = offset + math.prod(int(d) for d in dims) * size // block
-            expected += -expected % self.alignment
+            expected += -expected % align
         super()._build_tensors(start_offs, fields)
 
 
