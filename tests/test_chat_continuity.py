@@ -1,6 +1,7 @@
 """Chat continuity: parent-token-v1 sessions and automatic prefix reuse never change an answer."""
 
 import json
+import logging
 import threading
 import time
 import uuid
@@ -410,7 +411,7 @@ def run_plan(ctx, tenant: str, prompt_ids: list[int], scope: str | None = None) 
     return plan.info, h.output.token_ids
 
 
-def test_checkpoints_are_reused_only_within_their_scope(char_model, tmp_path, monkeypatch):
+def test_checkpoints_are_reused_only_within_their_scope(char_model, tmp_path, monkeypatch, caplog):
     tenant, a, b = "key-1f2e", "key-1f2e/user-9a0b:fp=ab12cd", "key-1f2e/user-9a0b:fp=ffff00"
     config = {"model": str(char_model), "slots": 2, "state_dir": str(tmp_path / "scoped")}
     with LiveServer(**config) as server:
@@ -432,8 +433,9 @@ def test_checkpoints_are_reused_only_within_their_scope(char_model, tmp_path, mo
     # turn's logprobs had moved by 0.026; dtype hunt, session 49): not this server's checkpoints either
     with monkeypatch.context() as m:
         m.setattr("wkvm.state.sessions.compute_paths", lambda dtype, device: "torch 0, another kernel")
-        with LiveServer(**config) as other_path:
+        with caplog.at_level(logging.INFO, logger="wkvm.sessions"), LiveServer(**config) as other_path:
             assert not other_path.ctx.sessions.tries and not other_path.ctx.store.index.list()
+        assert any("chat checkpoint(s) computed otherwise" in r.getMessage() for r in caplog.records)  # said so
     # weights computed otherwise: not this server's checkpoints (they were resumed: a turn's logprobs moved by up to
     # 0.07 after an int8 server's, found by review)
     with LiveServer(**config, dtype="bfloat16") as other:

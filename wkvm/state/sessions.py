@@ -186,9 +186,10 @@ class ChatSessions:
         """Checkpoints survive restarts (they are stored states, owner `<scope>#ckpt`) where this server computes as
         the one that made them (`compute`: another --dtype, --kv-dtype or device gives other numbers, and a reused
         checkpoint must not change an answer); parked sessions do not."""
-        store = self.store
+        store, other = self.store, Counter[str]()
         for rec in store.index.list():
             if rec.owner.endswith(CKPT) and rec.op_params.get("compute") != self.compute:
+                other[str(rec.op_params.get("compute"))] += 1
                 store.discard(rec.owner, rec.handle)
             elif rec.owner.endswith(CKPT):
                 scope = rec.owner.removesuffix(CKPT)
@@ -196,6 +197,8 @@ class ChatSessions:
                     store.discard(s + CKPT, cp.key, durable=False)
             elif rec.owner.endswith(SESS):
                 store.discard(rec.owner, rec.handle)
+        for compute, n in other.items():  # said: the next turns of those chats recompute their prompts
+            log.info("dropped %d chat checkpoint(s) computed otherwise (%s; this server: %s)", n, compute, self.compute)
 
     def _trie(self, scope: str) -> PrefixTrie:
         trie = self.tries.get(scope)
