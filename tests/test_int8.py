@@ -310,3 +310,30 @@ def test_kv_dtype_names_as_dtype_names():
 def test_unknown_dtype_names_int8():
     with pytest.raises(ValueError, match="use float32, bfloat16, int8, int4 or auto"):
         load_model(EMBEDDED_MODEL, dtype="int2")
+
+
+def test_the_compute_key_names_wkvms_own_arithmetic(tmp_path, monkeypatch):
+    """A checkpoint's key (and system_fingerprint) names wkvm's arithmetic by its sources' digest: the version string
+    stays 0.1.0 across releases, and an older release's checkpoints had been reused though its hybrid computed 1e-6
+    otherwise (upgrade hunt, session 49). Another source is another digest."""
+    import shutil
+    from pathlib import Path
+
+    from wkvm.models import linear
+
+    original = linear.code_digest()
+    assert f"wkvm code {original}," in linear.compute_paths("float32", "cpu")
+    root = Path(linear.__file__).resolve().parent.parent
+    copy = tmp_path / "wkvm"
+    for d in ("models", "engine"):
+        shutil.copytree(root / d, copy / d, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(linear, "__file__", str(copy / "models" / "linear.py"))
+    linear.code_digest.cache_clear()
+    try:
+        same = linear.code_digest()
+        assert same == original  # the same sources elsewhere: the same digest
+        (copy / "engine" / "sampler.py").write_text((copy / "engine" / "sampler.py").read_text() + "\n# changed\n")
+        linear.code_digest.cache_clear()
+        assert linear.code_digest() != same
+    finally:
+        linear.code_digest.cache_clear()

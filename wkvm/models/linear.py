@@ -156,12 +156,30 @@ def kernel(dtype: str) -> str:
 
 
 def compute_paths(dtype: str, device: str) -> str:
-    """What decides a model's numbers besides its weights and dtypes: torch's version and, on the CPU, its vector
-    ISA and the kernel `dtype` runs (the native int8 kernel and its dequantizing fallback differ by ~0.015 in a
-    logprob). A server's `system_fingerprint` and its chat checkpoints' key (a checkpoint made on another path had
-    been reused, moving an answer's logprobs; dtype hunt, session 49)."""
+    """What decides a model's numbers besides its weights and dtypes: wkvm's own arithmetic (`code_digest`), torch's
+    version and, on the CPU, its vector ISA and the kernel `dtype` runs (the native int8 kernel and its dequantizing
+    fallback differ by ~0.015 in a logprob). A server's `system_fingerprint` and its chat checkpoints' key (a
+    checkpoint made on another path, or by an older wkvm computing otherwise, had been reused, moving an answer's
+    logprobs; dtype and upgrade hunts, session 49)."""
     cpu = f", {torch.backends.cpu.get_cpu_capability()}, {kernel(dtype)}" if device.split(":")[0] == "cpu" else ""
-    return f"torch {torch.__version__}{cpu}"
+    return f"wkvm code {code_digest()}, torch {torch.__version__}{cpu}"
+
+
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+    """12 hex digits of sha256 over the sources that compute a model's numbers (wkvm/models and wkvm/engine: Python,
+    C++ and headers): any change to them is another arithmetic as far as a stored checkpoint can tell (the version
+    string stays 0.1.0 across releases; a hybrid's checkpoints from a release ~280 commits older were reused, 1e-6
+    off a fresh run's logprobs; upgrade hunt, session 49)."""
+    import hashlib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for path in sorted(p for d in ("models", "engine") for p in (root / d).rglob("*")
+                       if p.suffix in (".py", ".cpp", ".h")):  # fmt: skip
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def described(path: str) -> str:
