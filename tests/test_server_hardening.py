@@ -363,6 +363,7 @@ def test_allowed_origins_are_spelled_as_browsers_send_them():
     # apps' and extensions' origins, and a file:// page's, as browsers send them (review, session 49)
     others = ["app://obsidian.md", "chrome-extension://abcdefghijklmnop", "tauri://localhost", "null"]
     assert cors_origins(",".join(others)) == others
+    assert cors_origins("app://obsidian.md/") == ["app://obsidian.md"]  # no Origin ends in '/' (regression hunt)
     for bad in ("http://a.example/app", "http://a.example?x=1", "http://u@a.example", "http://a.example:99999",
                 "https://*.example.com"):  # fmt: skip
         with pytest.raises(ValueError, match="allowed_origins"):

@@ -32,6 +32,7 @@ KV_DTYPES = ("float32", "float16")
 AUTO_DTYPE = "auto"  # --dtype: the checkpoint's own precision where wkvm has its kind (loader.auto_dtype)
 # `wkvm serve --kv-dtype`: auto keeps keys and values as the weights' precision asks (docs/design-paged-kv.md)
 KV_CHOICES = ("auto", *KV_DTYPES)
+MAX_PROMPT_TOKENS = 1 << 17  # --max-prompt-tokens' default
 MAX_SLOTS = 65_536  # state slots: each holds a sequence's fixed-size state whether used or not
 
 
@@ -136,8 +137,8 @@ def cors_origins(value: str | None) -> list[str]:
         if not entry:
             continue
         scheme = entry.split("://", 1)[0].lower() if "://" in entry else ""
-        if entry == "*" or scheme not in ("http", "https"):
-            out.append(entry)
+        if entry == "*" or scheme not in ("http", "https"):  # as written, less a trailing '/' no Origin has
+            out.append(entry.rstrip("/") or entry)  # (app://obsidian.md/ had stopped matching; review, session 49)
             continue
         try:
             u = urlsplit(entry)
@@ -215,7 +216,7 @@ class ServerConfig:
                                 "export, import) may hold; a state file is at most this x the bytes per token")
     verify_state_loads: bool = opt(False, "check the sha256 of every state read from disk")
     max_body_bytes: int = opt(256 << 20, "largest request body", "size")
-    max_prompt_tokens: int = opt(1 << 17, "largest prompt in tokens")
+    max_prompt_tokens: int = opt(MAX_PROMPT_TOKENS, "largest prompt in tokens")
     max_tokens_limit: int = opt(1 << 14, "most tokens one request may generate")
     generation_config: str = opt("auto", "auto: a request that leaves temperature, top_p, top_k, min_p or "
                                  "repetition_penalty out takes the model's generation_config.json value, as vLLM's "

@@ -16,6 +16,7 @@ from typing import Any, Protocol, TypeVar
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
+from wkvm.config import MAX_PROMPT_TOKENS
 from wkvm.engine.engine import Event, RequestHandle
 from wkvm.outputs import ErrorCode, GenerationOutput
 from wkvm.sampling_params import (
@@ -79,12 +80,16 @@ def check_text_size(ctx: ServerContext, text: str, param: str, truncated: bool =
     covers more than the vocabulary's longest token in bytes (twice that, for normalizers that shorten text). A 20 MB
     prompt took 19 s of a core to tokenize before its 413 (hunt 15). `truncated`: a text whose end
     truncate_prompt_tokens keeps is held to the same size (it is tokenized whole first)."""
-    limit = ctx.config.max_prompt_tokens
+    # truncate_prompt_tokens cuts a text of at most what a server with the default limit tokenizes (vLLM truncates
+    # any; wkvm's guard with a small --max-prompt-tokens had refused a 1 MB document to be cut; regression hunt, 49)
+    limit = max(ctx.config.max_prompt_tokens, MAX_PROMPT_TOKENS) if truncated else ctx.config.max_prompt_tokens
     if len(text) > limit and len(text.encode("utf-8")) > 2 * ctx.longest_token_bytes * limit:
-        also = ", truncate_prompt_tokens or not: the whole text is tokenized before its end is kept" if truncated \
-            else ""
+        if truncated:
+            raise APIError(413, f"{param} has more than {limit} tokens ({len(text)} characters): too long to truncate "
+                           "(the whole text is tokenized before its end is kept); send its end", param,
+                           "prompt_too_large")  # fmt: skip
         raise APIError(413, f"{param} has more than {limit} tokens ({len(text)} characters); the limit is {limit} "
-                       f"(--max-prompt-tokens{also})", param, "prompt_too_large")  # fmt: skip
+                       "(--max-prompt-tokens)", param, "prompt_too_large")  # fmt: skip
 
 
 LONG_TEXT = 16_384  # characters: a prompt longer than this is tokenized off the event loop
