@@ -637,11 +637,20 @@ def test_a_chat_turn_landing_elsewhere_takes_its_parked_session_over(pair, fresh
                                {"role": "user", "content": "Andthen?"}]  # fmt: skip
         second = turn(b, messages, "m2", "u2", "m1")
         assert second["wkvm"]["mode"] == "parent_bound" and second["wkvm"]["reused_tokens"] > 12, second["wkvm"]
+        later = messages + [{"role": "assistant", "content": second["choices"][0]["message"]["content"]},
+                            {"role": "user", "content": "Well?"}]  # fmt: skip
+        # a copy that a replica computing otherwise parked (a rolling upgrade's older code): not taken over, the turn
+        # restarts, exactly (it had been continued; review, session 49)
+        b.ctx.sessions.sessions.clear()
+        own, b.ctx.sessions.compute = b.ctx.sessions.compute, "another arithmetic"
+        try:
+            assert turn(b, later, "m3x", "u3x", "m2")["wkvm"]["mode"] != "parent_bound"
+        finally:
+            b.ctx.sessions.compute = own
         mirror.copies[next(iter(mirror.copies))] = dataclasses.replace(
             next(iter(mirror.copies.values())), data=b"garbage")  # a bad copy: refused, the turn restarts, exactly
         b.ctx.sessions.sessions.clear()
-        third = turn(b, messages + [{"role": "assistant", "content": second["choices"][0]["message"]["content"]},
-                                    {"role": "user", "content": "Well?"}], "m3", "u3", "m2")  # fmt: skip
+        third = turn(b, later, "m3", "u3", "m2")
         assert third["wkvm"]["mode"] != "parent_bound"
     finally:
         a.ctx.sessions.mirror = b.ctx.sessions.mirror = None

@@ -65,10 +65,10 @@ STATE_DIR_WAIT = 30.0  # seconds a server waits for another process to let go of
 
 def backend_fingerprint(model: str, dtype: str, kv_dtype: str, device: str) -> str:
     """OpenAI's `system_fingerprint`: `fp_` and 12 hex digits naming what a seeded request's tokens depend on: the
-    model's weights, wkvm's version, the weights' and the keys' dtypes, the device, and `compute_paths` (torch's
-    version and, on a CPU, its vector ISA and the kernel the weights' dtype runs: an AVX2-restricted run of an AVX-512
-    machine differs), so a client sees when the same seed may give other tokens (docs/http-api.md). It had been left
-    out (hunt, session 49)."""
+    model's weights, the weights' and the keys' dtypes, the device, and `compute_paths` (a digest of wkvm's computing
+    sources, torch's version and, on a CPU, its vector ISA and the kernel the weights' dtype runs: an AVX2-restricted
+    run of an AVX-512 machine differs), so a client sees when the same seed may give other tokens (docs/http-api.md).
+    It had been left out (hunt, session 49)."""
     made_of = "|".join([__version__, model, dtype, kv_dtype, device, compute_paths(dtype, device)])
     return "fp_" + hashlib.sha256(made_of.encode()).hexdigest()[:12]
 

@@ -383,6 +383,8 @@ class ChatSessions:
         except StateFileError as e:
             log.warning("a mirrored chat session could not be taken over (%s); the turn restarts", e)
             return
+        if meta.op_params.get("compute") != self.compute:  # another replica's arithmetic (a rolling upgrade's older
+            return  # code): its state would move this turn's answer, as a checkpoint's would (review, session 49)
         run = RunResult(meta.token_ids, {k: v.unsqueeze(0) for k, v in tensors.items()}, [], None)
         name = "s-" + hashlib.sha256(repr(key).encode()).hexdigest()[:32]
         rec = self.service.save_run(key[0] + SESS, name, run, op="session", durable=False)
@@ -489,7 +491,8 @@ class ChatSessions:
         if old is not None and old != new:  # the same handle: the old state was evicted and its version given again
             store.discard(owner, old, durable=False)
         if copy is not None and self.mirror is not None and run.final_state is not None:
-            meta = StateMeta(self.fingerprint, store.spec.spec_hash, run.history, op="session")
+            meta = StateMeta(self.fingerprint, store.spec.spec_hash, run.history, op="session",
+                             op_params={"compute": self.compute})  # fmt: skip
             self.mirror.publish(key, ParkedCopy(encode(store.spec, unbatch(run.final_state), meta), *copy))
 
     def continued(self, tenant: str, scope: str, plan: Plan, chat: ChatMeta | None) -> None:
