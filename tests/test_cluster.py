@@ -23,6 +23,7 @@ import pytest
 from wkvm.cli import default_model
 from wkvm.server.asgi import key_owner
 from wkvm.server.background import free_port, wait_healthy
+from wkvm.state.responses import ResponseStore
 from wkvm.state.store import StateStore
 from wkvm.weights.loader import load_model
 
@@ -642,8 +643,18 @@ def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
     exported = cluster.get("/v1/states/roll0@1/export").content
     model = load_model(default_model())
     orphan = StateStore(cluster.state_dir / "r7", model.spec, model.fingerprint, model.config.vocab_size)
-    orphan.import_bytes(key_owner(KEY.encode()), exported, name="orphan")
+    owner = key_owner(KEY.encode())
+    orphan.import_bytes(owner, exported, name="orphan")
+    orphan.import_bytes(owner, exported, name="orphan")
+    orphan.delete(owner, "orphan@2")  # version 2 stays issued
+    orphan.set_pinned(owner, "orphan@1", True)
     orphan.close()
+    # a stored Responses answer of that slot's (the merge had left it behind; cluster hunt, session 49)
+    rid = "resp_" + "7" * 32
+    answers = ResponseStore(cluster.state_dir / "r7" / "responses.sqlite")
+    answers.put(owner, {"id": rid, "object": "response", "status": "completed", "output": []},
+                [{"role": "user", "content": "Hi"}])  # fmt: skip
+    answers.close()
     before = pids(cluster)
     moves_before = cluster.get("/v1/cluster").json()["stream_moves"]
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(10)]
@@ -686,6 +697,11 @@ def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
         assert time.monotonic() < deadline, r.text
         time.sleep(2)
     assert r.json()["choices"][0]["text"] == states[0]  # the same state as roll0@1, under its own handle
+    # with its pin, its name's issued versions and its slot's stored responses (the merge had unpinned it, issued
+    # orphan@2 again, and left the responses unreachable; cluster hunt, session 49)
+    assert cluster.get("/v1/states/orphan@1").json()["pinned"] is True
+    assert cluster.post("/v1/states/orphan@1/fork", json={"name": "orphan"}).json()["handle"] == "orphan@3"
+    assert cluster.get(f"/v1/responses/{rid}").status_code == 200
     for c, messages in chats.items():
         after = chat(cluster, messages, **{"X-OpenWebUI-Chat-Id": f"roll-{c}"}).json()
         plain = cluster.post("/v1/chat/completions", json={**GREEDY, "messages": messages, "cache_salt": "x"}).json()

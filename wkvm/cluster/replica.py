@@ -15,6 +15,7 @@ import gc
 import hashlib
 import logging
 import os
+import sqlite3
 import threading
 import time
 import warnings
@@ -511,18 +512,32 @@ class EngineReplica:
                 recs = sorted((r for r in other.index.list() if not is_internal(r.owner)),
                               key=lambda r: (r.owner, r.name, r.version))  # fmt: skip
                 taken: list[StateRecord] = []
+                store = self.ctx.store
                 try:
                     for r in recs:
-                        taken.append(self.ctx.store.adopt_bytes(r.owner, other.export_bytes(r.owner, r.handle), False))
+                        taken.append(store.adopt_bytes(r.owner, other.export_bytes(r.owner, r.handle), False))
+                    # with their pins and their names' last versions issued, as a migrate moves them (the merge had
+                    # unpinned them, and issued a deleted version again; cluster hunt, session 49)
+                    for r in recs:
+                        if r.pinned:
+                            store.keep_pin(r.owner, r.handle)
+                    for owner, name, last in other.index.issued():
+                        store.index.reserve_versions(owner, name, last)
                 except BaseException:  # all or nothing: the slot's directory keeps them all for a later try
                     for t in taken:
                         self._unadopt(t.owner, [t.handle])
                     raise
                 for r in recs:
                     other.delete(r.owner, r.handle)
-                return [state_key(r.owner, r.name) for r in recs]
+                keys = [state_key(r.owner, r.name) for r in recs]
             finally:
                 other.close()
+            answers = root / "responses.sqlite"  # the slot's stored Responses follow them (they had been left behind)
+            try:
+                keys += [response_key(o, i) for o, i in self.ctx.responses.take(answers)] if answers.exists() else []
+            except sqlite3.Error as e:
+                log.warning("replica %s: the stored responses of slot %s stay in %s (%s)", self.slot, slot, answers, e)
+            return keys
 
         keys = await asyncio.to_thread(move)
         await self.directory.holds.remote(self.slot, keys)

@@ -277,6 +277,12 @@ class StateIndex:
                              "DO UPDATE SET last_version = MAX(last_version, excluded.last_version)",
                              (owner, name, last))  # fmt: skip
 
+    def issued(self) -> builtins.list[tuple[str, str, int]]:
+        """(owner, name, last version issued) of every user name: what a store taking these states over reserves."""
+        with self._lock:
+            rows = self._db.execute("SELECT owner, name, last_version FROM names").fetchall()
+        return [(str(o), str(n), int(v)) for o, n, v in rows]
+
     def next_version(self, owner: str, name: str) -> int:
         """One more than the last version ever issued for this name (kept after deletes: a handle names one state)."""
         with self._lock:

@@ -89,6 +89,22 @@ class ResponseStore:
         with self._lock:
             return [(str(o), str(i)) for o, i in self._db.execute("SELECT owner, id FROM responses").fetchall()]
 
+    def take(self, path: Path) -> list[tuple[str, str]]:
+        """Move every response stored in another server's file here (a cluster replica taking an orphaned slot's: they
+        had become unreachable; cluster hunt, session 49), oldest first; (owner, id) of each. The other file keeps
+        none of them after."""
+        src = sqlite3.connect(path, isolation_level=None)
+        try:
+            rows = src.execute("SELECT owner, id, created_at, response, messages, bytes FROM responses "
+                               "ORDER BY rowid").fetchall()  # fmt: skip
+            with self._lock, self._db:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.executemany("INSERT OR IGNORE INTO responses VALUES (?, ?, ?, ?, ?, ?)", rows)
+            src.execute("DELETE FROM responses")
+        finally:
+            src.close()
+        return [(str(r[0]), str(r[1])) for r in rows]
+
     def delete(self, owner: str, response_id: str) -> bool:
         with self._lock:
             cur = self._db.execute("DELETE FROM responses WHERE owner = ? AND id = ?", (owner, response_id))

@@ -183,6 +183,16 @@ class StateStore:
                 if self.usage.known(blob):
                     self._bring_up(blob)
 
+    def keep_pin(self, owner: str, handle: str) -> None:
+        """Record the pin a state had where it came from (a cluster replica taking an orphaned slot's states) and bring
+        it up as a restart does: where the tiers have no room it stays pinned on disk, logged (the merge had dropped
+        every such pin; cluster hunt, session 49)."""
+        with self._lock:
+            rec = self._record(owner, handle, with_ids=False)
+            self.index.set_pinned(owner, rec.name, rec.version, True)
+            self._pinned = self.index.pinned_blobs()
+            self._bring_up(rec.blob)
+
     def _bring_up(self, blob: str) -> None:
         try:
             self._cache(blob, self.files.read(blob, verify=self.verify_on_load), "device")
