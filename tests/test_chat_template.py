@@ -155,3 +155,7 @@ def test_no_tool_arguments_render_as_an_empty_object_and_variables_win_over_spec
     t = ChatTemplate("{{ bos_token }}{{ messages[0].content }}", special_tokens={"bos_token": "<s>"})
     assert t.render([{"role": "user", "content": "x"}]) == "<s>x"
     assert t.render([{"role": "user", "content": "x"}], variables={"bos_token": "B"}) == "Bx"
+    from wkvm.chat_template import TemplateVariableError
+
+    with pytest.raises(TemplateVariableError, match="chat_template_kwargs must be a dict"):  # it had blamed the
+        t.render([{"role": "user", "content": "x"}], variables="x")  # type: ignore[arg-type]  # messages (hunt, 49)

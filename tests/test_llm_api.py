@@ -168,6 +168,24 @@ def test_wrong_types_are_refused_by_name(llm, tiny_pth):
     for bad in (None, torch.float16, "fp64"):
         with pytest.raises(ValueError, match="use float32, bfloat16, int8, int4 or auto"):
             LLM(model=tiny_pth, dtype=bad)
+    # offline API hunt (session 49): one bad word had been its letters, each banned; a text as prompt_token_ids run
+    # as the text; a prompt of no kind a list() error; a field set after the params were made failed deep in the
+    # engine (the batch with it); chat_template_kwargs of another type blamed on the messages; a set of allowed ids
+    assert SamplingParams(bad_words="hello").bad_words == ["hello"]
+    assert SamplingParams(allowed_token_ids={3, 4}).allowed_token_ids == [3, 4]
+    with pytest.raises(TypeError, match="'prompt_token_ids' is a list of ints, not str"):
+        llm.generate({"prompt_token_ids": "ROMEO"})
+    for bad in (5, None):
+        with pytest.raises(TypeError, match="prompts are a str"):
+            llm.generate(bad)
+    sp = SamplingParams(max_tokens=4)
+    sp.max_tokens = None
+    with pytest.raises(InvalidParam, match="max_tokens"):
+        llm.generate([[1, 2], [3, 4]], sp)
+    sp.max_tokens, sp.temperature = 4, -1.0
+    with pytest.raises(InvalidParam, match="temperature"):
+        llm.generate([[1, 2]], sp)
+    assert llm.generate([[1, 2]], SamplingParams(max_tokens=2, temperature=0))[0].token_ids  # usable after
 
 
 def test_a_torch_dtype_or_any_case_names_the_dtype(tiny_pth):

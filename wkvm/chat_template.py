@@ -57,6 +57,9 @@ class ChatTemplate:
                tools: list[dict[str, Any]] | None = None, variables: dict[str, Any] | None = None) -> str:  # fmt: skip
         """The prompt text. `variables`: more names for the template (vLLM's `chat_template_kwargs`, e.g. Qwen's
         `enable_thinking`); TemplateVariableError for one that is a name render sets itself (RESERVED_VARIABLES)."""
+        if variables is not None and not isinstance(variables, dict):  # it had been blamed on the messages
+            raise TemplateVariableError(f"chat_template_kwargs must be a dict of names and values, not "
+                                        f"{type(variables).__name__}")  # fmt: skip
         taken = sorted(set(variables or {}) & RESERVED_VARIABLES)
         if taken:
             raise TemplateVariableError(f"{taken[0]!r} is set by the request's own field, not as a template variable")

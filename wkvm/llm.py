@@ -94,6 +94,9 @@ class LLM:
                                  "and 'cache_salt'; wkvm serves text)")  # fmt: skip
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
+                if isinstance(prompt, str | bytes | Mapping):  # a text there had been run as the text prompt
+                    raise TypeError("a prompt dict's 'prompt_token_ids' is a list of ints, not "
+                                    f"{type(prompt).__name__}")  # fmt: skip
             elif isinstance(prompt.get("prompt"), str):
                 prompt = prompt["prompt"]
             else:
@@ -123,6 +126,9 @@ class LLM:
     ) -> list[GenerationOutput]:
         """Run every prompt through the engine's continuous batching; outputs in prompt order. `use_tqdm` is accepted
         for vLLM's code and shows nothing; `priority` (one, or one per prompt): lower runs first, as vLLM's."""
+        if prompts is None or not (isinstance(prompts, str | Mapping) or hasattr(prompts, "__iter__")):
+            raise TypeError("prompts are a str, a list of token ids, {'prompt': str} or {'prompt_token_ids': [...]}, "
+                            f"or a list of those; not {type(prompts).__name__}")  # fmt: skip
         one = isinstance(prompts, str | Mapping) or (hasattr(prompts, "__len__") and len(prompts) > 0
                                                       and token_id(prompts[0]) is not None)  # fmt: skip
         batch: list[Prompt] = [prompts] if one else list(prompts)  # type: ignore[list-item,arg-type]
@@ -189,14 +195,22 @@ class LLM:
                         else None) for o, t, p in zip(outputs, texts, given, strict=True)]  # fmt: skip
 
     def _per_prompt(self, sampling_params: object, n: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt, each checked again: a field set after it was made (`sp.max_tokens = None`,
+        `sp.temperature = -1`) had failed the whole batch deep in the engine, or a `stop` string run letter by letter
+        (offline API hunt, session 49)."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            return [sampling_params or self.get_default_sampling_params()] * n
-        if not isinstance(sampling_params, Sequence) or not all(isinstance(p, SamplingParams) for p in sampling_params):
+            params = [sampling_params or self.get_default_sampling_params()] * n
+        elif not isinstance(sampling_params, Sequence) or not all(isinstance(p, SamplingParams)
+                                                                  for p in sampling_params):  # fmt: skip
             raise TypeError("sampling_params is a SamplingParams or a list of them (one per prompt), not "
                             f"{type(sampling_params).__name__}")  # fmt: skip
-        if len(sampling_params) != n:
+        elif len(sampling_params) != n:
             raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts")
-        return list(sampling_params)
+        else:
+            params = list(sampling_params)
+        for p in {id(p): p for p in params}.values():
+            p.__post_init__()  # InvalidParam (a ValueError) naming the field
+        return params
 
     def _with_template_stops(self, params: SamplingParams, template: ChatTemplate) -> SamplingParams:
         """The template's stop strings, as the server adds them: a special token's as a stop token id."""

@@ -126,9 +126,13 @@ class SamplingParams:
         for tok, bias in (self.logit_bias or {}).items():
             ok = _is_int(tok) and tok >= 0 and _in_range(bias, LOGIT_BIAS_RANGE)
             _check(ok, "logit_bias", f"a map from token ids to numbers in [{lo:g}, {hi:g}] (got {tok!r}: {bias!r})")
-        allowed = self.allowed_token_ids
-        ok = allowed is None or (len(allowed) > 0 and all(_is_int(t) and t >= 0 for t in allowed))
+        allowed = self.allowed_token_ids  # a set too; a numpy array had failed on its truth value (a ValueError)
+        if isinstance(allowed, set | frozenset):
+            allowed = self.allowed_token_ids = sorted(allowed)
+        ok = allowed is None or (_is_list(allowed, int) and len(allowed) > 0 and all(t >= 0 for t in allowed))
         _check(ok, "allowed_token_ids", "a non-empty list of non-negative integer token ids")
+        if isinstance(self.bad_words, str):  # one word, as `stop` takes one string (its letters had each been banned;
+            self.bad_words = [self.bad_words]  # offline API hunt, session 49)
         self.bad_words = list(self.bad_words or [])
         ok = len(self.bad_words) <= MAX_BAD_WORDS and all(isinstance(w, str) and w.strip() and len(w) <= MAX_WORD_CHARS
                                                           for w in self.bad_words)  # fmt: skip
