@@ -173,6 +173,7 @@ def test_wrong_types_are_refused_by_name(llm, tiny_pth):
     # engine (the batch with it); chat_template_kwargs of another type blamed on the messages; a set of allowed ids
     assert SamplingParams(bad_words="hello").bad_words == ["hello"]
     assert SamplingParams(allowed_token_ids={3, 4}).allowed_token_ids == [3, 4]
+    assert SamplingParams(allowed_token_ids=range(3, 5)).allowed_token_ids == [3, 4]
     with pytest.raises(TypeError, match="'prompt_token_ids' is a list of ints, not str"):
         llm.generate({"prompt_token_ids": "ROMEO"})
     for bad in (5, None):
