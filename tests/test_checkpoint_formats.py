@@ -191,6 +191,16 @@ def test_fingerprint_covers_layer0_value_weights(tmp_path):
     assert load_model(tmp_path / "a.pth").fingerprint != load_model(tmp_path / "b.pth").fingerprint
 
 
+def edited_copy(src: Path, dst: Path, config: dict, **changes) -> Path:
+    """A copy of checkpoint directory `src` at `dst` whose config.json is `config` with `changes` (None: left out)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    edited = {k: v for k, v in {**config, **changes}.items() if v is not None}
+    (dst / "config.json").write_text(json.dumps(edited))
+    return dst
+
+
 @pytest.mark.parametrize("family", ["mamba2", "bamba", "qwen3_5_hybrid"])
 def test_hf_configs_are_read_as_transformers_reads_them(family, tmp_path):
     """Found by review (each had loaded and computed another model): under tie_word_embeddings a stored head unlike
@@ -206,12 +216,7 @@ def test_hf_configs_are_read_as_transformers_reads_them(family, tmp_path):
     want = load_model(src).prefill(ids, all_logits=True)[0]
 
     def edited(name, **changes):
-        d = tmp_path / name
-        d.mkdir()
-        for f in src.iterdir():
-            (d / f.name).write_bytes(f.read_bytes())
-        (d / "config.json").write_text(json.dumps({**config, **changes}))
-        return d
+        return edited_copy(src, tmp_path / name, config, **changes)
 
     assert torch.equal(load_model(edited("tied", tie_word_embeddings=True)).prefill(ids, all_logits=True)[0], want)
     layers = config["num_hidden_layers"]
@@ -362,12 +367,7 @@ def test_config_values_of_the_wrong_type_are_one_named_error(tiny_hf, tmp_path, 
     config = json.loads((tiny_hf / "config.json").read_text())
 
     def edited(name, **changes):
-        d = tmp_path / name
-        d.mkdir()
-        for f in tiny_hf.iterdir():
-            (d / f.name).write_bytes(f.read_bytes())
-        (d / "config.json").write_text(json.dumps({**config, **changes}))
-        return d
+        return edited_copy(tiny_hf, tmp_path / name, config, **changes)
 
     for value in ([2], "six", True):
         with pytest.raises(CheckpointError, match=re.escape(f"num_hidden_layers {value!r} is not a layer count")) as e:
@@ -408,13 +408,7 @@ def test_an_ssm_group_count_the_weights_do_not_have_is_refused(family, tmp_path)
     want = load_model(src).prefill([1, 2, 3])[0]
 
     def edited(name, **changes):
-        d = tmp_path / name
-        d.mkdir()
-        for f in src.iterdir():
-            (d / f.name).write_bytes(f.read_bytes())
-        cfg = {**config, **changes}
-        (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
-        return d
+        return edited_copy(src, tmp_path / name, config, **changes)
 
     says = f"{size} 16 with {groups} 1 does not fit conv1d's 192 channels (128 + 2 x groups x state size gives 32)"
     with pytest.raises(CheckpointError, match=re.escape(says)) as e:
