@@ -332,13 +332,16 @@ def test_the_compute_key_names_wkvms_own_arithmetic(tmp_path, monkeypatch):
         else:
             shutil.copytree(root / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
     (copy / "models" / ".#linear.py").symlink_to("user@host.1:1")  # an editor's lock file: a dangling link, skipped
+    (copy / "weights" / "lock.py").symlink_to("user@host.1:1")  # a dangling link not named as hidden, skipped too
     monkeypatch.setattr(linear, "__file__", str(copy / "models" / "linear.py"))
     linear.code_digest.cache_clear()
     try:
         same = linear.code_digest()
         assert same == original  # the same sources elsewhere: the same digest
-        (copy / "engine" / "sampler.py").write_text((copy / "engine" / "sampler.py").read_text() + "\n# changed\n")
-        linear.code_digest.cache_clear()
-        assert linear.code_digest() != same
+        for part in ("engine/sampler.py", "weights/loader.py", "state/service.py"):  # each part of the code
+            (copy / part).write_text((copy / part).read_text() + "\n# changed\n")
+            linear.code_digest.cache_clear()
+            assert linear.code_digest() != same, part
+            same = linear.code_digest()
     finally:
         linear.code_digest.cache_clear()

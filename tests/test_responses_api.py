@@ -429,6 +429,21 @@ def test_the_store_keeps_each_owners_newest_within_its_bounds(tmp_path):
     store.close()
 
 
+def test_responses_taken_from_another_store_move_within_the_bounds(tmp_path):
+    """A cluster replica taking an orphaned slot's responses (`take`): all move, the source keeps none, and each owner
+    stays within its bounds, the newest kept (review, session 49)."""
+    here, there = (ResponseStore(tmp_path / f"{n}.sqlite", max_per_owner=3) for n in ("here", "there"))
+    for i in range(2):
+        here.put("a", {"id": f"h{i}"}, [])
+    for i in range(3):
+        there.put("a", {"id": f"t{i}"}, [])
+    there.close()
+    assert sorted(here.take(tmp_path / "there.sqlite")) == [("a", "t0"), ("a", "t1"), ("a", "t2")]
+    assert [rid for rid in ("h0", "h1", "t0", "t1", "t2") if here.get("a", rid)] == ["t0", "t1", "t2"]
+    assert ResponseStore(tmp_path / "there.sqlite").ids() == []
+    here.close()
+
+
 def test_a_response_put_while_the_clock_steps_back_is_kept(tmp_path, monkeypatch):
     """The newest is the last put, not the latest clock time: a response put after an NTP step back had been the
     oldest at its owner's bound and deleted in its own put (its id answered, then a 404)."""

@@ -12,6 +12,7 @@ import logging
 import math
 import numbers
 import os
+from collections.abc import KeysView
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -127,7 +128,7 @@ class SamplingParams:
             ok = _is_int(tok) and tok >= 0 and _in_range(bias, LOGIT_BIAS_RANGE)
             _check(ok, "logit_bias", f"a map from token ids to numbers in [{lo:g}, {hi:g}] (got {tok!r}: {bias!r})")
         allowed = self.allowed_token_ids  # a set too; a numpy array had failed on its truth value (a ValueError)
-        if isinstance(allowed, set | frozenset | range):
+        if isinstance(allowed, set | frozenset | range | KeysView):
             allowed = self.allowed_token_ids = sorted(allowed)
         ok = allowed is None or (_is_list(allowed, int) and len(allowed) > 0 and all(t >= 0 for t in allowed))
         _check(ok, "allowed_token_ids", "a non-empty list of non-negative integer token ids")

@@ -530,14 +530,16 @@ class EngineReplica:
                 for r in recs:
                     other.delete(r.owner, r.handle)
                 keys = [state_key(r.owner, r.name) for r in recs]
+                answers = root / "responses.sqlite"  # the slot's stored Responses follow them (they had been left
+                try:  # behind), while its directory's lock is still held here
+                    taken_ids = self.ctx.responses.take(answers) if answers.exists() else []
+                    keys += [response_key(o, i) for o, i in taken_ids]
+                except sqlite3.Error as e:
+                    log.warning("replica %s: the stored responses of slot %s stay in %s (%s)", self.slot, slot,
+                                answers, e)  # fmt: skip
+                return keys
             finally:
                 other.close()
-            answers = root / "responses.sqlite"  # the slot's stored Responses follow them (they had been left behind)
-            try:
-                keys += [response_key(o, i) for o, i in self.ctx.responses.take(answers)] if answers.exists() else []
-            except sqlite3.Error as e:
-                log.warning("replica %s: the stored responses of slot %s stay in %s (%s)", self.slot, slot, answers, e)
-            return keys
 
         keys = await asyncio.to_thread(move)
         await self.directory.holds.remote(self.slot, keys)

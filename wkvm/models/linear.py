@@ -173,15 +173,14 @@ def code_digest() -> str:
     """12 hex digits of sha256 over the sources that compute a model's numbers (`CODE`: Python, C++ and headers):
     any change to them, a comment's included, is another arithmetic as far as a stored checkpoint can tell (the
     version string stays 0.1.0 across releases; a hybrid's checkpoints from a release ~280 commits older were
-    reused, 1e-6 off a fresh run's logprobs; upgrade hunt, session 49). Regular files only: an editor's lock file (a
-    dangling `.#name.py` link) had stopped the server (review, session 49)."""
+    reused, 1e-6 off a fresh run's logprobs; upgrade hunt, session 49). Files that read only: an editor's lock file
+    (a dangling `.#name.py` link) had stopped the server (review, session 49)."""
     import hashlib
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     files = [p for c in CODE for p in ([root / c] if c.endswith(".py") else (root / c).rglob("*"))
-             if p.suffix in (".py", ".cpp", ".h") and not p.name.startswith(".") and p.is_file()
-             and not p.is_symlink()]  # fmt: skip
+             if p.suffix in (".py", ".cpp", ".h") and not p.name.startswith(".") and p.is_file()]  # fmt: skip
     h = hashlib.sha256()
     for path in sorted(files):
         h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())

@@ -100,6 +100,8 @@ class ResponseStore:
             with self._lock, self._db:
                 self._db.execute("BEGIN IMMEDIATE")
                 self._db.executemany("INSERT OR IGNORE INTO responses VALUES (?, ?, ?, ?, ?, ?)", rows)
+                for owner in {str(r[0]) for r in rows}:  # within each owner's bounds, as a put keeps them
+                    self._keep_newest("owner = ?", (owner,), self.max_per_owner, self.max_bytes)
             src.execute("DELETE FROM responses")
         finally:
             src.close()
