@@ -4,6 +4,8 @@ falls back to torch after one warning."""
 
 import logging
 import random
+import re
+import subprocess
 
 import pytest
 import torch
@@ -175,6 +177,30 @@ def test_without_a_compiler_every_op_falls_back_after_one_warning(monkeypatch, c
         assert "fused kernel unavailable" in message and "command not found" in message
     finally:
         fused.available.cache_clear()
+
+
+def avoided_fma_bits(flags: tuple[str, ...]) -> int | None:
+    """How wide a loop-carried multiply-add chain GCC keeps as a multiply and an add under `flags` (its
+    avoid-fma-max-bits param); None where the compiler is no GCC that says."""
+    from torch.utils import cpp_extension
+
+    compiler = cpp_extension.get_cxx_compiler()
+    if not cpp_extension.check_compiler_is_gcc(compiler):
+        return None
+    run = subprocess.run([compiler, "-Q", "--help=params", *flags], capture_output=True, text=True)
+    found = re.search(r"avoid-fma-max-bits=\S*\s+(\d+)", run.stdout)
+    return int(found.group(1)) if run.returncode == 0 and found else None
+
+
+def test_gcc_keeps_every_multiply_add_fused_under_amd_zen_tuning():
+    """-march=native on a Zen 3 tunes for znver3, whose "avoid FMA chains" left some loops' multiply-adds unfused
+    and others not: a LoRA row's bits followed its batch mates (the first real AVX2-only machine, session 50).
+    The kernels' flags turn that tuning off; checked here with the tuning asked for on any CPU."""
+    zen = ("-mtune=znver3",)
+    if avoided_fma_bits(fused.CFLAGS + zen) in (None, 0):
+        pytest.skip("this C++ compiler is no GCC that avoids FMA chains for znver3 (nothing to turn off)")
+    assert fused.cflags() == fused.CFLAGS + fused.GCC_CFLAGS
+    assert avoided_fma_bits(fused.cflags() + zen) == 0
 
 
 def test_off_forces_the_torch_path_and_a_bad_setting_is_a_clear_error(monkeypatch):

@@ -28,6 +28,25 @@ SOURCE = Path(__file__).with_name("fused.cpp")
 # machine runs what an AVX2-only one runs (tests and benchmarks of the AVX2 paths; docs/performance.md).
 MARCH = os.environ.get("WKVM_FUSED_MARCH", "native")
 CFLAGS = ("-O3", f"-march={MARCH}", "-fopenmp-simd", "-fno-trapping-math")  # the last lets exp's clamps vectorize
+# These kernels promise the same bits on every path (a row alone or batched, a chunk or its steps, the fused layer
+# or its ops), so a multiply-add must be one fused multiply-add wherever the compiler contracts it. GCC tuning for
+# AMD Zen (-march=native on Zen 2/3: znver2/3) keeps loop-carried multiply-add chains of up to 256 bits as a
+# multiply and an add in some loops and not others ("avoid FMA chains"); on a Zen 3 a LoRA row's bits then depended
+# on its batch mates and a short chunk's on the path (session 50, the first real AVX2-only machine). The param
+# turns that off; clang contracts within one expression only and has no such tuning.
+GCC_CFLAGS = ("--param=avoid-fma-max-bits=0",)
+
+
+@functools.cache
+def cflags() -> tuple[str, ...]:
+    """The kernels' compiler flags: CFLAGS, and GCC_CFLAGS where the C++ compiler torch builds with is GCC."""
+    from torch.utils import cpp_extension
+
+    try:
+        gcc = cpp_extension.check_compiler_is_gcc(cpp_extension.get_cxx_compiler())
+    except Exception:  # no compiler: the build fails anyway, and says so
+        gcc = False
+    return CFLAGS + GCC_CFLAGS if gcc else CFLAGS
 
 
 @functools.cache
@@ -47,7 +66,7 @@ def kernel_available(source: Path, namespace: str, op: str, what: str, fallback:
     if setting == "off":
         return False
     try:
-        load_kernel(source, namespace, CFLAGS, op=op)
+        load_kernel(source, namespace, cflags(), op=op)
         return True
     except Exception as e:  # no compiler, failed build or load: the torch path gives the same results, slower
         log.warning("%s unavailable (%s); %s", what, str(e).splitlines()[0], fallback)
