@@ -43,7 +43,7 @@ def cflags() -> tuple[str, ...]:
     from torch.utils import cpp_extension
 
     try:
-        gcc = cpp_extension.check_compiler_is_gcc(cpp_extension.get_cxx_compiler())
+        gcc = cpp_extension.check_compiler_is_gcc(cpp_extension.get_cxx_compiler())  # type: ignore[no-untyped-call]
     except Exception:  # no compiler: the build fails anyway, and says so
         gcc = False
     return CFLAGS + GCC_CFLAGS if gcc else CFLAGS
