@@ -55,6 +55,7 @@ test: $(STAMP)
 	-$(MAKE) --no-print-directory smollm2 minilm vocabs
 	$(BIN)/ruff check wkvm tests bench scripts
 	$(BIN)/mypy
+	$(BIN)/python scripts/build_kernels.py
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)

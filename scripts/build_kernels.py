@@ -1,0 +1,37 @@
+"""Build wkvm's C++ kernels for this CPU into ~/.cache/wkvm (each is otherwise built on first use), one line each.
+
+`make test` runs this before the suite: the suite runs in two processes, and a kernel built on first use inside a
+test holds the other process's test that needs it (an flock on the build directory) for the build's 10-60 s, which a
+test with a short timeout would see as a hang. A kernel that cannot be built is reported, not fatal: its users fall
+back to torch ops and say so, as they do in `wkvm serve`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from wkvm.models import fp32gemv, fused, int4, int8
+from wkvm.models.mamba2 import ssd
+from wkvm.models.qwen3_5 import gated_delta
+from wkvm.models.rwkv7 import step
+
+KERNELS: dict[str, Callable[[], object]] = {
+    "int8": int8.native_isa,
+    "int4": int4.native_isa,
+    "fused": fused.available,
+    "fp32 gemv": fp32gemv.available,
+    "rwkv7 step": step.available,
+    "mamba2 step": ssd.kernel_available,
+    "gated deltanet": gated_delta.kernel_available,
+}
+
+
+def main() -> None:
+    for name, build in KERNELS.items():
+        start = time.perf_counter()
+        print(f"kernel {name}: {build()} ({time.perf_counter() - start:.1f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
