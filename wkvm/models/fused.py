@@ -30,8 +30,9 @@ MARCH = os.environ.get("WKVM_FUSED_MARCH", "native")
 CFLAGS = ("-O3", f"-march={MARCH}", "-fopenmp-simd", "-fno-trapping-math")  # the last lets exp's clamps vectorize
 # These kernels promise the same bits on every path (a row alone or batched, a chunk or its steps, the fused layer
 # or its ops), so a multiply-add must be one fused multiply-add wherever the compiler contracts it. GCC tuning for
-# AMD Zen (-march=native on Zen 2/3: znver2/3) keeps loop-carried multiply-add chains of up to 256 bits as a
-# multiply and an add in some loops and not others ("avoid FMA chains"); on a Zen 3 a LoRA row's bits then depended
+# AMD Zen (-march=native on Zen 1-3; GCC 12.2's avoid-fma-max-bits: znver1 128, znver2 / znver3 256, Intel tunings 0)
+# keeps loop-carried multiply-add chains up to that width as a multiply and an add in some loops and not others
+# ("avoid FMA chains"); on a Zen 3 a LoRA row's bits then depended
 # on its batch mates and a short chunk's on the path (session 50, the first real AVX2-only machine). The param
 # turns that off; clang contracts within one expression only and has no such tuning.
 GCC_CFLAGS = ("--param=avoid-fma-max-bits=0",)

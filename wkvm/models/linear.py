@@ -18,7 +18,9 @@ wkvm/models/int4.py the same way; the config names them torch.int4, storage is u
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -175,9 +177,6 @@ def code_digest() -> str:
     version string stays 0.1.0 across releases; a hybrid's checkpoints from a release ~280 commits older were
     reused, 1e-6 off a fresh run's logprobs; upgrade hunt, session 49). Files that read only: an editor's lock file
     (a dangling `.#name.py` link) had stopped the server (review, session 49)."""
-    import hashlib
-    from pathlib import Path
-
     root = Path(__file__).resolve().parent.parent
     files = [p for c in CODE for p in ([root / c] if c.endswith(".py") else (root / c).rglob("*"))
              if p.suffix in (".py", ".cpp", ".h") and not p.name.startswith(".") and p.is_file()]  # fmt: skip
