@@ -7,9 +7,22 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 
 from wkvm.config import ServerConfig
 from wkvm.server.background import BackgroundServer, free_port, wait_healthy
+
+
+def until(done: Callable[[], bool], timeout: float = 30) -> bool:
+    """Poll `done` until it holds (True) or `timeout` seconds pass (False): for a server's internal state, where a
+    fixed sleep is either slow or, on a loaded machine, too short."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 class LiveServer(BackgroundServer):

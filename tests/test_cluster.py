@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from live_server import until
 
 from wkvm.cli import default_model
 from wkvm.server.asgi import key_owner
@@ -618,6 +619,7 @@ def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
     got: dict[int, str] = {}
     errors: dict[int, str] = {}  # an error event a stream ended with, to show when the assertion below fails
     saved: dict[str, dict] = {}
+    begun: set[int] = set()  # the streams that have their first tokens
 
     def stream(i: int) -> None:
         if i == 9:  # answered whole: the drain moves it too, and the answer comes from where it ended
@@ -635,6 +637,7 @@ def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
                         errors[i] = line
                         break
                     text += event["choices"][0]["text"]
+                    begun.add(i)
                     saved.update({k: event[k] for k in ("state", "state_error") if k in event})
         got[i] = text
 
@@ -660,7 +663,8 @@ def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(10)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    until(lambda: len(begun) == 9 or any(i < 9 for i in errors), 120)  # every stream running (a fixed 0.5 s could
+    assert len(begun) == 9, (begun, errors)  # miss some on a loaded machine)
     os.kill(cluster.server_pid, signal.SIGHUP)
     for t in threads:
         t.join(300)

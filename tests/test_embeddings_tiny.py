@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from live_server import LiveServer
+from live_server import LiveServer, until
 
 pytest.importorskip("sentence_transformers")
 
@@ -138,9 +137,10 @@ def test_an_abandoned_request_is_never_computed_and_the_queue_is_bounded(models,
         assert started.wait(30)
         with pytest.raises(httpx.ReadTimeout):  # queued behind the first, then abandoned
             httpx.post(url, json={"input": "a man"}, timeout=0.5)
-        time.sleep(1.0)  # the route polls its client every 0.2 s
+        waiting = lambda n: until(lambda: s.ctx.embedder.waiting == n)  # noqa: E731
+        assert waiting(1)  # the abandoned one left the queue (the route polls its client every 0.2 s)
         second = pool.submit(httpx.post, url, json={"input": "world"}, timeout=60)
-        time.sleep(0.5)
+        assert waiting(2)
         full = httpx.post(url, json={"input": "food"}, timeout=10)
         release.set()
         assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full", full.text

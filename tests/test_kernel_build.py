@@ -34,14 +34,13 @@ def test_a_build_in_progress_in_another_process_is_waited_for(tmp_path, caplog):
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        t0 = time.monotonic()
         with exclusive(tmp_path):
-            waited = time.monotonic() - t0
             assert not (tmp_path / "lock").exists()
-            assert (tmp_path / "finished").exists()  # entered only once the holder was done
+            # entered only once the holder was done: it waited instead of taking the live lock for a stale one (a
+            # measured wait had been asserted too, which a loaded machine could break)
+            assert (tmp_path / "finished").exists()
     finally:
         holder.wait(timeout=30)
-    assert waited > 0.5  # it waited for the holder instead of taking its live lock for a stale one
     assert "did not finish" not in caplog.text
 
 

@@ -462,7 +462,7 @@ def test_a_cut_or_failed_answer_says_so_in_its_items_and_events(char_model):
     """max_output_tokens cuts the message: it is `incomplete` (OpenAI's item status), blocking and streamed. A request
     that times out mid-stream sends an `error` event before `response.failed`, as every failure does (hunt 8: only
     `response.failed` came)."""
-    with LiveServer(model=str(char_model), slots=2, request_timeout=1) as s:
+    with LiveServer(model=str(char_model), slots=2, request_timeout=3) as s:  # 16,000 tokens take far longer
         client = sdk(s)
         cut = client.responses.create(model="char-model", input="Hello", temperature=0, max_output_tokens=3)
         events = list(client.responses.create(model="char-model", input="Hello", temperature=0, max_output_tokens=3,

@@ -17,9 +17,17 @@ from wkvm.server.context import ServerContext
 from wkvm.server.serving import GracefulServer
 
 
+def bound_socket() -> socket.socket:
+    """A listening-ready TCP socket on a loopback port the kernel picked, held until the caller closes it."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+    """A loopback port free now, for a server in another process. Released before it returns, so another process can
+    take it first (rare: the kernel picks from ~14,000 even ports); a server in this process uses `bound_socket`."""
+    with bound_socket() as s:
         return cast(int, s.getsockname()[1])  # an AF_INET socket's name is (host, port)
 
 
@@ -41,12 +49,15 @@ class BackgroundServer:
     """`with BackgroundServer(ServerConfig(model=...)) as s: httpx.get(s.url + "/health")`"""
 
     def __init__(self, config: ServerConfig):
-        self.port = free_port()
+        # The socket stays bound from here until exit, so no other process (a second pytest worker) can take the port
+        # between choosing it and serving on it, and wait_healthy can only reach this server.
+        self.socket = bound_socket()
+        self.port = cast(int, self.socket.getsockname()[1])
         self.config = replace(config, host="127.0.0.1", port=self.port)
         self.app = create_app(self.config)
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = GracefulServer(self.app, "127.0.0.1", self.port, self.config.shutdown_grace, "warning")
-        self.thread = threading.Thread(target=self.server.run, name="wkvm-http", daemon=True)
+        self.thread = threading.Thread(target=self.server.run, args=([self.socket],), name="wkvm-http", daemon=True)
 
     @property
     def ctx(self) -> ServerContext:
@@ -54,9 +65,14 @@ class BackgroundServer:
 
     def __enter__(self) -> BackgroundServer:
         self.thread.start()
-        wait_healthy(self.url, alive=self.thread.is_alive)
+        try:
+            wait_healthy(self.url, alive=self.thread.is_alive)
+        except BaseException:
+            self.socket.close()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.server.begin_shutdown()
         self.thread.join(timeout=30 + self.config.shutdown_grace)
+        self.socket.close()
