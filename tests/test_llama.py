@@ -6,6 +6,7 @@ tokenizer and chat template from GGUF metadata, and the real SmolLM2-135M-Instru
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -504,6 +505,37 @@ def test_a_gguf_that_does_not_read_or_disagrees_with_itself_is_one_error(gguf_re
     unnamed.write_bytes(data)
     ids = prompt(GGUF_SHAPE["vocab_size"], 6, seed=2)
     assert torch.equal(load_model(unnamed).prefill(ids)[0], load_model(good).prefill(ids)[0])
+
+
+@pytest.mark.parametrize(("victim", "hf", "got", "want"), [
+    ("blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj.weight", [98, 64], [96, 64]),  # two rows more
+    ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", [96, 64], [64, 96]),  # transposed
+    ("output_norm.weight", "model.norm.weight", [68], [64]),  # four values more
+])  # fmt: skip
+def test_a_gguf_tensor_of_the_wrong_shape_is_named_from_the_header(gguf_ref, tmp_path, monkeypatch, victim, hf, got,
+                                                                   want):  # fmt: skip
+    """A GGUF tensor whose shape does not fit the config is refused naming it and both shapes, read from the file's
+    header before any tensor is dequantized (it had been torch's message from deep in the first layer's conversion,
+    naming no tensor: "shape '[-1, 96]' is invalid for input of size 194")."""
+    import families.llama as family_module
+
+    from wkvm.models.llama import gguf_file
+
+    real = family_module.gguf_tensors
+
+    def misshapen(model):
+        out = real(model)
+        a = out[victim]
+        out[victim] = a.T.copy() if got == want[::-1] else np.concatenate([a, a[: got[0] - want[0]]])
+        return out
+
+    monkeypatch.setattr(family_module, "gguf_tensors", misshapen)
+    write_gguf(tmp_path / "bad.gguf", gguf_ref, "Q8_0")
+    made = []
+    monkeypatch.setattr(gguf_file, "read_tensor", lambda path, t, heads: made.append(t.name))
+    with pytest.raises(CheckpointError, match=re.escape(f"tensor {hf} has shape {got}, expected {want}")):
+        load_model(tmp_path / "bad.gguf")
+    assert made == []  # refused from the header alone
 
 
 def test_gguf_arrays_read_as_gguf_reads_them(tmp_path):

@@ -45,9 +45,10 @@ class LazyTensors(dict[str, torch.Tensor]):
     GGUF was ~32 GB of fp32 before its first layer was converted). Reading, membership and iteration work as a dict's;
     the tensors cannot be changed. `items()` and `values()` make every tensor in turn."""
 
-    def __init__(self, makers: dict[str, Callable[[], torch.Tensor]]):
+    def __init__(self, makers: dict[str, Callable[[], torch.Tensor]], shapes: dict[str, tuple[int, ...]] | None = None):
         super().__init__()  # nothing stored: every read goes through the makers
         self._makers = makers
+        self.shapes = shapes or {}  # the shapes known without making a tensor (a GGUF header's)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._makers[name]()
@@ -74,10 +75,10 @@ class LazyTensors(dict[str, torch.Tensor]):
         return (make() for make in self._makers.values())
 
     def only(self, names: Collection[str]) -> LazyTensors:
-        return LazyTensors({k: f for k, f in self._makers.items() if k in names})
+        return LazyTensors({k: f for k, f in self._makers.items() if k in names}, self.shapes)
 
     def copy(self) -> LazyTensors:  # dict's own would copy the (empty) storage
-        return LazyTensors(dict(self._makers))
+        return LazyTensors(dict(self._makers), self.shapes)
 
     def _refuse(self, *args: object, **kwargs: object) -> None:
         raise TypeError("LazyTensors are read-only")
@@ -106,7 +107,15 @@ def finite(name: str, t: torch.Tensor, where: str | os.PathLike[str]) -> torch.T
 
 def finite_tensors(raw: RawTensors, where: str | os.PathLike[str]) -> LazyTensors:
     """`raw` with each tensor checked by `finite` as it is read (once per read: lazy tensors stay lazy)."""
-    return LazyTensors({name: functools.partial(lambda n: finite(n, raw[n], where), name) for name in raw})
+    shapes = raw.shapes if isinstance(raw, LazyTensors) else {k: tuple(t.shape) for k, t in raw.items()}
+    return LazyTensors({name: functools.partial(lambda n: finite(n, raw[n], where), name) for name in raw}, shapes)
+
+
+def shape_of(raw: RawTensors, name: str) -> tuple[int, ...]:
+    """Tensor `name`'s shape; a lazy tensor's from its known shapes, without making (dequantizing) it."""
+    if isinstance(raw, LazyTensors) and name in raw.shapes:
+        return raw.shapes[name]
+    return tuple(raw[name].shape)
 
 
 def first_line(text: str, limit: int = 300) -> str:
@@ -680,7 +689,7 @@ def config_context(config: dict[str, Any], key: str, what: str) -> int | None:
 def matrix_shape(raw: RawTensors, name: str, what: str) -> tuple[int, int]:
     """The [rows, columns] of a 2-D tensor whose shape a config is read from (an embedding); another number of dims
     had escaped as "too many values to unpack" (loading hunt, session 49)."""
-    shape = tuple(raw[name].shape)
+    shape = shape_of(raw, name)
     if len(shape) != 2:
         raise CheckpointError(f"{what} tensor {name} has shape {list(shape)}, expected 2 dims (rows, columns)")
     return shape[0], shape[1]
@@ -689,22 +698,19 @@ def matrix_shape(raw: RawTensors, name: str, what: str) -> tuple[int, int]:
 def check_dims(raw: RawTensors, dims: dict[str, int], what: str) -> None:
     """Each tensor named in `dims` (where `raw` holds it) has that many dims: the ones a config's sizes are read from,
     before `check_shapes` checks every tensor against those sizes."""
-    if isinstance(raw, LazyTensors):  # a GGUF's: as in `check_shapes`
-        return
     for name, n in dims.items():
-        if name in raw and raw[name].dim() != n:
-            raise CheckpointError(f"{what} tensor {name} has shape {list(raw[name].shape)}, expected {n} dims")
+        if name in raw and len(shape := shape_of(raw, name)) != n:
+            raise CheckpointError(f"{what} tensor {name} has shape {list(shape)}, expected {n} dims")
 
 
 def check_shapes(raw: RawTensors, expected: dict[str, tuple[int, ...]], what: str) -> None:
     """Each tensor named in `expected` (where `raw` holds it) has that shape: one that does not (an extra leading dim)
     had failed deep in oneDNN ("could not create a primitive descriptor for the reorder primitive") naming neither the
-    file nor the tensor (loading hunt, session 49)."""
-    if isinstance(raw, LazyTensors):  # a GGUF's: reading a shape would dequantize the tensor (its reader checks them)
-        return
+    file nor the tensor (loading hunt, session 49). A GGUF's shapes come from its header (its tensors are dequantized
+    only when read)."""
     for name, shape in expected.items():
-        if name in raw and tuple(raw[name].shape) != shape:
-            raise CheckpointError(f"{what} tensor {name} has shape {list(raw[name].shape)}, expected {list(shape)}")
+        if name in raw and (got := shape_of(raw, name)) != shape:
+            raise CheckpointError(f"{what} tensor {name} has shape {list(got)}, expected {list(shape)}")
 
 
 def check_silu(config: dict[str, Any], what: str) -> None:

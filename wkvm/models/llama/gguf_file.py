@@ -339,7 +339,8 @@ def read_gguf(path: Path) -> tuple[RawTensors, dict[str, Any]]:
         proj = name.split(".")[-2] if name.startswith("model.layers.") else ""
         return lambda: read_tensor(path, t, heads.get(proj))
 
-    return LazyTensors({name: maker(name, t) for name, t in tensors.items()}), config
+    shapes = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in tensors.items()}  # HF's [out, in] order
+    return LazyTensors({name: maker(name, t) for name, t in tensors.items()}, shapes), config
 
 
 DEQUANTIZE_BYTES = 1 << 18  # a quantized tensor's bytes per call of gguf's dequantize

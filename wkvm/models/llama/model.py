@@ -30,6 +30,7 @@ from wkvm.models.family import (
     only,
     require,
     resident,
+    shape_of,
 )
 from wkvm.models.fused import add_rms_norm, cpu_fp32, llama_layer, llama_layers, rms_norm, silu_mul
 from wkvm.models.kv import Attn, kv_tensors
@@ -114,7 +115,7 @@ class LlamaConfig:
         original = hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
         cfg = LlamaConfig(
             n_layer=n_layer,
-            n_embd=embd, vocab_size=vocab, ffn_size=raw["model.layers.0.mlp.gate_proj.weight"].shape[0],
+            n_embd=embd, vocab_size=vocab, ffn_size=shape_of(raw, "model.layers.0.mlp.gate_proj.weight")[0],
             n_heads=heads, n_kv_heads=kv_heads, head_dim=int(hf.get("head_dim") or embd // heads),
             rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), rope_type=rope_type,
             rope_factor=float(rope.get("factor", 1.0)),
@@ -126,9 +127,9 @@ class LlamaConfig:
             tied_head=HEAD not in raw, rms_eps=config_eps(hf, "rms_norm_eps", 1e-6, "Llama"),
             max_context=config_context(hf, "max_position_embeddings", "Llama"),
         )  # fmt: skip
-        q, k = raw["model.layers.0.self_attn.q_proj.weight"], raw["model.layers.0.self_attn.k_proj.weight"]
-        if q.shape[0] != heads * cfg.head_dim or k.shape[0] != kv_heads * cfg.head_dim:
-            raise CheckpointError(f"Llama q/k projections {list(q.shape)}/{list(k.shape)} do not fit {heads} query and "
+        q, k = (shape_of(raw, f"model.layers.0.self_attn.{p}_proj.weight") for p in "qk")
+        if q[0] != heads * cfg.head_dim or k[0] != kv_heads * cfg.head_dim:
+            raise CheckpointError(f"Llama q/k projections {list(q)}/{list(k)} do not fit {heads} query and "
                                   f"{kv_heads} key/value heads of {cfg.head_dim}")  # fmt: skip
         check_shapes(raw, expected_shapes(cfg), "Llama")
         return cfg
