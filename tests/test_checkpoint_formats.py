@@ -140,6 +140,28 @@ def test_tensors_that_do_not_fit_or_hold_nan_are_refused_at_load(tmp_path, tiny_
         load_model(tmp_path / "inf.pth")
 
 
+def test_an_rwkv7_tensor_that_differs_from_the_config_is_refused_naming_it(tmp_path, tiny_pth):
+    """RWKV-7 read its sizes from layer 0 and checked no other tensor: a later layer's r_k of [8, 8] (layer 0's
+    [4, 16]) was reshaped silently into another model, and a LoRA a rank wider or a norm a value longer failed in
+    torch naming no tensor. Each is now refused at load naming the tensor and both shapes; a vector's leading 1s are
+    the file's own (BlinkDL's [1, 1, C] and a flat [C] both load)."""
+    ckpt = torch.load(tiny_pth)
+    heads, size = ckpt["blocks.0.att.r_k"].shape
+    width, rank, vocab = heads * size, ckpt["blocks.0.att.w1"].shape[1], ckpt["emb.weight"].shape[0]
+    edits = {
+        "blocks.1.att.r_k": (lambda t: t.reshape(heads // 2, size * 2), [heads // 2, size * 2], [heads, size]),
+        "blocks.1.att.w1": (lambda t: torch.cat([t, t[:, :1]], 1), [width, rank + 1], [width, rank]),
+        "blocks.1.att.ln_x.weight": (lambda t: torch.cat([t, t[:1]]), [width + 1], [width]),
+        "head.weight": (lambda t: t[:-1], [vocab - 1, width], [vocab, width]),
+    }
+    for name, (edit, got, want) in edits.items():
+        torch.save({**ckpt, name: edit(ckpt[name])}, tmp_path / "bad.pth")
+        with pytest.raises(CheckpointError, match=re.escape(f"tensor {name} has shape {got}, expected {want}")):
+            load_model(tmp_path / "bad.pth")
+    torch.save({**ckpt, "blocks.0.att.x_r": ckpt["blocks.0.att.x_r"].reshape(-1)}, tmp_path / "flat.pth")
+    load_model(tmp_path / "flat.pth")
+
+
 def test_a_nan_that_the_first_pass_would_not_show_is_refused_in_files_and_packs(tmp_path, tiny_pth):
     """Crash-safety hunt (session 47): a NaN in one channel of a norm's weight loaded, and the first pass's logits came
     out finite (kernels' max / ReLU drop NaN), so the model answered finite, wrong text, from a checkpoint or a pack."""

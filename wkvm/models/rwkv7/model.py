@@ -16,8 +16,11 @@ import torch.nn.functional as F
 from wkvm.models import fused
 from wkvm.models.family import (
     STEP_CHUNK,
+    CheckpointError,
     ModelBase,
     RawTensors,
+    check_dims,
+    check_shapes,
     compute_form,
     config_eps,
     layer_count,
@@ -25,6 +28,7 @@ from wkvm.models.family import (
     no_attention,
     require,
     resident,
+    shape_of,
 )
 from wkvm.models.kv import KVBatch
 from wkvm.models.linear import embedding, linear, pack_linear, rows_independent, stored, stored_outer
@@ -90,13 +94,51 @@ class RWKV7Config:
         eps = config_eps(hf, "norm_eps", 1e-5, "RWKV-7")  # 0 or "x": refused by name (loading hunt, session 49)
         # rounded so that 64 * 1e-5 and 64e-5 fingerprint alike
         gn_eps = round(config_eps(hf, "wkvm_group_norm_eps", head_size * eps, "RWKV-7") if hf else 64e-5, 12)
-        return RWKV7Config(
+        if n_head * head_size != embd:
+            raise CheckpointError(f"RWKV-7 blocks.0.att.r_k is [{n_head}, {head_size}]: {n_head} heads of {head_size} "
+                                  f"do not make the width {embd}")  # fmt: skip
+        check_dims(raw, {k: 2 for k in ("blocks.0.ffn.key.weight", "blocks.0.att.w1", "blocks.0.att.a1",
+                                         "blocks.1.att.v1", "blocks.0.att.g1")}, "RWKV-7")  # fmt: skip
+        cfg = RWKV7Config(
             n_layer=n_layer, n_embd=embd, n_head=n_head, head_size=head_size, vocab_size=vocab,
-            ffn_size=raw["blocks.0.ffn.key.weight"].shape[0],
-            decay_rank=raw["blocks.0.att.w1"].shape[1], a_rank=raw["blocks.0.att.a1"].shape[1],
-            v_rank=raw["blocks.1.att.v1"].shape[1] if n_layer > 1 else 0,
-            gate_rank=raw["blocks.0.att.g1"].shape[1], ln_eps=eps, gn_eps=gn_eps,
+            ffn_size=shape_of(raw, "blocks.0.ffn.key.weight")[0],
+            decay_rank=shape_of(raw, "blocks.0.att.w1")[1], a_rank=shape_of(raw, "blocks.0.att.a1")[1],
+            v_rank=shape_of(raw, "blocks.1.att.v1")[1] if n_layer > 1 else 0,
+            gate_rank=shape_of(raw, "blocks.0.att.g1")[1], ln_eps=eps, gn_eps=gn_eps,
         )  # fmt: skip
+        check_shapes(raw, expected_shapes(raw, cfg), "RWKV-7")
+        return cfg
+
+
+VECTOR_KEYS = (  # a layer's [C] vectors (BlinkDL's files hold most as [1, 1, C])
+    *(f"att.{m}" for m in MIX), "att.w0", "att.a0", "att.v0", "att.k_k", "att.k_a", "att.ln_x.weight", "att.ln_x.bias",
+    "ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "ffn.x_k",
+)  # fmt: skip
+
+
+def expected_shapes(raw: RawTensors, cfg: RWKV7Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape for `cfg`: a layer whose tensor differs from layer 0's had failed in torch naming no
+    tensor, or (a layer's r_k of [8, 8] where layer 0's was [4, 16]) been reshaped silently into another model. A
+    vector keeps whatever leading 1s the file gives it."""
+    C, V, F = cfg.n_embd, cfg.vocab_size, cfg.ffn_size
+
+    def vector(name: str) -> tuple[int, ...]:
+        shape = shape_of(raw, name) if name in raw else (C,)
+        return (*shape[:-1], C) if all(d == 1 for d in shape[:-1]) else (C,)
+
+    shapes: dict[str, tuple[int, ...]] = {"emb.weight": (V, C), "head.weight": (V, C)}
+    shapes.update({k: vector(k) for k in ("blocks.0.ln0.weight", "blocks.0.ln0.bias", "ln_out.weight", "ln_out.bias")})
+    ranks = {"w": cfg.decay_rank, "a": cfg.a_rank, "v": cfg.v_rank, "g": cfg.gate_rank}
+    for i in range(cfg.n_layer):
+        p = f"blocks.{i}."
+        shapes.update({p + k: vector(p + k) for k in VECTOR_KEYS if i > 0 or k != "att.v0"})
+        shapes.update({p + f"att.{k}.weight": (C, C) for k in ("receptance", "key", "value", "output")})
+        shapes.update({p + "att.r_k": (cfg.n_head, cfg.head_size), p + "ffn.key.weight": (F, C),
+                       p + "ffn.value.weight": (C, F)})  # fmt: skip
+        for x, rank in ranks.items():
+            if i > 0 or x != "v":  # layer 0 has no value residual (a file's v1 / v2 there go unused)
+                shapes.update({p + f"att.{x}1": (C, rank), p + f"att.{x}2": (rank, C)})
+    return shapes
 
 
 def used_tensors(raw: RawTensors) -> RawTensors:
