@@ -162,6 +162,27 @@ def test_an_rwkv7_tensor_that_differs_from_the_config_is_refused_naming_it(tmp_p
     load_model(tmp_path / "flat.pth")
 
 
+def test_a_qwen3_5_tensor_that_differs_from_the_config_is_refused_naming_it(tmp_path):
+    """Qwen3.5 read its sizes from its first layers and checked only the projections' heads: a later layer's tensor
+    a row or a value off failed in torch ("split_with_sizes expects split_sizes to sum exactly to 201"), naming the
+    file but no tensor. Now each tensor is checked against the config at load."""
+    from families.qwen3_5_hybrid import write_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    good = write_checkpoint(tmp_path / "q", vocab_size=64)
+    weights = good / "model.safetensors"
+    raw = load_file(weights)
+    for name, edit, got, want in [
+        ("model.layers.1.linear_attn.norm.weight", lambda t: torch.cat([t, t[:1]]), [17], [16]),
+        ("model.layers.2.linear_attn.in_proj_b.weight", lambda t: torch.cat([t, t[:1]]), [5, 64], [4, 64]),
+        ("model.layers.3.self_attn.q_norm.weight", lambda t: t[:-2], [14], [16]),
+        ("model.layers.1.mlp.down_proj.weight", lambda t: t[:, :-1], [64, 95], [64, 96]),
+    ]:  # fmt: skip
+        save_file({**raw, name: edit(raw[name]).contiguous()}, weights, metadata={"format": "pt"})
+        with pytest.raises(CheckpointError, match=re.escape(f"tensor {name} has shape {got}, expected {want}")):
+            load_model(good)
+
+
 def test_a_nan_that_the_first_pass_would_not_show_is_refused_in_files_and_packs(tmp_path, tiny_pth):
     """Crash-safety hunt (session 47): a NaN in one channel of a norm's weight loaded, and the first pass's logits came
     out finite (kernels' max / ReLU drop NaN), so the model answered finite, wrong text, from a checkpoint or a pack."""

@@ -22,7 +22,9 @@ from wkvm.models.family import (
     CheckpointError,
     ModelBase,
     RawTensors,
+    check_dims,
     check_layer_count,
+    check_shapes,
     check_silu,
     compute_form,
     config_context,
@@ -33,6 +35,7 @@ from wkvm.models.family import (
     positive_int,
     require,
     resident,
+    shape_of,
 )
 from wkvm.models.fused import add_rms_norm, rms_norm, silu_mul
 from wkvm.models.kv import Attn, kv_tensors
@@ -137,7 +140,8 @@ class Qwen35Config:
             mixer = GDN_RAW if kind == LINEAR_ATTENTION else ATTN_RAW
             require(raw, [f"model.layers.{i}.{k}" for k in mixer + MLP_RAW + NORM_RAW], "Qwen3.5")
         p = "model.layers.0."
-        ffn = raw[p + "mlp.gate_proj.weight"].shape[0]
+        check_dims(raw, {p + "mlp.gate_proj.weight": 2}, "Qwen3.5")  # the FFN size is read from it
+        ffn = shape_of(raw, p + "mlp.gate_proj.weight")[0]
         conv_kernel = 0
         if LINEAR_ATTENTION in kinds:
             first = kinds.index(LINEAR_ATTENTION)
@@ -160,7 +164,29 @@ class Qwen35Config:
                 raise CheckpointError(f"Qwen3.5 attention projections {list(q.shape)}/{list(k.shape)} do not fit "
                                       f"{cfg.n_heads} query (gated) and {cfg.n_kv_heads} key/value heads of "
                                       f"{cfg.head_dim}")  # fmt: skip
+        check_shapes(raw, expected_shapes(cfg), "Qwen3.5")
         return cfg
+
+
+def expected_shapes(cfg: Qwen35Config) -> dict[str, tuple[int, ...]]:
+    """Every raw tensor's shape for `cfg` (HF's [out, in] matrices): a layer whose tensor differed from the first
+    layer's (which the sizes are read from) had failed in torch naming no tensor (loading hunt, session 49)."""
+    c, f, hv, q, kv = cfg.n_embd, cfg.ffn_size, cfg.n_v_heads, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {EMBED: (cfg.vocab_size, c), HEAD: (cfg.vocab_size, c), FINAL_NORM: (c,)}
+    common = {"mlp.gate_proj.weight": (f, c), "mlp.up_proj.weight": (f, c), "mlp.down_proj.weight": (c, f),
+              "input_layernorm.weight": (c,), "post_attention_layernorm.weight": (c,)}  # fmt: skip
+    gdn = {"linear_attn.in_proj_qkv.weight": (cfg.conv_dim, c), "linear_attn.in_proj_z.weight": (cfg.value_dim, c),
+           "linear_attn.in_proj_b.weight": (hv, c), "linear_attn.in_proj_a.weight": (hv, c),
+           "linear_attn.conv1d.weight": (cfg.conv_dim, 1, cfg.conv_kernel), "linear_attn.A_log": (hv,),
+           "linear_attn.dt_bias": (hv,), "linear_attn.norm.weight": (cfg.v_head_dim,),
+           "linear_attn.out_proj.weight": (c, cfg.value_dim)}  # fmt: skip
+    attn = {"self_attn.q_proj.weight": (2 * q, c), "self_attn.k_proj.weight": (kv, c),
+            "self_attn.v_proj.weight": (kv, c), "self_attn.o_proj.weight": (c, q),
+            "self_attn.q_norm.weight": (cfg.head_dim,), "self_attn.k_norm.weight": (cfg.head_dim,)}  # fmt: skip
+    for i, kind in enumerate(cfg.layer_types):
+        mixer = gdn if kind == LINEAR_ATTENTION else attn
+        shapes.update({f"model.layers.{i}.{k}": v for k, v in (common | mixer).items()})
+    return shapes
 
 
 def text_part(hf: dict[str, Any]) -> dict[str, Any]:
