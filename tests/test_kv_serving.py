@@ -486,8 +486,13 @@ def test_kv_dtype_auto_follows_the_weights(model_dir, tmp_path):
                       "int8": "float16", "int4": "float16", "INT8": "float16"}  # fmt: skip
     assert ServerConfig(dtype="int8", kv_dtype="float32").engine_config().kv_dtype == "float32"
     assert ServerConfig(dtype="float32", kv_dtype="float16").engine_config().kv_dtype == "float16"
-    with pytest.raises(ValueError, match="auto, float32, float16, not 'bf16'"):
+    with pytest.raises(ValueError, match="kv_dtype 'bf16' is not supported; use auto, float32, float16"):
         ServerConfig(kv_dtype="bf16")
+    # the CLI takes the names LLM(kv_dtype=...) takes ('fp16' had been refused by its choices)
+    from wkvm.cli import build_parser
+
+    for given, kv in (("fp16", "float16"), ("HALF", "float16"), ("fp32", "float32"), ("Auto", "auto")):
+        assert ServerConfig(kv_dtype=build_parser().parse_args(["serve", "--kv-dtype", given]).kv_dtype).kv_dtype == kv
 
     def page_dtype(eng: Engine) -> torch.dtype:
         assert eng.arena.pool is not None

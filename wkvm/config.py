@@ -32,6 +32,7 @@ KV_DTYPES = ("float32", "float16")
 AUTO_DTYPE = "auto"  # --dtype: the checkpoint's own precision where wkvm has its kind (loader.auto_dtype)
 # `wkvm serve --kv-dtype`: auto keeps keys and values as the weights' precision asks (docs/design-paged-kv.md)
 KV_CHOICES = ("auto", *KV_DTYPES)
+KV_ALIASES = {"fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 MAX_PROMPT_TOKENS = 1 << 17  # --max-prompt-tokens' default
 MAX_SLOTS = 65_536  # state slots: each holds a sequence's fixed-size state whether used or not
 
@@ -91,12 +92,11 @@ def kv_dtype_name(value: object) -> str:
     names one (`LLM(kv_dtype=torch.float16)` had been refused, its message leaving out auto; dtype hunt, session 49)."""
     import torch
 
-    aliases = {"fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
     if isinstance(value, torch.dtype):
         name = {torch.float16: "float16", torch.float32: "float32"}.get(value)
     else:
         name = value.lower() if isinstance(value, str) else None
-        name = aliases.get(name or "", name)
+        name = KV_ALIASES.get(name or "", name)
     if name not in KV_CHOICES:
         raise ValueError(f"kv_dtype {value!r} is not supported; use {', '.join(KV_CHOICES)}")
     return str(name)
@@ -203,7 +203,7 @@ class ServerConfig:
     kv_page_tokens: int = opt(EngineConfig.kv_page_tokens, "attention models: tokens per key/value page")
     kv_dtype: str = opt("auto", "attention models: keys and values stored as float32 (exact) or float16 (half the "
                         "bytes, as llama.cpp; answers move slightly); auto: float32 with --dtype float32, else float16",
-                        "choice:" + ",".join(KV_CHOICES))
+                        "choice:" + ",".join((*KV_CHOICES, *KV_ALIASES)))
     state_dir: str | None = opt(None, "directory of durable states (default: a temporary one)")
     state_device_bytes: int = opt(256 << 20, "bytes of states kept on the device (256MiB, 2G, ...)", "size")
     state_host_bytes: int = opt(1 << 30, "bytes of states kept in host RAM", "size")
@@ -239,8 +239,8 @@ class ServerConfig:
         if self.state_dir == "":  # WKVM_STATE_DIR= (compose's ${X:-}) had kept every tenant's states in the current
             self.state_dir = None  # directory: the default, a temporary one (CLI hunt, session 48)
         dtype_name(self.dtype)  # a ValueError naming the choices (auto: resolved at load)
-        if self.kv_dtype not in KV_CHOICES:
-            raise ValueError(f"kv_dtype must be one of {', '.join(KV_CHOICES)}, not {self.kv_dtype!r}")
+        # 'fp16' (as LLM(kv_dtype=...) takes it) had been refused by the CLI's choices while the offline API took it
+        self.kv_dtype = kv_dtype_name(self.kv_dtype)
         if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIGS)}, not "
                              f"{self.generation_config!r}")  # fmt: skip
