@@ -339,6 +339,10 @@ def test_ctrl_c_closed_pipes_and_bad_serve_settings_end_in_one_line(monkeypatch,
     port = str(free_port())
     cases = [(["--port=-1"], "port must be in 1..65535"),
              (["--port", port, "--state-dir", str(tmp_path / "file")], "not a directory"),
+             # these three had failed only once the port was bound and the model loaded
+             (["--port", port, "--state-dir", str(tmp_path / "file" / "under")], "cannot be made (Not a directory)"),
+             (["--port", port, "--embeddings", str(tmp_path)], "no modules.json"),
+             (["--port", port, "--embeddings", str(tmp_path / "file")], f"--embeddings {tmp_path / 'file'}: not a dir"),
              (["--port", port, "--kv-cache-bytes", "1000T"], "more than this machine's memory"),
              (["--port", port, "--slots", str(10**20)], "slots must be at most 65,536"),
              (["--port", port, "--chat-session-ttl", "-1"], "--chat-session-ttl must be > 0"),

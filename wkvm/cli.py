@@ -142,6 +142,19 @@ def check_port(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
+def check_state_dir(d: Path) -> None:
+    """--state-dir made where it is missing (as the store makes it: its owner's alone), or a ValueError saying why
+    it cannot be used."""
+    if d.exists() and not d.is_dir():
+        raise ValueError(f"--state-dir {d}: not a directory")
+    try:
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        raise ValueError(f"--state-dir {d}: cannot be made ({e.strerror or e})") from None
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise ValueError(f"--state-dir {d}: this user cannot write in it")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from wkvm.config import ServerConfig
     from wkvm.server.app import create_app
@@ -161,10 +174,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         check_model_path(model, args.weight_cache_layers)  # before binding the port: one line and exit 2, not a
         # 503 server
-    if args.embeddings and not Path(args.embeddings).is_dir():
-        raise ValueError(f"--embeddings {args.embeddings}: not a directory (a sentence-transformers model's)")
-    if args.state_dir and Path(args.state_dir).exists() and not Path(args.state_dir).is_dir():
-        raise ValueError(f"--state-dir {args.state_dir}: not a directory")  # before the port is bound, not after
+    # before the port is bound: one line and exit 2 (these had failed once the server listened, after its load)
+    if args.embeddings:
+        from wkvm.embeddings import check_model_dir
+
+        try:
+            check_model_dir(Path(args.embeddings))
+        except ValueError as e:
+            raise ValueError(f"--embeddings {e}") from None
+    if args.state_dir:
+        check_state_dir(Path(args.state_dir))
     keys = read_api_keys(args)
     from dataclasses import fields
 

@@ -25,6 +25,16 @@ class EmbeddingCancelled(RuntimeError):
 BATCH = 32  # inputs a forward pass (sentence-transformers' default): 2,048 of 256 tokens at once needed ~8 GiB
 
 
+def check_model_dir(p: Path) -> None:
+    """A ValueError unless `p` is a sentence-transformers model's directory (it has modules.json): `wkvm serve` asks
+    before it binds its port."""
+    if not p.is_dir():
+        raise ValueError(f"{p}: not a directory (a sentence-transformers model's)")
+    if not (p / "modules.json").is_file():
+        raise ValueError(f"{p}: not a sentence-transformers model directory (no modules.json); e.g. `make minilm` "
+                         "fetches all-MiniLM-L6-v2 into models/")  # fmt: skip
+
+
 class EmbeddingModel:
     def __init__(self, path: str | os.PathLike[str], device: str = "cpu", name: str | None = None):
         """`name`: the id requests name it by (default: the directory's name)."""
@@ -32,9 +42,7 @@ class EmbeddingModel:
         from sentence_transformers import SentenceTransformer
 
         p = Path(path)
-        if not (p / "modules.json").is_file():
-            raise ValueError(f"{p}: not a sentence-transformers model directory (no modules.json); e.g. `make minilm` "
-                             "fetches all-MiniLM-L6-v2 into models/")  # fmt: skip
+        check_model_dir(p)
         self.name = name or p.resolve().name  # resolved: `--embeddings .` had been named ""
         self.model: Any = SentenceTransformer(str(p), device=device, local_files_only=True)
         first: Any = self.model[0]
