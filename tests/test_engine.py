@@ -167,6 +167,19 @@ def test_queue_full_and_timeout(model, tok):
     assert engine.arena.num_free == 1
 
 
+def test_submit_all_queues_every_request_or_none(model, tok):
+    """An n > 1 request's choices are queued together (the scheduler sees them at once and they share their start
+    state's pages) and all or none: the queue's room for two of three aborts the two at the next step."""
+    engine = Engine(model, tok, EngineConfig(n_slots=1, max_queue=2))
+    with pytest.raises(QueueFull):
+        engine.submit_all([1, 2], [greedy(3)] * 3)
+    engine.run_until_done()
+    assert not engine.scheduler.has_work and not engine._handles and engine.arena.num_free == 1
+    handles = engine.submit_all([1, 2], [greedy(3)] * 2)
+    engine.run_until_done()
+    assert [h.output.token_ids for h in handles] == [greedy_reference(model, [1, 2], 3)] * 2
+
+
 def test_stop_string_across_tokens(world_pth):
     from wkvm import LLM
 

@@ -117,10 +117,20 @@ def test_kept_pages_never_stop_choices_that_can_run_alone(model, model_dir, page
 
 
 def test_an_n_request_over_http_holds_its_prompt_once(model, model_dir):
+    """The choices are queued together: queued one by one, a choice the engine admitted before the next was queued
+    let the prompt's shared pages go and the next wrote its own copy (a peak of 110 pages, not 62, in a two-process
+    suite run on a loaded machine; session 51). Each submit and step here is slowed to make that order certain."""
+    import time
+
     prompt = "".join(sorted(CHAR_VOCAB, key=CHAR_VOCAB.get)[(3 * j + 1) % len(CHAR_VOCAB)] for j in range(200))
     kv_bytes = 400 * 4 * load_model(model_dir).spec.token_nbytes
     with LiveServer(model=str(model_dir), kv_page_tokens=4, kv_cache_bytes=kv_bytes, slots=8) as s:
-        pool = s.ctx.client.engine.arena.pool
+        engine = s.ctx.client.engine
+        submit = engine.submit
+        engine.submit = lambda *a, **kw: (submit(*a, **kw), time.sleep(0.1))[0]
+        step = engine.step  # and each step, so that a choice admitted alone still runs when the next is queued
+        engine.step = lambda: time.sleep(0.05) or step()
+        pool = engine.arena.pool
         peak = peak_pages(pool)
         body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "n": 4}
         r = httpx.post(s.url + "/v1/completions", json=body, timeout=120)

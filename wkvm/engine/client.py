@@ -134,10 +134,10 @@ class LocalEngineClient:
     ) -> list[RequestHandle]:  # fmt: skip
         loop = asyncio.get_running_loop()
         base_ids = list(base_ids or [])
-        submit = self.engine.submit
         if len(params) == 1:
-            return [submit(prompt_ids, params[0], initial_state=base_state, base_ids=base_ids, capture_state=capture,
-                           capture_prompt_state=capture_prompt, capture_at=capture_at, loop=loop)]  # fmt: skip
+            return [self.engine.submit(prompt_ids, params[0], initial_state=base_state, base_ids=base_ids,
+                                       capture_state=capture, capture_prompt_state=capture_prompt,
+                                       capture_at=capture_at, loop=loop)]  # fmt: skip
         self.engine.check_context(len(base_ids) + len(prompt_ids))  # before the shared prefill, not after it
         state, feed, prompt_state = base_state, prompt_ids, None
         shared = params[0].prompt_logprobs is None  # a choice scoring its prompt is fed all of it itself
@@ -157,17 +157,9 @@ class LocalEngineClient:
         if shared and capture_prompt:  # the shared prefill is the prompt-end state: each choice reports it, to be
             prompt_state = state  # checkpointed as for n = 1
         left = None if limit is None else max(limit - (time.monotonic() - start), 1e-6)  # 0 would mean no limit
-        handles: list[RequestHandle] = []
-        try:
-            for p in params:
-                handles.append(submit(feed, p, initial_state=state, base_ids=base_ids, capture_state=capture,
+        return self.engine.submit_all(feed, params, initial_state=state, base_ids=base_ids, capture_state=capture,
                                       capture_prompt_state=capture_prompt and not shared, prompt_state=prompt_state,
-                                      timeout=left, loop=loop))  # fmt: skip
-        except BaseException:  # all n choices or none
-            for h in handles:
-                h.cancel()
-            raise
-        return handles
+                                      timeout=left, loop=loop)  # fmt: skip
 
     def snapshot(self, request_id: str) -> concurrent.futures.Future[tuple[State, list[int]]]:
         return self.engine.snapshot(request_id)

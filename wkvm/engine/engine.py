@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -134,9 +134,11 @@ class Engine:
         capture_at: int | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         resume: Continuation | None = None,
+        hold: list[tuple[RequestHandle, Detokenizer]] | None = None,
     ) -> RequestHandle:
         """Queue a request. `resume` continues one suspended in another engine (`suspend`): `prompt_ids`,
-        `base_ids`, `initial_state` and the capture arguments must be its own (`resume_continuation` passes them)."""
+        `base_ids`, `initial_state` and the capture arguments must be its own (`resume_continuation` passes them).
+        `hold`: built, not queued, and appended there (`submit_all` queues them together)."""
         if not prompt_ids:
             raise ValueError("a request needs at least one prompt token")
         params.check_vocabulary(self.model.vocab_size)
@@ -163,23 +165,51 @@ class Engine:
         handle = RequestHandle(self, req, loop)
         if resume is not None:
             handle.output.token_ids, handle.output.text = list(req.output_ids), resume.text
+        if hold is not None:
+            hold.append((handle, detok))
+            return handle
         with self._lock:
-            if not self._accepting:
-                raise EngineClosed("the engine is shutting down and accepts no new requests")
-            if req.request_id in self._handles:
-                raise ValueError(f"request id {req.request_id!r} is already in flight")
-            self.runner.add(req)  # first: it refuses a grammar that does not compile for this tokenizer
-            try:
-                if resume is not None:
-                    self.runner.resume(req, resume.generator)
-                self.scheduler.add(req)
-            except (QueueFull, ValueError):
-                self.runner.release(req.request_id)
-                raise
-            self._handles[req.request_id] = handle
-            self._detok[req.request_id] = detok
-            self._wake.notify()
+            self._queue(handle, detok, resume)
         return handle
+
+    def _queue(self, handle: RequestHandle, detok: Detokenizer, resume: Continuation | None = None) -> None:
+        """Put a built request in the scheduler's queue (under the lock)."""
+        req = handle.request
+        if not self._accepting:
+            raise EngineClosed("the engine is shutting down and accepts no new requests")
+        if req.request_id in self._handles:
+            raise ValueError(f"request id {req.request_id!r} is already in flight")
+        self.runner.add(req)  # first: it refuses a grammar that does not compile for this tokenizer
+        try:
+            if resume is not None:
+                self.runner.resume(req, resume.generator)
+            self.scheduler.add(req)
+        except (QueueFull, ValueError):
+            self.runner.release(req.request_id)
+            raise
+        self._handles[req.request_id] = handle
+        self._detok[req.request_id] = detok
+        self._wake.notify()
+
+    def submit_all(self, prompt_ids: list[int], params: list[SamplingParams], **kwargs: Any) -> list[RequestHandle]:
+        """One request per `params` (`submit`'s other arguments shared), queued together or not at all: the
+        scheduler sees every one at once. An n > 1 request's choices start from one state and share its pages while
+        more of them wait; queued one by one, a choice admitted before the next was queued let the pages go and the
+        next wrote its own copy of the prompt's keys and values (a peak of twice the prompt, under load)."""
+        built: list[tuple[RequestHandle, Detokenizer]] = []
+        for p in params:
+            self.submit(prompt_ids, p, hold=built, **kwargs)
+        queued: list[RequestHandle] = []
+        with self._lock:
+            try:
+                for handle, detok in built:
+                    self._queue(handle, detok)
+                    queued.append(handle)
+            except BaseException:
+                for handle in queued:  # all or none: those queued are aborted at the next step
+                    handle.request.cancel_requested = True
+                raise
+        return [handle for handle, _ in built]
 
     def queue_room(self) -> int:
         """How many more requests submit() would accept right now: 0 once the engine stops accepting."""
