@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -11,7 +13,26 @@ import time
 from collections.abc import Callable
 
 from wkvm.config import ServerConfig
-from wkvm.server.background import BackgroundServer, free_port, wait_healthy
+from wkvm.server.background import BackgroundServer, wait_healthy
+
+# Ports for servers in other processes: below the kernel's ephemeral range (32768-60999 by default), from which
+# in-process servers and outgoing connections take theirs, and a range of its own for each pytest worker (gw0, gw1,
+# ...). The kernel's own choice (bind port 0, release, hand the number to the child) could be taken by the other
+# worker between the release and the child's bind, and the test would then talk to the other worker's server.
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+_PORTS = itertools.count(20_000 + 1_000 * _WORKER)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now, never handed out twice in this process, from this worker's range."""
+    for port in _PORTS:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("unreachable: the counter is endless")
 
 
 def until(done: Callable[[], bool], timeout: float = 30) -> bool:

@@ -13,14 +13,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import LiveServer, ServerProcess
+from live_server import LiveServer, ServerProcess, free_port
 
 from wkvm import SamplingParams, __version__, cli
 from wkvm.cli import EMBEDDED_MODEL, build_parser, main, parse_size
 from wkvm.cli_chat import ChatREPL
 from wkvm.config import ServerConfig
 from wkvm.logs import JsonFormatter
-from wkvm.server.background import free_port
 from wkvm.state.store import StateStore
 
 ROOT = Path(__file__).resolve().parent.parent

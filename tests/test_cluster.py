@@ -19,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from live_server import until
+from live_server import free_port, until
 
 from wkvm.cli import default_model
 from wkvm.server.asgi import key_owner
-from wkvm.server.background import free_port, wait_healthy
+from wkvm.server.background import wait_healthy
 from wkvm.state.responses import ResponseStore
 from wkvm.state.store import StateStore
 from wkvm.weights.loader import load_model

@@ -33,7 +33,7 @@ def test_wrong_model_fails_before_binding(model, says):
 
 
 def test_model_that_fails_to_load_later_exits(tmp_path, world_pth):
-    from wkvm.server.background import free_port
+    from live_server import free_port
 
     broken = tmp_path / "broken"
     broken.mkdir()

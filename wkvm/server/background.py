@@ -25,8 +25,9 @@ def bound_socket() -> socket.socket:
 
 
 def free_port() -> int:
-    """A loopback port free now, for a server in another process. Released before it returns, so another process can
-    take it first (rare: the kernel picks from ~14,000 even ports); a server in this process uses `bound_socket`."""
+    """A loopback port free now, for a server in another process (the benchmarks'). Released before it returns, so
+    another process can take it first (rare: the kernel picks from ~14,000 even ports); a server in this process uses
+    `bound_socket`, and the tests take theirs from a range of their own (tests/live_server.py)."""
     with bound_socket() as s:
         return cast(int, s.getsockname()[1])  # an AF_INET socket's name is (host, port)
 
