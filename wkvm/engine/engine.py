@@ -196,6 +196,8 @@ class Engine:
         scheduler sees every one at once. An n > 1 request's choices start from one state and share its pages while
         more of them wait; queued one by one, a choice admitted before the next was queued let the pages go and the
         next wrote its own copy of the prompt's keys and values (a peak of twice the prompt, under load)."""
+        if "resume" in kwargs:
+            raise TypeError("submit_all starts new requests; a suspended one resumes through submit")
         built: list[tuple[RequestHandle, Detokenizer]] = []
         for p in params:
             self.submit(prompt_ids, p, hold=built, **kwargs)
