@@ -98,6 +98,17 @@ def full_disk_is_an_answer(method: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
+def warn_if_open_to_others(root: Path) -> None:
+    """A warning when other users of this machine can list or read the state directory (one made by wkvm before
+    session 48 is 0755; its files take the umask's 0644, so every tenant's token histories and states were readable
+    to them). Its mode is its owner's to set: wkvm says so rather than changing it."""
+    mode = root.stat().st_mode & 0o777
+    if mode & 0o077:
+        log.warning("state directory %s has mode %o: other users of this machine can read every tenant's states and "
+                    "token histories there; `chmod 700 %s` makes it its owner's alone (as wkvm makes new ones)",
+                    root, mode, root)  # fmt: skip
+
+
 class StateStore:
     def __init__(
         self,
@@ -117,6 +128,7 @@ class StateStore:
         # it had been 0755, its files readable by every user of the machine (security hunt, session 48); one that
         # exists keeps the modes its owner gave it
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        warn_if_open_to_others(self.root)
         self._dir_key: Path | None = lock_dir(self.root, lock_wait)
         try:
             self._open(spec, fingerprint, vocab_size, device, limits, verify_on_load)
