@@ -49,6 +49,9 @@ def cluster(tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, timeout=300, alive=lambda: proc.poll() is None)
+        # the front is healthy once one replica is (docs/http-api.md): the tests want both (a two-process suite run
+        # had met /health with only r0 listed; session 51)
+        assert until(lambda: httpx.get(f"{url}/health").json().get("replicas") == ["r0", "r1"], 300)
         client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
         client.server_pid, client.state_dir = proc.pid, state_dir  # for the rolling restart (SIGHUP)
         client.log_path = log_path
