@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from wkvm.server.background import first_free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = ROOT / ".venv" / "bin"
@@ -93,14 +94,10 @@ def ensure_side_venv(venv: Path, spec: str) -> str:
 
 # --- processes --------------------------------------------------------------------------------------------------
 def free_port(start: int) -> int:
-    for port in range(start, start + 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port from {start}")
+    port = first_free_port(range(start, start + 200))
+    if port is None:
+        raise RuntimeError(f"no free port from {start}")
+    return port
 
 
 class Proc:

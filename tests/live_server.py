@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from wkvm.config import ServerConfig
-from wkvm.server.background import BackgroundServer, wait_healthy
+from wkvm.server.background import BackgroundServer, first_free_port, wait_healthy
 
 # Ports for servers in other processes: below the kernel's ephemeral range (32768-60999 by default), from which
 # in-process servers and outgoing connections take theirs, and a range of its own for each pytest worker (gw0, gw1,
@@ -25,14 +24,9 @@ _PORTS = itertools.count(20_000 + 1_000 * _WORKER)
 
 def free_port() -> int:
     """A loopback port nobody listens on now, never handed out twice in this process, from this worker's range."""
-    for port in _PORTS:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("unreachable: the counter is endless")
+    port = first_free_port(_PORTS)
+    assert port is not None  # the counter is endless
+    return port
 
 
 def until(done: Callable[[], bool], timeout: float = 30) -> bool:

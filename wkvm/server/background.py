@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import cast
 
@@ -22,6 +22,18 @@ def bound_socket() -> socket.socket:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     return s
+
+
+def first_free_port(ports: Iterable[int]) -> int | None:
+    """The first of `ports` nobody listens on now on loopback (None if none is)."""
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return None
 
 
 def free_port() -> int:
