@@ -533,7 +533,8 @@ def test_a_gguf_tensor_of_the_wrong_shape_is_named_from_the_header(gguf_ref, tmp
     write_gguf(tmp_path / "bad.gguf", gguf_ref, "Q8_0")
     made = []
     monkeypatch.setattr(gguf_file, "read_tensor", lambda path, t, heads: made.append(t.name))
-    with pytest.raises(CheckpointError, match=re.escape(f"tensor {hf} has shape {got}, expected {want}")):
+    says = f"tensor {hf} (the file's {victim}) has shape {got}, expected {want}"
+    with pytest.raises(CheckpointError, match=re.escape(says)):
         load_model(tmp_path / "bad.gguf")
     assert made == []  # refused from the header alone
 

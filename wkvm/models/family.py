@@ -45,10 +45,12 @@ class LazyTensors(dict[str, torch.Tensor]):
     GGUF was ~32 GB of fp32 before its first layer was converted). Reading, membership and iteration work as a dict's;
     the tensors cannot be changed. `items()` and `values()` make every tensor in turn."""
 
-    def __init__(self, makers: dict[str, Callable[[], torch.Tensor]], shapes: dict[str, tuple[int, ...]] | None = None):
+    def __init__(self, makers: dict[str, Callable[[], torch.Tensor]], shapes: dict[str, tuple[int, ...]] | None = None,
+                 file_names: dict[str, str] | None = None):  # fmt: skip
         super().__init__()  # nothing stored: every read goes through the makers
         self._makers = makers
         self.shapes = shapes or {}  # the shapes known without making a tensor (a GGUF header's)
+        self.file_names = file_names or {}  # each tensor's name in its file where that differs (a GGUF's blk.0...)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._makers[name]()
@@ -75,10 +77,10 @@ class LazyTensors(dict[str, torch.Tensor]):
         return (make() for make in self._makers.values())
 
     def only(self, names: Collection[str]) -> LazyTensors:
-        return LazyTensors({k: f for k, f in self._makers.items() if k in names}, self.shapes)
+        return LazyTensors({k: f for k, f in self._makers.items() if k in names}, self.shapes, self.file_names)
 
     def copy(self) -> LazyTensors:  # dict's own would copy the (empty) storage
-        return LazyTensors(dict(self._makers), self.shapes)
+        return LazyTensors(dict(self._makers), self.shapes, self.file_names)
 
     def _refuse(self, *args: object, **kwargs: object) -> None:
         raise TypeError("LazyTensors are read-only")
@@ -107,8 +109,12 @@ def finite(name: str, t: torch.Tensor, where: str | os.PathLike[str]) -> torch.T
 
 def finite_tensors(raw: RawTensors, where: str | os.PathLike[str]) -> LazyTensors:
     """`raw` with each tensor checked by `finite` as it is read (once per read: lazy tensors stay lazy)."""
-    shapes = raw.shapes if isinstance(raw, LazyTensors) else {k: tuple(t.shape) for k, t in raw.items()}
-    return LazyTensors({name: functools.partial(lambda n: finite(n, raw[n], where), name) for name in raw}, shapes)
+    makers: dict[str, Callable[[], torch.Tensor]] = {
+        name: functools.partial(lambda n: finite(n, raw[n], where), name) for name in raw
+    }
+    if isinstance(raw, LazyTensors):
+        return LazyTensors(makers, raw.shapes, raw.file_names)
+    return LazyTensors(makers, {k: tuple(t.shape) for k, t in raw.items()})
 
 
 def shape_of(raw: RawTensors, name: str) -> tuple[int, ...]:
@@ -710,7 +716,9 @@ def check_shapes(raw: RawTensors, expected: dict[str, tuple[int, ...]], what: st
     only when read)."""
     for name, shape in expected.items():
         if name in raw and (got := shape_of(raw, name)) != shape:
-            raise CheckpointError(f"{what} tensor {name} has shape {list(got)}, expected {list(shape)}")
+            own = raw.file_names.get(name) if isinstance(raw, LazyTensors) else None
+            called = f"{name} (the file's {own})" if own else name
+            raise CheckpointError(f"{what} tensor {called} has shape {list(got)}, expected {list(shape)}")
 
 
 def check_silu(config: dict[str, Any], what: str) -> None:

@@ -340,7 +340,8 @@ def read_gguf(path: Path) -> tuple[RawTensors, dict[str, Any]]:
         return lambda: read_tensor(path, t, heads.get(proj))
 
     shapes = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in tensors.items()}  # HF's [out, in] order
-    return LazyTensors({name: maker(name, t) for name, t in tensors.items()}, shapes), config
+    own = {name: t.name for name, t in tensors.items()}  # errors name both: users know the file's names
+    return LazyTensors({name: maker(name, t) for name, t in tensors.items()}, shapes, own), config
 
 
 DEQUANTIZE_BYTES = 1 << 18  # a quantized tensor's bytes per call of gguf's dequantize
