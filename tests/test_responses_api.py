@@ -339,6 +339,8 @@ def test_json_schema_format(server):
     ({"input": "hi", "truncation": "auto"}, "truncation"),
     ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt"),  # both had been ignored: answered as if never sent
     ({"input": "hi", "max_tool_calls": 0}, "max_tool_calls"),
+    ({"input": "hi", "state": "mine"}, "state"),  # chat's and completions' named states: both had been ignored
+    ({"input": "hi", "save_state": "mine"}, "save_state"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "max_output_tokens": 10**6}, "max_output_tokens"),
     ({"input": "hi", "tool_choice": {"type": "file_search"}}, "tool_choice"),

@@ -176,6 +176,11 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
     if body.max_tool_calls is not None:
         raise APIError(400, "max_tool_calls is not supported: leave it out (tool_choice 'none' makes no call)",
                        "max_tool_calls", "unsupported")  # fmt: skip
+    for name in ("state", "save_state"):  # chat's and completions' fields had been ignored here: no state went on
+        if getattr(body, name) is not None:
+            raise APIError(400, f"{name}: named states are served on /v1/chat/completions and /v1/completions; a "
+                           "response goes on from an earlier one with previous_response_id (its state is kept and "
+                           "reused)", name, "unsupported")  # fmt: skip
     for i, value in enumerate(body.include or ()):
         if value not in INCLUDABLE:  # a misspelt value had been ignored: the logprobs asked for never came
             raise APIError(400, f"include[{i}]: {value!r} is not one of OpenAI's include values "

@@ -317,3 +317,5 @@ class ResponsesRequest(RequestBody):
     conversation: Any = None
     prompt: Any = None  # a stored prompt template: refused (not served here)
     max_tool_calls: int | None = None  # refused: a forced call is always made
+    state: Any = None  # wkvm's named states (chat and completions): refused here, as previous_response_id continues
+    save_state: Any = None
