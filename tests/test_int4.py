@@ -137,7 +137,8 @@ def test_kernel_equals_the_dequantized_product_on_every_isa(shape, m):
 
 @pytest.mark.parametrize("path", ["auto", "avx2", "torch"])
 def test_prefill_sized_batches(path):
-    """Past KERNEL_ROWS rows a path without VNNI dequantizes for oneDNN; VNNI keeps the kernel (measured faster)."""
+    """Past KERNEL_ROWS rows the AVX-512BW path (no VNNI) dequantizes for oneDNN; AVX2, VNNI and AMX keep the kernel
+    (measured faster)."""
     if path not in ("auto", "torch") and path not in native_paths():
         pytest.skip(f"this CPU does not run {path}")
     torch.manual_seed(1)

@@ -110,7 +110,7 @@ def test_kernel_equals_the_float64_product_on_every_isa(shape, m):
         assert y.shape == (m, n) and y.dtype == torch.float32
         assert ((y.double() - want).abs() <= bound).all(), p  # x is rounded to int8 per group of 32 in the kernel
     # integer products summed exactly, the same float steps after: the portable, AVX2, AVX-512, VNNI and AMX paths
-    # agree (past KERNEL_ROWS rows only VNNI and AMX keep the kernel: the others dequantize for oneDNN)
+    # agree (past KERNEL_ROWS rows AVX2, VNNI and AMX keep the kernel: AVX-512BW and scalar dequantize for oneDNN)
     kernel = [y for p, y in outs.items() if m <= int8.KERNEL_ROWS or p in int8.ALL_SIZES]
     assert all(torch.equal(kernel[0], y) for y in kernel)
 
@@ -160,7 +160,8 @@ def test_x_groups_of_zeros_nans_and_extremes_round_alike_on_every_isa():
 
 @pytest.mark.parametrize("path", ["auto", "avx2", "torch"])
 def test_prefill_sized_batches(path):
-    """Past KERNEL_ROWS rows a path without VNNI dequantizes for oneDNN; VNNI keeps the kernel (measured faster)."""
+    """Past KERNEL_ROWS rows the AVX-512BW path (no VNNI) dequantizes for oneDNN; AVX2, VNNI and AMX keep the kernel
+    (measured faster)."""
     if path not in ("auto", "torch") and path not in native_paths():
         pytest.skip(f"this CPU does not run {path}")
     torch.manual_seed(1)
@@ -178,6 +179,31 @@ def test_avx2_can_be_forced_on_any_avx2_cpu(fresh_choice):
     assert int8.kernel_path() == "avx2"
     q, x = int8.quantize(torch.randn(9, 100)), torch.randn(3, 100)
     assert torch.equal(linear(x, q), int8.linear(x, q, "scalar"))
+
+
+def test_which_paths_take_prefill_sized_x(fresh_choice):
+    """The AVX2 kernel takes x of every size, as VNNI and AMX do (session 52: with its batch block it ran 1.1-3.2x
+    dequantize + oneDNN from 64 to 2,048 rows on an AVX2-only Zen 3, and a prompt chunk of any length then has
+    stepping's bits); int4 follows int8's list. The AVX-512BW path (no VNNI) hands more than KERNEL_ROWS rows to
+    oneDNN, and so does the portable one."""
+    from wkvm.models import int4
+
+    paths = native_paths()
+    if "avx2" not in paths:
+        pytest.skip("this CPU has no AVX2")
+    q8, q4 = int8.quantize(torch.randn(64, 64)), int4.quantize(torch.randn(64, 64))
+    try:
+        for path in paths:
+            for kind in ("INT8", "INT4"):
+                fresh_choice.setenv(f"WKVM_{kind}_KERNEL", path)
+            int8.kernel_path.cache_clear()
+            int4.kernel_path.cache_clear()
+            every = path in ("avx2", "avx512_vnni", "amx")
+            assert (int8.kernel_for(q8, 4096) is not None) == every, path
+            assert (int4.kernel_for(q4, 4096) is not None) == every, path
+            assert int8.kernel_for(q8, int8.KERNEL_ROWS) == ("wkvm_int8", int8.ISAS.index(path))
+    finally:
+        int4.kernel_path.cache_clear()
 
 
 def test_an_unknown_or_unsupported_forced_kernel_is_a_clear_error(fresh_choice):

@@ -573,6 +573,35 @@ def test_a_prompt_has_the_bits_of_stepping_however_it_is_chunked_or_resumed(mode
                 assert max(abs(a[t] - b[t]) for t in a.keys() & b.keys()) < 1e-3
 
 
+def test_long_chunks_attend_through_torch_where_the_fused_attention_cannot_group_rows(model_dir, monkeypatch):
+    """Built without AVX-512 the fused attention takes each of a chunk's rows alone (`fused.rows_ungrouped`), several
+    times slower than torch's on a long chunk (SmolLM2 int8's engine prefill of 1,024 tokens ran 0.72x on an
+    AVX2-only Zen 3, once the AVX2 kernels took every size): there a chunk of more than UNGROUPED_ROWS tokens attends
+    through torch (to rounding), a shorter one still a token at a time (stepping's bits). Where rows are grouped,
+    every length a token at a time. Either way a long prompt answers as it does token by token."""
+    from wkvm.models.llama import model as llama_model
+
+    m = load_model(model_dir, dtype="int8")  # (the tiny model's int4 matrices are not all int4: K is not 32 k)
+    n = llama_model.UNGROUPED_ROWS
+    if not m.rows_alone(n):
+        pytest.skip("no native int8 kernel here: every chunk attends through torch")
+    monkeypatch.setattr(llama_model, "rows_ungrouped", lambda head_dim: True)
+    assert m.rows_alone(n) and not m.rows_alone(n + 1)
+    prompt = [(5 * j + 2) % len(CHAR_VOCAB) for j in range(2 * n)]
+
+    def tokens(chunk: int) -> list[int]:
+        eng = engine(m, model_dir, pages=64, n_slots=1, token_budget=128, prefill_chunk=chunk)
+        h = eng.submit(prompt, greedy(8))
+        eng.run_until_done()
+        return h.output.token_ids
+
+    assert tokens(2 * n) == tokens(1)
+    monkeypatch.setattr(llama_model, "rows_ungrouped", lambda head_dim: False)
+    from wkvm.models import int8
+
+    assert m.rows_alone(4 * n) == (int8.kernel_path() in int8.ALL_SIZES)
+
+
 def test_a_models_generation_config_sets_the_sampling_a_request_leaves_out(model, model_dir, tmp_path):
     """vLLM's `--generation-config auto` (its default): a request without temperature / top_p / top_k / min_p /
     repetition_penalty takes the model's generation_config.json values (wkvm had sampled such a request at OpenAI's

@@ -213,7 +213,8 @@ def test_a_short_chunk_has_the_bits_of_stepping_through_it(tmp_path, monkeypatch
     where the matmuls give each row the same bits whatever rows come with it (fp32 on wkvm's gemv kernel, int8,
     int4); bf16 (oneDNN) does not promise that, and says so. A moved stream catches up on this path
     (Engine.precopy). Longer chunks take the one call where it reaches (20-96 tokens here; int8 / int4 with
-    AVX512-VNNI any length): the same, so a prompt resumed from a stored prefix answers as an uninterrupted one."""
+    AVX2, AVX512-VNNI or AMX any length): the same, so a prompt resumed from a stored prefix answers as an
+    uninterrupted one."""
     path = tmp_path / "m.pth"
     save_random_rwkv7(path, SHAPES["L3-C192-H3-N64-V1000"], seed=13)
     model = load_model(path, dtype=dtype)

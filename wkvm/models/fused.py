@@ -57,6 +57,14 @@ def available() -> bool:
                             "per-layer ops run as separate torch ops (slower)")  # fmt: skip
 
 
+@functools.cache
+def rows_ungrouped(head_dim: int) -> bool:
+    """Whether the fused attention is built here without its loop that takes a prompt chunk's rows a chunk of keys
+    at a time (`Attention::group`, for AVX-512: 16 sums of 16 floats in registers): each row then reads the keys
+    alone, and a long chunk attends several times slower than through torch (llama/model.py)."""
+    return available() and not torch.ops.wkvm_fused.groups_rows(head_dim)
+
+
 def kernel_available(source: Path, namespace: str, op: str, what: str, fallback: str) -> bool:
     """The switch of every fused kernel (this one, a family's step kernel): False under `WKVM_FUSED=off`, else
     whether `source` builds and loads here (once per source and CPU); without a compiler one warning naming `what`

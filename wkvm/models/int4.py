@@ -19,7 +19,9 @@ each row of x is rounded to int8 per group of 32 (llama.cpp's q8 activations), s
 dot products (vpdpbusd with AVX512-VNNI), the same bits on every ISA. Rounding x costs little: with x kept in fp32
 (the matrices dequantized) the KL moved by at most 4% (SmolLM2: 0.0665 vs 0.069), so int16 x (twice the integer
 instructions) was not built. With VNNI the kernel takes every size (it beat dequantize + oneDNN from 1 to 1,024
-rows); without it, prefill (more than `KERNEL_ROWS` rows) dequantizes to fp32 per call for oneDNN's GEMM. Without a
+rows), and with AVX2 (on an AVX2-only AMD EPYC Zen 3: 1.2-9.4x dequantize + oneDNN from 64 to 1,024 rows, 1.06-1.32x
+at 2,048 and 4,096; session 52); the AVX-512BW path without VNNI dequantizes more than `KERNEL_ROWS` rows to fp32
+per call for oneDNN's GEMM. Without a
 compiler every call dequantizes in torch after a one-line warning; importing never fails.
 WKVM_INT4_KERNEL=amx|avx512_vnni|avx512|avx2|scalar|torch forces a path.
 """
@@ -36,9 +38,11 @@ from wkvm.models.int8 import ALL_SIZES, ISAS, built_isa, choose_path, kernel_op,
 
 log = logging.getLogger("wkvm.int4")
 
-# rows of x up to which the kernel beats dequantize + oneDNN without VNNI (AVX2: 0.55-0.62x fp32 at 128 rows against
-# 0.36-0.50x for dequantize + oneDNN, 0.53-0.61x at 1,024 against 0.83-0.86x); with VNNI the kernel ran 0.71-1.22x
-# fp32 oneDNN from 32 to 1,024 rows (3-4x at 1), above dequantize + oneDNN (0.05-0.86x) at every size, so it takes all
+# rows of x up to which the AVX-512BW kernel (no VNNI) is kept against dequantize + oneDNN (measured as AVX2 code on an
+# AVX-512 machine: 0.55-0.62x fp32 at 128 rows against 0.36-0.50x for dequantize + oneDNN, 0.53-0.61x at 1,024 against
+# 0.83-0.86x); with VNNI the kernel ran 0.71-1.22x fp32 oneDNN from 32 to 1,024 rows (3-4x at 1), above dequantize +
+# oneDNN (0.05-0.86x) at every size, and on a real AVX2-only CPU the AVX2 kernel beat dequantize + oneDNN at every
+# size (session 52), so those two take all (int8.ALL_SIZES)
 KERNEL_ROWS = 128
 SOURCE = Path(__file__).with_name("int4_linear.cpp")
 GROUP, ROWS, ROW_BYTES = 32, 16, 20  # weights a group, rows a block, bytes a row and group
@@ -149,7 +153,7 @@ def kernel_for(w: torch.Tensor, rows: int) -> tuple[str, int] | None:
 
 
 def _kernel_takes(path: str, rows: int) -> bool:
-    return path in ALL_SIZES or (path != "torch" and rows <= KERNEL_ROWS)  # VNNI, AMX: every size
+    return path in ALL_SIZES or (path != "torch" and rows <= KERNEL_ROWS)  # AVX2, VNNI, AMX: every size
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, path: str | None = None) -> torch.Tensor:

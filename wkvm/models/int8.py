@@ -16,8 +16,10 @@ the int4 kernel in x_groups.h) and multiplies exactly in integers (AVX512-VNNI's
 instruction; int16 vpmaddwd without VNNI; with AMX-INT8, from 32 rows of x, tdpbssd on tiles, 1.3-1.7x VNNI's
 products there), one fused multiply-add per group after, so every ISA gives the same bits.
 Rounding x moved the default model's mean KL from fp32 from 9.3e-5 (int16 x) to 1.4e-4 and made M=8-32 products
-1.5-2.4x faster (docs/performance.md). More rows (prefill) without VNNI: the matrix is dequantized to fp32 per
-call and goes to oneDNN, whose GEMM beats the vpmaddwd kernel there (with VNNI the kernel takes every size).
+1.5-2.4x faster (docs/performance.md). The AVX2, VNNI and AMX paths take every size of x (prefill too): on an
+AVX2-only AMD EPYC Zen 3 the AVX2 kernel ran 1.1-3.2x dequantize + oneDNN from 64 to 2,048 rows and 0.86-1.05x at
+4,096 (session 52, once its batch block widened each group's weights for all rows; before, oneDNN won there). Only
+the AVX-512BW path without VNNI still dequantizes more rows to fp32 per call for oneDNN.
 Without a compiler every call dequantizes in torch (correct, slow) after a one-line warning; importing never fails.
 
 WKVM_INT8_KERNEL=amx|avx512_vnni|avx512|avx2|scalar|torch forces a path (tests run the AVX2 kernel on AVX-512 machines).
@@ -40,13 +42,14 @@ import torch
 
 log = logging.getLogger("wkvm.int8")
 
-# rows of x up to which the kernel beats dequantize + oneDNN without VNNI: 32, and 128 for a matrix of 8M+ weights
-# (a head), whose dequantized fp32 copy costs more to make than the kernel's extra arithmetic; with VNNI the kernel
-# ran at or above fp32 oneDNN at every size measured (up to 256 rows), so it takes all sizes
+# rows of x up to which the AVX-512BW kernel (no VNNI) beats dequantize + oneDNN: 32, and 128 for a matrix of 8M+
+# weights (a head), whose dequantized fp32 copy costs more to make than the kernel's extra arithmetic; the VNNI path
+# ran at or above fp32 oneDNN at every size measured (up to 256 rows), and the AVX2 one above dequantize + oneDNN
+# (session 52), so they take all sizes
 KERNEL_ROWS, KERNEL_ROWS_LARGE, LARGE = 32, 128, 8 << 20
 SOURCE = Path(__file__).with_name("int8_linear.cpp")
 ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "amx")  # the kernels' isa argument is the index
-ALL_SIZES = ("avx512_vnni", "amx")  # the paths that take every size of x
+ALL_SIZES = ("avx2", "avx512_vnni", "amx")  # the paths that take every size of x (int8's and int4's)
 SCALE_BYTES = 4
 BLOCK = 32
 CFLAGS = ("-O3", "-ffp-contract=off")  # no FMA contraction: every ISA computes the same float expression
