@@ -574,7 +574,7 @@ def test_a_prompt_has_the_bits_of_stepping_however_it_is_chunked_or_resumed(mode
 
 
 def test_long_chunks_attend_through_torch_where_the_fused_attention_cannot_group_rows(model_dir, monkeypatch):
-    """Built without AVX-512 the fused attention takes each of a chunk's rows alone (`fused.rows_ungrouped`), several
+    """Built without AVX-512 the fused attention takes each of a chunk's rows alone (`fused.narrow_attention`), several
     times slower than torch's on a long chunk (SmolLM2 int8's engine prefill of 1,024 tokens ran 0.72x on an
     AVX2-only Zen 3, once the AVX2 kernels took every size): there a chunk of more than UNGROUPED_ROWS tokens attends
     through torch (to rounding), a shorter one still a token at a time (stepping's bits). Where rows are grouped,
@@ -585,7 +585,7 @@ def test_long_chunks_attend_through_torch_where_the_fused_attention_cannot_group
     n = llama_model.UNGROUPED_ROWS
     if not m.rows_alone(n):
         pytest.skip("no native int8 kernel here: every chunk attends through torch")
-    monkeypatch.setattr(llama_model, "rows_ungrouped", lambda head_dim: True)
+    monkeypatch.setattr(llama_model, "narrow_attention", lambda: True)
     assert m.rows_alone(n) and not m.rows_alone(n + 1)
     prompt = [(5 * j + 2) % len(CHAR_VOCAB) for j in range(2 * n)]
 
@@ -596,7 +596,7 @@ def test_long_chunks_attend_through_torch_where_the_fused_attention_cannot_group
         return h.output.token_ids
 
     assert tokens(2 * n) == tokens(1)
-    monkeypatch.setattr(llama_model, "rows_ungrouped", lambda head_dim: False)
+    monkeypatch.setattr(llama_model, "narrow_attention", lambda: False)
     from wkvm.models import int8
 
     assert m.rows_alone(4 * n) == (int8.kernel_path() in int8.ALL_SIZES)

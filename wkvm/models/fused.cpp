@@ -1612,14 +1612,15 @@ at::Tensor llama_layers(const at::Tensor& x, at::TensorList norms, at::TensorLis
   return y;
 }
 
-// whether rope_attend takes a prompt chunk's rows a chunk of keys at a time (Attention::group: built for AVX-512);
-// without it each row reads the keys alone, slower than torch's attention on a long chunk (llama/model.py asks)
-bool groups_rows(int64_t head_dim) { return ACC_REGS >= 16 && transposed_size(head_dim); }
+// whether the attention here is built with its AVX-512 loops (sums in registers; Attention::group, which takes a
+// prompt chunk's rows a chunk of keys at a time); without them each row reads the keys alone, several times slower
+// than torch's attention on a long chunk (llama/model.py asks)
+bool wide_attention() { return ACC_REGS >= 16; }
 
 }  // namespace
 
 TORCH_LIBRARY(wkvm_fused, m) {
-  m.def("groups_rows(int head_dim) -> bool", &groups_rows);
+  m.def("wide_attention() -> bool", &wide_attention);
   m.def("greedy(Tensor logits) -> (Tensor, Tensor)", &greedy);
   m.def(
       "sample(Tensor logits, float temperature, int top_k, float top_p, float min_p, float u, Tensor? counts, "

@@ -58,11 +58,11 @@ def available() -> bool:
 
 
 @functools.cache
-def rows_ungrouped(head_dim: int) -> bool:
-    """Whether the fused attention is built here without its loop that takes a prompt chunk's rows a chunk of keys
-    at a time (`Attention::group`, for AVX-512: 16 sums of 16 floats in registers): each row then reads the keys
-    alone, and a long chunk attends several times slower than through torch (llama/model.py)."""
-    return available() and not torch.ops.wkvm_fused.groups_rows(head_dim)
+def narrow_attention() -> bool:
+    """Whether the fused attention is built here without its AVX-512 loops (16 sums of 16 floats in registers), and
+    so without `Attention::group`, which takes a prompt chunk's rows a chunk of keys at a time: each row then reads
+    the keys alone, and a long chunk attends several times slower than through torch (llama/model.py)."""
+    return available() and not torch.ops.wkvm_fused.wide_attention()
 
 
 def kernel_available(source: Path, namespace: str, op: str, what: str, fallback: str) -> bool:

@@ -32,7 +32,15 @@ from wkvm.models.family import (
     resident,
     shape_of,
 )
-from wkvm.models.fused import add_rms_norm, cpu_fp32, llama_layer, llama_layers, rms_norm, rows_ungrouped, silu_mul
+from wkvm.models.fused import (
+    add_rms_norm,
+    cpu_fp32,
+    llama_layer,
+    llama_layers,
+    narrow_attention,
+    rms_norm,
+    silu_mul,
+)
 from wkvm.models.kv import Attn, kv_tensors
 from wkvm.models.linear import linear, stored
 from wkvm.models.provider import ResidentWeights, Tensors, WeightProvider
@@ -51,7 +59,7 @@ LAYER_RAW = ATTN_RAW + MLP_RAW + NORM_RAW
 # compute-form names of the matrices that go through `linear`
 LINEAR = ("self_attn.qkv", "self_attn.o_proj.weight", "mlp.gate_up", "mlp.down_proj.weight")
 
-# the longest chunk that attends a token at a time where the fused attention cannot group a chunk's rows: the int8
+# the longest chunk that attends a token at a time where the fused attention is built without AVX-512: the int8
 # kernel's row limit on AVX2 before session 52 (so such chunks keep stepping's bits, as then)
 UNGROUPED_ROWS = 32
 
@@ -243,10 +251,10 @@ class Llama(ModelBase):
     def rows_alone(self, rows: int) -> bool:
         """Norms, RoPE, SiLU and residuals work row by row; the matmuls do where `rows` rows run on the native kernel
         one row does (int8 / int4; fp32 up to the gemv kernel's rows), so attention is all that decides. Where the
-        fused attention cannot group a chunk's rows (no AVX-512), chunks of more than UNGROUPED_ROWS tokens attend
+        fused attention is built without AVX-512 (`narrow_attention`), chunks of more than UNGROUPED_ROWS tokens attend
         through torch instead: a token at a time, SmolLM2 int8's engine prefill of 1,024 tokens had run 0.72x
         (AMD EPYC Zen 3, AVX2 only; session 52). Those chunks then agree with stepping to rounding, not bits."""
-        if rows > UNGROUPED_ROWS and rows_ungrouped(self.config.head_dim):
+        if rows > UNGROUPED_ROWS and narrow_attention():
             return False
         if (0, rows) not in self._kernels:  # asked once a step: the weights (perhaps streamed) only the first time
             w = self.weights.layer(0)
