@@ -208,7 +208,9 @@ def quantized_speed(kind: str, path: str, size: str, measured: str) -> str:
     if path == "torch":
         return f"no native {kind} kernel (no C++ compiler, or its build failed): {size}, but every matmul " \
                "dequantizes first, slower than float32; install g++ or use --dtype float32"  # fmt: skip
-    note = "" if path in int8.ALL_SIZES else " (with AVX512-VNNI; without it batched decode and prefill gain less)"
+    # the figures are the VNNI kernel's (AVX2 takes every size too since session 52, but gains less)
+    vnni = path in ("avx512_vnni", "amx")
+    note = "" if vnni else " (with AVX512-VNNI; without it batched decode and prefill gain less)"
     return f"native {kind} kernel ({path}): {size}; measured {measured}{note}"
 
 
