@@ -457,7 +457,7 @@ def test_a_request_head_not_whole_in_time_is_closed(server, monkeypatch):
         length = int(match.group(1))
         while len(body) < length:
             body += sock.recv(4096)
-        return data
+        return head + b"\r\n\r\n" + body
 
     silent = socket.create_connection(("127.0.0.1", server.port), timeout=10)
     dribble = socket.create_connection(("127.0.0.1", server.port), timeout=10)

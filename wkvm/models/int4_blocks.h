@@ -150,7 +150,7 @@ __attribute__((target(WKVM_I4_AVX2))) void half_avx2(const Problem& p, int64_t b
       // each int16 lane adds the group's 8 pair sums, each at most 2 * 15 * 127 = 3,810 in magnitude (x is rounded
       // to -127..127): 30,480 at most, so no lane saturates or wraps, and one vpmaddwd widens them. Against widening
       // each pair sum (a vpmaddwd and a vpaddd a step): 17 instructions a group instead of 24. AMD EPYC Zen 3, one
-      // thread, weights in cache, best of 9: 1.08-1.14x at 1-16 rows; SmolLM2 int4 8 batched through the engine
+      // thread, weights in cache, best of 9: 1.09-1.16x at 1-16 rows; SmolLM2 int4 8 batched through the engine
       // within the noise (0.96x, median of 10 alternating runs; session 52)
       __m256i s16 = _mm256_setzero_si256();
       for (int j = 0; j < 8; ++j) {

@@ -137,9 +137,9 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Problem& p, int64_t b,
 // rows. Here a group's 32 x 32 weights are widened once into an L1 buffer (2 KiB) and each pair of rows reads them
 // as multiply operands; the fp32 sums wait in a buffer between groups. The same integer sums, added group by group
 // in the same order: the same bits. AMD EPYC Zen 3, 2 vCPUs, AVX2 only (session 52; a noisy host): one thread, 8-32
-// rows, weights in cache, best of 9: 45-56 GMAC/s against 30-42; SmolLM2 int8 8 batched through the engine 1.05x and
-// 1.08x (medians of 16 and 12 alternating runs). Below 8 rows the widening costs more than it saves (1-2 rows: 15
-// against 32 GMAC/s).
+// rows, weights in cache, best of 9: 46-56 GMAC/s against 30-43 in most runs (a few noisy ones the other way round,
+// e.g. 35.9 against 41.5 at 32 rows); SmolLM2 int8 8 batched through the engine 1.05x and 1.08x (medians of 16 and 12
+// alternating runs). Below 8 rows the widening costs more than it saves (1-2 rows: 15 against 31-35 GMAC/s).
 
 constexpr int64_t WIDE_ROWS = 8;  // from this many rows of x
 constexpr int64_t WIDE_CHUNK = 64;  // rows of x a pass over a block's groups (their fp32 sums: 8 KiB)
