@@ -14,6 +14,7 @@ from live_server import LiveServer
 
 from wkvm.config import EngineConfig
 from wkvm.engine.engine import Engine
+from wkvm.models import fused
 from wkvm.sampling_params import SamplingParams
 from wkvm.weights.loader import load_model, load_text_tools
 
@@ -574,11 +575,12 @@ def test_a_prompt_has_the_bits_of_stepping_however_it_is_chunked_or_resumed(mode
 
 
 def test_long_chunks_attend_through_torch_where_the_fused_attention_cannot_group_rows(model_dir, monkeypatch):
-    """Built without AVX-512 the fused attention takes each of a chunk's rows alone (`fused.narrow_attention`), several
-    times slower than torch's on a long chunk (SmolLM2 int8's engine prefill of 1,024 tokens ran 0.72x on an
-    AVX2-only Zen 3, once the AVX2 kernels took every size): there a chunk of more than UNGROUPED_ROWS tokens attends
-    through torch (to rounding), a shorter one still a token at a time (stepping's bits). Where rows are grouped,
-    every length a token at a time. Either way a long prompt answers as it does token by token."""
+    """Built without AVX2 + FMA or AVX-512 the fused attention takes each of a chunk's rows alone
+    (`fused.narrow_attention`), several times slower than torch's on a long chunk (SmolLM2 int8's engine prefill of
+    1,024 tokens ran 0.72x that way on an AVX2-only Zen 3 before the AVX2 grouped rows): there a chunk of more than
+    UNGROUPED_ROWS tokens attends through torch (to rounding), a shorter one still a token at a time (stepping's bits).
+    Where rows are grouped, every length a token at a time. Either way a long prompt answers as it does token by
+    token."""
     from wkvm.models.llama import model as llama_model
 
     m = load_model(model_dir, dtype="int8")  # (the tiny model's int4 matrices are not all int4: K is not 32 k)
@@ -600,6 +602,42 @@ def test_long_chunks_attend_through_torch_where_the_fused_attention_cannot_group
     from wkvm.models import int8
 
     assert m.rows_alone(4 * n) == (int8.kernel_path() in int8.ALL_SIZES)
+
+
+def test_the_fused_attention_groups_a_chunks_rows_on_every_cpu_with_avx2_and_fma():
+    """AVX2 + FMA is every x86 CPU CI runs on: there the fused attention groups a prompt chunk's rows
+    (`scores_lanes8`: eight tokens a vector), so Llama's long chunks keep stepping's bits (the next test). Until
+    session 53 only an AVX-512 build did, and AVX2-only CPUs attended long chunks through torch's SDPA."""
+    from wkvm.models import int8
+
+    flags = int8.cpu_flags().split()
+    if not fused.available() or fused.MARCH != "native" or not {"avx2", "fma"} <= set(flags):
+        pytest.skip("the fused kernel is not built here for this CPU's AVX2 + FMA (no compiler, another -march, or a "
+                    "CPU without them)")  # fmt: skip
+    assert not fused.narrow_attention()
+
+
+def test_a_long_chunk_has_the_bits_of_stepping_where_the_fused_attention_groups_rows(tmp_path):
+    """A prompt of more than UNGROUPED_ROWS tokens in one chunk, its tokens as rows of the fused attention's groups,
+    gives the tokens and logprobs of feeding it token by token, to the bit (int8 matrices, float16 pages as `wkvm
+    serve` keeps them; head size 16 and three query heads a kv head, as SmolLM2's 64 and 3: sizes the groups take)."""
+    from wkvm.models.llama import model as llama_model
+
+    model_dir = llama.write_checkpoint(tmp_path / "model", len(CHAR_VOCAB), 4, head_dim=16)
+    write_char_tokenizer(model_dir)
+    m = load_model(model_dir, dtype="int8")
+    n = 2 * llama_model.UNGROUPED_ROWS + 5
+    if fused.narrow_attention() or not m.rows_alone(n):
+        pytest.skip("no native int8 kernel, or a fused attention that does not group rows (no AVX2 + FMA build)")
+    prompt = [(5 * j + 2) % len(CHAR_VOCAB) for j in range(n)]
+
+    def run(chunk: int) -> tuple[list[int], list[dict[int, float]]]:
+        eng = engine(m, model_dir, pages=64, n_slots=1, token_budget=128, prefill_chunk=chunk, kv_dtype="float16")
+        h = eng.submit(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2))
+        eng.run_until_done()
+        return h.output.token_ids, h.output.logprobs
+
+    assert run(n) == run(1)
 
 
 def test_a_models_generation_config_sets_the_sampling_a_request_leaves_out(model, model_dir, tmp_path):

@@ -18,7 +18,7 @@
 //     torch's thread pool, merged per row afterwards (flash-decoding). The pools are float32 or float16 (`--kv-dtype`;
 //     D a multiple of 8): float16 keys and values are rounded when written and widened to fp32 when read. A prompt
 //     chunk's tokens as rows (rows reading the same pages) share each chunk of keys, transposed once, and of values:
-//     the same bits as one row at a time (Attention::group).
+//     the same bits as one row at a time (Attention::group; with AVX-512, or AVX2 with FMA).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
@@ -595,15 +595,100 @@ void scores_rows_gs(const float* const* qs, float* const* outs, const int64_t* m
   }
 }
 
+// scores_lanes with eight tokens along the lanes (AVX2's 16 registers): lane l's sums over d = l, l + 16, ... are
+// vectors of eight tokens, added in hsum4's order as scores_lanes adds them (C(l) = (l + l+8) + (l+4 + l+12), then
+// (C(0) + C(2)) + (C(1) + C(3))), taken in that order so that at most two partial sums per head wait: with GS = 3,
+// 14 of the 16 registers (the last quarter spills three). A 256-token chunk's attention after 768 tokens (one layer,
+// SmolLM2's heads, float16 pages; AMD EPYC Zen 3, 2 threads): 36 ms a row at a time, ~6-10 ms grouped, torch's SDPA
+// 7-11 ms; the scores loop runs ~11 products a cycle (two FMAs a cycle: 16).
+template <int GS, int ND>
+inline void scores_lanes8(const float* q, const float* kh, int64_t W, v8f (&out)[GS]) {
+  constexpr int D = 16 * ND;
+  // lanes `lane` and `lane` + 8 (B(lane) in scores_lanes)
+  auto pair = [&](int lane, v8f (&b)[GS]) {
+    v8f a0[GS], a8[GS];
+#pragma GCC unroll 3
+    for (int g = 0; g < GS; ++g) a0[g] = a8[g] = v8f{};
+#pragma GCC unroll 8
+    for (int c = 0; c < D; c += 16) {
+      v8f k0 = load_vec<v8f>(kh + (c + lane) * W), k8 = load_vec<v8f>(kh + (c + lane + 8) * W);
+#if defined(__AVX__)
+      asm("" : "+x"(k0), "+x"(k8));  // loaded once for the GS heads (GCC otherwise folds a load into each product)
+#endif
+#pragma GCC unroll 3
+      for (int g = 0; g < GS; ++g) {
+        a0[g] += q[g * D + c + lane] * k0;
+        a8[g] += q[g * D + c + lane + 8] * k8;
+      }
+    }
+#pragma GCC unroll 3
+    for (int g = 0; g < GS; ++g) b[g] = a0[g] + a8[g];
+  };
+  auto quad = [&](int l, v8f (&c)[GS]) {  // C(l)
+    v8f b0[GS], b4[GS];
+    pair(l, b0);
+    pair(l + 4, b4);
+#pragma GCC unroll 3
+    for (int g = 0; g < GS; ++g) c[g] = b0[g] + b4[g];
+  };
+  v8f even[GS], x[GS], y[GS];
+  quad(0, x);
+  quad(2, y);
+#pragma GCC unroll 3
+  for (int g = 0; g < GS; ++g) even[g] = x[g] + y[g];
+  quad(1, x);
+  quad(3, y);
+#pragma GCC unroll 3
+  for (int g = 0; g < GS; ++g) out[g] = even[g] + (x[g] + y[g]);
+}
+
+// scores_rows_gs with scores_lanes8: blocks of 8 tokens
+template <int GS, int ND>
+void scores_rows8_gs(const float* const* qs, float* const* outs, const int64_t* ms, int64_t n, const float* kt,
+                     int64_t W, const Heads& hs) {
+  const int64_t longest = ms[n - 1];
+  for (int64_t h = 0; h < hs.Hq; h += GS) {
+    const float* kh = kt + (h / hs.G) * hs.D * W;
+    for (int64_t i = 0; i < longest; i += 8) {
+      for (int64_t k = 0; k < n; ++k) {
+        const int64_t m = ms[k];
+        if (i >= m) continue;
+        v8f s[GS];
+        scores_lanes8<GS, ND>(qs[k] + h * hs.D, kh + i, W, s);
+        if (m - i >= 8) {
+          for (int g = 0; g < GS; ++g) std::memcpy(outs[k] + (h + g) * m + i, &s[g], sizeof(v8f));
+        } else {
+          for (int g = 0; g < GS; ++g)
+            for (int64_t t = 0; t < m - i; ++t) outs[k][(h + g) * m + i + t] = s[g][t];
+        }
+      }
+    }
+  }
+}
+
+// Whether a prompt chunk's rows are scored from transposed keys (Attention::group): with AVX-512 (16 tokens a vector,
+// ACC_REGS) or AVX2 with FMA (eight, scores_lanes8)
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool ROW_GROUPS = true;
+#else
+constexpr bool ROW_GROUPS = ACC_REGS >= 16;
+#endif
+
 // head sizes transpose_keys' rows take: 16, 32, 64, 128
 constexpr bool transposed_size(int64_t D) { return D == 16 || D == 32 || D == 64 || D == 128; }
 
 template <int ND>
 void scores_rows_nd(const float* const* qs, float* const* outs, const int64_t* ms, int64_t n, const float* kt,
                     int64_t W, const Heads& hs) {
-  if (hs.G % 3 == 0) return scores_rows_gs<3, ND>(qs, outs, ms, n, kt, W, hs);
-  if (hs.G % 2 == 0) return scores_rows_gs<2, ND>(qs, outs, ms, n, kt, W, hs);
-  scores_rows_gs<1, ND>(qs, outs, ms, n, kt, W, hs);
+  if constexpr (ACC_REGS >= 16) {
+    if (hs.G % 3 == 0) return scores_rows_gs<3, ND>(qs, outs, ms, n, kt, W, hs);
+    if (hs.G % 2 == 0) return scores_rows_gs<2, ND>(qs, outs, ms, n, kt, W, hs);
+    scores_rows_gs<1, ND>(qs, outs, ms, n, kt, W, hs);
+  } else {
+    if (hs.G % 3 == 0) return scores_rows8_gs<3, ND>(qs, outs, ms, n, kt, W, hs);
+    if (hs.G % 2 == 0) return scores_rows8_gs<2, ND>(qs, outs, ms, n, kt, W, hs);
+    scores_rows8_gs<1, ND>(qs, outs, ms, n, kt, W, hs);
+  }
 }
 
 // scores_of's bits for every row but the tokens past a page run's last multiple of 4 (scores_of's `dot`: the caller
@@ -724,21 +809,23 @@ void values_heads(const float* p, const T* vf, const Pages& pg, int64_t t0, int6
 
 // values_group's sums (float16 pools) for two rows that read the same pages, the second at least as long (ma <= mb
 // tokens from t0): each value vector is widened once for both rows, which halves the loads and conversions of a
-// prompt chunk's rows. Each sum takes its tokens in values_group's order: the same bits.
-template <int G, int NC>
+// prompt chunk's rows. Each sum takes its tokens in values_group's order: the same bits (a value's sums are lane by
+// lane, so V's width does not change them: vacc with AVX-512, v8f with AVX2).
+template <class V, int G, int NC>
 void values_pair(const float* pa, int64_t ma, const float* pb, int64_t mb, const half* vf, const Pages& pg, int64_t t0,
                  const Heads& hs, int64_t j, int64_t c0, float* acca, float* accb) {
-  vacc a[G][NC], b[G][NC];
+  constexpr int64_t L = sizeof(V) / sizeof(float);
+  V a[G][NC], b[G][NC];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) a[g][c] = b[g][c] = vacc{};
+    for (int c = 0; c < NC; ++c) a[g][c] = b[g][c] = V{};
   pg.each(t0, t0 + mb, [&](int64_t t, int64_t count, int64_t slot, int64_t, int64_t) {
     const half* vp = vf + slot * hs.HD + j * hs.D + c0;
     const float *wa = pa + j * G * ma + (t - t0), *wb = pb + j * G * mb + (t - t0);
     const int64_t both = std::clamp<int64_t>(t0 + ma - t, 0, count);
     int64_t i = 0;
     for (; i < both; ++i) {
-      vacc v[NC];
-      for (int c = 0; c < NC; ++c) v[c] = load_vec<vacc>(vp + i * hs.HD + c * LANES);
+      V v[NC];
+      for (int c = 0; c < NC; ++c) v[c] = load_vec<V>(vp + i * hs.HD + c * L);
       for (int g = 0; g < G; ++g) {
         const float x = wa[g * ma + i], y = wb[g * mb + i];
         for (int c = 0; c < NC; ++c) {
@@ -748,8 +835,8 @@ void values_pair(const float* pa, int64_t ma, const float* pb, int64_t mb, const
       }
     }
     for (; i < count; ++i) {
-      vacc v[NC];
-      for (int c = 0; c < NC; ++c) v[c] = load_vec<vacc>(vp + i * hs.HD + c * LANES);
+      V v[NC];
+      for (int c = 0; c < NC; ++c) v[c] = load_vec<V>(vp + i * hs.HD + c * L);
       for (int g = 0; g < G; ++g) {
         const float y = wb[g * mb + i];
         for (int c = 0; c < NC; ++c) b[g][c] = b[g][c] + y * v[c];
@@ -758,33 +845,49 @@ void values_pair(const float* pa, int64_t ma, const float* pb, int64_t mb, const
   });
   for (int g = 0; g < G; ++g) {
     for (int c = 0; c < NC; ++c) {
-      std::memcpy(acca + (j * G + g) * hs.D + c0 + c * LANES, &a[g][c], sizeof(vacc));
-      std::memcpy(accb + (j * G + g) * hs.D + c0 + c * LANES, &b[g][c], sizeof(vacc));
+      std::memcpy(acca + (j * G + g) * hs.D + c0 + c * L, &a[g][c], sizeof(V));
+      std::memcpy(accb + (j * G + g) * hs.D + c0 + c * L, &b[g][c], sizeof(V));
     }
   }
 }
 
-template <int G, int NC>
+template <class V, int G, int NC>
 void values_pair_heads(const float* pa, int64_t ma, const float* pb, int64_t mb, const half* vf, const Pages& pg,
                        int64_t t0, const Heads& hs, float* acca, float* accb) {
   for (int64_t j = 0; j < hs.Hkv; ++j)
-    for (int64_t c0 = 0; c0 < hs.D; c0 += NC * LANES)
-      values_pair<G, NC>(pa, ma, pb, mb, vf, pg, t0, hs, j, c0, acca, accb);
+    for (int64_t c0 = 0; c0 < hs.D; c0 += NC * static_cast<int64_t>(sizeof(V) / sizeof(float)))
+      values_pair<V, G, NC>(pa, ma, pb, mb, vf, pg, t0, hs, j, c0, acca, accb);
 }
 
 // values_pair for these heads, or null where their sums do not fit in registers twice (values_fast then, a row at a
-// time)
+// time). With AVX2 (ROW_GROUPS without ACC_REGS) the sums are v8f and 2 G NC of them, NC value vectors and two
+// weights take at most 14 of the 16 registers.
 using PairFn = void (*)(const float*, int64_t, const float*, int64_t, const half*, const Pages&, int64_t, const Heads&,
                         float*, float*);
 inline PairFn values_pair_fn(const Heads& hs) {
-  if (ACC_REGS == 0 || hs.D % LANES != 0 || hs.G > 3) return nullptr;
-  const int64_t nv = hs.D / LANES;
-  int nc = 4;  // the widest power of two dividing nv whose 2 G nc sums fit in registers
-  while (nc > 1 && (nv % nc || 2 * hs.G * nc > ACC_REGS)) nc /= 2;
-  static constexpr PairFn table[3][3] = {{values_pair_heads<1, 1>, values_pair_heads<1, 2>, values_pair_heads<1, 4>},
-                                         {values_pair_heads<2, 1>, values_pair_heads<2, 2>, values_pair_heads<2, 4>},
-                                         {values_pair_heads<3, 1>, values_pair_heads<3, 2>, values_pair_heads<3, 4>}};
-  return table[hs.G - 1][std::countr_zero(static_cast<unsigned>(nc))];
+  if constexpr (ACC_REGS > 0) {
+    if (hs.D % LANES != 0 || hs.G > 3) return nullptr;
+    const int64_t nv = hs.D / LANES;
+    int nc = 4;  // the widest power of two dividing nv whose 2 G nc sums fit in registers
+    while (nc > 1 && (nv % nc || 2 * hs.G * nc > ACC_REGS)) nc /= 2;
+    static constexpr PairFn table[3][3] = {
+        {values_pair_heads<vacc, 1, 1>, values_pair_heads<vacc, 1, 2>, values_pair_heads<vacc, 1, 4>},
+        {values_pair_heads<vacc, 2, 1>, values_pair_heads<vacc, 2, 2>, values_pair_heads<vacc, 2, 4>},
+        {values_pair_heads<vacc, 3, 1>, values_pair_heads<vacc, 3, 2>, values_pair_heads<vacc, 3, 4>}};
+    return table[hs.G - 1][std::countr_zero(static_cast<unsigned>(nc))];
+  } else if constexpr (ROW_GROUPS) {
+    if (hs.D % 8 != 0 || hs.G > 3) return nullptr;
+    const int64_t nv = hs.D / 8;
+    int nc = 4;
+    while (nc > 1 && (nv % nc || (2 * hs.G + 1) * nc + 2 > 16)) nc /= 2;
+    static constexpr PairFn table[3][3] = {
+        {values_pair_heads<v8f, 1, 1>, values_pair_heads<v8f, 1, 2>, values_pair_heads<v8f, 1, 4>},
+        {values_pair_heads<v8f, 2, 1>, values_pair_heads<v8f, 2, 2>, values_pair_heads<v8f, 2, 4>},
+        {values_pair_heads<v8f, 3, 1>, values_pair_heads<v8f, 3, 2>, values_pair_heads<v8f, 3, 4>}};
+    return table[hs.G - 1][std::countr_zero(static_cast<unsigned>(nc))];
+  } else {
+    return nullptr;
+  }
 }
 
 // values_of with each kv head's sums in registers where the head size and group allow (query heads per kv head 1-4,
@@ -817,20 +920,22 @@ void exp_rows(float* scores, int64_t H, int64_t m, float* max, float* sum) {
     float* sh = scores + h * m;
     const int64_t m16 = m / 16 * 16;
     float mx = sh[0];
-    if (m16 > 0) {
-      v16f vm = load_vec<v16f>(sh);
+    if (m16 > 0) {  // 16 lanes as two v8f: AVX2 kept a v16f's lanes on the stack (store-to-load stalls)
+      v8f lo = load_vec<v8f>(sh), hi = load_vec<v8f>(sh + 8);
       for (int64_t t = 16; t < m16; t += 16) {
-        const v16f x = load_vec<v16f>(sh + t);
-        vm = x > vm ? x : vm;
+        const v8f x = load_vec<v8f>(sh + t), y = load_vec<v8f>(sh + t + 8);
+        lo = x > lo ? x : lo;
+        hi = y > hi ? y : hi;
       }
-      for (int i = 0; i < 16; ++i) mx = vm[i] > mx ? vm[i] : mx;
+      for (int i = 0; i < 8; ++i) mx = lo[i] > mx ? lo[i] : mx;
+      for (int i = 0; i < 8; ++i) mx = hi[i] > mx ? hi[i] : mx;
     }
     for (int64_t t = m16; t < m; ++t) mx = sh[t] > mx ? sh[t] : mx;
 #pragma omp simd
     for (int64_t t = 0; t < m; ++t) sh[t] = exp_approx(sh[t] - mx);
-    v16f vs = {};
-    for (int64_t t = 0; t < m16; t += 16) vs += load_vec<v16f>(sh + t);
-    const v8f s8 = halves(vs);
+    v8f lo = {}, hi = {};
+    for (int64_t t = 0; t < m16; t += 16) lo += load_vec<v8f>(sh + t), hi += load_vec<v8f>(sh + t + 8);
+    const v8f s8 = lo + hi;
     const v4f s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
     float total = (s4[0] + s4[2]) + (s4[1] + s4[3]);
     for (int64_t t = m16; t < m; ++t) total += sh[t];
@@ -952,7 +1057,10 @@ struct Attention {
   // least GROUP_ROWS rows have the chunk, its keys are widened and transposed once (transpose_keys), every row's
   // scores are taken from them (scores_rows) and a float16 pool's values are summed two rows at a time (values_pair);
   // elsewhere each item is done as `item`. The same bits as `item`.
-  static constexpr int64_t GROUP_ROWS = 16;  // with fewer, the transposition cost about what it saved (2 threads)
+  // With AVX-512 and fewer rows, the transposition cost about what it saved (2 threads). With AVX2 a row alone reads
+  // its keys through register pairs (v16f): 2 rows grouped ran level, 3 to 16 rows 1.1-2.8x (hist 768, float16 pool,
+  // AMD EPYC Zen 3, 2 threads; session 53)
+  static constexpr int64_t GROUP_ROWS = ACC_REGS >= 16 ? 16 : 2;
   void group(int64_t b, int64_t e, int64_t i0, int64_t i1, std::vector<float>& scores) {
     thread_local std::vector<float> kt, all;  // the chunk's keys transposed; its rows' scores
     thread_local std::vector<int64_t> rows, ms;
@@ -1006,8 +1114,8 @@ struct Attention {
 
   __attribute__((noinline)) void work(int64_t i0, int64_t i1) {
     std::vector<float> scores;
-    // 16 sums of 16 floats in registers (AVX-512) and the 16-lane loops' order (a head size a multiple of 16)
-    const bool transposed = ACC_REGS >= 16 && transposed_size(pr.D);
+    // scores_lanes (AVX-512) or scores_lanes8 (AVX2) in the 16-lane loops' order (a head size a multiple of 16)
+    const bool transposed = ROW_GROUPS && transposed_size(pr.D);
     for (int64_t i = i0; i < i1;) {
       const int64_t b = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
       int64_t e = b + 1;
@@ -1612,10 +1720,10 @@ at::Tensor llama_layers(const at::Tensor& x, at::TensorList norms, at::TensorLis
   return y;
 }
 
-// whether the attention here is built with its AVX-512 loops (sums in registers; Attention::group, which takes a
-// prompt chunk's rows a chunk of keys at a time); without them each row reads the keys alone, several times slower
-// than torch's attention on a long chunk (llama/model.py asks)
-bool wide_attention() { return ACC_REGS >= 16; }
+// whether the attention here groups a prompt chunk's rows (Attention::group, a chunk of keys at a time: ROW_GROUPS,
+// built with AVX-512 or AVX2 + FMA); without it each row reads the keys alone, several times slower than torch's
+// attention on a long chunk (llama/model.py asks)
+bool wide_attention() { return ROW_GROUPS; }
 
 }  // namespace
 

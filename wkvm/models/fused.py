@@ -59,9 +59,9 @@ def available() -> bool:
 
 @functools.cache
 def narrow_attention() -> bool:
-    """Whether the fused attention is built here without its AVX-512 loops (16 sums of 16 floats in registers), and
-    so without `Attention::group`, which takes a prompt chunk's rows a chunk of keys at a time: each row then reads
-    the keys alone, and a long chunk attends several times slower than through torch (llama/model.py)."""
+    """Whether the fused attention is built here without `Attention::group` (it needs AVX-512, or AVX2 with FMA:
+    `ROW_GROUPS`), which takes a prompt chunk's rows a chunk of keys at a time: each row then reads the keys alone,
+    and a long chunk attends several times slower than through torch (llama/model.py)."""
     return available() and not torch.ops.wkvm_fused.wide_attention()
 
 

@@ -59,8 +59,8 @@ LAYER_RAW = ATTN_RAW + MLP_RAW + NORM_RAW
 # compute-form names of the matrices that go through `linear`
 LINEAR = ("self_attn.qkv", "self_attn.o_proj.weight", "mlp.gate_up", "mlp.down_proj.weight")
 
-# the longest chunk that attends a token at a time where the fused attention is built without AVX-512: the int8
-# kernel's row limit on AVX2 before session 52 (so such chunks keep stepping's bits, as then)
+# the longest chunk that attends a token at a time where the fused attention cannot group a chunk's rows (built
+# without AVX2 + FMA or AVX-512): the int8 kernel's row limit on AVX2 before session 52
 UNGROUPED_ROWS = 32
 
 
@@ -251,9 +251,10 @@ class Llama(ModelBase):
     def rows_alone(self, rows: int) -> bool:
         """Norms, RoPE, SiLU and residuals work row by row; the matmuls do where `rows` rows run on the native kernel
         one row does (int8 / int4; fp32 up to the gemv kernel's rows), so attention is all that decides. Where the
-        fused attention is built without AVX-512 (`narrow_attention`), chunks of more than UNGROUPED_ROWS tokens attend
-        through torch instead: a token at a time, SmolLM2 int8's engine prefill of 1,024 tokens had run 0.72x
-        (AMD EPYC Zen 3, AVX2 only; session 52). Those chunks then agree with stepping to rounding, not bits."""
+        fused attention cannot group a chunk's rows (`narrow_attention`: built without AVX2 + FMA or AVX-512), chunks
+        of more than UNGROUPED_ROWS tokens attend through torch instead: a row at a time, SmolLM2 int8's engine
+        prefill of 1,024 tokens had run 0.72x (AMD EPYC Zen 3 before its AVX2 groups; session 52). Those chunks then
+        agree with stepping to rounding, not bits."""
         if rows > UNGROUPED_ROWS and narrow_attention():
             return False
         if (0, rows) not in self._kernels:  # asked once a step: the weights (perhaps streamed) only the first time
