@@ -409,7 +409,8 @@ int64_t scores8h(const float* qr, const half* kp, int64_t count, const Heads& hs
 
 // Vectors of sums the grouped loops below may keep in registers: 24 of AVX-512's 32. Built for AVX2 (16 registers)
 // they ran 0.79-0.98x the plain ones in one paired run on the AVX-512 machine restricted to AVX2 code (register
-// pairs, spills; that machine's noise was large, +-20%, but every row was below 1), so there they are off.
+// pairs, spills; that machine's noise was large, +-20%, but every row was below 1), so there they are off: AVX2 has
+// loops of its own over 8-float vectors (AVX2_FMA below).
 typedef v16f vacc;
 #if defined(__AVX512F__)
 constexpr int ACC_REGS = 24;
@@ -417,6 +418,54 @@ constexpr int ACC_REGS = 24;
 constexpr int ACC_REGS = 0;
 #endif
 constexpr int64_t LANES = sizeof(vacc) / sizeof(float);
+// AVX2 with FMA and no AVX-512: the loops below written for its sixteen 8-float registers (scores2_avx2,
+// scores_lanes8, values_pair over v8f)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+constexpr bool AVX2_FMA = true;
+#else
+constexpr bool AVX2_FMA = false;
+#endif
+
+// scores4<v16f, T, 1>'s sums (16 lanes: lane l over d = l, l + 16, ..., reduced as hsum4(halves(.))) with each
+// 16-lane vector written out as two AVX2 registers, two tokens at a time, the GS query heads of a kv head sharing each
+// key vector (widened once for a float16 pool): the same bits. Built for AVX2, GCC had kept scores4's v16f values on
+// the stack. Tokens 0..count/4*4-1, whose count it returns (scores4's; dot_tokens does the rest). With values_group
+// over v8f (values_fast) the decode op ran 2.3-3x faster (one row after 1,000 / 4,000 tokens, 8 rows after 100 /
+// 1,000; SmolLM2's heads, float16 pages; AMD EPYC Zen 3, 2 threads) and SmolLM2 int8's one-stream decode after 1,024
+// tokens 1.3-1.5x (72-84 -> 94-118 tok/s, four alternating process pairs; session 53).
+template <class T, int GS>
+int64_t scores2_avx2(const float* qr, const T* kp, int64_t count, const Heads& hs, float* scores, int64_t m) {
+  const int64_t n = count / 4 * 4;
+  for (int64_t i = 0; i < n; i += 2) {
+    if (i % 4 == 0 && i + AHEAD < count)
+      prefetch_rows(kp + (i + AHEAD) * hs.HD, std::min<int64_t>(4, count - i - AHEAD) * hs.HD);
+    for (int64_t j = 0; j < hs.Hkv; ++j) {
+      const T* k0 = kp + i * hs.HD + j * hs.D;
+      for (int64_t h0 = j * hs.G; h0 < (j + 1) * hs.G; h0 += GS) {
+        v8f lo[GS][2], hi[GS][2];
+        for (int g = 0; g < GS; ++g) lo[g][0] = lo[g][1] = hi[g][0] = hi[g][1] = v8f{};
+        for (int64_t d = 0; d < hs.D; d += 16) {
+          for (int t = 0; t < 2; ++t) {
+            const v8f xl = load_vec<v8f>(k0 + t * hs.HD + d), xh = load_vec<v8f>(k0 + t * hs.HD + d + 8);
+            for (int g = 0; g < GS; ++g) {
+              const float* q = qr + (h0 + g) * hs.D + d;
+              lo[g][t] += load_vec<v8f>(q) * xl;
+              hi[g][t] += load_vec<v8f>(q + 8) * xh;
+            }
+          }
+        }
+        for (int g = 0; g < GS; g += 2) {  // two heads' two tokens a reduction
+          const bool two = g + 1 < GS;
+          const v4f s = hsum4(lo[g][0] + hi[g][0], lo[g][1] + hi[g][1], two ? lo[g + 1][0] + hi[g + 1][0] : v8f{},
+                              two ? lo[g + 1][1] + hi[g + 1][1] : v8f{});
+          scores[(h0 + g) * m + i] = s[0], scores[(h0 + g) * m + i + 1] = s[1];
+          if (two) scores[(h0 + g + 1) * m + i] = s[2], scores[(h0 + g + 1) * m + i + 1] = s[3];
+        }
+      }
+    }
+  }
+  return n;
+}
 
 // scores4 one query head at a time (a float32 cache: scores16 first), or for a float16 cache a whole group (1-4 heads)
 // per key vector where its 4 G sums fit in registers (scores8h first where 8 G do): each key vector is then widened
@@ -424,6 +473,11 @@ constexpr int64_t LANES = sizeof(vacc) / sizeof(float);
 // grouped loop ran 0.75-0.8x there (AMD EPYC AVX-512)
 template <class V, class T>
 int64_t scores4_fast(const float* qr, const T* kp, int64_t count, const Heads& hs, float* scores, int64_t m) {
+  if constexpr (AVX2_FMA && sizeof(V) == 64) {  // 14 of 16 registers at GS = 3
+    if (hs.G % 3 == 0) return scores2_avx2<T, 3>(qr, kp, count, hs, scores, m);
+    if (hs.G % 2 == 0) return scores2_avx2<T, 2>(qr, kp, count, hs, scores, m);
+    return scores2_avx2<T, 1>(qr, kp, count, hs, scores, m);
+  }
   if constexpr (std::is_same_v<T, float> && sizeof(V) == 64) {
     int64_t i = -1;
     switch (ACC_REGS >= 16 ? hs.D / 16 : 0) {  // q's vectors and 16 sums in registers: 64 or 128 dims
@@ -668,11 +722,7 @@ void scores_rows8_gs(const float* const* qs, float* const* outs, const int64_t* 
 
 // Whether a prompt chunk's rows are scored from transposed keys (Attention::group): with AVX-512 (16 tokens a vector,
 // ACC_REGS) or AVX2 with FMA (eight, scores_lanes8)
-#if defined(__AVX2__) && defined(__FMA__)
-constexpr bool ROW_GROUPS = true;
-#else
-constexpr bool ROW_GROUPS = ACC_REGS >= 16;
-#endif
+constexpr bool ROW_GROUPS = ACC_REGS >= 16 || AVX2_FMA;
 
 // head sizes transpose_keys' rows take: 16, 32, 64, 128
 constexpr bool transposed_size(int64_t D) { return D == 16 || D == 32 || D == 64 || D == 128; }
@@ -758,13 +808,14 @@ void values_of(const float* p, const T* vf, const Pages& pg, int64_t t0, int64_t
 // values_of for kv head j's G query heads and NC vectors of columns from c0: the G x NC sums stay in registers over
 // all of the chunk's tokens and each value vector is loaded once for the G heads. Every sum takes its tokens in the
 // order and grouping values_of gives them: the same bits.
-template <class T, int G, int NC>
+template <class V, class T, int G, int NC>
 void values_group(const float* p, const T* vf, const Pages& pg, int64_t t0, int64_t t1, const Heads& hs, int64_t j,
                   int64_t c0, float* acc) {
   const int64_t m = t1 - t0;
-  vacc a[G][NC];
+  constexpr int64_t L = sizeof(V) / sizeof(float);
+  V a[G][NC];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) a[g][c] = vacc{};
+    for (int c = 0; c < NC; ++c) a[g][c] = V{};
   pg.each(t0, t1, [&](int64_t t, int64_t count, int64_t slot, int64_t next_count, int64_t next_slot) {
     const T* vp = vf + slot * hs.HD + j * hs.D + c0;
     const bool first = j == 0 && c0 == 0;  // the first pass over the tokens brings every head's rows in for the others
@@ -776,9 +827,9 @@ void values_group(const float* p, const T* vf, const Pages& pg, int64_t t0, int6
         if (first && i + AHEAD < count)
           prefetch_rows(vp - j * hs.D + (i + AHEAD) * hs.HD, std::min<int64_t>(4, count - i - AHEAD) * hs.HD);
         for (int c = 0; c < NC; ++c) {
-          const float* v0 = vp + i * hs.HD + c * LANES;
-          const vacc x0 = load_vec<vacc>(v0), x1 = load_vec<vacc>(v0 + hs.HD), x2 = load_vec<vacc>(v0 + 2 * hs.HD),
-                     x3 = load_vec<vacc>(v0 + 3 * hs.HD);
+          const float* v0 = vp + i * hs.HD + c * L;
+          const V x0 = load_vec<V>(v0), x1 = load_vec<V>(v0 + hs.HD), x2 = load_vec<V>(v0 + 2 * hs.HD),
+                  x3 = load_vec<V>(v0 + 3 * hs.HD);
           for (int g = 0; g < G; ++g) {
             const float* w = pt + g * m + i;
             a[g][c] += w[0] * x0 + w[1] * x1 + w[2] * x2 + w[3] * x3;
@@ -789,8 +840,8 @@ void values_group(const float* p, const T* vf, const Pages& pg, int64_t t0, int6
     for (; i < count; ++i) {
       if (first && i % 4 == 0 && i + AHEAD < count)
         prefetch_rows(vp - j * hs.D + (i + AHEAD) * hs.HD, std::min<int64_t>(4, count - i - AHEAD) * hs.HD);
-      vacc v[NC];
-      for (int c = 0; c < NC; ++c) v[c] = load_vec<vacc>(vp + i * hs.HD + c * LANES);
+      V v[NC];
+      for (int c = 0; c < NC; ++c) v[c] = load_vec<V>(vp + i * hs.HD + c * L);
       for (int g = 0; g < G; ++g) {
         const float w = pt[g * m + i];
         for (int c = 0; c < NC; ++c) a[g][c] = a[g][c] + w * v[c];
@@ -798,13 +849,14 @@ void values_group(const float* p, const T* vf, const Pages& pg, int64_t t0, int6
     }
   });
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) std::memcpy(acc + (j * G + g) * hs.D + c0 + c * LANES, &a[g][c], sizeof(vacc));
+    for (int c = 0; c < NC; ++c) std::memcpy(acc + (j * G + g) * hs.D + c0 + c * L, &a[g][c], sizeof(V));
 }
 
-template <class T, int G, int NC>
+template <class V, class T, int G, int NC>
 void values_heads(const float* p, const T* vf, const Pages& pg, int64_t t0, int64_t t1, const Heads& hs, float* acc) {
+  constexpr int64_t L = sizeof(V) / sizeof(float);
   for (int64_t j = 0; j < hs.Hkv; ++j)
-    for (int64_t c0 = 0; c0 < hs.D; c0 += NC * LANES) values_group<T, G, NC>(p, vf, pg, t0, t1, hs, j, c0, acc);
+    for (int64_t c0 = 0; c0 < hs.D; c0 += NC * L) values_group<V, T, G, NC>(p, vf, pg, t0, t1, hs, j, c0, acc);
 }
 
 // values_group's sums (float16 pools) for two rows that read the same pages, the second at least as long (ma <= mb
@@ -897,16 +949,32 @@ template <class T>
 void values_fast(const float* p, const T* vf, const Pages& pg, int64_t t0, int64_t t1, const Heads& hs, float* acc) {
   using Fn = void (*)(const float*, const T*, const Pages&, int64_t, int64_t, const Heads&, float*);
   Fn fn = nullptr;
-  if (ACC_REGS > 0 && hs.D % LANES == 0 && hs.G <= 4) {
-    const int64_t nv = hs.D / LANES;
-    int nc = 8;  // the widest power of two dividing nv whose G x nc sums fit in registers
-    while (nc > 1 && (nv % nc || hs.G * nc > ACC_REGS)) nc /= 2;
-    static constexpr Fn table[4][4] = {
-        {values_heads<T, 1, 1>, values_heads<T, 1, 2>, values_heads<T, 1, 4>, values_heads<T, 1, 8>},
-        {values_heads<T, 2, 1>, values_heads<T, 2, 2>, values_heads<T, 2, 4>, values_heads<T, 2, 8>},
-        {values_heads<T, 3, 1>, values_heads<T, 3, 2>, values_heads<T, 3, 4>, values_heads<T, 3, 8>},
-        {values_heads<T, 4, 1>, values_heads<T, 4, 2>, values_heads<T, 4, 4>, values_heads<T, 4, 8>}};
-    fn = table[hs.G - 1][std::countr_zero(static_cast<unsigned>(nc))];
+  if constexpr (ACC_REGS > 0) {
+    if (hs.D % LANES == 0 && hs.G <= 4) {
+      const int64_t nv = hs.D / LANES;
+      int nc = 8;  // the widest power of two dividing nv whose G x nc sums fit in registers
+      while (nc > 1 && (nv % nc || hs.G * nc > ACC_REGS)) nc /= 2;
+      static constexpr Fn table[4][4] = {
+          {values_heads<vacc, T, 1, 1>, values_heads<vacc, T, 1, 2>, values_heads<vacc, T, 1, 4>, values_heads<vacc, T, 1, 8>},
+          {values_heads<vacc, T, 2, 1>, values_heads<vacc, T, 2, 2>, values_heads<vacc, T, 2, 4>, values_heads<vacc, T, 2, 8>},
+          {values_heads<vacc, T, 3, 1>, values_heads<vacc, T, 3, 2>, values_heads<vacc, T, 3, 4>, values_heads<vacc, T, 3, 8>},
+          {values_heads<vacc, T, 4, 1>, values_heads<vacc, T, 4, 2>, values_heads<vacc, T, 4, 4>, values_heads<vacc, T, 4, 8>}};
+      fn = table[hs.G - 1][std::countr_zero(static_cast<unsigned>(nc))];
+    }
+  } else if constexpr (AVX2_FMA) {  // v8f sums: G nc of them, nc value vectors (four rows of them for float32) and
+    // the weights within AVX2's 16 registers
+    if (hs.D % 8 == 0 && hs.G <= 4) {
+      const int64_t nv = hs.D / 8;
+      const int per = std::is_same_v<T, float> ? 4 : 1;
+      int nc = 4;
+      while (nc > 1 && (nv % nc || (hs.G + per) * nc + 4 > 16)) nc /= 2;
+      static constexpr Fn table[4][3] = {
+          {values_heads<v8f, T, 1, 1>, values_heads<v8f, T, 1, 2>, values_heads<v8f, T, 1, 4>},
+          {values_heads<v8f, T, 2, 1>, values_heads<v8f, T, 2, 2>, values_heads<v8f, T, 2, 4>},
+          {values_heads<v8f, T, 3, 1>, values_heads<v8f, T, 3, 2>, values_heads<v8f, T, 3, 4>},
+          {values_heads<v8f, T, 4, 1>, values_heads<v8f, T, 4, 2>, values_heads<v8f, T, 4, 4>}};
+      fn = table[hs.G - 1][std::countr_zero(static_cast<unsigned>(nc))];
+    }
   }
   if (fn) return fn(p, vf, pg, t0, t1, hs, acc);
   values_of(p, vf, pg, t0, t1, hs, acc);
