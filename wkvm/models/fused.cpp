@@ -1125,10 +1125,9 @@ struct Attention {
   // least GROUP_ROWS rows have the chunk, its keys are widened and transposed once (transpose_keys), every row's
   // scores are taken from them (scores_rows) and a float16 pool's values are summed two rows at a time (values_pair);
   // elsewhere each item is done as `item`. The same bits as `item`.
-  // With AVX-512 and fewer rows, the transposition cost about what it saved (2 threads). With AVX2 a row alone reads
-  // its keys through register pairs (v16f): 2 rows grouped ran level, 3 to 16 rows 1.1-2.8x (hist 768, float16 pool,
-  // AMD EPYC Zen 3, 2 threads; session 53)
-  static constexpr int64_t GROUP_ROWS = ACC_REGS >= 16 ? 16 : 2;
+  // With fewer, the transposition cost about what it saved (2 threads; AVX-512, and AVX2 once its rows alone ran
+  // scores2_avx2: after 768 tokens 4-8 rows ran 0.6-0.75x grouped, 16 level, 256 1.3-1.8x; AMD EPYC Zen 3, session 53)
+  static constexpr int64_t GROUP_ROWS = 16;
   void group(int64_t b, int64_t e, int64_t i0, int64_t i1, std::vector<float>& scores) {
     thread_local std::vector<float> kt, all;  // the chunk's keys transposed; its rows' scores
     thread_local std::vector<int64_t> rows, ms;
