@@ -606,7 +606,7 @@ def test_long_chunks_attend_through_torch_where_the_fused_attention_cannot_group
 
 def test_the_fused_attention_groups_a_chunks_rows_on_every_cpu_with_avx2_and_fma():
     """AVX2 + FMA is every x86 CPU CI runs on: there the fused attention groups a prompt chunk's rows
-    (`scores_lanes8`: eight tokens a vector), so Llama's long chunks keep stepping's bits (the next test). Until
+    (`scores_lanes` over eight tokens a vector), so Llama's long chunks keep stepping's bits (the next test). Until
     session 53 only an AVX-512 build did, and AVX2-only CPUs attended long chunks through torch's SDPA."""
     from wkvm.models import int8
 

@@ -419,7 +419,7 @@ constexpr int ACC_REGS = 0;
 #endif
 constexpr int64_t LANES = sizeof(vacc) / sizeof(float);
 // AVX2 with FMA and no AVX-512: the loops below written for its sixteen 8-float registers (scores2_avx2,
-// scores_lanes8, values_pair over v8f)
+// scores_lanes, values_pair and values_group over v8f)
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 constexpr bool AVX2_FMA = true;
 #else
@@ -582,93 +582,37 @@ void transpose_keys(const T* kf, const Pages& pg, int64_t t0, int64_t t1, const 
   for (int64_t e = 0; e < hs.HD; ++e) std::fill(kt + e * W + (m + 15) / 16 * 16, kt + (e + 1) * W, 0.f);
 }
 
-// scores_of (head size a multiple of 16) for GS query heads of one kv head and tokens i..i+15 of transpose_keys' kh,
-// with the same bits: the 16-lane loops (scores4 / scores8h / scores16 over vectors of 16 floats) sum lane l of a
-// token's products over d = l, l + 16, ... in that order, then add the lanes in hsum4's order (l and l + 8, then
-// l + 4, l + 2, l + 1). Here tokens are the lanes: lane l's sums are built as vectors in the same order, and added
-// as soon as their partner is done, so a few vectors stay live and each key vector loaded serves the GS heads.
-template <int GS, int ND>
-inline void scores_lanes(const float* q, const float* kh, int64_t W, v16f (&out)[GS]) {
+// scores_of (head size a multiple of 16) for GS query heads of one kv head and the L tokens i..i+L-1 of
+// transpose_keys' kh (V: L floats, v16f with AVX-512, v8f with AVX2), with the same bits: the 16-lane loops (scores4
+// / scores8h / scores16 / scores2_avx2 over 16-lane sums) sum lane l of a token's products over d = l, l + 16, ... in
+// that order, then add the lanes in hsum4's order (l and l + 8, then l + 4, l + 2, l + 1). Here tokens are the lanes:
+// lane l's sums are built as vectors in the same order and added as soon as their partner is done (C(l) = (l + l+8) +
+// (l+4 + l+12), then (C(0) + C(2)) + (C(1) + C(3))), so at most two partial sums per head wait and each key vector
+// loaded serves the GS heads: with v8f and GS = 3, 14 of AVX2's 16 registers (the last quarter spills three). AVX2,
+// a 256-token chunk's attention after 768 tokens (one layer, SmolLM2's heads, float16 pages; AMD EPYC Zen 3, 2
+// threads): 36 ms a row at a time, ~6-10 ms grouped, torch's SDPA 7-11 ms; the loop runs ~11 products a cycle (two
+// FMAs a cycle: 16).
+template <class V, int GS, int ND>
+inline void scores_lanes(const float* q, const float* kh, int64_t W, V (&out)[GS]) {
   constexpr int D = 16 * ND;
-  v16f C[GS][4];
-#pragma GCC unroll 4
-  for (int l = 0; l < 4; ++l) {
-    v16f B[2][GS];
-#pragma GCC unroll 2
-    for (int u = 0; u < 2; ++u) {
-      const int lane = l + 4 * u;
-      v16f A0[GS], A8[GS];
+  // lanes `lane` and `lane` + 8 (B(lane))
+  auto pair = [&](int lane, V (&b)[GS]) {
+    V a0[GS], a8[GS];
 #pragma GCC unroll 3
-      for (int g = 0; g < GS; ++g) A0[g] = A8[g] = v16f{};
-#pragma GCC unroll 8
-      for (int c = 0; c < D; c += 16) {
-        v16f k0 = load_vec<v16f>(kh + (c + lane) * W), k8 = load_vec<v16f>(kh + (c + lane + 8) * W);
-#if defined(__AVX512F__)  // (a 64-byte register operand needs AVX-512; without it this path is off: ACC_REGS)
-        asm("" : "+v"(k0), "+v"(k8));  // held in registers for the GS heads (GCC otherwise loads them per product)
-#endif
-#pragma GCC unroll 3
-        for (int g = 0; g < GS; ++g) {
-          A0[g] += q[g * D + c + lane] * k0;
-          A8[g] += q[g * D + c + lane + 8] * k8;
-        }
-      }
-#pragma GCC unroll 3
-      for (int g = 0; g < GS; ++g) B[u][g] = A0[g] + A8[g];
-    }
-#pragma GCC unroll 3
-    for (int g = 0; g < GS; ++g) C[g][l] = B[0][g] + B[1][g];
-  }
-#pragma GCC unroll 3
-  for (int g = 0; g < GS; ++g) out[g] = (C[g][0] + C[g][2]) + (C[g][1] + C[g][3]);
-}
-
-// Rows k = 0..n-1 (queries qs[k], ms[k] tokens from t0, nondecreasing) scored from transpose_keys' kt into outs[k]
-// ([Hq, ms[k]]), a block of 16 tokens at a time for every row, so that the block's key vectors (16 tokens' dims of
-// one kv head: 64 lines for 64 dims) stay in L1 across the rows: a row at a time read each head's whole chunk of keys
-// from L2 and ran no faster than scores8h.
-template <int GS, int ND>
-void scores_rows_gs(const float* const* qs, float* const* outs, const int64_t* ms, int64_t n, const float* kt,
-                    int64_t W, const Heads& hs) {
-  const int64_t longest = ms[n - 1];
-  for (int64_t h = 0; h < hs.Hq; h += GS) {
-    const float* kh = kt + (h / hs.G) * hs.D * W;
-    for (int64_t i = 0; i < longest; i += 16) {
-      for (int64_t k = 0; k < n; ++k) {
-        const int64_t m = ms[k];
-        if (i >= m) continue;
-        v16f s[GS];
-        scores_lanes<GS, ND>(qs[k] + h * hs.D, kh + i, W, s);
-        if (m - i >= 16) {
-          for (int g = 0; g < GS; ++g) std::memcpy(outs[k] + (h + g) * m + i, &s[g], sizeof(v16f));
-        } else {
-          for (int g = 0; g < GS; ++g)
-            for (int64_t t = 0; t < m - i; ++t) outs[k][(h + g) * m + i + t] = s[g][t];
-        }
-      }
-    }
-  }
-}
-
-// scores_lanes with eight tokens along the lanes (AVX2's 16 registers): lane l's sums over d = l, l + 16, ... are
-// vectors of eight tokens, added in hsum4's order as scores_lanes adds them (C(l) = (l + l+8) + (l+4 + l+12), then
-// (C(0) + C(2)) + (C(1) + C(3))), taken in that order so that at most two partial sums per head wait: with GS = 3,
-// 14 of the 16 registers (the last quarter spills three). A 256-token chunk's attention after 768 tokens (one layer,
-// SmolLM2's heads, float16 pages; AMD EPYC Zen 3, 2 threads): 36 ms a row at a time, ~6-10 ms grouped, torch's SDPA
-// 7-11 ms; the scores loop runs ~11 products a cycle (two FMAs a cycle: 16).
-template <int GS, int ND>
-inline void scores_lanes8(const float* q, const float* kh, int64_t W, v8f (&out)[GS]) {
-  constexpr int D = 16 * ND;
-  // lanes `lane` and `lane` + 8 (B(lane) in scores_lanes)
-  auto pair = [&](int lane, v8f (&b)[GS]) {
-    v8f a0[GS], a8[GS];
-#pragma GCC unroll 3
-    for (int g = 0; g < GS; ++g) a0[g] = a8[g] = v8f{};
+    for (int g = 0; g < GS; ++g) a0[g] = a8[g] = V{};
 #pragma GCC unroll 8
     for (int c = 0; c < D; c += 16) {
-      v8f k0 = load_vec<v8f>(kh + (c + lane) * W), k8 = load_vec<v8f>(kh + (c + lane + 8) * W);
+      V k0 = load_vec<V>(kh + (c + lane) * W), k8 = load_vec<V>(kh + (c + lane + 8) * W);
+      // held in registers for the GS heads (GCC otherwise folds a load into each product)
+      if constexpr (sizeof(V) == 32) {
 #if defined(__AVX__)
-      asm("" : "+x"(k0), "+x"(k8));  // loaded once for the GS heads (GCC otherwise folds a load into each product)
+        asm("" : "+x"(k0), "+x"(k8));
 #endif
+      } else {
+#if defined(__AVX512F__)  // (a 64-byte register operand needs AVX-512; without it v16f is not used here: ACC_REGS)
+        asm("" : "+v"(k0), "+v"(k8));
+#endif
+      }
 #pragma GCC unroll 3
       for (int g = 0; g < GS; ++g) {
         a0[g] += q[g * D + c + lane] * k0;
@@ -678,14 +622,14 @@ inline void scores_lanes8(const float* q, const float* kh, int64_t W, v8f (&out)
 #pragma GCC unroll 3
     for (int g = 0; g < GS; ++g) b[g] = a0[g] + a8[g];
   };
-  auto quad = [&](int l, v8f (&c)[GS]) {  // C(l)
-    v8f b0[GS], b4[GS];
+  auto quad = [&](int l, V (&c)[GS]) {  // C(l)
+    V b0[GS], b4[GS];
     pair(l, b0);
     pair(l + 4, b4);
 #pragma GCC unroll 3
     for (int g = 0; g < GS; ++g) c[g] = b0[g] + b4[g];
   };
-  v8f even[GS], x[GS], y[GS];
+  V even[GS], x[GS], y[GS];
   quad(0, x);
   quad(2, y);
 #pragma GCC unroll 3
@@ -696,21 +640,25 @@ inline void scores_lanes8(const float* q, const float* kh, int64_t W, v8f (&out)
   for (int g = 0; g < GS; ++g) out[g] = even[g] + (x[g] + y[g]);
 }
 
-// scores_rows_gs with scores_lanes8: blocks of 8 tokens
-template <int GS, int ND>
-void scores_rows8_gs(const float* const* qs, float* const* outs, const int64_t* ms, int64_t n, const float* kt,
-                     int64_t W, const Heads& hs) {
+// Rows k = 0..n-1 (queries qs[k], ms[k] tokens from t0, nondecreasing) scored from transpose_keys' kt into outs[k]
+// ([Hq, ms[k]]), a block of 16 tokens at a time for every row, so that the block's key vectors (16 tokens' dims of
+// one kv head: 64 lines for 64 dims) stay in L1 across the rows: a row at a time read each head's whole chunk of keys
+// from L2 and ran no faster than scores8h. V: v16f (AVX-512) or v8f (AVX2: blocks of 8 tokens).
+template <class V, int GS, int ND>
+void scores_rows_gs(const float* const* qs, float* const* outs, const int64_t* ms, int64_t n, const float* kt,
+                    int64_t W, const Heads& hs) {
+  constexpr int64_t L = sizeof(V) / sizeof(float);
   const int64_t longest = ms[n - 1];
   for (int64_t h = 0; h < hs.Hq; h += GS) {
     const float* kh = kt + (h / hs.G) * hs.D * W;
-    for (int64_t i = 0; i < longest; i += 8) {
+    for (int64_t i = 0; i < longest; i += L) {
       for (int64_t k = 0; k < n; ++k) {
         const int64_t m = ms[k];
         if (i >= m) continue;
-        v8f s[GS];
-        scores_lanes8<GS, ND>(qs[k] + h * hs.D, kh + i, W, s);
-        if (m - i >= 8) {
-          for (int g = 0; g < GS; ++g) std::memcpy(outs[k] + (h + g) * m + i, &s[g], sizeof(v8f));
+        V s[GS];
+        scores_lanes<V, GS, ND>(qs[k] + h * hs.D, kh + i, W, s);
+        if (m - i >= L) {
+          for (int g = 0; g < GS; ++g) std::memcpy(outs[k] + (h + g) * m + i, &s[g], sizeof(V));
         } else {
           for (int g = 0; g < GS; ++g)
             for (int64_t t = 0; t < m - i; ++t) outs[k][(h + g) * m + i + t] = s[g][t];
@@ -721,7 +669,7 @@ void scores_rows8_gs(const float* const* qs, float* const* outs, const int64_t* 
 }
 
 // Whether a prompt chunk's rows are scored from transposed keys (Attention::group): with AVX-512 (16 tokens a vector,
-// ACC_REGS) or AVX2 with FMA (eight, scores_lanes8)
+// ACC_REGS) or AVX2 with FMA (eight)
 constexpr bool ROW_GROUPS = ACC_REGS >= 16 || AVX2_FMA;
 
 // head sizes transpose_keys' rows take: 16, 32, 64, 128
@@ -730,15 +678,10 @@ constexpr bool transposed_size(int64_t D) { return D == 16 || D == 32 || D == 64
 template <int ND>
 void scores_rows_nd(const float* const* qs, float* const* outs, const int64_t* ms, int64_t n, const float* kt,
                     int64_t W, const Heads& hs) {
-  if constexpr (ACC_REGS >= 16) {
-    if (hs.G % 3 == 0) return scores_rows_gs<3, ND>(qs, outs, ms, n, kt, W, hs);
-    if (hs.G % 2 == 0) return scores_rows_gs<2, ND>(qs, outs, ms, n, kt, W, hs);
-    scores_rows_gs<1, ND>(qs, outs, ms, n, kt, W, hs);
-  } else {
-    if (hs.G % 3 == 0) return scores_rows8_gs<3, ND>(qs, outs, ms, n, kt, W, hs);
-    if (hs.G % 2 == 0) return scores_rows8_gs<2, ND>(qs, outs, ms, n, kt, W, hs);
-    scores_rows8_gs<1, ND>(qs, outs, ms, n, kt, W, hs);
-  }
+  using V = std::conditional_t<ACC_REGS >= 16, v16f, v8f>;
+  if (hs.G % 3 == 0) return scores_rows_gs<V, 3, ND>(qs, outs, ms, n, kt, W, hs);
+  if (hs.G % 2 == 0) return scores_rows_gs<V, 2, ND>(qs, outs, ms, n, kt, W, hs);
+  scores_rows_gs<V, 1, ND>(qs, outs, ms, n, kt, W, hs);
 }
 
 // scores_of's bits for every row but the tokens past a page run's last multiple of 4 (scores_of's `dot`: the caller
@@ -955,10 +898,14 @@ void values_fast(const float* p, const T* vf, const Pages& pg, int64_t t0, int64
       int nc = 8;  // the widest power of two dividing nv whose G x nc sums fit in registers
       while (nc > 1 && (nv % nc || hs.G * nc > ACC_REGS)) nc /= 2;
       static constexpr Fn table[4][4] = {
-          {values_heads<vacc, T, 1, 1>, values_heads<vacc, T, 1, 2>, values_heads<vacc, T, 1, 4>, values_heads<vacc, T, 1, 8>},
-          {values_heads<vacc, T, 2, 1>, values_heads<vacc, T, 2, 2>, values_heads<vacc, T, 2, 4>, values_heads<vacc, T, 2, 8>},
-          {values_heads<vacc, T, 3, 1>, values_heads<vacc, T, 3, 2>, values_heads<vacc, T, 3, 4>, values_heads<vacc, T, 3, 8>},
-          {values_heads<vacc, T, 4, 1>, values_heads<vacc, T, 4, 2>, values_heads<vacc, T, 4, 4>, values_heads<vacc, T, 4, 8>}};
+          {values_heads<vacc, T, 1, 1>, values_heads<vacc, T, 1, 2>, values_heads<vacc, T, 1, 4>,
+           values_heads<vacc, T, 1, 8>},
+          {values_heads<vacc, T, 2, 1>, values_heads<vacc, T, 2, 2>, values_heads<vacc, T, 2, 4>,
+           values_heads<vacc, T, 2, 8>},
+          {values_heads<vacc, T, 3, 1>, values_heads<vacc, T, 3, 2>, values_heads<vacc, T, 3, 4>,
+           values_heads<vacc, T, 3, 8>},
+          {values_heads<vacc, T, 4, 1>, values_heads<vacc, T, 4, 2>, values_heads<vacc, T, 4, 4>,
+           values_heads<vacc, T, 4, 8>}};
       fn = table[hs.G - 1][std::countr_zero(static_cast<unsigned>(nc))];
     }
   } else if constexpr (AVX2_FMA) {  // v8f sums: G nc of them, nc value vectors (four rows of them for float32) and
@@ -1181,7 +1128,7 @@ struct Attention {
 
   __attribute__((noinline)) void work(int64_t i0, int64_t i1) {
     std::vector<float> scores;
-    // scores_lanes (AVX-512) or scores_lanes8 (AVX2) in the 16-lane loops' order (a head size a multiple of 16)
+    // scores_lanes (16 tokens a vector with AVX-512, 8 with AVX2) in the 16-lane loops' order (head sizes of 16k)
     const bool transposed = ROW_GROUPS && transposed_size(pr.D);
     for (int64_t i = i0; i < i1;) {
       const int64_t b = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
