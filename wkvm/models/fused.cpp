@@ -855,8 +855,8 @@ void values_pair_heads(const float* pa, int64_t ma, const float* pb, int64_t mb,
 }
 
 // values_pair for these heads, or null where their sums do not fit in registers twice (values_fast then, a row at a
-// time). With AVX2 (ROW_GROUPS without ACC_REGS) the sums are v8f and 2 G NC of them, NC value vectors and two
-// weights take at most 14 of the 16 registers.
+// time). With AVX2 (AVX2_FMA) the sums are v8f and 2 G NC of them, NC value vectors and two weights take at most 14
+// of the 16 registers.
 using PairFn = void (*)(const float*, int64_t, const float*, int64_t, const half*, const Pages&, int64_t, const Heads&,
                         float*, float*);
 inline PairFn values_pair_fn(const Heads& hs) {
@@ -870,7 +870,7 @@ inline PairFn values_pair_fn(const Heads& hs) {
         {values_pair_heads<vacc, 2, 1>, values_pair_heads<vacc, 2, 2>, values_pair_heads<vacc, 2, 4>},
         {values_pair_heads<vacc, 3, 1>, values_pair_heads<vacc, 3, 2>, values_pair_heads<vacc, 3, 4>}};
     return table[hs.G - 1][std::countr_zero(static_cast<unsigned>(nc))];
-  } else if constexpr (ROW_GROUPS) {
+  } else if constexpr (AVX2_FMA) {
     if (hs.D % 8 != 0 || hs.G > 3) return nullptr;
     const int64_t nv = hs.D / 8;
     int nc = 4;
