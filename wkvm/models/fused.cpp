@@ -854,76 +854,57 @@ void values_pair_heads(const float* pa, int64_t ma, const float* pb, int64_t mb,
       values_pair<V, G, NC>(pa, ma, pb, mb, vf, pg, t0, hs, j, c0, acca, accb);
 }
 
+// The grouped value loops' sums: vacc in AVX-512's registers (ACC_REGS of them), v8f in AVX2's 16; none without
+using VSum = std::conditional_t<(ACC_REGS > 0), vacc, v8f>;
+constexpr bool SUM_LOOPS = ACC_REGS > 0 || AVX2_FMA;
+
+// whether `sums` vectors of sums fit in registers beside `others` vectors (values, weights: counted on AVX2 only)
+constexpr bool fit(int64_t sums, int64_t others) { return ACC_REGS > 0 ? sums <= ACC_REGS : sums + others <= 16; }
+
+// the widest power of two up to `most` that divides n and for which ok(nc)
+template <class F>
+int widest(int64_t n, int most, const F& ok) {
+  int nc = most;
+  while (nc > 1 && (n % nc || !ok(nc))) nc /= 2;
+  return nc;
+}
+
 // values_pair for these heads, or null where their sums do not fit in registers twice (values_fast then, a row at a
-// time). With AVX2 (AVX2_FMA) the sums are v8f and 2 G NC of them, NC value vectors and two weights take at most 14
-// of the 16 registers.
+// time): 2 G nc sums, beside nc value vectors and two weights
 using PairFn = void (*)(const float*, int64_t, const float*, int64_t, const half*, const Pages&, int64_t, const Heads&,
                         float*, float*);
 inline PairFn values_pair_fn(const Heads& hs) {
-  if constexpr (ACC_REGS > 0) {
-    if (hs.D % LANES != 0 || hs.G > 3) return nullptr;
-    const int64_t nv = hs.D / LANES;
-    int nc = 4;  // the widest power of two dividing nv whose 2 G nc sums fit in registers
-    while (nc > 1 && (nv % nc || 2 * hs.G * nc > ACC_REGS)) nc /= 2;
-    static constexpr PairFn table[3][3] = {
-        {values_pair_heads<vacc, 1, 1>, values_pair_heads<vacc, 1, 2>, values_pair_heads<vacc, 1, 4>},
-        {values_pair_heads<vacc, 2, 1>, values_pair_heads<vacc, 2, 2>, values_pair_heads<vacc, 2, 4>},
-        {values_pair_heads<vacc, 3, 1>, values_pair_heads<vacc, 3, 2>, values_pair_heads<vacc, 3, 4>}};
-    return table[hs.G - 1][std::countr_zero(static_cast<unsigned>(nc))];
-  } else if constexpr (AVX2_FMA) {
-    if (hs.D % 8 != 0 || hs.G > 3) return nullptr;
-    const int64_t nv = hs.D / 8;
-    int nc = 4;
-    while (nc > 1 && (nv % nc || (2 * hs.G + 1) * nc + 2 > 16)) nc /= 2;
-    static constexpr PairFn table[3][3] = {
-        {values_pair_heads<v8f, 1, 1>, values_pair_heads<v8f, 1, 2>, values_pair_heads<v8f, 1, 4>},
-        {values_pair_heads<v8f, 2, 1>, values_pair_heads<v8f, 2, 2>, values_pair_heads<v8f, 2, 4>},
-        {values_pair_heads<v8f, 3, 1>, values_pair_heads<v8f, 3, 2>, values_pair_heads<v8f, 3, 4>}};
-    return table[hs.G - 1][std::countr_zero(static_cast<unsigned>(nc))];
-  } else {
-    return nullptr;
-  }
+  constexpr int64_t L = sizeof(VSum) / sizeof(float);
+  if (!SUM_LOOPS || hs.D % L != 0 || hs.G > 3) return nullptr;
+  const int nc = widest(hs.D / L, 4, [&](int64_t c) { return fit(2 * hs.G * c, c + 2); });
+  static constexpr PairFn table[3][3] = {
+      {values_pair_heads<VSum, 1, 1>, values_pair_heads<VSum, 1, 2>, values_pair_heads<VSum, 1, 4>},
+      {values_pair_heads<VSum, 2, 1>, values_pair_heads<VSum, 2, 2>, values_pair_heads<VSum, 2, 4>},
+      {values_pair_heads<VSum, 3, 1>, values_pair_heads<VSum, 3, 2>, values_pair_heads<VSum, 3, 4>}};
+  return table[hs.G - 1][std::countr_zero(static_cast<unsigned>(nc))];
 }
 
 // values_of with each kv head's sums in registers where the head size and group allow (query heads per kv head 1-4,
 // head size a multiple of the vector width): a float32 cache's value vectors are then loaded once per group, not
-// once per query head, and the sums are not loaded and stored every four tokens
+// once per query head, and the sums are not loaded and stored every four tokens. G nc sums, beside nc value vectors
+// (four rows of them for float32) and four weights.
 template <class T>
 void values_fast(const float* p, const T* vf, const Pages& pg, int64_t t0, int64_t t1, const Heads& hs, float* acc) {
   using Fn = void (*)(const float*, const T*, const Pages&, int64_t, int64_t, const Heads&, float*);
-  Fn fn = nullptr;
-  if constexpr (ACC_REGS > 0) {
-    if (hs.D % LANES == 0 && hs.G <= 4) {
-      const int64_t nv = hs.D / LANES;
-      int nc = 8;  // the widest power of two dividing nv whose G x nc sums fit in registers
-      while (nc > 1 && (nv % nc || hs.G * nc > ACC_REGS)) nc /= 2;
-      static constexpr Fn table[4][4] = {
-          {values_heads<vacc, T, 1, 1>, values_heads<vacc, T, 1, 2>, values_heads<vacc, T, 1, 4>,
-           values_heads<vacc, T, 1, 8>},
-          {values_heads<vacc, T, 2, 1>, values_heads<vacc, T, 2, 2>, values_heads<vacc, T, 2, 4>,
-           values_heads<vacc, T, 2, 8>},
-          {values_heads<vacc, T, 3, 1>, values_heads<vacc, T, 3, 2>, values_heads<vacc, T, 3, 4>,
-           values_heads<vacc, T, 3, 8>},
-          {values_heads<vacc, T, 4, 1>, values_heads<vacc, T, 4, 2>, values_heads<vacc, T, 4, 4>,
-           values_heads<vacc, T, 4, 8>}};
-      fn = table[hs.G - 1][std::countr_zero(static_cast<unsigned>(nc))];
-    }
-  } else if constexpr (AVX2_FMA) {  // v8f sums: G nc of them, nc value vectors (four rows of them for float32) and
-    // the weights within AVX2's 16 registers
-    if (hs.D % 8 == 0 && hs.G <= 4) {
-      const int64_t nv = hs.D / 8;
-      const int per = std::is_same_v<T, float> ? 4 : 1;
-      int nc = 4;
-      while (nc > 1 && (nv % nc || (hs.G + per) * nc + 4 > 16)) nc /= 2;
-      static constexpr Fn table[4][3] = {
-          {values_heads<v8f, T, 1, 1>, values_heads<v8f, T, 1, 2>, values_heads<v8f, T, 1, 4>},
-          {values_heads<v8f, T, 2, 1>, values_heads<v8f, T, 2, 2>, values_heads<v8f, T, 2, 4>},
-          {values_heads<v8f, T, 3, 1>, values_heads<v8f, T, 3, 2>, values_heads<v8f, T, 3, 4>},
-          {values_heads<v8f, T, 4, 1>, values_heads<v8f, T, 4, 2>, values_heads<v8f, T, 4, 4>}};
-      fn = table[hs.G - 1][std::countr_zero(static_cast<unsigned>(nc))];
-    }
+  constexpr int64_t L = sizeof(VSum) / sizeof(float), ROWS = std::is_same_v<T, float> ? 4 : 1;
+  if (SUM_LOOPS && hs.D % L == 0 && hs.G <= 4) {
+    const int nc = widest(hs.D / L, 8, [&](int64_t c) { return fit(hs.G * c, ROWS * c + 4); });
+    static constexpr Fn table[4][4] = {
+        {values_heads<VSum, T, 1, 1>, values_heads<VSum, T, 1, 2>, values_heads<VSum, T, 1, 4>,
+         values_heads<VSum, T, 1, 8>},
+        {values_heads<VSum, T, 2, 1>, values_heads<VSum, T, 2, 2>, values_heads<VSum, T, 2, 4>,
+         values_heads<VSum, T, 2, 8>},
+        {values_heads<VSum, T, 3, 1>, values_heads<VSum, T, 3, 2>, values_heads<VSum, T, 3, 4>,
+         values_heads<VSum, T, 3, 8>},
+        {values_heads<VSum, T, 4, 1>, values_heads<VSum, T, 4, 2>, values_heads<VSum, T, 4, 4>,
+         values_heads<VSum, T, 4, 8>}};
+    return table[hs.G - 1][std::countr_zero(static_cast<unsigned>(nc))](p, vf, pg, t0, t1, hs, acc);
   }
-  if (fn) return fn(p, vf, pg, t0, t1, hs, acc);
   values_of(p, vf, pg, t0, t1, hs, acc);
 }
 
