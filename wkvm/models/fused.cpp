@@ -591,7 +591,7 @@ void transpose_keys(const T* kf, const Pages& pg, int64_t t0, int64_t t1, const 
 // loaded serves the GS heads: with v8f and GS = 3, 14 of AVX2's 16 registers (the last quarter spills three). AVX2,
 // a 256-token chunk's attention after 768 tokens (one layer, SmolLM2's heads, float16 pages; AMD EPYC Zen 3, 2
 // threads): 36 ms a row at a time, ~6-10 ms grouped, torch's SDPA 7-11 ms; the loop runs ~11 products a cycle (two
-// FMAs a cycle: 16).
+// FMAs a cycle: 16; an estimate from perf's share of the op at an assumed ~3.2 GHz).
 template <class V, int GS, int ND>
 inline void scores_lanes(const float* q, const float* kh, int64_t W, V (&out)[GS]) {
   constexpr int D = 16 * ND;
@@ -1054,7 +1054,7 @@ struct Attention {
   // scores are taken from them (scores_rows) and a float16 pool's values are summed two rows at a time (values_pair);
   // elsewhere each item is done as `item`. The same bits as `item`.
   // With fewer, the transposition cost about what it saved (2 threads; AVX-512, and AVX2 once its rows alone ran
-  // scores2_avx2: after 768 tokens 4-8 rows ran 0.6-0.75x grouped, 16 level, 256 1.3-1.8x; AMD EPYC Zen 3, session 53)
+  // scores2_avx2: after 768 tokens 4-8 rows ran 0.45-0.77x grouped, 16 level, 256 1.3-1.8x; AMD EPYC Zen 3, session 53)
   static constexpr int64_t GROUP_ROWS = 16;
   void group(int64_t b, int64_t e, int64_t i0, int64_t i1, std::vector<float>& scores) {
     thread_local std::vector<float> kt, all;  // the chunk's keys transposed; its rows' scores
