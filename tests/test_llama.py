@@ -773,6 +773,41 @@ def test_a_llama3_gguf_vocabulary_takes_a_whole_word_token_before_merges(tmp_pat
         assert [tokens[i] for i in gguf_tokenizer(path).encode("abc")] == want, pre
 
 
+def test_ids_that_share_a_text_decode_as_it_and_encode_as_the_last_one_as_llama_cpp(tmp_path):
+    """A vocabulary that holds one text under two ids (llama.cpp keeps both: `token_to_piece` gives each the text,
+    `token_to_id` keeps the last): the earlier id had decoded as nothing, with no bytes, outside the special ids,
+    and the vocabulary's size had counted the text once (left open since session 41; fixed session 54)."""
+    alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)]
+    for model in ("gpt2", "llama"):
+        letters = alphabet if model == "gpt2" else ["▁", *alphabet, "<0x0A>"]
+        tokens = ["<|im_end|>", *letters, "ab", "<|im_end|>", "ab", "zz"]
+        first_ab, last_ab, first_end, last_end = len(letters) + 1, len(letters) + 3, 0, len(letters) + 2
+        path = tmp_path / f"{model}.gguf"
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_tokenizer_model(model)
+        w.add_token_list(tokens)
+        kinds = {"<|im_end|>": gguf.TokenType.CONTROL, "<0x0A>": gguf.TokenType.BYTE}
+        w.add_token_types([kinds.get(t, gguf.TokenType.NORMAL) for t in tokens])
+        if model == "gpt2":
+            w.add_token_merges(["a b"])
+        else:
+            w.add_token_scores([0.0] * len(tokens))
+            w.add_add_space_prefix(False)
+        w.add_eos_token_id(first_end)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        tok = gguf_tokenizer(path)
+        assert tok.vocab_size == len(tokens), model
+        assert tok.decode([first_ab]) == tok.decode([last_ab]) == "ab", model
+        assert tok.token_bytes(first_ab) == tok.token_bytes(last_ab) == b"ab", model
+        assert tok.decode([first_end, first_ab]) == "<|im_end|>ab", model
+        assert tok.encode("ab<|im_end|>") == [last_ab, last_end], model  # llama.cpp's token_to_id: the last id
+        assert {first_end, last_end} <= tok.special_ids and {first_end, last_end} <= tok.eos_token_ids, model
+        assert tok.decode([len(tokens) - 1]) == "zz", model
+
+
 def test_a_prompt_starts_with_bos_where_the_tokenizer_adds_one(tmp_path):
     """Llama 3 (GGUF llama-bpe, or an HF tokenizer.json whose post-processor adds `<|begin_of_text|>`) starts a
     prompt text with BOS, as llama.cpp, transformers and vLLM's completions do; `add_bos_token` says otherwise where

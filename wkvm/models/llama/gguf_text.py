@@ -14,6 +14,7 @@ Control tokens become special added tokens, so chat markers encode as one id; us
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -93,10 +94,12 @@ class GGUFTokenizer(HFTokenizer):
 
     def __init__(self, tok: HFTokenizers, eos_token_id: int | None, more_eos: frozenset[int] = frozenset(),
                  bos_token_id: int | None = None, add_bos: bool = False,
-                 user_defined: dict[int, str] | None = None):  # fmt: skip
-        """`user_defined`: the vocabulary's user-defined tokens (id -> text), whose text decodes as it is."""
+                 user_defined: dict[int, str] | None = None, tokens: list[str] | None = None):  # fmt: skip
+        """`user_defined`: the vocabulary's user-defined tokens (id -> text), whose text decodes as it is; `tokens`:
+        the file's vocabulary, each id's text (a text held by several ids is one entry of `tok`'s vocabulary)."""
         self._tok = tok  # no file to read: super's __init__ is not run
-        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True) if tokens is None else len(tokens)
+        self._same_text = shadowed_ids(tok, tokens or [])
         self.set_specials(eos_token_id, more_eos, bos_token_id, add_bos)
         self._user_defined = user_defined or {}
 
@@ -104,7 +107,10 @@ class GGUFTokenizer(HFTokenizer):
         """As llama.cpp's `token_to_piece`, a user-defined token is its own text: `tokenizers` runs added tokens
         through the vocabulary's decoder, and a byte-level one maps letters of GPT-2's byte alphabet to single
         bytes: DeepSeek LLM / Coder mark ü ö ø ú ... as user-defined, and every one came out as U+FFFD ("M�ller";
-        hunt, session 48; huggingface/tokenizers#1424)."""
+        hunt, session 48; huggingface/tokenizers#1424). An id whose text a later id of the file also holds decodes
+        as that one (the same text)."""
+        if self._same_text:
+            ids = [self._same_text.get(i, i) for i in ids]
         if not self._user_defined or self._user_defined.keys().isdisjoint(ids):  # (most vocabularies have none)
             return super().decode(ids)
         out: list[str] = []
@@ -121,6 +127,25 @@ class GGUFTokenizer(HFTokenizer):
         if run:
             out.append(super().decode(run))
         return "".join(out)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return super().token_bytes(self._same_text.get(token_id, token_id))
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        kept = super().special_ids
+        return kept | {i for i, j in self._same_text.items() if j in kept}
+
+
+def shadowed_ids(tok: HFTokenizers, tokens: list[str]) -> dict[int, int]:
+    """id -> the id `tok` keeps for its text, for every id of `tokens` whose text a later id holds too: a `tokenizers`
+    vocabulary holds a text once, so it encodes as the last id, as llama.cpp's (`token_to_id` keeps the last one),
+    and had decoded the earlier ids as nothing (and counted them out of the vocabulary's size). llama.cpp's
+    `token_to_piece` gives both ids the text."""
+    if len(set(tokens)) == len(tokens):  # (most vocabularies)
+        return {}
+    kept = ((i, tok.token_to_id(t)) for i, t in enumerate(tokens))
+    return {i: j for i, j in kept if j is not None and j != i}
 
 
 def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
@@ -181,7 +206,7 @@ def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
     user_defined = user_defined if model == "gpt2" else {}
     return GGUFTokenizer(tok, None if eos is None else int(eos), frozenset(int(i) for i in ends if i is not None),
                          None if bos is None else int(bos), bool(add_bos) if add_bos is not None else default_bos,
-                         user_defined)  # fmt: skip
+                         user_defined, tokens)  # fmt: skip
 
 
 def byte_level_bpe(reader: Any, tokens: list[str], pre: str) -> HFTokenizers:
