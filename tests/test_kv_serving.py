@@ -292,6 +292,14 @@ def test_a_prompt_over_the_context_limit_is_a_400_also_after_a_reused_prefix(mod
             r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "n": 2})  # before any prefill
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
         assert c.post("/v1/completions", json={"prompt": list(range(1, 13)), "max_tokens": 2}).status_code == 200
+        # scoring a prompt (echo, max_tokens 0) may fill the context: it generates nothing (refused before session 54)
+        score = {"prompt": list(range(1, 17)), "max_tokens": 0, "echo": True, "logprobs": 1}
+        r = c.post("/v1/completions", json=score)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 16, r.text
+        assert len(r.json()["choices"][0]["logprobs"]["token_logprobs"]) == 16, r.text
+        r = c.post("/v1/completions", json={**score, "prompt": list(range(1, 18))})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert "with room" not in r.json()["error"]["message"], r.text
         # vLLM's truncate_prompt_tokens -1: the prompt's end, as much as leaves room for a token (it kept 16 and failed)
         long = {"prompt": list(range(1, 21)), "max_tokens": 2, "truncate_prompt_tokens": -1}
         r = c.post("/v1/completions", json=long)

@@ -138,7 +138,8 @@ class LocalEngineClient:
             return [self.engine.submit(prompt_ids, params[0], initial_state=base_state, base_ids=base_ids,
                                        capture_state=capture, capture_prompt_state=capture_prompt,
                                        capture_at=capture_at, loop=loop)]  # fmt: skip
-        self.engine.check_context(len(base_ids) + len(prompt_ids))  # before the shared prefill, not after it
+        # before the shared prefill, not after it
+        self.engine.check_context(len(base_ids) + len(prompt_ids), any(p.max_tokens != 0 for p in params))
         state, feed, prompt_state = base_state, prompt_ids, None
         shared = params[0].prompt_logprobs is None  # a choice scoring its prompt is fed all of it itself
         # the choices keep the request's deadline (--request-timeout from now), not one of their own after the prefill

@@ -142,7 +142,7 @@ class Engine:
         if not prompt_ids:
             raise ValueError("a request needs at least one prompt token")
         params.check_vocabulary(self.model.vocab_size)
-        self.check_context(len(base_ids or []) + len(prompt_ids))
+        self.check_context(len(base_ids or []) + len(prompt_ids), params.max_tokens != 0)
         timeout = timeout if timeout is not None else self.config.request_timeout
         now = time.monotonic()
         req = Request(
@@ -391,13 +391,16 @@ class Engine:
         limit = self.runner.context_limit
         return limit is not None and len(req.base_ids) + req.num_tokens >= limit
 
-    def check_context(self, n: int) -> None:
-        """Raise ContextTooLong where `n` earlier and prompt tokens leave no room to generate one token."""
+    def check_context(self, n: int, generates: bool = True) -> None:
+        """Raise ContextTooLong where `n` earlier and prompt tokens leave no room to generate one token (`generates`),
+        or do not fit at all (a request that only scores its prompt, `max_tokens` 0, may fill the context exactly;
+        a state, made by a prefill, keeps room to generate from)."""
         limit = self.runner.context_limit
-        if limit is not None and n >= limit:
+        if limit is not None and n + generates > limit:
+            room = ", with room for at least one generated token" if generates else ""
             raise ContextTooLong(
-                f"the request's context is {n} tokens and this model holds at most {limit} ({self._limit_reason()}), "
-                "with room for at least one generated token: shorten the prompt or the conversation"
+                f"the request's context is {n} tokens and this model holds at most {limit} ({self._limit_reason()})"
+                f"{room}: shorten the prompt or the conversation"
             )
 
     def _limit_reason(self) -> str:
