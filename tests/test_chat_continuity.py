@@ -173,7 +173,8 @@ def test_two_users_same_chat_id_never_share(reuse, fresh):
 def test_busy_session_gets_409(reuse):
     ui = OpenWebUI(reuse)
     ui.turn("Begin.")
-    body = {"messages": ui.messages + [{"role": "user", "content": "Goon."}], "max_tokens": 3000,
+    # it runs until its client leaves (16,384 tokens take seconds): the second turn waits BUSY_WAIT_S, then 409s
+    body = {"messages": ui.messages + [{"role": "user", "content": "Goon."}], "max_tokens": 16384,
             "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
     started, stop = threading.Event(), threading.Event()
 
@@ -193,6 +194,34 @@ def test_busy_session_gets_409(reuse):
     stop.set()
     t.join()
     assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"
+
+
+def test_a_turn_sent_as_the_client_stops_the_last_one_is_served_not_409(reuse, fresh):
+    """Open WebUI's stop, then a message at once: the stopped stream's turn takes ~0.3-0.7 s to end after its client
+    leaves, and the next turn had been a 409 session_busy meanwhile (noticed session 50; fixed session 54: it waits
+    for the ending turn, BUSY_WAIT_S at most)."""
+    ui = OpenWebUI(reuse)
+    ui.turn("Begin.")
+    stopped = uuid.uuid4().hex
+    body = {"messages": ui.messages + [{"role": "user", "content": "Goon."}], "max_tokens": 16384,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    engine = reuse.ctx.client.engine
+    step = engine.step
+    engine.step = lambda: time.sleep(0.2) or step()  # steps as slow as a real model's under load: the server learns
+    try:  # that the client left at its next step's output, as it does with SmolLM2 behind Open WebUI
+        with httpx.stream("POST", f"{reuse.url}/v1/chat/completions", json=body, timeout=60,
+                          headers=ui.headers(uuid.uuid4().hex, stopped, ui.last_assistant)) as r:  # fmt: skip
+            for line in r.iter_lines():
+                if line.startswith("data: ") and json.loads(line[6:]).get("choices"):
+                    break  # the stop: the client leaves mid-answer
+        messages = ui.messages + [{"role": "user", "content": "Again."}]
+        r = httpx.post(f"{reuse.url}/v1/chat/completions", json={"messages": messages, **GREEDY}, timeout=60,
+                       headers=ui.headers(uuid.uuid4().hex, uuid.uuid4().hex, ui.last_assistant))  # fmt: skip
+    finally:
+        engine.step = step
+    assert r.status_code == 200, r.text
+    want = chat(fresh, messages)["choices"][0]["message"]["content"]
+    assert r.json()["choices"][0]["message"]["content"] == want
 
 
 def test_tight_caps_evict_and_stay_correct(char_model, fresh):

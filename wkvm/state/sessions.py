@@ -32,6 +32,9 @@ HEADER_MODE = "x-wkvm-stateful-chat"
 HEADER_TASK = "x-wkvm-task"  # Open WebUI's {{TASK}}: title_generation, tags_generation, ... ('' on a chat turn)
 PARENT_TOKEN_V1 = "parent-token-v1"
 RESERVATION_S = 30.0
+# a turn for a session still generating waits this long for it before its 409: a client that stops a stream and
+# sends again at once (Open WebUI's stop, then regenerate) finds the stopped turn still ending for ~0.3-0.7 s
+BUSY_WAIT_S = 2.0
 def reuse_scope(tenant: str, user: str | None, cache_salt: str | None) -> str:
     """Whose checkpoints a request may resume from: the tenant (API key, Open WebUI user), narrowed by the
     request's `user` and `cache_salt`, so reuse (and its latency) never confirms another user's prompt."""
@@ -338,6 +341,7 @@ class ChatSessions:
                 known = key in self.sessions
             if not known:
                 self._take_over(key)
+        self._wait_while_busy(key)
         with self.lock:
             sess = self.sessions.get(key)
             if sess is not None and time.monotonic() - sess.last_used > self.config.chat_session_ttl:
@@ -370,6 +374,21 @@ class ChatSessions:
                 info = {"mode": "parent_bound", "reused_tokens": n, "restart_reason": None}
                 return Plan(prompt_ids[n:], state, prompt_ids[:n], handle, info), key
         return self._from_checkpoint(scope, prompt_ids, reason), key
+
+    def _wait_while_busy(self, key: SessionKey) -> None:
+        """Up to BUSY_WAIT_S for the session's running turn to end (a thread of the server's pool waits, not the
+        event loop): one its client has left ends within a second, so the next turn starts instead of a 409."""
+        deadline = time.monotonic() + BUSY_WAIT_S
+        while (left := deadline - time.monotonic()) > 0:
+            with self.lock:
+                sess = self.sessions.get(key)
+                if sess is None or not sess.busy:
+                    return
+                running = next((h for h in sess.inflight if not h.done.is_set()), None)
+            if running is not None:
+                running.done.wait(min(left, 0.05))
+            else:  # reserved by a turn being planned: its handles come in a moment
+                time.sleep(min(left, 0.02))
 
     def _take_over(self, key: SessionKey) -> None:
         """Park here the session another server parked (its mirror copy), if there is one and it is valid; the usual
@@ -519,8 +538,9 @@ class ChatSessions:
                 self._drop(key)
 
     def track(self, chat: ChatMeta | None, scope: str, handles: list[RequestHandle]) -> None:
-        """Mark the session busy while these handles run (a second turn gets 409). Only a turn bound to the session
-        does: a background task or a turn without its ids never parks there, so it never makes the chat busy."""
+        """Mark the session busy while these handles run (a second turn waits up to BUSY_WAIT_S, then gets 409).
+        Only a turn bound to the session does: a background task or a turn without its ids never parks there, so it
+        never makes the chat busy."""
         if chat is None or not chat.bound or chat.user is None or chat.chat is None:
             return
         key = (scope, chat.user, chat.chat)
