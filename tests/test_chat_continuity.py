@@ -171,9 +171,10 @@ def test_two_users_same_chat_id_never_share(reuse, fresh):
 
 
 def test_busy_session_gets_409(reuse):
+    """A second turn waits BUSY_WAIT_S for the session's running turn, then gets 409; while it waits, a third gets
+    its 409 at once (one waiting thread a session: a client sending many cannot hold the server's threads)."""
     ui = OpenWebUI(reuse)
     ui.turn("Begin.")
-    # it runs until its client leaves (16,384 tokens take seconds): the second turn waits BUSY_WAIT_S, then 409s
     body = {"messages": ui.messages + [{"role": "user", "content": "Goon."}], "max_tokens": 16384,
             "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
     started, stop = threading.Event(), threading.Event()
@@ -186,14 +187,31 @@ def test_busy_session_gets_409(reuse):
                 if stop.is_set():
                     break  # disconnecting cancels the long request
 
-    t = threading.Thread(target=long_request)
-    t.start()
-    assert started.wait(30)
-    r = httpx.post(f"{reuse.url}/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2},
-                   headers=ui.headers(uuid.uuid4().hex, uuid.uuid4().hex, ui.last_assistant))  # fmt: skip
-    stop.set()
-    t.join()
-    assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"
+    def next_turn(answers: list) -> None:
+        r = httpx.post(f"{reuse.url}/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2}, timeout=60,
+                       headers=ui.headers(uuid.uuid4().hex, uuid.uuid4().hex, ui.last_assistant))  # fmt: skip
+        answers.append((time.monotonic(), r))
+
+    engine = reuse.ctx.client.engine
+    step = engine.step
+    engine.step = lambda: time.sleep(0.01) or step()  # the long turn runs until its client leaves, on any machine
+    try:
+        t = threading.Thread(target=long_request)
+        t.start()
+        assert started.wait(30)
+        answers: list = []
+        turns = [threading.Thread(target=next_turn, args=(answers,)) for _ in range(2)]
+        for turn in turns:
+            turn.start()
+        for turn in turns:
+            turn.join()
+        stop.set()
+        t.join()
+    finally:
+        engine.step = step
+    assert [r.status_code for _, r in answers] == [409, 409] and {r.json()["error"]["code"] for _, r in answers} == {
+        "session_busy"}  # fmt: skip
+    assert answers[1][0] - answers[0][0] > 1.0  # one waited for the running turn, the other did not
 
 
 def test_a_turn_sent_as_the_client_stops_the_last_one_is_served_not_409(reuse, fresh):

@@ -182,6 +182,7 @@ class ChatSessions:
         self.store.on_evict = lambda owner, handle: self.evicted.append((owner, handle))
         self.sessions: OrderedDict[SessionKey, Session] = OrderedDict()
         self.lock = threading.RLock()
+        self.waiting: set[SessionKey] = set()  # sessions a turn waits on (`_wait_while_busy`): one at a time
         self.mirror: SessionMirror | None = None  # set by a cluster replica
         self._rebuild()
 
@@ -377,18 +378,29 @@ class ChatSessions:
 
     def _wait_while_busy(self, key: SessionKey) -> None:
         """Up to BUSY_WAIT_S for the session's running turn to end (a thread of the server's pool waits, not the
-        event loop): one its client has left ends within a second, so the next turn starts instead of a 409."""
-        deadline = time.monotonic() + BUSY_WAIT_S
-        while (left := deadline - time.monotonic()) > 0:
+        event loop): one its client has left ends within a second, so the next turn starts instead of a 409. One
+        turn waits on a session at a time (more get their 409 at once), so a client sending many cannot hold the
+        server's threads."""
+        with self.lock:
+            sess = self.sessions.get(key)
+            if sess is None or not sess.busy or key in self.waiting:
+                return
+            self.waiting.add(key)
+        try:
+            deadline = time.monotonic() + BUSY_WAIT_S
+            while (left := deadline - time.monotonic()) > 0:
+                with self.lock:
+                    sess = self.sessions.get(key)
+                    if sess is None or not sess.busy:
+                        return
+                    running = next((h for h in sess.inflight if not h.done.is_set()), None)
+                if running is not None:
+                    running.done.wait(min(left, 0.05))
+                else:  # reserved by a turn being planned: its handles come in a moment
+                    time.sleep(min(left, 0.02))
+        finally:
             with self.lock:
-                sess = self.sessions.get(key)
-                if sess is None or not sess.busy:
-                    return
-                running = next((h for h in sess.inflight if not h.done.is_set()), None)
-            if running is not None:
-                running.done.wait(min(left, 0.05))
-            else:  # reserved by a turn being planned: its handles come in a moment
-                time.sleep(min(left, 0.02))
+                self.waiting.discard(key)
 
     def _take_over(self, key: SessionKey) -> None:
         """Park here the session another server parked (its mirror copy), if there is one and it is valid; the usual
