@@ -35,6 +35,8 @@ RESERVATION_S = 30.0
 # a turn for a session still generating waits this long for it before its 409: a client that stops a stream and
 # sends again at once (Open WebUI's stop, then regenerate) finds the stopped turn still ending for ~0.3-0.7 s
 BUSY_WAIT_S = 2.0
+
+
 def reuse_scope(tenant: str, user: str | None, cache_salt: str | None) -> str:
     """Whose checkpoints a request may resume from: the tenant (API key, Open WebUI user), narrowed by the
     request's `user` and `cache_salt`, so reuse (and its latency) never confirms another user's prompt."""
