@@ -777,11 +777,12 @@ def test_a_llama3_gguf_vocabulary_takes_a_whole_word_token_before_merges(tmp_pat
 def test_ids_that_share_a_text_decode_as_it_and_encode_as_the_last_one_as_llama_cpp(tmp_path):
     """A vocabulary that holds one text under two ids (llama.cpp keeps both: `token_to_piece` gives each the text,
     `token_to_id` keeps the last): the earlier id had decoded as nothing, with no bytes, outside the special ids,
-    and the vocabulary's size had counted the text once (left open since session 41; fixed session 54)."""
+    and the vocabulary's size had counted the text once (left open since session 41; fixed session 54). Empty
+    tokens are "[EMPTY_<id>]", as llama.cpp names them."""
     alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)]
     for model in ("gpt2", "llama"):
         letters = alphabet if model == "gpt2" else ["▁", *alphabet, "<0x0A>"]
-        tokens = ["<|im_end|>", *letters, "ab", "<|im_end|>", "ab", "zz"]
+        tokens = ["<|im_end|>", *letters, "ab", "<|im_end|>", "ab", "", "", "zz"]
         first_ab, last_ab, first_end, last_end = len(letters) + 1, len(letters) + 3, 0, len(letters) + 2
         path = tmp_path / f"{model}.gguf"
         w = gguf.GGUFWriter(str(path), "llama")
@@ -807,6 +808,8 @@ def test_ids_that_share_a_text_decode_as_it_and_encode_as_the_last_one_as_llama_
         assert tok.encode("ab<|im_end|>") == [last_ab, last_end], model  # llama.cpp's token_to_id: the last id
         assert {first_end, last_end} <= tok.special_ids and {first_end, last_end} <= tok.eos_token_ids, model
         assert tok.decode([len(tokens) - 1]) == "zz", model
+        empty = [len(tokens) - 3, len(tokens) - 2]  # llama.cpp's names for empty tokens, each its own
+        assert [tok.decode([i]) for i in empty] == [f"[EMPTY_{i}]" for i in empty], model
 
 
 def test_a_prompt_starts_with_bos_where_the_tokenizer_adds_one(tmp_path):

@@ -160,6 +160,8 @@ def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
     if not tokens:
         raise CheckpointError(f"{path}: the file carries no vocabulary (tokenizer.ggml.tokens): put the model's "
                               f"tokenizer.json beside it as {Path(path).stem}.tokenizer.json")  # fmt: skip
+    # an empty token is "[EMPTY_<id>]" to llama.cpp (llama-vocab.cpp): its text when generated, each its own
+    tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
     types: list[int] = field(reader, "tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
     if not isinstance(types, list) or not all(isinstance(k, int) for k in types):
         raise CheckpointError(f"{path}: tokenizer.ggml.token_type is not a list of integers")
