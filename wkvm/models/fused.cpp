@@ -417,7 +417,6 @@ constexpr int ACC_REGS = 24;
 #else
 constexpr int ACC_REGS = 0;
 #endif
-constexpr int64_t LANES = sizeof(vacc) / sizeof(float);
 // AVX2 with FMA and no AVX-512: the loops below written for its sixteen 8-float registers (scores2_avx2,
 // scores_lanes, values_pair and values_group over v8f)
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)

@@ -92,14 +92,14 @@ def pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
 class GGUFTokenizer(HFTokenizer):
     """An HFTokenizer over a `tokenizers` object built in memory rather than read from tokenizer.json."""
 
-    def __init__(self, tok: HFTokenizers, eos_token_id: int | None, more_eos: frozenset[int] = frozenset(),
-                 bos_token_id: int | None = None, add_bos: bool = False,
-                 user_defined: dict[int, str] | None = None, tokens: list[str] | None = None):  # fmt: skip
-        """`user_defined`: the vocabulary's user-defined tokens (id -> text), whose text decodes as it is; `tokens`:
-        the file's vocabulary, each id's text (a text held by several ids is one entry of `tok`'s vocabulary)."""
+    def __init__(self, tok: HFTokenizers, tokens: list[str], eos_token_id: int | None,
+                 more_eos: frozenset[int] = frozenset(), bos_token_id: int | None = None, add_bos: bool = False,
+                 user_defined: dict[int, str] | None = None):  # fmt: skip
+        """`tokens`: the file's vocabulary, each id's text (a text held by several ids is one entry of `tok`'s
+        vocabulary); `user_defined`: the vocabulary's user-defined tokens (id -> text), whose text decodes as it is."""
         self._tok = tok  # no file to read: super's __init__ is not run
-        self.vocab_size = tok.get_vocab_size(with_added_tokens=True) if tokens is None else len(tokens)
-        self._same_text = shadowed_ids(tok, tokens or [])
+        self.vocab_size = len(tokens)
+        self._same_text = shadowed_ids(tok, tokens)
         self.set_specials(eos_token_id, more_eos, bos_token_id, add_bos)
         self._user_defined = user_defined or {}
 
@@ -206,9 +206,9 @@ def gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
     # one's decodes it right, and decoding around it apart would drop the space of a ▁word after it (review, 48)
     user_defined = {i: t for i, (t, k, s) in enumerate(marked) if k == TokenType.USER_DEFINED and not s}
     user_defined = user_defined if model == "gpt2" else {}
-    return GGUFTokenizer(tok, None if eos is None else int(eos), frozenset(int(i) for i in ends if i is not None),
-                         None if bos is None else int(bos), bool(add_bos) if add_bos is not None else default_bos,
-                         user_defined, tokens)  # fmt: skip
+    return GGUFTokenizer(tok, tokens, None if eos is None else int(eos),
+                         frozenset(int(i) for i in ends if i is not None), None if bos is None else int(bos),
+                         bool(add_bos) if add_bos is not None else default_bos, user_defined)  # fmt: skip
 
 
 def byte_level_bpe(reader: Any, tokens: list[str], pre: str) -> HFTokenizers:
