@@ -125,18 +125,16 @@ void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
 
 #ifdef WKVM_X86
 
-// ---- AVX2: a block as two halves of 8 rows, 8 rows per register ----
+// ---- AVX2: 8 rows of a block per register ----
 
 #define WKVM_I4_AVX2 "avx2,f16c,fma"
 
-template <int MT>
-__attribute__((target(WKVM_I4_AVX2))) void half_avx2(const Problem& p, int64_t b, int64_t h, int64_t m, bool next) {
+// one row of x against half h of block b (its rows 8h..8h+7)
+__attribute__((target(WKVM_I4_AVX2))) void half_avx2(const Problem& p, int64_t b, int64_t h, int64_t m) {
   const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  __m256 acc[MT];
-  for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
+  __m256 acc = _mm256_setzero_ps();
   for (int64_t g = 0; g < p.G; ++g) {
     const uint8_t* bg = block_group(p, b, g);
-    if (next) prefetch_group(block_group(p, b + 1, g));
     __m256i wv[8];
     for (int c = 0; c < 4; ++c) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + 64 * c + 32 * h));
@@ -145,35 +143,124 @@ __attribute__((target(WKVM_I4_AVX2))) void half_avx2(const Problem& p, int64_t b
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bg + NIBBLES + 16 * h)));
     const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bg + NIBBLES + 32 + 16 * h)));
-    for (int i = 0; i < MT; ++i) {
-      const int8_t* xg = p.xq + (m + i) * p.K + g * GROUP;
-      // each int16 lane adds the group's 8 pair sums, each at most 2 * 15 * 127 = 3,810 in magnitude (x is rounded
-      // to -127..127): 30,480 at most, so no lane saturates or wraps, and one vpmaddwd widens them. Against widening
-      // each pair sum (a vpmaddwd and a vpaddd a step): 17 instructions a group instead of 24. AMD EPYC Zen 3, one
-      // thread, weights in cache, best of 9: 1.09-1.16x at 1-16 rows; SmolLM2 int4 8 batched through the engine
-      // within the noise (0.96x, median of 10 alternating runs; session 52)
-      __m256i s16 = _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j) {
-        int32_t quad;
-        std::memcpy(&quad, xg + 4 * j, sizeof quad);
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[j], _mm256_set1_epi32(quad)));
+    const int8_t* xg = p.xq + m * p.K + g * GROUP;
+    // each int16 lane adds the group's 8 pair sums, each at most 2 * 15 * 127 = 3,810 in magnitude (x is rounded
+    // to -127..127): 30,480 at most, so no lane saturates or wraps, and one vpmaddwd widens them. Against widening
+    // each pair sum (a vpmaddwd and a vpaddd a step): 17 instructions a group instead of 24. AMD EPYC Zen 3, one
+    // thread, weights in cache, best of 9: 1.09-1.16x at 1-16 rows; SmolLM2 int4 8 batched through the engine
+    // within the noise (0.96x, median of 10 alternating runs; session 52)
+    __m256i s16 = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      int32_t quad;
+      std::memcpy(&quad, xg + 4 * j, sizeof quad);
+      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[j], _mm256_set1_epi32(quad)));
+    }
+    const __m256i isum = _mm256_madd_epi16(s16, ones);
+    const int64_t gi = m * p.G + g;
+    const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(p.xs[gi])), acc);
+    acc = _mm256_fmadd_ps(mn, _mm256_set1_ps(p.xsd[gi]), t);
+  }
+  _mm256_storeu_ps(p.y + m * p.N + b * ROWS + 8 * h, acc);
+}
+
+// From two rows of x, a block's group is unpacked once, its 16 rows' nibbles as bytes in an L1 buffer, and every row
+// of x takes both halves from there, two rows at a time (each weight vector loaded feeds four vpmaddubsw, each
+// broadcast quad of x two); the rows' float sums wait in a stack buffer between groups. The integer sums and the
+// float operations per group and row are those of half_avx2, so the bits are. AMD EPYC Zen 3, one thread, a C harness
+// over SmolLM2-shaped block matrices against half_avx2 in fours, outputs compared bytewise: 1.1-1.5x at 3-100 rows
+// in both builds (-march=native as fused.cpp, target attributes only as int4_linear.cpp), 0.8-1.15x at 2 (noise);
+// one row keeps half_avx2. Without the asm statements pinning the int16 sums GCC's generic build reordered the
+// products through the stack and ran 0.8-0.9x (session 55).
+constexpr int64_t AVX2_X_ROWS = 32;  // rows of x whose sums one pass over a block's groups holds
+
+// a row of x's group sums s0 (block rows 0-7) and s1 (8-15) added into its 16 float sums at acc
+__attribute__((target(WKVM_I4_AVX2))) inline void add_group_avx2(const Problem& p, int64_t m, int64_t g, __m256i s0,
+                                                                 __m256i s1, __m256 d0, __m256 d1, __m256 mn0,
+                                                                 __m256 mn1, float* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t gi = m * p.G + g;
+  const __m256 dx = _mm256_set1_ps(p.xs[gi]), xsd = _mm256_set1_ps(p.xsd[gi]);
+  __m256 t = _mm256_cvtepi32_ps(_mm256_madd_epi16(s0, ones));
+  t = _mm256_fmadd_ps(t, _mm256_mul_ps(d0, dx), _mm256_load_ps(acc));
+  _mm256_store_ps(acc, _mm256_fmadd_ps(mn0, xsd, t));
+  t = _mm256_cvtepi32_ps(_mm256_madd_epi16(s1, ones));
+  t = _mm256_fmadd_ps(t, _mm256_mul_ps(d1, dx), _mm256_load_ps(acc + 8));
+  _mm256_store_ps(acc + 8, _mm256_fmadd_ps(mn1, xsd, t));
+}
+
+__attribute__((target(WKVM_I4_AVX2))) inline __m256i quad_avx2(const int8_t* x) {
+  int32_t quad;
+  std::memcpy(&quad, x, sizeof quad);
+  return _mm256_set1_epi32(quad);
+}
+
+// rows m0 .. m0 + rows of x (at most AVX2_X_ROWS) against block b
+__attribute__((target(WKVM_I4_AVX2))) void block_avx2(const Problem& p, int64_t b, int64_t m0, int64_t rows,
+                                                      bool next) {
+  const __m256i low = _mm256_set1_epi8(15);
+  alignas(32) uint8_t w[ROWS * GROUP];  // the group's k 4j..4j+3 of rows 0-7 at 32 j, of rows 8-15 at 32 (8 + j)
+  alignas(32) float acc[AVX2_X_ROWS * ROWS];
+  std::fill(acc, acc + rows * ROWS, 0.0f);
+  for (int64_t g = 0; g < p.G; ++g) {
+    const uint8_t* bg = block_group(p, b, g);
+    if (next) prefetch_group(block_group(p, b + 1, g));
+    for (int h = 0; h < 2; ++h)
+      for (int c = 0; c < 4; ++c) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + 64 * c + 32 * h));
+        uint8_t* wc = w + 32 * (8 * h + 2 * c);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(wc), _mm256_and_si256(raw, low));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(wc + 32), _mm256_and_si256(_mm256_srli_epi16(raw, 4), low));
       }
-      const __m256i isum = _mm256_madd_epi16(s16, ones);
-      const int64_t gi = (m + i) * p.G + g;
-      const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(p.xs[gi])), acc[i]);
-      acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(p.xsd[gi]), t);
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bg + NIBBLES)));
+    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bg + NIBBLES + 16)));
+    const __m256 mn0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bg + NIBBLES + 32)));
+    const __m256 mn1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bg + NIBBLES + 48)));
+    int64_t r = 0;
+    for (; r + 2 <= rows; r += 2) {  // two rows of x: each weight vector loaded feeds four vpmaddubsw
+      const int8_t* xa = p.xq + (m0 + r) * p.K + g * GROUP;
+      const int8_t* xb = xa + p.K;
+      __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+      __m256i b0 = _mm256_setzero_si256(), b1 = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        const __m256i va = quad_avx2(xa + 4 * j), vb = quad_avx2(xb + 4 * j);
+        const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
+        const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * (8 + j)));
+        a0 = _mm256_add_epi16(a0, _mm256_maddubs_epi16(w0, va));
+        a1 = _mm256_add_epi16(a1, _mm256_maddubs_epi16(w1, va));
+        b0 = _mm256_add_epi16(b0, _mm256_maddubs_epi16(w0, vb));
+        b1 = _mm256_add_epi16(b1, _mm256_maddubs_epi16(w1, vb));
+        asm("" : "+x"(a0), "+x"(a1), "+x"(b0), "+x"(b1));  // the four sums stay in registers, step by step
+      }
+      add_group_avx2(p, m0 + r, g, a0, a1, d0, d1, mn0, mn1, acc + ROWS * r);
+      add_group_avx2(p, m0 + r + 1, g, b0, b1, d0, d1, mn0, mn1, acc + ROWS * (r + 1));
+    }
+    if (r < rows) {
+      const int8_t* xa = p.xq + (m0 + r) * p.K + g * GROUP;
+      __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        const __m256i va = quad_avx2(xa + 4 * j);
+        const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
+        const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * (8 + j)));
+        a0 = _mm256_add_epi16(a0, _mm256_maddubs_epi16(w0, va));
+        a1 = _mm256_add_epi16(a1, _mm256_maddubs_epi16(w1, va));
+        asm("" : "+x"(a0), "+x"(a1));
+      }
+      add_group_avx2(p, m0 + r, g, a0, a1, d0, d1, mn0, mn1, acc + ROWS * r);
     }
   }
-  for (int i = 0; i < MT; ++i) _mm256_storeu_ps(p.y + (m + i) * p.N + b * ROWS + 8 * h, acc[i]);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(p.y + (m0 + r) * p.N + b * ROWS, acc + ROWS * r, sizeof(float) * ROWS);
 }
 
 __attribute__((target(WKVM_I4_AVX2))) void blocks_avx2(const Problem& p, int64_t b0, int64_t b1) {
-  for (int64_t b = b0; b < b1; ++b)
-    for (int64_t h = 0; h < 2; ++h) {
-      int64_t m = 0;
-      for (; m + 4 <= p.M; m += 4) half_avx2<4>(p, b, h, m, h == 0 && m == 0 && p.M >= PREFETCH_ROWS && b + 1 < b1);
-      for (; m < p.M; ++m) half_avx2<1>(p, b, h, m, false);
+  for (int64_t b = b0; b < b1; ++b) {
+    if (p.M == 1) {
+      for (int64_t h = 0; h < 2; ++h) half_avx2(p, b, h, 0);
+      continue;
     }
+    for (int64_t m0 = 0; m0 < p.M; m0 += AVX2_X_ROWS)
+      block_avx2(p, b, m0, std::min(AVX2_X_ROWS, p.M - m0), m0 == 0 && p.M >= PREFETCH_ROWS && b + 1 < b1);
+  }
 }
 
 // ---- AVX-512BW and AVX512-VNNI: 16 rows per register ----
