@@ -170,7 +170,7 @@ __attribute__((target(WKVM_I4_AVX2))) void half_avx2(const Problem& p, int64_t b
 // over SmolLM2-shaped block matrices against half_avx2 in fours, outputs compared bytewise: 1.1-1.5x at 3-100 rows
 // in both builds (-march=native as fused.cpp, target attributes only as int4_linear.cpp), 0.8-1.15x at 2 (noise);
 // one row keeps half_avx2. Without the asm statements pinning the int16 sums GCC's generic build reordered the
-// products through the stack and ran 0.8-0.9x (session 55).
+// products through the stack and ran 0.80-0.97x at 8 rows (session 55).
 constexpr int64_t AVX2_X_ROWS = 32;  // rows of x whose sums one pass over a block's groups holds
 
 // a row of x's group sums s0 (block rows 0-7) and s1 (8-15) added into its 16 float sums at acc
