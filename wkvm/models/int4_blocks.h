@@ -66,8 +66,8 @@ inline const uint8_t* block_group(const Problem& p, int64_t b, int64_t g) {
 // From 4 rows x, a block's first pass asks the next block's group into L2 (prefetcht1) with each of its own groups:
 // the arithmetic then overlaps the next weights' way from memory. Op from memory, paired (AMD EPYC, 2 threads,
 // SmolLM2 shapes K = 576): VNNI 8 rows 1.02-1.19x, 16 rows 1.13-1.29x, 4-6 rows 0.95-1.08x; AVX2 4 and 8 rows
-// 0.98-1.29x. Not below 4 rows, as in the int8 kernel, where a one-row call ran 0.85-1.05x with it (not measured
-// with this kernel).
+// 0.98-1.29x. Not below 4 rows on the AVX-512 paths, as in the int8 kernel, where a one-row call ran 0.85-1.05x with
+// it; AVX2's one-row pass does (half_avx2).
 constexpr int64_t PREFETCH_ROWS = 4;
 inline void prefetch_group(const uint8_t* g) {
   for (int64_t o = 0; o < BLOCK_BYTES; o += 64) __builtin_prefetch(g + o, 0, 2);
@@ -129,12 +129,16 @@ void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
 
 #define WKVM_I4_AVX2 "avx2,f16c,fma"
 
-// one row of x against half h of block b (its rows 8h..8h+7)
-__attribute__((target(WKVM_I4_AVX2))) void half_avx2(const Problem& p, int64_t b, int64_t h, int64_t m) {
+// one row of x against half h of block b (its rows 8h..8h+7); `next`: ask block b + 1 into L2 meanwhile (the first
+// half's pass). A decode step's one row reads weights from memory: SmolLM2 int4 one-stream steps 0.86-1.32x with it
+// (18 alternating process pairs, median ~1.09x), RWKV-7 0.1B int4 one stream 0.99-1.11x (3 pairs); a C harness,
+// one thread, 70 MB of weights 1.01-1.14x, but a matrix already in L2 0.86x (session 55)
+__attribute__((target(WKVM_I4_AVX2))) void half_avx2(const Problem& p, int64_t b, int64_t h, int64_t m, bool next) {
   const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t g = 0; g < p.G; ++g) {
     const uint8_t* bg = block_group(p, b, g);
+    if (next) prefetch_group(block_group(p, b + 1, g));
     __m256i wv[8];
     for (int c = 0; c < 4; ++c) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + 64 * c + 32 * h));
@@ -255,7 +259,7 @@ __attribute__((target(WKVM_I4_AVX2))) void block_avx2(const Problem& p, int64_t 
 __attribute__((target(WKVM_I4_AVX2))) void blocks_avx2(const Problem& p, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     if (p.M == 1) {
-      for (int64_t h = 0; h < 2; ++h) half_avx2(p, b, h, 0);
+      for (int64_t h = 0; h < 2; ++h) half_avx2(p, b, h, 0, h == 0 && b + 1 < b1);
       continue;
     }
     for (int64_t m0 = 0; m0 < p.M; m0 += AVX2_X_ROWS)
