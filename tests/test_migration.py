@@ -20,6 +20,7 @@ import httpx
 import pytest
 from live_server import LiveServer
 
+from wkvm.server import handover
 from wkvm.server.handover import (
     HANDOVER_HEADER,
     RESUME_HEADER,
@@ -301,6 +302,24 @@ def test_a_moved_stream_of_several_choices_equals_one_that_never_moved(pair, fre
     assert counts(got[-1]["usage"]) == counts(want[-1]["usage"]) and got[-1]["usage"]["completion_tokens"] == 600
     assert sorted(ch["index"] for c in got for ch in c["choices"] if ch["finish_reason"]) == [0, 1, 2]
     assert "wkvm" in got[-2]
+
+
+def test_a_named_moves_push_goes_out_once_even_when_its_callback_comes_after_the_streams_end(pair, fresh, monkeypatch):
+    """The push is a callback on the choices' futures; a mover thread that attaches it only after the engine settled
+    them all (and the stream's end already ran) had left the end to carry the ticket too (a suite failure under
+    load, session 55). Forced here: the stream's end pushes it itself, once."""
+    real = handover.gathered
+
+    def late(futs):
+        concurrent.futures.wait(futs, timeout=30)  # every choice stopped ...
+        time.sleep(0.5)  # ... and the stream's end has handed it over before the push is attached
+        return real(futs)
+
+    monkeypatch.setattr(handover, "gathered", late)
+    a, b = pair
+    body = {"messages": MESSAGES, **LONG, "temperature": 0, "n": 2, "return_token_ids": True}
+    got, _ = moved_stream(a, b, "/v1/chat/completions", body, after=9, named="late-push")  # pushed, not carried
+    assert choice_tokens(got) == choice_tokens(whole_stream(fresh, "/v1/chat/completions", body))
 
 
 def test_a_choice_that_finished_before_the_move_stays_finished(pair, fresh):

@@ -142,10 +142,22 @@ class LiveStream:
     saves: str | None = None  # the name its final state is saved under: whoever moves the stream moves the name after
     # it (the cluster front, a stopping replica's drain): a name's versions are issued where it lives
     whole: bool = False  # a request answered whole (not streamed): its ticket carries its logprobs and finished choices
+    pending_push: Callable[[LiveStream], None] | None = None  # `Handovers.suspend`'s push until it runs (`push_now`)
+    push_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def done(self) -> bool:
         return all(h.done.is_set() for h in self.handles)
+
+    def push_now(self) -> None:
+        """Run the move's push once: on the engine's thread as the choices stop, or at the stream's end when that
+        comes first. The push is a callback on the choices' futures, and one attached after the engine had settled
+        them all runs later, on the mover's thread: the stream's end had then found `pushed` False and sent the
+        ticket itself as well (a test_migration failure under load, session 55)."""
+        with self.push_lock:
+            push, self.pending_push = self.pending_push, None
+        if push is not None:
+            push(self)
 
     def outgoing(self) -> tuple[list[Continuation], Ticket]:
         """Once its requests stopped (`Handovers.suspend`): the continuations of the choices that moved and the
@@ -248,6 +260,7 @@ class Handovers:
         """Stop a claimed stream's running choices at their next token boundary (`move`); HandoverError (the claim let
         go): it cannot (none is running)."""
         futs, why = [], None
+        s.pending_push = push  # before any choice can stop: the stream's end runs it if the callback below is late
         for h in s.handles:
             if h.done.is_set():
                 continue
@@ -258,10 +271,11 @@ class Handovers:
         if not futs:
             with self._lock:
                 s.to = s.out_id = None
+            s.pending_push = None
             raise HandoverError(f"this stream cannot move now: {why or 'it finished'}")
         fut = gathered(futs)
         if push is not None:
-            fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() else push(s))
+            fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() else s.push_now())
         return fut
 
     def put_out(self, data: bytes, ticket: str | None = None) -> str:

@@ -916,6 +916,7 @@ def hand_over(ctx: ServerContext, live: LiveStream) -> str:
     ctx.sessions.moved(live.handles)
     if c.prompt_state is not None and live.ticket.finish:  # checkpointed here rather than shipped (`encode`)
         ctx.sessions.keep_prompt_end(live.scope, c.base_ids + c.prompt_ids, c.prompt_state)
+    live.push_now()  # the move's push, where the engine's thread has not run it yet
     if live.pushed and live.out_id is not None:  # its ticket went out when it stopped
         return marker(live.out_id, to)
     data = encode_ticket(ctx.model.spec, ctx.model.fingerprint, [c, *more], ticket)
