@@ -213,8 +213,9 @@ class Handovers:
              ) -> MoveFuture:  # fmt: skip
         """Suspend a stream of `tenant` at its next token boundary; its stream then ends with a ticket for `to` (under
         the id `ticket` when given). `push(stream)`, when given, runs on the engine's thread the moment its requests
-        stop (before the engine's next model run) and sends the ticket on itself; it sets `stream.pushed`, and the
-        stream's end then names the ticket without carrying it. The future yields the moved choices' continuations.
+        stop (before the engine's next model run; at the stream's end if that comes first: `LiveStream.push_now`)
+        and sends the ticket on itself; it sets `stream.pushed`, and the stream's end then names the ticket without
+        carrying it. The future yields the moved choices' continuations.
         KeyError: no such stream (of this tenant); HandoverError: it cannot move."""
         return self.suspend(client, self.claim(tenant, stream_id, to, ticket), push)
 
