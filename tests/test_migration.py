@@ -74,10 +74,11 @@ def moved_stream(a, b, path, body, headers=None, after=1, named=None, precopy=Fa
     how many came from `a`. With `named`, the move goes as the cluster front asks for it: the ticket under that id,
     pushed out the moment the request stops (the stream's end names it without carrying it); with `precopy` too,
     the state is copied at chunk `after` and the stop three chunks later pushes only what changed since."""
-    pushed, base = {}, {}
+    pushed, base, pushes = {}, {}, []
     spec, fp = a.ctx.model.spec, a.ctx.model.fingerprint
 
     def push(live):
+        pushes.append(live.out_id)
         pushed[live.out_id] = encode(spec, fp, *live.outgoing(), base.get("c"))
         live.pushed = True
 
@@ -109,6 +110,7 @@ def moved_stream(a, b, path, body, headers=None, after=1, named=None, precopy=Fa
         carried = a.ctx.handovers.take_out(ticket)
         if named is not None:
             assert ticket == named and carried is None and list(pushed) == [named]
+            assert pushes == [named]  # pushed once
             carried = pushed[named]
             assert precopied(carried) == precopy
         m = b.ctx.model

@@ -129,12 +129,27 @@ void rows_scalar(const Problem& p, int64_t n0, int64_t n1) {
 
 #define WKVM_I4_AVX2 "avx2,f16c,fma"
 
+// x's quad at x (4 int8) in every lane
+__attribute__((target(WKVM_I4_AVX2))) inline __m256i quad_avx2(const int8_t* x) {
+  int32_t quad;
+  std::memcpy(&quad, x, sizeof quad);
+  return _mm256_set1_epi32(quad);
+}
+
+// 8 rows' float sums plus one group's term from their int16 pair sums s16: group_term's two fused multiply-adds, in
+// its order (every AVX2 pass adds a group through here, so the passes give the same bits)
+__attribute__((target(WKVM_I4_AVX2))) inline __m256 add_term_avx2(__m256 acc, __m256i s16, __m256 d, __m256 mn,
+                                                                  __m256 dx, __m256 xsd) {
+  const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+  return _mm256_fmadd_ps(mn, xsd, _mm256_fmadd_ps(isum, _mm256_mul_ps(d, dx), acc));
+}
+
 // one row of x against half h of block b (its rows 8h..8h+7); `next`: ask block b + 1 into L2 meanwhile (the first
 // half's pass). A decode step's one row reads weights from memory: SmolLM2 int4 one-stream steps 0.86-1.32x with it
 // (18 alternating process pairs, median ~1.09x), RWKV-7 0.1B int4 one stream 0.99-1.11x (3 pairs); a C harness,
 // one thread, 70 MB of weights 1.01-1.14x, but a matrix already in L2 0.86x (session 55)
 __attribute__((target(WKVM_I4_AVX2))) void half_avx2(const Problem& p, int64_t b, int64_t h, int64_t m, bool next) {
-  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi8(15);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t g = 0; g < p.G; ++g) {
     const uint8_t* bg = block_group(p, b, g);
@@ -154,15 +169,9 @@ __attribute__((target(WKVM_I4_AVX2))) void half_avx2(const Problem& p, int64_t b
     // thread, weights in cache, best of 9: 1.09-1.16x at 1-16 rows; SmolLM2 int4 8 batched through the engine
     // within the noise (0.96x, median of 10 alternating runs; session 52)
     __m256i s16 = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) {
-      int32_t quad;
-      std::memcpy(&quad, xg + 4 * j, sizeof quad);
-      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[j], _mm256_set1_epi32(quad)));
-    }
-    const __m256i isum = _mm256_madd_epi16(s16, ones);
+    for (int j = 0; j < 8; ++j) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[j], quad_avx2(xg + 4 * j)));
     const int64_t gi = m * p.G + g;
-    const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(p.xs[gi])), acc);
-    acc = _mm256_fmadd_ps(mn, _mm256_set1_ps(p.xsd[gi]), t);
+    acc = add_term_avx2(acc, s16, d, mn, _mm256_set1_ps(p.xs[gi]), _mm256_set1_ps(p.xsd[gi]));
   }
   _mm256_storeu_ps(p.y + m * p.N + b * ROWS + 8 * h, acc);
 }
@@ -171,31 +180,20 @@ __attribute__((target(WKVM_I4_AVX2))) void half_avx2(const Problem& p, int64_t b
 // of x takes both halves from there, two rows at a time (each weight vector loaded feeds four vpmaddubsw, each
 // broadcast quad of x two); the rows' float sums wait in a stack buffer between groups. The integer sums and the
 // float operations per group and row are those of half_avx2, so the bits are. AMD EPYC Zen 3, one thread, a C harness
-// over SmolLM2-shaped block matrices against half_avx2 in fours, outputs compared bytewise: 1.1-1.5x at 3-100 rows
-// in both builds (-march=native as fused.cpp, target attributes only as int4_linear.cpp), 0.8-1.15x at 2 (noise);
-// one row keeps half_avx2. Without the asm statements pinning the int16 sums GCC's generic build reordered the
-// products through the stack and ran 0.80-0.97x at 8 rows (session 55).
+// over SmolLM2-shaped block matrices against half_avx2 in fours, outputs compared bytewise: -march=native (as
+// fused.cpp) 1.1-1.4x at 3-100 rows; target attributes only (as int4_linear.cpp) 0.95-1.24x at 3-5 rows, 1.36-1.78x
+// at 16-100; 0.8-1.15x at 2 (noise); one row keeps half_avx2. Without the asm statements pinning the int16 sums
+// GCC's generic build reordered the products through the stack and ran 0.80-0.97x at 8 rows (session 55).
 constexpr int64_t AVX2_X_ROWS = 32;  // rows of x whose sums one pass over a block's groups holds
 
 // a row of x's group sums s0 (block rows 0-7) and s1 (8-15) added into its 16 float sums at acc
 __attribute__((target(WKVM_I4_AVX2))) inline void add_group_avx2(const Problem& p, int64_t m, int64_t g, __m256i s0,
                                                                  __m256i s1, __m256 d0, __m256 d1, __m256 mn0,
                                                                  __m256 mn1, float* acc) {
-  const __m256i ones = _mm256_set1_epi16(1);
   const int64_t gi = m * p.G + g;
   const __m256 dx = _mm256_set1_ps(p.xs[gi]), xsd = _mm256_set1_ps(p.xsd[gi]);
-  __m256 t = _mm256_cvtepi32_ps(_mm256_madd_epi16(s0, ones));
-  t = _mm256_fmadd_ps(t, _mm256_mul_ps(d0, dx), _mm256_load_ps(acc));
-  _mm256_store_ps(acc, _mm256_fmadd_ps(mn0, xsd, t));
-  t = _mm256_cvtepi32_ps(_mm256_madd_epi16(s1, ones));
-  t = _mm256_fmadd_ps(t, _mm256_mul_ps(d1, dx), _mm256_load_ps(acc + 8));
-  _mm256_store_ps(acc + 8, _mm256_fmadd_ps(mn1, xsd, t));
-}
-
-__attribute__((target(WKVM_I4_AVX2))) inline __m256i quad_avx2(const int8_t* x) {
-  int32_t quad;
-  std::memcpy(&quad, x, sizeof quad);
-  return _mm256_set1_epi32(quad);
+  _mm256_store_ps(acc, add_term_avx2(_mm256_load_ps(acc), s0, d0, mn0, dx, xsd));
+  _mm256_store_ps(acc + 8, add_term_avx2(_mm256_load_ps(acc + 8), s1, d1, mn1, dx, xsd));
 }
 
 // rows m0 .. m0 + rows of x (at most AVX2_X_ROWS) against block b
