@@ -99,6 +99,25 @@ inline int32_t load_pair(const int16_t* x) {  // x[k], x[k + 1] as one 32-bit va
 
 // ---- AVX2: a block as four quarters of 8 rows, int16 pairs (vpmaddwd) ----
 
+// s += the pair products of the 16 int16 at w (in L1, or a register) and x, as two instructions that add into s
+// itself. Written as intrinsics, GCC 12.2 (-O3) added each product into a fresh register and moved it back: a wide step
+// of 8 vpmaddwd took ~30 instructions (8 vmovdqa and the loop's 4 among them), here 18 with the loop unrolled by 4.
+// The same integer sums, so the same bits. AMD EPYC Zen 3, AVX2 only (session 57, a noisy host), one thread, a C
+// harness with both versions in one process, alternating, outputs compared bytewise: the wide path 1.09-1.32x at 8
+// rows on SmolLM2's gate shape, 1.10-1.55x on its 49,152-row head, 1.13-1.21x at 32 rows; block_avx2 1.34-1.52x at
+// 2-7 rows in cache, 1.05-1.43x on the head from memory at 4, 1.00-1.05x at one row (bound by memory there). Through
+// the engine (SmolLM2 int8, two threads, alternating processes): B=4 steps 1.02-1.53x (three pairs); B=8's within
+// the noise (0.64-1.25x), where the two threads shared a core and so the vpmaddwd pipes.
+__attribute__((target("avx2"))) inline void madd_into(__m256i& s, const __m256i* w, __m256i x) {
+  __m256i t;
+  asm("vpmaddwd %[w], %[x], %[t]\n\tvpaddd %[t], %[s], %[s]" : [s] "+x"(s), [t] "=&x"(t) : [w] "m"(*w), [x] "x"(x));
+}
+
+__attribute__((target("avx2"))) inline void madd_into(__m256i& s, __m256i w, __m256i x) {
+  __m256i t;
+  asm("vpmaddwd %[w], %[x], %[t]\n\tvpaddd %[t], %[s], %[s]" : [s] "+x"(s), [t] "=&x"(t) : [w] "x"(w), [x] "x"(x));
+}
+
 // `next`: a block to ask into L2 meanwhile (prefetch_share)
 template <int MT>
 __attribute__((target("avx2,fma"))) void block_avx2(const Problem& p, int64_t b, int64_t m, const int8_t* next) {
@@ -117,7 +136,7 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Problem& p, int64_t b,
         wv[q] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * BLOCK + 16 * q)));
       for (int i = 0; i < MT; ++i) {
         const __m256i xv = _mm256_set1_epi32(load_pair(p.x16 + (m + i) * p.K + k));
-        for (int q = 0; q < 4; ++q) isum[q][i] = _mm256_add_epi32(isum[q][i], _mm256_madd_epi16(wv[q], xv));
+        for (int q = 0; q < 4; ++q) madd_into(isum[q][i], wv[q], xv);
       }
     }
     for (int i = 0; i < MT; ++i) {
@@ -143,18 +162,6 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Problem& p, int64_t b,
 
 constexpr int64_t WIDE_ROWS = 8;  // from this many rows of x
 constexpr int64_t WIDE_CHUNK = 64;  // rows of x a pass over a block's groups (their fp32 sums: 8 KiB)
-
-// s += the pair products of the 16 int16 at w (in L1) and x, as two instructions that add into s itself. Written as
-// intrinsics, GCC 12.2 (-O3) added each product into a fresh register and moved it back: a step of 8 vpmaddwd took
-// ~30 instructions (8 vmovdqa and the loop's 4 among them), here 18 and the loop unrolled by 4. The same integer sums,
-// so the same bits. AMD EPYC Zen 3, AVX2 only (session 57, a noisy host): one thread, a C harness with both versions
-// in one process, alternating, outputs compared bytewise: 1.09-1.32x at 8 rows on SmolLM2's gate shape, 1.10-1.55x
-// on its 49,152-row head, 1.13-1.21x at 32 rows; through the op on one thread ~1.05x; with two threads sharing a core
-// no difference shows (they share the vpmaddwd pipes as well), nor in SmolLM2 B=8 engine steps (noise 0.6-1.25x).
-__attribute__((target("avx2"))) inline void madd_into(__m256i& s, const __m256i* w, __m256i x) {
-  __m256i t;
-  asm("vpmaddwd %[w], %[x], %[t]\n\tvpaddd %[t], %[s], %[s]" : [s] "+x"(s), [t] "=&x"(t) : [w] "m"(*w), [x] "x"(x));
-}
 
 // rows m, m + 1 (MT 2) or m alone of x times a group's widened weights (w16: pair row k - k0 of 32 outputs at
 // 32 (k - k0) int16), their group sums added into acc (4 vectors a row)
