@@ -200,6 +200,9 @@ def main() -> None:
     lc: dict[str, float] = {}
     # wkvm's B=batch run over llama.cpp's in the same round, per round
     lc_ratios = sorted(rates[args.batch][r] / runs[f"decode_b{args.batch}"] for r, runs in lc_rounds)
+    # and one stream against batched-bench's B=1 of the same round: the table's one-stream column divides by
+    # llama-bench's run after the rounds, which can meet another host state (0.93-1.47x in session 57's four runs)
+    lc_b1_ratios = sorted(rates[1][r] / runs["decode_b1_batched_bench"] for r, runs in lc_rounds)
     if bin_dir is not None:
         t0 = time.perf_counter()
         lc = llama_cpp(bin_dir, threads, args.prefill_tokens, n, args.depth)
@@ -258,6 +261,9 @@ def main() -> None:
             by_state.append(f"{len(picked)} with the threads {name}: median {statistics.median(picked):.2f}x")
     print(f"The anchor's rounds by host state (two threads >= {SHARED_BELOW}x one: cores of their own): "
           + "; ".join(by_state))
+    if lc_b1_ratios:
+        print(f"One stream vs llama.cpp's in the same round (batched-bench B=1): median of {len(lc_b1_ratios)} "
+              f"{statistics.median(lc_b1_ratios):.2f}x, range {lc_b1_ratios[0]:.2f}-{lc_b1_ratios[-1]:.2f}x")
     # what that rate allows B=batch at best on int8 weights (the rate is int8's kernel's): its step's multiply-adds
     # alone (every layer's four matrices and the head, each row), with attention, norms, sampling and Python free.
     # Where this ceiling over one stream is not far above the 4.7x target, the rest of a step (~1.5-2 ms at 8 rows)
@@ -287,7 +293,7 @@ def main() -> None:
          "transformers_decode_b1_tok_s": ref_dec, "transformers_decode_steps_tok_s": ref_steps,
          "transformers_prefill_tok_s": ref_pre, "llama_cpp": lc,
          "llama_cpp_batched_rounds": [{"round": r, **runs} for r, runs in lc_rounds],
-         "vs_llama_cpp_round_ratios": lc_ratios},
+         "vs_llama_cpp_round_ratios": lc_ratios, "b1_vs_llama_cpp_round_ratios": lc_b1_ratios},
     )  # fmt: skip
 
 
