@@ -99,25 +99,22 @@ inline int32_t load_pair(const int16_t* x) {  // x[k], x[k + 1] as one 32-bit va
 
 // ---- AVX2: a block as four quarters of 8 rows, int16 pairs (vpmaddwd) ----
 
-// s += the pair products of the 16 int16 at w (in L1, or a register) and x, as two instructions that add into s
-// itself. Written as intrinsics, GCC 12.2 (-O3) added each product into a fresh register and moved it back: a wide step
-// of 8 vpmaddwd took ~30 instructions (8 vmovdqa and the loop's 4 among them), here 18 with the loop unrolled by 4.
-// The same integer sums, so the same bits. AMD EPYC Zen 3, AVX2 only (session 57, a noisy host), one thread, a C
-// harness with both versions in one process, alternating, outputs compared bytewise: the wide path 1.09-1.32x at 8
-// rows on SmolLM2's gate shape, 1.10-1.55x on its 49,152-row head, 1.13-1.21x at 32 rows; block_avx2 1.34-1.52x at
-// 2-7 rows in cache, 1.05-1.43x on the head from memory at 4, 1.00-1.05x at one row (bound by memory there). Through
-// the engine (SmolLM2 int8, two threads, alternating processes): B=4 steps 1.02-1.53x (three pairs); B=8's within
-// the noise (0.64-1.25x), where the two threads shared a core and so the vpmaddwd pipes.
-__attribute__((target("avx2"))) inline void madd_into(__m256i& s, const __m256i* w, __m256i x) {
-  __m256i t;
-  asm("vpmaddwd %[w], %[x], %[t]\n\tvpaddd %[t], %[s], %[s]" : [s] "+x"(s), [t] "=&x"(t) : [w] "m"(*w), [x] "x"(x));
-}
-
+// s += the pair products of w and x, as two instructions that add into s itself. Written as intrinsics, GCC 12.2 (-O3)
+// added each product into a fresh register and moved it back (a vmovdqa each). The same integer sums, so the same
+// bits. AMD EPYC Zen 3, AVX2 only (session 57, a noisy host), one thread, a C harness with both versions in one
+// process, alternating, outputs compared bytewise: 1.34-1.52x at 2-7 rows in cache (SmolLM2's gate shape), 1.05-1.43x
+// on its 49,152-row head from memory at 4 rows, 1.00-1.05x at one row (bound by memory). Through the engine (SmolLM2
+// int8 B=4, two threads, alternating processes): 1.02-1.53x (three pairs).
 __attribute__((target("avx2"))) inline void madd_into(__m256i& s, __m256i w, __m256i x) {
   __m256i t;
   asm("vpmaddwd %[w], %[x], %[t]\n\tvpaddd %[t], %[s], %[s]" : [s] "+x"(s), [t] "=&x"(t) : [w] "x"(w), [x] "x"(x));
 }
 
+// Every row count of x runs this loop, two rows at a time. From 8 rows a "wide" pass (session 52: a group's weights
+// widened to int16 once into an L1 buffer, every pair of rows reading them from there) had been faster, but only while
+// this loop's sums went through register moves: with both adding in place, this one ran 1.08-1.30x the wide pass at
+// 6-512 rows over SmolLM2's and RWKV-7 0.1B's shapes and the 49,152-row head (harness, one thread, median of 5 rounds,
+// outputs bytewise equal; session 57), so the wide pass was removed.
 // `next`: a block to ask into L2 meanwhile (prefetch_share)
 template <int MT>
 __attribute__((target("avx2,fma"))) void block_avx2(const Problem& p, int64_t b, int64_t m, const int8_t* next) {
@@ -150,76 +147,11 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Problem& p, int64_t b,
       _mm256_storeu_ps(p.y + (m + i) * p.N + b * BLOCK + 8 * q, _mm256_mul_ps(acc[q][i], _mm256_loadu_ps(scales + 8 * q)));
 }
 
-// ---- AVX2 from 8 rows: a block's group widened to int16 once, then every pair of rows over it ----
-// Zen 3 issues vpmaddwd and vpaddd from the same pipes (a loop of only those two ran at ~19 products a cycle), so
-// the multiplies and adds bound the block above, and its 4 weight widenings a pass were repeated for every pair of
-// rows. Here a group's 32 x 32 weights are widened once into an L1 buffer (2 KiB) and each pair of rows reads them
-// as multiply operands; the fp32 sums wait in a buffer between groups. The same integer sums, added group by group
-// in the same order: the same bits. AMD EPYC Zen 3, 2 vCPUs, AVX2 only (session 52; a noisy host): one thread, 8-32
-// rows, weights in cache, best of 9: 46-56 GMAC/s against 30-43 in most runs (a few noisy ones the other way round,
-// e.g. 35.9 against 41.5 at 32 rows); SmolLM2 int8 8 batched through the engine 1.05x and 1.08x (medians of 16 and 12
-// alternating runs). Below 8 rows the widening costs more than it saves (1-2 rows: 15 against 31-35 GMAC/s).
-
-constexpr int64_t WIDE_ROWS = 8;  // from this many rows of x
-constexpr int64_t WIDE_CHUNK = 64;  // rows of x a pass over a block's groups (their fp32 sums: 8 KiB)
-
-// rows m, m + 1 (MT 2) or m alone of x times a group's widened weights (w16: pair row k - k0 of 32 outputs at
-// 32 (k - k0) int16), their group sums added into acc (4 vectors a row)
-template <int MT>
-__attribute__((target("avx2,fma"))) inline void wide_rows_avx2(const Problem& p, const int16_t* w16, int64_t g,
-                                                             int64_t m, int64_t k0, int64_t k1, __m256* acc) {
-  __m256i s[MT][4];
-  for (int i = 0; i < MT; ++i)
-    for (int q = 0; q < 4; ++q) s[i][q] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-  for (int64_t k = k0; k < k1; k += 2) {
-    const __m256i* wp = reinterpret_cast<const __m256i*>(w16 + (k - k0) * BLOCK);
-    for (int i = 0; i < MT; ++i) {
-      const __m256i xv = _mm256_set1_epi32(load_pair(p.x16 + (m + i) * p.K + k));
-      for (int q = 0; q < 4; ++q) madd_into(s[i][q], wp + q, xv);
-    }
-  }
-  for (int i = 0; i < MT; ++i) {
-    const __m256 dx = _mm256_set1_ps(p.xs[(m + i) * p.G + g]);
-    for (int q = 0; q < 4; ++q) acc[4 * i + q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][q]), dx, acc[4 * i + q]);
-  }
-}
-
-// rows m0 .. m1 (at most WIDE_CHUNK) of x against block b; `next`: a block to ask into L2 meanwhile
-__attribute__((target("avx2,fma"))) void block_wide_avx2(const Problem& p, int64_t b, int64_t m0, int64_t m1,
-                                                         const int8_t* next) {
-  alignas(32) int16_t w16[X_GROUP * BLOCK];
-  alignas(32) __m256 acc[4 * WIDE_CHUNK];
-  const int8_t* w = block_at(p, b);
-  for (int64_t i = 0; i < 4 * (m1 - m0); ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < p.G; ++g) {
-    const int64_t k0 = g * X_GROUP, k1 = std::min(p.K, k0 + X_GROUP);
-    prefetch_share(p, next, g);
-    for (int64_t j = 0; j < (k1 - k0) * BLOCK; j += 16)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(w16 + j),
-                         _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k0 * BLOCK + j))));
-    int64_t m = m0;
-    for (; m + 2 <= m1; m += 2) wide_rows_avx2<2>(p, w16, g, m, k0, k1, acc + 4 * (m - m0));
-    if (m < m1) wide_rows_avx2<1>(p, w16, g, m, k0, k1, acc + 4 * (m - m0));
-  }
-  const float* scales = reinterpret_cast<const float*>(w + BLOCK * p.K);
-  for (int64_t m = m0; m < m1; ++m)
-    for (int q = 0; q < 4; ++q)
-      _mm256_storeu_ps(p.y + m * p.N + b * BLOCK + 8 * q,
-                       _mm256_mul_ps(acc[4 * (m - m0) + q], _mm256_loadu_ps(scales + 8 * q)));
-}
-
 // From 4 rows (two passes or more over a block) the first pass asks the next block into L2: 1.08-1.33x at 4 and 8
 // rows (the RWKV-7 0.1B shapes, K 768 and 3,072, from memory, AMD EPYC restricted to this path), 1.00-1.04x at
 // 32. Not below 4 rows (one pass per two rows is too short to hide a block; the VNNI path's one-row call ran
 // 0.85-1.05x with it).
 __attribute__((target("avx2,fma"))) void blocks_avx2(const Problem& p, int64_t b0, int64_t b1) {
-  if (p.M >= WIDE_ROWS) {  // a chunk of x's rows over every block: the chunk stays in L2 while the blocks stream by
-    for (int64_t m = 0; m < p.M; m += WIDE_CHUNK)
-      for (int64_t b = b0; b < b1; ++b)
-        block_wide_avx2(p, b, m, std::min(p.M, m + WIDE_CHUNK), b + 1 < b1 ? block_at(p, b + 1) : nullptr);
-    return;
-  }
   for (int64_t b = b0; b < b1; ++b) {
     const int8_t* next = p.M >= 4 && b + 1 < b1 ? block_at(p, b + 1) : nullptr;
     int64_t m = 0;
