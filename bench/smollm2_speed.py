@@ -190,7 +190,8 @@ def main() -> None:
     engine_b1, engine_bn = (statistics.median(runs) for runs in rates.values())
     # each round's own ratio (its two runs a few seconds apart), then their median and spread
     round_ratios = sorted(bn / b1 for b1, bn in zip(rates[1], rates[args.batch], strict=True))
-    # and by the host's state in that round (its probe: two threads' rate over one's), which moves the ratio most
+    # and the host's state each round's probe saw (two threads' rate over one's); on session 57's host it did not sort
+    # the rounds reliably (the state changes within seconds), so the JSON keeps each pair for a later look
     round_states = [{"two_over_one_thread": g2 / g1, "ratio": bn / b1} for g2, g1, b1, bn in
                     zip(machine["int8_8row_gmac_s"], machine["int8_8row_one_thread_gmac_s"], rates[1],
                         rates[args.batch], strict=True)]  # fmt: skip
@@ -201,7 +202,7 @@ def main() -> None:
     # wkvm's B=batch run over llama.cpp's in the same round, per round
     lc_ratios = sorted(rates[args.batch][r] / runs[f"decode_b{args.batch}"] for r, runs in lc_rounds)
     # and one stream against batched-bench's B=1 of the same round: the table's one-stream column divides by
-    # llama-bench's run after the rounds, which can meet another host state (0.93-1.47x in session 57's four runs)
+    # llama-bench's run after the rounds, which can meet another host state (0.93-1.64x in session 57's six runs)
     lc_b1_ratios = sorted(rates[1][r] / runs["decode_b1_batched_bench"] for r, runs in lc_rounds)
     if bin_dir is not None:
         t0 = time.perf_counter()

@@ -18,7 +18,8 @@ products there), one fused multiply-add per group after, so every ISA gives the 
 Rounding x moved the default model's mean KL from fp32 from 9.3e-5 (int16 x) to 1.4e-4 and made M=8-32 products
 1.5-2.4x faster (docs/performance.md). The AVX2, VNNI and AMX paths take every size of x (prefill too): on an
 AVX2-only AMD EPYC Zen 3 the AVX2 kernel ran 1.1-3.2x dequantize + oneDNN from 64 to 2,048 rows and 0.86-1.05x at
-4,096 (session 52, once its batch block widened each group's weights for all rows; before, oneDNN won there). Only
+4,096 (session 52, once its batch block widened each group's weights for all rows; before, oneDNN won there; since
+session 57 one loop runs every size, 1.00-1.30x that block from 6 to 4,096 rows, int8_blocks.h). Only
 the AVX-512BW path without VNNI still dequantizes more rows to fp32 per call for oneDNN.
 Without a compiler every call dequantizes in torch (correct, slow) after a one-line warning; importing never fails.
 

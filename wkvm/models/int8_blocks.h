@@ -113,8 +113,9 @@ __attribute__((target("avx2"))) inline void madd_into(__m256i& s, __m256i w, __m
 // Every row count of x runs this loop, two rows at a time. From 8 rows a "wide" pass (session 52: a group's weights
 // widened to int16 once into an L1 buffer, every pair of rows reading them from there) had been faster, but only while
 // this loop's sums went through register moves: with both adding in place, this one ran 1.08-1.30x the wide pass at
-// 6-512 rows over SmolLM2's and RWKV-7 0.1B's shapes and the 49,152-row head (harness, one thread, median of 5 rounds,
-// outputs bytewise equal; session 57), so the wide pass was removed.
+// 6-512 rows over SmolLM2's and RWKV-7 0.1B's shapes and the 49,152-row head, and 1.00-1.19x at 1,024-4,096 rows
+// (harness, one thread, median of 5 rounds, outputs bytewise equal; session 57), so the wide pass was removed.
+//
 // `next`: a block to ask into L2 meanwhile (prefetch_share)
 template <int MT>
 __attribute__((target("avx2,fma"))) void block_avx2(const Problem& p, int64_t b, int64_t m, const int8_t* next) {
