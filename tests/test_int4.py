@@ -135,6 +135,28 @@ def test_kernel_equals_the_dequantized_product_on_every_isa(shape, m):
     assert all(torch.equal(outs["scalar"], y) for y in outs.values())
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_int16_group_sums_at_their_bound_stay_exact(sign):
+    """The AVX2 and AVX-512BW paths add a group's vpmaddubsw pair sums in int16 lanes before widening: each lane then
+    holds 16 products of a nibble (at most 15) and an x value (at most 127 in magnitude), 30,480 at most. Weights at
+    15 (one zero a group keeps the offset at 0) and x at +-127 reach that bound; a lane that saturated or wrapped would
+    leave the scalar reference's bits."""
+    paths = native_paths()
+    if not paths:
+        pytest.skip("no C++ compiler: the native kernel cannot be built here")
+    w = torch.ones(48, 96)
+    w[:, ::32] = 0.0
+    q = int4.quantize(w)
+    assert int((int4.dequantize(q) > 0.99).sum()) == 48 * 93  # nibbles of 15 everywhere but the zeros
+    for m in (1, 2, 3, 8, 33):
+        x = torch.full((m, 96), sign)
+        outs = {p: int4.linear(x, q, p) for p in paths}
+        want = reference(x, q)
+        for p, y in outs.items():
+            assert ((y.double() - want).abs() <= activation_bound(x, q)).all(), (p, m)
+            assert torch.equal(outs["scalar"], y), (p, m)
+
+
 @pytest.mark.parametrize("path", ["auto", "avx2", "torch"])
 def test_prefill_sized_batches(path):
     """Past KERNEL_ROWS rows the AVX-512BW path (no VNNI) dequantizes for oneDNN; AVX2, VNNI and AMX keep the kernel
