@@ -270,7 +270,7 @@ __attribute__((target(WKVM_I4_AVX2))) void blocks_avx2(const Problem& p, int64_t
 #define WKVM_I4_AVX512 "avx2,f16c,avx512f,avx512bw"
 #define WKVM_I4_VNNI "avx2,f16c,avx512f,avx512bw,avx512vnni"
 
-#define WKVM_KERNELS512(NAME, TARGET, DOT, WIDEN)                                                                   \
+#define WKVM_KERNELS512(NAME, TARGET, DOT, WIDEN)                                                              \
   template <int MT>                                                                                            \
   __attribute__((target(TARGET))) void NAME##_block(const Problem& p, int64_t b, int64_t m, bool next) {       \
     const __m512i low = _mm512_set1_epi8(15);                                                                  \
