@@ -589,12 +589,18 @@ def test_long_chunks_attend_through_torch_where_the_fused_attention_cannot_group
     UNGROUPED_ROWS tokens attends through torch (to rounding), a shorter one still a token at a time (stepping's bits).
     Where rows are grouped, every length a token at a time. Either way a long prompt answers as it does token by
     token."""
+    from wkvm.models import int8
     from wkvm.models.llama import model as llama_model
 
     m = load_model(model_dir, dtype="int8")  # (the tiny model's int4 matrices are not all int4: K is not 32 k)
     n = llama_model.UNGROUPED_ROWS
     if not m.rows_alone(n):
         pytest.skip("no native int8 kernel here: every chunk attends through torch")
+    if int8.kernel_for(m.weights.layer(0)[llama_model.LINEAR[0]], 2 * n) is None:
+        # (session 58, the path forced on an AMD EPYC Zen 4: a token differed at the sixth)
+        pytest.skip(f"the int8 kernel does not take {2 * n} rows here (AVX-512BW without VNNI dequantizes more than "
+                    f"{int8.KERNEL_ROWS} for oneDNN, x not rounded to int8): a long chunk answers to that rounding, "
+                    "not as token by token")  # fmt: skip
     monkeypatch.setattr(llama_model, "narrow_attention", lambda: True)
     assert m.rows_alone(n) and not m.rows_alone(n + 1)
     prompt = [(5 * j + 2) % len(CHAR_VOCAB) for j in range(2 * n)]
@@ -607,8 +613,6 @@ def test_long_chunks_attend_through_torch_where_the_fused_attention_cannot_group
 
     assert tokens(2 * n) == tokens(1)
     monkeypatch.setattr(llama_model, "narrow_attention", lambda: False)
-    from wkvm.models import int8
-
     assert m.rows_alone(4 * n) == (int8.kernel_path() in int8.ALL_SIZES)
 
 
