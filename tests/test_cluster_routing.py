@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -404,6 +405,26 @@ def cluster_front(n=2, **replicas_kwargs):
     for slot, rid in engine.ids.items():
         d.slots[slot] = directory.Slot(slot, rid, None)
     return d, engine, Front(ServerConfig(), engine, FakeActor(d))
+
+
+def test_a_saving_stream_moves_to_a_replica_younger_than_the_fronts_list():
+    """A rolling restart stops the next replica as soon as the new one holds its slot (0.13 s apart in session 58's
+    failed run): the stopping replica hands its streams to the new one, which the front's replica list (remembered
+    for a second) does not hold yet. A stream that saves under a name may go only there; it had ended with "none could
+    take it". The front asks the directory again for a destination it does not know."""
+    from wkvm.cluster.forward import ForwardedRequest, Handover, RouteKey
+    from wkvm.cluster.front import Inflight, RunningStream
+
+    d, engine, front = cluster_front(2)
+    front._known = (time.monotonic(), {"r0": "id0"})  # remembered while slot r1 was being replaced
+    req = ForwardedRequest("POST", "/v1/completions", b"", [], b'{"stream": true, "save_state": "x"}')
+    s = RunningStream("anonymous", "r0", req, Inflight(front.load), saves="x")
+
+    async def move():
+        return await front.hand_over(req, RouteKey(None), Handover("r1", "t1", b"ticket"), s)
+
+    assert asyncio.run(move()) is not None
+    assert engine.served == ["r1"] and s.slot == "r1"
 
 
 def test_a_state_whose_owner_is_restarting_waits_for_it(monkeypatch):

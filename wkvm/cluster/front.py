@@ -366,6 +366,11 @@ class Front:
             if not moved.data:  # the destination took it after all (and then failed), or its source died
                 return self.count_failed()
         replicas = await self.recent_replicas()
+        if moved.to not in replicas:
+            # the source named a replica that started after the list was remembered (a rolling restart replaces the
+            # slots one by one; session 58 saw the next stop come 0.13 s after the new replica): ask the directory,
+            # since a saving stream may go nowhere else and had failed its move
+            replicas = await self.replicas()
         # a stream saving under a name goes only where the name went (`move_stream`): its save issues the next version
         order = [moved.to] + [other for other in replicas if other != moved.to and s.saves is None]
         for slot in order:
