@@ -42,7 +42,8 @@ import llamacpp  # noqa: E402
 from common import OUT, machine, print_table, write_json  # noqa: E402
 from openai import APIConnectionError, AsyncOpenAI  # noqa: E402
 
-from wkvm.config import kv_dtype_for  # noqa: E402
+from wkvm.cli import build_parser  # noqa: E402
+from wkvm.config import kv_dtype_for, kv_dtype_name  # noqa: E402
 from wkvm.server.background import free_port, wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -283,10 +284,9 @@ def main() -> None:
             rows.append([case, k, a, b, f"{ratio:.2f}x"])
     cpu = machine()  # its threads are this client process's: the servers run args.threads each
     flags = f" {args.wkvm_args}" if args.wkvm_args else ""
-    # the pages `wkvm serve` keeps: its own rule for --kv-dtype (auto unless the extra flags name one)
-    named = argparse.ArgumentParser(add_help=False)
-    named.add_argument("--kv-dtype", default="auto")
-    kv = kv_dtype_for(named.parse_known_args(shlex.split(args.wkvm_args))[0].kv_dtype, args.dtype)
+    # the pages `wkvm serve` keeps: its own flags (and WKVM_KV_DTYPE) read by its own parser, auto resolved as it does
+    served = build_parser().parse_args(["serve", "--dtype", args.dtype, *shlex.split(args.wkvm_args)])
+    kv = kv_dtype_for(kv_dtype_name(served.kv_dtype), args.dtype)
     repack = "" if not llamacpp.repack_crashed else ", without weight repacking (its AMX path crashes here)"
     title = (f"SmolLM2-135M-Instruct served over HTTP (openai SDK, streamed chat, greedy, ignore_eos): wkvm "
              f"--dtype {args.dtype}{flags} (KV {kv}) vs llama-server Q4_1 native (KV float16{repack}); "
