@@ -320,6 +320,8 @@ class FakeReplicas:
         self.status = 200  # what `http` answers
         self.adopting: asyncio.Event | None = None  # set while an adopt waits for `adopt_go` (when that is given)
         self.adopt_go: asyncio.Event | None = None
+        self.gate: asyncio.Event | None = None  # when given, `http` answers (after counting in `served`) once it is set
+        self.answer_seconds = 0.0  # how long `http` takes to answer after it took the call (a strict one: `ACCEPTED`)
 
     def options(self, **kwargs):
         return self
@@ -333,7 +335,7 @@ class FakeReplicas:
 
     def remote(self, req, target=None, strict=False, **kwargs):
         """`http.remote(...)`: a streaming call's generator (Ray's ObjectRefGenerator: iterated, cancellable)."""
-        from wkvm.cluster.forward import MISROUTED
+        from wkvm.cluster.forward import ACCEPTED, MISROUTED
 
         slot = self.slot(target)
         replicas = self
@@ -349,9 +351,15 @@ class FakeReplicas:
                 await asyncio.sleep(0)
                 if self.items is None:
                     replicas.served.append(slot)
+                    if replicas.gate is not None:
+                        await replicas.gate.wait()
                     kind = b"text/event-stream" if replicas.fail_after is not None else b"application/json"
                     self.items = [Head(replicas.status, [(b"content-type", kind)], slot), *replicas.chunks]
                     self.sent = 0
+                    if strict:  # as EngineReplica.http: the replica asked for took it
+                        return Head(ACCEPTED, [], slot)
+                if replicas.answer_seconds and self.sent == 0:
+                    await asyncio.sleep(replicas.answer_seconds)
                 if not self.items:
                     raise StopAsyncIteration
                 if replicas.fail_after is not None and getattr(self, "sent", 0) == replicas.fail_after + 1:
@@ -427,6 +435,35 @@ def test_a_saving_stream_moves_to_a_replica_younger_than_the_fronts_list():
     assert engine.served == ["r1"] and s.slot == "r1"
 
 
+def test_a_burst_of_new_sessions_spreads_evenly_over_the_replicas(monkeypatch):
+    """Each new session goes to the least busy replica, counted there as it is chosen: a burst of them had all read the
+    same loads (each was counted only once its claim came back from the directory) and split at random, 4 of 5 streams
+    on one replica, one of them waiting for a slot there (the rolling-restart test's streams, session 59). Ties go to
+    the first replica here, so the old count put all six on r0."""
+    import httpx
+
+    from wkvm.cluster import front as front_module
+    from wkvm.cluster.front import build_front_app
+
+    monkeypatch.setattr(front_module.random, "choice", lambda options: options[0])
+    d, engine, front = cluster_front(2)
+    engine.gate = asyncio.Event()
+
+    async def run():
+        transport = httpx.ASGITransport(app=build_front_app(front))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            posts = [asyncio.create_task(c.post("/v1/completions", json={"prompt": "hi", "user": f"u{i}"}))
+                     for i in range(6)]  # fmt: skip
+            while len(engine.served) < 6:
+                await asyncio.sleep(0.01)
+            assert sorted(engine.served) == ["r0"] * 3 + ["r1"] * 3 and front.load == {"r0": 3, "r1": 3}
+            engine.gate.set()
+            assert [(await p).status_code for p in posts] == [200] * 6
+        assert front.load == {"r0": 0, "r1": 0}
+
+    asyncio.run(run())
+
+
 def test_a_state_whose_owner_is_restarting_waits_for_it(monkeypatch):
     """Review (session 38): while the owner's slot was released (a rolling restart) a strict request went to the least
     busy replica, which answered: a false 404, or a create there (a second X@1 the owner later hid). It waits for the
@@ -451,6 +488,30 @@ def test_a_state_whose_owner_is_restarting_waits_for_it(monkeypatch):
             await asyncio.sleep(0.1)
             d.slots["r0"] = directory.Slot("r0", "id0", None)  # the replacement takes the slot
             assert (await back).status_code == 200 and engine.served == ["r0"]
+
+    asyncio.run(run())
+
+
+def test_a_long_answer_from_a_states_owner_is_waited_for(monkeypatch):
+    """A request only a state's owner can answer waits OWNER_WAIT_SECONDS for that owner (it may be restarting); a
+    request answered whole sends its head with its answer, so a long generation (2,400 tokens on a loaded 2-core
+    machine) had been cut at 30 s with a false "replica restarting" 503 and its work thrown away (session 59). The
+    owner says it took the call (`ACCEPTED`) before it runs it; the front waits for the answer after that."""
+    import httpx
+
+    from wkvm.cluster import front as front_module
+    from wkvm.cluster.front import build_front_app
+
+    monkeypatch.setattr(front_module, "OWNER_WAIT_SECONDS", 0.2)
+    d, engine, front = cluster_front()
+    d.holds("r1", [state_key("anonymous", "X")])
+    engine.answer_seconds = 0.5
+
+    async def run():
+        transport = httpx.ASGITransport(app=build_front_app(front))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            r = await c.post("/v1/states/X@1/generate", json={"max_tokens": 2400})
+            assert r.status_code == 200 and r.json() == {"ok": True} and engine.served == ["r1"], r.text
 
     asyncio.run(run())
 
@@ -723,7 +784,7 @@ def test_a_request_that_reaches_a_moved_names_old_owner_is_sent_back():
     directory again), and serves it again once the directory names it the owner (a later move back)."""
 
     pytest.importorskip("ray.serve", reason="Ray Serve is the optional extra wkvm[cluster]")
-    from wkvm.cluster.forward import MISROUTED
+    from wkvm.cluster.forward import MISROUTED, accepted
     from wkvm.cluster.replica import EngineReplica
 
     class Store:  # the one name "chat" with versions 1 and 2
@@ -747,10 +808,15 @@ def test_a_request_that_reaches_a_moved_names_old_owner_is_sent_back():
     async def first_part(**route):
         gen = replica.http(ForwardedRequest("GET", "/v1/states/chat", b"", [], b""), **route)
         try:
-            return await anext(gen)
+            part = await anext(gen)
         except AttributeError:  # the fake has no app: the request went on past the checks, to be served here
             served.append(route)
             return None
+        if accepted(part):  # a strict one says so first (the front then waits for its answer however long)
+            assert route.get("strict")
+            served.append(route)
+            return None
+        return part
 
     async def scenario():
         d.record(key, "r0")

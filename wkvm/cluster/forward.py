@@ -26,6 +26,10 @@ STATES = "/v1/states"
 RESPONSES = "/v1/responses"
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", RESPONSES)
 MISROUTED = 0  # the status of a Head that says "not the replica you asked for": ask the directory again
+# the status of the Head a strict call's replica yields first when it is the one asked for: the answer's own head
+# follows, however long it takes (a request answered whole sends its head with the answer; the front's wait for a
+# restarting owner had cut a long one at 30 s with a false "restarting" 503; session 59)
+ACCEPTED = 1
 MISROUTED_REPLY = "wkvm:misrouted"  # what a replica method returns for the same (an answer, not an error to log)
 SAVING_REPLY = "wkvm:saving"  # export_name: a running request will save the name's next version here
 EXISTS_REPLY = "wkvm:exists"  # adopt: a version of the name is here already (another move got here first)
@@ -72,6 +76,11 @@ class Head:
     status: int
     headers: list[tuple[bytes, bytes]]
     replica: str  # the slot that answered (r0, r1, ...)
+
+
+def accepted(part: object) -> bool:
+    """Whether `part`, a replica's first, says it took the strict call (`ACCEPTED`): its answer's head is next."""
+    return isinstance(part, Head) and part.status == ACCEPTED
 
 
 async def run_asgi(app: ASGIApp, req: ForwardedRequest, replica: str) -> AsyncIterator[Head | bytes]:

@@ -40,6 +40,7 @@ from wkvm.cluster.forward import (
     Handover,
     Head,
     RouteKey,
+    accepted,
     adopt_seconds,
     file_versions,
     json_body,
@@ -160,18 +161,22 @@ class Front:
         at, found = self._known
         return found if time.monotonic() - at < 1.0 else await self.replicas()
 
-    async def least_busy(self) -> tuple[str | None, str | None]:
+    async def least_busy(self, inflight: Inflight) -> tuple[str | None, str | None]:
         """(slot, replica id) of the replica this front relays the fewest requests to (ties at random): where a request
-        bound to nothing goes first. Counted here, at once, so a burst of new requests spreads evenly (Serve's own
-        choice goes by queue lengths it probed a moment ago, which a burst outruns)."""
+        bound to nothing goes first. `inflight` is counted there at once, so a burst of new requests spreads evenly
+        (Serve's own choice goes by queue lengths it probed a moment ago, which a burst outruns; counted only once its
+        claim came back, a burst of new sessions had all seen the same loads and split at random: 4 of 5 on one
+        replica, one waiting for a slot; session 59)."""
         try:
             replicas = await self.recent_replicas()
         except Exception:  # the directory is being restarted (RayActorError): Serve's router chooses meanwhile
             return None, None
         if not replicas:
             return None, None
+        inflight.move(None)  # not counted against the replica it is choosing between
         low = min(self.load.get(s, 0) for s in replicas)
         slot = random.choice([s for s in replicas if self.load.get(s, 0) == low])
+        inflight.move(slot)
         return slot, replicas[slot]
 
     async def forward(self, request: Request) -> Response:
@@ -192,7 +197,7 @@ class Front:
             while True:
                 slot, target = (await self.directory.lookup.remote(route.key)) if route.key else (None, None)
                 if route.key and slot is None and route.claims:  # a key's first request: the least busy replica owns it
-                    toward, target = await self.least_busy()  # (unless another request claimed it meanwhile)
+                    toward, target = await self.least_busy(inflight)  # (unless another request claimed it meanwhile)
                     if toward is not None:
                         claimed = True  # counted as "new" (the claim gives it an owner before it is answered)
                         slot, target = await self.directory.claim_owner.remote(route.key, toward)
@@ -211,13 +216,15 @@ class Front:
                     continue
                 toward = slot
                 if target is None:  # bound to no replica yet: the least busy one first (the router falls back)
-                    toward, target = await self.least_busy()
+                    toward, target = await self.least_busy(inflight)
                 inflight.move(toward)
                 # the key: a name that moved away from `target` since the lookup is sent back (`moved_away`)
                 gen = self.engine.options(stream=True).http.remote(req, target=target, strict=strict, key=route.key)
                 try:
                     wait = max(0.1, deadline - time.monotonic()) if strict else None
                     head = await asyncio.wait_for(anext(gen), wait)
+                    if accepted(head):  # its owner runs it: the answer comes when it comes
+                        head = await anext(gen)
                 except TimeoutError:
                     gen.cancel()
                     head = Head(MISROUTED, [], "")
@@ -406,7 +413,7 @@ class Front:
         whose head comes with its answer: kept in `s.head`); None when it did not answer or was not that replica (try
         another); False when it refused it (the ticket was read: it cannot be offered again)."""
         try:
-            head = await asyncio.wait_for(anext(gen), None if whole else CALL_SECONDS)
+            head = await asyncio.wait_for(answer_head(gen), None if whole else CALL_SECONDS)
         except (TimeoutError, StopAsyncIteration):
             gen.cancel()
             return None
@@ -775,8 +782,14 @@ async def chained(first: Any, gen: Any) -> AsyncIterator[Any]:
         yield item
 
 
-async def collect(gen: Any) -> tuple[int, bytes]:
+async def answer_head(gen: Any) -> Any:
+    """A replica's first part, past its `ACCEPTED`."""
     head = await anext(gen)
+    return await anext(gen) if accepted(head) else head
+
+
+async def collect(gen: Any) -> tuple[int, bytes]:
+    head = await answer_head(gen)
     return head.status, b"".join([c async for c in gen])
 
 

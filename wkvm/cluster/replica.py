@@ -31,6 +31,7 @@ from ray import serve
 
 from wkvm.cluster.directory import Directory, base_ticket, pushed_ticket, ready_ticket
 from wkvm.cluster.forward import (
+    ACCEPTED,
     DISK_FULL_REPLY,
     EXISTS_REPLY,
     MISROUTED,
@@ -152,6 +153,8 @@ class EngineReplica:
         if self.misrouted(route) or (route.get("strict") and await self.moved_away(route.get("key"))):
             yield Head(MISROUTED, [], self.slot)
             return
+        if route.get("strict"):  # the front stops waiting for the owner (`ACCEPTED`)
+            yield Head(ACCEPTED, [], self.slot)
         if handover is not None:
             incoming: bytes | asyncio.Task[bytes] = handover.data
             if not incoming:
