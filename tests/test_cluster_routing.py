@@ -464,6 +464,59 @@ def test_a_burst_of_new_sessions_spreads_evenly_over_the_replicas(monkeypatch):
     asyncio.run(run())
 
 
+def test_a_request_answered_whole_counts_as_moved_once_taken_and_a_silent_destination_is_left(monkeypatch, caplog):
+    """A request answered whole that its stopping replica hands over: the destination takes it at once (`ACCEPTED`)
+    and answers when the generation ends. The move is counted and logged when it is taken (it had been only once the
+    answer came, a long while after the stop), and a destination that does not take it within CALL_SECONDS is left
+    for another (the whole wait had no limit: a destination that never answered held the request for ever)."""
+    from wkvm.cluster import front as front_module
+    from wkvm.cluster.forward import ACCEPTED, Handover, RouteKey
+    from wkvm.cluster.front import Inflight, RunningStream
+
+    monkeypatch.setattr(front_module, "CALL_SECONDS", 0.2)
+    d, engine, front = cluster_front(2)
+    req = ForwardedRequest("POST", "/v1/completions", b"", [], b'{"max_tokens": 2400}')
+    answer = asyncio.Event()
+
+    class Answer:  # the destination's call: taken at once, answered when `answer` is set
+        def __init__(self, parts):
+            self.parts, self.cancelled = parts, False
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            part = self.parts.pop(0)
+            if part is None:  # waits, as a replica that never took the call
+                await asyncio.Event().wait()
+            if part == "answer":
+                await answer.wait()
+                return Head(200, [(b"content-type", b"application/json")], "r1")
+            return part
+
+        def cancel(self):
+            self.cancelled = True
+
+    async def run():
+        s = RunningStream("anonymous", "r0", req, Inflight(front.load))
+        moved = Handover("r1", "t1", b"ticket")
+        silent = Answer([None])
+        left = await asyncio.wait_for(front.taken(silent, "r1", moved, RouteKey(None), s, whole=True), 5)
+        assert left is None and silent.cancelled
+        assert d.stream_moves == 0 and s.slot == "r0"
+        with caplog.at_level("INFO", logger="wkvm.cluster"):
+            task = asyncio.create_task(front.taken(Answer([Head(ACCEPTED, [], "r1"), "answer"]), "r1", moved,
+                                                   RouteKey(None), s, whole=True))  # fmt: skip
+            while d.stream_moves == 0:
+                await asyncio.sleep(0.01)
+            assert not task.done() and s.slot == "r1"  # counted before its answer came
+            assert "a request answered whole moved from r0 to r1" in caplog.text
+            answer.set()
+            assert await task is not None and s.head is not None and s.head.status == 200
+
+    asyncio.run(run())
+
+
 def test_a_state_whose_owner_is_restarting_waits_for_it(monkeypatch):
     """Review (session 38): while the owner's slot was released (a rolling restart) a strict request went to the least
     busy replica, which answered: a false 404, or a create there (a second X@1 the owner later hid). It waits for the

@@ -278,7 +278,6 @@ class Front:
             if gen is None:
                 return head, None
             assert s.head is not None  # `taken` keeps the head of a whole answer
-            log.info("a request answered whole moved from %s to %s", head.replica, s.head.replica)
             head = s.head
         return head, gen
 
@@ -413,17 +412,31 @@ class Front:
         whose head comes with its answer: kept in `s.head`); None when it did not answer or was not that replica (try
         another); False when it refused it (the ticket was read: it cannot be offered again)."""
         try:
-            head = await asyncio.wait_for(answer_head(gen), None if whole else CALL_SECONDS)
+            head = await asyncio.wait_for(anext(gen), CALL_SECONDS)  # ACCEPTED (a strict call's), or MISROUTED
+            if accepted(head) and not whole:
+                head = await asyncio.wait_for(anext(gen), CALL_SECONDS)
         except (TimeoutError, StopAsyncIteration):
             gen.cancel()
             return None
         if head.status == MISROUTED:
             return None
+        if accepted(head):  # a request answered whole runs there now; its head comes with its answer, however long
+            # that takes (until session 59 the whole wait had no limit, also for a destination that never took it, and
+            # the move was counted and logged only once the answer came)
+            log.info("a request answered whole moved from %s to %s", s.slot, slot)
+            self.count_moved(slot, moved, route, s)
+            s.head = await anext(gen)
+            return gen
         if head.status != 200 and not whole:  # a whole answer's head comes with it: an error there is the answer
             detail = b"".join([c async for c in gen])
             log.error("replica %s refused a moved stream: %s %s", slot, head.status, detail[:300])
             return False
         s.head = head
+        self.count_moved(slot, moved, route, s)
+        return gen
+
+    def count_moved(self, slot: str, moved: Handover, route: RouteKey, s: RunningStream) -> None:
+        """A moved stream (or request answered whole) taken by the replica `slot`: counted, and relayed from there."""
         self.metrics.stream_moves.labels("moved").inc()
         self.metrics.stream_bytes.inc(len(moved.data) + len(moved.base) or moved.pushed)
         self.directory.moved_stream.remote()
@@ -431,7 +444,6 @@ class Front:
         s.inflight.move(slot)
         if route.key is not None and not route.strict:  # not awaited: the first token need not wait on it, and
             self.directory.record.remote(route.key, slot)  # an actor runs one caller's calls in order
-        return gen
 
     async def destination(self, request: Request) -> tuple[str | Response, dict[str, str]]:
         """The replica a move's body names in "to", or the 400 for a body that is not a JSON object (it had been
@@ -782,14 +794,9 @@ async def chained(first: Any, gen: Any) -> AsyncIterator[Any]:
         yield item
 
 
-async def answer_head(gen: Any) -> Any:
-    """A replica's first part, past its `ACCEPTED`."""
-    head = await anext(gen)
-    return await anext(gen) if accepted(head) else head
-
-
 async def collect(gen: Any) -> tuple[int, bytes]:
-    head = await answer_head(gen)
+    head = await anext(gen)
+    head = await anext(gen) if accepted(head) else head
     return head.status, b"".join([c async for c in gen])
 
 
