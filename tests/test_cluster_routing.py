@@ -569,6 +569,33 @@ def test_a_long_answer_from_a_states_owner_is_waited_for(monkeypatch):
     asyncio.run(run())
 
 
+def test_a_new_name_whose_owner_never_took_its_create_keeps_no_owner(monkeypatch):
+    """A create of a new name counts on the name's tentative claim (`use`) before it is sent; when its replica does
+    not take it within OWNER_WAIT_SECONDS (it is restarting) the front answers 503, and nothing ran there: the count
+    is released and the name forgotten (the count had stayed, so its claim could never be forgotten, as a refused
+    create's had been before session 48)."""
+    import httpx
+
+    from wkvm.cluster import front as front_module
+    from wkvm.cluster.front import build_front_app
+
+    monkeypatch.setattr(front_module, "OWNER_WAIT_SECONDS", 0.3)
+    monkeypatch.setattr(front_module.random, "choice", lambda options: options[0])
+    d, engine, front = cluster_front()
+    del engine.ids["r0"]  # r0's replica answers every call "misrouted" (it is being replaced)
+    key = state_key("anonymous", "X")
+
+    async def run():
+        transport = httpx.ASGITransport(app=build_front_app(front))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            r = await c.post("/v1/states", json={"name": "X", "prompt": "hi"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "replica_unavailable", r.text
+            await asyncio.sleep(0.05)
+            assert d.lookup(key) == (None, None) and not d.tentative
+
+    asyncio.run(run())
+
+
 def test_a_new_name_whose_first_request_failed_keeps_no_owner():
     """Cluster hunt (session 48): the claim a create makes before it is forwarded stayed when the create failed (a 4xx:
     nothing saved): a name refused by a full replica went back there ever after, and unique names grew the directory

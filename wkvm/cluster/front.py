@@ -209,9 +209,7 @@ class Front:
                 # slot, once taken again) then hid
                 if strict and target is None:
                     if time.monotonic() > deadline:
-                        message = f"replica {slot}, which holds this state, is restarting; retry shortly"
-                        inflight.end()
-                        return error_response(503, message, None, "replica_unavailable")
+                        return self.owner_unavailable(route, slot, used, inflight)
                     await asyncio.sleep(RETRY_SECONDS)
                     continue
                 toward = slot
@@ -233,13 +231,13 @@ class Front:
                 if head.status != MISROUTED:
                     break
                 if time.monotonic() > deadline:  # its owner is being replaced: the replacement takes its slot
-                    message = f"replica {slot}, which holds this state, is restarting; retry shortly"
-                    inflight.end()
-                    return error_response(503, message, None, "replica_unavailable")
+                    return self.owner_unavailable(route, slot, used, inflight)
                 await asyncio.sleep(RETRY_SECONDS)
             inflight.move(head.replica)
         except BaseException:
             inflight.end()
+            if used:  # it may have reached its replica and saved there: the claim stands (as for a 5xx below)
+                self.directory.confirm.remote(route.key, slot)
             raise
         self.metrics.routed.labels(outcome(route.key, None if claimed else slot, head.replica)).inc()
         if route.key is not None and head.replica != slot and head.status < 400:
@@ -263,6 +261,16 @@ class Front:
         body = self.relay(req, route, head, gen, inflight)
         weakref.finalize(body, inflight.end)  # a body never started (its client left at once) ends it too
         return StreamingResponse(body, status_code=head.status, headers=response_headers(head))
+
+    def owner_unavailable(self, route: RouteKey, slot: str | None, used: str | None, inflight: Inflight) -> Response:
+        """The 503 for a request whose state's owner did not take it within OWNER_WAIT_SECONDS (it is restarting):
+        nothing ran, so the name's tentative claim it counted is released (it had stayed counted, and the name's
+        claim was never forgotten)."""
+        inflight.end()
+        if used:
+            self.directory.release_claim.remote(route.key, slot, used)
+        message = f"replica {slot}, which holds this state, is restarting; retry shortly"
+        return error_response(503, message, None, "replica_unavailable")
 
     async def answer_moved(self, req: ForwardedRequest, route: RouteKey, head: Head, gen: Any,
                            inflight: Inflight) -> tuple[Head, Any]:  # fmt: skip
