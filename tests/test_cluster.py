@@ -609,6 +609,15 @@ def pids(cluster):
     return {x["slot"]: x.get("pid") for x in listing.json()["replicas"]} if listing.status_code == 200 else {}
 
 
+def test_replicas_run_at_the_launchers_priority(cluster):
+    """A local Ray starts its workers at nice 15: beside any busy process at nice 0 (the suite's other worker, a
+    user's build) the replicas had ~3% of a core, which a single `wkvm serve` never has (session 59)."""
+    own = os.getpriority(os.PRIO_PROCESS, cluster.server_pid)
+    replicas = pids(cluster)
+    assert len(replicas) == 2 and all(replicas.values()), replicas
+    assert {slot: os.getpriority(os.PRIO_PROCESS, pid) for slot, pid in replicas.items()} == {"r0": own, "r1": own}
+
+
 def test_rolling_restart_loses_no_stream_no_state_and_no_chat(cluster):
     """SIGHUP to `wkvm serve --replicas` replaces every replica; each hands its running requests (streams, and
     requests answered whole: one on each replica) to the others first."""

@@ -78,6 +78,7 @@ def application(config: ServerConfig, generation: int = 0) -> Any:
 SERVE_ENV = {"RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "1.0",
              "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "5.0"}
 RUNTIME_ENV = {"env_vars": SERVE_ENV}
+WORKER_NICENESS = "RAY_worker_niceness"  # read by a local Ray's raylet when it starts (its default: 15)
 
 
 def start(config: ServerConfig, after_init: Callable[[], None] = lambda: None) -> Any:
@@ -89,6 +90,10 @@ def start(config: ServerConfig, after_init: Callable[[], None] = lambda: None) -
     if config.ray_address:
         ray.init(address=config.ray_address, namespace=APP, include_dashboard=False, runtime_env=RUNTIME_ENV)
     else:
+        # a local Ray runs its workers (the replicas, the front, the directory) at nice 15, so any other busy process
+        # on the machine took their cores: beside a nice-0 process they had ~3% of a core (CFS weights 36 : 1024),
+        # as wkvm serve without --replicas never does. Ours run at the launcher's priority (session 59)
+        os.environ.setdefault(WORKER_NICENESS, "0")
         ray.init(namespace=APP, include_dashboard=False, runtime_env=RUNTIME_ENV)
     after_init()
     serve.start(http_options={"host": config.host, "port": config.port})
