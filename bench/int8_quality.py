@@ -11,6 +11,9 @@ difference to the kernel row is what rounding x to int8 costs; int16 x would lan
 symmetric groups, and the embedding and head in int8 with the rest int4 (what llama.cpp's Q4 files do: this
 SmolLM2 GGUF keeps token_embd in Q8_0). Also: how many of 32 greedy tokens generated after the first 64 text
 tokens equal fp32's.
+With --paths also each dtype against itself on the torch path (`WKVM_FUSED=off`, in a child process): the same
+arithmetic up to float rounding, which int8's and int4's 8-bit matmul inputs magnify (session 60: why a chat
+checkpoint's key names the fused kernels' build).
 Targets: int8 mean KL <= 5e-3 nats on the default model (issue #21); int4 mean KL <= 0.07 nats on every model,
 llama.cpp's own Q4_0 / Q4_1 on Llama-3-8B (0.072, tools/perplexity/README.md), a loss users of Q4 files accept.
 """
@@ -20,7 +23,9 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -92,6 +97,30 @@ def restore_kernel() -> None:
     int4.kernel_path.cache_clear()
 
 
+def torch_path_logits(path: Path, dtype: str, ids: list[int]) -> torch.Tensor:
+    """`decode_logits` of the model in `dtype` with every fused kernel off (a child process: each kernel's switch is
+    read once per process)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "logits.pt"
+        subprocess.run([sys.executable, __file__, "--child", str(path), dtype, ",".join(map(str, ids)), str(out)],
+                       env={**os.environ, "WKVM_FUSED": "off"}, check=True)  # fmt: skip
+        return torch.load(out, weights_only=True)
+
+
+def path_rows(name: str, path: Path, ids: list[int]) -> list[list[object]]:
+    """KL(fused kernels || torch path) per dtype, token by token, and the mean and largest move of the text's own
+    tokens' logprobs."""
+    rows = []
+    for dtype in ("float32", "int8", "int4"):
+        fused_on, off = decode_logits(load_model(path, dtype=dtype), ids), torch_path_logits(path, dtype, ids)
+        d = kl(fused_on, off)[:-1]
+        picked = torch.tensor(ids[1:])[:, None]
+        moved = (fused_on.log_softmax(-1)[:-1].gather(1, picked) - off.log_softmax(-1)[:-1].gather(1, picked)).abs()
+        rows.append([name, dtype, len(ids) - 1, f"{d.mean().item():.2e}", f"{d.max().item():.2e}",
+                     f"{moved.mean().item():.2e}", f"{moved.max().item():.2e}"])  # fmt: skip
+    return rows
+
+
 def measure(name: str, path: Path, text: str, n_tokens: int, bf16: bool, variants: bool) -> list[list[object]]:
     fp32 = load_model(path)
     tokenizer = load_text_tools(path, fp32.family)[0]
@@ -141,7 +170,13 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="also bf16's KL, for scale")
     ap.add_argument("--int4-variants", dest="variants", action="store_true",
                     help="also int4 with x in fp32 and Q4_0-style symmetric int4")  # fmt: skip
+    ap.add_argument("--paths", action="store_true", help="also each dtype's fused kernels against its torch path")
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)  # torch_path_logits's process: path dtype ids out
     args = ap.parse_args()
+    if args.child:
+        path, dtype, ids, out = args.child
+        torch.save(decode_logits(load_model(Path(path), dtype=dtype), [int(i) for i in ids.split(",")]), out)
+        return
     torch.manual_seed(0)
     text = TEXT.read_text()[:20000]
     models = [("default (trained tiny RWKV-7)", EMBEDDED_MODEL)]
@@ -155,8 +190,15 @@ def main() -> None:
     header = ["model", "weights, pass", "tokens", "mean KL", "max KL", "argmax agreement", "greedy prefix"]
     print_table(f"KL(fp32 || quantized) over tinyshakespeare (targets: int8 mean <= {TARGET_KL} on the default model, "
                 f"int4 mean <= {TARGET_KL_INT4})", header, rows)  # fmt: skip
-    write_json("int8_quality", {"cpu": cpu_name(), "kernel": int8.kernel_path(), "int4_kernel": int4.kernel_path(),
-                                "rows": rows})  # fmt: skip
+    found = {"cpu": cpu_name(), "kernel": int8.kernel_path(), "int4_kernel": int4.kernel_path(), "rows": rows}
+    if args.paths:
+        tools = {name: load_text_tools(path, load_model(path).family)[0] for name, path in models}
+        ids = {name: tools[name].encode(text)[: args.tokens] for name, _ in models}
+        found["paths"] = [row for name, path in models for row in path_rows(name, path, ids[name])]
+        print_table("The same weights on two paths: KL(fused kernels || torch path, WKVM_FUSED=off), token by token",
+                    ["model", "weights", "tokens", "mean KL", "max KL", "mean |logprob moved|", "max |logprob moved|"],
+                    found["paths"])  # fmt: skip
+    write_json("int8_quality", found)
 
 
 if __name__ == "__main__":

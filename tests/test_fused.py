@@ -216,6 +216,39 @@ def test_off_forces_the_torch_path_and_a_bad_setting_is_a_clear_error(monkeypatc
         fused.available.cache_clear()
 
 
+def test_the_compute_key_names_how_the_fused_kernels_are_built(monkeypatch):
+    """A chat checkpoint's key and system_fingerprint (`compute_paths`) change with the fused kernels' build: on or
+    off, the compiler, its flags and the CPU that -march=native tunes for. They compute the same model as the torch
+    path up to rounding, but int8 weights magnify it: SmolLM2's int8 logprobs moved 0.06 nats a token between the
+    fused kernels and the torch path, or a native and a haswell build, so a checkpoint of one had been reused on the
+    other (session 60)."""
+    from wkvm.models.linear import compute_paths
+
+    def key() -> str:
+        fused.build.cache_clear()
+        return compute_paths("int8", "cpu")
+
+    try:
+        here = key()
+        assert key() == here and "fused kernels" in here and compute_paths("int8", "cuda").count("fused") == 0
+        with monkeypatch.context() as m:
+            m.setenv("WKVM_FUSED", "off")
+            assert key() != here and "fused kernels off (WKVM_FUSED=off)" in key()
+        with monkeypatch.context() as m:
+            m.setenv("CXX", "/nonexistent/c++")
+            assert "fused kernels off (no C++ compiler" in key()
+        if "fused kernels off" in here:
+            pytest.skip("no C++ compiler here: the kernels' builds are not part of this machine's key")
+        with monkeypatch.context() as m:
+            m.setattr(fused, "cflags", lambda: ("-O3", "-march=haswell"))
+            assert key() != here and "-march=haswell" in key()
+        with monkeypatch.context() as m:  # the same flags on another CPU model: native tunes for it
+            m.setattr(fused, "cpu_model", lambda: "vendor_id GenuineIntel cpu family 6 model 106, flags 0")
+            assert (key() != here) == (fused.MARCH == "native")  # WKVM_FUSED_MARCH names the target itself
+    finally:
+        fused.build.cache_clear()
+
+
 @needs_kernel
 def test_greedy_equals_argmax_and_flags_every_kind_of_non_finite_row():
     g = torch.Generator().manual_seed(5)

@@ -4,20 +4,23 @@ cost: a one-token decode step of a small model runs ~45 tiny torch ops per layer
 Each function here is one op of the kernel when it is available (built on first use like the int8/int4 kernels,
 cached per source and CPU) and the torch expression it replaces otherwise: no compiler, a tensor off the CPU or not
 float32, or `WKVM_FUSED=off` (the torch path, e.g. to compare). The kernel computes in fp32 like the torch path; its
-results differ from it by rounding only (tests/test_fused.py bounds the difference).
+results differ from it by rounding only (tests/test_fused.py bounds the difference), which int8 / int4 weights
+magnify (`build`).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import subprocess
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from wkvm.models.int8 import load_kernel
+from wkvm.models.int8 import cpu_flags, load_kernel
 
 log = logging.getLogger("wkvm.fused")
 
@@ -51,6 +54,49 @@ def cflags() -> tuple[str, ...]:
 
 
 @functools.cache
+def build() -> str:
+    """What decides the fused kernels' arithmetic besides their source (which `linear.code_digest` covers): whether
+    they run (`WKVM_FUSED`, a C++ compiler), the compiler and its flags, and for `-march=native` the CPU it tunes
+    for. Their results differ from the torch path's, and between builds, by float rounding only (~4e-6 in a
+    logprob on SmolLM2 fp32), but int8 / int4 round every matmul input to 8 bits, and a rounding that flips there
+    grows through the layers: the same SmolLM2 prompt's int8 logprobs differed by 0.06 nats a token (0.3-0.4 at
+    most) between the fused kernels and the torch path, between a native and a haswell build, or with RMSNorm's
+    eps moved by 1e-6 (session 60). So a chat checkpoint's key and `system_fingerprint` name this (via
+    `linear.compute_paths`). Read without building: a compiler that is present but fails to build them is the one
+    case it misnames (the build's warning says so)."""
+    if os.environ.get("WKVM_FUSED", "auto").lower() == "off":
+        return "fused kernels off (WKVM_FUSED=off)"
+    from torch.utils import cpp_extension
+
+    compiler = cpp_extension.get_cxx_compiler()  # type: ignore[no-untyped-call]
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    if not version.strip():
+        return f"fused kernels off (no C++ compiler: {compiler})"
+    target = f" for {cpu_model()}" if MARCH == "native" else ""
+    return f"fused kernels by {version.splitlines()[0].strip()}, {' '.join(cflags())}{target}"
+
+
+def cpu_model() -> str:
+    """The CPU `-march=native` builds for: its vendor, family and model (GCC's tuning) and a digest of its flags."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("vendor_id", "cpu family", "model", "CPU implementer", "CPU part"):
+                    fields.setdefault(key.strip(), value.strip())
+                if not line.strip():  # the first processor's block is enough
+                    break
+    except OSError:
+        pass
+    flags = hashlib.sha256(cpu_flags().encode()).hexdigest()[:8]
+    return " ".join(f"{k} {v}" for k, v in fields.items()) + f", flags {flags}"
+
+
+@functools.cache
 def available() -> bool:
     """Whether the fused kernel runs here (built now if needed); False, with one warning, when it cannot be built."""
     return kernel_available(SOURCE, "wkvm_fused", "rope_attend", "fused kernel",
@@ -77,7 +123,7 @@ def kernel_available(source: Path, namespace: str, op: str, what: str, fallback:
     try:
         load_kernel(source, namespace, cflags(), op=op)
         return True
-    except Exception as e:  # no compiler, failed build or load: the torch path gives the same results, slower
+    except Exception as e:  # no compiler, failed build or load: the torch path computes the same, slower (`build`)
         log.warning("%s unavailable (%s); %s", what, str(e).splitlines()[0], fallback)
         return False
 

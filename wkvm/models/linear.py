@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from wkvm.models import fp32gemv, int4, int8
+from wkvm.models import fp32gemv, fused, int4, int8
 
 PACK_BATCH_HINT = 64
 # rows of x from which a bf16 weight oneDNN cannot pack (no bf16 kernel on this CPU: AVX2) is widened to fp32 for the
@@ -159,11 +159,13 @@ def kernel(dtype: str) -> str:
 
 def compute_paths(dtype: str, device: str) -> str:
     """What decides a model's numbers besides its weights and dtypes: wkvm's own arithmetic (`code_digest`), torch's
-    version and, on the CPU, its vector ISA and the kernel `dtype` runs (the native int8 kernel and its dequantizing
-    fallback differ by ~0.015 in a logprob). A server's `system_fingerprint` and its chat checkpoints' key (a
-    checkpoint made on another path, or by an older wkvm computing otherwise, had been reused, moving an answer's
-    logprobs; dtype and upgrade hunts, session 49)."""
-    cpu = f", {torch.backends.cpu.get_cpu_capability()}, {kernel(dtype)}" if device.split(":")[0] == "cpu" else ""
+    version and, on the CPU, its vector ISA, the kernel `dtype` runs (the native int8 kernel and its dequantizing
+    fallback differ by ~0.015 in a logprob) and how the fused kernels are built (`fused.build`: on another CPU model,
+    compiler or `WKVM_FUSED` setting int8 logprobs differ by ~0.06 nats a token; session 60). A server's
+    `system_fingerprint` and its chat checkpoints' key (a checkpoint made on another path, or by an older wkvm
+    computing otherwise, had been reused, moving an answer's logprobs; dtype and upgrade hunts, session 49)."""
+    cpu = (f", {torch.backends.cpu.get_cpu_capability()}, {kernel(dtype)}, {fused.build()}"
+           if device.split(":")[0] == "cpu" else "")  # fmt: skip
     return f"wkvm code {code_digest()}, torch {torch.__version__}{cpu}"
 
 
