@@ -521,6 +521,9 @@ def test_metrics_per_replica_and_for_the_app(cluster):
     assert "# TYPE wkvm_requests_total counter" in text  # replicas' counters keep their type (parsers read them)
     listing = cluster.get("/v1/cluster").json()["replicas"]
     assert [r["slot"] for r in listing] == ["r0", "r1"]
+    # how each computes (a draining replica moves streams only to one that computes as it does: session 60)
+    answer = cluster.post("/v1/completions", json={"prompt": "A", "max_tokens": 1}).json()
+    assert [r["system_fingerprint"] for r in listing] == [answer["system_fingerprint"]] * 2
 
 
 def test_a_killed_directory_comes_back_and_the_replicas_join_it_again(cluster):

@@ -70,6 +70,7 @@ DIRECTORY_POLL_SECONDS = 2.0  # how soon a replica notices a restarted directory
 CALL_SECONDS = 10.0  # a stream to move reaches its next token boundary well within this
 READY_SECONDS = 2.0  # a pre-copied move waits this long for its destination to hold the pre-copy, then stops anyway
 DRAIN_POLL_SECONDS = 0.05
+STATUS_SECONDS = 5.0  # a draining replica asks each other one how it computes (`_computing_alike`) this long
 MOVED_AWAY_KEYS = 10_000  # names moved from a replica it remembers, to send late requests for them back (`moved_away`)
 NAME_SECONDS = 10.0  # a stream that moved here waits this long at its end for its `save_state` name to follow it
 
@@ -298,7 +299,7 @@ class EngineReplica:
                      self.slot)  # fmt: skip
             return
         replicas = ray.get(self.directory.replicas.remote())
-        others = [slot for slot in replicas if slot != self.slot]
+        others = self._computing_alike({slot: rid for slot, rid in replicas.items() if slot != self.slot})
         log.info("replica %s is stopping: moving %d running streams to %s", self.slot,
                  sum(s.why_not is None and not s.done for s in self.ctx.handovers.live()), others)  # fmt: skip
         until = time.monotonic() + self.ctx.config.shutdown_grace  # then what still runs here is ended (`__del__`)
@@ -307,6 +308,27 @@ class EngineReplica:
                                                           DRAIN_POLL_SECONDS):  # fmt: skip
                 if s.saves is not None:  # once stopped here (it never saves here then), its name follows it
                     names.submit(self._name_follows, fut, s.tenant, s.saves, to, replicas[to])
+
+    def _computing_alike(self, others: dict[str, str]) -> list[str]:
+        """The slots among `others` whose replicas compute as this one does (the same `system_fingerprint`: dtypes, CPU
+        kind, kernels' builds), which a moved stream goes on in exactly as it would here. Replicas on other kinds of
+        CPU (a Ray cluster of mixed nodes) are left out, as are those that do not answer: an int8 stream moved there
+        would go on with other roundings, ~0.06 nats a token apart (session 60); its streams finish here instead."""
+        mine, alike = self.ctx.system_fingerprint, []
+        for slot, replica_id in others.items():
+            try:
+                found = self._call(replica_id, "status", timeout=STATUS_SECONDS)
+            except Exception as e:  # stopping too, or gone: it could not take the stream either
+                log.info("replica %s: %s did not say how it computes (%s); no stream moves there", self.slot, slot,
+                         type(e).__name__)  # fmt: skip
+                continue
+            theirs = found.get("system_fingerprint") if isinstance(found, dict) else None
+            if theirs == mine:
+                alike.append(slot)
+            else:
+                log.warning("replica %s: %s computes otherwise (system_fingerprint %s, here %s): no stream moves there",
+                            self.slot, slot, theirs, mine)  # fmt: skip
+        return alike
 
     def _name_follows(self, fut: MoveFuture, tenant: str, name: str, slot: str, replica_id: str) -> None:
         with contextlib.suppress(Exception):  # it did not stop here (finished first): its name stays
@@ -555,7 +577,8 @@ class EngineReplica:
             return MISROUTED_REPLY
         s = self.ctx.client.stats()
         return {"slot": self.slot, "replica_id": self.replica_id, "pid": os.getpid(), "status": "ok",
-                "running": s.running, "waiting": s.waiting, "slots_free": s.slots_free}  # fmt: skip
+                "system_fingerprint": self.ctx.system_fingerprint, "running": s.running, "waiting": s.waiting,
+                "slots_free": s.slots_free}  # fmt: skip
 
     async def metrics(self, **route: object) -> bytes | str:
         if self.misrouted(route):
