@@ -234,6 +234,12 @@ def test_the_compute_key_names_how_the_fused_kernels_are_built(monkeypatch):
         with monkeypatch.context() as m:
             m.setenv("WKVM_FUSED", "off")
             assert key() != here and "fused kernels off (WKVM_FUSED=off)" in key()
+        with monkeypatch.context() as m:  # oneDNN held to fewer instructions (bench/common.py AVX2_ENV) sums otherwise
+            m.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+            m.delenv("DNNL_MAX_CPU_ISA", raising=False)
+            unheld = key()
+            m.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+            assert key() != unheld and "oneDNN ISA at most AVX2" in key()
         with monkeypatch.context() as m:
             m.setenv("CXX", "/nonexistent/c++")
             assert "fused kernels off (no C++ compiler" in key()

@@ -166,6 +166,8 @@ def compute_paths(dtype: str, device: str) -> str:
     computing otherwise, had been reused, moving an answer's logprobs; dtype and upgrade hunts, session 49)."""
     cpu = (f", {torch.backends.cpu.get_cpu_capability()}, {kernel(dtype)}, {fused.build()}"
            if device.split(":")[0] == "cpu" else "")  # fmt: skip
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")  # its kernels sum otherwise
+    cpu += f", oneDNN ISA at most {onednn}" if cpu and onednn else ""
     return f"wkvm code {code_digest()}, torch {torch.__version__}{cpu}"
 
 
