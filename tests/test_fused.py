@@ -248,9 +248,15 @@ def test_the_compute_key_names_how_the_fused_kernels_are_built(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(fused, "cflags", lambda: ("-O3", "-march=haswell"))
             assert key() != here and "-march=haswell" in key()
-        with monkeypatch.context() as m:  # the same flags on another CPU model: native tunes for it
+        native = fused.MARCH == "native"  # else WKVM_FUSED_MARCH names the target itself
+        with monkeypatch.context() as m:  # the same flags on another CPU: native builds for it
+            m.setattr(fused, "native_target", lambda compiler: "-march=icelake-server (90 target options, digest 0)")
+            assert (key() != here) == native
+            m.setattr(fused, "native_target", lambda compiler: None)  # a compiler that does not say: the CPU model
             m.setattr(fused, "cpu_model", lambda: "vendor_id GenuineIntel cpu family 6 model 106, flags 0")
-            assert (key() != here) == (fused.MARCH == "native")  # WKVM_FUSED_MARCH names the target itself
+            assert (key() != here) == native
+        if native and fused.cflags() == fused.CFLAGS + fused.GCC_CFLAGS:  # GCC says what -march=native means here
+            assert re.search(r"for -march=\S+ \(\d+ target options, digest [0-9a-f]{8}\)", here), here
     finally:
         fused.build.cache_clear()
 

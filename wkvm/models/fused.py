@@ -75,12 +75,31 @@ def build() -> str:
         version = ""
     if not version.strip():
         return f"fused kernels off (no C++ compiler: {compiler})"
-    target = f" for {cpu_model()}" if MARCH == "native" else ""
+    target = f" for {native_target(compiler) or cpu_model()}" if MARCH == "native" else ""
     return f"fused kernels by {version.splitlines()[0].strip()}, {' '.join(cflags())}{target}"
 
 
+def native_target(compiler: str) -> str | None:
+    """What GCC makes of `-march=native` here: the architecture it names and a digest of every -m option and cache
+    size it passes on (its code depends on those, not on the rest of /proc/cpuinfo's flags, which differ between
+    hypervisors); None for another compiler or where it does not say."""
+    try:
+        run = subprocess.run([compiler, "-march=native", "-E", "-v", "-"], stdin=subprocess.DEVNULL,
+                             capture_output=True, text=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    line = next((x for x in run.stderr.splitlines() if "cc1" in x and " -march=" in x), None)
+    if line is None:
+        return None
+    words = line.split()
+    chosen = [w for i, w in enumerate(words) if w.startswith("-m") or (i and words[i - 1] == "--param")]
+    arch = next(w for w in chosen if w.startswith("-march="))
+    return f"{arch} ({len(chosen)} target options, digest {hashlib.sha256(' '.join(chosen).encode()).hexdigest()[:8]})"
+
+
 def cpu_model() -> str:
-    """The CPU `-march=native` builds for: its vendor, family and model (GCC's tuning) and a digest of its flags."""
+    """The CPU `-march=native` builds for where the compiler does not say (`native_target`): its vendor, family and
+    model (GCC's tuning) and a digest of its flags."""
     fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
