@@ -42,7 +42,7 @@ def checks(args: argparse.Namespace) -> list[tuple[str, bool, str, str]]:
         from wkvm.models import fused
 
         ops = (f"wkvm fused kernel (norms, SiLU gate, RoPE + paged attention; a decode step's whole layer in one "
-               f"call on fp32, int8 or int4 weights; {' '.join(fused.cflags()[1:])})" if fused.available()
+               f"call on fp32, int8 or int4 weights; {fused.build()}: part of system_fingerprint)" if fused.available()
                else "separate torch ops (WKVM_FUSED=off, or no C++ compiler): slower decode")  # fmt: skip
         out.append(("kernel", True, f"per-layer ops: {ops}", ""))
         out.append(("pages", True, huge_pages(), ""))  # information: 4 KiB pages are slower, not wrong
