@@ -596,3 +596,38 @@ def test_the_largest_top_k_samples_as_no_top_k(model, tok):
     b = engine.submit([1, 2, 3], SamplingParams(**params))
     engine.run_until_done()
     assert a.output.token_ids == b.output.token_ids and len(a.output.token_ids) == 6
+
+
+def test_warm_up_runs_one_request_through_the_loop_and_leaves_nothing(model, tok, tiny_pth, monkeypatch):
+    """`wkvm serve` runs it before it says it is ready, so that the kernels are built (or loaded) then and not inside
+    the first request (a fresh `make serve`'s first answer had taken 18 s while /health said ready: session 60)."""
+    from wkvm.server.context import ServerContext
+
+    engine = Engine(model, tok, EngineConfig(n_slots=2))
+    ran = []
+    submit = engine.submit
+
+    def spy(prompt_ids, params, **kw):
+        ran.append(submit(prompt_ids, params, **kw))
+        return ran[-1]
+
+    monkeypatch.setattr(engine, "submit", spy)
+    engine.start()
+    try:
+        assert engine.warm_up() >= 0
+        (h,) = ran
+        assert h.output.finish_reason == "length" and len(h.output.token_ids) == 2, h.output
+        assert engine.stats().running == 0 and engine.stats().waiting == 0 and engine.arena.num_free == 2
+    finally:
+        engine.shutdown()
+    # and the server runs it before it is ready
+    seen = []
+    monkeypatch.setattr(Engine, "warm_up", lambda self: seen.append(ctx.ready.is_set()) or 0.0)
+    from wkvm.config import ServerConfig
+
+    ctx = ServerContext(ServerConfig(model=str(tiny_pth)))
+    ctx.load()
+    try:
+        assert ctx.load_error is None and seen == [False] and ctx.ready.is_set()
+    finally:
+        ctx.shutdown()

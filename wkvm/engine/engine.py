@@ -550,6 +550,24 @@ class Engine:
             self._thread.start()
             self._loop_ready.wait()
 
+    def warm_up(self) -> float:
+        """Run one tiny greedy request (two prompt tokens, two new ones) through the step loop, so that every C++
+        kernel the model runs (int8 / int4, the fused layers, the recurrent step, the sampler) is built or loaded
+        now: a server says it is ready only after this. On a fresh machine the first use builds them (10-60 s each on
+        two cores), and a fresh `make serve`'s first answer had taken 18 s while /health said ready (AMD EPYC, session
+        60); llama.cpp's server warms up the same way. Nothing of it stays: the slot and pages are freed, no state or
+        checkpoint is stored and no route's counters see it. Returns the seconds it took."""
+        started = time.monotonic()
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        try:
+            out = self.submit([0, min(1, self.model.vocab_size - 1)], params, request_id="warm-up", timeout=0).result()
+        except Exception as e:  # e.g. a context too short for it: requests say what is wrong when they come
+            out = None
+            log.warning("the warm-up request did not run (%s): the first request builds the kernels", e)
+        if out is not None and out.error:  # the model failed on it: so will requests, each with this error
+            log.warning("the warm-up request failed: %s", out.error)
+        return time.monotonic() - started
+
     def _loop(self) -> None:
         try:  # this thread's counts (its own only), taken before `start` returns and the server sets 1 for the others
             keep_thread_count(self._threads)

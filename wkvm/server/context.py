@@ -183,6 +183,9 @@ class ServerContext:
                 self.embedder = EmbeddingModel(cfg.embeddings, cfg.device)
             sys.setswitchinterval(GIL_SWITCH_SECONDS)
             engine.start()
+            seconds = engine.warm_up()  # the kernels built or loaded before the server says it is ready
+            if seconds > 2:
+                log.info("built the model's kernels for this CPU in %.0f s (cached: later starts load them)", seconds)
             # the step loop keeps its threads; every other thread of the server (anyio's workers: state import and
             # export, saves, KV cuts, embeddings) runs torch on one from here: one such thread that had run a
             # two-thread op made every later decode step ~2x slower (SmolLM2 int8, 7 -> 14-16 ms after a state import
