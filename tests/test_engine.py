@@ -620,6 +620,8 @@ def test_warm_up_runs_one_request_through_the_loop_and_leaves_nothing(model, tok
         assert engine.stats().running == 0 and engine.stats().waiting == 0 and engine.arena.num_free == 2
     finally:
         engine.shutdown()
+    inline = Engine(model, tok, EngineConfig(n_slots=2))  # no step loop started: it runs the request itself
+    assert inline.warm_up() >= 0 and inline.arena.num_free == 2
     # and the server runs it before it is ready
     seen = []
     monkeypatch.setattr(Engine, "warm_up", lambda self: seen.append(ctx.ready.is_set()) or 0.0)

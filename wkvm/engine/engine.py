@@ -560,7 +560,10 @@ class Engine:
         started = time.monotonic()
         params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
         try:
-            out = self.submit([0, min(1, self.model.vocab_size - 1)], params, request_id="warm-up", timeout=0).result()
+            handle = self.submit([0, min(1, self.model.vocab_size - 1)], params, request_id="warm-up", timeout=0)
+            if self._thread is None:  # no step loop running (an engine driven inline, as LLM's): run it here
+                self.run_until_done()
+            out = handle.result()
         except Exception as e:  # e.g. a context too short for it: requests say what is wrong when they come
             out = None
             log.warning("the warm-up request did not run (%s): the first request builds the kernels", e)
