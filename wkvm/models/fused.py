@@ -14,6 +14,7 @@ import functools
 import hashlib
 import logging
 import os
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -70,7 +71,8 @@ def build() -> str:
 
     compiler = cpp_extension.get_cxx_compiler()  # type: ignore[no-untyped-call]
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([*shlex.split(compiler), "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout  # CXX may be "ccache g++", as torch's ninja file takes it
     except (OSError, subprocess.SubprocessError):
         version = ""
     if not version.strip():
@@ -84,7 +86,7 @@ def native_target(compiler: str) -> str | None:
     size it passes on (its code depends on those, not on the rest of /proc/cpuinfo's flags, which differ between
     hypervisors); None for another compiler or where it does not say."""
     try:
-        run = subprocess.run([compiler, "-march=native", "-E", "-v", "-"], stdin=subprocess.DEVNULL,
+        run = subprocess.run([*shlex.split(compiler), "-march=native", "-E", "-v", "-"], stdin=subprocess.DEVNULL,
                              capture_output=True, text=True, timeout=30)  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return None
