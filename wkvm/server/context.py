@@ -185,7 +185,8 @@ class ServerContext:
             engine.start()
             seconds = engine.warm_up()  # the kernels built or loaded before the server says it is ready
             if seconds > 2:
-                log.info("built the model's kernels for this CPU in %.0f s (cached: later starts load them)", seconds)
+                log.info("the warm-up request took %.0f s (a machine's first start builds the kernels, cached for "
+                         "later ones; with --weight-cache-layers it reads every layer once)", seconds)  # fmt: skip
             # the step loop keeps its threads; every other thread of the server (anyio's workers: state import and
             # export, saves, KV cuts, embeddings) runs torch on one from here: one such thread that had run a
             # two-thread op made every later decode step ~2x slower (SmolLM2 int8, 7 -> 14-16 ms after a state import
