@@ -633,3 +633,24 @@ def test_warm_up_runs_one_request_through_the_loop_and_leaves_nothing(model, tok
         assert ctx.load_error is None and seen == [False] and ctx.ready.is_set()
     finally:
         ctx.shutdown()
+
+
+@pytest.mark.allows_5xx  # the failed load's own error line
+def test_a_load_that_fails_after_the_warm_up_stops_the_step_loop(tiny_pth, monkeypatch):
+    """The step loop starts (and warms up) before the state store opens; a store that cannot open (a directory
+    another server holds) fails the load, and the loop it started stops instead of holding the model's memory."""
+    from wkvm.config import ServerConfig
+    from wkvm.server import context
+
+    def in_use(*args, **kwargs):
+        raise OSError("state directory in use by pid 1")
+
+    monkeypatch.setattr(context, "StateStore", in_use)
+    threads = []
+    warm_up = Engine.warm_up
+    monkeypatch.setattr(Engine, "warm_up", lambda self: threads.append(self._thread) or warm_up(self))
+    ctx = context.ServerContext(ServerConfig(model=str(tiny_pth)))
+    ctx.load()
+    assert ctx.load_error is not None and "in use" in ctx.load_error and not ctx.ready.is_set()
+    (thread,) = threads  # the loop ran the warm-up, then stopped with the load
+    assert thread is not None and not thread.is_alive() and ctx.client.engine._thread is None

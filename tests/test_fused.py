@@ -167,6 +167,7 @@ def test_without_a_compiler_every_op_falls_back_after_one_warning(monkeypatch, c
 
     fused.available.cache_clear()
     monkeypatch.setattr(fused, "load_kernel", no_compiler)
+    monkeypatch.setattr(fused, "BUILT", {})  # this process's record of real builds stays as it was
     monkeypatch.setattr(torch.ops.wkvm_fused, "rms_norm", None, raising=False)  # would fail if called
     try:
         with caplog.at_level(logging.WARNING, logger="wkvm.fused"):
@@ -225,40 +226,39 @@ def test_the_compute_key_names_how_the_fused_kernels_are_built(monkeypatch):
     from wkvm.models.linear import compute_paths
 
     def key() -> str:
-        fused.build.cache_clear()
         return compute_paths("int8", "cpu")
 
-    try:
-        here = key()
-        assert key() == here and "fused kernels" in here and compute_paths("int8", "cuda").count("fused") == 0
-        with monkeypatch.context() as m:
-            m.setenv("WKVM_FUSED", "off")
-            assert key() != here and "fused kernels off (WKVM_FUSED=off)" in key()
-        with monkeypatch.context() as m:  # oneDNN held to fewer instructions (bench/common.py AVX2_ENV) sums otherwise
-            m.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-            m.delenv("DNNL_MAX_CPU_ISA", raising=False)
-            unheld = key()
-            m.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-            assert key() != unheld and "oneDNN ISA at most AVX2" in key()
-        with monkeypatch.context() as m:
-            m.setenv("CXX", "/nonexistent/c++")
-            assert "fused kernels off (no C++ compiler" in key()
-        if "fused kernels off" in here:
-            pytest.skip("no C++ compiler here: the kernels' builds are not part of this machine's key")
-        with monkeypatch.context() as m:
-            m.setattr(fused, "cflags", lambda: ("-O3", "-march=haswell"))
-            assert key() != here and "-march=haswell" in key()
-        native = fused.MARCH == "native"  # else WKVM_FUSED_MARCH names the target itself
-        with monkeypatch.context() as m:  # the same flags on another CPU: native builds for it
-            m.setattr(fused, "native_target", lambda compiler: "-march=icelake-server (90 target options, digest 0)")
-            assert (key() != here) == native
-            m.setattr(fused, "native_target", lambda compiler: None)  # a compiler that does not say: the CPU model
-            m.setattr(fused, "cpu_model", lambda: "vendor_id GenuineIntel cpu family 6 model 106, flags 0")
-            assert (key() != here) == native
-        if native and fused.cflags() == fused.CFLAGS + fused.GCC_CFLAGS:  # GCC says what -march=native means here
-            assert re.search(r"for -march=\S+ \(\d+ target options, digest [0-9a-f]{8}\)", here), here
-    finally:
-        fused.build.cache_clear()
+    here = key()
+    assert key() == here and "fused kernels" in here and compute_paths("int8", "cuda").count("fused") == 0
+    with monkeypatch.context() as m:
+        m.setenv("WKVM_FUSED", "off")
+        assert key() != here and "fused kernels off (WKVM_FUSED=off)" in key()
+    with monkeypatch.context() as m:  # oneDNN held to fewer instructions (bench/common.py AVX2_ENV) sums otherwise
+        m.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+        m.delenv("DNNL_MAX_CPU_ISA", raising=False)
+        unheld = key()
+        m.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+        assert key() != unheld and "oneDNN ISA at most AVX2" in key()
+    with monkeypatch.context() as m:
+        m.setenv("CXX", "/nonexistent/c++")
+        assert "fused kernels off (no C++ compiler" in key()
+    if "fused kernels off" in here:
+        pytest.skip("no C++ compiler here: the kernels' builds are not part of this machine's key")
+    with monkeypatch.context() as m:
+        m.setattr(fused, "cflags", lambda: ("-O3", "-march=haswell"))
+        assert key() != here and "-march=haswell" in key()
+    native = fused.MARCH == "native"  # else WKVM_FUSED_MARCH names the target itself
+    with monkeypatch.context() as m:  # the same flags on another CPU: native builds for it
+        m.setattr(fused, "native_target", lambda compiler: "-march=icelake-server (90 target options, digest 0)")
+        assert (key() != here) == native
+        m.setattr(fused, "native_target", lambda compiler: None)  # a compiler that does not say: the CPU model
+        m.setattr(fused, "cpu_model", lambda: "vendor_id GenuineIntel cpu family 6 model 106, flags 0")
+        assert (key() != here) == native
+    if native and fused.cflags() == fused.CFLAGS + fused.GCC_CFLAGS:  # GCC says what -march=native means here
+        assert re.search(r"for -march=\S+ \(\d+ target options, digest [0-9a-f]{8}\)", here), here
+    with monkeypatch.context() as m:  # a kernel that failed to build (its model runs torch ops instead)
+        m.setattr(fused, "BUILT", {**fused.BUILT, "step.cpp": False})
+        assert key() != here and "step.cpp failed to build (torch ops instead)" in key()
 
 
 @needs_kernel

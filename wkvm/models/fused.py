@@ -54,7 +54,9 @@ def cflags() -> tuple[str, ...]:
     return CFLAGS + GCC_CFLAGS if gcc else CFLAGS
 
 
-@functools.cache
+BUILT: dict[str, bool] = {}  # source file name -> whether it built and loaded here (`kernel_available` fills it)
+
+
 def build() -> str:
     """What decides the fused kernels' arithmetic besides their source (which `linear.code_digest` covers): whether
     they run (`WKVM_FUSED`, a C++ compiler), the compiler and its flags, and for `-march=native` the CPU it tunes
@@ -63,24 +65,33 @@ def build() -> str:
     grows through the layers: the same SmolLM2 prompt's int8 logprobs differed by 0.06 nats a token (0.3-0.4 at
     most) between the fused kernels and the torch path, between a native and a haswell build, or with RMSNorm's
     eps moved by 1e-6 (session 60). So a chat checkpoint's key and `system_fingerprint` name this (via
-    `linear.compute_paths`). Read without building: a compiler that is present but fails to build them is the one
-    case it misnames (the build's warning says so)."""
+    `linear.compute_paths`), and a kernel that failed to build here (a compiler without Python's headers, say) is
+    named too: a server computes its key after its warm-up request has built or loaded each kernel its model runs."""
     if os.environ.get("WKVM_FUSED", "auto").lower() == "off":
         return "fused kernels off (WKVM_FUSED=off)"
     from torch.utils import cpp_extension
 
     compiler = cpp_extension.get_cxx_compiler()  # type: ignore[no-untyped-call]
-    try:
-        version = subprocess.run([*shlex.split(compiler), "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout  # CXX may be "ccache g++", as torch's ninja file takes it
-    except (OSError, subprocess.SubprocessError):
-        version = ""
-    if not version.strip():
+    version = compiler_version(compiler)
+    if version is None:
         return f"fused kernels off (no C++ compiler: {compiler})"
     target = f" for {native_target(compiler) or cpu_model()}" if MARCH == "native" else ""
-    return f"fused kernels by {version.splitlines()[0].strip()}, {' '.join(cflags())}{target}"
+    failed = sorted(name for name, ok in BUILT.items() if not ok)
+    failures = f", {' '.join(failed)} failed to build (torch ops instead)" if failed else ""
+    return f"fused kernels by {version}, {' '.join(cflags())}{target}{failures}"
 
 
+@functools.cache
+def compiler_version(compiler: str) -> str | None:
+    """The first line of `compiler --version`; None where it does not run."""
+    try:  # CXX may be "ccache g++": a command line, as torch's ninja file takes it
+        out = subprocess.run([*shlex.split(compiler), "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0].strip() if out.strip() else None
+
+
+@functools.cache
 def native_target(compiler: str) -> str | None:
     """What GCC makes of `-march=native` here: the architecture it names and a digest of every -m option and cache
     size it passes on (its code depends on those, not on the rest of /proc/cpuinfo's flags, which differ between
@@ -143,9 +154,11 @@ def kernel_available(source: Path, namespace: str, op: str, what: str, fallback:
         return False
     try:
         load_kernel(source, namespace, cflags(), op=op)
+        BUILT[source.name] = True
         return True
     except Exception as e:  # no compiler, failed build or load: the torch path computes the same, slower (`build`)
         log.warning("%s unavailable (%s); %s", what, str(e).splitlines()[0], fallback)
+        BUILT[source.name] = False
         return False
 
 

@@ -4,6 +4,7 @@ template, metrics, auth. The loaded parts are set by `load()` (on a thread at st
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import hashlib
@@ -168,6 +169,15 @@ class ServerContext:
             engine = Engine(model, self.tokenizer, cfg.engine_config())
             self.client = LocalEngineClient(engine)
             self.model = m = self.client.model
+            sys.setswitchinterval(GIL_SWITCH_SECONDS)
+            engine.start()
+            # the kernels built or loaded before the server says it is ready, and before anything computes the key
+            # of its arithmetic (`compute_paths`: chat checkpoints', `system_fingerprint`), which names a kernel
+            # that failed to build
+            seconds = engine.warm_up()
+            if seconds > 2:
+                log.info("the warm-up request took %.0f s (a machine's first start builds the kernels, cached for "
+                         "later ones; with --weight-cache-layers it reads every layer once)", seconds)  # fmt: skip
             root = cfg.state_dir
             if root is None:
                 self._tmp = tempfile.TemporaryDirectory(prefix="wkvm-states-")
@@ -181,12 +191,6 @@ class ServerContext:
             self.sessions = ChatSessions(self.service, m.fingerprint, cfg, self.metrics)
             if cfg.embeddings:
                 self.embedder = EmbeddingModel(cfg.embeddings, cfg.device)
-            sys.setswitchinterval(GIL_SWITCH_SECONDS)
-            engine.start()
-            seconds = engine.warm_up()  # the kernels built or loaded before the server says it is ready
-            if seconds > 2:
-                log.info("the warm-up request took %.0f s (a machine's first start builds the kernels, cached for "
-                         "later ones; with --weight-cache-layers it reads every layer once)", seconds)  # fmt: skip
             # the step loop keeps its threads; every other thread of the server (anyio's workers: state import and
             # export, saves, KV cuts, embeddings) runs torch on one from here: one such thread that had run a
             # two-thread op made every later decode step ~2x slower (SmolLM2 int8, 7 -> 14-16 ms after a state import
@@ -202,6 +206,10 @@ class ServerContext:
             log.info("model %s loaded (fingerprint %s..., weights %s%s)", self.model_name, self.model.fingerprint[:12],
                      self.config.dtype, kv)  # fmt: skip
         except Exception as e:  # reported by /health and every route, instead of a dead process
+            client: EngineClient | None = getattr(self, "client", None)
+            if client is not None:  # its step loop started before what failed (a state directory in use): it holds
+                with contextlib.suppress(Exception):  # the model's memory and a thread, and serves nothing now
+                    client.shutdown(drain=False, timeout=5)
             self.load_error = f"{type(e).__name__}: {e}"
             # memory the settings ask for and the machine lacks (--slots' arena, --kv-cache-bytes): theirs, one line
             short = isinstance(e, MemoryError | torch.OutOfMemoryError) or "can't allocate memory" in str(e)
