@@ -926,11 +926,12 @@ def test_a_request_that_reaches_a_moved_names_old_owner_is_sent_back():
     del replica.ctx  # its __del__ would stop an engine this fake does not have
 
 
-def test_a_draining_replica_moves_streams_only_to_replicas_that_compute_alike(caplog):
-    """A stopping replica hands its streams only to replicas with its `system_fingerprint` (its status says it): on
+def test_a_draining_replica_moves_streams_to_replicas_that_compute_alike(caplog):
+    """A stopping replica hands its streams to the replicas with its `system_fingerprint` (its status says it): on
     another kind of CPU, or another build of the kernels, an int8 stream would go on with other roundings, ~0.06 nats
     a token apart (session 60), and "a moved stream gives the tokens of an unmoved one" would not hold. One that does
-    not answer is left out too; with none left the streams finish where they are."""
+    not answer is left out. Where none computes alike (an upgrade by rolling restart) they go to the others all the
+    same, with a warning, rather than be cut when the drain's grace runs out."""
     pytest.importorskip("ray.serve", reason="Ray Serve is the optional extra wkvm[cluster]")
     import logging
 
@@ -957,6 +958,11 @@ def test_a_draining_replica_moves_streams_only_to_replicas_that_compute_alike(ca
         said = " ".join(r.getMessage() for r in caplog.records)
         assert "r2 computes otherwise (system_fingerprint fp_bbbbbbbbbbbb, here fp_aaaaaaaaaaaa)" in said
         assert "r3 did not say how it computes (TimeoutError)" in said
-        assert replica._computing_alike({"r2": "id2"}) == []
+        assert "no other replica computes" not in said
+        with caplog.at_level(logging.INFO, logger="wkvm.cluster"):
+            assert replica._computing_alike({"r2": "id2", "r3": "id3", "r4": "id4"}) == ["r2", "r4"]
+        assert "no other replica computes as this one does; its streams move to ['r2', 'r4'] all the same" in \
+            " ".join(r.getMessage() for r in caplog.records)
+        assert replica._computing_alike({"r3": "id3"}) == []
     finally:
         del replica.ctx  # its __del__ (Serve's graceful stop) has nothing to stop then

@@ -310,11 +310,13 @@ class EngineReplica:
                     names.submit(self._name_follows, fut, s.tenant, s.saves, to, replicas[to])
 
     def _computing_alike(self, others: dict[str, str]) -> list[str]:
-        """The slots among `others` whose replicas compute as this one does (the same `system_fingerprint`: dtypes, CPU
-        kind, kernels' builds), which a moved stream goes on in exactly as it would here. Replicas on other kinds of
-        CPU (a Ray cluster of mixed nodes) are left out, as are those that do not answer: an int8 stream moved there
-        would go on with other roundings, ~0.06 nats a token apart (session 60); its streams finish here instead."""
-        mine, alike = self.ctx.system_fingerprint, []
+        """Where this replica's streams move when it stops: the slots among `others` whose replicas compute as this
+        one does (the same `system_fingerprint`: wkvm's code, dtypes, CPU kind, kernels' builds), where a moved stream
+        goes on exactly as it would here; an int8 stream moved to another kind of CPU (a Ray cluster of mixed nodes)
+        would go on with other roundings, ~0.06 nats a token apart (session 60). Where none does (an upgrade by
+        rolling restart: the new replicas run other code) the streams move to the others that answer all the same,
+        with a warning: going on otherwise beats being cut when the drain's grace runs out, as they were before."""
+        mine, alike, answered = self.ctx.system_fingerprint, [], []
         for slot, replica_id in others.items():
             try:
                 found = self._call(replica_id, "status", timeout=STATUS_SECONDS)
@@ -323,12 +325,16 @@ class EngineReplica:
                          type(e).__name__)  # fmt: skip
                 continue
             theirs = found.get("system_fingerprint") if isinstance(found, dict) else None
+            answered.append(slot)
             if theirs == mine:
                 alike.append(slot)
             else:
-                log.warning("replica %s: %s computes otherwise (system_fingerprint %s, here %s): no stream moves there",
-                            self.slot, slot, theirs, mine)  # fmt: skip
-        return alike
+                log.info("replica %s: %s computes otherwise (system_fingerprint %s, here %s)", self.slot, slot, theirs,
+                         mine)  # fmt: skip
+        if not alike and answered:
+            log.warning("replica %s: no other replica computes as this one does; its streams move to %s all the same "
+                        "and go on with their arithmetic", self.slot, answered)  # fmt: skip
+        return alike or answered
 
     def _name_follows(self, fut: MoveFuture, tenant: str, name: str, slot: str, replica_id: str) -> None:
         with contextlib.suppress(Exception):  # it did not stop here (finished first): its name stays
