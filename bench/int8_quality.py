@@ -121,12 +121,16 @@ def path_rows(name: str, path: Path, ids: list[int]) -> list[list[object]]:
     return rows
 
 
-def measure(name: str, path: Path, text: str, n_tokens: int, bf16: bool, variants: bool) -> list[list[object]]:
+def measure(name: str, path: Path, text: str, n_tokens: int, bf16: bool, variants: bool,
+            paths: list[list[object]] | None = None) -> list[list[object]]:  # fmt: skip
+    """KL(fp32 || quantized) rows; with `paths` (a list), `path_rows` for the same tokens appended to it."""
     fp32 = load_model(path)
     tokenizer = load_text_tools(path, fp32.family)[0]
     ids = tokenizer.encode(text)[:n_tokens]
     if len(ids) < n_tokens:
         raise SystemExit(f"{TEXT} gives only {len(ids)} tokens for {name}")
+    if paths is not None:
+        paths.extend(path_rows(name, path, ids))
     ref = fp32.prefill(ids, all_logits=True)[0]
     want = greedy(fp32, ids[:64], 32)
     rows = []
@@ -184,17 +188,17 @@ def main() -> None:
     models += [("RWKV-7 0.1B shape, random", checkpoint())] if args.random else []
     if not GGUF.exists():
         print(f"{GGUF} is absent (make smollm2): SmolLM2 skipped")
-    rows = [row for name, path in models for row in measure(name, path, text, args.tokens, args.bf16, args.variants)]
+    paths: list[list[object]] | None = [] if args.paths else None
+    rows = [row for name, path in models
+            for row in measure(name, path, text, args.tokens, args.bf16, args.variants, paths)]  # fmt: skip
     kernels = f"int8 kernel {int8.kernel_path()}, int4 kernel {int4.kernel_path()}"
     print(f"CPU {cpu_name()}, {kernels}, {torch.get_num_threads()} threads")
     header = ["model", "weights, pass", "tokens", "mean KL", "max KL", "argmax agreement", "greedy prefix"]
     print_table(f"KL(fp32 || quantized) over tinyshakespeare (targets: int8 mean <= {TARGET_KL} on the default model, "
                 f"int4 mean <= {TARGET_KL_INT4})", header, rows)  # fmt: skip
     found = {"cpu": cpu_name(), "kernel": int8.kernel_path(), "int4_kernel": int4.kernel_path(), "rows": rows}
-    if args.paths:
-        tools = {name: load_text_tools(path, load_model(path).family)[0] for name, path in models}
-        ids = {name: tools[name].encode(text)[: args.tokens] for name, _ in models}
-        found["paths"] = [row for name, path in models for row in path_rows(name, path, ids[name])]
+    if paths is not None:
+        found["paths"] = paths
         print_table("The same weights on two paths: KL(fused kernels || torch path, WKVM_FUSED=off), token by token",
                     ["model", "weights", "tokens", "mean KL", "max KL", "mean |logprob moved|", "max |logprob moved|"],
                     found["paths"])  # fmt: skip
