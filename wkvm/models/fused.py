@@ -67,7 +67,7 @@ def build() -> str:
     eps moved by 1e-6 (session 60). So a chat checkpoint's key and `system_fingerprint` name this (via
     `linear.compute_paths`), and a kernel that failed to build here (a compiler without Python's headers, say) is
     named too: a server computes its key after its warm-up request has built or loaded each kernel its model runs."""
-    if os.environ.get("WKVM_FUSED", "auto").lower() == "off":
+    if switched_off():
         return "fused kernels off (WKVM_FUSED=off)"
     from torch.utils import cpp_extension
 
@@ -143,14 +143,19 @@ def narrow_attention() -> bool:
     return available() and not torch.ops.wkvm_fused.wide_attention()
 
 
+def switched_off() -> bool:
+    """`WKVM_FUSED=off` (the torch ops everywhere); ValueError for a value that is neither auto nor off."""
+    setting = os.environ.get("WKVM_FUSED", "auto").lower()
+    if setting not in ("auto", "off"):
+        raise ValueError(f"WKVM_FUSED={setting!r}: use auto or off")
+    return setting == "off"
+
+
 def kernel_available(source: Path, namespace: str, op: str, what: str, fallback: str) -> bool:
     """The switch of every fused kernel (this one, a family's step kernel): False under `WKVM_FUSED=off`, else
     whether `source` builds and loads here (once per source and CPU); without a compiler one warning naming `what`
     and its `fallback`."""
-    setting = os.environ.get("WKVM_FUSED", "auto").lower()
-    if setting not in ("auto", "off"):
-        raise ValueError(f"WKVM_FUSED={setting!r}: use auto or off")
-    if setting == "off":
+    if switched_off():
         return False
     try:
         load_kernel(source, namespace, cflags(), op=op)
