@@ -75,6 +75,44 @@ def test_chunked_prefill_equals_token_by_token(model):
         torch.testing.assert_close(state[name], want_state[name], rtol=1e-4, atol=1e-5)
 
 
+def test_int8_chunks_have_the_bits_of_stepping(model, family_dir, request):
+    """With int8 weights (which round every matmul input to 8 bits, turning a last-bit difference into ~0.06 nats a
+    token on SmolLM2) a prompt's numbers must not depend on where its chunks end: the engine's prompt logprobs, greedy
+    tokens and their logprobs are equal to the bit whether the prompt goes in whole, in chunks of 7 or 4, or token by
+    token. That is what makes a resumed chat, a batch and a prefix checkpoint answer as an uninterrupted run: each
+    family's layers run a chunk with a step's arithmetic (`rows_alone`: native matmul kernels, attention a token at a
+    time, recurrent layers stepping through it). Skipped only where a CPU or build lacks those kernels."""
+    from wkvm.models import int8
+
+    if not getattr(request.node.callspec.params["family_dir"], "INT8", True):
+        pytest.skip("a family without int8 weights (tests/families/toy.py: float32 only)")
+    m = load_model(family_dir, dtype="int8")
+    ids = PROMPT * 3
+    if not m.rows_alone(len(ids)):
+        assert int8.kernel_path() not in int8.ALL_SIZES or not registry_kernels_built(), (
+            f"{m.family}: no stepping's bits for a {len(ids)}-token chunk though this CPU has the kernels")
+        pytest.skip("no native int8 kernel for every row count or no compiler here: chunks agree to rounding")
+
+    def run(chunk: int) -> tuple[list[int], list, list]:
+        eng = engine(m, family_dir, n_slots=1, token_budget=64, prefill_chunk=chunk)
+        h = eng.submit(ids, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2,
+                                           prompt_logprobs=2))  # fmt: skip
+        eng.run_until_done()
+        assert h.output.prompt_logprobs is not None and h.output.logprobs is not None
+        return h.output.token_ids, h.output.prompt_logprobs, h.output.logprobs
+
+    want = run(1)
+    for chunk in (len(ids), 7, 4):
+        assert run(chunk) == want, f"{m.family}: chunks of {chunk} tokens"
+
+
+def registry_kernels_built() -> bool:
+    """Whether the fused kernels build here (a C++ compiler, not WKVM_FUSED=off)."""
+    from wkvm.models import fused
+
+    return fused.available()
+
+
 def test_forward_groups_equal_separate_forwards(model):
     a, b = torch.tensor([PROMPT[:5], PROMPT[3:8]]), torch.tensor([PROMPT])
     sa, sb = model.new_state(2), model.new_state(1)

@@ -593,7 +593,7 @@ def test_long_chunks_attend_through_torch_where_the_fused_attention_cannot_group
     from wkvm.models.llama import model as llama_model
 
     m = load_model(model_dir, dtype="int8")  # (the tiny model's int4 matrices are not all int4: K is not 32 k)
-    n = llama_model.UNGROUPED_ROWS
+    n = fused.UNGROUPED_ROWS
     if not m.rows_alone(n):
         pytest.skip("no native int8 kernel here: every chunk attends through torch")
     if int8.kernel_for(m.weights.layer(0)[llama_model.LINEAR[0]], 2 * n) is None:
@@ -601,7 +601,7 @@ def test_long_chunks_attend_through_torch_where_the_fused_attention_cannot_group
         pytest.skip(f"the int8 kernel does not take {2 * n} rows here (AVX-512BW without VNNI dequantizes more than "
                     f"{int8.KERNEL_ROWS} for oneDNN, x not rounded to int8): a long chunk answers to that rounding, "
                     "not as token by token")  # fmt: skip
-    monkeypatch.setattr(llama_model, "narrow_attention", lambda: True)
+    monkeypatch.setattr(fused, "narrow_attention", lambda: True)
     assert m.rows_alone(n) and not m.rows_alone(n + 1)
     prompt = [(5 * j + 2) % len(CHAR_VOCAB) for j in range(2 * n)]
 
@@ -612,7 +612,7 @@ def test_long_chunks_attend_through_torch_where_the_fused_attention_cannot_group
         return h.output.token_ids
 
     assert tokens(2 * n) == tokens(1)
-    monkeypatch.setattr(llama_model, "narrow_attention", lambda: False)
+    monkeypatch.setattr(fused, "narrow_attention", lambda: False)
     assert m.rows_alone(4 * n) == (int8.kernel_path() in int8.ALL_SIZES)
 
 
@@ -633,12 +633,10 @@ def test_a_long_chunk_has_the_bits_of_stepping_where_the_fused_attention_groups_
     """A prompt of more than UNGROUPED_ROWS tokens in one chunk, its tokens as rows of the fused attention's groups,
     gives the tokens and logprobs of feeding it token by token, to the bit (int8 matrices, float16 pages as `wkvm
     serve` keeps them; head size 16 and three query heads a kv head, as SmolLM2's 64 and 3: sizes the groups take)."""
-    from wkvm.models.llama import model as llama_model
-
     model_dir = llama.write_checkpoint(tmp_path / "model", len(CHAR_VOCAB), 4, head_dim=16)
     write_char_tokenizer(model_dir)
     m = load_model(model_dir, dtype="int8")
-    n = 2 * llama_model.UNGROUPED_ROWS + 5
+    n = 2 * fused.UNGROUPED_ROWS + 5
     if fused.narrow_attention() or not m.rows_alone(n):
         pytest.skip("no int8 kernel path that takes 69 rows (none built, or AVX-512BW without VNNI), or a fused "
                     "attention that does not group rows (no AVX2 + FMA build)")  # fmt: skip

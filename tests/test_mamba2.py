@@ -153,10 +153,10 @@ def test_fused_decode_step_equals_torch_ops(pair, clamp, monkeypatch):
     ran = []  # the kernel's answers: its guard handing every step to the torch ops would compare them with themselves
 
     def spy(*args, **kwargs):
-        ran.append(ssd.decode_mixer(*args, **kwargs))
+        ran.append(ssd.mixer_steps(*args, **kwargs))
         return ran[-1]
 
-    monkeypatch.setattr(mamba2_model, "decode_mixer", spy)
+    monkeypatch.setattr(mamba2_model, "mixer_steps", spy)
     states = [model.prefill(prompt(model.vocab_size, n, 30 + n)[0])[1] for n in (2, 7, 5)]
     fused = {k: torch.cat([s[k] for s in states]) for k in states[0]}
     plain = {k: t.clone() for k, t in fused.items()}
@@ -209,8 +209,8 @@ def test_a_width_one_conv_decodes_on_the_torch_ops():
 
     b, H, P, N, G = 1, 2, 3, 4, 1
     CD = H * P + 2 * G * N
-    proj = torch.randn(b, H * P + CD + H)
-    got = ssd.decode_mixer(proj, torch.zeros(b, CD, 0), torch.randn(CD, 1), torch.zeros(CD), torch.zeros(b, H, P, N),
+    proj = torch.randn(b, 1, H * P + CD + H)
+    got = ssd.mixer_steps(proj, torch.zeros(b, CD, 0), torch.randn(CD, 1), torch.zeros(CD), torch.zeros(b, H, P, N),
                            torch.randn(H), -torch.rand(H), torch.randn(H), G, 0.0, None)  # fmt: skip
     assert got is None
 

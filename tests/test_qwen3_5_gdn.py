@@ -151,10 +151,10 @@ def test_fused_decode_step_equals_torch_ops(pair, monkeypatch):
     ran = []  # the kernel's answers: its guard handing every step to the torch ops would compare them with themselves
 
     def spy(*args, **kwargs):
-        ran.append(gated_delta.decode_layer(*args, **kwargs))
+        ran.append(gated_delta.layer_steps(*args, **kwargs))
         return ran[-1]
 
-    monkeypatch.setattr(qwen_model, "decode_layer", spy)
+    monkeypatch.setattr(qwen_model, "layer_steps", spy)
     prompts = [ids_for(m.vocab_size, 1, n, seed=n)[0] for n in (5, 9)]
     states = [m.prefill(p)[1] for p in prompts]
     fused = {k: torch.cat([s[k] for s in states]) for k in states[0]}
@@ -179,10 +179,10 @@ def test_a_width_one_conv_decodes_on_the_torch_ops():
     hands the step to the torch ops instead of the kernel refusing it (which failed the model's load)."""
     Hk, Hv, dk, dv, B = 1, 2, 4, 3, 1
     CD = 2 * Hk * dk + Hv * dv
-    proj = torch.randn(B, CD + Hv * dv + 2 * Hv)
+    proj = torch.randn(B, 1, CD + Hv * dv + 2 * Hv)
     args = (torch.zeros(B, CD, 0), torch.randn(CD, 1), torch.zeros(B * Hv, dk, dv), -torch.rand(Hv), torch.randn(Hv),
             torch.ones(dv))  # fmt: skip
-    assert gated_delta.decode_layer(proj, *args, Hk, dk, 1e-6, 1e-6) is None
+    assert gated_delta.layer_steps(proj, *args, Hk, dk, 1e-6, 1e-6) is None
 
 
 @torch.no_grad()

@@ -3,7 +3,8 @@
 Each module (its name is the test id) has `NAME` (the registry's family name) and
 `write_checkpoint(path, vocab_size, seed) -> Path`, which
 writes a tiny random checkpoint of the family as a directory (config.json + weights, in the family's main format)
-with `vocab_size` tokens. The suite adds a tokenizer and chat template beside it and runs every state operation.
+with `vocab_size` tokens; `INT8 = False` where the family has no int8 weights (default True). The suite adds a
+tokenizer and chat template beside it and runs every state operation.
 A family that needs registering first (a test-only one) does so when its module is imported.
 """
 

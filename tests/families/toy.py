@@ -22,6 +22,7 @@ from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.spec import State, StateSpec, TensorSpec
 
 NAME = "toy"
+INT8 = False  # float32 weights only (prepare_layer casts; no int8 / int4 forms)
 LAYER_KEYS = ("w_in", "conv", "decay", "w_out")
 LINEAR_KEYS = ("w_in", "w_out")
 

@@ -29,8 +29,9 @@ import torch
 from safetensors import safe_open
 
 from wkvm.chat_template import ChatTemplate
+from wkvm.models.fused import attention_groups_rows
 from wkvm.models.kv import Attn, DenseKV, KVBatch
-from wkvm.models.linear import embedding, native_kernel, pack_linear, stored_outer
+from wkvm.models.linear import embedding, native_kernel, pack_linear, rows_independent, stored_outer
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.rope import angles
 from wkvm.models.spec import State, StateSpec
@@ -216,6 +217,7 @@ class ModelBase:
         self.config, self.spec, self.weights, self.fingerprint = config, spec, weights, fingerprint
         self.device = torch.device(device)
         self._kernels: dict[tuple[int, int], tuple[str, list[int]] | None] = {}
+        self._alone: dict[int, bool] = {}
 
     def layer_kernel(self, i: int, mats: list[torch.Tensor], rows: int) -> tuple[str, list[int]] | None:
         """`linear.native_kernel(mats, rows)` for layer i's matrices, remembered per (layer, rows): it depends only on
@@ -237,7 +239,9 @@ class ModelBase:
 
     @property
     def chunks_equal_steps(self) -> bool:
-        return False
+        """Where its rows are alone at STEP_CHUNK tokens, for models without attention (a moved stream's pre-copy
+        carries no keys and values; not tried with them)."""
+        return not self.kv_layers and self.rows_alone(STEP_CHUNK)
 
     embed_key: str = ""  # the embedding's name in `weights.globals()`, for the default `embed`
     kv_layers: tuple[int, ...] = ()  # the attention layers, whose state is keys and values (kind "kv")
@@ -311,11 +315,27 @@ class ModelBase:
         return [Attn(kv, *self.rope(kv.positions(), tokens.shape[1]), tokens.shape[1] > 1 and
                      self.rows_alone(tokens.shape[1])) for (tokens, _), kv in pairs]  # fmt: skip
 
+    row_keys: tuple[str, ...] = ()  # a layer's matrices, in a family whose other ops give each row its own bits
+
+    def steps_kernel(self) -> bool:
+        """Whether the family's recurrent layers run a chunk of T tokens with T steps' arithmetic here (their kernel
+        built); families without recurrent layers need none."""
+        return True
+
     def rows_alone(self, rows: int) -> bool:
         """Whether every layer computes each of `rows` rows (a chunk's tokens) with the bits it gives that row alone,
-        so that attention takes a chunk's tokens one at a time (`Attn.token_rows`) and the chunk has stepping's
-        bits. False here; a family whose layers are otherwise row-independent says when its matmuls are."""
-        return False
+        so that attention takes a chunk's tokens one at a time (`Attn.token_rows`), recurrent layers step through
+        them (`steps_kernel`) and the chunk has stepping's bits. A family whose other ops work row by row names its
+        layers' matrices (`row_keys`); they decide, as layer 0 and the first attention layer hold them (a model's
+        layers share one format): each on a native kernel at that many rows (`linear.rows_independent`). Where the
+        fused attention cannot group a chunk's rows (`fused.attention_groups_rows`), longer chunks attend through
+        torch, to rounding."""
+        if not self.row_keys or not self.steps_kernel() or (self.kv_layers and not attention_groups_rows(rows)):
+            return False
+        if rows not in self._alone:  # asked every step: the weights (perhaps streamed) read only the first time
+            layers = [self.weights.layer(i) for i in sorted({0, *self.kv_layers[:1]})]
+            self._alone[rows] = all(rows_independent(w[k], rows) for w in layers for k in self.row_keys if k in w)
+        return self._alone[rows]
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, state: State, all_logits: bool = False) -> torch.Tensor:

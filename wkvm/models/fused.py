@@ -143,6 +143,19 @@ def narrow_attention() -> bool:
     return available() and not torch.ops.wkvm_fused.wide_attention()
 
 
+# the longest chunk that attends a token at a time where the fused attention cannot group a chunk's rows (built
+# without AVX2 + FMA or AVX-512): the int8 kernel's row limit on AVX2 before session 52
+UNGROUPED_ROWS = 32
+
+
+def attention_groups_rows(rows: int) -> bool:
+    """Whether a chunk of `rows` tokens attends a token at a time (each with a one-token step's bits) at a speed
+    worth it: always where the fused attention groups a chunk's rows over shared keys; else up to UNGROUPED_ROWS
+    (each row reading the keys alone, SmolLM2 int8's engine prefill of 1,024 tokens had run 0.72x; AMD EPYC Zen 3
+    before its AVX2 groups, session 52)."""
+    return rows <= UNGROUPED_ROWS or not narrow_attention()
+
+
 def switched_off() -> bool:
     """`WKVM_FUSED=off` (the torch ops everywhere); ValueError for a value that is neither auto nor off."""
     setting = os.environ.get("WKVM_FUSED", "auto").lower()

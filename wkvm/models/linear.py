@@ -277,15 +277,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def rows_independent(weight: torch.Tensor, rows: int) -> bool:
-    """Whether `linear` gives each row of x (up to `rows` rows) the same bits whatever rows come with it: the native
-    int8 and int4 kernels (exact integer products, each row's scales its own) and packed fp32 weights on wkvm's gemv
-    kernel. Not oneDNN's GEMMs (bf16, plain fp32): their sums may go another order by row count."""
-    if weight.dtype == torch.int8:
-        return int8.kernel_path() != "torch"
-    if weight.dtype == torch.uint8:
-        return int4.kernel_path() != "torch"
-    return weight.is_mkldnn and weight.dtype == torch.float32 and fp32gemv.available() and fp32gemv.rows() >= rows \
-        and getattr(weight, fp32gemv.LAYOUT, None) is not None  # fmt: skip
+    """Whether `linear` gives each row of x (up to `rows` rows) the same bits whatever rows come with it: where a
+    native kernel runs it at that many rows (`native_kernel`: int8 and int4, exact integer products with each row's
+    scales its own; packed fp32 weights on wkvm's gemv kernel). Not oneDNN's GEMMs (bf16, plain fp32, int8 past the
+    AVX-512BW path's rows): their sums may go another order by row count."""
+    return native_kernel([weight], rows) is not None
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

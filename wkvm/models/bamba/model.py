@@ -46,7 +46,7 @@ from wkvm.models.mamba2.model import (
     mixer_tensors,
     time_step_limit,
 )
-from wkvm.models.mamba2.ssd import DEFAULT_CHUNK
+from wkvm.models.mamba2.ssd import DEFAULT_CHUNK, kernel_available
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.rope import frequencies
 from wkvm.models.spec import State, StateSpec, TensorSpec
@@ -241,8 +241,15 @@ class Bamba(ModelBase):
                  device: torch.device | str = "cpu"):  # fmt: skip
         super().__init__(cfg, state_spec(cfg), weights, model_fingerprint, device)
         self.ssd_chunk = DEFAULT_CHUNK
+        self.fused_decode = True  # the mixer kernel (one-token steps, chunks with stepping's bits); tests turn it off
         self.kv_layers = cfg.attention_layers
         self.inv_freq = frequencies(cfg.rope_theta, cfg.rotary_dim).to(self.device)
+
+    # norms, gates, SiLU and residuals work row by row: the matmuls, attention and the mixer's kernel decide
+    row_keys = MAMBA_LINEAR + ATTN_LINEAR + MLP_LINEAR
+
+    def steps_kernel(self) -> bool:
+        return self.fused_decode and kernel_available()
 
     def logits(self, x: torch.Tensor, g: Tensors) -> torch.Tensor:
         return linear(rms_norm(x, g["final_norm"], self.config.rms_eps), g[HEAD])
@@ -253,7 +260,9 @@ class Bamba(ModelBase):
         if attn is not None and i in self.kv_layers:
             h = self._attention(i, w, h, attn)
         else:
-            h = mixer(self.config.mamba, w, h, state[f"layers.{i}.conv"], state[f"layers.{i}.ssm"], self.ssd_chunk)
+            T = h.shape[1]
+            h = mixer(self.config.mamba, w, h, state[f"layers.{i}.conv"], state[f"layers.{i}.ssm"], self.ssd_chunk,
+                      self.fused_decode, T > 1 and self.rows_alone(T))  # fmt: skip
         x, h = add_rms_norm(x, h, w["post_norm"], eps)
         return x + linear(silu_mul(linear(h, w["mlp.gate_up"])), w["mlp.down_proj.weight"])
 

@@ -37,7 +37,6 @@ from wkvm.models.fused import (
     cpu_fp32,
     llama_layer,
     llama_layers,
-    narrow_attention,
     rms_norm,
     silu_mul,
 )
@@ -58,11 +57,6 @@ NORM_RAW = ("input_layernorm.weight", "post_attention_layernorm.weight")
 LAYER_RAW = ATTN_RAW + MLP_RAW + NORM_RAW
 # compute-form names of the matrices that go through `linear`
 LINEAR = ("self_attn.qkv", "self_attn.o_proj.weight", "mlp.gate_up", "mlp.down_proj.weight")
-
-# the longest chunk that attends a token at a time where the fused attention cannot group a chunk's rows (built
-# without AVX2 + FMA or AVX-512): the int8 kernel's row limit on AVX2 before session 52
-UNGROUPED_ROWS = 32
-
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -245,22 +239,11 @@ class Llama(ModelBase):
         self.kv_layers = tuple(range(cfg.n_layer))
         self._stacks: dict[int, Stack | None] = {}
 
+    # norms, RoPE, SiLU and residuals work row by row: the matmuls and attention decide (`ModelBase.rows_alone`)
+    row_keys = LINEAR
+
     def logits(self, x: torch.Tensor, g: Tensors) -> torch.Tensor:
         return linear(rms_norm(x, g["final_norm"], self.config.rms_eps), g[HEAD])
-
-    def rows_alone(self, rows: int) -> bool:
-        """Norms, RoPE, SiLU and residuals work row by row; the matmuls do where `rows` rows run on the native kernel
-        one row does (int8 / int4; fp32 up to the gemv kernel's rows), so attention is all that decides. Where the
-        fused attention cannot group a chunk's rows (`narrow_attention`: built without AVX2 + FMA or AVX-512), chunks
-        of more than UNGROUPED_ROWS tokens attend through torch instead: a row at a time, SmolLM2 int8's engine
-        prefill of 1,024 tokens had run 0.72x (AMD EPYC Zen 3 before its AVX2 groups; session 52). Those chunks then
-        agree with stepping to rounding, not bits."""
-        if rows > UNGROUPED_ROWS and narrow_attention():
-            return False
-        if (0, rows) not in self._kernels:  # asked once a step: the weights (perhaps streamed) only the first time
-            w = self.weights.layer(0)
-            self.layer_kernel(0, [w[k] for k in LINEAR], rows)
-        return self._kernels[0, rows] is not None
 
     def block(self, i: int, w: Tensors, x: torch.Tensor, state: State, attn: Attn | None) -> torch.Tensor:
         assert attn is not None  # every Llama layer is attention

@@ -34,7 +34,7 @@ from wkvm.models.family import (
 )
 from wkvm.models.kv import Attn
 from wkvm.models.linear import linear, stored
-from wkvm.models.mamba2.ssd import DEFAULT_CHUNK, decode_mixer, ssd_chunked, ssd_step
+from wkvm.models.mamba2.ssd import DEFAULT_CHUNK, kernel_available, mixer_steps, ssd_chunked, ssd_step
 from wkvm.models.provider import Tensors, WeightProvider
 from wkvm.models.spec import State, StateSpec, TensorSpec
 
@@ -220,15 +220,23 @@ class Mamba2(ModelBase):
     def logits(self, x: torch.Tensor, g: Tensors) -> torch.Tensor:
         return linear(rms_norm(x, g[NORM_F], self.config.norm_eps), g[HEAD])
 
+    row_keys = LINEAR_KEYS
+
+    def steps_kernel(self) -> bool:
+        return self.fused_decode and kernel_available()
+
     def _mixer(self, i: int, w: Tensors, h: torch.Tensor, state: State) -> torch.Tensor:
+        T = h.shape[1]
         return mixer(self.config, w, h, state[f"layers.{i}.conv"], state[f"layers.{i}.ssm"], self.ssd_chunk,
-                     self.fused_decode)  # fmt: skip
+                     self.fused_decode, T > 1 and self.rows_alone(T))  # fmt: skip
 
 
 def mixer(cfg: Mamba2Config, w: Tensors, h: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
-          chunk: int, fused: bool = True) -> torch.Tensor:  # fmt: skip
-    """The Mamba2 mixer on h [b, T, d_model] with `mixer.*` weights, advancing its conv window and SSM state; a
-    one-token step runs its middle as one kernel call where it can (`fused`: tests turn it off)."""
+          chunk: int, fused: bool = True, steps: bool = False) -> torch.Tensor:  # fmt: skip
+    """The Mamba2 mixer on h [b, T, d_model] with `mixer.*` weights, advancing its conv window and SSM state. Its
+    middle runs as one kernel call where it can: a one-token step (`fused`: tests turn it off), and T tokens with
+    stepping's arithmetic (`steps`: the model's `rows_alone(T)`, where the rest of its layers give each row the bits
+    it has alone); other chunks take the chunked SSD form (faster, equal to steps to rounding)."""
     b, T, _ = h.shape
     H, P, G, N = cfg.n_heads, cfg.head_dim, cfg.n_groups, cfg.d_state
     zxbcdt = linear(h, w["mixer.in_proj.weight"])
@@ -237,8 +245,8 @@ def mixer(cfg: Mamba2Config, w: Tensors, h: torch.Tensor, conv: torch.Tensor, ss
     z, xbc, dt = torch.split(zxbcdt, [cfg.d_inner, cfg.conv_dim, H], dim=-1)
     A, D = w["mixer.A"], w["mixer.D"]
     y = None
-    if T == 1 and fused:
-        y = decode_mixer(zxbcdt.reshape(b, -1), conv, w["mixer.conv1d.weight"], w["mixer.conv1d.bias"], ssm,
+    if fused and (T == 1 or steps):
+        y = mixer_steps(zxbcdt, conv, w["mixer.conv1d.weight"], w["mixer.conv1d.bias"], ssm,
                          w["mixer.dt_bias"], A, D, G, cfg.dt_min, cfg.dt_max)  # fmt: skip
     if y is None:  # the torch ops (and the kernel's reference in tests)
         xbc = causal_conv_silu(xbc, conv, w["mixer.conv1d.weight"], w["mixer.conv1d.bias"])

@@ -1,15 +1,18 @@
-// Mamba2's one-token mixer step between its two projections (wkvm/models/mamba2/ssd.py builds this file on first
-// use and keeps the torch ops as fallback and as the reference in tests); everything is fp32.
+// Mamba2's mixer between its two projections (wkvm/models/mamba2/ssd.py builds this file on first use and keeps the
+// torch ops as fallback and as the reference in tests); everything is fp32.
 //
-//   decode(proj [b, d_inner + conv_dim + H] (rows contiguous; z is not read), window [b, conv_dim, K-1] (in/out),
-//       conv [conv_dim, K], conv_bias [conv_dim], S [b, H, P, N] (in/out), dt_bias, A, D [H], G, clamp, dt_min,
-//       dt_max) -> y [b, H P]
-//     [x B C] = silu(causal conv over the window + bias) (the window advances); dt = softplus(dt + dt_bias), clamped
-//     to [dt_min, dt_max] when `clamp`; per head h (group g = h / (H / G)) and row p of its state:
-//     S[p] = e^(dt A) S[p] + dt x[p] B_g,  y[p] = S[p] . C_g + D x[p].
-//     One pass over the state: at 32 sequences the state (19 MB a sequence at the 130m shape), not the weights, is
-//     what a decode step streams, and the torch ops' three passes (scale, rank-1 add, read out) took 161 ms of a
-//     247 ms step there (AMD EPYC Zen 4, 2 threads).
+//   steps(proj [b, T, d_inner + conv_dim + H] (rows contiguous, any batch and token strides; z is not read), window
+//       [b, conv_dim, K-1] (in/out), conv [conv_dim, K], conv_bias [conv_dim], S [b, H, P, N] (in/out), dt_bias, A,
+//       D [H], G, clamp, dt_min, dt_max) -> y [b, T, H P]
+//     For each token, in order: [x B C] = silu(causal conv over the window + bias) (the window advances); dt =
+//     softplus(dt + dt_bias), clamped to [dt_min, dt_max] when `clamp`; per head h (group g = h / (H / G)) and row p
+//     of its state: S[p] = e^(dt A) S[p] + dt x[p] B_g,  y[p] = S[p] . C_g + D x[p].
+//     A decode step is T = 1; a prompt's chunk of T tokens runs the same arithmetic token after token, so it has the
+//     bits of stepping through it and no chunking, batch or resumed state changes a token's numbers. Each thread
+//     takes heads through all T tokens, the head's state in its own cache. One pass over the state a token: at 32
+//     sequences the state (19 MB a sequence at the 130m shape), not the weights, is what a decode step streams, and
+//     the torch ops' three passes (scale, rank-1 add, read out) took 161 ms of a 247 ms step there (AMD EPYC Zen 4,
+//     2 threads).
 //
 //   chunked(S [b, H, P, N] (in/out), x [b, T, H, P], dt [b, T, H], A [H], B, C [b, T, G, N], D [H], chunk)
 //       -> y [b, T, H, P]
@@ -28,60 +31,64 @@
 #include <cstdint>
 #include <vector>
 
-#include "../recurrent_parts.h"
 #include "../simd_math.h"
+// (after simd_math.h, whose exp_approx it uses)
+#include "../recurrent_parts.h"
 #include "../small_gemm.h"
 
 namespace {
 
-at::Tensor decode(const at::Tensor& proj, at::Tensor& window, const at::Tensor& conv, const at::Tensor& conv_bias,
-                  at::Tensor& S, const at::Tensor& dt_bias, const at::Tensor& A, const at::Tensor& D, int64_t G,
-                  bool clamp, double dt_min, double dt_max) {
+at::Tensor steps(const at::Tensor& proj, at::Tensor& window, const at::Tensor& conv, const at::Tensor& conv_bias,
+                 at::Tensor& S, const at::Tensor& dt_bias, const at::Tensor& A, const at::Tensor& D, int64_t G,
+                 bool clamp, double dt_min, double dt_max) {
   const int64_t b = S.size(0), H = S.size(1), P = S.size(2), N = S.size(3), d_inner = H * P;
   const int64_t CD = d_inner + 2 * G * N, K = conv.size(1), width = d_inner + CD + H;
-  wkvm::check_cpu_fp32({&proj, &window, &conv, &conv_bias, &S, &dt_bias, &A, &D}, "decode");
+  wkvm::check_cpu_fp32({&proj, &window, &conv, &conv_bias, &S, &dt_bias, &A, &D}, "steps");
   TORCH_CHECK(G > 0 && H % G == 0, "heads (", H, ") must be a multiple of groups (", G, ")");
   TORCH_CHECK(S.is_contiguous() && S.dim() == 4, "S must be contiguous [b, H, P, N]");
-  TORCH_CHECK(proj.dim() == 2 && proj.size(0) == b && proj.size(1) == width && proj.stride(1) == 1,
-              "proj must be [", b, ", ", width, "] with contiguous rows");
+  TORCH_CHECK(proj.dim() == 3 && proj.size(0) == b && proj.size(2) == width && proj.stride(2) == 1,
+              "proj must be [", b, ", T, ", width, "] with contiguous rows");
   wkvm::check_conv(conv, window, b, CD);
   TORCH_CHECK(conv_bias.is_contiguous() && conv_bias.numel() == CD && dt_bias.is_contiguous() &&
                   dt_bias.numel() == H && A.is_contiguous() && A.numel() == H && D.is_contiguous() && D.numel() == H,
               "conv_bias [", CD, "], dt_bias, A and D [", H, "] must be contiguous");
-  at::Tensor mixed = at::empty({b, CD}, proj.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor out = at::empty({b, d_inner}, proj.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t T = proj.size(1), rs = wkvm::padded_row(CD);
+  at::Tensor mixed = at::empty({b * T, rs}, proj.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = at::empty({b, T, d_inner}, proj.options().memory_format(at::MemoryFormat::Contiguous));
+  if (T == 0) return out;
   const float *pp = proj.data_ptr<float>(), *cw = conv.data_ptr<float>(), *cb = conv_bias.data_ptr<float>();
   const float *dtb = dt_bias.data_ptr<float>(), *Ap = A.data_ptr<float>(), *Dp = D.data_ptr<float>();
   float *win = window.data_ptr<float>(), *mx = mixed.data_ptr<float>(), *Sp = S.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t ps = proj.stride(0), hpg = H / G;
-  at::parallel_for(0, b, 1, [&](int64_t r0, int64_t r1) {  // the conv and SiLU; the window advances
-    for (int64_t r = r0; r < r1; ++r)
-      wkvm::conv_silu_step(pp + r * ps + d_inner, win + r * CD * (K - 1), cw, cb, CD, K, mx + r * CD);
-  });
+  const int64_t psb = proj.stride(0), pst = proj.stride(1), hpg = H / G;
+  wkvm::conv_silu_steps(pp + d_inner, psb, pst, win, cw, cb, b, T, CD, K, mx, rs);  // the window advances
   at::parallel_for(0, b * H, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t r = item / H, h = item % H, g = h / hpg;
-      const float a = pp[r * ps + d_inner + CD + h] + dtb[h];
-      float dt = wkvm::softplus(a);
-      if (clamp) dt = std::min(std::max(dt, static_cast<float>(dt_min)), static_cast<float>(dt_max));
-      const float decay = std::exp(dt * Ap[h]);
-      const float* x = mx + r * CD + h * P;
-      const float* Bg = mx + r * CD + d_inner + g * N;
-      const float* Cg = mx + r * CD + d_inner + G * N + g * N;
       float* Sh = Sp + item * P * N;
-      float* y = op + item * P;
-      for (int64_t p = 0; p < P; ++p) {
-        float* row = Sh + p * N;
-        const float dx = dt * x[p];
-        float s = 0.0f;
+      for (int64_t t = 0; t < T; ++t) {
+        const float a = pp[r * psb + t * pst + d_inner + CD + h] + dtb[h];
+        float dt = wkvm::softplus(a);
+        if (clamp) dt = std::min(std::max(dt, static_cast<float>(dt_min)), static_cast<float>(dt_max));
+        const float decay = std::exp(dt * Ap[h]);
+        const float* m = mx + (r * T + t) * rs;
+        const float* x = m + h * P;
+        const float* Bg = m + d_inner + g * N;
+        const float* Cg = m + d_inner + G * N + g * N;
+        float* y = op + ((r * T + t) * H + h) * P;
+        int64_t p = 0;
+        for (; p < P; ++p) {
+          float* row = Sh + p * N;
+          const float dx = dt * x[p];
+          float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-        for (int64_t n = 0; n < N; ++n) {
-          const float v = row[n] * decay + dx * Bg[n];
-          row[n] = v;
-          s += v * Cg[n];
+          for (int64_t n = 0; n < N; ++n) {
+            const float v = row[n] * decay + dx * Bg[n];
+            row[n] = v;
+            s += v * Cg[n];
+          }
+          y[p] = s + Dp[h] * x[p];
         }
-        y[p] = s + Dp[h] * x[p];
       }
     }
   });
@@ -172,9 +179,9 @@ at::Tensor chunked(at::Tensor& S, const at::Tensor& x, const at::Tensor& dt, con
 
 TORCH_LIBRARY(wkvm_mamba2, m) {
   m.def(
-      "decode(Tensor proj, Tensor(a!) window, Tensor conv, Tensor conv_bias, Tensor(b!) S, Tensor dt_bias, Tensor A, "
+      "steps(Tensor proj, Tensor(a!) window, Tensor conv, Tensor conv_bias, Tensor(b!) S, Tensor dt_bias, Tensor A, "
       "Tensor D, int G, bool clamp, float dt_min, float dt_max) -> Tensor",
-      &decode);
+      &steps);
   m.def("chunked(Tensor(a!) S, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, int chunk) -> Tensor",
         &chunked);
 }

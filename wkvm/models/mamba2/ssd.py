@@ -25,23 +25,25 @@ SOURCE = Path(__file__).with_name("ssd.cpp")
 
 @functools.cache
 def kernel_available() -> bool:
-    """Whether the decode kernel (ssd.cpp) runs here (built now if needed; off under `WKVM_FUSED=off` like every
-    fused kernel); False, with one warning, when it cannot be built."""
-    return fused.kernel_available(SOURCE, "wkvm_mamba2", "decode", "Mamba2 decode kernel",
-                                  "decode runs the mixer's torch ops (slower)")  # fmt: skip
+    """Whether the mixer's kernels (ssd.cpp) run here (built now if needed; off under `WKVM_FUSED=off` like every
+    fused kernel); False, with one warning, when they cannot be built."""
+    return fused.kernel_available(SOURCE, "wkvm_mamba2", "steps", "Mamba2 mixer kernel",
+                                  "the mixer runs its torch ops (slower; a prompt's chunks agree with stepping only to "
+                                  "rounding)")  # fmt: skip
 
 
-def decode_mixer(proj: torch.Tensor, window: torch.Tensor, conv: torch.Tensor, conv_bias: torch.Tensor,
-                 S: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, D: torch.Tensor, G: int, dt_min: float,
-                 dt_max: float | None) -> torch.Tensor | None:  # fmt: skip
-    """The mixer's one-token step between its projections in one kernel call (ssd.cpp's `decode`: conv step, SiLU,
-    dt, the SSM step and D's skip) for proj [b, in_proj outputs]: y [b, H * P] before the gated norm, or None where
-    the kernel does not take these tensors (the caller runs its torch ops, the kernel's reference in tests)."""
+def mixer_steps(proj: torch.Tensor, window: torch.Tensor, conv: torch.Tensor, conv_bias: torch.Tensor,
+                S: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, D: torch.Tensor, G: int, dt_min: float,
+                dt_max: float | None) -> torch.Tensor | None:  # fmt: skip
+    """The mixer between its projections for proj [b, T, in_proj outputs] in one kernel call (ssd.cpp's `steps`:
+    for each token the conv step, SiLU, dt, the SSM step and D's skip): y [b, T, H * P] before the gated norm, each
+    token with a one-token step's arithmetic (so T tokens in one chunk have the bits of T steps); or None where the
+    kernel does not take these tensors (the caller runs its torch ops, the kernel's reference in tests)."""
     if not (fused.conv_step_fits(proj, window, conv, conv_bias, S, dt_bias, A, D) and kernel_available()):
         return None
     clamp = dt_min > 0.0 or dt_max is not None
-    y: torch.Tensor = torch.ops.wkvm_mamba2.decode(proj, window, conv, conv_bias, S, dt_bias, A, D, G, clamp, dt_min,
-                                                   float("inf") if dt_max is None else dt_max)  # fmt: skip
+    y: torch.Tensor = torch.ops.wkvm_mamba2.steps(proj, window, conv, conv_bias, S, dt_bias, A, D, G, clamp, dt_min,
+                                                  float("inf") if dt_max is None else dt_max)  # fmt: skip
     return y
 
 

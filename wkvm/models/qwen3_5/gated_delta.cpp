@@ -20,6 +20,12 @@
 //     [q k v] = silu(causal conv over the window) (the window advances); q, k L2-normed per key head (q also times
 //     dk^-1/2); g = neg_A softplus(a + dt_bias), beta = sigmoid(b); per value head S = e^g S, delta = beta (v -
 //     S^T k), S += k delta^T, o = S^T q; then rms_norm(o) norm silu(z). In torch that was ~25 small ops a layer.
+//
+//   steps(proj [B, T, width] (rows contiguous, any batch and token strides), ... as decode) -> o [B, T, Hv dv]
+//     T tokens a row, each with decode's arithmetic (decode is T = 1 of it): a prompt's chunk then has the bits of
+//     stepping through it, so no chunking, batch or resumed state changes a token's numbers. Each thread takes value
+//     heads through all T tokens, the head's state in its own cache, one pass over it a token: a token's rank-1 add
+//     S += k delta^T runs in the next token's pass (the same operations on each element, in the same order).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -31,8 +37,9 @@
 #include <cstring>
 #include <vector>
 
-#include "../recurrent_parts.h"
 #include "../simd_math.h"
+// (after simd_math.h, whose exp_approx it uses)
+#include "../recurrent_parts.h"
 #include "../small_gemm.h"
 
 namespace {
@@ -40,7 +47,6 @@ namespace {
 using wkvm::check_heads;
 using wkvm::exp_approx;
 using wkvm::gemm;
-using wkvm::silu;
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.0f;
@@ -143,34 +149,34 @@ at::Tensor chunked(at::Tensor& S, const at::Tensor& q, const at::Tensor& k, cons
   return out;
 }
 
-at::Tensor decode(const at::Tensor& proj, at::Tensor& window, const at::Tensor& conv, at::Tensor& S,
-                  const at::Tensor& neg_A, const at::Tensor& dt_bias, const at::Tensor& norm, int64_t Hk, int64_t dk,
-                  double l2_eps, double rms_eps) {
+at::Tensor steps(const at::Tensor& proj, at::Tensor& window, const at::Tensor& conv, at::Tensor& S,
+                 const at::Tensor& neg_A, const at::Tensor& dt_bias, const at::Tensor& norm, int64_t Hk, int64_t dk,
+                 double l2_eps, double rms_eps) {
   const int64_t Hv = neg_A.numel(), dv = norm.numel(), B = proj.size(0), CD = 2 * Hk * dk + Hv * dv;
   TORCH_CHECK(Hk > 0 && Hv % Hk == 0, "value heads (", Hv, ") must be a multiple of key heads (", Hk, ")");
   const int64_t K = conv.size(1), width = CD + Hv * dv + 2 * Hv;
-  wkvm::check_cpu_fp32({&proj, &window, &conv, &S, &neg_A, &dt_bias, &norm}, "decode");
-  TORCH_CHECK(proj.dim() == 2 && proj.size(1) == width && proj.stride(1) == 1, "proj must be [B, ", width,
+  wkvm::check_cpu_fp32({&proj, &window, &conv, &S, &neg_A, &dt_bias, &norm}, "steps");
+  TORCH_CHECK(proj.dim() == 3 && proj.size(2) == width && proj.stride(2) == 1, "proj must be [B, T, ", width,
               "] with contiguous rows");
   wkvm::check_conv(conv, window, B, CD);
   TORCH_CHECK(S.is_contiguous() && S.numel() == B * Hv * dk * dv, "S must be contiguous [", B * Hv, ", ", dk, ", ",
               dv, "]");
   TORCH_CHECK(neg_A.is_contiguous() && dt_bias.is_contiguous() && dt_bias.numel() == Hv && norm.is_contiguous(),
               "neg_A, dt_bias and norm must be contiguous vectors");
-  at::Tensor mixed = at::empty({B, CD}, proj.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor out = at::empty({B, Hv * dv}, proj.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t T = proj.size(1), rs = wkvm::padded_row(CD), os = wkvm::padded_row(dv);
+  at::Tensor mixed = at::empty({B * T, rs}, proj.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = at::empty({B, T, Hv * dv}, proj.options().memory_format(at::MemoryFormat::Contiguous));
+  if (T == 0) return out;
   const float *pp = proj.data_ptr<float>(), *cw = conv.data_ptr<float>(), *nA = neg_A.data_ptr<float>(),
               *dtb = dt_bias.data_ptr<float>(), *nw = norm.data_ptr<float>();
   float *win = window.data_ptr<float>(), *mx = mixed.data_ptr<float>(), *Sp = S.data_ptr<float>(),
         *op = out.data_ptr<float>();
-  const int64_t ps = proj.stride(0), r = Hv / Hk;
-  // the conv and SiLU over every channel (the window advances), then L2 norms per key head
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      float* m = mx + b * CD;
-      wkvm::conv_silu_step(pp + b * ps, win + b * CD * (K - 1), cw, nullptr, CD, K, m);
+  const int64_t psb = proj.stride(0), pst = proj.stride(1), r = Hv / Hk;
+  wkvm::conv_silu_steps(pp, psb, pst, win, cw, nullptr, B, T, CD, K, mx, rs);  // the window advances
+  at::parallel_for(0, B * T, 1, [&](int64_t i0, int64_t i1) {  // L2 norms per key head
+    for (int64_t i = i0; i < i1; ++i) {
       for (int64_t h = 0; h < 2 * Hk; ++h) {
-        float* row = m + h * dk;
+        float* row = mx + i * rs + h * dk;
         const float scale = (1.0f / std::sqrt(dot(row, row, dk) + static_cast<float>(l2_eps))) *
                             (h < Hk ? 1.0f / std::sqrt(static_cast<float>(dk)) : 1.0f);
 #pragma omp simd
@@ -179,50 +185,80 @@ at::Tensor decode(const at::Tensor& proj, at::Tensor& window, const at::Tensor& 
     }
   });
   at::parallel_for(0, B * Hv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> kS(dv), qS(dv), delta(dv);
+    std::vector<float> kS(dv), qS(dv), delta(dv), last_delta(dv);
+    at::Tensor o_row = at::empty({os}, proj.options());  // torch's allocator: 64-byte aligned, as every row of mixed
+    float* o = o_row.data_ptr<float>();
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t b = item / Hv, h = item % Hv, kh = h / r;
-      const float* x = pp + b * ps;
-      const float* q = mx + b * CD + kh * dk;
-      const float* k = mx + b * CD + Hk * dk + kh * dk;
-      const float* v = mx + b * CD + 2 * Hk * dk + h * dv;
-      const float* z = x + CD + h * dv;
-      const float a = x[CD + Hv * dv + Hv + h] + dtb[h];
-      const float g = nA[h] * wkvm::softplus(a);
-      const float beta = 1.0f / (1.0f + std::exp(-x[CD + Hv * dv + h]));
-      const float decay = std::exp(g);
       float* Sh = Sp + item * dk * dv;
-      std::fill(kS.begin(), kS.end(), 0.0f);
-      std::fill(qS.begin(), qS.end(), 0.0f);
-      for (int64_t i = 0; i < dk; ++i) {  // S = e^g S, and the decayed S's k^T S and q^T S in the same pass
-        float* row = Sh + i * dv;
-        const float ki = k[i], qi = q[i];
+      const float* last_k = nullptr;  // the previous token's S += k delta^T, still to add (with this token's pass)
+      for (int64_t t = 0; t < T; ++t) {
+        const float* x = pp + b * psb + t * pst;
+        const float* m = mx + (b * T + t) * rs;
+        const float* q = m + kh * dk;
+        const float* k = m + Hk * dk + kh * dk;
+        const float* v = m + 2 * Hk * dk + h * dv;
+        const float* z = x + CD + h * dv;
+        const float a = x[CD + Hv * dv + Hv + h] + dtb[h];
+        const float g = nA[h] * wkvm::softplus(a);
+        const float beta = 1.0f / (1.0f + std::exp(-x[CD + Hv * dv + h]));
+        const float decay = std::exp(g);
+        std::fill(kS.begin(), kS.end(), 0.0f);
+        std::fill(qS.begin(), qS.end(), 0.0f);
+        for (int64_t i = 0; i < dk; ++i) {  // S = e^g S, and the decayed S's k^T S and q^T S in the same pass
+          float* row = Sh + i * dv;
+          const float ki = k[i], qi = q[i];
+          if (last_k != nullptr) {  // the previous token's rank-1 add first: one pass over S a token, not two
+            const float lk = last_k[i];
+            const float* ld = last_delta.data();
+#pragma omp simd
+            for (int64_t c = 0; c < dv; ++c) {
+              const float added = row[c] + lk * ld[c];
+              const float s = added * decay;
+              row[c] = s;
+              kS[c] += ki * s;
+              qS[c] += qi * s;
+            }
+          } else {
+#pragma omp simd
+            for (int64_t c = 0; c < dv; ++c) {
+              const float s = row[c] * decay;
+              row[c] = s;
+              kS[c] += ki * s;
+              qS[c] += qi * s;
+            }
+          }
+        }
+        const float qk = dot(q, k, dk);
 #pragma omp simd
         for (int64_t c = 0; c < dv; ++c) {
-          const float s = row[c] * decay;
-          row[c] = s;
-          kS[c] += ki * s;
-          qS[c] += qi * s;
+          delta[c] = (v[c] - kS[c]) * beta;
+          o[c] = qS[c] + delta[c] * qk;
         }
-      }
-      const float qk = dot(q, k, dk);
-      float* o = op + item * dv;
+        std::swap(delta, last_delta);
+        last_k = k;
+        const float inv = 1.0f / std::sqrt(dot(o, o, dv) / static_cast<float>(dv) + static_cast<float>(rms_eps));
+        float* ot = op + ((b * T + t) * Hv + h) * dv;
 #pragma omp simd
-      for (int64_t c = 0; c < dv; ++c) {
-        delta[c] = (v[c] - kS[c]) * beta;
-        o[c] = qS[c] + delta[c] * qk;
+        for (int64_t c = 0; c < dv; ++c) ot[c] = o[c] * inv * nw[c] * wkvm::silu_approx(z[c]);
       }
-      for (int64_t i = 0; i < dk; ++i) {
+      for (int64_t i = 0; i < dk; ++i) {  // the last token's S += k delta^T
         float* row = Sh + i * dv;
-        const float ki = k[i];
+        const float lk = last_k[i];
 #pragma omp simd
-        for (int64_t c = 0; c < dv; ++c) row[c] += ki * delta[c];
+        for (int64_t c = 0; c < dv; ++c) row[c] += lk * last_delta[c];
       }
-      const float inv = 1.0f / std::sqrt(dot(o, o, dv) / static_cast<float>(dv) + static_cast<float>(rms_eps));
-      for (int64_t c = 0; c < dv; ++c) o[c] = o[c] * inv * nw[c] * silu(z[c]);
     }
   });
   return out;
+}
+
+at::Tensor decode(const at::Tensor& proj, at::Tensor& window, const at::Tensor& conv, at::Tensor& S,
+                  const at::Tensor& neg_A, const at::Tensor& dt_bias, const at::Tensor& norm, int64_t Hk, int64_t dk,
+                  double l2_eps, double rms_eps) {
+  TORCH_CHECK(proj.dim() == 2 && proj.stride(1) == 1, "proj must be [B, width] with contiguous rows");
+  at::Tensor o = steps(proj.unsqueeze(1), window, conv, S, neg_A, dt_bias, norm, Hk, dk, l2_eps, rms_eps);
+  return o.view({o.size(0), o.size(2)});
 }
 
 }  // namespace
@@ -233,4 +269,8 @@ TORCH_LIBRARY(wkvm_gdn, m) {
       "decode(Tensor proj, Tensor(a!) window, Tensor conv, Tensor(b!) S, Tensor neg_A, Tensor dt_bias, Tensor norm, "
       "int Hk, int dk, float l2_eps, float rms_eps) -> Tensor",
       &decode);
+  m.def(
+      "steps(Tensor proj, Tensor(a!) window, Tensor conv, Tensor(b!) S, Tensor neg_A, Tensor dt_bias, Tensor norm, "
+      "int Hk, int dk, float l2_eps, float rms_eps) -> Tensor",
+      &steps);
 }

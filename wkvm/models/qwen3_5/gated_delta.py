@@ -22,10 +22,11 @@ SOURCE = Path(__file__).with_name("gated_delta.cpp")
 
 @functools.cache
 def kernel_available() -> bool:
-    """Whether the chunked rule's C++ kernel runs here (built now if needed; off under `WKVM_FUSED=off` like every
-    fused kernel); False, with one warning, when it cannot be built."""
-    return fused.kernel_available(SOURCE, "wkvm_gdn", "chunked", "Gated DeltaNet prefill kernel",
-                                  "prefill runs the chunked delta rule in torch (slower)")  # fmt: skip
+    """Whether the layer's C++ kernels (gated_delta.cpp: the chunked rule, the layer's steps) run here (built now if
+    needed; off under `WKVM_FUSED=off` like every fused kernel); False, with one warning, when they cannot be built."""
+    return fused.kernel_available(SOURCE, "wkvm_gdn", "steps", "Gated DeltaNet kernel",
+                                  "the layer runs its torch ops (slower, and a prompt's chunks agree with stepping "
+                                  "only to rounding)")  # fmt: skip
 
 
 def _kernel_takes(S: torch.Tensor, heads: tuple[torch.Tensor, ...], gates: tuple[torch.Tensor, ...]) -> bool:
@@ -34,15 +35,16 @@ def _kernel_takes(S: torch.Tensor, heads: tuple[torch.Tensor, ...], gates: tuple
     return fused.cpu_fp32(S, *heads, *gates) and S.is_contiguous() and rows and kernel_available()
 
 
-def decode_layer(proj: torch.Tensor, window: torch.Tensor, conv: torch.Tensor, S: torch.Tensor, neg_A: torch.Tensor,
-                 dt_bias: torch.Tensor, norm: torch.Tensor, Hk: int, dk: int, l2_eps: float,
-                 rms_eps: float) -> torch.Tensor | None:  # fmt: skip
-    """A GDN layer's one-token step between its projections in one kernel call (gated_delta.cpp's `decode`: the
-    conv, L2 norms, gates, delta-rule step and gated RMSNorm) for proj [B, in_proj outputs]; o [B, Hv * dv], or
-    None where the kernel does not take these tensors (the caller runs its torch ops, the kernel's reference)."""
+def layer_steps(proj: torch.Tensor, window: torch.Tensor, conv: torch.Tensor, S: torch.Tensor, neg_A: torch.Tensor,
+                dt_bias: torch.Tensor, norm: torch.Tensor, Hk: int, dk: int, l2_eps: float,
+                rms_eps: float) -> torch.Tensor | None:  # fmt: skip
+    """A GDN layer between its projections for proj [B, T, in_proj outputs] in one kernel call (gated_delta.cpp's
+    `steps`: for each token the conv, L2 norms, gates, delta-rule step and gated RMSNorm): o [B, T, Hv * dv], each
+    token with a one-token step's arithmetic (so T tokens in one chunk have the bits of T steps); or None where the
+    kernel does not take these tensors (the caller runs its torch ops, the kernel's reference)."""
     if not (fused.conv_step_fits(proj, window, conv, S, neg_A, dt_bias, norm) and kernel_available()):
         return None
-    o: torch.Tensor = torch.ops.wkvm_gdn.decode(proj, window, conv, S, neg_A, dt_bias, norm, Hk, dk, l2_eps, rms_eps)
+    o: torch.Tensor = torch.ops.wkvm_gdn.steps(proj, window, conv, S, neg_A, dt_bias, norm, Hk, dk, l2_eps, rms_eps)
     return o
 
 

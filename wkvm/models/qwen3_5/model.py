@@ -41,7 +41,13 @@ from wkvm.models.fused import add_rms_norm, rms_norm, silu_mul
 from wkvm.models.kv import Attn, kv_tensors
 from wkvm.models.linear import linear, stored
 from wkvm.models.provider import Tensors, WeightProvider
-from wkvm.models.qwen3_5.gated_delta import DEFAULT_CHUNK, decode_layer, gated_delta_chunked, gated_delta_step
+from wkvm.models.qwen3_5.gated_delta import (
+    DEFAULT_CHUNK,
+    gated_delta_chunked,
+    gated_delta_step,
+    kernel_available,
+    layer_steps,
+)
 from wkvm.models.rope import frequencies
 from wkvm.models.spec import State, StateSpec, TensorSpec
 
@@ -318,6 +324,12 @@ class Qwen35(ModelBase):
         self.kv_layers = cfg.attention_layers
         self.inv_freq = frequencies(cfg.rope_theta, cfg.rotary_dim).to(self.device)
 
+    # norms, gates, SiLU and residuals work row by row: the matmuls, attention and the GDN kernel decide
+    row_keys = GDN_LINEAR + ATTN_LINEAR + MLP_LINEAR
+
+    def steps_kernel(self) -> bool:
+        return self.fused_decode and kernel_available()
+
     def block(self, i: int, w: Tensors, x: torch.Tensor, state: State, attn: Attn | None) -> torch.Tensor:
         eps = self.config.rms_eps
         h = rms_norm(x, w["input_norm"], eps)
@@ -348,12 +360,12 @@ class Qwen35(ModelBase):
         B, T, _ = x.shape
         Hk, Hv, dk, dv = cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim
         proj = linear(x, w["linear_attn.in_proj"])
-        if T == 1 and self.fused_decode:
-            o = decode_layer(proj.reshape(B, -1), state[f"layers.{i}.conv"], w["linear_attn.conv"],
-                             state[f"layers.{i}.delta"], w["linear_attn.neg_A"], w["linear_attn.dt_bias"],
-                             w["linear_attn.norm"], Hk, dk, L2_EPS, cfg.rms_eps)  # fmt: skip
+        if self.fused_decode and (T == 1 or self.rows_alone(T)):  # stepping's arithmetic, in one kernel call
+            o = layer_steps(proj, state[f"layers.{i}.conv"], w["linear_attn.conv"], state[f"layers.{i}.delta"],
+                            w["linear_attn.neg_A"], w["linear_attn.dt_bias"], w["linear_attn.norm"], Hk, dk, L2_EPS,
+                            cfg.rms_eps)  # fmt: skip
             if o is not None:
-                return linear(o.view(B, T, cfg.value_dim), w["linear_attn.out_proj.weight"])
+                return linear(o, w["linear_attn.out_proj.weight"])
         qkv, z, b, a = torch.split(proj, [cfg.conv_dim, cfg.value_dim, Hv, Hv], -1)
         qkv = causal_conv_silu(qkv, state[f"layers.{i}.conv"], w["linear_attn.conv"])
         q, k, v = torch.split(qkv, [cfg.key_dim, cfg.key_dim, cfg.value_dim], -1)

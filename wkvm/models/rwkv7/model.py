@@ -200,6 +200,15 @@ class RWKV7(ModelBase):
         w = self.weights.layer(0)
         return all(rows_independent(w[name], STEP_CHUNK) for name in LINEAR_KEYS)
 
+    def rows_alone(self, rows: int) -> bool:
+        """Whether a chunk of `rows` tokens runs `_steps_layer` with matmuls that give each row its own bits
+        (`forward_groups`' rule, as layer 0's matrices decide), so that it has stepping's bits."""
+        if not (self.device.type == "cpu" and step.available()):
+            return False
+        if rows > 1 and self._layer_in_one_call(0, self.weights.layer(0), rows) is not None:
+            return True
+        return rows <= STEP_CHUNK and rows < PACKED_LORA_MIN_ROWS and self.chunks_equal_steps
+
     @torch.inference_mode()
     def forward_groups(
         self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False,
