@@ -244,7 +244,7 @@ def test_a_precopied_move_equals_uninterrupted(model, family_dir):
     pairs = list(zip(resumed, want[0].output.logprobs[-len(resumed) :], strict=True))
     assert pairs and all(a.keys() == b.keys() for a, b in pairs)
     close = [abs(sum(a.values()) - sum(b.values())) for a, b in pairs]
-    # the same bits where the model runs a short chunk as steps (RWKV-7 on its step kernel), else within rounding
+    # the same bits where the model runs a short chunk as steps (`rows_alone` at 8 tokens), else within rounding
     assert max(close) == 0 if model.chunks_equal_steps else max(close) < LP_TOL, (model.chunks_equal_steps, close)
 
 

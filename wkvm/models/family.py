@@ -239,9 +239,8 @@ class ModelBase:
 
     @property
     def chunks_equal_steps(self) -> bool:
-        """Where its rows are alone at STEP_CHUNK tokens, for models without attention (a moved stream's pre-copy
-        carries no keys and values; not tried with them)."""
-        return not self.kv_layers and self.rows_alone(STEP_CHUNK)
+        """Where its rows are alone at STEP_CHUNK tokens (`rows_alone`)."""
+        return self.rows_alone(STEP_CHUNK)
 
     embed_key: str = ""  # the embedding's name in `weights.globals()`, for the default `embed`
     kv_layers: tuple[int, ...] = ()  # the attention layers, whose state is keys and values (kind "kv")
