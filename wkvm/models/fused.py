@@ -139,7 +139,7 @@ def available() -> bool:
 def narrow_attention() -> bool:
     """Whether the fused attention is built here without `Attention::group` (it needs AVX-512, or AVX2 with FMA:
     `ROW_GROUPS`), which takes a prompt chunk's rows a chunk of keys at a time: each row then reads the keys alone,
-    and a long chunk attends several times slower than through torch (llama/model.py)."""
+    and a long chunk attends several times slower than through torch (`attention_groups_rows`)."""
     return available() and not torch.ops.wkvm_fused.wide_attention()
 
 
