@@ -264,26 +264,45 @@ def test_streamed_function_call_events(server):
     final = events[-1].response
     assert [c.arguments for c in final.output if c.type == "function_call"] == [e.arguments for e in done]
     jsonschema.validate(json.loads(done[0].arguments), WEATHER["parameters"])
+    # the arguments stream as they come (they had come in one delta after the whole call): the item opens empty
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    added = next(e for e in events if e.type == "response.output_item.added")
+    assert added.item.arguments == "" and added.item.status == "in_progress" and kinds.index(added.type) < kinds.index(
+        "response.function_call_arguments.delta")
+    assert len(deltas) > 1 and "".join(e.delta for e in deltas) == done[0].arguments
+    assert {e.item_id for e in deltas} == {added.item.id} and final.output[0].status == "completed"
 
 
-def test_a_call_after_words_streams_at_its_own_output_index(tmp_path):
+def piece(delta: dict, finish: str | None = None) -> dict:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+OPENING = [piece({"role": "assistant", "content": ""}), piece({"content": "Let me check."})]
+WHOLE_CALL = [piece({"tool_calls": [{"index": 0, **CALL}]}, "tool_calls")]
+# the call as the chat stream sends it now: id and name first, then its arguments piece by piece; the last chunk
+# has its last piece and the words after it
+CALL_IN_PIECES = [piece({"tool_calls": [{"index": 0, **CALL, "function": {"name": "get_weather", "arguments": ""}}]}),
+                  piece({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
+                  piece({"content": " Done.", "tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]},
+                        "tool_calls")]  # fmt: skip
+
+
+@pytest.mark.parametrize("calls", [WHOLE_CALL, CALL_IN_PIECES], ids=["whole", "pieces"])
+def test_a_call_after_words_streams_at_its_own_output_index(tmp_path, calls):
     """Words, then a call (`auto`): the message is output 0 and the call output 1, in every event of each and in the
-    final response's order. Fed the chat stream's chunks as they come for such a reply (the tests' random model
-    never writes a call under `auto`)."""
+    final response's order; the call's arguments are its deltas joined, and words after the call are a message of
+    their own after it. Fed the chat stream's chunks as they come for such a reply (the tests' random model never
+    writes a call under `auto`)."""
     import asyncio
     from types import SimpleNamespace
 
-    from wkvm.server.responses_routes import Running, response_shell, stream_events
+    from wkvm.server.responses_routes import Running, input_messages, response_shell, stream_events
     from wkvm.server.schemas import ResponsesRequest
 
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
     usage = {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14,
              "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
-    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
-              {"choices": [{"index": 0, "delta": {"content": "Let me check."}, "finish_reason": None}]},
-              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, **call}]},
-                            "finish_reason": "tool_calls"}]},
-              {"choices": [], "usage": usage}, "[DONE]"]  # fmt: skip
+    chunks = [*OPENING, *calls, {"choices": [], "usage": usage}, "[DONE]"]
 
     async def lines():
         for c in chunks:
@@ -300,7 +319,10 @@ def test_a_call_after_words_streams_at_its_own_output_index(tmp_path):
     events = [json.loads(e.split("data: ", 1)[1]) for e in asyncio.run(run())]
     final = events[-1]["response"]
     assert events[-1]["type"] == "response.completed"
-    assert [i["type"] for i in final["output"]] == ["message", "function_call"]
+    after = ["message"] if calls is CALL_IN_PIECES else []
+    assert [i["type"] for i in final["output"]] == ["message", "function_call", *after]
+    assert final["output"][1]["arguments"] == CALL["function"]["arguments"] and final["output"][1]["status"] == (
+        "completed")
     index = {}
     for e in events:
         if "output_index" in e:
@@ -308,8 +330,13 @@ def test_a_call_after_words_streams_at_its_own_output_index(tmp_path):
             index.setdefault(item_id, set()).add(e["output_index"])
     assert index == {item["id"]: {i} for i, item in enumerate(final["output"])}
     call_events = [e["type"] for e in events if e.get("output_index") == 1]
-    assert call_events == ["response.output_item.added", "response.function_call_arguments.delta",
-                           "response.function_call_arguments.done", "response.output_item.done"]  # fmt: skip
+    deltas = ["response.function_call_arguments.delta"] * (2 if calls is CALL_IN_PIECES else 1)
+    assert call_events == ["response.output_item.added", *deltas, "response.function_call_arguments.done",
+                           "response.output_item.done"]  # fmt: skip
+    if after:  # sent back as input (or continued by previous_response_id) it is one assistant turn with its call
+        assert final["output"][2]["content"][0]["text"] == " Done."
+        (turn,) = input_messages(final["output"])
+        assert turn["content"] == "Let me check. Done." and turn["tool_calls"][0]["id"] == "call_1"
     ctx.responses.close()
 
 

@@ -13,7 +13,7 @@ import pytest
 from live_server import LiveServer
 
 from wkvm.server.errors import APIError
-from wkvm.server.tools import content_ready, final_delta, parse_reply, tool_mode
+from wkvm.server.tools import call_deltas, calls_ready, content_ready, final_delta, parse_reply, split_reply, tool_mode
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -78,24 +78,40 @@ def test_required_and_named_replies_are_always_valid_calls(client):
         assert [name for name, _ in check_calls(r.choices[0], {"add"}, most=1, finish="stop")] == ["add"]
 
 
+def streamed_calls(deltas) -> list[tuple[str, str]]:
+    """(name, arguments) per call index from a stream's `delta.tool_calls`, as the openai SDK's accumulator joins
+    them: a call's first entry has its id, type and name, later ones only more arguments."""
+    calls: dict[int, list[str]] = {}
+    for tc in (tc for d in deltas for tc in d.tool_calls or []):
+        if tc.index not in calls:
+            assert tc.id.startswith("call_") and tc.type == "function" and tc.function.name, tc
+            assert tc.index == len(calls)  # indexes in order
+            calls[tc.index] = [tc.function.name, tc.function.arguments or ""]
+        else:
+            assert tc.id is None and tc.function.name is None and tc.function.arguments, tc
+            calls[tc.index][1] += tc.function.arguments
+    return [(name, args) for name, args in calls.values()]
+
+
 def test_streamed_calls_equal_the_blocking_ones(client):
-    kw = dict(model="char-model", messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0, seed=3,
-              max_tokens=400)
-    want = client.chat.completions.create(**kw).choices[0].message.tool_calls
-    chunks = list(client.chat.completions.create(stream=True, **kw))
-    deltas = [c.choices[0].delta for c in chunks if c.choices]
-    calls = [tc for d in deltas if d.tool_calls for tc in d.tool_calls]
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
-        (c.function.name, json.loads(c.function.arguments)) for c in want]
-    assert [c.index for c in calls] == list(range(len(calls)))
-    assert not any(d.content for d in deltas)  # a forced reply is calls only
-    # the held tokens send no empty chunks (OpenAI sends none mid-stream): the role chunk, the calls, then OpenAI's
-    # end, an empty delta with the finish reason (sent after the turn's saves; the calls went before them)
-    assert len(deltas) == 3 and deltas[0].role == "assistant" and deltas[1].tool_calls
-    assert deltas[2].model_dump(exclude_none=True) == {} and chunks[-1].choices[0].finish_reason == "tool_calls"
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][:2] == [None, None]
-    assert deltas[0].content is None  # OpenAI's role chunk of a reply that is calls (hunt 10: it said "")
+    """The calls stream as OpenAI's do: each call's id and name as soon as its name is complete, then its arguments
+    piece by piece (they had come whole in the last chunk); joined, the blocking reply's calls, to the character."""
+    for seed in (3, 7):
+        kw = dict(model="char-model", messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed,
+                  max_tokens=400)  # fmt: skip
+        want = client.chat.completions.create(**kw).choices[0].message.tool_calls
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert streamed_calls(deltas) == [(c.function.name, c.function.arguments) for c in want]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][:-1] == [None] * (len(deltas) - 1)
+        pieces = [tc for d in deltas for tc in d.tool_calls or []]
+        assert len(pieces) > 2 * len(want)  # the arguments came in pieces, not whole in the last chunk
+        assert not any(d.content for d in deltas)  # a forced reply is calls only
+        assert deltas[0].role == "assistant" and deltas[0].content is None  # OpenAI's role chunk of a reply that is
+        # calls (hunt 10: it said ""); the held tokens send no empty chunks (OpenAI sends none mid-stream), only
+        # OpenAI's end: an empty delta with the finish reason (sent after the turn's saves)
+        assert all(d.tool_calls for d in deltas[1:-1]) and deltas[-1].model_dump(exclude_none=True) == {}
 
 
 def test_a_tool_result_goes_back_through_the_template(client):
@@ -244,8 +260,9 @@ def test_auto_recognises_hermes_mistral_and_plain_json_calls():
 
 def test_auto_streams_the_words_before_a_call_and_holds_the_call():
     """With `auto`, a reply streamed in pieces of any size sends as content what can no longer be a call's start,
-    never a marker's first characters, and its last delta the rest: the same calls as the blocking reply, the same
-    content (whole, when there is no call; to its stripped ends, when there is)."""
+    never a marker's first characters, a call after a marker as it comes (its name, then its arguments piece by
+    piece), and its last delta the rest: the same calls as the blocking reply, the same content (whole, when there
+    is no call; to its stripped ends, when there is). A bare JSON reply's call comes whole at the end."""
     import random
 
     mode = tool_mode(TOOLS, None, None)
@@ -261,16 +278,25 @@ def test_auto_streams_the_words_before_a_call_and_holds_the_call():
     for text in replies:
         want_content, want_calls = parse_reply(text, mode)
         for _ in range(5):
-            sent, released, at = "", 0, 0
+            sent, released, at, opened, pieces = "", 0, 0, list[tuple[str, str]](), []
             while at < len(text):
                 at = min(len(text), at + rng.randint(1, 6))
                 ready = content_ready(text[:at], mode)
                 assert ready >= released and not any(m in text[:ready] for m in ("<tool_call>", "[TOOL_CALLS]"))
                 sent, released = sent + text[released:ready], max(ready, released)
+                pieces += call_deltas(calls_ready(text[:at], mode), opened)
             tail, calls, finish = final_delta(text, released, "stop", mode)
             sent += tail or ""
-            assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            pieces += call_deltas([(c["function"]["name"], c["function"]["arguments"]) for c in calls], opened,
+                                  [c["id"] for c in calls])  # fmt: skip
+            joined: dict[int, list[str]] = {}  # what a client joins from the pieces: the blocking reply's calls
+            for p in pieces:
+                name, args = joined.setdefault(p["index"], [p["function"].get("name"), ""])
+                joined[p["index"]] = [name, args + p["function"]["arguments"]]
+            assert [tuple(v) for v in joined.values()] == [
                 (c["function"]["name"], c["function"]["arguments"]) for c in want_calls], text
+            # a call in tags or after [TOOL_CALLS] streams as it comes; a bare JSON reply comes whole at the end
+            assert len(pieces) > len(want_calls) or text == call or not want_calls
             if calls:  # the blocking reply's content; only a leading space it strips may have gone out already
                 assert finish == "tool_calls" and sent.lstrip() == (want_content or ""), (text, sent)
             else:
@@ -433,3 +459,62 @@ def test_a_named_tool_choice_constrains_the_calls_to_that_tool():
         jsonschema.validate([{"name": name, "arguments": args[name]}], schema)
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate([{"name": other, "arguments": args[other]}], schema)
+
+
+def test_streamed_arguments_are_always_a_start_of_the_finished_ones():
+    """`calls_ready` on every prefix of a reply (random arguments: escapes, surrogate pairs written as \\u escapes,
+    numbers json.dumps rewrites, nesting, any spacing; forced lists, Hermes tags, SmolLM2's list in tags,
+    [TOOL_CALLS]): what it gives only grows, is always the start of the finished reply's calls (names equal,
+    arguments as the blocking reply spells them), and is those calls at the end. A stream of pieces can therefore
+    never send what the finished call contradicts."""
+    import random
+
+    rng = random.Random(5)
+    atoms = [0, -7, 3.25, 1e21, 2.5e-8, -0.0, True, False, None, "", "plain", 'q"b\\s/n\nt\t\x01', "é\u2028😀",
+             12345678901234567890]  # fmt: skip
+
+    def value(depth: int = 0):
+        r = rng.random()
+        if depth > 2 or r < 0.4:
+            return rng.choice(atoms)
+        if r < 0.7:
+            return {rng.choice(["k", "a b", 'ü"', "😀"]) + str(i): value(depth + 1) for i in range(rng.randint(0, 3))}
+        return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+
+    def dumps(x) -> str:
+        return json.dumps(x, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 1]),
+                          separators=rng.choice([None, (",", ":")]))  # fmt: skip
+
+    forced, auto = tool_mode(TOOLS, "required", None), tool_mode(TOOLS, None, None)
+    for _ in range(60):
+        calls = [{"name": rng.choice(["get_weather", "add"]), "arguments": {"k": value(), "z": value()}}
+                 for _ in range(rng.randint(1, 2))]  # fmt: skip
+        mode, text = rng.choice([(forced, dumps(calls)),
+                                 (auto, "Sure. " + "".join(f"<tool_call>\n{dumps(c)}\n</tool_call>" for c in calls)),
+                                 (auto, f"<tool_call>{dumps(calls)}</tool_call>"),
+                                 (auto, f"[TOOL_CALLS] {dumps(calls)}")])  # fmt: skip
+        want = [(c["function"]["name"], c["function"]["arguments"]) for c in split_reply(text, mode)[1]]
+        assert len(want) == len(calls)
+        before: list[tuple[str, str]] = []
+        for at in range(len(text) + 1):
+            got = calls_ready(text[:at], mode)
+            assert len(before) <= len(got) <= len(want), text[:at]
+            for (name, args), (was_name, was_args) in zip(got, before, strict=False):
+                assert name == was_name and args.startswith(was_args), text[:at]
+            for (name, args), (want_name, want_args) in zip(got, want, strict=False):
+                assert name == want_name and want_args.startswith(args), (text[:at], args, want_args)
+            before = got
+        assert before == want
+    cut = '[{"name": "add", "arguments": {"a": 12, "b": 3'
+    assert calls_ready(cut, forced) == [("add", '{"a": 12, "b": ')]  # 3 may go on: not sent yet
+    opened: list[tuple[str, str]] = []
+    (first,) = call_deltas(calls_ready(cut, forced), opened)
+    assert first["function"] == {"name": "add", "arguments": '{"a": 12, "b": '} and first["id"].startswith("call_")
+    # cut off there, the blocking reply has no call, and the stream's last delta adds nothing to the one it began
+    assert final_delta(cut, 0, "length", forced)[1] == [] and call_deltas([], opened) == []
+    assert calls_ready('<tool_call>{"name": "nope", "arguments": {', auto) == []  # a tool not offered: no call
+    assert calls_ready('{"name": "add", "arguments": {"a": 1', auto) == []  # a bare JSON reply waits for its end
+    deep = "[" * 5000  # nested past the parser's recursion: no call, no 500 (parse_reply's had been a RecursionError)
+    for text in (f"<tool_call>{deep}", f"[TOOL_CALLS] {deep}", f'<tool_call>{{"name": "add", "arguments": {deep}'):
+        assert parse_reply(text, auto) == (text, []) and len(calls_ready(text, auto)) <= 1
+    assert calls_ready(deep, forced) == [] and final_delta(deep, 0, "length", forced)[1] == []

@@ -211,9 +211,10 @@ def plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def json_or_none(text: str) -> Any:
-    """`text` parsed as JSON, or None where it is not JSON."""
+    """`text` parsed as JSON, or None where it is not JSON (or nested deeper than the parser recurses: a reply of
+    5,000 `[` after a `<tool_call>` had been a 500)."""
     try:
         return json.loads(text.strip())
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 

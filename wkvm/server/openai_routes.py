@@ -38,6 +38,8 @@ from wkvm.server.handover import encode as encode_ticket
 from wkvm.server.schemas import MAX_PROMPTS, ChatMessage, ChatRequest, CompletionRequest, SamplingFields
 from wkvm.server.tools import (
     ToolMode,
+    call_deltas,
+    calls_ready,
     content_ready,
     cut_calls,
     final_delta,
@@ -761,10 +763,11 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
                       k: int | None, mode: ToolMode | None, live: LiveStream,
                       sent: list[str] | None = None) -> AsyncIterator[str]:  # fmt: skip
     """Chat chunks. With tools that may be called, a choice's text streams as content only up to where a call could
-    begin (`tools.content_ready`: with `auto`, words before a `<tool_call>`; nothing of a forced call), and its last
-    chunk carries the rest: content, and `tool_calls` (one delta per call, with its index) when its text holds calls
-    (a call is known only once its text is complete). `sent`: per handle, the text a server this stream moved from
-    has sent (or held back); the handles are then the choices `live.ticket.choices` names."""
+    begin (`tools.content_ready`: with `auto`, words before a `<tool_call>`; nothing of a forced call), its calls as
+    `delta.tool_calls` as they come (`tools.calls_ready`: a call's index, id and name once its name is complete, then
+    its arguments piece by piece, as OpenAI streams them), and its last chunk the rest (held content, the calls'
+    last arguments, a bare JSON call whole). `sent`: per handle, the text a server this stream moved from has sent
+    (or held back); the handles are then the choices `live.ticket.choices` names."""
     base = {**base, "object": "chat.completion.chunk"}
     index = live.ticket.choices
     nulls = {"usage": None} if body.stream_options and body.stream_options.include_usage else {}
@@ -778,6 +781,7 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
     held = [""] * len(handles) if sent is None else list(sent)
     hold = mode is not None and mode.choice != "none"
     released = [content_ready(text, mode) if mode is not None else 0 for text in held]  # what went out as content
+    opened = [calls_ready(text, mode) if mode is not None else [] for text in held]  # calls and arguments sent
 
     def chunk(i: int, ev: Event) -> dict[str, Any] | None:
         finish_reason = ev.finish_reason
@@ -789,11 +793,15 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
                 ready = content_ready(held[i], mode)
                 d = {"content": held[i][released[i] : ready]} if ready > released[i] else {}
                 released[i] = max(ready, released[i])
+                if deltas := call_deltas(calls_ready(held[i], mode), opened[i]):
+                    d["tool_calls"] = deltas
             else:
                 content, calls, finish_reason = final_delta(held[i], released[i], ev.finish_reason, mode)
                 d = {"content": content} if content else {}
-                if calls:
-                    d["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
+                ids = [call["id"] for call in calls]
+                finished = [(call["function"]["name"], call["function"]["arguments"]) for call in calls]
+                if deltas := call_deltas(finished, opened[i], ids):
+                    d["tool_calls"] = deltas
         lps = gen.chat_logprobs(ctx, ev.token_ids, ev.logprobs, k or 0, body.return_tokens_as_token_ids)
         if not d and finish_reason is None and lps is None and not body.return_token_ids:
             return None  # nothing to say yet (text held back): OpenAI sends no empty chunk mid-stream

@@ -25,6 +25,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from wkvm.chat_template import json_or_none
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError
 from wkvm.server.openai_routes import chat_completion, check_model
@@ -304,7 +305,8 @@ def field(item: dict[str, Any], key: str, where: str) -> str:
 
 def input_messages(value: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """`input` (or output items, which are valid input) as chat messages. A function call joins the assistant
-    message before it (a reply that spoke and then called), as the chat's `tool_calls`."""
+    message before it (a reply that spoke and then called), as the chat's `tool_calls`, and an assistant message
+    right after calls joins them too (words after a call, an item of their own in a stream)."""
     if value is None:
         return []
     if isinstance(value, str):
@@ -321,7 +323,11 @@ def input_messages(value: str | list[dict[str, Any]] | None) -> list[dict[str, A
             content = item.get("content")
             if role != "assistant" and (content is None or content == []):  # as the chat refuses it
                 raise APIError(400, f"{where}: a {role} message needs content", f"{where}.content", "invalid_value")
-            out.append({"role": role, "content": text_of(content, f"{where}.content")})
+            text = text_of(content, f"{where}.content")
+            if role == "assistant" and out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+                out[-1]["content"] += text  # words after its calls (a streamed reply's own item): the same turn
+            else:
+                out.append({"role": role, "content": text})
         elif kind == "function_call":
             arguments = item.get("arguments")
             if not isinstance(arguments, str):
@@ -459,6 +465,7 @@ class EventStream:
         self.shell, self.seq, self.items = shell, 0, list[dict[str, Any]]()
         self.text, self.lps = "", list[dict[str, Any]]()
         self.message: dict[str, Any] | None = None  # the open message item
+        self.call_open: dict[str, Any] | None = None  # the open function_call item, its arguments so far
 
     def event(self, kind: str, **fields: Any) -> str:
         line = f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq, **fields})}\n\n"
@@ -466,7 +473,7 @@ class EventStream:
         return line
 
     def text_delta(self, delta: str, lps: list[dict[str, Any]] | None) -> list[str]:
-        out = []
+        out = self.close_call()
         if self.message is None:
             self.message = message_item("", None, "in_progress")
             out.append(self.event("response.output_item.added", output_index=len(self.items), item=self.message))
@@ -490,17 +497,34 @@ class EventStream:
                self.event("response.content_part.done", **where, part=part),
                self.event("response.output_item.done", output_index=len(self.items), item=done)]  # fmt: skip
         self.items.append(done)
-        self.message = None
+        self.message, self.text, self.lps = None, "", []  # words after a call are a message of their own
         return out
 
-    def call(self, call: dict[str, Any]) -> list[str]:
-        item, index = call_item(call), len(self.items)
+    def call_piece(self, piece: dict[str, Any]) -> list[str]:
+        """A chat stream's `delta.tool_calls` entry: a new call (it has an id) opens its function_call item, and
+        every entry's arguments are that call's `function_call_arguments.delta`, as OpenAI streams a call."""
+        out = []
+        if "id" in piece:
+            out += self.close_call()
+            self.call_open = call_item(piece, "in_progress")
+            out.append(self.event("response.output_item.added", output_index=len(self.items), item=self.call_open))
+        args = (piece.get("function") or {}).get("arguments") or ""
+        if args and self.call_open is not None:
+            self.call_open["arguments"] += args
+            out.append(self.event("response.function_call_arguments.delta", item_id=self.call_open["id"],
+                                  output_index=len(self.items), delta=args))  # fmt: skip
+        return out
+
+    def close_call(self) -> list[str]:
+        """The open call's done events: completed, or incomplete when its arguments are not a whole JSON object
+        (the stream was cut inside them)."""
+        if self.call_open is None:
+            return []
+        whole = isinstance(json_or_none(self.call_open["arguments"]), dict)
+        item, index = {**self.call_open, "status": "completed" if whole else "incomplete"}, len(self.items)
         self.items.append(item)
-        return [self.event("response.output_item.added", output_index=index, item={**item, "arguments": "",
-                                                                                      "status": "in_progress"}),
-                self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                           delta=item["arguments"]),
-                self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+        self.call_open = None
+        return [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                            name=item["name"], arguments=item["arguments"]),
                 self.event("response.output_item.done", output_index=index, item=item)]  # fmt: skip
 
@@ -541,20 +565,24 @@ async def events(ctx: ServerContext, tenant: str, body: ResponsesRequest, shell:
             for c in obj.get("choices", []):
                 delta = c.get("delta") or {}
                 pending += ((c.get("logprobs") or {}).get("content") or []) if logprobs(body) else []
+                pieces = delta.get("tool_calls") or []
+                for piece in (p for p in pieces if "id" not in p):  # an open call's last arguments come before
+                    for ev in s.call_piece(piece):  # the words after it, which the last chunk may carry too
+                        yield ev
                 if (content := "" if only_calls else delta.get("content")):
                     for ev in s.text_delta(content, pending):
                         yield ev
                     pending = []
-                if delta.get("tool_calls"):
+                if pieces:
                     pending = []
-                    for ev in s.close_message():
+                for piece in (p for p in pieces if "id" in p):
+                    for ev in s.close_message() + s.call_piece(piece):
                         yield ev
-                    for call in delta["tool_calls"]:
-                        for ev in s.call(call):
-                            yield ev
                 finish_reason = c.get("finish_reason") or finish_reason
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]  # a client gone: the chat stream ends its request
+    for ev in s.close_call():
+        yield ev
     if error is None and not s.items and s.message is None and not only_calls:
         for ev in s.text_delta("", pending):  # an empty answer is still one (empty) message
             yield ev

@@ -14,7 +14,8 @@ import functools
 import json
 import re
 import secrets
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 from wkvm.chat_template import json_or_none
@@ -219,7 +220,7 @@ def split_reply(text: str, mode: ToolMode) -> tuple[str, list[dict[str, Any]]]:
         for tail in (t.lstrip() for t in tails):  # each marker's list (a reply may hold several), words after it
             try:  # as content
                 listed, end = json.JSONDecoder().raw_decode(tail)
-            except ValueError:
+            except (ValueError, RecursionError):
                 listed, end = None, 0
             found.extend(listed if isinstance(listed, list) and listed else [None])
             rest += tail[end:]
@@ -245,7 +246,7 @@ def cut_calls(text: str, finish_reason: str | None, mode: ToolMode) -> list[dict
         rest = text[at:].lstrip().removeprefix(",").lstrip() if found else text[at:].lstrip()
         try:
             x, end = decoder.raw_decode(rest)
-        except ValueError:
+        except (ValueError, RecursionError):
             break
         found.append(x)
         at = len(text) - len(rest) + end
@@ -291,6 +292,220 @@ def final_delta(text: str, released: int, finish_reason: str | None,
         return text[released:] or None, [], finish_reason
     tail = rest[released:].rstrip() if released else rest.strip()
     return tail or None, calls, mode.calls_finish
+
+
+def calls_ready(text: str, mode: ToolMode) -> list[tuple[str, str]]:
+    """The calls an unfinished reply has begun, as far as they can stream now, as vLLM and OpenAI stream them: per
+    call (name, the start of its arguments as the finished reply spells them, `json.dumps` of the parsed object: only
+    what later text cannot change). A call begins once its name is complete and names an offered tool and its
+    arguments object has begun: in a forced reply (the grammar's list of calls) or after a `<tool_call>` /
+    `[TOOL_CALLS]` marker under `auto` (a bare JSON reply is held whole, as before: it may be a JSON answer). Depends
+    only on the text, and each longer text extends what a shorter one gave, so a stream that moves to another server
+    goes on from the same point."""
+    if mode.choice == "none" or not mode.calls_in_text:
+        return []
+    if mode.forced:
+        starts = [0]
+    elif "<tool_call>" in text:
+        starts = [m.end() for m in re.finditer(re.escape("<tool_call>"), text)]
+    elif MISTRAL in text:
+        starts = [m.end() for m in re.finditer(re.escape(MISTRAL), text)]
+    else:
+        return []
+    calls: list[tuple[str, str]] = []
+    for start in starts:
+        node = _JSON(text).value(start)
+        for item in ([v for _, v in node.items] if node is not None and node.kind == "[" else [node]):
+            call = _begun_call(text, item, mode)
+            if call is None:
+                return calls if mode.parallel else calls[:1]
+            calls.append(call)
+    return calls if mode.parallel else calls[:1]
+
+
+def call_deltas(ready: list[tuple[str, str]], sent: list[tuple[str, str]],
+                ids: list[str] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """The `delta.tool_calls` entries that take a streamed choice's calls from `sent` (per call its name and the
+    arguments sent; extended here) to `ready` (calls_ready's, or the finished reply's calls, `ids` theirs), as OpenAI
+    streams them: a call's first entry has its index, id, type, name and arguments so far, later ones its index and
+    more arguments. A finished call that does not go on from what was sent (a reply the model broke after its call
+    began) gets nothing more: what went out stays as it went."""
+    out: list[dict[str, Any]] = []
+    for j, (name, args) in enumerate(ready):
+        if j == len(sent):
+            call_id = ids[j] if ids else f"call_{secrets.token_hex(12)}"
+            out.append({"index": j, "id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
+            sent.append((name, args))
+        elif sent[j][0] == name and args.startswith(sent[j][1]) and len(args) > len(sent[j][1]):
+            out.append({"index": j, "function": {"arguments": args[len(sent[j][1]) :]}})
+            sent[j] = (name, args)
+    return out
+
+
+def _begun_call(text: str, node: _Node | None, mode: ToolMode) -> tuple[str, str] | None:
+    if node is None or node.kind != "{":
+        return None
+    fields = {k.text: v for k, v in node.items if k is not None and k.done and v is not None}
+    name = fields.get("name")
+    if name is None or name.kind != '"' or not name.done or name.text not in mode.functions:
+        return None
+    if node.done:  # the whole call: its arguments as the finished reply's (a string of JSON, "parameters", none)
+        call = _call(json_or_none(text[node.start : node.end]), mode)
+        return (call["function"]["name"], call["function"]["arguments"]) if call else None
+    args = fields.get("arguments")
+    return (name.text, args.canonical()) if args is not None and args.kind == "{" else None
+
+
+@dataclass
+class _Node:
+    """A JSON value as far as the text goes: `kind` its first character class ('{', '[', '"', '0' for a number, 't'
+    for true / false / null), `done` once it is complete; a string's decoded `text` (so far), an object's `items`
+    as (key, value) pairs (None: not begun), an array's `items` as (None, value), a number's or literal's `text`."""
+
+    kind: str
+    start: int
+    end: int = -1
+    done: bool = False
+    text: str = ""
+    items: list[tuple[_Node | None, _Node | None]] = field(default_factory=list)
+
+    def canonical(self) -> str:
+        """The start of `json.dumps(value, ensure_ascii=False)` that the text so far fixes (the whole when done)."""
+        if self.kind == '"':
+            quoted = json.dumps(self.text, ensure_ascii=False)  # escapes character by character: prefix-safe
+            return quoted if self.done else quoted[:-1]
+        if self.kind == "0":  # as json.loads reads it and json.dumps writes it
+            if not self.done:
+                return ""
+            return str(int(self.text)) if self.text.lstrip("-").isdigit() else json.dumps(float(self.text))
+        if self.kind == "t":
+            return self.text
+        out = self.kind
+        for i, (key, value) in enumerate(self.items):
+            out += ", " if i else ""
+            for part in (key, value) if self.kind == "{" else (value,):
+                if part is None:
+                    return out
+                out += part.canonical()
+                if not part.done:
+                    return out
+                out += ": " if part is key else ""
+        return out + ("}" if self.kind == "{" else "]") if self.done else out
+
+
+class _JSON:
+    """Reads a JSON value at a place in a text that may end anywhere, or turn out not to be JSON (then the value is
+    left unfinished where it stopped being JSON: the finished reply will not parse, and nothing more streams)."""
+
+    def __init__(self, text: str):
+        self.s = text
+
+    def skip(self, i: int) -> int:
+        while i < len(self.s) and self.s[i] in " \t\n\r":
+            i += 1
+        return i
+
+    def value(self, i: int, depth: int = 0) -> _Node | None:
+        i = self.skip(i)
+        if i >= len(self.s) or depth > MAX_DEPTH:
+            return None
+        c = self.s[i]
+        if c == '"':
+            return self.string(i)
+        if c in "{[":
+            return self.container(i, depth)
+        if c in "-0123456789":
+            j = NUMBER_CHARS.match(self.s, i).end()  # type: ignore[union-attr]
+            # finished where something follows it, if it is a number (it is rewritten as json.dumps writes it)
+            done = j < len(self.s) and NUMBER.fullmatch(self.s, i, j) is not None
+            if done and "." not in self.s[i:j] and j - i > sys.get_int_max_str_digits():
+                done = False  # an integer json.loads refuses: the finished reply will not parse
+            return _Node("0", i, j, done, self.s[i:j])
+        for word in ("true", "false", "null"):
+            if self.s.startswith(word, i):
+                return _Node("t", i, i + len(word), True, word)
+        return None
+
+    def string(self, i: int) -> _Node:
+        node, j, out = _Node('"', i), i + 1, []
+        while j < len(self.s):
+            c = self.s[j]
+            if c == '"':
+                node.done, node.end = True, j + 1
+                break
+            if c < " ":  # a raw control character: not JSON
+                break
+            if c != "\\":
+                plain = PLAIN.match(self.s, j)  # a run of plain characters at once (the text is read every token)
+                assert plain is not None
+                out.append(plain.group())
+                j = plain.end()
+                continue
+            e = self.s[j + 1 : j + 2]
+            if e and e in SIMPLE_ESCAPES:
+                out.append(SIMPLE_ESCAPES[e])
+                j += 2
+                continue
+            code = _hex4(self.s, j + 2) if e == "u" else None
+            if code is None:  # cut inside an escape (or a bad one)
+                break
+            if 0xD800 <= code < 0xDC00:  # a high surrogate: joined with a low one after it, as json.loads does
+                after = self.s[j + 6 : j + 12]
+                if len(after) < 6 and PARTNER_START.fullmatch(after):
+                    break  # the text ends where its partner may still come
+                low = _hex4(after, 2) if after.startswith("\\u") else None
+                if low is not None and 0xDC00 <= low < 0xE000:
+                    out.append(chr(0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00)))
+                    j += 12
+                    continue
+            out.append(chr(code))
+            j += 6
+        node.text = "".join(out)
+        return node
+
+    def container(self, i: int, depth: int) -> _Node:
+        node, close = _Node(self.s[i], i), "}" if self.s[i] == "{" else "]"
+        j = self.skip(i + 1)
+        if j < len(self.s) and self.s[j] == close:
+            node.done, node.end = True, j + 1
+            return node
+        while True:
+            key = None
+            if node.kind == "{":
+                j = self.skip(j)
+                if j >= len(self.s) or self.s[j] != '"':
+                    node.items.append((None, None))
+                    return node
+                key = self.string(j)
+                j = self.skip(key.end) if key.done else len(self.s)
+                if not key.done or j >= len(self.s) or self.s[j] != ":":
+                    node.items.append((key, None))
+                    return node
+                j += 1
+            value = self.value(j, depth + 1)
+            node.items.append((key, value))
+            if value is None or not value.done:
+                return node
+            j = self.skip(value.end)
+            if j < len(self.s) and self.s[j] == close:
+                node.done, node.end = True, j + 1
+                return node
+            if j >= len(self.s) or self.s[j] != ",":
+                return node
+            j += 1
+
+
+NUMBER_CHARS = re.compile(r"[-+0-9.eE]*")
+NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
+MAX_DEPTH = 200  # nesting a streamed call is read to (json.loads recurses out near 1,000; a call is rarely past 10)
+PLAIN = re.compile(r'[^"\\\x00-\x1f]+')
+PARTNER_START = re.compile(r"(\\(u[0-9a-fA-F]{0,3})?)?")  # what a text cut inside a low surrogate's escape ends with
+SIMPLE_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+
+
+def _hex4(s: str, i: int) -> int | None:
+    digits = s[i : i + 4]
+    return int(digits, 16) if len(digits) == 4 and all(c in "0123456789abcdefABCDEF" for c in digits) else None
 
 
 def _call(x: Any, mode: ToolMode) -> dict[str, Any] | None:
