@@ -98,6 +98,13 @@ def test_langchain_tool_call_and_its_result(chat_model):
     assert reply.response_metadata["finish_reason"] == "stop" and len(reply.tool_calls) == 1
     call = reply.tool_calls[0]
     check_call(call["name"], call["args"])
+    # streamed, the call comes in pieces (its name, then its arguments as written) that LangChain joins to the same
+    chunks = list(with_tools.bind(max_tokens=64).stream(ask))
+    assert len([c for c in chunks if c.tool_call_chunks]) > 2
+    joined = chunks[0]
+    for c in chunks[1:]:
+        joined += c
+    assert [(t["name"], t["args"]) for t in joined.tool_calls] == [(call["name"], call["args"])]
     # the tool's answer goes back and the model replies in words
     answer = chat_model.invoke([*ask, reply, ToolMessage('{"sky": "clear"}', tool_call_id=call["id"])])
     assert isinstance(answer.content, str) and answer.content and not answer.tool_calls
@@ -130,6 +137,11 @@ def test_litellm_tool_call(server):
     assert r.choices[0].finish_reason == "tool_calls"
     (call,) = r.choices[0].message.tool_calls
     check_call(call.function.name, json.loads(call.function.arguments))
+    chunks = list(complete(server, ask, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                           max_tokens=64, stream=True))  # fmt: skip
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.tool_calls]) > 2  # in pieces, as OpenAI's
+    (joined,) = litellm.stream_chunk_builder(chunks, messages=ask).choices[0].message.tool_calls
+    assert (joined.function.name, joined.function.arguments) == (call.function.name, call.function.arguments)
     result = {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}
     answer = complete(server, [*ask, r.choices[0].message.model_dump(exclude_none=True), result])
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
