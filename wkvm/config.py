@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from wkvm.logs import FORMATS, LEVELS
 
+REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3")  # --reasoning-parser (vLLM's names: one rule here)
 GENERATION_CONFIGS = ("auto", "none", "vllm")  # --generation-config / LLM(generation_config=): auto reads the file
 
 EMBEDDED_MODEL = Path(__file__).parent / "assets" / "wkvm-tiny-shakespeare"
@@ -223,6 +224,10 @@ class ServerConfig:
                                  "default; none (or vllm, vLLM's name): OpenAI's defaults",
                                  "choice:" + ",".join(GENERATION_CONFIGS))  # fmt: skip
     prefix_reuse: bool = opt(True, "switch off every kind of state reuse (the baseline)")
+    reasoning_parser: str = opt("auto", "chat replies' <think>...</think> as message.reasoning_content, the rest as "
+                                "content (vLLM's reasoning parsers); auto: where the model's chat template knows "
+                                "</think>; deepseek_r1 / qwen3 (vLLM's names): always; none: never",
+                                "choice:" + ",".join(REASONING_PARSERS))  # fmt: skip
     max_chat_sessions: int = opt(1024, "parked chat sessions (parent-token-v1) kept")
     chat_session_ttl: float = opt(24 * 3600.0, "seconds a parked chat session lives")
     checkpoint_bytes: int = opt(1 << 30, "bytes of prefix-reuse checkpoints and parked chats kept", "size")
@@ -239,6 +244,9 @@ class ServerConfig:
         if self.state_dir == "":  # WKVM_STATE_DIR= (compose's ${X:-}) had kept every tenant's states in the current
             self.state_dir = None  # directory: the default, a temporary one (CLI hunt, session 48)
         dtype_name(self.dtype)  # a ValueError naming the choices (auto: resolved at load)
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, not "
+                             f"{self.reasoning_parser!r}")  # fmt: skip
         # 'fp16' (as LLM(kv_dtype=...) takes it) had been refused by the CLI's choices while the offline API took it
         self.kv_dtype = kv_dtype_name(self.kv_dtype)
         if self.generation_config not in GENERATION_CONFIGS:

@@ -35,6 +35,7 @@ from wkvm.server.handover import (
 )
 from wkvm.server.handover import decode as decode_ticket
 from wkvm.server.handover import encode as encode_ticket
+from wkvm.server.reasoning import Thinking, parts, split, thinking
 from wkvm.server.schemas import MAX_PROMPTS, ChatMessage, ChatRequest, CompletionRequest, SamplingFields
 from wkvm.server.tools import (
     ToolMode,
@@ -477,6 +478,8 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
         text = text if after is None else after
     prompt_ids = await gen.encode_prompt_off_loop(ctx, text, "messages", body.truncate_prompt_tokens,
                                                   starts=body.add_special_tokens and not body.state)  # fmt: skip
+    think = thinking(ctx.config.reasoning_parser, [ctx.template.source, ctx.template.tool_source], text,
+                     shaped or sp.structured_outputs is not None, body.include_reasoning)  # fmt: skip
     system = await run_in_threadpool(system_prefix, ctx, messages, text, prompt_ids, mode.tools if mode else None,
                                      body.chat_template_kwargs)  # a render too: off the loop (review, session 49)
     chat = ChatMeta.from_headers(request.headers, messages, system)
@@ -494,7 +497,7 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
     ctx.handovers.register(live)
     if body.stream:
         return StreamingResponse(
-            stream_chat(ctx, request, body, plan, handles, base, len(prompt_ids), tenant, k, mode, live,
+            stream_chat(ctx, request, body, plan, handles, base, len(prompt_ids), tenant, k, mode, think, live,
                         [c.text for c in moved[0]] if moved else None),
             media_type="text/event-stream", headers=movable_header(live),
         )  # fmt: skip
@@ -506,7 +509,7 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
         choices = []
         answers = answered(handles, moved)
         for i, h in enumerate(answers):
-            message, finish_reason = reply(h.output.text, h.output.finish_reason, mode)
+            message, finish_reason = reply(h.output.text, h.output.finish_reason, mode, think)
             c = {"index": i, "message": message, "finish_reason": finish_reason,
                  "logprobs": gen.chat_logprobs(ctx, h.output.token_ids, h.output.logprobs, k or 0,
                                                body.return_tokens_as_token_ids)}  # fmt: skip
@@ -760,14 +763,15 @@ async def stream_completion(ctx: ServerContext, request: Request, body: Completi
 
 async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, plan: Plan,
                       handles: list[RequestHandle], base: dict[str, Any], prompt_tokens: int, tenant: str,
-                      k: int | None, mode: ToolMode | None, live: LiveStream,
+                      k: int | None, mode: ToolMode | None, think: Thinking | None, live: LiveStream,
                       sent: list[str] | None = None) -> AsyncIterator[str]:  # fmt: skip
     """Chat chunks. With tools that may be called, a choice's text streams as content only up to where a call could
     begin (`tools.content_ready`: with `auto`, words before a `<tool_call>`; nothing of a forced call), its calls as
     `delta.tool_calls` as they come (`tools.calls_ready`: a call's index, id and name once its name is complete, then
     its arguments piece by piece, as OpenAI streams them), and its last chunk the rest (held content, the calls'
-    last arguments, a bare JSON call whole). `sent`: per handle, the text a server this stream moved from has sent
-    (or held back); the handles are then the choices `live.ticket.choices` names."""
+    last arguments, a bare JSON call whole). A thinking model's reasoning (`think`: reasoning.py) streams as
+    `delta.reasoning_content`, and all of that holds for the answer after it. `sent`: per handle, the text a server
+    this stream moved from has sent (or held back); the handles are then the choices `live.ticket.choices` names."""
     base = {**base, "object": "chat.completion.chunk"}
     index = live.ticket.choices
     nulls = {"usage": None} if body.stream_options and body.stream_options.include_usage else {}
@@ -778,30 +782,10 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
         delta = {"role": "assistant", "content": opening}
         yield gen.sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}],
                        **nulls})  # fmt: skip
-    held = [""] * len(handles) if sent is None else list(sent)
-    hold = mode is not None and mode.choice != "none"
-    released = [content_ready(text, mode) if mode is not None else 0 for text in held]  # what went out as content
-    opened = [calls_ready(text, mode) if mode is not None else [] for text in held]  # calls and arguments sent
+    choices = [ChoiceDeltas(mode, think, text) for text in ([""] * len(handles) if sent is None else sent)]
 
     def chunk(i: int, ev: Event) -> dict[str, Any] | None:
-        finish_reason = ev.finish_reason
-        d: dict[str, Any] = {"content": ev.text} if ev.text else {}
-        if hold:
-            assert mode is not None
-            held[i] += ev.text
-            if ev.finish_reason is None:
-                ready = content_ready(held[i], mode)
-                d = {"content": held[i][released[i] : ready]} if ready > released[i] else {}
-                released[i] = max(ready, released[i])
-                if deltas := call_deltas(calls_ready(held[i], mode), opened[i]):
-                    d["tool_calls"] = deltas
-            else:
-                content, calls, finish_reason = final_delta(held[i], released[i], ev.finish_reason, mode)
-                d = {"content": content} if content else {}
-                ids = [call["id"] for call in calls]
-                finished = [(call["function"]["name"], call["function"]["arguments"]) for call in calls]
-                if deltas := call_deltas(finished, opened[i], ids):
-                    d["tool_calls"] = deltas
+        d, finish_reason = choices[i].feed(ev.text, ev.finish_reason)
         lps = gen.chat_logprobs(ctx, ev.token_ids, ev.logprobs, k or 0, body.return_tokens_as_token_ids)
         if not d and finish_reason is None and lps is None and not body.return_token_ids:
             return None  # nothing to say yet (text held back): OpenAI sends no empty chunk mid-stream
@@ -817,8 +801,74 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
         yield line
 
 
-def reply(text: str, finish_reason: str | None, mode: ToolMode | None) -> tuple[dict[str, Any], str | None]:
-    """The assistant message (and finish reason) for a finished choice: tool calls when its text is one."""
+class ChoiceDeltas:
+    """One streamed chat choice's deltas, from its text as it comes (`feed`): content as far as it can go out
+    (`ready_words`), tool calls piece by piece (`tools.calls_ready`), a thinking model's reasoning
+    (`reasoning.split`) before them, and the rest at its end (`tools.final_delta`). Depends only on the text so far:
+    `sent`, the text a server this stream moved from had (sent or held back), puts it where that server was."""
+
+    def __init__(self, mode: ToolMode | None, think: Thinking | None, sent: str = ""):
+        self.mode, self.think, self.text = mode, think, sent
+        self.thought = split(sent, think, False)[1] if think is not None else 0  # the end of the reasoning sent
+        words = answer(sent, think, False)
+        self.released = ready_words(words, mode)  # the answer's characters sent as content
+        self.opened = calls_ready(words, mode) if mode is not None else []  # its calls and arguments sent
+
+    def feed(self, piece: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The delta for the text's next `piece` (and the finish reason the choice ends with, when it ends)."""
+        self.text += piece
+        done, d = finish_reason is not None, dict[str, Any]()
+        if self.think is not None:
+            start, end, _ = split(self.text, self.think, done)
+            if end > max(start, self.thought) and self.think.include:
+                d["reasoning_content"] = self.text[max(start, self.thought) : end]
+            self.thought = max(end, self.thought)
+        text = answer(self.text, self.think, done)
+        if not done:
+            ready = ready_words(text, self.mode)
+            if ready > self.released:
+                d["content"] = text[self.released : ready]
+            self.released = max(ready, self.released)
+            if self.mode is not None and (deltas := call_deltas(calls_ready(text, self.mode), self.opened)):
+                d["tool_calls"] = deltas
+            return d, None
+        if self.mode is None:
+            return d | ({"content": text[self.released :]} if len(text) > self.released else {}), finish_reason
+        content, calls, finish_reason = final_delta(text, self.released, finish_reason, self.mode)
+        d |= {"content": content} if content else {}
+        finished = [(call["function"]["name"], call["function"]["arguments"]) for call in calls]
+        if deltas := call_deltas(finished, self.opened, [call["id"] for call in calls]):
+            d["tool_calls"] = deltas
+        return d, finish_reason
+
+
+def answer(text: str, think: Thinking | None, done: bool) -> str:
+    """A reply's answer so far: all of it, or (a thinking model) what follows its reasoning ("" before that)."""
+    if think is None:
+        return text
+    start = split(text, think, done)[2]
+    return "" if start is None else text[start:]
+
+
+def ready_words(text: str, mode: ToolMode | None) -> int:
+    """How much of an unfinished answer can stream as content now (with tools: `tools.content_ready`)."""
+    return len(text) if mode is None else content_ready(text, mode)
+
+
+def reply(text: str, finish_reason: str | None, mode: ToolMode | None,
+          think: Thinking | None = None) -> tuple[dict[str, Any], str | None]:  # fmt: skip
+    """The assistant message (and finish reason) for a finished choice: tool calls when its text is one; a thinking
+    model's reasoning as `reasoning_content` (vLLM's field), the answer after it read as a whole reply is."""
+    if think is None:
+        return words_or_calls(text, finish_reason, mode)
+    reasoning, after = parts(text, think)
+    message, finish_reason = words_or_calls(after or "", finish_reason, mode)
+    if after is None:  # it ended while reasoning: no answer (as vLLM's content null)
+        message["content"] = None
+    return {**message, "reasoning_content": reasoning}, finish_reason
+
+
+def words_or_calls(text: str, finish_reason: str | None, mode: ToolMode | None) -> tuple[dict[str, Any], str | None]:
     if mode is None or finish_reason != "stop":  # a forced call cut off: its unfinished JSON is no answer in words
         cut = cut_calls(text, finish_reason, mode) if mode is not None else []  # the calls it completed are
         message = {"role": "assistant", "content": None if mode is not None and mode.forced else text}

@@ -202,6 +202,7 @@ class ChatRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking)
     add_special_tokens: bool = False  # vLLM's: true adds the tokenizer's BOS before the template's text
+    include_reasoning: bool = True  # vLLM's: false leaves a thinking model's reasoning out (reasoning.py)
     chat_template: str | None = None  # vLLM's per-request template: refused (a 400), as vLLM without its trust flag
     state: str | None = Field(default=None, min_length=1)
     save_state: str | None = None

@@ -1,0 +1,143 @@
+"""A thinking model's reasoning apart from its answer (wkvm/server/reasoning.py, vLLM's `--reasoning-parser`):
+`<think>...</think>` as `reasoning_content`, streamed as `delta.reasoning_content`, the answer (and its tool calls)
+after it; pieces of any size join to the blocking reply, and a stream moved mid-way goes on from the same point.
+End to end on the random char model with a template that opens a think block (a random model never closes one:
+its whole reply is reasoning there; the parser's cases are unit tests)."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import openai
+import pytest
+from live_server import LiveServer
+
+from wkvm.server.openai_routes import ChoiceDeltas, reply
+from wkvm.server.reasoning import Thinking, parts, split, thinking
+from wkvm.server.tools import tool_mode
+
+INSIDE, OUTSIDE = Thinking(inside=True), Thinking(inside=False)
+CALL = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}  # fmt: skip
+
+
+def test_the_reasoning_and_the_answer_of_a_finished_reply():
+    assert parts("Let me see.\n</think>\n\nIt is 4.", INSIDE) == ("Let me see.\n", "\n\nIt is 4.")
+    assert parts("Still thinking", INSIDE) == ("Still thinking", None)  # ended before </think>: no answer
+    assert parts("</think>4", INSIDE) == ("", "4")
+    assert parts("\n<think>hmm</think>4", OUTSIDE) == ("hmm", "4")  # the model opened the block itself
+    assert parts("Just 4. <think>x</think>", OUTSIDE) == (None, "Just 4. <think>x</think>")  # not at its start
+    assert parts("<thi", OUTSIDE) == (None, "<thi")  # ended on what looked like a tag's start: words
+    assert parts("a</think>b", Thinking(inside=True, include=False)) == (None, "b")  # include_reasoning false
+    assert parts("a</think>b", None) == (None, "a</think>b")
+
+
+def test_an_unfinished_reply_holds_what_may_be_a_tag():
+    assert split("Let me see </thi", INSIDE, False) == (0, len("Let me see "), None)  # may be </think>: waits
+    assert split("Let me see </thi", INSIDE, True) == (0, len("Let me see </thi"), None)  # ended: reasoning
+    assert split("a < b", INSIDE, False) == (0, 5, None)  # "<" followed by a space is no tag's start... but
+    assert split("a <", INSIDE, False) == (0, 2, None)  # a last "<" may be
+    assert split("  <th", OUTSIDE, False) == (0, 0, None)  # may open a block: nothing is decided
+    assert split("  <tx", OUTSIDE, False) == (0, 0, 0)  # cannot: all answer
+    assert split("<think>ab</think>c", OUTSIDE, False) == (7, 9, 17)
+
+
+def test_which_requests_are_read_for_reasoning():
+    qwen = "{{ '<think>' }}...{{ '</think>' }}"
+    assert thinking("auto", [qwen, None], "[user]hi[assistant]<think>\n", False) == INSIDE
+    assert thinking("auto", [qwen], "[assistant]<think>\n\n</think>\n\n", False) == OUTSIDE  # thinking off
+    assert thinking("auto", ["[assistant]", None], "x", False) is None  # a template that knows no </think>
+    assert thinking("qwen3", [None], "x", False) == OUTSIDE  # vLLM's names: on whatever the template
+    assert thinking("auto", [qwen], "<think>", True) is None  # the grammar shapes the reply: it is the answer
+    assert thinking("none", [qwen], "<think>", False) is None
+
+
+def stream(text: str, mode, think, rng: random.Random, cut: int | None = None) -> list[dict]:
+    """The deltas of `text` fed in random pieces; `cut`: moved to another server there (a new ChoiceDeltas that
+    knows only the text sent so far)."""
+    choice, deltas, at = ChoiceDeltas(mode, think), [], 0
+    while at < len(text):
+        step = min(len(text), at + rng.randint(1, 5))
+        if cut is not None and at < cut < step:
+            step = cut
+        deltas.append(choice.feed(text[at:step], None)[0])
+        at = step
+        if at == cut:  # the stream moves: the new server knows the text so far, not what the old one held back
+            choice = ChoiceDeltas(mode, think, text[:at])
+    deltas.append(choice.feed("", "stop")[0])
+    return deltas
+
+
+def test_streamed_pieces_join_to_the_blocking_reply():
+    """Any piece sizes, with and without tools, moved mid-way or not: joined reasoning, content and calls equal the
+    blocking message's; a tag's characters never go out as reasoning or content."""
+    rng = random.Random(3)
+    auto = tool_mode([ADD], None, None)
+    cases = [("Let me add.\n</think>\n\nIt is 3.", INSIDE, None),
+             ("Thinking </th still </think>done", INSIDE, None),
+             ("no end in sight", INSIDE, None), ("\n<think>so</think>Words.", OUTSIDE, None),
+             ("Plain <b>words</b>", OUTSIDE, None), ("<thinking>is not a tag</thinking>", OUTSIDE, None),
+             (f"I should add.</think>\n<tool_call>{CALL}</tool_call>", INSIDE, auto),
+             (f"Sure.<tool_call>{CALL}</tool_call>", OUTSIDE, auto),
+             ("hm</think>Just words.", INSIDE, auto)]  # fmt: skip
+    for text, think, mode in cases:
+        want, _ = reply(text, "stop", mode, think)
+        for cut in (None, *rng.sample(range(len(text)), 3)):
+            deltas = stream(text, mode, think, rng, cut)
+            thought = "".join(d.get("reasoning_content", "") for d in deltas)
+            words = "".join(d.get("content") or "" for d in deltas)
+            assert thought == (want["reasoning_content"] or ""), (text, cut, thought)
+            assert words == (want["content"] or "") or words.lstrip() == want["content"], (text, cut, words)
+            assert "</think>" not in thought + words and "<think>" not in thought
+            calls: dict[int, list[str]] = {}
+            for tc in (tc for d in deltas for tc in d.get("tool_calls", [])):
+                name, args = calls.setdefault(tc["index"], [tc["function"].get("name"), ""])
+                calls[tc["index"]] = [name, args + tc["function"]["arguments"]]
+            assert [tuple(c) for c in calls.values()] == [
+                (c["function"]["name"], c["function"]["arguments"]) for c in want.get("tool_calls", [])], text
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}[{{ m.role }}]{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+                     "</think>{% endif %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}[assistant]"
+                     "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% else %}<think>"
+                     "{% endif %}{% endif %}")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def thinker(char_model, tmp_path_factory):
+    """The char model with a template that opens a think block (as Qwen's and DeepSeek-R1's thinking templates do)."""
+    path = tmp_path_factory.mktemp("thinker") / "thinker"
+    shutil.copytree(char_model, path)
+    (path / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def servers(thinker):
+    with LiveServer(model=str(thinker), slots=4) as on, LiveServer(model=str(thinker), slots=4,
+                                                                   reasoning_parser="none") as off:  # fmt: skip
+        yield (openai.OpenAI(base_url=f"{on.url}/v1", api_key="unused", max_retries=0),
+               openai.OpenAI(base_url=f"{off.url}/v1", api_key="unused", max_retries=0))  # fmt: skip
+
+
+def test_a_thinking_template_s_reply_is_reasoning_blocking_and_streamed(servers):
+    on, off = servers
+    kw = dict(model="thinker", messages=[{"role": "user", "content": "Why?"}], max_tokens=30, temperature=0)
+    raw = off.chat.completions.create(**kw).choices[0].message
+    assert not (raw.model_extra or {}).get("reasoning_content") and raw.content  # parser off: the text as it is
+    message = on.chat.completions.create(**kw).choices[0].message
+    # the random model never writes </think>: all of it is reasoning, and there is no answer (vLLM's null)
+    assert message.model_extra["reasoning_content"] == raw.content and message.content is None
+    deltas = [c.choices[0].delta for c in on.chat.completions.create(stream=True, **kw) if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == raw.content
+    assert not any(d.content for d in deltas) and len([d for d in deltas if d.model_extra]) > 5  # as it comes
+    hidden = on.chat.completions.create(**kw, extra_body={"include_reasoning": False}).choices[0].message
+    assert hidden.model_extra["reasoning_content"] is None and hidden.content is None
+    # thinking switched off in the template (Qwen's enable_thinking): the prompt closed the block, all is answer
+    plain = on.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert plain.choices[0].message.content and plain.choices[0].message.model_extra["reasoning_content"] is None
+    # a reply the grammar shapes is the answer, never reasoning
+    shaped = on.chat.completions.create(**kw, response_format={"type": "json_object"}).choices[0].message
+    assert shaped.content and "reasoning_content" not in (shaped.model_extra or {})
