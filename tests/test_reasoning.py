@@ -141,3 +141,22 @@ def test_a_thinking_template_s_reply_is_reasoning_blocking_and_streamed(servers)
     # a reply the grammar shapes is the answer, never reasoning
     shaped = on.chat.completions.create(**kw, response_format={"type": "json_object"}).choices[0].message
     assert shaped.content and "reasoning_content" not in (shaped.model_extra or {})
+
+
+def test_the_responses_api_gives_the_reasoning_its_own_item(servers):
+    """A `reasoning` item (its text as `content`, as vLLM's Responses API), before the answer's items, blocking and
+    streamed alike (`response.reasoning_text.delta` as it comes); cut off while reasoning, it is the incomplete one."""
+    on, off = servers
+    kw = dict(model="thinker", input="Why?", max_output_tokens=30, temperature=0)
+    raw = off.responses.create(**kw).output_text
+    r = on.responses.create(**kw)
+    assert r.status == "incomplete" and [i.type for i in r.output] == ["reasoning"] and r.output_text == ""
+    assert r.output[0].content[0].text == raw and r.output[0].status == "incomplete"
+    events = list(on.responses.create(stream=True, **kw))
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert len(deltas) > 5 and "".join(deltas) == raw
+    final = events[-1].response
+    assert final.status == "incomplete" and [i.model_dump(exclude={"id"}) for i in final.output] == [
+        i.model_dump(exclude={"id"}) for i in r.output]
+    (done,) = [e for e in events if e.type == "response.reasoning_text.done"]
+    assert done.text == raw

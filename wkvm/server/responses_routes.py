@@ -421,20 +421,32 @@ def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]
             "arguments": fn["arguments"] if status == "completed" else "", "status": status}  # fmt: skip
 
 
+def reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
+    """A thinking model's reasoning (the chat's `reasoning_content`) as OpenAI's `reasoning` item (its text as
+    `content`, as vLLM's Responses API gives it; no summary)."""
+    content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+    return {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": content, "status": status}
+
+
 def output_items(message: dict[str, Any], lps: list[dict[str, Any]] | None, only_calls: bool) -> list[Any]:
-    """A chat answer's message as output items: its text (when it has some or calls nothing; never for a reply that
-    can only be a call), then its calls. The text's logprobs are the reply's when it calls nothing (with calls they
-    are the calls' tokens too, which a message cannot carry)."""
+    """A chat answer's message as output items: its reasoning (a thinking model's), its text (when it has some, or
+    calls nothing and did not reason; never for a reply that can only be a call), then its calls. The
+    text's logprobs are the reply's when it calls nothing (with calls they are the calls' tokens too, which a message
+    cannot carry)."""
     calls = message.get("tool_calls") or []
     text = "" if only_calls else message.get("content") or ""
-    items = [message_item(text, None if calls else lps)] if text or not (calls or only_calls) else []
+    thought = message.get("reasoning_content")
+    items = [reasoning_item(thought)] if thought is not None else []
+    if text or not (calls or only_calls or thought is not None):  # an empty answer after reasoning: no message
+        items.append(message_item(text, None if calls or thought is not None else lps))
     return items + [call_item(c) for c in calls]
 
 
 def finished(shell: dict[str, Any], items: list[Any], finish_reason: str | None, usage: dict[str, Any],
              extra: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
     status = FINISHED.get(finish_reason or "", "failed")
-    if status != "completed" and items and items[-1]["type"] == "message":  # the message cut off is, as OpenAI marks it
+    if status != "completed" and items and items[-1]["type"] in ("message", "reasoning"):  # the item cut off is, as
+        # OpenAI marks it
         items = [*items[:-1], {**items[-1], "status": "incomplete"}]
     resp = {**shell, "status": status, "output": items, "usage": responses_usage(usage)}
     if status == "completed":
@@ -466,14 +478,38 @@ class EventStream:
         self.text, self.lps = "", list[dict[str, Any]]()
         self.message: dict[str, Any] | None = None  # the open message item
         self.call_open: dict[str, Any] | None = None  # the open function_call item, its arguments so far
+        self.thought: dict[str, Any] | None = None  # the open reasoning item
+        self.thought_text = ""
 
     def event(self, kind: str, **fields: Any) -> str:
         line = f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq, **fields})}\n\n"
         self.seq += 1
         return line
 
+    def reasoning_delta(self, delta: str) -> list[str]:
+        """A thinking model's reasoning as it comes: its item opens with the first piece (it comes before the
+        answer's items)."""
+        out = []
+        if self.thought is None:
+            self.thought = reasoning_item("", "in_progress")
+            out.append(self.event("response.output_item.added", output_index=len(self.items), item=self.thought))
+        self.thought_text += delta
+        out.append(self.event("response.reasoning_text.delta", item_id=self.thought["id"],
+                              output_index=len(self.items), content_index=0, delta=delta))  # fmt: skip
+        return out
+
+    def close_reasoning(self, status: str = "completed") -> list[str]:
+        if self.thought is None:
+            return []
+        item, index = {**reasoning_item(self.thought_text, status), "id": self.thought["id"]}, len(self.items)
+        self.items.append(item)
+        self.thought = None
+        return [self.event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                           text=self.thought_text),
+                self.event("response.output_item.done", output_index=index, item=item)]  # fmt: skip
+
     def text_delta(self, delta: str, lps: list[dict[str, Any]] | None) -> list[str]:
-        out = self.close_call()
+        out = self.close_reasoning() + self.close_call()
         if self.message is None:
             self.message = message_item("", None, "in_progress")
             out.append(self.event("response.output_item.added", output_index=len(self.items), item=self.message))
@@ -503,7 +539,7 @@ class EventStream:
     def call_piece(self, piece: dict[str, Any]) -> list[str]:
         """A chat stream's `delta.tool_calls` entry: a new call (it has an id) opens its function_call item, and
         every entry's arguments are that call's `function_call_arguments.delta`, as OpenAI streams a call."""
-        out = []
+        out = self.close_reasoning()
         if "id" in piece:
             out += self.close_call()
             self.call_open = call_item(piece, "in_progress")
@@ -550,7 +586,7 @@ async def events(ctx: ServerContext, tenant: str, body: ResponsesRequest, shell:
     yield s.event("response.in_progress", response=shell)
     finish_reason, usage, extra, error = None, None, None, None
     pending: list[dict[str, Any]] = []  # logprobs of tokens whose text is held back (or that are a call's)
-    only_calls = forced(body)
+    only_calls, reasoned = forced(body), False
     try:
         async for line in chunks:
             data = line.removeprefix("data: ").strip()
@@ -565,12 +601,16 @@ async def events(ctx: ServerContext, tenant: str, body: ResponsesRequest, shell:
             for c in obj.get("choices", []):
                 delta = c.get("delta") or {}
                 pending += ((c.get("logprobs") or {}).get("content") or []) if logprobs(body) else []
+                if thought := delta.get("reasoning_content"):
+                    reasoned, pending = True, []  # a message after reasoning has no logprobs (as blocking:
+                    for ev in s.reasoning_delta(thought):  # they would be the reasoning's tokens' too)
+                        yield ev
                 pieces = delta.get("tool_calls") or []
                 for piece in (p for p in pieces if "id" not in p):  # an open call's last arguments come before
                     for ev in s.call_piece(piece):  # the words after it, which the last chunk may carry too
                         yield ev
                 if (content := "" if only_calls else delta.get("content")):
-                    for ev in s.text_delta(content, pending):
+                    for ev in s.text_delta(content, [] if reasoned else pending):
                         yield ev
                     pending = []
                 if pieces:
@@ -581,14 +621,14 @@ async def events(ctx: ServerContext, tenant: str, body: ResponsesRequest, shell:
                 finish_reason = c.get("finish_reason") or finish_reason
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]  # a client gone: the chat stream ends its request
-    for ev in s.close_call():
+    whole = error is None and usage is not None and FINISHED.get(finish_reason or "") == "completed"
+    for ev in s.close_reasoning("completed" if whole else "incomplete") + s.close_call():  # cut off while reasoning
         yield ev
     if error is None and not s.items and s.message is None and not only_calls:
         for ev in s.text_delta("", pending):  # an empty answer is still one (empty) message
             yield ev
-    elif s.message is not None:
+    elif s.message is not None and not reasoned:
         s.lps += pending  # tokens that added no text (the end of a character that never came)
-    whole = error is None and usage is not None and FINISHED.get(finish_reason or "") == "completed"
     for ev in s.close_message("completed" if whole else "incomplete"):
         yield ev
     if error is not None or usage is None:
