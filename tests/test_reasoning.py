@@ -127,10 +127,14 @@ def test_a_thinking_template_s_reply_is_reasoning_blocking_and_streamed(servers)
     kw = dict(model="thinker", messages=[{"role": "user", "content": "Why?"}], max_tokens=30, temperature=0)
     raw = off.chat.completions.create(**kw).choices[0].message
     assert not (raw.model_extra or {}).get("reasoning_content") and raw.content  # parser off: the text as it is
-    message = on.chat.completions.create(**kw).choices[0].message
+    r = on.chat.completions.create(**kw)
+    message = r.choices[0].message
     # the random model never writes </think>: all of it is reasoning, and there is no answer (vLLM's null)
     assert message.model_extra["reasoning_content"] == raw.content and message.content is None
-    deltas = [c.choices[0].delta for c in on.chat.completions.create(stream=True, **kw) if c.choices]
+    assert r.usage.completion_tokens_details.reasoning_tokens == r.usage.completion_tokens == 30  # OpenAI's count
+    chunks = list(on.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 30
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == raw.content
     assert not any(d.content for d in deltas) and len([d for d in deltas if d.model_extra]) > 5  # as it comes
     hidden = on.chat.completions.create(**kw, extra_body={"include_reasoning": False}).choices[0].message
@@ -138,6 +142,8 @@ def test_a_thinking_template_s_reply_is_reasoning_blocking_and_streamed(servers)
     # thinking switched off in the template (Qwen's enable_thinking): the prompt closed the block, all is answer
     plain = on.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert plain.choices[0].message.content and plain.choices[0].message.model_extra["reasoning_content"] is None
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0
+    assert off.chat.completions.create(**kw).usage.completion_tokens_details is None  # not read for reasoning
     # a reply the grammar shapes is the answer, never reasoning
     shaped = on.chat.completions.create(**kw, response_format={"type": "json_object"}).choices[0].message
     assert shaped.content and "reasoning_content" not in (shaped.model_extra or {})
@@ -152,6 +158,7 @@ def test_the_responses_api_gives_the_reasoning_its_own_item(servers):
     r = on.responses.create(**kw)
     assert r.status == "incomplete" and [i.type for i in r.output] == ["reasoning"] and r.output_text == ""
     assert r.output[0].content[0].text == raw and r.output[0].status == "incomplete"
+    assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens == 30  # it had said 0 always
     events = list(on.responses.create(stream=True, **kw))
     deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
     assert len(deltas) > 5 and "".join(deltas) == raw
@@ -160,3 +167,24 @@ def test_the_responses_api_gives_the_reasoning_its_own_item(servers):
         i.model_dump(exclude={"id"}) for i in r.output]
     (done,) = [e for e in events if e.type == "response.reasoning_text.done"]
     assert done.text == raw
+
+
+def test_reasoning_tokens_are_those_before_the_answer():
+    """`completion_tokens_details.reasoning_tokens`: the tokens that begin before the answer (the `</think>` tag's
+    included), whatever the token boundaries."""
+    from types import SimpleNamespace
+
+    from wkvm.server.openai_routes import reasoning_tokens
+
+    pieces = ["a", "b</", "think", ">\n", "cd"]  # a tag split across tokens, the last one spilling into the answer
+    vocab = {i: p.encode() for i, p in enumerate(pieces)}
+    ctx = SimpleNamespace(tokenizer=SimpleNamespace(token_bytes=vocab.__getitem__, special_ids=frozenset()))
+    body = SimpleNamespace(skip_special_tokens=True)
+
+    def answer(ids):
+        return SimpleNamespace(output=SimpleNamespace(text="".join(pieces[i] for i in ids), token_ids=ids))
+
+    assert reasoning_tokens(ctx, body, [answer([0, 1, 2, 3, 4])], INSIDE) == 4  # ">\n" begins inside the tag
+    assert reasoning_tokens(ctx, body, [answer([0, 1, 2])], INSIDE) == 3  # cut off while reasoning: all of it
+    assert reasoning_tokens(ctx, body, [answer([0, 4])], OUTSIDE) == 0 and reasoning_tokens(
+        ctx, body, [answer([0])], None) is None

@@ -390,13 +390,17 @@ class Answer(Protocol):
 
 
 def usage(prompt_tokens: int, handles: Sequence[Answer], done_tokens: int = 0,
-          extra: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+          extra: dict[str, Any] | None = None, reasoning_tokens: int | None = None) -> dict[str, Any]:  # fmt: skip
     """`done_tokens`: completion tokens of choices that finished on a server the stream moved from. `extra`: the
     request's extras, whose `wkvm` reuse info gives `prompt_tokens_details.cached_tokens` (OpenAI's field; vLLM's with
-    --enable-prompt-tokens-details): the prompt tokens a stored state saved computing."""
+    --enable-prompt-tokens-details): the prompt tokens a stored state saved computing. `reasoning_tokens`: a thinking
+    model's, as OpenAI's `completion_tokens_details` counts them (only where replies are read for reasoning)."""
     completion = done_tokens + sum(len(h.output.token_ids) for h in handles)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens(extra)}}  # fmt: skip
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens(extra)}}  # fmt: skip
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def cached_tokens(extra: dict[str, Any] | None) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, cast
 
 from fastapi import APIRouter, Request, params
@@ -518,7 +518,8 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
                 c["token_ids"] = h.output.token_ids
             choices.append(c)
         out = {**base, "object": "chat.completion", "choices": choices,
-               "usage": gen.usage(len(prompt_ids), answers, extra=extra), **extra}  # fmt: skip
+               "usage": gen.usage(len(prompt_ids), answers, extra=extra,
+                                  reasoning_tokens=reasoning_tokens(ctx, body, answers, think)), **extra}  # fmt: skip
         if body.return_token_ids:
             out["prompt_token_ids"] = prompt_ids
         return out
@@ -797,8 +798,23 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
 
     moved = sent is not None
     async for line in stream_chunks(ctx, request, body, handles, chunk, prompt_tokens, base,
-                                    lambda: finish(ctx, tenant, body, plan, handles, moved), live):  # fmt: skip
+                                    lambda: finish(ctx, tenant, body, plan, handles, moved), live,
+                                    lambda: reasoning_tokens(ctx, body, handles, think)):  # fmt: skip
         yield line
+
+
+def reasoning_tokens(ctx: ServerContext, body: ChatRequest, answers: Sequence[gen.Answer],
+                     think: Thinking | None) -> int | None:  # fmt: skip
+    """The generated tokens that are reasoning (those that begin before each reply's answer), where replies are read
+    for it; None elsewhere."""
+    if think is None:
+        return None
+    n = 0
+    for h in answers:
+        start = split(h.output.text, think, True)[2]
+        cut = len(h.output.text) + 1 if start is None else start
+        n += sum(at < cut for at in gen.TokenOffsets(0, gen.skipped(ctx, body)).of(ctx, h.output.token_ids))
+    return n
 
 
 class ChoiceDeltas:
@@ -883,6 +899,7 @@ async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFiel
                         chunk: Callable[[int, Event], dict[str, Any] | None], prompt_tokens: int,
                         base: dict[str, Any],
                         on_done: Callable[[], dict[str, Any]], live: LiveStream | None = None,
+                        reasoning: Callable[[], int | None] | None = None,
                         ) -> AsyncIterator[str]:  # fmt: skip
     """SSE lines: a chunk per event, sent as it comes; the very last choice chunk carries the `wkvm` (and `state`)
     extras.
@@ -934,7 +951,8 @@ async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFiel
                 yield gen.sse(error_body(e.status, e.message, e.param, e.code))
         elif body.stream_options and body.stream_options.include_usage:
             done = live.ticket.done_tokens if live is not None else 0  # choices that finished where it moved from
-            yield gen.sse({**base, "choices": [], "usage": gen.usage(prompt_tokens, handles, done, extra)})
+            thought = reasoning() if reasoning is not None else None  # a thinking model's reasoning tokens
+            yield gen.sse({**base, "choices": [], "usage": gen.usage(prompt_tokens, handles, done, extra, thought)})
     except Exception as e:  # the response has started: the client still gets an error event and [DONE]
         log.exception("stream failed after it started (a bug)")
         yield gen.sse(error_body(500, f"internal error: {type(e).__name__}", None, "internal_error"))

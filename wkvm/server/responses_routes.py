@@ -466,7 +466,9 @@ def responses_usage(usage: dict[str, Any]) -> dict[str, Any]:
     """The chat's usage in Responses' names; cached_tokens: the prompt tokens a parked state saved recomputing."""
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": (usage.get("completion_tokens_details") or {}).get(
+                "reasoning_tokens", 0)},
             "total_tokens": usage["total_tokens"]}  # fmt: skip
 
 
