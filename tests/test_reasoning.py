@@ -50,7 +50,8 @@ def test_which_requests_are_read_for_reasoning():
     assert thinking("auto", [qwen], "[assistant]<think>\n\n</think>\n\n", False) == OUTSIDE  # thinking off
     assert thinking("auto", ["[assistant]", None], "x", False) is None  # a template that knows no </think>
     assert thinking("qwen3", [None], "x", False) == OUTSIDE  # vLLM's names: on whatever the template
-    assert thinking("auto", [qwen], "<think>", True) is None  # the grammar shapes the reply: it is the answer
+    assert thinking("auto", [qwen], "[assistant]", True) is None  # a grammar shapes the reply from its start
+    assert thinking("auto", [qwen], "<think>", True) == INSIDE  # ... or, the block open, from its </think> on
     assert thinking("none", [qwen], "<think>", False) is None
 
 
@@ -144,9 +145,14 @@ def test_a_thinking_template_s_reply_is_reasoning_blocking_and_streamed(servers)
     assert plain.choices[0].message.content and plain.choices[0].message.model_extra["reasoning_content"] is None
     assert plain.usage.completion_tokens_details.reasoning_tokens == 0
     assert off.chat.completions.create(**kw).usage.completion_tokens_details is None  # not read for reasoning
-    # a reply the grammar shapes is the answer, never reasoning
+    # a reply a grammar shapes reasons first, freely (the grammar waits for </think>, which never comes here: the
+    # same tokens as unshaped), where the template opened the block; where it did not, it is all answer in the form
     shaped = on.chat.completions.create(**kw, response_format={"type": "json_object"}).choices[0].message
-    assert shaped.content and "reasoning_content" not in (shaped.model_extra or {})
+    assert shaped.model_extra["reasoning_content"] == raw.content and shaped.content is None
+    closed = on.chat.completions.create(**kw, response_format={"type": "json_object"},
+                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
+    assert closed.choices[0].message.content.lstrip().startswith("{")
+    assert "reasoning_content" not in (closed.choices[0].message.model_extra or {})
 
 
 def test_the_responses_api_gives_the_reasoning_its_own_item(servers):
@@ -188,3 +194,52 @@ def test_reasoning_tokens_are_those_before_the_answer():
     assert reasoning_tokens(ctx, body, [answer([0, 1, 2])], INSIDE) == 3  # cut off while reasoning: all of it
     assert reasoning_tokens(ctx, body, [answer([0, 4])], OUTSIDE) == 0 and reasoning_tokens(
         ctx, body, [answer([0])], None) is None
+
+
+def test_a_grammar_waits_for_the_end_of_the_reasoning():
+    """`SamplingParams.grammar_after` (a shaped reply of a template that opened a think block): tokens before
+    `</think>` come out as the model wants them, JSON or not; from there only what the grammar allows; the text after
+    `</think>` in the token that ends it is the grammar's first (the World tokenizer writes "</think>{" as "</",
+    "think", ">{"). A moved request's grammar replays the same way (`ModelRunner.resume` feeds `feed_grammar`)."""
+    import torch
+
+    from wkvm.engine.grammar import GrammarCompiler
+    from wkvm.engine.sampler import GrammarGate, SamplerRow, sample
+    from wkvm.models.rwkv7.tokenizer import WorldTokenizer
+    from wkvm.sampling_params import SamplingParams
+
+    tok = WorldTokenizer()
+    compiler = GrammarCompiler(tok)
+
+    def row_for() -> SamplerRow:
+        p = SamplingParams(max_tokens=50, temperature=0, response_format={"type": "json_object"},
+                           grammar_after="</think>")  # fmt: skip
+        row = SamplerRow(p, None)
+        row.grammar = compiler.state(p.grammar())
+        assert p.grammar_after is not None
+        row.gate = GrammarGate(p.grammar_after.encode(), tok.token_bytes, tok.encode)
+        return row
+
+    def step(row: SamplerRow, want: int) -> int:  # the model's favourite token is `want`
+        logits = torch.full((1, tok.vocab_size), -10.0)
+        logits[0, want] = 10.0
+        (s,) = sample(logits, [row])
+        assert s.token is not None, s.error
+        row.output_ids.append(s.token)
+        return s.token
+
+    x = tok.encode("x")[0]
+    row = row_for()
+    for t in tok.encode("Plain x, not JSON </think>"):  # free: a JSON grammar would have refused "P"
+        assert step(row, t) == t
+    assert row.constrained and not row.grammar.allowed(tok.vocab_size)[x]
+    assert tok.token_bytes(step(row, x)).startswith(b"{")  # the grammar decides now: "x" refused, an object opens
+    row = row_for()
+    for t in tok.encode("Hmm</think>{"):  # ">{": the brace inside the closing token is the grammar's
+        step(row, t)
+    assert row.constrained and row.grammar.allowed(tok.vocab_size)[tok.encode("}")[0]]  # {} may close now
+    replay = row_for()
+    for t in row.output_ids:  # a moved request's replay reaches the same place
+        replay.feed_grammar(t)
+    assert replay.constrained and bool((replay.grammar.allowed(tok.vocab_size) == row.grammar.allowed(
+        tok.vocab_size)).all())

@@ -83,6 +83,10 @@ class SamplingParams:
     # vLLM's: the text leaves out the tokenizer's special tokens (`Tokenizer.special_ids`); token ids, logprobs and
     # stop_token_ids still see them
     skip_special_tokens: bool = True
+    # the grammar (response_format, structured_outputs) holds from where the output has written this text, a thinking
+    # model's reasoning end (`</think>`); before it the reply is free (vLLM's structured outputs with a reasoning
+    # parser). None: from the first token
+    grammar_after: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -92,6 +96,8 @@ class SamplingParams:
         _check(_is_list(self.stop_token_ids, int), "stop_token_ids", "a list of non-negative integer token ids")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, "true or false")
+        ok = self.grammar_after is None or (isinstance(self.grammar_after, str) and 0 < len(self.grammar_after) <= 64)
+        _check(ok, "grammar_after", "null or a text of 1-64 characters")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:

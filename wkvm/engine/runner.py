@@ -19,7 +19,15 @@ from wkvm.engine.arena import SlotArena
 from wkvm.engine.grammar import GrammarCompiler
 from wkvm.engine.kv_pages import PagedKV
 from wkvm.engine.request import Request
-from wkvm.engine.sampler import NON_FINITE_LOGITS, Sampled, SamplerRow, make_generator, prompt_token_logprobs, sample
+from wkvm.engine.sampler import (
+    NON_FINITE_LOGITS,
+    GrammarGate,
+    Sampled,
+    SamplerRow,
+    make_generator,
+    prompt_token_logprobs,
+    sample,
+)
 from wkvm.models.family import LanguageModel
 from wkvm.models.spec import State, StateSpec
 from wkvm.tokenizer import Tokenizer
@@ -91,6 +99,9 @@ class ModelRunner:
             if self.grammars is None:
                 raise ValueError("response_format needs the engine's tokenizer (ModelRunner was given none)")
             row.grammar = self.grammars.state(grammar)
+            if p.grammar_after is not None:  # a thinking model's reasoning first (reasoning.py)
+                assert self.tokenizer is not None  # the grammars need it too
+                row.gate = GrammarGate(p.grammar_after.encode(), self.tokenizer.token_bytes, self.tokenizer.encode)
         self._rows[req.request_id] = row
 
     def generator_state(self, request_id: str) -> torch.Tensor | None:
@@ -105,9 +116,8 @@ class ModelRunner:
             if row.generator is None:
                 raise ValueError("a generator state was given for a request without a seed")
             row.generator.set_state(generator)
-        if row.grammar is not None:
-            for t in req.output_ids:
-                row.grammar.accept(t)
+        for t in req.output_ids if row.grammar is not None else []:
+            row.feed_grammar(t)
 
     def release(self, request_id: str) -> None:
         self._rows.pop(request_id, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -35,7 +36,7 @@ from wkvm.server.handover import (
 )
 from wkvm.server.handover import decode as decode_ticket
 from wkvm.server.handover import encode as encode_ticket
-from wkvm.server.reasoning import Thinking, parts, split, thinking
+from wkvm.server.reasoning import END, Thinking, parts, split, thinking
 from wkvm.server.schemas import MAX_PROMPTS, ChatMessage, ChatRequest, CompletionRequest, SamplingFields
 from wkvm.server.tools import (
     ToolMode,
@@ -468,6 +469,11 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
         except APIError:
             unenforceable_tool(mode)  # which tool's schema, where one is the cause
             raise
+    grammar = shaped or sp.structured_outputs is not None or (mode is not None and mode.forced)
+    think = thinking(ctx.config.reasoning_parser, [ctx.template.source, ctx.template.tool_source], text, grammar,
+                     body.include_reasoning)  # fmt: skip
+    if think is not None and grammar:  # the template opened a think block: the grammar holds from its end
+        sp = dataclasses.replace(sp, grammar_after=END)
     await gen.check_grammar(ctx, sp, "tools" if mode is not None and mode.forced else None)
     params = gen.per_choice(sp, body.n)
     if body.state:  # the messages continue the conversation the state holds (a prefill too: it had been rendered
@@ -478,8 +484,6 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
         text = text if after is None else after
     prompt_ids = await gen.encode_prompt_off_loop(ctx, text, "messages", body.truncate_prompt_tokens,
                                                   starts=body.add_special_tokens and not body.state)  # fmt: skip
-    think = thinking(ctx.config.reasoning_parser, [ctx.template.source, ctx.template.tool_source], text,
-                     shaped or sp.structured_outputs is not None, body.include_reasoning)  # fmt: skip
     system = await run_in_threadpool(system_prefix, ctx, messages, text, prompt_ids, mode.tools if mode else None,
                                      body.chat_template_kwargs)  # a render too: off the loop (review, session 49)
     chat = ChatMeta.from_headers(request.headers, messages, system)

@@ -3,8 +3,9 @@
 `message.reasoning_content` (streamed: `delta.reasoning_content`), the rest to `content`, tools read only the rest.
 
 On with `--reasoning-parser auto` (the default) where the model's chat template knows `</think>` (Qwen3 / Qwen3.5,
-DeepSeek-R1 and their kind); never for a reply the grammar shapes (`response_format`, `structured_outputs`, a forced
-tool call: it is the answer). A template that opens the block itself (the prompt ends inside `<think>`, as
+DeepSeek-R1 and their kind). A reply a grammar shapes (`response_format`, `structured_outputs`, a forced tool call)
+reasons first where the template opened the think block (the grammar holds from `</think>` on: `thinking`), and is
+all answer otherwise. A template that opens the block itself (the prompt ends inside `<think>`, as
 DeepSeek-R1's and Qwen's thinking templates write it) starts the reply as reasoning, until `</think>`; otherwise a
 reply is reasoning only if it opens with `<think>` (after whitespace). A reply that ends before `</think>` is all
 reasoning, its content null, as vLLM answers. The texts are the model's as written, nothing stripped (vLLM's
@@ -30,12 +31,16 @@ class Thinking:
 def thinking(setting: str, templates: list[str | None], prompt: str, shaped: bool,
              include: bool = True) -> Thinking | None:  # fmt: skip
     """The reading of a chat request's replies; None where replies are read as they are: the parser is off, or
-    (`auto`) no template of the model's knows `</think>`, or the grammar shapes the reply (`shaped`)."""
-    if setting == "none" or shaped:
+    (`auto`) no template of the model's knows `</think>`, or a grammar shapes the reply (`shaped`: response_format,
+    structured_outputs, a forced call) from its first token. Where the prompt ends inside a think block the grammar
+    waits for `</think>` instead (`SamplingParams.grammar_after`), as vLLM's structured outputs wait for a reasoning
+    parser's end: the reply reasons freely, then answers in the grammar's form."""
+    if setting == "none":
         return None
     if setting == "auto" and not any(END in t for t in templates if t):
         return None
-    return Thinking(prompt.rfind(START) > prompt.rfind(END), include)
+    inside = prompt.rfind(START) > prompt.rfind(END)
+    return Thinking(inside, include) if inside or not shaped else None
 
 
 def split(text: str, t: Thinking, done: bool) -> tuple[int, int, int | None]:
