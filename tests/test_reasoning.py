@@ -82,14 +82,16 @@ def test_streamed_pieces_join_to_the_blocking_reply():
              ("Plain <b>words</b>", OUTSIDE, None), ("<thinking>is not a tag</thinking>", OUTSIDE, None),
              (f"I should add.</think>\n<tool_call>{CALL}</tool_call>", INSIDE, auto),
              (f"Sure.<tool_call>{CALL}</tool_call>", OUTSIDE, auto),
-             ("hm</think>Just words.", INSIDE, auto)]  # fmt: skip
+             ("hm</think>Just words.", INSIDE, auto),
+             (f"<tool_call>{CALL}</tool_call>", None, tool_mode([ADD], "none", None)),  # as it comes: nothing held
+             (CALL, None, tool_mode([ADD], None, None, shaped=True)), ("Plain words.", None, None)]  # fmt: skip
     for text, think, mode in cases:
         want, _ = reply(text, "stop", mode, think)
         for cut in (None, *rng.sample(range(len(text)), 3)):
             deltas = stream(text, mode, think, rng, cut)
             thought = "".join(d.get("reasoning_content", "") for d in deltas)
             words = "".join(d.get("content") or "" for d in deltas)
-            assert thought == (want["reasoning_content"] or ""), (text, cut, thought)
+            assert thought == (want.get("reasoning_content") or ""), (text, cut, thought)
             assert words == (want["content"] or "") or words.lstrip() == want["content"], (text, cut, words)
             assert "</think>" not in thought + words and "<think>" not in thought
             calls: dict[int, list[str]] = {}

@@ -829,6 +829,9 @@ class ChoiceDeltas:
 
     def __init__(self, mode: ToolMode | None, think: Thinking | None, sent: str = ""):
         self.mode, self.think, self.text = mode, think, sent
+        # nothing to hold back or read: each piece is content as it comes (the text is not kept: a long reply's
+        # joining had cost the event loop a copy of it a token)
+        self.free = think is None and (mode is None or mode.choice == "none" or not mode.calls_in_text)
         self.thought = split(sent, think, False)[1] if think is not None else 0  # the end of the reasoning sent
         words = answer(sent, think, False)
         self.released = ready_words(words, mode)  # the answer's characters sent as content
@@ -836,6 +839,8 @@ class ChoiceDeltas:
 
     def feed(self, piece: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """The delta for the text's next `piece` (and the finish reason the choice ends with, when it ends)."""
+        if self.free:
+            return ({"content": piece} if piece else {}), finish_reason
         self.text += piece
         done, d = finish_reason is not None, dict[str, Any]()
         if self.think is not None:
