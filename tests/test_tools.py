@@ -496,8 +496,10 @@ def test_streamed_arguments_are_always_a_start_of_the_finished_ones():
         want = [(c["function"]["name"], c["function"]["arguments"]) for c in split_reply(text, mode)[1]]
         assert len(want) == len(calls)
         before: list[tuple[str, str]] = []
+        memo: dict = {}  # a stream's reading of its growing text: the same as reading each prefix afresh
         for at in range(len(text) + 1):
             got = calls_ready(text[:at], mode)
+            assert calls_ready(text[:at], mode, memo) == got, text[:at]
             assert len(before) <= len(got) <= len(want), text[:at]
             for (name, args), (was_name, was_args) in zip(got, before, strict=False):
                 assert name == was_name and args.startswith(was_args), text[:at]

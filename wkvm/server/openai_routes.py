@@ -835,7 +835,8 @@ class ChoiceDeltas:
         self.thought = split(sent, think, False)[1] if think is not None else 0  # the end of the reasoning sent
         words = answer(sent, think, False)
         self.released = ready_words(words, mode)  # the answer's characters sent as content
-        self.opened = calls_ready(words, mode) if mode is not None else []  # its calls and arguments sent
+        self.memo: dict[int, Any] = {}  # calls_ready's reading of the answer so far
+        self.opened = calls_ready(words, mode, self.memo) if mode is not None else []  # its calls and arguments sent
 
     def feed(self, piece: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """The delta for the text's next `piece` (and the finish reason the choice ends with, when it ends)."""
@@ -854,7 +855,7 @@ class ChoiceDeltas:
             if ready > self.released:
                 d["content"] = text[self.released : ready]
             self.released = max(ready, self.released)
-            if self.mode is not None and (deltas := call_deltas(calls_ready(text, self.mode), self.opened)):
+            if self.mode is not None and (deltas := call_deltas(calls_ready(text, self.mode, self.memo), self.opened)):
                 d["tool_calls"] = deltas
             return d, None
         if self.mode is None:

@@ -294,14 +294,15 @@ def final_delta(text: str, released: int, finish_reason: str | None,
     return tail or None, calls, mode.calls_finish
 
 
-def calls_ready(text: str, mode: ToolMode) -> list[tuple[str, str]]:
+def calls_ready(text: str, mode: ToolMode, memo: dict[int, Any] | None = None) -> list[tuple[str, str]]:
     """The calls an unfinished reply has begun, as far as they can stream now, as vLLM and OpenAI stream them: per
     call (name, the start of its arguments as the finished reply spells them, `json.dumps` of the parsed object: only
     what later text cannot change). A call begins once its name is complete and names an offered tool and its
     arguments object has begun: in a forced reply (the grammar's list of calls) or after a `<tool_call>` /
     `[TOOL_CALLS]` marker under `auto` (a bare JSON reply is held whole, as before: it may be a JSON answer). Depends
     only on the text, and each longer text extends what a shorter one gave, so a stream that moves to another server
-    goes on from the same point."""
+    goes on from the same point. `memo`: kept by the caller across calls on one growing text, so a token's call reads
+    only what is new (a 17k-character argument had cost 0.6 ms a token to read again from its start)."""
     if mode.choice == "none" or not mode.calls_in_text:
         return []
     if mode.forced:
@@ -314,7 +315,7 @@ def calls_ready(text: str, mode: ToolMode) -> list[tuple[str, str]]:
         return []
     calls: list[tuple[str, str]] = []
     for start in starts:
-        node = _JSON(text).value(start)
+        node = _JSON(text, memo).value(start)
         for item in ([v for _, v in node.items] if node is not None and node.kind == "[" else [node]):
             call = _begun_call(text, item, mode)
             if call is None:
@@ -397,8 +398,10 @@ class _JSON:
     """Reads a JSON value at a place in a text that may end anywhere, or turn out not to be JSON (then the value is
     left unfinished where it stopped being JSON: the finished reply will not parse, and nothing more streams)."""
 
-    def __init__(self, text: str):
-        self.s = text
+    def __init__(self, text: str, memo: dict[int, Any] | None = None):
+        # `memo` (the text only grows between reads): complete values by where they start, and where an unfinished
+        # string's scan stopped with what it decoded so far
+        self.s, self.memo = text, {} if memo is None else memo
 
     def skip(self, i: int) -> int:
         while i < len(self.s) and self.s[i] in " \t\n\r":
@@ -409,6 +412,14 @@ class _JSON:
         i = self.skip(i)
         if i >= len(self.s) or depth > MAX_DEPTH:
             return None
+        if isinstance(known := self.memo.get(i), _Node):
+            return known
+        node = self.read(i, depth)
+        if node is not None and node.done:
+            self.memo[i] = node
+        return node
+
+    def read(self, i: int, depth: int) -> _Node | None:
         c = self.s[i]
         if c == '"':
             return self.string(i)
@@ -427,7 +438,10 @@ class _JSON:
         return None
 
     def string(self, i: int) -> _Node:
-        node, j, out = _Node('"', i), i + 1, []
+        if isinstance(known := self.memo.get(i), _Node):
+            return known
+        node = _Node('"', i)
+        j, out = self.memo.get(i, (i + 1, []))  # where an earlier read of a shorter text stopped
         while j < len(self.s):
             c = self.s[j]
             if c == '"':
@@ -461,6 +475,7 @@ class _JSON:
             out.append(chr(code))
             j += 6
         node.text = "".join(out)
+        self.memo[i] = node if node.done else (j, [node.text])
         return node
 
     def container(self, i: int, depth: int) -> _Node:
