@@ -813,11 +813,11 @@ def reasoning_tokens(ctx: ServerContext, body: ChatRequest, answers: Sequence[ge
     for it; None elsewhere."""
     if think is None:
         return None
-    n = 0
+    n, skip = 0, gen.skipped(ctx, body)
     for h in answers:
         start = split(h.output.text, think, True)[2]
         cut = len(h.output.text) + 1 if start is None else start
-        n += sum(at < cut for at in gen.TokenOffsets(0, gen.skipped(ctx, body)).of(ctx, h.output.token_ids))
+        n += sum(at < cut for at in gen.TokenOffsets(0, skip).of(ctx, h.output.token_ids))
     return n
 
 
@@ -832,8 +832,7 @@ class ChoiceDeltas:
         # nothing to hold back or read: each piece is content as it comes (the text is not kept: a long reply's
         # joining had cost the event loop a copy of it a token)
         self.free = think is None and (mode is None or mode.choice == "none" or not mode.calls_in_text)
-        self.thought = split(sent, think, False)[1] if think is not None else 0  # the end of the reasoning sent
-        words = answer(sent, think, False)
+        _, self.thought, words = self.read(False)  # the end of the reasoning sent; the answer so far
         self.released = ready_words(words, mode)  # the answer's characters sent as content
         self.memo: dict[int, Any] = {}  # calls_ready's reading of the answer so far
         self.opened = calls_ready(words, mode, self.memo) if mode is not None else []  # its calls and arguments sent
@@ -844,12 +843,10 @@ class ChoiceDeltas:
             return ({"content": piece} if piece else {}), finish_reason
         self.text += piece
         done, d = finish_reason is not None, dict[str, Any]()
-        if self.think is not None:
-            start, end, _ = split(self.text, self.think, done)
-            if end > max(start, self.thought) and self.think.include:
-                d["reasoning_content"] = self.text[max(start, self.thought) : end]
-            self.thought = max(end, self.thought)
-        text = answer(self.text, self.think, done)
+        start, end, text = self.read(done)
+        if end > max(start, self.thought) and self.think is not None and self.think.include:
+            d["reasoning_content"] = self.text[max(start, self.thought) : end]
+        self.thought = max(end, self.thought)
         if not done:
             ready = ready_words(text, self.mode)
             if ready > self.released:
@@ -867,13 +864,13 @@ class ChoiceDeltas:
             d["tool_calls"] = deltas
         return d, finish_reason
 
-
-def answer(text: str, think: Thinking | None, done: bool) -> str:
-    """A reply's answer so far: all of it, or (a thinking model) what follows its reasoning ("" before that)."""
-    if think is None:
-        return text
-    start = split(text, think, done)[2]
-    return "" if start is None else text[start:]
+    def read(self, done: bool) -> tuple[int, int, str]:
+        """Where the reasoning lies in the text so far (`reasoning.split`; 0, 0 without it) and the answer after it
+        ("" while there is none yet)."""
+        if self.think is None:
+            return 0, 0, self.text
+        start, end, at = split(self.text, self.think, done)
+        return start, end, "" if at is None else self.text[at:]
 
 
 def ready_words(text: str, mode: ToolMode | None) -> int:

@@ -302,15 +302,16 @@ def calls_ready(text: str, mode: ToolMode, memo: dict[int, Any] | None = None) -
     `[TOOL_CALLS]` marker under `auto` (a bare JSON reply is held whole, as before: it may be a JSON answer). Depends
     only on the text, and each longer text extends what a shorter one gave, so a stream that moves to another server
     goes on from the same point. `memo`: kept by the caller across calls on one growing text, so a token's call reads
-    only what is new (a 17k-character argument had cost 0.6 ms a token to read again from its start)."""
+    only what is new: complete values, an unfinished string's scan and an unfinished container's complete items
+    are kept (read again from its start, a 16,941-character argument had cost 0.58 ms a token, 900 numbers 0.91 ms,
+    AMD EPYC Zen 4)."""
     if mode.choice == "none" or not mode.calls_in_text:
         return []
+    marker = None if mode.forced else next((m for m in MARKERS if m in text), None)  # Hermes first, as split_reply
     if mode.forced:
         starts = [0]
-    elif "<tool_call>" in text:
-        starts = [m.end() for m in re.finditer(re.escape("<tool_call>"), text)]
-    elif MISTRAL in text:
-        starts = [m.end() for m in re.finditer(re.escape(MISTRAL), text)]
+    elif marker is not None:
+        starts = [m.end() for m in re.finditer(re.escape(marker), text)]
     else:
         return []
     calls: list[tuple[str, str]] = []
@@ -334,7 +335,7 @@ def call_deltas(ready: list[tuple[str, str]], sent: list[tuple[str, str]],
     out: list[dict[str, Any]] = []
     for j, (name, args) in enumerate(ready):
         if j == len(sent):
-            call_id = ids[j] if ids else f"call_{secrets.token_hex(12)}"
+            call_id = ids[j] if ids else new_call_id()
             out.append({"index": j, "id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
             sent.append((name, args))
         elif sent[j][0] == name and args.startswith(sent[j][1]) and len(args) > len(sent[j][1]):
@@ -351,8 +352,10 @@ def _begun_call(text: str, node: _Node | None, mode: ToolMode) -> tuple[str, str
     if name is None or name.kind != '"' or not name.done or name.text not in mode.functions:
         return None
     if node.done:  # the whole call: its arguments as the finished reply's (a string of JSON, "parameters", none)
-        call = _call(json_or_none(text[node.start : node.end]), mode)
-        return (call["function"]["name"], call["function"]["arguments"]) if call else None
+        if node.call is None:  # read once (a complete node is kept in the stream's memo)
+            call = _call(json_or_none(text[node.start : node.end]), mode)
+            node.call = (call["function"]["name"], call["function"]["arguments"]) if call else ()
+        return node.call or None
     args = fields.get("arguments")
     return (name.text, args.canonical()) if args is not None and args.kind == "{" else None
 
@@ -369,9 +372,21 @@ class _Node:
     done: bool = False
     text: str = ""
     items: list[tuple[_Node | None, _Node | None]] = field(default_factory=list)
+    # a complete node's canonical text and, for a complete call object, its (name, arguments) (`()`: not a call),
+    # each worked out once: complete nodes stay in a stream's memo while the rest of the reply grows
+    written: str | None = None
+    call: tuple[str, str] | tuple[()] | None = None
 
     def canonical(self) -> str:
         """The start of `json.dumps(value, ensure_ascii=False)` that the text so far fixes (the whole when done)."""
+        if self.written is not None:
+            return self.written
+        text = self._canonical()
+        if self.done:
+            self.written = text
+        return text
+
+    def _canonical(self) -> str:
         if self.kind == '"':
             quoted = json.dumps(self.text, ensure_ascii=False)  # escapes character by character: prefix-safe
             return quoted if self.done else quoted[:-1]
@@ -480,33 +495,46 @@ class _JSON:
 
     def container(self, i: int, depth: int) -> _Node:
         node, close = _Node(self.s[i], i), "}" if self.s[i] == "{" else "]"
-        j = self.skip(i + 1)
-        if j < len(self.s) and self.s[j] == close:
-            node.done, node.end = True, j + 1
-            return node
+        saved = self.memo.get(i)
+        if isinstance(saved, tuple):  # an earlier read stopped inside it: its complete items stand
+            j, items = saved
+            node.items = list(items)
+        else:
+            j = self.skip(i + 1)
+            if j < len(self.s) and self.s[j] == close:
+                node.done, node.end = True, j + 1
+                return node
+        resume = self.items(node, j, close, depth)
+        if not node.done and len(node.items) > 1:  # read again from after its last complete item (the comma)
+            self.memo[i] = (resume, node.items[:-1])
+        return node
+
+    def items(self, node: _Node, j: int, close: str, depth: int) -> int:
+        """A container's items from `j` (after its opening or a comma) into `node.items`, node.done once it closes;
+        where the last item began."""
         while True:
-            key = None
+            top, key = j, None
             if node.kind == "{":
                 j = self.skip(j)
                 if j >= len(self.s) or self.s[j] != '"':
                     node.items.append((None, None))
-                    return node
+                    return top
                 key = self.string(j)
                 j = self.skip(key.end) if key.done else len(self.s)
                 if not key.done or j >= len(self.s) or self.s[j] != ":":
                     node.items.append((key, None))
-                    return node
+                    return top
                 j += 1
             value = self.value(j, depth + 1)
             node.items.append((key, value))
             if value is None or not value.done:
-                return node
+                return top
             j = self.skip(value.end)
             if j < len(self.s) and self.s[j] == close:
                 node.done, node.end = True, j + 1
-                return node
+                return top
             if j >= len(self.s) or self.s[j] != ",":
-                return node
+                return top
             j += 1
 
 
@@ -523,6 +551,10 @@ def _hex4(s: str, i: int) -> int | None:
     return int(digits, 16) if len(digits) == 4 and all(c in "0123456789abcdefABCDEF" for c in digits) else None
 
 
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
 def _call(x: Any, mode: ToolMode) -> dict[str, Any] | None:
     if not isinstance(x, dict) or x.get("name") not in mode.functions:
         return None
@@ -531,5 +563,5 @@ def _call(x: Any, mode: ToolMode) -> dict[str, Any] | None:
         args = json_or_none(args)
     if not isinstance(args, dict):
         return None
-    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+    return {"id": new_call_id(), "type": "function",
             "function": {"name": x["name"], "arguments": json.dumps(args, ensure_ascii=False)}}  # fmt: skip
