@@ -11,6 +11,7 @@ import torch
 
 from wkvm.models.rwkv7.checkpoint import CheckpointError, convert, read_checkpoint
 from wkvm.models.rwkv7.random_weights import RWKV7Shape, save_random_rwkv7
+from wkvm.weights.arena import gather_small
 from wkvm.weights.loader import load_model
 
 
@@ -43,6 +44,40 @@ def test_a_loaded_checkpoint_is_not_left_mapped(tmp_path, tiny_pth, dtype):
     reference = load_model(tiny_pth, dtype=dtype)
     ids = list(range(1, 9))
     assert torch.equal(model.prefill(ids)[0], reference.prefill(ids)[0])
+
+
+def test_small_weights_are_gathered_into_one_block_in_order():
+    """A quantized model's layer matrices are mostly under 2 MiB, below which torch allocates on 4 KiB pages: the
+    loader moves them into one block (on huge pages), in the order the layers read them. The values stay; a tensor
+    that is one object in two places stays one; tensors sharing a storage, views into a larger one, large tensors
+    and oneDNN's blocked ones stay where they are."""
+    g = torch.Generator().manual_seed(0)
+    layers = [{"norm": torch.randn(576, generator=g), "w": torch.randint(-128, 127, (960, 580), dtype=torch.int8),
+               "odd": torch.randn(3, 7, generator=g).to(torch.bfloat16)} for _ in range(6)]  # fmt: skip
+    tied = torch.randn(1000, 250, generator=g)  # 1 MB, in both places
+    shared = torch.randn(64, generator=g)
+    large = torch.randn(1024, 1024, generator=g)  # 4 MiB: on huge pages already
+    view = torch.randn(200, generator=g)[:100]  # the front of a larger storage
+    glob = {"emb": tied, "head": tied, "a": shared, "b": shared.view(8, 8), "large": large, "view": view,
+            "blocked": torch.randn(64, 64, generator=g).to_mkldnn()}  # fmt: skip
+    before = [{k: t.clone() if not t.is_mkldnn else t for k, t in part.items()} for part in [*layers, glob]]
+    kept = {k: glob[k].data_ptr() for k in ("a", "b", "large", "view")}
+    moved = gather_small([*layers, glob])
+    assert moved == sum(t.nbytes for part in layers for t in part.values()) + tied.nbytes
+    for part, old in zip([*layers, glob], before, strict=True):
+        for k, t in part.items():
+            assert t.dtype == old[k].dtype and t.shape == old[k].shape
+            if not t.is_mkldnn:
+                assert torch.equal(t, old[k]), k
+    block = layers[0]["norm"].untyped_storage().data_ptr()
+    ptrs = [t.data_ptr() for part in layers for t in part.values()] + [glob["emb"].data_ptr()]
+    assert all(t.untyped_storage().data_ptr() == block for part in layers for t in part.values())
+    assert ptrs == sorted(ptrs) and all(p % 64 == 0 for p in ptrs)
+    assert glob["emb"] is glob["head"] and glob["emb"].untyped_storage().data_ptr() == block
+    assert {k: glob[k].data_ptr() for k in kept} == kept and glob["blocked"].is_mkldnn
+    few = {"w": torch.randint(-128, 127, (100, 580), dtype=torch.int8)}  # 58 KB in all: no huge page to gain
+    ptr = few["w"].data_ptr()
+    assert gather_small([few]) == 0 and few["w"].data_ptr() == ptr
 
 
 def test_hf_layout_is_fla(tiny_hf):

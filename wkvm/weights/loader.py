@@ -30,6 +30,7 @@ from wkvm.models.fingerprint import fingerprint
 from wkvm.models.provider import ResidentWeights, Tensors
 from wkvm.progress import progress
 from wkvm.tokenizer import Tokenizer, load_tokenizer, read_json
+from wkvm.weights.arena import gather_small
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +194,7 @@ def build_resident(
               for i in progress(range(cfg.n_layer), "loading layers")]  # fmt: skip
     global_tensors = family.prepare_globals(checked, cfg, dtype, device)
     own_memory(raw, [*layers, global_tensors])
+    gather_small([*layers, global_tensors])
     return family.build(cfg, ResidentWeights(layers, global_tensors), fp, device)
 
 
