@@ -177,6 +177,28 @@ def test_the_responses_api_gives_the_reasoning_its_own_item(servers):
     assert done.text == raw
 
 
+def test_the_messages_api_gives_the_reasoning_a_thinking_block(servers):
+    """Anthropic's Messages API: the reasoning is a `thinking` block before the answer's, blocking and streamed
+    (`thinking_delta` as it comes); `thinking: {"type": "disabled"}` is the template's enable_thinking false."""
+    import anthropic
+
+    on, off = servers
+    url = str(on.base_url).removesuffix("/").removesuffix("/v1")
+    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    kw = dict(model="thinker", messages=[{"role": "user", "content": "Why?"}], max_tokens=30,
+              extra_body={"temperature": 0})  # fmt: skip
+    raw = off.chat.completions.create(model="thinker", messages=kw["messages"], max_tokens=30, temperature=0)
+    m = client.messages.create(**kw)
+    assert [b.type for b in m.content] == ["thinking"] and m.content[0].thinking == raw.choices[0].message.content
+    assert m.stop_reason == "max_tokens"
+    with client.messages.stream(**kw) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_message()
+    assert kinds.count("thinking") > 5 and final.content[0].thinking == m.content[0].thinking
+    plain = client.messages.create(**kw, thinking={"type": "disabled"})
+    assert [b.type for b in plain.content] == ["text"]
+
+
 def test_reasoning_tokens_are_those_before_the_answer():
     """`completion_tokens_details.reasoning_tokens`: the tokens that begin before the answer (the `</think>` tag's
     included), whatever the token boundaries."""

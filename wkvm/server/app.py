@@ -15,7 +15,14 @@ from prometheus_client import generate_latest
 
 from wkvm import __version__
 from wkvm.config import ServerConfig
-from wkvm.server import embeddings_routes, openai_routes, responses_routes, states_routes, tokenize_routes
+from wkvm.server import (
+    embeddings_routes,
+    messages_routes,
+    openai_routes,
+    responses_routes,
+    states_routes,
+    tokenize_routes,
+)
 from wkvm.server.asgi import ApiKeyGate, BodyLimit, RequestMetrics, add_cors, add_host_check
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import error_body, install_error_handlers
@@ -113,6 +120,7 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
 
     app.include_router(openai_routes.router(ctx, auth))
     app.include_router(responses_routes.router(ctx, auth))
+    app.include_router(messages_routes.router(ctx, auth))
     app.include_router(states_routes.router(ctx, auth))
     app.include_router(embeddings_routes.router(ctx, auth))
     app.include_router(tokenize_routes.router(ctx, auth))

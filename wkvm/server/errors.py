@@ -1,4 +1,6 @@
-"""OpenAI-shaped errors: every failure is `{"error": {"message", "type", "param", "code"}}` with a 4xx status."""
+"""OpenAI-shaped errors: every failure is `{"error": {"message", "type", "param", "code"}}` with a 4xx status, and
+`"type": "error"` beside it, which makes the same body Anthropic's shape too (its clients read `error.type` and
+`error.message`; the types below are the names both APIs use)."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     kind = TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")  # api_error: OpenAI's 5xx
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"type": "error", "error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,

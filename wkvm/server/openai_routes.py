@@ -434,10 +434,13 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
     return r
 
 
-async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Request,
-                          movable: bool = True) -> dict[str, Any] | Response:  # fmt: skip
+async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Request, movable: bool = True,
+                          started: Callable[[int, dict[str, Any]], object] | None = None,
+                          ) -> dict[str, Any] | Response:  # fmt: skip
     """A chat completion: the answer, or its SSE stream. `movable`: a stream that may move to another server (the
-    Responses API, which re-shapes this stream, passes False: its events cannot be handed over yet)."""
+    Responses and Messages APIs, which re-shape this stream, pass False: their events cannot be handed over yet).
+    `started`: told the prompt's token count and its reuse (the `wkvm` object) once the request has started (the
+    Messages stream's first event carries them)."""
     ctx.require_ready()
     tenant = ctx.tenant(request)
     check_model(ctx, body.model)
@@ -494,6 +497,8 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
     else:
         ((plan, handles),) = await gen.unless_gone(request, start_all(ctx, tenant, [prompt_ids], body, params, chat))
         rid, created = gen.new_id("chatcmpl"), int(time.time())
+    if started is not None:
+        started(len(prompt_ids), plan.info)
     base = {"id": rid, "created": created, "model": ctx.model_name, "system_fingerprint": ctx.system_fingerprint}
     live = live_stream(tenant, body, [(plan, handles)], rid, created, moved)
     if not movable:

@@ -208,6 +208,34 @@ class ChatRequest(SamplingFields):
     save_state: str | None = None
 
 
+class MessagesCountRequest(RequestBody):
+    """Anthropic's /v1/messages/count_tokens: a Messages request's prompt (messages_routes.py reads the blocks one by
+    one, naming the wrong one)."""
+
+    model: str
+    messages: list[Any] = Field(min_length=1, max_length=MAX_MESSAGES)
+    system: str | list[Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # its `format` (a JSON schema) is read; `effort` is not
+    output_format: dict[str, Any] | None = None  # the same format, as the structured outputs beta named it
+
+
+class MessagesRequest(MessagesCountRequest):
+    """Anthropic's Messages API (POST /v1/messages). Its ranges: temperature 0-1, top_p (0, 1] (the sampling
+    fields older clients send; Anthropic's newer SDKs no longer offer them)."""
+
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    metadata: dict[str, Any] | None = None
+    seed: int | None = None  # wkvm's (as the chat's): the same request samples the same reply
+
+
 class TokenizeRequest(RequestBody):
     """vLLM's /tokenize: a completion prompt, or chat messages (with the tools they offer) as the template renders
     them."""
