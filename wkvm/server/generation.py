@@ -382,6 +382,16 @@ def sse(obj: dict[str, Any] | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
+async def sse_objects(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
+    """The objects a stream's `sse` lines carry, up to `[DONE]` (the Responses and Messages APIs re-shape the chat's
+    stream from them)."""
+    async for line in lines:
+        data = line.removeprefix("data: ").strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 class Answer(Protocol):
     """What an answer is built from: a request's handle, or a choice that finished on a server it moved from."""
 

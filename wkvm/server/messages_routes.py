@@ -397,11 +397,7 @@ async def stream_events(shell: dict[str, Any], prompt: tuple[int, int], chunks: 
     s = BlockStream()
     finish_reason, matched, usage, error = None, None, None, None
     try:
-        async for line in chunks:
-            data = line.removeprefix("data: ").strip()
-            if data == "[DONE]":
-                break
-            obj = json.loads(data)
+        async for obj in gen.sse_objects(chunks):
             if "error" in obj:
                 error = obj["error"]
                 break

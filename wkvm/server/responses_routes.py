@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from wkvm.chat_template import json_or_none
+from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError
 from wkvm.server.openai_routes import chat_completion, check_model
@@ -590,11 +591,7 @@ async def events(ctx: ServerContext, tenant: str, body: ResponsesRequest, shell:
     pending: list[dict[str, Any]] = []  # logprobs of tokens whose text is held back (or that are a call's)
     only_calls, reasoned = forced(body), False
     try:
-        async for line in chunks:
-            data = line.removeprefix("data: ").strip()
-            if data == "[DONE]":
-                break
-            obj = json.loads(data)
+        async for obj in gen.sse_objects(chunks):
             if "error" in obj:
                 error = obj["error"]
                 break
