@@ -175,6 +175,23 @@ def test_prompts_route_by_how_they_start():
     assert key({"prompt": "short"}, "/v1/completions") is None
 
 
+def test_anthropic_messages_route_by_user_id_or_how_they_start():
+    """/v1/messages (Anthropic's API) routes as chat does: by `metadata.user_id`, else by its system prompt or
+    first message, so a conversation's next turn finds its parked state."""
+    def key(tenant: str, body: dict) -> str | None:
+        return route_key(tenant, req("POST", "/v1/messages", body)).key
+
+    first = [{"role": "user", "content": "Hello"}]
+    later = [*first, {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "More"}]
+    user = {"metadata": {"user_id": "bob"}}
+    assert key("t", {"messages": first, **user}) == key("t", {"messages": later, **user})
+    assert key("t", {"messages": first, **user}) != key("u", {"messages": first, **user})  # per API key
+    assert key("t", {"messages": first, **user}).startswith("session:")
+    assert key("t", {"messages": first}) == key("t", {"messages": later}) != key("t", {"messages": later[2:]})
+    assert key("t", {"messages": first, "system": "Be brief."}) == key("t", {"messages": later, "system": "Be brief."})
+    assert key("t", {"messages": first}).startswith("prefix:") and key("t", {"messages": "odd"}) is None
+
+
 def test_a_forwarded_request_streams_through_the_app_and_sees_its_client_leave():
     app = FastAPI()
     left = asyncio.Event()

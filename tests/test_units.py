@@ -393,6 +393,14 @@ def test_an_unhandled_error_is_logged_once_with_the_id_its_500_names(caplog):
 
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
+    @app.post("/v1/messages")  # Anthropic's stream: its SDK raises on a named `error` event; no [DONE]
+    def cut_messages() -> StreamingResponse:
+        def chunks():
+            yield "event: message_start\ndata: {}\n\n"
+            raise ValueError("mid-messages")
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
     @app.post("/cut-bytes")
     def cut_bytes() -> StreamingResponse:
         def chunks():
@@ -414,11 +422,16 @@ def test_an_unhandled_error_is_logged_once_with_the_id_its_500_names(caplog):
         error = json.loads(last.removeprefix("data: "))["error"]
         ref = re.search(r"error id ([0-9a-f]{12})", error["message"]).group(1)
         assert error["code"] == "internal_error" and ref in caplog.records[-1].getMessage()
+        r = client.post("/v1/messages")
+        first, last = r.text.removesuffix("\n\n").split("\n\n")
+        kind, data = last.split("\n")
+        assert kind == "event: error" and json.loads(data.removeprefix("data: "))["type"] == "error", r.text
         sent: list[dict] = []
         asyncio.run(cut_off(app, sent))
         assert [m.get("more_body") for m in sent if m["type"] == "http.response.body"][-1] is True  # left unended
-    assert "ValueError" in caplog.text and len(caplog.records) == 3, caplog.text
-    assert counted == [("/boom", 500), ("/cut", 200), ("/cut-bytes", 200)] and told == [], (counted, told)
+    assert "ValueError" in caplog.text and len(caplog.records) == 4, caplog.text
+    assert counted == [("/boom", 500), ("/cut", 200), ("/v1/messages", 200), ("/cut-bytes", 200)] and told == [], (
+        counted, told)
 
 
 async def cut_off(app, sent: list[dict]) -> None:

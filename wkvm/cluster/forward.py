@@ -24,7 +24,8 @@ from wkvm.state.statefile import metadata
 
 STATES = "/v1/states"
 RESPONSES = "/v1/responses"
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", RESPONSES)
+MESSAGES = "/v1/messages"  # Anthropic's Messages API
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", RESPONSES, MESSAGES)
 MISROUTED = 0  # the status of a Head that says "not the replica you asked for": ask the directory again
 # the status of the Head a strict call's replica yields first when it is the one asked for: the answer's own head
 # follows, however long it takes (a request answered whole sends its head with the answer; the front's wait for a
@@ -172,7 +173,8 @@ def state_key(tenant: str, handle: str) -> str:
 
 def route_key(tenant: str, req: ForwardedRequest) -> RouteKey:
     """A named state's owner for the Durable State API and for generation from or into a named state; the chat
-    session's owner for Open WebUI's chat id (per user) or the OpenAI `user` field; a stored Responses API response's
+    session's owner for Open WebUI's chat id (per user) or the OpenAI `user` field (Anthropic's `metadata.user_id`);
+    a stored Responses API response's
     replica for a request that reads it or continues it (`previous_response_id`); else the replica that answered
     the same prompt start before (`prefix_text`: its checkpoints are there); any replica otherwise."""
     path = req.path.rstrip("/")
@@ -203,7 +205,8 @@ def route_key(tenant: str, req: ForwardedRequest) -> RouteKey:
         chat = dict(req.headers).get(b"x-openwebui-chat-id")
         if chat:
             return RouteKey("session:" + _digest(tenant, chat.decode("latin-1")))
-        user = body.get("user")
+        metadata = body.get("metadata") if path == MESSAGES else None  # Anthropic's user is metadata.user_id
+        user = metadata.get("user_id") if isinstance(metadata, dict) else body.get("user")
         if isinstance(user, str) and user:
             return RouteKey("session:" + _digest(tenant, "user", user))
         prefix = prefix_text(path, body)
@@ -262,6 +265,10 @@ def prefix_text(path: str, body: dict[str, Any]) -> str | None:
     """What a request's prompt starts with, for routing it where a checkpoint of that start may be: a chat's
     leading system messages (shared by many conversations) or else its first message (shared by every later turn of
     one conversation); a completion prompt's first PREFIX_CHARS characters. None when too short to be worth it."""
+    if path == MESSAGES:  # its system prompt, else its first message
+        system, given = body.get("system"), body.get("messages")
+        lead = ["system", system] if system else given[0] if isinstance(given, list) and given else None
+        return json.dumps(lead, sort_keys=True) if lead else None
     if path == "/v1/chat/completions":
         given = body.get("messages")  # a replica answers a wrong type with its 400 (it had failed the front: 503)
         messages = [m for m in given if isinstance(m, dict)] if isinstance(given, list) else []

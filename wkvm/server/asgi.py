@@ -305,9 +305,13 @@ class RequestMetrics:
                           type(e).__name__, ref)  # fmt: skip
             message = f"internal error: {type(e).__name__} (a bug; error id {ref} in the server's log)"
             if started and not ended and events:  # an event stream cut off by a bug: its last event says so, as
-                error = {"error": {"message": message, "type": "server_error", "param": None, "code": "internal_error"}}
+                error = {"type": "error", "error": {"message": message, "type": "server_error", "param": None,
+                                                    "code": "internal_error"}}  # fmt: skip
                 body = f"data: {json.dumps(error)}\n\n".encode()  # vLLM's do (the openai SDK raises on it)
-                if not str(scope.get("path", "")).startswith("/v1/responses"):  # Responses streams send no [DONE]
+                path = str(scope.get("path", ""))
+                if path.startswith("/v1/messages"):  # Anthropic's SDK raises on a named `error` event
+                    body = b"event: error\n" + body
+                elif not path.startswith("/v1/responses"):  # Responses and Messages streams send no [DONE]
                     body += b"data: [DONE]\n\n"  # every other stream ends so, an error event or not
                 await send({"type": "http.response.body", "body": body, "more_body": False})
             elif not started:
