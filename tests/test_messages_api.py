@@ -115,6 +115,18 @@ def test_a_conversation_reuses_its_parked_state_per_api_key(server):
     assert other.usage.cache_read_input_tokens == 0 and other.content == second.content  # key-b sees none of key-a's
 
 
+def test_max_tokens_past_the_server_s_limit_runs_to_the_limit(char_model):
+    """Clients send their model's ceiling as the required max_tokens (Claude Code 32,000): not a 400 here, as the
+    chat's would be, but the server's limit."""
+    with LiveServer(model=str(char_model), slots=2, max_tokens_limit=6) as s:
+        # streamed: the SDK refuses to wait for a request this long whole
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "Go"}], max_tokens=32000,
+                  extra_body={"temperature": 0})  # fmt: skip
+        with client(s).messages.stream(**kw) as stream:
+            m = stream.get_final_message()
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 6
+
+
 def test_a_prefill_goes_on_from_the_assistant_s_text(server):
     messages = [{"role": "user", "content": "Say more"}, {"role": "assistant", "content": "Well,"}]
     m = client(server).messages.create(model=MODEL, messages=messages, **GREEDY)

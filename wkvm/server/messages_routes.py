@@ -45,7 +45,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         ctx.require_ready()
         check_model(ctx, body.model)
         messages, prefill = conversation(body.system, body.messages)
-        chat = chat_request(body, messages, prefill)
+        chat = chat_request(body, messages, prefill, ctx.config.max_tokens_limit)
         started: dict[str, Any] = {}
         try:
             out = await chat_completion(ctx, chat, request, movable=False,
@@ -293,13 +293,16 @@ def chat_request_messages(messages: list[dict[str, Any]]) -> list[Any]:
     return ChatRequest.model_validate({"messages": messages}).messages
 
 
-def chat_request(body: MessagesRequest, messages: list[dict[str, Any]], prefill: bool) -> ChatRequest:
+def chat_request(body: MessagesRequest, messages: list[dict[str, Any]], prefill: bool, limit: int) -> ChatRequest:
+    """The chat completion a Messages request runs. Its max_tokens is required, so clients send their model's
+    ceiling (Claude Code 32,000 or more): past this server's --max-tokens-limit it is that limit, not a 400 (as
+    llama-server takes any; a reply that reaches it ends with stop_reason max_tokens)."""
     tools = chat_tools(body.tools)
     choice = chat_tool_choice(body.tool_choice)
     d: dict[str, Any] = {
         "messages": messages, "stream": body.stream, "stream_options": {"include_usage": True} if body.stream else None,
-        "max_completion_tokens": body.max_tokens, "stop": body.stop_sequences, "tools": tools, "tool_choice": choice,
-        "add_generation_prompt": not prefill, "continue_final_message": prefill,
+        "max_completion_tokens": min(body.max_tokens, limit), "stop": body.stop_sequences, "tools": tools,
+        "tool_choice": choice, "add_generation_prompt": not prefill, "continue_final_message": prefill,
         "chat_template_kwargs": template_kwargs(body.thinking), "response_format": response_format(body),
     }  # fmt: skip
     if body.tool_choice is not None and body.tool_choice.get("disable_parallel_tool_use") is True:
