@@ -186,3 +186,12 @@ def test_the_key_is_checked_and_errors_read_as_anthropic_s(server):
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
     with pytest.raises(anthropic.NotFoundError):  # another model's name: 404, as OpenAI's routes answer it
         client(server).messages.create(model="claude-x", messages=[{"role": "user", "content": "a"}], max_tokens=2)
+
+
+def test_anthropic_s_sdk_lists_and_retrieves_the_model(server):
+    """/v1/models carries Anthropic's fields beside OpenAI's (Claude Code lists models through it)."""
+    page = client(server).models.list()
+    assert [m.id for m in page.data] == [MODEL] and page.has_more is False and page.first_id == MODEL
+    one = client(server).models.retrieve(MODEL)
+    assert one.type == "model" and one.display_name == MODEL and one.created_at.year >= 2026
+    assert openai.OpenAI(base_url=f"{server.url}/v1", api_key="key-a").models.list().data[0].owned_by == "wkvm"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import time
@@ -316,20 +317,21 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
     r = APIRouter(dependencies=[auth])
 
     def model_card() -> dict[str, Any]:
-        return {"id": ctx.model_name, "object": "model", "created": ctx.model_created, "owned_by": "wkvm",
-                "root": ctx.config.model, "family": ctx.model.spec.family,
-                "max_model_len": ctx.model.context_limit}  # fmt: skip
+        return card(ctx.model_name, ctx.model_created, root=ctx.config.model, family=ctx.model.spec.family,
+                    max_model_len=ctx.model.context_limit)  # fmt: skip
 
     def embedding_card() -> list[dict[str, Any]]:
         e = ctx.embedder
-        return [] if e is None else [{"id": e.name, "object": "model", "created": int(ctx.started_at),
-                                      "owned_by": "wkvm", "root": ctx.config.embeddings, "family": "embedding",
-                                      "dimensions": e.dimensions, "max_model_len": e.max_tokens}]  # fmt: skip
+        return [] if e is None else [card(e.name, int(ctx.started_at), root=ctx.config.embeddings, family="embedding",
+                                          dimensions=e.dimensions, max_model_len=e.max_tokens)]  # fmt: skip
 
     @r.get("/v1/models")
     def models() -> dict[str, Any]:
         ctx.require_ready(generative=False)
-        return {"object": "list", "data": [*([model_card()] if ctx.generative else []), *embedding_card()]}
+        data = [*([model_card()] if ctx.generative else []), *embedding_card()]
+        # Anthropic's list fields beside OpenAI's (its SDK and Claude Code read these)
+        ends = {"first_id": data[0]["id"], "last_id": data[-1]["id"]} if data else {"first_id": None, "last_id": None}
+        return {"object": "list", "data": data, "has_more": False, **ends}
 
     @r.get("/v1/models/{model_id:path}")
     def model(model_id: str) -> dict[str, Any]:
@@ -534,6 +536,14 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
         return out
 
     return await run_in_threadpool(answer)
+
+
+def card(name: str, created: int, **more: Any) -> dict[str, Any]:
+    """A model's entry in /v1/models: OpenAI's fields, Anthropic's (`type`, `display_name`, `created_at`), then
+    wkvm's (`more`)."""
+    at = datetime.datetime.fromtimestamp(created, datetime.UTC).isoformat().replace("+00:00", "Z")
+    return {"id": name, "object": "model", "created": created, "owned_by": "wkvm", "type": "model",
+            "display_name": name, "created_at": at, **more}  # fmt: skip
 
 
 def check_echo(body: CompletionRequest) -> None:
