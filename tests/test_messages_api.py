@@ -170,6 +170,11 @@ def test_a_json_schema_output_format_is_followed(server):
     ({"messages": [{"role": "user", "content": "a"}], "tool_choice": {"type": "whichever"}, "tools": [WEATHER]},
      "tool_choice"),
     ({"messages": [{"role": "user", "content": "a"}], "max_tokens": 0}, "max_tokens"),
+    # the chat's own checks, named as the Messages request names the fields
+    ({"messages": [{"role": "user", "content": "a"}], "tools": [{"name": "a b", "input_schema": {}}]}, "tools[0].name"),
+    ({"messages": [{"role": "user", "content": "a"}], "stop_sequences": [""]}, "stop_sequences"),
+    ({"messages": [{"role": "user", "content": "a"}],
+      "output_config": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}}, "output_config.format"),
 ])  # fmt: skip
 def test_bad_requests_are_400s_in_anthropic_s_shape_naming_the_field(server, body, param):
     r = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": "key-a"},

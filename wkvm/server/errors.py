@@ -94,9 +94,12 @@ def _union_error(errors: Sequence[Any]) -> tuple[str, str] | None:
 
 
 def prompt_field(path: str) -> str:
-    """The request field whose tokens a route feeds: `messages` (chat), `input` (Responses), else `prompt`."""
+    """The request field whose tokens a route feeds: `messages` (chat, Anthropic's Messages), `input` (Responses),
+    else `prompt`."""
     path = path.rstrip("/")
-    return "messages" if path.endswith("/chat/completions") else "input" if path.endswith("/responses") else "prompt"
+    if path.endswith(("/chat/completions", "/v1/messages")):
+        return "messages"
+    return "input" if path.endswith("/responses") else "prompt"
 
 
 def prefill_failed(e: PrefillFailed) -> JSONResponse:

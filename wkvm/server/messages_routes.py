@@ -33,8 +33,10 @@ from wkvm.server.tools import tool_mode
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}  # "stop": end_turn, stop_sequence or tool_use
 # the chat's fields as a Messages request names them (in an error's param and message); a quoted value (a user's
 # tool or property name) first, so that it is kept as it is
-FIELDS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "chat_template_kwargs": "thinking"}
-CHAT_WORDS = re.compile(r"'[^']*'|\b(max_completion_tokens|chat_template_kwargs)\b|\bstop(?=[:\[.]|$)")
+FIELDS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "chat_template_kwargs": "thinking",
+          "response_format": "output_config.format", ".function.parameters": ".input_schema", ".function.": "."}
+CHAT_WORDS = re.compile(r"'[^']*'|\b(max_completion_tokens|chat_template_kwargs|response_format)\b|^stop\b|"
+                        r"\bstop(?=[:\[.]|$)|(?<=\])\.function\.parameters\b|(?<=\])\.function\.")
 
 
 def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
