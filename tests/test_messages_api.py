@@ -127,6 +127,16 @@ def test_max_tokens_past_the_server_s_limit_runs_to_the_limit(char_model):
     assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 6
 
 
+def test_a_system_message_among_the_turns_stays_where_it_is(server):
+    """The API's system role in `messages` (Claude Code sends one after its first user message)."""
+    turns = [{"role": "user", "content": "Hi"}, {"role": "system", "content": [{"type": "text", "text": "Be kind."}]},
+             {"role": "user", "content": "Go"}]  # fmt: skip
+    m = client(server).messages.create(model=MODEL, messages=turns, **GREEDY)
+    c = chat(server, [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Be kind."},
+                      {"role": "user", "content": "Go"}], "o7")  # fmt: skip
+    assert text_of(m) == c.choices[0].message.content
+
+
 def test_a_prefill_goes_on_from_the_assistant_s_text(server):
     messages = [{"role": "user", "content": "Say more"}, {"role": "assistant", "content": "Well,"}]
     m = client(server).messages.create(model=MODEL, messages=messages, **GREEDY)
@@ -153,7 +163,8 @@ def test_a_json_schema_output_format_is_followed(server):
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "system", "content": [{"type": "image"}]}]}, "messages[0].content[0].type"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}]},
      "messages[0].content[0].tool_use_id"),

@@ -119,17 +119,21 @@ def text_blocks(content: Any, where: str) -> str:
 
 def conversation(system: Any, messages: list[Any]) -> tuple[list[dict[str, Any]], bool]:
     """The request as chat messages, and whether the last is an assistant's text for the reply to go on from (a
-    prefill). Consecutive messages of one role are one turn, as Anthropic reads them; every `tool_use` needs its
-    `tool_result` in the user message right after it, and every result a call before it, as Anthropic checks."""
+    prefill). A system message among them stays where it is. Consecutive messages of one role are one turn, as
+    Anthropic reads them; every `tool_use` needs its `tool_result` in the user message right after it, and every
+    result a call before it, as Anthropic checks."""
     out: list[dict[str, Any]] = [{"role": "system", "content": text_blocks(system, "system")}] if system else []
     pending: dict[str, str] = {}  # the calls of the assistant message before: id -> where
     answered: set[str] = set()
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         role = m.get("role") if isinstance(m, dict) else None
-        if role not in ("user", "assistant"):
-            raise APIError(400, f"{where}.role must be 'user' or 'assistant' (got {role!r}); a system prompt goes in "
-                           "the top-level system field", f"{where}.role", "invalid_value")  # fmt: skip
+        if role not in ("user", "assistant", "system"):
+            raise APIError(400, f"{where}.role must be 'user', 'assistant' or 'system' (got {role!r})",
+                           f"{where}.role", "invalid_value")  # fmt: skip
+        if role == "system":  # a system message among the turns (Claude Code sends one): text only
+            add_turn(out, "system", text_blocks(m.get("content"), f"{where}.content"))
+            continue
         content = m.get("content")
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
