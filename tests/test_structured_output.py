@@ -423,10 +423,14 @@ STRUCTURED = [
     ({"json": json.dumps(SCHEMAS["numbers"])}, lambda t: valid_json(t, SCHEMAS["numbers"])),
     ({"grammar": 'start: "id" NUM ("," "id" NUM)?\nNUM: /[0-9]{2}/'},
      lambda t: re.fullmatch(r"id[0-9]{2}(,id[0-9]{2})?", t) is not None),
+    # GBNF, as llama.cpp and vLLM's default xgrammar backend read grammars (llguidance's converter)
+    ({"grammar": 'root ::= "id" num ("," "id" num)?\nnum ::= [0-9] [0-9]'},
+     lambda t: re.fullmatch(r"id[0-9]{2}(,id[0-9]{2})?", t) is not None),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("structured", "valid"), STRUCTURED, ids=["choice", "regex", "json", "json_text", "lark"])
+@pytest.mark.parametrize(("structured", "valid"), STRUCTURED,
+                         ids=["choice", "regex", "json", "json_text", "lark", "gbnf"])  # fmt: skip
 def test_structured_outputs_every_sampled_reply_matches(char, structured, valid):
     """vLLM's structured_outputs (choice, regex, JSON schema as an object or text, Lark grammar) through the same
     grammar mask as response_format: every sampled reply of a random model matches and ends when it is complete."""
@@ -443,7 +447,8 @@ def test_structured_outputs_every_sampled_reply_matches(char, structured, valid)
 def test_structured_outputs_over_http_and_its_old_names(server):
     url = f"{server.url}/v1/completions"
     base = {"prompt": "Pick", "max_tokens": 50, "seed": 3}
-    for extra in ({"structured_outputs": {"choice": ["yes", "no"]}}, {"guided_choice": ["yes", "no"]}):
+    for extra in ({"structured_outputs": {"choice": ["yes", "no"]}}, {"guided_choice": ["yes", "no"]},
+                  {"grammar": 'root ::= "yes" | "no"'}):  # llama-server's field, a GBNF grammar
         r = httpx.post(url, json={**base, **extra}, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text
     chat = {"messages": [{"role": "user", "content": "Code?"}], "max_tokens": 50, "seed": 5, "guided_regex": "[0-9]{4}"}
@@ -459,6 +464,8 @@ def test_structured_outputs_over_http_and_its_old_names(server):
                 {"structured_outputs": {"json": "{not json"}},
                 {"structured_outputs": {"choice": ["a"]}, "guided_regex": "b"},
                 {"structured_outputs": {"json_object": False}}, {"guided_json_object": True, "guided_regex": "b"},
+                {"structured_outputs": {"grammar": "root ::= undefined"}}, {"grammar": 'start ::= "a"'},
+                {"structured_outputs": {"grammar": "root ::= " + "(" * 3000 + '"a"' + ")" * 3000}},
                 {"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}):  # fmt: skip
         r = httpx.post(url, json={**base, **bad}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", (bad, r.text)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import llguidance
+from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # declared in the stub only
@@ -224,7 +225,7 @@ class SamplingParams:
             else:
                 ok = isinstance(value, str) and 0 < len(value) <= MAX_GRAMMAR_CHARS
                 _check(ok, name, f"{kind}: a non-empty string of at most {MAX_GRAMMAR_CHARS:,} characters")
-                grammar = M.grammar_from_regex(value) if kind == "regex" else M.grammar_from_lark(value)
+                grammar = M.grammar_from_regex(value) if kind == "regex" else M.grammar_from_lark(lark_of(value))
         except InvalidParam:
             raise
         except (TypeError, ValueError) as e:
@@ -241,6 +242,19 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+def lark_of(grammar: str) -> str:
+    """A grammar as llguidance's Lark: a GBNF one (llama.cpp's, and what vLLM's default xgrammar backend reads: rules
+    `name ::= ...` from `root`) is converted with llguidance's own converter; Lark passes as it is."""
+    if "::=" not in grammar or is_lark_syntax(grammar):
+        return grammar
+    try:
+        return gbnf_to_lark(grammar)
+    except RecursionError:
+        raise InvalidParam("structured_outputs", "structured_outputs: the GBNF grammar nests too deep") from None
+    except Exception as e:  # the converter raises plain Exceptions ("No 'root' rule found", "Rule 'x' not found")
+        raise InvalidParam("structured_outputs", f"structured_outputs: the GBNF grammar does not read: {e}") from None
 
 
 # where a JSON schema holds subschemas: maps of them, lists of them, or one (or, for items, a list)

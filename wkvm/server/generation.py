@@ -228,11 +228,15 @@ async def check_grammar(ctx: ServerContext, sp: SamplingParams, param: str | Non
 
 def structured_outputs(body: SamplingFields) -> dict[str, Any] | None:
     """vLLM's structured_outputs, or its older guided_json / guided_regex / guided_choice / guided_grammar /
-    guided_json_object."""
+    guided_json_object, or llama-server's grammar."""
     legacy = {kind: v for kind in STRUCTURED_KINDS if (v := getattr(body, f"guided_{kind}")) is not None}
+    if body.grammar is not None:  # llama-server's field
+        if legacy:
+            raise APIError(400, "give grammar or the guided_* fields, not both", "grammar", "invalid_value")
+        legacy = {"grammar": body.grammar}
     if legacy and body.structured_outputs is not None:
-        raise APIError(400, "give structured_outputs or the guided_* fields, not both", "structured_outputs",
-                       "invalid_value")  # fmt: skip
+        raise APIError(400, "give structured_outputs, the guided_* fields or grammar, not two of them",
+                       "structured_outputs", "invalid_value")  # fmt: skip
     return body.structured_outputs.as_dict() if body.structured_outputs is not None else legacy or None
 
 

@@ -111,7 +111,7 @@ class StructuredOutputs(NotedBody):
     json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")  # `json` would shadow BaseModel's
     regex: str | None = None
     choice: list[str] | None = None
-    grammar: str | None = None  # Lark, as llguidance reads it (vLLM's guidance backend)
+    grammar: str | None = None  # Lark (vLLM's guidance backend) or GBNF (llama.cpp's, vLLM's xgrammar backend)
     json_object: bool | None = None  # true: any JSON object (response_format json_object)
 
     def as_dict(self) -> dict[str, Any]:
@@ -148,6 +148,7 @@ class SamplingFields(RequestBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_json_object: bool | None = None
+    grammar: str | None = None  # llama-server's: a GBNF (or Lark) grammar, structured_outputs' grammar kind
     include_stop_str_in_output: bool = False  # vLLM's
     # vLLM's; at most 2^18 ids (a vocabulary as large as Gemma 3's): 2^20 had taken ~1 s of the event loop to check
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=1 << 18)
