@@ -18,6 +18,7 @@ from wkvm.config import ServerConfig
 from wkvm.server import (
     embeddings_routes,
     messages_routes,
+    ollama_routes,
     openai_routes,
     responses_routes,
     states_routes,
@@ -121,6 +122,7 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
     app.include_router(openai_routes.router(ctx, auth))
     app.include_router(responses_routes.router(ctx, auth))
     app.include_router(messages_routes.router(ctx, auth))
+    app.include_router(ollama_routes.router(ctx, auth))
     app.include_router(states_routes.router(ctx, auth))
     app.include_router(embeddings_routes.router(ctx, auth))
     app.include_router(tokenize_routes.router(ctx, auth))

@@ -237,6 +237,48 @@ class MessagesRequest(MessagesCountRequest):
     seed: int | None = None  # wkvm's (as the chat's): the same request samples the same reply
 
 
+class OllamaModelRequest(RequestBody):
+    """Ollama's /api/show."""
+
+    model: str = Field(min_length=1)
+
+
+class OllamaOptions(RequestBody):
+    """Ollama's body fields every generation route shares (ollama_routes.py reads `options` key by key)."""
+
+    model: str = Field(min_length=1)
+    format: str | dict[str, Any] | None = None  # "json", or a JSON schema
+    options: dict[str, Any] | None = None
+    stream: bool = True  # Ollama streams unless told not to
+    think: bool | str | None = None  # a thinking template's enable_thinking ("low" / "medium" / "high": on)
+    keep_alive: str | int | float | None = None  # read and ignored: the model stays loaded
+
+
+class OllamaChatRequest(OllamaOptions):
+    messages: list[Any] = Field(default_factory=list, max_length=MAX_MESSAGES)
+    tools: list[Any] | None = None
+
+
+class OllamaGenerateRequest(OllamaOptions):
+    prompt: str = ""
+    system: str | None = None
+    images: list[Any] | None = None
+    # Ollama's, refused: a raw prompt, fill-in-the-middle, a per-request template, the old token context
+    raw: bool = False
+    suffix: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+
+
+class OllamaEmbedRequest(RequestBody):
+    model: str | None = None
+    input: str | list[str]
+    truncate: bool = True
+    dimensions: int | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None
+
+
 class TokenizeRequest(RequestBody):
     """vLLM's /tokenize: a completion prompt, or chat messages (with the tools they offer) as the template renders
     them."""

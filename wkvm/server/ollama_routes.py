@@ -1,0 +1,318 @@
+"""Ollama's API: /api/chat and /api/generate (NDJSON streams by default), /api/tags, /api/show, /api/ps,
+/api/version, /api/embed.
+
+For the many desktop apps and plugins that speak only Ollama's API. A request runs as a chat completion
+(`openai_routes.chat_completion`), as the Responses and Messages APIs do: Ollama's messages (`images` refused, an
+assistant's `tool_calls` with object arguments, `tool` results matched to their call by `tool_name`), `options`
+(temperature, top_p, top_k, min_p, seed, num_predict, stop, repeat_penalty, presence and frequency penalties),
+`format` ("json" or a JSON schema) and `think` become the chat's fields; the answer (or its chunks) comes back in
+Ollama's shape, with its counts and durations (measured here, in nanoseconds). So chat reuse holds: a conversation
+resent whole resumes its parked state when the tokens match exactly. docs/http-api.md lists what is read.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request, params
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+
+from wkvm import __version__
+from wkvm.chat_template import json_or_none
+from wkvm.server import generation as gen
+from wkvm.server.context import ServerContext
+from wkvm.server.embeddings_routes import embed
+from wkvm.server.errors import APIError
+from wkvm.server.openai_routes import chat_completion, check_model
+from wkvm.server.schemas import (
+    ChatRequest,
+    EmbeddingRequest,
+    OllamaChatRequest,
+    OllamaEmbedRequest,
+    OllamaGenerateRequest,
+    OllamaModelRequest,
+)
+
+# Ollama's options as the chat's fields (the others, num_ctx, num_thread, mirostat..., are ignored: logged once)
+OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
+           "stop": "stop", "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+           "frequency_penalty": "frequency_penalty"}  # fmt: skip
+DONE_REASONS = {"stop": "stop", "tool_calls": "stop", "length": "length"}
+
+
+def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
+    r = APIRouter(dependencies=[auth])
+
+    def details() -> dict[str, Any]:
+        family = ctx.model.spec.family
+        return {"parent_model": "", "format": "gguf" if str(ctx.config.model).endswith(".gguf") else "safetensors",
+                "family": family, "families": [family], "parameter_size": "", "quantization_level": ctx.config.dtype}
+
+    def entry() -> dict[str, Any]:
+        return {"name": ctx.model_name, "model": ctx.model_name, "modified_at": iso(ctx.model_created), "size": 0,
+                "digest": ctx.model.fingerprint, "details": details()}  # fmt: skip
+
+    @r.get("/api/version")
+    def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @r.get("/api/tags")
+    def tags() -> dict[str, Any]:
+        ctx.require_ready()
+        return {"models": [entry()]}
+
+    @r.get("/api/ps")
+    def ps() -> dict[str, Any]:
+        ctx.require_ready()
+        return {"models": [{**entry(), "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0,
+                            "context_length": ctx.model.context_limit or 0}]}  # fmt: skip
+
+    @r.post("/api/show")
+    def show(body: OllamaModelRequest) -> dict[str, Any]:
+        ctx.require_ready()
+        check_model(ctx, body.model)
+        family = ctx.model.spec.family
+        info = {"general.architecture": family, f"{family}.context_length": ctx.model.context_limit}
+        capabilities = ["completion"] + (["tools"] if ctx.template.tool_source or "tools" in (ctx.template.source or "")
+                                         else [])  # fmt: skip
+        return {"modelfile": "", "parameters": "", "template": ctx.template.source or "", "details": details(),
+                "model_info": info, "capabilities": capabilities, "modified_at": iso(ctx.model_created)}
+
+    @r.post("/api/chat", response_model=None)
+    async def chat(body: OllamaChatRequest, request: Request) -> dict[str, Any] | StreamingResponse:
+        ctx.require_ready()
+        if not body.messages:  # Ollama loads the model and answers done: nothing to load here
+            check_model(ctx, body.model)
+            return {"model": body.model, "created_at": iso(time.time()),
+                    "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"}
+        return await answer(ctx, request, body, chat_messages_of(body.messages), "message")
+
+    @r.post("/api/generate", response_model=None)
+    async def generate(body: OllamaGenerateRequest, request: Request) -> dict[str, Any] | StreamingResponse:
+        ctx.require_ready()
+        for name in ("raw", "suffix", "context", "template"):  # what this route would get wrong: refused
+            if getattr(body, name):
+                raise APIError(400, f"{name} is not supported on /api/generate: send the prompt alone (the model's "
+                               "chat template is applied), or use /v1/completions for raw text", name,
+                               "unsupported")  # fmt: skip
+        check_images(body.images, "images")
+        if not body.prompt:  # Ollama loads the model and answers done: nothing to load here
+            check_model(ctx, body.model)
+            return {"model": body.model, "created_at": iso(time.time()), "response": "", "done": True,
+                    "done_reason": "load"}  # fmt: skip
+        messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
+            {"role": "user", "content": body.prompt}]
+        return await answer(ctx, request, body, messages, "response")
+
+    @r.post("/api/embed")
+    async def embed_route(body: OllamaEmbedRequest, request: Request) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        if body.dimensions is not None or body.truncate is False:
+            raise APIError(400, "dimensions and truncate: false are not supported (inputs are cut at the model's "
+                           "length)", "dimensions" if body.dimensions is not None else "truncate", "unsupported")
+        out = await embed(ctx, EmbeddingRequest.model_validate({"input": body.input, "model": body.model}), request)
+        used = out["usage"]["prompt_tokens"]
+        return {"model": out["model"], "embeddings": [d["embedding"] for d in out["data"]],
+                "total_duration": nanos(time.perf_counter() - t0), "load_duration": 0, "prompt_eval_count": used}
+
+    return r
+
+
+def iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat().replace("+00:00", "Z")
+
+
+def nanos(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+def check_images(images: Any, where: str) -> None:
+    if images:
+        raise APIError(400, f"{where}: images are not supported (a text model): send text", where, "unsupported")
+
+
+def chat_messages_of(messages: list[Any]) -> list[dict[str, Any]]:
+    """Ollama's messages as the chat's: an assistant's tool_calls get ids (Ollama's have none) and a `tool` message
+    answers the earliest unanswered call of its `tool_name` (or, without one, the earliest unanswered call)."""
+    out: list[dict[str, Any]] = []
+    open_calls: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ("system", "user", "assistant", "tool"):
+            raise APIError(400, f"{where}.role must be system, user, assistant or tool (got {role!r})", f"{where}.role",
+                           "invalid_value")  # fmt: skip
+        assert isinstance(m, dict)
+        check_images(m.get("images"), f"{where}.images")
+        content = m.get("content", "")
+        if not isinstance(content, str):
+            raise APIError(400, f"{where}.content must be a string", f"{where}.content", "invalid_value")
+        if role == "tool":
+            name = m.get("tool_name") or m.get("name")
+            call = next((c for c in open_calls if name in (None, c["function"]["name"])), None)
+            if call is None:
+                raise APIError(400, f"{where}: a tool message answers no tool call before it"
+                               f"{f' named {name!r}' if name else ''}", where, "invalid_value")  # fmt: skip
+            open_calls.remove(call)
+            out.append({"role": "tool", "tool_call_id": call["id"], "content": content})
+            continue
+        message: dict[str, Any] = {"role": role, "content": content}
+        if role == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = calls = assistant_calls(m["tool_calls"], f"{where}.tool_calls", len(out))
+            open_calls += calls
+        out.append(message)
+    return out
+
+
+def assistant_calls(calls: Any, where: str, turn: int) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise APIError(400, f"{where} must be a list", where, "invalid_value")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise APIError(400, f"{where}[{j}] needs function.name", f"{where}[{j}].function.name", "invalid_value")
+        args = fn.get("arguments", {})
+        text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        out.append({"id": f"call_{turn}_{j}", "type": "function", "function": {"name": fn["name"], "arguments": text}})
+    return out
+
+
+def chat_request(body: OllamaChatRequest | OllamaGenerateRequest, messages: list[dict[str, Any]],
+                 limit: int) -> ChatRequest:  # fmt: skip
+    """The chat completion an Ollama request runs; `limit`, the server's --max-tokens-limit, bounds num_predict (Ollama
+    takes any, and -1 for no limit) instead of the chat's 400."""
+    options = body.options or {}
+    d: dict[str, Any] = {"messages": messages, "stream": body.stream, "model": body.model,
+                         "stream_options": {"include_usage": True} if body.stream else None}  # fmt: skip
+    for key, field in OPTIONS.items():
+        if options.get(key) is not None:
+            d[field] = options[key]
+    predict = options.get("num_predict")
+    if isinstance(predict, int) and not isinstance(predict, bool) and predict != 0:  # -1: no limit but the server's
+        d["max_tokens"] = predict if 0 < predict <= limit else limit
+    if body.format == "json":
+        d["response_format"] = {"type": "json_object"}
+    elif isinstance(body.format, dict):
+        d["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": body.format}}
+    elif body.format not in (None, ""):
+        raise APIError(400, 'format must be "json" or a JSON schema object', "format", "invalid_value")
+    if body.think is not None:
+        d["chat_template_kwargs"] = {"enable_thinking": bool(body.think)}
+    if isinstance(body, OllamaChatRequest) and body.tools:
+        d["tools"] = body.tools
+    try:
+        return ChatRequest.model_validate(d)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        param = {v: f"options.{k}" for k, v in OPTIONS.items()}.get(loc, loc)
+        raise APIError(400, f"{param}: {err['msg']}", param, "invalid_value") from None
+
+
+async def answer(ctx: ServerContext, request: Request, body: OllamaChatRequest | OllamaGenerateRequest,
+                 messages: list[dict[str, Any]], key: str) -> dict[str, Any] | StreamingResponse:  # fmt: skip
+    """The chat completion of `messages`, in Ollama's shape: its text under `key` (chat: a message; generate: the
+    response)."""
+    t0 = time.perf_counter()
+    out = await chat_completion(ctx, chat_request(body, messages, ctx.config.max_tokens_limit), request, movable=False)
+    if isinstance(out, StreamingResponse):
+        lines = ndjson(body.model, key, t0, out.body_iterator)  # type: ignore[arg-type]
+        return StreamingResponse(lines, media_type="application/x-ndjson")
+    assert isinstance(out, dict)
+    (choice,) = out["choices"]
+    m = choice["message"]
+    text, thought = m.get("content") or "", m.get("reasoning_content")
+    done: dict[str, Any] = {"model": body.model, "created_at": iso(time.time())}
+    if key == "message":
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if thought is not None:
+            message["thinking"] = thought
+        if m.get("tool_calls"):
+            message["tool_calls"] = ollama_calls(m["tool_calls"])
+        done["message"] = message
+    else:
+        done["response"] = text
+        if thought is not None:
+            done["thinking"] = thought
+    return {**done, **ending(choice["finish_reason"], out["usage"], t0, None)}
+
+
+def ollama_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat's calls as Ollama's: arguments as an object, no id."""
+    out = []
+    for c in calls:
+        args = json_or_none(c["function"]["arguments"])
+        out.append({"function": {"name": c["function"]["name"], "arguments": args if isinstance(args, dict) else {}}})
+    return out
+
+
+def ending(finish_reason: str | None, usage: dict[str, Any], t0: float, first: float | None) -> dict[str, Any]:
+    """A finished answer's fields: done, its reason, the token counts and the durations (nanoseconds): the prompt's
+    until the first token (whole, blocking: unknown, so 0), the generated tokens' after it."""
+    total = time.perf_counter() - t0
+    prompt = (first - t0) if first is not None else 0.0
+    reason = DONE_REASONS.get(finish_reason or "")
+    if reason is None:
+        raise APIError(408, "the request was ended before it finished (it ran past this server's --request-timeout, "
+                       "or was cancelled)", None, "timeout")  # fmt: skip
+    return {"done": True, "done_reason": reason, "total_duration": nanos(total), "load_duration": 0,
+            "prompt_eval_count": usage["prompt_tokens"], "prompt_eval_duration": nanos(prompt),
+            "eval_count": usage["completion_tokens"], "eval_duration": nanos(total - prompt)}  # fmt: skip
+
+
+async def ndjson(model: str, key: str, t0: float, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Ollama's stream: one JSON object a line per piece of text (or reasoning, as `thinking`), the calls whole in
+    one object when the reply ends, then the `done` object; a failure is an `{"error": ...}` line, as Ollama's."""
+    calls: dict[int, dict[str, Any]] = {}
+    finish_reason, usage, first = None, None, None
+    try:
+        async for obj in gen.sse_objects(chunks):
+            if "error" in obj:
+                yield json.dumps({"error": obj["error"].get("message")}) + "\n"
+                return
+            usage = obj.get("usage") or usage
+            for c in obj.get("choices", []):
+                delta = c.get("delta") or {}
+                text, thought = delta.get("content") or "", delta.get("reasoning_content") or ""
+                for piece in delta.get("tool_calls") or []:
+                    call = calls.setdefault(piece["index"], {"function": {"name": "", "arguments": ""}})
+                    fn = piece.get("function") or {}
+                    call["function"]["name"] += fn.get("name") or ""
+                    call["function"]["arguments"] += fn.get("arguments") or ""
+                if text or thought:
+                    first = first or time.perf_counter()
+                    yield json.dumps(piece_of(model, key, text, thought)) + "\n"
+                finish_reason = c.get("finish_reason") or finish_reason
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]  # a client gone: the chat stream ends its request
+    if usage is None:
+        yield json.dumps({"error": "the stream ended without its usage (a bug)"}) + "\n"
+        return
+    if calls and key == "message":
+        last = piece_of(model, key, "", "")
+        last["message"]["tool_calls"] = ollama_calls([calls[i] for i in sorted(calls)])
+        yield json.dumps(last) + "\n"
+    try:
+        end = ending(finish_reason, usage, t0, first)
+    except APIError as e:
+        yield json.dumps({"error": e.message}) + "\n"
+        return
+    yield json.dumps({**piece_of(model, key, "", ""), **end}) + "\n"
+
+
+def piece_of(model: str, key: str, text: str, thought: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": model, "created_at": iso(time.time())}
+    if key == "message":
+        out["message"] = {"role": "assistant", "content": text, **({"thinking": thought} if thought else {})}
+    else:
+        out["response"] = text
+        if thought:
+            out["thinking"] = thought
+    out["done"] = False
+    return out
