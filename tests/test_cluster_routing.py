@@ -192,6 +192,21 @@ def test_anthropic_messages_route_by_user_id_or_how_they_start():
     assert key("t", {"messages": first}).startswith("prefix:") and key("t", {"messages": "odd"}) is None
 
 
+def test_ollama_requests_route_by_how_they_start():
+    """Ollama's /api/chat routes by its messages' start as chat does, /api/generate by its system prompt or the
+    prompt's start: a conversation resent whole finds its parked state."""
+    def key(path: str, body: dict) -> str | None:
+        return route_key("t", req("POST", path, body)).key
+
+    first = [{"role": "user", "content": "Hello"}]
+    later = [*first, {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "More"}]
+    assert key("/api/chat", {"messages": first}) == key("/api/chat", {"messages": later})
+    assert key("/api/chat", {"messages": later}) == key("/v1/chat/completions", {"messages": later})
+    assert key("/api/generate", {"prompt": "a", "system": "S"}) == key("/api/generate", {"prompt": "b", "system": "S"})
+    long = "x" * 300
+    assert key("/api/generate", {"prompt": long + "1"}) == key("/api/generate", {"prompt": long + "2"}) is not None
+
+
 def test_a_forwarded_request_streams_through_the_app_and_sees_its_client_leave():
     app = FastAPI()
     left = asyncio.Event()

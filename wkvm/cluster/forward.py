@@ -25,7 +25,8 @@ from wkvm.state.statefile import metadata
 STATES = "/v1/states"
 RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"  # Anthropic's Messages API
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", RESPONSES, MESSAGES)
+OLLAMA_CHAT, OLLAMA_GENERATE = "/api/chat", "/api/generate"  # Ollama's API
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", RESPONSES, MESSAGES, OLLAMA_CHAT, OLLAMA_GENERATE)
 MISROUTED = 0  # the status of a Head that says "not the replica you asked for": ask the directory again
 # the status of the Head a strict call's replica yields first when it is the one asked for: the answer's own head
 # follows, however long it takes (a request answered whole sends its head with the answer; the front's wait for a
@@ -269,7 +270,9 @@ def prefix_text(path: str, body: dict[str, Any]) -> str | None:
         system, given = body.get("system"), body.get("messages")
         lead = ["system", system] if system else given[0] if isinstance(given, list) and given else None
         return json.dumps(lead, sort_keys=True) if lead else None
-    if path == "/v1/chat/completions":
+    if path == OLLAMA_GENERATE and body.get("system"):  # its system prompt, else its prompt, below
+        return json.dumps(["system", body["system"]])
+    if path in ("/v1/chat/completions", OLLAMA_CHAT):
         given = body.get("messages")  # a replica answers a wrong type with its 400 (it had failed the front: 503)
         messages = [m for m in given if isinstance(m, dict)] if isinstance(given, list) else []
         lead = [m for m in messages[: next((i for i, m in enumerate(messages)
