@@ -401,6 +401,14 @@ def test_an_unhandled_error_is_logged_once_with_the_id_its_500_names(caplog):
 
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
+    @app.post("/api/chat")  # Ollama's NDJSON stream: an error line
+    def cut_ollama() -> StreamingResponse:
+        def chunks():
+            yield '{"done": false}\n'
+            raise ValueError("mid-ndjson")
+
+        return StreamingResponse(chunks(), media_type="application/x-ndjson")
+
     @app.post("/cut-bytes")
     def cut_bytes() -> StreamingResponse:
         def chunks():
@@ -426,12 +434,14 @@ def test_an_unhandled_error_is_logged_once_with_the_id_its_500_names(caplog):
         first, last = r.text.removesuffix("\n\n").split("\n\n")
         kind, data = last.split("\n")
         assert kind == "event: error" and json.loads(data.removeprefix("data: "))["type"] == "error", r.text
+        lines = client.post("/api/chat").text.splitlines()
+        assert lines[0] == '{"done": false}' and "error id" in json.loads(lines[1])["error"] and len(lines) == 2
         sent: list[dict] = []
         asyncio.run(cut_off(app, sent))
         assert [m.get("more_body") for m in sent if m["type"] == "http.response.body"][-1] is True  # left unended
-    assert "ValueError" in caplog.text and len(caplog.records) == 4, caplog.text
-    assert counted == [("/boom", 500), ("/cut", 200), ("/v1/messages", 200), ("/cut-bytes", 200)] and told == [], (
-        counted, told)
+    assert "ValueError" in caplog.text and len(caplog.records) == 5, caplog.text
+    assert counted == [("/boom", 500), ("/cut", 200), ("/v1/messages", 200), ("/api/chat", 200),
+                       ("/cut-bytes", 200)] and told == [], (counted, told)  # fmt: skip
 
 
 async def cut_off(app, sent: list[dict]) -> None:

@@ -292,7 +292,8 @@ class RequestMetrics:
                 status, started = message["status"], True
                 headers = [(k.lower(), v) for k, v in message.get("headers", [])]
                 announced = status == 503 and any(k == b"retry-after" for k, _ in headers)
-                events = any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+                events = any(k == b"content-type" and v.startswith((b"text/event-stream", b"application/x-ndjson"))
+                             for k, v in headers)  # fmt: skip
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 ended = True
             await send(message)
@@ -309,7 +310,9 @@ class RequestMetrics:
                                                     "code": "internal_error"}}  # fmt: skip
                 body = f"data: {json.dumps(error)}\n\n".encode()  # vLLM's do (the openai SDK raises on it)
                 path = str(scope.get("path", ""))
-                if path.startswith("/v1/messages"):  # Anthropic's SDK raises on a named `error` event
+                if path.startswith("/api/"):  # Ollama's NDJSON stream: an error line, as Ollama's
+                    body = json.dumps({"error": message}).encode() + b"\n"
+                elif path.startswith("/v1/messages"):  # Anthropic's SDK raises on a named `error` event
                     body = b"event: error\n" + body
                 elif not path.startswith("/v1/responses"):  # Responses and Messages streams send no [DONE]
                     body += b"data: [DONE]\n\n"  # every other stream ends so, an error event or not
