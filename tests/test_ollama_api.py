@@ -133,12 +133,17 @@ def test_embed_equals_the_openai_embeddings(server):
     ("/api/chat", {"messages": [{"role": "user", "content": "a"}], "format": "yaml"}, "format"),
     ("/api/chat", {"messages": [{"role": "user", "content": "a"}], "options": {"temperature": -1}},
      "options.temperature"),
+    ("/api/chat", {"messages": [{"role": "user", "content": "a"}], "format": {"type": "nonsense"}}, "format"),
+    ("/api/chat", {"messages": [{"role": "user", "content": "a"}], "options": {"num_predict": "5"}},
+     "options.num_predict"),
+    ("/api/generate", {"prompt": "\ud800"}, "prompt"),
     ("/api/generate", {"prompt": "a", "raw": True}, "raw"),
     ("/api/generate", {"prompt": "a", "context": [1, 2]}, "context"),
     ("/api/generate", {"prompt": "a", "suffix": "b"}, "suffix"),
 ])  # fmt: skip
 def test_what_is_refused_is_a_400_naming_the_field(server, path, body, param):
-    r = httpx.post(f"{server.url}{path}", json={"model": MODEL, "stream": False, **body})
+    r = httpx.post(f"{server.url}{path}", content=json.dumps({"model": MODEL, "stream": False, **body}),
+                   headers={"content-type": "application/json"})  # (json.dumps: httpx refuses a lone surrogate)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     with pytest.raises(ollama.ResponseError) as e:
         client(server).chat(model="llama3", messages=[{"role": "user", "content": "a"}])

@@ -194,7 +194,10 @@ def chat_request(body: OllamaChatRequest | OllamaGenerateRequest, messages: list
         if options.get(key) is not None:
             d[field] = options[key]
     predict = options.get("num_predict")
-    if isinstance(predict, int) and not isinstance(predict, bool) and predict != 0:  # -1: no limit but the server's
+    if predict is not None and (not isinstance(predict, int) or isinstance(predict, bool)):
+        raise APIError(400, "options.num_predict must be an integer (-1: as many as the server allows)",
+                       "options.num_predict", "invalid_value")  # fmt: skip
+    if predict:  # -1: no limit but the server's
         d["max_tokens"] = predict if 0 < predict <= limit else limit
     if body.format == "json":
         d["response_format"] = {"type": "json_object"}
@@ -211,8 +214,20 @@ def chat_request(body: OllamaChatRequest | OllamaGenerateRequest, messages: list
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
-        param = {v: f"options.{k}" for k, v in OPTIONS.items()}.get(loc, loc)
+        param = ollama_param(loc, isinstance(body, OllamaGenerateRequest)) or loc
         raise APIError(400, f"{param}: {err['msg']}", param, "invalid_value") from None
+
+
+def ollama_param(param: str | None, generate: bool) -> str | None:
+    """A chat completion's field as the Ollama request names it (generate's messages are its system and prompt)."""
+    if param is None:
+        return None
+    names = {**{v: f"options.{k}" for k, v in OPTIONS.items()}, "response_format": "format",
+             "max_tokens": "options.num_predict", "chat_template_kwargs": "think"}  # fmt: skip
+    if generate and param.startswith("messages"):
+        return "prompt"
+    head = param.split(".", 1)[0].split("[", 1)[0]
+    return names[head] + param[len(head):] if head in names else param
 
 
 async def answer(ctx: ServerContext, request: Request, body: OllamaChatRequest | OllamaGenerateRequest,
@@ -220,7 +235,13 @@ async def answer(ctx: ServerContext, request: Request, body: OllamaChatRequest |
     """The chat completion of `messages`, in Ollama's shape: its text under `key` (chat: a message; generate: the
     response)."""
     t0 = time.perf_counter()
-    out = await chat_completion(ctx, chat_request(body, messages, ctx.config.max_tokens_limit), request, movable=False)
+    try:
+        out = await chat_completion(ctx, chat_request(body, messages, ctx.config.max_tokens_limit), request,
+                                    movable=False)  # fmt: skip
+    except APIError as e:
+        param = ollama_param(e.param, key == "response")
+        said = e.message if param == e.param or e.param is None else e.message.replace(e.param, param or "", 1)
+        raise APIError(e.status, said, param, e.code, e.headers) from None
     if isinstance(out, StreamingResponse):
         lines = ndjson(body.model, key, t0, out.body_iterator)  # type: ignore[arg-type]
         return StreamingResponse(lines, media_type="application/x-ndjson")
