@@ -74,6 +74,18 @@ def test_generate_is_the_chat_of_its_system_and_prompt(server):
     assert "".join(p.response for p in streamed) == g.response and streamed[-1].done
 
 
+def test_a_raw_generate_is_the_completion_of_its_prompt(server):
+    """raw: true completes the prompt as it is (no template), as /v1/completions does."""
+    kw = dict(model=MODEL, prompt="ROMEO: But soft", raw=True, options=GREEDY)
+    g = client(server).generate(**kw)
+    c = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ROMEO: But soft", "max_tokens": 12,
+                                                         "temperature": 0}).json()  # fmt: skip
+    assert g.response == c["choices"][0]["text"] and g.eval_count == c["usage"]["completion_tokens"]
+    assert g.prompt_eval_count == c["usage"]["prompt_tokens"] and g.done
+    streamed = list(client(server).generate(**kw, stream=True))
+    assert "".join(p.response for p in streamed) == g.response and streamed[-1].done_reason == g.done_reason
+
+
 def test_options_format_and_stops(server):
     ask = [{"role": "user", "content": "Go on"}]
     full = client(server).chat(model=MODEL, messages=ask, options={"temperature": 0, "num_predict": 20})
@@ -137,7 +149,7 @@ def test_embed_equals_the_openai_embeddings(server):
     ("/api/chat", {"messages": [{"role": "user", "content": "a"}], "options": {"num_predict": "5"}},
      "options.num_predict"),
     ("/api/generate", {"prompt": "\ud800"}, "prompt"),
-    ("/api/generate", {"prompt": "a", "raw": True}, "raw"),
+    ("/api/generate", {"prompt": "a", "raw": True, "system": "s"}, "system"),
     ("/api/generate", {"prompt": "a", "context": [1, 2]}, "context"),
     ("/api/generate", {"prompt": "a", "suffix": "b"}, "suffix"),
 ])  # fmt: skip

@@ -28,9 +28,10 @@ from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.embeddings_routes import embed
 from wkvm.server.errors import APIError
-from wkvm.server.openai_routes import chat_completion, check_model
+from wkvm.server.openai_routes import chat_completion, check_model, completion
 from wkvm.server.schemas import (
     ChatRequest,
+    CompletionRequest,
     EmbeddingRequest,
     OllamaChatRequest,
     OllamaEmbedRequest,
@@ -95,16 +96,20 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
     @r.post("/api/generate", response_model=None)
     async def generate(body: OllamaGenerateRequest, request: Request) -> dict[str, Any] | StreamingResponse:
         ctx.require_ready()
-        for name in ("raw", "suffix", "context", "template"):  # what this route would get wrong: refused
+        for name in ("suffix", "context", "template"):  # what this route would get wrong: refused
             if getattr(body, name):
                 raise APIError(400, f"{name} is not supported on /api/generate: send the prompt alone (the model's "
-                               "chat template is applied), or use /v1/completions for raw text", name,
-                               "unsupported")  # fmt: skip
+                               "chat template is applied, or none with raw: true)", name, "unsupported")  # fmt: skip
         check_images(body.images, "images")
         if not body.prompt:  # Ollama loads the model and answers done: nothing to load here
             check_model(ctx, body.model)
             return {"model": body.model, "created_at": iso(time.time()), "response": "", "done": True,
                     "done_reason": "load"}  # fmt: skip
+        if body.raw:  # the prompt as it is: a completion
+            if body.system:
+                raise APIError(400, "system is not read with raw: true (no template applies it): put it in the "
+                               "prompt", "system", "unsupported")  # fmt: skip
+            return await raw_answer(ctx, request, body)
         messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
             {"role": "user", "content": body.prompt}]
         return await answer(ctx, request, body, messages, "response")
@@ -183,12 +188,11 @@ def assistant_calls(calls: Any, where: str, turn: int) -> list[dict[str, Any]]:
     return out
 
 
-def chat_request(body: OllamaChatRequest | OllamaGenerateRequest, messages: list[dict[str, Any]],
-                 limit: int) -> ChatRequest:  # fmt: skip
-    """The chat completion an Ollama request runs; `limit`, the server's --max-tokens-limit, bounds num_predict (Ollama
-    takes any, and -1 for no limit) instead of the chat's 400."""
+def sampling(body: OllamaChatRequest | OllamaGenerateRequest, limit: int) -> dict[str, Any]:
+    """The chat's or completion's sampling fields of an Ollama request; `limit`, the server's --max-tokens-limit,
+    bounds num_predict (Ollama takes any, and -1 for no limit) instead of the chat's 400."""
     options = body.options or {}
-    d: dict[str, Any] = {"messages": messages, "stream": body.stream, "model": body.model,
+    d: dict[str, Any] = {"stream": body.stream, "model": body.model,
                          "stream_options": {"include_usage": True} if body.stream else None}  # fmt: skip
     for key, field in OPTIONS.items():
         if options.get(key) is not None:
@@ -205,16 +209,28 @@ def chat_request(body: OllamaChatRequest | OllamaGenerateRequest, messages: list
         d["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": body.format}}
     elif body.format not in (None, ""):
         raise APIError(400, 'format must be "json" or a JSON schema object', "format", "invalid_value")
+    return d
+
+
+def chat_request(body: OllamaChatRequest | OllamaGenerateRequest, messages: list[dict[str, Any]],
+                 limit: int) -> ChatRequest:  # fmt: skip
+    """The chat completion an Ollama request runs."""
+    d = {"messages": messages, **sampling(body, limit)}
     if body.think is not None:
         d["chat_template_kwargs"] = {"enable_thinking": bool(body.think)}
     if isinstance(body, OllamaChatRequest) and body.tools:
         d["tools"] = body.tools
+    chat: ChatRequest = validated(ChatRequest, d, isinstance(body, OllamaGenerateRequest))
+    return chat
+
+
+def validated(model: type[ChatRequest] | type[CompletionRequest], d: dict[str, Any], generate: bool) -> Any:
     try:
-        return ChatRequest.model_validate(d)
+        return model.model_validate(d)
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
-        param = ollama_param(loc, isinstance(body, OllamaGenerateRequest)) or loc
+        param = ollama_param(loc, generate) or loc
         raise APIError(400, f"{param}: {err['msg']}", param, "invalid_value") from None
 
 
@@ -264,6 +280,26 @@ async def answer(ctx: ServerContext, request: Request, body: OllamaChatRequest |
     return {**done, **ending(choice["finish_reason"], out["usage"], t0, None)}
 
 
+async def raw_answer(ctx: ServerContext, request: Request,
+                     body: OllamaGenerateRequest) -> dict[str, Any] | StreamingResponse:  # fmt: skip
+    """/api/generate with raw: true, the prompt completed as it is (`openai_routes.completion`), in Ollama's shape."""
+    t0 = time.perf_counter()
+    fields = {"prompt": body.prompt, **sampling(body, ctx.config.max_tokens_limit)}
+    fields.setdefault("max_tokens", gen.DEFAULT_CHAT_MAX_TOKENS)  # as a chat's (a completion's own default is 16)
+    creq = validated(CompletionRequest, fields, True)
+    try:
+        out = await completion(ctx, creq, request, movable=False)
+    except APIError as e:
+        raise APIError(e.status, e.message, ollama_param(e.param, True), e.code, e.headers) from None
+    if isinstance(out, StreamingResponse):
+        return StreamingResponse(ndjson(body.model, "response", t0, out.body_iterator),  # type: ignore[arg-type]
+                                 media_type="application/x-ndjson")  # fmt: skip
+    whole = json.loads(bytes(out.body))
+    (choice,) = whole["choices"]
+    return {"model": body.model, "created_at": iso(time.time()), "response": choice["text"],
+            **ending(choice["finish_reason"], whole["usage"], t0, None)}  # fmt: skip
+
+
 def ollama_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The chat's calls as Ollama's: arguments as an object, no id."""
     out = []
@@ -299,8 +335,8 @@ async def ndjson(model: str, key: str, t0: float, chunks: AsyncIterator[str]) ->
                 return
             usage = obj.get("usage") or usage
             for c in obj.get("choices", []):
-                delta = c.get("delta") or {}
-                text, thought = delta.get("content") or "", delta.get("reasoning_content") or ""
+                delta = c.get("delta") or {}  # a chat's chunk; a completion's has its text
+                text, thought = delta.get("content") or c.get("text") or "", delta.get("reasoning_content") or ""
                 for piece in delta.get("tool_calls") or []:
                     call = calls.setdefault(piece["index"], {"function": {"name": "", "arguments": ""}})
                     fn = piece.get("function") or {}

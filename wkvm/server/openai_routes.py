@@ -345,88 +345,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         return model_card()
 
     @r.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request) -> dict[str, Any] | Response:
-        ctx.require_ready()
-        tenant = ctx.tenant(request)
-        check_model(ctx, body.model)
-        for field, bad in (("suffix", body.suffix), ("best_of", body.best_of not in (None, body.n))):
-            if bad:
-                raise APIError(400, f"{field} is not supported", field, "unsupported")
-        check_echo(body)
-        p = body.prompt
-        batch = isinstance(p, list) and p and isinstance(p[0], (str, list))
-        # strict schema: a list led by a str or a list is list[str] or list[list[int]]; else p is str or list[int]
-        prompts = cast(list[str | list[int]], list(p) if batch else [p])
-        if len(prompts) > MAX_PROMPTS:
-            raise APIError(400, f"prompt: at most {MAX_PROMPTS} prompts in one request; send several requests",
-                           "prompt", "too_many_prompts")
-        if len(prompts) > 1 and (body.state or body.save_state):
-            raise APIError(400, "state and save_state take a single prompt", "prompt", "invalid_value")
-        if body.save_state and body.n > 1:
-            raise APIError(400, "save_state needs n = 1", "save_state", "invalid_value")
-        scored = body.logprobs if body.echo else None  # echo with logprobs: the prompt tokens' logprobs too
-        sp = gen.sampling_params(ctx, body, body.max_tokens, body.logprobs, prompt_logprobs=scored)
-        await gen.check_grammar(ctx, sp)
-        params = gen.per_choice(sp, body.n)
-        # a prompt after `state` continues it: no BOS (its history has one where the tokenizer adds it);
-        # add_special_tokens false (vLLM's): none for a text that brings its own
-        starts = not body.state and body.add_special_tokens
-        encoded = [await gen.encode_prompt_off_loop(ctx, q, "prompt", body.truncate_prompt_tokens, starts)
-                   for q in prompts]  # fmt: skip
-        moved = await taken_over(ctx, request, tenant)
-        if moved is not None:
-            runs = await resume_runs(ctx, tenant, encoded, body, params, None, moved)
-            rid, created = moved[1].id, moved[1].created
-        else:
-            runs = await gen.unless_gone(request, start_all(ctx, tenant, encoded, body, params))
-            rid, created = gen.new_id("cmpl"), int(time.time())
-        handles = [h for _, hs in runs for h in hs]
-        prompt_tokens = sum(len(ids) for ids in encoded)
-        k, as_ids = body.logprobs or 0, body.return_tokens_as_token_ids
-
-        def echo_head(j: int) -> str:
-            # truncate_prompt_tokens: the kept tokens' text, which the prompt's logprobs and offsets cover (the whole
-            # prompt's text had been echoed, its offsets jumping over the cut; hunt, session 46)
-            return gen.echo_text(ctx, encoded[j] if body.truncate_prompt_tokens is not None else prompts[j])
-
-        def choice(i: int, h: gen.Answer) -> dict[str, Any]:
-            out, j = h.output, i // body.n
-            head = echo_head(j) if body.echo else ""
-            text, lps = out.text, gen.completion_logprobs(ctx, out.token_ids, out.logprobs, k, len(head),
-                                                          gen.skipped(ctx, body), as_ids)  # fmt: skip
-            if body.echo:
-                text, lps = gen.echoed(ctx, head, encoded[j], out.prompt_logprobs, k, text, lps, as_ids)
-            c = gen.with_stop_reason(ctx, body, {"index": i, "text": text, "finish_reason": out.finish_reason,
-                                                 "logprobs": lps}, out.stop_reason)  # fmt: skip
-            if body.return_token_ids:
-                c["token_ids"] = h.output.token_ids
-                c["prompt_token_ids"] = encoded[i // body.n]
-            return c
-
-        base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
-                "system_fingerprint": ctx.system_fingerprint}  # fmt: skip
-        live = live_stream(tenant, body, runs, rid, created, moved)
-        ctx.handovers.register(live)
-        if body.stream:
-            echoes = [(echo_head(j), ids) for j, ids in enumerate(encoded) if body.echo]
-            return StreamingResponse(
-                stream_completion(ctx, request, body, runs, handles, base, prompt_tokens, tenant, k, echoes, live,
-                                  [c.text for c in moved[0]] if moved else None),
-                media_type="text/event-stream", headers=movable_header(live),
-            )  # fmt: skip
-        if await wait_or_move(ctx, request, live):
-            return await handed_over(ctx, live)
-        extra = await run_in_threadpool(finish_runs, ctx, tenant, body, runs, moved is not None)
-
-        def answer() -> Response:  # built and serialized off the event loop: n = 16 with logprobs 20 and 8,192
-            answers = answered(handles, moved)  # tokens each, 70 MB of JSON, had held /health 9.8 s (a review's run)
-            out = {**base, "choices": [choice(i, h) for i, h in enumerate(answers)],
-                   "usage": gen.usage(prompt_tokens, answers, extra=extra), **extra}  # fmt: skip
-            if body.return_token_ids:
-                out["prompt_token_ids"] = encoded if batch else encoded[0]
-            return JSONResponse(out)
-
-        return await run_in_threadpool(answer)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await completion(ctx, body, request)
 
     @r.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Response:
@@ -434,6 +354,94 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         return out if isinstance(out, Response) else await run_in_threadpool(JSONResponse, out)  # off the loop
 
     return r
+
+
+async def completion(ctx: ServerContext, body: CompletionRequest, request: Request, movable: bool = True) -> Response:
+    """A completion: the answer (serialized off the event loop), or its SSE stream. `movable`: as chat_completion's
+    (Ollama's raw /api/generate, which re-shapes this stream, passes False)."""
+    ctx.require_ready()
+    tenant = ctx.tenant(request)
+    check_model(ctx, body.model)
+    for field, bad in (("suffix", body.suffix), ("best_of", body.best_of not in (None, body.n))):
+        if bad:
+            raise APIError(400, f"{field} is not supported", field, "unsupported")
+    check_echo(body)
+    p = body.prompt
+    batch = isinstance(p, list) and p and isinstance(p[0], (str, list))
+    # strict schema: a list led by a str or a list is list[str] or list[list[int]]; else p is str or list[int]
+    prompts = cast(list[str | list[int]], list(p) if batch else [p])
+    if len(prompts) > MAX_PROMPTS:
+        raise APIError(400, f"prompt: at most {MAX_PROMPTS} prompts in one request; send several requests",
+                       "prompt", "too_many_prompts")
+    if len(prompts) > 1 and (body.state or body.save_state):
+        raise APIError(400, "state and save_state take a single prompt", "prompt", "invalid_value")
+    if body.save_state and body.n > 1:
+        raise APIError(400, "save_state needs n = 1", "save_state", "invalid_value")
+    scored = body.logprobs if body.echo else None  # echo with logprobs: the prompt tokens' logprobs too
+    sp = gen.sampling_params(ctx, body, body.max_tokens, body.logprobs, prompt_logprobs=scored)
+    await gen.check_grammar(ctx, sp)
+    params = gen.per_choice(sp, body.n)
+    # a prompt after `state` continues it: no BOS (its history has one where the tokenizer adds it);
+    # add_special_tokens false (vLLM's): none for a text that brings its own
+    starts = not body.state and body.add_special_tokens
+    encoded = [await gen.encode_prompt_off_loop(ctx, q, "prompt", body.truncate_prompt_tokens, starts)
+               for q in prompts]  # fmt: skip
+    moved = await taken_over(ctx, request, tenant)
+    if moved is not None:
+        runs = await resume_runs(ctx, tenant, encoded, body, params, None, moved)
+        rid, created = moved[1].id, moved[1].created
+    else:
+        runs = await gen.unless_gone(request, start_all(ctx, tenant, encoded, body, params))
+        rid, created = gen.new_id("cmpl"), int(time.time())
+    handles = [h for _, hs in runs for h in hs]
+    prompt_tokens = sum(len(ids) for ids in encoded)
+    k, as_ids = body.logprobs or 0, body.return_tokens_as_token_ids
+
+    def echo_head(j: int) -> str:
+        # truncate_prompt_tokens: the kept tokens' text, which the prompt's logprobs and offsets cover (the whole
+        # prompt's text had been echoed, its offsets jumping over the cut; hunt, session 46)
+        return gen.echo_text(ctx, encoded[j] if body.truncate_prompt_tokens is not None else prompts[j])
+
+    def choice(i: int, h: gen.Answer) -> dict[str, Any]:
+        out, j = h.output, i // body.n
+        head = echo_head(j) if body.echo else ""
+        text, lps = out.text, gen.completion_logprobs(ctx, out.token_ids, out.logprobs, k, len(head),
+                                                      gen.skipped(ctx, body), as_ids)  # fmt: skip
+        if body.echo:
+            text, lps = gen.echoed(ctx, head, encoded[j], out.prompt_logprobs, k, text, lps, as_ids)
+        c = gen.with_stop_reason(ctx, body, {"index": i, "text": text, "finish_reason": out.finish_reason,
+                                             "logprobs": lps}, out.stop_reason)  # fmt: skip
+        if body.return_token_ids:
+            c["token_ids"] = h.output.token_ids
+            c["prompt_token_ids"] = encoded[i // body.n]
+        return c
+
+    base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
+            "system_fingerprint": ctx.system_fingerprint}  # fmt: skip
+    live = live_stream(tenant, body, runs, rid, created, moved)
+    if not movable:
+        live.why_not = "an Ollama API stream cannot move to another server yet"
+    ctx.handovers.register(live)
+    if body.stream:
+        echoes = [(echo_head(j), ids) for j, ids in enumerate(encoded) if body.echo]
+        return StreamingResponse(
+            stream_completion(ctx, request, body, runs, handles, base, prompt_tokens, tenant, k, echoes, live,
+                              [c.text for c in moved[0]] if moved else None),
+            media_type="text/event-stream", headers=movable_header(live),
+        )  # fmt: skip
+    if await wait_or_move(ctx, request, live):
+        return await handed_over(ctx, live)
+    extra = await run_in_threadpool(finish_runs, ctx, tenant, body, runs, moved is not None)
+
+    def answer() -> Response:  # built and serialized off the event loop: n = 16 with logprobs 20 and 8,192
+        answers = answered(handles, moved)  # tokens each, 70 MB of JSON, had held /health 9.8 s (a review's run)
+        out = {**base, "choices": [choice(i, h) for i, h in enumerate(answers)],
+               "usage": gen.usage(prompt_tokens, answers, extra=extra), **extra}  # fmt: skip
+        if body.return_token_ids:
+            out["prompt_token_ids"] = encoded if batch else encoded[0]
+        return JSONResponse(out)
+
+    return await run_in_threadpool(answer)
 
 
 async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Request, movable: bool = True,
@@ -504,7 +512,7 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
     base = {"id": rid, "created": created, "model": ctx.model_name, "system_fingerprint": ctx.system_fingerprint}
     live = live_stream(tenant, body, [(plan, handles)], rid, created, moved)
     if not movable:
-        live.why_not = "a Responses API stream cannot move to another server yet"
+        live.why_not = "a Responses, Messages or Ollama API stream cannot move to another server yet"
     ctx.handovers.register(live)
     if body.stream:
         return StreamingResponse(
