@@ -136,6 +136,8 @@ def test_embed_equals_the_openai_embeddings(server):
     e = client(server).embed(model="all-MiniLM-L6-v2", input=["a cat", "a dog"])
     o = httpx.post(f"{server.url}/v1/embeddings", json={"input": ["a cat", "a dog"]}).json()
     assert e.embeddings == [d["embedding"] for d in o["data"]] and e.prompt_eval_count == o["usage"]["prompt_tokens"]
+    old = httpx.post(f"{server.url}/api/embeddings", json={"model": "all-MiniLM-L6-v2", "prompt": "a cat"}).json()
+    assert old == {"embedding": e.embeddings[0]}  # the older endpoint, one prompt
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [

@@ -1,5 +1,5 @@
 """Ollama's API: /api/chat and /api/generate (NDJSON streams by default), /api/tags, /api/show, /api/ps,
-/api/version, /api/embed.
+/api/version, /api/embed (and the older /api/embeddings).
 
 For the many desktop apps and plugins that speak only Ollama's API. A request runs as a chat completion
 (`openai_routes.chat_completion`), as the Responses and Messages APIs do: Ollama's messages (`images` refused, an
@@ -34,6 +34,7 @@ from wkvm.server.schemas import (
     CompletionRequest,
     EmbeddingRequest,
     OllamaChatRequest,
+    OllamaEmbeddingsRequest,
     OllamaEmbedRequest,
     OllamaGenerateRequest,
     OllamaModelRequest,
@@ -124,6 +125,12 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         used = out["usage"]["prompt_tokens"]
         return {"model": out["model"], "embeddings": [d["embedding"] for d in out["data"]],
                 "total_duration": nanos(time.perf_counter() - t0), "load_duration": 0, "prompt_eval_count": used}
+
+    @r.post("/api/embeddings")
+    async def embeddings_route(body: OllamaEmbeddingsRequest, request: Request) -> dict[str, Any]:
+        """Ollama's older endpoint (one prompt, `embedding`), still used by older integrations."""
+        out = await embed(ctx, EmbeddingRequest.model_validate({"input": body.prompt, "model": body.model}), request)
+        return {"embedding": out["data"][0]["embedding"]}
 
     return r
 

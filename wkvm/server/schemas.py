@@ -270,6 +270,15 @@ class OllamaGenerateRequest(OllamaOptions):
     context: list[int] | None = None
 
 
+class OllamaEmbeddingsRequest(RequestBody):
+    """Ollama's older /api/embeddings: one prompt."""
+
+    model: str | None = None
+    prompt: str
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None
+
+
 class OllamaEmbedRequest(RequestBody):
     model: str | None = None
     input: str | list[str]
