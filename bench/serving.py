@@ -10,6 +10,11 @@ threads and the clients in this one:
                 first message, then the answers and a ~32-token follow-up each turn): the server's prompt cache
                 (wkvm's prefix reuse, llama-server's per-slot cache) decides what a later turn costs
 
+`--api anthropic` sends the same through Anthropic's Messages API (the `anthropic` SDK, `/v1/messages`, which both
+servers serve; `ignore_eos` and `temperature` as extras; cached tokens from `cache_read_input_tokens`). llama-server
+streams such an answer to the model's end of turn despite `ignore_eos`, so answers may be shorter there and tok/s
+counts the tokens each server generated.
+
 Rows: aggregate generated tok/s, time to first token (p50, p90) and gaps between streamed tokens (p50, p99), wkvm
 over llama.cpp as a ratio (tok/s: higher is better for wkvm; latencies: lower); for the chat, later turns' time to
 first token and the share of their prompt tokens each server said it took from its cache (`cached_tokens`). Each
@@ -39,6 +44,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import llamacpp  # noqa: E402
+from anthropic import APIConnectionError as AnthropicConnectionError  # noqa: E402
+from anthropic import AsyncAnthropic  # noqa: E402
 from common import OUT, machine, print_table, write_json  # noqa: E402
 from openai import APIConnectionError, AsyncOpenAI  # noqa: E402
 
@@ -94,10 +101,13 @@ class Answer:
     dropped: int = 0  # connections the server closed before answering (the request was sent again)
 
 
-async def ask(client: AsyncOpenAI, messages: list[dict[str, str]], tokens: int) -> Answer:
-    """One streamed chat answer. A request whose connection the server closes before any response (llama-server
-    did, 1 request in ~1,000: a kept-alive connection closed as the next request went out) is sent again at once,
-    timed from the second send, and counted (`dropped`); a second drop, or one mid-stream, fails the run."""
+async def ask(client: AsyncOpenAI | AsyncAnthropic, messages: list[dict[str, str]], tokens: int) -> Answer:
+    """One streamed chat answer (through Anthropic's Messages API where `client` is its SDK's: `ask_messages`). A
+    request whose connection the server closes before any response (llama-server did, 1 request in ~1,000: a
+    kept-alive connection closed as the next request went out) is sent again at once, timed from the second send, and
+    counted (`dropped`); a second drop, or one mid-stream, fails the run."""
+    if isinstance(client, AsyncAnthropic):
+        return await ask_messages(client, messages, tokens)
     dropped = 0
     while True:
         t0 = time.perf_counter()
@@ -130,13 +140,59 @@ async def ask(client: AsyncOpenAI, messages: list[dict[str, str]], tokens: int) 
     return answer
 
 
+async def ask_messages(client: AsyncAnthropic, messages: list[dict[str, str]], tokens: int) -> Answer:
+    """`ask` through Anthropic's Messages API (both servers serve /v1/messages; `ignore_eos` as an extra, which both
+    read there too); its usage counts cache reads apart from input_tokens."""
+    dropped = 0
+    while True:
+        t0 = time.perf_counter()
+        try:
+            manager = client.messages.stream(model="smollm2", messages=messages, max_tokens=tokens,  # type: ignore[arg-type]
+                                             extra_body={"temperature": 0, "ignore_eos": True})  # fmt: skip
+            stream = await manager.__aenter__()
+            break
+        except AnthropicConnectionError:
+            if dropped:
+                raise
+            dropped += 1
+    answer, last = Answer(ttft=0.0, dropped=dropped), 0.0
+    try:
+        async for piece in stream.text_stream:
+            if not piece:
+                continue
+            now = time.perf_counter()
+            if not answer.text:
+                answer.ttft = now - t0
+            else:
+                answer.gaps.append(now - last)
+            last = now
+            answer.text += piece
+        usage = (await stream.get_final_message()).usage
+    finally:
+        await manager.__aexit__(None, None, None)
+    answer.tokens, answer.cached = usage.output_tokens, usage.cache_read_input_tokens or 0
+    answer.prompt = usage.input_tokens + answer.cached
+    # llama-server's streamed /v1/messages ends at the model's end of turn despite ignore_eos (its blocking one does
+    # not): the answers' lengths may differ, and tok/s counts what each server generated
+    if answer.tokens > tokens or (answer.tokens < tokens and answer.tokens == 0):
+        raise RuntimeError(f"asked for {tokens} tokens, got {answer.tokens}")
+    return answer
+
+
+def client_for(url: str, api: str) -> AsyncOpenAI | AsyncAnthropic:
+    if api == "anthropic":
+        return AsyncAnthropic(base_url=url, api_key="none", max_retries=0, timeout=600)
+    return AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+
+
 def question(text: str, offset: int, n_tokens: int) -> str:
     piece = text[offset : offset + int(n_tokens * CHARS_PER_TOKEN)]
     return f"Summarize this passage in plain words:\n\n{piece}"
 
 
-async def streams(url: str, text: str, offset: int, clients: int, prompt: int, tokens: int) -> tuple[float, list]:
-    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600) as client:
+async def streams(url: str, text: str, offset: int, clients: int, prompt: int, tokens: int,
+                  api: str = "openai") -> tuple[float, list]:  # fmt: skip
+    async with client_for(url, api) as client:
         t0 = time.perf_counter()
         jobs = [ask(client, [{"role": "user", "content": question(text, offset + i * 5000, prompt)}], tokens)
                 for i in range(clients)]  # fmt: skip
@@ -144,8 +200,9 @@ async def streams(url: str, text: str, offset: int, clients: int, prompt: int, t
         return time.perf_counter() - t0, answers
 
 
-async def chat(url: str, text: str, offset: int, users: int, turns: int, tokens: int) -> tuple[float, list]:
-    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600) as client:
+async def chat(url: str, text: str, offset: int, users: int, turns: int, tokens: int,
+               api: str = "openai") -> tuple[float, list]:  # fmt: skip
+    async with client_for(url, api) as client:
 
         async def user(i: int) -> list[Answer]:
             base = offset + i * 9000
@@ -183,16 +240,16 @@ def summary(wall: float, answers: list[Answer], later_turns: list[Answer] | None
 
 def run_case(case: str, url: str, text: str, offset: int, args: argparse.Namespace) -> dict[str, float]:
     if case == "chat":
-        wall, answers = asyncio.run(chat(url, text, offset, 8, args.turns, args.chat_tokens))
+        wall, answers = asyncio.run(chat(url, text, offset, 8, args.turns, args.chat_tokens, args.api))
         later = [a for i, a in enumerate(answers) if i % args.turns]  # turns 2.. of each user
         return summary(wall, answers, later)
     clients = 1 if case == "1 stream" else 8
     if clients == 1:  # four questions, one after another
         t0, answers = time.perf_counter(), []
         for i in range(4):
-            answers += asyncio.run(streams(url, text, offset + i * 5000, 1, args.prompt, args.tokens))[1]
+            answers += asyncio.run(streams(url, text, offset + i * 5000, 1, args.prompt, args.tokens, args.api))[1]
         return summary(time.perf_counter() - t0, answers)
-    wall, answers = asyncio.run(streams(url, text, offset, clients, args.prompt, args.tokens))
+    wall, answers = asyncio.run(streams(url, text, offset, clients, args.prompt, args.tokens, args.api))
     return summary(wall, answers)
 
 
@@ -234,6 +291,9 @@ def main() -> None:
     ap.add_argument("--chat-tokens", type=int, default=64, help="tokens generated per chat turn")
     ap.add_argument("--cases", default="1 stream,8 streams,chat")
     ap.add_argument("--wkvm-args", default="", help="more `wkvm serve` flags, e.g. '--token-budget 128'")
+    ap.add_argument("--api", choices=("openai", "anthropic"), default="openai",
+                    help="the clients' API: OpenAI's chat completions, or Anthropic's Messages (/v1/messages), which "
+                         "both servers serve")  # fmt: skip
     args = ap.parse_args()
     if not GGUF.is_file():
         sys.exit(f"{GGUF} is missing: run `make smollm2` first")
@@ -288,12 +348,14 @@ def main() -> None:
     served = build_parser().parse_args(["serve", "--dtype", args.dtype, *shlex.split(args.wkvm_args)])
     kv = kv_dtype_for(kv_dtype_name(served.kv_dtype), args.dtype)
     repack = "" if not llamacpp.repack_crashed else ", without weight repacking (its AMX path crashes here)"
-    title = (f"SmolLM2-135M-Instruct served over HTTP (openai SDK, streamed chat, greedy, ignore_eos): wkvm "
+    sdk = "anthropic SDK, streamed Messages API" if args.api == "anthropic" else "openai SDK, streamed chat"
+    title = (f"SmolLM2-135M-Instruct served over HTTP ({sdk}, greedy, ignore_eos): wkvm "
              f"--dtype {args.dtype}{flags} (KV {kv}) vs llama-server Q4_1 native (KV float16{repack}); "
              f"{args.threads} threads each, medians of {args.rounds} alternating rounds; CPU: {cpu['cpu']}; "
              f"torch ISA {cpu['isa']}")
     print_table(title, ["case", "figure", "wkvm", "llama.cpp", "wkvm / llama.cpp"], rows)
-    path = write_json("serving", {"cpu": cpu["cpu"], "isa": cpu["isa"], "dtype": args.dtype,
+    path = write_json("serving" if args.api == "openai" else "serving-anthropic",
+                      {"cpu": cpu["cpu"], "isa": cpu["isa"], "dtype": args.dtype, "api": args.api,
                                   "wkvm_args": args.wkvm_args, "kv_dtype": kv, "threads": args.threads,
                                   "rounds": args.rounds,
                                   "llama_cpp_repack": not llamacpp.repack_crashed,

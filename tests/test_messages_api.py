@@ -127,6 +127,18 @@ def test_max_tokens_past_the_server_s_limit_runs_to_the_limit(char_model):
     assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 6
 
 
+def test_the_sampling_extras_reach_the_chat():
+    """temperature, top_p, top_k (older clients'), seed and ignore_eos (vLLM's and llama-server's, for fixed-length
+    benchmark replies) go on to the chat completion the request runs."""
+    from wkvm.server.messages_routes import chat_request
+    from wkvm.server.schemas import MessagesRequest
+
+    extras = {"temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 3, "ignore_eos": True}
+    body = MessagesRequest.model_validate({"model": MODEL, "max_tokens": 9, "messages": [{"role": "user"}], **extras})
+    chat = chat_request(body, [{"role": "user", "content": "a"}], False, 100)
+    assert {k: getattr(chat, k) for k in extras} == extras and chat.max_completion_tokens == 9
+
+
 def test_a_system_message_among_the_turns_stays_where_it_is(server):
     """The API's system role in `messages` (Claude Code sends one after its first user message)."""
     turns = [{"role": "user", "content": "Hi"}, {"role": "system", "content": [{"type": "text", "text": "Be kind."}]},

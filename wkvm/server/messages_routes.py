@@ -315,7 +315,7 @@ def chat_request(body: MessagesRequest, messages: list[dict[str, Any]], prefill:
         d["parallel_tool_calls"] = False
     if isinstance(body.metadata, dict) and isinstance(body.metadata.get("user_id"), str):
         d["user"] = body.metadata["user_id"]
-    for key in ("temperature", "top_p", "top_k", "seed"):
+    for key in ("temperature", "top_p", "top_k", "seed", "ignore_eos"):
         if getattr(body, key) is not None:
             d[key] = getattr(body, key)
     try:

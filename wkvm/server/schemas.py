@@ -235,6 +235,7 @@ class MessagesRequest(MessagesCountRequest):
     top_k: int | None = Field(default=None, ge=0)
     metadata: dict[str, Any] | None = None
     seed: int | None = None  # wkvm's (as the chat's): the same request samples the same reply
+    ignore_eos: bool = False  # vLLM's and llama-server's (a benchmark's fixed-length replies)
 
 
 class OllamaModelRequest(RequestBody):
