@@ -208,6 +208,13 @@ def test_bad_requests_are_400s_in_anthropic_s_shape_naming_the_field(server, bod
     assert err["error"]["param"] == param and err["error"]["message"]
 
 
+def test_count_tokens_refuses_what_its_tokenizer_cannot_read(server):
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]})  # a lone surrogate
+    r = httpx.post(f"{server.url}/v1/messages/count_tokens", content=body,
+                   headers={"x-api-key": "key-a", "content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content", r.text
+
+
 def test_the_key_is_checked_and_errors_read_as_anthropic_s(server):
     with pytest.raises(anthropic.AuthenticationError) as e:
         client(server, "wrong").messages.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=2)

@@ -55,7 +55,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         except APIError as e:
             raise APIError(e.status, named(e.message) or e.message, named(e.param), e.code, e.headers) from None
         shell: dict[str, Any] = {"id": new_id("msg"), "type": "message", "role": "assistant", "model": body.model,
-                 "content": [], "stop_reason": None, "stop_sequence": None}  # fmt: skip
+                                 "content": [], "stop_reason": None, "stop_sequence": None}  # fmt: skip
         if isinstance(out, StreamingResponse):
             prompt = started.get("tokens", 0), gen.cached_tokens({"wkvm": started.get("info") or {}})
             events = stream_events(shell, prompt, out.body_iterator, body.stop_sequences)  # type: ignore[arg-type]
@@ -80,6 +80,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         mode = tool_mode(tools, choice, None)
         text = render_chat(ctx, chat_messages(chat_request_messages(messages)), mode.tools if mode else None,
                            not prefill, prefill, template_kwargs(body.thinking))  # fmt: skip
+        gen.check_text(text, "messages")  # as /tokenize checks a text before its tokenizer sees it
+        gen.check_text_size(ctx, text, "messages")
         return {"input_tokens": len(ctx.tokenizer.encode(text))}
 
     return r
