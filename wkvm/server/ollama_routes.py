@@ -161,7 +161,7 @@ def chat_messages_of(messages: list[Any]) -> list[dict[str, Any]]:
                            "invalid_value")  # fmt: skip
         assert isinstance(m, dict)
         check_images(m.get("images"), f"{where}.images")
-        content = m.get("content", "")
+        content = "" if m.get("content") is None else m["content"]  # null, as a client's unset field
         if not isinstance(content, str):
             raise APIError(400, f"{where}.content must be a string", f"{where}.content", "invalid_value")
         if role == "tool":
