@@ -39,8 +39,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 sys.path.insert(0, str(Path(__file__).parent))
 import llamacpp  # noqa: E402
@@ -56,6 +58,7 @@ from wkvm.server.background import free_port, wait_healthy  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 GGUF = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+T = TypeVar("T")
 CHARS_PER_TOKEN = 3.6  # tinyshakespeare through SmolLM2's tokenizer, near enough to size a question
 
 
@@ -99,74 +102,66 @@ class Answer:
     prompt: int = 0  # prompt tokens, and of them those the server's cache held (usage.prompt_tokens_details)
     cached: int = 0
     dropped: int = 0  # connections the server closed before answering (the request was sent again)
+    last: float = 0.0  # when the last piece came
+
+    def take(self, piece: str, t0: float) -> None:
+        """A streamed piece of text (sent at `t0`): the first gives the time to first token, the others the gaps."""
+        now = time.perf_counter()
+        if not self.text:
+            self.ttft = now - t0
+        else:
+            self.gaps.append(now - self.last)
+        self.last = now
+        self.text += piece
 
 
-async def ask(client: AsyncOpenAI | AsyncAnthropic, messages: list[dict[str, str]], tokens: int) -> Answer:
-    """One streamed chat answer (through Anthropic's Messages API where `client` is its SDK's: `ask_messages`). A
-    request whose connection the server closes before any response (llama-server did, 1 request in ~1,000: a
-    kept-alive connection closed as the next request went out) is sent again at once, timed from the second send, and
-    counted (`dropped`); a second drop, or one mid-stream, fails the run."""
-    if isinstance(client, AsyncAnthropic):
-        return await ask_messages(client, messages, tokens)
+async def sent(send: Callable[[], Awaitable[T]], dropped_error: type[Exception]) -> tuple[float, T, int]:
+    """(send time, response, connections dropped) of a request whose connection the server closes before any
+    response (llama-server did, 1 request in ~1,000: a kept-alive connection closed as the next request went out):
+    sent again at once, timed from the second send, and counted; a second drop fails the run."""
     dropped = 0
     while True:
         t0 = time.perf_counter()
         try:
-            stream = await client.chat.completions.create(
-                model="smollm2", messages=messages, max_tokens=tokens, temperature=0,  # type: ignore[arg-type]
-                stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})  # fmt: skip
-            break
-        except APIConnectionError:
+            return t0, await send(), dropped
+        except dropped_error:
             if dropped:
                 raise
             dropped += 1
-    answer, last = Answer(ttft=0.0, dropped=dropped), 0.0
+
+
+async def ask(client: AsyncOpenAI | AsyncAnthropic, messages: list[dict[str, str]], tokens: int) -> Answer:
+    """One streamed chat answer (through Anthropic's Messages API where `client` is its SDK's: `ask_messages`); a
+    drop mid-stream fails the run."""
+    if isinstance(client, AsyncAnthropic):
+        return await ask_messages(client, messages, tokens)
+    t0, stream, dropped = await sent(lambda: client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=tokens, temperature=0,  # type: ignore[arg-type]
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}), APIConnectionError)
+    answer = Answer(ttft=0.0, dropped=dropped)
     async for chunk in stream:
         if chunk.usage is not None:
             answer.tokens, answer.prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
             details = chunk.usage.prompt_tokens_details
             answer.cached = (details.cached_tokens or 0) if details is not None else 0
-        if not chunk.choices or not chunk.choices[0].delta.content:
-            continue
-        now = time.perf_counter()
-        if not answer.text:
-            answer.ttft = now - t0
-        else:
-            answer.gaps.append(now - last)
-        last = now
-        answer.text += chunk.choices[0].delta.content
+        if chunk.choices and chunk.choices[0].delta.content:
+            answer.take(chunk.choices[0].delta.content, t0)
     if answer.tokens != tokens:
         raise RuntimeError(f"asked for {tokens} tokens with ignore_eos, got {answer.tokens}")
     return answer
 
 
 async def ask_messages(client: AsyncAnthropic, messages: list[dict[str, str]], tokens: int) -> Answer:
-    """`ask` through Anthropic's Messages API (both servers serve /v1/messages; `ignore_eos` as an extra, which both
-    read there too); its usage counts cache reads apart from input_tokens."""
-    dropped = 0
-    while True:
-        t0 = time.perf_counter()
-        try:
-            manager = client.messages.stream(model="smollm2", messages=messages, max_tokens=tokens,  # type: ignore[arg-type]
-                                             extra_body={"temperature": 0, "ignore_eos": True})  # fmt: skip
-            stream = await manager.__aenter__()
-            break
-        except AnthropicConnectionError:
-            if dropped:
-                raise
-            dropped += 1
-    answer, last = Answer(ttft=0.0, dropped=dropped), 0.0
+    """`ask` through Anthropic's Messages API (both servers serve /v1/messages; `ignore_eos` as an extra); its usage
+    counts cache reads apart from input_tokens."""
+    manager = client.messages.stream(model="smollm2", messages=messages, max_tokens=tokens,  # type: ignore[arg-type]
+                                     extra_body={"temperature": 0, "ignore_eos": True})  # fmt: skip
+    t0, stream, dropped = await sent(manager.__aenter__, AnthropicConnectionError)
+    answer = Answer(ttft=0.0, dropped=dropped)
     try:
         async for piece in stream.text_stream:
-            if not piece:
-                continue
-            now = time.perf_counter()
-            if not answer.text:
-                answer.ttft = now - t0
-            else:
-                answer.gaps.append(now - last)
-            last = now
-            answer.text += piece
+            if piece:
+                answer.take(piece, t0)
         usage = (await stream.get_final_message()).usage
     finally:
         await manager.__aexit__(None, None, None)
@@ -174,7 +169,7 @@ async def ask_messages(client: AsyncAnthropic, messages: list[dict[str, str]], t
     answer.prompt = usage.input_tokens + answer.cached
     # llama-server's streamed /v1/messages ends at the model's end of turn despite ignore_eos (its blocking one does
     # not): the answers' lengths may differ, and tok/s counts what each server generated
-    if answer.tokens > tokens or (answer.tokens < tokens and answer.tokens == 0):
+    if answer.tokens == 0 or answer.tokens > tokens:
         raise RuntimeError(f"asked for {tokens} tokens, got {answer.tokens}")
     return answer
 
