@@ -199,6 +199,26 @@ def test_the_messages_api_gives_the_reasoning_a_thinking_block(servers):
     assert [b.type for b in plain.content] == ["text"]
 
 
+def test_ollama_s_api_gives_the_reasoning_as_thinking(servers):
+    """Ollama's /api/chat: the reasoning as `message.thinking`, the answer as content; /api/show says "thinking"."""
+    import ollama
+
+    on, off = servers
+    url = str(on.base_url).removesuffix("/").removesuffix("/v1")
+    client = ollama.Client(host=url)
+    raw = off.chat.completions.create(model="thinker", messages=[{"role": "user", "content": "Why?"}], max_tokens=30,
+                                      temperature=0).choices[0].message.content  # fmt: skip
+    r = client.chat(model="thinker", messages=[{"role": "user", "content": "Why?"}],
+                    options={"temperature": 0, "num_predict": 30})  # fmt: skip
+    assert r.message.thinking == raw and r.message.content == ""
+    parts = list(client.chat(model="thinker", messages=[{"role": "user", "content": "Why?"}], stream=True,
+                             options={"temperature": 0, "num_predict": 30}))  # fmt: skip
+    assert "".join(p.message.thinking or "" for p in parts) == raw
+    assert "thinking" in client.show("thinker").capabilities
+    assert "thinking" not in ollama.Client(host=str(off.base_url).removesuffix("/").removesuffix("/v1")).show(
+        "thinker").capabilities  # --reasoning-parser none: replies as they are
+
+
 def test_reasoning_tokens_are_those_before_the_answer():
     """`completion_tokens_details.reasoning_tokens`: the tokens that begin before the answer (the `</think>` tag's
     included), whatever the token boundaries."""

@@ -29,6 +29,7 @@ from wkvm.server.context import ServerContext
 from wkvm.server.embeddings_routes import embed
 from wkvm.server.errors import APIError
 from wkvm.server.openai_routes import chat_completion, check_model, completion
+from wkvm.server.reasoning import thinking
 from wkvm.server.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -80,8 +81,11 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         check_model(ctx, body.model)
         family = ctx.model.spec.family
         info = {"general.architecture": family, f"{family}.context_length": ctx.model.context_limit}
+        templates = [ctx.template.source, ctx.template.tool_source]
         capabilities = ["completion"] + (["tools"] if ctx.template.tool_source or "tools" in (ctx.template.source or "")
                                          else [])  # fmt: skip
+        if thinking(ctx.config.reasoning_parser, templates, "", False) is not None:  # its replies read for reasoning
+            capabilities.append("thinking")
         return {"modelfile": "", "parameters": "", "template": ctx.template.source or "", "details": details(),
                 "model_info": info, "capabilities": capabilities, "modified_at": iso(ctx.model_created)}
 
