@@ -230,3 +230,43 @@ def test_anthropic_s_sdk_lists_and_retrieves_the_model(server):
     one = client(server).models.retrieve(MODEL)
     assert one.type == "model" and one.display_name == MODEL and one.created_at.year >= 2026
     assert openai.OpenAI(base_url=f"{server.url}/v1", api_key="key-a").models.list().data[0].owned_by == "wkvm"
+
+
+def test_stream_blocks_open_and_close_in_order():
+    """Text, then a call whose arguments come in pieces, then text again: three blocks, indexed in order, each
+    started and stopped once; the call's input as partial JSON; stop_reason tool_use whenever a call was made."""
+    import asyncio
+
+    from wkvm.server.messages_routes import stream_events
+
+    chunks = [{"choices": [{"delta": {"content": "Let me "}, "finish_reason": None}]},
+              {"choices": [{"delta": {"content": "see."}, "finish_reason": None}]},
+              {"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "c0", "type": "function",
+                                                      "function": {"name": "f", "arguments": '{"a'}}]},
+                            "finish_reason": None}]},
+              {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '": 1}'}}]},
+                            "finish_reason": None}]},
+              {"choices": [{"delta": {"content": "Done."}, "finish_reason": "stop", "stop_reason": None}]},
+              {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9,
+                                        "prompt_tokens_details": {"cached_tokens": 2}}}]  # fmt: skip
+
+    async def lines():
+        for c in chunks:
+            yield f"data: {json.dumps(c)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def read() -> list[dict]:
+        return [json.loads(ev.split("data: ", 1)[1]) async for ev in stream_events({"id": "m"}, (5, 2), lines(), None)]
+
+    events = asyncio.run(read())
+    kinds = [(e["type"], e.get("index")) for e in events]
+    assert kinds == [("message_start", None), ("content_block_start", 0), ("content_block_delta", 0),
+                     ("content_block_delta", 0), ("content_block_stop", 0), ("content_block_start", 1),
+                     ("content_block_delta", 1), ("content_block_delta", 1), ("content_block_stop", 1),
+                     ("content_block_start", 2), ("content_block_delta", 2), ("content_block_stop", 2),
+                     ("message_delta", None), ("message_stop", None)]  # fmt: skip
+    assert events[5]["content_block"] == {"type": "tool_use", "id": "c0", "name": "f", "input": {}}
+    assert "".join(e["delta"]["partial_json"] for e in events[6:8]) == '{"a": 1}'
+    assert events[0]["message"]["usage"]["input_tokens"] == 3 and events[0]["message"]["usage"][
+        "cache_read_input_tokens"] == 2
+    assert events[12]["delta"]["stop_reason"] == "tool_use" and events[12]["usage"]["output_tokens"] == 9

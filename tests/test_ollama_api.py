@@ -168,3 +168,35 @@ def test_a_key_guards_the_ollama_routes(char_model):
     with LiveServer(model=str(char_model), api_keys=["k"], slots=1) as s:
         assert httpx.get(f"{s.url}/api/tags").status_code == 401
         assert ollama.Client(host=s.url, headers={"Authorization": "Bearer k"}).list().models[0].model == MODEL
+
+
+def test_a_streamed_reply_s_tool_calls_come_whole_at_its_end():
+    """The chat stream's call pieces (OpenAI's delta.tool_calls) are joined: Ollama's stream carries each call whole,
+    arguments as an object, in one line before the done line."""
+    import asyncio
+
+    from wkvm.server.ollama_routes import ndjson
+
+    pieces = [{"index": 0, "id": "c0", "type": "function", "function": {"name": "get_weather", "arguments": '{"ci'}},
+              {"index": 0, "function": {"arguments": 'ty": "Paris"}'}},
+              {"index": 1, "id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]  # fmt: skip
+    chunks = [{"choices": [{"delta": {"content": "Let me see."}, "finish_reason": None}]},
+              *({"choices": [{"delta": {"tool_calls": [p]}, "finish_reason": None}]} for p in pieces),
+              {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]},
+              {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9}}]  # fmt: skip
+
+    async def lines():
+        for c in chunks:
+            yield f"data: {json.dumps(c)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def read() -> list[dict]:
+        import time
+
+        return [json.loads(line) async for line in ndjson("m", "message", time.perf_counter(), lines())]
+
+    out = asyncio.run(read())
+    assert [o["done"] for o in out] == [False, False, True] and out[0]["message"]["content"] == "Let me see."
+    assert out[1]["message"]["tool_calls"] == [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                                               {"function": {"name": "f", "arguments": {}}}]  # fmt: skip
+    assert out[2]["done_reason"] == "stop" and out[2]["eval_count"] == 9 and out[2]["prompt_eval_count"] == 5
