@@ -7,6 +7,7 @@ import codecs
 import contextlib
 import copy
 import dataclasses
+import datetime
 import json
 import time
 import uuid
@@ -39,6 +40,11 @@ DEFAULT_CHAT_MAX_TOKENS = 1024
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def iso_time(t: float) -> str:
+    """A Unix time as ISO 8601 in UTC with a Z, as Anthropic's and Ollama's APIs write times."""
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
 def encode_prompt(ctx: ServerContext, prompt: str | list[int], param: str = "prompt",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError, error_body
 from wkvm.server.openai_routes import chat_completion, chat_messages, check_model, render_chat
+from wkvm.server.responses_routes import new_id
 from wkvm.server.schemas import ChatRequest, MessagesCountRequest, MessagesRequest
 from wkvm.server.tools import tool_mode
 
@@ -80,16 +80,9 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         mode = tool_mode(tools, choice, None)
         text = render_chat(ctx, chat_messages(chat_request_messages(messages)), mode.tools if mode else None,
                            not prefill, prefill, template_kwargs(body.thinking))  # fmt: skip
-        gen.check_text(text, "messages")  # as /tokenize checks a text before its tokenizer sees it
-        gen.check_text_size(ctx, text, "messages")
-        return {"input_tokens": len(ctx.tokenizer.encode(text))}
+        return {"input_tokens": len(gen.encode_prompt(ctx, text, "messages", starts=False))}  # as the chat encodes
 
     return r
-
-
-def new_id(kind: str) -> str:
-    """Anthropic's shape: msg_..., toolu_..."""
-    return f"{kind}_{uuid.uuid4().hex[:24]}"
 
 
 def named(text: str | None) -> str | None:
@@ -356,11 +349,16 @@ def stop_reason(finish_reason: str | None, matched: Any, stop_sequences: list[st
 
 
 def messages_usage(usage: dict[str, Any]) -> dict[str, Any]:
-    """The chat's usage in Anthropic's names: input_tokens are the prompt's tokens computed, cache_read_input_tokens
-    those a parked state saved computing (Anthropic counts them apart; their sum is the prompt)."""
-    cached = usage["prompt_tokens_details"]["cached_tokens"]
-    return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}  # fmt: skip
+    """The chat's usage in Anthropic's names (`anthropic_usage`)."""
+    return anthropic_usage(usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"],
+                           usage["completion_tokens"])  # fmt: skip
+
+
+def anthropic_usage(prompt: int, cached: int, output: int) -> dict[str, Any]:
+    """input_tokens are the prompt's tokens computed, cache_read_input_tokens those a parked state saved computing
+    (Anthropic counts them apart; their sum is the prompt)."""
+    return {"input_tokens": prompt - cached, "output_tokens": output, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached}  # fmt: skip
 
 
 def event(kind: str, **fields: Any) -> str:
@@ -401,10 +399,7 @@ async def stream_events(shell: dict[str, Any], prompt: tuple[int, int], chunks: 
     """Anthropic's stream: message_start (with the prompt's tokens), each content block's start, deltas and stop as
     the chat's chunks come, then message_delta (stop_reason, usage) and message_stop. A failure after the start is
     an `error` event, as Anthropic's."""
-    tokens, cached = prompt
-    start_usage = {"input_tokens": tokens - cached, "output_tokens": 0, "cache_creation_input_tokens": 0,
-                   "cache_read_input_tokens": cached}  # fmt: skip
-    yield event("message_start", message={**shell, "usage": start_usage})
+    yield event("message_start", message={**shell, "usage": anthropic_usage(*prompt, 0)})
     s = BlockStream()
     finish_reason, matched, usage, error = None, None, None, None
     try:

@@ -12,7 +12,6 @@ resent whole resumes its parked state when the tokens match exactly. docs/http-a
 
 from __future__ import annotations
 
-import datetime
 import json
 import time
 from collections.abc import AsyncIterator
@@ -57,8 +56,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
                 "family": family, "families": [family], "parameter_size": "", "quantization_level": ctx.config.dtype}
 
     def entry() -> dict[str, Any]:
-        return {"name": ctx.model_name, "model": ctx.model_name, "modified_at": iso(ctx.model_created), "size": 0,
-                "digest": ctx.model.fingerprint, "details": details()}  # fmt: skip
+        return {"name": ctx.model_name, "model": ctx.model_name, "modified_at": gen.iso_time(ctx.model_created),
+                "size": 0, "digest": ctx.model.fingerprint, "details": details()}  # fmt: skip
 
     @r.get("/api/version")
     def version() -> dict[str, str]:
@@ -87,14 +86,14 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         if thinking(ctx.config.reasoning_parser, templates, "", False) is not None:  # its replies read for reasoning
             capabilities.append("thinking")
         return {"modelfile": "", "parameters": "", "template": ctx.template.source or "", "details": details(),
-                "model_info": info, "capabilities": capabilities, "modified_at": iso(ctx.model_created)}
+                "model_info": info, "capabilities": capabilities, "modified_at": gen.iso_time(ctx.model_created)}
 
     @r.post("/api/chat", response_model=None)
     async def chat(body: OllamaChatRequest, request: Request) -> dict[str, Any] | StreamingResponse:
         ctx.require_ready()
         if not body.messages:  # Ollama loads the model and answers done: nothing to load here
             check_model(ctx, body.model)
-            return {"model": body.model, "created_at": iso(time.time()),
+            return {"model": body.model, "created_at": gen.iso_time(time.time()),
                     "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"}
         return await answer(ctx, request, body, chat_messages_of(body.messages), "message")
 
@@ -108,7 +107,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         check_images(body.images, "images")
         if not body.prompt:  # Ollama loads the model and answers done: nothing to load here
             check_model(ctx, body.model)
-            return {"model": body.model, "created_at": iso(time.time()), "response": "", "done": True,
+            return {"model": body.model, "created_at": gen.iso_time(time.time()), "response": "", "done": True,
                     "done_reason": "load"}  # fmt: skip
         if body.raw:  # the prompt as it is: a completion
             if body.system:
@@ -137,10 +136,6 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         return {"embedding": out["data"][0]["embedding"]}
 
     return r
-
-
-def iso(t: float) -> str:
-    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
 def nanos(seconds: float) -> int:
@@ -257,6 +252,13 @@ def ollama_param(param: str | None, generate: bool) -> str | None:
     return names[head] + param[len(head):] if head in names else param
 
 
+def renamed(e: APIError, generate: bool) -> APIError:
+    """A chat completion's (or completion's) error with its field named as the Ollama request names it."""
+    param = ollama_param(e.param, generate)
+    said = e.message if param == e.param or e.param is None else e.message.replace(e.param, param or "", 1)
+    return APIError(e.status, said, param, e.code, e.headers)
+
+
 async def answer(ctx: ServerContext, request: Request, body: OllamaChatRequest | OllamaGenerateRequest,
                  messages: list[dict[str, Any]], key: str) -> dict[str, Any] | StreamingResponse:  # fmt: skip
     """The chat completion of `messages`, in Ollama's shape: its text under `key` (chat: a message; generate: the
@@ -266,28 +268,16 @@ async def answer(ctx: ServerContext, request: Request, body: OllamaChatRequest |
         out = await chat_completion(ctx, chat_request(body, messages, ctx.config.max_tokens_limit), request,
                                     movable=False)  # fmt: skip
     except APIError as e:
-        param = ollama_param(e.param, key == "response")
-        said = e.message if param == e.param or e.param is None else e.message.replace(e.param, param or "", 1)
-        raise APIError(e.status, said, param, e.code, e.headers) from None
+        raise renamed(e, key == "response") from None
     if isinstance(out, StreamingResponse):
         lines = ndjson(body.model, key, t0, out.body_iterator)  # type: ignore[arg-type]
         return StreamingResponse(lines, media_type="application/x-ndjson")
     assert isinstance(out, dict)
     (choice,) = out["choices"]
     m = choice["message"]
-    text, thought = m.get("content") or "", m.get("reasoning_content")
-    done: dict[str, Any] = {"model": body.model, "created_at": iso(time.time())}
-    if key == "message":
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if thought is not None:
-            message["thinking"] = thought
-        if m.get("tool_calls"):
-            message["tool_calls"] = ollama_calls(m["tool_calls"])
-        done["message"] = message
-    else:
-        done["response"] = text
-        if thought is not None:
-            done["thinking"] = thought
+    done = piece_of(body.model, key, m.get("content") or "", m.get("reasoning_content") or "")
+    if key == "message" and m.get("tool_calls"):
+        done["message"]["tool_calls"] = ollama_calls(m["tool_calls"])
     return {**done, **ending(choice["finish_reason"], out["usage"], t0, None)}
 
 
@@ -301,13 +291,13 @@ async def raw_answer(ctx: ServerContext, request: Request,
     try:
         out = await completion(ctx, creq, request, movable=False)
     except APIError as e:
-        raise APIError(e.status, e.message, ollama_param(e.param, True), e.code, e.headers) from None
+        raise renamed(e, True) from None
     if isinstance(out, StreamingResponse):
         return StreamingResponse(ndjson(body.model, "response", t0, out.body_iterator),  # type: ignore[arg-type]
                                  media_type="application/x-ndjson")  # fmt: skip
     whole = json.loads(bytes(out.body))
     (choice,) = whole["choices"]
-    return {"model": body.model, "created_at": iso(time.time()), "response": choice["text"],
+    return {**piece_of(body.model, "response", choice["text"], ""),
             **ending(choice["finish_reason"], whole["usage"], t0, None)}  # fmt: skip
 
 
@@ -375,7 +365,9 @@ async def ndjson(model: str, key: str, t0: float, chunks: AsyncIterator[str]) ->
 
 
 def piece_of(model: str, key: str, text: str, thought: str) -> dict[str, Any]:
-    out: dict[str, Any] = {"model": model, "created_at": iso(time.time())}
+    """One object of an answer: its text under `key` (chat: a message; generate: the response), its reasoning as
+    `thinking` when there is some; `done` false (`ending` makes the last one done)."""
+    out: dict[str, Any] = {"model": model, "created_at": gen.iso_time(time.time())}
     if key == "message":
         out["message"] = {"role": "assistant", "content": text, **({"thinking": thought} if thought else {})}
     else:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import logging
 import time
@@ -549,9 +548,8 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
 def card(name: str, created: int, **more: Any) -> dict[str, Any]:
     """A model's entry in /v1/models: OpenAI's fields, Anthropic's (`type`, `display_name`, `created_at`), then
     wkvm's (`more`)."""
-    at = datetime.datetime.fromtimestamp(created, datetime.UTC).isoformat().replace("+00:00", "Z")
     return {"id": name, "object": "model", "created": created, "owned_by": "wkvm", "type": "model",
-            "display_name": name, "created_at": at, **more}  # fmt: skip
+            "display_name": name, "created_at": gen.iso_time(created), **more}  # fmt: skip
 
 
 def check_echo(body: CompletionRequest) -> None:
