@@ -159,6 +159,9 @@ def test_what_is_refused_is_a_400_naming_the_field(server, path, body, param):
     r = httpx.post(f"{server.url}{path}", content=json.dumps({"model": MODEL, "stream": False, **body}),
                    headers={"content-type": "application/json"})  # (json.dumps: httpx refuses a lone surrogate)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_another_model_s_name_is_a_404(server):
     with pytest.raises(ollama.ResponseError) as e:
         client(server).chat(model="llama3", messages=[{"role": "user", "content": "a"}])
     assert e.value.status_code == 404
