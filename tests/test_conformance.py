@@ -464,3 +464,92 @@ def test_a_shared_system_prompt_is_reused_from_the_second_request(server, model)
         for k in want:
             assert state[k].shape == want[k].shape, (rec.handle, k)
             assert torch.allclose(state[k].float(), want[k].float(), rtol=1e-4, atol=1e-4), (rec.handle, k)
+
+
+SPEC_PROMPTS = [PROMPT * 3, PROMPT[3:] * 2 + PROMPT[:5], [7, 8, 9, 7, 8, 9, 7, 8]]
+SPEC_PARAMS = [
+    SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2),
+    SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True, logprobs=1),
+    SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True, frequency_penalty=0.4,
+                   repetition_penalty=1.2),
+]  # fmt: skip
+
+
+def speculative_engine(m, family_dir, k: int) -> Engine:
+    eng = engine(m, family_dir, n_slots=3, token_budget=32, prefill_chunk=8, speculative_tokens=k)
+    if k and not eng.speculates:
+        pytest.skip(f"{m.family}: a chunk of {k + 1} tokens does not have stepping's bits here (no native kernel "
+                    "for these weights on this CPU, or no compiler): the engine does not speculate")  # fmt: skip
+    return eng
+
+
+def run_all(eng: Engine, prompts, params) -> list:
+    handles = [eng.submit(p, sp, capture_state=True, request_id=f"r{i}")
+               for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]  # fmt: skip
+    eng.run_until_done()
+    return [(h.output.token_ids, h.output.logprobs, h.output.text, h.output.finish_reason, h.run_result())
+            for h in handles]  # fmt: skip
+
+
+def draft_from(eng: Engine, runs: list, wrong_every: int = 0) -> None:
+    """The engine's drafts are the tokens the plain run put out next (so they are accepted), the third of every
+    `wrong_every`-th draft made wrong (a draft refused there, the tokens before it accepted) and every draft after
+    the 9th output token wrong from its first (all refused): each path of the check, whatever the random model
+    writes (prompt lookup finds little in a random model's output)."""
+    vocab = eng.model.vocab_size
+    calls = iter(range(1 << 30))
+
+    def draft(req, room: int) -> list[int]:
+        want, i = runs[int(req.request_id[1:])][0], len(req.output_ids)
+        d = list(want[i : i + min(room, 5)])
+        if wrong_every and d and i > 9:
+            d[0] = (d[0] + 1) % vocab
+        elif wrong_every and len(d) > 2 and next(calls) % wrong_every == 0:
+            d[2] = (d[2] + 1) % vocab
+        return d
+
+    eng.scheduler.draft = draft
+
+
+def assert_same_runs(got: list, want: list, family: str) -> None:
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a[:4] == b[:4], f"{family}: request {i}"
+        assert a[4].history == b[4].history, f"{family}: request {i}'s history"
+        assert b[4].final_state is not None and a[4].final_state is not None, f"{family}: request {i}'s final state"
+        for name, t in b[4].final_state.items():
+            assert torch.equal(a[4].final_state[name], t), f"{family}: request {i}'s final state {name}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_speculative_decoding_answers_as_stepping(family_dir, request, dtype):
+    """Drafts checked in one chunk (speculative decoding): greedy, seeded top-p and penalized sampling give the
+    tokens, logprobs and final states, to the bit, of an engine that steps token by token, for three requests
+    batched, with drafts accepted whole, in part and not at all."""
+    if dtype == "int8" and not getattr(request.node.callspec.params["family_dir"], "INT8", True):
+        pytest.skip("a family without int8 weights (tests/families/toy.py: float32 only)")
+    m = load_model(family_dir, dtype=dtype)
+    fast = speculative_engine(m, family_dir, 5)
+    want = run_all(speculative_engine(m, family_dir, 0), SPEC_PROMPTS, SPEC_PARAMS)
+    draft_from(fast, want, wrong_every=2)
+    assert_same_runs(run_all(fast, SPEC_PROMPTS, SPEC_PARAMS), want, m.family)
+    r = fast.runner
+    assert 0 < r.accepted < r.drafted, (r.accepted, r.drafted)
+
+
+def test_a_stop_inside_a_checked_draft_keeps_the_state_of_stepping(family_dir):
+    """A stop string that ends the reply inside an accepted draft, or inside one refused after it: the state kept
+    (chat reuse's) holds exactly the history but its pending token, as a step-by-step run's, after the engine puts
+    it back (`ModelRunner.rewind`)."""
+    m = load_model(family_dir)
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = run_all(speculative_engine(m, family_dir, 0), SPEC_PROMPTS, [sp] * 3)
+    rewound = 0
+    for i, (_, _, text, _, _) in enumerate(plain):
+        for cut, wrong in ((5, 0), (9, 0), (14, 2), (18, 3)):  # stop strings ending at several places of the reply
+            stop = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[text[cut - 2 : cut]])
+            want = run_all(speculative_engine(m, family_dir, 0), [SPEC_PROMPTS[i]], [stop])
+            fast = speculative_engine(m, family_dir, 6)
+            draft_from(fast, [plain[i]], wrong)
+            assert_same_runs(run_all(fast, [SPEC_PROMPTS[i]], [stop]), want, m.family)
+            rewound += fast.runner.rewound
+    assert rewound > 0, "no stop fell inside a checked draft: the test proves nothing"

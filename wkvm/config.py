@@ -35,6 +35,9 @@ AUTO_DTYPE = "auto"  # --dtype: the checkpoint's own precision where wkvm has it
 KV_CHOICES = ("auto", *KV_DTYPES)
 KV_ALIASES = {"fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 MAX_PROMPT_TOKENS = 1 << 17  # --max-prompt-tokens' default
+# a draft and the pending token before it are checked as one chunk of at most models.family.STEP_CHUNK (8) tokens,
+# the chunks a model runs with the bits of stepping
+MAX_SPECULATIVE_TOKENS = 7
 MAX_SLOTS = 65_536  # state slots: each holds a sequence's fixed-size state whether used or not
 
 
@@ -57,6 +60,11 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30  # attention models: the shared pool of key/value pages (untouched until used)
     kv_page_tokens: int = 16  # tokens per KV page
     kv_dtype: str = "float32"  # attention models: the pages' element type (float16 halves their bytes)
+    # speculative decoding by prompt lookup (docs/speculative.md): the most draft tokens a step checks (0: off) and
+    # the n-gram lengths looked up, longest first
+    speculative_tokens: int = 0
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
 
     def __post_init__(self) -> None:
         for name in ("n_slots", "max_queue", "token_budget", "prefill_chunk", "kv_cache_bytes", "kv_page_tokens"):
@@ -66,6 +74,11 @@ class EngineConfig:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}")
         if self.token_budget < self.n_slots:
             raise ValueError("token_budget must be at least n_slots, so every running sequence can decode each step")
+        if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_tokens must be in 0..{MAX_SPECULATIVE_TOKENS} (a draft is checked with its "
+                             "pending token as one chunk of at most 8 tokens)")  # fmt: skip
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.request_timeout is not None and not self.request_timeout > 0:  # NaN too
             raise ValueError("request_timeout must be positive")
         check_device(self.device)
@@ -199,6 +212,13 @@ class ServerConfig:
                                    f"(default: {EngineConfig.token_budget}, or --slots where that is more)")
     prefill_chunk: int = opt(EngineConfig.prefill_chunk, "most prompt tokens one request feeds per step")
     request_timeout: float | None = opt(EngineConfig.request_timeout, "seconds before a request is aborted")
+    speculative_tokens: int = opt(EngineConfig.speculative_tokens, "speculative decoding by prompt lookup: check up "
+                                  f"to N (at most {MAX_SPECULATIVE_TOKENS}) tokens copied from the context after a "
+                                  "repeated n-gram in each step; answers stay the same (0: off)")
+    prompt_lookup_max: int = opt(EngineConfig.prompt_lookup_max, "with --speculative-tokens: the longest n-gram "
+                                 "looked up")
+    prompt_lookup_min: int = opt(EngineConfig.prompt_lookup_min, "with --speculative-tokens: the shortest n-gram "
+                                 "looked up")
     kv_cache_bytes: int = opt(EngineConfig.kv_cache_bytes, "attention models: bytes of key/value pages shared by "
                               "all sequences; with the model's context it bounds one sequence's tokens", "size")
     kv_page_tokens: int = opt(EngineConfig.kv_page_tokens, "attention models: tokens per key/value page")
@@ -310,6 +330,8 @@ class ServerConfig:
             n_slots=self.slots, max_queue=self.max_queue, token_budget=self.engine_token_budget(),
             prefill_chunk=self.prefill_chunk, request_timeout=self.request_timeout, device=device,
             kv_cache_bytes=self.kv_cache_bytes, kv_page_tokens=self.kv_page_tokens, kv_dtype=self.engine_kv_dtype(),
+            speculative_tokens=self.speculative_tokens, prompt_lookup_max=self.prompt_lookup_max,
+            prompt_lookup_min=self.prompt_lookup_min,
         )  # fmt: skip
 
 

@@ -108,6 +108,19 @@ class SlotArena:
         if self.pool is not None:
             self.kv.setdefault(slot, SeqKV()).reserve(self.pool, n_new)
 
+    def fixed(self, slot: int) -> State:
+        """A copy of `slot`'s fixed-size tensors (its recurrent state; no kv), to put back with `restore_fixed`."""
+        return {k: t[slot].clone() for k, t in self.tensors.items()}
+
+    def restore_fixed(self, slot: int, fixed: State) -> None:
+        for k, t in self.tensors.items():
+            t[slot].copy_(fixed[k])
+
+    def drop_last(self, slot: int, n: int) -> None:
+        """Forget `slot`'s last `n` keys and values (a no-op for models without kv tensors)."""
+        if self.pool is not None and n:
+            self.kv[slot].drop_last(self.pool, n)
+
     def can_start(self, state: State | None, n_new: int, keep: bool = False) -> bool:
         """Whether a new sequence starting from `state` (written with `keep`) and taking `n_new` tokens fits the free
         KV pages (always, without kv)."""

@@ -16,6 +16,7 @@ import torch
 from wkvm.config import EngineConfig
 from wkvm.engine.arena import SlotArena
 from wkvm.engine.detokenizer import CONTEXT_TOKENS, Detokenizer
+from wkvm.engine.drafts import NgramDrafter
 from wkvm.engine.handle import Event, RequestHandle
 from wkvm.engine.request import Continuation, Request, Status
 from wkvm.engine.runner import ModelRunner, StepOutput
@@ -66,6 +67,9 @@ class EngineStats:
     weight_stream: object | None  # the streaming weight provider's counters (StreamStats), None when resident
     kv_pages_used: int = 0  # attention models: pages of the key/value pool held by sequences (0 / 0 without one)
     kv_pages_total: int = 0
+    speculates: bool = False  # speculative decoding is on: draft tokens checked so far, and accepted
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def busy(self) -> bool:
@@ -78,6 +82,9 @@ class Engine:
         self.config = config or EngineConfig()
         self.runner = ModelRunner(model, self.config, tokenizer)
         self.scheduler = Scheduler(self.config, self.runner.arena)  # slot bookkeeping; parks states through it
+        self.speculates = self._speculates()
+        if self.speculates:
+            self.scheduler.draft = self._draft
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._handles: dict[str, RequestHandle] = {}
@@ -104,6 +111,42 @@ class Engine:
     def model(self) -> LanguageModel:
         return self.runner.model
 
+    def _speculates(self) -> bool:
+        """--speculative-tokens, where this model checks a draft with stepping's bits (else answers could move, so
+        it does not speculate: logged)."""
+        k = self.config.speculative_tokens
+        if k == 0:
+            return False
+        checks = getattr(self.model, "checks_drafts", None)
+        if checks is None or not checks(k + 1):
+            log.warning("speculative decoding is off: this model's weights (dtype and kernels on this CPU) do not give "
+                        "a chunk of %d tokens the bits of stepping, so a checked draft could change answers (int8 "
+                        "and int4 weights do; docs/speculative.md)", k + 1)  # fmt: skip
+            return False
+        return True
+
+    def _draft(self, req: Request, room: int) -> list[int]:
+        """Up to `room` draft tokens for a decoding request (prompt lookup), cut before an end of sequence or stop
+        token (the sample there ends the reply: no token after it is worth checking) and to what max_tokens and the
+        context leave."""
+        p = req.params
+        limit = self.runner.context_limit
+        room = min(room, self.config.speculative_tokens, p.max_tokens - len(req.output_ids) - 1)
+        if limit is not None:
+            room = min(room, limit - len(req.base_ids) - req.num_tokens)
+        if room < 1 or req.prefill_only:
+            return []
+        if req.drafter is None:
+            req.drafter = NgramDrafter(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+        d = req.drafter
+        d.extend(req.history_from(len(d.tokens)))
+        draft = d.propose(room)
+        ends = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.tokenizer.eos_token_ids))
+        for i, t in enumerate(draft):
+            if t in ends:
+                return draft[:i]
+        return draft
+
     @property
     def arena(self) -> SlotArena:
         return self.runner.arena
@@ -115,7 +158,7 @@ class Engine:
             total = pool.n_pages if pool is not None else 0
             return EngineStats(len(sched.waiting), len(sched.running), self.arena.num_free, self.arena.n_slots,
                                getattr(self.model.weights, "stats", None), total - (pool.num_free if pool else 0),
-                               total)  # fmt: skip
+                               total, self.speculates, self.runner.drafted, self.runner.accepted)  # fmt: skip
 
     # --- submission ----------------------------------------------------------------------------
     def submit(
@@ -343,8 +386,8 @@ class Engine:
 
     def _postprocess(self, out: StepOutput) -> list[Event]:
         events = []
-        for req, s in out.caught_up:
-            if req.status.finished:  # aborted from another thread while the model ran
+        for req, s in out.caught_up:  # a request that checked a draft comes once per token it sampled, in order
+            if req.status.finished:  # aborted from another thread while the model ran, or stopped at a token before
                 continue
             if s.error:
                 events.append(self._fail_one(req, s.error, s.error_code))
@@ -353,6 +396,8 @@ class Engine:
             else:
                 assert s.token is not None  # a row without an error sampled a token
                 events.append(self._append(req, s.token, s.logprobs, s.grammar_done))
+        for req, _ in out.caught_up:
+            req.speculated = req.before_draft = None  # its draft's tokens are now all known, or it has finished
         return events
 
     def _append(self, req: Request, tok: int, lp: dict[int, float] | None, grammar_done: bool = False) -> Event:
@@ -421,6 +466,8 @@ class Engine:
         return Event(req.request_id, [], "", None, Status.FINISHED_ERROR.value, message, code)
 
     def _finish(self, req: Request, status: Status, error: str | None = None, error_code: str | None = None) -> None:
+        if req.speculated is not None and req.capture_state and error_code is None:
+            self.runner.rewind(req)  # it stopped inside a checked draft: its state as if it had stepped to here
         # the state is kept only when the step itself ended a healthy request, at a token boundary, with every token
         # of its history fed but the pending last one: a request cancelled or timed out inside its prompt holds only
         # part of it, and kept under its whole history that state would have continued at the wrong positions

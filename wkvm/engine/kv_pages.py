@@ -122,6 +122,17 @@ class SeqKV:
             pool.retain(p)
         return SeqKV(list(used), self.length)
 
+    def drop_last(self, pool: PagePool, n: int) -> None:
+        """Forget the last `n` tokens (a speculative step's refused draft) and give back the pages past the new end.
+        They were written this step, into pages `reserve` made this side's own, so no other sequence sees them."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot drop {n} of {self.length} tokens")
+        self.length -= n
+        keep = -(-self.length // pool.page_tokens)
+        for p in self.pages[keep:]:
+            pool.release(p)
+        del self.pages[keep:]
+
     def free(self, pool: PagePool) -> None:
         for p in self.pages:
             pool.release(p)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from wkvm.engine.drafts import NgramDrafter
 from wkvm.models.spec import State
 from wkvm.sampling_params import SamplingParams
 
@@ -80,6 +81,13 @@ class Request:
     error: str | None = None
     error_code: str | None = None  # an ErrorCode value (wkvm.outputs) when it ended in error or abort
     cancel_requested: bool = False
+    # speculative decoding (docs/speculative.md): the request's prompt-lookup index (None: it does not speculate), the
+    # draft fed after its pending token this step, and, while a checked draft's tokens are in its state, the state's
+    # fixed tensors before them (`speculated`: how many tokens had been computed then)
+    drafter: NgramDrafter | None = None
+    draft: list[int] = field(default_factory=list)
+    speculated: int | None = None
+    before_draft: State | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -103,7 +111,17 @@ class Request:
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
 
     def next_tokens(self, n: int) -> list[int]:
-        return [self.token_at(i) for i in range(self.num_computed_tokens, self.num_computed_tokens + n)]
+        """The next n tokens to feed: known ones, then this step's draft."""
+        known = min(n, self.num_tokens - self.num_computed_tokens)
+        ids = [self.token_at(i) for i in range(self.num_computed_tokens, self.num_computed_tokens + known)]
+        return ids + self.draft[: n - known]
+
+    def history_from(self, i: int) -> list[int]:
+        """`history()[i:]` without building the whole list."""
+        nb, np_ = len(self.base_ids), len(self.prompt_ids)
+        if i >= nb + np_:
+            return self.output_ids[i - nb - np_ :]
+        return (self.base_ids[i:] if i < nb else []) + self.prompt_ids[max(0, i - nb) :] + self.output_ids
 
     def fed_token_ids(self) -> list[int]:
         """Exactly the tokens whose effect is in the state."""

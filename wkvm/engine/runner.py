@@ -79,6 +79,8 @@ class ModelRunner:
         self.grammars = GrammarCompiler(tokenizer) if tokenizer is not None else None
         self.eos_token_ids = sorted(tokenizer.eos_token_ids) if tokenizer is not None else []
         self.tokenizer = tokenizer
+        # speculative decoding: draft tokens checked, accepted, and requests put back to where they stopped
+        self.drafted = self.accepted = self.rewound = 0
 
     def add(self, req: Request) -> None:
         """Give a new request its sampler row (seeded generator, token context for penalties, grammar state).
@@ -123,9 +125,21 @@ class ModelRunner:
         self._rows.pop(request_id, None)
 
     def run(self, work: list[tuple[Request, int]]) -> StepOutput:
-        """Feed each (request, n) its next n tokens in one weight sweep; sample for the requests now caught up."""
+        """Feed each (request, n) its next n tokens in one weight sweep; sample for the requests now caught up.
+
+        A request with a draft (`Request.draft`: speculative decoding) is fed its pending token and the draft, and
+        samples position by position while the draft agrees (`_check_draft`): one or more tokens."""
+        for r, _ in work:
+            r.speculated = r.before_draft = None
+            if r.draft and r.slot is not None:
+                r.speculated = r.num_computed_tokens
+                r.before_draft = self.arena.fixed(r.slot) if self.arena.tensors else None
         reqs, logits, every = self._forward(work)
+        checked: list[tuple[Request, Sampled]] = []
         for r, n in work:
+            if r.draft:
+                checked += self._check_draft(r, every[r.request_id])
+                continue
             if r.request_id in every:
                 score_prompt(r, every[r.request_id])
             r.num_computed_tokens += n
@@ -136,19 +150,76 @@ class ModelRunner:
                 r.prompt_state = self.arena.read(slot)  # all of the prompt but its last (pending) token
             if r.capture_at == r.num_computed_tokens and r.branch_state is None and slot is not None:
                 r.branch_state = self.arena.read(slot)
-        done = [i for i, r in enumerate(reqs) if r.gap == 0]
+        done = [i for i, r in enumerate(reqs) if r.gap == 0 and not r.draft]
+        for r, _ in work:
+            r.draft = []
         if not done:
-            return StepOutput([])
+            return StepOutput(checked)
         if len(done) < len(reqs):
             logits = logits[torch.tensor(done)]
-        return StepOutput(self._sample([reqs[i] for i in done], logits))
+        return StepOutput(self._sample([reqs[i] for i in done], logits) + checked)
+
+    def _check_draft(self, r: Request, logits: torch.Tensor) -> list[tuple[Request, Sampled]]:
+        """Sample `r` at each fed position (logits [1 + k, V]: after its pending token, then after each draft token)
+        while the sample equals the draft's next token: the tokens it would have sampled one step at a time, as the
+        row's generator, penalties and grammar go token by token. Then its state holds what it fed up to the first
+        refused draft token: keys and values past it are dropped; a recurrent state that took a refused token goes
+        back to before the step, and the accepted tokens are fed again next step (they are known: a catch-up)."""
+        row, slot, k = self._rows.get(r.request_id), r.slot, len(r.draft)
+        if row is None or slot is None or r.speculated is None:  # finished from another thread while the model ran
+            r.num_computed_tokens += 1
+            return []
+        out: list[Sampled] = []
+        accepted = 0
+        try:
+            for j in range(k + 1):
+                s = sample(logits[j : j + 1], [row])[0]
+                out.append(s)
+                if j == k or s.token != r.draft[j] or s.grammar_done:
+                    break
+                r.output_ids.append(s.token)  # the next position's penalties, bad words and min_tokens see it
+                accepted += 1
+        finally:
+            del r.output_ids[len(r.output_ids) - accepted :]
+        self.drafted += k
+        self.accepted += accepted
+        if accepted < k and r.before_draft is not None:  # a recurrent state took refused tokens: back to before
+            self.arena.restore_fixed(slot, r.before_draft)
+            self.arena.drop_last(slot, 1 + k)
+            r.before_draft = None  # the accepted tokens are fed again next step
+        else:
+            self.arena.drop_last(slot, k - accepted)
+            r.num_computed_tokens += 1 + accepted  # past the tokens known until the engine appends these
+        return [(r, s) for s in out]
+
+    def rewind(self, r: Request) -> None:
+        """A request that stopped inside its checked draft (a stop string, a completed grammar) holds tokens after its
+        last one, or (a recurrent state put back) not all before it: make its state hold exactly its history but the
+        pending last token, as a step-by-step run's."""
+        slot, keep = r.slot, r.num_tokens - 1
+        if slot is None or r.num_computed_tokens == keep:
+            return
+        self.rewound += 1
+        if r.num_computed_tokens > keep:
+            if r.before_draft is None:  # keys and values only: forget the ones after
+                self.arena.drop_last(slot, r.num_computed_tokens - keep)
+                r.num_computed_tokens = keep
+                return
+            assert r.speculated is not None  # set with before_draft
+            self.arena.restore_fixed(slot, r.before_draft)
+            self.arena.drop_last(slot, r.num_computed_tokens - r.speculated)
+            r.num_computed_tokens = r.speculated
+        n = keep - r.num_computed_tokens  # fed again as the step fed them: the same bits
+        self.arena.reserve(slot, n)
+        self._forward([(r, n)])
+        r.num_computed_tokens = keep
 
     def _forward(self, work: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor, dict[str, torch.Tensor]]:
         """One model call for the whole step; returns the requests in batch order, their last logits [B, V] and, by
-        request id, the logits of every token fed [n, V] to the requests scoring their prompt."""
+        request id, the logits of every token fed [n, V] to the requests scoring their prompt or checking a draft."""
         by_length: dict[tuple[int, bool], list[Request]] = {}  # requests fed the same number of tokens batch
         for r, n in work:  # together: every decode (n = 1), and prompt pieces of equal length (e.g. full chunks)
-            by_length.setdefault((n, scores_prompt(r)), []).append(r)
+            by_length.setdefault((n, scores_prompt(r) or bool(r.draft)), []).append(r)
         groups: list[tuple[torch.Tensor, State]] = []
         gathered: list[tuple[list[int], State]] = []
         caches: list[PagedKV] = []
@@ -161,8 +232,8 @@ class ModelRunner:
             kv = self.arena.kv_batch(slots, n)  # pages reserved by the scheduler
             if kv is not None:
                 caches.append(kv)
-        # one sweep of the weights for the whole step; every position's logits only when a prompt is being scored
-        every = any(scoring for _, scoring in by_length)
+        # one sweep of the weights for the whole step; every position's logits for the groups that score or check
+        every = [whole for _, whole in by_length]
         if caches:
             rows = self.model.forward_groups(groups, every, caches=caches)
         else:
@@ -173,10 +244,10 @@ class ModelRunner:
             kv.commit()
         reqs = [r for rs in by_length.values() for r in rs]
         scored: dict[str, torch.Tensor] = {}
-        for ((_, scoring), rs), x in zip(by_length.items(), rows, strict=True):
-            if scoring:
+        for ((_, whole), rs), x in zip(by_length.items(), rows, strict=True):
+            if whole:
                 scored.update((r.request_id, x[b]) for b, r in enumerate(rs))
-        last = [x[:, -1] for x in rows] if every else rows
+        last = [x[:, -1] if whole else x for (_, whole), x in zip(by_length, rows, strict=True)]
         return reqs, last[0] if len(last) == 1 else torch.cat(last), scored
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[Request, Sampled]]:

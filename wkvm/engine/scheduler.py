@@ -47,6 +47,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.park: Callable[[Request], None] = self._park
         self.unpark: Callable[[Request], None] = self._unpark
+        # speculative decoding: a decoding request's draft of at most n tokens (the Engine's prompt lookup, when on)
+        self.draft: Callable[[Request, int], list[int]] = lambda req, n: []
 
     @property
     def queue_room(self) -> int:
@@ -108,10 +110,14 @@ class Scheduler:
                 or (arena.let_go_all() and arena.can_start(state, n)))  # fmt: skip
 
     def _take(self, req: Request, budget: int) -> int:
+        req.draft = []
         if req.gap <= 0:
             return 0
-        if not req.is_prefilling:  # 1 when decoding; more for a moved request catching up (`Engine.precopy`), in
-            return min(req.gap, STEP_CHUNK, budget)  # chunks a model can run with the bits of stepping
+        if not req.is_prefilling:  # 1 when decoding; more for a moved request catching up (`Engine.precopy`) or
+            n = min(req.gap, STEP_CHUNK, budget)  # feeding again a draft's accepted tokens, in chunks a model runs
+            if n == 1:  # with the bits of stepping; a decode may check a draft after its pending token, as one chunk
+                req.draft = self.draft(req, min(budget, STEP_CHUNK) - 1)
+            return n + len(req.draft)
         left = len(req.prompt_ids) - req.num_computed_tokens
         if req.capture_prompt_state and req.prompt_state is None and left > 1:
             left -= 1  # stop one short, so the state before the last prompt token can be captured

@@ -148,6 +148,14 @@ class FamilyConfig(Protocol):
     vocab_size: int
 
 
+def each_group(all_logits: bool | Sequence[bool], n: int) -> list[bool]:
+    """`forward_groups`' `all_logits` per group: one flag for all, or one per group."""
+    every = [all_logits] * n if isinstance(all_logits, bool) else list(all_logits)
+    if len(every) != n:
+        raise ValueError(f"{n} groups but {len(every)} all_logits flags")
+    return every
+
+
 # A chunk of at most this many tokens of one sequence that a model runs with the bits of stepping through them
 # (`chunks_equal_steps`): the engine feeds a moved stream's catch-up in such chunks (`Engine.precopy`).
 STEP_CHUNK = 8
@@ -173,10 +181,11 @@ class LanguageModel(Protocol):
         ...
 
     def forward_groups(
-        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False,
+        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool | Sequence[bool] = False,
         caches: Sequence[KVBatch] | None = None,
     ) -> list[torch.Tensor]:  # fmt: skip
         """Several independent batches in one sweep of the weights; each result equals `forward` on it alone.
+        `all_logits`: every position's logits [B, T, V] rather than the last's [B, V], for all groups or per group.
 
         `caches` (models with attention layers): group j's keys and values, e.g. the engine's paged caches;
         without it they are the kv tensors of the group's state dict, [B, n, ...] (`DenseKV`)."""
@@ -272,7 +281,7 @@ class ModelBase:
 
     @torch.inference_mode()
     def forward_groups(
-        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False,
+        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool | Sequence[bool] = False,
         caches: Sequence[KVBatch] | None = None,
     ) -> list[torch.Tensor]:  # fmt: skip
         """Several independent batches (e.g. the decode batch and prefill pieces of other lengths) in one sweep of
@@ -292,7 +301,8 @@ class ModelBase:
             w = self.weights.layer(i)
             for j in rest:
                 xs[j] = self.block(i, w, xs[j], groups[j][1], attns[j])
-        return [self.logits(x if all_logits else x[:, -1], g) for x in xs]
+        every = each_group(all_logits, len(groups))
+        return [self.logits(x if e else x[:, -1], g) for x, e in zip(xs, every, strict=True)]
 
     def decode_layers(self, x: torch.Tensor, state: State, attn: Attn | None) -> torch.Tensor | None:
         """Every layer of a group at once (x [B, T, C] -> the last layer's output, `state` advanced), exactly as
@@ -315,6 +325,13 @@ class ModelBase:
                      self.rows_alone(tokens.shape[1])) for (tokens, _), kv in pairs]  # fmt: skip
 
     row_keys: tuple[str, ...] = ()  # a layer's matrices, in a family whose other ops give each row its own bits
+    head_key: str = "lm_head.weight"  # the head's name in `weights.globals()`
+
+    def checks_drafts(self, rows: int) -> bool:
+        """Whether one sequence's chunk of 2 .. `rows` tokens gives every position the logits stepping gives it, to
+        the bit: its layers' rows alone (`rows_alone`) and the head's (speculative decoding checks a draft so)."""
+        head = self.weights.globals().get(self.head_key)
+        return head is not None and all(self.rows_alone(t) and rows_independent(head, t) for t in range(2, rows + 1))
 
     def steps_kernel(self) -> bool:
         """Whether the family's recurrent layers run a chunk of T tokens with T steps' arithmetic here (their kernel

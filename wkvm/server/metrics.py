@@ -53,6 +53,21 @@ class StoreCollector:
                                       value=self.not_kept)  # fmt: skip
 
 
+class DraftCollector:
+    """Speculative decoding's counters (vLLM's spec_decode_num_draft_tokens / _accepted_tokens), read at scrape
+    time from the engine's stats; none while it does not speculate."""
+
+    def __init__(self) -> None:
+        self.counts: tuple[int, int] | None = None  # (drafted, accepted)
+
+    def collect(self) -> Iterator[Metric]:
+        if self.counts is not None:
+            yield CounterMetricFamily("wkvm_spec_decode_draft_tokens", "Draft tokens checked (speculative decoding)",
+                                      value=self.counts[0])  # fmt: skip
+            yield CounterMetricFamily("wkvm_spec_decode_accepted_tokens", "Draft tokens accepted (speculative "
+                                      "decoding): tokens put out beyond one a step", value=self.counts[1])  # fmt: skip
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -90,6 +105,8 @@ class Metrics:
         r.register(self.stream)
         self.store_counts = StoreCollector()
         r.register(self.store_counts)
+        self.drafts = DraftCollector()
+        r.register(self.drafts)
 
     def count_request(self, route: str, status: int) -> None:
         self.requests.labels(route, str(status)).inc()
@@ -114,6 +131,7 @@ class Metrics:
 
     def render(self, e: EngineStats, store: StateStore | None) -> bytes:
         self.stream.stats = e.weight_stream
+        self.drafts.counts = (e.draft_tokens, e.accepted_tokens) if e.speculates else None
         self.queue_depth.set(e.waiting)
         self.running.set(e.running)
         self.slots_free.set(e.slots_free)

@@ -23,6 +23,7 @@ from wkvm.models.family import (
     check_shapes,
     compute_form,
     config_eps,
+    each_group,
     layer_count,
     matrix_shape,
     no_attention,
@@ -184,6 +185,7 @@ def prepare_layer(
 class RWKV7(ModelBase):
     family = FAMILY
     config: RWKV7Config
+    head_key = "head.weight"
 
     def __init__(
         self, cfg: RWKV7Config, weights: WeightProvider, model_fingerprint: str, device: torch.device | str = "cpu"
@@ -211,7 +213,7 @@ class RWKV7(ModelBase):
 
     @torch.inference_mode()
     def forward_groups(
-        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool = False,
+        self, groups: Sequence[tuple[torch.Tensor, State]], all_logits: bool | Sequence[bool] = False,
         caches: Sequence[KVBatch] | None = None,
     ) -> list[torch.Tensor]:  # fmt: skip
         """As ModelBase's, with each group's layer-0 value (v_first) carried into every later layer."""
@@ -247,8 +249,8 @@ class RWKV7(ModelBase):
                 xx = F.layer_norm(x, (cfg.n_embd,), w["ln2.weight"], w["ln2.bias"], cfg.ln_eps)
                 xs[j] = x + self._channel_mix(w, xx, state[f"layers.{i}.ffn_shift"])
         out = []
-        for x in xs:
-            x = x if all_logits else x[:, -1]
+        for x, every in zip(xs, each_group(all_logits, len(groups)), strict=True):
+            x = x if every else x[:, -1]
             x = F.layer_norm(x, (cfg.n_embd,), g["ln_out.weight"], g["ln_out.bias"], cfg.ln_eps)
             out.append(linear(x, g["head.weight"]))
         return out

@@ -1,0 +1,100 @@
+"""Speculative decoding by prompt lookup (docs/speculative.md): the drafts, the settings, and the embedded model
+copying from its prompt with drafts checked, answering as without them, in process and over HTTP. Every family's
+exactness (tokens, logprobs, final states to the bit; drafts accepted whole, in part, not at all; a stop inside a
+draft) is in tests/test_conformance.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from live_server import LiveServer
+
+from wkvm import LLM, SamplingParams
+from wkvm.config import MAX_SPECULATIVE_TOKENS, EngineConfig, ServerConfig, default_model
+from wkvm.engine.drafts import NgramDrafter
+from wkvm.models.family import STEP_CHUNK
+
+SHAKESPEARE = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"  # the repo's own copy
+
+
+def test_a_draft_is_what_followed_the_longest_recent_ngram():
+    d = NgramDrafter(2, 4)
+    d.extend([1, 2, 3, 4, 5, 9, 9, 1, 2, 3])
+    assert d.propose(3) == [4, 5, 9]  # "1 2 3" occurred at the start: what followed it
+    d.extend([4, 7])
+    assert d.propose(3) == []  # "4 7" never occurred before
+    d.extend([1, 2, 3, 8, 1, 2, 3])
+    assert d.propose(2) == [8, 1]  # the latest occurrence of "1 2 3" wins
+    d.extend([4])
+    assert d.propose(9) == [7, 1, 2, 3, 8, 1, 2, 3, 4]  # "1 2 3 4" (the longest) last occurred before "7"
+    assert d.propose(0) == []
+
+
+def test_a_draft_stops_at_the_history_end_and_needs_min_n():
+    d = NgramDrafter(1, 3)
+    d.extend([5, 5, 5])
+    assert d.propose(4) == [5]  # "5 5" last ended one before the end: one token follows it
+    d = NgramDrafter(3, 3)
+    d.extend([1, 2, 1, 2])
+    assert d.propose(4) == []  # no 3-gram repeats
+    with pytest.raises(ValueError, match="prompt lookup"):
+        NgramDrafter(3, 2)
+
+
+def test_the_settings_are_checked():
+    assert MAX_SPECULATIVE_TOKENS == STEP_CHUNK - 1  # a draft and its pending token: one chunk of stepping's bits
+    with pytest.raises(ValueError, match="speculative_tokens must be in 0..7"):
+        EngineConfig(speculative_tokens=8)
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        EngineConfig(speculative_tokens=4, prompt_lookup_min=5)
+    c = ServerConfig(speculative_tokens=3, prompt_lookup_max=5, prompt_lookup_min=1).engine_config()
+    assert (c.speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (3, 5, 1)
+
+
+def copy_prompts() -> list[str]:
+    text = SHAKESPEARE.read_text()[:2400]
+    return [text[:900] + "\n" + text[:120], text[1000:1700] + "\n" + text[1000:1080]]
+
+
+@pytest.fixture(scope="module")
+def plain_and_fast():
+    return LLM(speculative_tokens=0), LLM(speculative_tokens=6)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=80, temperature=0, ignore_eos=True, logprobs=1),
+    SamplingParams(max_tokens=80, temperature=0.8, top_k=40, seed=3, ignore_eos=True),
+], ids=["greedy", "seeded"])  # fmt: skip
+def test_the_embedded_model_copies_with_drafts_and_answers_as_without(plain_and_fast, params):
+    """The embedded RWKV-7 model (float32) repeating a passage of its prompt: prompt lookup drafts from it, drafts
+    are accepted, and the replies (tokens, logprobs, text) are those of the engine without drafts."""
+    plain, fast = plain_and_fast
+    assert fast.engine.speculates and not plain.engine.speculates
+    before = fast.engine.runner.accepted
+    want = [o.outputs[0] for o in plain.generate(copy_prompts(), params)]
+    got = [o.outputs[0] for o in fast.generate(copy_prompts(), params)]
+    assert [(o.token_ids, o.logprobs, o.text) for o in got] == [(o.token_ids, o.logprobs, o.text) for o in want]
+    assert fast.engine.runner.accepted > before
+
+
+def test_the_server_speculates_and_counts_drafts(plain_and_fast):
+    """`wkvm serve --speculative-tokens 6`: a streamed completion equals the offline engine's without drafts, and
+    /metrics counts the drafts checked and accepted."""
+    plain, _ = plain_and_fast
+    prompt = copy_prompts()[0]
+    want = plain.generate([prompt], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))[0].outputs[0].text
+    with LiveServer(model=str(default_model()), speculative_tokens=6) as server:
+        req = {"prompt": prompt, "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
+        text = ""
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=req, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text += httpx.Response(200, content=line[6:]).json()["choices"][0]["text"]
+        assert text == want
+        metrics = httpx.get(f"{server.url}/metrics").text
+    counts = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+              if line.startswith("wkvm_spec_decode_")}  # fmt: skip
+    assert counts["wkvm_spec_decode_accepted_tokens_total"] > 0, counts
+    assert counts["wkvm_spec_decode_draft_tokens_total"] >= counts["wkvm_spec_decode_accepted_tokens_total"]
