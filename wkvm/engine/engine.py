@@ -131,7 +131,7 @@ class Engine:
         context leave."""
         p = req.params
         limit = self.runner.context_limit
-        room = min(room, self.config.speculative_tokens, p.max_tokens - len(req.output_ids) - 1)
+        room = min(room, self.config.speculative_tokens, req.draft_room or room, p.max_tokens - len(req.output_ids) - 1)
         if limit is not None:
             room = min(room, limit - len(req.base_ids) - req.num_tokens)
         if room < 1 or req.prefill_only:

@@ -85,6 +85,7 @@ class Request:
     # draft fed after its pending token this step, and, while a checked draft's tokens are in its state, the state's
     # fixed tensors before them (`speculated`: how many tokens had been computed then)
     drafter: NgramDrafter | None = None
+    draft_room: int | None = None  # the longest draft it checks next: shorter after refused ones (`Engine._draft`)
     draft: list[int] = field(default_factory=list)
     speculated: int | None = None
     before_draft: State | None = None

@@ -183,6 +183,8 @@ class ModelRunner:
             del r.output_ids[len(r.output_ids) - accepted :]
         self.drafted += k
         self.accepted += accepted
+        # a draft accepted whole: the next may be longer; one refused: the next as long as what was accepted, plus one
+        r.draft_room = k + 1 if accepted == k else accepted + 1
         if accepted < k and r.before_draft is not None:  # a recurrent state took refused tokens: back to before
             self.arena.restore_fixed(slot, r.before_draft)
             self.arena.drop_last(slot, 1 + k)

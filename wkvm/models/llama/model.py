@@ -258,22 +258,30 @@ class Llama(ModelBase):
         the same bits) where the weights are resident, every layer's matrices run on one native kernel and the
         attention on the fused pages; else None. Layer by layer, the Python between layers cost ~0.35 ms of a ~5 ms
         one-stream SmolLM2 int8 step (this call: 1.074x paired; session 43, AMD EPYC Zen 4)."""
-        if attn is None or x.shape[1] != 1 or not cpu_fp32(x) or not isinstance(self.weights, ResidentWeights):
+        B, T = x.shape[:2]
+        if attn is None or not (T == 1 or attn.token_rows) or not cpu_fp32(x):
             return None
-        stack = self._stack(x.shape[0])
+        if not isinstance(self.weights, ResidentWeights):
+            return None
+        stack = self._stack(B * T)
         if stack is None:
             return None
+        # several tokens a row (a checked draft, a catch-up; `token_rows`: every layer computes a row alone): each
+        # token a row of its own, its pages the row's and its length the row's before it, as `PagedKV.rope_attend`
+        # runs them: every key and value is written before any row attends
+        cos, sin = (a if T == 1 else a.reshape(B * T, 1, *a.shape[2:]) for a in (attn.cos, attn.sin))
         cfg = self.config
         keys, values, step = [], [], None
         for i in range(cfg.n_layer):
-            if (pages := attn.kv.fused_pages(i, cfg.head_dim, attn.cos, attn.sin)) is None:
+            if (pages := attn.kv.fused_pages(i, cfg.head_dim, cos, sin)) is None:
                 return None
             keys.append(pages[0])
             values.append(pages[1])
             step = pages[2:]
         assert step is not None  # a model has layers
-        return llama_layers(x.contiguous(), stack.norms, stack.mats, stack.kernel, cfg.rms_eps, attn.cos, attn.sin,
-                            (keys, values), step, cfg.head_dim**-0.5, (cfg.n_heads, cfg.n_kv_heads))  # fmt: skip
+        y = llama_layers(x.reshape(B * T, 1, -1).contiguous(), stack.norms, stack.mats, stack.kernel, cfg.rms_eps,
+                         cos, sin, (keys, values), step, cfg.head_dim**-0.5, (cfg.n_heads, cfg.n_kv_heads))  # fmt: skip
+        return y.view(B, T, -1)
 
     def _stack(self, rows: int) -> Stack | None:
         """Every layer's norms, matrices and kernel arguments at `rows` rows, gathered once (resident weights are
