@@ -9,11 +9,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from live_server import LiveServer
 
 from wkvm import LLM, SamplingParams
 from wkvm.config import MAX_SPECULATIVE_TOKENS, EngineConfig, ServerConfig, default_model
 from wkvm.engine.drafts import NgramDrafter
+from wkvm.engine.engine import Engine
 from wkvm.models.family import STEP_CHUNK
 
 SHAKESPEARE = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"  # the repo's own copy
@@ -98,3 +100,28 @@ def test_the_server_speculates_and_counts_drafts(plain_and_fast):
               if line.startswith("wkvm_spec_decode_")}  # fmt: skip
     assert counts["wkvm_spec_decode_accepted_tokens_total"] > 0, counts
     assert counts["wkvm_spec_decode_draft_tokens_total"] >= counts["wkvm_spec_decode_accepted_tokens_total"]
+
+
+def test_a_grammar_reply_with_drafts_answers_as_without(plain_and_fast):
+    """A reply held to a grammar, with drafts that its plain run's tokens make (so they are accepted, and the grammar
+    completes inside one): tokens, text and the kept state are the plain run's, greedy and seeded."""
+    plain, _ = plain_and_fast
+    words = "(thou|thee|my lord|good|king|queen)"
+    params = [SamplingParams(max_tokens=60, temperature=t, seed=4, structured_outputs={"regex": f"{words}( {words}){{6,14}}\\."})
+              for t in (0, 1.0)]  # fmt: skip
+    prompt = plain.tokenizer.encode("KING RICHARD:\nWhat say you, my lord?\n\nQUEEN:\n")
+
+    def run(engine):
+        handles = [engine.submit(prompt, p, capture_state=True, request_id=f"r{i}") for i, p in enumerate(params)]
+        engine.run_until_done()
+        return [(h.output.token_ids, h.output.text, h.run_result()) for h in handles]
+
+    want = run(Engine(plain.model, plain.tokenizer, EngineConfig()))
+    fast = Engine(plain.model, plain.tokenizer, EngineConfig(speculative_tokens=6))
+    fast.scheduler.draft = lambda req, room: want[int(req.request_id[1:])][0][len(req.output_ids) :][: min(room, 6)]
+    got = run(fast)
+    for (tokens, text, result), (w_tokens, w_text, w_result) in zip(got, want, strict=True):
+        assert (tokens, text) == (w_tokens, w_text) and text.endswith(".")
+        assert result.history == w_result.history
+        assert all(torch.equal(result.final_state[k], v) for k, v in w_result.final_state.items())
+    assert fast.runner.accepted > 0 and fast.runner.rewound > 0, (fast.runner.accepted, fast.runner.rewound)

@@ -18,6 +18,7 @@ from wkvm.engine.arena import SlotArena
 from wkvm.engine.detokenizer import CONTEXT_TOKENS, Detokenizer
 from wkvm.engine.drafts import NgramDrafter
 from wkvm.engine.handle import Event, RequestHandle
+from wkvm.engine.kv_pages import OutOfPages
 from wkvm.engine.request import Continuation, Request, Status
 from wkvm.engine.runner import ModelRunner, StepOutput
 from wkvm.engine.scheduler import QueueFull, Scheduler
@@ -466,8 +467,11 @@ class Engine:
         return Event(req.request_id, [], "", None, Status.FINISHED_ERROR.value, message, code)
 
     def _finish(self, req: Request, status: Status, error: str | None = None, error_code: str | None = None) -> None:
-        if req.speculated is not None and req.capture_state and error_code is None:
-            self.runner.rewind(req)  # it stopped inside a checked draft: its state as if it had stepped to here
+        if req.capture_state and error_code in (None, ErrorCode.CANCELLED, ErrorCode.TIMEOUT) and req.draft_room:
+            try:  # it stopped inside a checked draft, or before a refused one's accepted tokens were fed again
+                self.runner.rewind(req)
+            except OutOfPages:  # its state is not kept (no reuse from it), as for a stop inside a prompt
+                log.warning("request %s: no KV page to put its state to where it stopped: not kept", req.request_id)
         # the state is kept only when the step itself ended a healthy request, at a token boundary, with every token
         # of its history fed but the pending last one: a request cancelled or timed out inside its prompt holds only
         # part of it, and kept under its whole history that state would have continued at the wrong positions

@@ -196,8 +196,9 @@ class ModelRunner:
 
     def rewind(self, r: Request) -> None:
         """A request that stopped inside its checked draft (a stop string, a completed grammar) holds tokens after its
-        last one, or (a recurrent state put back) not all before it: make its state hold exactly its history but the
-        pending last token, as a step-by-step run's."""
+        last one, or (a recurrent state put back after a refused draft, its accepted tokens not yet fed again) not
+        all before it: make its state hold exactly its history but the pending last token, as a step-by-step run's.
+        Raises OutOfPages where the tokens to feed find no KV page."""
         slot, keep = r.slot, r.num_tokens - 1
         if slot is None or r.num_computed_tokens == keep:
             return
@@ -211,8 +212,8 @@ class ModelRunner:
             self.arena.restore_fixed(slot, r.before_draft)
             self.arena.drop_last(slot, r.num_computed_tokens - r.speculated)
             r.num_computed_tokens = r.speculated
-        n = keep - r.num_computed_tokens  # fed again as the step fed them: the same bits
-        self.arena.reserve(slot, n)
+        n = keep - r.num_computed_tokens  # fed as the steps would have fed them: the same bits
+        self.arena.reserve(slot, n)  # pages just given back (or reserved for the step it missed): raises if none
         self._forward([(r, n)])
         r.num_computed_tokens = keep
 
