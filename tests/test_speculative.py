@@ -107,8 +107,8 @@ def test_a_grammar_reply_with_drafts_answers_as_without(plain_and_fast):
     completes inside one): tokens, text and the kept state are the plain run's, greedy and seeded."""
     plain, _ = plain_and_fast
     words = "(thou|thee|my lord|good|king|queen)"
-    params = [SamplingParams(max_tokens=60, temperature=t, seed=4, structured_outputs={"regex": f"{words}( {words}){{6,14}}\\."})
-              for t in (0, 1.0)]  # fmt: skip
+    regex = {"regex": f"{words}( {words}){{6,14}}\\."}
+    params = [SamplingParams(max_tokens=60, temperature=t, seed=4, structured_outputs=regex) for t in (0, 1.0)]
     prompt = plain.tokenizer.encode("KING RICHARD:\nWhat say you, my lord?\n\nQUEEN:\n")
 
     def run(engine):
