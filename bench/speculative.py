@@ -1,5 +1,5 @@
-"""Speculative decoding by prompt lookup (`--speculative-tokens`): one stream's decode speed with drafts against
-without, in one process, on tasks that copy from their prompt and one that does not.
+"""Speculative decoding by prompt lookup (`--speculative-tokens`): decode speed with drafts against without, in one
+process, on tasks that copy from their prompt, one that does not, and the three at once (a batch).
 
 Two engines on the same loaded model (drafts off, drafts on) answer each task alternately, round after round, so the
 machine's noise hits both alike; a round's ratio is its two decode rates' (tokens after the first over the time
@@ -39,21 +39,23 @@ def chat_tasks() -> dict[str, str]:
     }  # fmt: skip
 
 
-def decode_rate(llm: LLM, ids: list[int], params: SamplingParams) -> tuple[float, list[int]]:
-    """(tokens after the first a second, the tokens) for one request alone on `llm`'s engine."""
+def decode_rate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
+    """(tokens after each one's first a second, all of them; the tokens) for requests run together on `llm`'s engine,
+    timed from when each has its first token."""
     engine = llm.engine
-    handle = engine.submit(ids, params)
-    while not handle.output.token_ids and not handle.output.finished:
+    handles = [engine.submit(ids, params) for ids in prompts]
+    while not all(h.output.token_ids or h.output.finished for h in handles):
         engine.step()
-    first, t0 = len(handle.output.token_ids), time.perf_counter()
-    while not handle.output.finished:
+    first, t0 = sum(len(h.output.token_ids) for h in handles), time.perf_counter()
+    while not all(h.output.finished for h in handles):
         engine.step()
     dt = time.perf_counter() - t0
-    return (len(handle.output.token_ids) - first) / dt, list(handle.output.token_ids)
+    return (sum(len(h.output.token_ids) for h in handles) - first) / dt, [list(h.output.token_ids) for h in handles]
 
 
-def compare(name: str, plain: LLM, fast: LLM, prompts: dict[str, list[int]], params: SamplingParams,
+def compare(name: str, plain: LLM, fast: LLM, prompts: dict[str, list[list[int]]], params: SamplingParams,
             rounds: int) -> list[list[object]]:  # fmt: skip
+    """A row per task (one prompt, or several run together) of the two engines' decode rates."""
     rows = []
     for task, ids in prompts.items():
         rates: dict[str, list[float]] = {"off": [], "on": []}
@@ -68,7 +70,8 @@ def compare(name: str, plain: LLM, fast: LLM, prompts: dict[str, list[int]], par
             ratios.append(on / off)
             same = same and got == want
         n_drafted, n_accepted = runner.drafted - drafted, runner.accepted - accepted
-        rows.append([name, task, len(ids), len(want), statistics.median(rates["off"]), statistics.median(rates["on"]),
+        rows.append([name, task, sum(map(len, ids)), sum(map(len, want)), statistics.median(rates["off"]),
+                     statistics.median(rates["on"]),
                      statistics.median(ratios), f"{min(ratios):.2f}-{max(ratios):.2f}",
                      f"{n_accepted / rounds:.0f} of {n_drafted / rounds:.0f}", "yes" if same else "NO"])  # fmt: skip
     return rows
@@ -88,17 +91,18 @@ def main() -> None:
         plain = LLM(str(GGUF), dtype="int8", speculative_tokens=0)
         fast = LLM(str(GGUF), dtype="int8", **spec)
         template = plain.template
-        prompts = {task: plain.tokenizer.encode(template.render([{"role": "user", "content": q}], True))
+        prompts = {task: [plain.tokenizer.encode(template.render([{"role": "user", "content": q}], True))]
                    for task, q in chat_tasks().items()}  # fmt: skip
+        prompts["all three at once"] = [p for ps in prompts.values() for p in ps]  # batched: each its own drafts
         rows += compare("SmolLM2-135M int8", plain, fast, prompts, params, args.rounds)
     else:
         print(f"SmolLM2 skipped: {GGUF} is missing (make smollm2)")
     plain, fast = LLM(speculative_tokens=0), LLM(**spec)
     quote = TEXT[5000:5900] + "\n\n" + TEXT[5000:5060]  # the passage again from its start: the model goes on copying
-    rows += compare("embedded RWKV-7 fp32", plain, fast, {"quote a passage": plain.tokenizer.encode(quote)},
+    rows += compare("embedded RWKV-7 fp32", plain, fast, {"quote a passage": [plain.tokenizer.encode(quote)]},
                     SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True), args.rounds)  # fmt: skip
     print(machine_line())
-    print_table(f"One stream's decode with prompt-lookup drafts (--speculative-tokens {args.speculative_tokens}, "
+    print_table(f"Decode with prompt-lookup drafts (--speculative-tokens {args.speculative_tokens}, "
                 f"n-grams {args.prompt_lookup_min}-4) vs without, greedy, {args.rounds} alternating rounds",
                 ["model", "task", "prompt tokens", "answer tokens", "off tok/s", "on tok/s", "ratio (median)",
                  "range", "accepted of drafted", "same answer"], rows)  # fmt: skip

@@ -291,9 +291,9 @@ class ModelBase:
         attns = self._attention_inputs(groups, caches)
         g = self.weights.globals()
         xs = [self.embed(tokens.to(self.device), g) for tokens, _ in groups]
-        rest = []  # the groups whose layers do not all run in one call (`decode_layers`) go layer by layer
-        for j, (_, state) in enumerate(groups):
-            if (y := self.decode_layers(xs[j], state, attns[j])) is None:
+        rest = []  # the groups whose layers do not all run in one call (`decode_groups`) go layer by layer
+        for j, y in enumerate(self.decode_groups(xs, [state for _, state in groups], attns)):
+            if y is None:
                 rest.append(j)
             else:
                 xs[j] = y
@@ -304,10 +304,12 @@ class ModelBase:
         every = each_group(all_logits, len(groups))
         return [self.logits(x if e else x[:, -1], g) for x, e in zip(xs, every, strict=True)]
 
-    def decode_layers(self, x: torch.Tensor, state: State, attn: Attn | None) -> torch.Tensor | None:
-        """Every layer of a group at once (x [B, T, C] -> the last layer's output, `state` advanced), exactly as
-        `block` layer by layer, where a family has such a call for it; else None (here: never)."""
-        return None
+    def decode_groups(self, xs: list[torch.Tensor], states: list[State],
+                      attns: list[Attn | None]) -> list[torch.Tensor | None]:  # fmt: skip
+        """Every layer of groups at once (group j's xs[j] [B, T, C] -> its last layer's output, its state advanced),
+        exactly as `block` layer by layer, where a family has such a call (groups may share one); None for each group
+        it has none for (here: every group)."""
+        return [None] * len(xs)
 
     def _attention_inputs(self, groups: Sequence[tuple[torch.Tensor, State]],
                           caches: Sequence[KVBatch] | None) -> list[Attn | None]:  # fmt: skip

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from wkvm.models.family import (
     CheckpointError,
@@ -217,6 +218,12 @@ def prepare_globals(raw: RawTensors, cfg: LlamaConfig, dtype: torch.dtype, devic
     return resident({EMBED: embed, "final_norm": raw[FINAL_NORM].to(device=device, dtype=torch.float32), HEAD: head})
 
 
+# a group's rows for the one-call layers: x [rows, 1, C], cos, sin, the layers' key and value pools, the rows' page
+# table and lengths, the page size
+FusedRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[list[torch.Tensor], list[torch.Tensor]],
+                  torch.Tensor, torch.Tensor, int]  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Stack:
     """Every layer's tensors and kernel for `fused.llama_layers`: two norms and four matrices a layer, one kernel
@@ -253,22 +260,46 @@ class Llama(ModelBase):
         x, h = add_rms_norm(x, self._attention(i, w, rms_norm(x, w["input_norm"], eps), attn), w["post_norm"], eps)
         return x + self._mlp(w, h)
 
-    def decode_layers(self, x: torch.Tensor, state: State, attn: Attn | None) -> torch.Tensor | None:
-        """A decode step's layers in one native call (`fused.llama_layers`: `_fused_block`'s call for each layer, so
-        the same bits) where the weights are resident, every layer's matrices run on one native kernel and the
-        attention on the fused pages; else None. Layer by layer, the Python between layers cost ~0.35 ms of a ~5 ms
-        one-stream SmolLM2 int8 step (this call: 1.074x paired; session 43, AMD EPYC Zen 4)."""
+    def decode_groups(self, xs: list[torch.Tensor], states: list[State],
+                      attns: list[Attn | None]) -> list[torch.Tensor | None]:  # fmt: skip
+        """The groups' layers in one native call (`fused.llama_layers`: `_fused_block`'s call for each layer, so the
+        same bits) where the weights are resident, every layer's matrices run on one native kernel and the attention
+        on the fused pages; None for the groups that cannot. Layer by layer, the Python between layers cost ~0.35 ms
+        of a ~5 ms one-stream SmolLM2 int8 step (this call: 1.074x paired; session 43, AMD EPYC Zen 4). Every group
+        that can goes into the one call, its tokens as rows (a decode's, a checked draft's, a prompt chunk's where its
+        rows are alone): the weights are read once a step, not once a group."""
+        rows = [self._fused_rows(x, attn) for x, attn in zip(xs, attns, strict=True)]
+        fit = [j for j, r in enumerate(rows) if r is not None]
+        parts = [r for r in rows if r is not None]
+        out: list[torch.Tensor | None] = [None] * len(xs)
+        if not parts or not isinstance(self.weights, ResidentWeights):
+            return out
+        keys, values = parts[0][3]
+        if any(any(a is not b for a, b in zip(p[3][0] + p[3][1], keys + values, strict=True)) for p in parts):
+            return out  # not one pool (never in the engine)
+        stack = self._stack(sum(p[0].shape[0] for p in parts))
+        if stack is None:
+            return out
+        width = max(p[4].shape[1] for p in parts)
+        table = torch.cat([F.pad(p[4], (0, width - p[4].shape[1])) for p in parts])
+        x, cos, sin, lengths = (torch.cat([p[k] for p in parts]) for k in (0, 1, 2, 5))  # type: ignore[misc]
+        cfg = self.config
+        y = llama_layers(x.contiguous(), stack.norms, stack.mats, stack.kernel, cfg.rms_eps, cos, sin, (keys, values),
+                         (table, lengths, parts[0][6]), cfg.head_dim**-0.5, (cfg.n_heads, cfg.n_kv_heads))  # fmt: skip
+        start = 0
+        for j in fit:
+            B, T = xs[j].shape[:2]
+            out[j] = y[start : start + B * T].view(B, T, -1)
+            start += B * T
+        return out
+
+    def _fused_rows(self, x: torch.Tensor, attn: Attn | None) -> FusedRows | None:
+        """A group's tokens as the one-call layers take them: each token a row of its own (a decode's one token a row;
+        several, where `token_rows`: every layer computes a row alone), its pages the row's and its length the row's
+        before it, as `PagedKV.rope_attend` runs them (every key and value is written before any row attends)."""
         B, T = x.shape[:2]
         if attn is None or not (T == 1 or attn.token_rows) or not cpu_fp32(x):
             return None
-        if not isinstance(self.weights, ResidentWeights):
-            return None
-        stack = self._stack(B * T)
-        if stack is None:
-            return None
-        # several tokens a row (a checked draft, a catch-up; `token_rows`: every layer computes a row alone): each
-        # token a row of its own, its pages the row's and its length the row's before it, as `PagedKV.rope_attend`
-        # runs them: every key and value is written before any row attends
         cos, sin = (a if T == 1 else a.reshape(B * T, 1, *a.shape[2:]) for a in (attn.cos, attn.sin))
         cfg = self.config
         keys, values, step = [], [], None
@@ -279,9 +310,7 @@ class Llama(ModelBase):
             values.append(pages[1])
             step = pages[2:]
         assert step is not None  # a model has layers
-        y = llama_layers(x.reshape(B * T, 1, -1).contiguous(), stack.norms, stack.mats, stack.kernel, cfg.rms_eps,
-                         cos, sin, (keys, values), step, cfg.head_dim**-0.5, (cfg.n_heads, cfg.n_kv_heads))  # fmt: skip
-        return y.view(B, T, -1)
+        return x.reshape(B * T, 1, -1), cos, sin, (keys, values), step[0], step[1], step[2]
 
     def _stack(self, rows: int) -> Stack | None:
         """Every layer's norms, matrices and kernel arguments at `rows` rows, gathered once (resident weights are
