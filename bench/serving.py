@@ -9,6 +9,10 @@ threads and the clients in this one:
   chat          8 users x `--turns` turns at once; each turn sends the whole conversation so far (a ~512-token
                 first message, then the answers and a ~32-token follow-up each turn): the server's prompt cache
                 (wkvm's prefix reuse, llama-server's per-slot cache) decides what a later turn costs
+  edit          one client asking for four of wkvm's small source files back, one after another: answers that
+                copy their prompt, where speculative decoding by prompt lookup pays (`--wkvm-args
+                "--speculative-tokens 7"`, `--llama-args "--spec-type ngram-simple"`); a later round's prompts are
+                in both servers' caches
 
 `--api anthropic` sends the same through Anthropic's Messages API (the `anthropic` SDK, `/v1/messages`, which both
 servers serve; `ignore_eos` and `temperature` as extras; cached tokens from `cache_read_input_tokens`). llama-server
@@ -233,7 +237,26 @@ def summary(wall: float, answers: list[Answer], later_turns: list[Answer] | None
     return row
 
 
+EDIT_FILES = ("wkvm/state/tiers.py", "wkvm/engine/drafts.py", "wkvm/engine/threads.py", "wkvm/state/dir_lock.py")
+
+
+async def edits(url: str, tokens: int, api: str = "openai") -> list[Answer]:
+    """One client asking for four of wkvm's small source files back, one after another (answers that copy their
+    prompt: where speculative decoding by prompt lookup pays)."""
+    async with client_for(url, api) as client:
+        answers = []
+        for path in EDIT_FILES:
+            code = (ROOT / path).read_text()
+            ask_for = f"Output this Python code again exactly as it is:\n\n```python\n{code}```"
+            answers.append(await ask(client, [{"role": "user", "content": ask_for}], tokens))
+        return answers
+
+
 def run_case(case: str, url: str, text: str, offset: int, args: argparse.Namespace) -> dict[str, float]:
+    if case == "edit":
+        t0 = time.perf_counter()
+        answers = asyncio.run(edits(url, args.tokens, args.api))
+        return summary(time.perf_counter() - t0, answers)
     if case == "chat":
         wall, answers = asyncio.run(chat(url, text, offset, 8, args.turns, args.chat_tokens, args.api))
         later = [a for i, a in enumerate(answers) if i % args.turns]  # turns 2.. of each user
@@ -248,17 +271,17 @@ def run_case(case: str, url: str, text: str, offset: int, args: argparse.Namespa
     return summary(wall, answers)
 
 
-def llama_server_cmd(bin_dir: Path, threads: int, no_repack: bool) -> list[str]:
+def llama_server_cmd(bin_dir: Path, threads: int, no_repack: bool, extra: list[str]) -> list[str]:
     return [str(bin_dir / "llama-server"), "-m", str(GGUF), "-t", str(threads), "-tb", str(threads), "-np", "8",
             "-c", str(8 * 2048), "--host", "127.0.0.1", "--port", "{port}", "--no-webui", "--alias", "smollm2",
-            *(llamacpp.NO_REPACK["llama-server"] if no_repack else [])]  # fmt: skip
+            *(llamacpp.NO_REPACK["llama-server"] if no_repack else []), *extra]  # fmt: skip
 
 
-def start_llama_server(bin_dir: Path, threads: int) -> Server:
+def start_llama_server(bin_dir: Path, threads: int, extra: list[str]) -> Server:
     """llama-server, warmed up by one request; without weight repacking where its AMX path crashes on this CPU
     (ggml-org/llama.cpp#20824), said in the output."""
     for no_repack in (False, True):
-        server = Server("llama.cpp", llama_server_cmd(bin_dir, threads, no_repack))
+        server = Server("llama.cpp", llama_server_cmd(bin_dir, threads, no_repack, extra))
         try:
             server.start()
             asyncio.run(streams(server.url, "warm up " * 100, 0, 1, 8, 4))
@@ -284,8 +307,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128, help="tokens generated per answer, 1 and 8 streams")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--chat-tokens", type=int, default=64, help="tokens generated per chat turn")
-    ap.add_argument("--cases", default="1 stream,8 streams,chat")
+    ap.add_argument("--cases", default="1 stream,8 streams,chat", help="of: 1 stream, 8 streams, chat, edit (one "
+                    "client asking for four source files back: copying answers)")
     ap.add_argument("--wkvm-args", default="", help="more `wkvm serve` flags, e.g. '--token-budget 128'")
+    ap.add_argument("--llama-args", default="", help="more `llama-server` flags, e.g. '--spec-type ngram-simple'")
     ap.add_argument("--api", choices=("openai", "anthropic"), default="openai",
                     help="the clients' API: OpenAI's chat completions, or Anthropic's Messages (/v1/messages), which "
                          "both servers serve")  # fmt: skip
@@ -301,7 +326,7 @@ def main() -> None:
     wkvm = Server("wkvm", [sys.executable, "-m", "wkvm.cli", "serve", "--model", str(GGUF), "--dtype", args.dtype,
                            "--port", "{port}", "--slots", "8", "--no-access-log",
                            "--served-model-name", "smollm2", *shlex.split(args.wkvm_args)], env)  # fmt: skip
-    servers = [wkvm.start(), start_llama_server(bin_dir, args.threads)]
+    servers = [wkvm.start(), start_llama_server(bin_dir, args.threads, shlex.split(args.llama_args))]
     asyncio.run(streams(wkvm.url, "warm up " * 100, 0, 8, 8, 4))
     results: dict[str, dict[str, list[dict[str, float]]]] = {}
     offset = 0
@@ -339,19 +364,21 @@ def main() -> None:
             rows.append([case, k, a, b, f"{ratio:.2f}x"])
     cpu = machine()  # its threads are this client process's: the servers run args.threads each
     flags = f" {args.wkvm_args}" if args.wkvm_args else ""
+    llama_flags = f" {args.llama_args}" if args.llama_args else ""
     # the pages `wkvm serve` keeps: its own flags (and WKVM_KV_DTYPE) read by its own parser, auto resolved as it does
     served = build_parser().parse_args(["serve", "--dtype", args.dtype, *shlex.split(args.wkvm_args)])
     kv = kv_dtype_for(kv_dtype_name(served.kv_dtype), args.dtype)
     repack = "" if not llamacpp.repack_crashed else ", without weight repacking (its AMX path crashes here)"
     sdk = "anthropic SDK, streamed Messages API" if args.api == "anthropic" else "openai SDK, streamed chat"
     title = (f"SmolLM2-135M-Instruct served over HTTP ({sdk}, greedy, ignore_eos): wkvm "
-             f"--dtype {args.dtype}{flags} (KV {kv}) vs llama-server Q4_1 native (KV float16{repack}); "
+             f"--dtype {args.dtype}{flags} (KV {kv}) vs llama-server{llama_flags} Q4_1 native (KV float16{repack}); "
              f"{args.threads} threads each, medians of {args.rounds} alternating rounds; CPU: {cpu['cpu']}; "
              f"torch ISA {cpu['isa']}")
     print_table(title, ["case", "figure", "wkvm", "llama.cpp", "wkvm / llama.cpp"], rows)
     path = write_json("serving" if args.api == "openai" else "serving-anthropic",
                       {"cpu": cpu["cpu"], "isa": cpu["isa"], "dtype": args.dtype, "api": args.api,
-                                  "wkvm_args": args.wkvm_args, "kv_dtype": kv, "threads": args.threads,
+                                  "wkvm_args": args.wkvm_args, "llama_args": args.llama_args, "kv_dtype": kv,
+                                  "threads": args.threads,
                                   "rounds": args.rounds,
                                   "llama_cpp_repack": not llamacpp.repack_crashed,
                                   "medians": medians, "runs": results})  # fmt: skip

@@ -51,8 +51,11 @@ def test_the_settings_are_checked():
         EngineConfig(speculative_tokens=8)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         EngineConfig(speculative_tokens=4, prompt_lookup_min=5)
-    c = ServerConfig(speculative_tokens=3, prompt_lookup_max=5, prompt_lookup_min=1).engine_config()
-    assert (c.speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (3, 5, 1)
+    with pytest.raises(ValueError, match="speculative_max_running"):
+        EngineConfig(speculative_max_running=0)
+    c = ServerConfig(speculative_tokens=3, prompt_lookup_max=5, prompt_lookup_min=1,
+                     speculative_max_running=2).engine_config()  # fmt: skip
+    assert (c.speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min, c.speculative_max_running) == (3, 5, 1, 2)
 
 
 def copy_prompts() -> list[str]:
@@ -125,3 +128,14 @@ def test_a_grammar_reply_with_drafts_answers_as_without(plain_and_fast):
         assert result.history == w_result.history
         assert all(torch.equal(result.final_state[k], v) for k, v in w_result.final_state.items())
     assert fast.runner.accepted > 0 and fast.runner.rewound > 0, (fast.runner.accepted, fast.runner.rewound)
+
+
+def test_no_drafts_while_more_requests_run_than_allowed():
+    """`speculative_max_running`: two requests running together on an engine that drafts for one at most check no
+    draft; one alone does."""
+    llm = LLM(speculative_tokens=6, speculative_max_running=1)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    llm.generate(copy_prompts(), params)
+    assert llm.engine.runner.drafted == 0
+    llm.generate(copy_prompts()[:1], params)
+    assert llm.engine.runner.drafted > 0

@@ -65,6 +65,7 @@ class EngineConfig:
     speculative_tokens: int = 0
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    speculative_max_running: int = 4  # no drafts while more requests than this run (a batch is compute-bound)
 
     def __post_init__(self) -> None:
         for name in ("n_slots", "max_queue", "token_budget", "prefill_chunk", "kv_cache_bytes", "kv_page_tokens"):
@@ -79,6 +80,8 @@ class EngineConfig:
                              "pending token as one chunk of at most 8 tokens)")  # fmt: skip
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.speculative_max_running < 1:
+            raise ValueError("speculative_max_running must be at least 1")
         if self.request_timeout is not None and not self.request_timeout > 0:  # NaN too
             raise ValueError("request_timeout must be positive")
         check_device(self.device)
@@ -219,6 +222,9 @@ class ServerConfig:
                                  "looked up")
     prompt_lookup_min: int = opt(EngineConfig.prompt_lookup_min, "with --speculative-tokens: the shortest n-gram "
                                  "looked up")
+    speculative_max_running: int = opt(EngineConfig.speculative_max_running, "with --speculative-tokens: no drafts "
+                                       "while more requests than this are running (vLLM's disable_by_batch_size; "
+                                       "a batch's step is bound by arithmetic, where checking drafts costs)")
     kv_cache_bytes: int = opt(EngineConfig.kv_cache_bytes, "attention models: bytes of key/value pages shared by "
                               "all sequences; with the model's context it bounds one sequence's tokens", "size")
     kv_page_tokens: int = opt(EngineConfig.kv_page_tokens, "attention models: tokens per key/value page")
@@ -331,7 +337,7 @@ class ServerConfig:
             prefill_chunk=self.prefill_chunk, request_timeout=self.request_timeout, device=device,
             kv_cache_bytes=self.kv_cache_bytes, kv_page_tokens=self.kv_page_tokens, kv_dtype=self.engine_kv_dtype(),
             speculative_tokens=self.speculative_tokens, prompt_lookup_max=self.prompt_lookup_max,
-            prompt_lookup_min=self.prompt_lookup_min,
+            prompt_lookup_min=self.prompt_lookup_min, speculative_max_running=self.speculative_max_running,
         )  # fmt: skip
 
 

@@ -135,7 +135,7 @@ class Engine:
         room = min(room, self.config.speculative_tokens, req.draft_room or room, p.max_tokens - len(req.output_ids) - 1)
         if limit is not None:
             room = min(room, limit - len(req.base_ids) - req.num_tokens)
-        if room < 1 or req.prefill_only:
+        if room < 1 or req.prefill_only or len(self.scheduler.running) > self.config.speculative_max_running:
             return []
         if req.drafter is None:
             req.drafter = NgramDrafter(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
