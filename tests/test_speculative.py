@@ -139,3 +139,25 @@ def test_no_drafts_while_more_requests_run_than_allowed():
     assert llm.engine.runner.drafted == 0
     llm.generate(copy_prompts()[:1], params)
     assert llm.engine.runner.drafted > 0
+
+
+def test_a_chat_with_drafts_answers_as_one_without():
+    """Four chat turns quoting the conversation back (prompt lookup drafts from the earlier turns a resumed state
+    holds) on a server with drafts: every turn's tokens and logprobs equal those of a server without, later turns
+    resume from the state the turn before parked (a reply's kept state is exact), and drafts were checked."""
+    config = {"model": str(default_model()), "slots": 2}
+    text = SHAKESPEARE.read_text()[6000:6600]
+    with LiveServer(**config, speculative_tokens=6) as fast, LiveServer(**config) as plain:
+        messages, modes = [], []
+        for turn in [text[:300], "Again:" + text[:120], text[300:600], "Once more:" + text[300:420]]:
+            messages.append({"role": "user", "content": turn})
+            req = {"messages": messages, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "logprobs": True}
+            a = httpx.post(f"{fast.url}/v1/chat/completions", json=req, timeout=60).json()
+            b = httpx.post(f"{plain.url}/v1/chat/completions", json=req, timeout=60).json()
+            assert a["choices"][0]["logprobs"] == b["choices"][0]["logprobs"], f"turn {len(modes) + 1}"
+            modes.append(a["wkvm"]["mode"])
+            messages.append({"role": "assistant", "content": a["choices"][0]["message"]["content"]})
+        metrics = httpx.get(f"{fast.url}/metrics").text
+    assert modes[0] == "fresh" and all(m != "fresh" for m in modes[1:]), modes
+    drafted = [line for line in metrics.splitlines() if line.startswith("wkvm_spec_decode_draft_tokens_total")]
+    assert drafted and float(drafted[0].split()[1]) > 0, drafted
