@@ -161,3 +161,20 @@ def test_a_chat_with_drafts_answers_as_one_without():
     assert modes[0] == "fresh" and all(m != "fresh" for m in modes[1:]), modes
     drafted = [line for line in metrics.splitlines() if line.startswith("wkvm_spec_decode_draft_tokens_total")]
     assert drafted and float(drafted[0].split()[1]) > 0, drafted
+
+
+def test_the_cli_takes_speculative_tokens(capsys, tmp_path):
+    """`wkvm generate --speculative-tokens 6` prints the text it prints without drafts; `wkvm chat`'s engine drafts."""
+    from wkvm.cli import build_parser, main
+    from wkvm.cli_chat import ChatREPL
+
+    prompt = copy_prompts()[0]
+    argv = ["generate", prompt, "--max-tokens", "40", "--temperature", "0", "--json"]
+    assert main(argv) == 0
+    want = capsys.readouterr().out
+    assert main([*argv, "--speculative-tokens", "6"]) == 0
+    assert capsys.readouterr().out == want
+    args = build_parser().parse_args(["chat", "--speculative-tokens", "5"])
+    repl = ChatREPL(str(default_model()), tmp_path / "chat", SamplingParams(max_tokens=4), args.dtype,
+                    args.speculative_tokens)  # fmt: skip
+    assert repl.engine.speculates and repl.engine.config.speculative_tokens == 5

@@ -300,6 +300,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     dtype_help = ("weights: float32, bfloat16, int8, int4 or auto (a GGUF file's own precision: Q4_0/Q4_1 int4, other "
                   "quantized types int8; float32 for everything else) (default: %(default)s) [env WKVM_DTYPE]")
     p.add_argument("--dtype", default=env_default("dtype") or "float32", help=dtype_help)
+    spec_help = ("check up to N tokens a step copied from the context after a repeated n-gram (speculative decoding by "
+                 "prompt lookup, as `wkvm serve`'s; the same answers; 0: off) (default: %(default)s) "
+                 "[env WKVM_SPECULATIVE_TOKENS]")  # fmt: skip
+    p.add_argument("--speculative-tokens", type=int, default=int(env_default("speculative_tokens") or 0),
+                   help=spec_help)  # fmt: skip
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -318,7 +323,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("wkvm generate: give a prompt (- reads it from standard input) or --prompt-ids", file=sys.stderr)
         return 2
     params = sampling_params(args)  # checked before the model loads
-    llm = LLM(model=args.model or default_model(), dtype=args.dtype)
+    llm = LLM(model=args.model or default_model(), dtype=args.dtype, speculative_tokens=args.speculative_tokens)
     if args.json:
         out = llm.generate([prompt], params)[0]
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}))
@@ -342,7 +347,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     state_dir = Path(args.state_dir) if args.state_dir else None  # None: the model's own folder
     if state_dir is not None and state_dir.exists() and not state_dir.is_dir():
         raise ValueError(f"--state-dir {state_dir}: not a directory")  # was "[Errno 17] File exists"
-    ChatREPL(args.model or str(default_model()), state_dir, sampling_params(args), args.dtype).run()
+    ChatREPL(args.model or str(default_model()), state_dir, sampling_params(args), args.dtype,
+             args.speculative_tokens).run()
     return 0
 
 

@@ -68,14 +68,16 @@ def stream_to_stdout(engine: Engine, h: RequestHandle) -> bool:
 
 
 class ChatREPL:
-    def __init__(self, model_path: str, state_dir: Path | None, params: SamplingParams, dtype: str = "float32"):
+    def __init__(self, model_path: str, state_dir: Path | None, params: SamplingParams, dtype: str = "float32",
+                 speculative_tokens: int = 0):  # fmt: skip
         """`state_dir` None: this model's own folder under ~/.cache/wkvm/chat-states (a state directory holds one
-        model's states)."""
+        model's states); `speculative_tokens`: EngineConfig's (drafts by prompt lookup, the same answers)."""
         dtype = resolved_dtype(dtype, model_path)  # its name: the pages' type follows it
         self.model = load_model(model_path, dtype=dtype)
         self.tokenizer, self.template = load_text_tools(model_path, self.model.family)
         kv = kv_dtype_for("auto", dtype)  # as `wkvm serve`: float16 keys and values for rounded weights
-        self.engine = Engine(self.model, self.tokenizer, EngineConfig(n_slots=1, kv_dtype=kv))
+        config = EngineConfig(n_slots=1, kv_dtype=kv, speculative_tokens=speculative_tokens)
+        self.engine = Engine(self.model, self.tokenizer, config)
         self.state_dir = state_dir or Path.home() / ".cache" / "wkvm" / "chat-states" / self.model.fingerprint[:16]
         self.store = StateStore(self.state_dir, self.model.spec, self.model.fingerprint, self.model.vocab_size)
         self.params = replace(params, stop=[*params.stop, *self.template.stop])
