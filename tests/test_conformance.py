@@ -553,3 +553,27 @@ def test_a_stop_inside_a_checked_draft_keeps_the_state_of_stepping(family_dir):
             assert_same_runs(run_all(fast, [SPEC_PROMPTS[i]], [stop]), want, m.family)
             rewound += fast.runner.rewound
     assert rewound > 0, "no stop fell inside a checked draft: the test proves nothing"
+
+
+def test_a_request_checking_drafts_moves_to_another_engine_exactly(family_dir):
+    """Live migration with drafts on both sides: requests suspended after each of the first steps (some after a
+    refused draft, when a recurrent state waits to feed the accepted tokens again) go on in another engine and give
+    the tokens and text of a run that never drafted nor moved."""
+    m = load_model(family_dir)
+    want = run_all(speculative_engine(m, family_dir, 0), SPEC_PROMPTS, SPEC_PARAMS)
+    for steps in range(1, 7):
+        src = speculative_engine(m, family_dir, 5)
+        draft_from(src, want, wrong_every=2)
+        handles = [src.submit(p, sp, request_id=f"r{i}")
+                   for i, (p, sp) in enumerate(zip(SPEC_PROMPTS, SPEC_PARAMS, strict=True))]  # fmt: skip
+        for _ in range(steps):
+            src.step()
+        moving = [src.suspend(h.request_id) for h in handles]
+        src.step()
+        dst = speculative_engine(m, family_dir, 5)
+        draft_from(dst, want, wrong_every=3)
+        moved = [dst.resume_continuation(f.result(), sp, request_id=f"r{i}")
+                 for i, (f, sp) in enumerate(zip(moving, SPEC_PARAMS, strict=True))]  # fmt: skip
+        dst.run_until_done()
+        for i, (h, w) in enumerate(zip(moved, want, strict=True)):
+            assert (h.output.token_ids, h.output.text) == (w[0], w[2]), f"{m.family}: request {i} after {steps} steps"
