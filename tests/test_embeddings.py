@@ -116,3 +116,32 @@ def test_embeddings_alone(tmp_path):
         counted = next(line for line in metrics.text.splitlines() if line.startswith("wkvm_prompt_tokens_total"))
         assert float(counted.split()[-1]) > 0, counted  # embedded tokens are prompt tokens received (hunt 12)
         assert httpx.get(f"{s.url}/v1/states").status_code == 404
+
+
+def test_score_and_rerank_by_cosine_similarity(server, client):
+    """vLLM's Score and Rerank APIs on the embedding model: cosine similarities equal to the embeddings' own, the
+    paraphrase ranked first, top_n and return_documents honoured, and clear 400s for pairs that do not match."""
+    got = torch.tensor([d.embedding for d in client.embeddings.create(model="all-MiniLM-L6-v2", input=SENTENCES).data])
+    want = [float(torch.nn.functional.cosine_similarity(got[0], got[i], dim=0)) for i in (1, 2)]
+    for path in ("/score", "/v1/score"):
+        r = httpx.post(f"{server.url}{path}", json={"model": "all-MiniLM-L6-v2", "text_1": SENTENCES[0],
+                                                     "text_2": SENTENCES[1:]}).json()  # fmt: skip
+        assert [d["index"] for d in r["data"]] == [0, 1] and r["object"] == "list"
+        assert [d["score"] for d in r["data"]] == pytest.approx(want, abs=1e-5)
+    pairs = httpx.post(f"{server.url}/v1/score", json={"text_1": SENTENCES[:2], "text_2": SENTENCES[1:]}).json()
+    assert pairs["data"][0]["score"] == pytest.approx(want[0], abs=1e-5) and pairs["usage"]["prompt_tokens"] > 0
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        documents = [SENTENCES[2], SENTENCES[1], SENTENCES[2]]
+        r = httpx.post(f"{server.url}{path}", json={"query": SENTENCES[0], "documents": documents,
+                                                     "top_n": 2}).json()  # fmt: skip
+        assert [x["index"] for x in r["results"]][0] == 1 and len(r["results"]) == 2  # the paraphrase first
+        assert r["results"][0]["document"] == {"text": SENTENCES[1]}
+        assert r["results"][0]["relevance_score"] == pytest.approx(want[0], abs=1e-5)
+    bare = httpx.post(f"{server.url}/v1/rerank", json={"query": "x", "documents": ["y"], "return_documents": False})
+    assert "document" not in bare.json()["results"][0]
+    for body, field in (({"text_1": SENTENCES, "text_2": SENTENCES[:2]}, "text_1"), ({"text_1": "a", "text_2": []},
+                        "text_2"), ({"query": "a", "documents": []}, "documents"), ({"query": "", "documents": ["a"]},
+                        "query")):  # fmt: skip
+        path = "/v1/rerank" if "query" in body else "/v1/score"
+        r = httpx.post(f"{server.url}{path}", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)

@@ -356,6 +356,26 @@ class EmbeddingRequest(RequestBody):
     user: str | None = Field(default=None, max_length=MAX_TEXT_FIELD)  # as the other routes (hunt 12)
 
 
+class ScoreRequest(RequestBody):
+    """POST /score, /v1/score (vLLM's Score API): texts paired one to many or one to one."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+    model: str | None = None
+    user: str | None = Field(default=None, max_length=MAX_TEXT_FIELD)
+
+
+class RerankRequest(RequestBody):
+    """POST /rerank, /v1/rerank, /v2/rerank (vLLM's, as Jina's and Cohere's): documents ranked against a query."""
+
+    query: str
+    documents: list[str]
+    model: str | None = None
+    top_n: int = Field(default=0, ge=0)  # 0: all of them
+    return_documents: bool = True
+    user: str | None = Field(default=None, max_length=MAX_TEXT_FIELD)
+
+
 class TextFormat(Body):
     """The Responses API's `text.format`: plain text, any JSON object, or JSON matching `schema`."""
 
