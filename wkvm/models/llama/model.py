@@ -218,10 +218,15 @@ def prepare_globals(raw: RawTensors, cfg: LlamaConfig, dtype: torch.dtype, devic
     return resident({EMBED: embed, "final_norm": raw[FINAL_NORM].to(device=device, dtype=torch.float32), HEAD: head})
 
 
-# a group's rows for the one-call layers: x [rows, 1, C], cos, sin, the layers' key and value pools, the rows' page
-# table and lengths, the page size
-FusedRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[list[torch.Tensor], list[torch.Tensor]],
-                  torch.Tensor, torch.Tensor, int]  # fmt: skip
+Pools = tuple[list[torch.Tensor], list[torch.Tensor]]  # the layers' key pools and value pools
+# a group's rows for the one-call layers: x [rows, 1, C], cos, sin, its pools, the rows' page table and lengths, the
+# page size
+FusedRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, Pools, torch.Tensor, torch.Tensor, int]
+
+
+def same_pools(a: Pools, b: Pools) -> bool:
+    """Whether two groups' layers' key and value pools are the same tensors."""
+    return all(x is y for x, y in zip(a[0] + a[1], b[0] + b[1], strict=True))
 
 
 @dataclass(frozen=True)
@@ -268,30 +273,39 @@ class Llama(ModelBase):
         of a ~5 ms one-stream SmolLM2 int8 step (this call: 1.074x paired; session 43, AMD EPYC Zen 4). Every group
         that can goes into the one call, its tokens as rows (a decode's, a checked draft's, a prompt chunk's where its
         rows are alone): the weights are read once a step, not once a group."""
-        rows = [self._fused_rows(x, attn) for x, attn in zip(xs, attns, strict=True)]
-        fit = [j for j, r in enumerate(rows) if r is not None]
-        parts = [r for r in rows if r is not None]
         out: list[torch.Tensor | None] = [None] * len(xs)
+        parts = [(j, r) for j, (x, attn) in enumerate(zip(xs, attns, strict=True))
+                 if (r := self._fused_rows(x, attn)) is not None]  # fmt: skip
         if not parts or not isinstance(self.weights, ResidentWeights):
             return out
-        keys, values = parts[0][3]
-        if any(any(a is not b for a, b in zip(p[3][0] + p[3][1], keys + values, strict=True)) for p in parts):
-            return out  # not one pool (never in the engine)
-        stack = self._stack(sum(p[0].shape[0] for p in parts))
-        if stack is None:
+        # their pages are all in one pool: only the engine's paged caches run attention on the fused kernel
+        assert all(same_pools(r[3], parts[0][1][3]) for _, r in parts), "groups with pages in different pools"
+        y = self._layers_call([r for _, r in parts])
+        if y is None:
             return out
-        width = max(p[4].shape[1] for p in parts)
-        table = torch.cat([F.pad(p[4], (0, width - p[4].shape[1])) for p in parts])
-        x, cos, sin, lengths = (torch.cat([p[k] for p in parts]) for k in (0, 1, 2, 5))  # type: ignore[misc]
-        cfg = self.config
-        y = llama_layers(x.contiguous(), stack.norms, stack.mats, stack.kernel, cfg.rms_eps, cos, sin, (keys, values),
-                         (table, lengths, parts[0][6]), cfg.head_dim**-0.5, (cfg.n_heads, cfg.n_kv_heads))  # fmt: skip
         start = 0
-        for j in fit:
+        for j, _ in parts:
             B, T = xs[j].shape[:2]
             out[j] = y[start : start + B * T].view(B, T, -1)
             start += B * T
         return out
+
+    def _layers_call(self, parts: list[FusedRows]) -> torch.Tensor | None:
+        """`fused.llama_layers` on the rows of `parts` (pages in one pool), in order; None where no native kernel runs
+        them."""
+        stack = self._stack(sum(p[0].shape[0] for p in parts))
+        if stack is None:
+            return None
+        if len(parts) == 1:  # a step's usual one group: its own tensors, no copies
+            x, cos, sin, pools, table, lengths, page = parts[0]
+        else:
+            width = max(p[4].shape[1] for p in parts)
+            table = torch.cat([F.pad(p[4], (0, width - p[4].shape[1])) for p in parts])
+            x, cos, sin, lengths = (torch.cat([p[k] for p in parts]) for k in (0, 1, 2, 5))  # type: ignore[misc]
+            pools, page = parts[0][3], parts[0][6]
+        cfg = self.config
+        return llama_layers(x.contiguous(), stack.norms, stack.mats, stack.kernel, cfg.rms_eps, cos, sin, pools,
+                            (table, lengths, page), cfg.head_dim**-0.5, (cfg.n_heads, cfg.n_kv_heads))  # fmt: skip
 
     def _fused_rows(self, x: torch.Tensor, attn: Attn | None) -> FusedRows | None:
         """A group's tokens as the one-call layers take them: each token a row of its own (a decode's one token a row;
