@@ -66,7 +66,7 @@ async def pair_scores(ctx: ServerContext, body: ScoreRequest, request: Request) 
     a, used_a = await vectors_of(ctx, list(first), request, "text_1")
     b, used_b = await vectors_of(ctx, list(second), request, "text_2")
     used = used_a + used_b  # the tokens embedded (text_1's once, however many pairs it is in)
-    scores = cosine(a.expand(len(second), -1) if len(first) == 1 else a, b)
+    scores = cosine(a, b)
     return {"id": new_id("score"), "object": "list", "created": int(time.time()), "model": model.name,
             "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
             "usage": {"prompt_tokens": used, "total_tokens": used, "completion_tokens": 0}}  # fmt: skip
@@ -80,7 +80,7 @@ async def ranked(ctx: ServerContext, body: RerankRequest, request: Request) -> d
         raise APIError(400, "documents is empty: give the texts to rank", "documents", "invalid_value")
     q, used_q = await vectors_of(ctx, [body.query], request, "query")
     d, used_d = await vectors_of(ctx, list(body.documents), request, "documents")
-    scores = cosine(q.expand(len(body.documents), -1), d)
+    scores = cosine(q, d)
     order = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n or None]
     results: list[dict[str, Any]] = []
     for i in order:
@@ -92,7 +92,7 @@ async def ranked(ctx: ServerContext, body: RerankRequest, request: Request) -> d
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> list[float]:
-    """Row i of a against row i of b: their cosine similarity (0 where a vector is all zero)."""
+    """Row i of a against row i of b (a single row of a against every row of b): their cosine similarity."""
     import torch.nn.functional as F
 
     return [float(x) for x in F.cosine_similarity(a.float(), b.float(), dim=-1)]
