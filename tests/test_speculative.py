@@ -16,8 +16,15 @@ from wkvm import LLM, SamplingParams
 from wkvm.config import MAX_SPECULATIVE_TOKENS, EngineConfig, ServerConfig, default_model
 from wkvm.engine.drafts import NgramDrafter
 from wkvm.engine.engine import Engine
+from wkvm.models import fused
 from wkvm.models.family import STEP_CHUNK
+from wkvm.models.rwkv7 import step
 
+# the embedded model checks drafts on wkvm's fp32 gemv kernel and RWKV-7's step kernel, both built with the machine's
+# compiler (every x86-64 CPU runs them); without one the engine does not speculate (it logs why)
+KERNELS_HERE = fused.available() and step.available()
+needs_kernels = pytest.mark.skipif(not KERNELS_HERE, reason="wkvm's kernels do not run here (no compiler or "
+                                   "WKVM_FUSED=off)")  # fmt: skip
 SHAKESPEARE = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"  # the repo's own copy
 
 
@@ -68,6 +75,7 @@ def plain_and_fast():
     return LLM(speculative_tokens=0), LLM(speculative_tokens=6)
 
 
+@needs_kernels
 @pytest.mark.parametrize("params", [
     SamplingParams(max_tokens=80, temperature=0, ignore_eos=True, logprobs=1),
     SamplingParams(max_tokens=80, temperature=0.8, top_k=40, seed=3, ignore_eos=True),
@@ -84,6 +92,7 @@ def test_the_embedded_model_copies_with_drafts_and_answers_as_without(plain_and_
     assert fast.engine.runner.accepted > before
 
 
+@needs_kernels
 def test_the_server_speculates_and_counts_drafts(plain_and_fast):
     """`wkvm serve --speculative-tokens 6`: a streamed completion equals the offline engine's without drafts, and
     /metrics counts the drafts checked and accepted."""
@@ -105,6 +114,7 @@ def test_the_server_speculates_and_counts_drafts(plain_and_fast):
     assert counts["wkvm_spec_decode_draft_tokens_total"] >= counts["wkvm_spec_decode_accepted_tokens_total"]
 
 
+@needs_kernels
 def test_a_grammar_reply_with_drafts_answers_as_without(plain_and_fast):
     """A reply held to a grammar, with drafts that its plain run's tokens make (so they are accepted, and the grammar
     completes inside one): tokens, text and the kept state are the plain run's, greedy and seeded."""
@@ -130,6 +140,7 @@ def test_a_grammar_reply_with_drafts_answers_as_without(plain_and_fast):
     assert fast.runner.accepted > 0 and fast.runner.rewound > 0, (fast.runner.accepted, fast.runner.rewound)
 
 
+@needs_kernels
 def test_no_drafts_while_more_requests_run_than_allowed():
     """`speculative_max_running`: two requests running together on an engine that drafts for one at most check no
     draft; one alone does."""
@@ -141,6 +152,7 @@ def test_no_drafts_while_more_requests_run_than_allowed():
     assert llm.engine.runner.drafted > 0
 
 
+@needs_kernels
 def test_a_chat_with_drafts_answers_as_one_without():
     """Four chat turns quoting the conversation back (prompt lookup drafts from the earlier turns a resumed state
     holds) on a server with drafts: every turn's tokens and logprobs equal those of a server without, later turns
@@ -163,6 +175,7 @@ def test_a_chat_with_drafts_answers_as_one_without():
     assert drafted and float(drafted[0].split()[1]) > 0, drafted
 
 
+@needs_kernels
 def test_the_cli_takes_speculative_tokens(capsys, tmp_path):
     """`wkvm generate --speculative-tokens 6` prints the text it prints without drafts; `wkvm chat`'s engine drafts."""
     from wkvm.cli import build_parser, main
