@@ -287,3 +287,40 @@ def test_a_grammar_waits_for_the_end_of_the_reasoning():
         replay.feed_grammar(t)
     assert replay.constrained and bool((replay.grammar.allowed(tok.vocab_size) == row.grammar.allowed(
         tok.vocab_size)).all())
+
+
+def test_a_thinking_budget_ends_the_reasoning_and_the_reply_answers(servers, thinker):
+    """`thinking_token_budget` (vLLM's): the reasoning is the free reply's first N tokens, `</think>` is forced, and
+    the rest is the answer, blocking and streamed; Anthropic's `thinking.budget_tokens` the same; `--reasoning-budget`
+    (llama.cpp's) a chat's default that a request's -1 lifts. The random model never closes its block itself."""
+    import anthropic
+
+    on, _ = servers
+    kw = dict(model="thinker", messages=[{"role": "user", "content": "Why?"}], max_tokens=30, temperature=0)
+    free = on.chat.completions.create(**kw).choices[0].message.model_extra["reasoning_content"]
+    r = on.chat.completions.create(**kw, extra_body={"thinking_token_budget": 5})
+    message, end = r.choices[0].message, len("</think>")  # the char model: a token a character
+    assert message.model_extra["reasoning_content"] == free[:5] and message.content
+    assert r.usage.completion_tokens == 30 and r.usage.completion_tokens_details.reasoning_tokens == 5 + end
+    chunks = list(on.chat.completions.create(stream=True, extra_body={"thinking_token_budget": 5}, **kw))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == free[:5]
+    assert "".join(d.content or "" for d in deltas) == message.content
+    url = str(on.base_url).removesuffix("/").removesuffix("/v1")
+    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    m = client.messages.create(model="thinker", messages=kw["messages"], max_tokens=30, extra_body={"temperature": 0},
+                               thinking={"type": "enabled", "budget_tokens": 5})  # fmt: skip
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in m.content] == [
+        ("thinking", free[:5]), ("text", message.content)]
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+        on.chat.completions.create(**kw, extra_body={"thinking_token_budget": -2})
+    with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
+        client.messages.create(model="thinker", messages=kw["messages"], max_tokens=30,
+                               thinking={"type": "enabled", "budget_tokens": "many"})  # fmt: skip
+    with LiveServer(model=str(thinker), slots=2, reasoning_budget=5) as capped:
+        c = openai.OpenAI(base_url=f"{capped.url}/v1", api_key="unused", max_retries=0)
+        assert c.chat.completions.create(**kw).choices[0].message.model_dump() == message.model_dump()
+        lifted = c.chat.completions.create(**kw, extra_body={"thinking_token_budget": -1}).choices[0].message
+        assert lifted.model_extra["reasoning_content"] == free and lifted.content is None
+        raw = c.completions.create(model="thinker", prompt="Why?<think>", max_tokens=20, temperature=0).choices[0]
+        assert "</think>" not in raw.text  # completions take a request's own budget only

@@ -254,6 +254,9 @@ class ServerConfig:
                                 "content (vLLM's reasoning parsers); auto: where the model's chat template knows "
                                 "</think>; deepseek_r1 / qwen3 (vLLM's names): always; none: never",
                                 "choice:" + ",".join(REASONING_PARSERS))  # fmt: skip
+    reasoning_budget: int = opt(-1, "most tokens a chat reply may reason (inside <think>) before </think> is forced "
+                                "and it answers (llama.cpp's flag, vLLM's thinking_token_budget, which a request "
+                                "sets for itself); -1: no budget", "")
     max_chat_sessions: int = opt(1024, "parked chat sessions (parent-token-v1) kept")
     chat_session_ttl: float = opt(24 * 3600.0, "seconds a parked chat session lives")
     checkpoint_bytes: int = opt(1 << 30, "bytes of prefix-reuse checkpoints and parked chats kept", "size")
@@ -280,6 +283,8 @@ class ServerConfig:
                              f"{self.generation_config!r}")  # fmt: skip
         if not self.shutdown_grace >= 0:
             raise ValueError("shutdown_grace must be >= 0 seconds")
+        if self.reasoning_budget < -1:
+            raise ValueError("reasoning_budget must be -1 (no budget) or a number of tokens >= 0")
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
         limits = ("max_body_bytes", "max_prompt_tokens", "max_tokens_limit", "max_state_tokens")

@@ -88,6 +88,9 @@ class SamplingParams:
     # model's reasoning end (`</think>`); before it the reply is free (vLLM's structured outputs with a reasoning
     # parser). None: from the first token
     grammar_after: str | None = None
+    # vLLM's: at most this many tokens inside a think block (one the prompt opened, or the reply's own opening
+    # `<think>`), then `</think>` is forced and the reply goes on as its answer (engine/thinking.py). None: no budget
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -105,6 +108,9 @@ class SamplingParams:
             self.top_k = 0
         if _is_int(self.seed) and self.seed == -1:  # vLLM's: -1 draws a new seed (it had been one fixed seed)
             self.seed = None
+        ok = self.thinking_token_budget is None or (_is_int(self.thinking_token_budget) and
+                                                     0 <= self.thinking_token_budget < 2**63)  # fmt: skip
+        _check(ok, "thinking_token_budget", "null or an integer >= 0 (the most tokens of reasoning before </think>)")
         ok = _is_int(self.max_tokens) and self.max_tokens >= 0
         _check(ok, "max_tokens", "an integer >= 0 (0: feed the prompt and generate nothing, e.g. to score it)")
         ok = _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens

@@ -28,6 +28,7 @@ from wkvm.engine.sampler import (
     prompt_token_logprobs,
     sample,
 )
+from wkvm.engine.thinking import END, ThinkingBudget, ends_inside
 from wkvm.models.family import LanguageModel
 from wkvm.models.spec import State, StateSpec
 from wkvm.tokenizer import Tokenizer
@@ -96,6 +97,15 @@ class ModelRunner:
             if self.tokenizer is None:
                 raise ValueError("bad_words needs the engine's tokenizer (ModelRunner was given none)")
             row.bad_words = bad_word_ids(self.tokenizer, p.bad_words)
+        if p.thinking_token_budget is not None and not req.prefill_only:
+            if self.tokenizer is None:
+                raise ValueError("thinking_token_budget needs the engine's tokenizer (ModelRunner was given none)")
+            tb = self.tokenizer.token_bytes
+            end_ids = self.tokenizer.encode(END)
+            if any(t >= self.model.vocab_size for t in end_ids):  # a tokenizer larger than its model: never forced
+                end_ids = []
+            inside = ends_inside(req.base_ids + req.prompt_ids, tb)  # a thinking template opened the block
+            row.thinking = ThinkingBudget.start(p.thinking_token_budget, end_ids, tb, inside)
         grammar = None if req.prefill_only else p.grammar()
         if grammar is not None:
             if self.grammars is None:
@@ -118,8 +128,8 @@ class ModelRunner:
             if row.generator is None:
                 raise ValueError("a generator state was given for a request without a seed")
             row.generator.set_state(generator)
-        for t in req.output_ids if row.grammar is not None else []:
-            row.feed_grammar(t)
+        for t in req.output_ids if row.grammar is not None or row.thinking is not None else []:
+            row.feed(t)
 
     def release(self, request_id: str) -> None:
         self._rows.pop(request_id, None)

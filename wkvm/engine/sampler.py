@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from wkvm.engine.grammar import GrammarState
+from wkvm.engine.thinking import ThinkingBudget
 from wkvm.models import fused
 from wkvm.models.family import first_line
 from wkvm.outputs import ErrorCode
@@ -81,6 +82,7 @@ class SamplerRow:
     grammar: GrammarState | None = None  # the response_format's parse so far (None: free text)
     gate: GrammarGate | None = None  # holds the grammar back until the output has written its end (None: no wait)
     stop_ids: list[int] = field(default_factory=list)  # tokens that end the output: masked until min_tokens are out
+    thinking: ThinkingBudget | None = None  # thinking_token_budget's count (None: no budget)
     _counts: torch.Tensor | None = field(default=None, init=False, repr=False)  # [V] output_ids[:_counted]
     _seen: torch.Tensor | None = field(default=None, init=False, repr=False)  # [V] state, prompt, output[:_seen_upto]
     _counted: int = field(default=0, init=False, repr=False)
@@ -94,6 +96,12 @@ class SamplerRow:
     def constrained(self) -> bool:
         """The grammar decides the next token (it has one, and its gate, if any, is open)."""
         return self.grammar is not None and (self.gate is None or self.gate.open)
+
+    def feed(self, token: int) -> None:
+        """A token the row put out, to its thinking budget and its grammar."""
+        if self.thinking is not None:
+            self.thinking.feed(token)
+        self.feed_grammar(token)
 
     def feed_grammar(self, token: int) -> None:
         """A token the row put out, to its grammar: through the gate while that is closed (`GrammarGate.passes`)."""
@@ -315,6 +323,10 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
             continue
         x, greedy_id, masked = logits[i], greedy_ids[i], False  # masked: x is no longer the batch's (finite) row
         row_lp = raw_lp[i] if raw_lp is not None else None
+        forced = row.thinking.next_forced() if row.thinking is not None else None
+        if forced is not None:  # the thinking budget is spent: `</think>`'s tokens, whatever the logits say
+            out.append(fed(row, forced, row_lp))
+            continue
         if row.params.logit_bias:
             x, masked = row.biased(x), True
             greedy_id = int(torch.argmax(x))
@@ -343,15 +355,20 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
         if tok is None:
             out.append(Sampled(None, error=INVALID_DISTRIBUTION))
             continue
-        done = False
-        if row.grammar is not None:
-            row.feed_grammar(tok)
-            if row.grammar.error is not None:  # the grammar has no way on from here: fail, never a "stop"
-                why = f"{NO_ALLOWED_TOKEN}: {first_line(row.grammar.error)}"
-                out.append(Sampled(None, error=why, error_code=ErrorCode.GRAMMAR_DEAD_END))
-                continue
-            done = row.constrained and row.grammar.done
-        k = row.params.logprobs
-        lp = top_logprobs(row_lp, tok, k) if row_lp is not None and k is not None else None
-        out.append(Sampled(tok, lp, grammar_done=done))
+        out.append(fed(row, tok, row_lp))
     return out
+
+
+def fed(row: SamplerRow, tok: int, row_lp: torch.Tensor | None) -> Sampled:
+    """A chosen token, fed to the row's thinking budget and grammar: the Sampled with its logprobs, or the grammar's
+    dead end."""
+    row.feed(tok)
+    done = False
+    if row.grammar is not None:
+        if row.grammar.error is not None:  # the grammar has no way on from here: fail, never a "stop"
+            why = f"{NO_ALLOWED_TOKEN}: {first_line(row.grammar.error)}"
+            return Sampled(None, error=why, error_code=ErrorCode.GRAMMAR_DEAD_END)
+        done = row.constrained and row.grammar.done
+    k = row.params.logprobs
+    lp = top_logprobs(row_lp, tok, k) if row_lp is not None and k is not None else None
+    return Sampled(tok, lp, grammar_done=done)

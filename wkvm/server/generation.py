@@ -196,10 +196,16 @@ def sampling_params(
             response_format=body.response_format.as_dict() if body.response_format else None, logit_bias=logit_bias,
             structured_outputs=structured, allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words or [],
             skip_special_tokens=body.skip_special_tokens,
+            thinking_token_budget=thinking_budget(body.thinking_token_budget),
         )  # fmt: skip
     except InvalidParam as e:  # in the request's own words: it may have sent max_completion_tokens (hunt, session 49)
         message = str(e).replace("max_tokens", max_tokens_field) if e.param == "min_tokens" else str(e)
         raise APIError(400, message, e.param, "invalid_value") from None
+
+
+def thinking_budget(budget: int | None) -> int | None:
+    """A request's (or --reasoning-budget's) thinking budget as SamplingParams takes it: -1 (no budget) as None."""
+    return None if budget is None or budget < 0 else budget
 
 
 def request_stops(body: SamplingFields) -> list[str]:

@@ -267,7 +267,7 @@ def chat_tool_choice(choice: dict[str, Any] | None) -> Any:
 
 def template_kwargs(thinking: dict[str, Any] | None) -> dict[str, Any] | None:
     """`thinking` as the chat template's `enable_thinking` (Qwen3's and other thinking templates read it); its
-    budget_tokens is not enforced (the reply's max_tokens bounds reasoning and answer together)."""
+    budget_tokens is the chat's thinking_token_budget (`thinking_budget`)."""
     if thinking is None:
         return None
     kind = thinking.get("type")
@@ -275,6 +275,18 @@ def template_kwargs(thinking: dict[str, Any] | None) -> dict[str, Any] | None:
         raise APIError(400, 'thinking must be {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} or '
                        '{"type": "disabled"}', "thinking", "invalid_value")  # fmt: skip
     return {"enable_thinking": kind != "disabled"}
+
+
+def thinking_budget(thinking: dict[str, Any] | None) -> int | None:
+    """`thinking.budget_tokens` of an enabled thinking: at most that many tokens of reasoning, then `</think>` is
+    forced (the chat's thinking_token_budget; Anthropic asks for 1,024 or more, any count >= 0 is taken here)."""
+    if thinking is None or thinking.get("type") != "enabled" or thinking.get("budget_tokens") is None:
+        return None
+    budget = thinking["budget_tokens"]
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+        raise APIError(400, "thinking.budget_tokens must be an integer >= 0 (the most tokens of reasoning)",
+                       "thinking.budget_tokens", "invalid_value")  # fmt: skip
+    return budget
 
 
 def response_format(body: MessagesCountRequest) -> dict[str, Any] | None:
@@ -305,6 +317,7 @@ def chat_request(body: MessagesRequest, messages: list[dict[str, Any]], prefill:
         "max_completion_tokens": min(body.max_tokens, limit), "stop": body.stop_sequences, "tools": tools,
         "tool_choice": choice, "add_generation_prompt": not prefill, "continue_final_message": prefill,
         "chat_template_kwargs": template_kwargs(body.thinking), "response_format": response_format(body),
+        "thinking_token_budget": thinking_budget(body.thinking),
     }  # fmt: skip
     if body.tool_choice is not None and body.tool_choice.get("disable_parallel_tool_use") is True:
         d["parallel_tool_calls"] = False

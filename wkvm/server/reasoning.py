@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-START, END = "<think>", "</think>"
+from wkvm.engine.thinking import END, START
+
+__all__ = ["END", "START", "Thinking", "parts", "split", "thinking"]
 
 
 @dataclass(frozen=True)

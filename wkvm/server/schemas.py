@@ -159,6 +159,9 @@ class SamplingFields(RequestBody):
     # vLLM's: not built over HTTP (its entries carry each token's rank, which the engine does not compute); a 400,
     # not silence (it had been ignored with a log line): completions' echo with logprobs scores the prompt
     prompt_logprobs: int | None = None
+    # vLLM's: at most this many tokens of reasoning, then `</think>` is forced (engine/thinking.py); -1: no budget
+    # (llama.cpp's word for it, here also overriding the server's --reasoning-budget)
+    thinking_token_budget: int | None = Field(default=None, ge=-1)
 
 
 class CompletionRequest(SamplingFields):

@@ -1,0 +1,114 @@
+"""A thinking budget: at most N tokens of reasoning, then `</think>` (vLLM's `thinking_token_budget`, llama.cpp's
+`--reasoning-budget`, Anthropic's `thinking.budget_tokens`).
+
+A reply is reasoning where its prompt ends inside a think block (its last `<think>` after its last `</think>`: a
+thinking template opened it) or where it opens with `<think>` itself (after whitespace), as the server's reasoning
+parser reads it (`server/reasoning.py`). Its tokens after the opening are counted; when `budget` of them are out and
+the block is still open, the next tokens are the tokenizer's tokens of `</think>`, forced (a forced token is chosen
+whatever the logits; its logprobs stay the model's own), and the reply goes on as its answer. A block the model
+closes itself ends the count. Where the budget runs out partway through a UTF-8 character (as llama.cpp's budget
+waits) or through what may be the model's own `</think>`, up to `WAIT` more tokens may finish it before the end is
+forced. Only the first think block is counted.
+
+Everything here follows from the output's tokens: a request moved to another engine replays its output through
+`feed` and is where it was (`ModelRunner.resume`), and a checked draft's positions go through the same `feed` as
+stepping's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+START, END = "<think>", "</think>"
+_START, _END = START.encode(), END.encode()
+WAIT = 3  # tokens past the budget that may finish a character or the model's own `</think>` before the end is forced
+_SPACE = b" \t\r\n"
+
+
+def ends_inside(ids: list[int], token_bytes: Callable[[int], bytes]) -> bool:
+    """Whether a token history ends inside a think block: its last `<think>` after its last `</think>`. Read from the
+    end, token by token, keeping only what a tag spanning tokens needs (linear in the history where it has no tag)."""
+    keep = max(len(_START), len(_END)) - 1
+    tail = b""
+    for t in reversed(ids):
+        data = token_bytes(t) + tail
+        start, end = data.rfind(_START), data.rfind(_END)
+        if start >= 0 or end >= 0:
+            return start > end
+        tail = data[:keep]
+    return False
+
+
+def partial_end(data: bytes) -> bool:
+    """Whether `data` ends with the start of `</think>` (the model may be closing the block itself)."""
+    return any(data.endswith(_END[:k]) for k in range(1, len(_END)))
+
+
+def unfinished_utf8(data: bytes) -> bool:
+    """Whether `data` ends partway through a UTF-8 character (a lead byte without all its continuation bytes)."""
+    for back in range(1, min(4, len(data)) + 1):
+        b = data[-back]
+        if b & 0xC0 == 0x80:  # a continuation byte: look further back for its lead
+            continue
+        need = 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 else 1
+        return back < need
+    return False
+
+
+@dataclass
+class ThinkingBudget:
+    """One reply's count: `next_forced` is the token to choose next (None: the sampler chooses), `feed` each token
+    the reply put out, forced or not. `phase`: "opening" (the reply may yet open a block), "counting", "forcing",
+    "done" (no block, or it is closed)."""
+
+    budget: int
+    end_ids: list[int]  # the tokenizer's tokens of `</think>`
+    token_bytes: Callable[[int], bytes]
+    phase: str = "opening"
+    count: int = 0  # tokens inside the block so far
+    forced: int = 0  # of end_ids, forced so far
+    seen: bytes = b""  # opening: the reply so far (whitespace left out); counting: its last bytes
+
+    @classmethod
+    def start(cls, budget: int, end_ids: list[int], token_bytes: Callable[[int], bytes],
+              inside: bool) -> ThinkingBudget:  # fmt: skip
+        """A reply's budget; `inside`: its prompt ends inside a think block (`ends_inside`)."""
+        b = cls(budget, end_ids, token_bytes)
+        if inside:
+            b._count_from(b"")
+        return b
+
+    def next_forced(self) -> int | None:
+        return self.end_ids[self.forced] if self.phase == "forcing" else None
+
+    def feed(self, token: int) -> None:
+        if self.phase == "forcing":
+            self.forced += 1
+            if self.forced == len(self.end_ids):
+                self.phase = "done"
+        elif self.phase == "opening":
+            data = (self.seen + self.token_bytes(token)).lstrip(_SPACE)
+            if data.startswith(_START):
+                self._count_from(data[len(_START) :])
+            elif _START.startswith(data):
+                self.seen = data  # nothing yet, or the tag's first bytes
+            else:
+                self.phase = "done"  # the reply is all answer
+        elif self.phase == "counting":
+            self.count += 1
+            self._read(self.seen + self.token_bytes(token))
+
+    def _count_from(self, data: bytes) -> None:
+        """The block is open; `data`: what the reply wrote in it so far (the opening token's bytes after `<think>`)."""
+        self.phase, self.seen = "counting", b""
+        self._read(data)
+
+    def _read(self, data: bytes) -> None:
+        if _END in data:
+            self.phase = "done"
+            return
+        self.seen = data[len(data) - len(_END) + 1 :] if len(data) >= len(_END) else data
+        over = self.count - self.budget
+        if over >= 0 and (over >= WAIT or not (unfinished_utf8(data) or partial_end(data))):
+            self.phase = "done" if not self.end_ids else "forcing"
