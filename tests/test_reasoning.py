@@ -18,7 +18,11 @@ from wkvm.server.reasoning import Thinking, parts, split, thinking
 from wkvm.server.tools import tool_mode
 
 INSIDE, OUTSIDE = Thinking(inside=True), Thinking(inside=False)
+CALLING = Thinking(inside=True, calls=True)  # tools may be called from the text: a <tool_call> ends the reasoning too
 CALL = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+XML = ("<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n</parameter>\n</function>\n"
+       "</tool_call>")
+
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}  # fmt: skip
 
@@ -42,6 +46,11 @@ def test_an_unfinished_reply_holds_what_may_be_a_tag():
     assert split("  <th", OUTSIDE, False) == (0, 0, None)  # may open a block: nothing is decided
     assert split("  <tx", OUTSIDE, False) == (0, 0, 0)  # cannot: all answer
     assert split("<think>ab</think>c", OUTSIDE, False) == (7, 9, 17)
+    # with tools, a call opened inside the block ends it and begins the answer (Qwen3.5), not without
+    assert split(f"Let me add.\n{XML}", CALLING, False) == (0, 12, 12)
+    assert split(f"Let me add.\n{XML}", INSIDE, False) == (0, len(f"Let me add.\n{XML}"), None)
+    assert split("a</think>b<tool_call>", CALLING, True) == (0, 1, 9)  # the block closed first
+    assert split("Let me add <tool_c", CALLING, False) == (0, len("Let me add "), None)  # may be a call: waits
 
 
 def test_which_requests_are_read_for_reasoning():
@@ -83,6 +92,9 @@ def test_streamed_pieces_join_to_the_blocking_reply():
              (f"I should add.</think>\n<tool_call>{CALL}</tool_call>", INSIDE, auto),
              (f"Sure.<tool_call>{CALL}</tool_call>", OUTSIDE, auto),
              ("hm</think>Just words.", INSIDE, auto),
+             (f"I should add.\n</think>\n\n{XML}", INSIDE, auto), (f"I should add.\n{XML}", CALLING, auto),
+             (f"I should add.<tool_call>{CALL}</tool_call>", CALLING, auto), (f"Sure.\n{XML[:-25]}", OUTSIDE, auto),
+             (f"Two.{XML}\n{XML[:-12]}", CALLING, auto),
              (f"<tool_call>{CALL}</tool_call>", None, tool_mode([ADD], "none", None)),  # as it comes: nothing held
              (CALL, None, tool_mode([ADD], None, None, shaped=True)), ("Plain words.", None, None)]  # fmt: skip
     for text, think, mode in cases:

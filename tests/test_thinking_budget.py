@@ -16,7 +16,8 @@ from wkvm.models import fused
 from wkvm.models.rwkv7 import step
 
 E_ACUTE = "é".encode()
-PIECES = [b"<think>", b"\n", b"a", b"b", b"</", b"think", b">", E_ACUTE[:1], E_ACUTE[1:], b" <th", b"ink>x", b"  "]
+PIECES = [b"<think>", b"\n", b"a", b"b", b"</", b"think", b">", E_ACUTE[:1], E_ACUTE[1:], b" <th", b"ink>x", b"  ",
+          b"<tool_call>", b"<tool_"]
 TB = PIECES.__getitem__
 END_IDS = [4, 5, 6]  # "</", "think", ">"
 
@@ -51,6 +52,8 @@ def test_a_budget_counts_the_reasoning_then_forces_its_end():
     assert run(budget(1, False), [2, 0, 3, 3, 3]) == [2, 0, 3, 3, 3]  # not at the reply's start: all answer
     assert run(budget(3, True), [2, 4, 5, 6, 2, 2, 2, 2]) == [2, 4, 5, 6, 2, 2, 2, 2]  # closing at the budget: waits
     assert run(budget(1, True), [4, 2, 2, 2, 2]) == [4, 2, 4, 5, 6]  # "</" then not the tag: forced one token late
+    assert run(budget(2, True), [2, 12, 2, 2, 2]) == [2, 12, 2, 2, 2]  # a call opened in the block ends the count
+    assert run(budget(2, True), [2, 13, 12, 2]) == [2, 13, 12, 2]  # ... and one that may be opening waits for it
     b = budget(5, True)
     run(b, [2, 4, 5, 6])
     assert b.phase == "done" and b.count == 4

@@ -1,7 +1,8 @@
 """Tool calling through the `openai` SDK on a random tiny model: `tool_choice` required and named are enforced by
 the grammar (every reply a call to an offered tool with schema-valid arguments), streaming carries the same calls
-as `delta.tool_calls`, `auto` recognises Hermes, Mistral and plain-JSON calls (parser unit tests; a random model
-never calls on its own), a tool result goes back through the template, and bad tool requests are clear 400s."""
+as `delta.tool_calls`, `auto` recognises Hermes, Qwen3-Coder's XML, Mistral and plain-JSON calls (parser unit tests;
+a random model never calls on its own), a tool result goes back through the template, and bad tool requests are
+clear 400s."""
 
 from __future__ import annotations
 
@@ -258,6 +259,43 @@ def test_auto_recognises_hermes_mistral_and_plain_json_calls():
         tool_mode([{"type": "function"}], None, None)
 
 
+def xml_call(name: str, args: dict, closed: bool = True) -> str:
+    """A call as Qwen3-Coder's and Qwen3.5's templates teach it (a value as text, a newline either side)."""
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
+    return f"<tool_call>\n<function={name}>\n{params}" + ("</function>\n</tool_call>" if closed else "")
+
+
+def test_auto_recognises_qwen3_coder_xml_calls_by_their_schema_types():
+    """Qwen3.5's form (vLLM's `qwen3_coder` parser): each parameter's text read as the tool's schema types it (an
+    integer, a string that looks like a number kept a string, JSON for objects and arrays, "null"), several calls,
+    closing tags missing at the reply's end; an unknown tool or an unfinished tag is content."""
+    tools = [*TOOLS, {"type": "function", "function": {"name": "plan", "parameters": {"type": "object", "properties": {
+        "steps": {"type": "array"}, "opts": {"type": "object"}, "fast": {"type": "boolean"}, "t": {"type": "number"},
+        "note": {"type": ["string", "null"]}, "n": {"type": ["integer", "null"]}}}}}]  # fmt: skip
+    mode = tool_mode(tools, None, None)
+    assert mode is not None
+    content, calls = parse_reply("Let me add.\n" + xml_call("add", {"a": 12, "b": -3}), mode)
+    assert content == "Let me add." and calls[0]["function"] == {"name": "add", "arguments": '{"a": 12, "b": -3}'}
+    text = xml_call("plan", {"steps": '["a", 2]', "opts": '{"x": {"y": null}}', "fast": "True", "t": "2.50",
+                             "note": "null", "n": "7", "extra": "42"})  # fmt: skip
+    (call,) = parse_reply(text, mode)[1]
+    assert json.loads(call["function"]["arguments"]) == {"steps": ["a", 2], "opts": {"x": {"y": None}}, "fast": True,
+                                                         "t": 2.5, "note": None, "n": 7, "extra": "42"}  # fmt: skip
+    weather = xml_call("get_weather", {"city": "1984\nline two", "unit": "celsius"})
+    (call,) = parse_reply(weather, mode)[1]  # a string stays a string, its inner newline kept
+    assert json.loads(call["function"]["arguments"]) == {"city": "1984\nline two", "unit": "celsius"}
+    content, calls = parse_reply(xml_call("add", {"a": 1, "b": 2}) + "\n" + xml_call("add", {"a": 3}, closed=False),
+                                 mode)  # fmt: skip
+    assert content is None and [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 1, "b": 2}, {"a": 3}]
+    bad = {"t": "Infinity", "opts": "{NaN: 1}", "n": "seven", "steps": "NaN"}  # not JSON numbers: the text as written
+    (call,) = parse_reply(xml_call("plan", bad), mode)[1]
+    assert json.loads(call["function"]["arguments"]) == bad
+    for text in (xml_call("delete_everything", {}), "<tool_call>\n<function=add\n<parameter=a>\n1"):
+        assert parse_reply(text, mode) == (text, [])
+    one = tool_mode(tools, None, False)
+    assert one is not None and len(parse_reply(xml_call("add", {}) * 2, one)[1]) == 1
+
+
 def test_auto_streams_the_words_before_a_call_and_holds_the_call():
     """With `auto`, a reply streamed in pieces of any size sends as content what can no longer be a call's start,
     never a marker's first characters, a call after a marker as it comes (its name, then its arguments piece by
@@ -464,9 +502,9 @@ def test_a_named_tool_choice_constrains_the_calls_to_that_tool():
 def test_streamed_arguments_are_always_a_start_of_the_finished_ones():
     """`calls_ready` on every prefix of a reply (random arguments: escapes, surrogate pairs written as \\u escapes,
     numbers json.dumps rewrites, nesting, any spacing; forced lists, Hermes tags, SmolLM2's list in tags,
-    [TOOL_CALLS]): what it gives only grows, is always the start of the finished reply's calls (names equal,
-    arguments as the blocking reply spells them), and is those calls at the end. A stream of pieces can therefore
-    never send what the finished call contradicts."""
+    [TOOL_CALLS], Qwen3-Coder's XML): what it gives only grows, is always the start of the finished reply's calls
+    (names equal, arguments as the blocking reply spells them), and is those calls at the end. A stream of pieces can
+    therefore never send what the finished call contradicts."""
     import random
 
     rng = random.Random(5)
@@ -492,7 +530,9 @@ def test_streamed_arguments_are_always_a_start_of_the_finished_ones():
         mode, text = rng.choice([(forced, dumps(calls)),
                                  (auto, "Sure. " + "".join(f"<tool_call>\n{dumps(c)}\n</tool_call>" for c in calls)),
                                  (auto, f"<tool_call>{dumps(calls)}</tool_call>"),
-                                 (auto, f"[TOOL_CALLS] {dumps(calls)}")])  # fmt: skip
+                                 (auto, f"[TOOL_CALLS] {dumps(calls)}"),
+                                 (auto, "Sure. " + "".join(xml_call(c["name"], {k: dumps(v) for k, v in
+                                  c["arguments"].items()}) for c in calls))])  # fmt: skip
         want = [(c["function"]["name"], c["function"]["arguments"]) for c in split_reply(text, mode)[1]]
         assert len(want) == len(calls)
         before: list[tuple[str, str]] = []

@@ -6,9 +6,10 @@ thinking template opened it) or where it opens with `<think>` itself (after whit
 parser reads it (`server/reasoning.py`). Its tokens after the opening are counted; when `budget` of them are out and
 the block is still open, the next tokens are the tokenizer's tokens of `</think>`, forced (a forced token is chosen
 whatever the logits; its logprobs stay the model's own), and the reply goes on as its answer. A block the model
-closes itself ends the count. Where the budget runs out partway through a UTF-8 character (as llama.cpp's budget
-waits) or through what may be the model's own `</think>`, up to `WAIT` more tokens may finish it before the end is
-forced. Only the first think block is counted.
+closes itself ends the count, and so does a `<tool_call>` opened inside it (Qwen3.5 calls tools from its reasoning;
+the server's parser then reads the call as the answer's, where tools are offered). Where the budget runs out partway
+through a UTF-8 character (as llama.cpp's budget waits) or through what may be the model's own `</think>` or
+`<tool_call>`, up to `WAIT` more tokens may finish it before the end is forced. Only the first block is counted.
 
 Everything here follows from the output's tokens: a request moved to another engine replays its output through
 `feed` and is where it was (`ModelRunner.resume`), and a checked draft's positions go through the same `feed` as
@@ -21,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 START, END = "<think>", "</think>"
-_START, _END = START.encode(), END.encode()
+CALL = "<tool_call>"  # a call opened inside the block ends it too (Qwen3.5 does not always close it first)
+_START, _END, _CALL = START.encode(), END.encode(), CALL.encode()
 WAIT = 3  # tokens past the budget that may finish a character or the model's own `</think>` before the end is forced
 _SPACE = b" \t\r\n"
 
@@ -41,8 +43,8 @@ def ends_inside(ids: list[int], token_bytes: Callable[[int], bytes]) -> bool:
 
 
 def partial_end(data: bytes) -> bool:
-    """Whether `data` ends with the start of `</think>` (the model may be closing the block itself)."""
-    return any(data.endswith(_END[:k]) for k in range(1, len(_END)))
+    """Whether `data` ends with the start of `</think>` or `<tool_call>` (the model may be ending the block itself)."""
+    return any(data.endswith(tag[:k]) for tag in (_END, _CALL) for k in range(1, len(tag)))
 
 
 def unfinished_utf8(data: bytes) -> bool:
@@ -105,10 +107,11 @@ class ThinkingBudget:
         self._read(data)
 
     def _read(self, data: bytes) -> None:
-        if _END in data:
+        if _END in data or _CALL in data:
             self.phase = "done"
             return
-        self.seen = data[len(data) - len(_END) + 1 :] if len(data) >= len(_END) else data
+        keep = len(_CALL) - 1  # the longer tag's start may be at the end
+        self.seen = data[len(data) - keep :] if len(data) >= keep else data
         over = self.count - self.budget
         if over >= 0 and (over >= WAIT or not (unfinished_utf8(data) or partial_end(data))):
             self.phase = "done" if not self.end_ids else "forcing"

@@ -482,8 +482,9 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
             unenforceable_tool(mode)  # which tool's schema, where one is the cause
             raise
     grammar = shaped or sp.structured_outputs is not None or (mode is not None and mode.forced)
+    calls = mode is not None and mode.choice == "auto" and mode.calls_in_text  # a <tool_call> may end the reasoning
     think = thinking(ctx.config.reasoning_parser, [ctx.template.source, ctx.template.tool_source], text, grammar,
-                     body.include_reasoning)  # fmt: skip
+                     body.include_reasoning, calls)  # fmt: skip
     if think is not None and grammar:  # the template opened a think block: the grammar holds from its end
         sp = dataclasses.replace(sp, grammar_after=END)
     if think is not None and body.thinking_token_budget is None and ctx.config.reasoning_budget >= 0:

@@ -7,16 +7,18 @@ DeepSeek-R1 and their kind). A reply a grammar shapes (`response_format`, `struc
 reasons first where the template opened the think block (the grammar holds from `</think>` on: `thinking`), and is
 all answer otherwise. A template that opens the block itself (the prompt ends inside `<think>`, as
 DeepSeek-R1's and Qwen's thinking templates write it) starts the reply as reasoning, until `</think>`; otherwise a
-reply is reasoning only if it opens with `<think>` (after whitespace). A reply that ends before `</think>` is all
-reasoning, its content null, as vLLM answers. The texts are the model's as written, nothing stripped (vLLM's
-too). See docs/http-api.md.
+reply is reasoning only if it opens with `<think>` (after whitespace). Where tools may be called from the text, a
+`<tool_call>` ends the reasoning too and begins the answer (Qwen3.5 opens calls inside its think block without
+closing it first; vLLM's Qwen3 reasoning parser ends the reasoning there likewise). A reply that ends before
+`</think>` is all reasoning, its content null, as vLLM answers. The texts are the model's as written, nothing
+stripped (vLLM's too). See docs/http-api.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wkvm.engine.thinking import END, START
+from wkvm.engine.thinking import CALL, END, START
 
 __all__ = ["END", "START", "Thinking", "parts", "split", "thinking"]
 
@@ -24,14 +26,16 @@ __all__ = ["END", "START", "Thinking", "parts", "split", "thinking"]
 @dataclass(frozen=True)
 class Thinking:
     """How one request's replies are read: `inside`, the prompt ends inside a think block (the reply starts as
-    reasoning); `include`, vLLM's `include_reasoning` (false: the reasoning is left out, the answer is still apart)."""
+    reasoning); `include`, vLLM's `include_reasoning` (false: the reasoning is left out, the answer is still apart);
+    `calls`, tools may be called from the text (tool_choice auto): a `<tool_call>` ends the reasoning as well."""
 
     inside: bool
     include: bool = True
+    calls: bool = False
 
 
 def thinking(setting: str, templates: list[str | None], prompt: str, shaped: bool,
-             include: bool = True) -> Thinking | None:  # fmt: skip
+             include: bool = True, calls: bool = False) -> Thinking | None:  # fmt: skip
     """The reading of a chat request's replies; None where replies are read as they are: the parser is off, or
     (`auto`) no template of the model's knows `</think>`, or a grammar shapes the reply (`shaped`: response_format,
     structured_outputs, a forced call) from its first token. Where the prompt ends inside a think block the grammar
@@ -42,7 +46,7 @@ def thinking(setting: str, templates: list[str | None], prompt: str, shaped: boo
     if setting == "auto" and not any(END in t for t in templates if t):
         return None
     inside = prompt.rfind(START) > prompt.rfind(END)
-    return Thinking(inside, include) if inside or not shaped else None
+    return Thinking(inside, include, calls) if inside or not shaped else None
 
 
 def split(text: str, t: Thinking, done: bool) -> tuple[int, int, int | None]:
@@ -61,13 +65,17 @@ def split(text: str, t: Thinking, done: bool) -> tuple[int, int, int | None]:
         else:
             return 0, 0, 0
     close = text.find(END, start)
+    call = text.find(CALL, start) if t.calls else -1
+    if call >= 0 and (close < 0 or call < close):  # a call opened inside the block: the answer begins with it
+        return start, call, call
     if close >= 0:
         return start, close, close + len(END)
     if done:
         return start, len(text), None
     end = len(text)
-    for k in range(min(len(END) - 1, len(text) - start), 0, -1):
-        if text.endswith(END[:k]):
+    tags = (END, CALL) if t.calls else (END,)
+    for k in range(min(max(map(len, tags)) - 1, len(text) - start), 0, -1):
+        if any(text.endswith(tag[:k]) for tag in tags):
             end -= k
             break
     return start, end, None

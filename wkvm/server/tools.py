@@ -4,14 +4,17 @@ The tools go to the chat template (its Jinja `tools` variable, as HF templates e
 or a named function is enforced with the grammar engine: the reply can only be a JSON list of calls
 `[{"name": ..., "arguments": {...}}]` to offered tools, arguments matching each tool's parameters schema (one
 call unless `parallel_tool_calls`). "auto" (the default when tools are given) lets the model answer freely and
-recognises calls in its text: Hermes / Qwen `<tool_call>{...}</tool_call>`, Mistral `[TOOL_CALLS] [...]`, or a
-reply that is only a JSON call (or list of calls). "none" never returns calls. See docs/http-api.md.
+recognises calls in its text: Hermes / Qwen `<tool_call>{...}</tool_call>`, Qwen3-Coder's and Qwen3.5's XML inside
+the same tags (`<function=NAME><parameter=KEY>value</parameter></function>`, vLLM's `qwen3_coder` parser: each value
+read as its parameter's schema type says), Mistral `[TOOL_CALLS] [...]`, or a reply that is only a JSON call (or list
+of calls). "none" never returns calls. See docs/http-api.md.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import secrets
 import sys
@@ -26,6 +29,11 @@ MAX_TOOLS = 128  # tools one request offers (OpenAI's limit)
 # a last call the model ended without its closing tag counts too, as vLLM's Hermes parser reads it
 HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S)
 MISTRAL = "[TOOL_CALLS]"
+# Qwen3-Coder's / Qwen3.5's calls inside <tool_call>: a function's block (its end may be missing at the reply's end)
+# and its parameters (one ends at its closing tag, the next parameter, or the function's end)
+XML_FUNCTION = "<function="
+FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(</function>|\Z)", re.S)
+PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(</parameter>|(?=<parameter=)|(?=</function>)|\Z)", re.S)
 MARKERS = ("<tool_call>", MISTRAL)
 
 
@@ -212,6 +220,10 @@ def split_reply(text: str, mode: ToolMode) -> tuple[str, list[dict[str, Any]]]:
         rest = ""
     elif HERMES.search(text):
         for m in HERMES.finditer(text):
+            if m.group(1).startswith(XML_FUNCTION):  # Qwen3-Coder's / Qwen3.5's form
+                xml: list[Any] = xml_calls(m.group(1), mode, True)
+                found.extend(xml or [None])  # a function tag not closed by `>`: no call
+                continue
             x = json_or_none(m.group(1))  # a list inside the tags: SmolLM2's trained form, `<tool_call>[{...}]`
             found.extend(x if isinstance(x, list) and x else [x])
         rest = HERMES.sub("", text)
@@ -316,6 +328,14 @@ def calls_ready(text: str, mode: ToolMode, memo: dict[int, Any] | None = None) -
         return []
     calls: list[tuple[str, str]] = []
     for start in starts:
+        body = text[start:].lstrip()
+        if body.startswith(XML_FUNCTION) or (XML_FUNCTION.startswith(body) and body):  # Qwen3-Coder's / Qwen3.5's
+            end = body.find("</tool_call>")
+            begun = xml_begun(body if end < 0 else body[:end], mode)
+            calls += begun
+            if end < 0 or len(begun) != body[:end].count(XML_FUNCTION):  # the rest waits for this one
+                return calls if mode.parallel else calls[:1]
+            continue
         node = _JSON(text, memo).value(start)
         for item in ([v for _, v in node.items] if node is not None and node.kind == "[" else [node]):
             call = _begun_call(text, item, mode)
@@ -341,6 +361,74 @@ def call_deltas(ready: list[tuple[str, str]], sent: list[tuple[str, str]],
         elif sent[j][0] == name and args.startswith(sent[j][1]) and len(args) > len(sent[j][1]):
             out.append({"index": j, "function": {"arguments": args[len(sent[j][1]) :]}})
             sent[j] = (name, args)
+    return out
+
+
+def xml_calls(body: str, mode: ToolMode, finished: bool) -> list[dict[str, Any]]:
+    """The calls in one `<tool_call>` of Qwen3-Coder's XML form as {"name", "arguments"} (`_call` checks them), each
+    parameter's text (less one newline either side, as the model writes them) read as its schema's type says
+    (`xml_value`); `finished`: the reply has ended, so a block or parameter the text ends inside counts (as vLLM
+    reads a call whose closing tags are missing), else only closed parameters."""
+    out = []
+    for fm in FUNCTION.finditer(body):
+        name = fm.group(1).strip()
+        schema = mode.functions.get(name, {}).get("parameters") or {}
+        props = p if isinstance(p := schema.get("properties"), dict) else {}
+        args: dict[str, Any] = {}
+        for pm in PARAMETER.finditer(fm.group(2)):
+            if not finished and not pm.group(3) and pm.end() == len(fm.group(2)) and not fm.group(3):
+                break  # the text may go on inside this value
+            key, raw = pm.group(1).strip(), pm.group(2)
+            raw = raw.removeprefix("\n").removesuffix("\n")
+            args[key] = xml_value(raw, props.get(key))
+        out.append({"name": name, "arguments": args, "closed": bool(fm.group(3))})
+    return out
+
+
+def xml_value(raw: str, schema: Any) -> Any:
+    """A Qwen3-Coder parameter's text as its schema's `type` reads it, as vLLM's `qwen3_coder` parser converts it:
+    "null" is null; a string (or no schema, no type) stays the text; an integer parses; a number parses (as an
+    integer where it is written as one); boolean is whether it says true; objects, arrays and the rest parse as JSON
+    (no NaN or Infinity: the arguments must stay JSON); what does not parse stays the text."""
+    if raw.strip().lower() == "null":
+        return None
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(kind, list):  # ["integer", "null"]: the first that is not null
+        kind = next((k for k in kind if k != "null"), None)
+    if not isinstance(kind, str) or kind in ("string", "str", "text", "varchar", "char", "enum"):
+        return raw
+    try:
+        if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+            return int(raw.strip())
+        if kind.startswith(("num", "float")):
+            try:
+                return int(raw.strip())
+            except ValueError:
+                x = float(raw.strip())
+                return x if math.isfinite(x) else raw
+        if kind in ("boolean", "bool", "binary"):
+            return raw.strip().lower() == "true"
+        return json.loads(raw, parse_constant=_not_json)
+    except (ValueError, RecursionError):
+        return raw
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def xml_begun(body: str, mode: ToolMode) -> list[tuple[str, str]]:
+    """The calls of one unfinished `<tool_call>` of Qwen3-Coder's form as far as they can stream (`calls_ready`'s
+    pairs): a call once its function's name is complete and offered, its arguments as `json.dumps` of the finished
+    call writes them up to its last closed parameter (the `}` once `</function>` is there)."""
+    out = []
+    for call in xml_calls(body, mode, False):
+        if call["name"] not in mode.functions:
+            break
+        text = json.dumps(call["arguments"], ensure_ascii=False)
+        out.append((call["name"], text if call["closed"] else text[:-1]))
+        if not call["closed"]:
+            break
     return out
 
 
