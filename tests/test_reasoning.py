@@ -336,3 +336,27 @@ def test_a_thinking_budget_ends_the_reasoning_and_the_reply_answers(servers, thi
         assert lifted.model_extra["reasoning_content"] == free and lifted.content is None
         raw = c.completions.create(model="thinker", prompt="Why?<think>", max_tokens=20, temperature=0).choices[0]
         assert "</think>" not in raw.text  # completions take a request's own budget only
+
+
+def test_a_thinking_template_s_next_turn_reuses_all_but_this_turn_s_answer(thinker):
+    """The template drops earlier turns' reasoning, so a next prompt parts from every stored history at the `<think>`
+    this turn's prompt opened. The turn keeps its state there (`next_turn_prefix`; the first turn keeps its system
+    messages' end instead, as before), and the next turn reuses all of this turn's prompt but `<think>`: it had gone
+    back to the branch point the turn before kept, feeding two turns again. Answers equal a server's without reuse."""
+    import httpx
+
+    config = {"model": str(thinker), "slots": 2}
+    with LiveServer(**config) as reuse, LiveServer(**config, prefix_reuse=False) as fresh:
+        messages, reused, prompts = [{"role": "system", "content": "Be brief."}], [], []
+        for turn in range(4):
+            messages.append({"role": "user", "content": f"Question {turn}?"})
+            req = {"model": "thinker", "messages": messages, "max_tokens": 16, "temperature": 0,
+                   "thinking_token_budget": 3}  # fmt: skip
+            a = httpx.post(f"{reuse.url}/v1/chat/completions", json=req, timeout=60).json()
+            b = httpx.post(f"{fresh.url}/v1/chat/completions", json=req, timeout=60).json()
+            assert a["choices"][0]["message"] == b["choices"][0]["message"], turn
+            reused.append(a["wkvm"]["reused_tokens"])
+            prompts.append(a["usage"]["prompt_tokens"])
+            messages.append({"role": "assistant", "content": a["choices"][0]["message"]["content"]})
+    assert 0 < reused[1] < prompts[0] - len("<think>")  # the system messages' end, kept by the first turn
+    assert reused[2:] == [p - len("<think>") for p in prompts[1:3]], (reused, prompts)  # a token a character

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, cast
@@ -123,6 +124,34 @@ def system_prefix(ctx: ServerContext, messages: list[dict[str, Any]], text: str,
         return 0
     ids = ctx.tokenizer.encode(head) if head and text.startswith(head) else []
     return len(ids) if ids and prompt_ids[: len(ids)] == ids else 0
+
+
+def next_turn_prefix(ctx: ServerContext, messages: list[dict[str, Any]], text: str, prompt_ids: list[int],
+                     tools: list[dict[str, Any]] | None = None,
+                     variables: dict[str, Any] | None = None) -> int:  # fmt: skip
+    """How many leading tokens of the prompt the conversation's next prompt keeps, where the template renders this
+    turn's answer otherwise than its generation prompt began it (a thinking template opens `<think>` here and drops
+    it from earlier turns): the conversation rendered with an answer and one more user message parts from this
+    prompt's text there. 0 where it does not part (the prompt-end checkpoint serves) or the tokens do not spell the
+    text's end."""
+    if not ctx.config.prefix_reuse:
+        return 0
+    nxt = [*messages, {"role": "assistant", "content": "x"}, {"role": "user", "content": "x"}]
+    try:
+        rendered = ctx.template.render(nxt, add_generation_prompt=True, tools=tools, variables=variables)
+    except ChatTemplateError:
+        return 0
+    common = len(os.path.commonprefix([text, rendered]))
+    if common >= len(text):
+        return 0
+    data, cut = text.encode(), len(text[:common].encode())
+    end, k = len(data), len(prompt_ids)
+    while k > 0 and end > cut:  # the prompt's last tokens, back to the first one whose text is all kept
+        piece = ctx.tokenizer.token_bytes(prompt_ids[k - 1])
+        if not piece or not data.endswith(piece, 0, end):
+            return 0
+        end, k = end - len(piece), k - 1
+    return k
 
 
 async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body: GenBody, params: list[SamplingParams],
@@ -501,7 +530,11 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
                                                   starts=body.add_special_tokens and not body.state)  # fmt: skip
     system = await run_in_threadpool(system_prefix, ctx, messages, text, prompt_ids, mode.tools if mode else None,
                                      body.chat_template_kwargs)  # a render too: off the loop (review, session 49)
-    chat = ChatMeta.from_headers(request.headers, messages, system)
+    kept = 0
+    if think is not None and body.add_generation_prompt and not body.continue_final_message and not body.state:
+        kept = await run_in_threadpool(next_turn_prefix, ctx, messages, text, prompt_ids,
+                                       mode.tools if mode else None, body.chat_template_kwargs)  # fmt: skip
+    chat = ChatMeta.from_headers(request.headers, messages, system, kept)
     moved = await taken_over(ctx, request, tenant)
     if moved is not None:
         ((plan, handles),) = await resume_runs(ctx, tenant, [prompt_ids], body, params, chat, moved)

@@ -80,7 +80,8 @@ class Plan:
 @dataclass(frozen=True)
 class ChatMeta:
     """A chat turn: its messages, how many prompt tokens its leading system messages take (0: none, or not an exact
-    token prefix), and the parent-token-v1 identity headers."""
+    token prefix), how many the next turn's prompt keeps where it drops this one's end (`next_tokens`), and the
+    parent-token-v1 identity headers."""
 
     messages: list[dict[str, Any]]
     stateful: bool = False  # X-WKVM-Stateful-Chat: parent-token-v1
@@ -91,15 +92,19 @@ class ChatMeta:
     parent_id: str | None = None
     system_tokens: int = 0
     task: str | None = None  # a background request about the chat (title, tags, follow-ups), not a turn of it
+    # the prompt's leading tokens the next turn's prompt keeps, where the template renders this turn's answer
+    # otherwise than its generation prompt began it (a thinking template's opened <think>, dropped from earlier
+    # turns); 0: nothing dropped, or not known
+    next_tokens: int = 0
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str], messages: list[dict[str, Any]],
-                     system_tokens: int = 0) -> ChatMeta:  # fmt: skip
+                     system_tokens: int = 0, next_tokens: int = 0) -> ChatMeta:  # fmt: skip
         return cls(
             messages, headers.get(HEADER_MODE) == PARENT_TOKEN_V1, headers.get("x-openwebui-user-id"),
             headers.get("x-openwebui-chat-id"), headers.get("x-wkvm-assistant-message-id"),
             headers.get("x-wkvm-user-message-id"), headers.get("x-wkvm-parent-message-id") or None, system_tokens,
-            headers.get(HEADER_TASK) or None,
+            headers.get(HEADER_TASK) or None, next_tokens,
         )  # fmt: skip
 
     @property
@@ -283,6 +288,8 @@ class ChatSessions:
         else:
             plan = self._from_checkpoint(scope, prompt_ids, None)
             plan.capture_at = self._branch(scope, prompt_ids, len(plan.base_ids), chat.system_tokens if chat else 0)
+        if chat is not None and (at := self._next_turn(prompt_ids, len(plan.base_ids), chat)) is not None:
+            plan.capture_at = at
         plan.capture = True
         plan.finish = lambda handles: self._after(tenant, scope, plan, handles, session_key, chat)
         return plan
@@ -329,6 +336,17 @@ class ChatSessions:
             trie = self.tries.get(scope)
             point = (trie.branch_point(prompt_ids) if trie is not None else 0) or system_tokens
         return point - reused if reused < point < len(prompt_ids) - 1 else None
+
+    @staticmethod
+    def _next_turn(prompt_ids: list[int], reused: int, chat: ChatMeta) -> int | None:
+        """Where the conversation's next prompt parts from this one (`ChatMeta.next_tokens`), as the point to keep the
+        state at (relative to the tokens fed), once this turn reuses its system messages (before, their end is the
+        checkpoint to make: many conversations share it). Without it a thinking template's next turn parts from every
+        stored history at this turn's opened `<think>`, and feeds this turn's prompt again from an earlier branch."""
+        point = chat.next_tokens
+        if not reused < point < len(prompt_ids) - 1 or reused < chat.system_tokens:
+            return None
+        return point - reused
 
     def _parent_bound(self, scope: str, prompt_ids: list[int],
                       meta: ChatMeta) -> tuple[Plan, SessionKey | None]:  # fmt: skip
