@@ -360,3 +360,26 @@ def test_a_thinking_template_s_next_turn_reuses_all_but_this_turn_s_answer(think
             messages.append({"role": "assistant", "content": a["choices"][0]["message"]["content"]})
     assert 0 < reused[1] < prompts[0] - len("<think>")  # the system messages' end, kept by the first turn
     assert reused[2:] == [p - len("<think>") for p in prompts[1:3]], (reused, prompts)  # a token a character
+
+
+def test_default_chat_template_kwargs_switch_thinking_off_unless_a_request_asks(thinker):
+    """`--default-chat-template-kwargs` (vLLM's): every chat request's template variables unless it sets them itself;
+    /tokenize renders with them too. Anything but a JSON object is refused at start."""
+    import httpx
+
+    from wkvm.config import ServerConfig
+
+    off = '{"enable_thinking": false}'
+    with LiveServer(model=str(thinker), slots=2, default_chat_template_kwargs=off) as server:
+        c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        kw = dict(model="thinker", messages=[{"role": "user", "content": "Why?"}], max_tokens=10, temperature=0)
+        plain = c.chat.completions.create(**kw).choices[0].message
+        assert plain.content and plain.model_extra["reasoning_content"] is None
+        asked = c.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+        assert asked.choices[0].message.model_extra["reasoning_content"] and asked.choices[0].message.content is None
+        ids = httpx.post(f"{server.url}/tokenize", json={"messages": kw["messages"]}).json()["tokens"]
+        text = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["prompt"]
+        assert text.endswith("<think></think>")
+    for bad in ("[1]", "{nope", '"x"'):
+        with pytest.raises(ValueError, match="default_chat_template_kwargs must be a JSON object"):
+            ServerConfig(default_chat_template_kwargs=bad)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -254,6 +255,9 @@ class ServerConfig:
                                 "content (vLLM's reasoning parsers); auto: where the model's chat template knows "
                                 "</think>; deepseek_r1 / qwen3 (vLLM's names): always; none: never",
                                 "choice:" + ",".join(REASONING_PARSERS))  # fmt: skip
+    default_chat_template_kwargs: str | None = opt(None, "a JSON object of chat template variables every chat "
+                                                   "request gets where it does not set them itself (vLLM's flag), "
+                                                   "e.g. '{\"enable_thinking\": false}' for Qwen3 / Qwen3.5", "")
     reasoning_budget: int = opt(-1, "most tokens a chat reply may reason (inside <think>) before </think> is forced "
                                 "and it answers (llama.cpp's flag, vLLM's thinking_token_budget, which a request "
                                 "sets for itself); -1: no budget", "")
@@ -283,6 +287,7 @@ class ServerConfig:
                              f"{self.generation_config!r}")  # fmt: skip
         if not self.shutdown_grace >= 0:
             raise ValueError("shutdown_grace must be >= 0 seconds")
+        self.chat_template_defaults()  # a ValueError for anything but a JSON object
         if self.reasoning_budget < -1:
             raise ValueError("reasoning_budget must be -1 (no budget) or a number of tokens >= 0")
         if not 0 < self.port < 65536:
@@ -334,6 +339,18 @@ class ServerConfig:
 
     def engine_kv_dtype(self) -> str:
         return kv_dtype_for(self.kv_dtype, self.dtype)
+
+    def chat_template_defaults(self) -> dict[str, Any]:
+        """--default-chat-template-kwargs as a dict ({} when not set)."""
+        if not self.default_chat_template_kwargs:
+            return {}
+        try:
+            value = json.loads(self.default_chat_template_kwargs)
+        except ValueError as e:
+            raise ValueError(f"default_chat_template_kwargs must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("default_chat_template_kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+        return value
 
     def engine_config(self) -> EngineConfig:
         device = self.device

@@ -280,6 +280,11 @@ class ServerContext:
             message = "the server is shutting down and accepts no new requests; retry shortly (a restarted or another "
             raise APIError(503, message + "server answers)", code="shutting_down", headers={"Retry-After": "1"})
 
+    def template_variables(self, given: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A chat request's template variables: its chat_template_kwargs over --default-chat-template-kwargs."""
+        defaults = self.config.chat_template_defaults()
+        return {**defaults, **(given or {})} if defaults else given
+
     def tenant(self, request: Request) -> str:
         """Name the tenant that owns states (`asgi.tenant_of`; keys are checked by ApiKeyGate before any route
         runs, and again here to keep routes safe without the gate)."""

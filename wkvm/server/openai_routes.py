@@ -487,10 +487,11 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
     mode = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls,
                      shaped or gen.structured_outputs(body) is not None)  # fmt: skip
     refuse_request_template(body.chat_template)
+    variables = ctx.template_variables(body.chat_template_kwargs)
     # off the event loop: a template's loops run as long as it says (a model's template of nested range(100000) had
     # held /health and every other request; loading hunt, session 49)
     text = await run_in_threadpool(render_chat, ctx, messages, mode.tools if mode else None, body.add_generation_prompt,
-                                   body.continue_final_message, body.chat_template_kwargs)  # fmt: skip
+                                   body.continue_final_message, variables)  # fmt: skip
     if body.save_state and body.n > 1:
         raise APIError(400, "save_state needs n = 1", "save_state", "invalid_value")
     max_tokens = body.max_completion_tokens or body.max_tokens
@@ -523,17 +524,17 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
     if body.state:  # the messages continue the conversation the state holds (a prefill too: it had been rendered
         tools = mode.tools if mode else None  # alone, a second system prompt mid-conversation; hunt, session 48)
         after: str | None = await run_in_threadpool(turn_after_state, ctx, tenant, body.state, messages, tools,
-                                                    body.add_generation_prompt, body.chat_template_kwargs,
+                                                    body.add_generation_prompt, variables,
                                                     body.continue_final_message)  # fmt: skip
         text = text if after is None else after
     prompt_ids = await gen.encode_prompt_off_loop(ctx, text, "messages", body.truncate_prompt_tokens,
                                                   starts=body.add_special_tokens and not body.state)  # fmt: skip
     system = await run_in_threadpool(system_prefix, ctx, messages, text, prompt_ids, mode.tools if mode else None,
-                                     body.chat_template_kwargs)  # a render too: off the loop (review, session 49)
+                                     variables)  # a render too: off the loop (review, session 49)
     kept = 0
     if think is not None and body.add_generation_prompt and not body.continue_final_message and not body.state:
         kept = await run_in_threadpool(next_turn_prefix, ctx, messages, text, prompt_ids,
-                                       mode.tools if mode else None, body.chat_template_kwargs)  # fmt: skip
+                                       mode.tools if mode else None, variables)  # fmt: skip
     chat = ChatMeta.from_headers(request.headers, messages, system, kept)
     moved = await taken_over(ctx, request, tenant)
     if moved is not None:

@@ -56,7 +56,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             mode = tool_mode(body.tools, None, None)
             text = render_chat(ctx, chat_messages(body.messages), mode.tools if mode else None,
                                body.add_generation_prompt, body.continue_final_message,
-                               body.chat_template_kwargs)  # fmt: skip
+                               ctx.template_variables(body.chat_template_kwargs))  # fmt: skip
         else:
             assert body.prompt is not None
             text = body.prompt
