@@ -524,15 +524,18 @@ def test_streamed_arguments_are_always_a_start_of_the_finished_ones():
                           separators=rng.choice([None, (",", ":")]))  # fmt: skip
 
     forced, auto = tool_mode(TOOLS, "required", None), tool_mode(TOOLS, None, None)
-    for _ in range(60):
+    # XML text values the stream must hold back: null (not a string), newlines the final value drops, tag starts
+    TRICKY = ["null", " Null ", "nu", "a\n", "\n\nb\n\n", "x</par", "<", "a <b> c", "é\n<parameter", "</function", ""]
+    for _ in range(80):
         calls = [{"name": rng.choice(["get_weather", "add"]), "arguments": {"k": value(), "z": value()}}
                  for _ in range(rng.randint(1, 2))]  # fmt: skip
         mode, text = rng.choice([(forced, dumps(calls)),
                                  (auto, "Sure. " + "".join(f"<tool_call>\n{dumps(c)}\n</tool_call>" for c in calls)),
                                  (auto, f"<tool_call>{dumps(calls)}</tool_call>"),
                                  (auto, f"[TOOL_CALLS] {dumps(calls)}"),
-                                 (auto, "Sure. " + "".join(xml_call(c["name"], {k: dumps(v) for k, v in
-                                  c["arguments"].items()}) for c in calls))])  # fmt: skip
+                                 (auto, "Sure. " + "".join(xml_call(c["name"], {
+                                     k: dumps(v) if rng.random() < 0.6 else rng.choice(TRICKY)
+                                     for k, v in c["arguments"].items()}) for c in calls))])  # fmt: skip
         want = [(c["function"]["name"], c["function"]["arguments"]) for c in split_reply(text, mode)[1]]
         assert len(want) == len(calls)
         before: list[tuple[str, str]] = []
@@ -556,6 +559,12 @@ def test_streamed_arguments_are_always_a_start_of_the_finished_ones():
     assert final_delta(cut, 0, "length", forced)[1] == [] and call_deltas([], opened) == []
     assert calls_ready('<tool_call>{"name": "nope", "arguments": {', auto) == []  # a tool not offered: no call
     assert calls_ready('{"name": "add", "arguments": {"a": 1', auto) == []  # a bare JSON reply waits for its end
+    # a text parameter streams as it is written (a file's content), holding back what may be its end
+    assert calls_ready("<tool_call>\n<function=get_weather>\n<parameter=city>\nOs", auto) == [
+        ("get_weather", '{"city": "Os')]
+    assert calls_ready("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</para", auto) == [
+        ("get_weather", '{"city": "Oslo')]
+    assert calls_ready("<tool_call>\n<function=add>\n<parameter=a>\n12", auto) == [("add", "{")]  # an integer waits
     deep = "[" * 5000  # nested past the parser's recursion: no call, no 500 (parse_reply's had been a RecursionError)
     for text in (f"<tool_call>{deep}", f"[TOOL_CALLS] {deep}", f'<tool_call>{{"name": "add", "arguments": {deep}'):
         assert parse_reply(text, auto) == (text, []) and len(calls_ready(text, auto)) <= 1

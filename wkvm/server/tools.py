@@ -34,6 +34,8 @@ MISTRAL = "[TOOL_CALLS]"
 XML_FUNCTION = "<function="
 FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(</function>|\Z)", re.S)
 PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(</parameter>|(?=<parameter=)|(?=</function>)|\Z)", re.S)
+XML_ENDS = ("</parameter>", "<parameter=", "</function>")  # what may end a parameter's value
+TEXT_KINDS = ("string", "str", "text", "varchar", "char", "enum")
 MARKERS = ("<tool_call>", MISTRAL)
 
 
@@ -375,14 +377,25 @@ def xml_calls(body: str, mode: ToolMode, finished: bool) -> list[dict[str, Any]]
         schema = mode.functions.get(name, {}).get("parameters") or {}
         props = p if isinstance(p := schema.get("properties"), dict) else {}
         args: dict[str, Any] = {}
+        pending = None  # unfinished: the parameter the text ends inside, as (key, its text so far, kept as text)
         for pm in PARAMETER.finditer(fm.group(2)):
-            if not finished and not pm.group(3) and pm.end() == len(fm.group(2)) and not fm.group(3):
-                break  # the text may go on inside this value
             key, raw = pm.group(1).strip(), pm.group(2)
+            if not finished and not pm.group(3) and pm.end() == len(fm.group(2)) and not fm.group(3):
+                pending = key, raw, xml_kind(props.get(key)) is None  # the text may go on inside this value
+                break
             raw = raw.removeprefix("\n").removesuffix("\n")
             args[key] = xml_value(raw, props.get(key))
-        out.append({"name": name, "arguments": args, "closed": bool(fm.group(3))})
+        out.append({"name": name, "arguments": args, "closed": bool(fm.group(3)), "pending": pending})
     return out
+
+
+def xml_kind(schema: Any) -> str | None:
+    """The type a parameter's schema gives its text (the first of a list that is not null); None: kept as text (a
+    string, or no schema or type)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(kind, list):  # ["integer", "null"]
+        kind = next((k for k in kind if k != "null"), None)
+    return None if not isinstance(kind, str) or kind in TEXT_KINDS else kind
 
 
 def xml_value(raw: str, schema: Any) -> Any:
@@ -392,10 +405,8 @@ def xml_value(raw: str, schema: Any) -> Any:
     (no NaN or Infinity: the arguments must stay JSON); what does not parse stays the text."""
     if raw.strip().lower() == "null":
         return None
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    if isinstance(kind, list):  # ["integer", "null"]: the first that is not null
-        kind = next((k for k in kind if k != "null"), None)
-    if not isinstance(kind, str) or kind in ("string", "str", "text", "varchar", "char", "enum"):
+    kind = xml_kind(schema)
+    if kind is None:
         return raw
     try:
         if kind.startswith(("int", "uint", "long", "short", "unsigned")):
@@ -420,16 +431,39 @@ def _not_json(name: str) -> Any:
 def xml_begun(body: str, mode: ToolMode) -> list[tuple[str, str]]:
     """The calls of one unfinished `<tool_call>` of Qwen3-Coder's form as far as they can stream (`calls_ready`'s
     pairs): a call once its function's name is complete and offered, its arguments as `json.dumps` of the finished
-    call writes them up to its last closed parameter (the `}` once `</function>` is there)."""
+    call writes them up to its last closed parameter (the `}` once `</function>` is there), then the value written
+    so far of a parameter kept as text (a file's content streams as the model writes it, as vLLM streams it)."""
     out = []
     for call in xml_calls(body, mode, False):
         if call["name"] not in mode.functions:
             break
-        text = json.dumps(call["arguments"], ensure_ascii=False)
-        out.append((call["name"], text if call["closed"] else text[:-1]))
-        if not call["closed"]:
-            break
+        args = call["arguments"]
+        text = json.dumps(args, ensure_ascii=False)
+        if call["closed"]:
+            out.append((call["name"], text))
+            continue
+        text = text[:-1]
+        if call["pending"] is not None and call["pending"][2] and call["pending"][0] not in args:
+            key, raw, _ = call["pending"]
+            if shown := text_so_far(raw):  # its opening quote and what later text cannot change
+                text += (", " if args else "") + json.dumps(key, ensure_ascii=False) + ": "
+                text += json.dumps(shown, ensure_ascii=False)[:-1]
+        out.append((call["name"], text))
+        break
     return out
+
+
+def text_so_far(raw: str) -> str:
+    """The start of a text parameter's final value that its unfinished text fixes: its one leading newline left out,
+    holding back a last newline and what may be the start of the tag that ends it (the final value drops one newline
+    before the tag), and nothing while it may yet be "null" (which is null, not a string)."""
+    value = raw.removeprefix("\n")
+    cut = len(value) - value.endswith("\n")
+    at = value.rfind("<")
+    if at >= 0 and any(tag.startswith(value[at:]) for tag in XML_ENDS):
+        cut = min(cut, at - (at > 0 and value[at - 1] == "\n"))
+    shown = value[:cut]
+    return "" if "null".startswith(shown.strip().lower()) or not raw else shown
 
 
 def _begun_call(text: str, node: _Node | None, mode: ToolMode) -> tuple[str, str] | None:
