@@ -182,6 +182,18 @@ def test_a_moved_completion_stream_with_a_stop_string(pair, fresh):
     assert got[-2]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_a_moved_stream_under_a_thinking_budget_forces_the_end_at_the_same_token(pair, fresh):
+    """A prompt that opens a think block and a thinking budget past the move: the destination, which reads the budget
+    from the resent request and replays the output so far through it, forces `</think>` where the unmoved run does."""
+    a, b = pair
+    body = {"prompt": "Romeo:<think>", **LONG, "temperature": 0, "return_token_ids": True, "thinking_token_budget": 40}
+    got, n_source = moved_stream(a, b, "/v1/completions", body, after=2)
+    want = whole_stream(fresh, "/v1/completions", body)
+    text = "".join(c["choices"][0]["text"] for c in got if c["choices"])
+    assert text == "".join(c["choices"][0]["text"] for c in want if c["choices"]) and n_source < 40
+    assert token_ids(got) == token_ids(want) and text.count("</think>") == 1
+
+
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 3, "frequency_penalty": 0.3}])
 def test_a_precopied_move_ships_only_what_changed_and_equals_one_that_never_moved(pair, fresh, sampling):
     """The state copied a few tokens before the stop (`Engine.precopy`), the stop's ticket without state: the
