@@ -383,3 +383,14 @@ def test_default_chat_template_kwargs_switch_thinking_off_unless_a_request_asks(
     for bad in ("[1]", "{nope", '"x"'):
         with pytest.raises(ValueError, match="default_chat_template_kwargs must be a JSON object"):
             ServerConfig(default_chat_template_kwargs=bad)
+
+
+def test_the_common_prefix_of_two_renderings():
+    import os
+
+    from wkvm.server.openai_routes import common_prefix
+
+    rng = random.Random(2)
+    for _ in range(500):
+        a, b = ("".join(rng.choice("ab") for _ in range(rng.randint(0, 40))) for _ in range(2))
+        assert common_prefix(a, b) == len(os.path.commonprefix([a, b])), (a, b)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, cast
@@ -141,7 +140,7 @@ def next_turn_prefix(ctx: ServerContext, messages: list[dict[str, Any]], text: s
         rendered = ctx.template.render(nxt, add_generation_prompt=True, tools=tools, variables=variables)
     except ChatTemplateError:
         return 0
-    common = len(os.path.commonprefix([text, rendered]))
+    common = common_prefix(text, rendered)
     if common >= len(text):
         return 0
     data, cut = text.encode(), len(text[:common].encode())
@@ -152,6 +151,19 @@ def next_turn_prefix(ctx: ServerContext, messages: list[dict[str, Any]], text: s
             return 0
         end, k = end - len(piece), k - 1
     return k
+
+
+def common_prefix(a: str, b: str) -> int:
+    """How many leading characters `a` and `b` share: by halving, each test one comparison of slices in C
+    (`os.path.commonprefix` walks a long conversation a character at a time in Python)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 async def start(ctx: ServerContext, tenant: str, prompt_ids: list[int], body: GenBody, params: list[SamplingParams],
@@ -531,8 +543,9 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
                                                   starts=body.add_special_tokens and not body.state)  # fmt: skip
     system = await run_in_threadpool(system_prefix, ctx, messages, text, prompt_ids, mode.tools if mode else None,
                                      variables)  # a render too: off the loop (review, session 49)
-    kept = 0
-    if think is not None and body.add_generation_prompt and not body.continue_final_message and not body.state:
+    kept = 0  # an attention-only state serves any prefix of a turn's: no capture point to place
+    if think is not None and body.add_generation_prompt and not (body.continue_final_message or body.state or
+                                                                  ctx.model.spec.cuttable):  # fmt: skip
         kept = await run_in_threadpool(next_turn_prefix, ctx, messages, text, prompt_ids,
                                        mode.tools if mode else None, variables)  # fmt: skip
     chat = ChatMeta.from_headers(request.headers, messages, system, kept)
