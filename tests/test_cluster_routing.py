@@ -998,3 +998,15 @@ def test_a_draining_replica_moves_streams_to_replicas_that_compute_alike(caplog)
         assert replica._computing_alike({"r3": "id3"}) == []
     finally:
         del replica.ctx  # its __del__ (Serve's graceful stop) has nothing to stop then
+
+
+def test_a_relayed_stream_that_cannot_go_on_ends_in_its_api_s_own_error_event():
+    """A moved (or broken) stream no replica could take ends with the chat's error and [DONE], or on Anthropic's
+    Messages API, whose streams move too, with its `error` event (an SDK reading Messages events knows no [DONE])."""
+    from wkvm.cluster.front import Front
+
+    anthropic = Front.failed_event(None, "gone", "/v1/messages").decode()
+    assert anthropic.startswith("event: error\n") and json.loads(anthropic.split("data: ", 1)[1]) == {
+        "type": "error", "error": {"type": "api_error", "message": "gone"}}
+    chat = Front.failed_event(None, "gone", "/v1/chat/completions").decode()
+    assert chat.endswith("data: [DONE]\n\n") and json.loads(chat.split("\n")[0][6:])["error"]["message"] == "gone"

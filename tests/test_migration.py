@@ -69,11 +69,12 @@ def events(lines) -> Iterator[str]:
         yield "\n".join(cur)
 
 
-def moved_stream(a, b, path, body, headers=None, after=1, named=None, precopy=False) -> tuple[list[dict], int]:
+def moved_stream(a, b, path, body, headers=None, after=1, named=None, precopy=False, raw=False) -> tuple[list, int]:
     """Stream from `a`, move it to `b` after `after` chunks, go on there: every data chunk the client would see, and
     how many came from `a`. With `named`, the move goes as the cluster front asks for it: the ticket under that id,
     pushed out the moment the request stops (the stream's end names it without carrying it); with `precopy` too,
-    the state is copied at chunk `after` and the stop three chunks later pushes only what changed since."""
+    the state is copied at chunk `after` and the stop three chunks later pushes only what changed since. `raw`: the
+    events as they came (an Anthropic stream's, which ends without [DONE])."""
     pushed, base, pushes = {}, {}, []
     spec, fp = a.ctx.model.spec, a.ctx.model.fingerprint
 
@@ -122,6 +123,8 @@ def moved_stream(a, b, path, body, headers=None, after=1, named=None, precopy=Fa
         with client.stream("POST", b.url + path, json=body, headers={**(headers or {}), RESUME_HEADER: ticket}) as r:
             assert r.status_code == 200, r.read()
             seen += list(events(r.iter_lines()))
+    if raw:
+        return seen, n_source
     assert seen[-1] == "data: [DONE]"
     return [json.loads(e.removeprefix("data: ")) for e in seen[:-1]], n_source
 
@@ -180,6 +183,73 @@ def test_a_moved_completion_stream_with_a_stop_string(pair, fresh):
         "".join(c["choices"][0]["text"] for c in want if c["choices"]) == text[: text.index(stop)]
     assert token_ids(got) == token_ids(want)
     assert got[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}[{{ m.role }}]{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+                     "</think>{% endif %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}[assistant]<think>"
+                     "{% endif %}")  # opens a think block (and knows </think>: the reasoning parser reads replies)
+
+
+@pytest.fixture(scope="module")
+def thinkers(char_model, tmp_path_factory):
+    """Servers a and b (a's steps slowed as `pair`'s) and a fresh one on the char model with a template that opens a
+    think block, so an Anthropic stream has a thinking block, then a text one."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("thinker") / "thinker"
+    shutil.copytree(char_model, path)
+    (path / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    with (
+        LiveServer(model=str(path), slots=2, state_dir=str(tmp_path_factory.mktemp("ta"))) as a,
+        LiveServer(model=str(path), slots=2, state_dir=str(tmp_path_factory.mktemp("tb"))) as b,
+        LiveServer(model=str(path), slots=2, prefix_reuse=False) as fresh,
+    ):
+        runner = a.ctx.client.engine.runner
+        run = runner.run
+
+        def slow(work):
+            time.sleep(0.005)
+            return run(work)
+
+        runner.run = slow
+        yield a, b, fresh
+
+
+@pytest.mark.parametrize("after", [3, 30])
+def test_a_moved_anthropic_stream_equals_one_that_never_moved(thinkers, after):
+    """Anthropic's Messages stream moves as the chat's does (the cluster front relays it): moved while its thinking
+    block is open (after 3 events) or once its text block is (after 30: the budget ends the reasoning at 20 tokens),
+    the client's events (the source's, then the destination's, which goes on without a second message_start and
+    numbers its blocks on) are those of a stream that never moved."""
+    a, b, fresh = thinkers
+    body = {"model": "thinker", "messages": [{"role": "user", "content": "Speak."}], "max_tokens": 120,
+            "stream": True, "temperature": 0, "thinking": {"type": "enabled", "budget_tokens": 20}}  # fmt: skip
+    got, n_source = moved_stream(a, b, "/v1/messages", body, after=after, raw=True)
+    with httpx.stream("POST", fresh.url + "/v1/messages", json=body, timeout=60) as r:
+        want = list(events(r.iter_lines()))
+
+    def normal(evs: list[str]) -> list[dict]:
+        out = []
+        for ev in evs:
+            kind, data = ev.split("\n", 1)
+            obj = json.loads(data.removeprefix("data: "))
+            obj.get("message", {}).pop("id", None)
+            for usage in (obj.get("usage"), obj.get("message", {}).get("usage")):
+                if usage:  # the prompt's tokens, whether the source had them stored or not
+                    usage["input_tokens"] = usage.get("input_tokens", 0) + usage.pop("cache_read_input_tokens", 0)
+            out.append({"event": kind, **obj})
+        return out
+
+    assert normal(got) == normal(want) and after <= n_source < len(got) - 3
+    kinds = [e["content_block"]["type"] for e in normal(got) if e["event"] == "event: content_block_start"]
+    assert kinds == ["thinking", "text"] and sum(e.startswith("event: message_start") for e in got) == 1
+    # answered whole, moved by a drain after `after` tokens: the destination's message is the unmoved one's
+    whole = {**body, "stream": False}
+    moved, n_source = moved_whole(a, b, "/v1/messages", whole, after=after)
+    unmoved = httpx.post(fresh.url + "/v1/messages", json=whole, timeout=60).json()
+    g, w = moved.json(), unmoved
+    assert g["content"] == w["content"] and g["stop_reason"] == w["stop_reason"] and n_source >= after
+    assert [c["type"] for c in g["content"]] == ["thinking", "text"]
 
 
 def test_a_moved_stream_under_a_thinking_budget_forces_the_end_at_the_same_token(pair, fresh):

@@ -29,6 +29,7 @@ from wkvm.cluster.directory import SOFT_PREFIXES, base_ticket, pushed_ticket
 from wkvm.cluster.forward import (
     DISK_FULL_REPLY,
     EXISTS_REPLY,
+    MESSAGES,
     MISROUTED,
     MISROUTED_REPLY,
     QUOTA_REPLY,
@@ -52,6 +53,7 @@ from wkvm.config import ServerConfig
 from wkvm.server.asgi import ApiKeyGate, BodyLimit, KeyRing, add_cors, add_host_check, tenant_of
 from wkvm.server.errors import APIError, error_body, error_response
 from wkvm.server.handover import HANDOVER_HEADER, RESUME_HEADER, STREAM_HEADER
+from wkvm.server.messages_routes import event
 from wkvm.server.metrics import LATENCY_BUCKETS
 from wkvm.server.responses_routes import RESPONSE_ID_HEADER, new_id
 from wkvm.server.states_routes import state_page
@@ -338,7 +340,7 @@ class Front:
                     return
                 gen = await self.hand_over(req, route, moved, s, opened)
                 if gen is None:  # no replica could take it: the client gets an error event and [DONE]
-                    yield self.move_failed()
+                    yield self.move_failed(req.path)
                     return
                 first = await anext(gen, b"")
                 s.downtime = time.perf_counter() - last
@@ -351,7 +353,7 @@ class Front:
             # as one whose move failed (it had ended with no error event and no [DONE]); another body is cut off
             log.warning("a relayed response failed after its head", exc_info=True)
             if dict(head.headers).get(b"content-type", b"").startswith(b"text/event-stream"):
-                yield self.failed_event("the replica serving this stream failed; retry the request")
+                yield self.failed_event("the replica serving this stream failed; retry the request", req.path)
                 return
             raise
         finally:
@@ -400,11 +402,15 @@ class Front:
         self.metrics.stream_moves.labels("failed").inc()
         return None
 
-    def move_failed(self) -> bytes:
+    def move_failed(self, path: str) -> bytes:
         """What the client of a stream that could not move gets: an error event and [DONE]."""
-        return self.failed_event("this stream was moving to another replica and none could take it")
+        return self.failed_event("this stream was moving to another replica and none could take it", path)
 
-    def failed_event(self, message: str) -> bytes:
+    def failed_event(self, message: str, path: str) -> bytes:
+        """A relayed stream's last event when it cannot go on: the chat's error and [DONE], or on Anthropic's Messages
+        API its `error` event."""
+        if path == MESSAGES:
+            return event("error", error={"type": "api_error", "message": message}).encode()
         error = error_body(503, message, None, "replica_unavailable")
         return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
 

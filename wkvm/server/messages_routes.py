@@ -18,18 +18,20 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request, params
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from wkvm.chat_template import json_or_none
 from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError, error_body
+from wkvm.server.handover import EVENT, STREAM_HEADER
 from wkvm.server.openai_routes import chat_completion, chat_messages, check_model, render_chat
 from wkvm.server.responses_routes import new_id
 from wkvm.server.schemas import ChatRequest, MessagesCountRequest, MessagesRequest
 from wkvm.server.tools import tool_mode
 
+HANDOVER_EVENT = f"event: {EVENT}\n"  # a moved chat stream's last line
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}  # "stop": end_turn, stop_sequence or tool_use
 # the chat's fields as a Messages request names them (in an error's param and message); a quoted value (a user's
 # tool or property name) first, so that it is kept as it is
@@ -43,24 +45,27 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
     r = APIRouter(dependencies=[auth])
 
     @r.post("/v1/messages", response_model=None)
-    async def create(body: MessagesRequest, request: Request) -> dict[str, Any] | StreamingResponse:
+    async def create(body: MessagesRequest, request: Request) -> dict[str, Any] | Response:
         ctx.require_ready()
         check_model(ctx, body.model)
         messages, prefill = conversation(body.system, body.messages)
         chat = chat_request(body, messages, prefill, ctx.config.max_tokens_limit)
         started: dict[str, Any] = {}
         try:
-            out = await chat_completion(ctx, chat, request, movable=False,
-                                        started=lambda n, info: started.update(tokens=n, info=info))  # fmt: skip
+            out = await chat_completion(ctx, chat, request, started=lambda n, info, replay: started.update(
+                tokens=n, info=info, replay=replay))  # fmt: skip
         except APIError as e:
             raise APIError(e.status, named(e.message) or e.message, named(e.param), e.code, e.headers) from None
         shell: dict[str, Any] = {"id": new_id("msg"), "type": "message", "role": "assistant", "model": body.model,
                                  "content": [], "stop_reason": None, "stop_sequence": None}  # fmt: skip
         if isinstance(out, StreamingResponse):
             prompt = started.get("tokens", 0), gen.cached_tokens({"wkvm": started.get("info") or {}})
-            events = stream_events(shell, prompt, out.body_iterator, body.stop_sequences)  # type: ignore[arg-type]
-            return StreamingResponse(events, media_type="text/event-stream")
-        assert isinstance(out, dict), "a Messages request cannot move to another server, so it is answered here"
+            events = stream_events(shell, prompt, out.body_iterator, body.stop_sequences,  # type: ignore[arg-type]
+                                   started.get("replay"))  # fmt: skip
+            movable = {STREAM_HEADER: out.headers[STREAM_HEADER]} if STREAM_HEADER in out.headers else {}
+            return StreamingResponse(events, media_type="text/event-stream", headers=movable)
+        if not isinstance(out, dict):  # answered whole by the server it moved to (the front takes it from there)
+            return out
         (choice,) = out["choices"]
         reason, sequence = stop_reason(choice["finish_reason"], choice.get("stop_reason"), body.stop_sequences,
                                        bool(choice["message"].get("tool_calls")))  # fmt: skip
@@ -407,38 +412,57 @@ BLOCK_STARTS: dict[str, Callable[[], dict[str, Any]]] = {
 }
 
 
+def block_events(s: BlockStream, delta: dict[str, Any]) -> list[str]:
+    """The content block events of one chat delta: reasoning as thinking, words as text, each call a tool_use block
+    whose input comes as partial JSON."""
+    out = []
+    if thought := delta.get("reasoning_content"):
+        out += s.delta("thinking", {"type": "thinking_delta", "thinking": thought})
+    if text := delta.get("content"):
+        out += s.delta("text", {"type": "text_delta", "text": text})
+    for piece in delta.get("tool_calls") or []:
+        fn = piece.get("function") or {}
+        if "id" in piece:
+            block = {"type": "tool_use", "id": piece["id"], "name": fn.get("name"), "input": {}}
+            s.called = True
+            out += s.start(f"tool {piece['id']}", block)
+        if fn.get("arguments"):
+            out.append(event("content_block_delta", index=s.index,
+                             delta={"type": "input_json_delta", "partial_json": fn["arguments"]}))  # fmt: skip
+    return out
+
+
 async def stream_events(shell: dict[str, Any], prompt: tuple[int, int], chunks: AsyncIterator[str],
-                        stop_sequences: list[str] | None) -> AsyncIterator[str]:  # fmt: skip
+                        stop_sequences: list[str] | None,
+                        replay: dict[str, Any] | None = None) -> AsyncIterator[str]:  # fmt: skip
     """Anthropic's stream: message_start (with the prompt's tokens), each content block's start, deltas and stop as
     the chat's chunks come, then message_delta (stop_reason, usage) and message_stop. A failure after the start is
-    an `error` event, as Anthropic's."""
-    yield event("message_start", message={**shell, "usage": anthropic_usage(*prompt, 0)})
+    an `error` event, as Anthropic's. A stream that moves to another server ends with the chat's handover event (the
+    front takes it out and relays the destination's events); there `replay`, the chat delta of everything the
+    stream had sent before it moved, puts the blocks where the source left them, and the stream goes on without a
+    second message_start."""
     s = BlockStream()
+    if replay is None:
+        yield event("message_start", message={**shell, "usage": anthropic_usage(*prompt, 0)})
+    else:
+        block_events(s, replay)  # the source sent these: only the blocks' numbering and the open one matter here
     finish_reason, matched, usage, error = None, None, None, None
     try:
-        async for obj in gen.sse_objects(chunks):
+        async for line in chunks:
+            if line.startswith(HANDOVER_EVENT):  # the stream goes on on another server
+                yield line
+                return
+            data = line.removeprefix("data: ").strip()
+            if data == "[DONE]":
+                break
+            obj = json.loads(data)
             if "error" in obj:
                 error = obj["error"]
                 break
             usage = obj.get("usage") or usage
             for c in obj.get("choices", []):
-                delta = c.get("delta") or {}
-                if thought := delta.get("reasoning_content"):
-                    for ev in s.delta("thinking", {"type": "thinking_delta", "thinking": thought}):
-                        yield ev
-                if text := delta.get("content"):
-                    for ev in s.delta("text", {"type": "text_delta", "text": text}):
-                        yield ev
-                for piece in delta.get("tool_calls") or []:
-                    fn = piece.get("function") or {}
-                    if "id" in piece:
-                        block = {"type": "tool_use", "id": piece["id"], "name": fn.get("name"), "input": {}}
-                        s.called = True
-                        for ev in s.start(f"tool {piece['id']}", block):
-                            yield ev
-                    if fn.get("arguments"):
-                        yield event("content_block_delta", index=s.index,
-                                    delta={"type": "input_json_delta", "partial_json": fn["arguments"]})  # fmt: skip
+                for ev in block_events(s, c.get("delta") or {}):
+                    yield ev
                 if c.get("finish_reason"):
                     finish_reason, matched = c["finish_reason"], c.get("stop_reason")
     finally:

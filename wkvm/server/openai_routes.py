@@ -485,12 +485,13 @@ async def completion(ctx: ServerContext, body: CompletionRequest, request: Reque
 
 
 async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Request, movable: bool = True,
-                          started: Callable[[int, dict[str, Any]], object] | None = None,
+                          started: Callable[[int, dict[str, Any], dict[str, Any] | None], object] | None = None,
                           ) -> dict[str, Any] | Response:  # fmt: skip
-    """A chat completion: the answer, or its SSE stream. `movable`: a stream that may move to another server (the
-    Responses and Messages APIs, which re-shape this stream, pass False: their events cannot be handed over yet).
-    `started`: told the prompt's token count and its reuse (the `wkvm` object) once the request has started (the
-    Messages stream's first event carries them)."""
+    """A chat completion: the answer, or its SSE stream. `movable`: a request that may move to another server (the
+    Responses and Ollama APIs, which re-shape this stream, pass False: their events cannot be handed over yet).
+    `started`: told the prompt's token count, its reuse (the `wkvm` object) and, for a stream that moved here, the
+    delta of everything it had sent (None otherwise) once the request has started (the Messages stream's first event
+    carries the first two; the third puts its blocks where the source left them)."""
     ctx.require_ready()
     tenant = ctx.tenant(request)
     check_model(ctx, body.model)
@@ -556,12 +557,13 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
     else:
         ((plan, handles),) = await gen.unless_gone(request, start_all(ctx, tenant, [prompt_ids], body, params, chat))
         rid, created = gen.new_id("chatcmpl"), int(time.time())
-    if started is not None:
-        started(len(prompt_ids), plan.info)
+    if started is not None:  # what a moved stream sent is a function of its text (ChoiceDeltas)
+        replay = ChoiceDeltas(mode, think).feed(moved[0][0].text, None)[0] if moved and body.stream else None
+        started(len(prompt_ids), plan.info, replay)
     base = {"id": rid, "created": created, "model": ctx.model_name, "system_fingerprint": ctx.system_fingerprint}
     live = live_stream(tenant, body, [(plan, handles)], rid, created, moved)
     if not movable:
-        live.why_not = "a Responses, Messages or Ollama API stream cannot move to another server yet"
+        live.why_not = "a Responses or Ollama API stream cannot move to another server yet"
     ctx.handovers.register(live)
     if body.stream:
         return StreamingResponse(
