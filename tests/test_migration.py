@@ -252,6 +252,58 @@ def test_a_moved_anthropic_stream_equals_one_that_never_moved(thinkers, after):
     assert [c["type"] for c in g["content"]] == ["thinking", "text"]
 
 
+def moved_ndjson(a, b, path, body, after) -> tuple[list[dict], int]:
+    """An Ollama stream (NDJSON) from `a`, moved to `b` after `after` lines: every object the client would see (the
+    handover event, an SSE event the front takes out, is not one), and how many came from `a`."""
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", a.url + path, json=body) as r:
+            assert r.status_code == 200
+            stream_id, seen, ticket, lines = r.headers[STREAM_HEADER], [], None, r.iter_lines()
+            for line in lines:
+                if line.startswith("event: "):  # the handover event: its data line follows
+                    ticket, to = parse_marker(f"{line}\n{next(lines)}\n\n".encode())
+                    assert to == "b"
+                    continue
+                if line:
+                    seen.append(json.loads(line))
+                if len(seen) == after and ticket is None:
+                    stream = next(s for s in a.ctx.handovers.live() if s.ticket.id == stream_id)
+                    a.ctx.handovers.move(a.ctx.client, stream.tenant, stream_id, "b").result(30)
+        assert ticket is not None, "the stream finished before it could move: make it longer"
+        n_source = len(seen)
+        b.ctx.handovers.put_in(ticket, a.ctx.handovers.take_out(ticket))
+        with client.stream("POST", b.url + path, json=body, headers={RESUME_HEADER: ticket}) as r:
+            assert r.status_code == 200, r.read()
+            seen += [json.loads(line) for line in r.iter_lines() if line]
+    return seen, n_source
+
+
+OLLAMA_TIMING = ("created_at", "total_duration", "load_duration", "prompt_eval_duration", "eval_duration")
+
+
+def same(objs: list[dict]) -> list[dict]:
+    """Ollama's objects without their times (each server's own clock)."""
+    return [{k: v for k, v in o.items() if k not in OLLAMA_TIMING} for o in objs]
+
+
+def test_ollama_streams_move_as_the_chat_s_do(thinkers):
+    """Ollama's /api/chat (reasoning as `thinking`, then the answer) and raw /api/generate stream NDJSON: moved, the
+    client's objects (the source's, then the destination's) are a never-moved stream's, its counts included."""
+    a, b, fresh = thinkers
+    for path, body in (("/api/chat", {"model": "thinker", "messages": [{"role": "user", "content": "Speak."}]}),
+                       ("/api/generate", {"model": "thinker", "prompt": "Romeo:", "raw": True})):  # fmt: skip
+        body = {**body, "options": {"temperature": 0, "num_predict": 80}, "think": True}
+        got, n_source = moved_ndjson(a, b, path, body, after=4)
+        with httpx.stream("POST", fresh.url + path, json=body, timeout=60) as r:
+            want = [json.loads(line) for line in r.iter_lines() if line]
+        assert same(got) == same(want) and 4 <= n_source < len(got), path
+        assert got[-1]["done"] and got[-1]["eval_count"] == want[-1]["eval_count"] == 80
+        whole = {**body, "stream": False}  # answered whole, moved by a drain: the destination answers it
+        moved, n_source = moved_whole(a, b, path, whole, after=10)
+        unmoved = httpx.post(fresh.url + path, json=whole, timeout=60).json()
+        assert same([moved.json()]) == same([unmoved]) and n_source >= 10, path
+
+
 def test_a_moved_stream_under_a_thinking_budget_forces_the_end_at_the_same_token(pair, fresh):
     """A prompt that opens a think block and a thinking budget past the move: the destination, which reads the budget
     from the resent request and replays the output so far through it, forces `</think>` where the unmoved run does."""

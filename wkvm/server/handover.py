@@ -51,6 +51,7 @@ RESUME_HEADER = "x-wkvm-resume"
 STREAM_HEADER = "x-wkvm-stream-id"  # on a stream that can move: the id to name in a move
 HANDOVER_HEADER = "x-wkvm-handover"  # on the answer of a request answered whole that moved: its destination
 EVENT = "wkvm-handover"
+MARKER_HEAD = f"event: {EVENT}\n"  # how a moved stream's last event begins (the APIs that re-shape a stream pass it on)
 TICKET_SECONDS = 120.0  # a ticket nobody took by then is dropped
 STATES = ("state", "prompt_state", "branch_state")
 PRECOPY = "precopy"  # metadata of a ticket that goes on from a pre-copy: its token counts (`encode`'s `base`)
@@ -366,7 +367,7 @@ def marker(ticket: str, to: str) -> str:
 
 def parse_marker(chunk: bytes) -> tuple[str, str] | None:
     """(ticket, destination) when `chunk` is a handover event."""
-    head = f"event: {EVENT}\n".encode()
+    head = MARKER_HEAD.encode()
     if not chunk.startswith(head):
         return None
     data = json.loads(chunk[len(head) :].removeprefix(b"data: "))

@@ -25,13 +25,12 @@ from wkvm.chat_template import json_or_none
 from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError, error_body
-from wkvm.server.handover import EVENT, STREAM_HEADER
+from wkvm.server.handover import MARKER_HEAD, STREAM_HEADER
 from wkvm.server.openai_routes import chat_completion, chat_messages, check_model, render_chat
 from wkvm.server.responses_routes import new_id
 from wkvm.server.schemas import ChatRequest, MessagesCountRequest, MessagesRequest
 from wkvm.server.tools import tool_mode
 
-HANDOVER_EVENT = f"event: {EVENT}\n"  # a moved chat stream's last line
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}  # "stop": end_turn, stop_sequence or tool_use
 # the chat's fields as a Messages request names them (in an error's param and message); a quoted value (a user's
 # tool or property name) first, so that it is kept as it is
@@ -449,7 +448,7 @@ async def stream_events(shell: dict[str, Any], prompt: tuple[int, int], chunks: 
     finish_reason, matched, usage, error = None, None, None, None
     try:
         async for line in chunks:
-            if line.startswith(HANDOVER_EVENT):  # the stream goes on on another server
+            if line.startswith(MARKER_HEAD):  # the stream goes on on another server
                 yield line
                 return
             data = line.removeprefix("data: ").strip()

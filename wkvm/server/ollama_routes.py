@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, params
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from wkvm import __version__
@@ -27,6 +27,7 @@ from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.embeddings_routes import embed
 from wkvm.server.errors import APIError
+from wkvm.server.handover import HANDOVER_HEADER, MARKER_HEAD, STREAM_HEADER
 from wkvm.server.openai_routes import chat_completion, check_model, completion
 from wkvm.server.reasoning import thinking
 from wkvm.server.schemas import (
@@ -89,7 +90,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
                 "model_info": info, "capabilities": capabilities, "modified_at": gen.iso_time(ctx.model_created)}
 
     @r.post("/api/chat", response_model=None)
-    async def chat(body: OllamaChatRequest, request: Request) -> dict[str, Any] | StreamingResponse:
+    async def chat(body: OllamaChatRequest, request: Request) -> dict[str, Any] | Response:
         ctx.require_ready()
         if not body.messages:  # Ollama loads the model and answers done: nothing to load here
             check_model(ctx, body.model)
@@ -98,7 +99,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         return await answer(ctx, request, body, chat_messages_of(body.messages), "message")
 
     @r.post("/api/generate", response_model=None)
-    async def generate(body: OllamaGenerateRequest, request: Request) -> dict[str, Any] | StreamingResponse:
+    async def generate(body: OllamaGenerateRequest, request: Request) -> dict[str, Any] | Response:
         ctx.require_ready()
         for name in ("suffix", "context", "template"):  # what this route would get wrong: refused
             if getattr(body, name):
@@ -260,19 +261,21 @@ def renamed(e: APIError, generate: bool) -> APIError:
 
 
 async def answer(ctx: ServerContext, request: Request, body: OllamaChatRequest | OllamaGenerateRequest,
-                 messages: list[dict[str, Any]], key: str) -> dict[str, Any] | StreamingResponse:  # fmt: skip
+                 messages: list[dict[str, Any]], key: str) -> dict[str, Any] | Response:  # fmt: skip
     """The chat completion of `messages`, in Ollama's shape: its text under `key` (chat: a message; generate: the
     response)."""
     t0 = time.perf_counter()
+    replay: list[dict[str, Any] | None] = [None]
     try:
         out = await chat_completion(ctx, chat_request(body, messages, ctx.config.max_tokens_limit), request,
-                                    movable=False)  # fmt: skip
+                                    started=lambda n, info, sent: replay.__setitem__(0, sent))  # fmt: skip
     except APIError as e:
         raise renamed(e, key == "response") from None
     if isinstance(out, StreamingResponse):
-        lines = ndjson(body.model, key, t0, out.body_iterator)  # type: ignore[arg-type]
-        return StreamingResponse(lines, media_type="application/x-ndjson")
-    assert isinstance(out, dict)
+        lines = ndjson(body.model, key, t0, out.body_iterator, replay[0])  # type: ignore[arg-type]
+        return StreamingResponse(lines, media_type="application/x-ndjson", headers=movable(out))
+    if not isinstance(out, dict):  # answered whole by the server it moved to (the front takes it from there)
+        return out
     (choice,) = out["choices"]
     m = choice["message"]
     done = piece_of(body.model, key, m.get("content") or "", m.get("reasoning_content") or "")
@@ -282,19 +285,21 @@ async def answer(ctx: ServerContext, request: Request, body: OllamaChatRequest |
 
 
 async def raw_answer(ctx: ServerContext, request: Request,
-                     body: OllamaGenerateRequest) -> dict[str, Any] | StreamingResponse:  # fmt: skip
+                     body: OllamaGenerateRequest) -> dict[str, Any] | Response:  # fmt: skip
     """/api/generate with raw: true, the prompt completed as it is (`openai_routes.completion`), in Ollama's shape."""
     t0 = time.perf_counter()
     fields = {"prompt": body.prompt, **sampling(body, ctx.config.max_tokens_limit)}
     fields.setdefault("max_tokens", gen.DEFAULT_CHAT_MAX_TOKENS)  # as a chat's (a completion's own default is 16)
     creq = validated(CompletionRequest, fields, True)
     try:
-        out = await completion(ctx, creq, request, movable=False)
+        out = await completion(ctx, creq, request)
     except APIError as e:
         raise renamed(e, True) from None
     if isinstance(out, StreamingResponse):
         return StreamingResponse(ndjson(body.model, "response", t0, out.body_iterator),  # type: ignore[arg-type]
-                                 media_type="application/x-ndjson")  # fmt: skip
+                                 media_type="application/x-ndjson", headers=movable(out))  # fmt: skip
+    if HANDOVER_HEADER in out.headers:  # answered whole by the server it moved to
+        return out
     whole = json.loads(bytes(out.body))
     (choice,) = whole["choices"]
     return {**piece_of(body.model, "response", choice["text"], ""),
@@ -324,13 +329,38 @@ def ending(finish_reason: str | None, usage: dict[str, Any], t0: float, first: f
             "eval_count": usage["completion_tokens"], "eval_duration": nanos(total - prompt)}  # fmt: skip
 
 
-async def ndjson(model: str, key: str, t0: float, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+def movable(out: Response) -> dict[str, str]:
+    """The header that says a stream may move to another server (the cluster front reads it), as the chat's said."""
+    return {STREAM_HEADER: out.headers[STREAM_HEADER]} if STREAM_HEADER in out.headers else {}
+
+
+def add_calls(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
+    """A chat delta's tool-call pieces into the calls so far (Ollama sends them whole at the end)."""
+    for piece in delta.get("tool_calls") or []:
+        call = calls.setdefault(piece["index"], {"function": {"name": "", "arguments": ""}})
+        fn = piece.get("function") or {}
+        call["function"]["name"] += fn.get("name") or ""
+        call["function"]["arguments"] += fn.get("arguments") or ""
+
+
+async def ndjson(model: str, key: str, t0: float, chunks: AsyncIterator[str],
+                 replay: dict[str, Any] | None = None) -> AsyncIterator[str]:  # fmt: skip
     """Ollama's stream: one JSON object a line per piece of text (or reasoning, as `thinking`), the calls whole in
-    one object when the reply ends, then the `done` object; a failure is an `{"error": ...}` line, as Ollama's."""
+    one object when the reply ends, then the `done` object; a failure is an `{"error": ...}` line, as Ollama's. A
+    stream that moves to another server ends with the chat's handover event (the front takes it out); there
+    `replay`, the chat delta of everything the source sent, brings the calls begun there."""
     calls: dict[int, dict[str, Any]] = {}
+    add_calls(calls, replay or {})
     finish_reason, usage, first = None, None, None
     try:
-        async for obj in gen.sse_objects(chunks):
+        async for line in chunks:
+            if line.startswith(MARKER_HEAD):  # the stream goes on on another server
+                yield line
+                return
+            data = line.removeprefix("data: ").strip()
+            if data == "[DONE]":
+                break
+            obj = json.loads(data)
             if "error" in obj:
                 yield json.dumps({"error": obj["error"].get("message")}) + "\n"
                 return
@@ -338,11 +368,7 @@ async def ndjson(model: str, key: str, t0: float, chunks: AsyncIterator[str]) ->
             for c in obj.get("choices", []):
                 delta = c.get("delta") or {}  # a chat's chunk; a completion's has its text
                 text, thought = delta.get("content") or c.get("text") or "", delta.get("reasoning_content") or ""
-                for piece in delta.get("tool_calls") or []:
-                    call = calls.setdefault(piece["index"], {"function": {"name": "", "arguments": ""}})
-                    fn = piece.get("function") or {}
-                    call["function"]["name"] += fn.get("name") or ""
-                    call["function"]["arguments"] += fn.get("arguments") or ""
+                add_calls(calls, delta)
                 if text or thought:
                     first = first or time.perf_counter()
                     yield json.dumps(piece_of(model, key, text, thought)) + "\n"

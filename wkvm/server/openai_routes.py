@@ -396,9 +396,9 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
     return r
 
 
-async def completion(ctx: ServerContext, body: CompletionRequest, request: Request, movable: bool = True) -> Response:
-    """A completion: the answer (serialized off the event loop), or its SSE stream. `movable`: as chat_completion's
-    (Ollama's raw /api/generate, which re-shapes this stream, passes False)."""
+async def completion(ctx: ServerContext, body: CompletionRequest, request: Request) -> Response:
+    """A completion: the answer (serialized off the event loop), or its SSE stream; either may move to another
+    server (Ollama's raw /api/generate re-shapes this stream and passes its handover event on)."""
     ctx.require_ready()
     tenant = ctx.tenant(request)
     check_model(ctx, body.model)
@@ -459,8 +459,6 @@ async def completion(ctx: ServerContext, body: CompletionRequest, request: Reque
     base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
             "system_fingerprint": ctx.system_fingerprint}  # fmt: skip
     live = live_stream(tenant, body, runs, rid, created, moved)
-    if not movable:
-        live.why_not = "an Ollama API stream cannot move to another server yet"
     ctx.handovers.register(live)
     if body.stream:
         echoes = [(echo_head(j), ids) for j, ids in enumerate(encoded) if body.echo]
@@ -488,7 +486,7 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
                           started: Callable[[int, dict[str, Any], dict[str, Any] | None], object] | None = None,
                           ) -> dict[str, Any] | Response:  # fmt: skip
     """A chat completion: the answer, or its SSE stream. `movable`: a request that may move to another server (the
-    Responses and Ollama APIs, which re-shape this stream, pass False: their events cannot be handed over yet).
+    Responses API, which re-shapes this stream, passes False: its numbered events cannot be handed over yet).
     `started`: told the prompt's token count, its reuse (the `wkvm` object) and, for a stream that moved here, the
     delta of everything it had sent (None otherwise) once the request has started (the Messages stream's first event
     carries the first two; the third puts its blocks where the source left them)."""
@@ -563,7 +561,7 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
     base = {"id": rid, "created": created, "model": ctx.model_name, "system_fingerprint": ctx.system_fingerprint}
     live = live_stream(tenant, body, [(plan, handles)], rid, created, moved)
     if not movable:
-        live.why_not = "a Responses or Ollama API stream cannot move to another server yet"
+        live.why_not = "a Responses API stream cannot move to another server yet"
     ctx.handovers.register(live)
     if body.stream:
         return StreamingResponse(
