@@ -45,15 +45,20 @@ def pair(char_model, tmp_path_factory):
         LiveServer(model=str(char_model), slots=4, state_dir=str(tmp_path_factory.mktemp("a"))) as a,
         LiveServer(model=str(char_model), slots=4, state_dir=str(tmp_path_factory.mktemp("b"))) as b,
     ):
-        runner = a.ctx.client.engine.runner
-        run = runner.run
-
-        def slow(work):
-            time.sleep(0.005)
-            return run(work)
-
-        runner.run = slow
+        slowed(a)
         yield a, b
+
+
+def slowed(server) -> None:
+    """The server's engine steps take >= 5 ms from now on."""
+    runner = server.ctx.client.engine.runner
+    run = runner.run
+
+    def slow(work):
+        time.sleep(0.005)
+        return run(work)
+
+    runner.run = slow
 
 
 def events(lines) -> Iterator[str]:
@@ -204,14 +209,7 @@ def thinkers(char_model, tmp_path_factory):
         LiveServer(model=str(path), slots=2, state_dir=str(tmp_path_factory.mktemp("tb"))) as b,
         LiveServer(model=str(path), slots=2, prefix_reuse=False) as fresh,
     ):
-        runner = a.ctx.client.engine.runner
-        run = runner.run
-
-        def slow(work):
-            time.sleep(0.005)
-            return run(work)
-
-        runner.run = slow
+        slowed(a)
         yield a, b, fresh
 
 

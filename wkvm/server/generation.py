@@ -31,6 +31,7 @@ from wkvm.sampling_params import (
 from wkvm.server.asgi import ARRIVED
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError
+from wkvm.server.handover import MARKER_HEAD
 from wkvm.server.schemas import SamplingFields
 
 T = TypeVar("T")
@@ -398,10 +399,13 @@ def sse(obj: dict[str, Any] | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-async def sse_objects(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
-    """The objects a stream's `sse` lines carry, up to `[DONE]` (the Responses and Messages APIs re-shape the chat's
-    stream from them)."""
+async def sse_objects(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any] | str]:
+    """The objects a stream's `sse` lines carry, up to `[DONE]` (the Responses, Messages and Ollama APIs re-shape the
+    chat's stream from them); a moved stream's handover event as its text, last (to be passed on as it is)."""
     async for line in lines:
+        if line.startswith(MARKER_HEAD):
+            yield line
+            return
         data = line.removeprefix("data: ").strip()
         if data == "[DONE]":
             return

@@ -25,7 +25,7 @@ from wkvm.chat_template import json_or_none
 from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError, error_body
-from wkvm.server.handover import MARKER_HEAD, STREAM_HEADER
+from wkvm.server.handover import STREAM_HEADER
 from wkvm.server.openai_routes import chat_completion, chat_messages, check_model, render_chat
 from wkvm.server.responses_routes import new_id
 from wkvm.server.schemas import ChatRequest, MessagesCountRequest, MessagesRequest
@@ -447,14 +447,10 @@ async def stream_events(shell: dict[str, Any], prompt: tuple[int, int], chunks: 
         block_events(s, replay)  # the source sent these: only the blocks' numbering and the open one matter here
     finish_reason, matched, usage, error = None, None, None, None
     try:
-        async for line in chunks:
-            if line.startswith(MARKER_HEAD):  # the stream goes on on another server
-                yield line
+        async for obj in gen.sse_objects(chunks):
+            if isinstance(obj, str):  # the stream goes on on another server: its handover event
+                yield obj
                 return
-            data = line.removeprefix("data: ").strip()
-            if data == "[DONE]":
-                break
-            obj = json.loads(data)
             if "error" in obj:
                 error = obj["error"]
                 break

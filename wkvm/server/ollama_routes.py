@@ -27,7 +27,7 @@ from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.embeddings_routes import embed
 from wkvm.server.errors import APIError
-from wkvm.server.handover import HANDOVER_HEADER, MARKER_HEAD, STREAM_HEADER
+from wkvm.server.handover import HANDOVER_HEADER, STREAM_HEADER
 from wkvm.server.openai_routes import chat_completion, check_model, completion
 from wkvm.server.reasoning import thinking
 from wkvm.server.schemas import (
@@ -353,14 +353,10 @@ async def ndjson(model: str, key: str, t0: float, chunks: AsyncIterator[str],
     add_calls(calls, replay or {})
     finish_reason, usage, first = None, None, None
     try:
-        async for line in chunks:
-            if line.startswith(MARKER_HEAD):  # the stream goes on on another server
-                yield line
+        async for obj in gen.sse_objects(chunks):
+            if isinstance(obj, str):  # the stream goes on on another server: its handover event
+                yield obj
                 return
-            data = line.removeprefix("data: ").strip()
-            if data == "[DONE]":
-                break
-            obj = json.loads(data)
             if "error" in obj:
                 yield json.dumps({"error": obj["error"].get("message")}) + "\n"
                 return

@@ -592,6 +592,7 @@ async def events(ctx: ServerContext, tenant: str, body: ResponsesRequest, shell:
     only_calls, reasoned = forced(body), False
     try:
         async for obj in gen.sse_objects(chunks):
+            assert isinstance(obj, dict), "a Responses stream does not move (chat_completion's movable=False)"
             if "error" in obj:
                 error = obj["error"]
                 break
