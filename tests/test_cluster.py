@@ -332,6 +332,31 @@ def test_a_running_stream_moves_to_another_replica_exactly(cluster, sampling, pr
     assert re.search(r"^wkvm_cluster_stream_moved_bytes_total [1-9]", metrics, re.MULTILINE)
 
 
+def test_an_anthropic_stream_moves_through_the_front_exactly(cluster):
+    """A Messages stream (the anthropic SDK's events) moved mid-way by POST /v1/streams/{id}/migrate: the client's
+    events, relayed from the other replica on the same connection, are a never-moved stream's (one message_start,
+    its text block going on, message_stop)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Speak, MENENIUS."}], "max_tokens": 300,
+            "stream": True, "temperature": 0, "metadata": {"user_id": "ann"}}  # fmt: skip
+    want = cluster.post("/v1/messages", json={**body, "stream": False}).json()
+    kinds, text, moved = [], "", None
+    with cluster.stream("POST", "/v1/messages", json=body) as r:
+        assert r.status_code == 200
+        stream_id, source = r.headers["x-wkvm-stream-id"], r.headers["x-wkvm-replica"]
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kinds.append(line[7:])
+            elif line.startswith("data: {") and kinds[-1] == "content_block_delta":
+                text += json.loads(line[6:])["delta"]["text"]
+                if moved is None and len(text) >= 3:
+                    other = "r1" if source == "r0" else "r0"
+                    moved = cluster.post(f"/v1/streams/{stream_id}/migrate", json={"to": other})
+    assert moved is not None and moved.status_code == 200, moved.text if moved else "never moved"
+    assert 0 < moved.json()["generated_tokens"] < 300
+    assert text == want["content"][0]["text"] and kinds[0] == "message_start" and kinds.count("message_start") == 1
+    assert kinds[-2:] == ["message_delta", "message_stop"] and kinds.count("content_block_start") == 1
+
+
 def test_a_stream_from_a_named_state_moves_and_the_state_stays(cluster):
     """A stream that starts from a named state (`state`) moves like any other, exactly; the name stays with its
     replica (only its versions' owner issues new ones)."""
