@@ -150,3 +150,14 @@ def test_drafts_checked_under_a_budget_answer_as_stepping(llm):
     fast.scheduler.draft = draft
     assert generate(fast, [prompt] * 2, params) == want
     assert fast.runner.accepted > 0 and fast.runner.accepted < fast.runner.drafted
+
+
+def test_only_a_history_s_last_tokens_are_read_for_an_opened_block():
+    """`ends_inside` reads the last SCAN tokens (it runs on the event loop under the engine's lock): a block opened
+    further back is not seen; one opened within them is, whatever the window its tag is cut by."""
+    from wkvm.engine.thinking import SCAN
+
+    for gap in (0, 1, 62, 63, 64, 65, 250, 1000, SCAN - 2):
+        assert ends_inside([0, *[2] * gap], TB), gap
+        assert ends_inside([2, 9, 10, *[2] * gap], TB), gap  # the tag over two tokens
+    assert not ends_inside([0, *[2] * SCAN], TB)

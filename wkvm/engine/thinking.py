@@ -1,15 +1,16 @@
 """A thinking budget: at most N tokens of reasoning, then `</think>` (vLLM's `thinking_token_budget`, llama.cpp's
 `--reasoning-budget`, Anthropic's `thinking.budget_tokens`).
 
-A reply is reasoning where its prompt ends inside a think block (its last `<think>` after its last `</think>`: a
-thinking template opened it) or where it opens with `<think>` itself (after whitespace), as the server's reasoning
-parser reads it (`server/reasoning.py`). Its tokens after the opening are counted; when `budget` of them are out and
-the block is still open, the next tokens are the tokenizer's tokens of `</think>`, forced (a forced token is chosen
-whatever the logits; its logprobs stay the model's own), and the reply goes on as its answer. A block the model
-closes itself ends the count, and so does a `<tool_call>` opened inside it (Qwen3.5 calls tools from its reasoning;
-the server's parser then reads the call as the answer's, where tools are offered). Where the budget runs out partway
-through a UTF-8 character (as llama.cpp's budget waits) or through what may be the model's own `</think>` or
-`<tool_call>`, up to `WAIT` more tokens may finish it before the end is forced. Only the first block is counted.
+A reply is reasoning where its prompt ends inside a think block (its last `<think>` after its last `</think>`, in
+its last `SCAN` tokens: a thinking template opened it) or where it opens with `<think>` itself (after whitespace),
+as the server's reasoning parser reads it (`server/reasoning.py`). Its tokens after the opening are counted; when
+`budget` of them are out and the block is still open, the next tokens are the tokenizer's tokens of `</think>`,
+forced (a forced token is chosen whatever the logits; its logprobs stay the model's own), and the reply goes on as
+its answer. A block the model closes itself ends the count, and so does a `<tool_call>` opened inside it (Qwen3.5
+calls tools from its reasoning; the server's parser then reads the call as the answer's, where tools are offered).
+Where the budget runs out partway through a UTF-8 character (as llama.cpp's budget waits) or through what may be the
+model's own `</think>` or `<tool_call>`, up to `WAIT` more tokens may finish it before the end is forced. Only the
+first block is counted.
 
 Everything here follows from the output's tokens: a request moved to another engine replays its output through
 `feed` and is where it was (`ModelRunner.resume`), and a checked draft's positions go through the same `feed` as
@@ -24,22 +25,28 @@ from dataclasses import dataclass
 START, END = "<think>", "</think>"
 CALL = "<tool_call>"  # a call opened inside the block ends it too (Qwen3.5 does not always close it first)
 _START, _END, _CALL = START.encode(), END.encode(), CALL.encode()
+SCAN = 4096  # a history's last tokens read for an opened think block (`ends_inside`)
 WAIT = 3  # tokens past the budget that may finish a character or the model's own `</think>` before the end is forced
 _SPACE = b" \t\r\n"
 
 
 def ends_inside(ids: list[int], token_bytes: Callable[[int], bytes]) -> bool:
-    """Whether a token history ends inside a think block: its last `<think>` after its last `</think>`. Read from the
-    end, token by token, keeping only what a tag spanning tokens needs (linear in the history where it has no tag)."""
-    keep = max(len(_START), len(_END)) - 1
-    tail = b""
-    for t in reversed(ids):
-        data = token_bytes(t) + tail
+    """Whether a token history ends inside a think block: its last `<think>` after its last `</think>`, among its
+    last `SCAN` tokens (a thinking template's tag is among the very last). Read in growing windows from the end, each
+    joined in one pass (a tag cut by a window's start is found by a wider one). Bounded because it runs on the
+    server's event loop under the engine's lock, and a history without a tag is read to its start: all 121k SmolLM2
+    tokens of Shakespeare took 34 ms, token by token 0.16 s, the last 4,096 2 ms (AMD EPYC Zen 4)."""
+    size = 64
+    while True:
+        size = min(size, SCAN)
+        lo = max(0, len(ids) - size)
+        data = b"".join(map(token_bytes, ids[lo:]))
         start, end = data.rfind(_START), data.rfind(_END)
         if start >= 0 or end >= 0:
             return start > end
-        tail = data[:keep]
-    return False
+        if lo == 0 or size == SCAN:
+            return False
+        size *= 4
 
 
 def partial_end(data: bytes) -> bool:
