@@ -35,7 +35,7 @@ def ends_inside(ids: list[int], token_bytes: Callable[[int], bytes]) -> bool:
     last `SCAN` tokens (a thinking template's tag is among the very last). Read in growing windows from the end, each
     joined in one pass (a tag cut by a window's start is found by a wider one). Bounded because it runs on the
     server's event loop under the engine's lock, and a history without a tag is read to its start: all 121k SmolLM2
-    tokens of Shakespeare took 34 ms, token by token 0.16 s, the last 4,096 2 ms (AMD EPYC Zen 4)."""
+    tokens of Shakespeare took 34 ms joined, 66 ms token by token, the last 4,096 2 ms (AMD EPYC Zen 4)."""
     size = 64
     while True:
         size = min(size, SCAN)
