@@ -28,7 +28,7 @@ from wkvm.engine.sampler import (
     prompt_token_logprobs,
     sample,
 )
-from wkvm.engine.thinking import END, ThinkingBudget, ends_inside
+from wkvm.engine.thinking import END, SCAN, ThinkingBudget, ends_inside
 from wkvm.models.family import LanguageModel
 from wkvm.models.spec import State, StateSpec
 from wkvm.tokenizer import Tokenizer
@@ -104,7 +104,10 @@ class ModelRunner:
             end_ids = self.tokenizer.encode(END)
             if any(t >= self.model.vocab_size for t in end_ids):  # a tokenizer larger than its model: never forced
                 end_ids = []
-            inside = ends_inside(req.base_ids + req.prompt_ids, tb)  # a thinking template opened the block
+            tail = req.prompt_ids[-SCAN:]  # the history's last tokens, without copying a long one whole
+            if len(tail) < SCAN and req.base_ids:
+                tail = req.base_ids[len(tail) - SCAN :] + tail
+            inside = ends_inside(tail, tb)  # a thinking template opened the block
             row.thinking = ThinkingBudget.start(p.thinking_token_budget, end_ids, tb, inside)
         grammar = None if req.prefill_only else p.grammar()
         if grammar is not None:
