@@ -176,6 +176,21 @@ def test_a_moved_chat_stream_equals_one_that_never_moved(pair, fresh, sampling):
     assert got[-2]["choices"][0]["finish_reason"] == want[-2]["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_moved_stream_s_continuous_usage_counts_the_source_s_tokens(pair):
+    """vLLM's continuous_usage_stats on a moved stream: the destination's chunks go on counting from the tokens the
+    source generated (each chunk's usage is the tokens its choice has sent so far, the source's included)."""
+    a, b = pair
+    for path, body in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "Romeo:"})):
+        body = {**body, **LONG, "temperature": 0, "return_token_ids": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+        got, n_source = moved_stream(a, b, path, body, after=3)
+        sent = 0
+        for c in got[:-1]:
+            sent += len(c["choices"][0].get("token_ids") or []) if c["choices"] else 0
+            assert c["usage"]["completion_tokens"] == sent, (path, c)
+        assert sent == 200 and got[-1]["usage"]["completion_tokens"] == 200 and 3 <= n_source < len(got)
+
+
 def test_a_moved_completion_stream_with_a_stop_string(pair, fresh):
     a, b = pair
     whole = whole_stream(fresh, "/v1/completions", {"prompt": "Romeo:", **LONG, "temperature": 0})

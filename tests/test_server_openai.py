@@ -820,3 +820,32 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, server):
     tokens = [t for c in streamed for t in c.model_extra.get("token_ids") or []]
     assert [e.token for e in content] == [f"token_id:{t}" for t in tokens]
     assert all(bytes(e.bytes).decode() == e.token and e.top_logprobs[0].token.startswith("token_id:") for e in content)
+
+
+def test_continuous_usage_stats_give_every_chunk_its_choice_s_usage_so_far(server):
+    """vLLM's `stream_options.continuous_usage_stats` (with include_usage): each chunk's usage is its choice's tokens
+    so far (the role chunk's 0), chat and completions, n = 2; the last usage chunk is the whole request's as before.
+    Without it, chunks' usage stays null (OpenAI's)."""
+    import httpx
+
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                       ("/v1/completions", {"prompt": "Romeo:"})):  # fmt: skip
+        for continuous in (True, False):
+            req = {**body, "max_tokens": 9, "n": 2, "temperature": 1.0, "seed": 3, "ignore_eos": True, "stream": True,
+                   "return_token_ids": True,
+                   "stream_options": {"include_usage": True, "continuous_usage_stats": continuous}}  # fmt: skip
+            with httpx.stream("POST", f"{server.url}{path}", json=req, timeout=60) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            *parts, last = chunks
+            assert last["choices"] == [] and last["usage"]["completion_tokens"] == 18
+            seen = {0: 0, 1: 0}
+            for c in parts:
+                (choice,) = c["choices"]
+                seen[choice["index"]] += len(choice.get("token_ids") or [])
+                if not continuous:
+                    assert c["usage"] is None
+                    continue
+                p = c["usage"]["prompt_tokens"]
+                assert c["usage"] == {"prompt_tokens": p, "completion_tokens": seen[choice["index"]],
+                                      "total_tokens": p + seen[choice["index"]]}, (path, c)  # fmt: skip
+            assert seen == {0: 9, 1: 9}

@@ -464,7 +464,8 @@ async def completion(ctx: ServerContext, body: CompletionRequest, request: Reque
         echoes = [(echo_head(j), ids) for j, ids in enumerate(encoded) if body.echo]
         return StreamingResponse(
             stream_completion(ctx, request, body, runs, handles, base, prompt_tokens, tenant, k, echoes, live,
-                              [c.text for c in moved[0]] if moved else None),
+                              [c.text for c in moved[0]] if moved else None,
+                              [len(c.output_ids) for c in moved[0]] if moved else None),
             media_type="text/event-stream", headers=movable_header(live),
         )  # fmt: skip
     if await wait_or_move(ctx, request, live):
@@ -566,7 +567,8 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
     if body.stream:
         return StreamingResponse(
             stream_chat(ctx, request, body, plan, handles, base, len(prompt_ids), tenant, k, mode, think, live,
-                        [c.text for c in moved[0]] if moved else None),
+                        [c.text for c in moved[0]] if moved else None,
+                        [len(c.output_ids) for c in moved[0]] if moved else None),
             media_type="text/event-stream", headers=movable_header(live),
         )  # fmt: skip
     if await wait_or_move(ctx, request, live):
@@ -807,7 +809,8 @@ def unanswered(pending: dict[str, int]) -> None:
 async def stream_completion(ctx: ServerContext, request: Request, body: CompletionRequest, runs: list[Run],
                             handles: list[RequestHandle], base: dict[str, Any], prompt_tokens: int, tenant: str,
                             k: int, echoes: list[tuple[str, list[int]]], live: LiveStream,
-                            sent: list[str] | None = None) -> AsyncIterator[str]:  # fmt: skip
+                            sent: list[str] | None = None, counted: list[int] | None = None,
+                            ) -> AsyncIterator[str]:  # fmt: skip
     """Completion chunks; with `echo` (`echoes`: each prompt's text and ids) a choice's first chunk starts with its
     prompt, and with its prompt tokens' logprobs. `sent`: per handle, the text a server this stream moved from has
     sent (the handles are then the choices `live.ticket.choices` names)."""
@@ -833,14 +836,16 @@ async def stream_completion(ctx: ServerContext, request: Request, body: Completi
         return {**base, "choices": [c]}
 
     async for line in stream_chunks(ctx, request, body, handles, chunk, prompt_tokens, base,
-                                    lambda: finish_runs(ctx, tenant, body, runs, sent is not None), live):  # fmt: skip
+                                    lambda: finish_runs(ctx, tenant, body, runs, sent is not None), live,
+                                    counted=counted):  # fmt: skip
         yield line
 
 
 async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, plan: Plan,
                       handles: list[RequestHandle], base: dict[str, Any], prompt_tokens: int, tenant: str,
                       k: int | None, mode: ToolMode | None, think: Thinking | None, live: LiveStream,
-                      sent: list[str] | None = None) -> AsyncIterator[str]:  # fmt: skip
+                      sent: list[str] | None = None, counted: list[int] | None = None,
+                      ) -> AsyncIterator[str]:  # fmt: skip
     """Chat chunks. With tools that may be called, a choice's text streams as content only up to where a call could
     begin (`tools.content_ready`: with `auto`, words before a `<tool_call>`; nothing of a forced call), its calls as
     `delta.tool_calls` as they come (`tools.calls_ready`: a call's index, id and name once its name is complete, then
@@ -851,6 +856,8 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
     base = {**base, "object": "chat.completion.chunk"}
     index = live.ticket.choices
     nulls = {"usage": None} if body.stream_options and body.stream_options.include_usage else {}
+    if body.stream_options and body.stream_options.include_usage and body.stream_options.continuous_usage_stats:
+        nulls = {"usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}}
     # a forced call's reply has no words: its role chunk says content null, as OpenAI's; any other says "" (the reply
     # may still turn out to be a call under `auto`, but OpenAI starts an answer in words with "")
     opening = None if mode is not None and mode.forced else ""
@@ -874,7 +881,7 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
     moved = sent is not None
     async for line in stream_chunks(ctx, request, body, handles, chunk, prompt_tokens, base,
                                     lambda: finish(ctx, tenant, body, plan, handles, moved), live,
-                                    lambda: reasoning_tokens(ctx, body, handles, think)):  # fmt: skip
+                                    lambda: reasoning_tokens(ctx, body, handles, think), counted):  # fmt: skip
         yield line
 
 
@@ -977,7 +984,7 @@ async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFiel
                         chunk: Callable[[int, Event], dict[str, Any] | None], prompt_tokens: int,
                         base: dict[str, Any],
                         on_done: Callable[[], dict[str, Any]], live: LiveStream | None = None,
-                        reasoning: Callable[[], int | None] | None = None,
+                        reasoning: Callable[[], int | None] | None = None, counted: list[int] | None = None,
                         ) -> AsyncIterator[str]:  # fmt: skip
     """SSE lines: a chunk per event, sent as it comes; the very last choice chunk carries the `wkvm` (and `state`)
     extras.
@@ -985,8 +992,12 @@ async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFiel
     The stream always ends with `data: [DONE]`: after the final chunk, or after an `error` event when a
     generation failed (or, for a bug, when this code did) once the response had started. A stream moved to another
     server (`live`, handover.py) ends instead with the handover event, after every chunk produced here (of every
-    choice: one that finished here before the others stopped sends its last chunk here)."""
+    choice: one that finished here before the others stopped sends its last chunk here). With vLLM's
+    `continuous_usage_stats` every chunk's usage is its choice's so far (`counted`: each handle's tokens generated
+    before this stream's events, on the server a moved stream came from)."""
     usage = body.stream_options is not None and body.stream_options.include_usage
+    continuous = usage and body.stream_options is not None and body.stream_options.continuous_usage_stats
+    so_far = list(counted or [0] * len(handles))
     try:
         held: dict[str, Any] | None = None  # the stream's last chunk, which waits for the extras
         extra: dict[str, Any] = {}
@@ -1003,8 +1014,10 @@ async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFiel
                 c["choices"][0]["finish_reason"] = None  # finish reason, and vLLM sends only its error payload
                 if not (ev.token_ids or ev.text):
                     c = None
+            so_far[i] += len(ev.token_ids)
             if c is not None and usage:  # OpenAI: with include_usage, every chunk but the last has usage null
-                c["usage"] = None
+                c["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": so_far[i],
+                              "total_tokens": prompt_tokens + so_far[i]} if continuous else None  # fmt: skip
             if left or moving:
                 if c is not None:
                     yield gen.sse(c)  # at once: a chunk is never held back for the next token

@@ -78,6 +78,7 @@ class RequestBody(NotedBody):
 
 class StreamOptions(NotedBody):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
 class JsonSchemaFormat(NotedBody):
