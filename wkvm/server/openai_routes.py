@@ -855,7 +855,7 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
     this stream moved from has sent (or held back); the handles are then the choices `live.ticket.choices` names."""
     base = {**base, "object": "chat.completion.chunk"}
     index = live.ticket.choices
-    nulls = {"usage": None} if body.stream_options and body.stream_options.include_usage else {}
+    nulls: dict[str, Any] = {"usage": None} if body.stream_options and body.stream_options.include_usage else {}
     if body.stream_options and body.stream_options.include_usage and body.stream_options.continuous_usage_stats:
         nulls = {"usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}}
     # a forced call's reply has no words: its role chunk says content null, as OpenAI's; any other says "" (the reply
