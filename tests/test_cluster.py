@@ -336,8 +336,10 @@ def test_an_anthropic_stream_moves_through_the_front_exactly(cluster):
     """A Messages stream (the anthropic SDK's events) moved mid-way by POST /v1/streams/{id}/migrate: the client's
     events, relayed from the other replica on the same connection, are a never-moved stream's (one message_start,
     its text block going on, message_stop)."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Speak, MENENIUS."}], "max_tokens": 300,
-            "stream": True, "temperature": 0, "metadata": {"user_id": "ann"}}  # fmt: skip
+    # long enough to be running still when the move arrives (the tiny model writes 300 tokens in ~0.1 s, and the
+    # server runs ahead of a client reading through the front by what the sockets buffer)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Speak, MENENIUS."}], "max_tokens": 3000,
+            "stream": True, "temperature": 0, "metadata": {"user_id": "ann"}, "ignore_eos": True}  # fmt: skip
     want = cluster.post("/v1/messages", json={**body, "stream": False}).json()
     kinds, text, moved = [], "", None
     with cluster.stream("POST", "/v1/messages", json=body) as r:
@@ -352,9 +354,38 @@ def test_an_anthropic_stream_moves_through_the_front_exactly(cluster):
                     other = "r1" if source == "r0" else "r0"
                     moved = cluster.post(f"/v1/streams/{stream_id}/migrate", json={"to": other})
     assert moved is not None and moved.status_code == 200, moved.text if moved else "never moved"
-    assert 0 < moved.json()["generated_tokens"] < 300
+    assert 0 < moved.json()["generated_tokens"] < 3000
     assert text == want["content"][0]["text"] and kinds[0] == "message_start" and kinds.count("message_start") == 1
     assert kinds[-2:] == ["message_delta", "message_stop"] and kinds.count("content_block_start") == 1
+
+
+def test_a_responses_stream_moves_through_the_front_and_is_found_where_it_ended(cluster):
+    """A Responses stream moved mid-way: its events number on without a gap, its text is a never-moved answer's,
+    and the stored response is found afterwards (the front records the replica it ended on), and continued."""
+    body = {"model": MODEL, "input": "Speak, MENENIUS.", "max_output_tokens": 3000, "stream": True, "temperature": 0}
+    want = cluster.post("/v1/responses", json={**body, "stream": False}).json()
+    seqs, text, moved, rid = [], "", None, None
+    with cluster.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200
+        stream_id, source = r.headers["x-wkvm-stream-id"], r.headers["x-wkvm-replica"]
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            ev = json.loads(line[6:])
+            seqs.append(ev["sequence_number"])
+            rid = rid or ev.get("response", {}).get("id")
+            if ev["type"] == "response.output_text.delta":
+                text += ev["delta"]
+                if moved is None and len(text) >= 3:
+                    other = "r1" if source == "r0" else "r0"
+                    moved = cluster.post(f"/v1/streams/{stream_id}/migrate", json={"to": other})
+    assert moved is not None and moved.status_code == 200, moved.text if moved else "never moved"
+    assert seqs == list(range(len(seqs))) and text == want["output"][0]["content"][0]["text"]
+    stored = cluster.get(f"/v1/responses/{rid}")
+    assert stored.status_code == 200 and stored.json()["output"][0]["content"][0]["text"] == text
+    more = cluster.post("/v1/responses", json={"model": MODEL, "input": "Again.", "previous_response_id": rid,
+                                               "max_output_tokens": 5})  # fmt: skip
+    assert more.status_code == 200, more.text
 
 
 def test_a_stream_from_a_named_state_moves_and_the_state_stays(cluster):

@@ -219,13 +219,23 @@ def thinkers(char_model, tmp_path_factory):
     path = tmp_path_factory.mktemp("thinker") / "thinker"
     shutil.copytree(char_model, path)
     (path / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    budget = {"reasoning_budget": 20}  # a thinking block, then a text one (or a message item) in every reply
     with (
-        LiveServer(model=str(path), slots=2, state_dir=str(tmp_path_factory.mktemp("ta"))) as a,
-        LiveServer(model=str(path), slots=2, state_dir=str(tmp_path_factory.mktemp("tb"))) as b,
-        LiveServer(model=str(path), slots=2, prefix_reuse=False) as fresh,
+        LiveServer(model=str(path), slots=2, state_dir=str(tmp_path_factory.mktemp("ta")), **budget) as a,
+        LiveServer(model=str(path), slots=2, state_dir=str(tmp_path_factory.mktemp("tb")), **budget) as b,
+        LiveServer(model=str(path), slots=2, prefix_reuse=False, **budget) as fresh,
     ):
         slowed(a)
         yield a, b, fresh
+
+
+def moved_and_unmoved(servers, path, body, after) -> tuple[list[str], list[str], int]:
+    """A stream moved from a to b after `after` events, the same on the fresh server: both as their raw events, and
+    how many came from a."""
+    a, b, fresh = servers
+    got, n_source = moved_stream(a, b, path, body, after=after, raw=True)
+    with httpx.stream("POST", fresh.url + path, json=body, timeout=60) as r:
+        return got, list(events(r.iter_lines())), n_source
 
 
 @pytest.mark.parametrize("after", [3, 30])
@@ -237,9 +247,7 @@ def test_a_moved_anthropic_stream_equals_one_that_never_moved(thinkers, after):
     a, b, fresh = thinkers
     body = {"model": "thinker", "messages": [{"role": "user", "content": "Speak."}], "max_tokens": 120,
             "stream": True, "temperature": 0, "thinking": {"type": "enabled", "budget_tokens": 20}}  # fmt: skip
-    got, n_source = moved_stream(a, b, "/v1/messages", body, after=after, raw=True)
-    with httpx.stream("POST", fresh.url + "/v1/messages", json=body, timeout=60) as r:
-        want = list(events(r.iter_lines()))
+    got, want, n_source = moved_and_unmoved(thinkers, "/v1/messages", body, after)
 
     def normal(evs: list[str]) -> list[dict]:
         out = []
@@ -263,6 +271,44 @@ def test_a_moved_anthropic_stream_equals_one_that_never_moved(thinkers, after):
     g, w = moved.json(), unmoved
     assert g["content"] == w["content"] and g["stop_reason"] == w["stop_reason"] and n_source >= after
     assert [c["type"] for c in g["content"]] == ["thinking", "text"]
+
+
+@pytest.mark.parametrize("after", [5, 30])
+def test_a_moved_responses_stream_equals_one_that_never_moved(thinkers, after):
+    """OpenAI's Responses stream moves too: its events go on from the destination with the numbers, item ids and
+    call ids the source would have given (they follow from the response's id, which travels in the ticket's route),
+    without a second created / in_progress; the destination stores the response under its id. Moved while its
+    reasoning item is open (after 5 events) or its message (after 30), streamed, and answered whole."""
+    import re
+
+    a, b, fresh = thinkers  # their --reasoning-budget 20 ends the reasoning: a message item follows it
+    ours = {"model": "thinker", "input": "Speak.", "max_output_tokens": 120, "stream": True, "temperature": 0}
+    got, want, n_source = moved_and_unmoved(thinkers, "/v1/responses", ours, after)
+
+    def normal(evs: list[str]) -> list[dict]:
+        out = []
+        for ev in evs:
+            data = re.sub(r"resp_[0-9a-f]{32}|(?<=_)[0-9a-f]{32}(?=_)", "ID", ev.split("\n", 1)[1])
+            obj = json.loads(data.removeprefix("data: "))
+            if resp := obj.get("response"):  # times, and what each server had stored (the prompt's cached tokens)
+                resp.pop("created_at", None), resp.pop("completed_at", None), resp.pop("wkvm", None)
+                (resp.get("usage") or {}).pop("input_tokens_details", None)
+            out.append(obj)
+        return out
+
+    assert normal(got) == normal(want) and after <= n_source < len(got)
+    assert [e["sequence_number"] for e in normal(got)] == list(range(len(got)))
+    final = normal(got)[-1]["response"]
+    assert [i["type"] for i in final["output"]] == ["reasoning", "message"] and final["status"] == "incomplete"
+    rid = json.loads(got[0].split("data: ", 1)[1])["response"]["id"]
+    stored = httpx.get(f"{b.url}/v1/responses/{rid}", timeout=30).json()  # the destination stored it
+    assert stored["id"] == rid and stored["output"] == json.loads(got[-1].split("data: ", 1)[1])["response"]["output"]
+    whole = {**ours, "stream": False}
+    moved, n_source = moved_whole(a, b, "/v1/responses", whole, after=after)
+    unmoved = httpx.post(fresh.url + "/v1/responses", json=whole, timeout=60).json()
+    g, w = moved.json(), unmoved  # answered whole, its items' ids are random (nothing was sent before the move)
+    assert [{**i, "id": None} for i in g["output"]] == [{**i, "id": None} for i in w["output"]]
+    assert g["status"] == w["status"] and n_source >= after
 
 
 def moved_ndjson(a, b, path, body, after) -> tuple[list[dict], int]:

@@ -458,6 +458,9 @@ class Front:
         s.inflight.move(slot)
         if route.key is not None and not route.strict:  # not awaited: the first token need not wait on it, and
             self.directory.record.remote(route.key, slot)  # an actor runs one caller's calls in order
+        response_id = dict(s.req.headers).get(RESPONSE_ID_HEADER.encode())
+        if response_id is not None:  # a Responses answer is stored where it ends: later requests find it there
+            self.directory.record.remote(response_key(s.tenant, response_id.decode()), slot)
 
     async def destination(self, request: Request) -> tuple[str | Response, dict[str, str]]:
         """The replica a move's body names in "to", or the 400 for a body that is not a JSON object (it had been

@@ -212,10 +212,15 @@ class EngineReplica:
             return {"status": 404, "message": f"no running stream {stream_id!r} on {self.slot}"}
         except HandoverError as e:
             return {"status": 409, "message": f"stream {stream_id!r} cannot move: {e}"}
-        if ticket is not None and precopy:
+        # a stream whose API numbers what it sent (the Responses stream: `Ticket.route`) carries its ticket at its end,
+        # once that API has numbered every event before the move: pushed when the request stops, it had carried a
+        # number from before the last events (the client saw one twice); so no pre-copy either
+        routed = live.ticket.route is not None
+        if ticket is not None and precopy and not routed:
             await self._precopy_out(live, ticket)
         try:
-            fut = handovers.suspend(self.ctx.client, live, push=self._push if ticket is not None else None)
+            push = self._push if ticket is not None and not routed else None
+            fut = handovers.suspend(self.ctx.client, live, push=push)
             cs = await asyncio.wait_for(asyncio.wrap_future(fut), CALL_SECONDS)
         except (HandoverError, KeyError, TimeoutError):
             if live.base is not None and ticket is not None:  # nobody will need the pre-copy

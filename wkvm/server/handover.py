@@ -85,6 +85,9 @@ class Ticket:
     # a request answered whole that scores its prompt (echo with logprobs): each moved choice's prompt logprobs, a
     # token's as in `logprobs`, the first token's None (a stream sent them with its first chunk)
     prompt_logprobs: list[list[list[list[float]] | None]] | None = None
+    # what an API that re-shapes the chat stream needs to go on (the Responses stream's id, created_at and next event
+    # number), kept up to date by that API while it streams: names to short strings or integers (`_route`)
+    route: dict[str, Any] | None = None
 
     def wire(self) -> dict[str, Any]:
         """As the ticket's metadata holds it: a single-choice ticket leaves out the fields it does not use, so it reads
@@ -92,7 +95,7 @@ class Ticket:
         d = asdict(self)
         if d["choices"] == [0] and not d["done_tokens"]:
             del d["choices"], d["done_tokens"]
-        for optional in ("logprobs", "finished", "prompts", "prompt_logprobs"):
+        for optional in ("logprobs", "finished", "prompts", "prompt_logprobs", "route"):
             if d[optional] is None:
                 del d[optional]
         return d
@@ -454,6 +457,8 @@ def decode(data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int,
                                           and all(isinstance(p, dict) for p in t.prompts)
                                           and t.parent is None and not t.finish):  # fmt: skip
             raise HandoverError("handover ticket: its prompts do not read")
+        if t.route is not None:
+            t.route = _route(t.route)
         if t.finished is not None:
             t.finished = [_finished(f, vocab_size) for f in t.finished]
             indices = [f["index"] for f in t.finished] + t.choices
@@ -478,6 +483,22 @@ def decode(data: bytes, spec: StateSpec, fingerprint: str, vocab_size: int,
         if t.prompts is None and (c.prompt_ids, c.base_ids) != (cs[0].prompt_ids, cs[0].base_ids):
             raise HandoverError("handover ticket: its choices continue different prompts")
     return cs, t
+
+
+def _route(value: Any) -> dict[str, Any]:
+    """A ticket's `route`, checked: at most 8 names of up to 40 characters, each to a string of up to 128 characters
+    or an integer in 0..2^53 (what it means is the re-shaping API's to check)."""
+
+    def ok(k: Any, v: Any) -> bool:
+        if not isinstance(k, str) or len(k) > 40:
+            return False
+        if isinstance(v, str):
+            return len(v) <= 128
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 2**53
+
+    if not isinstance(value, dict) or len(value) > 8 or not all(ok(k, v) for k, v in value.items()):
+        raise HandoverError("handover ticket: its route does not read")
+    return value
 
 
 MAX_TOP_LOGPROBS = 64  # entries a token's logprobs may hold in a ticket (the API allows at most 20, plus the chosen)

@@ -485,12 +485,15 @@ async def completion(ctx: ServerContext, body: CompletionRequest, request: Reque
 
 async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Request, movable: bool = True,
                           started: Callable[[int, dict[str, Any], dict[str, Any] | None], object] | None = None,
+                          carry: dict[str, Any] | None = None,
                           ) -> dict[str, Any] | Response:  # fmt: skip
     """A chat completion: the answer, or its SSE stream. `movable`: a request that may move to another server (the
     Responses API, which re-shapes this stream, passes False: its numbered events cannot be handed over yet).
     `started`: told the prompt's token count, its reuse (the `wkvm` object) and, for a stream that moved here, the
     delta of everything it had sent (None otherwise) once the request has started (the Messages stream's first event
-    carries the first two; the third puts its blocks where the source left them)."""
+    carries the first two; the third puts its blocks where the source left them). `carry`: what the calling API
+    needs to go on elsewhere (`Ticket.route`): a request that moves takes it along as the caller last left it, and
+    one that moved here has it filled from the ticket."""
     ctx.require_ready()
     tenant = ctx.tenant(request)
     check_model(ctx, body.model)
@@ -561,8 +564,11 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
         started(len(prompt_ids), plan.info, replay)
     base = {"id": rid, "created": created, "model": ctx.model_name, "system_fingerprint": ctx.system_fingerprint}
     live = live_stream(tenant, body, [(plan, handles)], rid, created, moved)
+    if carry is not None:
+        carry.update((moved[1].route or {}) if moved else {})
+        live.ticket.route = carry
     if not movable:
-        live.why_not = "a Responses API stream cannot move to another server yet"
+        live.why_not = "a Responses API request asking for logprobs cannot move to another server"
     ctx.handovers.register(live)
     if body.stream:
         return StreamingResponse(

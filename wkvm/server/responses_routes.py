@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request, params
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
@@ -29,6 +29,7 @@ from wkvm.chat_template import json_or_none
 from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError
+from wkvm.server.handover import STREAM_HEADER
 from wkvm.server.openai_routes import chat_completion, check_model
 from wkvm.server.schemas import ChatRequest, ResponsesRequest
 
@@ -65,7 +66,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
     running: weakref.WeakValueDictionary[tuple[str, str], Running] = weakref.WeakValueDictionary()
 
     @r.post("/v1/responses", response_model=None)
-    async def create(body: ResponsesRequest, request: Request) -> dict[str, Any] | StreamingResponse:
+    async def create(body: ResponsesRequest, request: Request) -> dict[str, Any] | Response:
         ctx.require_ready()
         tenant = ctx.tenant(request)
         check_model(ctx, body.model)
@@ -95,18 +96,31 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
         if body.store:
             running[key] = run
         streams = False
+        # where the stream is, for a move: its id and created_at, and the next event's number (EventStream keeps it)
+        carry: dict[str, Any] = {"id": shell["id"], "created_at": shell["created_at"], "seq": 0}
+        sent: list[dict[str, Any] | None] = [None]
         try:
-            try:
-                out = await chat_completion(ctx, chat_request(body, system + conversation), request, movable=False)
+            try:  # its logprobs so far would not travel (a stream sent them; the stored response needs them all)
+                out = await chat_completion(ctx, chat_request(body, system + conversation), request,
+                                            movable=not logprobs(body), carry=carry,
+                                            started=lambda n, info, replay: sent.__setitem__(0, replay))  # fmt: skip
             except APIError as e:
                 raise APIError(e.status, responses_text(e.message), responses_param(e.param), e.code,
                                e.headers) from None  # fmt: skip
+            if carry["id"] != shell["id"] and RESPONSE_ID.fullmatch(str(carry["id"])):  # moved here: the source's
+                running.pop(key, None)
+                shell = {**shell, "id": carry["id"], "created_at": carry["created_at"]}
+                key, run = (tenant, shell["id"]), Running(shell)
+                if body.store:
+                    running[key] = run
             if isinstance(out, StreamingResponse):
                 events = stream_events(ctx, tenant, body, shell, conversation, out.body_iterator,  # type: ignore[arg-type]
-                                       run, lambda: running.pop(key, None))  # fmt: skip
+                                       run, lambda: running.pop(key, None), sent[0], carry)  # fmt: skip
                 streams = True
-                return StreamingResponse(events, media_type="text/event-stream")
-            assert isinstance(out, dict), "a Responses request cannot move to another server, so it is answered here"
+                movable = {STREAM_HEADER: out.headers[STREAM_HEADER]} if STREAM_HEADER in out.headers else {}
+                return StreamingResponse(events, media_type="text/event-stream", headers=movable)
+            if not isinstance(out, dict):  # answered whole by the server it moved to (the front takes it from there)
+                return out
             (choice,) = out["choices"]
             lps = (choice.get("logprobs") or {}).get("content") if logprobs(body) else None
             items = output_items(choice["message"], lps, forced(body))
@@ -474,27 +488,58 @@ def responses_usage(usage: dict[str, Any]) -> dict[str, Any]:
 
 
 class EventStream:
-    """The Responses stream's events, numbered, built from the chat stream's chunks."""
+    """The Responses stream's events, numbered, built from the chat stream's chunks. Its items' ids (and a call's
+    call_id) follow from the response's id and the item's place, and `carry` holds the next event's number, so that
+    a stream moved to another server goes on with the ids and numbers it would have had here."""
 
-    def __init__(self, shell: dict[str, Any]):
+    def __init__(self, shell: dict[str, Any], only_calls: bool = False, carry: dict[str, Any] | None = None):
         self.shell, self.seq, self.items = shell, 0, list[dict[str, Any]]()
+        self.carry = carry if carry is not None else {}
         self.text, self.lps = "", list[dict[str, Any]]()
         self.message: dict[str, Any] | None = None  # the open message item
         self.call_open: dict[str, Any] | None = None  # the open function_call item, its arguments so far
         self.thought: dict[str, Any] | None = None  # the open reasoning item
         self.thought_text = ""
+        self.only_calls, self.reasoned = only_calls, False
+        self.pending: list[dict[str, Any]] = []  # logprobs of tokens whose text is held back (or that are a call's)
 
     def event(self, kind: str, **fields: Any) -> str:
         line = f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq, **fields})}\n\n"
         self.seq += 1
+        self.carry["seq"] = self.seq
         return line
+
+    def item_id(self, kind: str) -> str:
+        """The id of the item that opens now (`kind`: msg, rs, fc, or call for a call's call_id): the response's id
+        and the item's place."""
+        return f"{kind}_{self.shell['id'].removeprefix('resp_')}_{len(self.items)}"
+
+    def delta(self, delta: dict[str, Any], lps: list[dict[str, Any]]) -> list[str]:
+        """The events of one chat delta (its tokens' logprobs `lps`, where asked for): reasoning, an open call's
+        last arguments, words, then new calls."""
+        out: list[str] = []
+        self.pending += lps
+        if thought := delta.get("reasoning_content"):
+            self.reasoned, self.pending = True, []  # a message after reasoning has no logprobs (as blocking:
+            out += self.reasoning_delta(thought)  # they would be the reasoning's tokens' too)
+        pieces = delta.get("tool_calls") or []
+        for piece in (p for p in pieces if "id" not in p):  # an open call's last arguments come before the words
+            out += self.call_piece(piece)  # after it, which the last chunk may carry too
+        if content := "" if self.only_calls else delta.get("content"):
+            out += self.text_delta(content, [] if self.reasoned else self.pending)
+            self.pending = []
+        if pieces:
+            self.pending = []
+        for piece in (p for p in pieces if "id" in p):
+            out += self.close_message() + self.call_piece(piece)
+        return out
 
     def reasoning_delta(self, delta: str) -> list[str]:
         """A thinking model's reasoning as it comes: its item opens with the first piece (it comes before the
         answer's items)."""
         out = []
         if self.thought is None:
-            self.thought = reasoning_item("", "in_progress")
+            self.thought = {**reasoning_item("", "in_progress"), "id": self.item_id("rs")}
             out.append(self.event("response.output_item.added", output_index=len(self.items), item=self.thought))
         self.thought_text += delta
         out.append(self.event("response.reasoning_text.delta", item_id=self.thought["id"],
@@ -514,7 +559,7 @@ class EventStream:
     def text_delta(self, delta: str, lps: list[dict[str, Any]] | None) -> list[str]:
         out = self.close_reasoning() + self.close_call()
         if self.message is None:
-            self.message = message_item("", None, "in_progress")
+            self.message = {**message_item("", None, "in_progress"), "id": self.item_id("msg")}
             out.append(self.event("response.output_item.added", output_index=len(self.items), item=self.message))
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             out.append(self.event("response.content_part.added", item_id=self.message["id"],
@@ -545,7 +590,8 @@ class EventStream:
         out = self.close_reasoning()
         if "id" in piece:
             out += self.close_call()
-            self.call_open = call_item(piece, "in_progress")
+            call = call_item({**piece, "id": self.item_id("call")}, "in_progress")
+            self.call_open = {**call, "id": self.item_id("fc")}
             out.append(self.event("response.output_item.added", output_index=len(self.items), item=self.call_open))
         args = (piece.get("function") or {}).get("arguments") or ""
         if args and self.call_open is not None:
@@ -570,65 +616,60 @@ class EventStream:
 
 async def stream_events(ctx: ServerContext, tenant: str, body: ResponsesRequest, shell: dict[str, Any],
                         conversation: list[dict[str, Any]], chunks: AsyncIterator[str], run: Running,
-                        done: Callable[[], object]) -> AsyncIterator[str]:  # fmt: skip
+                        done: Callable[[], object], replay: dict[str, Any] | None = None,
+                        carry: dict[str, Any] | None = None) -> AsyncIterator[str]:  # fmt: skip
     """`events`, and `done` once they have ended (stored or not): a retrieve then reads the stored response."""
     try:
-        async for ev in events(ctx, tenant, body, shell, conversation, chunks, run):
+        async for ev in events(ctx, tenant, body, shell, conversation, chunks, run, replay, carry):
             yield ev
     finally:
         done()
 
 
 async def events(ctx: ServerContext, tenant: str, body: ResponsesRequest, shell: dict[str, Any],
-                 conversation: list[dict[str, Any]], chunks: AsyncIterator[str], run: Running) -> AsyncIterator[str]:
+                 conversation: list[dict[str, Any]], chunks: AsyncIterator[str], run: Running,
+                 replay: dict[str, Any] | None = None, carry: dict[str, Any] | None = None,
+                 ) -> AsyncIterator[str]:  # fmt: skip
     """The Responses stream: created, in_progress, each output item's events as the chat's chunks come, then
     completed / incomplete / failed with the whole response (stored first, so a client that reads `completed` can
-    continue from it at once). A failure after the start is an `error` event, then `response.failed`."""
-    s = EventStream(shell)
-    yield s.event("response.created", response=shell)
-    yield s.event("response.in_progress", response=shell)
+    continue from it at once). A failure after the start is an `error` event, then `response.failed`. A stream that
+    moves to another server ends with the chat's handover event (nothing stored here); there `replay`, the chat
+    delta of everything the source sent, rebuilds its items (their ids follow from the response's), and the events
+    go on from the number the source reached (`carry`), without a second created / in_progress."""
+    s = EventStream(shell, forced(body), carry)
+    if replay is None:
+        yield s.event("response.created", response=shell)
+        yield s.event("response.in_progress", response=shell)
+    else:
+        seq = int(s.carry.get("seq", 0))
+        s.delta(replay, [])  # the source sent these events: only the items they opened matter here
+        s.seq = s.carry["seq"] = seq
     finish_reason, usage, extra, error = None, None, None, None
-    pending: list[dict[str, Any]] = []  # logprobs of tokens whose text is held back (or that are a call's)
-    only_calls, reasoned = forced(body), False
     try:
         async for obj in gen.sse_objects(chunks):
-            assert isinstance(obj, dict), "a Responses stream does not move (chat_completion's movable=False)"
+            if isinstance(obj, str):  # the stream goes on on another server: its handover event
+                yield obj
+                return
             if "error" in obj:
                 error = obj["error"]
                 break
             usage = obj.get("usage") or usage
             extra = obj.get("wkvm", extra)
             for c in obj.get("choices", []):
-                delta = c.get("delta") or {}
-                pending += ((c.get("logprobs") or {}).get("content") or []) if logprobs(body) else []
-                if thought := delta.get("reasoning_content"):
-                    reasoned, pending = True, []  # a message after reasoning has no logprobs (as blocking:
-                    for ev in s.reasoning_delta(thought):  # they would be the reasoning's tokens' too)
-                        yield ev
-                pieces = delta.get("tool_calls") or []
-                for piece in (p for p in pieces if "id" not in p):  # an open call's last arguments come before
-                    for ev in s.call_piece(piece):  # the words after it, which the last chunk may carry too
-                        yield ev
-                if (content := "" if only_calls else delta.get("content")):
-                    for ev in s.text_delta(content, [] if reasoned else pending):
-                        yield ev
-                    pending = []
-                if pieces:
-                    pending = []
-                for piece in (p for p in pieces if "id" in p):
-                    for ev in s.close_message() + s.call_piece(piece):
-                        yield ev
+                lps = ((c.get("logprobs") or {}).get("content") or []) if logprobs(body) else []
+                for ev in s.delta(c.get("delta") or {}, lps):
+                    yield ev
                 finish_reason = c.get("finish_reason") or finish_reason
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]  # a client gone: the chat stream ends its request
     whole = error is None and usage is not None and FINISHED.get(finish_reason or "") == "completed"
     for ev in s.close_reasoning("completed" if whole else "incomplete") + s.close_call():  # cut off while reasoning
         yield ev
-    if error is None and not s.items and s.message is None and not only_calls:
-        for ev in s.text_delta("", pending):  # an empty answer is still one (empty) message
+    if error is None and not s.items and s.message is None and not s.only_calls:
+        for ev in s.text_delta("", s.pending):  # an empty answer is still one (empty) message
             yield ev
-    elif s.message is not None and not reasoned:
-        s.lps += pending  # tokens that added no text (the end of a character that never came)
+    elif s.message is not None and not s.reasoned:
+        s.lps += s.pending  # tokens that added no text (the end of a character that never came)
     for ev in s.close_message("completed" if whole else "incomplete"):
         yield ev
     if error is not None or usage is None:
