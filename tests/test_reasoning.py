@@ -336,6 +336,11 @@ def test_a_thinking_budget_ends_the_reasoning_and_the_reply_answers(servers, thi
         assert lifted.model_extra["reasoning_content"] == free and lifted.content is None
         raw = c.completions.create(model="thinker", prompt="Why?<think>", max_tokens=20, temperature=0).choices[0]
         assert "</think>" not in raw.text  # completions take a request's own budget only
+    # --reasoning-budget-message (llama.cpp's): forced before </think>, the reasoning closes with it
+    with LiveServer(model=str(thinker), slots=2, reasoning_budget=5, reasoning_budget_message="Done.") as said:
+        c = openai.OpenAI(base_url=f"{said.url}/v1", api_key="unused", max_retries=0)
+        closed = c.chat.completions.create(**kw).choices[0].message
+        assert closed.model_extra["reasoning_content"] == free[:5] + "Done." and closed.content
 
 
 def test_a_thinking_template_s_next_turn_reuses_all_but_this_turn_s_answer(thinker):

@@ -70,6 +70,9 @@ def test_the_budget_is_checked():
     for bad in (-1, 1.5, True, "3"):
         with pytest.raises(ValueError, match="thinking_token_budget"):
             SamplingParams(thinking_token_budget=bad)
+    for bad_message in (None, "x" * 1025):
+        with pytest.raises(ValueError, match="thinking_budget_message"):
+            SamplingParams(thinking_budget_message=bad_message)
     assert SamplingParams(thinking_token_budget=0).thinking_token_budget == 0
 
 
@@ -100,6 +103,9 @@ def test_the_embedded_model_reasons_within_its_budget_then_answers(llm):
             assert out.logprobs[:n] == free.logprobs[:n]
             assert all(t in lp and lp[t] <= 0 for t, lp in zip(out.token_ids, out.logprobs, strict=True))
             assert out.text.count(END) == 1 and len(out.token_ids) == 30
+        said = llm.generate([PROMPT], SamplingParams(**kw, thinking_token_budget=6,  # llama.cpp's budget message
+                                                     thinking_budget_message="\nTime to answer."))[0].outputs[0]
+        assert said.token_ids[:6] == free.token_ids[:6] and said.text.count("Time to answer.</think>") == 1
         long = llm.generate([PROMPT], SamplingParams(**kw, thinking_token_budget=100))[0].outputs[0]
         assert long.token_ids == free.token_ids  # a budget the reply never reaches changes nothing
     opened_by_reply = llm.generate([PROMPT.removesuffix("<think>\n")],  # no block: nothing to count

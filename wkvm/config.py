@@ -261,6 +261,8 @@ class ServerConfig:
     reasoning_budget: int = opt(-1, "most tokens a chat reply may reason (inside <think>) before </think> is forced "
                                 "and it answers (llama.cpp's flag, vLLM's thinking_token_budget, which a request "
                                 "sets for itself); -1: no budget", "")
+    reasoning_budget_message: str = opt("", "text forced before </think> when a reasoning budget runs out (llama.cpp's "
+                                        "flag), so the reasoning reads as closed, e.g. 'Time to answer.'", "")
     max_chat_sessions: int = opt(1024, "parked chat sessions (parent-token-v1) kept")
     chat_session_ttl: float = opt(24 * 3600.0, "seconds a parked chat session lives")
     checkpoint_bytes: int = opt(1 << 30, "bytes of prefix-reuse checkpoints and parked chats kept", "size")
@@ -290,6 +292,8 @@ class ServerConfig:
         self.chat_template_defaults()  # a ValueError for anything but a JSON object
         if self.reasoning_budget < -1:
             raise ValueError("reasoning_budget must be -1 (no budget) or a number of tokens >= 0")
+        if len(self.reasoning_budget_message) > 1024:
+            raise ValueError("reasoning_budget_message must be at most 1024 characters")
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
         limits = ("max_body_bytes", "max_prompt_tokens", "max_tokens_limit", "max_state_tokens")

@@ -91,6 +91,9 @@ class SamplingParams:
     # vLLM's: at most this many tokens inside a think block (one the prompt opened, or the reply's own opening
     # `<think>`), then `</think>` is forced and the reply goes on as its answer (engine/thinking.py). None: no budget
     thinking_token_budget: int | None = None
+    # llama.cpp's --reasoning-budget-message: text forced before `</think>` when the budget runs out, so the reasoning
+    # reads as closed rather than cut (e.g. "\nTime to answer.\n")
+    thinking_budget_message: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -111,6 +114,8 @@ class SamplingParams:
         ok = self.thinking_token_budget is None or (_is_int(self.thinking_token_budget) and
                                                      0 <= self.thinking_token_budget < 2**63)  # fmt: skip
         _check(ok, "thinking_token_budget", "null or an integer >= 0 (the most tokens of reasoning before </think>)")
+        ok = isinstance(self.thinking_budget_message, str) and len(self.thinking_budget_message) <= MAX_WORD_CHARS
+        _check(ok, "thinking_budget_message", f"a text of at most {MAX_WORD_CHARS} characters")
         ok = _is_int(self.max_tokens) and self.max_tokens >= 0
         _check(ok, "max_tokens", "an integer >= 0 (0: feed the prompt and generate nothing, e.g. to score it)")
         ok = _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens

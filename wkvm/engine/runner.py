@@ -101,7 +101,7 @@ class ModelRunner:
             if self.tokenizer is None:
                 raise ValueError("thinking_token_budget needs the engine's tokenizer (ModelRunner was given none)")
             tb = self.tokenizer.token_bytes
-            end_ids = self.tokenizer.encode(END)
+            end_ids = self.tokenizer.encode(p.thinking_budget_message + END)
             if any(t >= self.model.vocab_size for t in end_ids):  # a tokenizer larger than its model: never forced
                 end_ids = []
             tail = req.prompt_ids[-SCAN:]  # the history's last tokens, without copying a long one whole

@@ -534,6 +534,8 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
         sp = dataclasses.replace(sp, grammar_after=END)
     if think is not None and body.thinking_token_budget is None and ctx.config.reasoning_budget >= 0:
         sp = dataclasses.replace(sp, thinking_token_budget=ctx.config.reasoning_budget)  # the server's default
+    if sp.thinking_token_budget is not None and ctx.config.reasoning_budget_message:
+        sp = dataclasses.replace(sp, thinking_budget_message=ctx.config.reasoning_budget_message)
     await gen.check_grammar(ctx, sp, "tools" if mode is not None and mode.forced else None)
     params = gen.per_choice(sp, body.n)
     if body.state:  # the messages continue the conversation the state holds (a prefill too: it had been rendered
