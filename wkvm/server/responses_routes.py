@@ -107,7 +107,8 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             except APIError as e:
                 raise APIError(e.status, responses_text(e.message), responses_param(e.param), e.code,
                                e.headers) from None  # fmt: skip
-            if carry["id"] != shell["id"] and RESPONSE_ID.fullmatch(str(carry["id"])):  # moved here: the source's
+            moved_here = carry["id"] != shell["id"] and RESPONSE_ID.fullmatch(str(carry["id"]))  # the source's id,
+            if moved_here and isinstance(carry.get("created_at"), int):  # as a ticket's route says it (checked)
                 running.pop(key, None)
                 shell = {**shell, "id": carry["id"], "created_at": carry["created_at"]}
                 key, run = (tenant, shell["id"]), Running(shell)
@@ -641,7 +642,8 @@ async def events(ctx: ServerContext, tenant: str, body: ResponsesRequest, shell:
         yield s.event("response.created", response=shell)
         yield s.event("response.in_progress", response=shell)
     else:
-        seq = int(s.carry.get("seq", 0))
+        seq = s.carry.get("seq")
+        seq = seq if isinstance(seq, int) else 0  # the ticket's route names only short texts and integers
         s.delta(replay, [])  # the source sent these events: only the items they opened matter here
         s.seq = s.carry["seq"] = seq
     finish_reason, usage, extra, error = None, None, None, None
