@@ -362,7 +362,9 @@ def test_an_anthropic_stream_moves_through_the_front_exactly(cluster):
 def test_a_responses_stream_moves_through_the_front_and_is_found_where_it_ended(cluster):
     """A Responses stream moved mid-way: its events number on without a gap, its text is a never-moved answer's,
     and the stored response is found afterwards (the front records the replica it ended on), and continued."""
-    body = {"model": MODEL, "input": "Speak, MENENIUS.", "max_output_tokens": 3000, "stream": True, "temperature": 0}
+    # the tiny model's chat replies end after ~17 tokens: ignore_eos keeps this one running while the move arrives
+    body = {"model": MODEL, "input": "Speak, MENENIUS.", "max_output_tokens": 3000, "stream": True, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
     want = cluster.post("/v1/responses", json={**body, "stream": False}).json()
     seqs, text, moved, rid = [], "", None, None
     with cluster.stream("POST", "/v1/responses", json=body) as r:

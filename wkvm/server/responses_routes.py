@@ -244,7 +244,7 @@ def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Chat
         "max_completion_tokens": body.max_output_tokens, "seed": body.seed, "user": body.user,
         "tools": chat_tools(body.tools), "tool_choice": chat_tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls, "logprobs": logprobs(body),
-        "top_logprobs": body.top_logprobs if logprobs(body) else None,
+        "top_logprobs": body.top_logprobs if logprobs(body) else None, "ignore_eos": body.ignore_eos,
     }  # fmt: skip
     if body.temperature is not None:
         d["temperature"] = body.temperature

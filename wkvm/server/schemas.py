@@ -409,6 +409,7 @@ class ResponsesRequest(RequestBody):
     top_p: float | None = Field(default=None, gt=TOP_P_RANGE[0], le=TOP_P_RANGE[1])
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     seed: int | None = Seed  # not OpenAI's; as in /v1/chat/completions
+    ignore_eos: bool = False  # not OpenAI's; vLLM's, as in /v1/chat/completions (benchmarks, long test replies)
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
