@@ -18,6 +18,7 @@ import math
 import re
 import secrets
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,10 +31,8 @@ MAX_TOOLS = 128  # tools one request offers (OpenAI's limit)
 HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S)
 MISTRAL = "[TOOL_CALLS]"
 # Qwen3-Coder's / Qwen3.5's calls inside <tool_call>: a function's block (its end may be missing at the reply's end)
-# and its parameters (one ends at its closing tag, the next parameter, or the function's end)
+# and its parameters (one ends at its closing tag, the next parameter, or the function's end): `xml_tags`
 XML_FUNCTION = "<function="
-FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(</function>|\Z)", re.S)
-PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(</parameter>|(?=<parameter=)|(?=</function>)|\Z)", re.S)
 XML_ENDS = ("</parameter>", "<parameter=", "</function>")  # what may end a parameter's value
 TEXT_KINDS = ("string", "str", "text", "varchar", "char", "enum")
 MARKERS = ("<tool_call>", MISTRAL)
@@ -372,21 +371,42 @@ def xml_calls(body: str, mode: ToolMode, finished: bool) -> list[dict[str, Any]]
     (`xml_value`); `finished`: the reply has ended, so a block or parameter the text ends inside counts (as vLLM
     reads a call whose closing tags are missing), else only closed parameters."""
     out = []
-    for fm in FUNCTION.finditer(body):
-        name = fm.group(1).strip()
+    for name, inner, closed, _ in xml_tags(body, "function"):
+        name = name.strip()
         schema = mode.functions.get(name, {}).get("parameters") or {}
         props = p if isinstance(p := schema.get("properties"), dict) else {}
         args: dict[str, Any] = {}
         pending = None  # unfinished: the parameter the text ends inside, as (key, its text so far, kept as text)
-        for pm in PARAMETER.finditer(fm.group(2)):
-            key, raw = pm.group(1).strip(), pm.group(2)
-            if not finished and not pm.group(3) and pm.end() == len(fm.group(2)) and not fm.group(3):
+        for key, raw, ended, stop in xml_tags(inner, "parameter", "<parameter="):
+            key = key.strip()
+            if not (finished or ended or closed or stop < len(inner)):
                 pending = key, raw, xml_kind(props.get(key)) is None  # the text may go on inside this value
                 break
             raw = raw.removeprefix("\n").removesuffix("\n")
             args[key] = xml_value(raw, props.get(key))
-        out.append({"name": name, "arguments": args, "closed": bool(fm.group(3)), "pending": pending})
+        out.append({"name": name, "arguments": args, "closed": closed, "pending": pending})
     return out
+
+
+def xml_tags(text: str, tag: str, also: str = "") -> Iterator[tuple[str, str, bool, int]]:
+    """(name, value, closed, where the value ends) for each `<tag=NAME>value` in `text` (NAME without `>` or a line
+    break): the value runs to the first `</tag>` (closed: it is taken with it), to the first `also` (left for the
+    next), or to the text's end. Read with `str.find`: a lazy regex over a 17 kB file the model was writing had taken
+    1.1 ms a streamed token (AMD EPYC Zen 4)."""
+    opening, closing = f"<{tag}=", f"</{tag}>"
+    at = 0
+    while (start := text.find(opening, at)) >= 0:
+        head = start + len(opening)
+        name_end = text.find(">", head)
+        if name_end < 0 or "\n" in text[head:name_end]:
+            at = start + 1
+            continue
+        value = name_end + 1
+        ends = [(e, True) for e in [text.find(closing, value)] if e >= 0]
+        ends += [(e, False) for e in ([text.find(also, value)] if also else []) if e >= 0]
+        stop, closed = min(ends) if ends else (len(text), False)
+        yield text[head:name_end], text[value:stop], closed, stop
+        at = stop + len(closing) if closed else stop
 
 
 def xml_kind(schema: Any) -> str | None:
