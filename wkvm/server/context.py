@@ -280,9 +280,14 @@ class ServerContext:
             message = "the server is shutting down and accepts no new requests; retry shortly (a restarted or another "
             raise APIError(503, message + "server answers)", code="shutting_down", headers={"Retry-After": "1"})
 
+    @functools.cached_property
+    def template_defaults(self) -> dict[str, Any]:
+        """--default-chat-template-kwargs, read once (the config checked it at start)."""
+        return self.config.chat_template_defaults()
+
     def template_variables(self, given: dict[str, Any] | None) -> dict[str, Any] | None:
         """A chat request's template variables: its chat_template_kwargs over --default-chat-template-kwargs."""
-        defaults = self.config.chat_template_defaults()
+        defaults = self.template_defaults
         return {**defaults, **(given or {})} if defaults else given
 
     def tenant(self, request: Request) -> str:

@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from wkvm.chat_template import ChatTemplateError, TemplateVariableError, template_messages
 from wkvm.engine.engine import Event, RequestHandle
+from wkvm.engine.request import Continuation
 from wkvm.engine.scheduler import QueueFull
 from wkvm.outputs import ErrorCode
 from wkvm.sampling_params import SamplingParams
@@ -464,8 +465,7 @@ async def completion(ctx: ServerContext, body: CompletionRequest, request: Reque
         echoes = [(echo_head(j), ids) for j, ids in enumerate(encoded) if body.echo]
         return StreamingResponse(
             stream_completion(ctx, request, body, runs, handles, base, prompt_tokens, tenant, k, echoes, live,
-                              [c.text for c in moved[0]] if moved else None,
-                              [len(c.output_ids) for c in moved[0]] if moved else None),
+                              moved[0] if moved else None),
             media_type="text/event-stream", headers=movable_header(live),
         )  # fmt: skip
     if await wait_or_move(ctx, request, live):
@@ -575,8 +575,7 @@ async def chat_completion(ctx: ServerContext, body: ChatRequest, request: Reques
     if body.stream:
         return StreamingResponse(
             stream_chat(ctx, request, body, plan, handles, base, len(prompt_ids), tenant, k, mode, think, live,
-                        [c.text for c in moved[0]] if moved else None,
-                        [len(c.output_ids) for c in moved[0]] if moved else None),
+                        moved[0] if moved else None),
             media_type="text/event-stream", headers=movable_header(live),
         )  # fmt: skip
     if await wait_or_move(ctx, request, live):
@@ -817,11 +816,11 @@ def unanswered(pending: dict[str, int]) -> None:
 async def stream_completion(ctx: ServerContext, request: Request, body: CompletionRequest, runs: list[Run],
                             handles: list[RequestHandle], base: dict[str, Any], prompt_tokens: int, tenant: str,
                             k: int, echoes: list[tuple[str, list[int]]], live: LiveStream,
-                            sent: list[str] | None = None, counted: list[int] | None = None,
-                            ) -> AsyncIterator[str]:  # fmt: skip
+                            moved_from: list[Continuation] | None = None) -> AsyncIterator[str]:  # fmt: skip
     """Completion chunks; with `echo` (`echoes`: each prompt's text and ids) a choice's first chunk starts with its
-    prompt, and with its prompt tokens' logprobs. `sent`: per handle, the text a server this stream moved from has
-    sent (the handles are then the choices `live.ticket.choices` names)."""
+    prompt, and with its prompt tokens' logprobs. `moved_from`: per handle, where a server this stream moved from
+    left it (its text sent stands in for its tokens; the handles are then the choices `live.ticket.choices` names)."""
+    sent = [c.text for c in moved_from] if moved_from is not None else None
     # per choice, its tokens' text offsets so far; None before its first chunk
     offsets: list[gen.TokenOffsets | None] = [None] * len(handles)
     index = live.ticket.choices
@@ -845,27 +844,28 @@ async def stream_completion(ctx: ServerContext, request: Request, body: Completi
 
     async for line in stream_chunks(ctx, request, body, handles, chunk, prompt_tokens, base,
                                     lambda: finish_runs(ctx, tenant, body, runs, sent is not None), live,
-                                    counted=counted):  # fmt: skip
+                                    counted=generated(moved_from)):  # fmt: skip
         yield line
 
 
 async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, plan: Plan,
                       handles: list[RequestHandle], base: dict[str, Any], prompt_tokens: int, tenant: str,
                       k: int | None, mode: ToolMode | None, think: Thinking | None, live: LiveStream,
-                      sent: list[str] | None = None, counted: list[int] | None = None,
-                      ) -> AsyncIterator[str]:  # fmt: skip
+                      moved_from: list[Continuation] | None = None) -> AsyncIterator[str]:  # fmt: skip
     """Chat chunks. With tools that may be called, a choice's text streams as content only up to where a call could
     begin (`tools.content_ready`: with `auto`, words before a `<tool_call>`; nothing of a forced call), its calls as
     `delta.tool_calls` as they come (`tools.calls_ready`: a call's index, id and name once its name is complete, then
     its arguments piece by piece, as OpenAI streams them), and its last chunk the rest (held content, the calls'
     last arguments, a bare JSON call whole). A thinking model's reasoning (`think`: reasoning.py) streams as
-    `delta.reasoning_content`, and all of that holds for the answer after it. `sent`: per handle, the text a server
-    this stream moved from has sent (or held back); the handles are then the choices `live.ticket.choices` names."""
+    `delta.reasoning_content`, and all of that holds for the answer after it. `moved_from`: per handle, where a
+    server this stream moved from left it (the text it sent or held back); the handles are then the choices
+    `live.ticket.choices` names."""
+    sent = [c.text for c in moved_from] if moved_from is not None else None
     base = {**base, "object": "chat.completion.chunk"}
     index = live.ticket.choices
     nulls: dict[str, Any] = {"usage": None} if body.stream_options and body.stream_options.include_usage else {}
-    if body.stream_options and body.stream_options.include_usage and body.stream_options.continuous_usage_stats:
-        nulls = {"usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}}
+    if continuous_usage(body):
+        nulls = {"usage": usage_so_far(prompt_tokens, 0)}
     # a forced call's reply has no words: its role chunk says content null, as OpenAI's; any other says "" (the reply
     # may still turn out to be a call under `auto`, but OpenAI starts an answer in words with "")
     opening = None if mode is not None and mode.forced else ""
@@ -889,7 +889,8 @@ async def stream_chat(ctx: ServerContext, request: Request, body: ChatRequest, p
     moved = sent is not None
     async for line in stream_chunks(ctx, request, body, handles, chunk, prompt_tokens, base,
                                     lambda: finish(ctx, tenant, body, plan, handles, moved), live,
-                                    lambda: reasoning_tokens(ctx, body, handles, think), counted):  # fmt: skip
+                                    lambda: reasoning_tokens(ctx, body, handles, think),
+                                    generated(moved_from)):  # fmt: skip
         yield line
 
 
@@ -1004,7 +1005,7 @@ async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFiel
     `continuous_usage_stats` every chunk's usage is its choice's so far (`counted`: each handle's tokens generated
     before this stream's events, on the server a moved stream came from)."""
     usage = body.stream_options is not None and body.stream_options.include_usage
-    continuous = usage and body.stream_options is not None and body.stream_options.continuous_usage_stats
+    continuous = continuous_usage(body)
     so_far = list(counted or [0] * len(handles))
     try:
         held: dict[str, Any] | None = None  # the stream's last chunk, which waits for the extras
@@ -1024,8 +1025,7 @@ async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFiel
                     c = None
             so_far[i] += len(ev.token_ids)
             if c is not None and usage:  # OpenAI: with include_usage, every chunk but the last has usage null
-                c["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": so_far[i],
-                              "total_tokens": prompt_tokens + so_far[i]} if continuous else None  # fmt: skip
+                c["usage"] = usage_so_far(prompt_tokens, so_far[i]) if continuous else None
             if left or moving:
                 if c is not None:
                     yield gen.sse(c)  # at once: a chunk is never held back for the next token
@@ -1059,6 +1059,22 @@ async def stream_chunks(ctx: ServerContext, request: Request, body: SamplingFiel
         if live is not None:
             ctx.handovers.unregister(live.ticket.id)
     yield gen.sse("[DONE]")
+
+
+def continuous_usage(body: SamplingFields) -> bool:
+    """vLLM's `continuous_usage_stats` (with include_usage): every chunk carries its choice's usage so far."""
+    o = body.stream_options
+    return o is not None and o.include_usage and o.continuous_usage_stats
+
+
+def usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+def generated(moved_from: list[Continuation] | None) -> list[int] | None:
+    """Each moved choice's tokens generated on the server it moved from (None: it did not move)."""
+    return None if moved_from is None else [len(c.output_ids) for c in moved_from]
 
 
 def split_finish(chunk: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any]]:

@@ -274,9 +274,11 @@ class Llama(ModelBase):
         that can goes into the one call, its tokens as rows (a decode's, a checked draft's, a prompt chunk's where its
         rows are alone): the weights are read once a step, not once a group."""
         out: list[torch.Tensor | None] = [None] * len(xs)
+        if not isinstance(self.weights, ResidentWeights):  # streamed layers go one by one
+            return out
         parts = [(j, r) for j, (x, attn) in enumerate(zip(xs, attns, strict=True))
                  if (r := self._fused_rows(x, attn)) is not None]  # fmt: skip
-        if not parts or not isinstance(self.weights, ResidentWeights):
+        if not parts:
             return out
         # their pages are all in one pool: only the engine's paged caches run attention on the fused kernel
         assert all(same_pools(r[3], parts[0][1][3]) for _, r in parts), "groups with pages in different pools"
