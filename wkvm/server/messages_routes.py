@@ -25,8 +25,7 @@ from wkvm.chat_template import json_or_none
 from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError, error_body
-from wkvm.server.handover import STREAM_HEADER
-from wkvm.server.openai_routes import chat_completion, chat_messages, check_model, render_chat
+from wkvm.server.openai_routes import chat_completion, chat_messages, check_model, passed_on_header, render_chat
 from wkvm.server.responses_routes import new_id
 from wkvm.server.schemas import ChatRequest, MessagesCountRequest, MessagesRequest
 from wkvm.server.tools import tool_mode
@@ -61,8 +60,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
             prompt = started.get("tokens", 0), gen.cached_tokens({"wkvm": started.get("info") or {}})
             events = stream_events(shell, prompt, out.body_iterator, body.stop_sequences,  # type: ignore[arg-type]
                                    started.get("replay"))  # fmt: skip
-            movable = {STREAM_HEADER: out.headers[STREAM_HEADER]} if STREAM_HEADER in out.headers else {}
-            return StreamingResponse(events, media_type="text/event-stream", headers=movable)
+            return StreamingResponse(events, media_type="text/event-stream", headers=passed_on_header(out))
         if not isinstance(out, dict):  # answered whole by the server it moved to (the front takes it from there)
             return out
         (choice,) = out["choices"]

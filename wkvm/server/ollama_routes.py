@@ -27,8 +27,8 @@ from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.embeddings_routes import embed
 from wkvm.server.errors import APIError
-from wkvm.server.handover import HANDOVER_HEADER, STREAM_HEADER
-from wkvm.server.openai_routes import chat_completion, check_model, completion
+from wkvm.server.handover import HANDOVER_HEADER
+from wkvm.server.openai_routes import chat_completion, check_model, completion, passed_on_header
 from wkvm.server.reasoning import thinking
 from wkvm.server.schemas import (
     ChatRequest,
@@ -273,7 +273,7 @@ async def answer(ctx: ServerContext, request: Request, body: OllamaChatRequest |
         raise renamed(e, key == "response") from None
     if isinstance(out, StreamingResponse):
         lines = ndjson(body.model, key, t0, out.body_iterator, replay[0])  # type: ignore[arg-type]
-        return StreamingResponse(lines, media_type="application/x-ndjson", headers=movable(out))
+        return StreamingResponse(lines, media_type="application/x-ndjson", headers=passed_on_header(out))
     if not isinstance(out, dict):  # answered whole by the server it moved to (the front takes it from there)
         return out
     (choice,) = out["choices"]
@@ -297,7 +297,7 @@ async def raw_answer(ctx: ServerContext, request: Request,
         raise renamed(e, True) from None
     if isinstance(out, StreamingResponse):
         return StreamingResponse(ndjson(body.model, "response", t0, out.body_iterator),  # type: ignore[arg-type]
-                                 media_type="application/x-ndjson", headers=movable(out))  # fmt: skip
+                                 media_type="application/x-ndjson", headers=passed_on_header(out))  # fmt: skip
     if HANDOVER_HEADER in out.headers:  # answered whole by the server it moved to
         return out
     whole = json.loads(bytes(out.body))
@@ -327,11 +327,6 @@ def ending(finish_reason: str | None, usage: dict[str, Any], t0: float, first: f
     return {"done": True, "done_reason": reason, "total_duration": nanos(total), "load_duration": 0,
             "prompt_eval_count": usage["prompt_tokens"], "prompt_eval_duration": nanos(prompt),
             "eval_count": usage["completion_tokens"], "eval_duration": nanos(total - prompt)}  # fmt: skip
-
-
-def movable(out: Response) -> dict[str, str]:
-    """The header that says a stream may move to another server (the cluster front reads it), as the chat's said."""
-    return {STREAM_HEADER: out.headers[STREAM_HEADER]} if STREAM_HEADER in out.headers else {}
 
 
 def add_calls(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:

@@ -1144,3 +1144,9 @@ async def handed_over(ctx: ServerContext, live: LiveStream) -> Response:
 
 def movable_header(live: LiveStream) -> dict[str, str]:
     return {STREAM_HEADER: live.ticket.id} if live.why_not is None else {}
+
+
+def passed_on_header(out: Response) -> dict[str, str]:
+    """The movable header of a chat or completion stream, for an API that re-shapes it (Messages, Responses, Ollama):
+    its stream may move as that one may."""
+    return {STREAM_HEADER: out.headers[STREAM_HEADER]} if STREAM_HEADER in out.headers else {}

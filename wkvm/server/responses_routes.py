@@ -29,8 +29,7 @@ from wkvm.chat_template import json_or_none
 from wkvm.server import generation as gen
 from wkvm.server.context import ServerContext
 from wkvm.server.errors import APIError
-from wkvm.server.handover import STREAM_HEADER
-from wkvm.server.openai_routes import chat_completion, check_model
+from wkvm.server.openai_routes import chat_completion, check_model, passed_on_header
 from wkvm.server.schemas import ChatRequest, ResponsesRequest
 
 log = logging.getLogger("wkvm.server")
@@ -118,8 +117,7 @@ def router(ctx: ServerContext, auth: params.Depends) -> APIRouter:
                 events = stream_events(ctx, tenant, body, shell, conversation, out.body_iterator,  # type: ignore[arg-type]
                                        run, lambda: running.pop(key, None), sent[0], carry)  # fmt: skip
                 streams = True
-                movable = {STREAM_HEADER: out.headers[STREAM_HEADER]} if STREAM_HEADER in out.headers else {}
-                return StreamingResponse(events, media_type="text/event-stream", headers=movable)
+                return StreamingResponse(events, media_type="text/event-stream", headers=passed_on_header(out))
             if not isinstance(out, dict):  # answered whole by the server it moved to (the front takes it from there)
                 return out
             (choice,) = out["choices"]
