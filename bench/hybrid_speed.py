@@ -1,11 +1,13 @@
-"""Hybrids at a 0.1B shape with random weights, fp32 CPU, against transformers in one process, and shared-prefix reuse.
+"""Hybrids at a 0.1B (LFM2: 0.35B) shape with random weights, fp32 CPU, against transformers in one process, and
+shared-prefix reuse.
 
 `--kind qwen3_5`: Qwen3.5 text, 12 layers of width 768, GDN (4 key / 8 value heads of 128) with gated full
 attention every 4th layer (8 query / 2 key-value heads of 64, RoPE on 16 dims). `--kind bamba`: Bamba, 12 layers
 of width 768, Mamba2 (24 heads of 64, d_state 128) with attention at layers 3, 7 and 11 (12 / 4 heads of 64).
-Both: SwiGLU MLP 2,048 (Bamba) / 2,304 (Qwen3.5), vocab 65,536 tied. Cases: decode B=1 (`generate`), a 1,024-token
-prefill (one forward), engine decode B=32 (vs transformers B=1); then the shared-system-prompt workload through a
-live server (20 requests sharing a 300-token prefix then 16 tokens of their own, 8 generated each), with and
+Both: SwiGLU MLP 2,048 (Bamba) / 2,304 (Qwen3.5), vocab 65,536 tied. `--kind lfm2`: LFM2-350M's shape (0.35B:
+16 layers of width 1,024, short convolutions with attention at 6, SwiGLU 4,608). Cases: decode B=1 (`generate`), a
+1,024-token prefill (one forward), engine decode B=32 (vs transformers B=1); then the shared-system-prompt workload
+through a live server (20 requests sharing a 300-token prefix then 16 tokens of their own, 8 generated each), with and
 without reuse: tokens prefilled per request and wall time, against a lower bound (the same requests with only their
 own tokens to prefill); and state memory per sequence vs a pure transformer of the same shape (every layer
 attention) at 1k / 8k / 32k tokens. Weights cache in bench/out/.
@@ -27,7 +29,7 @@ from gdn_speed import ByteTokenizer  # noqa: E402
 
 from wkvm.weights.loader import load_model  # noqa: E402
 
-L, F = "linear_attention", "full_attention"
+L, F, C = "linear_attention", "full_attention", "conv"
 SHAPES = {
     "qwen3_5": dict(vocab_size=65536, hidden_size=768, intermediate_size=2304, num_hidden_layers=12,
                     num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_conv_kernel_dim=4,
@@ -37,17 +39,26 @@ SHAPES = {
                   num_attention_heads=12, num_key_value_heads=4, attn_layer_indices=[3, 7, 11], mamba_n_heads=24,
                   mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4, mamba_expand=2,
                   tie_word_embeddings=True, pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    # LFM2-350M's own shape (Liquid AI's config.json): 16 layers of width 1,024, short convolutions of 3 taps with
+    # attention at 6 of them (16 query / 8 key-value heads of 64), SwiGLU 4,608, vocab 65,536 tied
+    "lfm2": dict(vocab_size=65536, hidden_size=1024, intermediate_size=6656, block_multiple_of=256,
+                 block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True, num_hidden_layers=16,
+                 num_attention_heads=16, num_key_value_heads=8, conv_L_cache=3, tie_word_embeddings=True,
+                 layer_types=[C, C, F, C, C, F, C, C, F, C, F, C, F, C, F, C], pad_token_id=None, bos_token_id=None,
+                 eos_token_id=None),
 }  # fmt: skip
+SIZE = {"qwen3_5": "0.1B", "bamba": "0.1B", "lfm2": "0.35B"}
 
 
 def hf_classes(kind: str):
     import transformers as t
 
-    return (t.Qwen3_5TextConfig, t.Qwen3_5ForCausalLM) if kind == "qwen3_5" else (t.BambaConfig, t.BambaForCausalLM)
+    return {"qwen3_5": (t.Qwen3_5TextConfig, t.Qwen3_5ForCausalLM), "bamba": (t.BambaConfig, t.BambaForCausalLM),
+            "lfm2": (t.Lfm2Config, t.Lfm2ForCausalLM)}[kind]  # fmt: skip
 
 
 def checkpoint(kind: str) -> Path:
-    path = OUT / f"{kind}-hybrid-0.1b-random"
+    path = OUT / f"{kind}-hybrid-{SIZE[kind].lower()}-random"
     if not (path / "config.json").exists():
         config, causal_lm = hf_classes(kind)
         torch.manual_seed(0)
@@ -141,8 +152,8 @@ def main() -> None:
     dec, ref_dec, pre, ref_pre = n / t_dec, n / r_dec, len(prompt) / t_pre, len(prompt) / r_pre
     isa = torch.backends.cpu.get_cpu_capability()
     print(f"CPU: {cpu_name()}; torch ISA {isa}; {torch.get_num_threads()} threads")
-    print_table(f"{args.kind} hybrid 0.1B shape, fp32 ({model.family}: {len(model.kv_layers)} attention layers of "
-                f"{model.config.n_layer})", ["case", "wkvm tok/s", "transformers tok/s", "x transformers"],
+    print_table(f"{args.kind} hybrid {SIZE[args.kind]} shape, fp32 ({model.family}: {len(model.kv_layers)} attention "
+                f"layers of {model.config.n_layer})", ["case", "wkvm tok/s", "transformers tok/s", "x transformers"],
                 [["decode B=1", dec, ref_dec, dec / ref_dec], [f"prefill {len(prompt)}", pre, ref_pre, pre / ref_pre],
                  [f"engine decode B={args.batch}", agg, ref_dec, agg / ref_dec]])  # fmt: skip
     shared = shared_prefix(path, args.requests, 300, 16, 8)

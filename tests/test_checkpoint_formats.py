@@ -279,7 +279,7 @@ def edited_copy(src: Path, dst: Path, config: dict, **changes) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("family", ["mamba2", "bamba", "qwen3_5_hybrid"])
+@pytest.mark.parametrize("family", ["mamba2", "bamba", "qwen3_5_hybrid", "lfm2"])
 def test_hf_configs_are_read_as_transformers_reads_them(family, tmp_path):
     """Found by review (each had loaded and computed another model): under tie_word_embeddings a stored head unlike
     the embedding is used (transformers 5; it was dropped); a num_hidden_layers the weights do not have, an activation
@@ -300,6 +300,10 @@ def test_hf_configs_are_read_as_transformers_reads_them(family, tmp_path):
     layers = config["num_hidden_layers"]
     refused = {"layers": ({"num_hidden_layers": layers - 1}, f"says {layers - 1} layers; the weights hold {layers}"),
                "gelu": ({"hidden_act": "gelu"}, "gelu")}  # fmt: skip
+    if family == "lfm2":  # its MLP is SiLU whatever the config says (transformers reads no hidden_act for it)
+        refused = {"layers": refused["layers"], "bias": ({"conv_bias": True}, "conv_bias"),
+                   "heads": ({"num_key_value_heads": 3}, "4 heads over 3 key/value heads"),
+                   "head count": ({"num_attention_heads": 4.5}, "num_attention_heads 4.5 is not a positive integer")}
     if family == "mamba2":
         refused["bias"] = ({"use_conv_bias": False}, "use_conv_bias False but the checkpoint holds")
     if family == "bamba":
