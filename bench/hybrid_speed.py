@@ -68,11 +68,14 @@ def checkpoint(kind: str) -> Path:
 
 
 def byte_tokenizer(path: Path) -> None:
-    """A tokenizer.json of 256 byte tokens, so `wkvm serve` can run the random model (prompts go as token ids)."""
+    """A tokenizer.json of 256 byte tokens and one merge (two spaces: llama.cpp loads no byte-level vocabulary without
+    merges), so `wkvm serve` can run the random model (prompts go as token ids) and llama.cpp can convert it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {pre_tokenizers.ByteLevel.alphabet()[i] if i < 256 else f"<{i}>": i for i in range(256)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # once: its order is a set's (asked per token, some bytes
+    vocab = {c: i for i, c in enumerate(alphabet)}  # had been dropped and others given two ids)
+    vocab["ĠĠ"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "Ġ")]))
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     tok.save(str(path / "tokenizer.json"))
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import ids_for
+from conftest import greedy_reference, ids_for
 from families.lfm2 import randomize, tiny_config
 from transformers import Lfm2ForCausalLM
 
@@ -123,3 +123,83 @@ def test_declared_layer_kinds_and_biases_must_match(tmp_path):
     cfg.write_text(json.dumps({**good, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}))
     with pytest.raises(CheckpointError, match="yarn"):
         load_model(tmp_path / "b")
+
+
+# --- GGUF (llama.cpp's lfm2 architecture) ---------------------------------------------------------------------------
+def hf_with(model: Lfm2ForCausalLM, stored: dict) -> Lfm2ForCausalLM:
+    """`model` with the weights a GGUF reader sees (dequantized; the conv's taps given back their middle axis)."""
+    copy = Lfm2ForCausalLM(model.config).eval()
+    sd = {k: torch.from_numpy(a.copy()).reshape(model.state_dict()[k].shape) for k, a in stored.items()}
+    copy.load_state_dict(sd, strict=False)
+    if model.config.tie_word_embeddings:
+        copy.tie_weights()
+    return copy
+
+
+@pytest.mark.parametrize(("qtype", "tied", "auto"), [("F32", False, "float32"), ("Q8_0", True, "int8"),
+                                                     ("Q4_0", False, "int4")])  # fmt: skip
+def test_gguf_logits_equal_hf_on_the_files_values(qtype, tied, auto, tmp_path):
+    from families.lfm2 import write_gguf
+
+    from wkvm.models import registry
+    from wkvm.weights.loader import auto_dtype
+
+    torch.manual_seed(7)
+    hf = Lfm2ForCausalLM(tiny_config(**{**SHAPES["gqa"], "tie_word_embeddings": tied})).eval()
+    randomize(hf)
+    stored = write_gguf(tmp_path / "m.gguf", hf, qtype)
+    assert registry.detect(tmp_path / "m.gguf")[0].name == "lfm2"
+    assert auto_dtype(tmp_path / "m.gguf") == auto
+    got = load_model(tmp_path / "m.gguf")
+    assert got.config.layer_types == tuple(hf.config.layer_types) and got.config.tied_head == tied
+    ids = ids_for(hf.config.vocab_size, 1, 30, seed=9)
+    want = hf_with(hf, stored)(ids, use_cache=False).logits[0]
+    assert (got.prefill(ids[0], all_logits=True)[0] - want).abs().max() < ATOL
+    if qtype == "F32":
+        hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+        assert torch.equal(got.prefill(ids[0])[0], load_model(tmp_path / "hf").prefill(ids[0])[0])
+
+
+def test_a_gguf_lfm2_chats_with_its_own_vocabulary_and_refuses_what_it_cannot_run(tmp_path):
+    """The file's byte-level vocabulary under llama.cpp's `lfm2` pre-tokenizer (Llama 3's split) and its chat
+    template drive a chat; an LFM2 file wkvm cannot run says why."""
+    import gguf
+    from families.lfm2 import write_gguf
+
+    from wkvm.llm import LLM
+    from wkvm.sampling_params import SamplingParams
+
+    vocab = [chr(c) for c in range(ord("!"), ord("~") + 1)] + ["<|im_start|>", "<|im_end|>", "Ġ", "Ċ"]
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+
+    def tokenizer(w: gguf.GGUFWriter) -> None:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("lfm2")
+        w.add_token_list(vocab)
+        w.add_token_types([gguf.TokenType.CONTROL if t.startswith("<|") else gguf.TokenType.NORMAL for t in vocab])
+        w.add_token_merges([])
+        w.add_eos_token_id(vocab.index("<|im_end|>"))
+        w.add_add_bos_token(False)
+        w.add_chat_template(template)
+
+    torch.manual_seed(5)
+    hf = Lfm2ForCausalLM(tiny_config(len(vocab))).eval()
+    randomize(hf)
+    write_gguf(tmp_path / "chat.gguf", hf, "F32", tokenizer)
+    llm = LLM(tmp_path / "chat.gguf")
+    out = llm.chat([{"role": "user", "content": "Hi there"}], SamplingParams(max_tokens=6, temperature=0))
+    prompt = llm.tokenizer.encode("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    assert out[0].prompt_token_ids == prompt and prompt[0] == vocab.index("<|im_start|>")
+    assert out[0].token_ids == greedy_reference(llm.model, prompt, len(out[0].token_ids))
+
+    def refused(name: str, says: str, **kv) -> None:
+        def meta(w: gguf.GGUFWriter) -> None:
+            for key, value in kv.items():
+                getattr(w, key)(value)
+
+        write_gguf(tmp_path / name, hf, "F32", meta)
+        with pytest.raises(CheckpointError, match=says):
+            load_model(tmp_path / name)
+
+    refused("swa.gguf", "sliding-window", add_sliding_window=8)

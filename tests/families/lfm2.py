@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 NAME = "lfm2"
@@ -41,3 +42,44 @@ def write_checkpoint(path: Path, vocab_size: int, seed: int = 0) -> Path:
     randomize(model)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def write_gguf(path: Path, model, qtype: str, extra=None) -> dict:
+    """A GGUF of `model` as llama.cpp's converter writes one (`conversion/lfm2.py`: gguf's own LFM2 tensor names, the
+    conv's [C, 1, K] squeezed to [C, K], a key-value head count per layer with 0 for conv layers), every matrix in
+    `qtype` (norms and the conv's taps F32, as llama-quantize leaves them); returns the arrays as a reader
+    dequantizes them. `extra(writer)` adds metadata (a tokenizer)."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    c = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, c.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), "lfm2")
+    if extra is not None:
+        extra(w)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(model.model.layers[0].feed_forward.w1.out_features)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv([c.num_key_value_heads if k == "full_attention" else 0 for k in c.layer_types])
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_shortconv_l_cache(c.conv_L_cache)
+    stored = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue  # tied: the converter writes no output.weight
+        a = (t.squeeze(1) if name.endswith("conv.conv.weight") else t).numpy().astype(np.float32)
+        gguf_name = names.get_name(name.removesuffix(".weight")) + ".weight"
+        q = gguf.GGMLQuantizationType.F32 if a.ndim == 1 or "shortconv.conv" in gguf_name else \
+            gguf.GGMLQuantizationType[qtype]  # fmt: skip
+        data = quantize(a, q)
+        w.add_tensor(gguf_name, data, raw_dtype=q)
+        stored[name] = dequantize(data, q).reshape(a.shape)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored

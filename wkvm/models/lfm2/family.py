@@ -9,8 +9,10 @@ from typing import Any
 
 from wkvm.chat_template import ChatTemplate
 from wkvm.models.family import Checkpoint, CheckpointError, read_safetensors_dir, untie_head
-from wkvm.models.lfm2 import model
+from wkvm.models.lfm2 import gguf, model
 from wkvm.models.lfm2.model import Lfm2, Lfm2Config
+from wkvm.models.llama import gguf_file
+from wkvm.models.llama.gguf_text import gguf_chat_template, gguf_tokenizer
 from wkvm.models.provider import WeightProvider
 from wkvm.tokenizer import Tokenizer
 
@@ -18,12 +20,16 @@ from wkvm.tokenizer import Tokenizer
 class Lfm2Family:
     name = model.FAMILY
     model_types = ("lfm2",)
-    formats = "LFM2 (short convolutions + attention) as an HF directory (Lfm2ForCausalLM, *.safetensors)"
+    formats = ("LFM2 (short convolutions + attention) as an HF directory (Lfm2ForCausalLM, *.safetensors) or a "
+               "llama.cpp .gguf file (architecture lfm2)")
 
     def detect(self, path: Path) -> str | None:
-        return None  # HF directories only: the registry matches them by model_type
+        return gguf.detect(path)  # HF directories: the registry matches them by model_type
 
     def read_checkpoint(self, path: Path, fmt: str) -> Checkpoint:
+        if fmt == "gguf":
+            raw, config = gguf.read(path)
+            return Checkpoint(raw, config, fmt)
         config = json.loads((path / "config.json").read_text())
         raw = read_safetensors_dir(path, lambda k: k if k.startswith("model.") or k == model.HEAD else None)
         # transformers' default ties the head; LiquidAI's own configs spell it `tie_embedding`
@@ -57,16 +63,17 @@ class Lfm2Family:
                 f"heads of {cfg.head_dim}, vocab {cfg.vocab_size}")  # fmt: skip
 
     def convert(self, src: Path, dst: Path) -> str:
-        raise CheckpointError("LFM2 has one checkpoint format (an HF directory): nothing to convert")
+        raise CheckpointError("wkvm does not convert LFM2 checkpoints: serve the HF directory or GGUF file as it is")
 
     def default_tokenizer(self, path: Path) -> Tokenizer | None:
-        return None
+        return gguf_tokenizer(path) if gguf.detect(path) else None
 
     def default_chat_template(self, path: Path) -> ChatTemplate | None:
-        return None
+        return gguf_chat_template(path) if gguf.detect(path) else None
 
     def native_dtype(self, path: Path, fmt: str) -> str:
-        return "float32"  # float checkpoints only
+        # a GGUF file at its own precision, as llama.cpp runs it (`gguf_file.native_dtype`); float HF checkpoints
+        return gguf_file.native_dtype(path, gguf.MATRICES) if fmt == "gguf" else "float32"
 
 
 FAMILY = Lfm2Family()

@@ -179,15 +179,20 @@ def metadata_number(key: str, value: Any, kind: type = int, accept: tuple[type, 
     return kind(value)
 
 
+def meta_number(meta: dict[str, Any], key: str, default: Any = None, kind: type = int) -> Any:
+    """Metadata `key` (else `default`) as a number of `kind`; absent without a default is a CheckpointError."""
+    value = meta.get(key, default)
+    if value is None:
+        raise CheckpointError(f"GGUF metadata lacks {key!r}")
+    return metadata_number(key, value, kind)
+
+
 def hf_config(meta: dict[str, Any], vocab: int, tied: bool) -> dict[str, Any]:
     """The config.json an HF `LlamaForCausalLM` of these dimensions would have."""
     a = ARCHITECTURE + "."
 
     def number(key: str, default: Any = None, kind: type = int) -> Any:
-        value = meta.get(key, default)
-        if value is None:
-            raise CheckpointError(f"GGUF metadata lacks {key!r}")
-        return metadata_number(key, value, kind)
+        return meta_number(meta, key, default, kind)
 
     heads, width = number(a + "attention.head_count"), number(a + "embedding_length")
     if heads <= 0 or width <= 0:  # 0 heads had been a ZeroDivisionError traceback
@@ -285,15 +290,16 @@ FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGM
 MATRICES = tuple(k for k in LAYER_NAMES if not k.endswith("_norm"))
 
 
-def layer_matrix(name: str) -> bool:
-    """Whether a GGUF tensor name is a layer's matrix (`blk.3.attn_q.weight`), not a norm or a global."""
+def layer_matrix(name: str, matrices: tuple[str, ...] = MATRICES) -> bool:
+    """Whether a GGUF tensor name is a layer's matrix (`blk.3.attn_q.weight`: one of `matrices`, the architecture's
+    layer matrices), not a norm or a global."""
     parts = name.split(".")
-    return len(parts) == 4 and parts[0] == "blk" and parts[2] in MATRICES
+    return len(parts) >= 4 and parts[0] == "blk" and parts[-1] == "weight" and ".".join(parts[2:-1]) in matrices
 
 
-def native_dtype(path: Path) -> str:
+def native_dtype(path: Path, matrices: tuple[str, ...] = MATRICES) -> str:
     """float32, int8 or int4: what `--dtype auto` stores this file's weights as (see INT4_TYPES)."""
-    kinds = {t.tensor_type for t in open_reader(path).tensors if layer_matrix(t.name)}
+    kinds = {t.tensor_type for t in open_reader(path).tensors if layer_matrix(t.name, matrices)}
     if kinds and kinds <= FLOAT_TYPES:
         return "float32"
     if kinds and kinds <= INT4_TYPES:
@@ -311,14 +317,7 @@ def read_gguf(path: Path) -> tuple[RawTensors, dict[str, Any]]:
         raise CheckpointError(f"{path}: GGUF architecture {meta.get('general.architecture')!r} is not llama")
     tensors = hf_tensors(reader)
     factors = tensors.pop(ROPE_FREQS, None)
-    tokens = field(reader, "tokenizer.ggml.tokens")
-    embed = tensors.get(EMBED)
-    rows = int(embed.shape[-1]) if embed is not None else None
-    if isinstance(tokens, list) and tokens and rows is not None and len(tokens) != rows:
-        # llama.cpp refuses it too (token_embd.weight has the wrong shape): it had loaded, then refused every prompt
-        # with a control token past the rows, or decoded ids past the vocabulary as ""
-        raise CheckpointError(f"{path}: the vocabulary has {len(tokens)} tokens but token_embd.weight {rows} rows")
-    vocab = len(tokens) if isinstance(tokens, list) and tokens else rows or 0
+    vocab = vocab_size(path, reader, tensors.get(EMBED))
     try:
         config = hf_config(meta, vocab, tied=HEAD not in tensors)
     except CheckpointError as e:
@@ -329,10 +328,7 @@ def read_gguf(path: Path) -> tuple[RawTensors, dict[str, Any]]:
             config["rope_parameters"] = llama3_rope(rope_freqs, config["rope_parameters"], config["head_dim"])
         except (CheckpointError, NotImplementedError, ValueError) as e:
             raise CheckpointError(f"{path}: {e}") from None
-    layers = 1 + max((int(t.name.split(".")[1]) for t in reader.tensors if t.name.startswith("blk.")), default=-1)
-    if layers != config["num_hidden_layers"]:  # llama.cpp refuses too (a missing tensor, or too many)
-        raise CheckpointError(f"{path}: {ARCHITECTURE}.block_count is {config['num_hidden_layers']} but the file "
-                              f"holds tensors of {layers} layers")  # fmt: skip
+    check_block_count(path, reader, ARCHITECTURE, config["num_hidden_layers"])
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
 
     def maker(name: str, t: ReaderTensor) -> Callable[[], torch.Tensor]:
@@ -342,6 +338,25 @@ def read_gguf(path: Path) -> tuple[RawTensors, dict[str, Any]]:
     shapes = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in tensors.items()}  # HF's [out, in] order
     own = {name: t.name for name, t in tensors.items()}  # errors name both: users know the file's names
     return LazyTensors({name: maker(name, t) for name, t in tensors.items()}, shapes, own), config
+
+
+def vocab_size(path: Path, reader: GGUFReader, embed: ReaderTensor | None) -> int:
+    """The vocabulary's size: its token list's, which must be the embedding's rows (llama.cpp refuses it too:
+    token_embd.weight has the wrong shape; it had loaded, then refused every prompt with a control token past the
+    rows, or decoded ids past the vocabulary as ""), else the embedding's rows."""
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    rows = int(embed.shape[-1]) if embed is not None else None
+    if isinstance(tokens, list) and tokens and rows is not None and len(tokens) != rows:
+        raise CheckpointError(f"{path}: the vocabulary has {len(tokens)} tokens but token_embd.weight {rows} rows")
+    return len(tokens) if isinstance(tokens, list) and tokens else rows or 0
+
+
+def check_block_count(path: Path, reader: GGUFReader, arch: str, declared: int) -> None:
+    """`{arch}.block_count` is the number of layers the tensors hold (llama.cpp refuses a missing tensor, or too
+    many, too)."""
+    layers = 1 + max((int(t.name.split(".")[1]) for t in reader.tensors if t.name.startswith("blk.")), default=-1)
+    if layers != declared:
+        raise CheckpointError(f"{path}: {arch}.block_count is {declared} but the file holds tensors of {layers} layers")
 
 
 DEQUANTIZE_BYTES = 1 << 18  # a quantized tensor's bytes per call of gguf's dequantize

@@ -43,7 +43,7 @@ END_TEXTS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<en
                        "<｜end▁of▁sentence｜>"})  # fmt: skip
 DIGITS_FIRST = ("smollm", "starcoder", "refact")  # llama.cpp: "\p{N}" then the GPT-2 split
 GPT2 = ("default", "gpt-2", "gpt2")
-LLAMA3 = ("llama-bpe", "llama3", "llama-v3", "falcon3")  # llama.cpp's names for Llama 3's split (Falcon 3's is it)
+LLAMA3 = ("llama-bpe", "llama3", "llama-v3", "falcon3", "lfm2")  # llama.cpp's names for Llama 3's split
 # DeepSeek LLM / Coder (llama architecture): splits one after another, each cutting the last one's pieces, as their
 # tokenizer.json and llama.cpp's llama-vocab.cpp give them: line breaks, letters (the LLM's as a list of ranges), then
 # punctuation, trailing spaces, CJK runs, digits
