@@ -279,7 +279,7 @@ def edited_copy(src: Path, dst: Path, config: dict, **changes) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("family", ["mamba2", "bamba", "qwen3_5_hybrid", "lfm2"])
+@pytest.mark.parametrize("family", ["mamba2", "bamba", "qwen3_5_hybrid", "lfm2", "granite_hybrid"])
 def test_hf_configs_are_read_as_transformers_reads_them(family, tmp_path):
     """Found by review (each had loaded and computed another model): under tie_word_embeddings a stored head unlike
     the embedding is used (transformers 5; it was dropped); a num_hidden_layers the weights do not have, an activation
@@ -308,6 +308,8 @@ def test_hf_configs_are_read_as_transformers_reads_them(family, tmp_path):
         refused["bias"] = ({"use_conv_bias": False}, "use_conv_bias False but the checkpoint holds")
     if family == "bamba":
         refused["rope"] = ({"rope_scaling": {"type": "linear", "factor": 4.0}}, "RoPE type 'linear'")
+    if family == "granite_hybrid":
+        refused["bias"] = ({"mamba_conv_bias": False}, "mamba_conv_bias False but the checkpoint holds")
     for name, (changes, says) in refused.items():
         with pytest.raises(CheckpointError, match=says):
             load_model(edited(name, **changes))

@@ -15,6 +15,7 @@ from wkvm.models.family import CheckpointError, ModelFamily
 # name -> module whose FAMILY implements ModelFamily; a new family adds its line here and nothing else
 MODULES = {
     "bamba": "wkvm.models.bamba",
+    "granite_hybrid": "wkvm.models.granite_hybrid",
     "lfm2": "wkvm.models.lfm2",
     "llama": "wkvm.models.llama",
     "mamba2": "wkvm.models.mamba2",
