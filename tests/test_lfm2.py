@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import hf_oracle
 import pytest
 import torch
 from conftest import greedy_reference, ids_for
@@ -16,7 +17,6 @@ from transformers import Lfm2ForCausalLM
 from wkvm.models.family import CheckpointError
 from wkvm.models.lfm2.model import short_conv
 from wkvm.weights.loader import load_model
-from wkvm.weights.pack import write_pack
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices: threads only wait on each other
 
@@ -29,64 +29,31 @@ SHAPES = {
                  intermediate_size=160, block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.5,
                  block_multiple_of=32),
 }  # fmt: skip
-ATOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def pair(request, tmp_path_factory):
-    torch.manual_seed(3)
-    hf = Lfm2ForCausalLM(tiny_config(**SHAPES[request.param])).eval()
-    randomize(hf)
-    path = tmp_path_factory.mktemp(request.param) / "ckpt"
-    hf.save_pretrained(path, safe_serialization=True)
-    return path, hf, load_model(path)
+    return hf_oracle.saved_pair(Lfm2ForCausalLM, tiny_config(**SHAPES[request.param]), randomize,
+                                tmp_path_factory.mktemp(request.param))
 
 
-@torch.no_grad()
 def test_full_prompt_logits(pair):
     _, hf, m = pair
-    ids = ids_for(m.vocab_size, 2, 45)
-    want = hf(ids, use_cache=False).logits
-    assert (m.forward(ids, m.new_state(2), all_logits=True) - want).abs().max() < ATOL
-    assert want[0].std(0).mean() > 0.1
+    hf_oracle.full_prompt_logits(hf, m)
 
 
-@torch.no_grad()
 def test_greedy_matches_generate_and_decode_logits(pair):
     _, hf, m = pair
-    for seed, length in ((3, 1), (4, 11)):
-        prompt = ids_for(m.vocab_size, 1, length, seed=seed)
-        out = hf.generate(prompt, max_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True)
-        logits, state = m.prefill(prompt[0])
-        got, got_logits = [], []
-        for _ in range(20):
-            got_logits.append(logits)
-            got.append(int(logits.argmax()))
-            logits = m.decode([got[-1]], state)[0]
-        assert got == out.sequences[0, length:].tolist()
-        assert (torch.stack(got_logits) - torch.cat(out.logits)).abs().max() < ATOL
+    hf_oracle.greedy_and_decode_logits(hf, m)
 
 
-@torch.no_grad()
 def test_chunked_prefill_state_and_streamed_pack(pair, tmp_path):
     path, hf, m = pair
-    ids = ids_for(m.vocab_size, 1, 40, seed=6)[0]
-    want, want_state = m.prefill(ids, all_logits=True)
-    for chunk in (1, 2, 7, 16):
-        got, state = m.prefill(ids, all_logits=True, chunk_size=chunk)
-        assert (got - want).abs().max() < ATOL
-        for k in state:
-            assert torch.allclose(state[k], want_state[k], atol=1e-4), (chunk, k)
     attention = {i for i, kind in enumerate(hf.config.layer_types) if kind == "full_attention"}
-    assert m.kv_layers == tuple(sorted(attention))
+    hf_oracle.chunked_prefill_and_streamed_pack(path, m, attention, tmp_path, chunks=(1, 2, 7, 16))
     for t in m.spec.tensors:
-        assert (t.kind == "kv") == (int(t.name.split(".")[1]) in attention), t
         if t.kind == "conv":
             assert t.shape == (hf.config.hidden_size, hf.config.conv_L_cache - 1)
-    write_pack(path, tmp_path / "pack")
-    streamed = load_model(tmp_path / "pack", weight_cache_layers=1)
-    assert streamed.fingerprint == m.fingerprint
-    assert (streamed.prefill(ids, all_logits=True)[0] - want).abs().max() < 1e-5
 
 
 def test_short_conv_chunks_have_steppings_bits():
@@ -154,7 +121,7 @@ def test_gguf_logits_equal_hf_on_the_files_values(qtype, tied, auto, tmp_path):
     assert got.config.layer_types == tuple(hf.config.layer_types) and got.config.tied_head == tied
     ids = ids_for(hf.config.vocab_size, 1, 30, seed=9)
     want = hf_with(hf, stored)(ids, use_cache=False).logits[0]
-    assert (got.prefill(ids[0], all_logits=True)[0] - want).abs().max() < ATOL
+    assert (got.prefill(ids[0], all_logits=True)[0] - want).abs().max() < hf_oracle.ATOL
     if qtype == "F32":
         hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
         assert torch.equal(got.prefill(ids[0])[0], load_model(tmp_path / "hf").prefill(ids[0])[0])

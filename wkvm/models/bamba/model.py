@@ -181,11 +181,12 @@ def mamba_config(raw: RawTensors, kinds: tuple[str, ...], n_layer: int, vocab: i
     )  # fmt: skip
 
 
-def state_spec(cfg: BambaConfig) -> StateSpec:
+def state_spec(cfg: BambaConfig, family: str = FAMILY) -> StateSpec:
+    """The state of `cfg`'s layers, under `family`'s name (Granite 4.0 H's has Bamba's tensors)."""
     tensors: list[TensorSpec] = []
     for i, kind in enumerate(cfg.layer_types):
         tensors += kv_tensors(i, cfg.n_kv_heads, cfg.head_dim) if kind == ATTENTION else mixer_state(cfg.mamba, i)
-    return StateSpec(FAMILY, tuple(tensors))
+    return StateSpec(family, tuple(tensors))
 
 
 def global_keys(cfg: BambaConfig) -> tuple[str, ...]:
@@ -239,11 +240,12 @@ class Bamba(ModelBase):
 
     def __init__(self, cfg: BambaConfig, weights: WeightProvider, model_fingerprint: str,
                  device: torch.device | str = "cpu"):  # fmt: skip
-        super().__init__(cfg, state_spec(cfg), weights, model_fingerprint, device)
+        super().__init__(cfg, state_spec(cfg, self.family), weights, model_fingerprint, device)
         self.ssd_chunk = DEFAULT_CHUNK
         self.fused_decode = True  # the mixer kernel (one-token steps, chunks with stepping's bits); tests turn it off
         self.kv_layers = cfg.attention_layers
         self.inv_freq = frequencies(cfg.rope_theta, cfg.rotary_dim).to(self.device)
+        self.attention_scale = cfg.head_dim**-0.5
 
     # norms, gates, SiLU and residuals work row by row: the matmuls, attention and the mixer's kernel decide
     row_keys = MAMBA_LINEAR + ATTN_LINEAR + MLP_LINEAR
@@ -271,5 +273,6 @@ class Bamba(ModelBase):
         B, T, _ = x.shape
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         q, k, v = torch.split(linear(x, w["self_attn.qkv"]), [H * D, Hkv * D, Hkv * D], -1)
-        o = attn.rope_attend(i, q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D), D**-0.5)
+        o = attn.rope_attend(i, q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D),
+                             self.attention_scale)  # fmt: skip
         return linear(o.reshape(B, T, H * D), w["self_attn.o_proj.weight"])

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from wkvm.chat_template import ChatTemplate
+from wkvm.models.bamba import model as bamba
 from wkvm.models.family import Checkpoint, CheckpointError, read_safetensors_dir, untie_head
 from wkvm.models.granite_hybrid import model
 from wkvm.models.granite_hybrid.model import GraniteHybrid, GraniteHybridConfig
@@ -28,8 +29,8 @@ class GraniteHybridFamily:
 
     def read_checkpoint(self, path: Path, fmt: str) -> Checkpoint:
         config = json.loads((path / "config.json").read_text())
-        raw = read_safetensors_dir(path, lambda k: k if k.startswith("model.") or k == model.HEAD else None)
-        untie_head(raw, model.HEAD, model.EMBED, bool(config.get("tie_word_embeddings")), path)
+        raw = read_safetensors_dir(path, lambda k: k if k.startswith("model.") or k == bamba.HEAD else None)
+        untie_head(raw, bamba.HEAD, model.EMBED, bool(config.get("tie_word_embeddings")), path)
         return Checkpoint(raw, config, "hf")
 
     def config_from_checkpoint(self, ckpt: Checkpoint) -> GraniteHybridConfig:
@@ -42,12 +43,12 @@ class GraniteHybridFamily:
 
     used_tensors = staticmethod(model.used_tensors)
     global_keys = staticmethod(model.global_keys)
-    linear_keys = staticmethod(model.linear_keys)
+    linear_keys = staticmethod(bamba.linear_keys)  # the same compute tensors as Bamba's
     prepare_layer = staticmethod(model.prepare_layer)
     prepare_globals = staticmethod(model.prepare_globals)
 
     def layer_prefix(self, i: int) -> str:
-        return f"{model.PREFIX}{i}."
+        return f"{bamba.PREFIX}{i}."
 
     def build(self, cfg: GraniteHybridConfig, weights: WeightProvider, fingerprint: str,
               device: Any) -> GraniteHybrid:  # fmt: skip

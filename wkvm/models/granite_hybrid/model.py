@@ -17,10 +17,20 @@ from typing import Any
 
 import torch
 
-from wkvm.models.bamba.model import ATTN_RAW, MAMBA, MIXER_RAW, mamba_config
+from wkvm.models.bamba.model import (
+    ATTENTION,
+    ATTN_RAW,
+    HEAD,
+    MAMBA,
+    MIXER_RAW,
+    PREFIX,
+    Bamba,
+    BambaConfig,
+    linear_keys,
+    mamba_config,
+)
 from wkvm.models.family import (
     CheckpointError,
-    ModelBase,
     RawTensors,
     check_bias_flags,
     check_layer_count,
@@ -38,51 +48,29 @@ from wkvm.models.family import (
     resident,
 )
 from wkvm.models.fused import add_rms_norm, rms_norm, silu_mul
-from wkvm.models.kv import Attn, kv_tensors
+from wkvm.models.kv import Attn
 from wkvm.models.linear import embedding, linear, stored
-from wkvm.models.mamba2.model import Mamba2Config, mixer, mixer_shapes, mixer_state, mixer_tensors
-from wkvm.models.mamba2.ssd import DEFAULT_CHUNK, kernel_available
+from wkvm.models.mamba2.model import mixer, mixer_shapes, mixer_tensors
 from wkvm.models.provider import Tensors, WeightProvider
-from wkvm.models.rope import frequencies
-from wkvm.models.spec import State, StateSpec, TensorSpec
+from wkvm.models.spec import State
 
 FAMILY = "granite_hybrid"
-PREFIX = "model.layers."  # Bamba's
-ATTENTION = "full_attention"
 KINDS = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
-EMBED, FINAL_NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+EMBED, FINAL_NORM = "model.embed_tokens.weight", "model.norm.weight"
 MLP_RAW = ("shared_mlp.input_linear.weight", "shared_mlp.output_linear.weight")
 NORM_RAW = ("input_layernorm.weight", "post_attention_layernorm.weight")
-MAMBA_LINEAR = ("mixer.in_proj.weight", "mixer.out_proj.weight")
-ATTN_LINEAR = ("self_attn.qkv", "self_attn.o_proj.weight")
-MLP_LINEAR = ("mlp.gate_up", "mlp.down_proj.weight")
 MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 
 
 @dataclass(frozen=True)
-class GraniteHybridConfig:
-    n_layer: int
-    n_embd: int
-    vocab_size: int
-    ffn_size: int
-    layer_types: tuple[str, ...]
-    mamba: Mamba2Config  # the Mamba2 layers' shape (its n_layer and vocab are the whole model's)
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    rope: bool  # RoPE over the whole head (position_embedding_type "rope"), else no positions (NoPE)
-    rope_theta: float = 10000.0
+class GraniteHybridConfig(BambaConfig):
+    """Bamba's shape (`rotary_dim` the whole head) with Granite's positions and scalings."""
+
+    rope: bool = False  # RoPE over the whole head (position_embedding_type "rope"), else no positions (NoPE)
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     attention_multiplier: float = 1.0
     logits_scaling: float = 1.0
-    tied_head: bool = False
-    rms_eps: float = 1e-6
-    max_context: int | None = None
-
-    @property
-    def attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, kind in enumerate(self.layer_types) if kind == ATTENTION)
 
     @staticmethod
     def from_checkpoint(raw: RawTensors, hf: dict[str, Any]) -> GraniteHybridConfig:
@@ -135,7 +123,7 @@ class GraniteHybridConfig:
         ffn = shape_of_ffn(raw, what)
         cfg = GraniteHybridConfig(
             n_layer=n_layer, n_embd=embd, vocab_size=vocab, ffn_size=ffn, layer_types=kinds, mamba=mamba,
-            n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, rope=positions == "rope",
+            n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, rotary_dim=head_dim, rope=positions == "rope",
             rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), **scales,
             tied_head=HEAD not in raw, rms_eps=config_eps(hf, "rms_norm_eps", 1e-6, what),
             max_context=config_context(hf, "max_position_embeddings", what),
@@ -168,19 +156,8 @@ def expected_shapes(cfg: GraniteHybridConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def state_spec(cfg: GraniteHybridConfig) -> StateSpec:
-    tensors: list[TensorSpec] = []
-    for i, kind in enumerate(cfg.layer_types):
-        tensors += kv_tensors(i, cfg.n_kv_heads, cfg.head_dim) if kind == ATTENTION else mixer_state(cfg.mamba, i)
-    return StateSpec(FAMILY, tuple(tensors))
-
-
 def global_keys(cfg: GraniteHybridConfig) -> tuple[str, ...]:
     return (EMBED, FINAL_NORM) if cfg.tied_head else (EMBED, FINAL_NORM, HEAD)
-
-
-def linear_keys(cfg: GraniteHybridConfig, i: int) -> tuple[str, ...]:
-    return (ATTN_LINEAR if cfg.layer_types[i] == ATTENTION else MAMBA_LINEAR) + MLP_LINEAR
 
 
 def used_tensors(raw: RawTensors) -> RawTensors:
@@ -220,26 +197,18 @@ def prepare_globals(raw: RawTensors, cfg: GraniteHybridConfig, dtype: torch.dtyp
     return resident({EMBED: embed, "final_norm": raw[FINAL_NORM].to(device=device, dtype=torch.float32), HEAD: head})
 
 
-class GraniteHybrid(ModelBase):
+class GraniteHybrid(Bamba):
+    """Bamba's model (its Mamba2 mixer kernel, attention over `KVBatch`) with Granite's scalings and positions."""
+
     family = FAMILY
-    embed_key = EMBED
     config: GraniteHybridConfig
 
     def __init__(self, cfg: GraniteHybridConfig, weights: WeightProvider, model_fingerprint: str,
                  device: torch.device | str = "cpu"):  # fmt: skip
-        super().__init__(cfg, state_spec(cfg), weights, model_fingerprint, device)
-        self.ssd_chunk = DEFAULT_CHUNK
-        self.fused_decode = True  # the mixer kernel (one-token steps, chunks with stepping's bits); tests turn it off
-        self.kv_layers = cfg.attention_layers
-        # NoPE as RoPE at angle 0: cos 1 and sin 0 give every key and query its own bits
-        freqs = frequencies(cfg.rope_theta, cfg.head_dim)
-        self.inv_freq = (freqs if cfg.rope else torch.zeros_like(freqs)).to(self.device)
-
-    # norms, gates, SiLU, scalings and residuals work row by row: the matmuls, attention and the mixer's kernel decide
-    row_keys = MAMBA_LINEAR + ATTN_LINEAR + MLP_LINEAR
-
-    def steps_kernel(self) -> bool:
-        return self.fused_decode and kernel_available()
+        super().__init__(cfg, weights, model_fingerprint, device)
+        if not cfg.rope:  # NoPE as RoPE at angle 0: cos 1 and sin 0 give every key and query its own bits
+            self.inv_freq = torch.zeros_like(self.inv_freq)
+        self.attention_scale = cfg.attention_multiplier
 
     def embed(self, tokens: torch.Tensor, g: Tensors) -> torch.Tensor:
         return embedding(tokens, g[EMBED]) * self.config.embedding_multiplier
@@ -258,12 +227,3 @@ class GraniteHybrid(ModelBase):
                       self.fused_decode, T > 1 and self.rows_alone(T))  # fmt: skip
         x, h = add_rms_norm(x, h * cfg.residual_multiplier, w["post_norm"], cfg.rms_eps)
         return x + linear(silu_mul(linear(h, w["mlp.gate_up"])), w["mlp.down_proj.weight"]) * cfg.residual_multiplier
-
-    def _attention(self, i: int, w: Tensors, x: torch.Tensor, attn: Attn) -> torch.Tensor:
-        cfg = self.config
-        B, T, _ = x.shape
-        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        q, k, v = torch.split(linear(x, w["self_attn.qkv"]), [H * D, Hkv * D, Hkv * D], -1)
-        o = attn.rope_attend(i, q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D),
-                             cfg.attention_multiplier)  # fmt: skip
-        return linear(o.reshape(B, T, H * D), w["self_attn.o_proj.weight"])
