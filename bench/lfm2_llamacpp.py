@@ -18,7 +18,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -26,12 +25,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import llamacpp  # noqa: E402
-from common import OUT, cpu_name, engine_decode_tok_s, print_table, write_json  # noqa: E402
+from common import OUT, cpu_name, print_table, write_json  # noqa: E402
 from hybrid_speed import checkpoint  # noqa: E402
-from rwkv7_llamacpp import llama_cpp, ratio_cell  # noqa: E402
+from rwkv7_llamacpp import llama_cpp, ratio_cell, wkvm_rates  # noqa: E402
 from serving import Server  # noqa: E402
 
-from wkvm.weights.loader import load_model, load_text_tools  # noqa: E402
+from wkvm.weights.loader import load_model  # noqa: E402
 
 PAIRS = {"f32": "float32", "q8_0": "int8", "q4_0": "int4"}
 CONVERT = """import runpy, sys
@@ -89,27 +88,6 @@ def same_as_hf(gguf: Path) -> bool:
     return torch.equal(a, load_model(checkpoint("lfm2")).prefill(ids, all_logits=True)[0])
 
 
-def wkvm_rates(gguf: Path, dtype: str, prefill: int, decode: int) -> dict[str, float]:
-    model = load_model(gguf, dtype=dtype)
-    tokenizer, _ = load_text_tools(gguf, model.family)
-    prompt = torch.randint(0, model.config.vocab_size, (prefill,), generator=torch.Generator().manual_seed(0)).tolist()
-    model.prefill(prompt[:64])  # warm-up (and the kernels' first build)
-    pre_rates, dec_rates = [], []
-    for _ in range(3):  # the mean of 3 rates, as llama-bench's avg_ts
-        t0 = time.perf_counter()
-        model.prefill(prompt)
-        pre_rates.append(prefill / (time.perf_counter() - t0))
-        state = model.new_state()
-        t0 = time.perf_counter()
-        for t in prompt[:decode]:
-            model.decode([t], state)
-        dec_rates.append(decode / (time.perf_counter() - t0))
-    out = {"prefill": statistics.fmean(pre_rates), "decode_b1": statistics.fmean(dec_rates)}
-    kv = "float32" if dtype == "float32" else "float16"  # as --kv-dtype auto; llama.cpp's default is f16
-    out["decode_b8"] = engine_decode_tok_s(model, tokenizer, 8, decode, lambda i: prompt[i : i + 32], kv_dtype=kv)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -131,7 +109,8 @@ def main() -> None:
             pair = [f"llama.cpp {k}", f"wkvm {PAIRS[k]}"]
             for name in pair if r % 2 == 0 else pair[::-1]:
                 if name.startswith("wkvm"):
-                    runs[name].append(wkvm_rates(files[k], PAIRS[k], args.prefill_tokens, args.decode_tokens))
+                    kv = "float32" if k == "f32" else "float16"  # as --kv-dtype auto; llama.cpp's default is f16
+                    runs[name].append(wkvm_rates(PAIRS[k], args.prefill_tokens, args.decode_tokens, files[k], (8,), kv))
                 else:
                     rates = llama_cpp(bin_dir, files[k], args.threads, args.prefill_tokens, args.decode_tokens)
                     runs[name].append({c: rates[c] for c in cases})

@@ -125,8 +125,11 @@ def llama_cpp(bin_dir: Path, gguf: Path, threads: int, prefill: int, decode: int
     return out
 
 
-def wkvm_rates(dtype: str, prefill: int, decode: int) -> dict[str, float]:
-    path = checkpoint()
+def wkvm_rates(dtype: str, prefill: int, decode: int, path: Path | None = None, batches: tuple[int, ...] = (8, 32),
+               kv_dtype: str = "float32") -> dict[str, float]:  # fmt: skip
+    """wkvm's prefill and B=1 decode (model calls, the mean of 3 rates) and aggregate decode through the engine at
+    each of `batches`, on `path` (the RWKV-7 0.1B-shape checkpoint by default) stored as `dtype`."""
+    path = path or checkpoint()
     model = load_model(path, dtype=dtype)
     tokenizer, _ = load_text_tools(path, model.family)
     g = torch.Generator().manual_seed(0)
@@ -145,8 +148,9 @@ def wkvm_rates(dtype: str, prefill: int, decode: int) -> dict[str, float]:
             model.decode([t], state)
         dec_rates.append(decode / (time.perf_counter() - t0))
     out = {"prefill": statistics.fmean(pre_rates), "decode_b1": statistics.fmean(dec_rates)}
-    for batch in (8, 32):
-        out[f"decode_b{batch}"] = engine_decode_tok_s(model, tokenizer, batch, decode, lambda i: prompt[i : i + 32])
+    for batch in batches:
+        out[f"decode_b{batch}"] = engine_decode_tok_s(model, tokenizer, batch, decode, lambda i: prompt[i : i + 32],
+                                                      kv_dtype=kv_dtype)  # fmt: skip
     return out
 
 
