@@ -10,6 +10,7 @@ import json
 import hf_oracle
 import pytest
 import torch
+from conftest import ids_for
 from families.bamba import randomize
 from families.granite_hybrid import tiny_config
 from transformers import GraniteMoeHybridForCausalLM
@@ -77,3 +78,41 @@ def test_what_wkvm_cannot_run_is_refused(tmp_path):
     cfg.write_text(json.dumps({k: v for k, v in good.items() if k != "num_local_experts"}))  # 8 experts by default
     with pytest.raises(CheckpointError, match="experts"):
         load_model(tmp_path / "g")
+
+
+# --- GGUF (llama.cpp's granitehybrid architecture) ------------------------------------------------------------------
+@pytest.mark.parametrize(("qtype", "auto"), [("F32", "float32"), ("Q8_0", "int8"), ("Q4_0", "int4")])
+def test_gguf_logits_equal_hf_on_the_files_values(qtype, auto, tmp_path):
+    """A file as llama.cpp's converter writes it reads back to the HF model's tensors (F32: wkvm gives the HF
+    directory's logits bit for bit) and, quantized, to transformers' logits on the values the file holds."""
+    from families.granite_hybrid import write_gguf
+
+    from wkvm.models import registry
+    from wkvm.weights.loader import auto_dtype
+
+    torch.manual_seed(7)
+    hf = GraniteMoeHybridForCausalLM(tiny_config(**{**SHAPES["nope"], "hidden_size": 64})).eval()
+    randomize(hf)
+    stored = write_gguf(tmp_path / "g.gguf", hf, qtype)
+    assert registry.detect(tmp_path / "g.gguf")[0].name == "granite_hybrid"
+    assert auto_dtype(tmp_path / "g.gguf") == auto
+    got = load_model(tmp_path / "g.gguf")
+    ids = ids_for(hf.config.vocab_size, 1, 30, seed=9)
+    copy = GraniteMoeHybridForCausalLM(hf.config).eval()
+    copy.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in stored.items()}, strict=False)
+    with torch.no_grad():
+        want = copy(ids, use_cache=False).logits[0]
+    assert (got.prefill(ids[0], all_logits=True)[0] - want).abs().max() < hf_oracle.ATOL
+    if qtype == "F32":
+        hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+        assert torch.equal(got.prefill(ids[0])[0], load_model(tmp_path / "hf").prefill(ids[0])[0])
+
+
+def test_a_gguf_with_rope_is_refused(tmp_path):
+    """llama.cpp's converter writes Bamba as granitehybrid too, with RoPE switched on: refused, not run without it."""
+    from families.granite_hybrid import write_gguf
+
+    hf = GraniteMoeHybridForCausalLM(tiny_config(50, num_hidden_layers=2, layer_types=["mamba", "attention"])).eval()
+    write_gguf(tmp_path / "r.gguf", hf, "F32", rope=True)
+    with pytest.raises(CheckpointError, match="RoPE"):
+        load_model(tmp_path / "r.gguf")

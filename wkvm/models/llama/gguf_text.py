@@ -86,7 +86,8 @@ def pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in DEEPSEEK_SPLITS[pre]]
         return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     known = ", ".join(DIGITS_FIRST + GPT2 + LLAMA3 + tuple(DEEPSEEK_SPLITS))
-    raise CheckpointError(f"GGUF tokenizer.ggml.pre {pre!r} is not one wkvm rebuilds (known: {known})")
+    raise CheckpointError(f"GGUF tokenizer.ggml.pre {pre!r} is not one wkvm rebuilds (known: {known}); the model's "
+                          "own tokenizer.json beside the file as <file name>.tokenizer.json is used instead")
 
 
 class GGUFTokenizer(HFTokenizer):
