@@ -16,6 +16,7 @@ attention) at 1k / 8k / 32k tokens. Weights cache in bench/out/.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -46,15 +47,28 @@ SHAPES = {
                  num_attention_heads=16, num_key_value_heads=8, conv_L_cache=3, tie_word_embeddings=True,
                  layer_types=[C, C, F, C, C, F, C, C, F, C, F, C, F, C, F, C], pad_token_id=None, bos_token_id=None,
                  eos_token_id=None),
+    # a 0.35B Granite 4.0 H shape (granite-4.0-h-350m's layout is not at hand here: this is its size, not its config):
+    # 32 layers of width 768, Mamba2 (48 heads of 32, d_state 128) with attention at 4 (12 / 4 heads of 64, no
+    # positions), shared MLP 2,048, vocab 100,352 tied, Granite's multipliers; the released configs' layer names
+    # (llama.cpp's converter reads those) and no experts
+    "granite": dict(vocab_size=100352, hidden_size=768, shared_intermediate_size=2048, intermediate_size=2048,
+                    num_local_experts=0, num_experts_per_tok=0, num_hidden_layers=32, num_attention_heads=12,
+                    num_key_value_heads=4, layer_types=["attention" if i in (9, 17, 25, 31) else "mamba"
+                                                        for i in range(32)],
+                    position_embedding_type="nope", mamba_n_heads=48, mamba_d_head=32, mamba_n_groups=1,
+                    mamba_d_state=128, mamba_d_conv=4, mamba_expand=2, embedding_multiplier=12.0,
+                    residual_multiplier=0.246, attention_multiplier=0.015625, logits_scaling=3.0,
+                    tie_word_embeddings=True, pad_token_id=None, bos_token_id=None, eos_token_id=None),
 }  # fmt: skip
-SIZE = {"qwen3_5": "0.1B", "bamba": "0.1B", "lfm2": "0.35B"}
+SIZE = {"qwen3_5": "0.1B", "bamba": "0.1B", "lfm2": "0.35B", "granite": "0.35B"}
 
 
 def hf_classes(kind: str):
     import transformers as t
 
     return {"qwen3_5": (t.Qwen3_5TextConfig, t.Qwen3_5ForCausalLM), "bamba": (t.BambaConfig, t.BambaForCausalLM),
-            "lfm2": (t.Lfm2Config, t.Lfm2ForCausalLM)}[kind]  # fmt: skip
+            "lfm2": (t.Lfm2Config, t.Lfm2ForCausalLM),
+            "granite": (t.GraniteMoeHybridConfig, t.GraniteMoeHybridForCausalLM)}[kind]  # fmt: skip
 
 
 def checkpoint(kind: str) -> Path:
@@ -63,6 +77,10 @@ def checkpoint(kind: str) -> Path:
         config, causal_lm = hf_classes(kind)
         torch.manual_seed(0)
         causal_lm(config(**SHAPES[kind])).save_pretrained(path)
+        if kind == "granite":  # the released configs' layer names, which llama.cpp's converter reads
+            cfg = json.loads((path / "config.json").read_text())
+            cfg["layer_types"] = SHAPES[kind]["layer_types"]
+            (path / "config.json").write_text(json.dumps(cfg, indent=2))
         byte_tokenizer(path)
     return path
 

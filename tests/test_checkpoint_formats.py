@@ -279,7 +279,7 @@ def edited_copy(src: Path, dst: Path, config: dict, **changes) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("family", ["mamba2", "bamba", "qwen3_5_hybrid", "lfm2", "granite_hybrid"])
+@pytest.mark.parametrize("family", ["mamba2", "bamba", "qwen3_5_hybrid", "lfm2", "granite_hybrid", "nemotron_h"])
 def test_hf_configs_are_read_as_transformers_reads_them(family, tmp_path):
     """Found by review (each had loaded and computed another model): under tie_word_embeddings a stored head unlike
     the embedding is used (transformers 5; it was dropped); a num_hidden_layers the weights do not have, an activation
@@ -297,7 +297,7 @@ def test_hf_configs_are_read_as_transformers_reads_them(family, tmp_path):
         return edited_copy(src, tmp_path / name, config, **changes)
 
     assert torch.equal(load_model(edited("tied", tie_word_embeddings=True)).prefill(ids, all_logits=True)[0], want)
-    layers = config["num_hidden_layers"]
+    layers = config.get("num_hidden_layers") or len(config["layers_block_type"])  # Nemotron-H counts them so
     refused = {"layers": ({"num_hidden_layers": layers - 1}, f"says {layers - 1} layers; the weights hold {layers}"),
                "gelu": ({"hidden_act": "gelu"}, "gelu")}  # fmt: skip
     if family == "lfm2":  # its MLP is SiLU whatever the config says (transformers reads no hidden_act for it)
@@ -308,6 +308,8 @@ def test_hf_configs_are_read_as_transformers_reads_them(family, tmp_path):
         refused["bias"] = ({"use_conv_bias": False}, "use_conv_bias False but the checkpoint holds")
     if family == "bamba":
         refused["rope"] = ({"rope_scaling": {"type": "linear", "factor": 4.0}}, "RoPE type 'linear'")
+    if family == "nemotron_h":  # its MLP's activation is mlp_hidden_act (transformers reads no hidden_act for it)
+        refused["gelu"] = ({"mlp_hidden_act": "gelu"}, "gelu")
     if family == "granite_hybrid":
         refused["bias"] = ({"mamba_conv_bias": False}, "mamba_conv_bias False but the checkpoint holds")
     for name, (changes, says) in refused.items():

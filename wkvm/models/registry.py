@@ -19,6 +19,7 @@ MODULES = {
     "lfm2": "wkvm.models.lfm2",
     "llama": "wkvm.models.llama",
     "mamba2": "wkvm.models.mamba2",
+    "nemotron_h": "wkvm.models.nemotron_h",
     "qwen3_5": "wkvm.models.qwen3_5",
     "rwkv7": "wkvm.models.rwkv7",
 }

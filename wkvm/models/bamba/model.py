@@ -158,11 +158,14 @@ def expected_shapes(cfg: BambaConfig) -> dict[str, tuple[int, ...]]:
 
 
 def mamba_config(raw: RawTensors, kinds: tuple[str, ...], n_layer: int, vocab: int, embd: int, n_groups: int,
-                 hf: dict[str, Any], what: str = "Bamba") -> Mamba2Config:  # fmt: skip
-    """The Mamba2 layers' shape, read from the first one's tensors (Bamba's layout, which Granite 4.0 H shares)."""
+                 hf: dict[str, Any], what: str = "Bamba", mixer: str = "mamba.",
+                 keys: tuple[str, str, str] = ("mamba_d_state", "mamba_n_groups", "rms_norm_eps"),
+                 ) -> Mamba2Config:  # fmt: skip
+    """The Mamba2 layers' shape, read from the first one's tensors (under `mixer.` in its layer: Bamba's layout, which
+    Granite 4.0 H shares; Nemotron-H's `mixer.`), its config.json keys for the state size, groups and eps `keys`."""
     if MAMBA not in kinds:
         raise CheckpointError(f"a {what} checkpoint without Mamba2 layers: serve it as Llama")
-    p = f"{PREFIX}{kinds.index(MAMBA)}.mamba."
+    p = f"{PREFIX}{kinds.index(MAMBA)}.{mixer}"
     check_dims(raw, {p + "A_log": 1, p + "out_proj.weight": 2, p + "conv1d.weight": 3}, what)
     n_heads = raw[p + "A_log"].shape[0]
     d_inner = raw[p + "out_proj.weight"].shape[1]
@@ -171,12 +174,12 @@ def mamba_config(raw: RawTensors, kinds: tuple[str, ...], n_layer: int, vocab: i
     if d_inner % n_heads or conv_dim != d_inner + 2 * n_groups * d_state:
         raise CheckpointError(f"{what} Mamba2 layers: conv1d has {conv_dim} channels; expected {d_inner} + 2 x "
                               f"{n_groups} groups x d_state")  # fmt: skip
-    check_state_size(hf, "mamba_d_state", "mamba_n_groups", d_state, conv_dim, d_inner, f"{what} Mamba2 layers")
+    check_state_size(hf, keys[0], keys[1], d_state, conv_dim, d_inner, f"{what} Mamba2 layers")
     dt_min, dt_max = time_step_limit(hf)
     return Mamba2Config(
         n_layer=n_layer, d_model=embd, d_inner=d_inner, n_heads=n_heads, head_dim=d_inner // n_heads,
         d_state=d_state, n_groups=n_groups, d_conv=d_conv, vocab_size=vocab, tie_embeddings=HEAD not in raw,
-        norm_eps=config_eps(hf, "rms_norm_eps", 1e-5, what), dt_min=dt_min,
+        norm_eps=config_eps(hf, keys[2], 1e-5, what), dt_min=dt_min,
         dt_max=None if dt_max == float("inf") else dt_max,
     )  # fmt: skip
 

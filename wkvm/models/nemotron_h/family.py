@@ -1,0 +1,81 @@
+"""Nemotron-H as a wkvm model family: HF `NemotronHForCausalLM` directories without experts (model_type
+`nemotron_h`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from wkvm.chat_template import ChatTemplate
+from wkvm.models.bamba.model import MAMBA, PREFIX
+from wkvm.models.family import Checkpoint, CheckpointError, read_safetensors_dir, untie_head
+from wkvm.models.mamba2.model import Mamba2Config
+from wkvm.models.nemotron_h import model
+from wkvm.models.nemotron_h.model import NemotronH, NemotronHConfig
+from wkvm.models.provider import WeightProvider
+from wkvm.tokenizer import Tokenizer
+
+
+def hf_name(name: str) -> str | None:
+    """transformers 5's name of a checkpoint tensor (the released checkpoints' `backbone.` is its `model.`)."""
+    name = "model." + name.removeprefix("backbone.") if name.startswith("backbone.") else name
+    return name if name.startswith("model.") or name == model.HEAD else None
+
+
+class NemotronHFamily:
+    name = model.FAMILY
+    model_types = ("nemotron_h",)
+    formats = "Nemotron-H (Mamba2 + attention + MLP layers) as an HF directory (NemotronHForCausalLM, *.safetensors)"
+
+    def detect(self, path: Path) -> str | None:
+        return None  # HF directories only: the registry matches them by model_type
+
+    def read_checkpoint(self, path: Path, fmt: str) -> Checkpoint:
+        config = json.loads((path / "config.json").read_text())
+        raw = read_safetensors_dir(path, hf_name)
+        untie_head(raw, model.HEAD, model.EMBED, bool(config.get("tie_word_embeddings")), path)
+        return Checkpoint(raw, config, "hf")
+
+    def config_from_checkpoint(self, ckpt: Checkpoint) -> NemotronHConfig:
+        return NemotronHConfig.from_checkpoint(ckpt.raw, ckpt.config)
+
+    def config_from_dict(self, d: dict[str, Any]) -> NemotronHConfig:
+        names = {f.name for f in fields(NemotronHConfig)}
+        d = {k: v for k, v in d.items() if k in names}
+        return NemotronHConfig(**{**d, "layer_types": tuple(d["layer_types"]), "mamba": Mamba2Config(**d["mamba"])})
+
+    used_tensors = staticmethod(model.used_tensors)
+    global_keys = staticmethod(model.global_keys)
+    linear_keys = staticmethod(model.linear_keys)
+    prepare_layer = staticmethod(model.prepare_layer)
+    prepare_globals = staticmethod(model.prepare_globals)
+
+    def layer_prefix(self, i: int) -> str:
+        return f"{PREFIX}{i}."
+
+    def build(self, cfg: NemotronHConfig, weights: WeightProvider, fingerprint: str, device: Any) -> NemotronH:
+        return NemotronH(cfg, weights, fingerprint, device)
+
+    def describe(self, cfg: NemotronHConfig) -> str:
+        m, kinds = cfg.mamba, cfg.layer_types
+        return (f"Nemotron-H, {cfg.n_layer} layers ({kinds.count(MAMBA)} Mamba2, {len(cfg.attention_layers)} "
+                f"attention, {kinds.count(model.MLP)} MLP), width {cfg.n_embd}, Mamba2 {m.n_heads} heads x "
+                f"{m.head_dim}, d_state {m.d_state}; attention {cfg.n_heads} query / {cfg.n_kv_heads} key-value heads "
+                f"of {cfg.head_dim}, vocab {cfg.vocab_size}")  # fmt: skip
+
+    def convert(self, src: Path, dst: Path) -> str:
+        raise CheckpointError("Nemotron-H has one checkpoint format (an HF directory): nothing to convert")
+
+    def default_tokenizer(self, path: Path) -> Tokenizer | None:
+        return None
+
+    def default_chat_template(self, path: Path) -> ChatTemplate | None:
+        return None
+
+    def native_dtype(self, path: Path, fmt: str) -> str:
+        return "float32"  # float checkpoints only
+
+
+FAMILY = NemotronHFamily()
