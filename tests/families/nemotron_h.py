@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from families.bamba import randomize
 
 NAME = "nemotron_h"
