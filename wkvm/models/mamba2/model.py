@@ -32,6 +32,7 @@ from wkvm.models.family import (
     require,
     resident,
 )
+from wkvm.models.fused import rms_norm
 from wkvm.models.kv import Attn
 from wkvm.models.linear import linear, stored
 from wkvm.models.mamba2.ssd import DEFAULT_CHUNK, kernel_available, mixer_steps, ssd_chunked, ssd_step
@@ -193,14 +194,15 @@ def prepare_globals(raw: RawTensors, cfg: Mamba2Config, dtype: torch.dtype, devi
     return resident({EMBEDDING: emb, NORM_F: raw[NORM_F].to(device=device, dtype=torch.float32), HEAD: head})
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, weight.shape, weight, eps)
-
-
 def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
-    """RMS norm of y * silu(z) over each of `groups` equal slices of the last axis (HF MambaRMSNormGated)."""
-    h = torch.unflatten(y * F.silu(z), -1, (groups, -1))
-    return F.rms_norm(h, h.shape[-1:], None, eps).flatten(-2) * weight
+    """RMS norm of y * silu(z) over each of `groups` equal slices of the last axis (HF MambaRMSNormGated). On the
+    fused row kernel (`fused.rms_norm`): torch's F.rms_norm took ~28 us for one token's [1, 1536] on CPU, ~10% of a
+    0.35B Granite 4.0 H int4 decode step (28 Mamba2 layers; AMD EPYC Zen 4, session 66)."""
+    h = y * F.silu(z)
+    if groups == 1:
+        return rms_norm(h, weight, eps)
+    g = torch.unflatten(h, -1, (groups, -1))
+    return rms_norm(g, weight.new_ones(g.shape[-1]), eps).flatten(-2) * weight
 
 
 class Mamba2(ModelBase):
