@@ -41,14 +41,7 @@ MATRICES = ("ssm_in", "ssm_out", "attn_q", "attn_k", "attn_v", "attn_output", "f
 
 
 def detect(path: Path) -> str | None:
-    """"gguf" for a GGUF file of architecture granitehybrid (a file whose header does not parse is left to Llama's
-    reader, which says why)."""
-    if not (path.is_file() and gguf_file.is_gguf(path)):
-        return None
-    try:
-        return "gguf" if gguf_file.architecture(path) == ARCHITECTURE else None
-    except (CheckpointError, OSError, ValueError):
-        return None
+    return gguf_file.of_architecture(path, ARCHITECTURE)
 
 
 def layer_part(name: str) -> tuple[int, str] | None:

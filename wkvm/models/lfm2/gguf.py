@@ -35,14 +35,7 @@ MATRICES = tuple(k for k in LAYER_NAMES if not k.endswith("norm") and k != "shor
 
 
 def detect(path: Path) -> str | None:
-    """"gguf" for a GGUF file of architecture lfm2 (a file whose header does not parse is left to Llama's reader,
-    which says why)."""
-    if not (path.is_file() and gguf_file.is_gguf(path)):
-        return None
-    try:
-        return "gguf" if gguf_file.architecture(path) == ARCHITECTURE else None
-    except (CheckpointError, OSError, ValueError):
-        return None
+    return gguf_file.of_architecture(path, ARCHITECTURE)
 
 
 def hf_name(name: str) -> str:

@@ -66,6 +66,17 @@ def architecture(path: Path) -> str | None:
     return str(field(open_reader(path), "general.architecture"))
 
 
+def of_architecture(path: Path, arch: str) -> str | None:
+    """"gguf" for a GGUF file of architecture `arch` (a family's `detect`); None for anything else, a file whose
+    header does not parse included (Llama's reader claims those and says what is wrong)."""
+    if not (path.is_file() and is_gguf(path)):
+        return None
+    try:
+        return "gguf" if architecture(path) == arch else None
+    except (CheckpointError, OSError, ValueError):
+        return None
+
+
 def open_reader(path: str | os.PathLike[str]) -> GGUFReader:
     """A reader of the file (memory-mapped; `ArrayReader`). The last file opened is kept: loading a model and then its
     tokenizer and chat template parse it once. A file that does not parse (truncated, corrupt counts, another
