@@ -73,7 +73,8 @@ def test_a_released_checkpoints_names_and_pattern_read_as_transformers_reads_the
 
 def test_what_wkvm_cannot_run_is_refused(tmp_path):
     torch.manual_seed(4)
-    NemotronHForCausalLM(tiny_config(50, layers_block_type=["mamba", "attention"])).save_pretrained(tmp_path / "n")
+    NemotronHForCausalLM(tiny_config(50, layers_block_type=["mamba", "attention"], head_dim=8)).save_pretrained(
+        tmp_path / "n")  # fmt: skip
     cfg = tmp_path / "n" / "config.json"
     good = json.loads(cfg.read_text())
     key = "layers_block_type" if "layers_block_type" in good else "layer_types"
@@ -86,3 +87,6 @@ def test_what_wkvm_cannot_run_is_refused(tmp_path):
         cfg.write_text(json.dumps({**good, **changes}))
         with pytest.raises(CheckpointError, match=says):
             load_model(tmp_path / "n")
+    # no head_dim (transformers' default is 128, not the width over the heads): the q projection's rows say it
+    cfg.write_text(json.dumps({k: v for k, v in good.items() if k != "head_dim"}))
+    assert load_model(tmp_path / "n").config.head_dim == good["head_dim"] == 8  # not 64 / 4

@@ -112,7 +112,10 @@ class NemotronHConfig:
             require(raw, [f"{PREFIX}{i}.{k}" for k in (*names, "norm.weight")], WHAT)
         heads = positive_int(hf, "num_attention_heads", WHAT)
         kv_heads = positive_int(hf, "num_key_value_heads", WHAT, default=heads)
-        head_dim = positive_int(hf, "head_dim", WHAT, default=embd // heads)
+        # transformers' NemotronHConfig defaults head_dim to 128, not the width over the heads: where config.json
+        # gives none, the first attention layer's q rows say it
+        q_rows = raw[f"{PREFIX}{kinds.index(ATTENTION)}.mixer.q_proj.weight"].shape[0] if ATTENTION in kinds else 0
+        head_dim = positive_int(hf, "head_dim", WHAT, default=q_rows // heads or 128)
         if heads % kv_heads or head_dim % 2:
             raise CheckpointError(f"{WHAT} attention: {heads} heads over {kv_heads} key/value heads of {head_dim}: "
                                   "not a shape wkvm runs")  # fmt: skip
