@@ -126,16 +126,28 @@ def read(path: Path) -> tuple[RawTensors, dict[str, Any]]:
     gguf_file.check_block_count(path, reader, ARCHITECTURE, config["num_hidden_layers"])
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
 
-    def shape(name: str, ts: list[ReaderTensor]) -> tuple[int, ...]:
-        dims = [tuple(int(d) for d in reversed(t.shape)) for t in ts]  # HF's [out, in] order
-        if len(dims) == 2:  # gate and up rows joined
-            return (dims[0][0] + dims[1][0], *dims[0][1:])
-        (s,) = dims
-        if name.endswith("conv1d.weight"):
-            return (s[0], 1, s[-1])
-        if name.endswith(("A_log", "mamba.D", "norm.weight")) and len(s) == 2:
-            return (s[0] * s[1],) if name.endswith("norm.weight") else (s[0],)
-        return s
+    return lazy_tensors(path, parts, heads), config
+
+
+def hf_shape(name: str, ts: list[ReaderTensor]) -> tuple[int, ...]:
+    """The HF shape of the tensor `ts` make (two: gate and up rows joined): the conv's middle axis back, A, D and the
+    gated norm's weight flat."""
+    dims = [tuple(int(d) for d in reversed(t.shape)) for t in ts]  # HF's [out, in] order
+    if len(dims) == 2:
+        return (dims[0][0] + dims[1][0], *dims[0][1:])
+    (s,) = dims
+    if name.endswith("conv1d.weight"):
+        return (s[0], 1, s[-1])
+    if len(s) == 2 and name.endswith(("mamba.norm.weight", "mixer.norm.weight")):  # [groups, d_inner / groups]
+        return (s[0] * s[1],)
+    if len(s) == 2 and name.endswith(("A_log", ".D")):  # [H, 1]
+        return (s[0],)
+    return s
+
+
+def lazy_tensors(path: Path, parts: dict[str, list[ReaderTensor]], heads: dict[str, int]) -> LazyTensors:
+    """HF name -> a maker of its tensor from the file's `parts` (dequantized to fp32, in HF's shape, q and k rows put
+    back for `heads` {"q_proj": query heads, "k_proj": key-value heads}, A as log(-A)), made when read."""
 
     def maker(name: str, ts: list[ReaderTensor], want: tuple[int, ...]) -> Callable[[], torch.Tensor]:
         def make() -> torch.Tensor:
@@ -147,6 +159,6 @@ def read(path: Path) -> tuple[RawTensors, dict[str, Any]]:
 
         return make
 
-    shapes = {name: shape(name, ts) for name, ts in parts.items()}
+    shapes = {name: hf_shape(name, ts) for name, ts in parts.items()}
     own = {name: "+".join(t.name for t in ts) for name, ts in parts.items()}  # errors name the file's names too
-    return LazyTensors({n: maker(n, ts, shapes[n]) for n, ts in parts.items()}, shapes, own), config
+    return LazyTensors({n: maker(n, ts, shapes[n]) for n, ts in parts.items()}, shapes, own)
