@@ -90,3 +90,32 @@ def test_what_wkvm_cannot_run_is_refused(tmp_path):
     # no head_dim (transformers' default is 128, not the width over the heads): the q projection's rows say it
     cfg.write_text(json.dumps({k: v for k, v in good.items() if k != "head_dim"}))
     assert load_model(tmp_path / "n").config.head_dim == good["head_dim"] == 8  # not 64 / 4
+
+
+@pytest.mark.parametrize(("qtype", "auto"), [("F32", "float32"), ("Q8_0", "int8"), ("Q4_0", "int4")])
+def test_gguf_logits_equal_hf_on_the_files_values(qtype, auto, tmp_path):
+    """A file as llama.cpp's converter writes it reads back to the HF model's tensors (F32: wkvm gives the HF
+    directory's logits bit for bit) and, quantized, to transformers' logits on the values the file holds."""
+    from conftest import ids_for
+    from families.nemotron_h import write_gguf
+
+    from wkvm.models import registry
+    from wkvm.weights.loader import auto_dtype
+
+    torch.manual_seed(7)
+    hf = NemotronHForCausalLM(tiny_config(**SHAPES["gqa"])).eval()
+    randomize(hf)
+    stored = write_gguf(tmp_path / "n.gguf", hf, qtype)
+    assert registry.detect(tmp_path / "n.gguf")[0].name == "nemotron_h"
+    assert auto_dtype(tmp_path / "n.gguf") == auto
+    got = load_model(tmp_path / "n.gguf")
+    assert got.config.layer_types == tuple(hf.config.layers_block_type)
+    ids = ids_for(hf.config.vocab_size, 1, 30, seed=9)
+    copy = NemotronHForCausalLM(hf.config).eval()
+    copy.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in stored.items()}, strict=False)
+    with torch.no_grad():
+        want = copy(ids, use_cache=False).logits[0]
+    assert (got.prefill(ids[0], all_logits=True)[0] - want).abs().max() < hf_oracle.ATOL
+    if qtype == "F32":
+        hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+        assert torch.equal(got.prefill(ids[0])[0], load_model(tmp_path / "hf").prefill(ids[0])[0])

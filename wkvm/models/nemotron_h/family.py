@@ -11,8 +11,10 @@ from typing import Any
 from wkvm.chat_template import ChatTemplate
 from wkvm.models.bamba.model import MAMBA, PREFIX
 from wkvm.models.family import Checkpoint, CheckpointError, read_safetensors_dir, untie_head
+from wkvm.models.llama import gguf_file
+from wkvm.models.llama.gguf_text import gguf_chat_template, gguf_tokenizer
 from wkvm.models.mamba2.model import Mamba2Config
-from wkvm.models.nemotron_h import model
+from wkvm.models.nemotron_h import gguf, model
 from wkvm.models.nemotron_h.model import NemotronH, NemotronHConfig
 from wkvm.models.provider import WeightProvider
 from wkvm.tokenizer import Tokenizer
@@ -27,12 +29,16 @@ def hf_name(name: str) -> str | None:
 class NemotronHFamily:
     name = model.FAMILY
     model_types = ("nemotron_h",)
-    formats = "Nemotron-H (Mamba2 + attention + MLP layers) as an HF directory (NemotronHForCausalLM, *.safetensors)"
+    formats = ("Nemotron-H (Mamba2 + attention + MLP layers) as an HF directory (NemotronHForCausalLM, "
+               "*.safetensors) or a llama.cpp .gguf file (architecture nemotron_h)")
 
     def detect(self, path: Path) -> str | None:
-        return None  # HF directories only: the registry matches them by model_type
+        return gguf.detect(path)  # HF directories: the registry matches them by model_type
 
     def read_checkpoint(self, path: Path, fmt: str) -> Checkpoint:
+        if fmt == "gguf":
+            raw, config = gguf.read(path)
+            return Checkpoint(raw, config, fmt)
         config = json.loads((path / "config.json").read_text())
         raw = read_safetensors_dir(path, hf_name)
         untie_head(raw, model.HEAD, model.EMBED, bool(config.get("tie_word_embeddings")), path)
@@ -66,16 +72,18 @@ class NemotronHFamily:
                 f"of {cfg.head_dim}, vocab {cfg.vocab_size}")  # fmt: skip
 
     def convert(self, src: Path, dst: Path) -> str:
-        raise CheckpointError("Nemotron-H has one checkpoint format (an HF directory): nothing to convert")
+        raise CheckpointError("wkvm does not convert Nemotron-H checkpoints: serve the HF directory or GGUF file as "
+                              "it is")  # fmt: skip
 
     def default_tokenizer(self, path: Path) -> Tokenizer | None:
-        return None
+        return gguf_tokenizer(path) if gguf.detect(path) else None
 
     def default_chat_template(self, path: Path) -> ChatTemplate | None:
-        return None
+        return gguf_chat_template(path) if gguf.detect(path) else None
 
     def native_dtype(self, path: Path, fmt: str) -> str:
-        return "float32"  # float checkpoints only
+        # a GGUF file at its own precision, as llama.cpp runs it (`gguf_file.native_dtype`); float HF checkpoints
+        return gguf_file.native_dtype(path, gguf.MATRICES) if fmt == "gguf" else "float32"
 
 
 FAMILY = NemotronHFamily()
