@@ -8,26 +8,21 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from wkvm.chat_template import ChatTemplate
 from wkvm.models.bamba import model as bamba
 from wkvm.models.family import Checkpoint, CheckpointError, read_safetensors_dir, untie_head
 from wkvm.models.granite_hybrid import gguf, model
 from wkvm.models.granite_hybrid.model import GraniteHybrid, GraniteHybridConfig
-from wkvm.models.llama import gguf_file
-from wkvm.models.llama.gguf_text import gguf_chat_template, gguf_tokenizer
+from wkvm.models.llama.gguf_text import GGUFFamilyParts
 from wkvm.models.mamba2.model import Mamba2Config
 from wkvm.models.provider import WeightProvider
-from wkvm.tokenizer import Tokenizer
 
 
-class GraniteHybridFamily:
+class GraniteHybridFamily(GGUFFamilyParts):
     name = model.FAMILY
+    gguf_architecture, gguf_matrices = gguf.ARCHITECTURE, gguf.MATRICES  # its llama.cpp files
     model_types = ("granitemoehybrid",)
     formats = ("Granite 4.0 H (Mamba2 + attention, dense) as an HF directory (GraniteMoeHybridForCausalLM, "
                "*.safetensors) or a llama.cpp .gguf file (architecture granitehybrid)")
-
-    def detect(self, path: Path) -> str | None:
-        return gguf.detect(path)  # HF directories: the registry matches them by model_type
 
     def read_checkpoint(self, path: Path, fmt: str) -> Checkpoint:
         if fmt == "gguf":
@@ -69,16 +64,6 @@ class GraniteHybridFamily:
     def convert(self, src: Path, dst: Path) -> str:
         raise CheckpointError("wkvm does not convert Granite 4.0 H checkpoints: serve the HF directory or GGUF file "
                               "as it is")  # fmt: skip
-
-    def default_tokenizer(self, path: Path) -> Tokenizer | None:
-        return gguf_tokenizer(path) if gguf.detect(path) else None
-
-    def default_chat_template(self, path: Path) -> ChatTemplate | None:
-        return gguf_chat_template(path) if gguf.detect(path) else None
-
-    def native_dtype(self, path: Path, fmt: str) -> str:
-        # a GGUF file at its own precision, as llama.cpp runs it (`gguf_file.native_dtype`); float HF checkpoints
-        return gguf_file.native_dtype(path, gguf.MATRICES) if fmt == "gguf" else "float32"
 
 
 FAMILY = GraniteHybridFamily()

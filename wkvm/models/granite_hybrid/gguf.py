@@ -40,10 +40,6 @@ GATE_UP = ("ffn_gate.weight", "ffn_up.weight")  # one HF matrix: shared_mlp.inpu
 MATRICES = ("ssm_in", "ssm_out", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-def detect(path: Path) -> str | None:
-    return gguf_file.of_architecture(path, ARCHITECTURE)
-
-
 def layer_part(name: str) -> tuple[int, str] | None:
     """(layer, the name after `blk.{layer}.`) of a layer tensor; None for a global."""
     parts = name.split(".", 2)

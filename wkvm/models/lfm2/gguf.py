@@ -34,10 +34,6 @@ LAYER_NAMES = {
 MATRICES = tuple(k for k in LAYER_NAMES if not k.endswith("norm") and k != "shortconv.conv")
 
 
-def detect(path: Path) -> str | None:
-    return gguf_file.of_architecture(path, ARCHITECTURE)
-
-
 def hf_name(name: str) -> str:
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]

@@ -26,8 +26,8 @@ from tokenizers import Tokenizer as HFTokenizers
 
 from wkvm.chat_template import ChatTemplate
 from wkvm.models.family import CheckpointError, first_line
-from wkvm.models.llama.gguf_file import field, metadata_number, open_reader
-from wkvm.tokenizer import HFTokenizer
+from wkvm.models.llama.gguf_file import field, metadata_number, native_dtype, of_architecture, open_reader
+from wkvm.tokenizer import HFTokenizer, Tokenizer
 
 log = logging.getLogger("wkvm.gguf")
 
@@ -274,3 +274,26 @@ def gguf_chat_template(path: str | os.PathLike[str]) -> ChatTemplate | None:
     tool_use = field(reader, "tokenizer.chat_template.tool_use")
     return ChatTemplate(source, stop, "GGUF tokenizer.chat_template",
                         tool_source=tool_use if isinstance(tool_use, str) else None)
+
+
+class GGUFFamilyParts:
+    """What a family that also reads llama.cpp GGUF files of its architecture gives the loader for such a file (LFM2,
+    Granite 4.0 H, Nemotron-H): which files are its (`detect`), their own tokenizer and chat template, and their
+    precision for `--dtype auto` (`gguf_file.native_dtype` over the architecture's layer matrices); for HF
+    directories none and float32. A family sets `gguf_architecture` and `gguf_matrices`."""
+
+    gguf_architecture: str
+    gguf_matrices: tuple[str, ...]
+
+    def detect(self, path: Path) -> str | None:
+        """"gguf" for a file of the family's architecture; HF directories the registry matches by model_type."""
+        return of_architecture(path, self.gguf_architecture)
+
+    def default_tokenizer(self, path: Path) -> Tokenizer | None:
+        return gguf_tokenizer(path) if self.detect(path) else None
+
+    def default_chat_template(self, path: Path) -> ChatTemplate | None:
+        return gguf_chat_template(path) if self.detect(path) else None
+
+    def native_dtype(self, path: Path, fmt: str) -> str:
+        return native_dtype(path, self.gguf_matrices) if fmt == "gguf" else "float32"

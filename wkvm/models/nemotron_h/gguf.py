@@ -36,10 +36,6 @@ LAYER_NAMES = {
 MATRICES = ("ssm_in", "ssm_out", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_up", "ffn_down")
 
 
-def detect(path: Path) -> str | None:
-    return gguf_file.of_architecture(path, ARCHITECTURE)
-
-
 def per_layer(meta: dict[str, Any], key: str, layers: int) -> list[int]:
     """A per-layer count (a list, or one number for every layer)."""
     value = meta.get(key, 0)
