@@ -90,6 +90,15 @@ def test_declared_layer_kinds_and_biases_must_match(tmp_path):
     cfg.write_text(json.dumps({**good, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}))
     with pytest.raises(CheckpointError, match="yarn"):
         load_model(tmp_path / "b")
+    # heads left out: transformers' defaults (32 over 8), refused by this model's k projection; read as one head (the
+    # default had been 1), a model of 4 query and 4 key-value heads passed every shape check and ran one head of 64
+    Lfm2ForCausalLM(tiny_config(50, num_hidden_layers=2, layer_types=["conv", "full_attention"], num_attention_heads=4,
+                                num_key_value_heads=4)).save_pretrained(tmp_path / "mha")  # fmt: skip
+    cfg = tmp_path / "mha" / "config.json"
+    silent = {k: v for k, v in json.loads(cfg.read_text()).items() if "_heads" not in k}
+    cfg.write_text(json.dumps(silent))
+    with pytest.raises(CheckpointError, match="k_proj"):
+        load_model(tmp_path / "mha")
 
 
 # --- GGUF (llama.cpp's lfm2 architecture) ---------------------------------------------------------------------------

@@ -99,8 +99,10 @@ class Lfm2Config:
         for i, kind in enumerate(kinds):
             require(raw, [f"{PREFIX}{i}.{k}" for k in (CONV_RAW if kind == CONV else ATTN_RAW) + MLP_RAW + NORM_RAW],
                     "LFM2")  # fmt: skip
-        heads = positive_int(hf, "num_attention_heads", "LFM2", default=1)
-        kv_heads = positive_int(hf, "num_key_value_heads", "LFM2", default=heads)
+        # transformers' Lfm2Config defaults where config.json is silent (a head count of 1 there had passed the shape
+        # checks, q being width x width either way, and run one head where transformers runs 32)
+        heads = positive_int(hf, "num_attention_heads", "LFM2", default=32)
+        kv_heads = positive_int(hf, "num_key_value_heads", "LFM2", default=8)
         head_dim = positive_int(hf, "head_dim", "LFM2", default=embd // heads)
         if heads % kv_heads:
             raise CheckpointError(f"LFM2 attention: {heads} heads over {kv_heads} key/value heads: not a shape "
