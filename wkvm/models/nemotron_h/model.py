@@ -111,7 +111,7 @@ class NemotronHConfig:
             names = {MAMBA: MIXER_RAW, ATTENTION: ATTN_RAW, MLP: MLP_RAW}[kind]
             require(raw, [f"{PREFIX}{i}.{k}" for k in (*names, "norm.weight")], WHAT)
         heads = positive_int(hf, "num_attention_heads", WHAT)
-        kv_heads = positive_int(hf, "num_key_value_heads", WHAT, default=heads)
+        kv_heads = positive_int(hf, "num_key_value_heads", WHAT, default=8)  # transformers' NemotronHConfig default
         # transformers' NemotronHConfig defaults head_dim to 128, not the width over the heads: where config.json
         # gives none, the first attention layer's q rows say it
         q_rows = raw[f"{PREFIX}{kinds.index(ATTENTION)}.mixer.q_proj.weight"].shape[0] if ATTENTION in kinds else 0
