@@ -5,8 +5,8 @@ Bamba's layout (its Mamba2 mixers under `mamba.`, the Mamba2 family's own code) 
 embedding times `embedding_multiplier`, each sublayer's output times `residual_multiplier` before its residual add,
 attention scaled by `attention_multiplier` (not head_dim^-0.5), the logits divided by `logits_scaling`. The MLP is
 `shared_mlp` (`input_linear` gives gate then up, SiLU; `output_linear`). Attention has RoPE over the whole head where
-`position_embedding_type` is "rope", else none (NoPE, the released 4.0 H models). State: as Bamba's (per Mamba2
-layer its conv window and SSM state; per attention layer keys and values). Raw tensor names are the HF names.
+`position_embedding_type` is "rope", else none (NoPE: llama.cpp runs every Granite 4.0 H so). State: as Bamba's
+(per Mamba2 layer its conv window and SSM state; per attention layer keys and values). Raw tensor names are HF's.
 """
 
 from __future__ import annotations
