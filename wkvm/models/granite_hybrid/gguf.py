@@ -12,18 +12,16 @@ count per layer, 0 for a Mamba2 layer; and `rope.scaling.finetuned` as the switc
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from gguf import ReaderTensor
 
 from wkvm.models.bamba.model import HEAD, PREFIX
-from wkvm.models.family import CheckpointError, LazyTensors, RawTensors
+from wkvm.models.family import CheckpointError, RawTensors
 from wkvm.models.granite_hybrid.model import EMBED, FINAL_NORM
 from wkvm.models.llama import gguf_file
-from wkvm.models.llama.gguf_file import meta_number, metadata_number, unpermute
+from wkvm.models.llama.gguf_file import meta_number
 
 ARCHITECTURE = "granitehybrid"
 GLOBAL_NAMES = {"token_embd.weight": EMBED, "output_norm.weight": FINAL_NORM, "output.weight": HEAD}
@@ -40,24 +38,14 @@ GATE_UP = ("ffn_gate.weight", "ffn_up.weight")  # one HF matrix: shared_mlp.inpu
 MATRICES = ("ssm_in", "ssm_out", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-def layer_part(name: str) -> tuple[int, str] | None:
-    """(layer, the name after `blk.{layer}.`) of a layer tensor; None for a global."""
-    parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
-        return int(parts[1]), parts[2]
-    return None
-
-
 def hf_config(meta: dict[str, Any], vocab: int, tied: bool, conv_bias: bool) -> dict[str, Any]:
     """The config.json an HF `GraniteMoeHybridForCausalLM` of these dimensions would have."""
     a = ARCHITECTURE + "."
     layers, width = meta_number(meta, a + "block_count"), meta_number(meta, a + "embedding_length")
     heads = meta_number(meta, a + "attention.head_count")
-    per_layer = meta.get(a + "attention.head_count_kv", heads)
-    per_layer = per_layer if isinstance(per_layer, list) else [per_layer] * layers
-    kv = [metadata_number(f"{a}attention.head_count_kv", n) for n in per_layer]
+    kv = gguf_file.per_layer(meta, a + "attention.head_count_kv", layers, heads)
     kv_heads = sorted({n for n in kv if n})
-    if heads <= 0 or width <= 0 or len(kv) != layers or len(kv_heads) > 1 or min(kv, default=0) < 0:
+    if heads <= 0 or width <= 0 or len(kv_heads) > 1 or min(kv, default=0) < 0:
         raise CheckpointError(f"GGUF metadata {a}attention.head_count {heads}, head_count_kv {kv} and embedding_length "
                               f"{width} for {layers} layers: not a Granite 4.0 H wkvm runs (one key-value head count "
                               "for every attention layer)")  # fmt: skip
@@ -67,8 +55,8 @@ def hf_config(meta: dict[str, Any], vocab: int, tied: bool, conv_bias: bool) -> 
     if meta_number(meta, a + "expert_count", 0):
         raise CheckpointError("GGUF Granite 4.0 H with experts (Tiny / Small) is not supported")
     head_dim = width // heads  # the converter drops head_dim, as llama.cpp derives it
-    scales = {"embedding_multiplier": (a + "embedding_scale", 0.0), "residual_multiplier": (a + "residual_scale", 0.0),
-              "attention_multiplier": (a + "attention.scale", 0.0), "logits_scaling": (a + "logit_scale", 0.0)}
+    scales = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
+              "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
     cfg: dict[str, Any] = {
         "model_type": "granitemoehybrid", "architectures": ["GraniteMoeHybridForCausalLM"], "hidden_size": width,
         "num_hidden_layers": layers, "num_attention_heads": heads,
@@ -80,8 +68,8 @@ def hf_config(meta: dict[str, Any], vocab: int, tied: bool, conv_bias: bool) -> 
         "vocab_size": vocab, "max_position_embeddings": meta_number(meta, a + "context_length", 4096),
         "tie_word_embeddings": tied,
     }  # fmt: skip
-    for key, (name, absent) in scales.items():
-        value = meta_number(meta, name, absent, float)
+    for key, name in scales.items():
+        value = meta_number(meta, a + name, 0.0, float)
         # llama.cpp: a scale of 0 (or none) is no scaling; attention's is then 1/sqrt(head size)
         cfg[key] = value if value else (head_dim**-0.5 if key == "attention_multiplier" else 1.0)
     return cfg
@@ -90,13 +78,10 @@ def hf_config(meta: dict[str, Any], vocab: int, tied: bool, conv_bias: bool) -> 
 def read(path: Path) -> tuple[RawTensors, dict[str, Any]]:
     """Raw tensors under HF names (each made when read: dequantized to fp32, reshaped to HF's shape, q and k rows put
     back, gate and up joined, A as A_log) and an HF-style config dict."""
-    reader = gguf_file.open_reader(path)
-    meta = gguf_file.metadata(reader)
-    if meta.get("general.architecture") != ARCHITECTURE:
-        raise CheckpointError(f"{path}: GGUF architecture {meta.get('general.architecture')!r} is not granitehybrid")
+    reader, meta = gguf_file.open_architecture(path, ARCHITECTURE)
     parts: dict[str, list[ReaderTensor]] = {}  # HF name -> the file's tensors that make it
     for t in reader.tensors:
-        at = layer_part(t.name)
+        at = gguf_file.layer_part(t.name)
         if t.name in GLOBAL_NAMES:
             parts[GLOBAL_NAMES[t.name]] = [t]
         elif at is not None and at[1] in LAYER_NAMES:
@@ -121,40 +106,4 @@ def read(path: Path) -> tuple[RawTensors, dict[str, Any]]:
         raise CheckpointError(f"{path}: {e}") from None
     gguf_file.check_block_count(path, reader, ARCHITECTURE, config["num_hidden_layers"])
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-
-    return lazy_tensors(path, parts, heads), config
-
-
-def hf_shape(name: str, ts: list[ReaderTensor]) -> tuple[int, ...]:
-    """The HF shape of the tensor `ts` make (two: gate and up rows joined): the conv's middle axis back, A, D and the
-    gated norm's weight flat."""
-    dims = [tuple(int(d) for d in reversed(t.shape)) for t in ts]  # HF's [out, in] order
-    if len(dims) == 2:
-        return (dims[0][0] + dims[1][0], *dims[0][1:])
-    (s,) = dims
-    if name.endswith("conv1d.weight"):
-        return (s[0], 1, s[-1])
-    if len(s) == 2 and name.endswith(("mamba.norm.weight", "mixer.norm.weight")):  # [groups, d_inner / groups]
-        return (s[0] * s[1],)
-    if len(s) == 2 and name.endswith(("A_log", ".D")):  # [H, 1]
-        return (s[0],)
-    return s
-
-
-def lazy_tensors(path: Path, parts: dict[str, list[ReaderTensor]], heads: dict[str, int]) -> LazyTensors:
-    """HF name -> a maker of its tensor from the file's `parts` (dequantized to fp32, in HF's shape, q and k rows put
-    back for `heads` {"q_proj": query heads, "k_proj": key-value heads}, A as log(-A)), made when read."""
-
-    def maker(name: str, ts: list[ReaderTensor], want: tuple[int, ...]) -> Callable[[], torch.Tensor]:
-        def make() -> torch.Tensor:
-            out = torch.cat([gguf_file.read_tensor(path, t, None) for t in ts]).reshape(want)
-            proj = name.split(".")[-2]
-            if proj in heads:
-                out = unpermute(out, heads[proj])
-            return torch.log(-out) if name.endswith("A_log") else out
-
-        return make
-
-    shapes = {name: hf_shape(name, ts) for name, ts in parts.items()}
-    own = {name: "+".join(t.name for t in ts) for name, ts in parts.items()}  # errors name the file's names too
-    return LazyTensors({n: maker(n, ts, shapes[n]) for n, ts in parts.items()}, shapes, own)
+    return gguf_file.lazy_tensors(path, parts, heads), config

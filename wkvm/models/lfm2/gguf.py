@@ -10,17 +10,13 @@ from the metadata (`llama/gguf_text.py`; llama.cpp's `lfm2` pre-tokenizer is Lla
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-from gguf import ReaderTensor
-
-from wkvm.models.family import CheckpointError, LazyTensors, RawTensors
+from wkvm.models.family import CheckpointError, RawTensors
 from wkvm.models.lfm2.model import ATTENTION, CONV, EMBED, FINAL_NORM, HEAD, PREFIX
 from wkvm.models.llama import gguf_file
-from wkvm.models.llama.gguf_file import meta_number, metadata_number
+from wkvm.models.llama.gguf_file import meta_number
 
 ARCHITECTURE = "lfm2"
 GLOBAL_NAMES = {"token_embd.weight": EMBED, "token_embd_norm.weight": FINAL_NORM, "output.weight": HEAD}
@@ -51,11 +47,7 @@ def hf_config(meta: dict[str, Any], vocab: int, tied: bool) -> dict[str, Any]:
     a = ARCHITECTURE + "."
     layers, width = meta_number(meta, a + "block_count"), meta_number(meta, a + "embedding_length")
     heads = meta_number(meta, a + "attention.head_count")
-    per_layer = meta.get(a + "attention.head_count_kv", heads)
-    per_layer = per_layer if isinstance(per_layer, list) else [per_layer] * layers
-    kv = [metadata_number(f"{a}attention.head_count_kv", n) for n in per_layer]
-    if len(kv) != layers:
-        raise CheckpointError(f"GGUF metadata {a}attention.head_count_kv has {len(kv)} entries for {layers} layers")
+    kv = gguf_file.per_layer(meta, a + "attention.head_count_kv", layers, heads)
     kv_heads = sorted({n for n in kv if n})
     if heads <= 0 or width <= 0 or len(kv_heads) > 1 or min(kv, default=0) < 0:
         raise CheckpointError(f"GGUF metadata {a}attention.head_count {heads}, head_count_kv {kv} and embedding_length "
@@ -90,26 +82,11 @@ def hf_config(meta: dict[str, Any], vocab: int, tied: bool) -> dict[str, Any]:
 def read(path: Path) -> tuple[RawTensors, dict[str, Any]]:
     """Raw tensors under HF names (made when read: each dequantized to fp32 then, the conv's taps given back their
     middle axis) and an HF-style config dict."""
-    reader = gguf_file.open_reader(path)
-    meta = gguf_file.metadata(reader)
-    if meta.get("general.architecture") != ARCHITECTURE:
-        raise CheckpointError(f"{path}: GGUF architecture {meta.get('general.architecture')!r} is not lfm2")
+    reader, meta = gguf_file.open_architecture(path, ARCHITECTURE)
     try:
         tensors = {hf_name(t.name): t for t in reader.tensors}
         config = hf_config(meta, gguf_file.vocab_size(path, reader, tensors.get(EMBED)), tied=HEAD not in tensors)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
     gguf_file.check_block_count(path, reader, ARCHITECTURE, config["num_hidden_layers"])
-
-    def taps(name: str) -> bool:
-        return name.endswith(".conv.conv.weight")
-
-    def maker(name: str, t: ReaderTensor) -> Callable[[], torch.Tensor]:
-        if taps(name):
-            return lambda: gguf_file.read_tensor(path, t, None).unsqueeze(1)
-        return lambda: gguf_file.read_tensor(path, t, None)
-
-    shapes = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in tensors.items()}  # HF's [out, in] order
-    shapes = {name: (s[0], 1, *s[1:]) if taps(name) else s for name, s in shapes.items()}
-    own = {name: t.name for name, t in tensors.items()}  # errors name both: users know the file's names
-    return LazyTensors({name: maker(name, t) for name, t in tensors.items()}, shapes, own), config
+    return gguf_file.lazy_tensors(path, {name: [t] for name, t in tensors.items()}, {}), config

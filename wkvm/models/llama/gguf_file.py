@@ -322,10 +322,7 @@ def read_gguf(path: Path) -> tuple[RawTensors, dict[str, Any]]:
     """Raw tensors under HF names and an HF-style config dict. The tensors are made when read (`LazyTensors`): each
     dequantized to fp32 (q and k put back in HF's row order) then and not kept, so building a model holds one fp32
     tensor at a time, not the whole model."""
-    reader = open_reader(path)
-    meta = metadata(reader)
-    if meta.get("general.architecture") != ARCHITECTURE:
-        raise CheckpointError(f"{path}: GGUF architecture {meta.get('general.architecture')!r} is not llama")
+    reader, meta = open_architecture(path, ARCHITECTURE)
     tensors = hf_tensors(reader)
     factors = tensors.pop(ROPE_FREQS, None)
     vocab = vocab_size(path, reader, tensors.get(EMBED))
@@ -405,3 +402,67 @@ def read_tensor(path: Path, t: ReaderTensor, unpermute_heads: int | None) -> tor
         raise CheckpointError(f"{path}: tensor {t.name} does not read (the file is truncated or corrupt: "
                               f"{first_line(str(e), 120)})") from None  # fmt: skip
     return unpermute(out, unpermute_heads) if unpermute_heads else out
+
+
+# --- the layout llama.cpp's converters write, undone (the hybrid families' readers) ----------------------------
+def layer_part(name: str) -> tuple[int, str] | None:
+    """(layer, the name after `blk.{layer}.`) of a layer tensor; None for a global."""
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        return int(parts[1]), parts[2]
+    return None
+
+
+def per_layer(meta: dict[str, Any], key: str, layers: int, default: int = 0) -> list[int]:
+    """A per-layer count (`attention.head_count_kv`, `feed_forward_length`): a list, or one number for every layer
+    (`default` where the file has none)."""
+    value = meta.get(key, default)
+    values = value if isinstance(value, list) else [value] * layers
+    if len(values) != layers:
+        raise CheckpointError(f"GGUF metadata {key} has {len(values)} entries for {layers} layers")
+    return [metadata_number(key, n) for n in values]
+
+
+def open_architecture(path: Path, arch: str) -> tuple[GGUFReader, dict[str, Any]]:
+    """The file's reader and metadata, refusing another architecture's file."""
+    reader = open_reader(path)
+    meta = metadata(reader)
+    if meta.get("general.architecture") != arch:
+        raise CheckpointError(f"{path}: GGUF architecture {meta.get('general.architecture')!r} is not {arch}")
+    return reader, meta
+
+
+def hf_shape(name: str, ts: list[ReaderTensor]) -> tuple[int, ...]:
+    """The HF shape of the tensor the file's `ts` make (two: gate and up rows joined): a depthwise conv's middle axis
+    back; Mamba2's A, D and gated norm weight flat (llama.cpp's converters reshape these)."""
+    dims = [tuple(int(d) for d in reversed(t.shape)) for t in ts]  # HF's [out, in] order
+    if len(dims) == 2:
+        return (dims[0][0] + dims[1][0], *dims[0][1:])
+    (s,) = dims
+    if name.endswith(("conv1d.weight", "conv.conv.weight")):  # a depthwise conv's [C, K] (Mamba2, LFM2)
+        return (s[0], 1, s[-1])
+    if len(s) == 2 and name.endswith(("mamba.norm.weight", "mixer.norm.weight")):  # [groups, d_inner / groups]
+        return (s[0] * s[1],)
+    if len(s) == 2 and name.endswith(("A_log", ".D")):  # [H, 1]
+        return (s[0],)
+    return s
+
+
+def lazy_tensors(path: Path, parts: dict[str, list[ReaderTensor]], heads: dict[str, int]) -> LazyTensors:
+    """HF name -> a maker of its tensor from the file's `parts` (dequantized to fp32, in HF's shape, q and k rows put
+    back for `heads` {"q_proj": query heads, "k_proj": key-value heads}, A as log(-A)), made when read."""
+
+    def maker(name: str, ts: list[ReaderTensor], want: tuple[int, ...]) -> Callable[[], torch.Tensor]:
+        def make() -> torch.Tensor:
+            parts = [read_tensor(path, t, None) for t in ts]  # one tensor but for a joined gate and up
+            out = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(want)
+            proj = name.split(".")[-2]
+            if proj in heads:
+                out = unpermute(out, heads[proj])
+            return torch.log(-out) if name.endswith("A_log") else out
+
+        return make
+
+    shapes = {name: hf_shape(name, ts) for name, ts in parts.items()}
+    own = {name: "+".join(t.name for t in ts) for name, ts in parts.items()}  # errors name the file's names too
+    return LazyTensors({n: maker(n, ts, shapes[n]) for n, ts in parts.items()}, shapes, own)

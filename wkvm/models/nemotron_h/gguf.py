@@ -17,9 +17,8 @@ from gguf import ReaderTensor
 
 from wkvm.models.bamba.model import MAMBA, PREFIX
 from wkvm.models.family import CheckpointError, RawTensors
-from wkvm.models.granite_hybrid.gguf import layer_part, lazy_tensors
 from wkvm.models.llama import gguf_file
-from wkvm.models.llama.gguf_file import meta_number, metadata_number
+from wkvm.models.llama.gguf_file import meta_number
 from wkvm.models.nemotron_h.model import ATTENTION, EMBED, FINAL_NORM, HEAD, MLP
 
 ARCHITECTURE = "nemotron_h"
@@ -36,21 +35,13 @@ LAYER_NAMES = {
 MATRICES = ("ssm_in", "ssm_out", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_up", "ffn_down")
 
 
-def per_layer(meta: dict[str, Any], key: str, layers: int) -> list[int]:
-    """A per-layer count (a list, or one number for every layer)."""
-    value = meta.get(key, 0)
-    values = value if isinstance(value, list) else [value] * layers
-    if len(values) != layers:
-        raise CheckpointError(f"GGUF metadata {key} has {len(values)} entries for {layers} layers")
-    return [metadata_number(key, n) for n in values]
-
-
 def hf_config(meta: dict[str, Any], vocab: int, tied: bool, conv_bias: bool) -> dict[str, Any]:
     """The config.json an HF `NemotronHForCausalLM` of these dimensions would have."""
     a = ARCHITECTURE + "."
     layers, width = meta_number(meta, a + "block_count"), meta_number(meta, a + "embedding_length")
     heads = meta_number(meta, a + "attention.head_count")
-    kv, ffn = per_layer(meta, a + "attention.head_count_kv", layers), per_layer(meta, a + "feed_forward_length", layers)
+    kv = gguf_file.per_layer(meta, a + "attention.head_count_kv", layers)
+    ffn = gguf_file.per_layer(meta, a + "feed_forward_length", layers)
     kinds = [ATTENTION if h else MLP if f else MAMBA for h, f in zip(kv, ffn, strict=True)]
     kv_heads, ffns = sorted({n for n in kv if n}), sorted({n for n in ffn if n})
     if heads <= 0 or width <= 0 or len(kv_heads) > 1 or len(ffns) > 1 or min(kv + ffn, default=0) < 0 or any(
@@ -80,13 +71,10 @@ def hf_config(meta: dict[str, Any], vocab: int, tied: bool, conv_bias: bool) -> 
 
 def read(path: Path) -> tuple[RawTensors, dict[str, Any]]:
     """Raw tensors under HF names (made when read, as Granite 4.0 H's) and an HF-style config dict."""
-    reader = gguf_file.open_reader(path)
-    meta = gguf_file.metadata(reader)
-    if meta.get("general.architecture") != ARCHITECTURE:
-        raise CheckpointError(f"{path}: GGUF architecture {meta.get('general.architecture')!r} is not nemotron_h")
+    reader, meta = gguf_file.open_architecture(path, ARCHITECTURE)
     parts: dict[str, list[ReaderTensor]] = {}
     for t in reader.tensors:
-        at = layer_part(t.name)
+        at = gguf_file.layer_part(t.name)
         if t.name in GLOBAL_NAMES:
             parts[GLOBAL_NAMES[t.name]] = [t]
         elif at is not None and at[1] in LAYER_NAMES:
@@ -103,4 +91,4 @@ def read(path: Path) -> tuple[RawTensors, dict[str, Any]]:
         raise CheckpointError(f"{path}: {e}") from None
     gguf_file.check_block_count(path, reader, ARCHITECTURE, len(config["layers_block_type"]))
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    return lazy_tensors(path, parts, heads), config
+    return gguf_file.lazy_tensors(path, parts, heads), config
