@@ -185,10 +185,15 @@ def mamba_config(raw: RawTensors, kinds: tuple[str, ...], n_layer: int, vocab: i
 
 
 def state_spec(cfg: BambaConfig, family: str = FAMILY) -> StateSpec:
-    """The state of `cfg`'s layers, under `family`'s name (Granite 4.0 H's has Bamba's tensors)."""
+    """The state of `cfg`'s layers, under `family`'s name (Granite 4.0 H's and Nemotron-H's have Bamba's tensors):
+    keys and values for attention layers, the conv window and SSM state for Mamba2 layers; layers of another kind
+    (Nemotron-H's MLP layers) keep none."""
     tensors: list[TensorSpec] = []
     for i, kind in enumerate(cfg.layer_types):
-        tensors += kv_tensors(i, cfg.n_kv_heads, cfg.head_dim) if kind == ATTENTION else mixer_state(cfg.mamba, i)
+        if kind == ATTENTION:
+            tensors += kv_tensors(i, cfg.n_kv_heads, cfg.head_dim)
+        elif kind == MAMBA:
+            tensors += mixer_state(cfg.mamba, i)
     return StateSpec(family, tuple(tensors))
 
 

@@ -15,11 +15,11 @@ from typing import Any
 
 from gguf import ReaderTensor
 
-from wkvm.models.bamba.model import MAMBA, PREFIX
+from wkvm.models.bamba.model import ATTENTION, HEAD, MAMBA, PREFIX
 from wkvm.models.family import CheckpointError, RawTensors
 from wkvm.models.llama import gguf_file
 from wkvm.models.llama.gguf_file import meta_number
-from wkvm.models.nemotron_h.model import ATTENTION, EMBED, FINAL_NORM, HEAD, MLP
+from wkvm.models.nemotron_h.model import EMBED, FINAL_NORM, MLP
 
 ARCHITECTURE = "nemotron_h"
 GLOBAL_NAMES = {"token_embd.weight": EMBED, "output_norm.weight": FINAL_NORM, "output.weight": HEAD}

@@ -16,10 +16,18 @@ from typing import Any
 
 import torch
 
-from wkvm.models.bamba.model import MAMBA, PREFIX, mamba_config
+from wkvm.models.bamba.model import (
+    ATTENTION,
+    ATTN_LINEAR,
+    MAMBA,
+    MAMBA_LINEAR,
+    PREFIX,
+    Bamba,
+    BambaConfig,
+    mamba_config,
+)
 from wkvm.models.family import (
     CheckpointError,
-    ModelBase,
     RawTensors,
     check_bias_flags,
     check_layer_count,
@@ -36,16 +44,14 @@ from wkvm.models.family import (
     resident,
 )
 from wkvm.models.fused import rms_norm
-from wkvm.models.kv import Attn, kv_tensors
+from wkvm.models.kv import Attn
 from wkvm.models.linear import linear, stored
-from wkvm.models.mamba2.model import Mamba2Config, mixer, mixer_shapes, mixer_state, mixer_tensors
-from wkvm.models.mamba2.ssd import DEFAULT_CHUNK, kernel_available
+from wkvm.models.mamba2.model import mixer, mixer_shapes, mixer_tensors
 from wkvm.models.provider import Tensors, WeightProvider
-from wkvm.models.rope import frequencies
-from wkvm.models.spec import State, StateSpec, TensorSpec
+from wkvm.models.spec import State
 
 FAMILY = "nemotron_h"
-ATTENTION, MLP = "full_attention", "mlp"
+MLP = "mlp"
 KINDS = {"M": MAMBA, "mamba": MAMBA, MAMBA: MAMBA, "*": ATTENTION, "attention": ATTENTION, ATTENTION: ATTENTION,
          "-": MLP, MLP: MLP, "E": "moe", "moe": "moe"}  # fmt: skip
 EMBED, FINAL_NORM, HEAD = "model.embeddings.weight", "model.norm_f.weight", "lm_head.weight"
@@ -53,30 +59,14 @@ MIXER_RAW = ("mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.dt_bias", "mi
              "mixer.norm.weight", "mixer.out_proj.weight")  # fmt: skip
 ATTN_RAW = ("mixer.q_proj.weight", "mixer.k_proj.weight", "mixer.v_proj.weight", "mixer.o_proj.weight")
 MLP_RAW = ("mixer.up_proj.weight", "mixer.down_proj.weight")
-MAMBA_LINEAR = ("mixer.in_proj.weight", "mixer.out_proj.weight")
-ATTN_LINEAR = ("self_attn.qkv", "self_attn.o_proj.weight")
 MLP_LINEAR = ("mlp.up_proj.weight", "mlp.down_proj.weight")
 WHAT = "Nemotron-H"
 
 
 @dataclass(frozen=True)
-class NemotronHConfig:
-    n_layer: int
-    n_embd: int
-    vocab_size: int
-    ffn_size: int
-    layer_types: tuple[str, ...]
-    mamba: Mamba2Config  # the Mamba2 layers' shape (its n_layer and vocab are the whole model's)
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    tied_head: bool = False
-    rms_eps: float = 1e-5
-    max_context: int | None = None
-
-    @property
-    def attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, kind in enumerate(self.layer_types) if kind == ATTENTION)
+class NemotronHConfig(BambaConfig):
+    """Bamba's shape (`rotary_dim` the whole head, unused: no positions; `ffn_size` the MLP layers'), its layer kinds
+    Mamba2, attention and MLP."""
 
     @staticmethod
     def from_checkpoint(raw: RawTensors, hf: dict[str, Any]) -> NemotronHConfig:
@@ -125,7 +115,7 @@ class NemotronHConfig:
         ffn = matrix_shape(raw, f"{PREFIX}{kinds.index(MLP)}.mixer.up_proj.weight", WHAT)[0] if MLP in kinds else 0
         cfg = NemotronHConfig(
             n_layer=n_layer, n_embd=embd, vocab_size=vocab, ffn_size=ffn, layer_types=kinds, mamba=mamba,
-            n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, tied_head=HEAD not in raw,
+            n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, rotary_dim=head_dim, tied_head=HEAD not in raw,
             rms_eps=config_eps(hf, "layer_norm_epsilon", 1e-5, WHAT),
             max_context=config_context(hf, "max_position_embeddings", WHAT),
         )  # fmt: skip
@@ -148,16 +138,6 @@ def expected_shapes(cfg: NemotronHConfig) -> dict[str, tuple[int, ...]]:
         else:
             shapes.update({p + k: v for k, v in (attn if kind == ATTENTION else mlp).items()})
     return shapes
-
-
-def state_spec(cfg: NemotronHConfig) -> StateSpec:
-    tensors: list[TensorSpec] = []
-    for i, kind in enumerate(cfg.layer_types):
-        if kind == ATTENTION:
-            tensors += kv_tensors(i, cfg.n_kv_heads, cfg.head_dim)
-        elif kind == MAMBA:
-            tensors += mixer_state(cfg.mamba, i)
-    return StateSpec(FAMILY, tuple(tensors))
 
 
 def global_keys(cfg: NemotronHConfig) -> tuple[str, ...]:
@@ -203,39 +183,29 @@ def prepare_globals(raw: RawTensors, cfg: NemotronHConfig, dtype: torch.dtype, d
     return resident({EMBED: embed, "final_norm": raw[FINAL_NORM].to(device=device, dtype=torch.float32), HEAD: head})
 
 
-class NemotronH(ModelBase):
+class NemotronH(Bamba):
+    """Bamba's model (its Mamba2 mixer kernel, attention over `KVBatch` at head_dim^-0.5) with one mixer a layer,
+    MLP layers among them, and no positions."""
+
     family = FAMILY
     embed_key = EMBED
     config: NemotronHConfig
 
     def __init__(self, cfg: NemotronHConfig, weights: WeightProvider, model_fingerprint: str,
                  device: torch.device | str = "cpu"):  # fmt: skip
-        super().__init__(cfg, state_spec(cfg), weights, model_fingerprint, device)
-        self.ssd_chunk = DEFAULT_CHUNK
-        self.fused_decode = True  # the mixer kernel (one-token steps, chunks with stepping's bits); tests turn it off
-        self.kv_layers = cfg.attention_layers
+        super().__init__(cfg, weights, model_fingerprint, device)
         # no positions, as RoPE at angle 0: cos 1 and sin 0 give every key and query its own bits
-        self.inv_freq = torch.zeros_like(frequencies(10000.0, cfg.head_dim)).to(self.device)
+        self.inv_freq = torch.zeros_like(self.inv_freq)
 
     # the norm, ReLU squared and residuals work row by row: the matmuls, attention and the mixer's kernel decide
     row_keys = MAMBA_LINEAR + ATTN_LINEAR + MLP_LINEAR
-
-    def steps_kernel(self) -> bool:
-        return self.fused_decode and kernel_available()
-
-    def logits(self, x: torch.Tensor, g: Tensors) -> torch.Tensor:
-        return linear(rms_norm(x, g["final_norm"], self.config.rms_eps), g[HEAD])
 
     def block(self, i: int, w: Tensors, x: torch.Tensor, state: State, attn: Attn | None) -> torch.Tensor:
         cfg = self.config
         h = rms_norm(x, w["norm"], cfg.rms_eps)
         kind = cfg.layer_types[i]
         if kind == ATTENTION and attn is not None:
-            B, T, _ = h.shape
-            H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-            q, k, v = torch.split(linear(h, w["self_attn.qkv"]), [H * D, Hkv * D, Hkv * D], -1)
-            o = attn.rope_attend(i, q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D), D**-0.5)
-            h = linear(o.reshape(B, T, H * D), w["self_attn.o_proj.weight"])
+            h = self._attention(i, w, h, attn)
         elif kind == MLP:
             h = linear(torch.relu(linear(h, w["mlp.up_proj.weight"])).square(), w["mlp.down_proj.weight"])
         else:
